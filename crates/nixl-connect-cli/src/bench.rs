@@ -1,0 +1,309 @@
+//! `nixl-connect bench`: two processes, a new operation pair per iteration, JSON lines out.
+//!
+//! This process is the active side (it reads or writes); the peer it spawns (`bench-peer`) is the
+//! passive side. Per iteration the peer creates a readable (or writable), prints its metadata and
+//! times until completion (`server_wait`); this side times from receiving the metadata to the end
+//! of its read or write (`read`), as the anchors in ../shared/anchors do.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use nixl_connect::{Connector, Descriptor, HostBuffer, RdmaMetadata};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::pattern;
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct Args {
+    /// Sizes to run, comma-separated (4K, 64K, 1M, ...).
+    #[arg(long, default_value = "4K,64K,1M,16M,64M,256M", value_delimiter = ',', value_parser = crate::parse_size)]
+    sizes: Vec<usize>,
+    /// Measured iterations per size (default: by size, from 1000 at 4 KiB to 8 at 256 MiB).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Unmeasured iterations before the measured ones.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// `read` (readable -> read) or `write` (writable -> write).
+    #[arg(long, default_value = "read", value_parser = ["read", "write"])]
+    op: String,
+    /// `huge`: the library's page-aligned huge-page HostBuffer; `vec`: plain Vec<u8>.
+    #[arg(long, default_value = "huge", value_parser = ["huge", "vec"])]
+    buffers: String,
+    /// Extra UCX backend parameters, KEY=VALUE (e.g. ucx_error_handling_mode=none).
+    #[arg(long = "ucx-param", value_parser = parse_kv)]
+    ucx_params: Vec<(String, String)>,
+}
+
+fn parse_kv(s: &str) -> std::result::Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?} is not KEY=VALUE"))
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+struct Block {
+    op: String,
+    size: usize,
+    n: usize,
+    buffers: String,
+    ucx_params: Vec<(String, String)>,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct PeerIter {
+    wait_us: f64,
+    ok: bool,
+}
+
+fn default_iters(size: usize) -> usize {
+    match size {
+        s if s <= 4 << 10 => 1000,
+        s if s <= 64 << 10 => 500,
+        s if s <= 1 << 20 => 200,
+        s if s <= 16 << 20 => 40,
+        s if s <= 64 << 20 => 20,
+        _ => 8,
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Memory for one side: a huge-page HostBuffer or a Vec, recycled across iterations.
+enum Mem {
+    Huge(HostBuffer),
+    Vec(Option<Descriptor<'static>>),
+}
+
+impl Mem {
+    fn new(kind: &str, size: usize, seed: Option<u64>) -> Result<Self> {
+        Ok(if kind == "huge" {
+            let mut b = HostBuffer::new(size)?;
+            if let Some(s) = seed {
+                pattern::fill(&mut b, s, 0);
+            }
+            Mem::Huge(b)
+        } else {
+            let mut v = vec![0u8; size];
+            if let Some(s) = seed {
+                pattern::fill(&mut v, s, 0);
+            }
+            Mem::Vec(Some(Descriptor::from(v)))
+        })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Mem::Huge(b) => b,
+            Mem::Vec(d) => d.as_ref().and_then(|d| d.as_slice()).unwrap_or(&[]),
+        }
+    }
+}
+
+pub(crate) async fn run(a: Args) -> Result<()> {
+    let exe = std::env::current_exe().context("locating this executable")?;
+    let mut child = tokio::process::Command::new(exe)
+        .arg("bench-peer")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the benchmark peer")?;
+    let mut to_peer = child.stdin.take().context("peer stdin")?;
+    let mut from_peer = BufReader::new(child.stdout.take().context("peer stdout")?).lines();
+    let mut builder = Connector::builder();
+    for (k, v) in &a.ucx_params {
+        builder = builder.ucx_param(k, v);
+    }
+    let conn = builder.build()?;
+    let write = a.op == "write";
+    for &size in &a.sizes {
+        let n = a.iters.unwrap_or_else(|| default_iters(size)) + a.warmup;
+        let block = Block {
+            op: a.op.clone(),
+            size,
+            n,
+            buffers: a.buffers.clone(),
+            ucx_params: a.ucx_params.clone(),
+        };
+        to_peer
+            .write_all(format!("{}\n", serde_json::to_string(&block)?).as_bytes())
+            .await?;
+        to_peer.flush().await?;
+        // The active side's memory: destination of a read, source of a write.
+        let mut mem = Mem::new(&a.buffers, size, write.then_some(size as u64))?;
+        let (mut times, mut waits) = (Vec::new(), Vec::new());
+        let mut ok = true;
+        for i in 0..n {
+            let line = next_line(&mut from_peer).await?;
+            let t0 = Instant::now();
+            let md: RdmaMetadata = line.parse()?;
+            match &mut mem {
+                Mem::Huge(b) => {
+                    if write {
+                        let op = conn.begin_write(Descriptor::from(&*b), &md).await?;
+                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
+                    } else {
+                        let op = conn.begin_read(&md, Descriptor::from(&mut *b)).await?;
+                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
+                    }
+                }
+                Mem::Vec(slot) => {
+                    let d = slot.take().expect("descriptor is returned after each iteration");
+                    let back = if write {
+                        let op = conn.begin_write(d, &md).await?;
+                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
+                        op.into_descriptors()
+                            .map_err(|_| anyhow::anyhow!("write not released"))?
+                    } else {
+                        let op = conn.begin_read(&md, d).await?;
+                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
+                        op.into_descriptors()
+                            .map_err(|_| anyhow::anyhow!("read not released"))?
+                    };
+                    *slot = back.into_iter().next();
+                }
+            }
+            let dt = t0.elapsed();
+            if !write && i == 0 {
+                ok &= pattern::first_mismatch(mem.bytes(), size as u64, 0).is_none();
+            }
+            let peer: PeerIter = serde_json::from_str(&next_line(&mut from_peer).await?)?;
+            ok &= peer.ok;
+            if i >= a.warmup {
+                times.push(dt.as_secs_f64() * 1e6);
+                waits.push(peer.wait_us);
+            }
+        }
+        let read_min_us = times.iter().copied().fold(f64::INFINITY, f64::min);
+        let read_median_us = median(&mut times);
+        let out = serde_json::json!({
+            "impl": "nixl-connect",
+            "op": a.op,
+            "device": "cpu",
+            "buffers": a.buffers,
+            "size": size,
+            "iters": times.len(),
+            "read_median_us": read_median_us,
+            "read_min_us": read_min_us,
+            "server_wait_median_us": median(&mut waits),
+            "GBps": size as f64 / read_median_us / 1e3,
+            "ok": ok,
+        });
+        println!("{out}");
+    }
+    drop(to_peer);
+    let st = tokio::time::timeout(Duration::from_secs(10), child.wait()).await??;
+    if !st.success() {
+        bail!("benchmark peer exited with {st}");
+    }
+    Ok(())
+}
+
+async fn next_line(lines: &mut tokio::io::Lines<impl tokio::io::AsyncBufRead + Unpin>) -> Result<String> {
+    match tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await {
+        Ok(Ok(Some(l))) => Ok(l),
+        Ok(Ok(None)) => bail!("the benchmark peer exited early (see its error above)"),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => bail!("the benchmark peer said nothing for 60 s"),
+    }
+}
+
+/// The passive side: for each block, one readable or writable per iteration.
+pub(crate) async fn peer() -> Result<()> {
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    let mut out = tokio::io::stdout();
+    let mut conn: Option<Connector> = None;
+    while let Some(line) = lines.next_line().await? {
+        let b: Block = serde_json::from_str(&line)?;
+        let conn = match &conn {
+            Some(c) => c.clone(),
+            None => {
+                let mut builder = Connector::builder();
+                for (k, v) in &b.ucx_params {
+                    builder = builder.ucx_param(k, v);
+                }
+                conn.insert(builder.build()?).clone()
+            }
+        };
+        let write = b.op == "write";
+        let mut mem = Mem::new(&b.buffers, b.size, (!write).then_some(b.size as u64))?;
+        for i in 0..b.n {
+            let (wait_us, ok);
+            match &mut mem {
+                Mem::Huge(buf) => {
+                    if write {
+                        let op = conn.create_writable(Descriptor::from(&mut *buf)).await?;
+                        wait_us = expose(
+                            &mut out,
+                            op.metadata(),
+                            op.wait_for_completion(Some(Duration::from_secs(60))),
+                        )
+                        .await?;
+                    } else {
+                        let op = conn.create_readable(Descriptor::from(&*buf)).await?;
+                        wait_us = expose(
+                            &mut out,
+                            op.metadata(),
+                            op.wait_for_completion(Some(Duration::from_secs(60))),
+                        )
+                        .await?;
+                    }
+                }
+                Mem::Vec(slot) => {
+                    let d = slot.take().expect("descriptor is returned after each iteration");
+                    let back = if write {
+                        let op = conn.create_writable(d).await?;
+                        wait_us = expose(
+                            &mut out,
+                            op.metadata(),
+                            op.wait_for_completion(Some(Duration::from_secs(60))),
+                        )
+                        .await?;
+                        op.into_descriptors()
+                    } else {
+                        let op = conn.create_readable(d).await?;
+                        wait_us = expose(
+                            &mut out,
+                            op.metadata(),
+                            op.wait_for_completion(Some(Duration::from_secs(60))),
+                        )
+                        .await?;
+                        op.into_descriptors()
+                    };
+                    *slot = back.into_iter().next();
+                }
+            }
+            ok = !(write && i == 0) || pattern::first_mismatch(mem.bytes(), b.size as u64, 0).is_none();
+            let reply = serde_json::to_string(&PeerIter { wait_us, ok })?;
+            out.write_all(format!("{reply}\n").as_bytes()).await?;
+            out.flush().await?;
+        }
+    }
+    Ok(())
+}
+
+/// Publishes the metadata and times the wait from the moment it is published.
+async fn expose(
+    _out: &mut tokio::io::Stdout,
+    md: &RdmaMetadata,
+    wait: impl std::future::Future<Output = nixl_connect::Result<()>>,
+) -> Result<f64> {
+    use std::io::Write;
+    let line = format!("{}\n", md.to_json());
+    let t0 = Instant::now();
+    {
+        // A blocking write of one short line: tokio's stdout would hop through its blocking pool.
+        let mut o = std::io::stdout().lock();
+        o.write_all(line.as_bytes())?;
+        o.flush()?;
+    }
+    wait.await?;
+    Ok(t0.elapsed().as_secs_f64() * 1e6)
+}

@@ -1,0 +1,97 @@
+//! `nixl-connect`: the demo, the benchmark, and commands to move data by hand.
+//!
+//! Every failure prints one line on stderr and exits non-zero.
+
+mod bench;
+mod demo;
+mod pattern;
+mod transfer;
+
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+/// Move tensors and buffers between processes through NIXL (Dynamo NIXL Connect in Rust).
+#[derive(Parser, Debug)]
+#[command(name = "nixl-connect", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Two processes: one exposes a buffer as readable, the other reads it; both verify, and the
+    /// throughput is printed.
+    Demo(demo::Args),
+    /// Benchmark readable->read (or writable->write) between two processes; JSON lines.
+    Bench(bench::Args),
+    /// Expose a file or a pattern as readable (or a writable with --writable); prints the
+    /// RdmaMetadata JSON as one line, waits for the peer.
+    Serve(transfer::ServeArgs),
+    /// Read what a readable's metadata describes into a file.
+    Read(transfer::ReadArgs),
+    /// Write a file into what a writable's metadata describes.
+    Write(transfer::WriteArgs),
+    /// Internal: the benchmark's peer process.
+    #[command(hide = true)]
+    BenchPeer,
+    /// Internal: the demo's reader process.
+    #[command(hide = true)]
+    DemoPeer,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("NIXL_CONNECT_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let r = rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Demo(a) => demo::run(a).await,
+            Cmd::Bench(a) => bench::run(a).await,
+            Cmd::Serve(a) => transfer::serve(a).await,
+            Cmd::Read(a) => transfer::read(a).await,
+            Cmd::Write(a) => transfer::write(a).await,
+            Cmd::BenchPeer => bench::peer().await,
+            Cmd::DemoPeer => demo::peer().await,
+        }
+    });
+    rt.shutdown_timeout(Duration::from_millis(100));
+    if let Err(e) = r {
+        eprintln!("nixl-connect: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Parses sizes like `4096`, `4K`, `64KiB`, `1M`, `1G`.
+pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim().to_ascii_uppercase();
+    let t = t.trim_end_matches("IB").trim_end_matches('B');
+    let (num, mult) = match t.chars().last() {
+        Some('K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (examples: 4096, 4K, 64M, 1G)"))
+}
+
+/// Formats a byte count for people.
+pub(crate) fn human(n: usize) -> String {
+    match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{}G", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}M", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{}K", n >> 10),
+        n => n.to_string(),
+    }
+}

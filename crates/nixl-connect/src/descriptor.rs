@@ -1,0 +1,419 @@
+//! [`Descriptor`]: one range of memory an operation moves, owned or borrowed.
+//!
+//! A descriptor owns its memory (a [`HostBuffer`], `Vec<T>`, `Box<[T]>`, `bytes::BytesMut`), or
+//! borrows it for `'a` (`&[u8]`, `&mut [u8]`, `&HostBuffer`, `&mut HostBuffer`), or wraps a raw
+//! pointer through the `unsafe` [`Descriptor::from_raw_parts`]. Operations hold their descriptors,
+//! so borrowed memory cannot be freed while NIXL may still touch it: the borrow checker sees to it.
+//!
+//! Shared borrows (`&[u8]`, `&HostBuffer`) are read-only: they can be exposed by a
+//! [`ReadableOperation`](crate::ReadableOperation) or sent by a
+//! [`WriteOperation`](crate::WriteOperation), but never written into; using one as a destination
+//! is [`Error::InvalidArgument`].
+
+use std::any::Any;
+use std::fmt;
+
+use crate::buffer::HostBuffer;
+use crate::device::Device;
+use crate::engine::RegToken;
+use crate::error::{Error, Result};
+use crate::metadata::SerializedDescriptor;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Plain-old-data element types whose slices may be moved as raw bytes.
+pub trait Plain: sealed::Sealed + Copy + Send + Sync + 'static {}
+macro_rules! plain {
+    ($($t:ty),*) => { $(impl sealed::Sealed for $t {} impl Plain for $t {})* };
+}
+plain!(u8, i8, u16, i16, u32, i32, u64, i64, u128, i128, f32, f64);
+
+/// Memory a descriptor may own. Implemented for [`HostBuffer`], `Vec<T>`, `Box<[T]>` and
+/// `bytes::BytesMut` (with `T:` [`Plain`]); sealed.
+pub trait OwnedMemory: sealed::Sealed + Send + Sync + 'static {
+    #[doc(hidden)]
+    fn raw(&self) -> (usize, usize);
+    #[doc(hidden)]
+    fn host_buffer(&self) -> Option<&HostBuffer> {
+        None
+    }
+    #[doc(hidden)]
+    fn into_any(self: Box<Self>) -> Box<dyn Any>;
+    #[doc(hidden)]
+    fn type_id_dyn(&self) -> std::any::TypeId {
+        std::any::TypeId::of::<Self>()
+    }
+}
+
+impl sealed::Sealed for HostBuffer {}
+impl OwnedMemory for HostBuffer {
+    fn raw(&self) -> (usize, usize) {
+        (self.as_ptr() as usize, self.len())
+    }
+    fn host_buffer(&self) -> Option<&HostBuffer> {
+        Some(self)
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+impl<T: Plain> sealed::Sealed for Vec<T> {}
+impl<T: Plain> OwnedMemory for Vec<T> {
+    fn raw(&self) -> (usize, usize) {
+        (self.as_ptr() as usize, std::mem::size_of_val(self.as_slice()))
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+impl<T: Plain> sealed::Sealed for Box<[T]> {}
+impl<T: Plain> OwnedMemory for Box<[T]> {
+    fn raw(&self) -> (usize, usize) {
+        (self.as_ptr() as usize, std::mem::size_of_val(&**self))
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+impl sealed::Sealed for bytes::BytesMut {}
+impl OwnedMemory for bytes::BytesMut {
+    fn raw(&self) -> (usize, usize) {
+        (self.as_ptr() as usize, self.len())
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
+enum Mem<'a> {
+    Owned(Box<dyn OwnedMemory>),
+    Buffer(&'a HostBuffer),
+    BufferMut(&'a mut HostBuffer),
+    Slice(&'a [u8]),
+    SliceMut(&'a mut [u8]),
+    Raw { ptr: usize, len: usize },
+}
+
+/// One contiguous range of memory on one device.
+///
+/// Dropping a descriptor releases the NIXL registrations it holds (a [`HostBuffer`] keeps its own
+/// registrations until the buffer itself is dropped), then drops or releases its memory.
+pub struct Descriptor<'a> {
+    mem: Mem<'a>,
+    device: Device,
+    regs: Vec<RegToken>,
+}
+
+impl<'a> Descriptor<'a> {
+    fn make(mem: Mem<'a>, device: Device) -> Self {
+        Self {
+            mem,
+            device,
+            regs: Vec::new(),
+        }
+    }
+
+    /// A descriptor over memory it owns.
+    pub fn owned<M: OwnedMemory>(m: M) -> Self {
+        Self::make(Mem::Owned(Box::new(m)), Device::Host)
+    }
+
+    /// A descriptor over raw memory.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid memory on `device`, readable (and writable, if the descriptor
+    /// is used as a destination) for as long as the descriptor or any operation holding it lives,
+    /// and not otherwise accessed while a transfer into it is in flight.
+    #[allow(unsafe_code)] // an unsafe constructor: memory is raw here
+    pub unsafe fn from_raw_parts(ptr: *mut u8, len: usize, device: Device) -> Descriptor<'static> {
+        Descriptor::make(
+            Mem::Raw {
+                ptr: ptr as usize,
+                len,
+            },
+            device,
+        )
+    }
+
+    /// The start address.
+    pub fn ptr(&self) -> usize {
+        match &self.mem {
+            Mem::Owned(m) => m.raw().0,
+            Mem::Buffer(b) => b.as_ptr() as usize,
+            Mem::BufferMut(b) => b.as_ptr() as usize,
+            Mem::Slice(s) => s.as_ptr() as usize,
+            Mem::SliceMut(s) => s.as_ptr() as usize,
+            Mem::Raw { ptr, .. } => *ptr,
+        }
+    }
+
+    /// The length in bytes.
+    pub fn size(&self) -> usize {
+        match &self.mem {
+            Mem::Owned(m) => m.raw().1,
+            Mem::Buffer(b) => b.len(),
+            Mem::BufferMut(b) => b.len(),
+            Mem::Slice(s) => s.len(),
+            Mem::SliceMut(s) => s.len(),
+            Mem::Raw { len, .. } => *len,
+        }
+    }
+
+    /// The device the memory lives on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// False for shared borrows (`&[u8]`, `&HostBuffer`), which may only be read from.
+    pub fn is_writable(&self) -> bool {
+        !matches!(self.mem, Mem::Buffer(_) | Mem::Slice(_))
+    }
+
+    /// The bytes, for host memory this descriptor owns or borrows (`None` for raw and device
+    /// memory).
+    pub fn as_slice(&self) -> Option<&[u8]> {
+        if self.device != Device::Host {
+            return None;
+        }
+        match &self.mem {
+            Mem::Owned(m) => {
+                let (p, l) = m.raw();
+                if l == 0 {
+                    return Some(&[]);
+                }
+                // SAFETY: the owned memory is live for &self and (p, l) is its byte view.
+                Some(unsafe_slice(p, l))
+            }
+            Mem::Buffer(b) => Some(b),
+            Mem::BufferMut(b) => Some(b),
+            Mem::Slice(s) => Some(s),
+            Mem::SliceMut(s) => Some(s),
+            Mem::Raw { .. } => None,
+        }
+    }
+
+    /// Takes back the owned memory (`Vec<T>`, `Box<[T]>`, `HostBuffer`, `BytesMut`) as `T`.
+    ///
+    /// # Errors
+    /// Gives the descriptor back when it does not own a `T`.
+    pub fn into_inner<T: OwnedMemory>(self) -> Result<T, Self> {
+        if !self.owns::<T>() {
+            return Err(self);
+        }
+        match self.mem {
+            Mem::Owned(m) => Ok(*m.into_any().downcast::<T>().expect("type checked by owns()")),
+            _ => unreachable!("owns() is false for borrowed memory"),
+        }
+    }
+
+    /// True when the descriptor owns memory of type `T` (so [`Descriptor::into_inner`] succeeds).
+    pub fn owns<T: OwnedMemory>(&self) -> bool {
+        match &self.mem {
+            Mem::Owned(m) => m.type_id_dyn() == std::any::TypeId::of::<T>(),
+            _ => false,
+        }
+    }
+
+    /// This descriptor as it appears in [`RdmaMetadata`](crate::RdmaMetadata).
+    pub fn metadata(&self) -> SerializedDescriptor {
+        SerializedDescriptor {
+            device: self.device,
+            ptr: self.ptr() as u64,
+            size: self.size() as u64,
+        }
+    }
+
+    /// Records a registration so it lives as long as the memory does.
+    pub(crate) fn attach(&mut self, tok: RegToken) {
+        let hb = match &self.mem {
+            Mem::Owned(m) => m.host_buffer(),
+            Mem::Buffer(b) => Some(&**b),
+            Mem::BufferMut(b) => Some(&**b),
+            _ => None,
+        };
+        let list = match hb {
+            Some(b) => {
+                let mut g = b.regs.lock().unwrap_or_else(|e| e.into_inner());
+                if !g.iter().any(|t| t.same(&tok)) {
+                    g.push(tok);
+                }
+                return;
+            }
+            None => &mut self.regs,
+        };
+        if !list.iter().any(|t| t.same(&tok)) {
+            list.push(tok);
+        }
+    }
+
+    /// Detaches the lifetime when the descriptor owns its memory (or is raw), so the engine may
+    /// keep it alive past its operation.
+    pub(crate) fn into_static(self) -> Result<Descriptor<'static>, Self> {
+        let Descriptor { mem, device, regs } = self;
+        match mem {
+            Mem::Owned(m) => Ok(Descriptor {
+                mem: Mem::Owned(m),
+                device,
+                regs,
+            }),
+            Mem::Raw { ptr, len } => Ok(Descriptor {
+                mem: Mem::Raw { ptr, len },
+                device,
+                regs,
+            }),
+            other => Err(Descriptor {
+                mem: other,
+                device,
+                regs,
+            }),
+        }
+    }
+}
+
+#[allow(unsafe_code)]
+fn unsafe_slice<'s>(p: usize, l: usize) -> &'s [u8] {
+    // SAFETY: callers pass the byte view of memory that outlives 's.
+    unsafe { std::slice::from_raw_parts(p as *const u8, l) }
+}
+
+impl fmt::Debug for Descriptor<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Descriptor")
+            .field("device", &self.device)
+            .field("ptr", &format_args!("{:#x}", self.ptr()))
+            .field("size", &self.size())
+            .field("writable", &self.is_writable())
+            .finish()
+    }
+}
+
+impl From<HostBuffer> for Descriptor<'static> {
+    fn from(b: HostBuffer) -> Self {
+        Descriptor::owned(b)
+    }
+}
+impl<T: Plain> From<Vec<T>> for Descriptor<'static> {
+    fn from(v: Vec<T>) -> Self {
+        Descriptor::owned(v)
+    }
+}
+impl<T: Plain> From<Box<[T]>> for Descriptor<'static> {
+    fn from(v: Box<[T]>) -> Self {
+        Descriptor::owned(v)
+    }
+}
+impl From<bytes::BytesMut> for Descriptor<'static> {
+    fn from(v: bytes::BytesMut) -> Self {
+        Descriptor::owned(v)
+    }
+}
+impl<'a> From<&'a HostBuffer> for Descriptor<'a> {
+    fn from(b: &'a HostBuffer) -> Self {
+        Descriptor::make(Mem::Buffer(b), Device::Host)
+    }
+}
+impl<'a> From<&'a mut HostBuffer> for Descriptor<'a> {
+    fn from(b: &'a mut HostBuffer) -> Self {
+        Descriptor::make(Mem::BufferMut(b), Device::Host)
+    }
+}
+impl<'a> From<&'a [u8]> for Descriptor<'a> {
+    fn from(s: &'a [u8]) -> Self {
+        Descriptor::make(Mem::Slice(s), Device::Host)
+    }
+}
+impl<'a> From<&'a mut [u8]> for Descriptor<'a> {
+    fn from(s: &'a mut [u8]) -> Self {
+        Descriptor::make(Mem::SliceMut(s), Device::Host)
+    }
+}
+
+/// One or more descriptors, as the operations take them: a single [`Descriptor`], a
+/// `Vec<Descriptor>` or an array.
+#[derive(Debug)]
+pub struct Descriptors<'a>(pub(crate) Vec<Descriptor<'a>>);
+
+impl<'a> From<Descriptor<'a>> for Descriptors<'a> {
+    fn from(d: Descriptor<'a>) -> Self {
+        Descriptors(vec![d])
+    }
+}
+impl<'a> From<Vec<Descriptor<'a>>> for Descriptors<'a> {
+    fn from(v: Vec<Descriptor<'a>>) -> Self {
+        Descriptors(v)
+    }
+}
+impl<'a, const N: usize> From<[Descriptor<'a>; N]> for Descriptors<'a> {
+    fn from(v: [Descriptor<'a>; N]) -> Self {
+        Descriptors(v.into())
+    }
+}
+
+/// Checks a local list: non-empty, one device kind, writable when `dest`.
+pub(crate) fn check_local(descs: &[Descriptor<'_>], dest: bool) -> Result<()> {
+    let first = descs
+        .first()
+        .ok_or_else(|| Error::InvalidArgument("the descriptor list is empty".into()))?;
+    if descs.iter().any(|d| d.device().kind() != first.device().kind()) {
+        return Err(Error::InvalidArgument(
+            "the descriptor list mixes device kinds; one operation moves one kind of memory".into(),
+        ));
+    }
+    if dest {
+        if let Some(i) = descs.iter().position(|d| !d.is_writable()) {
+            return Err(Error::InvalidArgument(format!(
+                "descriptor {i} borrows read-only memory (&[u8] or &HostBuffer) but would be written \
+                 into; pass &mut or owned memory"
+            )));
+        }
+    }
+    if let Some(i) = descs.iter().position(|d| d.ptr() == 0) {
+        return Err(Error::InvalidArgument(format!(
+            "descriptor {i} has a null pointer"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptor_reports_owned_and_borrowed_memory() {
+        let v = vec![7u32; 16];
+        let d = Descriptor::from(v);
+        assert_eq!(d.size(), 64);
+        assert!(d.is_writable());
+        assert!(d.owns::<Vec<u32>>());
+        assert!(!d.owns::<Vec<u8>>());
+        let v: Vec<u32> = d.into_inner().unwrap();
+        assert_eq!(v, vec![7u32; 16]);
+
+        let data = [1u8, 2, 3];
+        let d = Descriptor::from(&data[..]);
+        assert!(!d.is_writable());
+        assert_eq!(d.as_slice().unwrap(), &[1, 2, 3]);
+        assert_eq!(d.metadata().size, 3);
+        assert!(d.into_inner::<Vec<u8>>().is_err());
+    }
+
+    #[test]
+    fn descriptor_list_checks() {
+        let ro = [0u8; 8];
+        let list = vec![Descriptor::from(&ro[..])];
+        assert!(check_local(&list, false).is_ok());
+        assert!(matches!(check_local(&list, true), Err(Error::InvalidArgument(_))));
+        assert!(matches!(check_local(&[], false), Err(Error::InvalidArgument(_))));
+        let mut a = vec![0u8; 8];
+        // SAFETY: test-only raw descriptor that is never used for a transfer.
+        let gpu = unsafe { Descriptor::from_raw_parts(a.as_mut_ptr(), 8, Device::Cuda(0)) };
+        let mixed = vec![Descriptor::from(vec![0u8; 8]), gpu];
+        assert!(check_local(&mixed, false)
+            .unwrap_err()
+            .to_string()
+            .contains("mixes device kinds"));
+    }
+}

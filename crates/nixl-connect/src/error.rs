@@ -1,0 +1,140 @@
+//! The library's one error type, grouped by who can act on it.
+
+use std::path::PathBuf;
+
+/// A specialised `Result` for this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong, grouped by who can fix it.
+///
+/// - **The caller** passed something that cannot work: [`Error::InvalidArgument`],
+///   [`Error::WrongPairing`], [`Error::DescriptorMismatch`].
+/// - **The peer** sent metadata that does not parse or that NIXL rejects: [`Error::Metadata`].
+/// - **The host** lacks NIXL or a working backend: [`Error::NixlNotFound`], [`Error::NixlLoad`],
+///   [`Error::NixlBackend`].
+/// - **The transfer** failed in NIXL or its peer went away: [`Error::Nixl`], [`Error::RemoteGone`],
+///   [`Error::EngineStopped`].
+/// - **The operation** ended without data moving: [`Error::Cancelled`], [`Error::TimedOut`].
+/// - **A metadata channel** (HTTP, NATS) failed: [`Error::Channel`].
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    // ---- the caller ----
+    /// An argument can never work (empty descriptor list, mixed devices, read-only destination...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// A read was paired with a writable's metadata, or a write with a readable's.
+    #[error(
+        "wrong pairing: {operation} needs metadata from a {expected} operation, but this metadata \
+         comes from a {found} operation (operation_kind {kind}); use {hint}"
+    )]
+    WrongPairing {
+        /// The operation being started (`begin_read` or `begin_write`).
+        operation: &'static str,
+        /// The passive kind it pairs with.
+        expected: &'static str,
+        /// The passive kind the metadata describes.
+        found: &'static str,
+        /// The raw `operation_kind`.
+        kind: u8,
+        /// What to call instead.
+        hint: &'static str,
+    },
+
+    /// Local and remote descriptors do not line up.
+    #[error("descriptor mismatch: {0}")]
+    DescriptorMismatch(String),
+
+    // ---- the peer ----
+    /// `RdmaMetadata` that does not parse, breaks a field rule, or that NIXL rejects.
+    #[error("bad metadata in `{field}`: {reason}")]
+    Metadata {
+        /// The offending field (`descriptors[2].ptr`, `nixl_metadata`, `json`, ...).
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    // ---- the host ----
+    /// No NIXL library was found.
+    #[error(
+        "the NIXL library (libnixl_capi.so) was not found; run `bash scripts/setup.sh` in the \
+         nixl-connect checkout, or `pip install nixl-cu13==1.5.1`, or point NIXL_CONNECT_LIB at the \
+         folder holding libnixl_capi.so (searched: {})",
+        searched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    NixlNotFound {
+        /// Every path that was tried.
+        searched: Vec<PathBuf>,
+    },
+
+    /// The NIXL library was found but could not be loaded.
+    #[error("loading {path} failed: {reason}; reinstall NIXL with `bash scripts/setup.sh`")]
+    NixlLoad {
+        /// The library file.
+        path: PathBuf,
+        /// The dynamic loader's message.
+        reason: String,
+    },
+
+    /// NIXL loaded but its UCX backend is unusable.
+    #[error("NIXL backend unavailable: {reason}")]
+    NixlBackend {
+        /// What failed.
+        reason: String,
+    },
+
+    // ---- the transfer ----
+    /// A NIXL call failed.
+    #[error("NIXL {op} failed: {status}")]
+    Nixl {
+        /// The NIXL call.
+        op: &'static str,
+        /// NIXL's status.
+        status: String,
+    },
+
+    /// The peer's agent is unreachable or exited mid-transfer.
+    #[error("remote agent {agent} is gone: {reason}")]
+    RemoteGone {
+        /// The peer's NIXL agent name.
+        agent: String,
+        /// What was observed.
+        reason: String,
+    },
+
+    /// The connector's engine thread has stopped (it panicked or the process is exiting).
+    #[error("the connector's engine has stopped")]
+    EngineStopped,
+
+    // ---- the operation ----
+    /// The operation was cancelled (by `cancel()` or by dropping it).
+    #[error("the operation was cancelled")]
+    Cancelled,
+
+    /// The deadline passed first; the operation is still live and may be awaited again.
+    #[error("timed out after {0:?} waiting for the operation to complete")]
+    TimedOut(std::time::Duration),
+
+    // ---- a channel ----
+    /// A metadata channel failed.
+    #[error("metadata channel: {0}")]
+    Channel(String),
+}
+
+impl Error {
+    /// True for errors that retrying the same call cannot fix (caller, peer metadata, host setup).
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidArgument(_)
+                | Error::WrongPairing { .. }
+                | Error::DescriptorMismatch(_)
+                | Error::Metadata { .. }
+                | Error::NixlNotFound { .. }
+                | Error::NixlLoad { .. }
+                | Error::NixlBackend { .. }
+        )
+    }
+}

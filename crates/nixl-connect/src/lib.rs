@@ -1,0 +1,71 @@
+//! # nixl-connect
+//!
+//! Move tensors and buffers between inference workers through [NIXL], the way NVIDIA Dynamo's
+//! Python `dynamo.nixl_connect` does, with the same names and the same JSON, so Rust and Python
+//! workers pair freely.
+//!
+//! A worker exposes memory with [`Connector::create_readable`] or [`Connector::create_writable`],
+//! hands the operation's [`RdmaMetadata`] (a small JSON document) to its peer over any channel,
+//! and awaits completion. The peer passes that metadata to [`Connector::begin_read`] or
+//! [`Connector::begin_write`], which moves the data directly through NIXL (UCX underneath: RDMA
+//! where the hardware has it, shared memory or TCP where it does not).
+//!
+//! ```no_run
+//! # async fn demo(json_from_peer: &str) -> nixl_connect::Result<()> {
+//! use nixl_connect::{Connector, Descriptor, RdmaMetadata};
+//! let conn = Connector::new()?;
+//! let remote: RdmaMetadata = json_from_peer.parse()?;
+//! let size = remote.descriptors[0].size as usize;
+//! let read = conn.begin_read(&remote, Descriptor::from(vec![0u8; size])).await?;
+//! read.wait_for_completion(None).await?;
+//! let bytes = read.results()[0].as_slice().unwrap();
+//! # let _ = bytes; Ok(()) }
+//! ```
+//!
+//! ## What differs from the Python module
+//! - Completion is event-driven: a per-connector engine thread polls NIXL only while something is
+//!   outstanding and wakes exactly the waiting operation (no 5-100 ms sleep).
+//! - Memory registrations and remote agents are cached; a reused buffer is registered once.
+//! - `wait_for_completion` takes an optional timeout, and a dead peer is an error, not a hang.
+//! - NIXL is loaded at run time from the `nixl-cu13`/`nixl-cu12` wheel (see
+//!   [`Error::NixlNotFound`] for where it is looked for); its absence is an error, never an abort.
+//!
+//! [NIXL]: https://github.com/ai-dynamo/nixl
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod buffer;
+mod connector;
+mod descriptor;
+mod device;
+mod engine;
+mod error;
+mod metadata;
+mod operation;
+
+pub use buffer::{HostBuffer, HUGE_PAGE};
+pub use connector::{Connector, ConnectorBuilder};
+pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
+pub use device::{Device, DeviceKind};
+pub use engine::EngineStats;
+pub use error::{Error, Result};
+pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor, MAX_NIXL_METADATA};
+pub use operation::{OperationStatus, ReadOperation, ReadableOperation, WritableOperation, WriteOperation};
+
+/// Where NIXL is looked for, and what was loaded.
+pub mod nixl_library {
+    pub use crate::engine::nixl::{NIXL_LIB_ENV, NIXL_SYS_VERSION};
+
+    /// Every path searched for `libnixl_capi.so`, in order (see [`NIXL_LIB_ENV`]).
+    pub fn candidates() -> Vec<std::path::PathBuf> {
+        crate::engine::nixl::candidates()
+    }
+
+    /// Finds and loads NIXL (once per process); returns the library's path.
+    ///
+    /// # Errors
+    /// [`crate::Error::NixlNotFound`] or [`crate::Error::NixlLoad`].
+    pub fn load() -> crate::Result<std::path::PathBuf> {
+        crate::engine::nixl::load().map(|l| l.capi)
+    }
+}

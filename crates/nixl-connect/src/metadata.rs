@@ -1,0 +1,450 @@
+//! [`RdmaMetadata`]: the JSON a passive operation hands to its peer, byte-compatible with Python
+//! Dynamo's pydantic model.
+//!
+//! ```json
+//! {"descriptors":[{"device":"cpu","ptr":140234,"size":4096}],
+//!  "nixl_metadata":"b64:<base64 of zlib(level 6) of the NIXL agent metadata>",
+//!  "notification_key":"<uuid4>","operation_kind":1}
+//! ```
+//!
+//! The field order, names and compact form are exactly what `RdmaMetadata.model_dump_json()`
+//! prints. Like the pydantic model (`extra="forbid"`), unknown keys are rejected.
+
+use std::fmt;
+use std::io::Read;
+use std::str::FromStr;
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+
+/// The largest NIXL agent metadata accepted after decompression (16 MiB).
+///
+/// Agent metadata is a few KiB; the cap stops a small hostile `nixl_metadata` from expanding into
+/// gigabytes (a zlib bomb).
+pub const MAX_NIXL_METADATA: usize = 16 << 20;
+
+/// Which side a passive operation lets its peer take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OperationKind {
+    /// Made by a [`ReadableOperation`](crate::ReadableOperation): the peer reads (`1`).
+    Read,
+    /// Made by a [`WritableOperation`](crate::WritableOperation): the peer writes (`2`).
+    Write,
+}
+
+impl OperationKind {
+    /// The integer on the wire (`READ` = 1, `WRITE` = 2).
+    pub fn as_u8(self) -> u8 {
+        match self {
+            OperationKind::Read => 1,
+            OperationKind::Write => 2,
+        }
+    }
+
+    fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(OperationKind::Read),
+            2 => Some(OperationKind::Write),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for OperationKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OperationKind::Read => "READ",
+            OperationKind::Write => "WRITE",
+        })
+    }
+}
+
+/// One remote memory range, as Python's `SerializedDescriptor`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SerializedDescriptor {
+    /// Where the memory lives (`cpu`, `cuda:N`).
+    pub device: Device,
+    /// The address in the peer's process; never zero.
+    #[serde(deserialize_with = "nonzero_ptr")]
+    pub ptr: u64,
+    /// The length in bytes.
+    pub size: u64,
+}
+
+fn nonzero_ptr<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+    let v = u64::deserialize(d)?;
+    if v == 0 {
+        return Err(serde::de::Error::custom("ptr cannot be zero (aka null)"));
+    }
+    Ok(v)
+}
+
+fn kind_field<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u8, D::Error> {
+    let v = i64::deserialize(d)?;
+    if !(1..=3).contains(&v) {
+        return Err(serde::de::Error::custom(format!(
+            "operation_kind {v} must be an integer value of OperationKind (1 = READ, 2 = WRITE)"
+        )));
+    }
+    Ok(v as u8)
+}
+
+/// The metadata a passive operation publishes and an active one consumes.
+///
+/// Build it with [`ReadableOperation::metadata`](crate::ReadableOperation::metadata) or
+/// [`WritableOperation::metadata`](crate::WritableOperation::metadata); parse a peer's with
+/// [`RdmaMetadata::from_json`] (or `str::parse`), which checks every field rule of the Python model
+/// and reports the offending field.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RdmaMetadata {
+    /// The passive side's memory, in order.
+    #[serde(default)]
+    pub descriptors: Vec<SerializedDescriptor>,
+    /// The passive side's NIXL agent metadata: `b64:` + base64 of zlib, or (older Python) hex of
+    /// zlib.
+    #[serde(default)]
+    pub nixl_metadata: String,
+    /// The key the active side sends as the NIXL notification when it is done.
+    #[serde(default)]
+    pub notification_key: String,
+    /// `1` (READ, from a readable) or `2` (WRITE, from a writable). Python's model admits `3`.
+    #[serde(default, deserialize_with = "kind_field")]
+    pub operation_kind: u8,
+}
+
+impl RdmaMetadata {
+    /// Parses and validates a peer's metadata.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] naming the field: JSON that does not parse, unknown keys, a zero `ptr`,
+    /// an unknown device, `operation_kind` outside 1..=3, an empty descriptor list, an empty
+    /// `nixl_metadata` or `notification_key`, mixed device kinds.
+    pub fn from_json(s: &str) -> Result<Self> {
+        let md: RdmaMetadata = serde_json::from_str(s.trim()).map_err(|e| Error::Metadata {
+            field: json_field(&e.to_string()),
+            reason: e.to_string(),
+        })?;
+        md.validate()?;
+        Ok(md)
+    }
+
+    /// The compact JSON Python's `model_dump_json()` prints.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("RdmaMetadata always serializes")
+    }
+
+    /// The kind of passive operation that made this metadata.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] when `operation_kind` is neither READ (1) nor WRITE (2).
+    pub fn kind(&self) -> Result<OperationKind> {
+        OperationKind::from_u8(self.operation_kind).ok_or_else(|| Error::Metadata {
+            field: "operation_kind",
+            reason: format!("{} is neither READ (1) nor WRITE (2)", self.operation_kind),
+        })
+    }
+
+    /// Checks what an active operation needs beyond the JSON shape.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] naming the field that breaks a rule.
+    pub fn validate(&self) -> Result<()> {
+        let first = self.descriptors.first().ok_or_else(|| Error::Metadata {
+            field: "descriptors",
+            reason: "must contain at least one descriptor".into(),
+        })?;
+        if self
+            .descriptors
+            .iter()
+            .any(|d| d.device.kind() != first.device.kind())
+        {
+            return Err(Error::Metadata {
+                field: "descriptors",
+                reason: "mixes device kinds; one operation moves one kind of memory".into(),
+            });
+        }
+        if self
+            .descriptors
+            .iter()
+            .any(|d| d.ptr.checked_add(d.size).is_none())
+        {
+            return Err(Error::Metadata {
+                field: "descriptors",
+                reason: "a range wraps past the end of the address space".into(),
+            });
+        }
+        if self.nixl_metadata.is_empty() {
+            return Err(Error::Metadata {
+                field: "nixl_metadata",
+                reason: "is empty".into(),
+            });
+        }
+        if self.notification_key.is_empty() {
+            return Err(Error::Metadata {
+                field: "notification_key",
+                reason: "is empty".into(),
+            });
+        }
+        self.kind()?;
+        Ok(())
+    }
+
+    /// Decodes `nixl_metadata` into the raw NIXL agent metadata.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] on bad base64 or hex, bad zlib, or output above [`MAX_NIXL_METADATA`].
+    pub fn decode_nixl_metadata(&self) -> Result<Vec<u8>> {
+        decode_agent_metadata(&self.nixl_metadata)
+    }
+}
+
+impl FromStr for RdmaMetadata {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::from_json(s)
+    }
+}
+
+impl fmt::Display for RdmaMetadata {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_json())
+    }
+}
+
+/// Picks the field a serde_json message is about, for the error's `field`.
+fn json_field(msg: &str) -> &'static str {
+    for f in [
+        "descriptors",
+        "nixl_metadata",
+        "notification_key",
+        "operation_kind",
+        "device",
+        "ptr",
+        "size",
+    ] {
+        if msg.contains(f) {
+            return match f {
+                "device" => "descriptors[].device",
+                "ptr" => "descriptors[].ptr",
+                "size" => "descriptors[].size",
+                other => other,
+            };
+        }
+    }
+    if msg.contains("unknown field") {
+        return "(extra key)";
+    }
+    "json"
+}
+
+/// `b64:` + base64(zlib(md, level 6)), as Python's `metadata()` does by default.
+pub(crate) fn encode_agent_metadata(md: &[u8]) -> String {
+    let mut z =
+        flate2::write::ZlibEncoder::new(Vec::with_capacity(md.len() / 2), flate2::Compression::new(6));
+    std::io::Write::write_all(&mut z, md).expect("writing to a Vec cannot fail");
+    let bytes = z.finish().expect("writing to a Vec cannot fail");
+    let mut s = String::with_capacity(4 + bytes.len() * 4 / 3 + 4);
+    s.push_str("b64:");
+    base64::engine::general_purpose::STANDARD.encode_string(&bytes, &mut s);
+    s
+}
+
+pub(crate) fn decode_agent_metadata(s: &str) -> Result<Vec<u8>> {
+    let field = "nixl_metadata";
+    let compressed = if let Some(b) = s.strip_prefix("b64:") {
+        base64::engine::general_purpose::STANDARD
+            .decode(b)
+            .map_err(|e| Error::Metadata {
+                field,
+                reason: format!("bad base64 after `b64:` ({e})"),
+            })?
+    } else {
+        decode_hex(s).ok_or_else(|| Error::Metadata {
+            field,
+            reason: "is neither `b64:`-prefixed base64 nor hex".into(),
+        })?
+    };
+    let mut out = Vec::new();
+    let mut z = flate2::read::ZlibDecoder::new(&compressed[..]).take(MAX_NIXL_METADATA as u64 + 1);
+    z.read_to_end(&mut out).map_err(|e| Error::Metadata {
+        field,
+        reason: format!("bad zlib data ({e})"),
+    })?;
+    if out.len() > MAX_NIXL_METADATA {
+        return Err(Error::Metadata {
+            field,
+            reason: format!("decompresses to more than {MAX_NIXL_METADATA} bytes; refusing it"),
+        });
+    }
+    if out.is_empty() {
+        return Err(Error::Metadata {
+            field,
+            reason: "decompresses to nothing".into(),
+        });
+    }
+    Ok(out)
+}
+
+fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    let b = s.as_bytes();
+    let val = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    };
+    b.chunks(2).map(|p| Some(val(p[0])? << 4 | val(p[1])?)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> RdmaMetadata {
+        RdmaMetadata {
+            descriptors: vec![SerializedDescriptor {
+                device: Device::Host,
+                ptr: 140234,
+                size: 4096,
+            }],
+            nixl_metadata: encode_agent_metadata(b"agent-metadata"),
+            notification_key: "0b7c3a43-4a4e-4c43-9a46-8e2c0e0b9a11".into(),
+            operation_kind: 1,
+        }
+    }
+
+    #[test]
+    fn metadata_json_matches_python_layout() {
+        let md = RdmaMetadata {
+            nixl_metadata: "b64:eJw=".into(),
+            ..sample()
+        };
+        assert_eq!(
+            md.to_json(),
+            r#"{"descriptors":[{"device":"cpu","ptr":140234,"size":4096}],"nixl_metadata":"b64:eJw=","notification_key":"0b7c3a43-4a4e-4c43-9a46-8e2c0e0b9a11","operation_kind":1}"#
+        );
+    }
+
+    #[test]
+    fn metadata_round_trips() {
+        let md = sample();
+        let back = RdmaMetadata::from_json(&md.to_json()).unwrap();
+        assert_eq!(back, md);
+        assert_eq!(back.decode_nixl_metadata().unwrap(), b"agent-metadata");
+    }
+
+    #[test]
+    fn metadata_accepts_hex_encoding() {
+        let b64 = encode_agent_metadata(b"hello agent");
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(&b64[4..])
+            .unwrap();
+        let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(decode_agent_metadata(&hex).unwrap(), b"hello agent");
+    }
+
+    fn field_of(json: &str) -> &'static str {
+        match RdmaMetadata::from_json(json) {
+            Err(Error::Metadata { field, .. }) => field,
+            other => panic!("expected a metadata error for {json}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn metadata_rejects_each_bad_field() {
+        let good = sample().to_json();
+        let v: serde_json::Value = serde_json::from_str(&good).unwrap();
+        let with = |f: &dyn Fn(&mut serde_json::Value)| {
+            let mut v = v.clone();
+            f(&mut v);
+            v.to_string()
+        };
+        assert_eq!(field_of("not json"), "json");
+        assert_eq!(field_of(&with(&|v| v["extra"] = 1.into())), "(extra key)");
+        assert_eq!(
+            field_of(&with(&|v| v["descriptors"][0]["ptr"] = 0.into())),
+            "descriptors[].ptr"
+        );
+        assert_eq!(
+            field_of(&with(&|v| v["descriptors"][0]["size"] = (-1).into())),
+            "descriptors[].size"
+        );
+        assert_eq!(
+            field_of(&with(&|v| v["descriptors"][0]["device"] = "tpu:0".into())),
+            "descriptors[].device"
+        );
+        assert_eq!(
+            field_of(&with(&|v| v["descriptors"][0]["bogus"] = 1.into())),
+            "(extra key)"
+        );
+        assert_eq!(
+            field_of(&with(&|v| v["operation_kind"] = 0.into())),
+            "operation_kind"
+        );
+        assert_eq!(
+            field_of(&with(&|v| v["operation_kind"] = 4.into())),
+            "operation_kind"
+        );
+        assert_eq!(
+            field_of(&with(&|v| v["descriptors"] = serde_json::json!([]))),
+            "descriptors"
+        );
+        assert_eq!(
+            field_of(&with(&|v| v["notification_key"] = "".into())),
+            "notification_key"
+        );
+        assert_eq!(
+            field_of(&with(&|v| v["nixl_metadata"] = "".into())),
+            "nixl_metadata"
+        );
+        let mixed = with(&|v| {
+            v["descriptors"] =
+                serde_json::json!([{"device":"cpu","ptr":1,"size":1},{"device":"cuda:0","ptr":2,"size":1}])
+        });
+        assert_eq!(field_of(&mixed), "descriptors");
+    }
+
+    #[test]
+    fn metadata_rejects_bad_encodings() {
+        for s in ["b64:!!!", "b64:aGVsbG8=", "zz", "abc", "00ff"] {
+            assert!(
+                matches!(
+                    decode_agent_metadata(s),
+                    Err(Error::Metadata {
+                        field: "nixl_metadata",
+                        ..
+                    })
+                ),
+                "{s}"
+            );
+        }
+    }
+
+    #[test]
+    fn metadata_caps_decompression() {
+        let big = vec![0u8; MAX_NIXL_METADATA + 1024];
+        let bomb = encode_agent_metadata(&big);
+        assert!(bomb.len() < 64 << 10, "a zlib bomb is small: {}", bomb.len());
+        let err = decode_agent_metadata(&bomb).unwrap_err();
+        assert!(err.to_string().contains("more than"), "{err}");
+    }
+
+    #[test]
+    fn metadata_kind_three_parses_but_is_no_operation() {
+        let md = RdmaMetadata {
+            operation_kind: 3,
+            ..sample()
+        };
+        let back: RdmaMetadata = serde_json::from_str(&md.to_json()).unwrap();
+        assert!(back.kind().is_err());
+    }
+}

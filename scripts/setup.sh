@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Installs what nixl-connect needs on a fresh Debian machine, idempotently:
+#   - libclang (nixl-sys generates its bindings with bindgen at build time)
+#   - the NIXL library from PyPI's nixl-cu13 wheel, unpacked into .nixl/ (ignored by git)
+#   - with --interop: a Python venv (.venv/) holding Dynamo's dynamo.nixl_connect for the interop tests
+#   - with --nats: Debian's nats-server for the NATS channel tests
+# Usage: bash scripts/setup.sh [--interop] [--nats]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NIXL_VERSION=1.5.1          # must match the pinned nixl-sys (=1.5.1) in Cargo.toml
+NIXL_WHEEL=${NIXL_WHEEL:-nixl-cu13}
+DYNAMO_VERSION=1.6.1
+want_interop=0; want_nats=0
+for a in "$@"; do
+  case "$a" in
+    --interop) want_interop=1 ;;
+    --nats) want_nats=1 ;;
+    *) echo "setup: unknown option $a" >&2; exit 2 ;;
+  esac
+done
+say() { echo "setup: $*" >&2; }
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+
+apt_pkgs=()
+if ! ldconfig -p 2>/dev/null | grep -q 'libclang\(-[0-9.]*\)\?\.so'; then apt_pkgs+=(libclang-dev); fi
+if [ "$want_nats" = 1 ] && ! command -v nats-server >/dev/null 2>&1; then apt_pkgs+=(nats-server); fi
+if ! command -v unzip >/dev/null 2>&1; then apt_pkgs+=(unzip); fi
+if [ ${#apt_pkgs[@]} -gt 0 ]; then
+  say "installing ${apt_pkgs[*]} with apt-get"
+  $SUDO apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -f .nixl/lib/libnixl_capi.so ]; then
+  say "downloading ${NIXL_WHEEL}==${NIXL_VERSION} from PyPI into .nixl/"
+  rm -rf .nixl && mkdir -p .nixl/wheel
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 -d .nixl/wheel "${NIXL_WHEEL}==${NIXL_VERSION}"
+  w=$(ls .nixl/wheel/*.whl | head -n1)
+  pkg=${NIXL_WHEEL//-/_}
+  # Only the shared libraries: libnixl*, its plugins, UCX and their dependencies. Keep the wheel's
+  # relative layout, which the libraries' RPATH ($ORIGIN/../<pkg>.libs) relies on.
+  unzip -q -o "$w" ".${pkg}.mesonpy.libs/*" "${pkg}.libs/*" -d .nixl/
+  mv ".nixl/.${pkg}.mesonpy.libs" .nixl/lib
+  # lib/ must see ../<pkg>.libs for RPATH $ORIGIN/../<pkg>.libs; it does (both under .nixl/).
+  rm -rf .nixl/wheel
+  echo "${NIXL_WHEEL}==${NIXL_VERSION}" > .nixl/VERSION
+fi
+
+if [ "$want_interop" = 1 ] && [ ! -x .venv/bin/python ]; then
+  say "creating .venv with ai-dynamo-runtime==${DYNAMO_VERSION} (dynamo.nixl_connect), nixl==${NIXL_VERSION}"
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --no-deps "nixl==${NIXL_VERSION}" "${NIXL_WHEEL}==${NIXL_VERSION}" "ai-dynamo-runtime==${DYNAMO_VERSION}"
+  .venv/bin/pip install -q numpy "pydantic>=2.10.6,<=2.13.5"
+fi
+say "ready (NIXL: $(cat .nixl/VERSION) in $(pwd)/.nixl/lib)"
