@@ -29,7 +29,7 @@ pub(crate) struct Args {
     /// `read` (readable -> read) or `write` (writable -> write).
     #[arg(long, default_value = "read", value_parser = ["read", "write"])]
     op: String,
-    /// `huge`: the library's page-aligned huge-page HostBuffer; `vec`: plain Vec<u8>.
+    /// `huge`: the library's page-aligned huge-page `HostBuffer`; `vec`: plain `Vec<u8>`.
     #[arg(long, default_value = "huge", value_parser = ["huge", "vec"])]
     buffers: String,
     /// Extra UCX backend parameters, KEY=VALUE (e.g. ucx_error_handling_mode=none).

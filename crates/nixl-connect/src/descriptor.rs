@@ -401,6 +401,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(unsafe_code)]
     fn descriptor_list_checks() {
         let ro = [0u8; 8];
         let list = vec![Descriptor::from(&ro[..])];

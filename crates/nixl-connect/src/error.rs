@@ -11,7 +11,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///   [`Error::WrongPairing`], [`Error::DescriptorMismatch`].
 /// - **The peer** sent metadata that does not parse or that NIXL rejects: [`Error::Metadata`].
 /// - **The host** lacks NIXL or a working backend: [`Error::NixlNotFound`], [`Error::NixlLoad`],
-///   [`Error::NixlBackend`].
+///   [`Error::NixlBackend`], [`Error::Os`].
 /// - **The transfer** failed in NIXL or its peer went away: [`Error::Nixl`], [`Error::RemoteGone`],
 ///   [`Error::EngineStopped`].
 /// - **The operation** ended without data moving: [`Error::Cancelled`], [`Error::TimedOut`].
@@ -85,6 +85,12 @@ pub enum Error {
         reason: String,
     },
 
+    /// The operating system refused memory or I/O (for example mapping a [`HostBuffer`]).
+    ///
+    /// [`HostBuffer`]: crate::HostBuffer
+    #[error("the OS refused: {0}")]
+    Os(String),
+
     // ---- the transfer ----
     /// A NIXL call failed.
     #[error("NIXL {op} failed: {status}")]
@@ -121,6 +127,12 @@ pub enum Error {
     /// A metadata channel failed.
     #[error("metadata channel: {0}")]
     Channel(String),
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::Os(e.to_string())
+    }
 }
 
 impl Error {

@@ -73,15 +73,21 @@ pub struct SerializedDescriptor {
     #[serde(deserialize_with = "nonzero_ptr")]
     pub ptr: u64,
     /// The length in bytes.
+    #[serde(deserialize_with = "size_field")]
     pub size: u64,
 }
 
 fn nonzero_ptr<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
-    let v = u64::deserialize(d)?;
+    let v = i128::deserialize(d)?;
     if v == 0 {
         return Err(serde::de::Error::custom("ptr cannot be zero (aka null)"));
     }
-    Ok(v)
+    u64::try_from(v).map_err(|_| serde::de::Error::custom(format!("ptr {v} is not an address")))
+}
+
+fn size_field<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
+    let v = i128::deserialize(d)?;
+    u64::try_from(v).map_err(|_| serde::de::Error::custom(format!("size {v} must be an integer >= 0")))
 }
 
 fn kind_field<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u8, D::Error> {
@@ -219,6 +225,9 @@ impl fmt::Display for RdmaMetadata {
 
 /// Picks the field a serde_json message is about, for the error's `field`.
 fn json_field(msg: &str) -> &'static str {
+    if msg.contains("unknown field") {
+        return "(extra key)";
+    }
     for f in [
         "descriptors",
         "nixl_metadata",
@@ -236,9 +245,6 @@ fn json_field(msg: &str) -> &'static str {
                 other => other,
             };
         }
-    }
-    if msg.contains("unknown field") {
-        return "(extra key)";
     }
     "json"
 }

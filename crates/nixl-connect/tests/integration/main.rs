@@ -1,0 +1,4 @@
+//! The library's one integration-test binary: every test here runs against the real NIXL library
+//! (installed by `bash scripts/setup.sh`), never a mock.
+
+mod core;

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs every test of nixl-connect on a fresh machine: installs what is missing (libclang, the NIXL
+# wheel, the Python Dynamo module for interop, nats-server), checks formatting and lints, then runs
+# the whole test suite against the real NIXL library. Usage: bash scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --interop --nats
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+echo "== cargo fmt --check" >&2
+cargo fmt --all -- --check
+echo "== cargo clippy -D warnings" >&2
+cargo clippy --workspace --all-targets --all-features -- -D warnings
+echo "== cargo doc" >&2
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps -q
+echo "== cargo test" >&2
+cargo test --workspace --all-features 2>&1
