@@ -198,6 +198,17 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         });
         println!("{out}");
     }
+    // An idle connector (nothing outstanding) must cost next to no CPU: measure this process's
+    // CPU time over two idle seconds, after the engine's spin window has passed.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (c0, t0) = (process_cpu_ns(), Instant::now());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (c1, wall) = (process_cpu_ns(), t0.elapsed());
+    if let (Some(c0), Some(c1)) = (c0, c1) {
+        let pct = (c1 - c0) as f64 / wall.as_nanos() as f64 * 100.0;
+        println!("{}", serde_json::json!({"impl": "nixl-connect", "idle_connector_cpu_pct": pct, "idle_seconds": wall.as_secs_f64()}));
+    }
+    drop(conn);
     drop(to_peer);
     let st = tokio::time::timeout(Duration::from_secs(10), child.wait()).await??;
     if !st.success() {
@@ -306,4 +317,14 @@ async fn expose(
     }
     wait.await?;
     Ok(t0.elapsed().as_secs_f64() * 1e6)
+}
+
+/// CPU time of every thread of this process, in nanoseconds (from /proc/self/task/*/schedstat).
+fn process_cpu_ns() -> Option<u64> {
+    let mut total = 0u64;
+    for e in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let s = std::fs::read_to_string(e.path().join("schedstat")).ok()?;
+        total += s.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
 }
