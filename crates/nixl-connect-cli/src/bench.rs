@@ -206,7 +206,10 @@ pub(crate) async fn run(a: Args) -> Result<()> {
     let (c1, wall) = (process_cpu_ns(), t0.elapsed());
     if let (Some(c0), Some(c1)) = (c0, c1) {
         let pct = (c1 - c0) as f64 / wall.as_nanos() as f64 * 100.0;
-        println!("{}", serde_json::json!({"impl": "nixl-connect", "idle_connector_cpu_pct": pct, "idle_seconds": wall.as_secs_f64()}));
+        println!(
+            "{}",
+            serde_json::json!({"impl": "nixl-connect", "idle_connector_cpu_pct": pct, "idle_seconds": wall.as_secs_f64()})
+        );
     }
     drop(conn);
     drop(to_peer);

@@ -69,3 +69,33 @@ pub mod nixl_library {
         crate::engine::nixl::load().map(|l| l.capi)
     }
 }
+
+#[cfg(test)]
+mod send_sync {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>(_: &T) {}
+
+    #[test]
+    fn api_types_are_send_and_sync() {
+        send_sync::<Connector>();
+        send_sync::<Descriptor<'static>>();
+        send_sync::<HostBuffer>();
+        send_sync::<ReadableOperation<'static>>();
+        send_sync::<WritableOperation<'static>>();
+        send_sync::<ReadOperation<'static>>();
+        send_sync::<WriteOperation<'static>>();
+        send_sync::<RdmaMetadata>();
+        send_sync::<Error>();
+    }
+
+    #[allow(dead_code, unreachable_code, clippy::diverging_sub_expression)]
+    fn futures_are_send(c: Connector, md: RdmaMetadata, r: ReadableOperation<'static>) {
+        send(&c.create_readable(Descriptor::from(vec![0u8; 1])));
+        send(&c.create_writable(Descriptor::from(vec![0u8; 1])));
+        send(&c.begin_read(&md, Descriptor::from(vec![0u8; 1])));
+        send(&c.begin_write(Descriptor::from(vec![0u8; 1]), &md));
+        send(&r.wait_for_completion(None));
+    }
+}

@@ -11,7 +11,8 @@
 //!
 //! Remote agents are loaded once per distinct metadata string and kept (reference-counted while
 //! transfers use them, least recently used evicted beyond [`MAX_IDLE_REMOTES`]); registrations are
-//! shared by address range and live as long as the memory's [`RegToken`]s.
+//! shared by address range (a range inside a live registration reuses it) and live as long as the
+//! memory's [`RegToken`]s.
 
 pub(crate) mod nixl;
 
@@ -482,6 +483,17 @@ impl EngineLoop {
         let mut out = Vec::with_capacity(ranges.len());
         for r in ranges {
             if let Some(tok) = self.regs.get(r).and_then(|e| e.token.upgrade()) {
+                out.push(RegToken(tok));
+                continue;
+            }
+            // A range inside a live registration (a slice of an exposed buffer) reuses it.
+            let end = r.addr + r.len;
+            if let Some(tok) = self
+                .regs
+                .iter()
+                .filter(|(k, _)| k.device == r.device && k.addr <= r.addr && end <= k.addr + k.len)
+                .find_map(|(_, e)| e.token.upgrade())
+            {
                 out.push(RegToken(tok));
                 continue;
             }

@@ -764,3 +764,45 @@ fn support_nixl_absent() {
     );
     println!("ABSENT-OK: {msg}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_overlapping_ranges_share_registrations() {
+    let (a, b) = pair();
+    let src = HostBuffer::from_slice(&pattern(1 << 20, 4)).unwrap();
+    let whole = a.create_readable(Descriptor::from(&src)).await.unwrap();
+    // A slice inside an exposed buffer, and two slices of it in one operation.
+    let part = a
+        .create_readable(vec![
+            Descriptor::from(&src[4096..8192]),
+            Descriptor::from(&src[100..200]),
+        ])
+        .await
+        .unwrap();
+    let mut d1 = vec![0u8; 4096];
+    let mut d2 = [0u8; 100];
+    let op = b
+        .begin_read(
+            part.metadata(),
+            vec![Descriptor::from(&mut d1[..]), Descriptor::from(&mut d2[..])],
+        )
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    part.wait_for_completion(T).await.unwrap();
+    drop(op);
+    assert!(d1[..] == src[4096..8192] && d2[..] == src[100..200]);
+    let mut all = vec![0u8; 1 << 20];
+    let op = b
+        .begin_read(whole.metadata(), Descriptor::from(&mut all[..]))
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    whole.wait_for_completion(T).await.unwrap();
+    drop(op);
+    assert!(all[..] == src[..]);
+    let s = a.stats().await.unwrap();
+    assert_eq!(
+        s.registrations, 1,
+        "slices inside a registered buffer reuse its registration: {s:?}"
+    );
+}
