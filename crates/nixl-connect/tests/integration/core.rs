@@ -467,6 +467,32 @@ fn support_cancel_during() {
             in_flight > 0,
             "no transfer was in flight when begin_read returned, even over TCP"
         );
+        // Dropping an in-flight read into owned memory: the engine adopts the memory until NIXL
+        // lets go, the drop does not block, and the connector keeps working.
+        let mut adopted = 0;
+        for _ in 0..3 {
+            writeln!(peer.child.stdin.as_mut().unwrap(), "readable {len} 1").unwrap();
+            let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+            let op = conn
+                .begin_read(&md, Descriptor::from(HostBuffer::new(len).unwrap()))
+                .await
+                .unwrap();
+            adopted += usize::from(op.status() == OperationStatus::InProgress);
+            drop(op);
+            assert_eq!(peer.expect("DONE:"), "ok");
+        }
+        assert!(adopted > 0, "no owned-memory transfer was in flight when dropped");
+        writeln!(peer.child.stdin.as_mut().unwrap(), "readable 4096 1").unwrap();
+        let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+        let mut dst = vec![0u8; 4096];
+        let op = conn
+            .begin_read(&md, Descriptor::from(&mut dst[..]))
+            .await
+            .unwrap();
+        op.wait_for_completion(T).await.unwrap();
+        drop(op);
+        assert!(dst == pattern(4096, 4096));
+        assert_eq!(peer.expect("DONE:"), "ok");
         peer.finish();
         println!("CANCEL-OK in flight {in_flight}/3");
     });
