@@ -444,6 +444,44 @@ mod tests {
         assert!(err.to_string().contains("more than"), "{err}");
     }
 
+    /// Thousands of deterministic mutations of valid metadata: every one parses or fails with a
+    /// typed error; none panics.
+    #[test]
+    fn metadata_mutations_never_panic() {
+        let good = sample().to_json().into_bytes();
+        let mut x: u64 = 0x1234_5678_9abc_def1;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let alphabet = b"{}[]\":,0123456789-.eE abcdefghijklmnopqrstuvwxyz_:/+=";
+        let mut failures = 0;
+        for _ in 0..20_000 {
+            let mut m = good.clone();
+            for _ in 0..(next() % 4 + 1) {
+                let i = (next() as usize) % m.len();
+                match next() % 3 {
+                    0 => m[i] = alphabet[(next() as usize) % alphabet.len()],
+                    1 => {
+                        m.remove(i);
+                    }
+                    _ => m.insert(i, alphabet[(next() as usize) % alphabet.len()]),
+                }
+            }
+            let text = String::from_utf8_lossy(&m);
+            match RdmaMetadata::from_json(&text) {
+                Ok(md) => {
+                    let _ = md.decode_nixl_metadata();
+                }
+                Err(Error::Metadata { .. }) => failures += 1,
+                Err(other) => panic!("untyped error {other:?} for {text}"),
+            }
+        }
+        assert!(failures > 10_000, "most mutations are rejected: {failures}");
+    }
+
     #[test]
     fn metadata_kind_three_parses_but_is_no_operation() {
         let md = RdmaMetadata {

@@ -441,7 +441,7 @@ impl EngineLoop {
                 state,
                 reply,
             } => {
-                let r = self.passive(ranges, key, state);
+                let r = contain("register memory", || self.passive(ranges, key, state));
                 let _ = reply.send(r);
             }
             Cmd::Unwatch { key } => {
@@ -456,7 +456,13 @@ impl EngineLoop {
                 state,
                 reply,
             } => {
-                let r = self.active(write, local, remote, &remote_md, &key, state);
+                let st = state.clone();
+                let r = contain("start transfer", || {
+                    self.active(write, local, remote, &remote_md, &key, state)
+                });
+                if r.is_err() {
+                    st.mark_released();
+                }
                 let _ = reply.send(r);
             }
             Cmd::Adopt { state, keep } => {
@@ -702,6 +708,22 @@ impl EngineLoop {
         self.notif_buf = buf;
         event
     }
+}
+
+/// Runs `f`, turning a panic inside it (nixl-sys unwraps, for example on a remote agent name that
+/// is not UTF-8) into an error for the one caller instead of a dead engine.
+fn contain<T>(op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(Error::Nixl {
+            op,
+            status: format!("panicked inside the NIXL bindings: {msg}"),
+        })
+    })
 }
 
 impl Drop for EngineLoop {
