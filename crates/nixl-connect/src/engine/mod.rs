@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::metadata::{decode_agent_metadata, encode_agent_metadata};
 use crate::operation::OperationStatus;
 pub(crate) use nixl::{BackendOptions, Range};
-use nixl::{NixlAgent, Poll, Registration, Transfer};
+use nixl::{NixlAgent, Poll, Prepared, Registration, Transfer};
 
 /// How long the engine keeps spinning after the last event before it starts parking.
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
@@ -43,6 +43,8 @@ pub(crate) const WAITER_SPIN: Duration = Duration::from_micros(100);
 const STASH: usize = 4096;
 /// Remote agents kept loaded with no transfer using them.
 pub(crate) const MAX_IDLE_REMOTES: usize = 64;
+/// Prepared descriptor lists kept per side before the cache is cleared.
+const MAX_PREPARED: usize = 256;
 /// How long a shutting-down engine waits for transfers still in flight.
 const DRAIN: Duration = Duration::from_secs(10);
 
@@ -354,6 +356,10 @@ struct EngineLoop {
     remote_by_name: HashMap<String, String>,
     notif_buf: Vec<(String, Vec<u8>)>,
     stats: EngineStats,
+    /// Prepared local lists by ranges; cleared when a registration goes.
+    local_prep: HashMap<Vec<Range>, Prepared>,
+    /// Prepared remote lists by (peer, ranges); a peer's entries go when its metadata changes.
+    remote_prep: HashMap<(String, Vec<Range>), Prepared>,
 }
 
 impl EngineLoop {
@@ -374,6 +380,8 @@ impl EngineLoop {
             remote_by_name: HashMap::new(),
             notif_buf: Vec::new(),
             stats: EngineStats::default(),
+            local_prep: HashMap::new(),
+            remote_prep: HashMap::new(),
         }
     }
 
@@ -474,6 +482,7 @@ impl EngineLoop {
                 if self.regs.get(&range).is_some_and(|e| e.id == id) {
                     self.regs.remove(&range);
                     self.local_md = None;
+                    self.local_prep.clear();
                 }
             }
             Cmd::Stats { reply } => {
@@ -564,7 +573,10 @@ impl EngineLoop {
         // A peer's newer metadata (more registrations) replaces its older string; NIXL updated the
         // agent in place.
         let refs = match self.remote_by_name.insert(name.clone(), md.to_string()) {
-            Some(old) => self.remotes.remove(&old).map_or(0, |r| r.refs),
+            Some(old) => {
+                self.remote_prep.retain(|(n, _), _| n != &name);
+                self.remotes.remove(&old).map_or(0, |r| r.refs)
+            }
             None => 0,
         };
         self.remotes.insert(
@@ -597,6 +609,7 @@ impl EngineLoop {
 
     fn forget_remote_md(&mut self, md: &str) {
         if let Some(r) = self.remotes.remove(md) {
+            self.remote_prep.retain(|(n, _), _| n != &r.name);
             if self.remote_by_name.get(&r.name).is_some_and(|m| m == md) {
                 self.remote_by_name.remove(&r.name);
             }
@@ -624,7 +637,23 @@ impl EngineLoop {
         let tokens = self.register(&local)?;
         let name = self.remote(remote_md)?;
         self.stats.transfers += 1;
-        match self.agent.post(write, &local, &remote, &name, key.as_bytes()) {
+        if self.local_prep.len() > MAX_PREPARED {
+            self.local_prep.clear();
+        }
+        if self.remote_prep.len() > MAX_PREPARED {
+            self.remote_prep.clear();
+        }
+        if !self.local_prep.contains_key(&local) {
+            let p = self.agent.prepare(None, &local)?;
+            self.local_prep.insert(local.clone(), p);
+        }
+        let rkey = (name.clone(), remote);
+        if !self.remote_prep.contains_key(&rkey) {
+            let p = self.agent.prepare(Some(&name), &rkey.1)?;
+            self.remote_prep.insert(rkey.clone(), p);
+        }
+        let (lp, rp) = (&self.local_prep[&local], &self.remote_prep[&rkey]);
+        match self.agent.post_prepared(write, lp, rp, &name, key.as_bytes()) {
             Ok(None) => {
                 state.mark_released();
                 state.finish(OperationStatus::Complete, None);
@@ -730,6 +759,8 @@ impl Drop for EngineLoop {
     fn drop(&mut self) {
         // In-flight transfers release before the agent goes (Inflight's drop marks them released).
         self.inflight.clear();
+        self.local_prep.clear();
+        self.remote_prep.clear();
         self.regs.clear();
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use nixl_sys::{
     Agent, AgentConfig, MemType, NixlError, NotificationMap, OptArgs, RegistrationHandle, ThreadSync,
-    XferDescList, XferOp, XferRequest, XferStatus,
+    XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
 
 use crate::device::{Device, DeviceKind};
@@ -177,6 +177,13 @@ pub(crate) struct Transfer {
     req: XferRequest,
 }
 
+/// A prepared descriptor list (NIXL's `prepXferDlist`), released when dropped; must be dropped
+/// before the agent.
+pub(crate) struct Prepared {
+    handle: XferDlistHandle,
+    len: usize,
+}
+
 /// What a transfer poll found.
 pub(crate) enum Poll {
     Pending,
@@ -258,25 +265,39 @@ impl NixlAgent {
         }
     }
 
-    /// Creates and posts a transfer; `Ok(None)` when it completed during the post.
-    pub(crate) fn post(
+    /// Prepares a descriptor list once, for any number of transfers: `agent` is `None` for this
+    /// agent's own (registered) memory, or the peer whose metadata describes `ranges`.
+    pub(crate) fn prepare(&self, agent: Option<&str>, ranges: &[Range]) -> Result<Prepared> {
+        let mut l =
+            XferDescList::new(mem_type(ranges[0].device)).map_err(|e| nixl_err("descriptor list", e))?;
+        for r in ranges {
+            l.add_desc(r.addr, r.len, device_id(r.device));
+        }
+        let handle = self.agent.prepare_xfer_dlist(agent.unwrap_or(""), &l, None).map_err(|e| Error::Nixl {
+            op: "create transfer",
+            status: match agent {
+                Some(a) => format!(
+                    "{e}: the remote descriptors are not registered memory of agent {a}, or the metadata is stale"
+                ),
+                None => format!("{e}: preparing local descriptors"),
+            },
+        })?;
+        Ok(Prepared {
+            handle,
+            len: ranges.len(),
+        })
+    }
+
+    /// Posts a transfer between prepared lists; `Ok(None)` when it completed during the post.
+    pub(crate) fn post_prepared(
         &self,
         write: bool,
-        local: &[Range],
-        remote: &[Range],
+        local: &Prepared,
+        remote: &Prepared,
         remote_agent: &str,
         notification: &[u8],
     ) -> Result<Option<Transfer>> {
-        let ldev = local[0].device;
-        let rdev = remote[0].device;
-        let mut l = XferDescList::new(mem_type(ldev)).map_err(|e| nixl_err("local descriptor list", e))?;
-        for r in local {
-            l.add_desc(r.addr, r.len, device_id(r.device));
-        }
-        let mut rl = XferDescList::new(mem_type(rdev)).map_err(|e| nixl_err("remote descriptor list", e))?;
-        for r in remote {
-            rl.add_desc(r.addr, r.len, device_id(r.device));
-        }
+        let idx: Vec<i32> = (0..local.len as i32).collect();
         let mut args = OptArgs::new().map_err(|e| nixl_err("transfer options", e))?;
         args.set_notification_message(notification)
             .map_err(|e| nixl_err("notification message", e))?;
@@ -285,13 +306,17 @@ impl NixlAgent {
         let op = if write { XferOp::Write } else { XferOp::Read };
         let req = self
             .agent
-            .create_xfer_req(op, &l, &rl, remote_agent, Some(&args))
+            .make_xfer_req(
+                op,
+                &local.handle,
+                &idx,
+                &remote.handle,
+                &idx[..remote.len],
+                Some(&args),
+            )
             .map_err(|e| Error::Nixl {
                 op: "create transfer",
-                status: format!(
-                    "{e}: the remote descriptors are not registered memory of agent {remote_agent}, \
-                     or the metadata is stale"
-                ),
+                status: e.to_string(),
             })?;
         let in_progress = self
             .agent
