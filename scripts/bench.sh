@@ -29,17 +29,19 @@ ANCHOR_DIR=${ANCHOR_DIR:-../shared/anchors}
 if [ "$ANCHORS" = 1 ] && [ -d "$ANCHOR_DIR" ]; then
   export PYTHONPATH="$PWD/tests/interop/torch_stub${PYTHONPATH:+:$PYTHONPATH}"
   .venv/bin/python "$ANCHOR_DIR/nixl_raw_pair.py" --ops READ,WRITE --runs "$RUNS" --sizes "$SIZES" --json "$OUT/$stamp-raw.json" >&2 || echo "raw NIXL anchor failed" >&2
+  .venv/bin/python "$ANCHOR_DIR/nixl_raw_pair.py" --ops READ,WRITE --runs "$RUNS" --sizes "$SIZES" --thp 0 --json "$OUT/$stamp-raw4k.json" >&2 || echo "raw NIXL anchor (4 KiB pages) failed" >&2
   .venv/bin/python "$ANCHOR_DIR/run_dynamo.py" --runs "$RUNS" --sizes "$SIZES" --json "$OUT/$stamp-dynamo.json" >&2 || echo "Python Dynamo anchor failed" >&2
 fi
-.venv/bin/python - "$res" "$OUT/$stamp-raw.json" "$OUT/$stamp-dynamo.json" <<'PY'
+.venv/bin/python - "$res" "$OUT/$stamp-raw.json" "$OUT/$stamp-dynamo.json" "$OUT/$stamp-raw4k.json" <<'PY'
 import json, statistics, sys, os
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 raw = json.load(open(sys.argv[2])) if os.path.exists(sys.argv[2]) else None
 dyn = json.load(open(sys.argv[3])) if os.path.exists(sys.argv[3]) else None
+raw4k = json.load(open(sys.argv[4])) if os.path.exists(sys.argv[4]) else None
 def h(n): return f"{n>>20}M" if n >= 1<<20 else f"{n>>10}K"
 idle = [r["idle_connector_cpu_pct"] for r in rows if "idle_connector_cpu_pct" in r]
 rows = [r for r in rows if "size" in r]
-print("| op | buffers | size | nixl-connect median us (min-max of run medians) | server wait us | GB/s | raw NIXL us / GB/s | Python Dynamo us / GB/s | ok |")
+print("| op | buffers | size | nixl-connect median us (min-max of run medians) | server wait us | GB/s | raw NIXL us / GB/s (same page size) | Python Dynamo us / GB/s | ok |")
 print("|---|---|---|---|---|---|---|---|---|")
 for op in ("read", "write"):
   for buf in ("huge", "vec"):
@@ -49,8 +51,9 @@ for op in ("read", "write"):
       us = [r["read_median_us"] for r in rs]; wt = [r["server_wait_median_us"] for r in rs]
       m = statistics.median(us)
       rawc = dync = "-"
-      if raw and buf == "huge":
-        for x in raw["rows"]:
+      src = raw if buf == "huge" else raw4k
+      if src:
+        for x in src["rows"]:
           if x["op"] == op.upper() and x["size"] == size:
             rawc = f'{x["lat_B"]["med"]*1e6:.1f} / {x["GBps"]["med"]:.2f}'
       if dyn and op == "read" and buf == "vec":
