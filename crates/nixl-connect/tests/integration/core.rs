@@ -412,25 +412,7 @@ async fn cancel_before_peer_reads() {
 /// runs the case in a fresh process (and its peer) with `UCX_TLS=tcp`.
 #[test]
 fn cancel_during_transfer() {
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "core::support_cancel_during",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("UCX_TLS", "tcp")
-        .env(PEER_ENV, "cancel")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{:?}\n{text}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = run_support("core::support_cancel_during", &[("UCX_TLS", "tcp".as_ref())]);
     assert!(text.contains("CANCEL-OK"), "{text}");
 }
 
@@ -438,12 +420,7 @@ fn cancel_during_transfer() {
 #[ignore = "run by cancel_during_transfer in a fresh process with UCX_TLS=tcp"]
 fn support_cancel_during() {
     let Ok(_) = std::env::var(PEER_ENV) else { return };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    runtime().block_on(async {
         let conn = Connector::new().unwrap();
         let mut peer = Peer::start("readable");
         let len = 64 << 20;
@@ -570,6 +547,34 @@ async fn timeout_is_typed_and_leaves_the_operation_live() {
 
 // ---------------------------------------------------------------- two processes
 
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Runs the ignored support test `name` in a fresh process of this binary with `env`; asserts it
+/// passed and returns its stdout.
+fn run_support(name: &str, env: &[(&str, &std::ffi::OsStr)]) -> String {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(PEER_ENV, "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{name} failed or aborted: {:?}\n{text}\n{err}",
+        out.status
+    );
+    text
+}
+
 struct Peer {
     child: Child,
     out: BufReader<std::process::ChildStdout>,
@@ -630,12 +635,7 @@ impl Drop for Peer {
 #[ignore = "run by the two-process tests as their peer"]
 fn support_peer() {
     let Ok(_) = std::env::var(PEER_ENV) else { return };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    runtime().block_on(async {
         let conn = Connector::new().unwrap();
         let stdin = std::io::stdin();
         for line in stdin.lock().lines() {
@@ -755,23 +755,9 @@ async fn process_dead_peer_is_an_error_not_a_hang() {
 fn nixl_absent_is_a_typed_error_not_an_abort() {
     let empty = std::env::temp_dir().join(format!("nixl-connect-empty-{}", std::process::id()));
     std::fs::create_dir_all(&empty).unwrap();
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "core::support_nixl_absent",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(nixl_connect::nixl_library::NIXL_LIB_ENV, &empty)
-        .env(PEER_ENV, "absent")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "child failed or aborted: {:?}\n{text}",
-        out.status
+    let text = run_support(
+        "core::support_nixl_absent",
+        &[(nixl_connect::nixl_library::NIXL_LIB_ENV, empty.as_os_str())],
     );
     assert!(text.contains("ABSENT-OK"), "{text}");
     let _ = std::fs::remove_dir(&empty);
