@@ -42,8 +42,19 @@ enum Cmd {
 }
 
 fn main() {
+    // NIXL and UCX log to stderr on their own; a command should print one clear line when it fails.
+    // Still single-threaded here, so setting the environment is sound. Override to see their logs.
+    for (k, v) in [("NIXL_LOG_LEVEL", "FATAL"), ("UCX_LOG_LEVEL", "error")] {
+        if std::env::var_os(k).is_none() {
+            std::env::set_var(k, v);
+        }
+    }
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_env("NIXL_CONNECT_LOG"))
+        // Silent unless asked (NIXL_CONNECT_LOG=debug): errors reach the user as one line below.
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NIXL_CONNECT_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off")),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

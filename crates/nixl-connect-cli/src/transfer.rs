@@ -135,7 +135,16 @@ async fn read_metadata(src: &str) -> Result<RdmaMetadata> {
     } else {
         std::fs::read_to_string(src).with_context(|| format!("reading metadata file {src}"))?
     };
-    let line = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+    // The first JSON object line: tools that print the metadata may log other lines around it
+    // (NIXL's Python logger writes to stdout).
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with('{'))
+        .or_else(|| text.lines().find(|l| !l.trim().is_empty()))
+        .unwrap_or("");
+    if line.is_empty() {
+        bail!("the metadata in {src} is empty; pass the JSON line a serve/readable/writable printed");
+    }
     Ok(line.parse::<RdmaMetadata>()?)
 }
 

@@ -254,7 +254,10 @@ impl NixlAgent {
     pub(crate) fn load_remote(&self, md: &[u8]) -> Result<String> {
         self.agent.load_remote_md(md).map_err(|e| Error::Metadata {
             field: "nixl_metadata",
-            reason: format!("NIXL rejected the agent metadata ({e})"),
+            reason: format!(
+                "NIXL could not load the peer's agent metadata ({e}): it is not NIXL agent metadata, \
+                 or the peer that published it has exited"
+            ),
         })
     }
 

@@ -1,0 +1,236 @@
+//! `serve`, `read`, `write` as a new user would try them, good input and bad: every failure is one
+//! clear line on stderr, a non-zero exit within the timeout, and no complete-looking output file.
+
+use std::process::Output;
+use std::time::Duration;
+
+use crate::support::*;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// Exactly one non-empty stderr line, starting with `nixl-connect:`; returns it.
+fn one_line(o: &Output) -> String {
+    assert!(!o.status.success(), "expected a failure, got {:?}", o.status);
+    let err = String::from_utf8_lossy(&o.stderr);
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one clear line on stderr, got:\n{err}");
+    assert!(lines[0].starts_with("nixl-connect: "), "{}", lines[0]);
+    lines[0].to_string()
+}
+
+#[test]
+fn cli_serve_read_and_write_round_trip() {
+    let dir = scratch("round-trip");
+    let mut c = cli();
+    c.args(["serve", "--size", "64M", "--descriptors", "8"]);
+    let peer = Passive::start(c);
+    let md = peer.metadata_file(&dir);
+    let out = dir.join("out");
+    let mut r = cli();
+    r.args(["read", "--metadata"]).arg(&md).arg("--out").arg(&out);
+    ok(&run(r, LIMIT).0, "read");
+    ok(&peer.finish(), "serve");
+    assert!(std::fs::read(&out).unwrap() == pattern(64 << 20, &dir));
+
+    let got = dir.join("got");
+    let (input, data) = file_of(3 << 20, &dir, 3);
+    let mut c = cli();
+    c.args(["serve", "--writable", "--file"])
+        .arg(&input)
+        .args(["--descriptors", "5", "--out"])
+        .arg(&got);
+    let peer = Passive::start(c);
+    let md = peer.metadata_file(&dir);
+    let mut w = cli();
+    w.args(["write", "--metadata"]).arg(&md).arg("--file").arg(&input);
+    ok(&run(w, LIMIT).0, "write");
+    ok(&peer.finish(), "serve --writable");
+    assert!(std::fs::read(&got).unwrap() == data);
+    no_partials(&dir);
+}
+
+#[test]
+fn cli_metadata_from_stdin() {
+    let dir = scratch("stdin");
+    let mut c = cli();
+    c.args(["serve", "--size", "4096"]);
+    let peer = Passive::start(c);
+    let out = dir.join("out");
+    let mut r = cli();
+    r.args(["read", "--metadata", "-", "--out"])
+        .arg(&out)
+        .stdin(std::process::Stdio::piped());
+    let mut child = r
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(peer.metadata.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    ok(&o, "read --metadata -");
+    ok(&peer.finish(), "serve");
+    assert!(std::fs::read(&out).unwrap() == pattern(4096, &dir));
+}
+
+#[test]
+fn cli_missing_files_are_one_line() {
+    let dir = scratch("missing");
+    let mut c = cli();
+    c.args(["serve", "--file"]).arg(dir.join("nope"));
+    let l = one_line(&run(c, LIMIT).0);
+    assert!(l.contains("nope"), "{l}");
+    let mut c = cli();
+    c.args(["read", "--metadata"])
+        .arg(dir.join("no-md"))
+        .arg("--out")
+        .arg(dir.join("out"));
+    let l = one_line(&run(c, LIMIT).0);
+    assert!(l.contains("no-md"), "{l}");
+    std::fs::write(dir.join("md"), "{}").unwrap();
+    let mut c = cli();
+    c.args(["write", "--metadata"])
+        .arg(dir.join("md"))
+        .arg("--file")
+        .arg(dir.join("no-input"));
+    let l = one_line(&run(c, LIMIT).0);
+    assert!(l.contains("no-input"), "{l}");
+    assert!(!dir.join("out").exists());
+    no_partials(&dir);
+}
+
+#[test]
+fn cli_metadata_that_is_not_json_is_one_line() {
+    let dir = scratch("not-json");
+    for (name, text, says) in [
+        ("garbage", "hello, world\n", "json"),
+        ("empty", "\n\n", "empty"),
+        ("extra", r#"{"descriptors":[],"bogus":1}"#, "extra key"),
+        (
+            "zero-ptr",
+            r#"{"descriptors":[{"device":"cpu","ptr":0,"size":4}],"nixl_metadata":"b64:eJw=","notification_key":"k","operation_kind":1}"#,
+            "ptr",
+        ),
+    ] {
+        let md = dir.join(name);
+        std::fs::write(&md, text).unwrap();
+        let out = dir.join(format!("{name}.out"));
+        let mut c = cli();
+        c.args(["read", "--metadata"]).arg(&md).arg("--out").arg(&out);
+        let l = one_line(&run(c, LIMIT).0);
+        assert!(l.contains(says), "{name}: {l}");
+        assert!(!out.exists());
+    }
+    no_partials(&dir);
+}
+
+#[test]
+fn cli_wrong_direction_is_one_line() {
+    let dir = scratch("direction");
+    let mut c = cli();
+    c.args(["serve", "--writable", "--size", "4096", "--timeout", "3", "--out"])
+        .arg(dir.join("got"));
+    let peer = Passive::start(c);
+    let md = peer.metadata_file(&dir);
+    let mut r = cli();
+    r.args(["read", "--metadata"])
+        .arg(&md)
+        .arg("--out")
+        .arg(dir.join("out"));
+    let l = one_line(&run(r, LIMIT).0);
+    assert!(l.contains("wrong pairing") && l.contains("begin_write"), "{l}");
+    let l = one_line(&peer.finish());
+    assert!(l.contains("no peer wrote"), "{l}");
+    assert!(!dir.join("out").exists() && !dir.join("got").exists());
+
+    let mut c = cli();
+    c.args(["serve", "--size", "4096", "--timeout", "3"]);
+    let peer = Passive::start(c);
+    let md = peer.metadata_file(&dir);
+    let (input, _) = file_of(4096, &dir, 9);
+    let mut w = cli();
+    w.args(["write", "--metadata"]).arg(&md).arg("--file").arg(&input);
+    let l = one_line(&run(w, LIMIT).0);
+    assert!(l.contains("wrong pairing") && l.contains("begin_read"), "{l}");
+    one_line(&peer.finish());
+    no_partials(&dir);
+}
+
+#[test]
+fn cli_sizes_that_do_not_add_up_fail_before_transfer() {
+    let dir = scratch("sizes");
+    let got = dir.join("got");
+    let mut c = cli();
+    c.args([
+        "serve",
+        "--writable",
+        "--size",
+        "4096",
+        "--descriptors",
+        "2",
+        "--timeout",
+        "3",
+        "--out",
+    ])
+    .arg(&got);
+    let peer = Passive::start(c);
+    let md = peer.metadata_file(&dir);
+    let (input, _) = file_of(4000, &dir, 2);
+    let mut w = cli();
+    w.args(["write", "--metadata"]).arg(&md).arg("--file").arg(&input);
+    let l = one_line(&run(w, LIMIT).0);
+    assert!(l.contains("4000 bytes") && l.contains("4096"), "{l}");
+    one_line(&peer.finish());
+    assert!(
+        !got.exists(),
+        "nothing was written, so the writable saved nothing"
+    );
+    no_partials(&dir);
+}
+
+#[test]
+fn cli_peer_that_never_comes_times_out() {
+    let dir = scratch("never");
+    let mut c = cli();
+    c.args(["serve", "--size", "4096", "--timeout", "2"]);
+    let peer = Passive::start(c);
+    let t0 = std::time::Instant::now();
+    let l = one_line(&peer.finish());
+    assert!(l.contains("timed out") || l.contains("no peer read"), "{l}");
+    assert!(t0.elapsed() < Duration::from_secs(20));
+
+    let got = dir.join("got");
+    let mut c = cli();
+    c.args(["serve", "--writable", "--size", "4096", "--timeout", "2", "--out"])
+        .arg(&got);
+    one_line(&Passive::start(c).finish());
+    assert!(!got.exists());
+    no_partials(&dir);
+}
+
+#[test]
+fn cli_dead_peer_fails_within_timeout() {
+    let dir = scratch("dead");
+    let mut c = cli();
+    c.args(["serve", "--size", "1M"]);
+    let mut peer = Passive::start(c);
+    let md = peer.metadata_file(&dir);
+    peer.child.kill().unwrap();
+    peer.child.wait().unwrap();
+    let out = dir.join("out");
+    let mut r = cli();
+    r.args(["read", "--timeout", "10", "--metadata"])
+        .arg(&md)
+        .arg("--out")
+        .arg(&out);
+    let (o, took) = run(r, Duration::from_secs(30));
+    let l = one_line(&o);
+    assert!(took < Duration::from_secs(15), "{l} after {took:?}");
+    assert!(!out.exists(), "no complete-looking output: {l}");
+    no_partials(&dir);
+}

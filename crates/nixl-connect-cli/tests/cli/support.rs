@@ -1,0 +1,152 @@
+//! Running the CLI and the Python peer as processes.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_nixl-connect");
+
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+/// A fresh scratch folder.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("nixl-connect-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn cli() -> Command {
+    Command::new(BIN)
+}
+
+/// The venv's python with Dynamo's module; fails (never skips) when it is missing.
+///
+/// `tests/interop/torch_stub` goes first on PYTHONPATH: a stand-in `torch` holding only `Tensor`
+/// (the module imports torch but uses it only for isinstance checks on these paths).
+pub fn python() -> Command {
+    let py = root().join(".venv/bin/python");
+    assert!(
+        py.exists(),
+        "{} is missing: run `bash scripts/setup.sh --interop` (the interop tests need Python Dynamo)",
+        py.display()
+    );
+    let mut c = Command::new(py);
+    c.arg(root().join("tests/interop/py_peer.py"));
+    c.env("PYTHONPATH", root().join("tests/interop/torch_stub"));
+    c.env("NIXL_LOG_LEVEL", "WARN");
+    c
+}
+
+/// A passive peer (CLI `serve` or Python readable/writable) that printed its metadata line.
+pub struct Passive {
+    pub child: Child,
+    pub metadata: String,
+}
+
+impl Passive {
+    /// Starts `cmd` and waits for the first JSON line on its stdout.
+    pub fn start(mut cmd: Command) -> Self {
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.trim_start().starts_with('{') {
+                    let _ = tx.send(line);
+                    return;
+                }
+            }
+        });
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(metadata) => Passive { child, metadata },
+            Err(_) => {
+                let _ = child.kill();
+                let out = child.wait_with_output().unwrap();
+                panic!(
+                    "the passive peer printed no metadata: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+    }
+
+    /// Writes the metadata to a file in `dir`.
+    pub fn metadata_file(&self, dir: &Path) -> PathBuf {
+        let p = dir.join("metadata.json");
+        std::fs::write(&p, &self.metadata).unwrap();
+        p
+    }
+
+    /// Waits for the peer to exit (bounded) and returns its output.
+    pub fn finish(mut self) -> Output {
+        let t0 = Instant::now();
+        while self.child.try_wait().unwrap().is_none() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(90),
+                "the passive peer did not exit"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.child.wait_with_output().unwrap()
+    }
+}
+
+/// Runs `cmd` to completion within `limit`, returning its output and how long it took.
+pub fn run(mut cmd: Command, limit: Duration) -> (Output, Duration) {
+    let t0 = Instant::now();
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            panic!("{cmd:?} ran past {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (child.wait_with_output().unwrap(), t0.elapsed())
+}
+
+pub fn ok(o: &Output, what: &str) {
+    assert!(
+        o.status.success(),
+        "{what} failed: {:?}\nstdout: {}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// The bytes `serve --size N` exposes, from the Python peer's implementation of the pattern (so
+/// both languages agree on it).
+pub fn pattern(n: usize, dir: &Path) -> Vec<u8> {
+    let p = dir.join(format!("pattern-{n}"));
+    let mut c = python();
+    c.args(["pattern", "--size", &n.to_string(), "--out"]).arg(&p);
+    let (o, _) = run(c, Duration::from_secs(60));
+    ok(&o, "py_peer pattern");
+    std::fs::read(p).unwrap()
+}
+
+/// A deterministic file of `n` bytes.
+pub fn file_of(n: usize, dir: &Path, seed: u8) -> (PathBuf, Vec<u8>) {
+    let data: Vec<u8> = (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect();
+    let p = dir.join(format!("input-{n}-{seed}"));
+    std::fs::write(&p, &data).unwrap();
+    (p, data)
+}
+
+/// No file in `dir` looks like a leftover partial output.
+pub fn no_partials(dir: &Path) {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        assert!(!n.contains("partial"), "partial output left behind: {n}");
+    }
+}
