@@ -15,7 +15,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// - **The transfer** failed in NIXL or its peer went away: [`Error::Nixl`], [`Error::RemoteGone`],
 ///   [`Error::EngineStopped`].
 /// - **The operation** ended without data moving: [`Error::Cancelled`], [`Error::TimedOut`].
-/// - **A metadata channel** (HTTP, NATS) failed: [`Error::Channel`].
+/// - **A metadata channel** (HTTP, NATS) failed: [`Error::Channel`], [`Error::NotPublished`].
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -124,9 +124,16 @@ pub enum Error {
     TimedOut(std::time::Duration),
 
     // ---- a channel ----
-    /// A metadata channel failed.
+    /// A metadata channel failed (unreachable server, protocol error, oversized document).
     #[error("metadata channel: {0}")]
     Channel(String),
+
+    /// Nothing is published there: the operation completed, was dropped, or never existed.
+    #[error("nothing is published at {location}: the operation completed, was dropped, or never existed")]
+    NotPublished {
+        /// The URL or subject asked for.
+        location: String,
+    },
 }
 
 impl From<std::io::Error> for Error {

@@ -35,6 +35,7 @@
 #![warn(missing_docs)]
 
 mod buffer;
+pub mod channel;
 mod connector;
 mod descriptor;
 mod device;

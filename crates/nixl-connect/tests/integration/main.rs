@@ -1,4 +1,5 @@
 //! The library's one integration-test binary: every test here runs against the real NIXL library
 //! (installed by `bash scripts/setup.sh`), never a mock.
 
+mod channels;
 mod core;

@@ -1,0 +1,318 @@
+//! The embedded HTTP channel.
+//!
+//! The side exposing memory publishes its metadata on a process-wide HTTP listener
+//! ([`HttpChannel::global`], or one bound explicitly with [`HttpChannel::bind`]); each publication
+//! gets its own unguessable path, `/nixl/<uuid4>`, and disappears when its [`Publication`] is
+//! dropped. The peer fetches it with [`fetch`], bounded by a timeout.
+//!
+//! `GET /nixl/<id>` returns exactly the `RdmaMetadata` JSON (so any HTTP client, Python's too, can
+//! use it); `GET /nixl/<id>/extra` returns the optional JSON document published beside it (the
+//! `send` command puts the file's checksum and name there).
+//!
+//! ```no_run
+//! # async fn demo(conn: nixl_connect::Connector) -> nixl_connect::Result<()> {
+//! use nixl_connect::{channel::http, Descriptor};
+//! let readable = conn.create_readable(Descriptor::from(vec![7u8; 4096])).await?;
+//! let channel = http::HttpChannel::global().await?;
+//! let publication = channel.publish(readable.metadata());
+//! println!("fetch it from {}", publication.url());
+//! readable.wait_for_completion(None).await?;
+//! drop(publication); // unpublished
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::body::Bytes;
+use tokio::sync::{oneshot, OnceCell};
+
+use super::MAX_DOCUMENT;
+use crate::error::{Error, Result};
+use crate::metadata::RdmaMetadata;
+
+/// Environment variable with the address the process-wide listener binds (default `127.0.0.1:0`).
+pub const LISTEN_ENV: &str = "NIXL_CONNECT_HTTP_LISTEN";
+
+struct Item {
+    metadata: Bytes,
+    extra: Option<Bytes>,
+}
+
+struct Inner {
+    addr: SocketAddr,
+    host: String,
+    items: Mutex<HashMap<String, Item>>,
+    stop: Mutex<Option<oneshot::Sender<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// An HTTP listener serving published metadata. Cheap to clone; the listener stops when the last
+/// clone is dropped (the [`global`](Self::global) one lives as long as the process).
+#[derive(Clone)]
+pub struct HttpChannel {
+    inner: Arc<Inner>,
+}
+
+static GLOBAL: OnceCell<HttpChannel> = OnceCell::const_new();
+
+impl HttpChannel {
+    /// The process-wide listener, started on first use on `$NIXL_CONNECT_HTTP_LISTEN` (default
+    /// `127.0.0.1:0`, a free loopback port).
+    ///
+    /// # Errors
+    /// [`Error::Channel`] when the address does not parse or cannot be bound.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a cancelled first call leaves the listener unstarted.
+    pub async fn global() -> Result<Self> {
+        GLOBAL
+            .get_or_try_init(|| async {
+                let addr = match std::env::var(LISTEN_ENV) {
+                    Ok(s) => s
+                        .parse()
+                        .map_err(|e| Error::Channel(format!("{LISTEN_ENV}={s:?} is not an address: {e}")))?,
+                    Err(_) => SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+                };
+                Self::bind(addr).await
+            })
+            .await
+            .cloned()
+    }
+
+    /// Binds a listener on `addr` (port 0 picks a free port) and serves until dropped.
+    ///
+    /// Must be called inside a tokio runtime, which runs the server.
+    ///
+    /// # Errors
+    /// [`Error::Channel`] when the address cannot be bound.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn bind(addr: SocketAddr) -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::Channel(format!("cannot listen on {addr}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| Error::Channel(e.to_string()))?;
+        let host = match addr.ip() {
+            ip if ip.is_unspecified() => hostname().unwrap_or_else(|| "localhost".into()),
+            IpAddr::V6(ip) => format!("[{ip}]"),
+            ip => ip.to_string(),
+        };
+        let (tx, rx) = oneshot::channel();
+        let inner = Arc::new(Inner {
+            addr,
+            host,
+            items: Mutex::new(HashMap::new()),
+            stop: Mutex::new(Some(tx)),
+        });
+        let weak = Arc::downgrade(&inner);
+        let app = Router::new()
+            .route("/nixl/{id}", get(get_metadata))
+            .route("/nixl/{id}/extra", get(get_extra))
+            .with_state(weak);
+        tokio::spawn(async move {
+            let server = axum::serve(listener, app).with_graceful_shutdown(async {
+                let _ = rx.await;
+            });
+            if let Err(e) = server.await {
+                tracing::warn!(error = %e, "metadata HTTP server stopped");
+            }
+        });
+        Ok(Self { inner })
+    }
+
+    /// The address the listener is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.inner.addr
+    }
+
+    /// Publishes `md` under a fresh unguessable path; unpublished when the guard is dropped.
+    pub fn publish(&self, md: &RdmaMetadata) -> Publication {
+        self.insert(md, None)
+    }
+
+    /// Publishes `md` and, beside it at `<url>/extra`, the JSON document `extra`.
+    pub fn publish_with(&self, md: &RdmaMetadata, extra: &serde_json::Value) -> Publication {
+        self.insert(md, Some(Bytes::from(extra.to_string())))
+    }
+
+    fn insert(&self, md: &RdmaMetadata, extra: Option<Bytes>) -> Publication {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let item = Item {
+            metadata: Bytes::from(md.to_json()),
+            extra,
+        };
+        self.inner
+            .items
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), item);
+        let url = format!("http://{}:{}/nixl/{id}", self.inner.host, self.inner.addr.port());
+        Publication {
+            url,
+            id,
+            channel: Arc::downgrade(&self.inner),
+        }
+    }
+
+    /// How many publications are live.
+    pub fn len(&self) -> usize {
+        self.inner.items.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// True when nothing is published.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for HttpChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpChannel")
+            .field("addr", &self.inner.addr)
+            .field("published", &self.len())
+            .finish()
+    }
+}
+
+/// One published document. Dropping it unpublishes it: fetches then get [`Error::NotPublished`].
+#[derive(Debug)]
+pub struct Publication {
+    url: String,
+    id: String,
+    channel: Weak<Inner>,
+}
+
+impl Publication {
+    /// The URL the peer fetches.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+impl Drop for Publication {
+    fn drop(&mut self) {
+        if let Some(inner) = self.channel.upgrade() {
+            inner
+                .items
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&self.id);
+        }
+    }
+}
+
+fn json(body: Bytes) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn get_metadata(State(inner): State<Weak<Inner>>, Path(id): Path<String>) -> Response {
+    let found = inner
+        .upgrade()
+        .and_then(|i| i.items.lock().ok()?.get(&id).map(|it| it.metadata.clone()));
+    match found {
+        Some(b) => json(b),
+        None => (
+            StatusCode::NOT_FOUND,
+            "no such operation (completed, dropped, or never published)\n",
+        )
+            .into_response(),
+    }
+}
+
+async fn get_extra(State(inner): State<Weak<Inner>>, Path(id): Path<String>) -> Response {
+    let found = inner
+        .upgrade()
+        .and_then(|i| i.items.lock().ok()?.get(&id).map(|it| it.extra.clone()));
+    match found {
+        Some(Some(b)) => json(b),
+        Some(None) => json(Bytes::from_static(b"null")),
+        None => (StatusCode::NOT_FOUND, "no such operation\n").into_response(),
+    }
+}
+
+fn hostname() -> Option<String> {
+    let h = std::fs::read_to_string("/proc/sys/kernel/hostname").ok()?;
+    let h = h.trim();
+    (!h.is_empty()).then(|| h.to_string())
+}
+
+async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
+    let uri: hyper::Uri = url
+        .parse()
+        .map_err(|e| Error::Channel(format!("{url:?} is not a URL: {e}")))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(Error::Channel(format!(
+            "{url}: only http:// URLs are served by this channel"
+        )));
+    }
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Empty<Bytes>>();
+    let work = async {
+        let resp = client
+            .get(uri)
+            .await
+            .map_err(|e| Error::Channel(format!("cannot reach {url}: {e}")))?;
+        let status = resp.status();
+        let body = Limited::new(resp.into_body(), MAX_DOCUMENT)
+            .collect()
+            .await
+            .map_err(|e| Error::Channel(format!("reading {url}: {e}")))?
+            .to_bytes();
+        match status {
+            StatusCode::OK => Ok(body),
+            StatusCode::NOT_FOUND => Err(Error::NotPublished {
+                location: url.to_string(),
+            }),
+            s => Err(Error::Channel(format!("{url} answered {s}"))),
+        }
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| Error::TimedOut(timeout))?
+}
+
+/// Fetches and validates the metadata published at `url`.
+///
+/// # Errors
+/// [`Error::NotPublished`] (404: the operation completed or was dropped), [`Error::TimedOut`],
+/// [`Error::Channel`] (unreachable, not HTTP, oversized), [`Error::Metadata`] (bad document).
+///
+/// # Cancel safety
+/// Cancel safe.
+pub async fn fetch(url: &str, timeout: Duration) -> Result<RdmaMetadata> {
+    let body = get_bytes(url, timeout).await?;
+    let text = std::str::from_utf8(&body).map_err(|_| Error::Metadata {
+        field: "json",
+        reason: "the document is not UTF-8".into(),
+    })?;
+    RdmaMetadata::from_json(text)
+}
+
+/// Fetches the extra JSON document published beside the metadata at `url` (`null` when none).
+///
+/// # Errors
+/// As [`fetch`], and [`Error::Channel`] when the document is not JSON.
+///
+/// # Cancel safety
+/// Cancel safe.
+pub async fn fetch_extra(url: &str, timeout: Duration) -> Result<serde_json::Value> {
+    let body = get_bytes(&format!("{}/extra", url.trim_end_matches('/')), timeout).await?;
+    serde_json::from_slice(&body).map_err(|e| Error::Channel(format!("{url}/extra is not JSON: {e}")))
+}

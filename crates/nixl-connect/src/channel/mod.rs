@@ -1,0 +1,21 @@
+//! Metadata channels: how a passive side's [`RdmaMetadata`](crate::RdmaMetadata) reaches its peer.
+//!
+//! The library works with any side channel (the metadata is one JSON line); these are the two
+//! Dynamo deployments use:
+//!
+//! - [`http`] (feature `http`, on by default): an embedded HTTP server, one listener per process,
+//!   each published operation under its own unguessable path. Good on one host or a flat network.
+//! - [`nats`] (feature `nats`): NATS request/reply on a per-operation subject, for fleets whose
+//!   workers already share a NATS server.
+//!
+//! Both unpublish when the returned publication guard is dropped: hold it as long as the
+//! operation, and drop it when the operation completes (or is dropped).
+
+#[cfg(feature = "http")]
+pub mod http;
+#[cfg(feature = "nats")]
+pub mod nats;
+
+/// The largest metadata document a channel accepts (16 MiB): agent metadata is a few KiB; the cap
+/// keeps a hostile endpoint from exhausting memory.
+pub const MAX_DOCUMENT: usize = 16 << 20;

@@ -1,0 +1,136 @@
+//! The NATS channel: request/reply on a per-operation subject.
+//!
+//! The passive side subscribes to `nixl-connect.md.<uuid4>` and answers every request on it with
+//! its metadata until the [`NatsPublication`] is dropped; the peer sends one request with a
+//! timeout. Request/reply rather than a JetStream key-value bucket because it needs nothing but a
+//! plain `nats-server` (no JetStream, no bucket to create or clean up), and a publication can never
+//! outlive its worker: when the worker exits, its subscription goes with its connection and
+//! requests fail fast with "no responders" instead of returning stale metadata.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+
+use super::MAX_DOCUMENT;
+use crate::error::{Error, Result};
+use crate::metadata::RdmaMetadata;
+
+/// The subject prefix of published metadata.
+pub const SUBJECT_PREFIX: &str = "nixl-connect.md.";
+
+/// A connection to a NATS server used as a metadata channel. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct NatsChannel {
+    client: async_nats::Client,
+}
+
+fn chan(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Channel(format!("NATS {what}: {e}"))
+}
+
+impl NatsChannel {
+    /// Connects to `url` (for example `nats://127.0.0.1:4222`) within `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Channel`] when the server cannot be reached; [`Error::TimedOut`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn connect(url: &str, timeout: Duration) -> Result<Self> {
+        let opts = async_nats::ConnectOptions::new()
+            .connection_timeout(timeout)
+            .request_timeout(Some(timeout));
+        let client = tokio::time::timeout(timeout, opts.connect(url))
+            .await
+            .map_err(|_| Error::TimedOut(timeout))?
+            .map_err(|e| chan(&format!("connect to {url}"), e))?;
+        Ok(Self { client })
+    }
+
+    /// Publishes `md` on a fresh subject; answered until the returned guard is dropped.
+    ///
+    /// # Errors
+    /// [`Error::Channel`] when the subscription fails.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn publish(&self, md: &RdmaMetadata) -> Result<NatsPublication> {
+        let subject = format!("{SUBJECT_PREFIX}{}", uuid::Uuid::new_v4().simple());
+        let mut sub = self
+            .client
+            .subscribe(subject.clone())
+            .await
+            .map_err(|e| chan("subscribe", e))?;
+        // Make sure the server has the subscription before the subject is handed out.
+        self.client.flush().await.map_err(|e| chan("flush", e))?;
+        let body = bytes::Bytes::from(md.to_json());
+        let client = self.client.clone();
+        let task = tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                if let Some(reply) = msg.reply {
+                    if let Err(e) = client.publish(reply, body.clone()).await {
+                        tracing::warn!(error = %e, "answering a metadata request failed");
+                    }
+                }
+            }
+        });
+        Ok(NatsPublication { subject, task })
+    }
+
+    /// Fetches and validates the metadata published on `subject`.
+    ///
+    /// # Errors
+    /// [`Error::NotPublished`] when nobody answers on the subject (publication dropped, worker
+    /// gone); [`Error::TimedOut`]; [`Error::Channel`] when the server is unreachable or the reply
+    /// is oversized; [`Error::Metadata`] for a bad document.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn fetch(&self, subject: &str, timeout: Duration) -> Result<RdmaMetadata> {
+        let req = self.client.request(subject.to_string(), bytes::Bytes::new());
+        let msg = match tokio::time::timeout(timeout, req).await {
+            Err(_) => return Err(Error::TimedOut(timeout)),
+            Ok(Err(e)) => {
+                return Err(match e.kind() {
+                    async_nats::RequestErrorKind::NoResponders => Error::NotPublished {
+                        location: format!("NATS subject {subject}"),
+                    },
+                    async_nats::RequestErrorKind::TimedOut => Error::TimedOut(timeout),
+                    _ => chan(&format!("request on {subject}"), e),
+                })
+            }
+            Ok(Ok(m)) => m,
+        };
+        if msg.payload.len() > MAX_DOCUMENT {
+            return Err(Error::Channel(format!(
+                "the reply on {subject} is larger than {MAX_DOCUMENT} bytes"
+            )));
+        }
+        let text = std::str::from_utf8(&msg.payload).map_err(|_| Error::Metadata {
+            field: "json",
+            reason: "the document is not UTF-8".into(),
+        })?;
+        RdmaMetadata::from_json(text)
+    }
+}
+
+/// One published document; dropping it stops answering (and unsubscribes).
+#[derive(Debug)]
+pub struct NatsPublication {
+    subject: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl NatsPublication {
+    /// The subject the peer passes to [`NatsChannel::fetch`].
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+}
+
+impl Drop for NatsPublication {
+    fn drop(&mut self) {
+        // Aborting the task drops the subscriber, which unsubscribes.
+        self.task.abort();
+    }
+}
