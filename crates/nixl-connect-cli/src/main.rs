@@ -2,9 +2,13 @@
 //!
 //! Every failure prints one line on stderr and exits non-zero.
 
+#![deny(unsafe_code)]
+
 mod bench;
 mod demo;
+mod doctor;
 mod pattern;
+mod sendrecv;
 mod transfer;
 
 use std::time::Duration;
@@ -33,6 +37,12 @@ enum Cmd {
     Read(transfer::ReadArgs),
     /// Write a file into what a writable's metadata describes.
     Write(transfer::WriteArgs),
+    /// Send a file: prints a URL, serves the file as a readable until a receiver has read it.
+    Send(sendrecv::SendArgs),
+    /// Receive a file from the URL `send` printed; verifies its checksum.
+    Recv(sendrecv::RecvArgs),
+    /// Show what this host offers (NIXL, UCX, CUDA, huge pages, NATS) and whether it works.
+    Doctor(doctor::Args),
     /// Internal: the benchmark's peer process.
     #[command(hide = true)]
     BenchPeer,
@@ -44,7 +54,7 @@ enum Cmd {
 fn main() {
     // NIXL and UCX log to stderr on their own; a command should print one clear line when it fails.
     // Still single-threaded here, so setting the environment is sound. Override to see their logs.
-    for (k, v) in [("NIXL_LOG_LEVEL", "FATAL"), ("UCX_LOG_LEVEL", "error")] {
+    for (k, v) in [("NIXL_LOG_LEVEL", "FATAL"), ("UCX_LOG_LEVEL", "fatal")] {
         if std::env::var_os(k).is_none() {
             std::env::set_var(k, v);
         }
@@ -70,6 +80,9 @@ fn main() {
             Cmd::Serve(a) => transfer::serve(a).await,
             Cmd::Read(a) => transfer::read(a).await,
             Cmd::Write(a) => transfer::write(a).await,
+            Cmd::Send(a) => sendrecv::send(a).await,
+            Cmd::Recv(a) => sendrecv::recv(a).await,
+            Cmd::Doctor(a) => doctor::run(a).await,
             Cmd::BenchPeer => bench::peer().await,
             Cmd::DemoPeer => demo::peer().await,
         }

@@ -3,4 +3,5 @@
 
 mod commands;
 mod interop;
+mod sendrecv;
 mod support;

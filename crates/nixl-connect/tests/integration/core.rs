@@ -471,6 +471,34 @@ fn support_cancel_during() {
         assert!(dst == pattern(4096, 4096));
         assert_eq!(peer.expect("DONE:"), "ok");
         peer.finish();
+
+        // The peer dies while a transfer from it is in flight: the wait ends with an error.
+        let mut died_mid = 0;
+        for _ in 0..3 {
+            let mut peer = Peer::start("readable");
+            writeln!(peer.child.stdin.as_mut().unwrap(), "readable {} 1", 256 << 20).unwrap();
+            let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+            let mut dst = HostBuffer::new(256 << 20).unwrap();
+            let op = conn.begin_read(&md, Descriptor::from(&mut dst)).await.unwrap();
+            if op.status() != OperationStatus::InProgress {
+                continue;
+            }
+            peer.child.kill().unwrap();
+            peer.child.wait().unwrap();
+            let t0 = Instant::now();
+            match op.wait_for_completion(Some(Duration::from_secs(20))).await {
+                Err(Error::TimedOut(_)) => panic!("a dead peer must fail the transfer, not hang it"),
+                Err(e) => {
+                    died_mid += 1;
+                    println!("peer died mid-transfer: {e} after {:?}", t0.elapsed());
+                }
+                Ok(()) => println!("the transfer finished before the kill landed"),
+            }
+        }
+        assert!(
+            died_mid > 0,
+            "no transfer was caught in flight by the peer's death"
+        );
         println!("CANCEL-OK in flight {in_flight}/3");
     });
 }

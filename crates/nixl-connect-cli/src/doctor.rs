@@ -1,0 +1,261 @@
+//! `nixl-connect doctor`: what this host offers, and whether the main path works.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use nixl_connect::{nixl_library, Connector, Descriptor, HostBuffer};
+use serde::Serialize;
+
+#[derive(clap::Args, Debug)]
+pub(crate) struct Args {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Also check that this NATS server answers (e.g. nats://127.0.0.1:4222).
+    #[arg(long)]
+    nats: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Check {
+    check: &'static str,
+    /// "ok", "warn" (works, but slower or limited), "fail" (the main path is broken), "info".
+    status: &'static str,
+    detail: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fix: Option<String>,
+}
+
+fn check(check: &'static str, status: &'static str, detail: impl Into<String>, fix: Option<&str>) -> Check {
+    Check {
+        check,
+        status,
+        detail: detail.into(),
+        fix: fix.map(str::to_string),
+    }
+}
+
+/// The NIXL version next to the library: `.nixl/VERSION` from scripts/setup.sh, or the wheel's
+/// dist-info folder name in site-packages.
+fn nixl_version(lib: &Path) -> String {
+    let dir = lib.parent().unwrap_or(Path::new("."));
+    if let Ok(v) = std::fs::read_to_string(dir.join("../VERSION")) {
+        return v.trim().to_string();
+    }
+    if let Some(site) = dir.parent() {
+        if let Ok(rd) = std::fs::read_dir(site) {
+            for e in rd.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if n.starts_with("nixl_cu") && n.ends_with(".dist-info") {
+                    return n.trim_end_matches(".dist-info").replacen('-', "==", 1);
+                }
+            }
+        }
+    }
+    "unknown".into()
+}
+
+fn plugins(lib: &Path) -> Vec<String> {
+    let dir = std::env::var_os("NIXL_PLUGIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| lib.parent().unwrap_or(Path::new(".")).join("plugins"));
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| {
+                    let n = e.file_name().to_string_lossy().into_owned();
+                    n.strip_prefix("libplugin_")
+                        .and_then(|n| n.strip_suffix(".so"))
+                        .map(str::to_string)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+async fn self_test() -> Result<Duration> {
+    let (a, b) = (Connector::new()?, Connector::new()?);
+    let mut src = HostBuffer::new(1 << 20)?;
+    crate::pattern::fill(&mut src, 1, 0);
+    let r = a.create_readable(Descriptor::from(&src)).await?;
+    let mut dst = HostBuffer::new(1 << 20)?;
+    let t0 = Instant::now();
+    let op = b.begin_read(r.metadata(), Descriptor::from(&mut dst)).await?;
+    op.wait_for_completion(Some(Duration::from_secs(10))).await?;
+    r.wait_for_completion(Some(Duration::from_secs(10))).await?;
+    let took = t0.elapsed();
+    drop(op);
+    anyhow::ensure!(dst[..] == src[..], "the bytes read differ from the bytes exposed");
+    Ok(took)
+}
+
+fn cuda() -> Check {
+    let gpus = std::fs::read_dir("/proc/driver/nvidia/gpus")
+        .map(|rd| rd.count())
+        .unwrap_or(0);
+    let ldconfig = std::process::Command::new("ldconfig").arg("-p").output().ok();
+    let has_lib = ldconfig.is_some_and(|o| String::from_utf8_lossy(&o.stdout).contains("libcuda.so.1"));
+    match (has_lib, gpus) {
+        (false, 0) => check(
+            "CUDA",
+            "info",
+            "no NVIDIA driver or GPU on this host (host memory only)",
+            None,
+        ),
+        (true, 0) => check(
+            "CUDA",
+            "info",
+            "libcuda.so.1 present but no GPU listed in /proc/driver/nvidia",
+            None,
+        ),
+        (_, n) => check(
+            "CUDA",
+            "ok",
+            format!(
+                "{n} NVIDIA GPU(s); driver library {}",
+                if has_lib {
+                    "found"
+                } else {
+                    "not in the loader path"
+                }
+            ),
+            None,
+        ),
+    }
+}
+
+fn huge_pages() -> Check {
+    let v = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let mode = v
+        .split_whitespace()
+        .find(|w| w.starts_with('['))
+        .map(|w| w.trim_matches(['[', ']']).to_string());
+    match mode.as_deref() {
+        Some("always") | Some("madvise") => check(
+            "huge pages",
+            "ok",
+            format!(
+                "transparent huge pages: {} (HostBuffer asks for them from 2 MiB)",
+                mode.unwrap()
+            ),
+            None,
+        ),
+        Some(m) => check(
+            "huge pages",
+            "warn",
+            format!("transparent huge pages: {m}; large transfers run about 2x slower on 4 KiB pages"),
+            Some("echo madvise > /sys/kernel/mm/transparent_hugepage/enabled"),
+        ),
+        None => check(
+            "huge pages",
+            "info",
+            "transparent huge pages not reported by this kernel",
+            None,
+        ),
+    }
+}
+
+pub(crate) async fn run(a: Args) -> Result<()> {
+    let mut checks = Vec::new();
+    let setup_fix = "run `bash scripts/setup.sh` in the nixl-connect checkout (or `pip install nixl-cu13==1.5.1`, or set NIXL_CONNECT_LIB)";
+    let lib = nixl_library::load();
+    match &lib {
+        Ok(p) => {
+            checks.push(check(
+                "NIXL library",
+                "ok",
+                format!("{} ({})", p.display(), nixl_version(p)),
+                None,
+            ));
+            let pl = plugins(p);
+            let status = if pl.iter().any(|p| p == "UCX") {
+                "ok"
+            } else {
+                "fail"
+            };
+            checks.push(check(
+                "NIXL plugins",
+                status,
+                pl.join(", "),
+                (status == "fail").then_some(setup_fix),
+            ));
+        }
+        Err(e) => checks.push(check("NIXL library", "fail", e.to_string(), Some(setup_fix))),
+    }
+    if lib.is_ok() {
+        match Connector::new() {
+            Ok(c) => checks.push(check(
+                "UCX backend",
+                "ok",
+                format!("agent {} created", c.name()),
+                None,
+            )),
+            Err(e) => checks.push(check(
+                "UCX backend",
+                "fail",
+                e.to_string(),
+                Some("check UCX_* environment variables; run with UCX_LOG_LEVEL=info"),
+            )),
+        }
+        match self_test().await {
+            Ok(t) => checks.push(check(
+                "self-test",
+                "ok",
+                format!(
+                    "1 MiB readable -> read between two agents, verified, {:.0} us",
+                    t.as_secs_f64() * 1e6
+                ),
+                None,
+            )),
+            Err(e) => checks.push(check(
+                "self-test",
+                "fail",
+                format!("{e:#}"),
+                Some("run with NIXL_LOG_LEVEL=INFO UCX_LOG_LEVEL=info to see why"),
+            )),
+        }
+    }
+    checks.push(cuda());
+    checks.push(huge_pages());
+    if let Some(url) = &a.nats {
+        match nixl_connect::channel::nats::NatsChannel::connect(url, Duration::from_secs(3)).await {
+            Ok(_) => checks.push(check("NATS", "ok", format!("{url} answers"), None)),
+            Err(e) => checks.push(check(
+                "NATS",
+                "fail",
+                e.to_string(),
+                Some("start nats-server, or check the URL"),
+            )),
+        }
+    }
+    let failed = checks.iter().any(|c| c.status == "fail");
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"usable": !failed, "checks": checks}))?
+        );
+    } else {
+        let w = checks.iter().map(|c| c.check.len()).max().unwrap_or(0);
+        for c in &checks {
+            println!("{:<w$}  {:<4}  {}", c.check, c.status, c.detail);
+            if let Some(f) = &c.fix {
+                println!("{:<w$}        fix: {f}", "");
+            }
+        }
+        println!(
+            "{}",
+            if failed {
+                "NIXL is NOT usable here: see the fixes above."
+            } else {
+                "NIXL is usable: the main path works."
+            }
+        );
+    }
+    if failed {
+        std::process::exit(2);
+    }
+    Ok(())
+}
