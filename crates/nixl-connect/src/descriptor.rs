@@ -19,7 +19,7 @@ use crate::engine::RegToken;
 use crate::error::{Error, Result};
 use crate::metadata::SerializedDescriptor;
 
-mod sealed {
+pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
@@ -93,7 +93,17 @@ enum Mem<'a> {
     BufferMut(&'a mut HostBuffer),
     Slice(&'a [u8]),
     SliceMut(&'a mut [u8]),
-    Raw { ptr: usize, len: usize },
+    Raw {
+        ptr: usize,
+        len: usize,
+    },
+    /// Memory borrowed for `'a` that only the driver can touch (device memory).
+    Extern {
+        ptr: usize,
+        len: usize,
+        writable: bool,
+        _life: std::marker::PhantomData<&'a ()>,
+    },
 }
 
 /// One contiguous range of memory on one device.
@@ -118,6 +128,30 @@ impl<'a> Descriptor<'a> {
     /// A descriptor over memory it owns.
     pub fn owned<M: OwnedMemory>(m: M) -> Self {
         Self::make(Mem::Owned(Box::new(m)), Device::Host)
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn owned_on(m: Box<dyn OwnedMemory>, device: Device) -> Self {
+        Self::make(Mem::Owned(m), device)
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn borrowed_raw(
+        ptr: usize,
+        len: usize,
+        device: Device,
+        writable: bool,
+        _life: std::marker::PhantomData<&'a ()>,
+    ) -> Self {
+        Self::make(
+            Mem::Extern {
+                ptr,
+                len,
+                writable,
+                _life,
+            },
+            device,
+        )
     }
 
     /// A descriptor over raw memory.
@@ -145,7 +179,7 @@ impl<'a> Descriptor<'a> {
             Mem::BufferMut(b) => b.as_ptr() as usize,
             Mem::Slice(s) => s.as_ptr() as usize,
             Mem::SliceMut(s) => s.as_ptr() as usize,
-            Mem::Raw { ptr, .. } => *ptr,
+            Mem::Raw { ptr, .. } | Mem::Extern { ptr, .. } => *ptr,
         }
     }
 
@@ -157,7 +191,7 @@ impl<'a> Descriptor<'a> {
             Mem::BufferMut(b) => b.len(),
             Mem::Slice(s) => s.len(),
             Mem::SliceMut(s) => s.len(),
-            Mem::Raw { len, .. } => *len,
+            Mem::Raw { len, .. } | Mem::Extern { len, .. } => *len,
         }
     }
 
@@ -168,7 +202,10 @@ impl<'a> Descriptor<'a> {
 
     /// False for shared borrows (`&[u8]`, `&HostBuffer`), which may only be read from.
     pub fn is_writable(&self) -> bool {
-        !matches!(self.mem, Mem::Buffer(_) | Mem::Slice(_))
+        !matches!(
+            self.mem,
+            Mem::Buffer(_) | Mem::Slice(_) | Mem::Extern { writable: false, .. }
+        )
     }
 
     /// The bytes, for host memory this descriptor owns or borrows (`None` for raw and device
@@ -190,7 +227,7 @@ impl<'a> Descriptor<'a> {
             Mem::BufferMut(b) => Some(b),
             Mem::Slice(s) => Some(s),
             Mem::SliceMut(s) => Some(s),
-            Mem::Raw { .. } => None,
+            Mem::Raw { .. } | Mem::Extern { .. } => None,
         }
     }
 

@@ -8,10 +8,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Everything that can go wrong, grouped by who can fix it.
 ///
 /// - **The caller** passed something that cannot work: [`Error::InvalidArgument`],
-///   [`Error::WrongPairing`], [`Error::DescriptorMismatch`].
+///   [`Error::WrongPairing`], [`Error::DescriptorMismatch`], [`Error::DeviceMismatch`].
 /// - **The peer** sent metadata that does not parse or that NIXL rejects: [`Error::Metadata`].
 /// - **The host** lacks NIXL or a working backend: [`Error::NixlNotFound`], [`Error::NixlLoad`],
-///   [`Error::NixlBackend`], [`Error::Os`].
+///   [`Error::NixlBackend`], [`Error::Os`], [`Error::CudaUnavailable`].
 /// - **The transfer** failed in NIXL or its peer went away: [`Error::Nixl`], [`Error::RemoteGone`],
 ///   [`Error::EngineStopped`].
 /// - **The operation** ended without data moving: [`Error::Cancelled`], [`Error::TimedOut`].
@@ -40,6 +40,15 @@ pub enum Error {
         kind: u8,
         /// What to call instead.
         hint: &'static str,
+    },
+
+    /// A descriptor claims a device its memory is not on (per the CUDA driver).
+    #[error("device mismatch: the descriptor claims {claimed} but the pointer is {actual}")]
+    DeviceMismatch {
+        /// The device the descriptor names.
+        claimed: crate::Device,
+        /// Where the driver says the memory is.
+        actual: String,
     },
 
     /// Local and remote descriptors do not line up.
@@ -77,6 +86,10 @@ pub enum Error {
         /// The dynamic loader's message.
         reason: String,
     },
+
+    /// CUDA was asked for but no usable driver or device is present.
+    #[error("CUDA is unavailable: {0}")]
+    CudaUnavailable(String),
 
     /// NIXL loaded but its UCX backend is unusable.
     #[error("NIXL backend unavailable: {reason}")]
@@ -150,6 +163,7 @@ impl Error {
             Error::InvalidArgument(_)
                 | Error::WrongPairing { .. }
                 | Error::DescriptorMismatch(_)
+                | Error::DeviceMismatch { .. }
                 | Error::Metadata { .. }
                 | Error::NixlNotFound { .. }
                 | Error::NixlLoad { .. }

@@ -37,6 +37,8 @@
 mod buffer;
 pub mod channel;
 mod connector;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod descriptor;
 mod device;
 mod engine;

@@ -3,3 +3,5 @@
 
 mod channels;
 mod core;
+#[cfg(feature = "cuda")]
+mod gpu;
