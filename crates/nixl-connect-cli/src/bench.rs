@@ -9,7 +9,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use nixl_connect::{Connector, Descriptor, HostBuffer, RdmaMetadata};
+use nixl_connect::{Connector, Descriptor, Device, HostBuffer, RdmaMetadata};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -32,6 +32,12 @@ pub(crate) struct Args {
     /// `huge`: the library's page-aligned huge-page `HostBuffer`; `vec`: plain `Vec<u8>`.
     #[arg(long, default_value = "huge", value_parser = ["huge", "vec"])]
     buffers: String,
+    /// Where this (active) side's memory lives: `cpu` or `cuda:N` (needs the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// Where the peer's (passive) memory lives; default: the same as --device.
+    #[arg(long)]
+    peer_device: Option<Device>,
     /// Extra UCX backend parameters, KEY=VALUE (e.g. ucx_error_handling_mode=none).
     #[arg(long = "ucx-param", value_parser = parse_kv)]
     ucx_params: Vec<(String, String)>,
@@ -49,6 +55,7 @@ struct Block {
     size: usize,
     n: usize,
     buffers: String,
+    device: Device,
     ucx_params: Vec<(String, String)>,
 }
 
@@ -78,10 +85,18 @@ fn median(v: &mut [f64]) -> f64 {
 enum Mem {
     Huge(HostBuffer),
     Vec(Option<Descriptor<'static>>),
+    #[cfg(feature = "cuda")]
+    Gpu(gpu::Gpu),
 }
 
 impl Mem {
-    fn new(kind: &str, size: usize, seed: Option<u64>) -> Result<Self> {
+    fn new(kind: &str, size: usize, seed: Option<u64>, device: Device) -> Result<Self> {
+        if device != Device::Host {
+            #[cfg(feature = "cuda")]
+            return Ok(Mem::Gpu(gpu::Gpu::new(device, size, seed)?));
+            #[cfg(not(feature = "cuda"))]
+            bail!("--device {device}: this nixl-connect was built without the `cuda` feature");
+        }
         Ok(if kind == "huge" {
             let mut b = HostBuffer::new(size)?;
             if let Some(s) = seed {
@@ -97,10 +112,54 @@ impl Mem {
         })
     }
 
-    fn bytes(&self) -> &[u8] {
+    /// True when the memory holds the pattern for `seed`.
+    fn holds(&self, seed: u64) -> bool {
         match self {
-            Mem::Huge(b) => b,
-            Mem::Vec(d) => d.as_ref().and_then(|d| d.as_slice()).unwrap_or(&[]),
+            Mem::Huge(b) => pattern::first_mismatch(b, seed, 0).is_none(),
+            Mem::Vec(d) => {
+                pattern::first_mismatch(d.as_ref().and_then(|d| d.as_slice()).unwrap_or(&[]), seed, 0)
+                    .is_none()
+            }
+            #[cfg(feature = "cuda")]
+            Mem::Gpu(g) => g
+                .to_host()
+                .is_ok_and(|h| pattern::first_mismatch(&h, seed, 0).is_none()),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use std::sync::Arc;
+
+    use anyhow::Result;
+    use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+    use nixl_connect::Device;
+
+    /// Device memory for the benchmark, filled from and checked against the host pattern.
+    pub(super) struct Gpu {
+        pub(super) stream: Arc<CudaStream>,
+        pub(super) slice: CudaSlice<u8>,
+    }
+
+    impl Gpu {
+        pub(super) fn new(device: Device, size: usize, seed: Option<u64>) -> Result<Self> {
+            nixl_connect::cuda::device_count()?;
+            let stream = CudaContext::new(device.id() as usize)?.default_stream();
+            let slice = match seed {
+                Some(s) => {
+                    let mut host = vec![0u8; size];
+                    crate::pattern::fill(&mut host, s, 0);
+                    stream.clone_htod(&host)?
+                }
+                None => stream.alloc_zeros::<u8>(size)?,
+            };
+            stream.synchronize()?;
+            Ok(Self { stream, slice })
+        }
+
+        pub(super) fn to_host(&self) -> Result<Vec<u8>> {
+            Ok(self.stream.clone_dtoh(&self.slice)?)
         }
     }
 }
@@ -130,6 +189,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             size,
             n,
             buffers: a.buffers.clone(),
+            device: a.peer_device.unwrap_or(a.device),
             ucx_params: a.ucx_params.clone(),
         };
         to_peer
@@ -137,7 +197,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             .await?;
         to_peer.flush().await?;
         // The active side's memory: destination of a read, source of a write.
-        let mut mem = Mem::new(&a.buffers, size, write.then_some(size as u64))?;
+        let mut mem = Mem::new(&a.buffers, size, write.then_some(size as u64), a.device)?;
         let (mut times, mut waits) = (Vec::new(), Vec::new());
         let mut ok = true;
         for i in 0..n {
@@ -151,6 +211,20 @@ pub(crate) async fn run(a: Args) -> Result<()> {
                         op.wait_for_completion(Some(Duration::from_secs(60))).await?;
                     } else {
                         let op = conn.begin_read(&md, Descriptor::from(&mut *b)).await?;
+                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
+                    }
+                }
+                #[cfg(feature = "cuda")]
+                Mem::Gpu(g) => {
+                    if write {
+                        let op = conn
+                            .begin_write(Descriptor::from_cuda_ref(&g.slice)?, &md)
+                            .await?;
+                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
+                    } else {
+                        let op = conn
+                            .begin_read(&md, Descriptor::from_cuda_mut(&mut g.slice)?)
+                            .await?;
                         op.wait_for_completion(Some(Duration::from_secs(60))).await?;
                     }
                 }
@@ -172,7 +246,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             }
             let dt = t0.elapsed();
             if !write && i == 0 {
-                ok &= pattern::first_mismatch(mem.bytes(), size as u64, 0).is_none();
+                ok &= mem.holds(size as u64);
             }
             let peer: PeerIter = serde_json::from_str(&next_line(&mut from_peer).await?)?;
             ok &= peer.ok;
@@ -186,7 +260,8 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         let out = serde_json::json!({
             "impl": "nixl-connect",
             "op": a.op,
-            "device": "cpu",
+            "device": a.device.to_string(),
+            "peer_device": a.peer_device.unwrap_or(a.device).to_string(),
             "buffers": a.buffers,
             "size": size,
             "iters": times.len(),
@@ -247,7 +322,7 @@ pub(crate) async fn peer() -> Result<()> {
             }
         };
         let write = b.op == "write";
-        let mut mem = Mem::new(&b.buffers, b.size, (!write).then_some(b.size as u64))?;
+        let mut mem = Mem::new(&b.buffers, b.size, (!write).then_some(b.size as u64), b.device)?;
         for i in 0..b.n {
             let (wait_us, ok);
             match &mut mem {
@@ -262,6 +337,28 @@ pub(crate) async fn peer() -> Result<()> {
                         .await?;
                     } else {
                         let op = conn.create_readable(Descriptor::from(&*buf)).await?;
+                        wait_us = expose(
+                            &mut out,
+                            op.metadata(),
+                            op.wait_for_completion(Some(Duration::from_secs(60))),
+                        )
+                        .await?;
+                    }
+                }
+                #[cfg(feature = "cuda")]
+                Mem::Gpu(g) => {
+                    if write {
+                        let op = conn
+                            .create_writable(Descriptor::from_cuda_mut(&mut g.slice)?)
+                            .await?;
+                        wait_us = expose(
+                            &mut out,
+                            op.metadata(),
+                            op.wait_for_completion(Some(Duration::from_secs(60))),
+                        )
+                        .await?;
+                    } else {
+                        let op = conn.create_readable(Descriptor::from_cuda_ref(&g.slice)?).await?;
                         wait_us = expose(
                             &mut out,
                             op.metadata(),
@@ -294,7 +391,7 @@ pub(crate) async fn peer() -> Result<()> {
                     *slot = back.into_iter().next();
                 }
             }
-            ok = !(write && i == 0) || pattern::first_mismatch(mem.bytes(), b.size as u64, 0).is_none();
+            ok = !(write && i == 0) || mem.holds(b.size as u64);
             let reply = serde_json::to_string(&PeerIter { wait_us, ok })?;
             out.write_all(format!("{reply}\n").as_bytes()).await?;
             out.flush().await?;

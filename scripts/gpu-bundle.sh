@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Builds, on this CPU machine, everything a GPU host needs to run the GPU tests and the GPU
+# benchmark without a Rust toolchain: the library's integration-test binary and the CLI (both with
+# the `cuda` feature; cudarc loads the driver at run time), NIXL pruned to what its UCX path needs
+# (the dependency closure of libnixl_capi.so, the UCX plugin and UCX's modules), and
+# scripts/gpu-run.sh. Packs them as .bundle/nixl-connect-gpu.tar.gz, at most 60 MiB.
+# Usage: bash scripts/gpu-bundle.sh      then copy the tarball to the GPU host and run
+#        tar xzf nixl-connect-gpu.tar.gz && bash nixl-connect-gpu/gpu-run.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+LIMIT=$((60 << 20))
+B=.bundle/nixl-connect-gpu
+rm -rf .bundle && mkdir -p "$B/bin"
+
+cargo build --release -q -p nixl-connect-cli --features cuda
+cp target/release/nixl-connect "$B/bin/"
+cargo test --release -q -p nixl-connect --features cuda --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "integration":
+        print(m["executable"])' | while read -r exe; do cp "$exe" "$B/bin/integration"; done
+[ -x "$B/bin/integration" ] || { echo "gpu-bundle: the integration test binary was not built" >&2; exit 1; }
+strip "$B/bin/"* 2>/dev/null || true
+
+# NIXL: the closure of NEEDED libraries, resolved inside .nixl/, keeping the wheel's layout
+# (lib/ beside nixl_cu13.libs/) that the libraries' RPATH ($ORIGIN/../nixl_cu13.libs) relies on.
+python3 - "$B" <<'PY'
+import os, shutil, subprocess, sys
+bundle = sys.argv[1]
+root = ".nixl"
+index = {}
+for d, _, files in os.walk(root):
+    for f in files:
+        index.setdefault(f, os.path.join(d, f))
+start = [os.path.join(root, "lib", "libnixl_capi.so"), os.path.join(root, "lib", "plugins", "libplugin_UCX.so")]
+ucx = os.path.join(root, "nixl_cu13.libs", "ucx")
+start += [os.path.join(ucx, f) for f in os.listdir(ucx) if ".so" in f and "perftest" not in f]
+seen, todo = set(), list(start)
+while todo:
+    p = todo.pop()
+    if p in seen:
+        continue
+    seen.add(p)
+    out = subprocess.run(["readelf", "-d", p], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        if "(NEEDED)" in line:
+            name = line.split("[", 1)[1].rstrip("]")
+            if name in index:
+                todo.append(index[name])
+for p in sorted(seen):
+    dst = os.path.join(bundle, "nixl", os.path.relpath(p, root))
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    shutil.copy2(p, dst)
+print(f"gpu-bundle: {len(seen)} NIXL/UCX libraries", file=sys.stderr)
+PY
+cp .nixl/VERSION "$B/nixl/"
+cp scripts/gpu-run.sh "$B/"
+for a in gpu_pair.py gpu_copy.py gpu_ipc.py dyn_pair.py; do
+  [ -f "../shared/anchors/$a" ] && mkdir -p "$B/anchors" && cp "../shared/anchors/$a" "$B/anchors/"
+done
+tar -C .bundle -czf .bundle/nixl-connect-gpu.tar.gz nixl-connect-gpu
+size=$(stat -c %s .bundle/nixl-connect-gpu.tar.gz)
+echo "gpu-bundle: .bundle/nixl-connect-gpu.tar.gz is $((size >> 20)) MiB ($size bytes)"
+if [ "$size" -gt "$LIMIT" ]; then
+  echo "gpu-bundle: over the 60 MiB limit" >&2
+  exit 1
+fi

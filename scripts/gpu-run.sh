@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs the GPU bundle on a GPU host (CUDA driver, no Rust, no network needed): every GPU test (a
+# skip is a failure here), then the benchmark on device memory (VRAM to VRAM, read and write) and
+# the host<->GPU mixes at 4K,1M,64M,1G, then the raw NIXL anchor if a Python with nixl is present.
+# Results go to stdout and to $OUT/gpu-results.jsonl (default: beside this script).
+# Usage: bash nixl-connect-gpu/gpu-run.sh
+set -uo pipefail
+B=$(cd "$(dirname "$0")" && pwd)
+OUTDIR=${OUT:-$B}
+res="$OUTDIR/gpu-results.jsonl"; log="$OUTDIR/gpu-tests.log"
+: > "$res"; : > "$log"
+export NIXL_CONNECT_LIB="$B/nixl/lib" NIXL_CONNECT_REQUIRE_GPU=1
+nvidia-smi -L 2>&1 | tee -a "$log"
+status=0
+echo "== tests" | tee -a "$log"
+"$B/bin/integration" --test-threads=1 2>&1 | tee -a "$log" || status=1
+SIZES=${SIZES:-4K,1M,64M,1G}
+bench() { "$B/bin/nixl-connect" bench --sizes "$SIZES" "$@" | tee -a "$res" || status=1; }
+echo "== bench" | tee -a "$log"
+bench --device cuda:0 --op read
+bench --device cuda:0 --op write
+bench --device cpu --peer-device cuda:0 --op read
+bench --device cuda:0 --peer-device cpu --op read
+if [ -f "$B/anchors/gpu_pair.py" ] && python3 -c "import nixl, torch" 2>/dev/null; then
+  echo "== anchors (raw NIXL)" | tee -a "$log"
+  # gpu_pair.py prints its own JSON lines (keys src, dst, op, size, median_us, GBps).
+  (cd "$B/anchors" && PAIR_SIZES=4096,1048576,67108864,1073741824 python3 gpu_pair.py cuda cuda | tee -a "$res")
+  (cd "$B/anchors" && python3 gpu_copy.py 2>&1 | tee -a "$res") || true
+else
+  echo "== anchors skipped: no python with nixl and torch here (raw figures: ../shared/anchors/FIGURES.md)" | tee -a "$log"
+fi
+echo "results: $res  tests: $log"
+exit $status
