@@ -112,6 +112,32 @@ impl Mem {
         })
     }
 
+    /// A descriptor for one operation: borrowed for huge-page and GPU memory, the recycled owned
+    /// `Vec` descriptor (which keeps its registration) otherwise. `dest`: NIXL writes into it.
+    fn descriptor(&mut self, dest: bool) -> Result<Descriptor<'_>> {
+        Ok(match self {
+            Mem::Huge(b) => match dest {
+                true => Descriptor::from(b),
+                false => Descriptor::from(&*b),
+            },
+            Mem::Vec(slot) => slot
+                .take()
+                .expect("the descriptor is returned after each operation"),
+            #[cfg(feature = "cuda")]
+            Mem::Gpu(g) => match dest {
+                true => Descriptor::from_cuda_mut(&mut g.slice)?,
+                false => Descriptor::from_cuda_ref(&g.slice)?,
+            },
+        })
+    }
+
+    /// Takes back the owned descriptor an operation returned (borrowed ones are just dropped).
+    fn recycle(&mut self, back: Vec<Descriptor<'static>>) {
+        if let Mem::Vec(slot) = self {
+            *slot = back.into_iter().next();
+        }
+    }
+
     /// True when the memory holds the pattern for `seed`.
     fn holds(&self, seed: u64) -> bool {
         match self {
@@ -204,46 +230,8 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             let line = next_line(&mut from_peer).await?;
             let t0 = Instant::now();
             let md: RdmaMetadata = line.parse()?;
-            match &mut mem {
-                Mem::Huge(b) => {
-                    if write {
-                        let op = conn.begin_write(Descriptor::from(&*b), &md).await?;
-                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
-                    } else {
-                        let op = conn.begin_read(&md, Descriptor::from(&mut *b)).await?;
-                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
-                    }
-                }
-                #[cfg(feature = "cuda")]
-                Mem::Gpu(g) => {
-                    if write {
-                        let op = conn
-                            .begin_write(Descriptor::from_cuda_ref(&g.slice)?, &md)
-                            .await?;
-                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
-                    } else {
-                        let op = conn
-                            .begin_read(&md, Descriptor::from_cuda_mut(&mut g.slice)?)
-                            .await?;
-                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
-                    }
-                }
-                Mem::Vec(slot) => {
-                    let d = slot.take().expect("descriptor is returned after each iteration");
-                    let back = if write {
-                        let op = conn.begin_write(d, &md).await?;
-                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
-                        op.into_descriptors()
-                            .map_err(|_| anyhow::anyhow!("write not released"))?
-                    } else {
-                        let op = conn.begin_read(&md, d).await?;
-                        op.wait_for_completion(Some(Duration::from_secs(60))).await?;
-                        op.into_descriptors()
-                            .map_err(|_| anyhow::anyhow!("read not released"))?
-                    };
-                    *slot = back.into_iter().next();
-                }
-            }
+            let back = active_once(&conn, &md, mem.descriptor(!write)?, write).await?;
+            mem.recycle(back);
             let dt = t0.elapsed();
             if !write && i == 0 {
                 ok &= mem.holds(size as u64);
@@ -307,7 +295,6 @@ async fn next_line(lines: &mut tokio::io::Lines<impl tokio::io::AsyncBufRead + U
 /// The passive side: for each block, one readable or writable per iteration.
 pub(crate) async fn peer() -> Result<()> {
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
-    let mut out = tokio::io::stdout();
     let mut conn: Option<Connector> = None;
     while let Some(line) = lines.next_line().await? {
         let b: Block = serde_json::from_str(&line)?;
@@ -324,85 +311,72 @@ pub(crate) async fn peer() -> Result<()> {
         let write = b.op == "write";
         let mut mem = Mem::new(&b.buffers, b.size, (!write).then_some(b.size as u64), b.device)?;
         for i in 0..b.n {
-            let (wait_us, ok);
-            match &mut mem {
-                Mem::Huge(buf) => {
-                    if write {
-                        let op = conn.create_writable(Descriptor::from(&mut *buf)).await?;
-                        wait_us = expose(
-                            &mut out,
-                            op.metadata(),
-                            op.wait_for_completion(Some(Duration::from_secs(60))),
-                        )
-                        .await?;
-                    } else {
-                        let op = conn.create_readable(Descriptor::from(&*buf)).await?;
-                        wait_us = expose(
-                            &mut out,
-                            op.metadata(),
-                            op.wait_for_completion(Some(Duration::from_secs(60))),
-                        )
-                        .await?;
-                    }
-                }
-                #[cfg(feature = "cuda")]
-                Mem::Gpu(g) => {
-                    if write {
-                        let op = conn
-                            .create_writable(Descriptor::from_cuda_mut(&mut g.slice)?)
-                            .await?;
-                        wait_us = expose(
-                            &mut out,
-                            op.metadata(),
-                            op.wait_for_completion(Some(Duration::from_secs(60))),
-                        )
-                        .await?;
-                    } else {
-                        let op = conn.create_readable(Descriptor::from_cuda_ref(&g.slice)?).await?;
-                        wait_us = expose(
-                            &mut out,
-                            op.metadata(),
-                            op.wait_for_completion(Some(Duration::from_secs(60))),
-                        )
-                        .await?;
-                    }
-                }
-                Mem::Vec(slot) => {
-                    let d = slot.take().expect("descriptor is returned after each iteration");
-                    let back = if write {
-                        let op = conn.create_writable(d).await?;
-                        wait_us = expose(
-                            &mut out,
-                            op.metadata(),
-                            op.wait_for_completion(Some(Duration::from_secs(60))),
-                        )
-                        .await?;
-                        op.into_descriptors()
-                    } else {
-                        let op = conn.create_readable(d).await?;
-                        wait_us = expose(
-                            &mut out,
-                            op.metadata(),
-                            op.wait_for_completion(Some(Duration::from_secs(60))),
-                        )
-                        .await?;
-                        op.into_descriptors()
-                    };
-                    *slot = back.into_iter().next();
-                }
-            }
-            ok = !(write && i == 0) || mem.holds(b.size as u64);
+            let (wait_us, back) = passive_once(&conn, mem.descriptor(write)?, write).await?;
+            mem.recycle(back);
+            let ok = !(write && i == 0) || mem.holds(b.size as u64);
             let reply = serde_json::to_string(&PeerIter { wait_us, ok })?;
-            out.write_all(format!("{reply}\n").as_bytes()).await?;
-            out.flush().await?;
+            println!("{reply}");
         }
     }
     Ok(())
 }
 
+/// One active operation (read, or write with `write`) on `d`; returns the owned descriptors back.
+async fn active_once(
+    conn: &Connector,
+    md: &RdmaMetadata,
+    d: Descriptor<'_>,
+    write: bool,
+) -> Result<Vec<Descriptor<'static>>> {
+    let t = Some(Duration::from_secs(60));
+    let back = if write {
+        let op = conn.begin_write(d, md).await?;
+        op.wait_for_completion(t).await?;
+        op.into_descriptors()
+            .map_err(|_| anyhow::anyhow!("the write was not released"))?
+    } else {
+        let op = conn.begin_read(md, d).await?;
+        op.wait_for_completion(t).await?;
+        op.into_descriptors()
+            .map_err(|_| anyhow::anyhow!("the read was not released"))?
+    };
+    Ok(back
+        .into_iter()
+        .filter_map(|d| d.try_into_static().ok())
+        .collect())
+}
+
+/// One passive operation (readable, or writable with `write`) on `d`, published on stdout; returns
+/// the wait from publishing to completion, in microseconds, and the owned descriptors back.
+async fn passive_once(
+    conn: &Connector,
+    d: Descriptor<'_>,
+    write: bool,
+) -> Result<(f64, Vec<Descriptor<'static>>)> {
+    let t = Some(Duration::from_secs(60));
+    let (wait_us, back) = if write {
+        let op = conn.create_writable(d).await?;
+        (
+            expose(op.metadata(), op.wait_for_completion(t)).await?,
+            op.into_descriptors(),
+        )
+    } else {
+        let op = conn.create_readable(d).await?;
+        (
+            expose(op.metadata(), op.wait_for_completion(t)).await?,
+            op.into_descriptors(),
+        )
+    };
+    Ok((
+        wait_us,
+        back.into_iter()
+            .filter_map(|d| d.try_into_static().ok())
+            .collect(),
+    ))
+}
+
 /// Publishes the metadata and times the wait from the moment it is published.
 async fn expose(
-    _out: &mut tokio::io::Stdout,
     md: &RdmaMetadata,
     wait: impl std::future::Future<Output = nixl_connect::Result<()>>,
 ) -> Result<f64> {

@@ -98,6 +98,7 @@ enum Mem<'a> {
         len: usize,
     },
     /// Memory borrowed for `'a` that only the driver can touch (device memory).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Extern {
         ptr: usize,
         len: usize,
@@ -285,9 +286,12 @@ impl<'a> Descriptor<'a> {
         }
     }
 
-    /// Detaches the lifetime when the descriptor owns its memory (or is raw), so the engine may
-    /// keep it alive past its operation.
-    pub(crate) fn into_static(self) -> Result<Descriptor<'static>, Self> {
+    /// Drops the borrow lifetime of a descriptor that owns its memory (or wraps a raw pointer), for
+    /// example to keep descriptors an operation gave back in a long-lived pool.
+    ///
+    /// # Errors
+    /// Gives the descriptor back when it borrows its memory.
+    pub fn try_into_static(self) -> Result<Descriptor<'static>, Self> {
         let Descriptor { mem, device, regs } = self;
         match mem {
             Mem::Owned(m) => Ok(Descriptor {

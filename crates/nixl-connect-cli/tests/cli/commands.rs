@@ -234,3 +234,58 @@ fn cli_dead_peer_fails_within_timeout() {
     assert!(!out.exists(), "no complete-looking output: {l}");
     no_partials(&dir);
 }
+
+/// The benchmark runs every op and buffer kind and prints DESIGN.md's keys (no timing asserted).
+#[test]
+fn cli_bench_prints_design_keys_for_every_mode() {
+    for (op, buffers) in [
+        ("read", "huge"),
+        ("read", "vec"),
+        ("write", "huge"),
+        ("write", "vec"),
+    ] {
+        let mut c = cli();
+        c.args([
+            "bench",
+            "--sizes",
+            "4K,1M",
+            "--iters",
+            "5",
+            "--warmup",
+            "1",
+            "--op",
+            op,
+            "--buffers",
+            buffers,
+        ]);
+        let (o, _) = run(c, LIMIT);
+        ok(&o, "bench");
+        let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let sized: Vec<&serde_json::Value> = lines.iter().filter(|v| v.get("size").is_some()).collect();
+        assert_eq!(sized.len(), 2, "{op}/{buffers}: one line per size: {lines:?}");
+        for v in sized {
+            for key in [
+                "impl",
+                "device",
+                "size",
+                "iters",
+                "read_median_us",
+                "read_min_us",
+                "server_wait_median_us",
+                "GBps",
+                "ok",
+            ] {
+                assert!(v.get(key).is_some(), "{op}/{buffers}: {key} missing in {v}");
+            }
+            assert_eq!(v["ok"], true, "{op}/{buffers}: bytes verified: {v}");
+            assert_eq!(v["iters"], 5);
+        }
+        assert!(
+            lines.iter().any(|v| v.get("idle_connector_cpu_pct").is_some()),
+            "{op}/{buffers}"
+        );
+    }
+}

@@ -123,7 +123,7 @@ impl Drop for Active<'_> {
         let mut owned = Vec::with_capacity(descs.len());
         let mut borrowed = Vec::new();
         for d in descs {
-            match d.into_static() {
+            match d.try_into_static() {
                 Ok(s) => owned.push(s),
                 Err(b) => borrowed.push(b),
             }
