@@ -7,7 +7,7 @@
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use crate::engine::RegToken;
 
@@ -18,7 +18,9 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// Page-aligned, zero-initialised host memory, advised onto huge pages when at least 2 MiB.
 ///
 /// Dereferences to `[u8]`. Dropping it deregisters it from every connector that registered it,
-/// then unmaps it.
+/// then unmaps it; memory that a connector exposed to peers (a readable or writable over NIXL) is
+/// instead emptied (its pages released, zeros read from then on) and kept mapped until those
+/// connectors are dropped, so that no peer holding old metadata can make this process fault.
 ///
 /// ```
 /// use nixl_connect::HostBuffer;
@@ -138,13 +140,45 @@ impl std::fmt::Debug for HostBuffer {
     }
 }
 
+/// An address range kept mapped until the last engine that exposed it lets go.
+struct Quarantined {
+    base: usize,
+    len: usize,
+}
+
+impl Drop for Quarantined {
+    fn drop(&mut self) {
+        // SAFETY: base/len are a mapping HostBuffer made and gave up; nothing references it.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
+    }
+}
+
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        // Deregister first: the tokens queue deregistration on each engine, ahead of any later
-        // registration of a new buffer that reuses this address.
-        self.regs.get_mut().unwrap_or_else(|e| e.into_inner()).clear();
-        // SAFETY: map_base/map_len are exactly what mmap returned; nothing borrows the buffer now.
-        unsafe { libc::munmap(self.map_base.as_ptr().cast(), self.map_len) };
+        let regs = std::mem::take(self.regs.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let (base, len) = (self.map_base.as_ptr() as usize, self.map_len);
+        if regs.iter().any(|t| t.exposed()) {
+            // Peers were told about this memory through NIXL, and UCX checks no registration when
+            // a peer reaches it over TCP, CMA or shared memory: unmapping it could make this
+            // process fault serving a late or replayed transfer. Drop the data and its RAM now
+            // (fresh zero pages read from then on) and keep the addresses mapped until every
+            // engine that exposed it has destroyed its agent.
+            // SAFETY: [base, base+len) is our private anonymous mapping; MADV_DONTNEED only
+            // replaces its pages with zero-filled ones, and nothing in this process uses it now.
+            unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+            let q = Arc::new(Quarantined { base, len });
+            for t in regs.iter().filter(|t| t.exposed()) {
+                let _ = t.quarantine(Box::new(q.clone()), len);
+            }
+            // If no engine took it (all gone), the last clone unmaps it here.
+            drop(q);
+        } else {
+            // SAFETY: map_base/map_len are exactly what mmap returned; nothing borrows it now.
+            unsafe { libc::munmap(base as *mut libc::c_void, len) };
+        }
+        // Deregistrations queue after the quarantine on each engine, ahead of any registration
+        // of a later buffer.
+        drop(regs);
     }
 }
 

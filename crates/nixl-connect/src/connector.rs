@@ -3,11 +3,17 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use crate::descriptor::Descriptors;
-use crate::engine::{BackendOptions, Engine, EngineStats};
+use crate::engine::{Engine, EngineOptions, EngineStats};
 use crate::error::{Error, Result};
 use crate::metadata::RdmaMetadata;
-use crate::operation::{ReadOperation, ReadableOperation, WritableOperation, WriteOperation};
+use crate::operation::{PathPolicy, ReadOperation, ReadableOperation, WritableOperation, WriteOperation};
+
+/// How long, by default, a dropped operation with borrowed memory waits for its NIXL transfer to
+/// end before the connector cuts the transfer off.
+pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(2);
 
 static CONNECTIONS: AtomicU64 = AtomicU64::new(1);
 
@@ -35,13 +41,29 @@ pub struct Connector {
 struct Inner {
     engine: Engine,
     worker_id: String,
+    path: PathPolicy,
 }
 
 /// Builds a [`Connector`] with options.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ConnectorBuilder {
     worker_id: Option<String>,
-    backend: BackendOptions,
+    ucx_params: Vec<(String, String)>,
+    path: PathPolicy,
+    cancel_grace: Duration,
+    deregister_on_completion: bool,
+}
+
+impl Default for ConnectorBuilder {
+    fn default() -> Self {
+        Self {
+            worker_id: None,
+            ucx_params: Vec::new(),
+            path: PathPolicy::Auto,
+            cancel_grace: DEFAULT_CANCEL_GRACE,
+            deregister_on_completion: false,
+        }
+    }
 }
 
 impl ConnectorBuilder {
@@ -54,18 +76,47 @@ impl ConnectorBuilder {
     /// Sets a UCX backend parameter (for example `ucx_error_handling_mode` = `none`, which moves
     /// notifications to shared memory at the cost of peer-failure detection).
     pub fn ucx_param(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.backend.params.push((key.into(), value.into()));
+        self.ucx_params.push((key.into(), value.into()));
         self
     }
 
-    /// Loads NIXL if needed, creates the agent and its UCX backend, and starts the engine thread.
+    /// Which paths active operations may take (default [`PathPolicy::Auto`]: the same-host path
+    /// to Rust peers on this host, NIXL otherwise). [`PathPolicy::Nixl`] also stops this
+    /// connector from listening for same-host peers.
+    pub fn path(mut self, path: PathPolicy) -> Self {
+        self.path = path;
+        self
+    }
+
+    /// How long a dropped active operation whose memory is borrowed waits for its NIXL transfer
+    /// to end (default [`DEFAULT_CANCEL_GRACE`]). Past it, the connector destroys the NIXL agent
+    /// that posted the transfer, the only way NIXL ends a posted transfer for sure; its other
+    /// NIXL transfers then fail with [`Error::Interrupted`] and may be retried.
+    pub fn cancel_grace(mut self, grace: Duration) -> Self {
+        self.cancel_grace = grace;
+        self
+    }
+
+    /// Deregisters a passive operation's memory from NIXL when the operation ends, instead of
+    /// keeping the registration cached while the memory lives (default off). This revokes a
+    /// late or replayed NIXL access only where the transport checks registrations (RDMA NICs
+    /// without UCX's registration cache); over TCP, CMA and shared memory UCX checks nothing at
+    /// the target. Each operation then registers its memory again.
+    pub fn deregister_on_completion(mut self, on: bool) -> Self {
+        self.deregister_on_completion = on;
+        self
+    }
+
+    /// Loads NIXL if needed, creates the agent and its UCX backend, starts listening for
+    /// same-host peers, and starts the engine thread.
     ///
-    /// Blocks for the few milliseconds UCX takes to start.
+    /// Blocks for the tens of milliseconds UCX takes to start (call it outside async code, or in
+    /// `spawn_blocking`).
     ///
     /// # Errors
     /// [`Error::NixlNotFound`] / [`Error::NixlLoad`] when NIXL is absent or broken (with the fix
     /// in the message), [`Error::NixlBackend`] when UCX cannot start, [`Error::InvalidArgument`]
-    /// for an empty worker id.
+    /// for an empty worker id or an unknown UCX parameter.
     pub fn build(self) -> Result<Connector> {
         let worker_id = self
             .worker_id
@@ -76,9 +127,22 @@ impl ConnectorBuilder {
             ));
         }
         let name = format!("{worker_id}-{}", CONNECTIONS.fetch_add(1, Ordering::Relaxed));
-        let engine = Engine::start(name, self.backend)?;
+        let path = self.path;
+        let engine = Engine::start(
+            name,
+            EngineOptions {
+                ucx_params: self.ucx_params,
+                path: self.path,
+                cancel_grace: self.cancel_grace,
+                deregister_on_completion: self.deregister_on_completion,
+            },
+        )?;
         Ok(Connector {
-            inner: Arc::new(Inner { engine, worker_id }),
+            inner: Arc::new(Inner {
+                engine,
+                worker_id,
+                path,
+            }),
         })
     }
 }
@@ -102,7 +166,13 @@ impl Connector {
         &self.inner.worker_id
     }
 
-    /// The NIXL agent name peers see (`<worker_id>-<n>`).
+    /// Which paths this connector's active operations may take.
+    pub fn path_policy(&self) -> PathPolicy {
+        self.inner.path
+    }
+
+    /// The NIXL agent name peers see (`<worker_id>-<n>`, or `<worker_id>-<n>-<pid>-<k>` when
+    /// another connector on this host already has that name).
     pub fn name(&self) -> &str {
         self.inner.engine.name()
     }
@@ -118,8 +188,9 @@ impl Connector {
     /// NIXL refuses the registration.
     ///
     /// # Cancel safety
-    /// Not cancel safe: if the future is dropped after the engine has registered the memory, the
-    /// registration is released but the notification key stays watched until the connector ends.
+    /// Cancel safe: dropping the future at any point ends the exposure (nobody has its metadata
+    /// yet) and hands owned memory to the engine; the descriptors are released as the operation's
+    /// own drop would.
     pub async fn create_readable<'a>(
         &self,
         local: impl Into<Descriptors<'a>>,
@@ -154,8 +225,10 @@ impl Connector {
     /// peer cannot be reached.
     ///
     /// # Cancel safety
-    /// Not cancel safe: dropping the future after the transfer was posted leaves it running with
-    /// no handle (the memory is kept alive by the engine until NIXL lets go).
+    /// Cancel safe: dropping the future at any point behaves as dropping the operation would
+    /// (see [`ReadOperation`]'s Drop): the transfer is cancelled, owned memory is freed by the
+    /// engine once nothing touches it, and borrowed memory is waited for before the borrow ends.
+    /// The transfer may already have moved data by then.
     pub async fn begin_read<'a>(
         &self,
         remote: &RdmaMetadata,

@@ -254,6 +254,26 @@ impl<'a> Descriptor<'a> {
         }
     }
 
+    /// The range the transports see.
+    pub(crate) fn range(&self) -> crate::engine::Range {
+        crate::engine::Range {
+            addr: self.ptr(),
+            len: self.size(),
+            device: self.device,
+        }
+    }
+
+    /// True when it owns a [`HostBuffer`] (which quarantines its own pages when dropped).
+    pub(crate) fn is_host_buffer(&self) -> bool {
+        matches!(&self.mem, Mem::Owned(m) if m.host_buffer().is_some())
+    }
+
+    /// True for raw-pointer descriptors (whose memory only the caller vouches for).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn is_raw(&self) -> bool {
+        matches!(self.mem, Mem::Raw { .. })
+    }
+
     /// This descriptor as it appears in [`RdmaMetadata`](crate::RdmaMetadata).
     pub fn metadata(&self) -> SerializedDescriptor {
         SerializedDescriptor {
@@ -414,6 +434,17 @@ pub(crate) fn check_local(descs: &[Descriptor<'_>], dest: bool) -> Result<()> {
         return Err(Error::InvalidArgument(format!(
             "descriptor {i} has a null pointer"
         )));
+    }
+    if let Some(i) = descs.iter().position(|d| d.ptr().checked_add(d.size()).is_none()) {
+        return Err(Error::InvalidArgument(format!(
+            "descriptor {i} wraps past the end of the address space"
+        )));
+    }
+    // Raw pointers are only as good as the caller's word: the driver knows where CUDA memory is,
+    // and device memory claimed as host memory (or the other way round) must never reach NIXL.
+    #[cfg(feature = "cuda")]
+    for d in descs.iter().filter(|d| d.is_raw()) {
+        crate::cuda::verify(d.ptr(), d.device())?;
     }
     Ok(())
 }

@@ -12,7 +12,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// - **The peer** sent metadata that does not parse or that NIXL rejects: [`Error::Metadata`].
 /// - **The host** lacks NIXL or a working backend: [`Error::NixlNotFound`], [`Error::NixlLoad`],
 ///   [`Error::NixlBackend`], [`Error::Os`], [`Error::CudaUnavailable`].
-/// - **The transfer** failed in NIXL or its peer went away: [`Error::Nixl`], [`Error::RemoteGone`],
+/// - **The peer's side of the operation** refused it: [`Error::Refused`] (its operation has ended,
+///   a replayed metadata string, or the request breaks its scope).
+/// - **The transfer** failed or its peer went away: [`Error::Nixl`], [`Error::Transfer`],
+///   [`Error::RemoteGone`], [`Error::Interrupted`], [`Error::PathUnavailable`],
 ///   [`Error::EngineStopped`].
 /// - **The operation** ended without data moving: [`Error::Cancelled`], [`Error::TimedOut`].
 /// - **A metadata channel** (HTTP, NATS) failed: [`Error::Channel`], [`Error::NotPublished`].
@@ -65,6 +68,20 @@ pub enum Error {
         reason: String,
     },
 
+    /// The peer's passive side refused the operation: its operation has completed, was
+    /// cancelled or dropped (`replay`: the metadata was used after its operation ended), or the
+    /// request breaks its scope (a range outside its descriptors, the wrong direction, a second
+    /// writer). Checked by the side that owns the memory, on the same-host path.
+    #[error("peer {agent} refused the operation: {reason}")]
+    Refused {
+        /// The peer's NIXL agent name.
+        agent: String,
+        /// True when the peer has no live operation with this key (a replayed metadata string).
+        replay: bool,
+        /// What the peer said.
+        reason: String,
+    },
+
     // ---- the host ----
     /// No NIXL library was found.
     #[error(
@@ -114,12 +131,44 @@ pub enum Error {
         status: String,
     },
 
-    /// The peer's agent is unreachable or exited mid-transfer.
+    /// The peer's process (or its connector) is gone: its connection closed, it could not be
+    /// connected to, or it exited mid-transfer.
     #[error("remote agent {agent} is gone: {reason}")]
     RemoteGone {
         /// The peer's NIXL agent name.
         agent: String,
         /// What was observed.
+        reason: String,
+    },
+
+    /// The transfer failed for another reason than the peer's exit (the kernel refused a copy,
+    /// the peer's memory went away under it...).
+    #[error("the transfer with {agent} failed: {reason}")]
+    Transfer {
+        /// The peer's NIXL agent name.
+        agent: String,
+        /// What failed.
+        reason: String,
+    },
+
+    /// The connector cut this NIXL transfer off to release another operation's memory from an
+    /// unresponsive peer (NIXL can only end posted transfers by destroying the agent that posted
+    /// them); the operation can be started again.
+    #[error("the transfer with {agent} was interrupted: {reason}")]
+    Interrupted {
+        /// The peer's NIXL agent name.
+        agent: String,
+        /// Why.
+        reason: String,
+    },
+
+    /// The connector's [`PathPolicy`](crate::PathPolicy) allows no path to this peer (for
+    /// example `Local` for a peer on another host, or a Python peer).
+    #[error("no allowed path to {agent}: {reason}")]
+    PathUnavailable {
+        /// The peer's NIXL agent name.
+        agent: String,
+        /// Why the allowed paths cannot reach it.
         reason: String,
     },
 
@@ -133,8 +182,16 @@ pub enum Error {
     Cancelled,
 
     /// The deadline passed first; the operation is still live and may be awaited again.
-    #[error("timed out after {0:?} waiting for the operation to complete")]
-    TimedOut(std::time::Duration),
+    #[error(
+        "timed out after {after:?} waiting for the operation to complete{}",
+        peer.as_deref().map(|p| format!(" (peer {p} has not finished)")).unwrap_or_default()
+    )]
+    TimedOut {
+        /// The deadline that passed.
+        after: std::time::Duration,
+        /// The peer's agent name, when the operation has one (active operations).
+        peer: Option<String>,
+    },
 
     // ---- a channel ----
     /// A metadata channel failed (unreachable server, protocol error, oversized document).

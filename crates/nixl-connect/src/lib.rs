@@ -47,21 +47,24 @@ mod metadata;
 mod operation;
 
 pub use buffer::{HostBuffer, HUGE_PAGE};
-pub use connector::{Connector, ConnectorBuilder};
+pub use connector::{Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE};
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind};
 pub use engine::EngineStats;
 pub use error::{Error, Result};
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor, MAX_NIXL_METADATA};
-pub use operation::{OperationStatus, ReadOperation, ReadableOperation, WritableOperation, WriteOperation};
+pub use operation::{
+    OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath, WritableOperation,
+    WriteOperation,
+};
 
 /// Where NIXL is looked for, and what was loaded.
 pub mod nixl_library {
-    pub use crate::engine::nixl::{NIXL_LIB_ENV, NIXL_SYS_VERSION};
+    pub use crate::engine::nixl::ffi::{NIXL_LIB_ENV, NIXL_SYS_VERSION};
 
     /// Every path searched for `libnixl_capi.so`, in order (see [`NIXL_LIB_ENV`]).
     pub fn candidates() -> Vec<std::path::PathBuf> {
-        crate::engine::nixl::candidates()
+        crate::engine::nixl::ffi::candidates()
     }
 
     /// Finds and loads NIXL (once per process); returns the library's path.
@@ -69,7 +72,7 @@ pub mod nixl_library {
     /// # Errors
     /// [`crate::Error::NixlNotFound`] or [`crate::Error::NixlLoad`].
     pub fn load() -> crate::Result<std::path::PathBuf> {
-        crate::engine::nixl::load().map(|l| l.capi)
+        crate::engine::nixl::ffi::load().map(|l| l.capi)
     }
 }
 

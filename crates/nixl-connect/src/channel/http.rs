@@ -285,7 +285,10 @@ async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
     };
     tokio::time::timeout(timeout, work)
         .await
-        .map_err(|_| Error::TimedOut(timeout))?
+        .map_err(|_| Error::TimedOut {
+            after: timeout,
+            peer: None,
+        })?
 }
 
 /// Fetches and validates the metadata published at `url`.

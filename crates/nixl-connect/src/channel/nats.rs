@@ -42,7 +42,10 @@ impl NatsChannel {
             .request_timeout(Some(timeout));
         let client = tokio::time::timeout(timeout, opts.connect(url))
             .await
-            .map_err(|_| Error::TimedOut(timeout))?
+            .map_err(|_| Error::TimedOut {
+                after: timeout,
+                peer: None,
+            })?
             .map_err(|e| chan(&format!("connect to {url}"), e))?;
         Ok(Self { client })
     }
@@ -89,13 +92,21 @@ impl NatsChannel {
     pub async fn fetch(&self, subject: &str, timeout: Duration) -> Result<RdmaMetadata> {
         let req = self.client.request(subject.to_string(), bytes::Bytes::new());
         let msg = match tokio::time::timeout(timeout, req).await {
-            Err(_) => return Err(Error::TimedOut(timeout)),
+            Err(_) => {
+                return Err(Error::TimedOut {
+                    after: timeout,
+                    peer: None,
+                })
+            }
             Ok(Err(e)) => {
                 return Err(match e.kind() {
                     async_nats::RequestErrorKind::NoResponders => Error::NotPublished {
                         location: format!("NATS subject {subject}"),
                     },
-                    async_nats::RequestErrorKind::TimedOut => Error::TimedOut(timeout),
+                    async_nats::RequestErrorKind::TimedOut => Error::TimedOut {
+                        after: timeout,
+                        peer: None,
+                    },
                     _ => chan(&format!("request on {subject}"), e),
                 })
             }

@@ -1,139 +1,101 @@
-//! The engine: one thread per connector owns the NIXL agent and serialises every call to it.
+//! The engine: one thread per connector owns the transports and every operation's bookkeeping.
 //!
-//! Callers send [`Cmd`]s over a channel and unpark the thread. While anything is outstanding (a
-//! transfer in flight, a passive operation waiting for its notification) the thread polls NIXL:
-//! it spins (yielding the core) for [`SPIN`] after the last event, then backs off with parks of
-//! [`MIN_PARK`] doubling to [`MAX_PARK`]. With nothing outstanding it spins out the same [`SPIN`]
-//! window (so back-to-back operations pay no wake-up) and then parks until the next command, so
-//! an idle connector costs no CPU. Each completion and each notification key wakes
-//! exactly the operation it belongs to; keys that arrive before their operation watches for them
-//! wait in a bounded stash.
+//! Callers send [`Cmd`]s over a channel and wake the thread through its [`poller`]. The thread
+//! sleeps in `epoll` on the same-host transport's sockets and its wake-up `eventfd`; it polls NIXL
+//! only when NIXL needs it ([`Polling`]): often while transfers are in flight, every
+//! [`nixl::EXPOSED_POLL`] while memory is exposed (a peer may need this side to act, for example to
+//! serve a read over TCP), never otherwise. After any event it keeps spinning for [`SPIN`] so that
+//! back-to-back operations pay no wake-up; an idle connector costs no CPU.
 //!
-//! Remote agents are loaded once per distinct metadata string and kept (reference-counted while
-//! transfers use them, least recently used evicted beyond [`MAX_IDLE_REMOTES`]); registrations are
-//! shared by address range (a range inside a live registration reuses it) and live as long as the
-//! memory's [`RegToken`]s.
+//! Ownership: from the moment a command leaves the caller, the memory a transport may touch is
+//! owned by the engine's side of the operation. Registration tokens live in the transports'
+//! records, owned memory of a dropped operation is adopted ([`Cmd::Adopt`]) and freed only once
+//! its transfer has ended, and exposed memory the library would free is quarantined until no peer
+//! can reach it (see `docs/SOUNDNESS.md`).
 
+pub(crate) mod local;
 pub(crate) mod nixl;
+mod poller;
+pub(crate) mod transport;
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Condvar, Mutex, Weak};
-use std::thread::{JoinHandle, Thread};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::oneshot;
 
+use self::local::LocalTransport;
+use self::nixl::NixlTransport;
+use self::poller::{Poller, Waker};
+use self::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
+use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::metadata::{decode_agent_metadata, encode_agent_metadata};
-use crate::operation::OperationStatus;
-pub(crate) use nixl::{BackendOptions, Range};
-use nixl::{NixlAgent, Poll, Prepared, Registration, Transfer};
+use crate::metadata::decode_agent_metadata;
+use crate::operation::{OpState, OperationStatus, PathPolicy, TransferPath};
 
-/// How long the engine keeps spinning after the last event before it starts parking.
+/// How long the engine keeps spinning after the last event before it sleeps.
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
-/// The first back-off park.
+/// The first back-off while transfers are in flight.
 pub(crate) const MIN_PARK: Duration = Duration::from_micros(20);
-/// The longest back-off park while something is outstanding.
+/// The longest back-off while transfers are in flight.
 pub(crate) const MAX_PARK: Duration = Duration::from_millis(1);
-/// How long a caller spins for the engine's answer or an operation's end before parking its task.
-pub(crate) const WAITER_SPIN: Duration = Duration::from_micros(100);
-/// Notification keys kept for operations that have not started watching yet.
-const STASH: usize = 4096;
-/// Remote agents kept loaded with no transfer using them.
-pub(crate) const MAX_IDLE_REMOTES: usize = 64;
-/// Prepared descriptor lists kept per side before the cache is cleared.
-const MAX_PREPARED: usize = 256;
-/// How long a shutting-down engine waits for transfers still in flight.
-const DRAIN: Duration = Duration::from_secs(10);
+/// Decoded peer metadata kept by string.
+const MAX_DECODED: usize = 1024;
 
-/// Shared state of one operation: its status, its error, and the wakers of its waiters.
-pub(crate) struct OpState {
-    status: AtomicU8,
-    error: Mutex<Option<Error>>,
-    notify: Notify,
-    released: Mutex<bool>,
-    released_cv: Condvar,
+/// One memory range as the transports see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Range {
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+    pub(crate) device: Device,
 }
 
-impl OpState {
-    pub(crate) fn new(status: OperationStatus, released: bool) -> Arc<Self> {
-        Arc::new(Self {
-            status: AtomicU8::new(status as u8),
-            error: Mutex::new(None),
-            notify: Notify::new(),
-            released: Mutex::new(released),
-            released_cv: Condvar::new(),
-        })
-    }
-
-    pub(crate) fn status(&self) -> OperationStatus {
-        OperationStatus::from_u8(self.status.load(Ordering::Acquire))
-    }
-
-    /// Moves to a terminal status unless already in one; wakes every waiter.
-    pub(crate) fn finish(&self, status: OperationStatus, error: Option<Error>) -> bool {
-        let mut cur = self.status.load(Ordering::Acquire);
-        loop {
-            if OperationStatus::from_u8(cur).is_terminal() {
-                return false;
-            }
-            if let Some(e) = &error {
-                *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.clone());
-            }
-            match self
-                .status
-                .compare_exchange(cur, status as u8, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => break,
-                Err(now) => cur = now,
-            }
-        }
-        self.notify.notify_waiters();
-        true
-    }
-
-    pub(crate) fn error(&self) -> Option<Error> {
-        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    pub(crate) fn notified(&self) -> tokio::sync::futures::Notified<'_> {
-        self.notify.notified()
-    }
-
-    pub(crate) fn mark_released(&self) {
-        *self.released.lock().unwrap_or_else(|p| p.into_inner()) = true;
-        self.released_cv.notify_all();
-    }
-
-    pub(crate) fn is_released(&self) -> bool {
-        *self.released.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Blocks the calling thread until NIXL has let go of the operation's memory.
-    pub(crate) fn wait_released(&self) {
-        let mut g = self.released.lock().unwrap_or_else(|p| p.into_inner());
-        while !*g {
-            g = self.released_cv.wait(g).unwrap_or_else(|p| p.into_inner());
-        }
-    }
+/// Which NIXL agent a registration belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// The agent that exposes passive operations' memory.
+    Exposer,
+    /// The agent that posts this connector's transfers.
+    Initiator,
 }
 
 /// Keeps one registration alive; the last clone's drop queues its deregistration.
 #[derive(Clone)]
-pub(crate) struct RegToken(Arc<RegInner>);
+pub(crate) struct RegToken(pub(crate) Arc<RegInner>);
 
 pub(crate) struct RegInner {
-    tx: Sender<Cmd>,
-    thread: Thread,
-    range: Range,
-    id: u64,
+    pub(crate) tx: Sender<Cmd>,
+    pub(crate) waker: Waker,
+    pub(crate) side: Side,
+    pub(crate) gen: u64,
+    pub(crate) range: Range,
+    pub(crate) id: u64,
 }
 
 impl RegToken {
     pub(crate) fn same(&self, other: &RegToken) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// True for a registration of exposed memory (peers may have been told about it).
+    pub(crate) fn exposed(&self) -> bool {
+        self.0.side == Side::Exposer
+    }
+
+    /// Hands `keep` to this registration's engine, which holds it until no peer can reach memory
+    /// through that engine's exposer. Returns it back if the engine is gone (then nothing can).
+    pub(crate) fn quarantine(&self, keep: Hold, bytes: usize) -> std::result::Result<(), Hold> {
+        match self.0.tx.send(Cmd::Quarantine { keep, bytes }) {
+            Ok(()) => {
+                self.0.waker.wake();
+                Ok(())
+            }
+            Err(mpsc::SendError(Cmd::Quarantine { keep, .. })) => Err(keep),
+            Err(_) => unreachable!("the command sent is returned"),
+        }
     }
 }
 
@@ -142,52 +104,61 @@ impl Drop for RegInner {
         if self
             .tx
             .send(Cmd::Deregister {
+                side: self.side,
+                gen: self.gen,
                 range: self.range,
                 id: self.id,
             })
             .is_ok()
         {
-            self.thread.unpark();
+            self.waker.wake();
         }
     }
 }
 
-/// What a passive operation gets from the engine.
-pub(crate) struct PassiveReply {
-    pub(crate) tokens: Vec<RegToken>,
-    pub(crate) nixl_metadata: Arc<str>,
-}
+/// Memory (or anything) the engine keeps alive on an operation's behalf.
+pub(crate) type Hold = Box<dyn Send>;
 
+/// Commands to the engine thread.
 pub(crate) enum Cmd {
-    /// Register `ranges`, encode this agent's metadata, and watch for `key`.
-    Passive {
-        ranges: Vec<Range>,
-        key: String,
-        state: Arc<OpState>,
-        reply: oneshot::Sender<Result<PassiveReply>>,
+    /// Expose a passive operation's memory under its key.
+    Expose {
+        spec: PassiveSpec,
+        reply: oneshot::Sender<Result<Exposure>>,
     },
-    /// Stop watching for `key`.
-    Unwatch {
-        key: String,
+    /// A passive operation ended (completed, cancelled or dropped): no new access; `keep` is
+    /// owned memory that was exposed, to hold until no peer can reach it.
+    Unexpose {
+        key: Arc<str>,
+        keep: Option<(Hold, usize)>,
     },
-    /// Register `local`, load the peer, post the transfer.
-    Active {
-        write: bool,
-        local: Vec<Range>,
-        remote: Vec<Range>,
-        remote_md: String,
-        key: String,
-        state: Arc<OpState>,
-        reply: oneshot::Sender<Result<Vec<RegToken>>>,
+    /// Start an active operation.
+    Begin {
+        spec: PendingActive,
+        reply: oneshot::Sender<Result<(Arc<str>, Vec<RegToken>)>>,
     },
-    /// Hold `keep` (an operation's memory) until `state`'s transfer is released.
+    /// Stop an active operation's transfer as soon as possible; with `hard`, even at the cost of
+    /// other operations (its owner cannot wait any longer).
+    Abandon {
+        id: OpId,
+        hard: bool,
+    },
+    /// Hold `keep` (a dropped operation's memory) until its transfer has ended.
     Adopt {
-        state: Arc<OpState>,
-        keep: Box<dyn Send>,
+        id: OpId,
+        keep: Hold,
     },
+    /// A registration token was dropped.
     Deregister {
+        side: Side,
+        gen: u64,
         range: Range,
         id: u64,
+    },
+    /// Hold `keep` (`bytes` of exposed memory) until no peer can reach it (the connector's end).
+    Quarantine {
+        keep: Hold,
+        bytes: usize,
     },
     /// Report the engine's counters.
     Stats {
@@ -196,70 +167,120 @@ pub(crate) enum Cmd {
     Shutdown,
 }
 
-/// Counters for tests and `doctor`.
+/// An active operation before its peer's metadata is decoded (which the engine does, cached).
+pub(crate) struct PendingActive {
+    pub(crate) id: OpId,
+    pub(crate) write: bool,
+    pub(crate) local: Vec<Range>,
+    pub(crate) remote: Vec<Range>,
+    pub(crate) remote_md: Arc<str>,
+    pub(crate) key: Arc<str>,
+    pub(crate) state: Arc<OpState>,
+}
+
+/// Counters for tests, `bench` and `doctor`.
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct EngineStats {
     /// NIXL memory registrations made so far.
     pub registrations: u64,
-    /// Registrations currently live.
+    /// NIXL registrations currently live.
     pub live_registrations: usize,
-    /// Remote agent metadata loads made so far.
+    /// Peer agent metadata loads into NIXL made so far.
     pub remote_loads: u64,
-    /// Transfers posted so far.
+    /// Transfers posted through NIXL so far.
     pub transfers: u64,
+    /// Active operations that took the same-host path.
+    pub local_transfers: u64,
+    /// Same-host connections refused because the peer runs as another user.
+    pub local_refused_peers: u64,
+    /// Times the NIXL initiator was destroyed to cut off an unresponsive peer.
+    pub resets: u64,
+    /// Bytes of exposed memory held back from the allocator until no peer can reach it.
+    pub quarantined_bytes: u64,
 }
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
+/// Options the engine starts with.
+#[derive(Debug, Clone)]
+pub(crate) struct EngineOptions {
+    pub(crate) ucx_params: Vec<(String, String)>,
+    pub(crate) path: PathPolicy,
+    pub(crate) cancel_grace: Duration,
+    pub(crate) deregister_on_completion: bool,
+}
+
 /// A handle to a connector's engine thread.
 #[derive(Clone)]
-pub(crate) struct Engine(Arc<EngineShared>);
+pub(crate) struct Engine(Arc<Shared>);
 
-struct EngineShared {
+struct Shared {
     tx: Sender<Cmd>,
-    thread: Thread,
+    waker: Waker,
     join: Mutex<Option<JoinHandle<()>>>,
+    thread: std::thread::ThreadId,
     name: String,
+    next_op: AtomicU64,
+    cancel_grace: Duration,
 }
 
 impl Engine {
-    /// Starts the engine thread and creates the agent on it.
-    pub(crate) fn start(name: String, opts: BackendOptions) -> Result<Self> {
+    /// Binds the same-host socket, creates the exposer agent and starts the engine thread.
+    ///
+    /// The agent's name is `base`, or `base-<pid>-<k>` when another connector in this network
+    /// namespace already serves `base` (agent names must be unique for the same-host path).
+    pub(crate) fn start(base: String, opts: EngineOptions) -> Result<Self> {
         // Fail fast (and without touching nixl-sys) when NIXL is absent.
-        nixl::load()?;
+        nixl::ffi::load()?;
+        let (name, listener) = if opts.path == PathPolicy::Nixl {
+            (base, None)
+        } else {
+            bind_unique(&base)?
+        };
+        let poller = Poller::new().map_err(|e| Error::Os(format!("creating the engine's poller: {e}")))?;
+        let waker = poller.waker();
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
-        let agent_name = name.clone();
-        let self_tx = tx.clone();
+        let (agent_name, self_tx, w2) = (name.clone(), tx.clone(), waker.clone());
+        let o2 = opts.clone();
         let join = std::thread::Builder::new()
             .name(format!(
                 "nixl-engine-{}",
                 NEXT_ENGINE.fetch_add(1, Ordering::Relaxed)
             ))
             .spawn(move || {
-                let agent = match NixlAgent::new(&agent_name, &opts) {
-                    Ok(a) => {
+                let nixl = match NixlTransport::new(
+                    &agent_name,
+                    o2.ucx_params.clone(),
+                    o2.deregister_on_completion,
+                    self_tx,
+                    w2.clone(),
+                ) {
+                    Ok(n) => {
                         let _ = ready_tx.send(Ok(()));
-                        a
+                        n
                     }
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
-                EngineLoop::new(agent, rx, self_tx).run();
+                let local =
+                    LocalTransport::new(o2.path != PathPolicy::Nixl, listener, poller.registrar(), w2);
+                EngineLoop::new(nixl, local, rx, poller, o2.path).run();
             })
-            .map_err(|e| Error::Nixl {
-                op: "spawn engine thread",
-                status: e.to_string(),
-            })?;
-        let thread = join.thread().clone();
+            .map_err(|e| Error::Os(format!("spawning the engine thread: {e}")))?;
+        let thread = join.thread().id();
         ready_rx.recv().map_err(|_| Error::EngineStopped)??;
-        Ok(Engine(Arc::new(EngineShared {
+        Ok(Engine(Arc::new(Shared {
             tx,
-            thread,
+            waker,
             join: Mutex::new(Some(join)),
+            thread,
             name,
+            next_op: AtomicU64::new(1),
+            cancel_grace: opts.cancel_grace,
         })))
     }
 
@@ -267,31 +288,28 @@ impl Engine {
         &self.0.name
     }
 
+    pub(crate) fn next_op(&self) -> OpId {
+        self.0.next_op.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// How long a dropped operation with borrowed memory waits before its transport is cut off.
+    pub(crate) fn cancel_grace(&self) -> Duration {
+        self.0.cancel_grace
+    }
+
     pub(crate) fn send(&self, cmd: Cmd) -> Result<()> {
         self.0.tx.send(cmd).map_err(|_| Error::EngineStopped)?;
-        self.0.thread.unpark();
+        self.0.waker.wake();
         Ok(())
     }
 
     /// Sends a command built around a reply channel and awaits the reply.
     ///
-    /// The engine answers most commands within microseconds, so the caller first spins (yielding
-    /// its core) for up to [`WAITER_SPIN`] before parking its task; that saves a futex wake-up on
-    /// each side of the hop.
+    /// # Cancel safety
+    /// The command is sent before the first await; dropping the future only drops the reply.
     pub(crate) async fn call<T>(&self, f: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Result<T> {
-        let (tx, mut rx) = oneshot::channel();
+        let (tx, rx) = oneshot::channel();
         self.send(f(tx))?;
-        let t0 = Instant::now();
-        loop {
-            match rx.try_recv() {
-                Ok(v) => return Ok(v),
-                Err(oneshot::error::TryRecvError::Closed) => return Err(Error::EngineStopped),
-                Err(oneshot::error::TryRecvError::Empty) if t0.elapsed() < WAITER_SPIN => {
-                    std::thread::yield_now()
-                }
-                Err(oneshot::error::TryRecvError::Empty) => break,
-            }
-        }
         rx.await.map_err(|_| Error::EngineStopped)
     }
 
@@ -300,11 +318,11 @@ impl Engine {
     }
 }
 
-impl Drop for EngineShared {
+impl Drop for Shared {
     fn drop(&mut self) {
         let _ = self.tx.send(Cmd::Shutdown);
-        self.thread.unpark();
-        if std::thread::current().id() != self.thread.id() {
+        self.waker.wake();
+        if std::thread::current().id() != self.thread {
             if let Some(j) = self.join.lock().unwrap_or_else(|p| p.into_inner()).take() {
                 let _ = j.join();
             }
@@ -312,455 +330,430 @@ impl Drop for EngineShared {
     }
 }
 
-struct Inflight {
-    transfer: Option<Transfer>,
-    state: Arc<OpState>,
-    remote: String,
-    keep: Option<Box<dyn Send>>,
-}
-
-impl Drop for Inflight {
-    fn drop(&mut self) {
-        // Release the NIXL request first, then let the memory go and tell any blocked dropper.
-        drop(self.transfer.take());
-        drop(self.keep.take());
-        self.state.mark_released();
+/// Binds the same-host socket for `base`, or for `base-<pid>-<k>` if another connector has it.
+fn bind_unique(base: &str) -> Result<(String, Option<std::os::fd::OwnedFd>)> {
+    for k in 0..64 {
+        let name = match k {
+            0 => base.to_string(),
+            k => format!("{base}-{}-{k}", std::process::id()),
+        };
+        match local::listen(&name) {
+            Ok(Some(fd)) => return Ok((name, Some(fd))),
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for same-host peers; NIXL only");
+                return Ok((base.to_string(), None));
+            }
+        }
     }
+    Ok((base.to_string(), None))
 }
 
-struct RegEntry {
-    id: u64,
-    token: Weak<RegInner>,
-    _reg: Registration,
+/// Bookkeeping of one active operation in the engine.
+struct Active {
+    state: Arc<OpState>,
+    keep: Option<Hold>,
+    /// The transport moving it (index into the chain), once started.
+    on: usize,
 }
 
-struct Remote {
-    name: String,
-    refs: usize,
-    last_used: Instant,
+struct Decoded {
+    raw: Arc<[u8]>,
+    peer: Arc<str>,
 }
 
 struct EngineLoop {
-    agent: NixlAgent,
     rx: Receiver<Cmd>,
-    tx: Sender<Cmd>,
-    thread: Thread,
-    inflight: Vec<Inflight>,
-    watch: HashMap<String, Arc<OpState>>,
-    stash: VecDeque<String>,
-    stash_set: HashSet<String>,
-    regs: HashMap<Range, RegEntry>,
-    next_reg: u64,
-    local_md: Option<Arc<str>>,
-    remotes: HashMap<String, Remote>,
-    remote_by_name: HashMap<String, String>,
-    notif_buf: Vec<(String, Vec<u8>)>,
-    stats: EngineStats,
-    /// Prepared local lists by ranges; cleared when a registration goes.
-    local_prep: HashMap<Vec<Range>, Prepared>,
-    /// Prepared remote lists by (peer, ranges); a peer's entries go when its metadata changes.
-    remote_prep: HashMap<(String, Vec<Range>), Prepared>,
+    poller: Poller,
+    local: LocalTransport,
+    nixl: NixlTransport,
+    policy: PathPolicy,
+    actives: HashMap<OpId, Active>,
+    passives: HashMap<Arc<str>, Arc<OpState>>,
+    decoded: HashMap<Arc<str>, Decoded>,
+    quarantine: Vec<Hold>,
+    events: Vec<Event>,
+    ready: Vec<(u64, u32)>,
+    pending: Option<Cmd>,
 }
 
 impl EngineLoop {
-    fn new(agent: NixlAgent, rx: Receiver<Cmd>, tx: Sender<Cmd>) -> Self {
+    fn new(
+        nixl: NixlTransport,
+        local: LocalTransport,
+        rx: Receiver<Cmd>,
+        poller: Poller,
+        policy: PathPolicy,
+    ) -> Self {
         Self {
-            agent,
             rx,
-            tx,
-            thread: std::thread::current(),
-            inflight: Vec::new(),
-            watch: HashMap::new(),
-            stash: VecDeque::new(),
-            stash_set: HashSet::new(),
-            regs: HashMap::new(),
-            next_reg: 1,
-            local_md: None,
-            remotes: HashMap::new(),
-            remote_by_name: HashMap::new(),
-            notif_buf: Vec::new(),
-            stats: EngineStats::default(),
-            local_prep: HashMap::new(),
-            remote_prep: HashMap::new(),
+            poller,
+            local,
+            nixl,
+            policy,
+            actives: HashMap::new(),
+            passives: HashMap::new(),
+            decoded: HashMap::new(),
+            quarantine: Vec::new(),
+            events: Vec::new(),
+            ready: Vec::new(),
+            pending: None,
+        }
+    }
+
+    /// The transports an active operation may take, in order of preference.
+    fn chain(&self) -> &'static [usize] {
+        match self.policy {
+            PathPolicy::Auto => &[0, 1],
+            PathPolicy::Nixl => &[1],
+            PathPolicy::Local => &[0],
+        }
+    }
+
+    fn transport(&mut self, i: usize) -> &mut dyn Transport {
+        match i {
+            0 => &mut self.local,
+            _ => &mut self.nixl,
         }
     }
 
     fn run(mut self) {
         let mut last_event = Instant::now();
         let mut park = MIN_PARK;
-        let mut shutdown: Option<Instant> = None;
+        let mut shutdown = false;
         loop {
             let mut event = false;
-            loop {
-                match self.rx.try_recv() {
-                    Ok(Cmd::Shutdown) => shutdown = shutdown.or(Some(Instant::now())),
-                    Ok(cmd) => {
-                        self.handle(cmd);
-                        event = true;
-                    }
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => {
-                        shutdown = shutdown.or(Some(Instant::now()));
-                        break;
-                    }
-                }
+            while let Some(cmd) = self.pending.take().or_else(|| self.next_cmd(&mut shutdown)) {
+                self.handle(cmd);
+                event = true;
             }
-            if let Some(t) = shutdown {
-                if self.inflight.is_empty() || t.elapsed() > DRAIN {
-                    break;
-                }
+            if shutdown {
+                break;
             }
-            let busy = !self.inflight.is_empty() || !self.watch.is_empty();
-            if busy {
-                event |= self.progress();
+            let ready = std::mem::take(&mut self.ready);
+            event |= self.local.progress(&ready, &mut self.events);
+            self.ready = ready;
+            self.ready.clear();
+            if self.nixl.polling() != Polling::Never {
+                event |= self.nixl.progress(&[], &mut self.events);
             }
+            event |= self.apply();
             if event {
                 last_event = Instant::now();
                 park = MIN_PARK;
+                self.poller.wait(Some(Duration::ZERO), &mut self.ready);
                 continue;
             }
             if last_event.elapsed() < SPIN {
-                // Recently active: keep the core warm (yielding it) so the next command or event is
-                // picked up without a futex wake.
+                // Recently active: stay hot (yielding the core) so the next command, socket
+                // message or completion is picked up without a wake-up.
                 std::thread::yield_now();
-            } else if !busy && shutdown.is_none() {
-                std::thread::park();
-                last_event = Instant::now();
-            } else {
-                std::thread::park_timeout(park);
-                park = (park * 2).min(MAX_PARK);
+                self.poller.wait(Some(Duration::ZERO), &mut self.ready);
+                continue;
+            }
+            let timeout = match self.nixl.polling() {
+                Polling::Busy => {
+                    let t = park;
+                    park = (park * 2).min(MAX_PARK);
+                    Some(t)
+                }
+                Polling::Every(t) => Some(t),
+                Polling::Never => None,
+            };
+            self.poller.prepare_sleep();
+            match self.rx.try_recv() {
+                Ok(cmd) => {
+                    self.poller.awake();
+                    self.pending = Some(cmd);
+                    continue;
+                }
+                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Empty) => {}
+            }
+            self.poller.wait(timeout, &mut self.ready);
+        }
+        self.shutdown();
+    }
+
+    fn next_cmd(&mut self, shutdown: &mut bool) -> Option<Cmd> {
+        match self.rx.try_recv() {
+            Ok(Cmd::Shutdown) => {
+                *shutdown = true;
+                None
+            }
+            Ok(c) => Some(c),
+            Err(TryRecvError::Empty) => None,
+            Err(TryRecvError::Disconnected) => {
+                *shutdown = true;
+                None
             }
         }
-        // Anything still waiting learns the engine is gone.
-        for (_, st) in self.watch.drain() {
+    }
+
+    /// Ends everything: operations still waiting learn the engine is gone; the transports (and
+    /// their agents) are destroyed, which ends every transfer; then held memory is freed.
+    fn shutdown(mut self) {
+        for (_, st) in self.passives.drain() {
             st.finish(OperationStatus::Errored, Some(Error::EngineStopped));
         }
-        for f in &self.inflight {
-            f.state
+        let actives: Vec<Active> = self.actives.drain().map(|(_, a)| a).collect();
+        for a in &actives {
+            a.state
                 .finish(OperationStatus::Errored, Some(Error::EngineStopped));
         }
+        let EngineLoop {
+            local,
+            nixl,
+            quarantine,
+            ..
+        } = self;
+        drop(local);
+        drop(nixl);
+        for a in actives {
+            drop(a.keep);
+            a.state.mark_released();
+        }
+        drop(quarantine);
     }
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Passive {
-                ranges,
-                key,
-                state,
-                reply,
-            } => {
-                let r = contain("register memory", || self.passive(ranges, key, state));
-                let _ = reply.send(r);
-            }
-            Cmd::Unwatch { key } => {
-                self.watch.remove(&key);
-            }
-            Cmd::Active {
-                write,
-                local,
-                remote,
-                remote_md,
-                key,
-                state,
-                reply,
-            } => {
-                let st = state.clone();
-                let r = contain("start transfer", || {
-                    self.active(write, local, remote, &remote_md, &key, state)
-                });
-                if r.is_err() {
-                    st.mark_released();
-                }
-                let _ = reply.send(r);
-            }
-            Cmd::Adopt { state, keep } => {
-                if let Some(f) = self.inflight.iter_mut().find(|f| Arc::ptr_eq(&f.state, &state)) {
-                    f.keep = Some(keep);
+            Cmd::Expose { spec, reply } => {
+                let mut out = Exposure::default();
+                let r = self
+                    .nixl
+                    .expose(&spec, &mut out)
+                    .and_then(|()| self.local.expose(&spec, &mut out));
+                match r {
+                    Ok(()) => {
+                        self.passives.insert(spec.key.clone(), spec.state.clone());
+                        if let Err(Ok(_)) = reply.send(Ok(out)) {
+                            // The caller's future is gone: nobody has the metadata; end it here.
+                            self.end_passive(&spec.key);
+                        }
+                    }
+                    Err(e) => {
+                        self.local.unexpose(&spec.key);
+                        self.nixl.unexpose(&spec.key);
+                        let _ = reply.send(Err(e));
+                    }
                 }
             }
-            Cmd::Deregister { range, id } => {
-                if self.regs.get(&range).is_some_and(|e| e.id == id) {
-                    self.regs.remove(&range);
-                    self.local_md = None;
-                    self.local_prep.clear();
+            Cmd::Unexpose { key, keep } => {
+                self.end_passive(&key);
+                if let Some((k, bytes)) = keep {
+                    self.hold(k, bytes);
                 }
             }
+            Cmd::Begin { spec, reply } => {
+                let id = spec.id;
+                match self.decode(spec) {
+                    Ok(spec) => {
+                        let (peer, state) = (spec.peer.clone(), spec.state.clone());
+                        self.actives.insert(
+                            id,
+                            Active {
+                                state: state.clone(),
+                                keep: None,
+                                on: 0,
+                            },
+                        );
+                        let chain = self.chain();
+                        self.offer(spec, chain[0], None);
+                        // Settle what the transports decided at once: an immediate hand-over to
+                        // the next transport, registrations to keep with the memory, and a
+                        // failure before anything moved, which the caller gets from begin_*.
+                        let (tokens, failed) = self.settle(id);
+                        match failed {
+                            Some(e) => {
+                                self.actives.remove(&id);
+                                state.finish(OperationStatus::Errored, Some(e.clone()));
+                                state.mark_released();
+                                let _ = reply.send(Err(e));
+                            }
+                            None => {
+                                let _ = reply.send(Ok((peer, tokens)));
+                            }
+                        }
+                    }
+                    Err((state, e)) => {
+                        state.mark_released();
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+            Cmd::Abandon { id, hard } => {
+                if let Some(a) = self.actives.get(&id) {
+                    let on = a.on;
+                    let mut out = std::mem::take(&mut self.events);
+                    self.transport(on).abandon(id, hard, &mut out);
+                    self.events = out;
+                }
+            }
+            Cmd::Adopt { id, keep } => match self.actives.get_mut(&id) {
+                Some(a) => a.keep = Some(keep),
+                None => drop(keep), // already released
+            },
+            Cmd::Deregister { side, gen, range, id } => self.nixl.deregister(side, gen, range, id),
+            Cmd::Quarantine { keep, bytes } => self.hold(keep, bytes),
             Cmd::Stats { reply } => {
-                let mut s = self.stats.clone();
-                s.live_registrations = self.regs.len();
+                let mut s = self.nixl.stats.clone();
+                s.live_registrations = self.nixl.live_registrations();
+                s.local_refused_peers = self.local.refused_peers;
                 let _ = reply.send(s);
             }
             Cmd::Shutdown => {}
         }
     }
 
-    fn register(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
-        let mut out = Vec::with_capacity(ranges.len());
-        for r in ranges {
-            if let Some(tok) = self.regs.get(r).and_then(|e| e.token.upgrade()) {
-                out.push(RegToken(tok));
-                continue;
-            }
-            // A range inside a live registration (a slice of an exposed buffer) reuses it.
-            let end = r.addr + r.len;
-            if let Some(tok) = self
-                .regs
-                .iter()
-                .filter(|(k, _)| k.device == r.device && k.addr <= r.addr && end <= k.addr + k.len)
-                .find_map(|(_, e)| e.token.upgrade())
-            {
-                out.push(RegToken(tok));
-                continue;
-            }
-            // A dead entry's deregistration is still queued: replace it now (its id no longer
-            // matches, so the queued command becomes a no-op).
-            self.regs.remove(r);
-            let reg = self.agent.register(*r)?;
-            let id = self.next_reg;
-            self.next_reg += 1;
-            let tok = Arc::new(RegInner {
-                tx: self.tx.clone(),
-                thread: self.thread.clone(),
-                range: *r,
-                id,
-            });
-            self.regs.insert(
-                *r,
-                RegEntry {
-                    id,
-                    token: Arc::downgrade(&tok),
-                    _reg: reg,
-                },
-            );
-            self.stats.registrations += 1;
-            self.local_md = None;
-            out.push(RegToken(tok));
-        }
-        Ok(out)
+    fn hold(&mut self, keep: Hold, bytes: usize) {
+        self.nixl.stats.quarantined_bytes += bytes as u64;
+        self.quarantine.push(keep);
     }
 
-    fn passive(&mut self, ranges: Vec<Range>, key: String, state: Arc<OpState>) -> Result<PassiveReply> {
-        let tokens = self.register(&ranges)?;
-        let md = match &self.local_md {
-            Some(md) => md.clone(),
-            None => {
-                let raw = self.agent.local_metadata()?;
-                let md: Arc<str> = encode_agent_metadata(&raw).into();
-                self.local_md = Some(md.clone());
-                md
+    fn end_passive(&mut self, key: &Arc<str>) {
+        self.passives.remove(key);
+        self.local.unexpose(key);
+        self.nixl.unexpose(key);
+    }
+
+    /// Decodes the peer's metadata (cached by string) into a full spec.
+    fn decode(&mut self, p: PendingActive) -> std::result::Result<ActiveSpec, (Arc<OpState>, Error)> {
+        if !self.decoded.contains_key(&p.remote_md) {
+            let r = decode_agent_metadata(&p.remote_md).and_then(|raw| {
+                let peer: Arc<str> = nixl::md::parse(&raw)?.name.into();
+                Ok(Decoded {
+                    raw: raw.into(),
+                    peer,
+                })
+            });
+            match r {
+                Ok(d) => {
+                    if self.decoded.len() >= MAX_DECODED {
+                        self.decoded.clear();
+                    }
+                    self.decoded.insert(p.remote_md.clone(), d);
+                }
+                Err(e) => return Err((p.state, e)),
             }
-        };
-        if self.stash_set.remove(&key) {
-            self.stash.retain(|k| k != &key);
-            state.finish(OperationStatus::Complete, None);
-        } else {
-            self.watch.insert(key, state);
         }
-        Ok(PassiveReply {
-            tokens,
-            nixl_metadata: md,
+        let d = &self.decoded[&p.remote_md];
+        Ok(ActiveSpec {
+            id: p.id,
+            write: p.write,
+            local: p.local,
+            remote: p.remote,
+            remote_md: p.remote_md,
+            remote_raw: d.raw.clone(),
+            peer: d.peer.clone(),
+            key: p.key,
+            state: p.state,
         })
     }
 
-    fn remote(&mut self, md: &str) -> Result<String> {
-        if let Some(r) = self.remotes.get_mut(md) {
-            r.last_used = Instant::now();
-            return Ok(r.name.clone());
-        }
-        let raw = decode_agent_metadata(md)?;
-        let name = self.agent.load_remote(&raw)?;
-        self.stats.remote_loads += 1;
-        // A peer's newer metadata (more registrations) replaces its older string; NIXL updated the
-        // agent in place.
-        let refs = match self.remote_by_name.insert(name.clone(), md.to_string()) {
-            Some(old) => {
-                self.remote_prep.retain(|(n, _), _| n != &name);
-                self.remotes.remove(&old).map_or(0, |r| r.refs)
+    /// Handles the events of a just-offered operation `id` that need an answer now: hand-overs
+    /// to the next transport, its registrations, and its immediate failure (removed from the
+    /// queue: the caller gets it instead).
+    fn settle(&mut self, id: OpId) -> (Vec<RegToken>, Option<Error>) {
+        let mut tokens = Vec::new();
+        loop {
+            let pos = self.events.iter().position(|e| {
+                matches!(e, Event::Declined { spec, .. } if spec.id == id)
+                    || matches!(e, Event::Registered { id: i, .. } if *i == id)
+                    || matches!(e, Event::ActiveEnded { id: i, result: Err(_) } if *i == id)
+            });
+            let Some(pos) = pos else { return (tokens, None) };
+            match self.events.remove(pos) {
+                Event::Registered { tokens: t, .. } => tokens.extend(t),
+                Event::ActiveEnded { result: Err(e), .. } => return (tokens, Some(e)),
+                Event::Declined { spec, reason } => self.hand_over(spec, reason),
+                _ => unreachable!("matched above"),
             }
-            None => 0,
-        };
-        self.remotes.insert(
-            md.to_string(),
-            Remote {
-                name: name.clone(),
-                refs,
-                last_used: Instant::now(),
-            },
-        );
-        self.evict_remotes();
-        Ok(name)
+        }
     }
 
-    fn evict_remotes(&mut self) {
-        let idle = self.remotes.values().filter(|r| r.refs == 0).count();
-        if idle <= MAX_IDLE_REMOTES {
+    /// Offers a declined operation to the next transport of the chain, or fails it.
+    fn hand_over(&mut self, spec: ActiveSpec, reason: String) {
+        let id = spec.id;
+        let chain = self.chain();
+        let on = self.actives.get(&id).map_or(0, |a| a.on);
+        match chain.iter().position(|&t| t == on).and_then(|p| chain.get(p + 1)) {
+            Some(&next) => self.offer(spec, next, Some(reason)),
+            None => self.events.push(Event::ActiveEnded {
+                id,
+                result: Err(Error::PathUnavailable {
+                    agent: spec.peer.to_string(),
+                    reason,
+                }),
+            }),
+        }
+    }
+
+    /// Offers `spec` to transport `i` of the chain (after another declined it with `why`).
+    fn offer(&mut self, spec: ActiveSpec, i: usize, why: Option<String>) {
+        let id = spec.id;
+        if spec.state.status().is_terminal() {
+            // Cancelled before any transport took it: nothing touched the memory.
+            self.events.push(Event::ActiveEnded {
+                id,
+                result: Err(Error::Cancelled),
+            });
             return;
         }
-        if let Some(md) = self
-            .remotes
-            .iter()
-            .filter(|(_, r)| r.refs == 0)
-            .min_by_key(|(_, r)| r.last_used)
-            .map(|(k, _)| k.clone())
-        {
-            self.forget_remote_md(&md);
+        if let Some(a) = self.actives.get_mut(&id) {
+            a.on = i;
         }
+        if let Some(why) = why {
+            tracing::trace!(op = id, %why, "offered to the next transport");
+        }
+        let mut out = std::mem::take(&mut self.events);
+        self.transport(i).begin(spec, &mut out);
+        self.events = out;
     }
 
-    fn forget_remote_md(&mut self, md: &str) {
-        if let Some(r) = self.remotes.remove(md) {
-            self.remote_prep.retain(|(n, _), _| n != &r.name);
-            if self.remote_by_name.get(&r.name).is_some_and(|m| m == md) {
-                self.remote_by_name.remove(&r.name);
-            }
-            self.agent.invalidate_remote(&r.name);
-        }
-    }
-
-    fn remote_refs(&mut self, name: &str, delta: isize) {
-        if let Some(md) = self.remote_by_name.get(name) {
-            if let Some(r) = self.remotes.get_mut(md) {
-                r.refs = r.refs.saturating_add_signed(delta);
-            }
-        }
-    }
-
-    fn active(
-        &mut self,
-        write: bool,
-        local: Vec<Range>,
-        remote: Vec<Range>,
-        remote_md: &str,
-        key: &str,
-        state: Arc<OpState>,
-    ) -> Result<Vec<RegToken>> {
-        let tokens = self.register(&local)?;
-        let name = self.remote(remote_md)?;
-        self.stats.transfers += 1;
-        if self.local_prep.len() > MAX_PREPARED {
-            self.local_prep.clear();
-        }
-        if self.remote_prep.len() > MAX_PREPARED {
-            self.remote_prep.clear();
-        }
-        if !self.local_prep.contains_key(&local) {
-            let p = self.agent.prepare(None, &local)?;
-            self.local_prep.insert(local.clone(), p);
-        }
-        let rkey = (name.clone(), remote);
-        if !self.remote_prep.contains_key(&rkey) {
-            let p = self.agent.prepare(Some(&name), &rkey.1)?;
-            self.remote_prep.insert(rkey.clone(), p);
-        }
-        let (lp, rp) = (&self.local_prep[&local], &self.remote_prep[&rkey]);
-        match self.agent.post_prepared(write, lp, rp, &name, key.as_bytes()) {
-            Ok(None) => {
-                state.mark_released();
-                state.finish(OperationStatus::Complete, None);
-            }
-            Ok(Some(t)) => {
-                self.remote_refs(&name, 1);
-                self.inflight.push(Inflight {
-                    transfer: Some(t),
-                    state,
-                    remote: name,
-                    keep: None,
-                });
-            }
-            Err(e) => {
-                if matches!(e, Error::RemoteGone { .. }) {
-                    self.forget_remote_md(remote_md);
-                }
-                state.mark_released();
-                return Err(e);
-            }
-        }
-        Ok(tokens)
-    }
-
-    fn progress(&mut self) -> bool {
-        let mut event = false;
-        let mut i = 0;
-        while i < self.inflight.len() {
-            let f = &self.inflight[i];
-            let t = f
-                .transfer
-                .as_ref()
-                .expect("in-flight transfers hold their request");
-            match self.agent.poll(t, &f.remote) {
-                Poll::Pending => i += 1,
-                Poll::Done => {
-                    let f = self.inflight.swap_remove(i);
-                    let (state, remote) = (f.state.clone(), f.remote.clone());
-                    drop(f); // releases the request and marks the memory released
-                    self.remote_refs(&remote, -1);
-                    state.finish(OperationStatus::Complete, None);
-                    event = true;
-                }
-                Poll::Failed(e) => {
-                    let f = self.inflight.swap_remove(i);
-                    let (state, remote) = (f.state.clone(), f.remote.clone());
-                    drop(f);
-                    self.remote_refs(&remote, -1);
-                    if let Some(md) = self.remote_by_name.get(&remote).cloned() {
-                        self.forget_remote_md(&md);
+    /// Applies the transports' events to the operations.
+    fn apply(&mut self) -> bool {
+        let mut any = false;
+        while !self.events.is_empty() {
+            any = true;
+            for ev in std::mem::take(&mut self.events) {
+                match ev {
+                    Event::ActiveEnded { id, result } => {
+                        let Some(a) = self.actives.remove(&id) else {
+                            continue;
+                        };
+                        if result.is_ok() && self.transport(a.on).path() == TransferPath::Local {
+                            self.nixl.stats.local_transfers += 1;
+                        }
+                        // Released before the status is final: a waiter woken by the status may
+                        // take the memory back at once.
+                        drop(a.keep);
+                        a.state.mark_released();
+                        match result {
+                            Ok(()) => a.state.finish(OperationStatus::Complete, None),
+                            Err(Error::Cancelled) => a.state.finish(OperationStatus::Cancelled, None),
+                            Err(e) => a.state.finish(OperationStatus::Errored, Some(e)),
+                        };
                     }
-                    state.finish(OperationStatus::Errored, Some(e));
-                    event = true;
-                }
-            }
-        }
-        let mut buf = std::mem::take(&mut self.notif_buf);
-        if let Err(e) = self.agent.notifications(&mut buf) {
-            tracing::warn!(error = %e, "draining NIXL notifications failed");
-        }
-        for (from, msg) in buf.drain(..) {
-            event = true;
-            let key = String::from_utf8_lossy(&msg).into_owned();
-            match self.watch.remove(&key) {
-                Some(st) => {
-                    st.finish(OperationStatus::Complete, None);
-                }
-                None => {
-                    tracing::trace!(from = %from, key = %key, "notification for no waiting operation; stashed");
-                    if self.stash_set.insert(key.clone()) {
-                        self.stash.push_back(key);
-                        if self.stash.len() > STASH {
-                            if let Some(old) = self.stash.pop_front() {
-                                self.stash_set.remove(&old);
-                            }
+                    Event::PassiveCompleted { key } => {
+                        if let Some(st) = self.passives.get(&key) {
+                            st.finish(OperationStatus::Complete, None);
+                            self.end_passive(&key);
                         }
                     }
+                    Event::PassiveFailed { key, error } => {
+                        if let Some(st) = self.passives.get(&key) {
+                            st.finish(OperationStatus::Errored, Some(error));
+                            self.end_passive(&key);
+                        }
+                    }
+                    Event::Declined { spec, reason } => self.hand_over(spec, reason),
+                    // Tokens of an operation whose caller is no longer waiting: the transport
+                    // keeps its own while it needs them.
+                    Event::Registered { .. } => {}
                 }
             }
         }
-        self.notif_buf = buf;
-        event
-    }
-}
-
-/// Runs `f`, turning a panic inside it (nixl-sys unwraps, for example on a remote agent name that
-/// is not UTF-8) into an error for the one caller instead of a dead engine.
-fn contain<T>(op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
-        let msg = p
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| p.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into());
-        Err(Error::Nixl {
-            op,
-            status: format!("panicked inside the NIXL bindings: {msg}"),
-        })
-    })
-}
-
-impl Drop for EngineLoop {
-    fn drop(&mut self) {
-        // In-flight transfers release before the agent goes (Inflight's drop marks them released).
-        self.inflight.clear();
-        self.local_prep.clear();
-        self.remote_prep.clear();
-        self.regs.clear();
+        any
     }
 }

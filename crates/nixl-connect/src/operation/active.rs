@@ -3,9 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{wait, OperationStatus};
+use super::{wait, OpState, OperationStatus};
 use crate::descriptor::{check_local, Descriptor};
-use crate::engine::{Cmd, Engine, OpState, Range};
+use crate::engine::transport::OpId;
+use crate::engine::{Cmd, Engine, PendingActive, Range};
 use crate::error::{Error, Result};
 use crate::metadata::{OperationKind, RdmaMetadata};
 
@@ -13,7 +14,10 @@ pub(crate) struct Active<'a> {
     engine: Engine,
     state: Arc<OpState>,
     descs: Vec<Descriptor<'a>>,
-    key: String,
+    key: Arc<str>,
+    id: OpId,
+    /// The peer's agent name, from its metadata.
+    peer: Option<Arc<str>>,
 }
 
 /// Checks that `local` pairs with `remote` for `kind` before anything is posted.
@@ -66,18 +70,11 @@ impl<'a> Active<'a> {
     pub(crate) async fn begin(
         engine: &Engine,
         remote: &RdmaMetadata,
-        mut descs: Vec<Descriptor<'a>>,
+        descs: Vec<Descriptor<'a>>,
         kind: OperationKind,
     ) -> Result<Self> {
         check_pairing(remote, &descs, kind)?;
-        let local: Vec<Range> = descs
-            .iter()
-            .map(|d| Range {
-                addr: d.ptr(),
-                len: d.size(),
-                device: d.device(),
-            })
-            .collect();
+        let local: Vec<Range> = descs.iter().map(Descriptor::range).collect();
         let remote_ranges: Vec<Range> = remote
             .descriptors
             .iter()
@@ -87,29 +84,55 @@ impl<'a> Active<'a> {
                 device: d.device,
             })
             .collect();
-        let state = OpState::new(OperationStatus::InProgress, false);
-        let key = remote.notification_key.clone();
-        let tokens = engine
-            .call(|reply| Cmd::Active {
-                // A READ operation reads the readable; a WRITE operation writes the writable.
-                write: kind == OperationKind::Write,
-                local,
-                remote: remote_ranges,
-                remote_md: remote.nixl_metadata.clone(),
-                key: key.clone(),
-                state: state.clone(),
-                reply,
-            })
-            .await??;
-        for (d, t) in descs.iter_mut().zip(tokens) {
-            d.attach(t);
-        }
-        Ok(Self {
+        let state = OpState::new(OperationStatus::InProgress);
+        let key: Arc<str> = remote.notification_key.as_str().into();
+        let id = engine.next_op();
+        // From here on, dropping `op` (with this future) is the operation's own drop: owned memory
+        // goes to the engine, borrowed memory waits until no transport touches it.
+        let mut op = Active {
             engine: engine.clone(),
-            state,
+            state: state.clone(),
             descs,
+            key: key.clone(),
+            id,
+            peer: None,
+        };
+        state.mark_in_use();
+        let spec = PendingActive {
+            id,
+            // A READ operation reads the readable; a WRITE operation writes the writable.
+            write: kind == OperationKind::Write,
+            local,
+            remote: remote_ranges,
+            remote_md: remote.nixl_metadata.as_str().into(),
             key,
-        })
+            state: state.clone(),
+        };
+        match engine.call(|reply| Cmd::Begin { spec, reply }).await {
+            Ok(Ok((peer, tokens))) => {
+                op.peer = Some(peer);
+                // One token per local descriptor, in order, when NIXL registered them.
+                for (d, t) in op.descs.iter_mut().zip(tokens) {
+                    d.attach(t);
+                }
+                Ok(op)
+            }
+            Ok(Err(e)) => Err(e), // the engine released it: nothing was posted
+            Err(e) => {
+                // The engine is gone, and with it every transport that could touch the memory.
+                state.mark_released();
+                Err(e)
+            }
+        }
+    }
+
+    fn cancel(&self) {
+        if self.state.finish(OperationStatus::Cancelled, None) {
+            let _ = self.engine.send(Cmd::Abandon {
+                id: self.id,
+                hard: false,
+            });
+        }
     }
 }
 
@@ -128,22 +151,38 @@ impl Drop for Active<'_> {
                 Err(b) => borrowed.push(b),
             }
         }
-        if borrowed.is_empty() {
-            // Owned memory: hand it to the engine, which frees it once NIXL lets go.
-            if self
-                .engine
-                .send(Cmd::Adopt {
-                    state: self.state.clone(),
-                    keep: Box::new(owned),
-                })
-                .is_ok()
-            {
-                return;
-            }
+        if self
+            .engine
+            .send(Cmd::Abandon {
+                id: self.id,
+                hard: false,
+            })
+            .is_err()
+        {
+            return; // no engine, no transport: nothing touches the memory
         }
-        // Borrowed memory must not be released to its owner while NIXL may still write it.
-        self.state.wait_released();
+        if borrowed.is_empty() {
+            // Owned memory: the engine frees it once the transfer has ended. The command follows
+            // the Begin in the engine's queue, so the engine always finds the operation (or has
+            // already released it, and drops the memory at once).
+            let _ = self.engine.send(Cmd::Adopt {
+                id: self.id,
+                keep: Box::new(owned),
+            });
+            return;
+        }
+        // Borrowed memory must not go back to its owner while a transport may still write it.
+        // Give the transfer `cancel_grace` to end; then make the transport cut it off (for NIXL:
+        // destroy the agent that posted it, the only way a posted transfer ends for sure).
+        if !self.state.wait_released(Some(self.engine.cancel_grace())) {
+            let _ = self.engine.send(Cmd::Abandon {
+                id: self.id,
+                hard: true,
+            });
+            self.state.wait_released(None);
+        }
         drop(borrowed);
+        drop(owned);
     }
 }
 
@@ -152,10 +191,13 @@ macro_rules! active_op {
         $(#[$doc])*
         ///
         /// # Drop
-        /// Dropping it before completion cancels it. Owned memory is handed to the engine and
-        /// freed once NIXL lets go of it; borrowed memory makes the drop block until NIXL has
-        /// released the transfer (its end or its failure), so the borrow never ends while NIXL
-        /// can still touch it.
+        /// Dropping it before completion cancels it, and never lets the memory go while a
+        /// transport may still touch it. Owned memory is handed to the engine and freed once the
+        /// transfer has ended (the drop does not block). Borrowed memory makes the drop block
+        /// until the transfer has stopped: the same-host path stops at once; a NIXL transfer gets
+        /// [`ConnectorBuilder::cancel_grace`](crate::ConnectorBuilder::cancel_grace) to end, after
+        /// which the connector destroys the NIXL agent that posted it (other NIXL transfers of
+        /// this connector in flight then fail with [`Error::Interrupted`]).
         pub struct $name<'a> {
             inner: Active<'a>,
         }
@@ -171,24 +213,33 @@ macro_rules! active_op {
                 &self.inner.key
             }
 
+            /// Which path moves the bytes (`None` until a transport has taken the operation).
+            pub fn path(&self) -> Option<crate::TransferPath> {
+                self.inner.state.path()
+            }
+
             /// Waits until the transfer has completed.
             ///
             /// # Errors
-            /// [`Error::TimedOut`] when `timeout` passes first (the transfer goes on: wait again
-            /// or drop); [`Error::RemoteGone`] or [`Error::Nixl`] when the transfer failed;
-            /// [`Error::Cancelled`] after `cancel()`.
+            /// [`Error::TimedOut`] (naming the peer) when `timeout` passes first: the transfer
+            /// goes on, wait again or drop it; [`Error::Refused`] when the peer's operation has
+            /// ended or the request breaks its scope (a replayed metadata string);
+            /// [`Error::RemoteGone`] when the peer's process or connector is gone;
+            /// [`Error::Transfer`] or [`Error::Nixl`] when the transfer failed otherwise;
+            /// [`Error::Interrupted`] when the connector cut off NIXL transfers for another
+            /// operation's sake; [`Error::Cancelled`] after `cancel()`.
             ///
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the transfer running.
             pub async fn wait_for_completion(&self, timeout: Option<Duration>) -> Result<()> {
-                wait(&self.inner.state, timeout).await
+                wait(&self.inner.state, timeout, self.inner.peer.as_deref()).await
             }
 
-            /// Marks the operation cancelled and wakes its waiters. NIXL has no way to stop a
-            /// posted transfer, so the memory stays in use until it ends; dropping the operation
-            /// afterwards is safe at any time.
+            /// Marks the operation cancelled and wakes its waiters; the same-host path stops its
+            /// copy at once. NIXL cannot stop a posted transfer, so over NIXL the memory stays in
+            /// use until the transfer ends (dropping the operation then waits, see Drop).
             pub fn cancel(&self) {
-                self.inner.state.finish(OperationStatus::Cancelled, None);
+                self.inner.cancel()
             }
 
             /// Gives the local descriptors back once NIXL has released them.

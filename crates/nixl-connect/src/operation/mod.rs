@@ -10,15 +10,75 @@
 
 mod active;
 mod passive;
+mod state;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use active::{ReadOperation, WriteOperation};
 pub use passive::{ReadableOperation, WritableOperation};
+pub(crate) use state::OpState;
 
-use crate::engine::OpState;
 use crate::error::{Error, Result};
+
+/// Which path moved an operation's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum TransferPath {
+    /// NIXL (UCX): Python peers, other hosts, device memory.
+    Nixl = 1,
+    /// The same-host path: a Rust peer on this host, host memory copied directly.
+    Local = 2,
+}
+
+impl TransferPath {
+    pub(crate) fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(Self::Nixl),
+            2 => Some(Self::Local),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for TransferPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Nixl => "nixl",
+            Self::Local => "local",
+        })
+    }
+}
+
+/// Which paths a connector's active operations may take
+/// ([`ConnectorBuilder::path`](crate::ConnectorBuilder::path)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum PathPolicy {
+    /// The same-host path when the peer is a Rust connector on this host, NIXL otherwise.
+    #[default]
+    Auto,
+    /// NIXL only; the connector does not listen for same-host peers either.
+    Nixl,
+    /// The same-host path only: an operation it cannot take fails with
+    /// [`Error::PathUnavailable`](crate::Error::PathUnavailable) (for benchmarks and tests).
+    Local,
+}
+
+impl std::str::FromStr for PathPolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "nixl" => Ok(Self::Nixl),
+            "local" => Ok(Self::Local),
+            other => Err(Error::InvalidArgument(format!(
+                "path {other:?} is not one of auto, nixl, local"
+            ))),
+        }
+    }
+}
 
 /// The status of an operation, as Python's `OperationStatus`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -71,15 +131,8 @@ impl std::fmt::Display for OperationStatus {
     }
 }
 
-/// Waits for `state` to end, or for `timeout`.
-///
-/// Short operations end within microseconds, so the waiter first spins (yielding its core) for up
-/// to [`WAITER_SPIN`](crate::engine::WAITER_SPIN) before parking its task.
-async fn wait(state: &Arc<OpState>, timeout: Option<Duration>) -> Result<()> {
-    let t0 = std::time::Instant::now();
-    while !state.status().is_terminal() && t0.elapsed() < crate::engine::WAITER_SPIN {
-        std::thread::yield_now();
-    }
+/// Waits for `state` to end, or for `timeout` (then [`Error::TimedOut`] naming `peer`).
+async fn wait(state: &Arc<OpState>, timeout: Option<Duration>, peer: Option<&str>) -> Result<()> {
     let fut = async {
         loop {
             let notified = state.notified();
@@ -95,8 +148,9 @@ async fn wait(state: &Arc<OpState>, timeout: Option<Duration>) -> Result<()> {
     };
     match timeout {
         None => fut.await,
-        Some(t) => tokio::time::timeout(t, fut)
-            .await
-            .map_err(|_| Error::TimedOut(t))?,
+        Some(t) => tokio::time::timeout(t, fut).await.map_err(|_| Error::TimedOut {
+            after: t,
+            peer: peer.map(str::to_owned),
+        })?,
     }
 }

@@ -1,80 +1,130 @@
-//! Passive operations: memory exposed to a peer, complete when the peer's notification arrives.
+//! Passive operations: memory exposed to a peer, complete when the peer reports its transfer done
+//! (a NIXL notification carrying the key, or the same-host path's completion message).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{wait, OperationStatus};
+use super::{wait, OpState, OperationStatus};
 use crate::descriptor::{check_local, Descriptor};
-use crate::engine::{Cmd, Engine, OpState, Range};
-use crate::error::Result;
+use crate::engine::transport::PassiveSpec;
+use crate::engine::{Cmd, Engine, Range};
+use crate::error::{Error, Result};
 use crate::metadata::{OperationKind, RdmaMetadata};
 
 pub(crate) struct Passive<'a> {
     engine: Engine,
     state: Arc<OpState>,
     descs: Vec<Descriptor<'a>>,
-    metadata: RdmaMetadata,
+    metadata: Option<RdmaMetadata>,
+    key: Arc<str>,
 }
 
 impl<'a> Passive<'a> {
     pub(crate) async fn create(
         engine: &Engine,
-        mut descs: Vec<Descriptor<'a>>,
+        descs: Vec<Descriptor<'a>>,
         kind: OperationKind,
     ) -> Result<Self> {
         check_local(&descs, kind == OperationKind::Write)?;
-        let ranges: Vec<Range> = descs
-            .iter()
-            .map(|d| Range {
-                addr: d.ptr(),
-                len: d.size(),
-                device: d.device(),
-            })
-            .collect();
-        let key = uuid::Uuid::new_v4().to_string();
-        let state = OpState::new(OperationStatus::Initialized, true);
-        let reply = engine
-            .call(|reply| Cmd::Passive {
-                ranges,
-                key: key.clone(),
-                state: state.clone(),
-                reply,
-            })
-            .await??;
-        for (d, t) in descs.iter_mut().zip(reply.tokens) {
+        let ranges: Vec<Range> = descs.iter().map(Descriptor::range).collect();
+        let key: Arc<str> = uuid::Uuid::new_v4().to_string().into();
+        let state = OpState::new(OperationStatus::Initialized);
+        // From here on, dropping `op` (with this future) ends the exposure and hands owned memory
+        // to the engine: the memory is never freed while a transport may reach it.
+        let mut op = Passive {
+            engine: engine.clone(),
+            state: state.clone(),
+            descs,
+            metadata: None,
+            key: key.clone(),
+        };
+        let spec = PassiveSpec {
+            key: key.clone(),
+            kind,
+            ranges,
+            state,
+        };
+        let exposed = engine.call(|reply| Cmd::Expose { spec, reply }).await??;
+        // One token per descriptor, in order (the NIXL transport registers each range).
+        for (d, t) in op.descs.iter_mut().zip(exposed.tokens) {
             d.attach(t);
         }
-        let metadata = RdmaMetadata {
-            descriptors: descs.iter().map(Descriptor::metadata).collect(),
-            nixl_metadata: reply.nixl_metadata.to_string(),
-            notification_key: key,
+        let nixl_metadata = exposed.nixl_metadata.ok_or_else(|| Error::Nixl {
+            op: "expose memory",
+            status: "no transport produced NIXL metadata".into(),
+        })?;
+        op.metadata = Some(RdmaMetadata {
+            descriptors: op.descs.iter().map(Descriptor::metadata).collect(),
+            nixl_metadata: nixl_metadata.to_string(),
+            notification_key: key.to_string(),
             operation_kind: kind.as_u8(),
-        };
-        Ok(Self {
-            engine: engine.clone(),
-            state,
-            descs,
-            metadata,
-        })
+        });
+        Ok(op)
+    }
+
+    fn metadata(&self) -> &RdmaMetadata {
+        self.metadata
+            .as_ref()
+            .expect("set by create before the operation is handed out")
     }
 
     fn cancel(&self) {
         if self.state.finish(OperationStatus::Cancelled, None) {
-            let _ = self.engine.send(Cmd::Unwatch {
-                key: self.metadata.notification_key.clone(),
+            let _ = self.engine.send(Cmd::Unexpose {
+                key: self.key.clone(),
+                keep: None,
             });
         }
+    }
+
+    /// Ends the exposure and takes the descriptors back once no copy of this process writes them.
+    fn take(&mut self) -> Vec<Descriptor<'a>> {
+        self.state.finish(OperationStatus::Cancelled, None);
+        let _ = self.engine.send(Cmd::Unexpose {
+            key: self.key.clone(),
+            keep: None,
+        });
+        // A same-host write into this memory runs on this process's copy threads; ending the
+        // exposure stops it within one chunk.
+        self.state.wait_released(None);
+        std::mem::take(&mut self.descs)
     }
 }
 
 impl Drop for Passive<'_> {
     fn drop(&mut self) {
-        // Stop watching; the descriptors' registrations are released as they drop.
-        if !self.state.status().is_terminal() {
-            let _ = self.engine.send(Cmd::Unwatch {
-                key: self.metadata.notification_key.clone(),
-            });
+        if self.descs.is_empty() {
+            return; // given back by into_descriptors
         }
+        self.state.finish(OperationStatus::Cancelled, None);
+        let descs = std::mem::take(&mut self.descs);
+        let mut owned = Vec::new();
+        let mut borrowed = Vec::new();
+        for d in descs {
+            match d.try_into_static() {
+                // A HostBuffer quarantines its own pages when dropped; other owned memory that was
+                // exposed is held by the engine until no peer can reach it.
+                Ok(s) if !s.is_host_buffer() => owned.push(s),
+                Ok(s) => drop(s),
+                Err(b) => borrowed.push(b),
+            }
+        }
+        let bytes: usize = owned.iter().map(Descriptor::size).sum();
+        let keep: Option<(crate::engine::Hold, usize)> =
+            (!owned.is_empty()).then(|| (Box::new(owned) as crate::engine::Hold, bytes));
+        let sent = self
+            .engine
+            .send(Cmd::Unexpose {
+                key: self.key.clone(),
+                keep,
+            })
+            .is_ok();
+        if !borrowed.is_empty() && sent {
+            // Only this process's own copy threads can be writing it (same-host writes); ending
+            // the exposure stops them within one chunk.
+            self.state.wait_released(None);
+        }
+        drop(borrowed);
     }
 }
 
@@ -83,12 +133,13 @@ macro_rules! passive_op {
         $(#[$doc])*
         ///
         /// # Drop
-        /// Dropping it stops the wait and releases its registrations; if it was not complete it
-        /// counts as cancelled. A peer that already holds the metadata then fails its transfer
-        /// (the memory is no longer registered), but over transports that need no registration
-        /// (shared memory, CMA) the peer could still reach the memory while the transfer is
-        /// mid-way: keep the operation alive until it completes or until you know the peer will
-        /// not start.
+        /// Dropping it ends the exposure: the same-host path refuses the key from then on and
+        /// revokes copies in progress; the peer's NIXL transfer, if one is running, fails or ends.
+        /// If it was not complete it counts as cancelled. Memory it owns that NIXL exposed is not
+        /// returned to the allocator while a peer could still reach it (quarantine, see
+        /// `docs/SOUNDNESS.md`); borrowed memory is given back to its owner, and over NIXL's TCP,
+        /// CMA and shared-memory transports a peer that kept the metadata can still reach it
+        /// while this connector lives (UCX checks no registration at the target).
         pub struct $name<'a> {
             inner: Passive<'a>,
         }
@@ -100,35 +151,41 @@ macro_rules! passive_op {
 
             /// The metadata to hand to the peer (print it with `to_json()`).
             pub fn metadata(&self) -> &RdmaMetadata {
-                &self.inner.metadata
+                self.inner.metadata()
             }
 
-            /// The key the peer's notification must carry.
+            /// The key the peer's completion must carry.
             pub fn notification_key(&self) -> &str {
-                &self.inner.metadata.notification_key
+                &self.inner.key
             }
 
-            /// The current status: `Initialized` until the peer's notification arrives.
+            /// The current status: `Initialized` until the peer completes.
             pub fn status(&self) -> OperationStatus {
                 self.inner.state.status()
             }
 
-            #[doc = concat!("Waits until the peer's ", $peer, " completes (its notification arrives).")]
+            /// Which path the completing peer used, once complete.
+            pub fn path(&self) -> Option<crate::TransferPath> {
+                self.inner.state.path()
+            }
+
+            #[doc = concat!("Waits until the peer's ", $peer, " completes.")]
             ///
             /// # Errors
             /// [`Error::TimedOut`](crate::Error::TimedOut) when `timeout` passes first (the
             /// operation stays live: wait again or drop it); [`Error::Cancelled`](crate::Error::Cancelled)
-            /// after `cancel()`; [`Error::EngineStopped`](crate::Error::EngineStopped) if the
-            /// connector's engine died.
+            /// after `cancel()`; [`Error::RemoteGone`](crate::Error::RemoteGone) when a same-host
+            /// writer died in the middle of writing (the memory is torn);
+            /// [`Error::EngineStopped`](crate::Error::EngineStopped) if the connector's engine died.
             ///
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the operation as it was.
             pub async fn wait_for_completion(&self, timeout: Option<Duration>) -> Result<()> {
-                wait(&self.inner.state, timeout).await
+                wait(&self.inner.state, timeout, None).await
             }
 
-            /// Stops waiting: the status becomes `Cancelled` unless already terminal, and waiters
-            /// return [`Error::Cancelled`](crate::Error::Cancelled).
+            /// Ends the exposure: the status becomes `Cancelled` unless already terminal, and
+            /// waiters return [`Error::Cancelled`](crate::Error::Cancelled).
             pub fn cancel(&self) {
                 self.inner.cancel()
             }
@@ -139,10 +196,10 @@ macro_rules! passive_op {
             }
 
             /// Ends the operation and gives the descriptors back (their registrations stay with
-            /// them, so passing them to another operation does not register again).
+            /// them, so passing them to another operation does not register again). Blocks while
+            /// a same-host copy of this process still writes them (at most one copy chunk).
             pub fn into_descriptors(mut self) -> Vec<Descriptor<'a>> {
-                self.inner.cancel();
-                std::mem::take(&mut self.inner.descs)
+                self.inner.take()
             }
         }
 
@@ -150,7 +207,7 @@ macro_rules! passive_op {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.debug_struct(stringify!($name))
                     .field("engine", &self.inner.engine.name())
-                    .field("notification_key", &self.inner.metadata.notification_key)
+                    .field("notification_key", &self.inner.key)
                     .field("status", &self.status())
                     .field("descriptors", &self.inner.descs)
                     .finish()

@@ -90,7 +90,7 @@ async fn channel_http_fetch_is_bounded() {
     let e = http::fetch(&format!("http://{addr}/nixl/x"), Duration::from_millis(300))
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::TimedOut(_)), "{e}");
+    assert!(matches!(e, Error::TimedOut { .. }), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(5));
     hold.abort();
     // Nobody listening: a channel error naming the URL.
@@ -180,7 +180,7 @@ mod nats {
         drop(publication);
         let e = fetcher.fetch(&subject, Duration::from_secs(2)).await.unwrap_err();
         assert!(
-            matches!(e, Error::NotPublished { .. } | Error::TimedOut(_)),
+            matches!(e, Error::NotPublished { .. } | Error::TimedOut { .. }),
             "{e}"
         );
     }
@@ -208,7 +208,7 @@ mod nats {
         assert!(
             matches!(
                 e,
-                Error::TimedOut(_) | Error::Channel(_) | Error::NotPublished { .. }
+                Error::TimedOut { .. } | Error::Channel(_) | Error::NotPublished { .. }
             ),
             "{e}"
         );

@@ -9,7 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nixl_connect::{
-    Connector, Descriptor, Device, Error, HostBuffer, OperationStatus, RdmaMetadata, SerializedDescriptor,
+    Connector, Descriptor, Device, Error, HostBuffer, OperationStatus, PathPolicy, RdmaMetadata,
+    SerializedDescriptor, TransferPath,
 };
 
 const T: Option<Duration> = Some(Duration::from_secs(30));
@@ -65,6 +66,21 @@ fn pair() -> (Connector, Connector) {
     )
 }
 
+/// Two connectors whose operations take `path` (the passive side always listens, so `Auto`
+/// takes the same-host path and `Nixl` forces NIXL).
+fn pair_on(path: PathPolicy) -> (Connector, Connector) {
+    (
+        Connector::new().expect("NIXL is installed (bash scripts/setup.sh)"),
+        Connector::builder().path(path).build().unwrap(),
+    )
+}
+
+/// Both paths, for the tests that must hold on each.
+const PATHS: [(PathPolicy, TransferPath); 2] = [
+    (PathPolicy::Auto, TransferPath::Local),
+    (PathPolicy::Nixl, TransferPath::Nixl),
+];
+
 async fn read_pair(a: &Connector, b: &Connector, len: usize, ndesc: usize) {
     let src = HostBuffer::from_slice(&pattern(len, len as u64)).unwrap();
     let sz = sizes(len, ndesc);
@@ -77,6 +93,7 @@ async fn read_pair(a: &Connector, b: &Connector, len: usize, ndesc: usize) {
     read.wait_for_completion(T).await.unwrap();
     readable.wait_for_completion(T).await.unwrap();
     assert_eq!(read.status(), OperationStatus::Complete);
+    assert_eq!(read.path(), Some(path_of(b)), "the expected path moved the bytes");
     assert_eq!(readable.status(), OperationStatus::Complete);
     drop(read);
     assert!(
@@ -94,6 +111,11 @@ async fn write_pair(a: &Connector, b: &Connector, len: usize, ndesc: usize) {
     let write = b.begin_write(split_ro(&src, &sz), &md).await.unwrap();
     write.wait_for_completion(T).await.unwrap();
     writable.wait_for_completion(T).await.unwrap();
+    assert_eq!(
+        write.path(),
+        Some(path_of(b)),
+        "the expected path moved the bytes"
+    );
     drop(writable);
     assert!(
         dst[..] == src[..],
@@ -101,27 +123,41 @@ async fn write_pair(a: &Connector, b: &Connector, len: usize, ndesc: usize) {
     );
 }
 
+/// The path `b`'s operations take with a same-host passive side.
+fn path_of(b: &Connector) -> TransferPath {
+    match b.path_policy() {
+        PathPolicy::Nixl => TransferPath::Nixl,
+        _ => TransferPath::Local,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pairing_read_in_process_sizes() {
-    let (a, b) = pair();
-    for len in [1, 4096, 64 << 20] {
-        read_pair(&a, &b, len, 1).await;
+    for (p, _) in PATHS {
+        let (a, b) = pair_on(p);
+        for len in [1, 4096, 64 << 20] {
+            read_pair(&a, &b, len, 1).await;
+        }
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pairing_write_in_process_sizes() {
-    let (a, b) = pair();
-    for len in [1, 4096, 64 << 20] {
-        write_pair(&a, &b, len, 1).await;
+    for (p, _) in PATHS {
+        let (a, b) = pair_on(p);
+        for len in [1, 4096, 64 << 20] {
+            write_pair(&a, &b, len, 1).await;
+        }
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pairing_lists_of_64_descriptors() {
-    let (a, b) = pair();
-    read_pair(&a, &b, 1 << 20, 64).await;
-    write_pair(&a, &b, 1 << 20, 64).await;
+    for (p, _) in PATHS {
+        let (a, b) = pair_on(p);
+        read_pair(&a, &b, 1 << 20, 64).await;
+        write_pair(&a, &b, 1 << 20, 64).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,7 +183,7 @@ async fn pairing_owned_memory_round_trips() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_registers_and_loads_once() {
-    let (a, b) = pair();
+    let (a, b) = pair_on(PathPolicy::Nixl);
     let src = HostBuffer::from_slice(&pattern(1 << 16, 1)).unwrap();
     let mut dst = HostBuffer::new(1 << 16).unwrap();
     for _ in 0..10 {
@@ -366,7 +402,8 @@ async fn validation_bad_nixl_metadata_is_typed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn validation_descriptors_outside_the_peers_registrations_fail_before_transfer() {
-    let (a, b) = pair();
+    // NIXL: the peer's registrations as loaded refuse the range before anything is posted.
+    let (a, b) = pair_on(PathPolicy::Nixl);
     let (_r, mut md) = readable_md(&a, 4096, 1).await;
     md.descriptors[0].ptr += 1 << 30; // not memory the peer registered
     let e = b
@@ -383,6 +420,16 @@ async fn validation_descriptors_outside_the_peers_registrations_fail_before_tran
         ),
         "{e}"
     );
+    // Same host: the owner refuses the range before anything is copied.
+    let (a, b) = pair_on(PathPolicy::Auto);
+    let (_r, mut md) = readable_md(&a, 4096, 1).await;
+    md.descriptors[0].ptr += 1 << 30;
+    let mut dst = vec![7u8; 4096];
+    let op = b.begin_read(&md, Descriptor::from(&mut dst[..])).await.unwrap();
+    let e = op.wait_for_completion(T).await.unwrap_err();
+    assert!(matches!(e, Error::Refused { replay: false, .. }), "{e}");
+    drop(op);
+    assert!(dst.iter().all(|&x| x == 7), "nothing was copied");
 }
 
 // ---------------------------------------------------------------- cancel, drop, timeout
@@ -421,7 +468,8 @@ fn cancel_during_transfer() {
 fn support_cancel_during() {
     let Ok(_) = std::env::var(PEER_ENV) else { return };
     runtime().block_on(async {
-        let conn = Connector::new().unwrap();
+        // The NIXL path (over TCP here); the same-host path has its own cancel tests.
+        let conn = Connector::builder().path(PathPolicy::Nixl).build().unwrap();
         let mut peer = Peer::start("readable");
         let len = 64 << 20;
         let mut in_flight = 0;
@@ -487,7 +535,7 @@ fn support_cancel_during() {
             peer.child.wait().unwrap();
             let t0 = Instant::now();
             match op.wait_for_completion(Some(Duration::from_secs(20))).await {
-                Err(Error::TimedOut(_)) => panic!("a dead peer must fail the transfer, not hang it"),
+                Err(Error::TimedOut { .. }) => panic!("a dead peer must fail the transfer, not hang it"),
                 Err(e) => {
                     died_mid += 1;
                     println!("peer died mid-transfer: {e} after {:?}", t0.elapsed());
@@ -525,29 +573,33 @@ async fn cancel_after_completion_keeps_complete() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drop_in_flight_owned_and_borrowed() {
-    let (a, b) = pair();
-    let src = HostBuffer::from_slice(&pattern(64 << 20, 2)).unwrap();
-    for _ in 0..2 {
-        let r = a.create_readable(Descriptor::from(&src)).await.unwrap();
-        // Owned destination: the engine keeps it until NIXL lets go.
-        let op = b
-            .begin_read(r.metadata(), Descriptor::from(HostBuffer::new(64 << 20).unwrap()))
-            .await
-            .unwrap();
-        drop(op);
-        r.wait_for_completion(T).await.ok();
-        let r = a.create_readable(Descriptor::from(&src)).await.unwrap();
-        // Borrowed destination: drop blocks until NIXL lets go.
-        let mut dst = vec![0u8; 64 << 20];
-        let op = b
-            .begin_read(r.metadata(), Descriptor::from(&mut dst[..]))
-            .await
-            .unwrap();
-        drop(op);
-        dst.clear();
-        r.wait_for_completion(T).await.ok();
+    for (p, _) in PATHS {
+        let (a, b) = pair_on(p);
+        let src = HostBuffer::from_slice(&pattern(64 << 20, 2)).unwrap();
+        // A dropped read may or may not complete the readable (the same-host path stops the copy).
+        let short = Some(Duration::from_millis(500));
+        for _ in 0..2 {
+            let r = a.create_readable(Descriptor::from(&src)).await.unwrap();
+            // Owned destination: the engine keeps it until NIXL lets go.
+            let op = b
+                .begin_read(r.metadata(), Descriptor::from(HostBuffer::new(64 << 20).unwrap()))
+                .await
+                .unwrap();
+            drop(op);
+            r.wait_for_completion(short).await.ok();
+            let r = a.create_readable(Descriptor::from(&src)).await.unwrap();
+            // Borrowed destination: drop blocks until NIXL lets go.
+            let mut dst = vec![0u8; 64 << 20];
+            let op = b
+                .begin_read(r.metadata(), Descriptor::from(&mut dst[..]))
+                .await
+                .unwrap();
+            drop(op);
+            dst.clear();
+            r.wait_for_completion(short).await.ok();
+        }
+        read_pair(&a, &b, 4096, 1).await;
     }
-    read_pair(&a, &b, 4096, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -562,7 +614,7 @@ async fn timeout_is_typed_and_leaves_the_operation_live() {
         .wait_for_completion(Some(Duration::from_millis(200)))
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::TimedOut(_)), "{e}");
+    assert!(matches!(e, Error::TimedOut { .. }), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(5));
     assert_eq!(r.status(), OperationStatus::Initialized);
     let op = b
@@ -701,43 +753,48 @@ fn support_peer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_read_from_peer_readable() {
-    let conn = Connector::new().unwrap();
-    let mut peer = Peer::start("readable");
-    for (len, n) in [(1, 1), (4096, 1), (64 << 20, 1), (1 << 20, 64)] {
-        writeln!(peer.child.stdin.as_mut().unwrap(), "readable {len} {n}").unwrap();
-        let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
-        let mut dst = vec![0u8; len];
-        let op = conn
-            .begin_read(&md, split(&mut dst, &sizes(len, n)))
-            .await
-            .unwrap();
-        op.wait_for_completion(T).await.unwrap();
-        drop(op);
-        assert_eq!(peer.expect("DONE:"), "ok");
-        assert!(
-            dst == pattern(len, len as u64),
-            "{len} bytes / {n} descriptors differ"
-        );
+    for (p, _) in PATHS {
+        let conn = Connector::builder().path(p).build().unwrap();
+        let mut peer = Peer::start("readable");
+        for (len, n) in [(1, 1), (4096, 1), (64 << 20, 1), (1 << 20, 64)] {
+            writeln!(peer.child.stdin.as_mut().unwrap(), "readable {len} {n}").unwrap();
+            let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+            let mut dst = vec![0u8; len];
+            let op = conn
+                .begin_read(&md, split(&mut dst, &sizes(len, n)))
+                .await
+                .unwrap();
+            op.wait_for_completion(T).await.unwrap();
+            drop(op);
+            assert_eq!(peer.expect("DONE:"), "ok");
+            assert!(
+                dst == pattern(len, len as u64),
+                "{len} bytes / {n} descriptors differ"
+            );
+        }
+        peer.finish();
     }
-    peer.finish();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_write_into_peer_writable() {
-    let conn = Connector::new().unwrap();
-    let mut peer = Peer::start("writable");
-    for (len, n) in [(1, 1), (4096, 1), (64 << 20, 1), (1 << 20, 64)] {
-        writeln!(peer.child.stdin.as_mut().unwrap(), "writable {len} {n}").unwrap();
-        let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
-        let src = pattern(len, !(len as u64));
-        let op = conn
-            .begin_write(split_ro(&src, &sizes(len, n)), &md)
-            .await
-            .unwrap();
-        op.wait_for_completion(T).await.unwrap();
-        assert_eq!(peer.expect("DONE:"), "ok", "{len} bytes / {n} descriptors");
+    for (p, _) in PATHS {
+        let conn = Connector::builder().path(p).build().unwrap();
+        let mut peer = Peer::start("writable");
+        for (len, n) in [(1, 1), (4096, 1), (64 << 20, 1), (1 << 20, 64)] {
+            writeln!(peer.child.stdin.as_mut().unwrap(), "writable {len} {n}").unwrap();
+            let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+            let src = pattern(len, !(len as u64));
+            let op = conn
+                .begin_write(split_ro(&src, &sizes(len, n)), &md)
+                .await
+                .unwrap();
+            op.wait_for_completion(T).await.unwrap();
+            assert_eq!(peer.expect("DONE:"), "ok", "{len} bytes / {n} descriptors");
+            assert_eq!(op.path(), Some(path_of(&conn)));
+        }
+        peer.finish();
     }
-    peer.finish();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -774,7 +831,7 @@ async fn process_dead_peer_is_an_error_not_a_hang() {
         .wait_for_completion(Some(Duration::from_millis(300)))
         .await
         .unwrap_err();
-    assert!(matches!(e, Error::TimedOut(_)));
+    assert!(matches!(e, Error::TimedOut { .. }));
 }
 
 // ---------------------------------------------------------------- NIXL absent

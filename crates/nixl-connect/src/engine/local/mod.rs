@@ -1,0 +1,1380 @@
+//! The same-host transport: Rust peers on one host copy host memory directly, negotiated out of
+//! band so the published metadata stays exactly NIXL's.
+//!
+//! Each connector listens on an abstract Unix socket named from its agent name
+//! ([`socket_name`]), which scopes it to this host's network namespace. An active side that finds
+//! the socket named by a metadata's agent connects, hands over a sealed slot table ([`slots`]),
+//! and asks for access to the operation by its notification key ([`proto`]). The passive side
+//! checks everything against its live operation: the peer's uid (`SO_PEERCRED`), the key, every
+//! range inside the operation's descriptors, the direction, one writer at a time; access ends when
+//! the operation completes, is cancelled or dropped (a replayed metadata string is refused).
+//!
+//! The side whose memory is written copies, pulling with `process_vm_readv` ([`cma`]): the reader
+//! for a read, the passive side for a write. So each process writes only its own memory, and the
+//! owner of the source can revoke a grant at any instant without waiting (see [`slots`]). No
+//! socket, a peer on another host, another user, a kernel that forbids cross-memory attach, or
+//! device memory: the operation goes to NIXL instead ([`Event::Declined`]).
+
+pub(crate) mod cma;
+pub(crate) mod proto;
+pub(crate) mod slots;
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use self::cma::{Copy, CopyError, Piece, SlotRef};
+use self::proto::{Msg, RefuseCode, VERSION};
+use self::slots::{SlotTable, SLOTS};
+use super::poller::{hung_up, Registrar, Waker};
+use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
+use super::Range;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::metadata::OperationKind;
+use crate::operation::{OpState, TransferPath};
+
+/// The token of the listening socket in the engine's poller.
+const LISTENER: u64 = 0;
+/// How long a peer with no same-host socket is not asked again.
+const NEGATIVE_TTL: Duration = Duration::from_secs(2);
+/// Negative answers remembered.
+const MAX_NEGATIVE: usize = 4096;
+
+/// The abstract socket name of the connector whose NIXL agent is `agent`.
+pub(crate) fn socket_name(agent: &str) -> Vec<u8> {
+    let mut n = b"nixl-connect.v1/".to_vec();
+    if agent.len() <= 90 {
+        n.extend_from_slice(agent.as_bytes());
+    } else {
+        // Too long for sockaddr_un: a stable hash (FNV-1a, 64 bits) names it instead.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in agent.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        n.extend_from_slice(format!("#{h:016x}").as_bytes());
+    }
+    n
+}
+
+#[allow(unsafe_code)]
+fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
+    // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
+    let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (i, b) in name.iter().take(a.sun_path.len() - 1).enumerate() {
+        a.sun_path[i + 1] = *b as libc::c_char; // sun_path[0] = 0: the abstract namespace
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len().min(a.sun_path.len() - 1);
+    (a, len as libc::socklen_t)
+}
+
+#[allow(unsafe_code)]
+fn unix_socket() -> io::Result<OwnedFd> {
+    // SAFETY: creates a new descriptor, owned right after.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Binds and listens on the socket for `agent`; `Ok(None)` when another connector has it.
+#[allow(unsafe_code)]
+pub(crate) fn listen(agent: &str) -> io::Result<Option<OwnedFd>> {
+    let fd = unix_socket()?;
+    let (a, len) = sockaddr(&socket_name(agent));
+    // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
+    if unsafe { libc::bind(fd.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) } != 0 {
+        let e = io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::EADDRINUSE) {
+            Ok(None)
+        } else {
+            Err(e)
+        };
+    }
+    // SAFETY: listen on our own bound socket.
+    if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Some(fd))
+}
+
+/// The peer's pid and uid (`SO_PEERCRED`), as the kernel recorded them at connect time.
+#[allow(unsafe_code)]
+fn peer_cred(fd: RawFd) -> io::Result<(libc::pid_t, libc::uid_t)> {
+    // SAFETY: ucred is plain old data; getsockopt writes at most `len` bytes into it.
+    let mut c: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: as above.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((c.pid, c.uid))
+}
+
+/// A pidfd for `pid`, so a copy can tell afterwards that its peer is still the same process.
+#[allow(unsafe_code)]
+fn pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: a fresh descriptor nothing else owns.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+#[allow(unsafe_code)]
+fn alive(pidfd: &Option<Arc<OwnedFd>>) -> bool {
+    match pidfd {
+        // SAFETY: signal 0 only checks that the process behind the pidfd still exists.
+        Some(fd) => unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                0,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            ) == 0
+        },
+        None => true,
+    }
+}
+
+#[allow(unsafe_code)]
+fn uid() -> libc::uid_t {
+    // SAFETY: getuid cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// One socket: a connection this side made (client, the active side) or accepted (server).
+struct Conn {
+    fd: OwnedFd,
+    client: bool,
+    peer_pid: libc::pid_t,
+    pidfd: Option<Arc<OwnedFd>>,
+    rbuf: Vec<u8>,
+    wbuf: Vec<u8>,
+    writing: bool,
+    fds_in: VecDeque<OwnedFd>,
+    slots: Option<Arc<SlotTable>>,
+    /// The handshake is done.
+    ready: bool,
+    /// This side may pull from the peer's memory.
+    can_pull: bool,
+    /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
+    peer: Arc<str>,
+    queued: Vec<OpId>,
+    free_slots: Vec<u32>,
+    gens: Vec<u64>,
+    dead: bool,
+}
+
+impl Conn {
+    fn new(fd: OwnedFd, client: bool, peer_pid: libc::pid_t, peer: Arc<str>) -> Self {
+        Self {
+            fd,
+            client,
+            peer_pid,
+            pidfd: pidfd(peer_pid).map(Arc::new),
+            rbuf: Vec::new(),
+            wbuf: Vec::new(),
+            writing: false,
+            fds_in: VecDeque::new(),
+            slots: None,
+            ready: false,
+            can_pull: false,
+            peer,
+            queued: Vec::new(),
+            free_slots: if client {
+                (0..SLOTS as u32).rev().collect()
+            } else {
+                Vec::new()
+            },
+            gens: if client { vec![0; SLOTS] } else { Vec::new() },
+            dead: false,
+        }
+    }
+
+    fn send(&mut self, m: &Msg) {
+        m.encode(&mut self.wbuf);
+    }
+}
+
+enum Phase {
+    /// Waiting for the connection's handshake.
+    Queued,
+    /// Asked; waiting for the grant (reads) or for the passive side's copy (writes).
+    Requested,
+    /// A read being copied here.
+    Copying,
+    /// Given up: any late answer is ignored.
+    Abandoned,
+}
+
+/// An active operation on this transport.
+struct Act {
+    spec: ActiveSpec,
+    conn: usize,
+    slot: u32,
+    gen: u64,
+    phase: Phase,
+    cancel: Arc<AtomicBool>,
+    /// The peer's pidfd while copying (to tell afterwards that it is still the same process).
+    pidfd: Option<Arc<OwnedFd>>,
+}
+
+/// A passive operation's scope on the serving side.
+struct Scope {
+    kind: OperationKind,
+    device: Device,
+    /// The operation's descriptors, sorted by address.
+    ranges: Vec<Range>,
+    state: Arc<OpState>,
+    /// Read grants given: `(connection, slot, generation)`.
+    grants: Vec<(usize, u32, u64)>,
+    /// The writer copying into it now: `(connection, slot, generation, cancel)`.
+    writer: Option<(usize, u32, u64, Arc<AtomicBool>)>,
+}
+
+impl Scope {
+    /// True when `[addr, addr+len)` lies inside one descriptor.
+    fn contains(&self, addr: u64, len: u64) -> bool {
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        let i = self.ranges.partition_point(|r| r.addr as u64 <= addr);
+        self.ranges[..i]
+            .iter()
+            .rev()
+            .take(16)
+            .any(|r| (r.addr + r.len) as u64 >= end)
+    }
+}
+
+/// Who a finished copy belonged to.
+enum CopyOwner {
+    /// A read of this side (client).
+    Read(OpId),
+    /// A write into this side's passive operation (server).
+    Write {
+        key: Arc<str>,
+        conn: usize,
+        slot: u32,
+        gen: u64,
+        state: Arc<OpState>,
+        pidfd: Option<Arc<OwnedFd>>,
+    },
+}
+
+type Finished = Arc<Mutex<Vec<(CopyOwner, std::result::Result<(), CopyError>)>>>;
+
+/// The same-host transport of one connector.
+pub(crate) struct LocalTransport {
+    enabled: bool,
+    listener: Option<OwnedFd>,
+    reg: Registrar,
+    waker: Waker,
+    uid: libc::uid_t,
+    probe: Box<u64>,
+    conns: Vec<Option<Conn>>,
+    by_peer: HashMap<Arc<str>, usize>,
+    negative: HashMap<Arc<str>, Instant>,
+    scopes: HashMap<Arc<str>, Scope>,
+    acts: HashMap<OpId, Act>,
+    finished: Finished,
+    pub(crate) refused_peers: u64,
+}
+
+impl LocalTransport {
+    /// A transport serving on `listener` (none: this connector cannot be reached on this path)
+    /// and, when `enabled`, trying it for active operations.
+    pub(crate) fn new(enabled: bool, listener: Option<OwnedFd>, reg: Registrar, waker: Waker) -> Self {
+        if let Some(l) = &listener {
+            if let Err(e) = reg.add(l.as_raw_fd(), LISTENER, true, false) {
+                tracing::warn!(error = %e, "cannot watch the same-host socket");
+            }
+        }
+        let probe = Box::new(uuid::Uuid::new_v4().as_u64_pair().0 | 1);
+        Self {
+            enabled,
+            listener,
+            reg,
+            waker,
+            uid: uid(),
+            probe,
+            conns: Vec::new(),
+            by_peer: HashMap::new(),
+            negative: HashMap::new(),
+            scopes: HashMap::new(),
+            acts: HashMap::new(),
+            finished: Arc::new(Mutex::new(Vec::new())),
+            refused_peers: 0,
+        }
+    }
+
+    fn probe_addr(&self) -> u64 {
+        &*self.probe as *const u64 as u64
+    }
+
+    fn token(i: usize) -> u64 {
+        i as u64 + 1
+    }
+
+    fn insert(&mut self, c: Conn) -> usize {
+        let i = match self.conns.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                self.conns.push(None);
+                self.conns.len() - 1
+            }
+        };
+        let _ = self.reg.add(c.fd.as_raw_fd(), Self::token(i), true, false);
+        self.conns[i] = Some(c);
+        i
+    }
+
+    /// Sends what is buffered on connection `i`; watches for writability if the socket is full.
+    #[allow(unsafe_code)]
+    fn flush(&mut self, i: usize) {
+        let Some(c) = self.conns[i].as_mut() else { return };
+        while !c.wbuf.is_empty() && !c.dead {
+            // SAFETY: sends bytes from a live buffer on our socket; MSG_NOSIGNAL turns a closed
+            // peer into EPIPE instead of SIGPIPE.
+            let n = unsafe {
+                libc::send(
+                    c.fd.as_raw_fd(),
+                    c.wbuf.as_ptr().cast(),
+                    c.wbuf.len(),
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            if n > 0 {
+                c.wbuf.drain(..n as usize);
+            } else {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::WouldBlock {
+                    c.dead = true;
+                }
+                break;
+            }
+        }
+        let want = !c.wbuf.is_empty() && !c.dead;
+        if want != c.writing {
+            c.writing = want;
+            let _ = self.reg.modify(c.fd.as_raw_fd(), Self::token(i), true, want);
+        }
+    }
+
+    /// Sends `Hello` with the slot table's descriptor attached.
+    #[allow(unsafe_code)]
+    fn send_hello(&mut self, i: usize) -> io::Result<()> {
+        let probe_addr = self.probe_addr();
+        let probe_val = *self.probe;
+        let c = self.conns[i].as_mut().expect("live connection");
+        let table = Arc::new(SlotTable::create()?);
+        let mut buf = Vec::new();
+        Msg::Hello {
+            version: VERSION,
+            probe_addr,
+            probe_val,
+        }
+        .encode(&mut buf);
+        let fd = table.fd().as_raw_fd();
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+        let mut cbuf = vec![0u64; space.div_ceil(8)];
+        // SAFETY: msghdr is plain old data; the pointers set below outlive the sendmsg call, and
+        // the control buffer is large enough for one SCM_RIGHTS descriptor (CMSG_SPACE).
+        let n = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = cbuf.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            let cm = libc::CMSG_FIRSTHDR(&msg);
+            (*cm).cmsg_level = libc::SOL_SOCKET;
+            (*cm).cmsg_type = libc::SCM_RIGHTS;
+            (*cm).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+            std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<RawFd>(), fd);
+            libc::sendmsg(c.fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+        };
+        if n != buf.len() as isize {
+            // A fresh connection's buffer always takes a few dozen bytes; anything else is broken.
+            return Err(io::Error::new(
+                io::ErrorKind::Other,
+                "the hello did not fit the socket",
+            ));
+        }
+        c.slots = Some(table);
+        Ok(())
+    }
+
+    /// Reads everything available on connection `i` (collecting passed descriptors).
+    #[allow(unsafe_code)]
+    fn read(&mut self, i: usize) {
+        let Some(c) = self.conns[i].as_mut() else { return };
+        let mut chunk = [0u8; 64 << 10];
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<RawFd>()) as u32) } as usize;
+        let mut cbuf = vec![0u64; space.div_ceil(8)];
+        loop {
+            let mut iov = libc::iovec {
+                iov_base: chunk.as_mut_ptr().cast(),
+                iov_len: chunk.len(),
+            };
+            // SAFETY: msghdr is plain old data; iov and cbuf outlive the call and their lengths
+            // are given; received descriptors are taken into OwnedFds right below.
+            let (n, msg) = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = &mut iov;
+                msg.msg_iovlen = 1;
+                msg.msg_control = cbuf.as_mut_ptr().cast();
+                msg.msg_controllen = space as _;
+                let n = libc::recvmsg(
+                    c.fd.as_raw_fd(),
+                    &mut msg,
+                    libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
+                );
+                (n, msg)
+            };
+            if n > 0 {
+                // SAFETY: walks the control messages recvmsg filled in, within msg_controllen.
+                unsafe {
+                    let mut cm = libc::CMSG_FIRSTHDR(&msg);
+                    while !cm.is_null() {
+                        if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
+                            let data = libc::CMSG_DATA(cm).cast::<RawFd>();
+                            let count = ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                                / std::mem::size_of::<RawFd>();
+                            for k in 0..count {
+                                let fd = std::ptr::read_unaligned(data.add(k));
+                                c.fds_in.push_back(OwnedFd::from_raw_fd(fd));
+                            }
+                        }
+                        cm = libc::CMSG_NXTHDR(&msg, cm);
+                    }
+                }
+                c.rbuf.extend_from_slice(&chunk[..n as usize]);
+                if c.fds_in.len() > 4 {
+                    c.dead = true; // a peer passing descriptors beyond the one slot table
+                    return;
+                }
+                continue;
+            }
+            if n == 0 {
+                c.dead = true;
+            } else if io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock {
+                c.dead = true;
+            }
+            return;
+        }
+    }
+
+    fn accept(&mut self) {
+        let Some(lfd) = self.listener.as_ref().map(AsRawFd::as_raw_fd) else {
+            return;
+        };
+        loop {
+            // SAFETY: accept4 on our listening socket; the new descriptor is owned right after.
+            #[allow(unsafe_code)]
+            let fd = unsafe {
+                libc::accept4(
+                    lfd,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                )
+            };
+            if fd < 0 {
+                return;
+            }
+            // SAFETY: a fresh descriptor nothing else owns.
+            #[allow(unsafe_code)]
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let Ok((pid, peer_uid)) = peer_cred(fd.as_raw_fd()) else {
+                continue;
+            };
+            let i = self.insert(Conn::new(fd, false, pid, "".into()));
+            if peer_uid != self.uid {
+                self.refused_peers += 1;
+                let c = self.conns[i].as_mut().expect("just inserted");
+                c.send(&Msg::Reject {
+                    reason: format!(
+                        "the serving process runs as uid {}, the peer as uid {peer_uid}: the same-host \
+                         path is only for processes of one user",
+                        self.uid
+                    ),
+                });
+                self.flush(i);
+                self.close(i, &mut Vec::new());
+            }
+        }
+    }
+
+    /// Opens (or finds) the connection to `peer`; `Err(reason)` when there is no same-host path.
+    fn connect(&mut self, peer: &Arc<str>) -> std::result::Result<usize, String> {
+        if let Some(&i) = self.by_peer.get(peer) {
+            if self.conns[i].as_ref().is_some_and(|c| !c.dead) {
+                return Ok(i);
+            }
+        }
+        if let Some(t) = self.negative.get(peer) {
+            if t.elapsed() < NEGATIVE_TTL {
+                return Err("no same-host socket for this peer".into());
+            }
+        }
+        let r = self.try_connect(peer);
+        if let Err(reason) = &r {
+            if self.negative.len() >= MAX_NEGATIVE {
+                self.negative.clear();
+            }
+            self.negative.insert(peer.clone(), Instant::now());
+            tracing::trace!(peer = %peer, reason, "no same-host path");
+        }
+        r
+    }
+
+    #[allow(unsafe_code)]
+    fn try_connect(&mut self, peer: &Arc<str>) -> std::result::Result<usize, String> {
+        let fd = unix_socket().map_err(|e| e.to_string())?;
+        let (a, len) = sockaddr(&socket_name(peer));
+        // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
+        let r = unsafe { libc::connect(fd.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) };
+        if r != 0 {
+            let e = io::Error::last_os_error();
+            return Err(format!("no same-host socket for this peer ({e})"));
+        }
+        let (pid, peer_uid) = peer_cred(fd.as_raw_fd()).map_err(|e| e.to_string())?;
+        if peer_uid != self.uid || pid <= 0 {
+            return Err(format!(
+                "the peer runs as uid {peer_uid} (this process: {})",
+                self.uid
+            ));
+        }
+        let i = self.insert(Conn::new(fd, true, pid, peer.clone()));
+        if let Err(e) = self.send_hello(i) {
+            self.close(i, &mut Vec::new());
+            return Err(format!("the same-host handshake failed ({e})"));
+        }
+        self.by_peer.insert(peer.clone(), i);
+        Ok(i)
+    }
+
+    /// Closes connection `i`, ending what depended on it.
+    fn close(&mut self, i: usize, out: &mut Vec<Event>) {
+        let Some(c) = self.conns[i].take() else { return };
+        self.reg.remove(c.fd.as_raw_fd());
+        if c.client {
+            if self.by_peer.get(&c.peer) == Some(&i) {
+                self.by_peer.remove(&c.peer);
+            }
+            let ids: Vec<OpId> = self
+                .acts
+                .iter()
+                .filter(|(_, a)| a.conn == i)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in ids {
+                let a = self.acts.get(&id).expect("listed");
+                match a.phase {
+                    // The copy runs on; its end reports the result.
+                    Phase::Copying => {}
+                    Phase::Queued | Phase::Requested | Phase::Abandoned => {
+                        let a = self.acts.remove(&id).expect("listed");
+                        if let Some(t) = &c.slots {
+                            t.revoke(a.slot, a.gen);
+                        }
+                        if !matches!(a.phase, Phase::Abandoned) {
+                            out.push(Event::ActiveEnded {
+                                id,
+                                result: Err(Error::RemoteGone {
+                                    agent: c.peer.to_string(),
+                                    reason: "its connector closed the same-host connection (the \
+                                             process exited or dropped the connector)"
+                                        .into(),
+                                }),
+                            });
+                        }
+                    }
+                }
+            }
+        } else {
+            for s in self.scopes.values_mut() {
+                s.grants.retain(|g| g.0 != i);
+            }
+        }
+    }
+
+    fn handle(&mut self, i: usize, m: Msg, out: &mut Vec<Event>) {
+        let client = self.conns[i].as_ref().is_some_and(|c| c.client);
+        match (client, m) {
+            (
+                false,
+                Msg::Hello {
+                    version,
+                    probe_addr,
+                    probe_val,
+                },
+            ) => self.on_hello(i, version, probe_addr, probe_val),
+            (
+                true,
+                Msg::Welcome {
+                    probe_addr,
+                    probe_val,
+                    ..
+                },
+            ) => self.on_welcome(i, probe_addr, probe_val, out),
+            (true, Msg::Reject { reason }) => {
+                let c = self.conns[i].as_mut().expect("live");
+                c.dead = true;
+                let peer = c.peer.clone();
+                self.decline_queued(i, &reason, out);
+                self.negative.insert(peer, Instant::now());
+            }
+            (
+                false,
+                Msg::Req {
+                    slot,
+                    gen,
+                    write,
+                    key,
+                    device,
+                    remote,
+                    local,
+                },
+            ) => self.on_req(i, slot, gen, write, &key, device, remote, local, out),
+            (true, Msg::Grant { slot, gen }) => self.on_grant(i, slot, gen, out),
+            (
+                true,
+                Msg::Refuse {
+                    slot,
+                    gen,
+                    code,
+                    reason,
+                },
+            ) => {
+                if let Some((id, a)) = self.take_act(i, slot, gen) {
+                    let peer = a.spec.peer.to_string();
+                    self.free_slot(i, slot, gen);
+                    if !matches!(a.phase, Phase::Abandoned) {
+                        out.push(Event::ActiveEnded {
+                            id,
+                            result: Err(refused(peer, code, reason)),
+                        });
+                    }
+                }
+            }
+            (true, Msg::Fallback { slot, gen, reason }) => {
+                if let Some((_, a)) = self.take_act(i, slot, gen) {
+                    self.free_slot(i, slot, gen);
+                    if !matches!(a.phase, Phase::Abandoned) {
+                        out.push(Event::Declined { spec: a.spec, reason });
+                    }
+                }
+            }
+            (
+                true,
+                Msg::Done {
+                    slot,
+                    gen,
+                    ok,
+                    reason,
+                },
+            ) => {
+                // The passive side finished copying our write.
+                if let Some((id, a)) = self.take_act(i, slot, gen) {
+                    let peer = a.spec.peer.to_string();
+                    self.free_slot(i, slot, gen);
+                    if !matches!(a.phase, Phase::Abandoned) {
+                        out.push(Event::ActiveEnded {
+                            id,
+                            result: if ok {
+                                Ok(())
+                            } else {
+                                Err(Error::Transfer { agent: peer, reason })
+                            },
+                        });
+                    }
+                }
+            }
+            (false, Msg::Done { slot, gen, ok, .. }) => self.on_read_done(i, slot, gen, ok, out),
+            (_, other) => {
+                tracing::debug!(?other, "unexpected same-host frame; closing the connection");
+                if let Some(c) = self.conns[i].as_mut() {
+                    c.dead = true;
+                }
+            }
+        }
+    }
+
+    fn on_hello(&mut self, i: usize, version: u32, probe_addr: u64, probe_val: u64) {
+        let (pa, pv) = (self.probe_addr(), *self.probe);
+        let c = self.conns[i].as_mut().expect("live");
+        if c.ready || c.slots.is_some() {
+            c.dead = true;
+            return;
+        }
+        let table = match c.fds_in.pop_front().map(SlotTable::open) {
+            Some(Ok(t)) => t,
+            _ => {
+                c.dead = true;
+                return;
+            }
+        };
+        if version != VERSION {
+            c.send(&Msg::Reject {
+                reason: format!("protocol version {version}; this side speaks {VERSION}"),
+            });
+            c.dead = true;
+            return;
+        }
+        c.slots = Some(Arc::new(table));
+        c.can_pull = cma::can_read(c.peer_pid, probe_addr as usize, probe_val);
+        c.ready = true;
+        c.send(&Msg::Welcome {
+            probe_addr: pa,
+            probe_val: pv,
+            reads_you: c.can_pull,
+        });
+    }
+
+    fn on_welcome(&mut self, i: usize, probe_addr: u64, probe_val: u64, out: &mut Vec<Event>) {
+        let c = self.conns[i].as_mut().expect("live");
+        if c.ready {
+            c.dead = true;
+            return;
+        }
+        c.can_pull = cma::can_read(c.peer_pid, probe_addr as usize, probe_val);
+        c.ready = true;
+        let queued = std::mem::take(&mut c.queued);
+        for id in queued {
+            self.request(id, out);
+        }
+    }
+
+    fn decline_queued(&mut self, i: usize, reason: &str, out: &mut Vec<Event>) {
+        let queued = self.conns[i]
+            .as_mut()
+            .map(|c| std::mem::take(&mut c.queued))
+            .unwrap_or_default();
+        for id in queued {
+            if let Some(a) = self.acts.remove(&id) {
+                self.free_slot(i, a.slot, a.gen);
+                if !matches!(a.phase, Phase::Abandoned) {
+                    out.push(Event::Declined {
+                        spec: a.spec,
+                        reason: reason.to_string(),
+                    });
+                }
+            }
+        }
+    }
+
+    fn take_act(&mut self, i: usize, slot: u32, gen: u64) -> Option<(OpId, Act)> {
+        let id = self
+            .acts
+            .iter()
+            .find(|(_, a)| a.conn == i && a.slot == slot && a.gen == gen)
+            .map(|(id, _)| *id)?;
+        self.acts.remove(&id).map(|a| (id, a))
+    }
+
+    fn free_slot(&mut self, i: usize, slot: u32, gen: u64) {
+        if let Some(c) = self.conns[i].as_mut() {
+            if c.client && c.gens.get(slot as usize) == Some(&gen) {
+                if let Some(t) = &c.slots {
+                    t.free(slot, gen);
+                }
+                c.free_slots.push(slot);
+            }
+        }
+    }
+
+    /// Sends the request of a queued operation (the handshake is done).
+    fn request(&mut self, id: OpId, out: &mut Vec<Event>) {
+        let Some(a) = self.acts.get_mut(&id) else { return };
+        let c = self.conns[a.conn].as_mut().expect("live");
+        if !a.spec.write && !c.can_pull {
+            let a = self.acts.remove(&id).expect("present");
+            let i = a.conn;
+            self.free_slot(i, a.slot, a.gen);
+            out.push(Event::Declined {
+                spec: a.spec,
+                reason: "the kernel does not let this process read the peer's memory (ptrace rules)".into(),
+            });
+            return;
+        }
+        a.phase = Phase::Requested;
+        let req = Msg::Req {
+            slot: a.slot,
+            gen: a.gen,
+            write: a.spec.write,
+            key: a.spec.key.to_string(),
+            device: a.spec.remote.first().map_or(Device::Host, |r| r.device),
+            remote: a
+                .spec
+                .remote
+                .iter()
+                .map(|r| (r.addr as u64, r.len as u64))
+                .collect(),
+            local: if a.spec.write {
+                a.spec
+                    .local
+                    .iter()
+                    .map(|r| (r.addr as u64, r.len as u64))
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        };
+        c.send(&req);
+        let i = a.conn;
+        self.flush(i);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_req(
+        &mut self,
+        i: usize,
+        slot: u32,
+        gen: u64,
+        write: bool,
+        key: &str,
+        device: Device,
+        remote: Vec<(u64, u64)>,
+        local: Vec<(u64, u64)>,
+        out: &mut Vec<Event>,
+    ) {
+        let c = self.conns[i].as_mut().expect("live");
+        if !c.ready {
+            c.dead = true;
+            return;
+        }
+        let (can_pull, peer_pid, peer_pidfd) = (c.can_pull, c.peer_pid, c.pidfd.clone());
+        let refuse = |code, reason: String| Msg::Refuse {
+            slot,
+            gen,
+            code,
+            reason,
+        };
+        let answer = match self.scopes.get_mut(key) {
+            None => Some(refuse(
+                RefuseCode::NotLive,
+                "no live operation has this notification key: it completed, was cancelled or \
+                 dropped (a replayed metadata string?)"
+                    .into(),
+            )),
+            Some(s) if (s.kind == OperationKind::Write) != write => Some(refuse(
+                RefuseCode::WrongDirection,
+                format!(
+                    "the operation is a {}able; a {} cannot use it",
+                    if s.kind == OperationKind::Write {
+                        "writ"
+                    } else {
+                        "read"
+                    },
+                    if write { "write" } else { "read" }
+                ),
+            )),
+            Some(s) if device != s.device || s.device != Device::Host => Some(Msg::Fallback {
+                slot,
+                gen,
+                reason: format!("device memory ({}) takes the NIXL path", s.device),
+            }),
+            Some(s) if remote.is_empty() || !remote.iter().all(|&(a, l)| s.contains(a, l)) => Some(refuse(
+                RefuseCode::OutOfRange,
+                "a requested range lies outside the operation's descriptors".into(),
+            )),
+            Some(_)
+                if write
+                    && (local.len() != remote.len()
+                        || local.iter().zip(&remote).any(|(l, r)| l.1 != r.1)) =>
+            {
+                Some(refuse(
+                    RefuseCode::OutOfRange,
+                    "the write's source ranges do not match its destination ranges".into(),
+                ))
+            }
+            Some(_) if write && !can_pull => Some(Msg::Fallback {
+                slot,
+                gen,
+                reason: "the kernel does not let the passive side read this process (ptrace rules)".into(),
+            }),
+            Some(s) if write && s.writer.is_some() => Some(refuse(
+                RefuseCode::Busy,
+                "another writer is writing this writable now".into(),
+            )),
+            Some(s) if !write => {
+                s.grants.push((i, slot, gen));
+                Some(Msg::Grant { slot, gen })
+            }
+            Some(s) => {
+                // A write: this side copies from the writer into its own memory.
+                let cancel = Arc::new(AtomicBool::new(false));
+                s.writer = Some((i, slot, gen, cancel.clone()));
+                s.state.mark_in_use();
+                let state = s.state.clone();
+                let table = self.conns[i]
+                    .as_ref()
+                    .and_then(|c| c.slots.clone())
+                    .expect("ready");
+                let key = self.scopes.get_key_value(key).expect("present").0.clone();
+                let copy = Copy {
+                    pid: peer_pid,
+                    pieces: remote
+                        .iter()
+                        .zip(&local)
+                        .map(|(&(dst, len), &(src, _))| Piece {
+                            local: dst as usize,
+                            remote: src as usize,
+                            len: len as usize,
+                        })
+                        .collect(),
+                    slot: SlotRef {
+                        table,
+                        idx: slot,
+                        gen,
+                    },
+                    cancel,
+                };
+                let owner = CopyOwner::Write {
+                    key,
+                    conn: i,
+                    slot,
+                    gen,
+                    state,
+                    pidfd: peer_pidfd,
+                };
+                self.start_copy(copy, owner);
+                None
+            }
+        };
+        if let Some(m) = answer {
+            if let Some(c) = self.conns[i].as_mut() {
+                c.send(&m);
+            }
+        }
+        let _ = out;
+    }
+
+    fn on_grant(&mut self, i: usize, slot: u32, gen: u64, out: &mut Vec<Event>) {
+        let Some((&id, a)) = self
+            .acts
+            .iter_mut()
+            .find(|(_, a)| a.conn == i && a.slot == slot && a.gen == gen)
+        else {
+            return;
+        };
+        if matches!(a.phase, Phase::Abandoned) {
+            let a = self.acts.remove(&id).expect("present");
+            if let Some(c) = self.conns[i].as_mut() {
+                c.send(&Msg::Done {
+                    slot,
+                    gen,
+                    ok: false,
+                    reason: "cancelled".into(),
+                });
+            }
+            self.free_slot(i, a.slot, a.gen);
+            return;
+        }
+        a.phase = Phase::Copying;
+        let c = self.conns[i].as_ref().expect("live");
+        a.pidfd = c.pidfd.clone();
+        let copy = Copy {
+            pid: c.peer_pid,
+            pieces: a
+                .spec
+                .local
+                .iter()
+                .zip(&a.spec.remote)
+                .map(|(l, r)| Piece {
+                    local: l.addr,
+                    remote: r.addr,
+                    len: l.len,
+                })
+                .collect(),
+            slot: SlotRef {
+                table: c.slots.clone().expect("ready"),
+                idx: slot,
+                gen,
+            },
+            cancel: a.cancel.clone(),
+        };
+        self.start_copy(copy, CopyOwner::Read(id));
+        let _ = out;
+    }
+
+    fn start_copy(&mut self, copy: Copy, owner: CopyOwner) {
+        if copy.bytes() <= cma::INLINE_MAX {
+            let r = cma::run_inline(&copy);
+            self.finished
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((owner, r));
+            return;
+        }
+        let finished = self.finished.clone();
+        let waker = self.waker.clone();
+        let owner = Arc::new(Mutex::new(Some(owner)));
+        let o2 = owner.clone();
+        let r = cma::spawn(
+            copy,
+            Box::new(move |r| {
+                if let Some(o) = o2.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    finished.lock().unwrap_or_else(|e| e.into_inner()).push((o, r));
+                }
+                waker.wake();
+            }),
+        );
+        if let Err(e) = r {
+            if let Some(o) = owner.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                self.finished
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((o, Err(e)));
+            }
+        }
+    }
+
+    fn on_read_done(&mut self, i: usize, slot: u32, gen: u64, ok: bool, out: &mut Vec<Event>) {
+        let key = self
+            .scopes
+            .iter()
+            .find(|(_, s)| s.grants.contains(&(i, slot, gen)))
+            .map(|(k, _)| k.clone());
+        let Some(key) = key else { return };
+        let s = self.scopes.get_mut(&key).expect("found");
+        s.grants.retain(|g| *g != (i, slot, gen));
+        if ok {
+            out.push(Event::PassiveCompleted { key });
+        }
+    }
+
+    /// Handles finished copies.
+    fn reap(&mut self, out: &mut Vec<Event>) -> bool {
+        let done = std::mem::take(&mut *self.finished.lock().unwrap_or_else(|e| e.into_inner()));
+        let any = !done.is_empty();
+        for (owner, r) in done {
+            match owner {
+                CopyOwner::Read(id) => {
+                    let Some(a) = self.acts.remove(&id) else { continue };
+                    let i = a.conn;
+                    let live = self.conns[i].as_ref().is_some_and(|c| !c.dead);
+                    let same = alive(&a.pidfd);
+                    let result = match r {
+                        Ok(()) if same => Ok(()),
+                        Ok(()) | Err(CopyError::PeerGone) => Err(Error::RemoteGone {
+                            agent: a.spec.peer.to_string(),
+                            reason: "its process exited during the copy".into(),
+                        }),
+                        Err(CopyError::Revoked) => Err(if a.cancel.load(Ordering::Relaxed) {
+                            Error::Cancelled
+                        } else {
+                            refused(
+                                a.spec.peer.to_string(),
+                                RefuseCode::NotLive,
+                                "the owner ended the operation during the copy".into(),
+                            )
+                        }),
+                        Err(CopyError::Os(e)) => Err(Error::Transfer {
+                            agent: a.spec.peer.to_string(),
+                            reason: format!("the same-host copy failed: {e}"),
+                        }),
+                    };
+                    if live {
+                        let c = self.conns[i].as_mut().expect("live");
+                        c.send(&Msg::Done {
+                            slot: a.slot,
+                            gen: a.gen,
+                            ok: result.is_ok(),
+                            reason: String::new(),
+                        });
+                        self.flush(i);
+                    }
+                    self.free_slot(i, a.slot, a.gen);
+                    out.push(Event::ActiveEnded { id, result });
+                }
+                CopyOwner::Write {
+                    key,
+                    conn,
+                    slot,
+                    gen,
+                    state,
+                    pidfd,
+                } => {
+                    let same = alive(&pidfd);
+                    let ok = r.is_ok() && same;
+                    // The copy into this side's memory has ended either way.
+                    state.mark_released();
+                    if let Some(s) = self.scopes.get_mut(&key) {
+                        if s.writer
+                            .as_ref()
+                            .is_some_and(|w| (w.0, w.1, w.2) == (conn, slot, gen))
+                        {
+                            s.writer = None;
+                            match &r {
+                                Ok(()) if same => out.push(Event::PassiveCompleted { key: key.clone() }),
+                                // The writer cancelled before the copy began: nothing was touched.
+                                Err(CopyError::Revoked) if !s.state.status().is_terminal() => {}
+                                _ => out.push(Event::PassiveFailed {
+                                    key: key.clone(),
+                                    error: Error::RemoteGone {
+                                        agent: "(same-host writer)".into(),
+                                        reason: "the writer went away in the middle of writing; the \
+                                                 writable's memory is torn"
+                                            .into(),
+                                    },
+                                }),
+                            }
+                        }
+                    }
+                    if let Some(c) = self.conns[conn].as_mut().filter(|c| !c.dead) {
+                        c.send(&Msg::Done {
+                            slot,
+                            gen,
+                            ok,
+                            reason: match &r {
+                                Ok(()) => String::new(),
+                                Err(e) => format!("the passive side's copy failed: {e:?}"),
+                            },
+                        });
+                        self.flush(conn);
+                    }
+                }
+            }
+        }
+        any
+    }
+
+    fn release_writer(&mut self, key: &str) {
+        if let Some(s) = self.scopes.get(key) {
+            if let Some(w) = &s.writer {
+                w.3.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+fn refused(agent: String, code: RefuseCode, reason: String) -> Error {
+    Error::Refused {
+        agent,
+        replay: code == RefuseCode::NotLive,
+        reason,
+    }
+}
+
+impl Transport for LocalTransport {
+    fn path(&self) -> TransferPath {
+        TransferPath::Local
+    }
+
+    fn expose(&mut self, spec: &PassiveSpec, _out: &mut Exposure) -> Result<()> {
+        if self.listener.is_none() {
+            return Ok(());
+        }
+        let mut ranges = spec.ranges.clone();
+        ranges.sort_by_key(|r| r.addr);
+        self.scopes.insert(
+            spec.key.clone(),
+            Scope {
+                kind: spec.kind,
+                device: spec.ranges.first().map_or(Device::Host, |r| r.device),
+                ranges,
+                state: spec.state.clone(),
+                grants: Vec::new(),
+                writer: None,
+            },
+        );
+        Ok(())
+    }
+
+    fn unexpose(&mut self, key: &str) {
+        self.release_writer(key);
+        let Some(s) = self.scopes.remove(key) else { return };
+        for (i, slot, gen) in s.grants {
+            if let Some(t) = self.conns[i].as_ref().and_then(|c| c.slots.as_ref()) {
+                t.revoke(slot, gen);
+            }
+        }
+        if s.writer.is_none() {
+            s.state.mark_released();
+        }
+    }
+
+    fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
+        if !self.enabled {
+            out.push(Event::Declined {
+                spec,
+                reason: "the same-host path is off for this connector".into(),
+            });
+            return;
+        }
+        if spec
+            .local
+            .iter()
+            .chain(&spec.remote)
+            .any(|r| r.device != Device::Host)
+        {
+            out.push(Event::Declined {
+                spec,
+                reason: "device memory takes the NIXL path".into(),
+            });
+            return;
+        }
+        let i = match self.connect(&spec.peer) {
+            Ok(i) => i,
+            Err(reason) => {
+                out.push(Event::Declined { spec, reason });
+                return;
+            }
+        };
+        let c = self.conns[i].as_mut().expect("connected");
+        let Some(slot) = c.free_slots.pop() else {
+            out.push(Event::Declined {
+                spec,
+                reason: "too many operations in flight to this peer on the same-host path".into(),
+            });
+            return;
+        };
+        c.gens[slot as usize] += 1;
+        let gen = c.gens[slot as usize];
+        if let Some(t) = &c.slots {
+            t.arm(slot, gen);
+        }
+        spec.state.set_path(TransferPath::Local);
+        let id = spec.id;
+        let ready = c.ready;
+        if !ready {
+            c.queued.push(id);
+        }
+        self.acts.insert(
+            id,
+            Act {
+                spec,
+                conn: i,
+                slot,
+                gen,
+                phase: Phase::Queued,
+                cancel: Arc::new(AtomicBool::new(false)),
+                pidfd: None,
+            },
+        );
+        if ready {
+            self.request(id, out);
+        } else {
+            self.flush(i);
+        }
+    }
+
+    fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
+        let Some(a) = self.acts.get_mut(&id) else { return };
+        let table = self.conns[a.conn].as_ref().and_then(|c| c.slots.clone());
+        match a.phase {
+            Phase::Copying => {
+                // Our own copy thread writes our memory: stop it; its end releases the memory.
+                a.cancel.store(true, Ordering::Relaxed);
+            }
+            Phase::Abandoned => {}
+            Phase::Queued | Phase::Requested => {
+                // Nothing of ours is being written: a write's source is only read by the peer, and
+                // revoking its slot makes the peer discard what it read. Release at once.
+                if let Some(t) = table {
+                    t.revoke(a.slot, a.gen);
+                }
+                let was_queued = matches!(a.phase, Phase::Queued);
+                a.phase = Phase::Abandoned;
+                let conn = a.conn;
+                if was_queued {
+                    if let Some(c) = self.conns[conn].as_mut() {
+                        c.queued.retain(|q| *q != id);
+                    }
+                    let a = self.acts.remove(&id).expect("present");
+                    self.free_slot(conn, a.slot, a.gen);
+                }
+                out.push(Event::ActiveEnded {
+                    id,
+                    result: Err(Error::Cancelled),
+                });
+            }
+        }
+    }
+
+    fn progress(&mut self, ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
+        let mut event = self.reap(out);
+        for &(token, ev) in ready {
+            if token == LISTENER {
+                self.accept();
+                event = true;
+                continue;
+            }
+            let i = (token - 1) as usize;
+            if self.conns.get(i).is_none_or(Option::is_none) {
+                continue;
+            }
+            event = true;
+            if ev & libc::EPOLLOUT as u32 != 0 {
+                self.flush(i);
+            }
+            if ev & libc::EPOLLIN as u32 != 0 || hung_up(ev) {
+                self.read(i);
+            }
+            loop {
+                let Some(c) = self.conns[i].as_mut() else { break };
+                match Msg::decode(&c.rbuf) {
+                    Ok(Some((m, used))) => {
+                        c.rbuf.drain(..used);
+                        self.handle(i, m, out);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::debug!(error = e, "malformed same-host frame; closing the connection");
+                        c.dead = true;
+                        break;
+                    }
+                }
+            }
+            self.flush(i);
+            if self.conns[i].as_ref().is_some_and(|c| c.dead) {
+                self.close(i, out);
+            }
+        }
+        // Answers queued while handling other connections.
+        for i in 0..self.conns.len() {
+            if self.conns[i]
+                .as_ref()
+                .is_some_and(|c| !c.wbuf.is_empty() && !c.writing)
+            {
+                self.flush(i);
+            }
+        }
+        event |= self.reap(out);
+        event
+    }
+
+    fn polling(&self) -> Polling {
+        Polling::Never
+    }
+}

@@ -1,0 +1,447 @@
+//! The same-host negotiation protocol: length-prefixed binary frames over a Unix stream socket.
+//!
+//! Frame: `u32` length of what follows (little-endian), `u8` type, payload. Every field is checked
+//! on decode; a peer that sends anything malformed is disconnected.
+//!
+//! | frame | from | meaning |
+//! |---|---|---|
+//! | `Hello` (+ slot-table fd) | active | protocol version, an address and value in its memory to probe |
+//! | `Welcome` | passive | the passive side's probe; whether it could read the active side |
+//! | `Reject` | passive | the same-host path is refused for this connection (different user...) |
+//! | `Req` | active | access to the operation named by the key: direction, ranges, (writes) the source |
+//! | `Grant` | passive | a read may copy now |
+//! | `Refuse` | passive | the request breaks the operation's scope (ended, range, direction, busy) |
+//! | `Fallback` | passive | this operation cannot take the same-host path: use NIXL |
+//! | `Done` | both | the copier finished (reads: the active side; writes: the passive side) |
+
+use crate::device::Device;
+
+/// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
+pub(crate) const VERSION: u32 = 1;
+/// The largest frame accepted (10,000 ranges need ~320 KiB).
+pub(crate) const MAX_FRAME: usize = 16 << 20;
+/// The largest key accepted.
+const MAX_KEY: usize = 1024;
+
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum RefuseCode {
+    /// No live operation has this key (completed, cancelled, dropped: a replay).
+    NotLive = 1,
+    /// A range lies outside the operation's descriptors.
+    OutOfRange = 2,
+    /// A read of a writable or a write of a readable.
+    WrongDirection = 3,
+    /// Another writer holds the writable.
+    Busy = 4,
+}
+
+impl RefuseCode {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::NotLive,
+            2 => Self::OutOfRange,
+            3 => Self::WrongDirection,
+            4 => Self::Busy,
+            _ => return None,
+        })
+    }
+}
+
+/// One frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Msg {
+    Hello {
+        version: u32,
+        probe_addr: u64,
+        probe_val: u64,
+    },
+    Welcome {
+        probe_addr: u64,
+        probe_val: u64,
+        reads_you: bool,
+    },
+    Reject {
+        reason: String,
+    },
+    Req {
+        slot: u32,
+        gen: u64,
+        write: bool,
+        key: String,
+        device: Device,
+        /// Ranges in the passive side's memory.
+        remote: Vec<(u64, u64)>,
+        /// For writes: the source ranges in the active side's memory (one per remote range).
+        local: Vec<(u64, u64)>,
+    },
+    Grant {
+        slot: u32,
+        gen: u64,
+    },
+    Refuse {
+        slot: u32,
+        gen: u64,
+        code: RefuseCode,
+        reason: String,
+    },
+    Fallback {
+        slot: u32,
+        gen: u64,
+        reason: String,
+    },
+    Done {
+        slot: u32,
+        gen: u64,
+        ok: bool,
+        reason: String,
+    },
+}
+
+struct W<'a>(&'a mut Vec<u8>);
+
+impl W<'_> {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn str(&mut self, s: &str) {
+        let b = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+        self.0.extend_from_slice(&(b.len() as u16).to_le_bytes());
+        self.0.extend_from_slice(b);
+    }
+    fn ranges(&mut self, r: &[(u64, u64)]) {
+        self.u32(r.len() as u32);
+        for &(a, l) in r {
+            self.u64(a);
+            self.u64(l);
+        }
+    }
+}
+
+struct R<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> R<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.b.len() < n {
+            return None;
+        }
+        let (h, t) = self.b.split_at(n);
+        self.b = t;
+        Some(h)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|b| u32::from_le_bytes(b.try_into().expect("4")))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8).map(|b| u64::from_le_bytes(b.try_into().expect("8")))
+    }
+    fn str(&mut self, max: usize) -> Option<String> {
+        let n = u16::from_le_bytes(self.take(2)?.try_into().expect("2")) as usize;
+        if n > max {
+            return None;
+        }
+        String::from_utf8(self.take(n)?.to_vec()).ok()
+    }
+    fn ranges(&mut self) -> Option<Vec<(u64, u64)>> {
+        let n = self.u32()? as usize;
+        if n.checked_mul(16)? > self.b.len() {
+            return None;
+        }
+        (0..n).map(|_| Some((self.u64()?, self.u64()?))).collect()
+    }
+}
+
+fn device_code(d: Device) -> (u8, u32) {
+    match d {
+        Device::Host => (0, 0),
+        Device::Cuda(n) => (1, n),
+        Device::Xpu(n) => (2, n),
+    }
+}
+
+fn device_from(kind: u8, id: u32) -> Option<Device> {
+    Some(match kind {
+        0 => Device::Host,
+        1 => Device::Cuda(id),
+        2 => Device::Xpu(id),
+        _ => return None,
+    })
+}
+
+impl Msg {
+    /// Appends this frame (length prefix included) to `out`.
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
+        let at = out.len();
+        out.extend_from_slice(&[0; 4]);
+        let mut w = W(out);
+        match self {
+            Msg::Hello {
+                version,
+                probe_addr,
+                probe_val,
+            } => {
+                w.u8(1);
+                w.u32(*version);
+                w.u64(*probe_addr);
+                w.u64(*probe_val);
+            }
+            Msg::Welcome {
+                probe_addr,
+                probe_val,
+                reads_you,
+            } => {
+                w.u8(2);
+                w.u64(*probe_addr);
+                w.u64(*probe_val);
+                w.u8(u8::from(*reads_you));
+            }
+            Msg::Reject { reason } => {
+                w.u8(3);
+                w.str(reason);
+            }
+            Msg::Req {
+                slot,
+                gen,
+                write,
+                key,
+                device,
+                remote,
+                local,
+            } => {
+                w.u8(4);
+                w.u32(*slot);
+                w.u64(*gen);
+                w.u8(u8::from(*write));
+                w.str(key);
+                let (k, id) = device_code(*device);
+                w.u8(k);
+                w.u32(id);
+                w.ranges(remote);
+                w.ranges(local);
+            }
+            Msg::Grant { slot, gen } => {
+                w.u8(5);
+                w.u32(*slot);
+                w.u64(*gen);
+            }
+            Msg::Refuse {
+                slot,
+                gen,
+                code,
+                reason,
+            } => {
+                w.u8(6);
+                w.u32(*slot);
+                w.u64(*gen);
+                w.u8(*code as u8);
+                w.str(reason);
+            }
+            Msg::Fallback { slot, gen, reason } => {
+                w.u8(7);
+                w.u32(*slot);
+                w.u64(*gen);
+                w.str(reason);
+            }
+            Msg::Done {
+                slot,
+                gen,
+                ok,
+                reason,
+            } => {
+                w.u8(8);
+                w.u32(*slot);
+                w.u64(*gen);
+                w.u8(u8::from(*ok));
+                w.str(reason);
+            }
+        }
+        let len = (out.len() - at - 4) as u32;
+        out[at..at + 4].copy_from_slice(&len.to_le_bytes());
+    }
+
+    /// Decodes one frame from the front of `buf`: `Ok(None)` when it is not complete yet,
+    /// `Ok(Some((msg, used)))`, or `Err` for a malformed or oversized frame.
+    pub(crate) fn decode(buf: &[u8]) -> Result<Option<(Msg, usize)>, &'static str> {
+        if buf.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes(buf[..4].try_into().expect("4")) as usize;
+        if len == 0 || len > MAX_FRAME {
+            return Err("a frame of a bad size");
+        }
+        if buf.len() < 4 + len {
+            return Ok(None);
+        }
+        let mut r = R { b: &buf[4..4 + len] };
+        let m = Self::body(&mut r).ok_or("a malformed frame")?;
+        if !r.b.is_empty() {
+            return Err("trailing bytes in a frame");
+        }
+        Ok(Some((m, 4 + len)))
+    }
+
+    fn body(r: &mut R<'_>) -> Option<Msg> {
+        Some(match r.u8()? {
+            1 => Msg::Hello {
+                version: r.u32()?,
+                probe_addr: r.u64()?,
+                probe_val: r.u64()?,
+            },
+            2 => Msg::Welcome {
+                probe_addr: r.u64()?,
+                probe_val: r.u64()?,
+                reads_you: r.u8()? != 0,
+            },
+            3 => Msg::Reject { reason: r.str(4096)? },
+            4 => {
+                let slot = r.u32()?;
+                let gen = r.u64()?;
+                let write = r.u8()? != 0;
+                let key = r.str(MAX_KEY)?;
+                let device = device_from(r.u8()?, r.u32()?)?;
+                let remote = r.ranges()?;
+                let local = r.ranges()?;
+                Msg::Req {
+                    slot,
+                    gen,
+                    write,
+                    key,
+                    device,
+                    remote,
+                    local,
+                }
+            }
+            5 => Msg::Grant {
+                slot: r.u32()?,
+                gen: r.u64()?,
+            },
+            6 => Msg::Refuse {
+                slot: r.u32()?,
+                gen: r.u64()?,
+                code: RefuseCode::from_u8(r.u8()?)?,
+                reason: r.str(4096)?,
+            },
+            7 => Msg::Fallback {
+                slot: r.u32()?,
+                gen: r.u64()?,
+                reason: r.str(4096)?,
+            },
+            8 => Msg::Done {
+                slot: r.u32()?,
+                gen: r.u64()?,
+                ok: r.u8()? != 0,
+                reason: r.str(4096)?,
+            },
+            _ => return None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Msg> {
+        vec![
+            Msg::Hello {
+                version: VERSION,
+                probe_addr: 1,
+                probe_val: 2,
+            },
+            Msg::Welcome {
+                probe_addr: 3,
+                probe_val: 4,
+                reads_you: true,
+            },
+            Msg::Reject { reason: "uid".into() },
+            Msg::Req {
+                slot: 9,
+                gen: 10,
+                write: true,
+                key: "k-ey".into(),
+                device: Device::Cuda(3),
+                remote: vec![(1, 2), (3, 4)],
+                local: vec![(5, 6), (7, 8)],
+            },
+            Msg::Grant { slot: 1, gen: 2 },
+            Msg::Refuse {
+                slot: 1,
+                gen: 2,
+                code: RefuseCode::Busy,
+                reason: "busy".into(),
+            },
+            Msg::Fallback {
+                slot: 1,
+                gen: 2,
+                reason: "gpu".into(),
+            },
+            Msg::Done {
+                slot: 1,
+                gen: 2,
+                ok: false,
+                reason: "x".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn proto_round_trips_split_anywhere() {
+        let mut buf = Vec::new();
+        for m in all() {
+            m.encode(&mut buf);
+        }
+        // Feed the stream one byte at a time: every frame comes out once, whole.
+        let mut got = Vec::new();
+        let mut pending: Vec<u8> = Vec::new();
+        for b in buf {
+            pending.push(b);
+            while let Some((m, used)) = Msg::decode(&pending).unwrap() {
+                got.push(m);
+                pending.drain(..used);
+            }
+        }
+        assert_eq!(got, all());
+    }
+
+    #[test]
+    fn proto_rejects_malformed_frames_without_panicking() {
+        assert!(Msg::decode(&[0, 0, 0, 0]).is_err());
+        assert!(Msg::decode(&(MAX_FRAME as u32 + 1).to_le_bytes()).is_err());
+        let mut buf = Vec::new();
+        all()[3].encode(&mut buf);
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        for _ in 0..50_000 {
+            let mut m = buf.clone();
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let i = 4 + (x as usize) % (m.len() - 4);
+            m[i] = (x >> 24) as u8;
+            let _ = Msg::decode(&m);
+        }
+        // A huge range count in a small frame is refused, not allocated.
+        let mut evil = vec![0u8; 4];
+        evil.push(4);
+        evil.extend_from_slice(&[0; 12]);
+        evil.push(0);
+        evil.extend_from_slice(&0u16.to_le_bytes());
+        evil.push(0);
+        evil.extend_from_slice(&0u32.to_le_bytes());
+        evil.extend_from_slice(&u32::MAX.to_le_bytes());
+        let n = (evil.len() - 4) as u32;
+        evil[..4].copy_from_slice(&n.to_le_bytes());
+        assert!(Msg::decode(&evil).is_err());
+    }
+}

@@ -1,0 +1,452 @@
+//! The one file that names `nixl_sys`: NIXL's foreign interface.
+//!
+//! Finding `libnixl_capi.so` at run time, loading it by full path before the `nixl-sys` stub ever
+//! resolves a symbol (the stub aborts the process when it cannot find the library, so it must never
+//! get that far), and a thin wrapper over an agent that the engine thread owns. No `nixl_sys` type
+//! leaves this file; the NIXL transport (`super`) builds on the wrapper.
+#![allow(unsafe_code)]
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use nixl_sys::{
+    Agent, AgentConfig, MemType, NixlError, NotificationMap, OptArgs, RegDescList, RegistrationHandle,
+    ThreadSync, XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
+};
+
+use crate::device::{Device, DeviceKind};
+use crate::engine::Range;
+use crate::error::{Error, Result};
+
+/// Environment variable naming the NIXL library (a `libnixl_capi.so` file or a folder holding it).
+pub const NIXL_LIB_ENV: &str = "NIXL_CONNECT_LIB";
+
+/// The NIXL version the library was built against (the pinned nixl-sys release).
+pub const NIXL_SYS_VERSION: &str = "1.5.1";
+
+const CAPI: &str = "libnixl_capi.so";
+/// How long `python3` may take to name its site-packages folders.
+const PYTHON_LIMIT: Duration = Duration::from_secs(3);
+
+/// Where the NIXL library was found and loaded from.
+#[derive(Debug, Clone)]
+pub(crate) struct Loaded {
+    pub(crate) capi: PathBuf,
+}
+
+static LOADED: Mutex<Option<Loaded>> = Mutex::new(None);
+
+/// The places searched for `libnixl_capi.so`, in order, each group computed only when the ones
+/// before it found nothing (`python3` is asked last, bounded by a time limit).
+///
+/// 1. `$NIXL_CONNECT_LIB` (a file or a folder); when set, nothing else is searched.
+/// 2. `.nixl/lib` and `nixl/lib` next to the running executable or any of its four parent folders
+///    (what `scripts/setup.sh` and the GPU bundle create).
+/// 3. The `nixl_cu13` / `nixl_cu12` Python packages' library folders in the site-packages of
+///    `$VIRTUAL_ENV`, then of `python3`.
+/// 4. `/opt/nvidia/nvda_nixl` (NIXL's own install prefix).
+fn search(stop_at_first: bool) -> (Option<PathBuf>, Vec<PathBuf>) {
+    let mut tried = Vec::new();
+    let mut groups: Vec<Box<dyn FnOnce() -> Vec<PathBuf>>> = Vec::new();
+    if let Some(v) = std::env::var_os(NIXL_LIB_ENV) {
+        let p = PathBuf::from(v);
+        let p = if p.is_dir() { p.join(CAPI) } else { p };
+        let found = p.is_file().then(|| p.clone());
+        return (found, vec![p]);
+    }
+    groups.push(Box::new(|| {
+        let mut out = Vec::new();
+        if let Ok(exe) = std::env::current_exe() {
+            for dir in exe.ancestors().skip(1).take(5) {
+                out.push(dir.join(".nixl/lib").join(CAPI));
+                out.push(dir.join("nixl/lib").join(CAPI));
+            }
+        }
+        out
+    }));
+    groups.push(Box::new(|| {
+        std::env::var_os("VIRTUAL_ENV")
+            .map(|v| wheel_dirs(&site_dirs_of_prefix(Path::new(&v))))
+            .unwrap_or_default()
+    }));
+    groups.push(Box::new(|| wheel_dirs(&python_site_dirs())));
+    groups.push(Box::new(|| {
+        ["lib/x86_64-linux-gnu", "lib64", "lib", "lib/aarch64-linux-gnu"]
+            .iter()
+            .map(|sub| Path::new("/opt/nvidia/nvda_nixl").join(sub).join(CAPI))
+            .collect()
+    }));
+    let mut found = None;
+    for g in groups {
+        for p in g() {
+            if found.is_none() && p.is_file() {
+                found = Some(p.clone());
+            }
+            tried.push(p);
+        }
+        if found.is_some() && stop_at_first {
+            break;
+        }
+    }
+    (found, tried)
+}
+
+/// Every path searched for `libnixl_capi.so`, in order (see [`NIXL_LIB_ENV`]).
+pub(crate) fn candidates() -> Vec<PathBuf> {
+    search(false).1
+}
+
+fn wheel_dirs(sites: &[PathBuf]) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for site in sites {
+        for pkg in ["nixl_cu13", "nixl_cu12"] {
+            out.push(site.join(format!(".{pkg}.mesonpy.libs")).join(CAPI));
+        }
+    }
+    out
+}
+
+fn site_dirs_of_prefix(prefix: &Path) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    for lib in ["lib", "lib64"] {
+        if let Ok(rd) = std::fs::read_dir(prefix.join(lib)) {
+            for e in rd.flatten() {
+                if e.file_name().to_string_lossy().starts_with("python3") {
+                    dirs.push(e.path().join("site-packages"));
+                }
+            }
+        }
+    }
+    dirs
+}
+
+/// Asks `python3` for its site-packages folders, giving up after [`PYTHON_LIMIT`].
+fn python_site_dirs() -> Vec<PathBuf> {
+    let child = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import site,sys;print('\\n'.join(site.getsitepackages()+[site.getusersitepackages()]))",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn();
+    let Ok(child) = child else { return Vec::new() };
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(PYTHON_LIMIT) {
+        Ok(Ok(out)) => String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| PathBuf::from(l.trim()))
+            .collect(),
+        Ok(Err(_)) => Vec::new(),
+        Err(_) => {
+            // SAFETY: kill(2) on the pid of a child this function spawned and has not reaped (its
+            // waiting thread reaps it once it dies).
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            tracing::warn!("python3 did not name its site-packages within {PYTHON_LIMIT:?}");
+            Vec::new()
+        }
+    }
+}
+
+/// Finds and loads NIXL once per process; later calls return the library already loaded.
+pub(crate) fn load() -> Result<Loaded> {
+    let mut guard = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(l) = guard.as_ref() {
+        return Ok(l.clone());
+    }
+    let (found, searched) = search(true);
+    let Some(path) = found else {
+        return Err(Error::NixlNotFound { searched });
+    };
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::NixlLoad {
+        path: path.clone(),
+        reason: "path contains NUL".into(),
+    })?;
+    // SAFETY: `c` is a valid NUL-terminated path. dlopen runs the library's initialisers, which is
+    // what loading NIXL means; the handle is deliberately never closed (the library stays loaded for
+    // the life of the process, as the nixl-sys stub expects). RTLD_GLOBAL lets the stub's later
+    // dlopen("libnixl_capi.so") find this copy by its soname instead of searching the default path.
+    let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns a thread-local NUL-terminated string or null.
+        let reason = unsafe {
+            let e = libc::dlerror();
+            if e.is_null() {
+                "unknown dlopen error".to_string()
+            } else {
+                std::ffi::CStr::from_ptr(e).to_string_lossy().into_owned()
+            }
+        };
+        return Err(Error::NixlLoad { path, reason });
+    }
+    let l = Loaded { capi: path };
+    *guard = Some(l.clone());
+    Ok(l)
+}
+
+/// The NIXL memory type of a device.
+fn mem_type(device: Device) -> MemType {
+    match device.kind() {
+        DeviceKind::Host => MemType::Dram,
+        DeviceKind::Cuda | DeviceKind::Xpu => MemType::Vram,
+    }
+}
+
+fn device_id(d: Device) -> u64 {
+    u64::from(d.id())
+}
+
+/// A NIXL status turned into the library's error.
+pub(crate) fn nixl_err(op: &'static str, e: NixlError) -> Error {
+    Error::Nixl {
+        op,
+        status: e.to_string(),
+    }
+}
+
+/// A memory registration; deregistered when dropped (before its agent: the owner sees to it).
+pub(crate) struct Registration {
+    _handle: RegistrationHandle,
+}
+
+/// An in-flight transfer request; released when dropped. NIXL cannot cancel a posted transfer:
+/// releasing one that is still in flight frees the request but lets the transfer run on, so the
+/// memory stays in use until the transfer ends or the agent is destroyed.
+pub(crate) struct Transfer {
+    req: XferRequest,
+}
+
+/// A prepared descriptor list (NIXL's `prepXferDlist`); must be dropped before its agent.
+pub(crate) struct Prepared {
+    handle: XferDlistHandle,
+    len: usize,
+}
+
+/// One NIXL agent with the UCX backend, NIXL's own threads off. Not thread-safe: the engine thread
+/// owns it. Dropping it destroys the UCX worker, which cuts every peer off from this agent's
+/// memory and ends every transfer it posted.
+pub(crate) struct NixlAgent {
+    agent: Agent,
+    name: String,
+}
+
+impl NixlAgent {
+    /// Creates an agent named `name` with the UCX backend and the extra UCX `params`.
+    pub(crate) fn new(name: &str, params: &[(String, String)]) -> Result<Self> {
+        load()?;
+        let cfg = AgentConfig {
+            enable_prog_thread: false,
+            enable_listen_thread: false,
+            thread_sync: ThreadSync::None,
+            ..AgentConfig::default()
+        };
+        let agent = Agent::new_configured(name, &cfg).map_err(|e| nixl_err("create agent", e))?;
+        let plugins = agent
+            .get_available_plugins()
+            .map_err(|e| nixl_err("list plugins", e))?;
+        if !plugins.iter().any(|p| p.map(|s| s == "UCX").unwrap_or(false)) {
+            return Err(Error::NixlBackend {
+                reason: "the UCX plugin (plugins/libplugin_UCX.so next to libnixl.so) was not found; \
+                         reinstall NIXL with `bash scripts/setup.sh` or set NIXL_PLUGIN_DIR"
+                    .into(),
+            });
+        }
+        let (_mems, defaults) = agent
+            .get_plugin_params("UCX")
+            .map_err(|e| nixl_err("UCX plugin params", e))?;
+        let known: Vec<String> = defaults
+            .iter()
+            .map_err(|e| nixl_err("UCX plugin params", e))?
+            .filter_map(|kv| kv.ok().map(|(k, _)| k.to_owned()))
+            .collect();
+        let mut p = defaults.clone().map_err(|e| nixl_err("UCX plugin params", e))?;
+        for (k, v) in params {
+            if !known.iter().any(|n| n == k) {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown UCX backend parameter {k:?}; NIXL's UCX plugin takes: {}",
+                    known.join(", ")
+                )));
+            }
+            p.set(k, v).map_err(|e| nixl_err("UCX backend param", e))?;
+        }
+        agent.create_backend("UCX", &p).map_err(|e| Error::NixlBackend {
+            reason: format!("creating the UCX backend failed ({e}); check UCX_* environment variables"),
+        })?;
+        Ok(Self {
+            agent,
+            name: name.to_string(),
+        })
+    }
+
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Registers one range.
+    pub(crate) fn register(&self, r: Range) -> Result<Registration> {
+        let desc = RawRegion {
+            addr: r.addr,
+            len: r.len,
+            mem: mem_type(r.device),
+            dev: device_id(r.device),
+        };
+        let handle = self
+            .agent
+            .register_memory(&desc, None)
+            .map_err(|e| nixl_err("register memory", e))?;
+        Ok(Registration { _handle: handle })
+    }
+
+    /// This agent's metadata restricted to `regs` (exactly registered ranges): the connection
+    /// information alone when `regs` is empty, the sections of those registrations otherwise.
+    pub(crate) fn partial_metadata(&self, regs: &[Range]) -> Result<Vec<u8>> {
+        let mut l = RegDescList::new(regs.first().map_or(MemType::Dram, |r| mem_type(r.device)))
+            .map_err(|e| nixl_err("descriptor list", e))?;
+        for r in regs {
+            l.add_desc(r.addr, r.len, device_id(r.device));
+        }
+        self.agent
+            .get_local_partial_md(&l, None)
+            .map_err(|e| nixl_err("get local metadata", e))
+    }
+
+    /// Loads a peer's agent metadata (merging into what is loaded for it); returns its name.
+    pub(crate) fn load_remote(&self, md: &[u8]) -> std::result::Result<String, String> {
+        self.agent.load_remote_md(md).map_err(|e| e.to_string())
+    }
+
+    /// Forgets a peer's agent metadata and drops this agent's connection to it.
+    pub(crate) fn invalidate_remote(&self, name: &str) {
+        if let Err(e) = self.agent.invalidate_remote_md(name) {
+            tracing::debug!(remote = name, error = %e, "invalidate remote metadata failed");
+        }
+    }
+
+    /// Prepares a descriptor list once, for any number of transfers: `agent` is `None` for this
+    /// agent's own (registered) memory, or the peer whose metadata describes `ranges`.
+    pub(crate) fn prepare(&self, agent: Option<&str>, ranges: &[Range]) -> Result<Prepared> {
+        let mut l =
+            XferDescList::new(mem_type(ranges[0].device)).map_err(|e| nixl_err("descriptor list", e))?;
+        for r in ranges {
+            l.add_desc(r.addr, r.len, device_id(r.device));
+        }
+        let handle = self
+            .agent
+            .prepare_xfer_dlist(agent.unwrap_or(""), &l, None)
+            .map_err(|e| Error::Nixl {
+                op: "create transfer",
+                status: match agent {
+                    Some(a) => format!(
+                        "{e}: the remote descriptors are not registered memory of agent {a}, or the \
+                         metadata is stale"
+                    ),
+                    None => format!("{e}: preparing local descriptors"),
+                },
+            })?;
+        Ok(Prepared {
+            handle,
+            len: ranges.len(),
+        })
+    }
+
+    /// Posts a transfer between prepared lists; `Ok(None)` when it completed during the post.
+    pub(crate) fn post_prepared(
+        &self,
+        write: bool,
+        local: &Prepared,
+        remote: &Prepared,
+        notification: &[u8],
+    ) -> std::result::Result<Option<Transfer>, PostError> {
+        let idx: Vec<i32> = (0..local.len as i32).collect();
+        let mut args = OptArgs::new().map_err(|e| PostError::Local(nixl_err("transfer options", e)))?;
+        args.set_notification_message(notification)
+            .map_err(|e| PostError::Local(nixl_err("notification message", e)))?;
+        args.set_has_notification(true)
+            .map_err(|e| PostError::Local(nixl_err("notification flag", e)))?;
+        let op = if write { XferOp::Write } else { XferOp::Read };
+        let req = self
+            .agent
+            .make_xfer_req(
+                op,
+                &local.handle,
+                &idx,
+                &remote.handle,
+                &idx[..remote.len],
+                Some(&args),
+            )
+            .map_err(|e| PostError::Local(nixl_err("create transfer", e)))?;
+        match self.agent.post_xfer_req(&req, Some(&args)) {
+            Ok(true) => Ok(Some(Transfer { req })),
+            Ok(false) => Ok(None),
+            Err(e) => Err(PostError::Transfer(e.to_string())),
+        }
+    }
+
+    /// Polls one transfer (this also progresses the UCX worker).
+    pub(crate) fn poll(&self, t: &Transfer) -> std::result::Result<bool, String> {
+        match self.agent.get_xfer_status(&t.req) {
+            Ok(XferStatus::InProgress) => Ok(false),
+            Ok(XferStatus::Success) => Ok(true),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Drains the notifications that have arrived (this also progresses the UCX worker):
+    /// `(from agent, message bytes)`.
+    pub(crate) fn notifications(&self, out: &mut Vec<(String, Vec<u8>)>) -> Result<()> {
+        let mut map = NotificationMap::new().map_err(|e| nixl_err("notification map", e))?;
+        self.agent
+            .get_notifications(&mut map, None)
+            .map_err(|e| nixl_err("get notifications", e))?;
+        let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(str::to_owned)).collect();
+        for a in agents {
+            let n = map.get_notifications_size(&a).unwrap_or(0);
+            for i in 0..n {
+                if let Ok(b) = map.get_notification_bytes(&a, i) {
+                    out.push((a.clone(), b));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why a post failed: before anything reached the peer (`Local`), or in the transport.
+pub(crate) enum PostError {
+    Local(Error),
+    Transfer(String),
+}
+
+/// A raw range handed to nixl-sys for registration.
+#[derive(Debug)]
+struct RawRegion {
+    addr: usize,
+    len: usize,
+    mem: MemType,
+    dev: u64,
+}
+
+impl nixl_sys::MemoryRegion for RawRegion {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl nixl_sys::NixlDescriptor for RawRegion {
+    fn mem_type(&self) -> MemType {
+        self.mem
+    }
+    fn device_id(&self) -> u64 {
+        self.dev
+    }
+}

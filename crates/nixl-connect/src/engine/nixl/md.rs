@@ -1,0 +1,196 @@
+//! NIXL's serialised agent metadata (`nixlSerDes`), read and spliced in pure Rust.
+//!
+//! The blob is a sequence of entries `TAG, u64 little-endian length, value, '|'` after the header
+//! `nixlSerDes|`; tags are not length-prefixed, so it is read with the tags NIXL 1.5 writes:
+//!
+//! ```text
+//! nixlSerDes| Agent<n>name| Conns<8>count| (t<n>backend| c<n>conninfo|)*count <10>MemSection| nixlSecElms<8>count| ...
+//! ```
+//!
+//! Two things need it. The same-host path finds a peer's socket from the agent name, without
+//! loading anything into NIXL. And the passive side publishes per-operation metadata, the
+//! connection part of the agent (`getLocalPartialMD` of no descriptors) followed by the sections
+//! of just that operation's registrations (`getLocalPartialMD` of them), so its size and cost stay
+//! flat however many registrations are live, and a peer loads each registration once.
+
+use crate::error::{Error, Result};
+
+const HEADER: &[u8] = b"nixlSerDes|";
+const MEM_SECTION: &[u8] = b"MemSection";
+
+/// The parts of an agent metadata blob this crate uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AgentMd<'a> {
+    /// The agent's name.
+    pub(crate) name: &'a str,
+    /// How many backend connection entries it carries (0 for a sections-only blob).
+    pub(crate) conns: u64,
+    /// Byte offset of the memory-section marker (everything before it is header + connections).
+    pub(crate) sections_at: usize,
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn bad(&self, what: &str) -> Error {
+        Error::Metadata {
+            field: "nixl_metadata",
+            reason: format!(
+                "not NIXL agent metadata ({what} at byte {}); pass the nixl_metadata a NIXL Connect \
+                 operation published",
+                self.at
+            ),
+        }
+    }
+
+    /// Reads `TAG, u64 len, value, '|'`, requiring the tag.
+    fn entry(&mut self, tag: &[u8]) -> Result<&'a [u8]> {
+        if !self.b[self.at..].starts_with(tag) {
+            return Err(self.bad(&format!("missing `{}`", String::from_utf8_lossy(tag))));
+        }
+        self.at += tag.len();
+        let len_end = self.at.checked_add(8).filter(|&e| e <= self.b.len());
+        let Some(len_end) = len_end else {
+            return Err(self.bad("truncated length"));
+        };
+        let len = u64::from_le_bytes(self.b[self.at..len_end].try_into().expect("8 bytes"));
+        let end = usize::try_from(len)
+            .ok()
+            .and_then(|l| len_end.checked_add(l))
+            .filter(|&e| e < self.b.len());
+        let Some(end) = end else {
+            return Err(self.bad("a length past the end"));
+        };
+        if self.b[end] != b'|' {
+            return Err(self.bad("missing separator"));
+        }
+        let v = &self.b[len_end..end];
+        self.at = end + 1;
+        Ok(v)
+    }
+}
+
+/// Reads the agent name and finds the connection/section boundary.
+///
+/// # Errors
+/// [`Error::Metadata`] on anything that is not NIXL 1.5 agent metadata.
+pub(crate) fn parse(b: &[u8]) -> Result<AgentMd<'_>> {
+    let mut r = Reader { b, at: 0 };
+    if !b.starts_with(HEADER) {
+        return Err(r.bad("missing the nixlSerDes header"));
+    }
+    r.at = HEADER.len();
+    let name = r.entry(b"Agent")?;
+    let name = std::str::from_utf8(name).map_err(|_| r.bad("an agent name that is not UTF-8"))?;
+    if name.is_empty() || name.contains('\0') {
+        return Err(r.bad("an empty agent name"));
+    }
+    let count = r.entry(b"Conns")?;
+    let conns = u64::from_le_bytes(count.try_into().map_err(|_| r.bad("a bad connection count"))?);
+    if conns > 64 {
+        return Err(r.bad("too many connection entries"));
+    }
+    for _ in 0..conns {
+        r.entry(b"t")?;
+        r.entry(b"c")?;
+    }
+    let sections_at = r.at;
+    if r.entry(b"")? != MEM_SECTION {
+        return Err(r.bad("missing the memory section"));
+    }
+    Ok(AgentMd {
+        name,
+        conns,
+        sections_at,
+    })
+}
+
+/// Splices the connection part of `conn` (an agent's `getLocalPartialMD` of no descriptors) with
+/// the sections of `sections` (its `getLocalPartialMD` of some registrations): metadata any NIXL
+/// peer can load to connect and reach exactly those registrations.
+///
+/// # Errors
+/// [`Error::Metadata`] if either blob does not parse or they name different agents.
+pub(crate) fn splice(conn: &[u8], sections: &[u8]) -> Result<Vec<u8>> {
+    let c = parse(conn)?;
+    let s = parse(sections)?;
+    if c.name != s.name {
+        return Err(Error::Metadata {
+            field: "nixl_metadata",
+            reason: format!("cannot splice metadata of agents {} and {}", c.name, s.name),
+        });
+    }
+    let mut out = Vec::with_capacity(c.sections_at + sections.len() - s.sections_at);
+    out.extend_from_slice(&conn[..c.sections_at]);
+    out.extend_from_slice(&sections[s.sections_at..]);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(out: &mut Vec<u8>, tag: &[u8], v: &[u8]) {
+        out.extend_from_slice(tag);
+        out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+        out.extend_from_slice(v);
+        out.push(b'|');
+    }
+
+    /// A blob laid out as NIXL 1.5 writes it.
+    fn blob(name: &str, conns: &[&[u8]], sections: &[u8]) -> Vec<u8> {
+        let mut b = HEADER.to_vec();
+        entry(&mut b, b"Agent", name.as_bytes());
+        entry(&mut b, b"Conns", &(conns.len() as u64).to_le_bytes());
+        for c in conns {
+            entry(&mut b, b"t", b"UCX");
+            entry(&mut b, b"c", c);
+        }
+        entry(&mut b, b"", MEM_SECTION);
+        entry(&mut b, b"nixlSecElms", sections);
+        b
+    }
+
+    #[test]
+    fn md_parses_name_and_boundary() {
+        let b = blob("worker-1", &[b"conn|info with | bars"], &1u64.to_le_bytes());
+        let md = parse(&b).unwrap();
+        assert_eq!(md.name, "worker-1");
+        assert_eq!(md.conns, 1);
+        assert!(b[md.sections_at..].starts_with(b"\x0a\0\0\0\0\0\0\0MemSection|"));
+    }
+
+    #[test]
+    fn md_splices_connections_with_sections() {
+        let conn = blob("a", &[b"CONN"], &0u64.to_le_bytes());
+        let secs = blob("a", &[], &7u64.to_le_bytes());
+        let out = splice(&conn, &secs).unwrap();
+        assert_eq!(out, blob("a", &[b"CONN"], &7u64.to_le_bytes()));
+        assert!(splice(&conn, &blob("b", &[], &[0; 8])).is_err());
+    }
+
+    #[test]
+    fn md_rejects_garbage_without_panicking() {
+        let good = blob("name", &[b"xyz"], &3u64.to_le_bytes());
+        assert!(parse(b"").is_err());
+        assert!(parse(b"nixlSerDes|").is_err());
+        assert!(parse(&good[..good.len() - 30]).is_err());
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for i in 0..20_000 {
+            let mut m = good.clone();
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let at = (x as usize) % m.len();
+            match i % 3 {
+                0 => m[at] = (x >> 32) as u8,
+                1 => m.truncate(at),
+                _ => m.insert(at, (x >> 40) as u8),
+            }
+            let _ = parse(&m);
+        }
+    }
+}

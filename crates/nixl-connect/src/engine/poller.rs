@@ -1,0 +1,179 @@
+//! The engine thread's sleep: `epoll` over the same-host transport's sockets and an `eventfd` that
+//! callers (and copy threads) write to wake it.
+//!
+//! A waker only makes the syscall when the engine may be asleep: the engine announces it is about
+//! to sleep by setting a flag, then checks its queues once more before it does, so a wake-up is
+//! never lost and a busy engine is never interrupted.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The token of the waker's eventfd in [`Poller::wait`]'s results.
+pub(crate) const WAKE: u64 = u64::MAX;
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// Wakes one engine thread; cheap to clone, usable from any thread.
+#[derive(Clone)]
+pub(crate) struct Waker(Arc<WakerInner>);
+
+struct WakerInner {
+    fd: OwnedFd,
+    sleeping: AtomicBool,
+}
+
+impl Waker {
+    /// Wakes the engine if it sleeps (or is about to).
+    pub(crate) fn wake(&self) {
+        if self.0.sleeping.swap(false, Ordering::AcqRel) {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a live u64 to an eventfd this waker owns.
+            unsafe { libc::write(self.0.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+}
+
+/// An epoll instance plus the engine's waker.
+pub(crate) struct Poller {
+    epoll: Registrar,
+    waker: Waker,
+    events: Vec<libc::epoll_event>,
+}
+
+/// Adds and removes descriptors of one epoll instance (a transport keeps one).
+#[derive(Clone)]
+pub(crate) struct Registrar(Arc<OwnedFd>);
+
+impl Registrar {
+    fn ctl(&self, op: libc::c_int, fd: RawFd, token: u64, read: bool, write: bool) -> io::Result<()> {
+        let mut ev = libc::epoll_event {
+            events: (if read { libc::EPOLLIN | libc::EPOLLRDHUP } else { 0 }
+                | if write { libc::EPOLLOUT } else { 0 }) as u32,
+            u64: token,
+        };
+        // SAFETY: `ev` is a valid epoll_event; the kernel validates both descriptors.
+        cvt(unsafe { libc::epoll_ctl(self.0.as_raw_fd(), op, fd, &mut ev) }).map(drop)
+    }
+
+    /// Watches `fd` (level-triggered) under `token`.
+    pub(crate) fn add(&self, fd: RawFd, token: u64, read: bool, write: bool) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_ADD, fd, token, read, write)
+    }
+
+    /// Changes what `fd` is watched for.
+    pub(crate) fn modify(&self, fd: RawFd, token: u64, read: bool, write: bool) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_MOD, fd, token, read, write)
+    }
+
+    /// Stops watching `fd` (closing it does that too).
+    pub(crate) fn remove(&self, fd: RawFd) {
+        // SAFETY: EPOLL_CTL_DEL ignores the event argument; a stale fd only yields an error.
+        unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+    }
+}
+
+impl Poller {
+    pub(crate) fn new() -> io::Result<Self> {
+        // SAFETY: plain syscalls creating new descriptors; each is owned right after.
+        let (ep, ev) = unsafe {
+            let ep = cvt(libc::epoll_create1(libc::EPOLL_CLOEXEC))?;
+            let ep = OwnedFd::from_raw_fd(ep);
+            let ev = cvt(libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK))?;
+            (ep, OwnedFd::from_raw_fd(ev))
+        };
+        let p = Self {
+            epoll: Registrar(Arc::new(ep)),
+            waker: Waker(Arc::new(WakerInner {
+                fd: ev,
+                sleeping: AtomicBool::new(false),
+            })),
+            events: vec![libc::epoll_event { events: 0, u64: 0 }; 64],
+        };
+        p.epoll.add(p.waker.0.fd.as_raw_fd(), WAKE, true, false)?;
+        Ok(p)
+    }
+
+    pub(crate) fn waker(&self) -> Waker {
+        self.waker.clone()
+    }
+
+    /// The registrar of this poller's epoll instance.
+    pub(crate) fn registrar(&self) -> Registrar {
+        self.epoll.clone()
+    }
+
+    /// Announces that the engine is about to sleep; it must re-check its queues afterwards and
+    /// then call [`wait`](Self::wait) (or [`awake`](Self::awake) if it found work).
+    pub(crate) fn prepare_sleep(&self) {
+        self.waker.0.sleeping.store(true, Ordering::SeqCst);
+    }
+
+    /// Cancels [`prepare_sleep`](Self::prepare_sleep).
+    pub(crate) fn awake(&self) {
+        self.waker.0.sleeping.store(false, Ordering::SeqCst);
+    }
+
+    /// Waits up to `timeout` (`None`: until woken) and returns the ready tokens.
+    pub(crate) fn wait(&mut self, timeout: Option<Duration>, out: &mut Vec<(u64, u32)>) {
+        let ms = match timeout {
+            None => -1,
+            Some(t) if t.is_zero() => 0,
+            Some(t) => t.as_millis().clamp(1, i32::MAX as u128) as i32,
+        };
+        // SAFETY: `events` is a live buffer of `len` epoll_events.
+        let n = unsafe {
+            libc::epoll_wait(
+                self.epoll.0.as_raw_fd(),
+                self.events.as_mut_ptr(),
+                self.events.len() as i32,
+                ms,
+            )
+        };
+        self.awake();
+        for ev in &self.events[..n.max(0) as usize] {
+            if ev.u64 == WAKE {
+                let mut buf = 0u64;
+                // SAFETY: reads 8 bytes into a live u64 from the waker's own nonblocking eventfd.
+                unsafe { libc::read(self.waker.0.fd.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
+            } else {
+                out.push((ev.u64, ev.events));
+            }
+        }
+    }
+}
+
+/// True when an event mask reports a hang-up or an error.
+pub(crate) fn hung_up(events: u32) -> bool {
+    events & (libc::EPOLLHUP | libc::EPOLLERR | libc::EPOLLRDHUP) as u32 != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poller_wakes_only_when_asleep() {
+        let mut p = Poller::new().unwrap();
+        let w = p.waker();
+        let mut out = Vec::new();
+        w.wake(); // not sleeping: no syscall, nothing pending
+        p.wait(Some(Duration::ZERO), &mut out);
+        assert!(out.is_empty());
+        p.prepare_sleep();
+        let t = std::thread::spawn(move || w.wake());
+        t.join().unwrap();
+        let t0 = std::time::Instant::now();
+        p.wait(Some(Duration::from_secs(5)), &mut out);
+        assert!(t0.elapsed() < Duration::from_secs(4), "the wake-up was not lost");
+    }
+}

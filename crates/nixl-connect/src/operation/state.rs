@@ -1,0 +1,166 @@
+//! [`OpState`]: one operation's status, error, waiters, and whether its memory is released.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use super::{OperationStatus, TransferPath};
+use crate::error::Error;
+
+/// Shared by an operation's handle, the engine, and the transport moving its bytes.
+///
+/// `released` is true while no transport may touch the operation's memory: before the engine has
+/// its command, and again once every transfer on it has ended (or the transport that posted it is
+/// gone). A borrow may only end, and owned memory may only be freed, while it is true.
+pub(crate) struct OpState {
+    status: AtomicU8,
+    path: AtomicU8,
+    error: Mutex<Option<Error>>,
+    notify: Notify,
+    released: Mutex<bool>,
+    released_cv: Condvar,
+}
+
+impl OpState {
+    pub(crate) fn new(status: OperationStatus) -> Arc<Self> {
+        Arc::new(Self {
+            status: AtomicU8::new(status as u8),
+            path: AtomicU8::new(0),
+            error: Mutex::new(None),
+            notify: Notify::new(),
+            released: Mutex::new(true),
+            released_cv: Condvar::new(),
+        })
+    }
+
+    pub(crate) fn status(&self) -> OperationStatus {
+        OperationStatus::from_u8(self.status.load(Ordering::Acquire))
+    }
+
+    /// Moves to a terminal status unless already in one; wakes every waiter. Returns whether this
+    /// call made the move (so exactly one caller wins).
+    pub(crate) fn finish(&self, status: OperationStatus, error: Option<Error>) -> bool {
+        // The error is stored under its lock in the same critical section as the status change, so
+        // a waiter that sees `Errored` and then takes the lock always finds the error.
+        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cur = self.status.load(Ordering::Acquire);
+        loop {
+            if OperationStatus::from_u8(cur).is_terminal() {
+                return false;
+            }
+            match self
+                .status
+                .compare_exchange(cur, status as u8, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+        *slot = error;
+        drop(slot);
+        self.notify.notify_waiters();
+        true
+    }
+
+    pub(crate) fn error(&self) -> Option<Error> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub(crate) fn notified(&self) -> tokio::sync::futures::Notified<'_> {
+        self.notify.notified()
+    }
+
+    /// Records which path moves (or moved) the bytes.
+    pub(crate) fn set_path(&self, p: TransferPath) {
+        self.path.store(p as u8, Ordering::Release);
+    }
+
+    pub(crate) fn path(&self) -> Option<TransferPath> {
+        TransferPath::from_u8(self.path.load(Ordering::Acquire))
+    }
+
+    /// Marks the memory as possibly in use by a transport (before the command leaves).
+    pub(crate) fn mark_in_use(&self) {
+        *self.released.lock().unwrap_or_else(|p| p.into_inner()) = false;
+    }
+
+    /// Marks the memory as no longer touched by any transport; wakes a blocked dropper.
+    pub(crate) fn mark_released(&self) {
+        *self.released.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        self.released_cv.notify_all();
+    }
+
+    pub(crate) fn is_released(&self) -> bool {
+        *self.released.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Blocks the calling thread until the memory is released or `limit` passes; true if released.
+    pub(crate) fn wait_released(&self, limit: Option<Duration>) -> bool {
+        let deadline = limit.map(|l| Instant::now() + l);
+        let mut g = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        while !*g {
+            match deadline {
+                None => g = self.released_cv.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return false;
+                    }
+                    g = self
+                        .released_cv
+                        .wait_timeout(g, d - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_error_is_visible_with_the_status() {
+        for _ in 0..200 {
+            let s = OpState::new(OperationStatus::InProgress);
+            let s2 = s.clone();
+            let t = std::thread::spawn(move || {
+                s2.finish(
+                    OperationStatus::Errored,
+                    Some(Error::Nixl {
+                        op: "x",
+                        status: "y".into(),
+                    }),
+                )
+            });
+            loop {
+                if s.status() == OperationStatus::Errored {
+                    assert!(s.error().is_some(), "an Errored status always has its error");
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            assert!(t.join().unwrap());
+            assert!(
+                !s.finish(OperationStatus::Complete, None),
+                "terminal states are final"
+            );
+        }
+    }
+
+    #[test]
+    fn state_release_wait_is_bounded() {
+        let s = OpState::new(OperationStatus::InProgress);
+        s.mark_in_use();
+        let t0 = Instant::now();
+        assert!(!s.wait_released(Some(Duration::from_millis(30))));
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        s.mark_released();
+        assert!(s.wait_released(Some(Duration::ZERO)));
+    }
+}
