@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use nixl_connect::{Connector, Descriptor, Device, HostBuffer, RdmaMetadata};
+use nixl_connect::{Connector, Descriptor, Device, HostBuffer, PathPolicy, RdmaMetadata};
 
 use crate::pattern;
 
@@ -42,6 +42,10 @@ pub(crate) struct ReadArgs {
     /// The readable's RdmaMetadata JSON: a file, or `-` for stdin.
     #[arg(long)]
     metadata: String,
+    /// Which path may move the bytes: auto (same-host when the peer is a Rust connector on
+    /// this host, else NIXL), nixl, or local.
+    #[arg(long, default_value = "auto")]
+    path: PathPolicy,
     /// Where to save the bytes (descriptors concatenated).
     #[arg(long)]
     out: PathBuf,
@@ -55,6 +59,9 @@ pub(crate) struct WriteArgs {
     /// The writable's RdmaMetadata JSON: a file, or `-` for stdin.
     #[arg(long)]
     metadata: String,
+    /// Which path may move the bytes: auto, nixl, or local.
+    #[arg(long, default_value = "auto")]
+    path: PathPolicy,
     /// The bytes to write; its size must equal the writable's total size.
     #[arg(long)]
     file: PathBuf,
@@ -203,7 +210,7 @@ pub(crate) async fn read(a: ReadArgs) -> Result<()> {
         let sizes: Vec<usize> = md.descriptors.iter().map(|d| d.size as usize).collect();
         let total: usize = sizes.iter().sum();
         let mut buf = HostBuffer::new(total)?;
-        let conn = Connector::new()?;
+        let conn = Connector::builder().path(a.path).build()?;
         let op = conn.begin_read(&md, split_mut(&mut buf, &sizes)).await?;
         op.wait_for_completion(None).await?;
         drop(op);
@@ -228,7 +235,7 @@ pub(crate) async fn write(a: WriteArgs) -> Result<()> {
             );
         }
         let mut buf = HostBuffer::from_slice(&data)?;
-        let conn = Connector::new()?;
+        let conn = Connector::builder().path(a.path).build()?;
         let op = conn.begin_write(split_mut(&mut buf, &sizes), &md).await?;
         op.wait_for_completion(None).await?;
         Ok(())

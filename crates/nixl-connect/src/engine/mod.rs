@@ -132,10 +132,10 @@ pub(crate) enum Cmd {
         key: Arc<str>,
         keep: Option<(Hold, usize)>,
     },
-    /// Start an active operation.
+    /// Start an active operation (its outcome, and the registrations to keep with its memory,
+    /// arrive through its state).
     Begin {
-        spec: PendingActive,
-        reply: oneshot::Sender<Result<(Arc<str>, Vec<RegToken>)>>,
+        spec: ActiveSpec,
     },
     /// Stop an active operation's transfer as soon as possible; with `hard`, even at the cost of
     /// other operations (its owner cannot wait any longer).
@@ -167,15 +167,12 @@ pub(crate) enum Cmd {
     Shutdown,
 }
 
-/// An active operation before its peer's metadata is decoded (which the engine does, cached).
-pub(crate) struct PendingActive {
-    pub(crate) id: OpId,
-    pub(crate) write: bool,
-    pub(crate) local: Vec<Range>,
-    pub(crate) remote: Vec<Range>,
-    pub(crate) remote_md: Arc<str>,
-    pub(crate) key: Arc<str>,
-    pub(crate) state: Arc<OpState>,
+/// A peer's metadata string, decoded: its agent metadata and agent name.
+#[derive(Clone)]
+pub(crate) struct Decoded {
+    pub(crate) md: Arc<str>,
+    pub(crate) raw: Arc<[u8]>,
+    pub(crate) peer: Arc<str>,
 }
 
 /// Counters for tests, `bench` and `doctor`.
@@ -223,6 +220,7 @@ struct Shared {
     name: String,
     next_op: AtomicU64,
     cancel_grace: Duration,
+    decoded: Mutex<HashMap<Arc<str>, Decoded>>,
 }
 
 impl Engine {
@@ -281,6 +279,7 @@ impl Engine {
             name,
             next_op: AtomicU64::new(1),
             cancel_grace: opts.cancel_grace,
+            decoded: Mutex::new(HashMap::new()),
         })))
     }
 
@@ -295,6 +294,30 @@ impl Engine {
     /// How long a dropped operation with borrowed memory waits before its transport is cut off.
     pub(crate) fn cancel_grace(&self) -> Duration {
         self.0.cancel_grace
+    }
+
+    /// Decodes a peer's `nixl_metadata` (base64/hex, zlib, NIXL's serialisation) and reads its
+    /// agent name; cached by string, so a peer's repeated metadata costs a lookup.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] for anything that is not NIXL agent metadata.
+    pub(crate) fn decode(&self, md: &str) -> Result<Decoded> {
+        if let Some(d) = self.0.decoded.lock().unwrap_or_else(|p| p.into_inner()).get(md) {
+            return Ok(d.clone());
+        }
+        let raw = decode_agent_metadata(md)?;
+        let peer: Arc<str> = nixl::md::parse(&raw)?.name.into();
+        let d = Decoded {
+            md: md.into(),
+            raw: raw.into(),
+            peer,
+        };
+        let mut cache = self.0.decoded.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= MAX_DECODED {
+            cache.clear();
+        }
+        cache.insert(d.md.clone(), d.clone());
+        Ok(d)
     }
 
     pub(crate) fn send(&self, cmd: Cmd) -> Result<()> {
@@ -357,11 +380,6 @@ struct Active {
     on: usize,
 }
 
-struct Decoded {
-    raw: Arc<[u8]>,
-    peer: Arc<str>,
-}
-
 struct EngineLoop {
     rx: Receiver<Cmd>,
     poller: Poller,
@@ -370,7 +388,6 @@ struct EngineLoop {
     policy: PathPolicy,
     actives: HashMap<OpId, Active>,
     passives: HashMap<Arc<str>, Arc<OpState>>,
-    decoded: HashMap<Arc<str>, Decoded>,
     quarantine: Vec<Hold>,
     events: Vec<Event>,
     ready: Vec<(u64, u32)>,
@@ -393,7 +410,6 @@ impl EngineLoop {
             policy,
             actives: HashMap::new(),
             passives: HashMap::new(),
-            decoded: HashMap::new(),
             quarantine: Vec::new(),
             events: Vec::new(),
             ready: Vec::new(),
@@ -419,28 +435,48 @@ impl EngineLoop {
 
     fn run(mut self) {
         let mut last_event = Instant::now();
-        let mut park = MIN_PARK;
         let mut shutdown = false;
+        // NIXL is progressed on its own schedule: from MIN_PARK apart just after a command or a
+        // sign of activity, backing off to what `polling` allows (MAX_PARK while transfers are in
+        // flight, EXPOSED_POLL while only memory is exposed).
+        let mut nixl_gap = MIN_PARK;
+        let mut nixl_next = Instant::now();
         loop {
             let mut event = false;
-            while let Some(cmd) = self.pending.take().or_else(|| self.next_cmd(&mut shutdown)) {
+            while let Some(cmd) = self.pending.take().or_else(|| self.next_cmd()) {
+                if matches!(cmd, Cmd::Shutdown) {
+                    shutdown = true;
+                    break;
+                }
                 self.handle(cmd);
                 event = true;
             }
             if shutdown {
                 break;
             }
+            if event {
+                nixl_gap = MIN_PARK;
+                nixl_next = Instant::now();
+            }
             let ready = std::mem::take(&mut self.ready);
             event |= self.local.progress(&ready, &mut self.events);
             self.ready = ready;
             self.ready.clear();
-            if self.nixl.polling() != Polling::Never {
-                event |= self.nixl.progress(&[], &mut self.events);
+            let polling = self.nixl.polling();
+            let now = Instant::now();
+            if polling != Polling::Never && now >= nixl_next {
+                let active = self.nixl.progress(&[], &mut self.events);
+                event |= active;
+                let cap = match polling {
+                    Polling::Every(t) => t,
+                    _ => MAX_PARK,
+                };
+                nixl_gap = if active { MIN_PARK } else { (nixl_gap * 2).min(cap) };
+                nixl_next = now + nixl_gap;
             }
             event |= self.apply();
             if event {
                 last_event = Instant::now();
-                park = MIN_PARK;
                 self.poller.wait(Some(Duration::ZERO), &mut self.ready);
                 continue;
             }
@@ -452,13 +488,8 @@ impl EngineLoop {
                 continue;
             }
             let timeout = match self.nixl.polling() {
-                Polling::Busy => {
-                    let t = park;
-                    park = (park * 2).min(MAX_PARK);
-                    Some(t)
-                }
-                Polling::Every(t) => Some(t),
                 Polling::Never => None,
+                _ => Some(nixl_next.saturating_duration_since(Instant::now())),
             };
             self.poller.prepare_sleep();
             match self.rx.try_recv() {
@@ -475,18 +506,12 @@ impl EngineLoop {
         self.shutdown();
     }
 
-    fn next_cmd(&mut self, shutdown: &mut bool) -> Option<Cmd> {
+    /// The next command; a disconnected channel (every handle gone) reads as `Shutdown`.
+    fn next_cmd(&mut self) -> Option<Cmd> {
         match self.rx.try_recv() {
-            Ok(Cmd::Shutdown) => {
-                *shutdown = true;
-                None
-            }
             Ok(c) => Some(c),
             Err(TryRecvError::Empty) => None,
-            Err(TryRecvError::Disconnected) => {
-                *shutdown = true;
-                None
-            }
+            Err(TryRecvError::Disconnected) => Some(Cmd::Shutdown),
         }
     }
 
@@ -545,41 +570,23 @@ impl EngineLoop {
                     self.hold(k, bytes);
                 }
             }
-            Cmd::Begin { spec, reply } => {
-                let id = spec.id;
-                match self.decode(spec) {
-                    Ok(spec) => {
-                        let (peer, state) = (spec.peer.clone(), spec.state.clone());
-                        self.actives.insert(
-                            id,
-                            Active {
-                                state: state.clone(),
-                                keep: None,
-                                on: 0,
-                            },
-                        );
-                        let chain = self.chain();
-                        self.offer(spec, chain[0], None);
-                        // Settle what the transports decided at once: an immediate hand-over to
-                        // the next transport, registrations to keep with the memory, and a
-                        // failure before anything moved, which the caller gets from begin_*.
-                        let (tokens, failed) = self.settle(id);
-                        match failed {
-                            Some(e) => {
-                                self.actives.remove(&id);
-                                state.finish(OperationStatus::Errored, Some(e.clone()));
-                                state.mark_released();
-                                let _ = reply.send(Err(e));
-                            }
-                            None => {
-                                let _ = reply.send(Ok((peer, tokens)));
-                            }
-                        }
-                    }
-                    Err((state, e)) => {
-                        state.mark_released();
-                        let _ = reply.send(Err(e));
-                    }
+            Cmd::Begin { spec } => {
+                let (id, state) = (spec.id, spec.state.clone());
+                self.actives.insert(
+                    id,
+                    Active {
+                        state: state.clone(),
+                        keep: None,
+                        on: 0,
+                    },
+                );
+                let chain = self.chain();
+                self.offer(spec, chain[0], None);
+                // Settle what the transports decided at once: an immediate hand-over to the next
+                // transport, and registrations to keep with the memory.
+                let tokens = self.settle(id);
+                if !tokens.is_empty() {
+                    state.keep_tokens(tokens);
                 }
             }
             Cmd::Abandon { id, hard } => {
@@ -617,55 +624,18 @@ impl EngineLoop {
         self.nixl.unexpose(key);
     }
 
-    /// Decodes the peer's metadata (cached by string) into a full spec.
-    fn decode(&mut self, p: PendingActive) -> std::result::Result<ActiveSpec, (Arc<OpState>, Error)> {
-        if !self.decoded.contains_key(&p.remote_md) {
-            let r = decode_agent_metadata(&p.remote_md).and_then(|raw| {
-                let peer: Arc<str> = nixl::md::parse(&raw)?.name.into();
-                Ok(Decoded {
-                    raw: raw.into(),
-                    peer,
-                })
-            });
-            match r {
-                Ok(d) => {
-                    if self.decoded.len() >= MAX_DECODED {
-                        self.decoded.clear();
-                    }
-                    self.decoded.insert(p.remote_md.clone(), d);
-                }
-                Err(e) => return Err((p.state, e)),
-            }
-        }
-        let d = &self.decoded[&p.remote_md];
-        Ok(ActiveSpec {
-            id: p.id,
-            write: p.write,
-            local: p.local,
-            remote: p.remote,
-            remote_md: p.remote_md,
-            remote_raw: d.raw.clone(),
-            peer: d.peer.clone(),
-            key: p.key,
-            state: p.state,
-        })
-    }
-
-    /// Handles the events of a just-offered operation `id` that need an answer now: hand-overs
-    /// to the next transport, its registrations, and its immediate failure (removed from the
-    /// queue: the caller gets it instead).
-    fn settle(&mut self, id: OpId) -> (Vec<RegToken>, Option<Error>) {
+    /// Handles the events of a just-offered operation `id` that are best handled now: hand-overs
+    /// to the next transport, and its registrations (returned, to keep with its memory).
+    fn settle(&mut self, id: OpId) -> Vec<RegToken> {
         let mut tokens = Vec::new();
         loop {
             let pos = self.events.iter().position(|e| {
                 matches!(e, Event::Declined { spec, .. } if spec.id == id)
                     || matches!(e, Event::Registered { id: i, .. } if *i == id)
-                    || matches!(e, Event::ActiveEnded { id: i, result: Err(_) } if *i == id)
             });
-            let Some(pos) = pos else { return (tokens, None) };
+            let Some(pos) = pos else { return tokens };
             match self.events.remove(pos) {
                 Event::Registered { tokens: t, .. } => tokens.extend(t),
-                Event::ActiveEnded { result: Err(e), .. } => return (tokens, Some(e)),
                 Event::Declined { spec, reason } => self.hand_over(spec, reason),
                 _ => unreachable!("matched above"),
             }

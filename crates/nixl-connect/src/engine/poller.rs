@@ -125,19 +125,48 @@ impl Poller {
 
     /// Waits up to `timeout` (`None`: until woken) and returns the ready tokens.
     pub(crate) fn wait(&mut self, timeout: Option<Duration>, out: &mut Vec<(u64, u32)>) {
-        let ms = match timeout {
-            None => -1,
-            Some(t) if t.is_zero() => 0,
-            Some(t) => t.as_millis().clamp(1, i32::MAX as u128) as i32,
-        };
-        // SAFETY: `events` is a live buffer of `len` epoll_events.
-        let n = unsafe {
-            libc::epoll_wait(
-                self.epoll.0.as_raw_fd(),
-                self.events.as_mut_ptr(),
-                self.events.len() as i32,
-                ms,
-            )
+        let (ep, evs, len) = (
+            self.epoll.0.as_raw_fd(),
+            self.events.as_mut_ptr(),
+            self.events.len() as i32,
+        );
+        let n = match timeout {
+            // Sub-millisecond sleeps need epoll_pwait2's timespec (Linux 5.11); older kernels
+            // round up to a millisecond with epoll_wait.
+            Some(t) if !t.is_zero() && t < Duration::from_millis(10) => {
+                let ts = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: t.subsec_nanos() as libc::c_long,
+                };
+                // SAFETY: `evs` is a live buffer of `len` epoll_events; `ts` outlives the call;
+                // a null sigmask keeps the thread's mask.
+                let n = unsafe {
+                    libc::syscall(
+                        libc::SYS_epoll_pwait2,
+                        ep,
+                        evs,
+                        len,
+                        &ts,
+                        std::ptr::null::<libc::sigset_t>(),
+                        0,
+                    )
+                } as i32;
+                if n < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+                    // SAFETY: as below.
+                    unsafe { libc::epoll_wait(ep, evs, len, 1) }
+                } else {
+                    n
+                }
+            }
+            _ => {
+                let ms = match timeout {
+                    None => -1,
+                    Some(t) if t.is_zero() => 0,
+                    Some(t) => t.as_millis().clamp(1, i32::MAX as u128) as i32,
+                };
+                // SAFETY: `evs` is a live buffer of `len` epoll_events.
+                unsafe { libc::epoll_wait(ep, evs, len, ms) }
+            }
         };
         self.awake();
         for ev in &self.events[..n.max(0) as usize] {

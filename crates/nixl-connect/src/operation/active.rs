@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use super::{wait, OpState, OperationStatus};
 use crate::descriptor::{check_local, Descriptor};
+use crate::engine::transport::ActiveSpec;
 use crate::engine::transport::OpId;
-use crate::engine::{Cmd, Engine, PendingActive, Range};
+use crate::engine::{Cmd, Engine, Range};
 use crate::error::{Error, Result};
 use crate::metadata::{OperationKind, RdmaMetadata};
 
@@ -17,7 +18,7 @@ pub(crate) struct Active<'a> {
     key: Arc<str>,
     id: OpId,
     /// The peer's agent name, from its metadata.
-    peer: Option<Arc<str>>,
+    peer: Arc<str>,
 }
 
 /// Checks that `local` pairs with `remote` for `kind` before anything is posted.
@@ -84,45 +85,46 @@ impl<'a> Active<'a> {
                 device: d.device,
             })
             .collect();
+        let remote_md = engine.decode(&remote.nixl_metadata)?;
         let state = OpState::new(OperationStatus::InProgress);
         let key: Arc<str> = remote.notification_key.as_str().into();
         let id = engine.next_op();
-        // From here on, dropping `op` (with this future) is the operation's own drop: owned memory
-        // goes to the engine, borrowed memory waits until no transport touches it.
-        let mut op = Active {
+        // From here on, dropping `op` is the operation's own drop: owned memory goes to the
+        // engine, borrowed memory waits until no transport touches it.
+        let op = Active {
             engine: engine.clone(),
             state: state.clone(),
             descs,
             key: key.clone(),
             id,
-            peer: None,
+            peer: remote_md.peer.clone(),
         };
         state.mark_in_use();
-        let spec = PendingActive {
+        let spec = ActiveSpec {
             id,
             // A READ operation reads the readable; a WRITE operation writes the writable.
             write: kind == OperationKind::Write,
             local,
             remote: remote_ranges,
-            remote_md: remote.nixl_metadata.as_str().into(),
+            remote_md: remote_md.md,
+            remote_raw: remote_md.raw,
+            peer: remote_md.peer,
             key,
             state: state.clone(),
         };
-        match engine.call(|reply| Cmd::Begin { spec, reply }).await {
-            Ok(Ok((peer, tokens))) => {
-                op.peer = Some(peer);
-                // One token per local descriptor, in order, when NIXL registered them.
-                for (d, t) in op.descs.iter_mut().zip(tokens) {
-                    d.attach(t);
-                }
-                Ok(op)
-            }
-            Ok(Err(e)) => Err(e), // the engine released it: nothing was posted
-            Err(e) => {
-                // The engine is gone, and with it every transport that could touch the memory.
-                state.mark_released();
-                Err(e)
-            }
+        if let Err(e) = engine.send(Cmd::Begin { spec }) {
+            // No engine, no transport: nothing can touch the memory.
+            state.mark_released();
+            return Err(e);
+        }
+        Ok(op)
+    }
+
+    /// Moves the registrations the engine made into the descriptors (so that reusing the memory
+    /// does not register it again).
+    fn attach_tokens(&mut self) {
+        for (d, t) in self.descs.iter_mut().zip(self.state.take_tokens()) {
+            d.attach(t);
         }
     }
 
@@ -139,6 +141,8 @@ impl<'a> Active<'a> {
 impl Drop for Active<'_> {
     fn drop(&mut self) {
         if self.state.is_released() {
+            // Borrowed HostBuffers keep the registrations for their next operation.
+            self.attach_tokens();
             return;
         }
         self.state.finish(OperationStatus::Cancelled, None);
@@ -232,7 +236,7 @@ macro_rules! active_op {
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the transfer running.
             pub async fn wait_for_completion(&self, timeout: Option<Duration>) -> Result<()> {
-                wait(&self.inner.state, timeout, self.inner.peer.as_deref()).await
+                wait(&self.inner.state, timeout, Some(&self.inner.peer)).await
             }
 
             /// Marks the operation cancelled and wakes its waiters; the same-host path stops its
@@ -250,6 +254,7 @@ macro_rules! active_op {
                 if !self.inner.state.is_released() {
                     return Err(self);
                 }
+                self.inner.attach_tokens();
                 Ok(std::mem::take(&mut self.inner.descs))
             }
         }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
 use super::{OperationStatus, TransferPath};
+use crate::engine::RegToken;
 use crate::error::Error;
 
 /// Shared by an operation's handle, the engine, and the transport moving its bytes.
@@ -21,6 +22,8 @@ pub(crate) struct OpState {
     notify: Notify,
     released: Mutex<bool>,
     released_cv: Condvar,
+    /// Registrations the engine made for the operation's memory, to keep with it.
+    tokens: Mutex<Vec<RegToken>>,
 }
 
 impl OpState {
@@ -32,6 +35,7 @@ impl OpState {
             notify: Notify::new(),
             released: Mutex::new(true),
             released_cv: Condvar::new(),
+            tokens: Mutex::new(Vec::new()),
         })
     }
 
@@ -79,6 +83,16 @@ impl OpState {
 
     pub(crate) fn path(&self) -> Option<TransferPath> {
         TransferPath::from_u8(self.path.load(Ordering::Acquire))
+    }
+
+    /// Keeps registrations for the operation's memory until the operation takes them.
+    pub(crate) fn keep_tokens(&self, t: Vec<RegToken>) {
+        self.tokens.lock().unwrap_or_else(|p| p.into_inner()).extend(t);
+    }
+
+    /// The registrations kept for the operation's memory (one per descriptor, in order).
+    pub(crate) fn take_tokens(&self) -> Vec<RegToken> {
+        std::mem::take(&mut *self.tokens.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Marks the memory as possibly in use by a transport (before the command leaves).

@@ -406,10 +406,12 @@ async fn validation_descriptors_outside_the_peers_registrations_fail_before_tran
     let (a, b) = pair_on(PathPolicy::Nixl);
     let (_r, mut md) = readable_md(&a, 4096, 1).await;
     md.descriptors[0].ptr += 1 << 30; // not memory the peer registered
-    let e = b
+    let op = b
         .begin_read(&md, Descriptor::from(vec![0u8; 4096]))
         .await
-        .unwrap_err();
+        .unwrap();
+    let e = op.wait_for_completion(T).await.unwrap_err();
+    assert_eq!(b.stats().await.unwrap().transfers, 0, "nothing was posted");
     assert!(
         matches!(
             e,
@@ -468,8 +470,14 @@ fn cancel_during_transfer() {
 fn support_cancel_during() {
     let Ok(_) = std::env::var(PEER_ENV) else { return };
     runtime().block_on(async {
-        // The NIXL path (over TCP here); the same-host path has its own cancel tests.
-        let conn = Connector::builder().path(PathPolicy::Nixl).build().unwrap();
+        // The NIXL path (over TCP here); the same-host path has its own cancel tests. A long
+        // grace: this test checks that a borrowed drop waits for a live peer's transfer to end
+        // (soundness tests cover the cut-off of an unresponsive one).
+        let conn = Connector::builder()
+            .path(PathPolicy::Nixl)
+            .cancel_grace(Duration::from_secs(60))
+            .build()
+            .unwrap();
         let mut peer = Peer::start("readable");
         let len = 64 << 20;
         let mut in_flight = 0;
@@ -477,7 +485,12 @@ fn support_cancel_during() {
             writeln!(peer.child.stdin.as_mut().unwrap(), "readable {len} 1").unwrap();
             let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
             let mut dst = HostBuffer::new(len).unwrap();
+            let before = conn.stats().await.unwrap().transfers;
             let op = conn.begin_read(&md, Descriptor::from(&mut dst)).await.unwrap();
+            // begin_read returns before the engine posts: wait until it has.
+            while conn.stats().await.unwrap().transfers == before && !op.status().is_terminal() {
+                tokio::task::yield_now().await;
+            }
             if op.status() == OperationStatus::InProgress {
                 in_flight += 1;
                 op.cancel();
@@ -498,10 +511,14 @@ fn support_cancel_during() {
         for _ in 0..3 {
             writeln!(peer.child.stdin.as_mut().unwrap(), "readable {len} 1").unwrap();
             let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+            let before = conn.stats().await.unwrap().transfers;
             let op = conn
                 .begin_read(&md, Descriptor::from(HostBuffer::new(len).unwrap()))
                 .await
                 .unwrap();
+            while conn.stats().await.unwrap().transfers == before && !op.status().is_terminal() {
+                tokio::task::yield_now().await;
+            }
             adopted += usize::from(op.status() == OperationStatus::InProgress);
             drop(op);
             assert_eq!(peer.expect("DONE:"), "ok");
@@ -527,7 +544,11 @@ fn support_cancel_during() {
             writeln!(peer.child.stdin.as_mut().unwrap(), "readable {} 1", 256 << 20).unwrap();
             let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
             let mut dst = HostBuffer::new(256 << 20).unwrap();
+            let before = conn.stats().await.unwrap().transfers;
             let op = conn.begin_read(&md, Descriptor::from(&mut dst)).await.unwrap();
+            while conn.stats().await.unwrap().transfers == before && !op.status().is_terminal() {
+                tokio::task::yield_now().await;
+            }
             if op.status() != OperationStatus::InProgress {
                 continue;
             }

@@ -362,7 +362,6 @@ impl NixlTransport {
             tokens.push(init.regs.get(&init.agent, *r, &tx, &waker, stats)?.0);
         }
         let name = init.load(spec, stats)?;
-        stats.transfers += 1;
         if init.local_prep.len() > MAX_PREPARED {
             init.local_prep.clear();
         }
@@ -379,7 +378,11 @@ impl NixlTransport {
             init.remote_prep.insert(rkey.clone(), p);
         }
         let (lp, rp) = (&init.local_prep[&spec.local], &init.remote_prep[&rkey]);
-        match init.agent.post_prepared(spec.write, lp, rp, spec.key.as_bytes()) {
+        let posted = init.agent.post_prepared(spec.write, lp, rp, spec.key.as_bytes());
+        if !matches!(posted, Err(PostError::Local(_))) {
+            stats.transfers += 1;
+        }
+        match posted {
             Ok(None) => Ok((None, tokens)),
             Ok(Some(t)) => {
                 if let Some(p) = init.peers.get_mut(&name) {
