@@ -18,7 +18,7 @@ pub(crate) mod nixl;
 mod poller;
 pub(crate) mod transport;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -44,6 +44,8 @@ pub(crate) const MIN_PARK: Duration = Duration::from_micros(20);
 pub(crate) const MAX_PARK: Duration = Duration::from_millis(1);
 /// Decoded peer metadata kept by string.
 const MAX_DECODED: usize = 1024;
+/// Completed operations' keys remembered, to refuse replaying their metadata.
+const MAX_COMPLETED: usize = 65_536;
 
 /// One memory range as the transports see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -374,6 +376,7 @@ fn bind_unique(base: &str) -> Result<(String, Option<std::os::fd::OwnedFd>)> {
 
 /// Bookkeeping of one active operation in the engine.
 struct Active {
+    key: Arc<str>,
     state: Arc<OpState>,
     keep: Option<Hold>,
     /// The transport moving it (index into the chain), once started.
@@ -388,10 +391,12 @@ struct EngineLoop {
     policy: PathPolicy,
     actives: HashMap<OpId, Active>,
     passives: HashMap<Arc<str>, Arc<OpState>>,
-    quarantine: Vec<Hold>,
     events: Vec<Event>,
     ready: Vec<(u64, u32)>,
     pending: Option<Cmd>,
+    /// Keys of this connector's completed active operations (most recent [`MAX_COMPLETED`]).
+    completed: HashSet<Arc<str>>,
+    completed_order: VecDeque<Arc<str>>,
 }
 
 impl EngineLoop {
@@ -410,10 +415,11 @@ impl EngineLoop {
             policy,
             actives: HashMap::new(),
             passives: HashMap::new(),
-            quarantine: Vec::new(),
             events: Vec::new(),
             ready: Vec::new(),
             pending: None,
+            completed: HashSet::new(),
+            completed_order: VecDeque::new(),
         }
     }
 
@@ -526,19 +532,13 @@ impl EngineLoop {
             a.state
                 .finish(OperationStatus::Errored, Some(Error::EngineStopped));
         }
-        let EngineLoop {
-            local,
-            nixl,
-            quarantine,
-            ..
-        } = self;
+        let EngineLoop { local, nixl, .. } = self;
         drop(local);
-        drop(nixl);
+        drop(nixl); // destroys the agents, then frees the quarantined memory
         for a in actives {
             drop(a.keep);
             a.state.mark_released();
         }
-        drop(quarantine);
     }
 
     fn handle(&mut self, cmd: Cmd) {
@@ -572,9 +572,26 @@ impl EngineLoop {
             }
             Cmd::Begin { spec } => {
                 let (id, state) = (spec.id, spec.state.clone());
+                if self.completed.contains(&spec.key) {
+                    // Metadata is single-use: this connector already completed an operation with
+                    // it. A retry after a failure is allowed; a replay after success is not.
+                    state.mark_released();
+                    state.finish(
+                        OperationStatus::Errored,
+                        Some(Error::Refused {
+                            agent: spec.peer.to_string(),
+                            replay: true,
+                            reason: "this connector already completed an operation with this \
+                                     metadata's notification key; metadata is single-use"
+                                .into(),
+                        }),
+                    );
+                    return;
+                }
                 self.actives.insert(
                     id,
                     Active {
+                        key: spec.key.clone(),
                         state: state.clone(),
                         keep: None,
                         on: 0,
@@ -613,9 +630,19 @@ impl EngineLoop {
         }
     }
 
+    fn remember_completed(&mut self, key: Arc<str>) {
+        if self.completed.insert(key.clone()) {
+            self.completed_order.push_back(key);
+            if self.completed_order.len() > MAX_COMPLETED {
+                if let Some(old) = self.completed_order.pop_front() {
+                    self.completed.remove(&old);
+                }
+            }
+        }
+    }
+
     fn hold(&mut self, keep: Hold, bytes: usize) {
-        self.nixl.stats.quarantined_bytes += bytes as u64;
-        self.quarantine.push(keep);
+        self.nixl.hold(keep, bytes);
     }
 
     fn end_passive(&mut self, key: &Arc<str>) {
@@ -692,8 +719,11 @@ impl EngineLoop {
                         let Some(a) = self.actives.remove(&id) else {
                             continue;
                         };
-                        if result.is_ok() && self.transport(a.on).path() == TransferPath::Local {
-                            self.nixl.stats.local_transfers += 1;
+                        if result.is_ok() {
+                            if self.transport(a.on).path() == TransferPath::Local {
+                                self.nixl.stats.local_transfers += 1;
+                            }
+                            self.remember_completed(a.key.clone());
                         }
                         // Released before the status is final: a waiter woken by the status may
                         // take the memory back at once.

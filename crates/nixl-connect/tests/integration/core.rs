@@ -4,8 +4,7 @@
 //! Cross-process cases re-run this test binary as the peer (`support_peer`, ignored unless the
 //! peer environment variable is set), talking over its stdin/stdout.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use nixl_connect::{
@@ -13,51 +12,7 @@ use nixl_connect::{
     SerializedDescriptor, TransferPath,
 };
 
-const T: Option<Duration> = Some(Duration::from_secs(30));
-const PEER_ENV: &str = "NIXL_CONNECT_TEST_PEER";
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
-
-/// Unequal sizes summing to `total`: 1, 2, 3, ... weights.
-fn sizes(total: usize, n: usize) -> Vec<usize> {
-    let w: usize = (1..=n).sum();
-    let mut s: Vec<usize> = (1..=n).map(|i| (total / w * i).max(1)).collect();
-    let used: usize = s[..n - 1].iter().sum();
-    s[n - 1] = total - used;
-    s
-}
-
-fn split<'a>(mut buf: &'a mut [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
-    sizes
-        .iter()
-        .map(|&s| {
-            let (h, r) = std::mem::take(&mut buf).split_at_mut(s);
-            buf = r;
-            Descriptor::from(h)
-        })
-        .collect()
-}
-
-fn split_ro<'a>(mut buf: &'a [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
-    sizes
-        .iter()
-        .map(|&s| {
-            let (h, r) = buf.split_at(s);
-            buf = r;
-            Descriptor::from(h)
-        })
-        .collect()
-}
+use super::support::{pattern, run_support, runtime, sizes, split, split_ro, Peer, PEER_ENV, T};
 
 fn pair() -> (Connector, Connector) {
     (
@@ -647,89 +602,6 @@ async fn timeout_is_typed_and_leaves_the_operation_live() {
 }
 
 // ---------------------------------------------------------------- two processes
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// Runs the ignored support test `name` in a fresh process of this binary with `env`; asserts it
-/// passed and returns its stdout.
-fn run_support(name: &str, env: &[(&str, &std::ffi::OsStr)]) -> String {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-        .env(PEER_ENV, "1");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "{name} failed or aborted: {:?}\n{text}\n{err}",
-        out.status
-    );
-    text
-}
-
-struct Peer {
-    child: Child,
-    out: BufReader<std::process::ChildStdout>,
-}
-
-impl Peer {
-    fn start(role: &str) -> Self {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "core::support_peer",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(PEER_ENV, role)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Peer { child, out }
-    }
-
-    /// The next line the peer tagged with `tag`.
-    fn expect(&mut self, tag: &str) -> String {
-        let mut line = String::new();
-        loop {
-            line.clear();
-            assert!(
-                self.out.read_line(&mut line).unwrap() > 0,
-                "peer exited before sending {tag}"
-            );
-            // libtest may print "test ... " on the same line before the peer's output.
-            if let Some(i) = line.find(tag) {
-                return line[i + tag.len()..].trim_end().to_string();
-            }
-        }
-    }
-
-    fn finish(mut self) {
-        drop(self.child.stdin.take());
-        let st = self.child.wait().unwrap();
-        assert!(st.success(), "peer failed: {st}");
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// The peer process: `readable LEN N` or `writable LEN N`, repeated for each stdin line.
 #[test]

@@ -5,3 +5,6 @@ mod channels;
 mod core;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod local;
+mod soundness;
+mod support;

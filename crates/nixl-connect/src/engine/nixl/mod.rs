@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use self::ffi::{NixlAgent, PostError, Prepared, Registration, Transfer};
 use super::poller::Waker;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
-use super::{Cmd, EngineStats, Range, RegInner, RegToken, Side};
+use super::{Cmd, EngineStats, Hold, Range, RegInner, RegToken, Side};
 use crate::error::{Error, Result};
 use crate::metadata::encode_agent_metadata;
 use crate::operation::TransferPath;
@@ -258,6 +258,10 @@ pub(crate) struct NixlTransport {
     deregister_on_completion: bool,
     notif_buf: Vec<(String, Vec<u8>)>,
     pub(crate) stats: EngineStats,
+    /// Memory that was exposed and has been given up, held until the exposer is destroyed.
+    /// Declared after the agents: fields drop in order, so the UCX workers that could reach it
+    /// are gone before it is freed.
+    quarantine: Vec<Hold>,
 }
 
 impl NixlTransport {
@@ -288,6 +292,7 @@ impl NixlTransport {
             initiator_gen: 0,
             deregister_on_completion,
             notif_buf: Vec::new(),
+            quarantine: Vec::new(),
             stats: EngineStats::default(),
         })
     }
@@ -311,6 +316,12 @@ impl NixlTransport {
                 }
             }
         }
+    }
+
+    /// Holds exposed memory that was given up until no peer can reach it through the exposer.
+    pub(crate) fn hold(&mut self, keep: Hold, bytes: usize) {
+        self.stats.quarantined_bytes += bytes as u64;
+        self.quarantine.push(keep);
     }
 
     pub(crate) fn live_registrations(&self) -> usize {
@@ -550,7 +561,7 @@ impl Transport for NixlTransport {
                 }
             }
         }
-        if !self.exposer.regs.map.is_empty() || !self.exposer.live.is_empty() {
+        if self.polling() != Polling::Never {
             let mut buf = std::mem::take(&mut self.notif_buf);
             if let Err(e) = self.exposer.agent.notifications(&mut buf) {
                 tracing::warn!(error = %e, "draining NIXL notifications failed");
@@ -573,7 +584,12 @@ impl Transport for NixlTransport {
     fn polling(&self) -> Polling {
         if self.initiator.as_ref().is_some_and(|i| !i.inflight.is_empty()) {
             Polling::Busy
-        } else if !self.exposer.live.is_empty() || !self.exposer.regs.map.is_empty() {
+        } else if !self.exposer.live.is_empty()
+            || !self.exposer.regs.map.is_empty()
+            || !self.quarantine.is_empty()
+        {
+            // Peers may need this side to act for memory they can still reach (to serve a read
+            // over TCP, even of memory given up): keep progressing, slowly when idle.
             Polling::Every(EXPOSED_POLL)
         } else {
             Polling::Never

@@ -1,0 +1,168 @@
+//! Helpers shared by the integration tests: data patterns, descriptor splitting, and peer
+//! processes (this test binary re-run as an ignored `support_*` test, talking over its
+//! stdin/stdout).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use nixl_connect::Descriptor;
+
+/// The default wait in tests.
+pub const T: Option<Duration> = Some(Duration::from_secs(30));
+/// Set in a support process (to its role); support tests return at once without it.
+pub const PEER_ENV: &str = "NIXL_CONNECT_TEST_PEER";
+
+/// Deterministic bytes for `seed`.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// Unequal sizes summing to `total`: 1, 2, 3, ... weights.
+pub fn sizes(total: usize, n: usize) -> Vec<usize> {
+    let w: usize = (1..=n).sum();
+    let mut s: Vec<usize> = (1..=n).map(|i| (total / w * i).max(1)).collect();
+    let used: usize = s[..n - 1].iter().sum();
+    s[n - 1] = total - used;
+    s
+}
+
+pub fn split<'a>(mut buf: &'a mut [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
+    sizes
+        .iter()
+        .map(|&s| {
+            let (h, r) = std::mem::take(&mut buf).split_at_mut(s);
+            buf = r;
+            Descriptor::from(h)
+        })
+        .collect()
+}
+
+pub fn split_ro<'a>(mut buf: &'a [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
+    sizes
+        .iter()
+        .map(|&s| {
+            let (h, r) = buf.split_at(s);
+            buf = r;
+            Descriptor::from(h)
+        })
+        .collect()
+}
+
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Runs the ignored support test `name` in a fresh process of this binary with `env`; asserts it
+/// passed and returns its stdout.
+pub fn run_support(name: &str, env: &[(&str, &std::ffi::OsStr)]) -> String {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(PEER_ENV, "1");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "{name} failed or aborted: {:?}\n{text}\n{err}",
+        out.status
+    );
+    text
+}
+
+/// A peer process: this test binary running one of the ignored `support_*` tests.
+pub struct Peer {
+    pub child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Peer {
+    /// The `core::support_peer` role `role` (`readable` / `writable` commands).
+    pub fn start(role: &str) -> Self {
+        Self::spawn("core::support_peer", role, &[])
+    }
+
+    /// The support test `test` with `role` in its environment, plus `env`.
+    pub fn spawn(test: &str, role: &str, env: &[(&str, &str)]) -> Self {
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .env(PEER_ENV, role)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Peer { child, out }
+    }
+
+    /// A peer from a prepared command (another user, another network namespace...).
+    pub fn from_command(mut cmd: Command) -> Self {
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Peer { child, out }
+    }
+
+    /// Sends one line to the peer.
+    pub fn say(&mut self, line: &str) {
+        writeln!(self.child.stdin.as_mut().unwrap(), "{line}").unwrap();
+        self.child.stdin.as_mut().unwrap().flush().unwrap();
+    }
+
+    /// The next line the peer tagged with `tag`.
+    pub fn expect(&mut self, tag: &str) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                self.out.read_line(&mut line).unwrap() > 0,
+                "peer exited before sending {tag}"
+            );
+            // libtest may print "test ... " on the same line before the peer's output.
+            if let Some(i) = line.find(tag) {
+                return line[i + tag.len()..].trim_end().to_string();
+            }
+        }
+    }
+
+    /// Sends a signal to the peer (SIGSTOP, SIGCONT, SIGKILL).
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        #[allow(unsafe_code)]
+        let r = unsafe { libc::kill(self.child.id() as i32, sig) };
+        assert_eq!(r, 0, "signalling the peer");
+    }
+
+    pub fn finish(mut self) {
+        drop(self.child.stdin.take());
+        let st = self.child.wait().unwrap();
+        assert!(st.success(), "peer failed: {st}");
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
