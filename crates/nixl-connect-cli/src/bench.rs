@@ -1,15 +1,18 @@
-//! `nixl-connect bench`: two processes, a new operation pair per iteration, JSON lines out.
+//! `nixl-connect bench`: two processes, new operations every iteration, a table or JSON lines.
 //!
 //! This process is the active side (it reads or writes); the peer it spawns (`bench-peer`) is the
-//! passive side. Per iteration the peer creates a readable (or writable), prints its metadata and
-//! times until completion (`server_wait`); this side times from receiving the metadata to the end
-//! of its read or write (`read`), as the anchors in ../shared/anchors do.
+//! passive side. Per iteration the peer creates `--concurrency` readables (or writables) of
+//! `--descriptors` descriptors each, prints their metadata, and times until they complete (the
+//! passive side's wait); this side times from receiving the metadata to the end of its reads or
+//! writes, as the anchors in ../shared/anchors do. With `--limit` (the default for host memory) the
+//! same run also measures the copy limit: one thread's `process_vm_readv` of the peer's buffer.
 
+use std::io::IsTerminal;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use nixl_connect::{Connector, Descriptor, Device, HostBuffer, RdmaMetadata};
+use nixl_connect::{Connector, Descriptor, Device, HostBuffer, PathPolicy, RdmaMetadata};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -17,30 +20,50 @@ use crate::pattern;
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct Args {
-    /// Sizes to run, comma-separated (4K, 64K, 1M, ...).
+    /// Bytes per descriptor, comma-separated (4K, 64K, 1M, ...: binary units).
     #[arg(long, default_value = "4K,64K,1M,16M,64M,256M", value_delimiter = ',', value_parser = crate::parse_size)]
     sizes: Vec<usize>,
     /// Measured iterations per size (default: by size, from 1000 at 4 KiB to 8 at 256 MiB).
-    #[arg(long)]
-    iters: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: Option<u32>,
     /// Unmeasured iterations before the measured ones.
     #[arg(long, default_value_t = 3)]
-    warmup: usize,
+    warmup: u32,
     /// `read` (readable -> read) or `write` (writable -> write).
     #[arg(long, default_value = "read", value_parser = ["read", "write"])]
     op: String,
     /// `huge`: the library's page-aligned huge-page `HostBuffer`; `vec`: plain `Vec<u8>`.
     #[arg(long, default_value = "huge", value_parser = ["huge", "vec"])]
     buffers: String,
+    /// Which path moves the bytes: `auto` (same-host to a Rust peer on this host), `nixl`, `local`.
+    #[arg(long, default_value = "auto")]
+    path: PathPolicy,
+    /// Descriptors per operation (each of the size given).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    descriptors: u32,
+    /// Operations outstanding at once (each with its own fresh metadata).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    concurrency: u32,
     /// Where this (active) side's memory lives: `cpu` or `cuda:N` (needs the `cuda` feature).
     #[arg(long, default_value = "cpu")]
     device: Device,
     /// Where the peer's (passive) memory lives; default: the same as --device.
     #[arg(long)]
     peer_device: Option<Device>,
-    /// Extra UCX backend parameters, KEY=VALUE (e.g. ucx_error_handling_mode=none).
+    /// Extra UCX backend parameters, KEY=VALUE (e.g. ucx_error_handling_mode=none); unknown keys
+    /// are refused.
     #[arg(long = "ucx-param", value_parser = parse_kv)]
     ucx_params: Vec<(String, String)>,
+    /// Print JSON lines (the default when stdout is not a terminal).
+    #[arg(long)]
+    json: bool,
+    /// Also measure the copy limit in the same run (one thread's process_vm_readv of the peer's
+    /// buffer); on by default for host memory.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    limit: bool,
+    /// Also measure an idle connector's CPU use over two seconds.
+    #[arg(long)]
+    idle_cpu: bool,
 }
 
 fn parse_kv(s: &str) -> std::result::Result<(String, String), String> {
@@ -53,6 +76,8 @@ fn parse_kv(s: &str) -> std::result::Result<(String, String), String> {
 struct Block {
     op: String,
     size: usize,
+    descriptors: usize,
+    concurrency: usize,
     n: usize,
     buffers: String,
     device: Device,
@@ -76,78 +101,125 @@ fn default_iters(size: usize) -> usize {
     }
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+/// Latency statistics in microseconds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Stats {
+    mean: f64,
+    min: f64,
+    p50: f64,
+    p99: f64,
+    max: f64,
 }
 
-/// Memory for one side: a huge-page HostBuffer or a Vec, recycled across iterations.
+fn stats(v: &mut [f64]) -> Stats {
+    if v.is_empty() {
+        return Stats::default();
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    Stats {
+        mean: v.iter().sum::<f64>() / v.len() as f64,
+        min: v[0],
+        p50: at(0.5),
+        p99: at(0.99),
+        max: v[v.len() - 1],
+    }
+}
+
+/// Memory for one side: a huge-page HostBuffer or Vecs, recycled across iterations.
 enum Mem {
-    Huge(HostBuffer),
-    Vec(Option<Descriptor<'static>>),
+    Huge(Vec<HostBuffer>),
+    Vec(Vec<Option<Descriptor<'static>>>),
     #[cfg(feature = "cuda")]
-    Gpu(gpu::Gpu),
+    Gpu(Vec<gpu::Gpu>),
 }
 
 impl Mem {
-    fn new(kind: &str, size: usize, seed: Option<u64>, device: Device) -> Result<Self> {
+    /// `count` buffers of `size` bytes.
+    fn new(kind: &str, size: usize, count: usize, seed: Option<u64>, device: Device) -> Result<Self> {
         if device != Device::Host {
             #[cfg(feature = "cuda")]
-            return Ok(Mem::Gpu(gpu::Gpu::new(device, size, seed)?));
+            return Ok(Mem::Gpu(
+                (0..count)
+                    .map(|_| gpu::Gpu::new(device, size, seed))
+                    .collect::<Result<_>>()?,
+            ));
             #[cfg(not(feature = "cuda"))]
             bail!("--device {device}: this nixl-connect was built without the `cuda` feature");
         }
         Ok(if kind == "huge" {
-            let mut b = HostBuffer::new(size)?;
-            if let Some(s) = seed {
-                pattern::fill(&mut b, s, 0);
+            let mut v = Vec::with_capacity(count);
+            for _ in 0..count {
+                let mut b = HostBuffer::new(size)
+                    .with_context(|| format!("allocating {} for the benchmark", crate::human(size)))?;
+                if let Some(s) = seed {
+                    pattern::fill(&mut b, s, 0);
+                }
+                v.push(b);
             }
-            Mem::Huge(b)
+            Mem::Huge(v)
         } else {
-            let mut v = vec![0u8; size];
-            if let Some(s) = seed {
-                pattern::fill(&mut v, s, 0);
-            }
-            Mem::Vec(Some(Descriptor::from(v)))
+            Mem::Vec(
+                (0..count)
+                    .map(|_| {
+                        let mut v = vec![0u8; size];
+                        if let Some(s) = seed {
+                            pattern::fill(&mut v, s, 0);
+                        }
+                        Some(Descriptor::from(v))
+                    })
+                    .collect(),
+            )
         })
     }
 
-    /// A descriptor for one operation: borrowed for huge-page and GPU memory, the recycled owned
-    /// `Vec` descriptor (which keeps its registration) otherwise. `dest`: NIXL writes into it.
-    fn descriptor(&mut self, dest: bool) -> Result<Descriptor<'_>> {
+    /// Descriptors for one operation: `per` consecutive buffers starting at `first`.
+    fn descriptors(&mut self, first: usize, per: usize, dest: bool) -> Result<Vec<Descriptor<'_>>> {
         Ok(match self {
-            Mem::Huge(b) => match dest {
-                true => Descriptor::from(b),
-                false => Descriptor::from(&*b),
-            },
-            Mem::Vec(slot) => slot
-                .take()
-                .expect("the descriptor is returned after each operation"),
+            Mem::Huge(bs) => bs[first..first + per]
+                .iter_mut()
+                .map(|b| {
+                    if dest {
+                        Descriptor::from(b)
+                    } else {
+                        Descriptor::from(&*b)
+                    }
+                })
+                .collect(),
+            Mem::Vec(slots) => slots[first..first + per]
+                .iter_mut()
+                .map(|s| s.take().expect("descriptors are given back after each operation"))
+                .collect(),
             #[cfg(feature = "cuda")]
-            Mem::Gpu(g) => match dest {
-                true => Descriptor::from_cuda_mut(&mut g.slice)?,
-                false => Descriptor::from_cuda_ref(&g.slice)?,
-            },
+            Mem::Gpu(gs) => gs[first..first + per]
+                .iter_mut()
+                .map(|g| match dest {
+                    true => Descriptor::from_cuda_mut(&mut g.slice),
+                    false => Descriptor::from_cuda_ref(&g.slice),
+                })
+                .collect::<nixl_connect::Result<_>>()?,
         })
     }
 
-    /// Takes back the owned descriptor an operation returned (borrowed ones are just dropped).
-    fn recycle(&mut self, back: Vec<Descriptor<'static>>) {
-        if let Mem::Vec(slot) = self {
-            *slot = back.into_iter().next();
+    /// Takes back the owned descriptors an operation returned.
+    fn recycle(&mut self, first: usize, back: Vec<Descriptor<'static>>) {
+        if let Mem::Vec(slots) = self {
+            for (s, d) in slots[first..].iter_mut().zip(back) {
+                *s = Some(d);
+            }
         }
     }
 
-    /// True when the memory holds the pattern for `seed`.
-    fn holds(&self, seed: u64) -> bool {
+    /// True when buffer `i` holds the pattern for `seed`.
+    fn holds(&self, i: usize, seed: u64) -> bool {
         match self {
-            Mem::Huge(b) => pattern::first_mismatch(b, seed, 0).is_none(),
+            Mem::Huge(b) => pattern::first_mismatch(&b[i], seed, 0).is_none(),
             Mem::Vec(d) => {
-                pattern::first_mismatch(d.as_ref().and_then(|d| d.as_slice()).unwrap_or(&[]), seed, 0)
+                pattern::first_mismatch(d[i].as_ref().and_then(|d| d.as_slice()).unwrap_or(&[]), seed, 0)
                     .is_none()
             }
             #[cfg(feature = "cuda")]
-            Mem::Gpu(g) => g
+            Mem::Gpu(g) => g[i]
                 .to_host()
                 .is_ok_and(|h| pattern::first_mismatch(&h, seed, 0).is_none()),
         }
@@ -190,7 +262,136 @@ mod gpu {
     }
 }
 
+/// One result row.
+struct Row {
+    block: Block,
+    path: String,
+    iters: usize,
+    lat: Stats,
+    passive: Stats,
+    limit_gbps: Option<f64>,
+    ok: bool,
+}
+
+impl Row {
+    fn bytes(&self) -> usize {
+        self.block.size * self.block.descriptors
+    }
+
+    fn gbps(&self) -> f64 {
+        (self.bytes() * self.block.concurrency) as f64 / self.lat.p50 / 1e3
+    }
+
+    fn ops_per_s(&self) -> f64 {
+        self.block.concurrency as f64 / (self.lat.p50 / 1e6)
+    }
+
+    fn json(&self, a: &Args) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "impl": "nixl-connect",
+            "op": a.op,
+            "path": self.path,
+            "device": a.device.to_string(),
+            "peer_device": a.peer_device.unwrap_or(a.device).to_string(),
+            "buffers": a.buffers,
+            "size": self.block.size,
+            "descriptors": self.block.descriptors,
+            "bytes": self.bytes(),
+            "concurrency": self.block.concurrency,
+            "iters": self.iters,
+            "latency_mean_us": self.lat.mean,
+            "latency_min_us": self.lat.min,
+            "latency_p50_us": self.lat.p50,
+            "latency_p99_us": self.lat.p99,
+            "latency_max_us": self.lat.max,
+            "passive_p50_us": self.passive.p50,
+            "passive_p99_us": self.passive.p99,
+            "GBps": self.gbps(),
+            "ops_per_s": self.ops_per_s(),
+            "ok": self.ok,
+            // DESIGN.md's keys, kept for existing scripts (they name the read for any op).
+            "read_median_us": self.lat.p50,
+            "read_min_us": self.lat.min,
+            "server_wait_median_us": self.passive.p50,
+        });
+        if let Some(l) = self.limit_gbps {
+            v["limit_GBps"] = l.into();
+            v["of_limit"] = (self.gbps() / l).into();
+        }
+        v
+    }
+}
+
+fn size_label(n: usize) -> String {
+    match n {
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{} GiB", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
+
+fn table_header(a: &Args) {
+    println!(
+        "nixl-connect bench: {} {} memory, {} path, {} -> {}; latency in µs (per {}), rates in GB/s (10^9 B/s), sizes per descriptor (KiB/MiB = 2^10/2^20 B)",
+        a.op,
+        a.buffers,
+        a.path_label(),
+        a.device,
+        a.peer_device.unwrap_or(a.device),
+        if a.concurrency > 1 { "round of concurrent operations" } else { "operation" },
+    );
+    println!(
+        "{:>9} {:>6} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>10} {:>9} {:>7} {:>6} {:>3}",
+        "size",
+        "descs",
+        "conc",
+        "iters",
+        "mean",
+        "p50",
+        "p99",
+        "max",
+        "GB/s",
+        "ops/s",
+        "passive",
+        "limit",
+        "path",
+        "ok"
+    );
+}
+
+fn table_row(r: &Row) {
+    println!(
+        "{:>9} {:>6} {:>5} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>10.0} {:>9.1} {:>7} {:>6} {:>3}",
+        size_label(r.block.size),
+        r.block.descriptors,
+        r.block.concurrency,
+        r.iters,
+        r.lat.mean,
+        r.lat.p50,
+        r.lat.p99,
+        r.lat.max,
+        r.gbps(),
+        r.ops_per_s(),
+        r.passive.p50,
+        r.limit_gbps.map_or("-".into(), |l| format!("{l:.2}")),
+        r.path,
+        if r.ok { "yes" } else { "NO" },
+    );
+}
+
+impl Args {
+    fn path_label(&self) -> &'static str {
+        match self.path {
+            PathPolicy::Nixl => "NIXL",
+            PathPolicy::Local => "same-host",
+            _ => "auto",
+        }
+    }
+}
+
 pub(crate) async fn run(a: Args) -> Result<()> {
+    let json = a.json || !std::io::stdout().is_terminal();
     let exe = std::env::current_exe().context("locating this executable")?;
     let mut child = tokio::process::Command::new(exe)
         .arg("bench-peer")
@@ -200,19 +401,27 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         .kill_on_drop(true)
         .spawn()
         .context("starting the benchmark peer")?;
+    let peer_pid = child.id().context("the benchmark peer's pid")? as i32;
     let mut to_peer = child.stdin.take().context("peer stdin")?;
     let mut from_peer = BufReader::new(child.stdout.take().context("peer stdout")?).lines();
-    let mut builder = Connector::builder();
+    let mut builder = Connector::builder().path(a.path);
     for (k, v) in &a.ucx_params {
         builder = builder.ucx_param(k, v);
     }
     let conn = builder.build()?;
     let write = a.op == "write";
+    let (per, conc) = (a.descriptors as usize, a.concurrency as usize);
+    if !json {
+        table_header(&a);
+    }
     for &size in &a.sizes {
-        let n = a.iters.unwrap_or_else(|| default_iters(size)) + a.warmup;
+        let iters = a.iters.map_or_else(|| default_iters(size * per), |n| n as usize);
+        let n = iters + a.warmup as usize;
         let block = Block {
             op: a.op.clone(),
             size,
+            descriptors: per,
+            concurrency: conc,
             n,
             buffers: a.buffers.clone(),
             device: a.peer_device.unwrap_or(a.device),
@@ -222,57 +431,91 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             .write_all(format!("{}\n", serde_json::to_string(&block)?).as_bytes())
             .await?;
         to_peer.flush().await?;
-        // The active side's memory: destination of a read, source of a write.
-        let mut mem = Mem::new(&a.buffers, size, write.then_some(size as u64), a.device)?;
+        // The active side's memory: destinations of reads, sources of writes.
+        let mut mem = Mem::new(
+            &a.buffers,
+            size,
+            per * conc,
+            write.then_some(size as u64),
+            a.device,
+        )?;
         let (mut times, mut waits) = (Vec::new(), Vec::new());
         let mut ok = true;
+        let mut path = String::from("-");
+        let mut first_md: Option<RdmaMetadata> = None;
         for i in 0..n {
-            let line = next_line(&mut from_peer).await?;
-            let t0 = Instant::now();
-            let md: RdmaMetadata = line.parse()?;
-            let back = active_once(&conn, &md, mem.descriptor(!write)?, write).await?;
-            mem.recycle(back);
-            let dt = t0.elapsed();
-            if !write && i == 0 {
-                ok &= mem.holds(size as u64);
+            let mut lines = Vec::with_capacity(conc);
+            for _ in 0..conc {
+                lines.push(next_line(&mut from_peer).await?);
             }
-            let peer: PeerIter = serde_json::from_str(&next_line(&mut from_peer).await?)?;
-            ok &= peer.ok;
-            if i >= a.warmup {
+            let t0 = Instant::now();
+            let mut mds = Vec::with_capacity(conc);
+            for l in &lines {
+                mds.push(l.parse::<RdmaMetadata>()?);
+            }
+            let (p, backs) = active_round(&conn, &mds, &mut mem, per, write).await?;
+            let dt = t0.elapsed();
+            for (k, back) in backs.into_iter().enumerate() {
+                mem.recycle(k * per, back);
+            }
+            path = p;
+            if !write && i == 0 {
+                ok &= (0..per * conc).all(|k| mem.holds(k, size as u64));
+            }
+            for _ in 0..conc {
+                let peer: PeerIter = serde_json::from_str(&next_line(&mut from_peer).await?)?;
+                ok &= peer.ok;
+                if i >= a.warmup as usize {
+                    waits.push(peer.wait_us);
+                }
+            }
+            if i >= a.warmup as usize {
                 times.push(dt.as_secs_f64() * 1e6);
-                waits.push(peer.wait_us);
+            }
+            first_md.get_or_insert_with(|| mds.swap_remove(0));
+        }
+        // The copy limit, in the same run: one thread's process_vm_readv of the peer's buffer
+        // (still mapped: the peer keeps it until the next block).
+        let limit_gbps = match (&first_md, a.device) {
+            (Some(md), Device::Host) if a.limit => Some(vm_readv_limit(peer_pid, md, size, &a.buffers)?),
+            _ => None,
+        };
+        let row = Row {
+            block,
+            path,
+            iters: times.len(),
+            lat: stats(&mut times),
+            passive: stats(&mut waits),
+            limit_gbps,
+            ok,
+        };
+        if json {
+            println!("{}", row.json(&a));
+        } else {
+            table_row(&row);
+        }
+    }
+    if a.idle_cpu {
+        // An idle connector (nothing outstanding) must cost next to no CPU: this process's CPU
+        // time over two idle seconds, after the engine's spin window has passed.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (c0, t0) = (process_cpu_ns(), Instant::now());
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let (c1, wall) = (process_cpu_ns(), t0.elapsed());
+        if let (Some(c0), Some(c1)) = (c0, c1) {
+            let pct = (c1 - c0) as f64 / wall.as_nanos() as f64 * 100.0;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"impl": "nixl-connect", "idle_connector_cpu_pct": pct, "idle_seconds": wall.as_secs_f64()})
+                );
+            } else {
+                println!(
+                    "idle connector: {pct:.3}% of a core over {:.1} s",
+                    wall.as_secs_f64()
+                );
             }
         }
-        let read_min_us = times.iter().copied().fold(f64::INFINITY, f64::min);
-        let read_median_us = median(&mut times);
-        let out = serde_json::json!({
-            "impl": "nixl-connect",
-            "op": a.op,
-            "device": a.device.to_string(),
-            "peer_device": a.peer_device.unwrap_or(a.device).to_string(),
-            "buffers": a.buffers,
-            "size": size,
-            "iters": times.len(),
-            "read_median_us": read_median_us,
-            "read_min_us": read_min_us,
-            "server_wait_median_us": median(&mut waits),
-            "GBps": size as f64 / read_median_us / 1e3,
-            "ok": ok,
-        });
-        println!("{out}");
-    }
-    // An idle connector (nothing outstanding) must cost next to no CPU: measure this process's
-    // CPU time over two idle seconds, after the engine's spin window has passed.
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let (c0, t0) = (process_cpu_ns(), Instant::now());
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let (c1, wall) = (process_cpu_ns(), t0.elapsed());
-    if let (Some(c0), Some(c1)) = (c0, c1) {
-        let pct = (c1 - c0) as f64 / wall.as_nanos() as f64 * 100.0;
-        println!(
-            "{}",
-            serde_json::json!({"impl": "nixl-connect", "idle_connector_cpu_pct": pct, "idle_seconds": wall.as_secs_f64()})
-        );
     }
     drop(conn);
     drop(to_peer);
@@ -281,6 +524,97 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         bail!("benchmark peer exited with {st}");
     }
     Ok(())
+}
+
+/// One thread's `process_vm_readv` rate (GB/s, median) of `size` bytes from the peer's first
+/// buffer into local memory of the same kind.
+fn vm_readv_limit(pid: i32, md: &RdmaMetadata, size: usize, buffers: &str) -> Result<f64> {
+    use nix::sys::uio::{process_vm_readv, RemoteIoVec};
+    use nix::unistd::Pid;
+    let (mut hb, mut vv) = (None, None);
+    let dst: &mut [u8] = if buffers == "huge" {
+        hb.insert(HostBuffer::new(size)?)
+    } else {
+        vv.insert(vec![0u8; size])
+    };
+    dst.fill(0);
+    let remote = [RemoteIoVec {
+        base: md.descriptors[0].ptr as usize,
+        len: size,
+    }];
+    let reps = (default_iters(size) / 2).clamp(5, 200);
+    let mut v = Vec::with_capacity(reps);
+    for _ in 0..reps + 2 {
+        let t0 = Instant::now();
+        let mut got = 0;
+        while got < size {
+            let n = process_vm_readv(
+                Pid::from_raw(pid),
+                &mut [std::io::IoSliceMut::new(&mut dst[got..])],
+                &[RemoteIoVec {
+                    base: remote[0].base + got,
+                    len: size - got,
+                }],
+            )
+            .context("process_vm_readv of the peer's buffer (the copy limit)")?;
+            if n == 0 {
+                bail!("process_vm_readv read nothing");
+            }
+            got += n;
+        }
+        v.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    let s = stats(&mut v[2..]);
+    Ok(size as f64 / s.p50 / 1e3)
+}
+
+/// One round: an active operation per metadata, all outstanding at once; returns the path taken
+/// and each operation's owned descriptors back.
+async fn active_round(
+    conn: &Connector,
+    mds: &[RdmaMetadata],
+    mem: &mut Mem,
+    per: usize,
+    write: bool,
+) -> Result<(String, Vec<Vec<Descriptor<'static>>>)> {
+    let t = Some(Duration::from_secs(60));
+    let mut all = mem.descriptors(0, per * mds.len(), !write)?;
+    let mut reads = Vec::new();
+    let mut writes = Vec::new();
+    for md in mds {
+        let rest = all.split_off(per.min(all.len()));
+        let ds = std::mem::replace(&mut all, rest);
+        if write {
+            writes.push(conn.begin_write(ds, md).await?);
+        } else {
+            reads.push(conn.begin_read(md, ds).await?);
+        }
+    }
+    let mut path = String::from("-");
+    let mut backs = Vec::with_capacity(mds.len());
+    for op in reads {
+        op.wait_for_completion(t).await?;
+        path = op.path().map_or("-".into(), |p| p.to_string());
+        backs.push(
+            op.into_descriptors()
+                .map_err(|_| anyhow::anyhow!("the read was not released"))?,
+        );
+    }
+    for op in writes {
+        op.wait_for_completion(t).await?;
+        path = op.path().map_or("-".into(), |p| p.to_string());
+        backs.push(
+            op.into_descriptors()
+                .map_err(|_| anyhow::anyhow!("the write was not released"))?,
+        );
+    }
+    Ok((
+        path,
+        backs
+            .into_iter()
+            .map(|b| b.into_iter().filter_map(|d| d.try_into_static().ok()).collect())
+            .collect(),
+    ))
 }
 
 async fn next_line(lines: &mut tokio::io::Lines<impl tokio::io::AsyncBufRead + Unpin>) -> Result<String> {
@@ -292,10 +626,13 @@ async fn next_line(lines: &mut tokio::io::Lines<impl tokio::io::AsyncBufRead + U
     }
 }
 
-/// The passive side: for each block, one readable or writable per iteration.
+/// The passive side: for each block, `concurrency` readables (or writables) per iteration.
 pub(crate) async fn peer() -> Result<()> {
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     let mut conn: Option<Connector> = None;
+    // The previous block's memory stays mapped until the next block starts (the active side
+    // measures the copy limit from it).
+    let mut _prev: Option<Mem> = None;
     while let Some(line) = lines.next_line().await? {
         let b: Block = serde_json::from_str(&line)?;
         let conn = match &conn {
@@ -309,88 +646,82 @@ pub(crate) async fn peer() -> Result<()> {
             }
         };
         let write = b.op == "write";
-        let mut mem = Mem::new(&b.buffers, b.size, (!write).then_some(b.size as u64), b.device)?;
+        let count = b.descriptors * b.concurrency;
+        let mut mem = Mem::new(
+            &b.buffers,
+            b.size,
+            count,
+            (!write).then_some(b.size as u64),
+            b.device,
+        )?;
         for i in 0..b.n {
-            let (wait_us, back) = passive_once(&conn, mem.descriptor(write)?, write).await?;
-            mem.recycle(back);
-            let ok = !(write && i == 0) || mem.holds(b.size as u64);
-            let reply = serde_json::to_string(&PeerIter { wait_us, ok })?;
-            println!("{reply}");
+            let waits = passive_round(&conn, &mut mem, b.descriptors, b.concurrency, write).await?;
+            let ok = !(write && i == 0) || (0..count).all(|k| mem.holds(k, b.size as u64));
+            for wait_us in waits {
+                println!("{}", serde_json::to_string(&PeerIter { wait_us, ok })?);
+            }
         }
+        _prev = Some(mem);
     }
     Ok(())
 }
 
-/// One active operation (read, or write with `write`) on `d`; returns the owned descriptors back.
-async fn active_once(
+/// One round of passive operations, published on stdout; returns each one's wait (publish to
+/// completion) in microseconds.
+async fn passive_round(
     conn: &Connector,
-    md: &RdmaMetadata,
-    d: Descriptor<'_>,
+    mem: &mut Mem,
+    per: usize,
+    conc: usize,
     write: bool,
-) -> Result<Vec<Descriptor<'static>>> {
-    let t = Some(Duration::from_secs(60));
-    let back = if write {
-        let op = conn.begin_write(d, md).await?;
-        op.wait_for_completion(t).await?;
-        op.into_descriptors()
-            .map_err(|_| anyhow::anyhow!("the write was not released"))?
-    } else {
-        let op = conn.begin_read(md, d).await?;
-        op.wait_for_completion(t).await?;
-        op.into_descriptors()
-            .map_err(|_| anyhow::anyhow!("the read was not released"))?
-    };
-    Ok(back
-        .into_iter()
-        .filter_map(|d| d.try_into_static().ok())
-        .collect())
-}
-
-/// One passive operation (readable, or writable with `write`) on `d`, published on stdout; returns
-/// the wait from publishing to completion, in microseconds, and the owned descriptors back.
-async fn passive_once(
-    conn: &Connector,
-    d: Descriptor<'_>,
-    write: bool,
-) -> Result<(f64, Vec<Descriptor<'static>>)> {
-    let t = Some(Duration::from_secs(60));
-    let (wait_us, back) = if write {
-        let op = conn.create_writable(d).await?;
-        (
-            expose(op.metadata(), op.wait_for_completion(t)).await?,
-            op.into_descriptors(),
-        )
-    } else {
-        let op = conn.create_readable(d).await?;
-        (
-            expose(op.metadata(), op.wait_for_completion(t)).await?,
-            op.into_descriptors(),
-        )
-    };
-    Ok((
-        wait_us,
-        back.into_iter()
-            .filter_map(|d| d.try_into_static().ok())
-            .collect(),
-    ))
-}
-
-/// Publishes the metadata and times the wait from the moment it is published.
-async fn expose(
-    md: &RdmaMetadata,
-    wait: impl std::future::Future<Output = nixl_connect::Result<()>>,
-) -> Result<f64> {
+) -> Result<Vec<f64>> {
     use std::io::Write;
-    let line = format!("{}\n", md.to_json());
+    let t = Some(Duration::from_secs(60));
+    let mut all = mem.descriptors(0, per * conc, write)?;
+    let mut readables = Vec::new();
+    let mut writables = Vec::new();
+    let mut out = String::new();
+    for _ in 0..conc {
+        let rest = all.split_off(per.min(all.len()));
+        let ds = std::mem::replace(&mut all, rest);
+        if write {
+            let op = conn.create_writable(ds).await?;
+            out.push_str(&op.metadata().to_json());
+            writables.push(op);
+        } else {
+            let op = conn.create_readable(ds).await?;
+            out.push_str(&op.metadata().to_json());
+            readables.push(op);
+        }
+        out.push('\n');
+    }
     let t0 = Instant::now();
     {
-        // A blocking write of one short line: tokio's stdout would hop through its blocking pool.
+        // A blocking write of a few lines: tokio's stdout would hop through its blocking pool.
         let mut o = std::io::stdout().lock();
-        o.write_all(line.as_bytes())?;
+        o.write_all(out.as_bytes())?;
         o.flush()?;
     }
-    wait.await?;
-    Ok(t0.elapsed().as_secs_f64() * 1e6)
+    let mut waits = Vec::with_capacity(conc);
+    let mut backs = Vec::with_capacity(conc);
+    for op in readables {
+        op.wait_for_completion(t).await?;
+        waits.push(t0.elapsed().as_secs_f64() * 1e6);
+        backs.push(op.into_descriptors());
+    }
+    for op in writables {
+        op.wait_for_completion(t).await?;
+        waits.push(t0.elapsed().as_secs_f64() * 1e6);
+        backs.push(op.into_descriptors());
+    }
+    let owned: Vec<Vec<Descriptor<'static>>> = backs
+        .into_iter()
+        .map(|b| b.into_iter().filter_map(|d| d.try_into_static().ok()).collect())
+        .collect();
+    for (k, back) in owned.into_iter().enumerate() {
+        mem.recycle(k * per, back);
+    }
+    Ok(waits)
 }
 
 /// CPU time of every thread of this process, in nanoseconds (from /proc/self/task/*/schedstat).
@@ -401,4 +732,27 @@ fn process_cpu_ns() -> Option<u64> {
         total += s.split_whitespace().next()?.parse::<u64>().ok()?;
     }
     Some(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bench_stats_are_ordered_and_handle_one_sample() {
+        let s = stats(&mut [5.0]);
+        assert_eq!((s.min, s.p50, s.p99, s.max, s.mean), (5.0, 5.0, 5.0, 5.0, 5.0));
+        let mut v: Vec<f64> = (1..=100).map(f64::from).collect();
+        let s = stats(&mut v);
+        assert!(s.min <= s.p50 && s.p50 <= s.p99 && s.p99 <= s.max);
+        assert_eq!(s.max, 100.0);
+        assert_eq!(stats(&mut []).p50, 0.0);
+    }
+
+    #[test]
+    fn bench_size_labels_are_binary_units() {
+        assert_eq!(size_label(4096), "4 KiB");
+        assert_eq!(size_label(64 << 20), "64 MiB");
+        assert_eq!(size_label(1000), "1000 B");
+    }
 }

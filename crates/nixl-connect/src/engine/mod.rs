@@ -42,6 +42,8 @@ pub(crate) const SPIN: Duration = Duration::from_millis(2);
 pub(crate) const MIN_PARK: Duration = Duration::from_micros(20);
 /// The longest back-off while transfers are in flight.
 pub(crate) const MAX_PARK: Duration = Duration::from_millis(1);
+/// How often a hot engine polls NIXL for notifications of operations it watches.
+pub(crate) const WATCH_GAP: Duration = Duration::from_micros(25);
 /// Decoded peer metadata kept by string.
 const MAX_DECODED: usize = 1024;
 /// Completed operations' keys remembered, to refuse replaying their metadata.
@@ -470,14 +472,23 @@ impl EngineLoop {
             self.ready.clear();
             let polling = self.nixl.polling();
             let now = Instant::now();
-            if polling != Polling::Never && now >= nixl_next {
+            // While the engine is hot: transfers in flight are polled on every turn, operations
+            // waiting for a notification every WATCH_GAP; otherwise by the back-off schedule.
+            let hot = now.duration_since(last_event) < SPIN;
+            let due = match polling {
+                Polling::Never => false,
+                Polling::Busy if hot => true,
+                _ => now >= nixl_next,
+            };
+            if due {
                 let active = self.nixl.progress(&[], &mut self.events);
                 event |= active;
-                let cap = match polling {
-                    Polling::Every(t) => t,
-                    _ => MAX_PARK,
+                nixl_gap = match polling {
+                    _ if active => MIN_PARK,
+                    Polling::Watching if hot => WATCH_GAP,
+                    Polling::Every(t) => (nixl_gap * 2).min(t),
+                    _ => (nixl_gap * 2).min(MAX_PARK),
                 };
-                nixl_gap = if active { MIN_PARK } else { (nixl_gap * 2).min(cap) };
                 nixl_next = now + nixl_gap;
             }
             event |= self.apply();

@@ -75,7 +75,10 @@ pub(crate) enum Polling {
     Never,
     /// Now and then: peers may need this side to act (exposed memory), at most this far apart.
     Every(Duration),
-    /// Often: transfers are in flight.
+    /// Every few tens of microseconds while the engine is hot: operations wait for a peer's
+    /// completion message.
+    Watching,
+    /// On every turn while the engine is hot: transfers are in flight.
     Busy,
 }
 

@@ -40,8 +40,8 @@ const MAX_LOADED: usize = 4096;
 const MAX_PREPARED: usize = 1024;
 /// Per-operation metadata strings kept for reuse.
 const MAX_MD_CACHE: usize = 4096;
-/// How often an exposer with memory exposed and nothing in flight is progressed.
-pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(2);
+/// How often an exposer with memory registered but no operation live is progressed.
+pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
 /// A progress call longer than this did work in UCX (an idle one takes a few microseconds).
 const ACTIVITY: Duration = Duration::from_micros(25);
 
@@ -584,10 +584,10 @@ impl Transport for NixlTransport {
     fn polling(&self) -> Polling {
         if self.initiator.as_ref().is_some_and(|i| !i.inflight.is_empty()) {
             Polling::Busy
-        } else if !self.exposer.live.is_empty()
-            || !self.exposer.regs.map.is_empty()
-            || !self.quarantine.is_empty()
-        {
+        } else if !self.exposer.live.is_empty() {
+            // Passive operations wait for their notification.
+            Polling::Watching
+        } else if !self.exposer.regs.map.is_empty() || !self.quarantine.is_empty() {
             // Peers may need this side to act for memory they can still reach (to serve a read
             // over TCP, even of memory given up): keep progressing, slowly when idle.
             Polling::Every(EXPOSED_POLL)
