@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use nixl_connect::{Connector, Descriptor, Device, HostBuffer, PathPolicy, RdmaMetadata};
+use nixl_connect::{Connector, Device, HostBuffer, PathPolicy, RdmaMetadata};
 
 use crate::pattern;
 
@@ -83,16 +83,6 @@ pub(crate) fn split_sizes(total: usize, n: usize) -> Result<Vec<usize>> {
     let used: usize = sizes[..n - 1].iter().sum();
     sizes[n - 1] = total - used;
     Ok(sizes)
-}
-
-fn split_mut<'a>(mut buf: &'a mut [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
-    let mut out = Vec::with_capacity(sizes.len());
-    for &s in sizes {
-        let (head, rest) = std::mem::take(&mut buf).split_at_mut(s);
-        out.push(Descriptor::from(head));
-        buf = rest;
-    }
-    out
 }
 
 fn timeout_of(secs: f64) -> Result<Duration> {
@@ -185,7 +175,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
     let sizes = split_sizes(buf.len(), a.descriptors)?;
     let conn = Connector::new()?;
     if a.writable {
-        let op = conn.create_writable(split_mut(&mut buf, &sizes)).await?;
+        let op = conn.create_writable(buf.descriptors_mut(&sizes)?).await?;
         println!("{}", op.metadata().to_json());
         op.wait_for_completion(Some(timeout))
             .await
@@ -194,7 +184,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
         let parts: Vec<&[u8]> = back.iter().filter_map(|d| d.as_slice()).collect();
         write_atomic(a.out.as_deref().expect("checked above"), &parts)?;
     } else {
-        let op = conn.create_readable(split_mut(&mut buf, &sizes)).await?;
+        let op = conn.create_readable(buf.descriptors(&sizes)?).await?;
         println!("{}", op.metadata().to_json());
         op.wait_for_completion(Some(timeout))
             .await
@@ -211,7 +201,7 @@ pub(crate) async fn read(a: ReadArgs) -> Result<()> {
         let total: usize = sizes.iter().sum();
         let mut buf = HostBuffer::new(total)?;
         let conn = Connector::builder().path(a.path).build()?;
-        let op = conn.begin_read(&md, split_mut(&mut buf, &sizes)).await?;
+        let op = conn.begin_read(&md, buf.descriptors_mut(&sizes)?).await?;
         op.wait_for_completion(None).await?;
         drop(op);
         write_atomic(&out, &[&buf])?;
@@ -234,9 +224,9 @@ pub(crate) async fn write(a: WriteArgs) -> Result<()> {
                 sizes.len()
             );
         }
-        let mut buf = HostBuffer::from_slice(&data)?;
+        let buf = HostBuffer::from_slice(&data)?;
         let conn = Connector::builder().path(a.path).build()?;
-        let op = conn.begin_write(split_mut(&mut buf, &sizes), &md).await?;
+        let op = conn.begin_write(buf.descriptors(&sizes)?, &md).await?;
         op.wait_for_completion(None).await?;
         Ok(())
     })

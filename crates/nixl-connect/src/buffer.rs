@@ -140,15 +140,34 @@ impl std::fmt::Debug for HostBuffer {
     }
 }
 
-/// An address range kept mapped until the last engine that exposed it lets go.
-struct Quarantined {
+/// The mapping of a dropped [`HostBuffer`] that connectors exposed, kept mapped until the last
+/// engine that exposed it has destroyed the agent that did.
+pub(crate) struct Quarantined {
     base: usize,
     len: usize,
 }
 
+impl Quarantined {
+    /// The mapping's size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Releases the pages (their data and RAM); the range stays mapped and reads zeros. Called by
+    /// an engine once it has ended every exposure of the memory (so no same-host copy it granted
+    /// is still meant to see the data).
+    pub(crate) fn release_pages(&self) {
+        // SAFETY: [base, base+len) is a private anonymous mapping this value owns (the HostBuffer
+        // gave it up); MADV_DONTNEED only replaces its pages with zero-filled ones, and every
+        // access to it from now on is a late transfer that may read zeros.
+        unsafe { libc::madvise(self.base as *mut libc::c_void, self.len, libc::MADV_DONTNEED) };
+    }
+}
+
 impl Drop for Quarantined {
     fn drop(&mut self) {
-        // SAFETY: base/len are a mapping HostBuffer made and gave up; nothing references it.
+        // SAFETY: base/len are a mapping HostBuffer made and gave up; the last engine that could
+        // let a peer reach it has destroyed its agents (or none took it).
         unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
     }
 }
@@ -160,17 +179,14 @@ impl Drop for HostBuffer {
         if regs.iter().any(|t| t.exposed()) {
             // Peers were told about this memory through NIXL, and UCX checks no registration when
             // a peer reaches it over TCP, CMA or shared memory: unmapping it could make this
-            // process fault serving a late or replayed transfer. Drop the data and its RAM now
-            // (fresh zero pages read from then on) and keep the addresses mapped until every
-            // engine that exposed it has destroyed its agent.
-            // SAFETY: [base, base+len) is our private anonymous mapping; MADV_DONTNEED only
-            // replaces its pages with zero-filled ones, and nothing in this process uses it now.
-            unsafe { libc::madvise(base as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+            // process fault serving a late or replayed transfer. Each engine that exposed it
+            // releases its pages (after the exposures it has queued have ended) and keeps the
+            // addresses mapped until it has destroyed the agent that exposed them.
             let q = Arc::new(Quarantined { base, len });
             for t in regs.iter().filter(|t| t.exposed()) {
-                let _ = t.quarantine(Box::new(q.clone()), len);
+                t.quarantine(q.clone());
             }
-            // If no engine took it (all gone), the last clone unmaps it here.
+            // If no engine took it (all gone, so no peer can reach it), this unmaps it.
             drop(q);
         } else {
             // SAFETY: map_base/map_len are exactly what mmap returned; nothing borrows it now.

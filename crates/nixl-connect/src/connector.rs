@@ -52,7 +52,12 @@ pub struct ConnectorBuilder {
     path: PathPolicy,
     cancel_grace: Duration,
     deregister_on_completion: bool,
+    quarantine_limit: usize,
 }
+
+/// How much given-up exposed memory a connector holds back, by default, before it replaces its
+/// NIXL agent to release it.
+pub const DEFAULT_QUARANTINE_LIMIT: usize = 256 << 20;
 
 impl Default for ConnectorBuilder {
     fn default() -> Self {
@@ -62,6 +67,7 @@ impl Default for ConnectorBuilder {
             path: PathPolicy::Auto,
             cancel_grace: DEFAULT_CANCEL_GRACE,
             deregister_on_completion: false,
+            quarantine_limit: DEFAULT_QUARANTINE_LIMIT,
         }
     }
 }
@@ -107,6 +113,20 @@ impl ConnectorBuilder {
         self
     }
 
+    /// How much memory, given up after NIXL exposed it, the connector holds back before it
+    /// replaces its exposing NIXL agent (default [`DEFAULT_QUARANTINE_LIMIT`]).
+    ///
+    /// UCX checks no registration when a peer reaches exposed memory over TCP, CMA or shared
+    /// memory, so memory a passive operation exposed is not returned to the allocator (nor
+    /// unmapped) while the agent that exposed it lives: a late or replayed transfer then reads
+    /// or writes memory nobody uses, instead of this process's next allocation. Past this much,
+    /// new operations go to a fresh agent, and the old one is destroyed (releasing the memory)
+    /// once its last operation has ended. Creating an agent takes tens of milliseconds.
+    pub fn quarantine_limit(mut self, bytes: usize) -> Self {
+        self.quarantine_limit = bytes;
+        self
+    }
+
     /// Loads NIXL if needed, creates the agent and its UCX backend, starts listening for
     /// same-host peers, and starts the engine thread.
     ///
@@ -135,6 +155,7 @@ impl ConnectorBuilder {
                 path: self.path,
                 cancel_grace: self.cancel_grace,
                 deregister_on_completion: self.deregister_on_completion,
+                quarantine_limit: self.quarantine_limit,
             },
         )?;
         Ok(Connector {

@@ -91,6 +91,13 @@ enum Mem<'a> {
     Owned(Box<dyn OwnedMemory>),
     Buffer(&'a HostBuffer),
     BufferMut(&'a mut HostBuffer),
+    /// Part of a [`HostBuffer`] (from [`HostBuffer::descriptors`] / `descriptors_mut`).
+    BufferPart {
+        buf: &'a HostBuffer,
+        off: usize,
+        len: usize,
+        writable: bool,
+    },
     Slice(&'a [u8]),
     SliceMut(&'a mut [u8]),
     Raw {
@@ -177,6 +184,7 @@ impl<'a> Descriptor<'a> {
         match &self.mem {
             Mem::Owned(m) => m.raw().0,
             Mem::Buffer(b) => b.as_ptr() as usize,
+            Mem::BufferPart { buf, off, .. } => buf.as_ptr() as usize + off,
             Mem::BufferMut(b) => b.as_ptr() as usize,
             Mem::Slice(s) => s.as_ptr() as usize,
             Mem::SliceMut(s) => s.as_ptr() as usize,
@@ -189,6 +197,7 @@ impl<'a> Descriptor<'a> {
         match &self.mem {
             Mem::Owned(m) => m.raw().1,
             Mem::Buffer(b) => b.len(),
+            Mem::BufferPart { len, .. } => *len,
             Mem::BufferMut(b) => b.len(),
             Mem::Slice(s) => s.len(),
             Mem::SliceMut(s) => s.len(),
@@ -205,7 +214,10 @@ impl<'a> Descriptor<'a> {
     pub fn is_writable(&self) -> bool {
         !matches!(
             self.mem,
-            Mem::Buffer(_) | Mem::Slice(_) | Mem::Extern { writable: false, .. }
+            Mem::Buffer(_)
+                | Mem::Slice(_)
+                | Mem::Extern { writable: false, .. }
+                | Mem::BufferPart { writable: false, .. }
         )
     }
 
@@ -225,6 +237,7 @@ impl<'a> Descriptor<'a> {
                 Some(unsafe_slice(p, l))
             }
             Mem::Buffer(b) => Some(b),
+            Mem::BufferPart { buf, off, len, .. } => Some(&buf[*off..*off + *len]),
             Mem::BufferMut(b) => Some(b),
             Mem::Slice(s) => Some(s),
             Mem::SliceMut(s) => Some(s),
@@ -268,6 +281,20 @@ impl<'a> Descriptor<'a> {
         matches!(&self.mem, Mem::Owned(m) if m.host_buffer().is_some())
     }
 
+    /// True for a borrowed plain slice (`&[u8]` / `&mut [u8]`): memory the library cannot keep
+    /// away from a peer once the borrow ends.
+    pub(crate) fn is_plain_borrow(&self) -> bool {
+        matches!(self.mem, Mem::Slice(_) | Mem::SliceMut(_))
+    }
+
+    /// The bytes of a mutably borrowed slice.
+    pub(crate) fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
+        match &mut self.mem {
+            Mem::SliceMut(s) => Some(s),
+            _ => None,
+        }
+    }
+
     /// True for raw-pointer descriptors (whose memory only the caller vouches for).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn is_raw(&self) -> bool {
@@ -288,6 +315,7 @@ impl<'a> Descriptor<'a> {
         let hb = match &self.mem {
             Mem::Owned(m) => m.host_buffer(),
             Mem::Buffer(b) => Some(&**b),
+            Mem::BufferPart { buf, .. } => Some(&**buf),
             Mem::BufferMut(b) => Some(&**b),
             _ => None,
         };
@@ -370,6 +398,76 @@ impl From<bytes::BytesMut> for Descriptor<'static> {
         Descriptor::owned(v)
     }
 }
+impl HostBuffer {
+    /// Read-only descriptors over consecutive parts of this buffer, of the given sizes (for a
+    /// readable or a write's source over several descriptors). Parts of a `HostBuffer` keep its
+    /// registration and its protection on drop, unlike descriptors over plain slices.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the sizes add up to more than the buffer.
+    pub fn descriptors(&self, sizes: &[usize]) -> Result<Vec<Descriptor<'_>>> {
+        self.parts(sizes, false)
+    }
+
+    /// Writable descriptors over consecutive parts of this buffer, of the given sizes (for a
+    /// writable or a read's destination over several descriptors).
+    ///
+    /// # Errors
+    /// As [`descriptors`](Self::descriptors).
+    pub fn descriptors_mut(&mut self, sizes: &[usize]) -> Result<Vec<Descriptor<'_>>> {
+        self.parts(sizes, true)
+    }
+
+    /// A read-only descriptor over `range` of this buffer (see [`descriptors`](Self::descriptors)).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the range is not inside the buffer.
+    pub fn part(&self, range: std::ops::Range<usize>) -> Result<Descriptor<'_>> {
+        if range.start > range.end || range.end > self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{range:?} is not inside the buffer's {} bytes",
+                self.len()
+            )));
+        }
+        Ok(Descriptor::make(
+            Mem::BufferPart {
+                buf: self,
+                off: range.start,
+                len: range.end - range.start,
+                writable: false,
+            },
+            Device::Host,
+        ))
+    }
+
+    fn parts(&self, sizes: &[usize], writable: bool) -> Result<Vec<Descriptor<'_>>> {
+        let total = sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s));
+        if total.is_none_or(|t| t > self.len()) {
+            return Err(Error::InvalidArgument(format!(
+                "descriptor sizes add up to more than the buffer's {} bytes",
+                self.len()
+            )));
+        }
+        let mut off = 0;
+        Ok(sizes
+            .iter()
+            .map(|&len| {
+                let d = Descriptor::make(
+                    Mem::BufferPart {
+                        buf: self,
+                        off,
+                        len,
+                        writable,
+                    },
+                    Device::Host,
+                );
+                off += len;
+                d
+            })
+            .collect())
+    }
+}
+
 impl<'a> From<&'a HostBuffer> for Descriptor<'a> {
     fn from(b: &'a HostBuffer) -> Self {
         Descriptor::make(Mem::Buffer(b), Device::Host)

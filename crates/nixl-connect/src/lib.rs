@@ -47,7 +47,7 @@ mod metadata;
 mod operation;
 
 pub use buffer::{HostBuffer, HUGE_PAGE};
-pub use connector::{Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE};
+pub use connector::{Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_QUARANTINE_LIMIT};
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind};
 pub use engine::EngineStats;

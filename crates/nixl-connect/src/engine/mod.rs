@@ -31,6 +31,7 @@ use self::local::LocalTransport;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Waker};
 use self::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
+use crate::buffer::Quarantined;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::metadata::decode_agent_metadata;
@@ -89,16 +90,20 @@ impl RegToken {
         self.0.side == Side::Exposer
     }
 
-    /// Hands `keep` to this registration's engine, which holds it until no peer can reach memory
-    /// through that engine's exposer. Returns it back if the engine is gone (then nothing can).
-    pub(crate) fn quarantine(&self, keep: Hold, bytes: usize) -> std::result::Result<(), Hold> {
-        match self.0.tx.send(Cmd::Quarantine { keep, bytes }) {
-            Ok(()) => {
-                self.0.waker.wake();
-                Ok(())
-            }
-            Err(mpsc::SendError(Cmd::Quarantine { keep, .. })) => Err(keep),
-            Err(_) => unreachable!("the command sent is returned"),
+    /// Hands a dropped HostBuffer's mapping to this registration's engine, which releases its
+    /// pages and holds the addresses until no peer can reach them through its exposer. Nothing
+    /// happens if the engine is gone (then nothing can).
+    pub(crate) fn quarantine(&self, mapping: Arc<Quarantined>) {
+        if self
+            .0
+            .tx
+            .send(Cmd::Quarantine {
+                gen: self.0.gen,
+                mapping,
+            })
+            .is_ok()
+        {
+            self.0.waker.wake();
         }
     }
 }
@@ -134,6 +139,8 @@ pub(crate) enum Cmd {
     /// owned memory that was exposed, to hold until no peer can reach it.
     Unexpose {
         key: Arc<str>,
+        /// The generation of the exposer that exposed it.
+        gen: u64,
         keep: Option<(Hold, usize)>,
     },
     /// Start an active operation (its outcome, and the registrations to keep with its memory,
@@ -159,10 +166,11 @@ pub(crate) enum Cmd {
         range: Range,
         id: u64,
     },
-    /// Hold `keep` (`bytes` of exposed memory) until no peer can reach it (the connector's end).
+    /// A dropped HostBuffer's mapping that the exposer of generation `gen` exposed: release its
+    /// pages, hold the addresses until no peer can reach them.
     Quarantine {
-        keep: Hold,
-        bytes: usize,
+        gen: u64,
+        mapping: Arc<Quarantined>,
     },
     /// Report the engine's counters.
     Stats {
@@ -197,6 +205,8 @@ pub struct EngineStats {
     pub local_refused_peers: u64,
     /// Times the NIXL initiator was destroyed to cut off an unresponsive peer.
     pub resets: u64,
+    /// Times the NIXL exposer was replaced to release quarantined memory.
+    pub rotations: u64,
     /// Bytes of exposed memory held back from the allocator until no peer can reach it.
     pub quarantined_bytes: u64,
 }
@@ -210,6 +220,7 @@ pub(crate) struct EngineOptions {
     pub(crate) path: PathPolicy,
     pub(crate) cancel_grace: Duration,
     pub(crate) deregister_on_completion: bool,
+    pub(crate) quarantine_limit: usize,
 }
 
 /// A handle to a connector's engine thread.
@@ -256,6 +267,7 @@ impl Engine {
                     &agent_name,
                     o2.ucx_params.clone(),
                     o2.deregister_on_completion,
+                    o2.quarantine_limit,
                     self_tx,
                     w2.clone(),
                 ) {
@@ -270,7 +282,16 @@ impl Engine {
                 };
                 let local =
                     LocalTransport::new(o2.path != PathPolicy::Nixl, listener, poller.registrar(), w2);
-                EngineLoop::new(nixl, local, rx, poller, o2.path).run();
+                let engine = EngineLoop::new(nixl, local, rx, poller, o2.path);
+                // A panic here would leave transfers, copies and peers' access to memory that the
+                // unwinding would free: there is no sound way back, so the process stops instead.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run())).is_err() {
+                    eprintln!(
+                        "nixl-connect: the engine thread panicked; aborting, since transfers may \
+                         still be using memory that unwinding would free"
+                    );
+                    std::process::abort();
+                }
             })
             .map_err(|e| Error::Os(format!("spawning the engine thread: {e}")))?;
         let thread = join.thread().id();
@@ -509,6 +530,10 @@ impl EngineLoop {
                 _ => Some(nixl_next.saturating_duration_since(Instant::now())),
             };
             self.poller.prepare_sleep();
+            if self.local.has_finished() {
+                self.poller.awake();
+                continue;
+            }
             match self.rx.try_recv() {
                 Ok(cmd) => {
                     self.poller.awake();
@@ -575,10 +600,10 @@ impl EngineLoop {
                     }
                 }
             }
-            Cmd::Unexpose { key, keep } => {
+            Cmd::Unexpose { key, gen, keep } => {
                 self.end_passive(&key);
                 if let Some((k, bytes)) = keep {
-                    self.hold(k, bytes);
+                    self.nixl.hold(Some(gen), k, bytes);
                 }
             }
             Cmd::Begin { spec } => {
@@ -630,7 +655,12 @@ impl EngineLoop {
                 None => drop(keep), // already released
             },
             Cmd::Deregister { side, gen, range, id } => self.nixl.deregister(side, gen, range, id),
-            Cmd::Quarantine { keep, bytes } => self.hold(keep, bytes),
+            Cmd::Quarantine { gen, mapping } => {
+                // After the exposures queued before it have ended (commands run in order).
+                mapping.release_pages();
+                let len = mapping.len();
+                self.nixl.hold(Some(gen), Box::new(mapping), len);
+            }
             Cmd::Stats { reply } => {
                 let mut s = self.nixl.stats.clone();
                 s.live_registrations = self.nixl.live_registrations();
@@ -650,10 +680,6 @@ impl EngineLoop {
                 }
             }
         }
-    }
-
-    fn hold(&mut self, keep: Hold, bytes: usize) {
-        self.nixl.hold(keep, bytes);
     }
 
     fn end_passive(&mut self, key: &Arc<str>) {

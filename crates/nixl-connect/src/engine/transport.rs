@@ -34,6 +34,13 @@ pub(crate) struct Exposure {
     pub(crate) tokens: Vec<RegToken>,
     /// The agent metadata to publish, from the transport peers must be able to use (NIXL).
     pub(crate) nixl_metadata: Option<Arc<str>>,
+    /// The generation of the NIXL exposer that exposed it.
+    pub(crate) exposer_gen: u64,
+    /// The fingerprint of that exposer's connection metadata ([`md::identity`]), by which the
+    /// same-host path tells its own metadata from another host's agent of the same name.
+    ///
+    /// [`md::identity`]: super::nixl::md::identity
+    pub(crate) identity: u64,
 }
 
 /// An active operation as the transports see it.

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{wait, OpState, OperationStatus};
+use crate::buffer::HostBuffer;
 use crate::descriptor::{check_local, Descriptor};
 use crate::engine::transport::PassiveSpec;
 use crate::engine::{Cmd, Engine, Range};
@@ -15,8 +16,14 @@ pub(crate) struct Passive<'a> {
     engine: Engine,
     state: Arc<OpState>,
     descs: Vec<Descriptor<'a>>,
+    /// Borrowed slices that `descs` stages through library memory, by index: the caller's memory
+    /// is never exposed (a peer holding the metadata could reach it after the borrow ends).
+    staged: Vec<(usize, Descriptor<'a>)>,
     metadata: Option<RdmaMetadata>,
     key: Arc<str>,
+    /// The generation of the NIXL exposer that exposed the memory.
+    gen: u64,
+    kind_is_write: bool,
 }
 
 impl<'a> Passive<'a> {
@@ -26,6 +33,20 @@ impl<'a> Passive<'a> {
         kind: OperationKind,
     ) -> Result<Self> {
         check_local(&descs, kind == OperationKind::Write)?;
+        // Borrowed slices go through a HostBuffer of the library's: one copy in for a readable,
+        // one copy back for a completed writable.
+        let mut descs = descs;
+        let mut staged = Vec::new();
+        for (i, d) in descs.iter_mut().enumerate() {
+            if d.is_plain_borrow() {
+                let buf = match kind {
+                    OperationKind::Read => HostBuffer::from_slice(d.as_slice().expect("host slice")),
+                    _ => HostBuffer::new(d.size()),
+                }
+                .map_err(|e| Error::Os(format!("staging {} bytes of borrowed memory: {e}", d.size())))?;
+                staged.push((i, std::mem::replace(d, Descriptor::from(buf))));
+            }
+        }
         let ranges: Vec<Range> = descs.iter().map(Descriptor::range).collect();
         let key: Arc<str> = uuid::Uuid::new_v4().to_string().into();
         let state = OpState::new(OperationStatus::Initialized);
@@ -35,8 +56,11 @@ impl<'a> Passive<'a> {
             engine: engine.clone(),
             state: state.clone(),
             descs,
+            staged,
             metadata: None,
             key: key.clone(),
+            gen: 0,
+            kind_is_write: kind == OperationKind::Write,
         };
         let spec = PassiveSpec {
             key: key.clone(),
@@ -45,6 +69,7 @@ impl<'a> Passive<'a> {
             state,
         };
         let exposed = engine.call(|reply| Cmd::Expose { spec, reply }).await??;
+        op.gen = exposed.exposer_gen;
         // One token per descriptor, in order (the NIXL transport registers each range).
         for (d, t) in op.descs.iter_mut().zip(exposed.tokens) {
             d.attach(t);
@@ -72,6 +97,7 @@ impl<'a> Passive<'a> {
         if self.state.finish(OperationStatus::Cancelled, None) {
             let _ = self.engine.send(Cmd::Unexpose {
                 key: self.key.clone(),
+                gen: self.gen,
                 keep: None,
             });
         }
@@ -82,12 +108,30 @@ impl<'a> Passive<'a> {
         self.state.finish(OperationStatus::Cancelled, None);
         let _ = self.engine.send(Cmd::Unexpose {
             key: self.key.clone(),
+            gen: self.gen,
             keep: None,
         });
         // A same-host write into this memory runs on this process's copy threads; ending the
         // exposure stops it within one chunk.
         self.state.wait_released(None);
+        self.unstage();
         std::mem::take(&mut self.descs)
+    }
+
+    /// Puts the caller's borrowed slices back in place of their staging buffers, copying a
+    /// completed writable's data into them; the staging buffers are dropped (quarantined).
+    fn unstage(&mut self) {
+        let copy_back = self.kind_is_write && self.state.status() == OperationStatus::Complete;
+        for (i, mut original) in std::mem::take(&mut self.staged) {
+            let stage = std::mem::replace(&mut self.descs[i], Descriptor::from(&[][..]));
+            if copy_back {
+                if let (Some(dst), Some(src)) = (original.as_mut_slice(), stage.as_slice()) {
+                    dst.copy_from_slice(src);
+                }
+            }
+            self.descs[i] = original;
+            drop(stage);
+        }
     }
 }
 
@@ -97,16 +141,24 @@ impl Drop for Passive<'_> {
             return; // given back by into_descriptors
         }
         self.state.finish(OperationStatus::Cancelled, None);
-        let descs = std::mem::take(&mut self.descs);
+        // Owned memory other than HostBuffers (and staging buffers) that was exposed is held by
+        // the engine until no peer can reach it; HostBuffers quarantine their own pages when
+        // dropped, below, once the exposure has ended.
+        let staged: Vec<usize> = self.staged.iter().map(|(i, _)| *i).collect();
         let mut owned = Vec::new();
-        let mut borrowed = Vec::new();
-        for d in descs {
+        let mut kept = Vec::new();
+        for (i, d) in std::mem::take(&mut self.descs).into_iter().enumerate() {
+            if staged.contains(&i) {
+                kept.push(Some(d));
+                continue;
+            }
             match d.try_into_static() {
-                // A HostBuffer quarantines its own pages when dropped; other owned memory that was
-                // exposed is held by the engine until no peer can reach it.
-                Ok(s) if !s.is_host_buffer() => owned.push(s),
-                Ok(s) => drop(s),
-                Err(b) => borrowed.push(b),
+                Ok(s) if !s.is_host_buffer() => {
+                    owned.push(s);
+                    kept.push(None);
+                }
+                Ok(s) => kept.push(Some(s)),
+                Err(b) => kept.push(Some(b)),
             }
         }
         let bytes: usize = owned.iter().map(Descriptor::size).sum();
@@ -116,15 +168,22 @@ impl Drop for Passive<'_> {
             .engine
             .send(Cmd::Unexpose {
                 key: self.key.clone(),
+                gen: self.gen,
                 keep,
             })
             .is_ok();
-        if !borrowed.is_empty() && sent {
+        if sent && kept.iter().any(Option::is_some) {
             // Only this process's own copy threads can be writing it (same-host writes); ending
             // the exposure stops them within one chunk.
             self.state.wait_released(None);
         }
-        drop(borrowed);
+        // Staged slices get a completed writable's data; then everything is dropped.
+        self.descs = kept
+            .into_iter()
+            .map(|d| d.unwrap_or_else(|| Descriptor::from(&[][..])))
+            .collect();
+        self.unstage();
+        self.descs.clear();
     }
 }
 

@@ -100,6 +100,20 @@ impl OpState {
         *self.released.lock().unwrap_or_else(|p| p.into_inner()) = false;
     }
 
+    /// Marks the memory as in use by a transport unless the operation has ended; false if it has.
+    ///
+    /// The owner ends an operation by finishing it and then taking this same lock to look at the
+    /// flag, so either the transport sees the end and stays away, or the owner sees the memory in
+    /// use and waits.
+    pub(crate) fn try_mark_in_use(&self) -> bool {
+        let mut g = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        if self.status().is_terminal() {
+            return false;
+        }
+        *g = false;
+        true
+    }
+
     /// Marks the memory as no longer touched by any transport; wakes a blocked dropper.
     pub(crate) fn mark_released(&self) {
         *self.released.lock().unwrap_or_else(|p| p.into_inner()) = true;

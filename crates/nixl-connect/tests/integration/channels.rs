@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use nixl_connect::channel::http::{self, HttpChannel};
 use nixl_connect::{Connector, Descriptor, Error, RdmaMetadata};
 
-const T: Duration = Duration::from_secs(10);
+const T: Duration = Duration::from_secs(30);
 
 async fn readable_and_reader(a: &Connector) -> (nixl_connect::ReadableOperation<'static>, RdmaMetadata) {
     let r = a

@@ -762,10 +762,7 @@ async fn cache_overlapping_ranges_share_registrations() {
     let whole = a.create_readable(Descriptor::from(&src)).await.unwrap();
     // A slice inside an exposed buffer, and two slices of it in one operation.
     let part = a
-        .create_readable(vec![
-            Descriptor::from(&src[4096..8192]),
-            Descriptor::from(&src[100..200]),
-        ])
+        .create_readable(vec![src.part(4096..8192).unwrap(), src.part(100..200).unwrap()])
         .await
         .unwrap();
     let mut d1 = vec![0u8; 4096];

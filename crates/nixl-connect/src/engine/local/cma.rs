@@ -34,7 +34,10 @@ pub(crate) struct Piece {
 /// Why a copy did not complete.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum CopyError {
-    /// The source's owner revoked the grant (or the copy was cancelled here).
+    /// The grant was revoked (or the copy cancelled) before any byte was copied.
+    NotStarted,
+    /// The source's owner revoked the grant, or the copy was cancelled here, mid-copy: the
+    /// destination holds part of the data.
     Revoked,
     /// The peer process is gone.
     PeerGone,
@@ -73,6 +76,13 @@ pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> R
     while i < pieces.len() {
         if cancel.load(Ordering::Relaxed) {
             return Err(CopyError::Revoked);
+        }
+        while i < pieces.len() && pieces[i].len == off {
+            i += 1; // zero-length pieces (and finished ones) need no system call
+            off = 0;
+        }
+        if i == pieces.len() {
+            break;
         }
         local.clear();
         remote.clear();
@@ -142,7 +152,7 @@ pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> R
 /// Runs a whole copy on this thread under the slot protocol.
 pub(crate) fn run_inline(c: &Copy) -> Result<(), CopyError> {
     if !c.slot.table.advance(c.slot.idx, c.slot.gen, ARMED, COPYING) {
-        return Err(CopyError::Revoked);
+        return Err(CopyError::NotStarted);
     }
     pull(c.pid, &c.pieces, &c.cancel)?;
     finish(&c.slot)
@@ -234,7 +244,7 @@ fn worker(p: &'static Pool) {
 /// `done`) when the grant was revoked before the copy began.
 pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
     if !c.slot.table.advance(c.slot.idx, c.slot.gen, ARMED, COPYING) {
-        return Err(CopyError::Revoked);
+        return Err(CopyError::NotStarted);
     }
     let p = pool();
     let total = c.bytes();
@@ -318,6 +328,23 @@ mod tests {
         }
         pull(std::process::id() as i32, &pieces, &AtomicBool::new(false)).unwrap();
         assert!(dst == src);
+    }
+
+    #[test]
+    fn cma_pull_of_nothing_succeeds() {
+        let mut dst = [0u8; 1];
+        let empty = Piece {
+            local: dst.as_mut_ptr() as usize,
+            remote: dst.as_ptr() as usize,
+            len: 0,
+        };
+        pull(std::process::id() as i32, &[], &AtomicBool::new(false)).unwrap();
+        pull(
+            std::process::id() as i32,
+            &[empty, empty],
+            &AtomicBool::new(false),
+        )
+        .unwrap();
     }
 
     #[test]

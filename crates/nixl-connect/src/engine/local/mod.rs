@@ -32,6 +32,9 @@ use self::slots::{SlotTable, SLOTS};
 use super::poller::{hung_up, Registrar, Waker};
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
 use super::Range;
+
+/// A connection's id (also its token in the engine's poller); never reused.
+type ConnId = u64;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::metadata::OperationKind;
@@ -44,8 +47,10 @@ const NEGATIVE_TTL: Duration = Duration::from_secs(2);
 /// Negative answers remembered.
 const MAX_NEGATIVE: usize = 4096;
 
-/// The abstract socket name of the connector whose NIXL agent is `agent`.
+/// The abstract socket name of the connector whose NIXL agent is `agent` (a rotated exposer's
+/// name, `<connector>~<generation>`, names its connector's socket).
 pub(crate) fn socket_name(agent: &str) -> Vec<u8> {
+    let agent = agent.split_once('~').map_or(agent, |(base, _)| base);
     let mut n = b"nixl-connect.v1/".to_vec();
     if agent.len() <= 90 {
         n.extend_from_slice(agent.as_bytes());
@@ -232,7 +237,7 @@ enum Phase {
 /// An active operation on this transport.
 struct Act {
     spec: ActiveSpec,
-    conn: usize,
+    conn: ConnId,
     slot: u32,
     gen: u64,
     phase: Phase,
@@ -249,9 +254,9 @@ struct Scope {
     ranges: Vec<Range>,
     state: Arc<OpState>,
     /// Read grants given: `(connection, slot, generation)`.
-    grants: Vec<(usize, u32, u64)>,
+    grants: Vec<(ConnId, u32, u64)>,
     /// The writer copying into it now: `(connection, slot, generation, cancel)`.
-    writer: Option<(usize, u32, u64, Arc<AtomicBool>)>,
+    writer: Option<(ConnId, u32, u64, Arc<AtomicBool>)>,
 }
 
 impl Scope {
@@ -269,6 +274,25 @@ impl Scope {
     }
 }
 
+/// Which frame a client-side operation may receive in its phase.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    /// A read waiting for its grant (or given up, which answers it with a failure).
+    Grant,
+    /// A refusal or a hand-over to NIXL: only before any copy began.
+    Answer,
+    /// The passive side's end of a write.
+    WriteDone,
+}
+
+/// Copies running on the pool, so the transport can stop and wait for them before the memory
+/// they write is freed.
+#[derive(Default)]
+struct Outstanding {
+    count: Mutex<usize>,
+    cv: std::sync::Condvar,
+}
+
 /// Who a finished copy belonged to.
 enum CopyOwner {
     /// A read of this side (client).
@@ -276,7 +300,7 @@ enum CopyOwner {
     /// A write into this side's passive operation (server).
     Write {
         key: Arc<str>,
-        conn: usize,
+        conn: ConnId,
         slot: u32,
         gen: u64,
         state: Arc<OpState>,
@@ -294,13 +318,36 @@ pub(crate) struct LocalTransport {
     waker: Waker,
     uid: libc::uid_t,
     probe: Box<u64>,
-    conns: Vec<Option<Conn>>,
-    by_peer: HashMap<Arc<str>, usize>,
+    conns: HashMap<ConnId, Conn>,
+    next_conn: ConnId,
+    by_peer: HashMap<Arc<str>, ConnId>,
     negative: HashMap<Arc<str>, Instant>,
     scopes: HashMap<Arc<str>, Scope>,
+    /// Fingerprints of this connector's exposers' connection metadata.
+    identities: std::collections::HashSet<u64>,
     acts: HashMap<OpId, Act>,
     finished: Finished,
+    outstanding: Arc<Outstanding>,
     pub(crate) refused_peers: u64,
+}
+
+impl Drop for LocalTransport {
+    fn drop(&mut self) {
+        // Stop every copy and wait for the ones on the pool (at most one chunk each): the memory
+        // they write (adopted or quarantined by the engine) is freed right after this.
+        for a in self.acts.values() {
+            a.cancel.store(true, Ordering::Relaxed);
+        }
+        for s in self.scopes.values() {
+            if let Some(w) = &s.writer {
+                w.3.store(true, Ordering::Relaxed);
+            }
+        }
+        let mut n = self.outstanding.count.lock().unwrap_or_else(|p| p.into_inner());
+        while *n > 0 {
+            n = self.outstanding.cv.wait(n).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 impl LocalTransport {
@@ -320,41 +367,56 @@ impl LocalTransport {
             waker,
             uid: uid(),
             probe,
-            conns: Vec::new(),
+            conns: HashMap::new(),
+            next_conn: 1,
             by_peer: HashMap::new(),
             negative: HashMap::new(),
             scopes: HashMap::new(),
+            identities: std::collections::HashSet::new(),
             acts: HashMap::new(),
             finished: Arc::new(Mutex::new(Vec::new())),
+            outstanding: Arc::new(Outstanding::default()),
             refused_peers: 0,
         }
+    }
+
+    /// True when copies have finished that `progress` has not handled yet (checked before the
+    /// engine sleeps, so a copy ending at that moment is never left unreaped).
+    pub(crate) fn has_finished(&self) -> bool {
+        !self.finished.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
+    /// Whether a client-side operation on `i` in its current phase may receive frame `e`.
+    fn expects(&self, i: ConnId, slot: u32, gen: u64, e: Expect) -> bool {
+        self.acts
+            .values()
+            .find(|a| a.conn == i && a.slot == slot && a.gen == gen)
+            .is_some_and(|a| match (e, &a.phase) {
+                (_, Phase::Abandoned) => true,
+                (Expect::Grant, Phase::Requested) => !a.spec.write,
+                (Expect::Answer, Phase::Requested) => true,
+                (Expect::WriteDone, Phase::Requested) => a.spec.write,
+                _ => false,
+            })
     }
 
     fn probe_addr(&self) -> u64 {
         &*self.probe as *const u64 as u64
     }
 
-    fn token(i: usize) -> u64 {
-        i as u64 + 1
-    }
-
-    fn insert(&mut self, c: Conn) -> usize {
-        let i = match self.conns.iter().position(Option::is_none) {
-            Some(i) => i,
-            None => {
-                self.conns.push(None);
-                self.conns.len() - 1
-            }
-        };
-        let _ = self.reg.add(c.fd.as_raw_fd(), Self::token(i), true, false);
-        self.conns[i] = Some(c);
-        i
+    fn insert(&mut self, c: Conn) -> ConnId {
+        // Ids are never reused, so a late copy or answer can never reach another connection.
+        let id = self.next_conn;
+        self.next_conn += 1;
+        let _ = self.reg.add(c.fd.as_raw_fd(), id, true, false);
+        self.conns.insert(id, c);
+        id
     }
 
     /// Sends what is buffered on connection `i`; watches for writability if the socket is full.
     #[allow(unsafe_code)]
-    fn flush(&mut self, i: usize) {
-        let Some(c) = self.conns[i].as_mut() else { return };
+    fn flush(&mut self, i: ConnId) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
         while !c.wbuf.is_empty() && !c.dead {
             // SAFETY: sends bytes from a live buffer on our socket; MSG_NOSIGNAL turns a closed
             // peer into EPIPE instead of SIGPIPE.
@@ -379,16 +441,16 @@ impl LocalTransport {
         let want = !c.wbuf.is_empty() && !c.dead;
         if want != c.writing {
             c.writing = want;
-            let _ = self.reg.modify(c.fd.as_raw_fd(), Self::token(i), true, want);
+            let _ = self.reg.modify(c.fd.as_raw_fd(), i, true, want);
         }
     }
 
     /// Sends `Hello` with the slot table's descriptor attached.
     #[allow(unsafe_code)]
-    fn send_hello(&mut self, i: usize) -> io::Result<()> {
+    fn send_hello(&mut self, i: ConnId) -> io::Result<()> {
         let probe_addr = self.probe_addr();
         let probe_val = *self.probe;
-        let c = self.conns[i].as_mut().expect("live connection");
+        let c = self.conns.get_mut(&i).expect("live connection");
         let table = Arc::new(SlotTable::create()?);
         let mut buf = Vec::new();
         Msg::Hello {
@@ -433,8 +495,8 @@ impl LocalTransport {
 
     /// Reads everything available on connection `i` (collecting passed descriptors).
     #[allow(unsafe_code)]
-    fn read(&mut self, i: usize) {
-        let Some(c) = self.conns[i].as_mut() else { return };
+    fn read(&mut self, i: ConnId) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
         let mut chunk = [0u8; 64 << 10];
         // SAFETY: CMSG_SPACE is a pure size computation.
         let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<RawFd>()) as u32) } as usize;
@@ -477,6 +539,10 @@ impl LocalTransport {
                     }
                 }
                 c.rbuf.extend_from_slice(&chunk[..n as usize]);
+                if c.rbuf.len() > 2 * proto::MAX_FRAME || c.wbuf.len() > 2 * proto::MAX_FRAME {
+                    c.dead = true; // a peer that floods us, or never reads what we send
+                    return;
+                }
                 if c.fds_in.len() > 4 {
                     c.dead = true; // a peer passing descriptors beyond the one slot table
                     return;
@@ -519,7 +585,7 @@ impl LocalTransport {
             let i = self.insert(Conn::new(fd, false, pid, "".into()));
             if peer_uid != self.uid {
                 self.refused_peers += 1;
-                let c = self.conns[i].as_mut().expect("just inserted");
+                let c = self.conns.get_mut(&i).expect("just inserted");
                 c.send(&Msg::Reject {
                     reason: format!(
                         "the serving process runs as uid {}, the peer as uid {peer_uid}: the same-host \
@@ -534,9 +600,9 @@ impl LocalTransport {
     }
 
     /// Opens (or finds) the connection to `peer`; `Err(reason)` when there is no same-host path.
-    fn connect(&mut self, peer: &Arc<str>) -> std::result::Result<usize, String> {
+    fn connect(&mut self, peer: &Arc<str>) -> std::result::Result<ConnId, String> {
         if let Some(&i) = self.by_peer.get(peer) {
-            if self.conns[i].as_ref().is_some_and(|c| !c.dead) {
+            if self.conns.get(&i).is_some_and(|c| !c.dead) {
                 return Ok(i);
             }
         }
@@ -557,7 +623,7 @@ impl LocalTransport {
     }
 
     #[allow(unsafe_code)]
-    fn try_connect(&mut self, peer: &Arc<str>) -> std::result::Result<usize, String> {
+    fn try_connect(&mut self, peer: &Arc<str>) -> std::result::Result<ConnId, String> {
         let fd = unix_socket().map_err(|e| e.to_string())?;
         let (a, len) = sockaddr(&socket_name(peer));
         // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
@@ -583,8 +649,8 @@ impl LocalTransport {
     }
 
     /// Closes connection `i`, ending what depended on it.
-    fn close(&mut self, i: usize, out: &mut Vec<Event>) {
-        let Some(c) = self.conns[i].take() else { return };
+    fn close(&mut self, i: ConnId, out: &mut Vec<Event>) {
+        let Some(c) = self.conns.remove(&i) else { return };
         self.reg.remove(c.fd.as_raw_fd());
         if c.client {
             if self.by_peer.get(&c.peer) == Some(&i) {
@@ -621,14 +687,24 @@ impl LocalTransport {
                 }
             }
         } else {
+            // Revoke this connection's read grants before forgetting them (its table stays mapped
+            // while a copy holds it), so a peer still copying cannot complete against memory the
+            // owner may since have given up.
             for s in self.scopes.values_mut() {
-                s.grants.retain(|g| g.0 != i);
+                s.grants.retain(|g| {
+                    if g.0 == i {
+                        if let Some(t) = &c.slots {
+                            t.revoke(g.1, g.2);
+                        }
+                    }
+                    g.0 != i
+                });
             }
         }
     }
 
-    fn handle(&mut self, i: usize, m: Msg, out: &mut Vec<Event>) {
-        let client = self.conns[i].as_ref().is_some_and(|c| c.client);
+    fn handle(&mut self, i: ConnId, m: Msg, out: &mut Vec<Event>) {
+        let client = self.conns.get(&i).is_some_and(|c| c.client);
         match (client, m) {
             (
                 false,
@@ -646,8 +722,8 @@ impl LocalTransport {
                     ..
                 },
             ) => self.on_welcome(i, probe_addr, probe_val, out),
-            (true, Msg::Reject { reason }) => {
-                let c = self.conns[i].as_mut().expect("live");
+            (true, Msg::Reject { reason }) if self.conns.get(&i).is_some_and(|c| !c.ready) => {
+                let c = self.conns.get_mut(&i).expect("live");
                 c.dead = true;
                 let peer = c.peer.clone();
                 self.decline_queued(i, &reason, out);
@@ -659,13 +735,28 @@ impl LocalTransport {
                     slot,
                     gen,
                     write,
+                    ident,
                     key,
                     device,
                     remote,
                     local,
                 },
-            ) => self.on_req(i, slot, gen, write, &key, device, remote, local, out),
-            (true, Msg::Grant { slot, gen }) => self.on_grant(i, slot, gen, out),
+            ) => {
+                if self.identities.contains(&ident) {
+                    self.on_req(i, slot, gen, write, &key, device, remote, local, out)
+                } else if let Some(c) = self.conns.get_mut(&i) {
+                    // Metadata of an agent of the same name elsewhere (another host, an earlier
+                    // process): not this connector's to refuse; NIXL will sort it out.
+                    c.send(&Msg::Fallback {
+                        slot,
+                        gen,
+                        reason: "the metadata names another agent of the same name".into(),
+                    });
+                }
+            }
+            (true, Msg::Grant { slot, gen }) if self.expects(i, slot, gen, Expect::Grant) => {
+                self.on_grant(i, slot, gen, out)
+            }
             (
                 true,
                 Msg::Refuse {
@@ -674,7 +765,7 @@ impl LocalTransport {
                     code,
                     reason,
                 },
-            ) => {
+            ) if self.expects(i, slot, gen, Expect::Answer) => {
                 if let Some((id, a)) = self.take_act(i, slot, gen) {
                     let peer = a.spec.peer.to_string();
                     self.free_slot(i, slot, gen);
@@ -686,7 +777,7 @@ impl LocalTransport {
                     }
                 }
             }
-            (true, Msg::Fallback { slot, gen, reason }) => {
+            (true, Msg::Fallback { slot, gen, reason }) if self.expects(i, slot, gen, Expect::Answer) => {
                 if let Some((_, a)) = self.take_act(i, slot, gen) {
                     self.free_slot(i, slot, gen);
                     if !matches!(a.phase, Phase::Abandoned) {
@@ -702,7 +793,7 @@ impl LocalTransport {
                     ok,
                     reason,
                 },
-            ) => {
+            ) if self.expects(i, slot, gen, Expect::WriteDone) => {
                 // The passive side finished copying our write.
                 if let Some((id, a)) = self.take_act(i, slot, gen) {
                     let peer = a.spec.peer.to_string();
@@ -720,18 +811,21 @@ impl LocalTransport {
                 }
             }
             (false, Msg::Done { slot, gen, ok, .. }) => self.on_read_done(i, slot, gen, ok, out),
+            // Anything else breaks the protocol (a frame out of order, for an operation in another
+            // phase, or for none): the connection is closed; copies already running end on their
+            // own and nothing of theirs is released before that.
             (_, other) => {
                 tracing::debug!(?other, "unexpected same-host frame; closing the connection");
-                if let Some(c) = self.conns[i].as_mut() {
+                if let Some(c) = self.conns.get_mut(&i) {
                     c.dead = true;
                 }
             }
         }
     }
 
-    fn on_hello(&mut self, i: usize, version: u32, probe_addr: u64, probe_val: u64) {
+    fn on_hello(&mut self, i: ConnId, version: u32, probe_addr: u64, probe_val: u64) {
         let (pa, pv) = (self.probe_addr(), *self.probe);
-        let c = self.conns[i].as_mut().expect("live");
+        let c = self.conns.get_mut(&i).expect("live");
         if c.ready || c.slots.is_some() {
             c.dead = true;
             return;
@@ -760,8 +854,8 @@ impl LocalTransport {
         });
     }
 
-    fn on_welcome(&mut self, i: usize, probe_addr: u64, probe_val: u64, out: &mut Vec<Event>) {
-        let c = self.conns[i].as_mut().expect("live");
+    fn on_welcome(&mut self, i: ConnId, probe_addr: u64, probe_val: u64, out: &mut Vec<Event>) {
+        let c = self.conns.get_mut(&i).expect("live");
         if c.ready {
             c.dead = true;
             return;
@@ -774,9 +868,10 @@ impl LocalTransport {
         }
     }
 
-    fn decline_queued(&mut self, i: usize, reason: &str, out: &mut Vec<Event>) {
-        let queued = self.conns[i]
-            .as_mut()
+    fn decline_queued(&mut self, i: ConnId, reason: &str, out: &mut Vec<Event>) {
+        let queued = self
+            .conns
+            .get_mut(&i)
             .map(|c| std::mem::take(&mut c.queued))
             .unwrap_or_default();
         for id in queued {
@@ -792,7 +887,7 @@ impl LocalTransport {
         }
     }
 
-    fn take_act(&mut self, i: usize, slot: u32, gen: u64) -> Option<(OpId, Act)> {
+    fn take_act(&mut self, i: ConnId, slot: u32, gen: u64) -> Option<(OpId, Act)> {
         let id = self
             .acts
             .iter()
@@ -801,8 +896,8 @@ impl LocalTransport {
         self.acts.remove(&id).map(|a| (id, a))
     }
 
-    fn free_slot(&mut self, i: usize, slot: u32, gen: u64) {
-        if let Some(c) = self.conns[i].as_mut() {
+    fn free_slot(&mut self, i: ConnId, slot: u32, gen: u64) {
+        if let Some(c) = self.conns.get_mut(&i) {
             if c.client && c.gens.get(slot as usize) == Some(&gen) {
                 if let Some(t) = &c.slots {
                     t.free(slot, gen);
@@ -815,7 +910,7 @@ impl LocalTransport {
     /// Sends the request of a queued operation (the handshake is done).
     fn request(&mut self, id: OpId, out: &mut Vec<Event>) {
         let Some(a) = self.acts.get_mut(&id) else { return };
-        let c = self.conns[a.conn].as_mut().expect("live");
+        let c = self.conns.get_mut(&a.conn).expect("live");
         if !a.spec.write && !c.can_pull {
             let a = self.acts.remove(&id).expect("present");
             let i = a.conn;
@@ -831,6 +926,7 @@ impl LocalTransport {
             slot: a.slot,
             gen: a.gen,
             write: a.spec.write,
+            ident: crate::engine::nixl::md::identity(&a.spec.remote_raw).unwrap_or(0),
             key: a.spec.key.to_string(),
             device: a.spec.remote.first().map_or(Device::Host, |r| r.device),
             remote: a
@@ -857,7 +953,7 @@ impl LocalTransport {
     #[allow(clippy::too_many_arguments)]
     fn on_req(
         &mut self,
-        i: usize,
+        i: ConnId,
         slot: u32,
         gen: u64,
         write: bool,
@@ -867,7 +963,7 @@ impl LocalTransport {
         local: Vec<(u64, u64)>,
         out: &mut Vec<Event>,
     ) {
-        let c = self.conns[i].as_mut().expect("live");
+        let c = self.conns.get_mut(&i).expect("live");
         if !c.ready {
             c.dead = true;
             return;
@@ -903,6 +999,10 @@ impl LocalTransport {
                 gen,
                 reason: format!("device memory ({}) takes the NIXL path", s.device),
             }),
+            Some(s) if s.state.status().is_terminal() => Some(refuse(
+                RefuseCode::NotLive,
+                "the operation has ended (completed, cancelled or dropped)".into(),
+            )),
             Some(s) if remote.is_empty() || !remote.iter().all(|&(a, l)| s.contains(a, l)) => Some(refuse(
                 RefuseCode::OutOfRange,
                 "a requested range lies outside the operation's descriptors".into(),
@@ -910,7 +1010,10 @@ impl LocalTransport {
             Some(_)
                 if write
                     && (local.len() != remote.len()
-                        || local.iter().zip(&remote).any(|(l, r)| l.1 != r.1)) =>
+                        || local
+                            .iter()
+                            .zip(&remote)
+                            .any(|(l, r)| l.1 != r.1 || l.0.checked_add(l.1).is_none())) =>
             {
                 Some(refuse(
                     RefuseCode::OutOfRange,
@@ -930,16 +1033,18 @@ impl LocalTransport {
                 s.grants.push((i, slot, gen));
                 Some(Msg::Grant { slot, gen })
             }
+            // The owner ended it an instant ago (its Unexpose is still queued).
+            Some(s) if write && !s.state.try_mark_in_use() => Some(refuse(
+                RefuseCode::NotLive,
+                "the operation has ended (completed, cancelled or dropped)".into(),
+            )),
             Some(s) => {
-                // A write: this side copies from the writer into its own memory.
+                // A write: this side copies from the writer into its own memory (marked in use
+                // just above).
                 let cancel = Arc::new(AtomicBool::new(false));
                 s.writer = Some((i, slot, gen, cancel.clone()));
-                s.state.mark_in_use();
                 let state = s.state.clone();
-                let table = self.conns[i]
-                    .as_ref()
-                    .and_then(|c| c.slots.clone())
-                    .expect("ready");
+                let table = self.conns.get(&i).and_then(|c| c.slots.clone()).expect("ready");
                 let key = self.scopes.get_key_value(key).expect("present").0.clone();
                 let copy = Copy {
                     pid: peer_pid,
@@ -972,14 +1077,14 @@ impl LocalTransport {
             }
         };
         if let Some(m) = answer {
-            if let Some(c) = self.conns[i].as_mut() {
+            if let Some(c) = self.conns.get_mut(&i) {
                 c.send(&m);
             }
         }
         let _ = out;
     }
 
-    fn on_grant(&mut self, i: usize, slot: u32, gen: u64, out: &mut Vec<Event>) {
+    fn on_grant(&mut self, i: ConnId, slot: u32, gen: u64, out: &mut Vec<Event>) {
         let Some((&id, a)) = self
             .acts
             .iter_mut()
@@ -989,7 +1094,7 @@ impl LocalTransport {
         };
         if matches!(a.phase, Phase::Abandoned) {
             let a = self.acts.remove(&id).expect("present");
-            if let Some(c) = self.conns[i].as_mut() {
+            if let Some(c) = self.conns.get_mut(&i) {
                 c.send(&Msg::Done {
                     slot,
                     gen,
@@ -1001,7 +1106,7 @@ impl LocalTransport {
             return;
         }
         a.phase = Phase::Copying;
-        let c = self.conns[i].as_ref().expect("live");
+        let c = self.conns.get(&i).expect("live");
         a.pidfd = c.pidfd.clone();
         let copy = Copy {
             pid: c.peer_pid,
@@ -1038,18 +1143,24 @@ impl LocalTransport {
         }
         let finished = self.finished.clone();
         let waker = self.waker.clone();
+        let outstanding = self.outstanding.clone();
         let owner = Arc::new(Mutex::new(Some(owner)));
         let o2 = owner.clone();
+        *outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let o3 = outstanding.clone();
         let r = cma::spawn(
             copy,
             Box::new(move |r| {
                 if let Some(o) = o2.lock().unwrap_or_else(|e| e.into_inner()).take() {
                     finished.lock().unwrap_or_else(|e| e.into_inner()).push((o, r));
                 }
-                waker.wake();
+                waker.wake_always();
+                *o3.count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+                o3.cv.notify_all();
             }),
         );
         if let Err(e) = r {
+            *outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
             if let Some(o) = owner.lock().unwrap_or_else(|e| e.into_inner()).take() {
                 self.finished
                     .lock()
@@ -1059,7 +1170,7 @@ impl LocalTransport {
         }
     }
 
-    fn on_read_done(&mut self, i: usize, slot: u32, gen: u64, ok: bool, out: &mut Vec<Event>) {
+    fn on_read_done(&mut self, i: ConnId, slot: u32, gen: u64, ok: bool, out: &mut Vec<Event>) {
         let key = self
             .scopes
             .iter()
@@ -1082,7 +1193,7 @@ impl LocalTransport {
                 CopyOwner::Read(id) => {
                     let Some(a) = self.acts.remove(&id) else { continue };
                     let i = a.conn;
-                    let live = self.conns[i].as_ref().is_some_and(|c| !c.dead);
+                    let live = self.conns.get(&i).is_some_and(|c| !c.dead);
                     let same = alive(&a.pidfd);
                     let result = match r {
                         Ok(()) if same => Ok(()),
@@ -1090,22 +1201,24 @@ impl LocalTransport {
                             agent: a.spec.peer.to_string(),
                             reason: "its process exited during the copy".into(),
                         }),
-                        Err(CopyError::Revoked) => Err(if a.cancel.load(Ordering::Relaxed) {
-                            Error::Cancelled
-                        } else {
-                            refused(
-                                a.spec.peer.to_string(),
-                                RefuseCode::NotLive,
-                                "the owner ended the operation during the copy".into(),
-                            )
-                        }),
+                        Err(CopyError::Revoked | CopyError::NotStarted) => {
+                            Err(if a.cancel.load(Ordering::Relaxed) {
+                                Error::Cancelled
+                            } else {
+                                refused(
+                                    a.spec.peer.to_string(),
+                                    RefuseCode::NotLive,
+                                    "the owner ended the operation during the copy".into(),
+                                )
+                            })
+                        }
                         Err(CopyError::Os(e)) => Err(Error::Transfer {
                             agent: a.spec.peer.to_string(),
                             reason: format!("the same-host copy failed: {e}"),
                         }),
                     };
                     if live {
-                        let c = self.conns[i].as_mut().expect("live");
+                        let c = self.conns.get_mut(&i).expect("live");
                         c.send(&Msg::Done {
                             slot: a.slot,
                             gen: a.gen,
@@ -1138,7 +1251,7 @@ impl LocalTransport {
                             match &r {
                                 Ok(()) if same => out.push(Event::PassiveCompleted { key: key.clone() }),
                                 // The writer cancelled before the copy began: nothing was touched.
-                                Err(CopyError::Revoked) if !s.state.status().is_terminal() => {}
+                                Err(CopyError::NotStarted) => {}
                                 _ => out.push(Event::PassiveFailed {
                                     key: key.clone(),
                                     error: Error::RemoteGone {
@@ -1151,7 +1264,7 @@ impl LocalTransport {
                             }
                         }
                     }
-                    if let Some(c) = self.conns[conn].as_mut().filter(|c| !c.dead) {
+                    if let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.dead) {
                         c.send(&Msg::Done {
                             slot,
                             gen,
@@ -1191,10 +1304,11 @@ impl Transport for LocalTransport {
         TransferPath::Local
     }
 
-    fn expose(&mut self, spec: &PassiveSpec, _out: &mut Exposure) -> Result<()> {
+    fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         if self.listener.is_none() {
             return Ok(());
         }
+        self.identities.insert(out.identity);
         let mut ranges = spec.ranges.clone();
         ranges.sort_by_key(|r| r.addr);
         self.scopes.insert(
@@ -1215,7 +1329,7 @@ impl Transport for LocalTransport {
         self.release_writer(key);
         let Some(s) = self.scopes.remove(key) else { return };
         for (i, slot, gen) in s.grants {
-            if let Some(t) = self.conns[i].as_ref().and_then(|c| c.slots.as_ref()) {
+            if let Some(t) = self.conns.get(&i).and_then(|c| c.slots.as_ref()) {
                 t.revoke(slot, gen);
             }
         }
@@ -1251,7 +1365,7 @@ impl Transport for LocalTransport {
                 return;
             }
         };
-        let c = self.conns[i].as_mut().expect("connected");
+        let c = self.conns.get_mut(&i).expect("connected");
         let Some(slot) = c.free_slots.pop() else {
             out.push(Event::Declined {
                 spec,
@@ -1291,7 +1405,7 @@ impl Transport for LocalTransport {
 
     fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
         let Some(a) = self.acts.get_mut(&id) else { return };
-        let table = self.conns[a.conn].as_ref().and_then(|c| c.slots.clone());
+        let table = self.conns.get(&a.conn).and_then(|c| c.slots.clone());
         match a.phase {
             Phase::Copying => {
                 // Our own copy thread writes our memory: stop it; its end releases the memory.
@@ -1308,7 +1422,7 @@ impl Transport for LocalTransport {
                 a.phase = Phase::Abandoned;
                 let conn = a.conn;
                 if was_queued {
-                    if let Some(c) = self.conns[conn].as_mut() {
+                    if let Some(c) = self.conns.get_mut(&conn) {
                         c.queued.retain(|q| *q != id);
                     }
                     let a = self.acts.remove(&id).expect("present");
@@ -1330,8 +1444,8 @@ impl Transport for LocalTransport {
                 event = true;
                 continue;
             }
-            let i = (token - 1) as usize;
-            if self.conns.get(i).is_none_or(Option::is_none) {
+            let i: ConnId = token;
+            if !self.conns.contains_key(&i) {
                 continue;
             }
             event = true;
@@ -1342,7 +1456,7 @@ impl Transport for LocalTransport {
                 self.read(i);
             }
             loop {
-                let Some(c) = self.conns[i].as_mut() else { break };
+                let Some(c) = self.conns.get_mut(&i) else { break };
                 match Msg::decode(&c.rbuf) {
                     Ok(Some((m, used))) => {
                         c.rbuf.drain(..used);
@@ -1357,18 +1471,19 @@ impl Transport for LocalTransport {
                 }
             }
             self.flush(i);
-            if self.conns[i].as_ref().is_some_and(|c| c.dead) {
+            if self.conns.get(&i).is_some_and(|c| c.dead) {
                 self.close(i, out);
             }
         }
         // Answers queued while handling other connections.
-        for i in 0..self.conns.len() {
-            if self.conns[i]
-                .as_ref()
-                .is_some_and(|c| !c.wbuf.is_empty() && !c.writing)
-            {
-                self.flush(i);
-            }
+        let pending: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| !c.wbuf.is_empty() && !c.writing)
+            .map(|(i, _)| *i)
+            .collect();
+        for i in pending {
+            self.flush(i);
         }
         event |= self.reap(out);
         event

@@ -69,6 +69,8 @@ pub(crate) enum Msg {
         slot: u32,
         gen: u64,
         write: bool,
+        /// The fingerprint of the connection part of the metadata the request comes from.
+        ident: u64,
         key: String,
         device: Device,
         /// Ranges in the passive side's memory.
@@ -215,6 +217,7 @@ impl Msg {
                 slot,
                 gen,
                 write,
+                ident,
                 key,
                 device,
                 remote,
@@ -224,6 +227,7 @@ impl Msg {
                 w.u32(*slot);
                 w.u64(*gen);
                 w.u8(u8::from(*write));
+                w.u64(*ident);
                 w.str(key);
                 let (k, id) = device_code(*device);
                 w.u8(k);
@@ -309,6 +313,7 @@ impl Msg {
                 let slot = r.u32()?;
                 let gen = r.u64()?;
                 let write = r.u8()? != 0;
+                let ident = r.u64()?;
                 let key = r.str(MAX_KEY)?;
                 let device = device_from(r.u8()?, r.u32()?)?;
                 let remote = r.ranges()?;
@@ -317,6 +322,7 @@ impl Msg {
                     slot,
                     gen,
                     write,
+                    ident,
                     key,
                     device,
                     remote,
@@ -370,6 +376,7 @@ mod tests {
                 slot: 9,
                 gen: 10,
                 write: true,
+                ident: 11,
                 key: "k-ey".into(),
                 device: Device::Cuda(3),
                 remote: vec![(1, 2), (3, 4)],

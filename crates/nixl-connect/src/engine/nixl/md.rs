@@ -108,6 +108,17 @@ pub(crate) fn parse(b: &[u8]) -> Result<AgentMd<'_>> {
     })
 }
 
+/// A 64-bit fingerprint of an agent metadata's connection part (its name and the UCX worker
+/// addresses): two agents that happen to share a name on different hosts differ here.
+pub(crate) fn identity(b: &[u8]) -> Option<u64> {
+    let md = parse(b).ok()?;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &x in &b[..md.sections_at] {
+        h = (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3);
+    }
+    Some(h)
+}
+
 /// Splices the connection part of `conn` (an agent's `getLocalPartialMD` of no descriptors) with
 /// the sections of `sections` (its `getLocalPartialMD` of some registrations): metadata any NIXL
 /// peer can load to connect and reach exactly those registrations.

@@ -49,7 +49,9 @@ const ACTIVITY: Duration = Duration::from_micros(25);
 struct Registry {
     side: Side,
     gen: u64,
-    map: BTreeMap<(u8, u32, usize), RegEntry>,
+    /// By (device kind, device id, address, length): registrations of one start address and
+    /// different lengths coexist.
+    map: BTreeMap<(u8, u32, usize, usize), RegEntry>,
     next_id: u64,
 }
 
@@ -60,13 +62,13 @@ struct RegEntry {
     _reg: Registration,
 }
 
-fn key_of(r: &Range) -> (u8, u32, usize) {
+fn key_of(r: &Range) -> (u8, u32, usize, usize) {
     let (k, id) = match r.device {
         crate::Device::Host => (0, 0),
         crate::Device::Cuda(n) => (1, n),
         crate::Device::Xpu(n) => (2, n),
     };
-    (k, id, r.addr)
+    (k, id, r.addr, r.len)
 }
 
 impl Registry {
@@ -80,6 +82,7 @@ impl Registry {
     }
 
     /// A live registration containing `r`, or a new one of exactly `r`.
+    #[allow(clippy::too_many_arguments)]
     fn get(
         &mut self,
         agent: &NixlAgent,
@@ -87,21 +90,25 @@ impl Registry {
         tx: &Sender<Cmd>,
         waker: &Waker,
         stats: &mut EngineStats,
+        replaced: &mut Option<Range>,
     ) -> Result<(RegToken, Range)> {
         let k = key_of(&r);
-        let lo = (k.0, k.1, 0);
+        let (lo, hi) = ((k.0, k.1, 0, 0), (k.0, k.1, r.addr, usize::MAX));
         // The registrations starting at or before r, nearest first: one of them contains r if any
-        // does (registrations of one device never overlap partially in practice; 16 is plenty).
-        for (_, e) in self.map.range(lo..=k).rev().take(16) {
+        // does (32 candidates is plenty for registrations that do not overlap much).
+        for (_, e) in self.map.range(lo..=hi).rev().take(32) {
             if e.range.addr + e.range.len >= r.addr + r.len {
                 if let Some(t) = e.token.upgrade() {
                     return Ok((RegToken(t), e.range));
                 }
             }
         }
-        // A dead entry's deregistration may still be queued: replace it now (the queued command
-        // then finds another id and does nothing).
-        self.map.remove(&k);
+        // A dead entry of exactly this range may still have its deregistration queued: replace it
+        // now (the queued command then finds another id and does nothing); what was cached for
+        // it goes with it.
+        if self.map.remove(&k).is_some() {
+            *replaced = Some(r);
+        }
         let reg = agent.register(r)?;
         let id = self.next_id;
         self.next_id += 1;
@@ -145,11 +152,43 @@ struct Exposer {
     md_cache: HashMap<Vec<Range>, Arc<str>>,
     /// Live passive operations: their keys and registrations.
     live: HashMap<Arc<str>, Vec<RegToken>>,
+    /// Memory this agent exposed that has been given up, held until the agent is destroyed.
+    /// Declared last: fields drop in order, so the agent (its UCX worker, which could still
+    /// reach the memory) is gone before the memory is freed.
+    quarantine: Vec<Hold>,
+    quarantined: usize,
+    /// The fingerprint of `conn_md`.
+    identity: u64,
+}
+
+impl Exposer {
+    fn new(name: &str, params: &[(String, String)], gen: u64) -> Result<Self> {
+        let agent = NixlAgent::new(name, params)?;
+        let conn_md = agent.partial_metadata(&[])?;
+        let identity = md::identity(&conn_md).ok_or_else(|| Error::Nixl {
+            op: "get local metadata",
+            status: "NIXL's own metadata did not parse".into(),
+        })?;
+        Ok(Self {
+            identity,
+            agent,
+            regs: Registry::new(Side::Exposer, gen),
+            conn_md,
+            md_cache: HashMap::new(),
+            live: HashMap::new(),
+            quarantine: Vec::new(),
+            quarantined: 0,
+        })
+    }
 }
 
 struct Peer {
     refs: usize,
     last_used: Instant,
+    /// A transfer to it failed or its metadata went stale: forgotten once `refs` reaches 0
+    /// (invalidating a peer with transfers in flight would make NIXL report them gone while
+    /// UCX may still be moving their bytes).
+    stale: bool,
 }
 
 struct Inflight {
@@ -182,11 +221,29 @@ impl Drop for Initiator {
 }
 
 impl Initiator {
+    /// Forgets a peer: at once if no transfer to it is in flight, otherwise when the last one
+    /// ends. Either way no new transfer uses what was loaded for it.
     fn forget_peer(&mut self, name: &str) {
         self.loaded.retain(|_, n| &**n != name);
         self.remote_prep.retain(|(n, _), _| &**n != name);
-        if self.peers.remove(name).is_some() {
-            self.agent.invalidate_remote(name);
+        match self.peers.get_mut(name) {
+            Some(p) if p.refs > 0 => p.stale = true,
+            Some(_) => {
+                self.peers.remove(name);
+                self.agent.invalidate_remote(name);
+            }
+            None => {}
+        }
+    }
+
+    /// A transfer to `name` has ended.
+    fn unref(&mut self, name: &str) {
+        if let Some(p) = self.peers.get_mut(name) {
+            p.refs = p.refs.saturating_sub(1);
+            if p.refs == 0 && p.stale {
+                self.peers.remove(name);
+                self.agent.invalidate_remote(name);
+            }
         }
     }
 
@@ -210,13 +267,36 @@ impl Initiator {
         if let Some(n) = self.loaded.get(&spec.remote_md) {
             return Ok(n.clone());
         }
+        if self.peers.get(&spec.peer).is_some_and(|p| p.stale) {
+            return Err(Error::Transfer {
+                agent: spec.peer.to_string(),
+                reason: "an earlier transfer with this peer failed and others are still in flight; \
+                         start the operation again once they have ended"
+                    .into(),
+            });
+        }
         let mut r = self.agent.load_remote(&spec.remote_raw);
-        if r.is_err() && self.peers.contains_key(&spec.peer) {
-            // A peer restarted under the same name, or its metadata changed in a way NIXL does not
-            // merge: forget it entirely and load afresh (a failed load must never be retried
-            // without invalidating first).
-            self.forget_peer(&spec.peer.clone());
-            r = self.agent.load_remote(&spec.remote_raw);
+        if r.is_err() {
+            match self.peers.get(&spec.peer) {
+                // A peer restarted under the same name, or its metadata changed in a way NIXL
+                // does not merge: forget it entirely and load afresh (a failed load must never be
+                // retried without invalidating first).
+                Some(p) if p.refs == 0 => {
+                    self.forget_peer(&spec.peer.clone());
+                    r = self.agent.load_remote(&spec.remote_raw);
+                }
+                // Transfers to it are in flight: it cannot be invalidated now.
+                Some(_) => {
+                    return Err(Error::Transfer {
+                        agent: spec.peer.to_string(),
+                        reason: "the peer's metadata changed (it restarted or registered the same \
+                                 memory again) while transfers to it are in flight; start the \
+                                 operation again once they have ended"
+                            .into(),
+                    });
+                }
+                None => {}
+            }
         }
         let name: Arc<str> = match r {
             Ok(n) => n.into(),
@@ -240,6 +320,7 @@ impl Initiator {
         self.peers.entry(name.clone()).or_insert(Peer {
             refs: 0,
             last_used: Instant::now(),
+            stale: false,
         });
         self.evict_idle();
         Ok(name)
@@ -252,16 +333,17 @@ pub(crate) struct NixlTransport {
     params: Vec<(String, String)>,
     tx: Sender<Cmd>,
     waker: Waker,
+    /// The current exposer (new operations) and retired ones (destroyed once their last
+    /// operation has ended), by generation.
     exposer: Exposer,
+    exposer_gen: u64,
+    retired: BTreeMap<u64, Exposer>,
+    quarantine_limit: usize,
     initiator: Option<Initiator>,
     initiator_gen: u64,
     deregister_on_completion: bool,
     notif_buf: Vec<(String, Vec<u8>)>,
     pub(crate) stats: EngineStats,
-    /// Memory that was exposed and has been given up, held until the exposer is destroyed.
-    /// Declared after the agents: fields drop in order, so the UCX workers that could reach it
-    /// are gone before it is freed.
-    quarantine: Vec<Hold>,
 }
 
 impl NixlTransport {
@@ -270,62 +352,116 @@ impl NixlTransport {
         name: &str,
         params: Vec<(String, String)>,
         deregister_on_completion: bool,
+        quarantine_limit: usize,
         tx: Sender<Cmd>,
         waker: Waker,
     ) -> Result<Self> {
-        let agent = NixlAgent::new(name, &params)?;
-        let conn_md = agent.partial_metadata(&[])?;
-        md::parse(&conn_md)?;
+        let exposer = Exposer::new(name, &params, 0)?;
         Ok(Self {
             name: name.to_string(),
             params,
             tx,
             waker,
-            exposer: Exposer {
-                agent,
-                regs: Registry::new(Side::Exposer, 0),
-                conn_md,
-                md_cache: HashMap::new(),
-                live: HashMap::new(),
-            },
+            exposer,
+            exposer_gen: 0,
+            retired: BTreeMap::new(),
+            quarantine_limit,
             initiator: None,
             initiator_gen: 0,
             deregister_on_completion,
             notif_buf: Vec::new(),
-            quarantine: Vec::new(),
             stats: EngineStats::default(),
         })
+    }
+
+    /// The exposer of generation `gen`, if it still exists.
+    fn exposer_of(&mut self, gen: u64) -> Option<&mut Exposer> {
+        if gen == self.exposer_gen {
+            Some(&mut self.exposer)
+        } else {
+            self.retired.get_mut(&gen)
+        }
+    }
+
+    /// Replaces the exposer with a new agent once the memory it holds back passes the limit, and
+    /// destroys retired exposers whose operations have all ended (which frees what they hold).
+    fn rotate(&mut self) {
+        if self.exposer.quarantined > self.quarantine_limit {
+            let gen = self.exposer_gen + 1;
+            match Exposer::new(&format!("{}~{gen}", self.name), &self.params, gen) {
+                Ok(fresh) => {
+                    let old = std::mem::replace(&mut self.exposer, fresh);
+                    self.retired.insert(self.exposer_gen, old);
+                    self.exposer_gen = gen;
+                    self.stats.rotations += 1;
+                    tracing::debug!(gen, "rotated the NIXL exposer to release quarantined memory");
+                }
+                Err(e) => tracing::warn!(error = %e, "could not rotate the NIXL exposer"),
+            }
+        }
+        let before = self.retired.len();
+        self.retired.retain(|_, e| !e.live.is_empty());
+        if self.retired.len() != before {
+            self.recount();
+        }
+    }
+
+    fn recount(&mut self) {
+        self.stats.quarantined_bytes =
+            (self.exposer.quarantined + self.retired.values().map(|e| e.quarantined).sum::<usize>()) as u64;
     }
 
     /// Handles a registration token's drop.
     pub(crate) fn deregister(&mut self, side: Side, gen: u64, range: Range, id: u64) {
         match side {
             Side::Exposer => {
-                if self.exposer.regs.deregister(gen, range, id) {
-                    self.exposer.md_cache.retain(|k, _| !k.contains(&range));
+                if let Some(e) = self.exposer_of(gen) {
+                    if e.regs.deregister(gen, range, id) {
+                        e.md_cache.retain(|k, _| !k.contains(&range));
+                    }
                 }
             }
             Side::Initiator => {
                 if let Some(i) = &mut self.initiator {
                     if i.regs.deregister(gen, range, id) {
-                        i.local_prep.retain(|k, _| {
-                            !k.iter()
-                                .any(|r| r.addr < range.addr + range.len && range.addr < r.addr + r.len)
-                        });
+                        i.local_prep.retain(|k, _| !k.iter().any(|r| overlap(r, &range)));
                     }
                 }
             }
         }
     }
 
-    /// Holds exposed memory that was given up until no peer can reach it through the exposer.
-    pub(crate) fn hold(&mut self, keep: Hold, bytes: usize) {
-        self.stats.quarantined_bytes += bytes as u64;
-        self.quarantine.push(keep);
+    /// Holds exposed memory that was given up (`bytes` of it) until no peer can reach it through
+    /// the exposer of generation `gen` (`None`: the current one); freed at once if that exposer
+    /// is already gone.
+    pub(crate) fn hold(&mut self, gen: Option<u64>, keep: Hold, bytes: usize) {
+        let gen = gen.unwrap_or(self.exposer_gen);
+        match self.exposer_of(gen) {
+            Some(e) => {
+                e.quarantine.push(keep);
+                e.quarantined += bytes;
+            }
+            None => drop(keep),
+        }
+        self.recount();
+        self.rotate();
+    }
+
+    /// The generation of the exposer that serves `key`.
+    pub(crate) fn exposer_gen_of(&self, key: &str) -> Option<u64> {
+        if self.exposer.live.contains_key(key) {
+            return Some(self.exposer_gen);
+        }
+        self.retired
+            .iter()
+            .find(|(_, e)| e.live.contains_key(key))
+            .map(|(g, _)| *g)
     }
 
     pub(crate) fn live_registrations(&self) -> usize {
-        self.exposer.regs.map.len() + self.initiator.as_ref().map_or(0, |i| i.regs.map.len())
+        self.exposer.regs.map.len()
+            + self.retired.values().map(|e| e.regs.map.len()).sum::<usize>()
+            + self.initiator.as_ref().map_or(0, |i| i.regs.map.len())
     }
 
     fn initiator(&mut self) -> Result<&mut Initiator> {
@@ -361,16 +497,27 @@ impl NixlTransport {
         Ok(md)
     }
 
-    fn start(&mut self, spec: &ActiveSpec) -> Result<(Option<Inflight>, Vec<RegToken>)> {
+    fn start(
+        &mut self,
+        spec: &ActiveSpec,
+    ) -> std::result::Result<(Option<Inflight>, Vec<RegToken>), StartError> {
         let (tx, waker) = (self.tx.clone(), self.waker.clone());
         let stats = &mut self.stats;
         let init = match self.initiator.as_mut() {
             Some(i) => i,
-            None => return Err(Error::EngineStopped),
+            None => return Err(StartError::Failed(Error::EngineStopped)),
         };
         let mut tokens = Vec::with_capacity(spec.local.len());
         for r in &spec.local {
-            tokens.push(init.regs.get(&init.agent, *r, &tx, &waker, stats)?.0);
+            let mut replaced = None;
+            tokens.push(
+                init.regs
+                    .get(&init.agent, *r, &tx, &waker, stats, &mut replaced)?
+                    .0,
+            );
+            if let Some(old) = replaced {
+                init.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
+            }
         }
         let name = init.load(spec, stats)?;
         if init.local_prep.len() > MAX_PREPARED {
@@ -410,17 +557,16 @@ impl NixlTransport {
                     tokens,
                 ))
             }
-            Err(PostError::Local(e)) => Err(e),
-            Err(PostError::Transfer(e)) => {
-                init.forget_peer(&name);
-                Err(transfer_failed(&name, &e))
-            }
+            Err(PostError::Local(e)) => Err(StartError::Failed(e)),
+            // Part of the transfer may have been posted before the failure, and releasing the
+            // request does not stop it: only destroying the initiator does (see `begin`).
+            Err(PostError::Transfer(e)) => Err(StartError::Posted(transfer_failed(&name, &e))),
         }
     }
 
     /// Destroys the initiator: every transfer it posted ends now (`id` as cancelled, the others
     /// as interrupted).
-    fn reset_initiator(&mut self, id: OpId, out: &mut Vec<Event>) {
+    fn reset_initiator(&mut self, id: Option<OpId>, out: &mut Vec<Event>) {
         let Some(init) = self.initiator.take() else { return };
         tracing::warn!(
             agent = %init.agent.name(),
@@ -431,7 +577,7 @@ impl NixlTransport {
         drop(init); // releases requests, lists and registrations, then destroys the UCX worker
         self.stats.resets += 1;
         for (op, peer) in ended {
-            let result = if op == id {
+            let result = if Some(op) == id {
                 Err(Error::Cancelled)
             } else {
                 Err(Error::Interrupted {
@@ -443,6 +589,24 @@ impl NixlTransport {
             };
             out.push(Event::ActiveEnded { id: op, result });
         }
+    }
+}
+
+fn overlap(a: &Range, b: &Range) -> bool {
+    a.device == b.device && a.addr < b.addr + b.len && b.addr < a.addr + a.len
+}
+
+/// Why a transfer did not start.
+enum StartError {
+    /// Nothing was posted.
+    Failed(Error),
+    /// The post failed in the transport: part of it may have been posted.
+    Posted(Error),
+}
+
+impl From<Error> for StartError {
+    fn from(e: Error) -> Self {
+        StartError::Failed(e)
     }
 }
 
@@ -464,10 +628,20 @@ impl Transport for NixlTransport {
         let mut regs = Vec::with_capacity(spec.ranges.len());
         let mut tokens = Vec::with_capacity(spec.ranges.len());
         for r in &spec.ranges {
-            let (t, reg) =
+            let mut replaced = None;
+            let (t, reg) = self.exposer.regs.get(
+                &self.exposer.agent,
+                *r,
+                &self.tx,
+                &self.waker,
+                &mut self.stats,
+                &mut replaced,
+            )?;
+            if let Some(old) = replaced {
                 self.exposer
-                    .regs
-                    .get(&self.exposer.agent, *r, &self.tx, &self.waker, &mut self.stats)?;
+                    .md_cache
+                    .retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
+            }
             tokens.push(t);
             regs.push(reg);
         }
@@ -477,11 +651,18 @@ impl Transport for NixlTransport {
         self.exposer.live.insert(spec.key.clone(), tokens.clone());
         out.tokens.extend(tokens);
         out.nixl_metadata = Some(md);
+        out.exposer_gen = self.exposer_gen;
+        out.identity = self.exposer.identity;
         Ok(())
     }
 
     fn unexpose(&mut self, key: &str) {
-        if let Some(tokens) = self.exposer.live.remove(key) {
+        let Some(gen) = self.exposer_gen_of(key) else {
+            return;
+        };
+        let removed = self.exposer_of(gen).and_then(|e| e.live.remove(key));
+        self.rotate();
+        if let Some(tokens) = removed {
             if self.deregister_on_completion {
                 // Deregister now, whoever else holds the tokens (the memory's cache included).
                 for t in &tokens {
@@ -500,7 +681,9 @@ impl Transport for NixlTransport {
             });
             return;
         }
-        let r = contain("start transfer", || self.start(&spec));
+        // A panic inside the bindings fails this operation instead of the engine.
+        let r = contain("start transfer", || Ok(self.start(&spec)))
+            .unwrap_or_else(|e| Err(StartError::Failed(e)));
         if let Ok((_, tokens)) = &r {
             out.push(Event::Registered {
                 id: spec.id,
@@ -513,7 +696,14 @@ impl Transport for NixlTransport {
                 result: Ok(()),
             }),
             Ok((Some(f), _)) => self.initiator.as_mut().expect("made above").inflight.push(f),
-            Err(e) => out.push(Event::ActiveEnded {
+            Err(StartError::Posted(e)) => {
+                self.reset_initiator(None, out);
+                out.push(Event::ActiveEnded {
+                    id: spec.id,
+                    result: Err(e),
+                });
+            }
+            Err(StartError::Failed(e)) => out.push(Event::ActiveEnded {
                 id: spec.id,
                 result: Err(e),
             }),
@@ -526,7 +716,7 @@ impl Transport for NixlTransport {
             .as_ref()
             .is_some_and(|i| i.inflight.iter().any(|f| f.id == id));
         if in_flight && hard {
-            self.reset_initiator(id, out);
+            self.reset_initiator(Some(id), out);
         }
     }
 
@@ -545,9 +735,7 @@ impl Transport for NixlTransport {
                         let f = init.inflight.swap_remove(i);
                         let (id, peer) = (f.id, f.peer.clone());
                         drop(f); // releases the request
-                        if let Some(p) = init.peers.get_mut(&peer) {
-                            p.refs = p.refs.saturating_sub(1);
-                        }
+                        init.unref(&peer);
                         let result = match done {
                             Ok(_) => Ok(()),
                             Err(e) => {
@@ -563,16 +751,18 @@ impl Transport for NixlTransport {
         }
         if self.polling() != Polling::Never {
             let mut buf = std::mem::take(&mut self.notif_buf);
-            if let Err(e) = self.exposer.agent.notifications(&mut buf) {
-                tracing::warn!(error = %e, "draining NIXL notifications failed");
-            }
-            for (from, msg) in buf.drain(..) {
-                event = true;
-                let key = String::from_utf8_lossy(&msg);
-                match self.exposer.live.get_key_value(&*key) {
-                    Some((k, _)) => out.push(Event::PassiveCompleted { key: k.clone() }),
-                    None => {
-                        tracing::debug!(from = %from, key = %key, "notification for no live operation")
+            for e in std::iter::once(&self.exposer).chain(self.retired.values()) {
+                if let Err(err) = e.agent.notifications(&mut buf) {
+                    tracing::warn!(error = %err, "draining NIXL notifications failed");
+                }
+                for (from, msg) in buf.drain(..) {
+                    event = true;
+                    let key = String::from_utf8_lossy(&msg);
+                    match e.live.get_key_value(&*key) {
+                        Some((k, _)) => out.push(Event::PassiveCompleted { key: k.clone() }),
+                        None => {
+                            tracing::debug!(from = %from, key = %key, "notification for no live operation")
+                        }
                     }
                 }
             }
@@ -584,10 +774,10 @@ impl Transport for NixlTransport {
     fn polling(&self) -> Polling {
         if self.initiator.as_ref().is_some_and(|i| !i.inflight.is_empty()) {
             Polling::Busy
-        } else if !self.exposer.live.is_empty() {
+        } else if !self.exposer.live.is_empty() || !self.retired.is_empty() {
             // Passive operations wait for their notification.
             Polling::Watching
-        } else if !self.exposer.regs.map.is_empty() || !self.quarantine.is_empty() {
+        } else if !self.exposer.regs.map.is_empty() || !self.exposer.quarantine.is_empty() {
             // Peers may need this side to act for memory they can still reach (to serve a read
             // over TCP, even of memory given up): keep progressing, slowly when idle.
             Polling::Every(EXPOSED_POLL)

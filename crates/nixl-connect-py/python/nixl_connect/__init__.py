@@ -1,0 +1,164 @@
+"""nixl_connect: a drop-in replacement for NVIDIA Dynamo's `dynamo.nixl_connect` (1.6.1), backed by
+a Rust core (`nixl_connect._core`).
+
+Migrate with one line::
+
+    import nixl_connect as nc            # instead of: import dynamo.nixl_connect as nc
+
+Every public name of Dynamo's module exists here with the same methods, properties, argument names
+and order, async-ness (the five Connector methods and every `wait_for_completion` are coroutines),
+synchronous context managers, enum values and `str()`, and the same pydantic v2 models
+(`RdmaMetadata`, `SerializedDescriptor`: same fields, config and validators, byte-identical
+`model_dump_json()`), so the two implementations exchange metadata and memory in both directions.
+Misuse raises the builtin exception Dynamo raises (TypeError / ValueError / RuntimeError), as an
+instance of a typed subclass (see below).
+
+Behaviour that differs from Dynamo, by design:
+
+* torch is never imported. Tensors are recognised by duck typing (`data_ptr()`, `numel()`,
+  `element_size()`, `is_contiguous()`, `device`); numpy/CuPy arrays as `(array, device)` tuples
+  through `__array_interface__` / `__cuda_array_interface__`.
+* Data starts moving when `begin_read` / `begin_write` return (Dynamo posts the transfer on the
+  first `status` read; its docs say "the transfer begins immediately"). `results()` still requires
+  the operation to have been seen COMPLETE (by `wait_for_completion()` or by reading `status`).
+* `cancel()` after completion leaves the operation COMPLETE (Dynamo flips it to CANCELLED).
+* Leaving an active operation's `with` block releases it: a transfer still running is cancelled
+  (status CANCELLED), a finished one stays COMPLETE. Leaving a passive operation's block releases
+  the memory; its status is then frozen (Dynamo's never changes either) and, as in Dynamo, a later
+  `wait_for_completion()` never completes (pass `timeout=` to bound it).
+* `metadata(hex_encode=True)` honours the flag on every call (Dynamo caches the first call's
+  encoding); `nixl_metadata` is "b64:"+base64 of zlib(NIXL metadata), or bare hex.
+* A Descriptor shared by two operations of one Connector stays registered until both end (Dynamo
+  deregisters it when the first one ends); using it with a second Connector at the same time raises
+  RuntimeError as in Dynamo.
+* `bytes` (and other read-only memory) cannot be a destination: the operation fails with
+  `InvalidArgumentError` (a ValueError) instead of NIXL mutating an immutable object.
+* Strided (non-contiguous) arrays and buffers are refused with ValueError (Dynamo transfers the
+  wrong bytes). Non-contiguous torch tensors are copied with `.contiguous()` like Dynamo does, with
+  a logged warning (data read into such a Descriptor lands in the copy).
+* A bytearray is pinned while an operation uses it (resizing it raises BufferError then); a
+  Descriptor whose buffer was resized before the operation started is refused.
+* Operations are meant to be created through the Connector. Constructing one directly
+  (`ReadOperation(connection, ...)`) is allowed; it starts on its first `wait_for_completion()`.
+* `Connection.metadata` (the agent's whole NIXL metadata) is not available; each passive
+  operation's `metadata()` carries what its peer needs. `Remote` only names the peer agent.
+
+Extras (never needed by code written for Dynamo):
+
+* `await op.wait_for_completion(timeout=None)`: seconds; raises `nixl_connect.TimeoutError` (a
+  subclass of the builtin `TimeoutError`, which is `asyncio.TimeoutError` on Python 3.11+) and
+  leaves the operation live, so it can be awaited again.
+* Typed exceptions: `NixlConnectError` (attribute `.kind`, the Rust error variant) and one subclass
+  per kind, each also deriving from the builtin Dynamo raises in that situation, e.g.
+  `WrongPairingError(NixlConnectError, RuntimeError)`,
+  `DescriptorMismatchError(NixlConnectError, ValueError)`. Table in `nixl_connect._errors`.
+* `op.path`: "local" (same-host copy) or "nixl", None until known.
+* `Descriptor(memoryview | array.array | numpy array | any C-contiguous buffer)` as host memory.
+* `nixl_connect.__version__`.
+"""
+from . import _core
+from ._errors import (
+    ERROR_CLASSES,
+    CancelledError,
+    ChannelError,
+    CudaUnavailableError,
+    DescriptorInUseError,
+    DescriptorMismatchError,
+    DeviceMismatchError,
+    EngineStoppedError,
+    InvalidArgumentError,
+    MetadataError,
+    NixlBackendError,
+    NixlConnectError,
+    NixlError,
+    NixlLoadError,
+    NixlNotFoundError,
+    NotPublishedError,
+    OsError,
+    PathUnavailableError,
+    RefusedError,
+    RemoteGoneError,
+    TimeoutError,
+    TransferError,
+    TransferInterruptedError,
+    WrongPairingError,
+)
+from ._operations import (
+    AbstractOperation,
+    ActiveOperation,
+    Connection,
+    Connector,
+    PassiveOperation,
+    ReadableOperation,
+    ReadOperation,
+    Remote,
+    WritableOperation,
+    WriteOperation,
+)
+from ._types import (
+    Descriptor,
+    Device,
+    DeviceKind,
+    OperationKind,
+    OperationStatus,
+    RdmaMetadata,
+    SerializedDescriptor,
+)
+
+__version__: str = _core.__version__
+
+# `from nixl_connect import *` leaves out TimeoutError and CancelledError so that it never shadows
+# the builtin TimeoutError or asyncio.CancelledError; use nixl_connect.TimeoutError explicitly.
+__all__ = [
+    # Dynamo's public names
+    "AbstractOperation",
+    "ActiveOperation",
+    "Connection",
+    "Connector",
+    "Descriptor",
+    "Device",
+    "DeviceKind",
+    "OperationKind",
+    "OperationStatus",
+    "PassiveOperation",
+    "RdmaMetadata",
+    "ReadOperation",
+    "ReadableOperation",
+    "Remote",
+    "SerializedDescriptor",
+    "WritableOperation",
+    "WriteOperation",
+    # extras
+    "ERROR_CLASSES",
+    "NixlConnectError",
+    "InvalidArgumentError",
+    "WrongPairingError",
+    "DeviceMismatchError",
+    "DescriptorMismatchError",
+    "DescriptorInUseError",
+    "MetadataError",
+    "RefusedError",
+    "NixlNotFoundError",
+    "NixlLoadError",
+    "CudaUnavailableError",
+    "NixlBackendError",
+    "OsError",
+    "NixlError",
+    "RemoteGoneError",
+    "TransferError",
+    "TransferInterruptedError",
+    "PathUnavailableError",
+    "EngineStoppedError",
+    "ChannelError",
+    "NotPublishedError",
+]
+
+# Public classes report themselves as nixl_connect.X (reprs, tracebacks, pickles).
+for _name in __all__ + ["TimeoutError", "CancelledError"]:
+    _obj = globals()[_name]
+    if isinstance(_obj, type):
+        try:
+            _obj.__module__ = __name__
+        except (AttributeError, TypeError):  # pragma: no cover
+            pass
+del _name, _obj

@@ -1,0 +1,318 @@
+"""Behaviour of nixl_connect beyond Dynamo 1.6.1 (skipped for dynamo.nixl_connect: "extra beyond
+Dynamo"): no torch import, typed exceptions, wait timeouts, op.path, read-only and pinned buffers,
+extra Descriptor sources. Everything here must also leave Dynamo-style code working unchanged."""
+import array
+import asyncio
+import base64
+import builtins
+import os
+import pickle
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+from conftest import waited
+from nc_common import pattern
+
+pytestmark = pytest.mark.extra
+
+KINDS = {
+    # kind -> the builtin the typed class also derives from
+    "InvalidArgument": ValueError,
+    "WrongPairing": RuntimeError,
+    "DeviceMismatch": ValueError,
+    "DescriptorMismatch": ValueError,
+    "Metadata": ValueError,
+    "Refused": RuntimeError,
+    "NixlNotFound": ImportError,
+    "NixlLoad": ImportError,
+    "CudaUnavailable": RuntimeError,
+    "NixlBackend": RuntimeError,
+    "Os": OSError,
+    "Nixl": RuntimeError,
+    "RemoteGone": RuntimeError,
+    "Transfer": RuntimeError,
+    "Interrupted": RuntimeError,
+    "PathUnavailable": RuntimeError,
+    "EngineStopped": RuntimeError,
+    "Cancelled": RuntimeError,
+    "TimedOut": builtins.TimeoutError,
+    "Channel": RuntimeError,
+    "NotPublished": RuntimeError,
+}
+
+DYNAMO_NAMES = [
+    "AbstractOperation", "ActiveOperation", "PassiveOperation", "Connection", "Connector",
+    "Descriptor", "Device", "DeviceKind", "OperationKind", "OperationStatus", "RdmaMetadata",
+    "SerializedDescriptor", "ReadOperation", "WriteOperation", "ReadableOperation",
+    "WritableOperation", "Remote",
+]
+
+
+# --------------------------------------------------------------------------- module level
+
+def test_import_does_not_import_torch(nc):
+    """Dynamo needs torch at import; nixl_connect must not import it (torch_stub is importable
+    on this suite's PYTHONPATH, so an import would show)."""
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(nc.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)
+    code = (f"import sys, {nc.__name__}\n"
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_version(nc):
+    assert isinstance(nc.__version__, str) and nc.__version__
+
+
+def test_every_dynamo_name_importable(nc):
+    ns = {}
+    exec(f"from {nc.__name__} import " + ", ".join(DYNAMO_NAMES), ns)
+    assert all(ns[n] is getattr(nc, n) for n in DYNAMO_NAMES)
+
+
+def test_star_import_does_not_shadow_builtins(nc):
+    ns = {}
+    exec(f"from {nc.__name__} import *", ns)
+    for n in DYNAMO_NAMES:
+        assert n in ns, n
+    # never shadow builtins.TimeoutError or asyncio.CancelledError in the importer's namespace
+    assert "TimeoutError" not in ns and "CancelledError" not in ns
+    assert nc.TimeoutError is not builtins.TimeoutError
+
+
+# --------------------------------------------------------------------------- exception classes
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_error_class_per_kind(nc, kind):
+    cls = nc.ERROR_CLASSES[kind]
+    assert issubclass(cls, nc.NixlConnectError)
+    assert issubclass(cls, KINDS[kind])
+    assert cls.kind == kind
+    e = cls("boom")
+    assert str(e) == "boom" and e.args == ("boom",) and e.kind == kind and e.message == "boom"
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is cls and back.kind == kind and str(back) == "boom"
+
+
+def test_timeout_and_cancelled_classes(nc):
+    assert issubclass(nc.TimeoutError, builtins.TimeoutError)
+    assert issubclass(nc.TimeoutError, asyncio.TimeoutError)  # what asyncio.wait_for users catch
+    assert issubclass(nc.CancelledError, RuntimeError)
+    # a RuntimeError, not asyncio's BaseException-based task cancellation
+    assert not issubclass(nc.CancelledError, asyncio.CancelledError)
+
+
+def test_core_errors_are_translated(nc):
+    """A _core.CoreError(kind, message) becomes the typed class of its kind."""
+    from nixl_connect._errors import from_core  # noqa: PLC0415 - internal helper
+    for kind, base in KINDS.items():
+        err = from_core(nc._core.CoreError(kind, f"message for {kind}"))
+        assert type(err) is nc.ERROR_CLASSES[kind]
+        assert isinstance(err, base) and err.kind == kind and str(err) == f"message for {kind}"
+    err = from_core(nc._core.CoreError("SomethingNew", "from a newer core"))
+    assert isinstance(err, nc.NixlConnectError) and isinstance(err, RuntimeError)
+    assert err.kind == "SomethingNew"
+
+
+# --------------------------------------------------------------------------- typed errors in use
+
+async def test_wrong_pairing_is_typed(nc):
+    a, b = nc.Connector(), nc.Connector()
+    with await a.create_readable(nc.Descriptor(pattern(64, 91))) as readable:
+        with pytest.raises(RuntimeError) as info:
+            await b.begin_write(nc.Descriptor(bytearray(64)), readable.metadata())
+        assert isinstance(info.value, nc.NixlConnectError)
+        assert isinstance(info.value, nc.WrongPairingError)
+        assert info.value.kind == "WrongPairing"
+    with await a.create_writable(nc.Descriptor(bytearray(64))) as writable:
+        with pytest.raises(nc.WrongPairingError) as info:
+            await b.begin_read(writable.metadata(), nc.Descriptor(bytearray(64)))
+        assert isinstance(info.value, RuntimeError) and info.value.kind == "WrongPairing"
+
+
+async def test_descriptor_mismatch_is_typed(nc):
+    a, b = nc.Connector(), nc.Connector()
+    with await a.create_readable(nc.Descriptor(pattern(64, 92))) as readable:
+        with pytest.raises(ValueError, match="same size") as info:
+            await b.begin_read(readable.metadata(), nc.Descriptor(bytearray(63)))
+        assert isinstance(info.value, nc.DescriptorMismatchError)
+        assert info.value.kind == "DescriptorMismatch"
+
+
+async def test_descriptor_on_two_connectors_is_typed(nc):
+    a, b = nc.Connector(), nc.Connector()
+    d = nc.Descriptor(bytearray(16))
+    with await a.create_readable(d):
+        with pytest.raises(RuntimeError, match="more than one connection") as info:
+            await b.create_readable(d)
+        assert isinstance(info.value, nc.NixlConnectError)
+
+
+async def test_null_pointer_is_typed(nc):
+    a = nc.Connector()
+    with pytest.raises(ValueError, match="null pointer") as info:
+        await a.create_readable(nc.Descriptor((0, 8)))
+    assert isinstance(info.value, nc.InvalidArgumentError) and info.value.kind == "InvalidArgument"
+
+
+async def test_timeout_is_typed(nc):
+    a = nc.Connector()
+    with await a.create_writable(nc.Descriptor(bytearray(64))) as op:
+        with pytest.raises(nc.TimeoutError) as info:
+            await op.wait_for_completion(timeout=0.05)
+        e = info.value
+        assert isinstance(e, builtins.TimeoutError) and isinstance(e, asyncio.TimeoutError)
+        assert isinstance(e, nc.NixlConnectError) and e.kind == "TimedOut"
+        assert op.status == nc.OperationStatus.INITIALIZED
+        with pytest.raises(ValueError):
+            await op.wait_for_completion(timeout=-1)
+        with pytest.raises(TypeError):
+            await op.wait_for_completion(timeout="1")
+
+
+async def test_wait_after_passive_release_times_out(nc):
+    a = nc.Connector()
+    op = await a.create_readable(nc.Descriptor(bytearray(64)))
+    op.__exit__(None, None, None)
+    with pytest.raises(nc.TimeoutError):
+        await waited(op.wait_for_completion(timeout=0.1), 5)
+
+
+# --------------------------------------------------------------------------- operations
+
+async def test_path_and_cancel_after_completion(nc):
+    a, b = nc.Connector(), nc.Connector()
+    src = pattern(4096, 93)
+    dst = bytearray(4096)
+    with await a.create_readable(nc.Descriptor(src)) as readable:
+        assert readable.path is None or readable.path in ("local", "nixl")
+        with await b.begin_read(readable.metadata(), nc.Descriptor(dst)) as op:
+            await waited(op.wait_for_completion(timeout=10))
+            assert op.path in ("local", "nixl")
+            op.cancel()  # no effect once complete (Rust semantics; Dynamo flips it to CANCELLED)
+            assert op.status == nc.OperationStatus.COMPLETE
+            assert len(op.results()) == 1
+        await waited(readable.wait_for_completion(timeout=10))
+    assert dst == src
+
+
+async def test_metadata_hex_flag_is_honoured(nc):
+    a = nc.Connector()
+    with await a.create_readable(nc.Descriptor(bytearray(64))) as op:
+        b64 = op.metadata()
+        hx = op.metadata(hex_encode=True)
+        assert b64.nixl_metadata.startswith("b64:") and not hx.nixl_metadata.startswith("b64:")
+        assert bytes.fromhex(hx.nixl_metadata) == base64.b64decode(b64.nixl_metadata[4:])
+        assert zlib.decompress(bytes.fromhex(hx.nixl_metadata))
+        assert op.metadata() is b64 and op.metadata(hex_encode=True) is hx
+        assert hx.model_copy(update={"nixl_metadata": b64.nixl_metadata}) == b64
+
+
+# --------------------------------------------------------------------------- memory sources
+
+async def test_bytes_cannot_be_a_destination(nc):
+    a, b = nc.Connector(), nc.Connector()
+    frozen = bytes(4096)
+    with await a.create_readable(nc.Descriptor(pattern(4096, 94))) as readable:
+        with pytest.raises(ValueError) as info:
+            op = await b.begin_read(readable.metadata(), nc.Descriptor(frozen))
+            with op:
+                await waited(op.wait_for_completion(timeout=5))
+        assert isinstance(info.value, nc.NixlConnectError)
+        assert info.value.kind == "InvalidArgument"
+    with pytest.raises(ValueError):
+        await a.create_writable(nc.Descriptor(b"\x00" * 64))
+    assert frozen == bytes(4096)
+
+
+async def test_memoryview_and_array_sources(nc):
+    a, b = nc.Connector(), nc.Connector()
+    src = array.array("I", range(1024))  # 4 KiB, not bytes/bytearray: buffer protocol
+    dst = bytearray(4096)
+    with await a.create_readable(nc.Descriptor(src)) as readable:
+        with await b.begin_read(readable.metadata(), nc.Descriptor(memoryview(dst))) as op:
+            await waited(op.wait_for_completion(timeout=10))
+        await waited(readable.wait_for_completion(timeout=10))
+    assert bytes(dst) == src.tobytes()
+    ro = nc.Descriptor(memoryview(bytearray(8)).toreadonly())
+    assert ro.size == 8 and ro.ptr != 0
+
+
+def test_strided_memory_is_refused(nc):
+    grid = np.zeros((4, 4), dtype=np.float64)
+    with pytest.raises(ValueError):
+        nc.Descriptor((grid[:, :2], "cpu"))
+    with pytest.raises(ValueError):
+        nc.Descriptor(memoryview(bytearray(16))[::2])
+    f = np.asfortranarray(np.zeros((4, 3), dtype=np.float32))  # one dense block: accepted
+    d = nc.Descriptor((f, "cpu"))
+    assert d.size == f.nbytes and d.ptr == f.__array_interface__["data"][0]
+
+
+async def test_bytearray_is_pinned_while_in_use(nc):
+    a = nc.Connector()
+    buf = bytearray(64)
+    with await a.create_readable(nc.Descriptor(buf)):
+        with pytest.raises(BufferError):
+            buf.extend(b"more")  # the memory cannot move under a transfer
+    assert len(buf) == 64
+
+
+async def test_resized_buffer_is_refused(nc):
+    a = nc.Connector()
+    buf = bytearray(64)
+    d = nc.Descriptor(buf)
+    buf.extend(bytes(1 << 16))  # reallocates: d's pointer is stale
+    with pytest.raises(ValueError):
+        await a.create_readable(d)
+    assert not d.is_registered
+
+
+async def test_descriptor_shared_by_two_operations(nc):
+    """Stays registered until the last operation using it ends (Dynamo: until the first)."""
+    a = nc.Connector()
+    d = nc.Descriptor(bytearray(64))
+    first = await a.create_readable(d)
+    second = await a.create_readable(d)
+    first.__exit__(None, None, None)
+    assert d.is_registered
+    second.__exit__(None, None, None)
+    assert not d.is_registered
+
+
+def test_tensor_is_duck_typed(nc):
+    """Without torch, an object shaped like a tensor is described like one."""
+    backing = np.arange(16, dtype=np.float32)
+
+    class Dev:
+        type = "cpu"
+        index = None
+
+    class FakeTensor:
+        device = Dev()
+
+        def data_ptr(self):
+            return backing.__array_interface__["data"][0]
+
+        def numel(self):
+            return 16
+
+        def element_size(self):
+            return 4
+
+        def is_contiguous(self):
+            return True
+
+    t = FakeTensor()
+    d = nc.Descriptor(t)
+    assert (d.ptr, d.size, str(d.device)) == (backing.__array_interface__["data"][0], 64, "cpu")
+    Dev.type, Dev.index = "cuda", 1
+    assert str(nc.Descriptor(FakeTensor()).device) == "cuda:1"
