@@ -54,4 +54,16 @@ if [ "$want_interop" = 1 ] && [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install -q --no-deps "nixl==${NIXL_VERSION}" "${NIXL_WHEEL}==${NIXL_VERSION}" "ai-dynamo-runtime==${DYNAMO_VERSION}"
   .venv/bin/pip install -q numpy "pydantic>=2.10.6,<=2.13.5"
 fi
+if [ "$want_interop" = 1 ]; then
+  # The Python module nixl_connect (crates/nixl-connect-py), built from source with maturin and
+  # installed into .venv, plus what its tests run with.
+  if [ ! -x .venv/bin/maturin ] || [ ! -x .venv/bin/pytest ]; then
+    say "installing maturin, pytest and pytest-asyncio into .venv"
+    .venv/bin/pip install -q "maturin>=1.8,<2" "pytest>=8" "pytest-asyncio>=0.24"
+  fi
+  say "building the nixl_connect wheel (maturin, release) and installing it into .venv"
+  rm -rf target/wheels/nixl_connect-*.whl
+  .venv/bin/maturin build -q --release -m crates/nixl-connect-py/Cargo.toml -o target/wheels >&2
+  .venv/bin/pip install -q --force-reinstall --no-deps target/wheels/nixl_connect-*.whl
+fi
 say "ready (NIXL: $(cat .nixl/VERSION) in $(pwd)/.nixl/lib)"

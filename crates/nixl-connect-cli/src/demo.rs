@@ -12,12 +12,12 @@ use crate::pattern;
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct Args {
-    /// Bytes to move.
-    #[arg(long, default_value = "256M", value_parser = crate::parse_size)]
+    /// Bytes to move (at least 1).
+    #[arg(long, default_value = "256M", value_parser = crate::parse_nonzero_size)]
     size: usize,
-    /// Times to repeat the read (the first includes connection set-up).
-    #[arg(long, default_value_t = 3)]
-    repeat: usize,
+    /// Times to repeat the read (the first includes connection set-up); at least 1.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
 }
 
 #[derive(Serialize, Deserialize)]

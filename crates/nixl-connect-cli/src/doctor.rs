@@ -20,8 +20,10 @@ pub(crate) struct Args {
 #[derive(Serialize)]
 struct Check {
     check: &'static str,
-    /// "ok", "warn" (works, but slower or limited), "fail" (the main path is broken), "info".
+    /// "ok", "warn" (works, but slower or limited), "fail" (broken), "info".
     status: &'static str,
+    /// An optional check (NATS, the same-host path, CUDA) failing does not make NIXL unusable.
+    optional: bool,
     detail: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     fix: Option<String>,
@@ -31,9 +33,48 @@ fn check(check: &'static str, status: &'static str, detail: impl Into<String>, f
     Check {
         check,
         status,
+        optional: false,
         detail: detail.into(),
         fix: fix.map(str::to_string),
     }
+}
+
+fn optional(mut c: Check) -> Check {
+    c.optional = true;
+    c
+}
+
+/// Whether the kernel lets unrelated processes of one user read each other's memory
+/// (cross-memory attach, which the same-host path uses).
+fn same_host_path() -> Check {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok());
+    let c = match scope {
+        None | Some(0) => check(
+            "same-host path",
+            "ok",
+            format!(
+                "Rust peers on this host copy directly (process_vm_readv){}",
+                scope.map_or(String::new(), |_| "; Yama ptrace_scope 0".into())
+            ),
+            None,
+        ),
+        Some(1) => check(
+            "same-host path",
+            "warn",
+            "Yama ptrace_scope is 1: a process may read only its descendants, so unrelated Rust \
+             workers on this host fall back to NIXL",
+            Some("sysctl kernel.yama.ptrace_scope=0, or start the workers from one parent process"),
+        ),
+        Some(n) => check(
+            "same-host path",
+            "warn",
+            format!("Yama ptrace_scope is {n}: cross-memory attach is forbidden; Rust peers on this host use NIXL"),
+            Some("sysctl kernel.yama.ptrace_scope=0 (needs root; 3 needs a reboot)"),
+        ),
+    };
+    optional(c)
 }
 
 /// The NIXL version next to the library: `.nixl/VERSION` from scripts/setup.sh, or the wheel's
@@ -218,24 +259,32 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             )),
         }
     }
-    checks.push(cuda());
-    checks.push(huge_pages());
+    checks.push(same_host_path());
+    checks.push(optional(cuda()));
+    checks.push(optional(huge_pages()));
     if let Some(url) = &a.nats {
         match nixl_connect::channel::nats::NatsChannel::connect(url, Duration::from_secs(3)).await {
             Ok(_) => checks.push(check("NATS", "ok", format!("{url} answers"), None)),
-            Err(e) => checks.push(check(
+            Err(e) => checks.push(optional(check(
                 "NATS",
                 "fail",
                 e.to_string(),
                 Some("start nats-server, or check the URL"),
-            )),
+            ))),
         }
     }
-    let failed = checks.iter().any(|c| c.status == "fail");
+    let failed = checks.iter().any(|c| c.status == "fail" && !c.optional);
+    let optional_failed: Vec<&str> = checks
+        .iter()
+        .filter(|c| c.status == "fail" && c.optional)
+        .map(|c| c.check)
+        .collect();
     if a.json {
         println!(
             "{}",
-            serde_json::to_string_pretty(&serde_json::json!({"usable": !failed, "checks": checks}))?
+            serde_json::to_string_pretty(
+                &serde_json::json!({"usable": !failed, "optional_failed": optional_failed, "checks": checks})
+            )?
         );
     } else {
         let w = checks.iter().map(|c| c.check.len()).max().unwrap_or(0);
@@ -246,16 +295,24 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             }
         }
         println!(
-            "{}",
+            "{}{}",
             if failed {
                 "NIXL is NOT usable here: see the fixes above."
             } else {
                 "NIXL is usable: the main path works."
+            },
+            if optional_failed.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " Optional checks failed ({}): see their fixes.",
+                    optional_failed.join(", ")
+                )
             }
         );
     }
     if failed {
-        std::process::exit(2);
+        std::process::exit(1);
     }
     Ok(())
 }

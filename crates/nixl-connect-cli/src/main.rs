@@ -15,9 +15,16 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
-/// Move tensors and buffers between processes through NIXL (Dynamo NIXL Connect in Rust).
+/// Move tensors and buffers between processes through NIXL (Dynamo NIXL Connect in Rust): send
+/// and receive files, serve/read/write by hand, benchmark, check this host (doctor).
 #[derive(Parser, Debug)]
-#[command(name = "nixl-connect", version, about)]
+#[command(
+    name = "nixl-connect",
+    version,
+    after_help = "Exit codes: 0 done, 1 failed, 2 usage error, 3 timed out, 4 the peer is gone, \
+                  130 interrupted.\n\
+                  Logs: NIXL_CONNECT_LOG=debug (this tool), NIXL_LOG_LEVEL / UCX_LOG_LEVEL (NIXL, UCX)."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -28,7 +35,8 @@ enum Cmd {
     /// Two processes: one exposes a buffer as readable, the other reads it; both verify, and the
     /// throughput is printed.
     Demo(demo::Args),
-    /// Benchmark readable->read (or writable->write) between two processes; JSON lines.
+    /// Benchmark readable->read (or writable->write) between two processes: a table on a
+    /// terminal, JSON lines otherwise (or with --json).
     Bench(bench::Args),
     /// Expose a file or a pattern as readable (or a writable with --writable); prints the
     /// RdmaMetadata JSON as one line, waits for the peer.
@@ -37,9 +45,10 @@ enum Cmd {
     Read(transfer::ReadArgs),
     /// Write a file into what a writable's metadata describes.
     Write(transfer::WriteArgs),
-    /// Send a file: prints a URL, serves the file as a readable until a receiver has read it.
+    /// Send a file: prints a URL, waits until a receiver has read, verified and saved it.
     Send(sendrecv::SendArgs),
-    /// Receive a file from the URL `send` printed; verifies its checksum.
+    /// Receive a file from the URL `send` printed: checks the destination first, verifies the
+    /// SHA-256, saves atomically, confirms to the sender.
     Recv(sendrecv::RecvArgs),
     /// Show what this host offers (NIXL, UCX, CUDA, huge pages, NATS) and whether it works.
     Doctor(doctor::Args),
@@ -54,7 +63,13 @@ enum Cmd {
 fn main() {
     // NIXL and UCX log to stderr on their own; a command should print one clear line when it fails.
     // Still single-threaded here, so setting the environment is sound. Override to see their logs.
-    for (k, v) in [("NIXL_LOG_LEVEL", "FATAL"), ("UCX_LOG_LEVEL", "fatal")] {
+    // UCX_TCP_CONN_NB: connect to a peer without blocking the engine (a dead host would otherwise
+    // hold NIXL's loadRemoteMD in connect() for the kernel's SYN retries).
+    for (k, v) in [
+        ("NIXL_LOG_LEVEL", "FATAL"),
+        ("UCX_LOG_LEVEL", "fatal"),
+        ("UCX_TCP_CONN_NB", "y"),
+    ] {
         if std::env::var_os(k).is_none() {
             std::env::set_var(k, v);
         }
@@ -90,8 +105,50 @@ fn main() {
     rt.shutdown_timeout(Duration::from_millis(100));
     if let Err(e) = r {
         eprintln!("nixl-connect: {e:#}");
-        std::process::exit(1);
+        std::process::exit(exit_code(&e));
     }
+}
+
+/// An error that maps to an exit code other than 1 (see the top-level help).
+#[derive(Debug)]
+pub(crate) struct Exit {
+    code: i32,
+    msg: String,
+}
+
+impl Exit {
+    /// Exit code 3.
+    pub(crate) fn timed_out(msg: String) -> anyhow::Error {
+        anyhow::Error::new(Exit { code: 3, msg })
+    }
+
+    /// Exit code 130 (the shell's for SIGINT).
+    pub(crate) fn interrupted(msg: String) -> anyhow::Error {
+        anyhow::Error::new(Exit { code: 130, msg })
+    }
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.msg)
+    }
+}
+
+impl std::error::Error for Exit {}
+
+/// 3 for a timeout, 4 for a peer that is gone, 1 for everything else.
+fn exit_code(e: &anyhow::Error) -> i32 {
+    for cause in e.chain() {
+        if let Some(x) = cause.downcast_ref::<Exit>() {
+            return x.code;
+        }
+        match cause.downcast_ref::<nixl_connect::Error>() {
+            Some(nixl_connect::Error::TimedOut { .. }) => return 3,
+            Some(nixl_connect::Error::RemoteGone { .. }) => return 4,
+            _ => {}
+        }
+    }
+    1
 }
 
 /// Parses sizes like `4096`, `4K`, `64KiB`, `1M`, `1G`.
@@ -110,6 +167,14 @@ pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("{s:?} is not a size (examples: 4096, 4K, 64M, 1G)"))
 }
 
+/// Parses a size of at least one byte.
+pub(crate) fn parse_nonzero_size(s: &str) -> Result<usize, String> {
+    match parse_size(s)? {
+        0 => Err("the size must be at least 1 byte".into()),
+        n => Ok(n),
+    }
+}
+
 /// Formats a byte count for people.
 pub(crate) fn human(n: usize) -> String {
     match n {
@@ -117,5 +182,24 @@ pub(crate) fn human(n: usize) -> String {
         n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}M", n >> 20),
         n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{}K", n >> 10),
         n => n.to_string(),
+    }
+}
+
+/// A byte count for people, in binary units ("64 MiB (67108864 bytes)").
+pub(crate) fn human_bytes(n: usize) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = n as f64;
+    let mut unit = "";
+    for u in UNITS {
+        if v < 1024.0 {
+            break;
+        }
+        v /= 1024.0;
+        unit = u;
+    }
+    if unit.is_empty() {
+        format!("{n} bytes")
+    } else {
+        format!("{v:.1} {unit} ({n} bytes)")
     }
 }

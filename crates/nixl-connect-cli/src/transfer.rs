@@ -1,10 +1,10 @@
 //! `serve`, `read`, `write`: move data by hand (and drive the interop tests).
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use nixl_connect::{Connector, Device, HostBuffer, PathPolicy, RdmaMetadata};
+use nixl_connect::{Connector, Descriptor, Device, HostBuffer, PathPolicy, RdmaMetadata};
 
 use crate::pattern;
 
@@ -18,7 +18,7 @@ pub(crate) struct ServeArgs {
     #[arg(long)]
     file: Option<PathBuf>,
     /// Expose this many bytes of a deterministic pattern (or a writable of this size).
-    #[arg(long, value_parser = crate::parse_size)]
+    #[arg(long, value_parser = crate::parse_nonzero_size)]
     size: Option<usize>,
     /// Create a writable instead of a readable.
     #[arg(long)]
@@ -35,6 +35,9 @@ pub(crate) struct ServeArgs {
     /// Seconds to wait for the peer.
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
+    /// Print the result as a JSON line on stdout (instead of a line on stderr).
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -52,6 +55,9 @@ pub(crate) struct ReadArgs {
     /// Seconds for the whole command.
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
+    /// Print the result as a JSON line on stdout (instead of a line on stderr).
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -68,6 +74,9 @@ pub(crate) struct WriteArgs {
     /// Seconds for the whole command.
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
+    /// Print the result as a JSON line on stdout (instead of a line on stderr).
+    #[arg(long)]
+    json: bool,
 }
 
 /// Sizes of `n` unequal parts of `total` (weights 1, 2, ..., n), each at least one byte.
@@ -90,14 +99,6 @@ fn timeout_of(secs: f64) -> Result<Duration> {
         bail!("--timeout must be a positive number of seconds");
     }
     Ok(Duration::from_secs_f64(secs))
-}
-
-async fn within<T>(secs: f64, what: &str, f: impl std::future::Future<Output = Result<T>>) -> Result<T> {
-    let t = timeout_of(secs)?;
-    match tokio::time::timeout(t, f).await {
-        Ok(r) => r,
-        Err(_) => bail!("timed out after {secs} s {what}"),
-    }
 }
 
 /// Writes `parts` to `path` through a temporary file renamed into place, so a failure never
@@ -145,6 +146,62 @@ async fn read_metadata(src: &str) -> Result<RdmaMetadata> {
     Ok(line.parse::<RdmaMetadata>()?)
 }
 
+/// Bytes from a peer's metadata, checked: each size fits this machine, and so does the total.
+fn sizes_of(md: &RdmaMetadata) -> Result<(Vec<usize>, usize)> {
+    let sizes: Vec<usize> = md
+        .descriptors
+        .iter()
+        .map(|d| usize::try_from(d.size).ok())
+        .collect::<Option<_>>()
+        .context("a descriptor's size does not fit this machine's addresses")?;
+    let total = sizes
+        .iter()
+        .try_fold(0usize, |s, &n| s.checked_add(n))
+        .context("the metadata's descriptor sizes add up past 2^64 bytes")?;
+    Ok((sizes, total))
+}
+
+/// Owned buffers of `sizes` (kept by the engine if an operation on them is dropped).
+fn buffers(sizes: &[usize]) -> Result<Vec<Descriptor<'static>>> {
+    sizes
+        .iter()
+        .map(|&s| {
+            HostBuffer::new(s)
+                .map(Descriptor::from)
+                .with_context(|| format!("cannot allocate {} for a descriptor", crate::human_bytes(s)))
+        })
+        .collect()
+}
+
+/// Reports a finished transfer: one human line on stderr, or a JSON line on stdout.
+fn report(
+    json: bool,
+    what: &str,
+    bytes: usize,
+    took: Duration,
+    path: Option<nixl_connect::TransferPath>,
+    file: Option<&Path>,
+) {
+    let gbps = bytes as f64 / took.as_secs_f64().max(1e-9) / 1e9;
+    let path = path.map_or("-".to_string(), |p| p.to_string());
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "op": what, "bytes": bytes, "seconds": took.as_secs_f64(), "GBps": gbps, "path": path,
+                "file": file.map(|f| f.display().to_string()),
+            })
+        );
+    } else {
+        eprintln!(
+            "nixl-connect: {what} {} in {:.1} ms ({gbps:.2} GB/s, {path} path){}",
+            crate::human_bytes(bytes),
+            took.as_secs_f64() * 1e3,
+            file.map_or(String::new(), |f| format!(", {}", f.display())),
+        );
+    }
+}
+
 pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
     if a.device != Device::Host {
         bail!("--device {}: only cpu memory is served by this command", a.device);
@@ -155,16 +212,21 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
     }
     let mut buf = match (&a.file, a.size) {
         (Some(f), _) if !a.writable => {
-            let data = std::fs::read(f).with_context(|| format!("reading {}", f.display()))?;
+            let data = std::fs::read(f).with_context(|| format!("cannot read {}", f.display()))?;
+            if data.is_empty() {
+                bail!("{} is empty; there is nothing to serve", f.display());
+            }
             HostBuffer::from_slice(&data)?
         }
         (Some(f), _) => HostBuffer::new(
             std::fs::metadata(f)
-                .with_context(|| format!("reading {}", f.display()))?
+                .with_context(|| format!("cannot read {}", f.display()))?
                 .len() as usize,
         )?,
+        (None, Some(0)) => bail!("--size must be at least 1 byte"),
         (None, Some(n)) => {
-            let mut b = HostBuffer::new(n)?;
+            let mut b =
+                HostBuffer::new(n).with_context(|| format!("cannot allocate {}", crate::human_bytes(n)))?;
             if !a.writable {
                 pattern::fill(&mut b, SERVE_SEED, 0);
             }
@@ -174,63 +236,103 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
     };
     let sizes = split_sizes(buf.len(), a.descriptors)?;
     let conn = Connector::new()?;
+    let bytes = buf.len();
+    let t0;
+    let path;
     if a.writable {
         let op = conn.create_writable(buf.descriptors_mut(&sizes)?).await?;
         println!("{}", op.metadata().to_json());
+        t0 = Instant::now();
         op.wait_for_completion(Some(timeout))
             .await
-            .map_err(|e| anyhow::anyhow!("no peer wrote the writable: {e}"))?;
+            .map_err(|e| anyhow::Error::new(e).context("no peer wrote the writable"))?;
+        path = op.path();
         let back = op.into_descriptors();
         let parts: Vec<&[u8]> = back.iter().filter_map(|d| d.as_slice()).collect();
         write_atomic(a.out.as_deref().expect("checked above"), &parts)?;
     } else {
         let op = conn.create_readable(buf.descriptors(&sizes)?).await?;
         println!("{}", op.metadata().to_json());
+        t0 = Instant::now();
         op.wait_for_completion(Some(timeout))
             .await
-            .map_err(|e| anyhow::anyhow!("no peer read the readable: {e}"))?;
+            .map_err(|e| anyhow::Error::new(e).context("no peer read the readable"))?;
+        path = op.path();
     }
+    let what = if a.writable {
+        "served a writable of"
+    } else {
+        "served a readable of"
+    };
+    report(a.json, what, bytes, t0.elapsed(), path, a.out.as_deref());
     Ok(())
 }
 
 pub(crate) async fn read(a: ReadArgs) -> Result<()> {
-    let out = a.out.clone();
-    within(a.timeout, "reading", async move {
-        let md = read_metadata(&a.metadata).await?;
-        let sizes: Vec<usize> = md.descriptors.iter().map(|d| d.size as usize).collect();
-        let total: usize = sizes.iter().sum();
-        let mut buf = HostBuffer::new(total)?;
-        let conn = Connector::builder().path(a.path).build()?;
-        let op = conn.begin_read(&md, buf.descriptors_mut(&sizes)?).await?;
-        op.wait_for_completion(None).await?;
-        drop(op);
-        write_atomic(&out, &[&buf])?;
-        Ok(())
-    })
-    .await
+    let timeout = timeout_of(a.timeout)?;
+    let t0 = Instant::now();
+    let md = read_metadata(&a.metadata).await?;
+    let (sizes, total) = sizes_of(&md)?;
+    // Owned memory: if the deadline passes, dropping the operation never blocks on the peer.
+    let descs = buffers(&sizes)?;
+    let conn = Connector::builder().path(a.path).build()?;
+    let t1 = Instant::now();
+    let op = conn.begin_read(&md, descs).await?;
+    let left = timeout.saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
+    op.wait_for_completion(Some(left)).await.map_err(|e| match e {
+        nixl_connect::Error::TimedOut { peer, .. } => crate::Exit::timed_out(format!(
+            "timed out after {} s reading from {}",
+            a.timeout,
+            peer.as_deref().unwrap_or("the peer")
+        )),
+        e => anyhow::Error::new(e).context("reading"),
+    })?;
+    let took = t1.elapsed();
+    let path = op.path();
+    let back = op
+        .into_descriptors()
+        .map_err(|_| anyhow::anyhow!("the read was not released"))?;
+    let parts: Vec<&[u8]> = back.iter().filter_map(|d| d.as_slice()).collect();
+    write_atomic(&a.out, &parts)?;
+    report(a.json, "read", total, took, path, Some(&a.out));
+    Ok(())
 }
 
 pub(crate) async fn write(a: WriteArgs) -> Result<()> {
-    within(a.timeout, "writing", async move {
-        let data = std::fs::read(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
-        let md = read_metadata(&a.metadata).await?;
-        let sizes: Vec<usize> = md.descriptors.iter().map(|d| d.size as usize).collect();
-        let total: usize = sizes.iter().sum();
-        if total != data.len() {
-            bail!(
-                "{} is {} bytes but the writable takes {total} bytes in {} descriptors; sizes must add up",
-                a.file.display(),
-                data.len(),
-                sizes.len()
-            );
-        }
-        let buf = HostBuffer::from_slice(&data)?;
-        let conn = Connector::builder().path(a.path).build()?;
-        let op = conn.begin_write(buf.descriptors(&sizes)?, &md).await?;
-        op.wait_for_completion(None).await?;
-        Ok(())
-    })
-    .await
+    let timeout = timeout_of(a.timeout)?;
+    let t0 = Instant::now();
+    let data = std::fs::read(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
+    let md = read_metadata(&a.metadata).await?;
+    let (sizes, total) = sizes_of(&md)?;
+    if total != data.len() {
+        bail!(
+            "{} is {} bytes but the writable takes {total} bytes in {} descriptors; sizes must add up",
+            a.file.display(),
+            data.len(),
+            sizes.len()
+        );
+    }
+    // Owned memory, one buffer per descriptor: dropping the operation at the deadline never blocks.
+    let mut descs = Vec::with_capacity(sizes.len());
+    let mut off = 0;
+    for &s in &sizes {
+        descs.push(Descriptor::from(HostBuffer::from_slice(&data[off..off + s])?));
+        off += s;
+    }
+    let conn = Connector::builder().path(a.path).build()?;
+    let t1 = Instant::now();
+    let op = conn.begin_write(descs, &md).await?;
+    let left = timeout.saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
+    op.wait_for_completion(Some(left)).await.map_err(|e| match e {
+        nixl_connect::Error::TimedOut { .. } => crate::Exit::timed_out(format!(
+            "timed out after {} s writing {}",
+            a.timeout,
+            a.file.display()
+        )),
+        e => anyhow::Error::new(e).context(format!("writing {}", a.file.display())),
+    })?;
+    report(a.json, "wrote", total, t1.elapsed(), op.path(), Some(&a.file));
+    Ok(())
 }
 
 #[cfg(test)]

@@ -45,6 +45,39 @@ pub trait OwnedMemory: sealed::Sealed + Send + Sync + 'static {
     fn type_id_dyn(&self) -> std::any::TypeId {
         std::any::TypeId::of::<Self>()
     }
+    #[doc(hidden)]
+    fn writable(&self) -> bool {
+        true
+    }
+    #[doc(hidden)]
+    fn vouched(&self) -> bool {
+        false
+    }
+}
+
+/// Memory owned by something else that a descriptor keeps alive (a Python buffer object, another
+/// library's allocation), described by a pointer the caller vouches for.
+struct Kept {
+    _owner: Box<dyn Any + Send + Sync>,
+    ptr: usize,
+    len: usize,
+    writable: bool,
+}
+
+impl sealed::Sealed for Kept {}
+impl OwnedMemory for Kept {
+    fn raw(&self) -> (usize, usize) {
+        (self.ptr, self.len)
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+    fn writable(&self) -> bool {
+        self.writable
+    }
+    fn vouched(&self) -> bool {
+        true
+    }
 }
 
 impl sealed::Sealed for HostBuffer {}
@@ -179,6 +212,33 @@ impl<'a> Descriptor<'a> {
         )
     }
 
+    /// A descriptor over raw memory that `owner` keeps valid: the descriptor (and any operation
+    /// holding it, or the engine after the operation is dropped) keeps `owner` alive until no
+    /// transfer can touch the memory. For bindings handing over memory owned by another runtime.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be valid memory on `device` for as long as `owner` lives, readable,
+    /// and writable when `writable`, and not otherwise accessed while a transfer into it is in
+    /// flight.
+    #[allow(unsafe_code)] // an unsafe constructor: memory is raw here
+    pub unsafe fn from_raw_parts_with_owner(
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+        writable: bool,
+        owner: impl Any + Send + Sync,
+    ) -> Descriptor<'static> {
+        Descriptor::make(
+            Mem::Owned(Box::new(Kept {
+                _owner: Box::new(owner),
+                ptr: ptr as usize,
+                len,
+                writable,
+            })),
+            device,
+        )
+    }
+
     /// The start address.
     pub fn ptr(&self) -> usize {
         match &self.mem {
@@ -212,6 +272,9 @@ impl<'a> Descriptor<'a> {
 
     /// False for shared borrows (`&[u8]`, `&HostBuffer`), which may only be read from.
     pub fn is_writable(&self) -> bool {
+        if let Mem::Owned(m) = &self.mem {
+            return m.writable();
+        }
         !matches!(
             self.mem,
             Mem::Buffer(_)
@@ -298,7 +361,11 @@ impl<'a> Descriptor<'a> {
     /// True for raw-pointer descriptors (whose memory only the caller vouches for).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn is_raw(&self) -> bool {
-        matches!(self.mem, Mem::Raw { .. })
+        match &self.mem {
+            Mem::Raw { .. } => true,
+            Mem::Owned(m) => m.vouched(),
+            _ => false,
+        }
     }
 
     /// This descriptor as it appears in [`RdmaMetadata`](crate::RdmaMetadata).

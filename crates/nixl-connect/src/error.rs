@@ -213,6 +213,33 @@ impl From<std::io::Error> for Error {
 }
 
 impl Error {
+    /// The variant's name (`"TimedOut"`, `"RemoteGone"`, ...), for bindings and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::InvalidArgument(_) => "InvalidArgument",
+            Error::WrongPairing { .. } => "WrongPairing",
+            Error::DeviceMismatch { .. } => "DeviceMismatch",
+            Error::DescriptorMismatch(_) => "DescriptorMismatch",
+            Error::Metadata { .. } => "Metadata",
+            Error::Refused { .. } => "Refused",
+            Error::NixlNotFound { .. } => "NixlNotFound",
+            Error::NixlLoad { .. } => "NixlLoad",
+            Error::CudaUnavailable(_) => "CudaUnavailable",
+            Error::NixlBackend { .. } => "NixlBackend",
+            Error::Os(_) => "Os",
+            Error::Nixl { .. } => "Nixl",
+            Error::RemoteGone { .. } => "RemoteGone",
+            Error::Transfer { .. } => "Transfer",
+            Error::Interrupted { .. } => "Interrupted",
+            Error::PathUnavailable { .. } => "PathUnavailable",
+            Error::EngineStopped => "EngineStopped",
+            Error::Cancelled => "Cancelled",
+            Error::TimedOut { .. } => "TimedOut",
+            Error::Channel(_) => "Channel",
+            Error::NotPublished { .. } => "NotPublished",
+        }
+    }
+
     /// True for errors that retrying the same call cannot fix (caller, peer metadata, host setup).
     pub fn is_permanent(&self) -> bool {
         matches!(
@@ -225,6 +252,8 @@ impl Error {
                 | Error::NixlNotFound { .. }
                 | Error::NixlLoad { .. }
                 | Error::NixlBackend { .. }
+                | Error::Refused { .. }
+                | Error::PathUnavailable { .. }
         )
     }
 }

@@ -67,6 +67,13 @@ pub mod nixl_library {
         crate::engine::nixl::ffi::candidates()
     }
 
+    /// Names folders holding `libnixl_capi.so` to search before the default places (after
+    /// `$NIXL_CONNECT_LIB`); for host programs that know where NIXL is (the Python module names
+    /// its environment's `nixl_cu13` package). Has no effect once NIXL is loaded.
+    pub fn prefer(dirs: Vec<std::path::PathBuf>) {
+        crate::engine::nixl::ffi::prefer(dirs)
+    }
+
     /// Finds and loads NIXL (once per process); returns the library's path.
     ///
     /// # Errors

@@ -235,6 +235,114 @@ fn cli_dead_peer_fails_within_timeout() {
     no_partials(&dir);
 }
 
+/// A server stopped (SIGSTOP) after printing its metadata: `read --timeout` returns in time with
+/// exit code 3, over the same-host path and over NIXL (TCP), and leaves no file.
+#[test]
+fn cli_read_deadline_holds_when_the_server_is_stopped() {
+    let dir = scratch("stopped");
+    for (path, tls) in [("auto", ""), ("nixl", "tcp")] {
+        let mut c = cli();
+        c.args(["serve", "--size", "64M", "--timeout", "60"]);
+        if !tls.is_empty() {
+            c.env("UCX_TLS", tls);
+        }
+        let mut peer = Passive::start(c);
+        let md = peer.metadata_file(&dir);
+        // SAFETY: kill(2) on our own child's pid.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(peer.child.id() as i32, libc::SIGSTOP)
+        };
+        let out = dir.join("out");
+        let mut r = cli();
+        r.args(["read", "--timeout", "3", "--path", path, "--metadata"])
+            .arg(&md)
+            .arg("--out")
+            .arg(&out);
+        if !tls.is_empty() {
+            r.env("UCX_TLS", tls);
+        }
+        let (o, took) = run(r, Duration::from_secs(30));
+        // SAFETY: as above.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(peer.child.id() as i32, libc::SIGCONT);
+        };
+        let _ = peer.child.kill();
+        let l = one_line(&o);
+        assert_eq!(o.status.code(), Some(3), "{path}: {l}");
+        assert!(took < Duration::from_secs(6), "{path}: {l} after {took:?}");
+        assert!(!out.exists());
+        no_partials(&dir);
+    }
+}
+
+/// Inputs that used to panic are clean errors: zero iterations, descriptor sizes past 2^64, a
+/// descriptor too large to allocate, a zero size.
+#[test]
+fn cli_bad_numbers_are_errors_not_panics() {
+    let dir = scratch("numbers");
+    let (o, _) = run(
+        {
+            let mut c = cli();
+            c.args(["bench", "--sizes", "4K", "--iters", "0"]);
+            c
+        },
+        LIMIT,
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "a usage error: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for (c, what) in [("demo", "--size"), ("serve", "--size")] {
+        let (o, _) = run(
+            {
+                let mut x = cli();
+                x.args([c, what, "0"]);
+                x
+            },
+            LIMIT,
+        );
+        assert_eq!(o.status.code(), Some(2), "{c} {what} 0");
+    }
+    let (o, _) = run(
+        {
+            let mut x = cli();
+            x.args(["demo", "--repeat", "0"]);
+            x
+        },
+        LIMIT,
+    );
+    assert_eq!(o.status.code(), Some(2), "demo --repeat 0");
+    // Metadata from a live server, with descriptor sizes rewritten.
+    let mut c = cli();
+    c.args(["serve", "--size", "8192", "--descriptors", "2", "--timeout", "30"]);
+    let peer = Passive::start(c);
+    let mut v: serde_json::Value = serde_json::from_str(&peer.metadata).unwrap();
+    for (sizes, want) in [
+        ([1u64 << 63, 1u64 << 63], "2^64"),
+        ([1u64 << 50, 1], "cannot allocate"),
+    ] {
+        v["descriptors"][0]["size"] = sizes[0].into();
+        v["descriptors"][1]["size"] = sizes[1].into();
+        let md = dir.join("md.json");
+        std::fs::write(&md, v.to_string()).unwrap();
+        let mut r = cli();
+        r.args(["read", "--timeout", "10", "--metadata"])
+            .arg(&md)
+            .arg("--out")
+            .arg(dir.join("out"));
+        let (o, _) = run(r, LIMIT);
+        let l = one_line(&o);
+        assert_eq!(o.status.code(), Some(1), "{l}");
+        assert!(l.contains(want), "{want}: {l}");
+    }
+    let mut peer = peer;
+    let _ = peer.child.kill();
+}
+
 /// The benchmark runs every op and buffer kind and prints DESIGN.md's keys (no timing asserted).
 #[test]
 fn cli_bench_prints_design_keys_for_every_mode() {

@@ -38,6 +38,8 @@ Behaviour that differs from Dynamo, by design:
   a logged warning (data read into such a Descriptor lands in the copy).
 * A bytearray is pinned while an operation uses it (resizing it raises BufferError then); a
   Descriptor whose buffer was resized before the operation started is refused.
+* A Connector's NIXL agent is created on its first operation (as in Dynamo) but on a helper
+  thread, so the event loop is not blocked for the tens of milliseconds it takes.
 * Operations are meant to be created through the Connector. Constructing one directly
   (`ReadOperation(connection, ...)`) is allowed; it starts on its first `wait_for_completion()`.
 * `Connection.metadata` (the agent's whole NIXL metadata) is not available; each passive
@@ -56,10 +58,16 @@ Extras (never needed by code written for Dynamo):
 * `Descriptor(memoryview | array.array | numpy array | any C-contiguous buffer)` as host memory.
 * `nixl_connect.__version__`.
 """
-from . import _core
+try:
+    from . import _core
+except ImportError as _e:  # a source checkout without the built extension
+    raise ImportError(
+        "nixl_connect._core (the Rust extension) is not built: install the package with "
+        "`pip install ./crates/nixl-connect-py` or `maturin develop` in crates/nixl-connect-py "
+        f"({_e})") from _e
 from ._errors import (
     ERROR_CLASSES,
-    CancelledError,
+    CancelledError,  # noqa: F401 - public, kept out of __all__
     ChannelError,
     CudaUnavailableError,
     DescriptorInUseError,
@@ -78,7 +86,7 @@ from ._errors import (
     PathUnavailableError,
     RefusedError,
     RemoteGoneError,
-    TimeoutError,
+    TimeoutError,  # noqa: F401 - public, kept out of __all__
     TransferError,
     TransferInterruptedError,
     WrongPairingError,

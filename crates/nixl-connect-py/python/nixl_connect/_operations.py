@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import concurrent.futures
 import ctypes
 import math
 import numbers
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional, Union
 
 from . import _core
 from ._errors import (
+    CancelledError,
     DescriptorMismatchError,
     InvalidArgumentError,
     MetadataError,
@@ -320,6 +322,12 @@ class AbstractOperation(ABC):
         self._connection = connection
         self._operation_kind = OperationKind(operation_kind)
         self._local = local
+        if self._local_is_destination():
+            for d in local:
+                if d._readonly:
+                    raise InvalidArgumentError(
+                        f"Read-only memory ({type(d._ref).__name__}) cannot be the destination of "
+                        f"a {type(self).__name__}; use writable memory such as a bytearray.")
         try:
             for d in local:
                 d._acquire(connection)
@@ -380,6 +388,9 @@ class AbstractOperation(ABC):
 
     # -- internals
 
+    def _local_is_destination(self) -> bool:
+        raise NotImplementedError
+
     def _descs(self) -> List[tuple]:
         return [d._core_desc() for d in self._local]
 
@@ -415,6 +426,7 @@ class ActiveOperation(AbstractOperation):
         self._remote = Remote(connection, remote_metadata.nixl_metadata)
         self._observed = OperationStatus.UNINITIALIZED   # what results() trusts (Dynamo: cached)
         self._pre_status = OperationStatus.UNINITIALIZED  # status while no core operation exists
+        self._frozen: Optional[OperationStatus] = None    # the (terminal) status after release
         super().__init__(connection, operation_kind, local_descriptors, _checked=local)
 
     def __repr__(self) -> str:
@@ -428,6 +440,9 @@ class ActiveOperation(AbstractOperation):
                 f"remote_descriptors={_describe(self._remote_metadata.descriptors)}, "
                 f"notification_key='{self._remote_metadata.notification_key}', "
                 f"remote='{remote}', status='{status}')")
+
+    def _local_is_destination(self) -> bool:
+        return self._operation_kind == OperationKind.READ
 
     async def _start(self) -> None:
         if self._core is not None:
@@ -447,7 +462,7 @@ class ActiveOperation(AbstractOperation):
         self._core = core
         self._remote._source = core
         if self._released:  # released while starting (another task left the with-block)
-            core.release()
+            self._end(core)
 
     @property
     def remote(self) -> Remote:
@@ -458,7 +473,12 @@ class ActiveOperation(AbstractOperation):
     def status(self) -> OperationStatus:
         """The current status (the transfer started when the operation was created)."""
         core = self._core
-        st = self._pre_status if core is None else _core_status(core)
+        if self._frozen is not None:
+            st = self._frozen
+        elif core is None:
+            st = self._pre_status
+        else:
+            st = _core_status(core)
         self._observed = st
         return st
 
@@ -482,6 +502,11 @@ class ActiveOperation(AbstractOperation):
 
     async def _wait(self, timeout: Optional[float]) -> None:
         timeout = _check_timeout(timeout)
+        if self._frozen is not None:  # released: its outcome is known
+            self._observed = self._frozen
+            if self._frozen == OperationStatus.ERRORED:
+                raise TransferError(f"The transfer with {self._remote.name or 'the peer'} failed.")
+            return
         if self._core is None:
             if self._pre_status == OperationStatus.CANCELLED or self._released:
                 return
@@ -492,7 +517,7 @@ class ActiveOperation(AbstractOperation):
             err = from_core(e)
             if err.kind == "Cancelled":
                 # Dynamo: a CANCELLED operation's wait_for_completion() returns normally.
-                self._observed = OperationStatus.CANCELLED
+                self._observed = self._frozen or OperationStatus.CANCELLED
                 return
             try:
                 self.status
@@ -509,12 +534,24 @@ class ActiveOperation(AbstractOperation):
         try:
             if core is None:
                 self._pre_status = OperationStatus.CANCELLED
-            else:
-                core.release()
+                return
+            self._end(core)
+        finally:
+            self._drop_holds()
+
+    def _end(self, core: Any) -> None:
+        try:
+            core.release()
         except CoreError as e:
             raise from_core(e) from None
         finally:
-            self._drop_holds()
+            # Released means ended: a transfer that had not completed counts as CANCELLED (as
+            # Dynamo's __exit__), whatever the core last reported.
+            try:
+                after = OperationStatus(core.status())
+            except CoreError:
+                after = OperationStatus.CANCELLED
+            self._frozen = after if after in _TERMINAL else OperationStatus.CANCELLED
 
 
 class PassiveOperation(AbstractOperation):
@@ -541,6 +578,9 @@ class PassiveOperation(AbstractOperation):
         return (f"{type(self).__name__}(operation_kind={self._operation_kind}, "
                 f"local_descriptors={_describe(self._local)}, notification_key='{key}', "
                 f"status='{status}')")
+
+    def _local_is_destination(self) -> bool:
+        return self._operation_kind == OperationKind.WRITE
 
     async def _start(self) -> None:
         if self._core is not None:
@@ -609,8 +649,13 @@ class PassiveOperation(AbstractOperation):
         if self._core is None and not self._released:
             await self._start()
         if self._released:
-            if self.status == OperationStatus.COMPLETE:
+            st = self.status
+            if st == OperationStatus.COMPLETE:
                 return
+            if st == OperationStatus.ERRORED:  # ended by the core before it was released
+                raise TransferError(f"{self!r} failed before it was released.")
+            if st == OperationStatus.CANCELLED:
+                raise CancelledError(f"{self!r} was cancelled before it was released.")
             await _sleep_then_time_out(timeout, repr(self))
         try:
             await self._core.wait(timeout)
@@ -746,6 +791,7 @@ class Connector:
         self._worker_id = worker_id
         self._hostname = socket.gethostname()
         self._connection: Optional[Connection] = None
+        self._creating: Optional["concurrent.futures.Future[Connection]"] = None
         self._lock = threading.Lock()
 
     def __eq__(self, other: Any) -> bool:
@@ -791,21 +837,46 @@ class Connector:
         """The worker id."""
         return self._worker_id
 
-    def _get_connection(self) -> Connection:
+    async def _get_connection(self) -> Connection:
+        """The Connection, created on first use. Creating the NIXL agent takes tens of
+        milliseconds; it runs on a helper thread so the event loop is not blocked (Dynamo blocks
+        it). Concurrent first calls share one creation; a failed creation is retried next call."""
         conn = self._connection
-        if conn is None:
+        if conn is not None:
+            return conn
+        with self._lock:
+            pending = self._creating
+            start = pending is None
+            if start:
+                pending = self._creating = concurrent.futures.Future()
+        if start:
+            threading.Thread(target=self._create_connection, args=(pending,),
+                             name="nixl_connect-connector", daemon=True).start()
+        # shield: a cancelled caller must not cancel the creation other callers wait for
+        return await asyncio.shield(asyncio.wrap_future(pending))
+
+    def _create_connection(self, pending: "concurrent.futures.Future[Connection]") -> None:
+        if not pending.set_running_or_notify_cancel():
             with self._lock:
-                if self._connection is None:
-                    self._connection = Connection(self, 1)
-                conn = self._connection
-        return conn
+                self._creating = None
+            return
+        try:
+            conn = Connection(self, 1)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting callers
+            with self._lock:
+                self._creating = None
+            pending.set_exception(e)
+            return
+        with self._lock:
+            self._connection = conn
+        pending.set_result(conn)
 
     async def begin_read(self, remote_metadata: RdmaMetadata,
                          local_descriptors: Union[Descriptor, List[Descriptor]]) -> ReadOperation:
         """Start reading the peer's ReadableOperation (described by `remote_metadata`) into
         `local_descriptors`; the data starts moving now. Await `wait_for_completion()`."""
         _check_active_args(OperationKind.READ, remote_metadata, local_descriptors)
-        op = ReadOperation(self._get_connection(), remote_metadata, local_descriptors)
+        op = ReadOperation(await self._get_connection(), remote_metadata, local_descriptors)
         return await _started(op)
 
     async def begin_write(self, local_descriptors: Union[Descriptor, List[Descriptor]],
@@ -813,21 +884,21 @@ class Connector:
         """Start writing `local_descriptors` into the peer's WritableOperation; the data starts
         moving now. Await `wait_for_completion()`."""
         _check_active_args(OperationKind.WRITE, remote_metadata, local_descriptors)
-        op = WriteOperation(self._get_connection(), local_descriptors, remote_metadata)
+        op = WriteOperation(await self._get_connection(), local_descriptors, remote_metadata)
         return await _started(op)
 
     async def create_readable(self, local_descriptors: Union[Descriptor, List[Descriptor]]
                               ) -> ReadableOperation:
         """Expose `local_descriptors` for one peer to read; hand `op.metadata()` to the peer."""
         _local_list(local_descriptors)
-        op = ReadableOperation(self._get_connection(), local_descriptors)
+        op = ReadableOperation(await self._get_connection(), local_descriptors)
         return await _started(op)
 
     async def create_writable(self, local_descriptors: Union[Descriptor, List[Descriptor]]
                               ) -> WritableOperation:
         """Expose `local_descriptors` for one peer to write; hand `op.metadata()` to the peer."""
         _local_list(local_descriptors)
-        op = WritableOperation(self._get_connection(), local_descriptors)
+        op = WritableOperation(await self._get_connection(), local_descriptors)
         return await _started(op)
 
     async def initialize(self) -> None:

@@ -213,6 +213,7 @@ _KIND_ARRAY = 3    # (ndarray, device) via __array_interface__ / __cuda_array_in
 _KIND_TENSOR = 4   # torch.Tensor (duck-typed)
 
 _EMPTY = b""
+_U64 = 1 << 64
 
 
 def _readonly_address(mv: memoryview) -> int:
@@ -491,6 +492,11 @@ class Descriptor:
     def _acquire(self, connection: Any) -> None:
         if self._ptr == 0:
             raise InvalidArgumentError("Cannot register memory with a null pointer.")
+        if not 0 < self._ptr < _U64:
+            raise InvalidArgumentError(f"Cannot register memory at {self._ptr}: not an address.")
+        if not 0 <= self._size < _U64:
+            raise InvalidArgumentError(
+                f"Cannot register memory of size {self._size}: sizes are 0 or more bytes.")
         if self._connection is not None and self._connection is not connection:
             raise DescriptorInUseError(
                 "Descriptor cannot be registered with more than one connection. Existing "

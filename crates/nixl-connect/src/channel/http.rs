@@ -45,6 +45,8 @@ pub const LISTEN_ENV: &str = "NIXL_CONNECT_HTTP_LISTEN";
 struct Item {
     metadata: Bytes,
     extra: Option<Bytes>,
+    /// The peer's reply (`POST <url>/reply`), e.g. a receiver's confirmation.
+    reply: tokio::sync::watch::Sender<Option<Bytes>>,
 }
 
 struct Inner {
@@ -125,6 +127,7 @@ impl HttpChannel {
         let app = Router::new()
             .route("/nixl/{id}", get(get_metadata))
             .route("/nixl/{id}/extra", get(get_extra))
+            .route("/nixl/{id}/reply", axum::routing::post(post_reply))
             .with_state(weak);
         tokio::spawn(async move {
             let server = axum::serve(listener, app).with_graceful_shutdown(async {
@@ -154,9 +157,11 @@ impl HttpChannel {
 
     fn insert(&self, md: &RdmaMetadata, extra: Option<Bytes>) -> Publication {
         let id = uuid::Uuid::new_v4().simple().to_string();
+        let (reply, replies) = tokio::sync::watch::channel(None);
         let item = Item {
             metadata: Bytes::from(md.to_json()),
             extra,
+            reply,
         };
         self.inner
             .items
@@ -168,6 +173,7 @@ impl HttpChannel {
             url,
             id,
             channel: Arc::downgrade(&self.inner),
+            replies,
         }
     }
 
@@ -197,12 +203,35 @@ pub struct Publication {
     url: String,
     id: String,
     channel: Weak<Inner>,
+    replies: tokio::sync::watch::Receiver<Option<Bytes>>,
 }
 
 impl Publication {
     /// The URL the peer fetches.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// Waits for the peer's reply (a JSON document it posts with [`reply`]), up to `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::TimedOut`] when no reply came in time; [`Error::Channel`] when the reply is not
+    /// JSON or the listener stopped.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a reply that arrives later is kept for the next call.
+    pub async fn reply(&mut self, timeout: Duration) -> Result<serde_json::Value> {
+        let wait = self.replies.wait_for(Option::is_some);
+        let got = tokio::time::timeout(timeout, wait)
+            .await
+            .map_err(|_| Error::TimedOut {
+                after: timeout,
+                peer: None,
+            })?
+            .map_err(|_| Error::Channel("the metadata listener stopped".into()))?
+            .clone()
+            .expect("waited for Some");
+        serde_json::from_slice(&got).map_err(|e| Error::Channel(format!("the reply is not JSON: {e}")))
     }
 }
 
@@ -243,6 +272,26 @@ async fn get_extra(State(inner): State<Weak<Inner>>, Path(id): Path<String>) -> 
     match found {
         Some(Some(b)) => json(b),
         Some(None) => json(Bytes::from_static(b"null")),
+        None => (StatusCode::NOT_FOUND, "no such operation\n").into_response(),
+    }
+}
+
+async fn post_reply(
+    State(inner): State<Weak<Inner>>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    if body.len() > MAX_DOCUMENT || serde_json::from_slice::<serde_json::Value>(&body).is_err() {
+        return (StatusCode::BAD_REQUEST, "the reply must be a JSON document\n").into_response();
+    }
+    let sent = inner.upgrade().and_then(|i| {
+        let items = i.items.lock().ok()?;
+        let item = items.get(&id)?;
+        item.reply.send_replace(Some(body));
+        Some(())
+    });
+    match sent {
+        Some(()) => StatusCode::NO_CONTENT.into_response(),
         None => (StatusCode::NOT_FOUND, "no such operation\n").into_response(),
     }
 }
@@ -306,6 +355,46 @@ pub async fn fetch(url: &str, timeout: Duration) -> Result<RdmaMetadata> {
         reason: "the document is not UTF-8".into(),
     })?;
     RdmaMetadata::from_json(text)
+}
+
+/// Posts `reply` (a JSON document, e.g. a receiver's confirmation) to the publisher of `url`,
+/// who reads it with [`Publication::reply`].
+///
+/// # Errors
+/// [`Error::NotPublished`] (the publication is gone), [`Error::TimedOut`], [`Error::Channel`].
+///
+/// # Cancel safety
+/// Cancel safe (the reply may or may not have arrived).
+pub async fn reply(url: &str, reply: &serde_json::Value, timeout: Duration) -> Result<()> {
+    let target = format!("{}/reply", url.trim_end_matches('/'));
+    let uri: hyper::Uri = target
+        .parse()
+        .map_err(|e| Error::Channel(format!("{url:?} is not a URL: {e}")))?;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<Bytes>>();
+    let req = hyper::Request::post(uri)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(http_body_util::Full::new(Bytes::from(reply.to_string())))
+        .map_err(|e| Error::Channel(e.to_string()))?;
+    let work = async {
+        let resp = client
+            .request(req)
+            .await
+            .map_err(|e| Error::Channel(format!("cannot reach {url}: {e}")))?;
+        match resp.status() {
+            s if s.is_success() => Ok(()),
+            StatusCode::NOT_FOUND => Err(Error::NotPublished {
+                location: url.to_string(),
+            }),
+            s => Err(Error::Channel(format!("{target} answered {s}"))),
+        }
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| Error::TimedOut {
+            after: timeout,
+            peer: None,
+        })?
 }
 
 /// Fetches the extra JSON document published beside the metadata at `url` (`null` when none).

@@ -37,16 +37,25 @@ pub(crate) struct Loaded {
 }
 
 static LOADED: Mutex<Option<Loaded>> = Mutex::new(None);
+/// Folders a host program names as holding NIXL (searched after `$NIXL_CONNECT_LIB`).
+static PREFERRED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Adds folders (holding `libnixl_capi.so`) to search before the default places.
+pub(crate) fn prefer(dirs: Vec<PathBuf>) {
+    PREFERRED.lock().unwrap_or_else(|e| e.into_inner()).extend(dirs);
+}
 
 /// The places searched for `libnixl_capi.so`, in order, each group computed only when the ones
 /// before it found nothing (`python3` is asked last, bounded by a time limit).
 ///
 /// 1. `$NIXL_CONNECT_LIB` (a file or a folder); when set, nothing else is searched.
-/// 2. `.nixl/lib` and `nixl/lib` next to the running executable or any of its four parent folders
+/// 2. Folders the host program named ([`prefer`]; the Python module names its environment's
+///    `nixl_cu13` / `nixl_cu12` packages).
+/// 3. `.nixl/lib` and `nixl/lib` next to the running executable or any of its four parent folders
 ///    (what `scripts/setup.sh` and the GPU bundle create).
-/// 3. The `nixl_cu13` / `nixl_cu12` Python packages' library folders in the site-packages of
+/// 4. The `nixl_cu13` / `nixl_cu12` Python packages' library folders in the site-packages of
 ///    `$VIRTUAL_ENV`, then of `python3`.
-/// 4. `/opt/nvidia/nvda_nixl` (NIXL's own install prefix).
+/// 5. `/opt/nvidia/nvda_nixl` (NIXL's own install prefix).
 fn search(stop_at_first: bool) -> (Option<PathBuf>, Vec<PathBuf>) {
     let mut tried = Vec::new();
     let mut groups: Vec<Box<dyn FnOnce() -> Vec<PathBuf>>> = Vec::new();
@@ -56,6 +65,8 @@ fn search(stop_at_first: bool) -> (Option<PathBuf>, Vec<PathBuf>) {
         let found = p.is_file().then(|| p.clone());
         return (found, vec![p]);
     }
+    let preferred = PREFERRED.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    groups.push(Box::new(move || preferred.iter().map(|d| d.join(CAPI)).collect()));
     groups.push(Box::new(|| {
         let mut out = Vec::new();
         if let Ok(exe) = std::env::current_exe() {
