@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of nixl-connect on a fresh machine: installs what is missing (libclang, the NIXL
 # wheel, the Python Dynamo module for interop, nats-server), checks formatting and lints, then runs
-# the whole test suite against the real NIXL library. Usage: bash scripts/test.sh
+# the whole test suite against the real NIXL library (Rust, then the Python module against Dynamo's).
+# Usage: bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --interop --nats
@@ -14,3 +15,7 @@ echo "== cargo doc" >&2
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps -q
 echo "== cargo test" >&2
 cargo test --workspace --all-features 2>&1
+echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect, side by side)" >&2
+# torch_stub: a CPU-only stand-in for PyTorch, which Dynamo's module imports at load time.
+# The watchdog in tests/python/conftest.py ends a hung test with every thread's stack.
+PYTHONPATH=tests/interop/torch_stub .venv/bin/python -m pytest tests/python -q -p no:cacheprovider

@@ -8,11 +8,23 @@
 //! Memory comes from Python as `(ptr, size, device, keepalive)` tuples; the keepalive object (the
 //! tensor, array or bytes the pointer belongs to) is held by the Rust operation, and after it by
 //! the engine, for as long as any transfer may touch the memory, even if Python code drops every
-//! reference to it. Coroutines are driven by pyo3-async-runtimes on a tokio runtime, so awaiting
-//! them never blocks the asyncio loop; blocking work (creating a NIXL agent) runs with the GIL
-//! released.
-
-use std::sync::{Arc, Mutex};
+//! reference to it.
+//!
+//! # How coroutines complete
+//!
+//! The Rust futures run on a small tokio runtime of this module's own. No thread of it ever takes
+//! the GIL: a finished future queues its outcome on its event loop's `Completions` and writes one
+//! byte to a socket the loop watches (`loop.add_reader`); the loop's own thread then turns the
+//! outcomes into Python objects and resolves the asyncio futures. So nothing Rust does in the
+//! background can race the interpreter's shutdown (a thread that takes the GIL while Python
+//! finalizes crashes the process), and completions cost the asyncio loop one wake-up, as
+//! `call_soon_threadsafe` would. Cancelling the awaiting Python task drops the Rust future.
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use nixl_connect::{
@@ -22,6 +34,7 @@ use nixl_connect::{
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
 create_exception!(
     _core,
@@ -101,18 +114,18 @@ impl Connector {
     fn create_readable<'py>(&self, py: Python<'py>, descs: Vec<PyDesc>) -> PyResult<Bound<'py, PyAny>> {
         let descs = descriptors(descs)?;
         let conn = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let op = conn.create_readable(descs).await.map_err(err)?;
-            Ok(Passive::new(PassiveOp::Readable(op)))
+        spawn(py, async move {
+            let op = conn.create_readable(descs).await?;
+            Ok(Outcome::Passive(Passive::new(PassiveOp::Readable(op))))
         })
     }
 
     fn create_writable<'py>(&self, py: Python<'py>, descs: Vec<PyDesc>) -> PyResult<Bound<'py, PyAny>> {
         let descs = descriptors(descs)?;
         let conn = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let op = conn.create_writable(descs).await.map_err(err)?;
-            Ok(Passive::new(PassiveOp::Writable(op)))
+        spawn(py, async move {
+            let op = conn.create_writable(descs).await?;
+            Ok(Outcome::Passive(Passive::new(PassiveOp::Writable(op))))
         })
     }
 
@@ -125,9 +138,9 @@ impl Connector {
         let md: RdmaMetadata = metadata_json.parse().map_err(err)?;
         let descs = descriptors(descs)?;
         let conn = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let op = conn.begin_read(&md, descs).await.map_err(err)?;
-            Ok(Active::new(ActiveOp::Read(op)))
+        spawn(py, async move {
+            let op = conn.begin_read(&md, descs).await?;
+            Ok(Outcome::Active(Active::new(ActiveOp::Read(op))))
         })
     }
 
@@ -140,9 +153,9 @@ impl Connector {
         let md: RdmaMetadata = metadata_json.parse().map_err(err)?;
         let descs = descriptors(descs)?;
         let conn = self.inner.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let op = conn.begin_write(descs, &md).await.map_err(err)?;
-            Ok(Active::new(ActiveOp::Write(op)))
+        spawn(py, async move {
+            let op = conn.begin_write(descs, &md).await?;
+            Ok(Outcome::Active(Active::new(ActiveOp::Write(op))))
         })
     }
 }
@@ -232,10 +245,10 @@ impl Passive {
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
         let t = self::timeout(timeout)?;
         let op = self.get();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+        spawn(py, async move {
             match op {
-                Some(op) => op.wait(t).await.map_err(err),
-                None => Err(err(Error::Cancelled)),
+                Some(op) => op.wait(t).await.map(|()| Outcome::Done),
+                None => Err(Error::Cancelled),
             }
         })
     }
@@ -336,10 +349,10 @@ impl Active {
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
         let t = self::timeout(timeout)?;
         let op = self.get();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+        spawn(py, async move {
             match op {
-                Some(op) => op.wait(t).await.map_err(err),
-                None => Err(err(Error::Cancelled)),
+                Some(op) => op.wait(t).await.map(|()| Outcome::Done),
+                None => Err(Error::Cancelled),
             }
         })
     }
@@ -359,6 +372,177 @@ impl Active {
             py.detach(move || drop(op));
         }
     }
+}
+
+// --------------------------------------------------------------------------- completions
+
+/// What a finished Rust future hands its asyncio future.
+enum Outcome {
+    Done,
+    Passive(Passive),
+    Active(Active),
+    Failed(Error),
+}
+
+/// The runtime the Rust futures run on: one worker (they mostly wait for the engine thread).
+fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    static RT: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("nixl-connect-py")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| CoreError::new_err(("Io", format!("cannot start the tokio runtime: {e}"))))
+}
+
+/// Outcomes waiting for their loop's thread, and the socket that wakes it.
+struct Queue {
+    done: Mutex<VecDeque<(Py<PyAny>, Outcome)>>,
+    signal: UnixStream,
+}
+
+impl Queue {
+    /// Queues an outcome (on a runtime thread, without the GIL: moving a `Py` needs none).
+    fn push(&self, future: Py<PyAny>, outcome: Outcome) {
+        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        let was_empty = done.is_empty();
+        done.push_back((future, outcome));
+        drop(done);
+        if was_empty {
+            // One byte per batch: the reader empties the socket before it takes the queue, so an
+            // outcome queued after that finds the queue empty and writes again. WouldBlock means
+            // unread bytes are there already; any other error leaves the outcome queued for the
+            // next wake-up.
+            let _ = (&self.signal).write(&[1]);
+        }
+    }
+}
+
+/// One asyncio loop's completions (internal; created on the loop's first coroutine).
+#[pyclass(frozen, module = "nixl_connect._core")]
+struct Completions {
+    queue: Arc<Queue>,
+    wake: UnixStream,
+}
+
+#[pymethods]
+impl Completions {
+    /// The socket the loop watches.
+    fn fileno(&self) -> i32 {
+        self.wake.as_raw_fd()
+    }
+
+    /// Resolves every queued future (the loop's reader callback).
+    fn drain(&self, py: Python<'_>) {
+        let mut buf = [0u8; 256];
+        loop {
+            match (&self.wake).read(&mut buf) {
+                Ok(n) if n == buf.len() => continue,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                _ => break,
+            }
+        }
+        let done = std::mem::take(&mut *self.queue.done.lock().unwrap_or_else(|p| p.into_inner()));
+        for (future, outcome) in done {
+            resolve(future.bind(py), outcome);
+        }
+    }
+}
+
+/// Sets an asyncio future's result or exception (skipped if it was cancelled meanwhile: the
+/// outcome, an operation for instance, is then dropped, which releases it).
+fn resolve(future: &Bound<'_, PyAny>, outcome: Outcome) {
+    let py = future.py();
+    if future
+        .call_method0("done")
+        .and_then(|d| d.is_truthy())
+        .unwrap_or(true)
+    {
+        return;
+    }
+    let set = match outcome {
+        Outcome::Done => future.call_method1("set_result", (py.None(),)),
+        Outcome::Passive(p) => Bound::new(py, p).and_then(|p| future.call_method1("set_result", (p,))),
+        Outcome::Active(a) => Bound::new(py, a).and_then(|a| future.call_method1("set_result", (a,))),
+        Outcome::Failed(e) => future.call_method1("set_exception", (err(e).into_value(py),)),
+    };
+    if let Err(e) = set {
+        e.write_unraisable(py, Some(future));
+    }
+}
+
+/// Aborts the Rust future when its asyncio future is done (a no-op unless it was cancelled).
+#[pyclass(frozen, module = "nixl_connect._core")]
+struct Abort(tokio::task::AbortHandle);
+
+#[pymethods]
+impl Abort {
+    fn __call__(&self, _future: &Bound<'_, PyAny>) {
+        self.0.abort();
+    }
+}
+
+/// The running loop's `Completions`, created and registered with the loop the first time.
+fn completions<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Completions>> {
+    static LOOPS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let loops = LOOPS
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(
+                py.import("weakref")?
+                    .getattr("WeakKeyDictionary")?
+                    .call0()?
+                    .unbind(),
+            )
+        })?
+        .bind(py);
+    if let Ok(c) = loops
+        .call_method1("get", (event_loop,))?
+        .cast_into::<Completions>()
+    {
+        return Ok(c);
+    }
+    let (wake, signal) = UnixStream::pair()
+        .and_then(|(a, b)| {
+            a.set_nonblocking(true)?;
+            b.set_nonblocking(true)?;
+            Ok((a, b))
+        })
+        .map_err(|e| CoreError::new_err(("Io", format!("cannot create the completion socket: {e}"))))?;
+    let queue = Arc::new(Queue {
+        done: Mutex::new(VecDeque::new()),
+        signal,
+    });
+    let c = Bound::new(py, Completions { queue, wake })?;
+    event_loop.call_method1("add_reader", (c.get().fileno(), c.getattr("drain")?))?;
+    loops.set_item(event_loop, &c)?;
+    Ok(c)
+}
+
+/// Runs `work` on the runtime; returns the asyncio future of the running loop it resolves.
+fn spawn<'py, F>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
+where
+    F: Future<Output = Result<Outcome, Error>> + Send + 'static,
+{
+    static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let event_loop = GET_RUNNING_LOOP
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("asyncio")?.getattr("get_running_loop")?.unbind())
+        })?
+        .bind(py)
+        .call0()?;
+    let queue = completions(py, &event_loop)?.get().queue.clone();
+    let future = event_loop.call_method0("create_future")?;
+    let target = future.clone().unbind();
+    let task = runtime()?.spawn(async move {
+        let outcome = work.await.unwrap_or_else(Outcome::Failed);
+        queue.push(target, outcome);
+    });
+    future.call_method1("add_done_callback", (Abort(task.abort_handle()),))?;
+    Ok(future)
 }
 
 /// The library folders of the NIXL wheels (`nixl_cu13`, `nixl_cu12`) this interpreter can import.
@@ -393,5 +577,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Connector>()?;
     m.add_class::<Passive>()?;
     m.add_class::<Active>()?;
+    m.add_class::<Completions>()?;
     Ok(())
 }

@@ -484,10 +484,7 @@ impl LocalTransport {
         };
         if n != buf.len() as isize {
             // A fresh connection's buffer always takes a few dozen bytes; anything else is broken.
-            return Err(io::Error::new(
-                io::ErrorKind::Other,
-                "the hello did not fit the socket",
-            ));
+            return Err(io::Error::other("the hello did not fit the socket"));
         }
         c.slots = Some(table);
         Ok(())
@@ -549,9 +546,7 @@ impl LocalTransport {
                 }
                 continue;
             }
-            if n == 0 {
-                c.dead = true;
-            } else if io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock {
+            if n == 0 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock {
                 c.dead = true;
             }
             return;
@@ -1455,8 +1450,7 @@ impl Transport for LocalTransport {
             if ev & libc::EPOLLIN as u32 != 0 || hung_up(ev) {
                 self.read(i);
             }
-            loop {
-                let Some(c) = self.conns.get_mut(&i) else { break };
+            while let Some(c) = self.conns.get_mut(&i) {
                 match Msg::decode(&c.rbuf) {
                     Ok(Some((m, used))) => {
                         c.rbuf.drain(..used);
