@@ -12,19 +12,23 @@
 //!
 //! # How coroutines complete
 //!
-//! The Rust futures run on a small tokio runtime of this module's own. No thread of it ever takes
-//! the GIL: a finished future queues its outcome on its event loop's `Completions` and writes one
-//! byte to a socket the loop watches (`loop.add_reader`); the loop's own thread then turns the
-//! outcomes into Python objects and resolves the asyncio futures. So nothing Rust does in the
-//! background can race the interpreter's shutdown (a thread that takes the GIL while Python
-//! finalizes crashes the process), and completions cost the asyncio loop one wake-up, as
-//! `call_soon_threadsafe` would. Cancelling the awaiting Python task drops the Rust future.
+//! The Rust futures are polled on their asyncio loop's own thread, with the GIL held (a poll never
+//! blocks): once when the coroutine is called (a future that is ready at once, like waiting for a
+//! finished transfer, costs no trip through the loop), then whenever it is woken. A waker, called
+//! by the engine thread or a timer without the GIL, queues the task on its loop's `Completions`
+//! and writes one byte to a socket the loop watches (`loop.add_reader`). So no thread of ours ever
+//! takes the GIL (a thread that does while Python finalizes crashes the process), and a completion
+//! costs one wake-up of the loop. Timers run on a one-thread tokio runtime of this module's own.
+//! Cancelling the awaiting Python task drops the Rust future (each operation is cancel safe).
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use nixl_connect::{
@@ -384,7 +388,10 @@ enum Outcome {
     Failed(Error),
 }
 
-/// The runtime the Rust futures run on: one worker (they mostly wait for the engine thread).
+type Work = Pin<Box<dyn Future<Output = Result<Outcome, Error>> + Send>>;
+
+/// The runtime whose driver serves the futures' timers (and any task they spawn); the futures
+/// themselves are polled on their event loop's thread.
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     static RT: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
     RT.get_or_init(|| {
@@ -399,30 +406,77 @@ fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
     .map_err(|e| CoreError::new_err(("Io", format!("cannot start the tokio runtime: {e}"))))
 }
 
-/// Outcomes waiting for their loop's thread, and the socket that wakes it.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One Rust future and the asyncio future it resolves.
+struct Task {
+    work: Mutex<Option<Work>>,
+    /// Touched only on the loop's thread with the GIL held (moved, never cloned, elsewhere).
+    target: Mutex<Option<Py<PyAny>>>,
+    queued: AtomicBool,
+    queue: Arc<Queue>,
+}
+
+impl Wake for Task {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    /// Called from any thread (the engine's, a timer's), never with the GIL: queues the task for
+    /// its loop's thread.
+    fn wake_by_ref(self: &Arc<Self>) {
+        if !self.queued.swap(true, Ordering::AcqRel) {
+            self.queue.push(self.clone());
+        }
+    }
+}
+
+impl Task {
+    /// Polls the future (on the loop's thread, GIL held; polls never block); resolves the asyncio
+    /// future once it is ready.
+    fn run(self: &Arc<Self>, py: Python<'_>, rt: &tokio::runtime::Runtime) {
+        self.queued.store(false, Ordering::Release);
+        let mut slot = lock(&self.work);
+        let Some(work) = slot.as_mut() else { return };
+        let waker = Waker::from(self.clone());
+        let poll = {
+            let _timers = rt.enter();
+            work.as_mut().poll(&mut Context::from_waker(&waker))
+        };
+        if let Poll::Ready(result) = poll {
+            *slot = None;
+            drop(slot);
+            if let Some(target) = lock(&self.target).take() {
+                resolve(target.bind(py), result.unwrap_or_else(Outcome::Failed));
+            }
+        }
+    }
+}
+
+/// Tasks woken since the loop last drained them, and the socket that wakes the loop.
 struct Queue {
-    done: Mutex<VecDeque<(Py<PyAny>, Outcome)>>,
+    ready: Mutex<VecDeque<Arc<Task>>>,
     signal: UnixStream,
 }
 
 impl Queue {
-    /// Queues an outcome (on a runtime thread, without the GIL: moving a `Py` needs none).
-    fn push(&self, future: Py<PyAny>, outcome: Outcome) {
-        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        let was_empty = done.is_empty();
-        done.push_back((future, outcome));
-        drop(done);
+    fn push(&self, task: Arc<Task>) {
+        let mut ready = lock(&self.ready);
+        let was_empty = ready.is_empty();
+        ready.push_back(task);
+        drop(ready);
         if was_empty {
-            // One byte per batch: the reader empties the socket before it takes the queue, so an
-            // outcome queued after that finds the queue empty and writes again. WouldBlock means
-            // unread bytes are there already; any other error leaves the outcome queued for the
-            // next wake-up.
+            // One byte per batch: the loop empties the socket before it takes the queue, so a task
+            // queued after that finds the queue empty and writes again. WouldBlock means unread
+            // bytes are there already; any other error leaves the task queued for the next wake.
             let _ = (&self.signal).write(&[1]);
         }
     }
 }
 
-/// One asyncio loop's completions (internal; created on the loop's first coroutine).
+/// One asyncio loop's executor (internal; created on the loop's first coroutine).
 #[pyclass(frozen, module = "nixl_connect._core")]
 struct Completions {
     queue: Arc<Queue>,
@@ -436,8 +490,8 @@ impl Completions {
         self.wake.as_raw_fd()
     }
 
-    /// Resolves every queued future (the loop's reader callback).
-    fn drain(&self, py: Python<'_>) {
+    /// Polls every woken task (the loop's reader callback).
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
         let mut buf = [0u8; 256];
         loop {
             match (&self.wake).read(&mut buf) {
@@ -446,10 +500,12 @@ impl Completions {
                 _ => break,
             }
         }
-        let done = std::mem::take(&mut *self.queue.done.lock().unwrap_or_else(|p| p.into_inner()));
-        for (future, outcome) in done {
-            resolve(future.bind(py), outcome);
+        let rt = runtime()?;
+        let ready = std::mem::take(&mut *lock(&self.queue.ready));
+        for task in ready {
+            task.run(py, rt);
         }
+        Ok(())
     }
 }
 
@@ -475,14 +531,17 @@ fn resolve(future: &Bound<'_, PyAny>, outcome: Outcome) {
     }
 }
 
-/// Aborts the Rust future when its asyncio future is done (a no-op unless it was cancelled).
+/// Drops the Rust future when its asyncio future is done (a no-op unless it was cancelled:
+/// a resolved task has dropped its future already).
 #[pyclass(frozen, module = "nixl_connect._core")]
-struct Abort(tokio::task::AbortHandle);
+struct Abort(Arc<Task>);
 
 #[pymethods]
 impl Abort {
     fn __call__(&self, _future: &Bound<'_, PyAny>) {
-        self.0.abort();
+        let work = lock(&self.0.work).take();
+        drop(work);
+        drop(lock(&self.0.target).take());
     }
 }
 
@@ -513,7 +572,7 @@ fn completions<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult
         })
         .map_err(|e| CoreError::new_err(("Io", format!("cannot create the completion socket: {e}"))))?;
     let queue = Arc::new(Queue {
-        done: Mutex::new(VecDeque::new()),
+        ready: Mutex::new(VecDeque::new()),
         signal,
     });
     let c = Bound::new(py, Completions { queue, wake })?;
@@ -522,7 +581,9 @@ fn completions<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult
     Ok(c)
 }
 
-/// Runs `work` on the runtime; returns the asyncio future of the running loop it resolves.
+/// Returns an asyncio future of the running loop that `work` resolves. `work` is polled once
+/// here (a future that is ready at once, like waiting for a finished transfer, resolves without
+/// a trip through the loop), then on the loop's thread whenever it is woken.
 fn spawn<'py, F>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,
@@ -534,14 +595,19 @@ where
         })?
         .bind(py)
         .call0()?;
+    let rt = runtime()?;
     let queue = completions(py, &event_loop)?.get().queue.clone();
     let future = event_loop.call_method0("create_future")?;
-    let target = future.clone().unbind();
-    let task = runtime()?.spawn(async move {
-        let outcome = work.await.unwrap_or_else(Outcome::Failed);
-        queue.push(target, outcome);
+    let task = Arc::new(Task {
+        work: Mutex::new(Some(Box::pin(work))),
+        target: Mutex::new(Some(future.clone().unbind())),
+        queued: AtomicBool::new(false),
+        queue,
     });
-    future.call_method1("add_done_callback", (Abort(task.abort_handle()),))?;
+    task.run(py, rt);
+    if !future.call_method0("done")?.is_truthy()? {
+        future.call_method1("add_done_callback", (Abort(task),))?;
+    }
     Ok(future)
 }
 

@@ -20,10 +20,18 @@ use crate::error::{Error, Result};
 
 pub use cudarc::driver::{CudaContext, CudaStream};
 
-/// True when the CUDA driver library (`libcuda.so.1`) can be loaded.
+/// True when the CUDA driver library (`libcuda.so.1`) can be loaded (looked for once: a failed
+/// `dlopen` walks the library path, milliseconds that every raw descriptor would otherwise pay).
 pub fn driver_available() -> bool {
+    static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     // SAFETY: only tries to dlopen the driver library by its usual names; nothing is called.
-    unsafe { sys::is_culib_present() }
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+}
+
+/// True when the driver is present and `cuInit` succeeded (tried once).
+fn driver_initialised() -> bool {
+    static INIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *INIT.get_or_init(|| driver_available() && cudarc::driver::result::init().is_ok())
 }
 
 /// The number of CUDA devices.
@@ -44,7 +52,7 @@ pub fn device_count() -> Result<usize> {
 
 /// Where the driver says `ptr` lives: `Some(ordinal)` for device memory, `None` for host memory.
 pub(crate) fn locate(ptr: usize) -> Result<Option<u32>> {
-    if !driver_available() || cudarc::driver::result::init().is_err() {
+    if !driver_initialised() {
         return Ok(None);
     }
     let mut mem_type: u32 = 0;
