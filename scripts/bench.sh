@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Benchmarks nixl-connect side by side with the anchors of ../shared/anchors in one run, as medians
-# over RUNS runs (default 3): raw NIXL (nixl_raw_pair.py, UCX defaults) and Python Dynamo
-# (run_dynamo.py). Prints a markdown table and writes JSON lines to bench-results/.
+# over RUNS runs (default 3): the Rust `bench` over both paths (same-host "local" and "nixl"), raw
+# NIXL (nixl_raw_pair.py, UCX defaults), Python Dynamo (run_dynamo.py), and the Python pair
+# (py_pair.py, and scripts/py_pair_bench.py timing both sides) with Dynamo's module and with this
+# project's nixl_connect. Prints markdown tables and writes JSON to bench-results/.
 # Usage: bash scripts/bench.sh [--sizes 4K,64K,1M,16M,64M,256M] [--runs 3] [--no-anchors]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,37 +18,54 @@ while [ $# -gt 0 ]; do
 done
 bash scripts/setup.sh --interop
 cargo build --release -q -p nixl-connect-cli
+ANCHOR_DIR=${ANCHOR_DIR:-../shared/anchors}
 OUT=bench-results; mkdir -p "$OUT"; stamp=$(date -u +%Y%m%dT%H%M%SZ)
 res="$OUT/$stamp.jsonl"; : > "$res"
 for r in $(seq "$RUNS"); do
-  for buffers in huge vec; do
-    for op in read write; do
-      target/release/nixl-connect bench --sizes "$SIZES" --op "$op" --buffers "$buffers" | sed "s/^{/{\"run\":$r,/" >> "$res"
+  for path in local nixl; do
+    for buffers in huge vec; do
+      for op in read write; do
+        target/release/nixl-connect bench --json --path "$path" --sizes "$SIZES" --op "$op" --buffers "$buffers" | sed "s/^{/{\"run\":$r,/" >> "$res"
+      done
     done
   done
 done
-ANCHOR_DIR=${ANCHOR_DIR:-../shared/anchors}
+# The Python pair, both modules, 4 KiB and 64 MiB (the Rust figure for 64 MiB comes from the rows above).
+pyres="$OUT/$stamp-python.jsonl"; : > "$pyres"
+export PYTHONPATH="$PWD/tests/interop/torch_stub${PYTHONPATH:+:$PYTHONPATH}"
+for r in $(seq "$RUNS"); do
+  for module in nixl_connect dynamo.nixl_connect; do
+    for size in 4096:500 67108864:30; do
+      .venv/bin/python scripts/py_pair_bench.py "$module" "${size%%:*}" "${size##*:}" 2>/dev/null | grep "^{" | sed "s/^{/{\"run\":$r,/" >> "$pyres" || echo "python pair ($module) failed" >&2
+      if [ "$ANCHORS" = 1 ] && [ -f "$ANCHOR_DIR/run_pair.py" ]; then
+        NC_MODULE=$module .venv/bin/python "$ANCHOR_DIR/run_pair.py" "${size%%:*}" "${size##*:}" 2>/dev/null | grep "^{" \
+          | sed "s/^{/{\"run\":$r,\"anchor\":\"py_pair.py\",\"module\":\"$module\",/" >> "$pyres" || echo "py_pair anchor ($module) failed" >&2
+      fi
+    done
+  done
+done
 if [ "$ANCHORS" = 1 ] && [ -d "$ANCHOR_DIR" ]; then
-  export PYTHONPATH="$PWD/tests/interop/torch_stub${PYTHONPATH:+:$PYTHONPATH}"
   .venv/bin/python "$ANCHOR_DIR/nixl_raw_pair.py" --ops READ,WRITE --runs "$RUNS" --sizes "$SIZES" --json "$OUT/$stamp-raw.json" >&2 || echo "raw NIXL anchor failed" >&2
   .venv/bin/python "$ANCHOR_DIR/nixl_raw_pair.py" --ops READ,WRITE --runs "$RUNS" --sizes "$SIZES" --thp 0 --json "$OUT/$stamp-raw4k.json" >&2 || echo "raw NIXL anchor (4 KiB pages) failed" >&2
   .venv/bin/python "$ANCHOR_DIR/run_dynamo.py" --runs "$RUNS" --sizes "$SIZES" --json "$OUT/$stamp-dynamo.json" >&2 || echo "Python Dynamo anchor failed" >&2
 fi
-.venv/bin/python - "$res" "$OUT/$stamp-raw.json" "$OUT/$stamp-dynamo.json" "$OUT/$stamp-raw4k.json" <<'PY'
+.venv/bin/python - "$res" "$OUT/$stamp-raw.json" "$OUT/$stamp-dynamo.json" "$OUT/$stamp-raw4k.json" "$pyres" <<'PY'
 import json, statistics, sys, os
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+py = [json.loads(l) for l in open(sys.argv[5]) if l.strip()] if os.path.exists(sys.argv[5]) else []
 raw = json.load(open(sys.argv[2])) if os.path.exists(sys.argv[2]) else None
 dyn = json.load(open(sys.argv[3])) if os.path.exists(sys.argv[3]) else None
 raw4k = json.load(open(sys.argv[4])) if os.path.exists(sys.argv[4]) else None
 def h(n): return f"{n>>20}M" if n >= 1<<20 else f"{n>>10}K"
 idle = [r["idle_connector_cpu_pct"] for r in rows if "idle_connector_cpu_pct" in r]
 rows = [r for r in rows if "size" in r]
-print("| op | buffers | size | nixl-connect median us (min-max of run medians) | server wait us | GB/s | raw NIXL us / GB/s (same page size) | Python Dynamo us / GB/s | ok |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| op | path | buffers | size | nixl-connect median us (min-max of run medians) | server wait us | GB/s | copy limit GB/s | raw NIXL us / GB/s (same page size) | Python Dynamo us / GB/s | ok |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for op in ("read", "write"):
+ for path in ("local", "nixl"):
   for buf in ("huge", "vec"):
     for size in sorted({r["size"] for r in rows}):
-      rs = [r for r in rows if r["op"] == op and r["buffers"] == buf and r["size"] == size]
+      rs = [r for r in rows if r["op"] == op and r["buffers"] == buf and r["size"] == size and r.get("path") == path]
       if not rs: continue
       us = [r["read_median_us"] for r in rs]; wt = [r["server_wait_median_us"] for r in rs]
       m = statistics.median(us)
@@ -60,7 +79,24 @@ for op in ("read", "write"):
         for x in dyn:
           if x["size"] == size:
             dync = f'{x["median_s"]*1e6:.0f} / {x["GBps_med"]:.2f}'
-      print(f"| {op} | {buf} | {h(size)} | {m:.1f} ({min(us):.1f}-{max(us):.1f}) | {statistics.median(wt):.1f} | {size/m/1e3:.2f} | {rawc} | {dync} | {all(r['ok'] for r in rs)} |")
+      lim = [r["limit_GBps"] for r in rs if "limit_GBps" in r]
+      limc = f"{statistics.median(lim):.2f}" if lim else "-"
+      print(f"| {op} | {path} | {buf} | {h(size)} | {m:.1f} ({min(us):.1f}-{max(us):.1f}) | {statistics.median(wt):.1f} | {size/m/1e3:.2f} | {limc} | {rawc} | {dync} | {all(r['ok'] for r in rs)} |")
 if idle: print(f"\nidle connector CPU: median {statistics.median(idle):.3f}% of a core over {len(idle)} runs")
+if py:
+  print("\nPython pair (medians of run medians; both sides: until client and server have both completed)")
+  print("| module | size | py_pair.py anchor client us | client us | server us | both sides us | GB/s | of Rust bench (read, vec, local) |")
+  print("|---|---|---|---|---|---|---|---|")
+  for module in ("nixl_connect", "dynamo.nixl_connect"):
+    for size in (4096, 67108864):
+      ours = [x for x in py if x.get("module") == module and x["size"] == size and "anchor" not in x]
+      anc = [x for x in py if x.get("module") == module and x["size"] == size and "anchor" in x]
+      if not ours and not anc: continue
+      med = lambda k: statistics.median(x[k] for x in ours) if ours else float("nan")
+      a = f'{statistics.median(x["median_s"] for x in anc)*1e6:.0f}' if anc else "-"
+      rust = [r for r in rows if r["op"] == "read" and r["buffers"] == "vec" and r.get("path") == "local" and r["size"] == size]
+      gb = statistics.median(x["GBps"] for x in ours) if ours else float("nan")
+      ratio = f'{gb / statistics.median(r["GBps"] for r in rust):.0%}' if rust and ours else "-"
+      print(f"| {module} | {h(size)} | {a} | {med('client_us'):.0f} | {med('server_us'):.0f} | {med('both_us'):.0f} | {gb:.2f} | {ratio} |")
 PY
 echo "raw results: $res" >&2
