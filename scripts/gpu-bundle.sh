@@ -2,13 +2,13 @@
 # Builds, on this CPU machine, everything a GPU host needs to run the GPU tests and the GPU
 # benchmark without a Rust toolchain: the library's integration-test binary and the CLI (both with
 # the `cuda` feature; cudarc loads the driver at run time), NIXL pruned to what its UCX path needs
-# (the dependency closure of libnixl_capi.so, the UCX plugin and UCX's modules), and
-# scripts/gpu-run.sh. Packs them as .bundle/nixl-connect-gpu.tar.gz, at most 60 MiB.
+# (the dependency closure of libnixl_capi.so, the UCX plugin and UCX's modules), the Python wheel
+# (nixl_connect) with the Python tests, and scripts/gpu-run.sh. Packs them as .bundle/nixl-connect-gpu.tar.gz, at most 60 MiB.
 # Usage: bash scripts/gpu-bundle.sh      then copy the tarball to the GPU host and run
 #        tar xzf nixl-connect-gpu.tar.gz && bash nixl-connect-gpu/gpu-run.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --interop   # --interop: the venv with maturin, which builds the wheel
 LIMIT=$((60 << 20))
 B=.bundle/nixl-connect-gpu
 rm -rf .bundle && mkdir -p "$B/bin"
@@ -56,6 +56,11 @@ for p in sorted(seen):
 print(f"gpu-bundle: {len(seen)} NIXL/UCX libraries", file=sys.stderr)
 PY
 cp .nixl/VERSION "$B/nixl/"
+# The Python module and its tests (test_cuda.py runs on the GPU host when torch is there).
+mkdir -p "$B/python"
+cp target/wheels/nixl_connect-*.whl "$B/python/"
+cp -r tests/python "$B/python/tests"
+rm -rf "$B/python/tests/__pycache__"
 cp scripts/gpu-run.sh "$B/"
 for a in gpu_pair.py gpu_copy.py gpu_ipc.py dyn_pair.py; do
   [ -f "../shared/anchors/$a" ] && mkdir -p "$B/anchors" && cp "../shared/anchors/$a" "$B/anchors/"

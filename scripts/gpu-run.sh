@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the GPU bundle on a GPU host (CUDA driver, no Rust, no network needed): every GPU test (a
-# skip is a failure here), then the benchmark on device memory (VRAM to VRAM, read and write) and
-# the host<->GPU mixes at 4K,1M,64M,1G, then the raw NIXL anchor if a Python with nixl is present.
+# skip is a failure here), the Python module's CUDA tensor tests (when a python with torch,
+# pydantic, pytest and pytest-asyncio is there), then the benchmark, RUNS times (default 3), on
+# device memory (VRAM to VRAM, read and write, same-host path and --path nixl) and the host<->GPU
+# mixes at 4K,1M,64M,1G, then the raw NIXL anchors if a Python with nixl and torch is present.
 # Results go to stdout and to $OUT/gpu-results.jsonl (default: beside this script).
 # Usage: bash nixl-connect-gpu/gpu-run.sh
 set -uo pipefail
@@ -14,11 +16,28 @@ nvidia-smi -L 2>&1 | tee -a "$log"
 status=0
 echo "== tests" | tee -a "$log"
 "$B/bin/integration" --test-threads=1 2>&1 | tee -a "$log" || status=1
+echo "== python (nixl_connect with CUDA tensors)" | tee -a "$log"
+PY=${PYTHON:-python3}
+if "$PY" -c "import torch, pydantic, pytest, pytest_asyncio; assert torch.cuda.is_available()" 2>/dev/null; then
+  venv="$OUTDIR/.venv-nixl-connect"
+  "$PY" -m venv --system-site-packages "$venv" && "$venv/bin/pip" install -q --no-deps --no-index "$B"/python/nixl_connect-*.whl \
+    && (cd "$B/python/tests" && "$venv/bin/python" -m pytest -q -p no:cacheprovider test_cuda.py test_local_transfers.py 2>&1 | tee -a "$log") \
+    || status=1
+else
+  echo "skipped: no python here with torch (CUDA), pydantic, pytest and pytest-asyncio" | tee -a "$log"
+fi
 SIZES=${SIZES:-4K,1M,64M,1G}
-bench() { "$B/bin/nixl-connect" bench --sizes "$SIZES" "$@" | tee -a "$res" || status=1; }
+RUNS=${RUNS:-3}
+bench() {
+  for r in $(seq "$RUNS"); do
+    "$B/bin/nixl-connect" bench --json --sizes "$SIZES" "$@" | sed "s/^{/{\"run\":$r,/" | tee -a "$res" || status=1
+  done
+}
 echo "== bench" | tee -a "$log"
 bench --device cuda:0 --op read
 bench --device cuda:0 --op write
+bench --device cuda:0 --op read --path nixl
+bench --device cuda:0 --op write --path nixl
 bench --device cpu --peer-device cuda:0 --op read
 bench --device cuda:0 --peer-device cpu --op read
 if [ -f "$B/anchors/gpu_pair.py" ] && python3 -c "import nixl, torch" 2>/dev/null; then

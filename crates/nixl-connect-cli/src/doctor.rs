@@ -168,6 +168,32 @@ fn cuda() -> Check {
     }
 }
 
+/// Which path each pair of memory kinds takes between two workers of this host.
+fn device_paths() -> Check {
+    use nixl_connect::Device;
+    #[cfg(feature = "cuda")]
+    let gpus = nixl_connect::cuda::device_count().unwrap_or(0) as u32;
+    #[cfg(not(feature = "cuda"))]
+    let gpus = 0u32;
+    let mut kinds = vec![Device::Host];
+    kinds.extend((0..gpus.min(4)).map(Device::Cuda));
+    if gpus == 0 {
+        kinds.push(Device::Cuda(0));
+    }
+    let mut lines = Vec::new();
+    for &src in &kinds {
+        for &dst in &kinds {
+            let path = match nixl_connect::same_host_path(src, dst) {
+                Ok(()) if src == Device::Host => "same-host (process_vm_readv)".to_string(),
+                Ok(()) => "same-host (CUDA IPC)".to_string(),
+                Err(why) => format!("NIXL ({why})"),
+            };
+            lines.push(format!("{src}->{dst}: {path}"));
+        }
+    }
+    optional(check("memory pairs", "info", lines.join("; "), None))
+}
+
 fn huge_pages() -> Check {
     let v = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
     let mode = v
@@ -261,6 +287,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
     }
     checks.push(same_host_path());
     checks.push(optional(cuda()));
+    checks.push(device_paths());
     checks.push(optional(huge_pages()));
     if let Some(url) = &a.nats {
         match nixl_connect::channel::nats::NatsChannel::connect(url, Duration::from_secs(3)).await {

@@ -58,6 +58,22 @@ pub use operation::{
     WriteOperation,
 };
 
+/// Whether the same-host path can move bytes from memory on `src` into memory on `dst` in this
+/// build and process (the peer must agree too: same user, same host, and for device memory CUDA
+/// in both processes); `Err` says why not, and the operation then takes NIXL.
+///
+/// Host to host goes through cross-memory attach; device memory as a source goes through CUDA
+/// IPC (feature `cuda`), into device or host memory; host memory into device memory takes NIXL.
+///
+/// # Errors
+/// The reason the same-host path cannot take the pair.
+pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), String> {
+    match (src, dst) {
+        (Device::Host, Device::Host) => Ok(()),
+        (s, d) => engine::local::device_path_refusal(s, d).map_or(Ok(()), Err),
+    }
+}
+
 /// Where NIXL is looked for, and what was loaded.
 pub mod nixl_library {
     pub use crate::engine::nixl::ffi::{NIXL_LIB_ENV, NIXL_SYS_VERSION};

@@ -1,5 +1,7 @@
-//! GPU memory through NIXL (feature `cuda`): VRAM to VRAM, VRAM to host and host to VRAM, read and
-//! write, one and many descriptors, in one process and across two, byte-exact.
+//! GPU memory (feature `cuda`): VRAM to VRAM, VRAM to host and host to VRAM, read and write, one
+//! and many descriptors, in one process and across two, byte-exact; across two processes the
+//! same-host path through CUDA IPC (device memory as the source) or NIXL (host memory into device
+//! memory), reallocated memory, and either process killed mid-copy.
 //!
 //! With no CUDA driver or no GPU each test prints `skipped: <reason>` and returns; on the GPU host
 //! `NIXL_CONNECT_REQUIRE_GPU=1` (set by `scripts/gpu-run.sh`) makes a skip a failure.
@@ -9,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nixl_connect::cuda::{self, CudaContext, CudaStream};
-use nixl_connect::{Connector, Descriptor, Device, Error, RdmaMetadata};
+use nixl_connect::{Connector, Descriptor, Device, Error, RdmaMetadata, TransferPath};
 
 const T: Option<Duration> = Some(Duration::from_secs(60));
 
@@ -164,6 +166,57 @@ async fn gpu_device_claims_are_checked() {
     assert!(e.to_string().contains("mixes device kinds"), "{e}");
 }
 
+/// A peer process running `support_gpu_peer` with `spec`; its stdout is read line by line.
+struct Peer {
+    child: std::process::Child,
+    out: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Peer {
+    fn start(spec: &str) -> Self {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "gpu::support_gpu_peer",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("NIXL_CONNECT_TEST_PEER", spec)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        Self { child, out }
+    }
+
+    fn metadata(&mut self) -> RdmaMetadata {
+        read_tagged(&mut self.out, "MD:").parse().unwrap()
+    }
+
+    fn finish(mut self, what: &str) {
+        assert_eq!(read_tagged(&mut self.out, "DONE:"), "ok", "{what}");
+        assert!(self.child.wait().unwrap().success(), "{what}");
+    }
+}
+
+/// The path a same-host pair takes: CUDA IPC when the source is device memory, NIXL for host
+/// memory into device memory.
+fn expected_path(source: Mem, destination: Mem) -> TransferPath {
+    match (source, destination) {
+        (Mem::Vram, _) | (Mem::Host, Mem::Host) => TransferPath::Local,
+        (Mem::Host, Mem::Vram) => TransferPath::Nixl,
+    }
+}
+
+fn mem_name(m: Mem) -> &'static str {
+    match m {
+        Mem::Host => "host",
+        Mem::Vram => "vram",
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_vram_across_two_processes() {
     let Some(s) = gpu("gpu_vram_across_two_processes") else {
@@ -176,21 +229,8 @@ async fn gpu_vram_across_two_processes() {
         ("writable", 64 << 20, 1),
         ("writable", 1 << 20, 8),
     ] {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "gpu::support_gpu_peer",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("NIXL_CONNECT_TEST_PEER", format!("{role} {len} {n}"))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-        let md = read_tagged(&mut out, "MD:");
-        let md: RdmaMetadata = md.parse().unwrap();
+        let mut peer = Peer::start(&format!("{role} {len} {n} vram"));
+        let md = peer.metadata();
         let data = pattern(len, n as u8);
         if role == "readable" {
             let op = conn
@@ -198,6 +238,7 @@ async fn gpu_vram_across_two_processes() {
                 .await
                 .unwrap();
             op.wait_for_completion(T).await.unwrap();
+            assert_eq!(op.path(), Some(TransferPath::Local), "{role}: CUDA IPC");
             assert!(bytes_of(&s, op.results()) == data, "{role} {len} x{n}");
         } else {
             let op = conn
@@ -205,10 +246,145 @@ async fn gpu_vram_across_two_processes() {
                 .await
                 .unwrap();
             op.wait_for_completion(T).await.unwrap();
+            assert_eq!(op.path(), Some(TransferPath::Local), "{role}: CUDA IPC");
         }
-        assert_eq!(read_tagged(&mut out, "DONE:"), "ok", "{role} {len} x{n}");
-        assert!(child.wait().unwrap().success());
+        peer.finish(&format!("{role} {len} x{n}"));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_ipc_every_mix_and_direction_across_two_processes() {
+    let Some(s) = gpu("gpu_ipc_every_mix_and_direction_across_two_processes") else {
+        return;
+    };
+    let conn = Connector::new().unwrap();
+    for role in ["readable", "writable"] {
+        for (passive, active) in [
+            (Mem::Vram, Mem::Vram),
+            (Mem::Vram, Mem::Host),
+            (Mem::Host, Mem::Vram),
+        ] {
+            for (len, n) in [(4096, 1), (64 << 20, 1), (1 << 20, 8)] {
+                let what = format!("{role} on {passive:?} with the active side on {active:?}, {len} x{n}");
+                let mut peer = Peer::start(&format!("{role} {len} {n} {}", mem_name(passive)));
+                let md = peer.metadata();
+                let data = pattern(len, n as u8);
+                let (path, got) = if role == "readable" {
+                    let op = conn
+                        .begin_read(&md, alloc(&s, active, &vec![0u8; len], n))
+                        .await
+                        .unwrap();
+                    op.wait_for_completion(T).await.unwrap();
+                    (op.path(), Some(bytes_of(&s, op.results())))
+                } else {
+                    let op = conn.begin_write(alloc(&s, active, &data, n), &md).await.unwrap();
+                    op.wait_for_completion(T).await.unwrap();
+                    (op.path(), None)
+                };
+                if let Some(got) = got {
+                    assert!(got == data, "{what}: bytes differ");
+                }
+                let (src, dst) = if role == "readable" {
+                    (passive, active)
+                } else {
+                    (active, passive)
+                };
+                assert_eq!(path, Some(expected_path(src, dst)), "{what}");
+                peer.finish(&what);
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_ipc_reallocated_memory_is_never_read_through_a_stale_mapping() {
+    let Some(s) = gpu("gpu_ipc_reallocated_memory_is_never_read_through_a_stale_mapping") else {
+        return;
+    };
+    // The peer frees its buffer after each read and allocates a new one (the allocator usually
+    // hands back the same address) holding other bytes: every read must see the new bytes.
+    let conn = Connector::new().unwrap();
+    let len = 1 << 20;
+    let mut peer = Peer::start(&format!("realloc {len} 6 vram"));
+    for round in 0..6u8 {
+        let md = peer.metadata();
+        let op = conn
+            .begin_read(&md, alloc(&s, Mem::Vram, &vec![0u8; len], 1))
+            .await
+            .unwrap();
+        op.wait_for_completion(T).await.unwrap();
+        assert!(
+            bytes_of(&s, op.results()) == pattern(len, 100 + round),
+            "round {round}: stale bytes"
+        );
+    }
+    peer.finish("realloc");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_ipc_owner_killed_mid_copy_is_a_typed_error() {
+    let Some(s) = gpu("gpu_ipc_owner_killed_mid_copy_is_a_typed_error") else {
+        return;
+    };
+    let conn = Connector::new().unwrap();
+    let len = 1 << 30;
+    let mut peer = Peer::start(&format!("readable {len} 1 vram"));
+    let md = peer.metadata();
+    let op = conn
+        .begin_read(&md, alloc(&s, Mem::Vram, &vec![0u8; len], 1))
+        .await
+        .unwrap();
+    peer.child.kill().unwrap();
+    let _ = peer.child.wait();
+    // Finished before the kill landed, or a typed error: never a hang or a crash.
+    match op.wait_for_completion(T).await {
+        Ok(()) => {}
+        Err(e) => assert!(
+            matches!(
+                e,
+                Error::RemoteGone { .. } | Error::Transfer { .. } | Error::Refused { .. }
+            ),
+            "{e}"
+        ),
+    }
+    drop(op);
+    // The connector still works.
+    let r = conn
+        .create_readable(alloc(&s, Mem::Vram, &pattern(4096, 1), 1))
+        .await
+        .unwrap();
+    drop(r);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_ipc_copier_killed_mid_copy_leaves_the_owner_sound() {
+    let Some(s) = gpu("gpu_ipc_copier_killed_mid_copy_leaves_the_owner_sound") else {
+        return;
+    };
+    let conn = Connector::new().unwrap();
+    let len = 1 << 30;
+    let data = pattern(len, 7);
+    let r = conn
+        .create_readable(alloc(&s, Mem::Vram, &data, 1))
+        .await
+        .unwrap();
+    let mut peer = Peer::start(&format!("read {len} 1 vram"));
+    {
+        use std::io::Write as _;
+        let stdin = peer.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{}", r.metadata().to_json()).unwrap();
+        stdin.flush().unwrap();
+    }
+    peer.child.kill().unwrap();
+    let _ = peer.child.wait();
+    // The reader died: the readable completed (its Done arrived first) or does not complete;
+    // either way it ends within the deadline, and its memory is intact.
+    let _ = r.wait_for_completion(Some(Duration::from_secs(5))).await;
+    assert!(
+        bytes_of(&s, r.descriptors()) == data,
+        "the owner's memory changed"
+    );
+    drop(r);
 }
 
 fn read_tagged(out: &mut impl std::io::BufRead, tag: &str) -> String {
@@ -222,44 +398,75 @@ fn read_tagged(out: &mut impl std::io::BufRead, tag: &str) -> String {
     }
 }
 
-/// The peer: `readable|writable LEN N` on cuda:0.
+/// The peer, on cuda:0: `readable|writable LEN N MEM` (MEM `vram` or `host`) exposes and waits;
+/// `realloc LEN ROUNDS vram` exposes a fresh allocation per round; `read LEN N MEM` reads the
+/// metadata line on stdin into fresh memory.
 #[test]
-#[ignore = "run by gpu_vram_across_two_processes as its peer"]
+#[ignore = "run by the gpu tests as their peer"]
 fn support_gpu_peer() {
     let Ok(spec) = std::env::var("NIXL_CONNECT_TEST_PEER") else {
         return;
     };
     let w: Vec<&str> = spec.split_whitespace().collect();
     let (len, n): (usize, usize) = (w[1].parse().unwrap(), w[2].parse().unwrap());
+    let mem = if w.get(3) == Some(&"host") {
+        Mem::Host
+    } else {
+        Mem::Vram
+    };
     let s = CudaContext::new(0).unwrap().default_stream();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
+    let say = |tag: &str, v: &str| {
+        println!("{tag}{v}");
+        std::io::stdout().flush().unwrap();
+    };
     rt.block_on(async {
         let conn = Connector::new().unwrap();
         let data = pattern(len, n as u8);
-        let ok = if w[0] == "readable" {
-            let r = conn
-                .create_readable(alloc(&s, Mem::Vram, &data, n))
-                .await
-                .unwrap();
-            println!("MD:{}", r.metadata().to_json());
-            std::io::stdout().flush().unwrap();
-            r.wait_for_completion(T).await.unwrap();
-            true
-        } else {
-            let r = conn
-                .create_writable(alloc(&s, Mem::Vram, &vec![0u8; len], n))
-                .await
-                .unwrap();
-            println!("MD:{}", r.metadata().to_json());
-            std::io::stdout().flush().unwrap();
-            r.wait_for_completion(T).await.unwrap();
-            bytes_of(&s, r.descriptors()) == data
+        let ok = match w[0] {
+            "readable" => {
+                let r = conn.create_readable(alloc(&s, mem, &data, n)).await.unwrap();
+                say("MD:", &r.metadata().to_json());
+                r.wait_for_completion(T).await.unwrap();
+                true
+            }
+            "writable" => {
+                let r = conn
+                    .create_writable(alloc(&s, mem, &vec![0u8; len], n))
+                    .await
+                    .unwrap();
+                say("MD:", &r.metadata().to_json());
+                r.wait_for_completion(T).await.unwrap();
+                bytes_of(&s, r.descriptors()) == data
+            }
+            "realloc" => {
+                for round in 0..n as u8 {
+                    let r = conn
+                        .create_readable(alloc(&s, mem, &pattern(len, 100 + round), 1))
+                        .await
+                        .unwrap();
+                    say("MD:", &r.metadata().to_json());
+                    r.wait_for_completion(T).await.unwrap();
+                    drop(r); // frees the allocation; the next round's is new
+                }
+                true
+            }
+            "read" => {
+                let mut line = String::new();
+                std::io::stdin().read_line(&mut line).unwrap();
+                let md: RdmaMetadata = line.trim().parse().unwrap();
+                let op = conn
+                    .begin_read(&md, alloc(&s, mem, &vec![0u8; len], n))
+                    .await
+                    .unwrap();
+                op.wait_for_completion(T).await.is_ok()
+            }
+            other => panic!("unknown peer role {other}"),
         };
-        println!("DONE:{}", if ok { "ok" } else { "BAD" });
-        std::io::stdout().flush().unwrap();
+        say("DONE:", if ok { "ok" } else { "BAD" });
     });
 }

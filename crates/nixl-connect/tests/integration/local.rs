@@ -77,6 +77,54 @@ async fn local_wrong_direction_is_refused() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_device_claim_for_host_memory_fails_cleanly() {
+    // Metadata claiming that a host readable's memory is on cuda:0: no same-host grant is given
+    // for memory the operation does not hold as claimed (here no CUDA either), the read ends with
+    // a typed error within its deadline, and the readable is untouched and still readable.
+    let owner = Connector::new().unwrap();
+    let peer = Connector::new().unwrap();
+    let src = HostBuffer::from_slice(&[5u8; 4096]).unwrap();
+    let r = owner.create_readable(Descriptor::from(&src)).await.unwrap();
+    let mut md = r.metadata().clone();
+    md.descriptors[0].device = nixl_connect::Device::Cuda(0);
+    let t0 = Instant::now();
+    let e = match peer.begin_read(&md, Descriptor::from(vec![0u8; 4096])).await {
+        Ok(op) => op.wait_for_completion(T).await.unwrap_err(),
+        Err(e) => e,
+    };
+    assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
+    assert!(!matches!(e, Error::TimedOut { .. }), "{e}");
+    assert_eq!(r.status(), OperationStatus::Initialized, "{e}");
+    let op = peer
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    r.wait_for_completion(T).await.unwrap();
+}
+
+#[test]
+fn local_same_host_path_names_what_takes_nixl() {
+    use nixl_connect::{same_host_path, Device};
+    assert_eq!(same_host_path(Device::Host, Device::Host), Ok(()));
+    let why = same_host_path(Device::Host, Device::Cuda(0)).unwrap_err();
+    assert!(why.contains("host memory into device memory"), "{why}");
+    for (src, dst) in [
+        (Device::Cuda(0), Device::Cuda(0)),
+        (Device::Cuda(0), Device::Host),
+    ] {
+        let r = same_host_path(src, dst);
+        #[cfg(feature = "cuda")]
+        if nixl_connect::cuda::device_count().is_ok_and(|n| n > 0) {
+            assert_eq!(r, Ok(()), "{src}->{dst}");
+            continue;
+        }
+        let why = r.unwrap_err();
+        assert!(why.contains("CUDA"), "{src}->{dst}: {why}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_many_descriptors_and_concurrent_operations() {
     let owner = Connector::new().unwrap();
     let reader = Connector::new().unwrap();

@@ -41,8 +41,13 @@ pub(crate) enum CopyError {
     Revoked,
     /// The peer process is gone.
     PeerGone,
-    /// The kernel refused (`EPERM`: ptrace rules; `EFAULT`: an address is not mapped).
+    /// The kernel refused (`EPERM`: ptrace rules; `EFAULT`: an address is not mapped), or the
+    /// device failed mid-copy.
     Os(String),
+    /// This path cannot do it (a device copy: no CUDA here, the peer's GPU not visible, the
+    /// handle not openable), found out before any byte moved: the operation may take NIXL.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Unsupported(String),
 }
 
 /// Where a copy's slot lives, for the revocation protocol.

@@ -11,11 +11,16 @@
 //!
 //! The side whose memory is written copies, pulling with `process_vm_readv` ([`cma`]): the reader
 //! for a read, the passive side for a write. So each process writes only its own memory, and the
-//! owner of the source can revoke a grant at any instant without waiting (see [`slots`]). No
-//! socket, a peer on another host, another user, a kernel that forbids cross-memory attach, or
-//! device memory: the operation goes to NIXL instead ([`Event::Declined`]).
+//! owner of the source can revoke a grant at any instant without waiting (see [`slots`]). Device
+//! memory (feature `cuda`) goes the same way through CUDA IPC (`ipc`): the source's owner exports
+//! it, the destination's owner opens it and copies on its own stream. No socket, a peer on another
+//! host, another user, a kernel that forbids cross-memory attach, host memory into device memory,
+//! or no CUDA where device memory is involved: the operation goes to NIXL instead
+//! ([`Event::Declined`]).
 
 pub(crate) mod cma;
+#[cfg(feature = "cuda")]
+pub(crate) mod ipc;
 pub(crate) mod proto;
 pub(crate) mod slots;
 
@@ -27,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use self::cma::{Copy, CopyError, Piece, SlotRef};
-use self::proto::{Msg, RefuseCode, VERSION};
+use self::proto::{IpcSource, Msg, RefuseCode, VERSION};
 use self::slots::{SlotTable, SLOTS};
 use super::poller::{hung_up, Registrar, Waker};
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
@@ -226,6 +231,9 @@ impl Conn {
 enum Phase {
     /// Waiting for the connection's handshake.
     Queued,
+    /// A write from device memory: its source is being exported (CUDA thread).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Exporting,
     /// Asked; waiting for the grant (reads) or for the passive side's copy (writes).
     Requested,
     /// A read being copied here.
@@ -244,6 +252,10 @@ struct Act {
     cancel: Arc<AtomicBool>,
     /// The peer's pidfd while copying (to tell afterwards that it is still the same process).
     pidfd: Option<Arc<OwnedFd>>,
+    /// The source's memory is device memory: reads get `GrantIpc`, writes send their export.
+    device: bool,
+    /// A device write's exported source, once the CUDA thread has it.
+    sources: Vec<IpcSource>,
 }
 
 /// A passive operation's scope on the serving side.
@@ -310,6 +322,56 @@ enum CopyOwner {
 
 type Finished = Arc<Mutex<Vec<(CopyOwner, std::result::Result<(), CopyError>)>>>;
 
+/// A copy for the host path or the device path.
+enum AnyCopy {
+    Host(Copy),
+    #[cfg(feature = "cuda")]
+    Device(ipc::Copy),
+}
+
+/// A finished CUDA IPC export.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+enum ExportDone {
+    /// A read grant's source (this side serves it).
+    Grant {
+        key: Arc<str>,
+        conn: ConnId,
+        slot: u32,
+        gen: u64,
+        result: std::result::Result<Vec<IpcSource>, String>,
+    },
+    /// A write's source (this side writes).
+    Write {
+        id: OpId,
+        result: std::result::Result<Vec<IpcSource>, String>,
+    },
+}
+
+type Exports = Arc<Mutex<Vec<ExportDone>>>;
+
+/// The one device all `ranges` are on, or `None` for none or several.
+fn uniform(ranges: &[Range]) -> Option<Device> {
+    let d = ranges.first()?.device;
+    ranges.iter().all(|r| r.device == d).then_some(d)
+}
+
+/// Why the device path cannot move a transfer from memory on `src` into memory on `dst`, if it
+/// cannot (the host path takes host-to-host).
+pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<String> {
+    match (src, dst) {
+        (Device::Cuda(_), Device::Cuda(_) | Device::Host) if cfg!(feature = "cuda") => {
+            #[cfg(feature = "cuda")]
+            if !ipc::available() {
+                return Some("no usable CUDA driver or GPU in this process".into());
+            }
+            None
+        }
+        (Device::Cuda(_), _) => Some("this build has no CUDA support (feature `cuda`)".into()),
+        (Device::Host, Device::Cuda(_)) => Some("host memory into device memory takes the NIXL path".into()),
+        (a, b) => Some(format!("memory on {a} to {b} takes the NIXL path")),
+    }
+}
+
 /// The same-host transport of one connector.
 pub(crate) struct LocalTransport {
     enabled: bool,
@@ -327,6 +389,7 @@ pub(crate) struct LocalTransport {
     identities: std::collections::HashSet<u64>,
     acts: HashMap<OpId, Act>,
     finished: Finished,
+    exports: Exports,
     outstanding: Arc<Outstanding>,
     pub(crate) refused_peers: u64,
 }
@@ -375,6 +438,7 @@ impl LocalTransport {
             identities: std::collections::HashSet::new(),
             acts: HashMap::new(),
             finished: Arc::new(Mutex::new(Vec::new())),
+            exports: Arc::new(Mutex::new(Vec::new())),
             outstanding: Arc::new(Outstanding::default()),
             refused_peers: 0,
         }
@@ -384,6 +448,7 @@ impl LocalTransport {
     /// engine sleeps, so a copy ending at that moment is never left unreaped).
     pub(crate) fn has_finished(&self) -> bool {
         !self.finished.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+            || !self.exports.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
     }
 
     /// Whether a client-side operation on `i` in its current phase may receive frame `e`.
@@ -647,6 +712,9 @@ impl LocalTransport {
     fn close(&mut self, i: ConnId, out: &mut Vec<Event>) {
         let Some(c) = self.conns.remove(&i) else { return };
         self.reg.remove(c.fd.as_raw_fd());
+        // Device mappings opened for this connection are closed (after any copy using them).
+        #[cfg(feature = "cuda")]
+        ipc::forget(i);
         if c.client {
             if self.by_peer.get(&c.peer) == Some(&i) {
                 self.by_peer.remove(&c.peer);
@@ -662,7 +730,7 @@ impl LocalTransport {
                 match a.phase {
                     // The copy runs on; its end reports the result.
                     Phase::Copying => {}
-                    Phase::Queued | Phase::Requested | Phase::Abandoned => {
+                    Phase::Queued | Phase::Exporting | Phase::Requested | Phase::Abandoned => {
                         let a = self.acts.remove(&id).expect("listed");
                         if let Some(t) = &c.slots {
                             t.revoke(a.slot, a.gen);
@@ -735,10 +803,11 @@ impl LocalTransport {
                     device,
                     remote,
                     local,
+                    sources,
                 },
             ) => {
                 if self.identities.contains(&ident) {
-                    self.on_req(i, slot, gen, write, &key, device, remote, local, out)
+                    self.on_req(i, slot, gen, write, &key, device, remote, local, sources, out)
                 } else if let Some(c) = self.conns.get_mut(&i) {
                     // Metadata of an agent of the same name elsewhere (another host, an earlier
                     // process): not this connector's to refuse; NIXL will sort it out.
@@ -750,7 +819,10 @@ impl LocalTransport {
                 }
             }
             (true, Msg::Grant { slot, gen }) if self.expects(i, slot, gen, Expect::Grant) => {
-                self.on_grant(i, slot, gen, out)
+                self.on_grant(i, slot, gen, None, out)
+            }
+            (true, Msg::GrantIpc { slot, gen, sources }) if self.expects(i, slot, gen, Expect::Grant) => {
+                self.on_grant(i, slot, gen, Some(sources), out)
             }
             (
                 true,
@@ -902,11 +974,34 @@ impl LocalTransport {
         }
     }
 
-    /// Sends the request of a queued operation (the handshake is done).
+    /// Sends the request of a queued operation (the handshake is done); a write from device
+    /// memory exports its source first.
     fn request(&mut self, id: OpId, out: &mut Vec<Event>) {
         let Some(a) = self.acts.get_mut(&id) else { return };
+        #[cfg(feature = "cuda")]
+        if a.spec.write && a.device && a.sources.is_empty() {
+            a.phase = Phase::Exporting;
+            let ranges = a
+                .spec
+                .local
+                .iter()
+                .map(|r| (r.addr as u64, r.len as u64))
+                .collect();
+            let (exports, waker) = (self.exports.clone(), self.waker.clone());
+            ipc::export(
+                ranges,
+                Box::new(move |result| {
+                    exports
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(ExportDone::Write { id, result });
+                    waker.wake_always();
+                }),
+            );
+            return;
+        }
         let c = self.conns.get_mut(&a.conn).expect("live");
-        if !a.spec.write && !c.can_pull {
+        if !a.spec.write && !a.device && !c.can_pull {
             let a = self.acts.remove(&id).expect("present");
             let i = a.conn;
             self.free_slot(i, a.slot, a.gen);
@@ -939,6 +1034,7 @@ impl LocalTransport {
             } else {
                 Vec::new()
             },
+            sources: std::mem::take(&mut a.sources),
         };
         c.send(&req);
         let i = a.conn;
@@ -956,6 +1052,7 @@ impl LocalTransport {
         device: Device,
         remote: Vec<(u64, u64)>,
         local: Vec<(u64, u64)>,
+        sources: Vec<IpcSource>,
         out: &mut Vec<Event>,
     ) {
         let c = self.conns.get_mut(&i).expect("live");
@@ -989,10 +1086,13 @@ impl LocalTransport {
                     if write { "write" } else { "read" }
                 ),
             )),
-            Some(s) if device != s.device || s.device != Device::Host => Some(Msg::Fallback {
+            Some(s) if device != s.device => Some(Msg::Fallback {
                 slot,
                 gen,
-                reason: format!("device memory ({}) takes the NIXL path", s.device),
+                reason: format!(
+                    "the request names memory on {device}; the operation's is on {}",
+                    s.device
+                ),
             }),
             Some(s) if s.state.status().is_terminal() => Some(refuse(
                 RefuseCode::NotLive,
@@ -1008,12 +1108,35 @@ impl LocalTransport {
                         || local
                             .iter()
                             .zip(&remote)
-                            .any(|(l, r)| l.1 != r.1 || l.0.checked_add(l.1).is_none())) =>
+                            .any(|(l, r)| l.1 != r.1 || l.0.checked_add(l.1).is_none())
+                        || (!sources.is_empty()
+                            && (sources.len() != remote.len()
+                                || sources.iter().zip(&remote).any(|(s, r)| s.len != r.1)))) =>
             {
                 Some(refuse(
                     RefuseCode::OutOfRange,
                     "the write's source ranges do not match its destination ranges".into(),
                 ))
+            }
+            // The device path: which side's memory is device memory decides who must have CUDA.
+            Some(s)
+                if (!write && s.device != Device::Host) || (write && !sources.is_empty()) || {
+                    write && s.device != Device::Host
+                } =>
+            {
+                let src = if write {
+                    if sources.is_empty() {
+                        Device::Host
+                    } else {
+                        Device::Cuda(0)
+                    }
+                } else {
+                    s.device
+                };
+                match device_path_refusal(src, if write { s.device } else { Device::Host }) {
+                    Some(reason) => Some(Msg::Fallback { slot, gen, reason }),
+                    None => self.device_req(i, slot, gen, write, key, remote, sources),
+                }
             }
             Some(_) if write && !can_pull => Some(Msg::Fallback {
                 slot,
@@ -1041,7 +1164,7 @@ impl LocalTransport {
                 let state = s.state.clone();
                 let table = self.conns.get(&i).and_then(|c| c.slots.clone()).expect("ready");
                 let key = self.scopes.get_key_value(key).expect("present").0.clone();
-                let copy = Copy {
+                let copy = AnyCopy::Host(Copy {
                     pid: peer_pid,
                     pieces: remote
                         .iter()
@@ -1058,7 +1181,7 @@ impl LocalTransport {
                         gen,
                     },
                     cancel,
-                };
+                });
                 let owner = CopyOwner::Write {
                     key,
                     conn: i,
@@ -1079,7 +1202,14 @@ impl LocalTransport {
         let _ = out;
     }
 
-    fn on_grant(&mut self, i: ConnId, slot: u32, gen: u64, out: &mut Vec<Event>) {
+    fn on_grant(
+        &mut self,
+        i: ConnId,
+        slot: u32,
+        gen: u64,
+        sources: Option<Vec<IpcSource>>,
+        out: &mut Vec<Event>,
+    ) {
         let Some((&id, a)) = self
             .acts
             .iter_mut()
@@ -1087,6 +1217,22 @@ impl LocalTransport {
         else {
             return;
         };
+        // The grant must be of the kind asked for, and an IPC grant must match the ranges.
+        let fits = match &sources {
+            None => !a.device,
+            Some(v) => {
+                a.device
+                    && v.len() == a.spec.local.len()
+                    && v.iter().zip(&a.spec.local).all(|(s, l)| s.len == l.len as u64)
+            }
+        };
+        if !fits && !matches!(a.phase, Phase::Abandoned) {
+            tracing::debug!("a same-host grant that does not fit its request; closing the connection");
+            if let Some(c) = self.conns.get_mut(&i) {
+                c.dead = true;
+            }
+            return;
+        }
         if matches!(a.phase, Phase::Abandoned) {
             let a = self.acts.remove(&id).expect("present");
             if let Some(c) = self.conns.get_mut(&i) {
@@ -1103,7 +1249,33 @@ impl LocalTransport {
         a.phase = Phase::Copying;
         let c = self.conns.get(&i).expect("live");
         a.pidfd = c.pidfd.clone();
-        let copy = Copy {
+        #[cfg(feature = "cuda")]
+        if let Some(sources) = sources {
+            let copy = AnyCopy::Device(ipc::Copy {
+                conn: i,
+                pid: c.peer_pid,
+                pieces: a
+                    .spec
+                    .local
+                    .iter()
+                    .zip(sources)
+                    .map(|(l, src)| ipc::Piece {
+                        dst: l.addr as u64,
+                        src,
+                    })
+                    .collect(),
+                slot: SlotRef {
+                    table: c.slots.clone().expect("ready"),
+                    idx: slot,
+                    gen,
+                },
+                cancel: a.cancel.clone(),
+            });
+            self.start_copy(copy, CopyOwner::Read(id));
+            return;
+        }
+        let _ = sources;
+        let copy = AnyCopy::Host(Copy {
             pid: c.peer_pid,
             pieces: a
                 .spec
@@ -1122,12 +1294,24 @@ impl LocalTransport {
                 gen,
             },
             cancel: a.cancel.clone(),
-        };
+        });
         self.start_copy(copy, CopyOwner::Read(id));
         let _ = out;
     }
 
-    fn start_copy(&mut self, copy: Copy, owner: CopyOwner) {
+    fn start_copy(&mut self, copy: AnyCopy, owner: CopyOwner) {
+        #[cfg_attr(not(feature = "cuda"), allow(clippy::infallible_destructuring_match))]
+        let copy = match copy {
+            AnyCopy::Host(c) => c,
+            #[cfg(feature = "cuda")]
+            AnyCopy::Device(c) => {
+                let (done, owner) = self.on_copy_end(owner);
+                if let Err(e) = ipc::spawn(c, done) {
+                    self.abort_start(&owner, e);
+                }
+                return;
+            }
+        };
         if copy.bytes() <= cma::INLINE_MAX {
             let r = cma::run_inline(&copy);
             self.finished
@@ -1136,33 +1320,223 @@ impl LocalTransport {
                 .push((owner, r));
             return;
         }
+        let (done, owner) = self.on_copy_end(owner);
+        if let Err(e) = cma::spawn(copy, done) {
+            self.abort_start(&owner, e);
+        }
+    }
+
+    /// A copy's completion callback (run on the thread that ends the copy), counted as
+    /// outstanding until it runs.
+    #[allow(clippy::type_complexity)]
+    fn on_copy_end(
+        &self,
+        owner: CopyOwner,
+    ) -> (
+        Box<dyn FnOnce(std::result::Result<(), CopyError>) + Send>,
+        Arc<Mutex<Option<CopyOwner>>>,
+    ) {
         let finished = self.finished.clone();
         let waker = self.waker.clone();
         let outstanding = self.outstanding.clone();
         let owner = Arc::new(Mutex::new(Some(owner)));
         let o2 = owner.clone();
         *outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-        let o3 = outstanding.clone();
-        let r = cma::spawn(
-            copy,
-            Box::new(move |r| {
-                if let Some(o) = o2.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                    finished.lock().unwrap_or_else(|e| e.into_inner()).push((o, r));
-                }
-                waker.wake_always();
-                *o3.count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
-                o3.cv.notify_all();
-            }),
-        );
-        if let Err(e) = r {
+        let done = Box::new(move |r| {
+            if let Some(o) = o2.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                finished.lock().unwrap_or_else(|e| e.into_inner()).push((o, r));
+            }
+            waker.wake_always();
             *outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
-            if let Some(o) = owner.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                self.finished
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push((o, Err(e)));
+            outstanding.cv.notify_all();
+        });
+        (done, owner)
+    }
+
+    /// A copy that never started (its callback will not run): reported as finished with `e`.
+    fn abort_start(&mut self, owner: &Arc<Mutex<Option<CopyOwner>>>, e: CopyError) {
+        *self.outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+        if let Some(o) = owner.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            self.finished
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((o, Err(e)));
+        }
+    }
+
+    /// The device path of a request that passed every scope check: a read is granted once its
+    /// source is exported (the answer comes later); a write is copied here from its export.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    #[allow(clippy::too_many_arguments)]
+    fn device_req(
+        &mut self,
+        i: ConnId,
+        slot: u32,
+        gen: u64,
+        write: bool,
+        key: &str,
+        remote: Vec<(u64, u64)>,
+        sources: Vec<IpcSource>,
+    ) -> Option<Msg> {
+        #[cfg(not(feature = "cuda"))]
+        return Some(Msg::Fallback {
+            slot,
+            gen,
+            reason: "this build has no CUDA support (feature `cuda`)".into(),
+        });
+        #[cfg(feature = "cuda")]
+        {
+            let (key, s) = self.scopes.get_key_value(key).expect("checked");
+            let key = key.clone();
+            if !write {
+                let (exports, waker) = (self.exports.clone(), self.waker.clone());
+                self.scopes
+                    .get_mut(&key)
+                    .expect("checked")
+                    .grants
+                    .push((i, slot, gen));
+                ipc::export(
+                    remote,
+                    Box::new(move |result| {
+                        exports
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(ExportDone::Grant {
+                                key,
+                                conn: i,
+                                slot,
+                                gen,
+                                result,
+                            });
+                        waker.wake_always();
+                    }),
+                );
+                return None;
+            }
+            if s.writer.is_some() {
+                return Some(Msg::Refuse {
+                    slot,
+                    gen,
+                    code: RefuseCode::Busy,
+                    reason: "another writer is writing this writable now".into(),
+                });
+            }
+            if !s.state.try_mark_in_use() {
+                return Some(Msg::Refuse {
+                    slot,
+                    gen,
+                    code: RefuseCode::NotLive,
+                    reason: "the operation has ended (completed, cancelled or dropped)".into(),
+                });
+            }
+            let c = self.conns.get(&i).expect("live");
+            let (table, peer_pid, pidfd) = (c.slots.clone().expect("ready"), c.peer_pid, c.pidfd.clone());
+            let cancel = Arc::new(AtomicBool::new(false));
+            let s = self.scopes.get_mut(&key).expect("checked");
+            s.writer = Some((i, slot, gen, cancel.clone()));
+            let state = s.state.clone();
+            let copy = AnyCopy::Device(ipc::Copy {
+                conn: i,
+                pid: peer_pid,
+                pieces: remote
+                    .iter()
+                    .zip(sources)
+                    .map(|(&(dst, _), src)| ipc::Piece { dst, src })
+                    .collect(),
+                slot: SlotRef {
+                    table,
+                    idx: slot,
+                    gen,
+                },
+                cancel,
+            });
+            let owner = CopyOwner::Write {
+                key,
+                conn: i,
+                slot,
+                gen,
+                state,
+                pidfd,
+            };
+            self.start_copy(copy, owner);
+            None
+        }
+    }
+
+    /// Handles finished CUDA IPC exports.
+    fn reap_exports(&mut self, out: &mut Vec<Event>) -> bool {
+        let done = std::mem::take(&mut *self.exports.lock().unwrap_or_else(|e| e.into_inner()));
+        let any = !done.is_empty();
+        for d in done {
+            match d {
+                ExportDone::Grant {
+                    key,
+                    conn,
+                    slot,
+                    gen,
+                    result,
+                } => {
+                    let granted = self
+                        .scopes
+                        .get(&key)
+                        .is_some_and(|s| s.grants.contains(&(conn, slot, gen)));
+                    let answer = match result {
+                        Ok(sources) if granted => Msg::GrantIpc { slot, gen, sources },
+                        _ if !granted => Msg::Refuse {
+                            slot,
+                            gen,
+                            code: RefuseCode::NotLive,
+                            reason: "the operation ended before its memory could be shared".into(),
+                        },
+                        Ok(_) => unreachable!("granted is checked above"),
+                        Err(reason) => {
+                            if let Some(s) = self.scopes.get_mut(&key) {
+                                s.grants.retain(|g| *g != (conn, slot, gen));
+                            }
+                            Msg::Fallback {
+                                slot,
+                                gen,
+                                reason: format!(
+                                    "the device memory cannot be shared through CUDA IPC: {reason}"
+                                ),
+                            }
+                        }
+                    };
+                    if let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.dead) {
+                        c.send(&answer);
+                        self.flush(conn);
+                    }
+                }
+                ExportDone::Write { id, result } => {
+                    let Some(a) = self.acts.get_mut(&id) else { continue };
+                    match (&a.phase, result) {
+                        (Phase::Exporting, Ok(sources)) => {
+                            a.sources = sources;
+                            a.phase = Phase::Requested;
+                            self.request(id, out);
+                        }
+                        (Phase::Exporting, Err(reason)) => {
+                            let a = self.acts.remove(&id).expect("present");
+                            self.free_slot(a.conn, a.slot, a.gen);
+                            out.push(Event::Declined {
+                                spec: a.spec,
+                                reason: format!(
+                                    "the device memory cannot be shared through CUDA IPC: {reason}"
+                                ),
+                            });
+                        }
+                        // Abandoned while exporting: it was answered then; forget it now.
+                        (_, _) => {
+                            if matches!(a.phase, Phase::Abandoned) {
+                                let a = self.acts.remove(&id).expect("present");
+                                self.free_slot(a.conn, a.slot, a.gen);
+                            }
+                        }
+                    }
+                }
             }
         }
+        any
     }
 
     fn on_read_done(&mut self, i: ConnId, slot: u32, gen: u64, ok: bool, out: &mut Vec<Event>) {
@@ -1179,16 +1553,43 @@ impl LocalTransport {
         }
     }
 
-    /// Handles finished copies.
+    /// Handles finished copies and exports.
     fn reap(&mut self, out: &mut Vec<Event>) -> bool {
+        let exported = self.reap_exports(out);
         let done = std::mem::take(&mut *self.finished.lock().unwrap_or_else(|e| e.into_inner()));
-        let any = !done.is_empty();
+        let any = exported || !done.is_empty();
         for (owner, r) in done {
             match owner {
                 CopyOwner::Read(id) => {
                     let Some(a) = self.acts.remove(&id) else { continue };
                     let i = a.conn;
                     let live = self.conns.get(&i).is_some_and(|c| !c.dead);
+                    if let Err(CopyError::Unsupported(reason)) = &r {
+                        // Nothing moved: end the grant and let NIXL take the read.
+                        if live {
+                            let c = self.conns.get_mut(&i).expect("live");
+                            c.send(&Msg::Done {
+                                slot: a.slot,
+                                gen: a.gen,
+                                ok: false,
+                                reason: reason.clone(),
+                            });
+                            self.flush(i);
+                        }
+                        self.free_slot(i, a.slot, a.gen);
+                        if a.cancel.load(Ordering::Relaxed) {
+                            out.push(Event::ActiveEnded {
+                                id,
+                                result: Err(Error::Cancelled),
+                            });
+                        } else {
+                            out.push(Event::Declined {
+                                spec: a.spec,
+                                reason: format!("the same-host device copy cannot run here: {reason}"),
+                            });
+                        }
+                        continue;
+                    }
                     let same = alive(&a.pidfd);
                     let result = match r {
                         Ok(()) if same => Ok(()),
@@ -1211,6 +1612,7 @@ impl LocalTransport {
                             agent: a.spec.peer.to_string(),
                             reason: format!("the same-host copy failed: {e}"),
                         }),
+                        Err(CopyError::Unsupported(_)) => unreachable!("handled above"),
                     };
                     if live {
                         let c = self.conns.get_mut(&i).expect("live");
@@ -1237,6 +1639,26 @@ impl LocalTransport {
                     let ok = r.is_ok() && same;
                     // The copy into this side's memory has ended either way.
                     state.mark_released();
+                    if let Err(CopyError::Unsupported(reason)) = &r {
+                        // Nothing moved: the writer may take NIXL.
+                        if let Some(s) = self.scopes.get_mut(&key) {
+                            if s.writer
+                                .as_ref()
+                                .is_some_and(|w| (w.0, w.1, w.2) == (conn, slot, gen))
+                            {
+                                s.writer = None;
+                            }
+                        }
+                        if let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.dead) {
+                            c.send(&Msg::Fallback {
+                                slot,
+                                gen,
+                                reason: format!("the passive side cannot copy from device memory: {reason}"),
+                            });
+                            self.flush(conn);
+                        }
+                        continue;
+                    }
                     if let Some(s) = self.scopes.get_mut(&key) {
                         if s.writer
                             .as_ref()
@@ -1341,18 +1763,25 @@ impl Transport for LocalTransport {
             });
             return;
         }
-        if spec
-            .local
-            .iter()
-            .chain(&spec.remote)
-            .any(|r| r.device != Device::Host)
-        {
-            out.push(Event::Declined {
-                spec,
-                reason: "device memory takes the NIXL path".into(),
-            });
-            return;
-        }
+        let (local, remote) = (uniform(&spec.local), uniform(&spec.remote));
+        let device = match (local, remote) {
+            (Some(Device::Host), Some(Device::Host)) => false,
+            (Some(l), Some(r)) => {
+                let (src, dst) = if spec.write { (l, r) } else { (r, l) };
+                if let Some(reason) = device_path_refusal(src, dst) {
+                    out.push(Event::Declined { spec, reason });
+                    return;
+                }
+                true
+            }
+            _ => {
+                out.push(Event::Declined {
+                    spec,
+                    reason: "the descriptors mix kinds of memory".into(),
+                });
+                return;
+            }
+        };
         let i = match self.connect(&spec.peer) {
             Ok(i) => i,
             Err(reason) => {
@@ -1389,6 +1818,8 @@ impl Transport for LocalTransport {
                 phase: Phase::Queued,
                 cancel: Arc::new(AtomicBool::new(false)),
                 pidfd: None,
+                device,
+                sources: Vec::new(),
             },
         );
         if ready {
@@ -1407,7 +1838,7 @@ impl Transport for LocalTransport {
                 a.cancel.store(true, Ordering::Relaxed);
             }
             Phase::Abandoned => {}
-            Phase::Queued | Phase::Requested => {
+            Phase::Queued | Phase::Exporting | Phase::Requested => {
                 // Nothing of ours is being written: a write's source is only read by the peer, and
                 // revoking its slot makes the peer discard what it read. Release at once.
                 if let Some(t) = table {

@@ -8,8 +8,9 @@
 //! | `Hello` (+ slot-table fd) | active | protocol version, an address and value in its memory to probe |
 //! | `Welcome` | passive | the passive side's probe; whether it could read the active side |
 //! | `Reject` | passive | the same-host path is refused for this connection (different user...) |
-//! | `Req` | active | access to the operation named by the key: direction, ranges, (writes) the source |
+//! | `Req` | active | access to the operation named by the key: direction, ranges, (writes) the source, (device-memory writes) its CUDA IPC export |
 //! | `Grant` | passive | a read may copy now |
+//! | `GrantIpc` | passive | a read of device memory may copy now, through these CUDA IPC exports |
 //! | `Refuse` | passive | the request breaks the operation's scope (ended, range, direction, busy) |
 //! | `Fallback` | passive | this operation cannot take the same-host path: use NIXL |
 //! | `Done` | both | the copier finished (reads: the active side; writes: the passive side) |
@@ -17,7 +18,7 @@
 use crate::device::Device;
 
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
 /// The largest key accepted.
@@ -49,6 +50,24 @@ impl RefuseCode {
     }
 }
 
+/// One source range of device memory as its owner exports it through CUDA IPC: what the copier
+/// needs to open the allocation and to tell it from a later one at the same address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct IpcSource {
+    /// The GPU's UUID (ordinals differ between processes that see different devices).
+    pub(crate) uuid: [u8; 16],
+    /// `cuIpcGetMemHandle` of the allocation's base.
+    pub(crate) handle: [u8; 64],
+    /// The allocation's base and length in the owner's address space.
+    pub(crate) base: u64,
+    pub(crate) alloc_len: u64,
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`: unique per allocation for the life of the owner.
+    pub(crate) buffer_id: u64,
+    /// The range, as an offset into the allocation.
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+}
+
 /// One frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Msg {
@@ -77,10 +96,18 @@ pub(crate) enum Msg {
         remote: Vec<(u64, u64)>,
         /// For writes: the source ranges in the active side's memory (one per remote range).
         local: Vec<(u64, u64)>,
+        /// For writes from device memory: the sources exported (one per remote range), else empty.
+        sources: Vec<IpcSource>,
     },
     Grant {
         slot: u32,
         gen: u64,
+    },
+    GrantIpc {
+        slot: u32,
+        gen: u64,
+        /// One per requested range, in the request's order.
+        sources: Vec<IpcSource>,
     },
     Refuse {
         slot: u32,
@@ -125,7 +152,20 @@ impl W<'_> {
             self.u64(l);
         }
     }
+    fn sources(&mut self, v: &[IpcSource]) {
+        self.u32(v.len() as u32);
+        for s in v {
+            self.0.extend_from_slice(&s.uuid);
+            self.0.extend_from_slice(&s.handle);
+            for x in [s.base, s.alloc_len, s.buffer_id, s.offset, s.len] {
+                self.u64(x);
+            }
+        }
+    }
 }
+
+/// Encoded size of one [`IpcSource`].
+const SOURCE_BYTES: usize = 16 + 64 + 5 * 8;
 
 struct R<'a> {
     b: &'a [u8],
@@ -162,6 +202,28 @@ impl<'a> R<'a> {
             return None;
         }
         (0..n).map(|_| Some((self.u64()?, self.u64()?))).collect()
+    }
+    fn sources(&mut self) -> Option<Vec<IpcSource>> {
+        let n = self.u32()? as usize;
+        if n.checked_mul(SOURCE_BYTES)? > self.b.len() {
+            return None;
+        }
+        (0..n)
+            .map(|_| {
+                let s = IpcSource {
+                    uuid: self.take(16)?.try_into().ok()?,
+                    handle: self.take(64)?.try_into().ok()?,
+                    base: self.u64()?,
+                    alloc_len: self.u64()?,
+                    buffer_id: self.u64()?,
+                    offset: self.u64()?,
+                    len: self.u64()?,
+                };
+                // The range must lie inside the allocation it names.
+                (s.offset.checked_add(s.len)? <= s.alloc_len && s.base.checked_add(s.alloc_len).is_some())
+                    .then_some(s)
+            })
+            .collect()
     }
 }
 
@@ -222,6 +284,7 @@ impl Msg {
                 device,
                 remote,
                 local,
+                sources,
             } => {
                 w.u8(4);
                 w.u32(*slot);
@@ -234,11 +297,18 @@ impl Msg {
                 w.u32(id);
                 w.ranges(remote);
                 w.ranges(local);
+                w.sources(sources);
             }
             Msg::Grant { slot, gen } => {
                 w.u8(5);
                 w.u32(*slot);
                 w.u64(*gen);
+            }
+            Msg::GrantIpc { slot, gen, sources } => {
+                w.u8(9);
+                w.u32(*slot);
+                w.u64(*gen);
+                w.sources(sources);
             }
             Msg::Refuse {
                 slot,
@@ -318,6 +388,7 @@ impl Msg {
                 let device = device_from(r.u8()?, r.u32()?)?;
                 let remote = r.ranges()?;
                 let local = r.ranges()?;
+                let sources = r.sources()?;
                 Msg::Req {
                     slot,
                     gen,
@@ -327,6 +398,7 @@ impl Msg {
                     device,
                     remote,
                     local,
+                    sources,
                 }
             }
             5 => Msg::Grant {
@@ -350,6 +422,11 @@ impl Msg {
                 ok: r.u8()? != 0,
                 reason: r.str(4096)?,
             },
+            9 => Msg::GrantIpc {
+                slot: r.u32()?,
+                gen: r.u64()?,
+                sources: r.sources()?,
+            },
             _ => return None,
         })
     }
@@ -358,6 +435,18 @@ impl Msg {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn source(seed: u8) -> IpcSource {
+        IpcSource {
+            uuid: [seed; 16],
+            handle: [seed ^ 0x5a; 64],
+            base: 0x7f00_0000_0000,
+            alloc_len: 2 << 20,
+            buffer_id: u64::from(seed) + 40,
+            offset: 4096,
+            len: 1 << 20,
+        }
+    }
 
     fn all() -> Vec<Msg> {
         vec![
@@ -381,8 +470,14 @@ mod tests {
                 device: Device::Cuda(3),
                 remote: vec![(1, 2), (3, 4)],
                 local: vec![(5, 6), (7, 8)],
+                sources: vec![source(1), source(2)],
             },
             Msg::Grant { slot: 1, gen: 2 },
+            Msg::GrantIpc {
+                slot: 3,
+                gen: 4,
+                sources: vec![source(3)],
+            },
             Msg::Refuse {
                 slot: 1,
                 gen: 2,
@@ -438,6 +533,17 @@ mod tests {
             m[i] = (x >> 24) as u8;
             let _ = Msg::decode(&m);
         }
+        // So is an IPC source whose range overruns its allocation.
+        let mut bad = source(7);
+        bad.offset = bad.alloc_len - 1;
+        let mut buf = Vec::new();
+        Msg::GrantIpc {
+            slot: 1,
+            gen: 1,
+            sources: vec![bad],
+        }
+        .encode(&mut buf);
+        assert!(Msg::decode(&buf).is_err());
         // A huge range count in a small frame is refused, not allocated.
         let mut evil = vec![0u8; 4];
         evil.push(4);
