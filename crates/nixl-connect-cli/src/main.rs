@@ -203,3 +203,27 @@ pub(crate) fn human_bytes(n: usize) -> String {
         format!("{v:.1} {unit} ({n} bytes)")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    proptest::proptest! {
+        #[test]
+        fn cli_parse_size_never_panics(s in "\\PC{0,24}") {
+            let _ = parse_size(&s);
+            let _ = parse_nonzero_size(&s);
+        }
+
+        #[test]
+        fn cli_parse_size_reads_what_it_prints(n in 0usize..(1 << 50)) {
+            proptest::prop_assert_eq!(parse_size(&human(n)), Ok(n));
+        }
+
+        #[test]
+        fn cli_parse_size_refuses_what_overflows(k in (1usize << 54)..usize::MAX) {
+            let text = format!("{k}G");
+            proptest::prop_assert!(parse_size(&text).is_err());
+        }
+    }
+}

@@ -80,14 +80,20 @@ pub(crate) struct WriteArgs {
 }
 
 /// Sizes of `n` unequal parts of `total` (weights 1, 2, ..., n), each at least one byte.
+/// The most descriptors a buffer is split into.
+pub(crate) const MAX_SPLIT: usize = 1 << 20;
+
 pub(crate) fn split_sizes(total: usize, n: usize) -> Result<Vec<usize>> {
     if n == 0 {
         bail!("--descriptors must be at least 1");
     }
+    if n > MAX_SPLIT {
+        bail!("--descriptors is at most {MAX_SPLIT}");
+    }
     if total < n {
         bail!("cannot split {total} bytes into {n} non-empty descriptors");
     }
-    let weight: usize = (1..=n).sum();
+    let weight: usize = n * (n + 1) / 2; // n <= 2^20: no overflow
     let mut sizes: Vec<usize> = (1..=n).map(|w| (total / weight * w).max(1)).collect();
     let used: usize = sizes[..n - 1].iter().sum();
     sizes[n - 1] = total - used;
@@ -346,5 +352,49 @@ mod tests {
         assert!(s.windows(2).all(|w| w[0] != w[1] || w[0] == 1));
         assert!(split_sizes(3, 4).is_err());
         assert_eq!(split_sizes(10, 1).unwrap(), vec![10]);
+    }
+
+    fn metadata(sizes: &[u64]) -> RdmaMetadata {
+        RdmaMetadata {
+            descriptors: sizes
+                .iter()
+                .map(|&size| nixl_connect::SerializedDescriptor {
+                    device: nixl_connect::Device::Host,
+                    ptr: 4096,
+                    size,
+                })
+                .collect(),
+            nixl_metadata: "b64:".into(),
+            notification_key: "k".into(),
+            operation_kind: 1,
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn cli_split_sizes_add_up_or_refuse(total in 0usize..(1 << 40), n in 0usize..(MAX_SPLIT + 10)) {
+            match split_sizes(total, n) {
+                Ok(v) => {
+                    proptest::prop_assert_eq!(v.len(), n);
+                    proptest::prop_assert_eq!(v.iter().sum::<usize>(), total);
+                    proptest::prop_assert!(v.iter().all(|&x| x > 0));
+                }
+                Err(_) => proptest::prop_assert!(n == 0 || n > MAX_SPLIT || total < n),
+            }
+        }
+
+        #[test]
+        fn cli_metadata_sizes_add_up_or_are_an_error(sizes in proptest::collection::vec(proptest::num::u64::ANY, 1..12)) {
+            let total = sizes.iter().try_fold(0u64, |a, &b| a.checked_add(b));
+            match sizes_of(&metadata(&sizes)) {
+                Ok((v, t)) => {
+                    proptest::prop_assert_eq!(Some(t as u64), total);
+                    proptest::prop_assert_eq!(v.len(), sizes.len());
+                }
+                Err(e) => {
+                    proptest::prop_assert!(total.is_none(), "refused {:?}: {}", sizes, e);
+                }
+            }
+        }
     }
 }
