@@ -67,12 +67,25 @@ fn bar(len: u64, what: &str) -> Option<indicatif::ProgressBar> {
         let b = indicatif::ProgressBar::new(len);
         b.set_style(
             indicatif::ProgressStyle::with_template(
-                "{msg:>10} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+                "{msg:>10} [{bar:30}] {bytes}/{total_bytes} {decimal_bytes_per_sec} eta {eta}",
             )
             .expect("a valid template")
             .progress_chars("=> "),
         );
         b.set_message(what.to_string());
+        b
+    })
+}
+
+/// A spinner on stderr for a phase whose progress cannot be counted, when stderr is a terminal.
+fn spinner(what: &str) -> Option<indicatif::ProgressBar> {
+    std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new_spinner();
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} {msg} ({elapsed})").expect("a valid template"),
+        );
+        b.set_message(what.to_string());
+        b.enable_steady_tick(Duration::from_millis(100));
         b
     })
 }
@@ -162,7 +175,7 @@ pub(crate) async fn send(a: SendArgs) -> Result<()> {
         size,
         publication.url()
     );
-    let progress = bar(size as u64, "sent");
+    let progress = bar(size as u64, "waiting");
     let deadline = t0 + timeout;
     let left = || {
         deadline
@@ -176,6 +189,11 @@ pub(crate) async fn send(a: SendArgs) -> Result<()> {
             res = r.wait_for_completion(Some(left())) => match res {
                 Ok(()) => {
                     if let Some(b) = &progress {
+                        if b.position() == 0 {
+                            // The rate and ETA count from the first byte read, not from publication.
+                            b.reset();
+                            b.set_message("sent");
+                        }
                         b.inc(*len as u64);
                     }
                 }
@@ -198,13 +216,20 @@ pub(crate) async fn send(a: SendArgs) -> Result<()> {
     }
     let reply = match reply {
         Some(r) => r,
-        None => publication.reply(left()).await.map_err(|_| {
-            Exit::timed_out(format!(
-                "the receiver read {name} but did not confirm saving it within {:.0} s (it failed, \
+        None => {
+            let waiting = spinner("the receiver is verifying and saving");
+            let got = publication.reply(left()).await;
+            if let Some(s) = waiting {
+                s.finish_and_clear();
+            }
+            got.map_err(|_| {
+                Exit::timed_out(format!(
+                    "the receiver read {name} but did not confirm saving it within {:.0} s (it failed, \
                  vanished or is still busy)",
-                timeout.as_secs_f64()
-            ))
-        })?,
+                    timeout.as_secs_f64()
+                ))
+            })?
+        }
     };
     drop(publication);
     if reply["ok"] != true {
@@ -486,8 +511,12 @@ async fn receive(
     if got != want {
         bail!("the data's sha256 is {got} but the sender published {want}; nothing was saved");
     }
-    let saved = partial.commit(a.force)?;
-    Ok((saved, got))
+    let saving = spinner("saving (fsync, rename)");
+    let saved = partial.commit(a.force);
+    if let Some(s) = saving {
+        s.finish_and_clear();
+    }
+    Ok((saved?, got))
 }
 
 #[cfg(test)]
