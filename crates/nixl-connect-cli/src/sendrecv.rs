@@ -63,14 +63,26 @@ fn secs(s: f64) -> Result<Duration> {
 
 /// A progress bar on stderr when it is a terminal; nothing otherwise.
 fn bar(len: u64, what: &str) -> Option<indicatif::ProgressBar> {
+    styled_bar(
+        len,
+        what,
+        "{msg:>10} [{bar:30}] {bytes}/{total_bytes} {decimal_bytes_per_sec} eta {eta}",
+    )
+}
+
+/// The sender's bar: bytes only, since it learns of progress a chunk at a time and cannot tell
+/// when the receiver started (the receiver's bar shows the rate).
+fn count_bar(len: u64, what: &str) -> Option<indicatif::ProgressBar> {
+    styled_bar(len, what, "{msg:>10} [{bar:30}] {bytes}/{total_bytes}")
+}
+
+fn styled_bar(len: u64, what: &str, template: &str) -> Option<indicatif::ProgressBar> {
     std::io::stderr().is_terminal().then(|| {
         let b = indicatif::ProgressBar::new(len);
         b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{msg:>10} [{bar:30}] {bytes}/{total_bytes} {decimal_bytes_per_sec} eta {eta}",
-            )
-            .expect("a valid template")
-            .progress_chars("=> "),
+            indicatif::ProgressStyle::with_template(template)
+                .expect("a valid template")
+                .progress_chars("=> "),
         );
         b.set_message(what.to_string());
         b
@@ -175,7 +187,7 @@ pub(crate) async fn send(a: SendArgs) -> Result<()> {
         size,
         publication.url()
     );
-    let progress = bar(size as u64, "waiting");
+    let progress = count_bar(size as u64, "waiting");
     let deadline = t0 + timeout;
     let left = || {
         deadline
@@ -189,11 +201,7 @@ pub(crate) async fn send(a: SendArgs) -> Result<()> {
             res = r.wait_for_completion(Some(left())) => match res {
                 Ok(()) => {
                     if let Some(b) = &progress {
-                        if b.position() == 0 {
-                            // The rate and ETA count from the first byte read, not from publication.
-                            b.reset();
-                            b.set_message("sent");
-                        }
+                        b.set_message("sent");
                         b.inc(*len as u64);
                     }
                 }
@@ -384,6 +392,9 @@ fn destination(out: Option<PathBuf>, name: &str, force: bool) -> Result<PathBuf>
 }
 
 pub(crate) async fn recv(a: RecvArgs) -> Result<()> {
+    // The handlers go in before anything is created on disk: a signal that lands first ends the
+    // process by default, with nothing to clean up.
+    let signals = Signals::install();
     let timeout = secs(a.timeout)?;
     let t0 = Instant::now();
     let fetch_limit = timeout.min(Duration::from_secs(30));
@@ -392,8 +403,9 @@ pub(crate) async fn recv(a: RecvArgs) -> Result<()> {
     let url = a.url.clone();
     let work = receive(a, md, extra, t0, timeout);
     let outcome = tokio::select! {
+        biased;
+        s = signals.received() => Err(Exit::interrupted(format!("interrupted by {s}; nothing was saved"))),
         r = work => r,
-        s = interrupted() => Err(Exit::interrupted(format!("interrupted by {s}; nothing was saved"))),
     };
     // The partial file is gone by now on every failure (its guard dropped with `work`).
     let reply = match &outcome {
@@ -418,16 +430,28 @@ pub(crate) async fn recv(a: RecvArgs) -> Result<()> {
     Ok(())
 }
 
-/// SIGINT or SIGTERM.
-async fn interrupted() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-    else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = int.recv() => "SIGINT",
-        _ = term.recv() => "SIGTERM",
+/// SIGINT and SIGTERM, caught from the moment [`Signals::install`] returns.
+struct Signals(Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>);
+
+impl Signals {
+    fn install() -> Self {
+        use tokio::signal::unix::{signal, SignalKind};
+        Self(
+            signal(SignalKind::interrupt())
+                .ok()
+                .zip(signal(SignalKind::terminate()).ok()),
+        )
+    }
+
+    /// Which signal arrived; never resolves if the handlers could not be installed.
+    async fn received(mut self) -> &'static str {
+        let Some((int, term)) = &mut self.0 else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = int.recv() => "SIGINT",
+            _ = term.recv() => "SIGTERM",
+        }
     }
 }
 
