@@ -240,7 +240,7 @@ fn cli_dead_peer_fails_within_timeout() {
 #[test]
 fn cli_read_deadline_holds_when_the_server_is_stopped() {
     let dir = scratch("stopped");
-    for (path, tls) in [("auto", ""), ("nixl", "tcp")] {
+    for (path, tls) in [("auto", ""), ("nixl", tcp_tls())] {
         let mut c = cli();
         c.args(["serve", "--size", "64M", "--timeout", "60"]);
         if !tls.is_empty() {

@@ -229,7 +229,7 @@ fn cli_recv_sigint_in_each_phase_leaves_no_file() {
     let dir = scratch("sigint");
     let (file, data) = file_of(256 << 20, &dir, 11);
     for (i, after) in [5u64, 150, 400, 800, 1500].into_iter().enumerate() {
-        let s = Sender::start(&file, &[("UCX_TLS", "tcp")]);
+        let s = Sender::start(&file, &[("UCX_TLS", tcp_tls())]);
         let out = dir.join(format!("out-{i}"));
         let mut r = cli();
         r.args(["recv", &s.url, "-o"])
@@ -285,12 +285,12 @@ fn cli_recv_sigint_in_each_phase_leaves_no_file() {
 fn cli_recv_fails_cleanly_when_the_sender_dies() {
     let dir = scratch("sender-dies");
     let (file, _) = file_of(512 << 20, &dir, 6);
-    let mut s = Sender::start(&file, &[("UCX_TLS", "tcp")]);
+    let mut s = Sender::start(&file, &[("UCX_TLS", tcp_tls())]);
     let out = dir.join("received");
     let mut r = cli();
     r.args(["recv", &s.url, "--timeout", "20", "-o"])
         .arg(&out)
-        .env("UCX_TLS", "tcp");
+        .env("UCX_TLS", tcp_tls());
     let t0 = Instant::now();
     let recv = r.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(400));
@@ -315,7 +315,7 @@ fn cli_recv_fails_cleanly_when_the_sender_dies() {
 fn cli_recv_deadline_holds_when_the_sender_is_stopped() {
     let dir = scratch("sender-stopped");
     let (file, _) = file_of(64 << 20, &dir, 13);
-    for tls in ["", "tcp"] {
+    for tls in ["", tcp_tls()] {
         let env: Vec<(&str, &str)> = if tls.is_empty() {
             vec![]
         } else {

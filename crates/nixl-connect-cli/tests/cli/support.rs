@@ -7,6 +7,17 @@ use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_nixl-connect");
 
+/// The `UCX_TLS` value that makes NIXL move host memory over TCP (asynchronous, so a transfer can
+/// be caught in flight): `tcp`, plus `cuda_copy` on a machine with an NVIDIA driver, where NIXL
+/// refuses a transport list without it ("Add cuda_copy").
+pub fn tcp_tls() -> &'static str {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        "tcp,cuda_copy"
+    } else {
+        "tcp"
+    }
+}
+
 pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")

@@ -12,7 +12,7 @@ use nixl_connect::{
     SerializedDescriptor, TransferPath,
 };
 
-use super::support::{pattern, run_support, runtime, sizes, split, split_ro, Peer, PEER_ENV, T};
+use super::support::{pattern, run_support, runtime, sizes, split, split_ro, tcp_tls, Peer, PEER_ENV, T};
 
 fn pair() -> (Connector, Connector) {
     (
@@ -416,7 +416,7 @@ async fn cancel_before_peer_reads() {
 /// runs the case in a fresh process (and its peer) with `UCX_TLS=tcp`.
 #[test]
 fn cancel_during_transfer() {
-    let text = run_support("core::support_cancel_during", &[("UCX_TLS", "tcp".as_ref())]);
+    let text = run_support("core::support_cancel_during", &[("UCX_TLS", tcp_tls().as_ref())]);
     assert!(text.contains("CANCEL-OK"), "{text}");
 }
 

@@ -9,7 +9,7 @@ use nixl_connect::{
 };
 
 use super::soundness::{sound_peer, PEER};
-use super::support::{run_support, runtime, Peer, T};
+use super::support::{run_support, runtime, tcp_tls, Peer, T};
 
 const MIB: usize = 1 << 20;
 
@@ -180,7 +180,7 @@ fn foreign_peer() -> Option<Peer> {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([PEER, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
         .env(super::support::PEER_ENV, "peer")
-        .env("UCX_TLS", "tcp")
+        .env("UCX_TLS", tcp_tls())
         .env("HOME", std::env::temp_dir())
         .current_dir(std::env::temp_dir())
         .uid(65534)
@@ -190,7 +190,7 @@ fn foreign_peer() -> Option<Peer> {
 
 #[test]
 fn local_uid_mismatch_is_refused() {
-    let text = run_support("local::support_uid_mismatch", &[("UCX_TLS", "tcp".as_ref())]);
+    let text = run_support("local::support_uid_mismatch", &[("UCX_TLS", tcp_tls().as_ref())]);
     assert!(text.contains("UID-OK") || text.contains("skipped:"), "{text}");
 }
 
@@ -300,8 +300,8 @@ async fn local_peer_killed_mid_copy_on_each_side() {
 #[test]
 fn local_network_namespaces_take_nixl() {
     let Some(ns) = Netns::make() else { return };
-    let env_a = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", ns.dev_a.as_str())];
-    let env_b = [("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", ns.dev_b.as_str())];
+    let env_a = [("UCX_TLS", tcp_tls()), ("UCX_NET_DEVICES", ns.dev_a.as_str())];
+    let env_b = [("UCX_TLS", tcp_tls()), ("UCX_NET_DEVICES", ns.dev_b.as_str())];
     let mut a = Peer::from_command(ns.command(&ns.a, &env_a));
     let mut b = Peer::from_command(ns.command(&ns.b, &env_b));
     for (len, kind) in [(4096usize, "vec"), (64 * MIB, "host")] {

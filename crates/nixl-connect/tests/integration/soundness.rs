@@ -11,7 +11,7 @@ use nixl_connect::{
     Connector, Descriptor, Error, HostBuffer, OperationStatus, PathPolicy, RdmaMetadata, TransferPath,
 };
 
-use super::support::{pattern, run_support, runtime, Peer, PEER_ENV, T};
+use super::support::{pattern, run_support, runtime, tcp_tls, Peer, PEER_ENV, T};
 
 pub(crate) const PEER: &str = "soundness::support_sound_peer";
 const MIB: usize = 1 << 20;
@@ -61,7 +61,7 @@ fn canary_intact(c: &[u8]) -> bool {
 
 #[test]
 fn cancel_begin_future_dropped_at_every_point() {
-    for (path, tls) in [("nixl", "tcp"), ("auto", "")] {
+    for (path, tls) in [("nixl", tcp_tls()), ("auto", "")] {
         let mut env: Vec<(&str, &std::ffi::OsStr)> = vec![("NIXL_CONNECT_TEST_PATH", path.as_ref())];
         if !tls.is_empty() {
             env.push(("UCX_TLS", tls.as_ref()));
@@ -134,7 +134,10 @@ fn support_cancel_begin() {
 
 #[test]
 fn drop_passive_mid_transfer_never_crashes_owner() {
-    let text = run_support("soundness::support_drop_passive", &[("UCX_TLS", "tcp".as_ref())]);
+    let text = run_support(
+        "soundness::support_drop_passive",
+        &[("UCX_TLS", tcp_tls().as_ref())],
+    );
     assert!(text.contains("OWNER-OK"), "{text}");
 }
 
@@ -231,7 +234,10 @@ async fn replay_after_completion_and_drop_is_refused_or_harmless() {
 
     // NIXL over TCP: a replay cannot be refused there (UCX checks nothing at the target), but it
     // is harmless: dropped memory the library owned stays mapped and holds no data.
-    let text = run_support("soundness::support_replay_nixl", &[("UCX_TLS", "tcp".as_ref())]);
+    let text = run_support(
+        "soundness::support_replay_nixl",
+        &[("UCX_TLS", tcp_tls().as_ref())],
+    );
     assert!(text.contains("REPLAY-OK"), "{text}");
 }
 
@@ -365,7 +371,7 @@ pub(crate) async fn posted(conn: &Connector, before: u64, status: impl Fn() -> O
 fn deadline_holds_when_peer_is_stopped() {
     let text = run_support(
         "soundness::support_deadline_stopped",
-        &[("UCX_TLS", "tcp".as_ref())],
+        &[("UCX_TLS", tcp_tls().as_ref())],
     );
     assert!(text.contains("STOPPED-OK"), "{text}");
 }
@@ -493,7 +499,7 @@ fn support_deadline_stopped() {
 fn deadline_holds_when_peer_is_killed() {
     let text = run_support(
         "soundness::support_deadline_killed",
-        &[("UCX_TLS", "tcp".as_ref())],
+        &[("UCX_TLS", tcp_tls().as_ref())],
     );
     assert!(text.contains("KILLED-OK"), "{text}");
 }

@@ -13,6 +13,17 @@ pub const T: Option<Duration> = Some(Duration::from_secs(30));
 /// Set in a support process (to its role); support tests return at once without it.
 pub const PEER_ENV: &str = "NIXL_CONNECT_TEST_PEER";
 
+/// The `UCX_TLS` value that makes NIXL move host memory over TCP (asynchronous, so a transfer can
+/// be caught in flight): `tcp`, plus `cuda_copy` on a machine with an NVIDIA driver, where NIXL
+/// refuses a transport list without it ("Add cuda_copy").
+pub fn tcp_tls() -> &'static str {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        "tcp,cuda_copy"
+    } else {
+        "tcp"
+    }
+}
+
 /// Deterministic bytes for `seed`.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
