@@ -127,20 +127,36 @@ impl<T: Send + 'static> OwnedMemory for Owned<T> {
     }
 }
 
-fn ptr_of<T>(slice: &CudaSlice<T>, stream: &Arc<CudaStream>) -> usize {
-    let (p, _sync) = slice.device_ptr(stream);
-    p as usize
+/// The slice's device pointer, once the work queued on its stream so far has finished: a transfer
+/// of the descriptor (NIXL or CUDA IPC, on other streams or other processes) must not overtake a
+/// kernel still writing or reading the memory. Work queued after the descriptor is made is the
+/// caller's to finish before starting an operation (docs/GPU.md).
+fn ptr_of<T>(slice: &CudaSlice<T>, stream: &Arc<CudaStream>) -> Result<usize> {
+    let p = {
+        // The guard orders `stream` after the slice's pending writes (and records this use when
+        // dropped); both are on the slice's own stream here.
+        let (p, _sync) = slice.device_ptr(stream);
+        p as usize
+    };
+    stream
+        .synchronize()
+        .map_err(|e| Error::CudaUnavailable(format!("synchronising the slice's stream failed: {e}")))?;
+    Ok(p)
 }
 
 impl Descriptor<'static> {
     /// A descriptor owning a cudarc device allocation (freed when the descriptor is dropped).
     ///
+    /// Waits (blocking) for the work queued on the slice's stream so far, so that no transfer of
+    /// the descriptor overtakes it; make descriptors after the kernels that fill the memory.
+    ///
     /// # Errors
-    /// [`Error::DeviceMismatch`] if the driver places the memory elsewhere than the slice's context.
+    /// [`Error::DeviceMismatch`] if the driver places the memory elsewhere than the slice's context;
+    /// [`Error::CudaUnavailable`] if synchronising its stream fails.
     pub fn from_cuda<T: DeviceRepr + Send + 'static>(slice: CudaSlice<T>) -> Result<Self> {
         let stream = slice.stream().clone();
         let device = Device::Cuda(stream.context().ordinal() as u32);
-        let ptr = ptr_of(&slice, &stream);
+        let ptr = ptr_of(&slice, &stream)?;
         let len = slice.len() * std::mem::size_of::<T>();
         verify(ptr, device)?;
         Ok(Descriptor::owned_on(
@@ -187,7 +203,7 @@ impl<'a> Descriptor<'a> {
     fn borrow_cuda<T: DeviceRepr>(slice: &CudaSlice<T>, writable: bool) -> Result<Self> {
         let stream = slice.stream().clone();
         let device = Device::Cuda(stream.context().ordinal() as u32);
-        let ptr = ptr_of(slice, &stream);
+        let ptr = ptr_of(slice, &stream)?;
         verify(ptr, device)?;
         Ok(Descriptor::borrowed_raw(
             ptr,
