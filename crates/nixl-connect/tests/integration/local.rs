@@ -371,86 +371,22 @@ impl Netns {
             ip_a: format!("10.251.{}.1", id % 250),
             ip_b: format!("10.251.{}.2", id % 250),
         };
-        let steps: Vec<Vec<String>> = vec![
-            vec!["netns".into(), "add".into(), n.a.clone()],
-            vec!["netns".into(), "add".into(), n.b.clone()],
-            vec![
-                "link".into(),
-                "add".into(),
-                n.dev_a.clone(),
-                "type".into(),
-                "veth".into(),
-                "peer".into(),
-                "name".into(),
-                n.dev_b.clone(),
-            ],
-            vec![
-                "link".into(),
-                "set".into(),
-                n.dev_a.clone(),
-                "netns".into(),
-                n.a.clone(),
-            ],
-            vec![
-                "link".into(),
-                "set".into(),
-                n.dev_b.clone(),
-                "netns".into(),
-                n.b.clone(),
-            ],
-            vec![
-                "-n".into(),
-                n.a.clone(),
-                "addr".into(),
-                "add".into(),
-                format!("{}/30", n.ip_a),
-                "dev".into(),
-                n.dev_a.clone(),
-            ],
-            vec![
-                "-n".into(),
-                n.b.clone(),
-                "addr".into(),
-                "add".into(),
-                format!("{}/30", n.ip_b),
-                "dev".into(),
-                n.dev_b.clone(),
-            ],
-            vec![
-                "-n".into(),
-                n.a.clone(),
-                "link".into(),
-                "set".into(),
-                n.dev_a.clone(),
-                "up".into(),
-            ],
-            vec![
-                "-n".into(),
-                n.b.clone(),
-                "link".into(),
-                "set".into(),
-                n.dev_b.clone(),
-                "up".into(),
-            ],
-            vec![
-                "-n".into(),
-                n.a.clone(),
-                "link".into(),
-                "set".into(),
-                "lo".into(),
-                "up".into(),
-            ],
-            vec![
-                "-n".into(),
-                n.b.clone(),
-                "link".into(),
-                "set".into(),
-                "lo".into(),
-                "up".into(),
-            ],
+        // One `ip` command a line (every name and address here is free of spaces).
+        let steps = [
+            format!("netns add {}", n.a),
+            format!("netns add {}", n.b),
+            format!("link add {} type veth peer name {}", n.dev_a, n.dev_b),
+            format!("link set {} netns {}", n.dev_a, n.a),
+            format!("link set {} netns {}", n.dev_b, n.b),
+            format!("-n {} addr add {}/30 dev {}", n.a, n.ip_a, n.dev_a),
+            format!("-n {} addr add {}/30 dev {}", n.b, n.ip_b, n.dev_b),
+            format!("-n {} link set {} up", n.a, n.dev_a),
+            format!("-n {} link set {} up", n.b, n.dev_b),
+            format!("-n {} link set lo up", n.a),
+            format!("-n {} link set lo up", n.b),
         ];
-        for s in steps {
-            let args: Vec<&str> = s.iter().map(String::as_str).collect();
+        for s in &steps {
+            let args: Vec<&str> = s.split_whitespace().collect();
             if let Err(e) = Self::ip(&args) {
                 println!("local_network_namespaces_take_nixl: skipped: cannot make network namespaces ({e})");
                 return None; // Drop removes what was made
