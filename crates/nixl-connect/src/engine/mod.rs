@@ -185,6 +185,8 @@ pub(crate) struct Decoded {
     pub(crate) md: Arc<str>,
     pub(crate) raw: Arc<[u8]>,
     pub(crate) peer: Arc<str>,
+    /// The fingerprint of the agent's connection part ([`nixl::md::identity`]).
+    pub(crate) ident: u64,
 }
 
 /// Counters for tests, `bench` and `doctor`.
@@ -334,6 +336,7 @@ impl Engine {
         let peer: Arc<str> = nixl::md::parse(&raw)?.name.into();
         let d = Decoded {
             md: md.into(),
+            ident: nixl::md::identity(&raw).unwrap_or(0),
             raw: raw.into(),
             peer,
         };

@@ -56,6 +56,8 @@ pub(crate) struct ActiveSpec {
     pub(crate) remote_raw: Arc<[u8]>,
     /// The peer's agent name (read from its metadata).
     pub(crate) peer: Arc<str>,
+    /// The fingerprint of the peer's connection metadata (computed once per metadata string).
+    pub(crate) remote_ident: u64,
     pub(crate) key: Arc<str>,
     pub(crate) state: Arc<OpState>,
 }

@@ -109,6 +109,7 @@ impl<'a> Active<'a> {
             remote_md: remote_md.md,
             remote_raw: remote_md.raw,
             peer: remote_md.peer,
+            remote_ident: remote_md.ident,
             key,
             state: state.clone(),
         };

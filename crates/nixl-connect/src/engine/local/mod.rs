@@ -1016,7 +1016,7 @@ impl LocalTransport {
             slot: a.slot,
             gen: a.gen,
             write: a.spec.write,
-            ident: crate::engine::nixl::md::identity(&a.spec.remote_raw).unwrap_or(0),
+            ident: a.spec.remote_ident,
             key: a.spec.key.to_string(),
             device: a.spec.remote.first().map_or(Device::Host, |r| r.device),
             remote: a
