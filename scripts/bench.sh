@@ -32,7 +32,6 @@ for r in $(seq "$RUNS"); do
 done
 # The Python pair, both modules, 4 KiB and 64 MiB (the Rust figure for 64 MiB comes from the rows above).
 pyres="$OUT/$stamp-python.jsonl"; : > "$pyres"
-export PYTHONPATH="$PWD/tests/interop/torch_stub${PYTHONPATH:+:$PYTHONPATH}"
 for r in $(seq "$RUNS"); do
   for module in nixl_connect dynamo.nixl_connect; do
     for size in 4096:500 67108864:30; do

@@ -2,7 +2,9 @@
 # Installs what nixl-connect needs on a fresh Debian machine, idempotently:
 #   - libclang (nixl-sys generates its bindings with bindgen at build time)
 #   - the NIXL library from PyPI's nixl-cu13 wheel, unpacked into .nixl/ (ignored by git)
-#   - with --interop: a Python venv (.venv/) holding Dynamo's dynamo.nixl_connect for the interop tests
+#   - with --interop: a Python venv (.venv/) holding Dynamo's dynamo.nixl_connect (ai-dynamo-runtime),
+#     Dynamo's own callers and their tests (ai-dynamo, without its heavy optional dependencies), real
+#     PyTorch (the PyPI wheel, CPU use only) and this project's nixl_connect wheel, built from source
 #   - with --nats: Debian's nats-server for the NATS channel tests
 # Usage: bash scripts/setup.sh [--interop] [--nats]
 set -euo pipefail
@@ -10,6 +12,7 @@ cd "$(dirname "$0")/.."
 NIXL_VERSION=1.5.1          # must match the pinned nixl-sys (=1.5.1) in Cargo.toml
 NIXL_WHEEL=${NIXL_WHEEL:-nixl-cu13}
 DYNAMO_VERSION=1.6.1
+TORCH_VERSION=2.15.0
 want_interop=0; want_nats=0
 for a in "$@"; do
   case "$a" in
@@ -54,16 +57,25 @@ if [ "$want_interop" = 1 ] && [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install -q --no-deps "nixl==${NIXL_VERSION}" "${NIXL_WHEEL}==${NIXL_VERSION}" "ai-dynamo-runtime==${DYNAMO_VERSION}"
   .venv/bin/pip install -q numpy "pydantic>=2.10.6,<=2.13.5"
 fi
+if [ "$want_interop" = 1 ] && ! .venv/bin/python -c "import torch, dynamo.common.multimodal" >/dev/null 2>&1; then
+  # Dynamo's callers (dynamo.common.multimodal, trtllm, vllm omni) and the tests the ai-dynamo wheel
+  # ships for them run against real torch. ai-dynamo is installed without its dependencies
+  # (transformers, kubernetes, aisimulate, ... are not needed by these modules); the ones their
+  # imports and tests need are named here. torch from PyPI pulls its CUDA libraries (~3 GB, about a
+  # minute here); only its CPU side is used.
+  say "installing torch==${TORCH_VERSION}, ai-dynamo==${DYNAMO_VERSION} and what its multimodal tests import into .venv"
+  .venv/bin/pip install -q "torch==${TORCH_VERSION}"
+  .venv/bin/pip install -q --no-deps "ai-dynamo==${DYNAMO_VERSION}"
+  .venv/bin/pip install -q pillow msgspec safetensors "redis>=6.2,<9" "aiohttp>=3.14.3,<4" pyyaml "prometheus-client>=0.23.1,<1"
+fi
 if [ "$want_interop" = 1 ]; then
   # The Python module nixl_connect (crates/nixl-connect-py), built from source with maturin and
   # installed into .venv, plus what its tests run with.
-  if [ ! -x .venv/bin/maturin ] || [ ! -x .venv/bin/pytest ]; then
-    say "installing maturin, pytest and pytest-asyncio into .venv"
-    .venv/bin/pip install -q "maturin>=1.8,<2" "pytest>=8" "pytest-asyncio>=0.24"
+  if [ ! -x .venv/bin/maturin ] || [ ! -x .venv/bin/pytest ] || ! .venv/bin/python -m ziglang version >/dev/null 2>&1; then
+    say "installing maturin, ziglang, pytest and pytest-asyncio into .venv"
+    .venv/bin/pip install -q "maturin>=1.8,<2" "ziglang>=0.13,<0.14" "pytest>=8" "pytest-asyncio>=0.24"
   fi
-  say "building the nixl_connect wheel (maturin, release) and installing it into .venv"
-  rm -rf target/wheels/nixl_connect-*.whl
-  .venv/bin/maturin build -q --release -m crates/nixl-connect-py/Cargo.toml -o target/wheels >&2
+  bash scripts/build-wheel.sh target/wheels
   .venv/bin/pip install -q --force-reinstall --no-deps target/wheels/nixl_connect-*.whl
 fi
 say "ready (NIXL: $(cat .nixl/VERSION) in $(pwd)/.nixl/lib)"

@@ -15,7 +15,9 @@ echo "== cargo doc" >&2
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps -q
 echo "== cargo test" >&2
 cargo test --workspace --all-features 2>&1
-echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect, side by side)" >&2
-# torch_stub: a CPU-only stand-in for PyTorch, which Dynamo's module imports at load time.
-# The watchdog in tests/python/conftest.py ends a hung test with every thread's stack.
-PYTHONPATH=tests/interop/torch_stub .venv/bin/python -m pytest tests/python -q -p no:cacheprovider
+echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect side by side, Dynamo's callers on both)" >&2
+# Real torch (CPU use) from .venv. The watchdog in tests/python/conftest.py ends a hung test with
+# every thread's stack.
+.venv/bin/python -m pytest tests/python -q -p no:cacheprovider
+echo "== pytest: the tests the ai-dynamo wheel ships for its nixl_connect callers, on nixl_connect" >&2
+bash scripts/test-dynamo.sh

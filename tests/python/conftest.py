@@ -1,7 +1,7 @@
 """Fixtures for the drop-in tests: every test runs against Dynamo's `dynamo.nixl_connect` and this
 project's `nixl_connect`; a module that cannot be imported is skipped with the reason.
 
-Run: cd /work/main && PYTHONPATH=tests/interop/torch_stub .venv/bin/python -m pytest tests/python -q
+Run: cd /work/main && .venv/bin/python -m pytest tests/python -q
 """
 import asyncio
 import faulthandler
@@ -196,8 +196,6 @@ def cuda_skip_reason():
         import torch
     except ImportError as e:
         return f"torch is not installed ({e})"
-    if "torch_stub" in (getattr(torch, "__file__", "") or ""):
-        return "torch is the CPU-only stand-in (tests/interop/torch_stub), not PyTorch"
     try:
         if not torch.cuda.is_available():
             return "torch.cuda.is_available() is False"

@@ -1,5 +1,5 @@
-"""torch tensors (CPU and CUDA) as Descriptors. Skipped, with the reason, when torch is the
-tests/interop/torch_stub stand-in or CUDA is unavailable."""
+"""torch tensors (CPU and CUDA) as Descriptors. The CUDA cases are skipped, with the reason, when
+CUDA is unavailable."""
 import asyncio
 
 import pytest
@@ -9,8 +9,6 @@ from conftest import cuda_skip_reason, waited
 
 def _real_torch_or_skip():
     import torch
-    if "torch_stub" in (getattr(torch, "__file__", "") or ""):
-        pytest.skip("torch is the CPU-only stand-in (tests/interop/torch_stub), not PyTorch")
     return torch
 
 

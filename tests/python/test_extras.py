@@ -55,8 +55,8 @@ DYNAMO_NAMES = [
 # --------------------------------------------------------------------------- module level
 
 def test_import_does_not_import_torch(nc):
-    """Dynamo needs torch at import; nixl_connect must not import it (torch_stub is importable
-    on this suite's PYTHONPATH, so an import would show)."""
+    """Dynamo needs torch at import; nixl_connect must not import it (real torch is installed in
+    the suite's venv, so an import would show)."""
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(nc.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH", "")) if p)

@@ -27,7 +27,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
@@ -92,10 +92,56 @@ fn timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
     }
 }
 
+/// Rust state tied to the process that made it. After `fork()` the child has none of the parent's
+/// threads (the engine, the timers), so it must neither use such state (it would wait forever) nor
+/// drop it (dropping may wait for those threads): it gets `Forked` errors, and the state is leaked.
+struct Owned<T> {
+    pid: u32,
+    inner: Option<T>,
+}
+
+impl<T> Owned<T> {
+    fn new(t: T) -> Self {
+        Self {
+            pid: std::process::id(),
+            inner: Some(t),
+        }
+    }
+
+    fn get(&self) -> PyResult<&T> {
+        match &self.inner {
+            Some(t) if std::process::id() == self.pid => Ok(t),
+            _ => Err(CoreError::new_err((
+                "Forked",
+                format!(
+                    "this object was created in process {} before it forked; objects of the \
+                     parent cannot be used in a child: create a new Connector (and operations) in \
+                     this process",
+                    self.pid
+                ),
+            ))),
+        }
+    }
+}
+
+impl<T> Drop for Owned<T> {
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            std::mem::forget(self.inner.take());
+        }
+    }
+}
+
 /// One NIXL agent (and same-host endpoint), as `dynamo.nixl_connect.Connector`'s connection.
 #[pyclass(frozen, module = "nixl_connect._core")]
 struct Connector {
-    inner: nixl_connect::Connector,
+    inner: Owned<nixl_connect::Connector>,
+}
+
+/// Memory registered ahead of active operations (`Connector.register`); dropping it deregisters.
+#[pyclass(frozen, module = "nixl_connect._core")]
+struct Registration {
+    _reg: Owned<nixl_connect::Registration>,
 }
 
 #[pymethods]
@@ -106,18 +152,50 @@ impl Connector {
         let inner = py
             .detach(|| nixl_connect::Connector::builder().worker_id(worker_id).build())
             .map_err(err)?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner: Owned::new(inner),
+        })
     }
 
     /// The NIXL agent name peers see.
     #[getter]
-    fn name(&self) -> String {
-        self.inner.name().to_string()
+    fn name(&self) -> PyResult<String> {
+        Ok(self.inner.get()?.name().to_string())
+    }
+
+    /// Registers memory with the agent that posts this connector's transfers, ahead of the
+    /// reads and writes that will use it (Dynamo's `Descriptor.register_with_connector`). Blocks,
+    /// without the GIL, for the engine's reply (tens of milliseconds the first time, when the
+    /// initiating NIXL agent is created).
+    fn register(&self, py: Python<'_>, descs: Vec<PyDesc>) -> PyResult<Registration> {
+        let descs = descriptors(descs)?;
+        let conn = self.inner.get()?.clone();
+        let rt = runtime()?;
+        let reg = py.detach(|| rt.block_on(conn.register(&descs))).map_err(err)?;
+        drop(descs);
+        Ok(Registration {
+            _reg: Owned::new(reg),
+        })
+    }
+
+    /// The engine's counters as a dict (`registrations`, `live_registrations`, `transfers`,
+    /// `local_transfers`, `remote_loads`); for tests and diagnostics.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let conn = self.inner.get()?.clone();
+        let rt = runtime()?;
+        let s = py.detach(|| rt.block_on(conn.stats())).map_err(err)?;
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("registrations", s.registrations)?;
+        d.set_item("live_registrations", s.live_registrations)?;
+        d.set_item("transfers", s.transfers)?;
+        d.set_item("local_transfers", s.local_transfers)?;
+        d.set_item("remote_loads", s.remote_loads)?;
+        Ok(d)
     }
 
     fn create_readable<'py>(&self, py: Python<'py>, descs: Vec<PyDesc>) -> PyResult<Bound<'py, PyAny>> {
         let descs = descriptors(descs)?;
-        let conn = self.inner.clone();
+        let conn = self.inner.get()?.clone();
         spawn(py, async move {
             let op = conn.create_readable(descs).await?;
             Ok(Outcome::Passive(Passive::new(PassiveOp::Readable(op))))
@@ -126,7 +204,7 @@ impl Connector {
 
     fn create_writable<'py>(&self, py: Python<'py>, descs: Vec<PyDesc>) -> PyResult<Bound<'py, PyAny>> {
         let descs = descriptors(descs)?;
-        let conn = self.inner.clone();
+        let conn = self.inner.get()?.clone();
         spawn(py, async move {
             let op = conn.create_writable(descs).await?;
             Ok(Outcome::Passive(Passive::new(PassiveOp::Writable(op))))
@@ -141,7 +219,7 @@ impl Connector {
     ) -> PyResult<Bound<'py, PyAny>> {
         let md: RdmaMetadata = metadata_json.parse().map_err(err)?;
         let descs = descriptors(descs)?;
-        let conn = self.inner.clone();
+        let conn = self.inner.get()?.clone();
         spawn(py, async move {
             let op = conn.begin_read(&md, descs).await?;
             Ok(Outcome::Active(Active::new(ActiveOp::Read(op))))
@@ -156,7 +234,7 @@ impl Connector {
     ) -> PyResult<Bound<'py, PyAny>> {
         let md: RdmaMetadata = metadata_json.parse().map_err(err)?;
         let descs = descriptors(descs)?;
-        let conn = self.inner.clone();
+        let conn = self.inner.get()?.clone();
         spawn(py, async move {
             let op = conn.begin_write(descs, &md).await?;
             Ok(Outcome::Active(Active::new(ActiveOp::Write(op))))
@@ -202,7 +280,7 @@ impl PassiveOp {
 /// A readable or writable: memory exposed to a peer.
 #[pyclass(frozen, module = "nixl_connect._core")]
 struct Passive {
-    op: Mutex<Option<Arc<PassiveOp>>>,
+    op: Owned<Mutex<Option<Arc<PassiveOp>>>>,
     metadata_json: String,
     key: String,
     /// The status when released (the operation itself is gone then).
@@ -216,12 +294,12 @@ impl Passive {
             metadata_json: md.to_json(),
             key: md.notification_key.clone(),
             last: Mutex::new(op.status()),
-            op: Mutex::new(Some(Arc::new(op))),
+            op: Owned::new(Mutex::new(Some(Arc::new(op)))),
         }
     }
 
-    fn get(&self) -> Option<Arc<PassiveOp>> {
-        self.op.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    fn get(&self) -> PyResult<Option<Arc<PassiveOp>>> {
+        Ok(lock(self.op.get()?).clone())
     }
 }
 
@@ -237,18 +315,18 @@ impl Passive {
         self.key.clone()
     }
 
-    fn status(&self) -> u8 {
-        match self.get() {
+    fn status(&self) -> PyResult<u8> {
+        Ok(match self.get()? {
             Some(op) => op.status(),
             None => *self.last.lock().unwrap_or_else(|p| p.into_inner()),
-        }
+        })
     }
 
     /// Waits for the peer (`timeout` in seconds, None: no limit); cancel safe.
     #[pyo3(signature = (timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
         let t = self::timeout(timeout)?;
-        let op = self.get();
+        let op = self.get()?;
         spawn(py, async move {
             match op {
                 Some(op) => op.wait(t).await.map(|()| Outcome::Done),
@@ -257,21 +335,23 @@ impl Passive {
         })
     }
 
-    fn cancel(&self) {
-        if let Some(op) = self.get() {
+    fn cancel(&self) -> PyResult<()> {
+        if let Some(op) = self.get()? {
             op.cancel();
         }
+        Ok(())
     }
 
     /// Ends the operation (idempotent): the memory is no longer exposed.
-    fn release(&self, py: Python<'_>) {
-        let op = self.op.lock().unwrap_or_else(|p| p.into_inner()).take();
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let op = lock(self.op.get()?).take();
         if let Some(op) = op {
             op.cancel();
             *self.last.lock().unwrap_or_else(|p| p.into_inner()) = op.status();
             // Dropping may wait for this process's own same-host copy into the memory to stop.
             py.detach(move || drop(op));
         }
+        Ok(())
     }
 }
 
@@ -314,7 +394,7 @@ impl ActiveOp {
 /// A read or a write: moving data to or from a peer's passive operation.
 #[pyclass(frozen, module = "nixl_connect._core")]
 struct Active {
-    op: Mutex<Option<Arc<ActiveOp>>>,
+    op: Owned<Mutex<Option<Arc<ActiveOp>>>>,
     last: Mutex<(u8, Option<String>)>,
 }
 
@@ -322,37 +402,37 @@ impl Active {
     fn new(op: ActiveOp) -> Self {
         Self {
             last: Mutex::new((op.status(), None)),
-            op: Mutex::new(Some(Arc::new(op))),
+            op: Owned::new(Mutex::new(Some(Arc::new(op)))),
         }
     }
 
-    fn get(&self) -> Option<Arc<ActiveOp>> {
-        self.op.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    fn get(&self) -> PyResult<Option<Arc<ActiveOp>>> {
+        Ok(lock(self.op.get()?).clone())
     }
 }
 
 #[pymethods]
 impl Active {
-    fn status(&self) -> u8 {
-        match self.get() {
+    fn status(&self) -> PyResult<u8> {
+        Ok(match self.get()? {
             Some(op) => op.status(),
             None => self.last.lock().unwrap_or_else(|p| p.into_inner()).0,
-        }
+        })
     }
 
     /// `"local"` or `"nixl"` once a transport has taken the operation.
-    fn path(&self) -> Option<String> {
-        match self.get() {
+    fn path(&self) -> PyResult<Option<String>> {
+        Ok(match self.get()? {
             Some(op) => op.path(),
             None => self.last.lock().unwrap_or_else(|p| p.into_inner()).1.clone(),
-        }
+        })
     }
 
     /// Waits for the transfer (`timeout` in seconds, None: no limit); cancel safe.
     #[pyo3(signature = (timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
         let t = self::timeout(timeout)?;
-        let op = self.get();
+        let op = self.get()?;
         spawn(py, async move {
             match op {
                 Some(op) => op.wait(t).await.map(|()| Outcome::Done),
@@ -361,20 +441,22 @@ impl Active {
         })
     }
 
-    fn cancel(&self) {
-        if let Some(op) = self.get() {
+    fn cancel(&self) -> PyResult<()> {
+        if let Some(op) = self.get()? {
             op.cancel();
         }
+        Ok(())
     }
 
     /// Ends the operation (idempotent; never blocks long: the memory belongs to Python objects
     /// the engine keeps alive until no transfer touches it).
-    fn release(&self, py: Python<'_>) {
-        let op = self.op.lock().unwrap_or_else(|p| p.into_inner()).take();
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let op = lock(self.op.get()?).take();
         if let Some(op) = op {
             *self.last.lock().unwrap_or_else(|p| p.into_inner()) = (op.status(), op.path());
             py.detach(move || drop(op));
         }
+        Ok(())
     }
 }
 
@@ -392,18 +474,27 @@ type Work = Pin<Box<dyn Future<Output = Result<Outcome, Error>> + Send>>;
 
 /// The runtime whose driver serves the futures' timers (and any task they spawn); the futures
 /// themselves are polled on their event loop's thread.
+///
+/// One per process: a child of `fork()` has none of its parent's threads, so it starts its own
+/// (the parent's is leaked there, never dropped).
 fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
-    static RT: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("nixl-connect-py")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())
-    })
-    .as_ref()
-    .map_err(|e| CoreError::new_err(("Io", format!("cannot start the tokio runtime: {e}"))))
+    static RT: Mutex<Option<(u32, &'static tokio::runtime::Runtime)>> = Mutex::new(None);
+    let pid = std::process::id();
+    let mut slot = lock(&RT);
+    if let Some((p, rt)) = *slot {
+        if p == pid {
+            return Ok(rt);
+        }
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("nixl-connect-py")
+        .enable_all()
+        .build()
+        .map_err(|e| CoreError::new_err(("Io", format!("cannot start the tokio runtime: {e}"))))?;
+    let rt: &'static tokio::runtime::Runtime = Box::leak(Box::new(rt));
+    *slot = Some((pid, rt));
+    Ok(rt)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -644,5 +735,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Passive>()?;
     m.add_class::<Active>()?;
     m.add_class::<Completions>()?;
+    m.add_class::<Registration>()?;
     Ok(())
 }

@@ -5,11 +5,12 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
-use crate::descriptor::Descriptors;
+use crate::descriptor::{Descriptor, Descriptors};
 use crate::engine::{Engine, EngineOptions, EngineStats};
 use crate::error::{Error, Result};
 use crate::metadata::RdmaMetadata;
 use crate::operation::{PathPolicy, ReadOperation, ReadableOperation, WritableOperation, WriteOperation};
+use crate::registration::Registration;
 
 /// How long, by default, a dropped operation with borrowed memory waits for its NIXL transfer to
 /// end before the connector cuts the transfer off.
@@ -272,6 +273,35 @@ impl Connector {
         remote: &RdmaMetadata,
     ) -> Result<WriteOperation<'a>> {
         WriteOperation::begin(&self.inner.engine, remote, local.into().0).await
+    }
+
+    /// Registers `local`'s memory with NIXL ahead of the active operations
+    /// ([`begin_read`](Self::begin_read), [`begin_write`](Self::begin_write)) that will use it,
+    /// as Dynamo's `Descriptor.register_with_connector`. An operation whose local memory lies
+    /// inside a live registration (all of it, or its start: a pooled buffer used for a smaller
+    /// transfer) skips registering it. Empty descriptors are skipped.
+    ///
+    /// Passive operations register exactly what they expose and do not use these registrations
+    /// (a peer must not reach more than the operation's memory).
+    ///
+    /// # Errors
+    /// [`Error::Nixl`] when NIXL refuses the registration, [`Error::EngineStopped`] if the engine
+    /// thread is gone.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the registration as soon as it is made.
+    pub async fn register(&self, local: &[Descriptor<'_>]) -> Result<Registration> {
+        let ranges: Vec<_> = local.iter().filter(|d| d.size() > 0).map(|d| d.range()).collect();
+        let bytes = ranges.iter().map(|r| r.len).sum();
+        if ranges.is_empty() {
+            return Ok(Registration::new(Vec::new(), 0));
+        }
+        let tokens = self
+            .inner
+            .engine
+            .call(|reply| crate::engine::Cmd::Register { ranges, reply })
+            .await??;
+        Ok(Registration::new(tokens, bytes))
     }
 
     /// The engine's counters (registrations, remote loads, transfers).

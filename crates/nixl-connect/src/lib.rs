@@ -45,6 +45,7 @@ mod engine;
 mod error;
 mod metadata;
 mod operation;
+mod registration;
 
 pub use buffer::{HostBuffer, HUGE_PAGE};
 pub use connector::{Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_QUARANTINE_LIMIT};
@@ -57,6 +58,7 @@ pub use operation::{
     OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath, WritableOperation,
     WriteOperation,
 };
+pub use registration::Registration;
 
 /// Whether the same-host path can move bytes from memory on `src` into memory on `dst` in this
 /// build and process (the peer must agree too: same user, same host, and for device memory CUDA
@@ -76,7 +78,7 @@ pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), Strin
 
 /// Where NIXL is looked for, and what was loaded.
 pub mod nixl_library {
-    pub use crate::engine::nixl::ffi::{NIXL_LIB_ENV, NIXL_SYS_VERSION};
+    pub use crate::engine::nixl::ffi::{NIXL_LIB_ENV, NIXL_SYS_VERSION, SKIP_VERSION_ENV};
 
     /// Every path searched for `libnixl_capi.so`, in order (see [`NIXL_LIB_ENV`]).
     pub fn candidates() -> Vec<std::path::PathBuf> {

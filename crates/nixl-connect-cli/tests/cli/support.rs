@@ -37,10 +37,8 @@ pub fn cli() -> Command {
     Command::new(BIN)
 }
 
-/// The venv's python with Dynamo's module; fails (never skips) when it is missing.
-///
-/// `tests/interop/torch_stub` goes first on PYTHONPATH: a stand-in `torch` holding only `Tensor`
-/// (the module imports torch but uses it only for isinstance checks on these paths).
+/// The venv's python with Dynamo's module (and real torch, which it imports); fails (never
+/// skips) when it is missing.
 pub fn python() -> Command {
     let py = root().join(".venv/bin/python");
     assert!(
@@ -50,7 +48,6 @@ pub fn python() -> Command {
     );
     let mut c = Command::new(py);
     c.arg(root().join("tests/interop/py_peer.py"));
-    c.env("PYTHONPATH", root().join("tests/interop/torch_stub"));
     c.env("NIXL_LOG_LEVEL", "WARN");
     c
 }

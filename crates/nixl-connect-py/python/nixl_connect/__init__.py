@@ -65,6 +65,7 @@ except ImportError as _e:  # a source checkout without the built extension
         "nixl_connect._core (the Rust extension) is not built: install the package with "
         "`pip install ./crates/nixl-connect-py` or `maturin develop` in crates/nixl-connect-py "
         f"({_e})") from _e
+from ._dynamo import install_as_dynamo, is_installed_as_dynamo
 from ._errors import (
     ERROR_CLASSES,
     CancelledError,  # noqa: F401 - public, kept out of __all__
@@ -74,6 +75,7 @@ from ._errors import (
     DescriptorMismatchError,
     DeviceMismatchError,
     EngineStoppedError,
+    ForkedError,
     InvalidArgumentError,
     MetadataError,
     NixlBackendError,
@@ -137,7 +139,10 @@ __all__ = [
     "WritableOperation",
     "WriteOperation",
     # extras
+    "install_as_dynamo",
+    "is_installed_as_dynamo",
     "ERROR_CLASSES",
+    "ForkedError",
     "NixlConnectError",
     "InvalidArgumentError",
     "WrongPairingError",

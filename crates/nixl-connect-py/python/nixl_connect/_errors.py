@@ -189,6 +189,13 @@ class EngineStoppedError(NixlConnectError, RuntimeError):
     kind = "EngineStopped"
 
 
+class ForkedError(NixlConnectError, RuntimeError):
+    """An object made before `os.fork()` was used in the child: create it again there (a
+    Connector does so by itself)."""
+
+    kind = "Forked"
+
+
 class CancelledError(NixlConnectError, RuntimeError):
     """The operation was cancelled. Not `asyncio.CancelledError`."""
 
@@ -251,6 +258,7 @@ ERROR_CLASSES: Dict[str, Type[NixlConnectError]] = {
     "PathUnavailable": PathUnavailableError,
     "EngineStopped": EngineStoppedError,
     "Cancelled": CancelledError,
+    "Forked": ForkedError,
     "TimedOut": TimeoutError,
     "Channel": ChannelError,
     "NotPublished": NotPublishedError,

@@ -14,10 +14,12 @@ import concurrent.futures
 import ctypes
 import math
 import numbers
+import os
 import socket
 import sys
 import threading
 import uuid
+import weakref
 import zlib
 from abc import ABC, abstractmethod
 from functools import cached_property
@@ -76,6 +78,23 @@ def _local_list(local_descriptors: Any, message: str = _LOCAL_TYPE_MESSAGE) -> L
                 raise TypeError(message)
         return list(local_descriptors)
     raise TypeError(message)
+
+
+_METADATA_FIELDS = ("descriptors", "nixl_metadata", "notification_key", "operation_kind")
+
+
+def _as_metadata(remote_metadata: Any) -> Any:
+    """`remote_metadata` as this module's RdmaMetadata: ours as is; any other pydantic model with
+    the same four fields (Dynamo's `dynamo.nixl_connect.RdmaMetadata`, or a copy of the class)
+    validated again by our model, so a graph that mixes the two modules works. Anything else is
+    returned unchanged (the caller's type check rejects it)."""
+    if isinstance(remote_metadata, RdmaMetadata):
+        return remote_metadata
+    dump = getattr(remote_metadata, "model_dump", None)
+    fields = getattr(type(remote_metadata), "model_fields", None)
+    if callable(dump) and isinstance(fields, dict) and set(fields) == set(_METADATA_FIELDS):
+        return RdmaMetadata.model_validate(dump())
+    return remote_metadata
 
 
 def _check_active_args(kind: OperationKind, remote_metadata: Any,
@@ -326,7 +345,7 @@ class AbstractOperation(ABC):
             for d in local:
                 if d._readonly:
                     raise InvalidArgumentError(
-                        f"Read-only memory ({type(d._ref).__name__}) cannot be the destination of "
+                        f"Read-only memory ({type(d._data_ref).__name__}) cannot be the destination of "
                         f"a {type(self).__name__}; use writable memory such as a bytearray.")
         try:
             for d in local:
@@ -421,6 +440,7 @@ class ActiveOperation(AbstractOperation):
         self._released = True
         if not isinstance(connection, Connection):
             raise TypeError("Argument `connection` must be `nixl_connect.Connection`.")
+        remote_metadata = _as_metadata(remote_metadata)
         local = _check_active_args(OperationKind(operation_kind), remote_metadata, local_descriptors)
         self._remote_metadata = remote_metadata
         self._remote = Remote(connection, remote_metadata.nixl_metadata)
@@ -793,6 +813,8 @@ class Connector:
         self._connection: Optional[Connection] = None
         self._creating: Optional["concurrent.futures.Future[Connection]"] = None
         self._lock = threading.Lock()
+        self._pid = os.getpid()
+        _CONNECTORS[id(self)] = self
 
     def __eq__(self, other: Any) -> bool:
         if not isinstance(other, Connector):
@@ -837,10 +859,19 @@ class Connector:
         """The worker id."""
         return self._worker_id
 
-    async def _get_connection(self) -> Connection:
-        """The Connection, created on first use. Creating the NIXL agent takes tens of
-        milliseconds; it runs on a helper thread so the event loop is not blocked (Dynamo blocks
-        it). Concurrent first calls share one creation; a failed creation is retried next call."""
+    async def _create_connection(self) -> Connection:
+        """The Connector's shared Connection (NIXL agent), created on first use.
+
+        Dynamo's private coroutine, kept with its meaning because Dynamo's own callers use it:
+        awaited directly as a probe (TRT-LLM), run with `run_async` on a throwaway event loop in
+        another thread (the multimodal receivers), or overridden by a subclass; every operation
+        gets its connection through it. The Connection is usable from any thread and loop.
+
+        Creating the NIXL agent takes tens of milliseconds; it runs on a helper thread so the
+        event loop is not blocked. Concurrent first calls share one creation; whatever the
+        creation raises is raised here (and a later call tries again).
+        """
+        self._check_fork()
         conn = self._connection
         if conn is not None:
             return conn
@@ -850,60 +881,109 @@ class Connector:
             if start:
                 pending = self._creating = concurrent.futures.Future()
         if start:
-            threading.Thread(target=self._create_connection, args=(pending,),
-                             name="nixl_connect-connector", daemon=True).start()
+            try:
+                threading.Thread(target=self._make_connection, args=(pending,),
+                                 name="nixl_connect-connector", daemon=True).start()
+            except BaseException as e:  # noqa: BLE001 - e.g. no thread can be started
+                self._fail_creation(pending, e)
         # shield: a cancelled caller must not cancel the creation other callers wait for
         return await asyncio.shield(asyncio.wrap_future(pending))
 
-    def _create_connection(self, pending: "concurrent.futures.Future[Connection]") -> None:
-        if not pending.set_running_or_notify_cancel():
-            with self._lock:
-                self._creating = None
-            return
+    def _make_connection(self, pending: "concurrent.futures.Future[Connection]") -> None:
+        """The helper thread's work: every outcome, exceptions included, reaches `pending`."""
         try:
+            if not pending.set_running_or_notify_cancel():
+                with self._lock:
+                    if self._creating is pending:
+                        self._creating = None
+                return
             conn = Connection(self, 1)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting callers
-            with self._lock:
-                self._creating = None
-            pending.set_exception(e)
+            self._fail_creation(pending, e)
             return
         with self._lock:
             self._connection = conn
+            if self._creating is pending:
+                self._creating = None
         pending.set_result(conn)
+
+    def _fail_creation(self, pending: "concurrent.futures.Future[Connection]",
+                       e: BaseException) -> None:
+        with self._lock:
+            if self._creating is pending:
+                self._creating = None
+        if not pending.done():
+            try:
+                pending.set_exception(e)
+            except concurrent.futures.InvalidStateError:  # pragma: no cover - raced to done
+                pass
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            self._after_fork()
+
+    def _after_fork(self) -> None:
+        """In a child of fork(): the parent's Connection belongs to threads the child does not
+        have; forget it (it is never used or freed here) and create a fresh one on next use."""
+        if self._pid == os.getpid():
+            return
+        if self._connection is not None:
+            _FORKED_AWAY.append(self._connection)
+        self._connection = None
+        self._creating = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     async def begin_read(self, remote_metadata: RdmaMetadata,
                          local_descriptors: Union[Descriptor, List[Descriptor]]) -> ReadOperation:
         """Start reading the peer's ReadableOperation (described by `remote_metadata`) into
         `local_descriptors`; the data starts moving now. Await `wait_for_completion()`."""
+        remote_metadata = _as_metadata(remote_metadata)
         _check_active_args(OperationKind.READ, remote_metadata, local_descriptors)
-        op = ReadOperation(await self._get_connection(), remote_metadata, local_descriptors)
+        op = ReadOperation(await self._create_connection(), remote_metadata, local_descriptors)
         return await _started(op)
 
     async def begin_write(self, local_descriptors: Union[Descriptor, List[Descriptor]],
                           remote_metadata: RdmaMetadata) -> WriteOperation:
         """Start writing `local_descriptors` into the peer's WritableOperation; the data starts
         moving now. Await `wait_for_completion()`."""
+        remote_metadata = _as_metadata(remote_metadata)
         _check_active_args(OperationKind.WRITE, remote_metadata, local_descriptors)
-        op = WriteOperation(await self._get_connection(), local_descriptors, remote_metadata)
+        op = WriteOperation(await self._create_connection(), local_descriptors, remote_metadata)
         return await _started(op)
 
     async def create_readable(self, local_descriptors: Union[Descriptor, List[Descriptor]]
                               ) -> ReadableOperation:
         """Expose `local_descriptors` for one peer to read; hand `op.metadata()` to the peer."""
         _local_list(local_descriptors)
-        op = ReadableOperation(await self._get_connection(), local_descriptors)
+        op = ReadableOperation(await self._create_connection(), local_descriptors)
         return await _started(op)
 
     async def create_writable(self, local_descriptors: Union[Descriptor, List[Descriptor]]
                               ) -> WritableOperation:
         """Expose `local_descriptors` for one peer to write; hand `op.metadata()` to the peer."""
         _local_list(local_descriptors)
-        op = WritableOperation(await self._get_connection(), local_descriptors)
+        op = WritableOperation(await self._create_connection(), local_descriptors)
         return await _started(op)
 
     async def initialize(self) -> None:
         """Deprecated no-op (Dynamo)."""
         logger.debug("Connector.initialize() is deprecated and does nothing")
+
+
+# Every live Connector, so that a child of fork() can reset their locks and connections at once.
+_CONNECTORS: "weakref.WeakValueDictionary[int, Connector]" = weakref.WeakValueDictionary()
+# Connections of a parent process, kept (never used, never freed) in a child of fork().
+_FORKED_AWAY: List[Connection] = []
+
+
+def _after_fork_in_child() -> None:
+    for connector in list(_CONNECTORS.values()):
+        connector._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _cuda_driver_has_devices() -> bool:

@@ -301,6 +301,12 @@ def _is_dense(shape: Tuple[int, ...], strides: Optional[Tuple[int, ...]], itemsi
     return dense(reversed(pairs)) or dense(pairs)
 
 
+def core_error() -> type:
+    """The Rust core's exception type (imported late: this module is pure Python)."""
+    from . import _core
+    return _core.CoreError
+
+
 def _device_arg(value: Any) -> Device:
     if isinstance(value, Device):
         return value
@@ -325,6 +331,12 @@ class Descriptor:
         self._connection = None
         self._holders = 0
         self._readonly = False
+        # Dynamo's register_with_connector: the core's registration and the Connection it is for.
+        self._registration: Any = None
+        self._registered_with: Any = None
+        # The bytes the memory really has (None for raw pointers): `_data_size`, which Dynamo's
+        # callers shrink to use the start of a pooled buffer, may never exceed it.
+        self._extent: Optional[int] = None
         if data is None:
             raise ValueError("Argument `data` cannot be `None`.")
         if _looks_like_tensor(data):
@@ -341,6 +353,8 @@ class Descriptor:
             except TypeError:
                 raise TypeError(_TYPE_ERROR_MESSAGE) from None
             self._init_buffer(data)
+        if self._kind != _KIND_RAW:
+            self._extent = self._data_size
 
     # -- constructors by kind
 
@@ -358,28 +372,28 @@ class Descriptor:
                 get_device = getattr(tensor, "get_device", None)
                 index = get_device() if callable(get_device) else 0
             kind = DeviceKind.CUDA if dev_type == "cuda" else DeviceKind.XPU
-            self._device = Device((kind, int(index)))
+            self._data_device = Device((kind, int(index)))
         elif dev_type == "cpu":
-            self._device = Device((DeviceKind.HOST, 0))
+            self._data_device = Device((DeviceKind.HOST, 0))
         else:
             raise ValueError(f"Tensors on device {dev!s} are not supported (cpu, cuda and xpu are).")
-        self._ptr = int(tensor.data_ptr())
-        self._size = int(tensor.numel()) * int(tensor.element_size())
-        self._ref = tensor
+        self._data_ptr = int(tensor.data_ptr())
+        self._data_size = int(tensor.numel()) * int(tensor.element_size())
+        self._data_ref = tensor
         self._kind = _KIND_TENSOR
 
     def _init_buffer(self, obj: Any) -> None:
         mv = _byte_view(obj)
         try:
-            self._ptr = _view_address(mv)
+            self._data_ptr = _view_address(mv)
         except (TypeError, ValueError):
             raise
         except Exception as e:  # noqa: BLE001
             raise RuntimeError(f"Failed to get memory address of {type(obj).__name__}: {e}") from e
-        self._size = mv.nbytes
+        self._data_size = mv.nbytes
         self._readonly = mv.readonly
-        self._device = Device((DeviceKind.HOST, 0))
-        self._ref = obj
+        self._data_device = Device((DeviceKind.HOST, 0))
+        self._data_ref = obj
         self._kind = _KIND_BUFFER
 
     def _init_tuple(self, data: tuple) -> None:
@@ -409,18 +423,18 @@ class Descriptor:
                 raise ValueError(
                     "Argument `data`: the array is not contiguous, so one pointer and size cannot "
                     "describe it (copy it first, e.g. numpy.ascontiguousarray).")
-            self._ptr = int(ptr or 0)
-            self._size = int(nbytes)
+            self._data_ptr = int(ptr or 0)
+            self._data_size = int(nbytes)
             self._readonly = bool(readonly)
-            self._device = device
-            self._ref = arr
+            self._data_device = device
+            self._data_ref = arr
             self._kind = _KIND_ARRAY
             return
         if len(data) >= 2 and isinstance(data[0], int) and isinstance(data[1], int):
-            self._ptr = data[0]
-            self._size = data[1]
-            self._device = _device_arg(data[2]) if len(data) >= 3 else Device((DeviceKind.HOST, 0))
-            self._ref = data[3] if len(data) >= 4 else None
+            self._data_ptr = data[0]
+            self._data_size = data[1]
+            self._data_device = _device_arg(data[2]) if len(data) >= 3 else Device((DeviceKind.HOST, 0))
+            self._data_ref = data[3] if len(data) >= 4 else None
             self._kind = _KIND_RAW
             return
         raise TypeError(_TYPE_ERROR_MESSAGE)
@@ -431,34 +445,36 @@ class Descriptor:
         return f"Descriptor({self})"
 
     def __str__(self) -> str:
-        return f"ptr={hex(self._ptr)}, size={self._size}, device={self._device}"
+        return f"ptr={hex(self._data_ptr)}, size={self._data_size}, device={self._data_device}"
 
     @property
     def device(self) -> Device:
         """The device the memory is on."""
-        return self._device
+        return self._data_device
 
     @property
     def is_registered(self) -> bool:
-        """True while an operation (or a manual `register_with_connector`) holds this Descriptor."""
-        return self._connection is not None
+        """True while `register_with_connector` registered this Descriptor, or an operation holds
+        it."""
+        return self._registration is not None or self._connection is not None
 
     @property
     def ptr(self) -> int:
         """The address of the first byte."""
-        return self._ptr
+        return self._data_ptr
 
     @property
     def size(self) -> int:
         """The size in bytes."""
-        return self._size
+        return self._data_size
 
     @property
     def metadata(self) -> SerializedDescriptor:
         """This Descriptor as a SerializedDescriptor (cached)."""
-        if self._metadata is None:
-            self._metadata = SerializedDescriptor(device=str(self._device), ptr=self._ptr,
-                                                  size=self._size)
+        md = self._metadata
+        if md is None or md.size != self._data_size:
+            self._metadata = SerializedDescriptor(device=str(self._data_device), ptr=self._data_ptr,
+                                                  size=self._data_size)
         return self._metadata
 
     @staticmethod
@@ -469,15 +485,46 @@ class Descriptor:
         return serialized.to_descriptor()
 
     def register_with_connector(self, connection: Any) -> None:
-        """Semi-internal (Dynamo): mark this Descriptor as used by `connection`.
+        """Semi-internal (Dynamo): register this memory with `connection`'s NIXL agent now, so
+        that the reads and writes that later use it (all of it, or its start after `_data_size`
+        was shrunk) skip registering it. The registration lasts until `deregister_with_connector`
+        or until the Descriptor is garbage collected; operations do not end it (Dynamo's do, so
+        there only the first operation gains).
 
-        Memory registration itself happens in the Rust core, per operation; this only keeps
-        Dynamo's rules: no null pointer, one connection at a time.
+        Raises TypeError for anything but a `nixl_connect.Connection`, ValueError for a null
+        pointer, RuntimeError when registered with another connection (as Dynamo).
         """
-        self._acquire(connection)
+        core = getattr(connection, "_core", None)
+        if core is None or not callable(getattr(core, "register", None)):
+            raise TypeError("Argument `connection` must be `nixl_connect.Connection`.")
+        if self._data_ptr == 0:
+            raise InvalidArgumentError("Cannot register memory with a null pointer.")
+        for other in (self._registered_with, self._connection):
+            if other is not None and other is not connection:
+                raise DescriptorInUseError(
+                    "Descriptor cannot be registered with more than one connection. Existing "
+                    f"connection: {other}, new connection: {connection}.")
+        if self._registration is not None:
+            return
+        from ._errors import from_core  # deferred: _errors is imported by this module's users
+        try:
+            self._registration = core.register([self._core_desc()])
+        except core_error() as e:
+            raise from_core(e) from None
+        self._registered_with = connection
 
     def deregister_with_connector(self, connection: Any) -> None:
-        """Semi-internal (Dynamo): undo one `register_with_connector`."""
+        """Semi-internal (Dynamo): end `register_with_connector`'s registration (or, without one,
+        one operation's hold)."""
+        if self._registration is not None:
+            if self._registered_with is not connection:
+                raise RuntimeError(
+                    "Descriptor can only be deregistered from the connection it was registered "
+                    f"with. Existing connection: {self._registered_with}, requested connection: "
+                    f"{connection}.")
+            self._registration = None
+            self._registered_with = None
+            return
         if self._connection is None:
             logger.warning("Descriptor %s is not registered; nothing to deregister", self)
             return
@@ -490,13 +537,17 @@ class Descriptor:
     # -- internals used by the operations
 
     def _acquire(self, connection: Any) -> None:
-        if self._ptr == 0:
+        if self._data_ptr == 0:
             raise InvalidArgumentError("Cannot register memory with a null pointer.")
-        if not 0 < self._ptr < _U64:
-            raise InvalidArgumentError(f"Cannot register memory at {self._ptr}: not an address.")
-        if not 0 <= self._size < _U64:
+        if not 0 < self._data_ptr < _U64:
+            raise InvalidArgumentError(f"Cannot register memory at {self._data_ptr}: not an address.")
+        if not 0 <= self._data_size < _U64:
             raise InvalidArgumentError(
-                f"Cannot register memory of size {self._size}: sizes are 0 or more bytes.")
+                f"Cannot register memory of size {self._data_size}: sizes are 0 or more bytes.")
+        if self._registered_with is not None and self._registered_with is not connection:
+            raise DescriptorInUseError(
+                "Descriptor cannot be used with more than one connection. It is registered with "
+                f"{self._registered_with}; the operation's connection is {connection}.")
         if self._connection is not None and self._connection is not connection:
             raise DescriptorInUseError(
                 "Descriptor cannot be registered with more than one connection. Existing "
@@ -517,14 +568,20 @@ class Descriptor:
         cannot be resized); their address is checked again, so a buffer resized since the
         Descriptor was made is refused instead of transferring freed memory.
         """
-        keep = self._ref
+        size = self._data_size
+        if (not isinstance(size, int) or isinstance(size, bool) or size < 0
+                or (self._extent is not None and size > self._extent)):
+            raise InvalidArgumentError(
+                f"Descriptor._data_size is {size!r}: it must be an int from 0 to the "
+                f"{self._extent} bytes of the Descriptor's memory.")
+        keep = self._data_ref
         if self._kind == _KIND_BUFFER:
-            keep = _byte_view(self._ref)
-            if keep.nbytes != self._size or (self._size and _view_address(keep) != self._ptr):
+            keep = _byte_view(self._data_ref)
+            if keep.nbytes != self._extent or (self._extent and _view_address(keep) != self._data_ptr):
                 raise InvalidArgumentError(
                     "The buffer behind this Descriptor was resized or moved after the Descriptor "
                     "was created; create a new Descriptor.")
-        device = str(self._device)
+        device = str(self._data_device)
         if self._readonly:
             device += "!ro"
-        return (self._ptr, self._size, device, keep)
+        return (self._data_ptr, self._data_size, device, keep)

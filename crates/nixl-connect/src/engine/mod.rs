@@ -172,6 +172,11 @@ pub(crate) enum Cmd {
         gen: u64,
         mapping: Arc<Quarantined>,
     },
+    /// Register `ranges` with the agent that posts this connector's transfers, ahead of them.
+    Register {
+        ranges: Vec<Range>,
+        reply: oneshot::Sender<Result<Vec<RegToken>>>,
+    },
     /// Report the engine's counters.
     Stats {
         reply: oneshot::Sender<EngineStats>,
@@ -663,6 +668,9 @@ impl EngineLoop {
                 mapping.release_pages();
                 let len = mapping.len();
                 self.nixl.hold(Some(gen), Box::new(mapping), len);
+            }
+            Cmd::Register { ranges, reply } => {
+                let _ = reply.send(self.nixl.preregister(&ranges));
             }
             Cmd::Stats { reply } => {
                 let mut s = self.nixl.stats.clone();

@@ -176,6 +176,19 @@ pub(crate) fn load() -> Result<Loaded> {
     let Some(path) = found else {
         return Err(Error::NixlNotFound { searched });
     };
+    if let Some(found) = version_beside(&path) {
+        if !same_release(&found, NIXL_SYS_VERSION) && std::env::var_os(SKIP_VERSION_ENV).is_none() {
+            return Err(Error::NixlLoad {
+                reason: format!(
+                    "this is NIXL {found}, but nixl-connect was built for NIXL {NIXL_SYS_VERSION} \
+                     (its C API changes between releases): install `nixl-cu13=={NIXL_SYS_VERSION}` \
+                     (or nixl-cu12) with pip, or point {NIXL_LIB_ENV} at a NIXL \
+                     {NIXL_SYS_VERSION} library; {SKIP_VERSION_ENV}=1 skips this check at your risk"
+                ),
+                path,
+            });
+        }
+    }
     let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::NixlLoad {
         path: path.clone(),
         reason: "path contains NUL".into(),
@@ -200,6 +213,41 @@ pub(crate) fn load() -> Result<Loaded> {
     let l = Loaded { capi: path };
     *guard = Some(l.clone());
     Ok(l)
+}
+
+/// Environment variable that skips the check of the NIXL release found against [`NIXL_SYS_VERSION`].
+pub const SKIP_VERSION_ENV: &str = "NIXL_CONNECT_SKIP_VERSION_CHECK";
+
+/// The release of the NIXL library at `capi`, where its installation says it: the wheel's
+/// `dist-info` beside `.nixl_cu13.mesonpy.libs/`, or the `VERSION` file `scripts/setup.sh` writes
+/// beside `.nixl/lib/` (`nixl-cu13==1.5.1`). `None` where nothing says (a source install).
+pub(crate) fn version_beside(capi: &Path) -> Option<String> {
+    let dir = capi.parent()?;
+    let parent = dir.parent()?;
+    if let Ok(text) = std::fs::read_to_string(parent.join("VERSION")) {
+        let v = text.trim().rsplit("==").next()?.trim().to_string();
+        return (!v.is_empty()).then_some(v);
+    }
+    let name = dir.file_name()?.to_str()?;
+    let pkg = name.strip_prefix('.')?.strip_suffix(".mesonpy.libs")?;
+    for e in std::fs::read_dir(parent).ok()?.flatten() {
+        let f = e.file_name();
+        let f = f.to_str().unwrap_or("");
+        if let Some(v) = f
+            .strip_prefix(pkg)
+            .and_then(|r| r.strip_prefix('-'))
+            .and_then(|r| r.strip_suffix(".dist-info"))
+        {
+            return Some(v.to_string());
+        }
+    }
+    None
+}
+
+/// True when two versions share their major and minor numbers (`1.5.0` and `1.5.1`).
+pub(crate) fn same_release(a: &str, b: &str) -> bool {
+    let mm = |v: &str| v.split('.').take(2).map(str::to_string).collect::<Vec<_>>();
+    mm(a) == mm(b)
 }
 
 /// The NIXL memory type of a device.
@@ -459,5 +507,32 @@ impl nixl_sys::NixlDescriptor for RawRegion {
     }
     fn device_id(&self) -> u64 {
         self.dev
+    }
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::*;
+
+    #[test]
+    fn nixl_version_read_beside_the_library() {
+        let root = std::env::temp_dir().join(format!("nc-version-{}", std::process::id()));
+        let wheel = root.join("site/.nixl_cu13.mesonpy.libs");
+        std::fs::create_dir_all(&wheel).unwrap();
+        std::fs::create_dir_all(root.join("site/nixl_cu13-1.4.1.dist-info")).unwrap();
+        assert_eq!(version_beside(&wheel.join(CAPI)).as_deref(), Some("1.4.1"));
+        let setup = root.join("setup/.nixl/lib");
+        std::fs::create_dir_all(&setup).unwrap();
+        std::fs::write(root.join("setup/.nixl/VERSION"), "nixl-cu13==1.5.1\n").unwrap();
+        assert_eq!(version_beside(&setup.join(CAPI)).as_deref(), Some("1.5.1"));
+        assert_eq!(version_beside(&root.join("bare").join(CAPI)), None);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn nixl_version_release_compares_major_minor() {
+        assert!(same_release("1.5.0", "1.5.1"));
+        assert!(!same_release("1.4.1", "1.5.1"));
+        assert!(!same_release("2.5.1", "1.5.1"));
     }
 }

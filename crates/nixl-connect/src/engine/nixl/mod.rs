@@ -482,6 +482,28 @@ impl NixlTransport {
         Ok(self.initiator.as_mut().expect("just made"))
     }
 
+    /// Registers `ranges` with the initiator ahead of the transfers that will use them (an
+    /// active operation over memory inside a live registration reuses it). Nothing of the
+    /// initiator's registrations is ever published to a peer.
+    pub(crate) fn preregister(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
+        let (tx, waker) = (self.tx.clone(), self.waker.clone());
+        self.initiator()?;
+        let stats = &mut self.stats;
+        let init = self.initiator.as_mut().expect("made above");
+        let mut tokens = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            let mut replaced = None;
+            let got = contain("register memory", || {
+                init.regs.get(&init.agent, *r, &tx, &waker, stats, &mut replaced)
+            })?;
+            tokens.push(got.0);
+            if let Some(old) = replaced {
+                init.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
+            }
+        }
+        Ok(tokens)
+    }
+
     /// Metadata for the registrations `regs` (sorted, deduplicated): cached, or made now.
     fn metadata_for(&mut self, regs: Vec<Range>) -> Result<Arc<str>> {
         if let Some(md) = self.exposer.md_cache.get(&regs) {
