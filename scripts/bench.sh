@@ -43,6 +43,10 @@ for r in $(seq "$RUNS"); do
     done
   done
 done
+# Dynamo's own callers on both modules: the embedding transfer between two processes (8 MiB float32,
+# 512 KiB bf16) and 4 KiB both sides in one process; medians of the runs on stderr.
+.venv/bin/python scripts/bench_dynamo_callers.py "$RUNS" > "$OUT/$stamp-dynamo-callers.jsonl" \
+  || echo "Dynamo callers benchmark failed" >&2
 if [ "$ANCHORS" = 1 ] && [ -d "$ANCHOR_DIR" ]; then
   .venv/bin/python "$ANCHOR_DIR/nixl_raw_pair.py" --ops READ,WRITE --runs "$RUNS" --sizes "$SIZES" --json "$OUT/$stamp-raw.json" >&2 || echo "raw NIXL anchor failed" >&2
   .venv/bin/python "$ANCHOR_DIR/nixl_raw_pair.py" --ops READ,WRITE --runs "$RUNS" --sizes "$SIZES" --thp 0 --json "$OUT/$stamp-raw4k.json" >&2 || echo "raw NIXL anchor (4 KiB pages) failed" >&2

@@ -28,10 +28,19 @@ pub fn driver_available() -> bool {
     *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
-/// True when the driver is present and `cuInit` succeeded (tried once).
-fn driver_initialised() -> bool {
-    static INIT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *INIT.get_or_init(|| driver_available() && cudarc::driver::result::init().is_ok())
+/// True when this process has loaded the CUDA driver library already (somebody uses CUDA here).
+fn driver_loaded() -> bool {
+    // SAFETY: RTLD_NOLOAD only looks the library up among those already loaded (nothing is loaded
+    // or initialised); a handle it returns is closed at once, which leaves the library loaded.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        if h.is_null() {
+            false
+        } else {
+            libc::dlclose(h);
+            true
+        }
+    }
 }
 
 /// The number of CUDA devices.
@@ -51,8 +60,12 @@ pub fn device_count() -> Result<usize> {
 }
 
 /// Where the driver says `ptr` lives: `Some(ordinal)` for device memory, `None` for host memory.
+///
+/// Never loads or initialises CUDA: in a process that has not loaded the driver, or has not
+/// initialised it, no memory can be device memory, and a host-only worker must stay free of CUDA
+/// (its initialisation costs time, and CUDA does not survive into the children of `fork()`).
 pub(crate) fn locate(ptr: usize) -> Result<Option<u32>> {
-    if !driver_initialised() {
+    if !driver_loaded() || !driver_available() {
         return Ok(None);
     }
     let mut mem_type: u32 = 0;
@@ -66,7 +79,8 @@ pub(crate) fn locate(ptr: usize) -> Result<Option<u32>> {
         )
     };
     if r != sys::CUresult::CUDA_SUCCESS || mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        // Unknown to CUDA (plain host memory) or host/pinned memory.
+        // Unknown to CUDA (plain host memory), host/pinned memory, or CUDA not initialised
+        // (CUDA_ERROR_NOT_INITIALIZED: then nothing is device memory).
         return Ok(None);
     }
     let mut ordinal: i32 = -1;

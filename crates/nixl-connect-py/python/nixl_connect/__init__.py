@@ -45,6 +45,13 @@ Behaviour that differs from Dynamo, by design:
 * `Connection.metadata` (the agent's whole NIXL metadata) is not available; each passive
   operation's `metadata()` carries what its peer needs. `Remote` only names the peer agent.
 
+Dynamo's own callers (the `ai-dynamo` package) touch private names; they keep Dynamo's meaning:
+`await Connector._create_connection()` (async, no arguments, overridable, usable through
+`run_async` from another thread's loop), `Descriptor.register_with_connector()` (a real NIXL
+registration that later reads and writes reuse), `Descriptor._data_size` (shrink a pooled
+descriptor to use its start; never past its memory) and `Descriptor._data_ref` (the tensor itself).
+Run a whole Dynamo worker on this module with `NIXL_CONNECT_AS_DYNAMO=1` or `install_as_dynamo()`.
+
 Extras (never needed by code written for Dynamo):
 
 * `await op.wait_for_completion(timeout=None)`: seconds; raises `nixl_connect.TimeoutError` (a
