@@ -253,6 +253,15 @@ class Connection:
         """The NIXL agent name, "<worker_id>-<n>"."""
         return self._core.name
 
+    def _register(self, descs: List[tuple]) -> Any:
+        """Registers `descs` (`Descriptor._core_desc()` tuples) with this agent ahead of the
+        operations that use them (`Descriptor.register_with_connector`); the returned handle keeps
+        the registration until it is dropped."""
+        try:
+            return self._core.register(descs)
+        except CoreError as e:
+            raise from_core(e) from None
+
     def acquire_remote_ref(self, name: str) -> None:
         """Semi-internal (Dynamo): count a user of remote agent `name` (bookkeeping only)."""
         self._remote_refs[name] = self._remote_refs.get(name, 0) + 1
@@ -871,7 +880,6 @@ class Connector:
         event loop is not blocked. Concurrent first calls share one creation; whatever the
         creation raises is raised here (and a later call tries again).
         """
-        self._check_fork()
         conn = self._connection
         if conn is not None:
             return conn
@@ -918,13 +926,10 @@ class Connector:
             except concurrent.futures.InvalidStateError:  # pragma: no cover - raced to done
                 pass
 
-    def _check_fork(self) -> None:
-        if self._pid != os.getpid():
-            self._after_fork()
-
     def _after_fork(self) -> None:
-        """In a child of fork(): the parent's Connection belongs to threads the child does not
-        have; forget it (it is never used or freed here) and create a fresh one on next use."""
+        """In a child of fork() (`os.register_at_fork`): the parent's Connection belongs to
+        threads the child does not have; forget it (it is never used or freed here) and create a
+        fresh one on next use."""
         if self._pid == os.getpid():
             return
         if self._connection is not None:

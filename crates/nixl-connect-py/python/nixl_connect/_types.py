@@ -301,12 +301,6 @@ def _is_dense(shape: Tuple[int, ...], strides: Optional[Tuple[int, ...]], itemsi
     return dense(reversed(pairs)) or dense(pairs)
 
 
-def core_error() -> type:
-    """The Rust core's exception type (imported late: this module is pure Python)."""
-    from . import _core
-    return _core.CoreError
-
-
 def _device_arg(value: Any) -> Device:
     if isinstance(value, Device):
         return value
@@ -494,8 +488,7 @@ class Descriptor:
         Raises TypeError for anything but a `nixl_connect.Connection`, ValueError for a null
         pointer, RuntimeError when registered with another connection (as Dynamo).
         """
-        core = getattr(connection, "_core", None)
-        if core is None or not callable(getattr(core, "register", None)):
+        if not callable(getattr(connection, "_register", None)):
             raise TypeError("Argument `connection` must be `nixl_connect.Connection`.")
         if self._data_ptr == 0:
             raise InvalidArgumentError("Cannot register memory with a null pointer.")
@@ -506,11 +499,7 @@ class Descriptor:
                     f"connection: {other}, new connection: {connection}.")
         if self._registration is not None:
             return
-        from ._errors import from_core  # deferred: _errors is imported by this module's users
-        try:
-            self._registration = core.register([self._core_desc()])
-        except core_error() as e:
-            raise from_core(e) from None
+        self._registration = connection._register([self._core_desc()])
         self._registered_with = connection
 
     def deregister_with_connector(self, connection: Any) -> None:
