@@ -13,7 +13,8 @@ inc=$(ls -d /usr/lib/llvm-*/lib/clang/*/include 2>/dev/null | sort -V | tail -n1
 export BINDGEN_EXTRA_CLANG_ARGS="${inc:+-I$inc} -I/usr/include -I/usr/include/x86_64-linux-gnu"
 # nixl-sys's C++ stub needs libstdc++ (zig's own C++ library is not it): link the system's by path,
 # which records only the NEEDED entry (the symbols it uses are GLIBCXX_3.4, allowed by manylinux_2_28).
-stdcxx=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+# (awk reads all of ldconfig's output: exiting early would SIGPIPE ldconfig, fatal under pipefail.)
+stdcxx=$(ldconfig -p | awk '/libstdc\+\+\.so\.6 .*x86-64/ && !found {found = $NF} END {print found}')
 export RUSTFLAGS="${RUSTFLAGS:-} -C link-arg=${stdcxx:-/usr/lib/x86_64-linux-gnu/libstdc++.so.6}"
 echo "build-wheel: building the nixl_connect wheel (maturin --zig, release, manylinux_2_28, stripped)" >&2
 rm -f "$out"/nixl_connect-*.whl
