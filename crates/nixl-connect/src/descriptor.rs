@@ -201,6 +201,11 @@ impl<'a> Descriptor<'a> {
     /// `ptr..ptr+len` must be valid memory on `device`, readable (and writable, if the descriptor
     /// is used as a destination) for as long as the descriptor or any operation holding it lives,
     /// and not otherwise accessed while a transfer into it is in flight.
+    ///
+    /// The library treats it as borrowed memory: dropping an operation over it blocks until no
+    /// transport can touch it any more (the same-host path stops within one copy chunk; a NIXL
+    /// transfer gets the connector's cancel grace, then its agent is destroyed), so the memory may
+    /// be freed as soon as the descriptor and every operation holding it are gone.
     #[allow(unsafe_code)] // an unsafe constructor: memory is raw here
     pub unsafe fn from_raw_parts(ptr: *mut u8, len: usize, device: Device) -> Descriptor<'static> {
         Descriptor::make(
@@ -399,6 +404,13 @@ impl<'a> Descriptor<'a> {
         if !list.iter().any(|t| t.same(&tok)) {
             list.push(tok);
         }
+    }
+
+    /// True if the descriptor owns its memory (its drop frees it, and the library decides when);
+    /// false for borrowed and raw memory, which goes back to its owner when the descriptor is
+    /// dropped, so an operation over it must not let go while a transport may touch it.
+    pub(crate) fn owns_memory(&self) -> bool {
+        matches!(self.mem, Mem::Owned(_))
     }
 
     /// Drops the borrow lifetime of a descriptor that owns its memory (or wraps a raw pointer), for

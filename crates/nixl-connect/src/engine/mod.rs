@@ -45,8 +45,11 @@ pub(crate) const MIN_PARK: Duration = Duration::from_micros(20);
 pub(crate) const MAX_PARK: Duration = Duration::from_millis(1);
 /// How often a hot engine polls NIXL for notifications of operations it watches.
 pub(crate) const WATCH_GAP: Duration = Duration::from_micros(25);
-/// Decoded peer metadata kept by string.
+/// Decoded peer metadata kept by string: at most this many strings...
 const MAX_DECODED: usize = 1024;
+/// ...and at most this many bytes of them (strings and decoded blobs together), so that what
+/// peers send cannot pin more than this much memory here.
+const MAX_DECODED_BYTES: usize = 32 << 20;
 /// Completed operations' keys remembered, to refuse replaying their metadata.
 const MAX_COMPLETED: usize = 65_536;
 
@@ -194,6 +197,29 @@ pub(crate) struct Decoded {
     pub(crate) ident: u64,
 }
 
+/// Decoded metadata by string, bounded in count and bytes (cleared when either would pass).
+#[derive(Default)]
+struct DecodedCache {
+    map: HashMap<Arc<str>, Decoded>,
+    bytes: usize,
+}
+
+impl DecodedCache {
+    fn insert(&mut self, d: &Decoded) {
+        let size = d.md.len() + d.raw.len();
+        if size > MAX_DECODED_BYTES / 4 {
+            return; // too big to keep: decoded again if it comes back
+        }
+        if self.map.len() >= MAX_DECODED || self.bytes + size > MAX_DECODED_BYTES {
+            self.map.clear();
+            self.bytes = 0;
+        }
+        if self.map.insert(d.md.clone(), d.clone()).is_none() {
+            self.bytes += size;
+        }
+    }
+}
+
 /// Counters for tests, `bench` and `doctor`.
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
@@ -242,7 +268,7 @@ struct Shared {
     name: String,
     next_op: AtomicU64,
     cancel_grace: Duration,
-    decoded: Mutex<HashMap<Arc<str>, Decoded>>,
+    decoded: Mutex<DecodedCache>,
 }
 
 impl Engine {
@@ -311,7 +337,7 @@ impl Engine {
             name,
             next_op: AtomicU64::new(1),
             cancel_grace: opts.cancel_grace,
-            decoded: Mutex::new(HashMap::new()),
+            decoded: Mutex::new(DecodedCache::default()),
         })))
     }
 
@@ -334,7 +360,7 @@ impl Engine {
     /// # Errors
     /// [`Error::Metadata`] for anything that is not NIXL agent metadata.
     pub(crate) fn decode(&self, md: &str) -> Result<Decoded> {
-        if let Some(d) = self.0.decoded.lock().unwrap_or_else(|p| p.into_inner()).get(md) {
+        if let Some(d) = self.0.decoded.lock().unwrap_or_else(|p| p.into_inner()).map.get(md) {
             return Ok(d.clone());
         }
         let raw = decode_agent_metadata(md)?;
@@ -345,11 +371,11 @@ impl Engine {
             raw: raw.into(),
             peer,
         };
-        let mut cache = self.0.decoded.lock().unwrap_or_else(|p| p.into_inner());
-        if cache.len() >= MAX_DECODED {
-            cache.clear();
-        }
-        cache.insert(d.md.clone(), d.clone());
+        self.0
+            .decoded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(&d);
         Ok(d)
     }
 
@@ -428,6 +454,9 @@ struct EngineLoop {
     /// Keys of this connector's completed active operations (most recent [`MAX_COMPLETED`]).
     completed: HashSet<Arc<str>>,
     completed_order: VecDeque<Arc<str>>,
+    /// Owned memory of ended exposures that a same-host copy may still be writing: handed to the
+    /// NIXL transport's hold only once the operation's memory is released.
+    copying: Vec<(Arc<OpState>, u64, Hold, usize)>,
 }
 
 impl EngineLoop {
@@ -451,6 +480,7 @@ impl EngineLoop {
             pending: None,
             completed: HashSet::new(),
             completed_order: VecDeque::new(),
+            copying: Vec::new(),
         }
     }
 
@@ -499,6 +529,9 @@ impl EngineLoop {
             event |= self.local.progress(&ready, &mut self.events);
             self.ready = ready;
             self.ready.clear();
+            if !self.copying.is_empty() {
+                self.release_copied();
+            }
             let polling = self.nixl.polling();
             let now = Instant::now();
             // While the engine is hot: transfers in flight are polled on every turn, operations
@@ -576,8 +609,14 @@ impl EngineLoop {
             a.state
                 .finish(OperationStatus::Errored, Some(Error::EngineStopped));
         }
-        let EngineLoop { local, nixl, .. } = self;
-        drop(local);
+        let EngineLoop {
+            local,
+            nixl,
+            copying,
+            ..
+        } = self;
+        drop(local); // waits for the copies
+        drop(copying);
         drop(nixl); // destroys the agents, then frees the quarantined memory
         for a in actives {
             drop(a.keep);
@@ -609,9 +648,15 @@ impl EngineLoop {
                 }
             }
             Cmd::Unexpose { key, gen, keep } => {
+                let state = self.passives.get(&key).cloned();
                 self.end_passive(&key);
                 if let Some((k, bytes)) = keep {
-                    self.nixl.hold(Some(gen), k, bytes);
+                    match state {
+                        // A same-host copy into it stops within one chunk; its memory goes on to
+                        // the hold (which may free it at once, if its exposer is gone) after that.
+                        Some(st) if !st.is_released() => self.copying.push((st, gen, k, bytes)),
+                        _ => self.nixl.hold(Some(gen), k, bytes),
+                    }
                 }
             }
             Cmd::Begin { spec } => {
@@ -689,6 +734,19 @@ impl EngineLoop {
                 if let Some(old) = self.completed_order.pop_front() {
                     self.completed.remove(&old);
                 }
+            }
+        }
+    }
+
+    /// Hands the memory of ended exposures whose last same-host copy has stopped to the hold.
+    fn release_copied(&mut self) {
+        let mut i = 0;
+        while i < self.copying.len() {
+            if self.copying[i].0.is_released() {
+                let (_, gen, keep, bytes) = self.copying.swap_remove(i);
+                self.nixl.hold(Some(gen), keep, bytes);
+            } else {
+                i += 1;
             }
         }
     }

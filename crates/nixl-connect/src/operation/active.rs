@@ -151,6 +151,11 @@ impl Drop for Active<'_> {
         let mut owned = Vec::with_capacity(descs.len());
         let mut borrowed = Vec::new();
         for d in descs {
+            // Raw memory is borrowed too: its owner frees it once the descriptor is gone.
+            if !d.owns_memory() {
+                borrowed.push(d);
+                continue;
+            }
             match d.try_into_static() {
                 Ok(s) => owned.push(s),
                 Err(b) => borrowed.push(b),
@@ -198,7 +203,8 @@ macro_rules! active_op {
         /// # Drop
         /// Dropping it before completion cancels it, and never lets the memory go while a
         /// transport may still touch it. Owned memory is handed to the engine and freed once the
-        /// transfer has ended (the drop does not block). Borrowed memory makes the drop block
+        /// transfer has ended (the drop does not block). Borrowed memory, and raw memory
+        /// ([`Descriptor::from_raw_parts`]), makes the drop block
         /// until the transfer has stopped: the same-host path stops at once; a NIXL transfer gets
         /// [`ConnectorBuilder::cancel_grace`](crate::ConnectorBuilder::cancel_grace) to end, after
         /// which the connector destroys the NIXL agent that posted it (other NIXL transfers of

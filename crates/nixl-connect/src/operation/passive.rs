@@ -152,6 +152,11 @@ impl Drop for Passive<'_> {
                 kept.push(Some(d));
                 continue;
             }
+            // Raw memory is borrowed too: its owner frees it once the descriptor is gone.
+            if !d.owns_memory() {
+                kept.push(Some(d));
+                continue;
+            }
             match d.try_into_static() {
                 Ok(s) if !s.is_host_buffer() => {
                     owned.push(s);

@@ -3,8 +3,10 @@
 
 mod channels;
 mod core;
+mod freed;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod local;
 mod soundness;
 mod support;
+mod untrusted;

@@ -29,7 +29,7 @@ pub(crate) fn sound_peer() -> Peer {
 }
 
 /// Drops `fut` after polling it once (`None`) or after `d` (a timeout that may fire at any point).
-async fn drop_at<F: std::future::Future>(fut: F, d: Option<Duration>) {
+pub(crate) async fn drop_at<F: std::future::Future>(fut: F, d: Option<Duration>) {
     match d {
         None => {
             let mut f = std::pin::pin!(fut);
@@ -42,7 +42,7 @@ async fn drop_at<F: std::future::Future>(fut: F, d: Option<Duration>) {
     }
 }
 
-const DROP_POINTS: [Option<Duration>; 10] = [
+pub(crate) const DROP_POINTS: [Option<Duration>; 10] = [
     None,
     Some(Duration::ZERO),
     Some(Duration::from_micros(1)),

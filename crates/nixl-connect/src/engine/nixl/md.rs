@@ -4,8 +4,15 @@
 //! `nixlSerDes|`; tags are not length-prefixed, so it is read with the tags NIXL 1.5 writes:
 //!
 //! ```text
-//! nixlSerDes| Agent<n>name| Conns<8>count| (t<n>backend| c<n>conninfo|)*count <10>MemSection| nixlSecElms<8>count| ...
+//! nixlSerDes| Agent<n>name| Conns<8>count| (t<n>backend| c<n>conninfo|)*count <10>MemSection|
+//!   nixlSecElms<8>sections| ( bknd<n>backend| nixlDList<10>nixlSDList| t<4>memtype| n<8>count|
+//!     (<n>descriptor|)*count )*sections
 //! ```
+//!
+//! where a descriptor is its address, length and device id (three u64) followed by the backend's
+//! key for it. The parser walks all of it and requires the blob to end there: a peer's metadata is
+//! untrusted, and bytes NIXL would ignore (padding, impossible counts) are refused rather than
+//! kept.
 //!
 //! Two things need it. The same-host path finds a peer's socket from the agent name, without
 //! loading anything into NIXL. And the passive side publishes per-operation metadata, the
@@ -17,6 +24,11 @@ use crate::error::{Error, Result};
 
 const HEADER: &[u8] = b"nixlSerDes|";
 const MEM_SECTION: &[u8] = b"MemSection";
+const DESC_LIST: &[u8] = b"nixlSDList";
+/// Sections (memory type x backend pairs) any agent can have; more is not NIXL metadata.
+const MAX_SECTIONS: u64 = 64;
+/// The smallest serialised descriptor: an empty tag, its length, three u64 and the separator.
+const MIN_DESC: usize = 8 + 24 + 1;
 
 /// The parts of an agent metadata blob this crate uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +56,13 @@ impl<'a> Reader<'a> {
                 self.at
             ),
         }
+    }
+
+    /// Reads an entry whose value is one u64.
+    fn u64(&mut self, tag: &[u8]) -> Result<u64> {
+        let v = self.entry(tag)?;
+        let v: [u8; 8] = v.try_into().map_err(|_| self.bad("a count that is not 8 bytes"))?;
+        Ok(u64::from_le_bytes(v))
     }
 
     /// Reads `TAG, u64 len, value, '|'`, requiring the tag.
@@ -88,8 +107,7 @@ pub(crate) fn parse(b: &[u8]) -> Result<AgentMd<'_>> {
     if name.is_empty() || name.contains('\0') {
         return Err(r.bad("an empty agent name"));
     }
-    let count = r.entry(b"Conns")?;
-    let conns = u64::from_le_bytes(count.try_into().map_err(|_| r.bad("a bad connection count"))?);
+    let conns = r.u64(b"Conns")?;
     if conns > 64 {
         return Err(r.bad("too many connection entries"));
     }
@@ -100,6 +118,39 @@ pub(crate) fn parse(b: &[u8]) -> Result<AgentMd<'_>> {
     let sections_at = r.at;
     if r.entry(b"")? != MEM_SECTION {
         return Err(r.bad("missing the memory section"));
+    }
+    let sections = r.u64(b"nixlSecElms")?;
+    if sections > MAX_SECTIONS {
+        return Err(r.bad("an impossible number of memory sections"));
+    }
+    for _ in 0..sections {
+        if r.entry(b"bknd")?.is_empty() {
+            return Err(r.bad("an empty backend name"));
+        }
+        if r.entry(b"nixlDList")? != DESC_LIST {
+            return Err(r.bad("an unknown descriptor list"));
+        }
+        let mem = r.entry(b"t")?;
+        let mem: [u8; 4] = mem
+            .try_into()
+            .map_err(|_| r.bad("a memory type that is not 4 bytes"))?;
+        // DRAM, VRAM, BLK, OBJ, FILE: NIXL indexes a table with it unchecked.
+        if u32::from_le_bytes(mem) > 4 {
+            return Err(r.bad("an unknown memory type"));
+        }
+        let n = r.u64(b"n")?;
+        let room = (b.len() - r.at) / MIN_DESC;
+        if n == 0 || n > room as u64 {
+            return Err(r.bad("no descriptors, or more than the bytes left can hold"));
+        }
+        for _ in 0..n {
+            if r.entry(b"")?.len() < 24 {
+                return Err(r.bad("a descriptor shorter than its address, length and device"));
+            }
+        }
+    }
+    if r.at != b.len() {
+        return Err(r.bad("trailing bytes after the last section"));
     }
     Ok(AgentMd {
         name,
@@ -151,8 +202,9 @@ mod tests {
         out.push(b'|');
     }
 
-    /// A blob laid out as NIXL 1.5 writes it.
-    fn blob(name: &str, conns: &[&[u8]], sections: &[u8]) -> Vec<u8> {
+    /// A blob laid out as NIXL 1.5 writes it, with one UCX section of `descs` descriptors (none:
+    /// no section).
+    fn blob(name: &str, conns: &[&[u8]], descs: usize) -> Vec<u8> {
         let mut b = HEADER.to_vec();
         entry(&mut b, b"Agent", name.as_bytes());
         entry(&mut b, b"Conns", &(conns.len() as u64).to_le_bytes());
@@ -161,13 +213,27 @@ mod tests {
             entry(&mut b, b"c", c);
         }
         entry(&mut b, b"", MEM_SECTION);
-        entry(&mut b, b"nixlSecElms", sections);
+        entry(&mut b, b"nixlSecElms", &u64::from(descs > 0).to_le_bytes());
+        if descs > 0 {
+            entry(&mut b, b"bknd", b"UCX");
+            entry(&mut b, b"nixlDList", DESC_LIST);
+            entry(&mut b, b"t", &0u32.to_le_bytes());
+            entry(&mut b, b"n", &(descs as u64).to_le_bytes());
+            for i in 0..descs {
+                let mut d = Vec::new();
+                d.extend_from_slice(&(0x1000 * (i as u64 + 1)).to_le_bytes());
+                d.extend_from_slice(&4096u64.to_le_bytes());
+                d.extend_from_slice(&0u64.to_le_bytes());
+                d.extend_from_slice(b"rkey|with|bars");
+                entry(&mut b, b"", &d);
+            }
+        }
         b
     }
 
     #[test]
     fn md_parses_name_and_boundary() {
-        let b = blob("worker-1", &[b"conn|info with | bars"], &1u64.to_le_bytes());
+        let b = blob("worker-1", &[b"conn|info with | bars"], 1);
         let md = parse(&b).unwrap();
         assert_eq!(md.name, "worker-1");
         assert_eq!(md.conns, 1);
@@ -176,16 +242,37 @@ mod tests {
 
     #[test]
     fn md_splices_connections_with_sections() {
-        let conn = blob("a", &[b"CONN"], &0u64.to_le_bytes());
-        let secs = blob("a", &[], &7u64.to_le_bytes());
+        let conn = blob("a", &[b"CONN"], 0);
+        let secs = blob("a", &[], 7);
         let out = splice(&conn, &secs).unwrap();
-        assert_eq!(out, blob("a", &[b"CONN"], &7u64.to_le_bytes()));
-        assert!(splice(&conn, &blob("b", &[], &[0; 8])).is_err());
+        assert_eq!(out, blob("a", &[b"CONN"], 7));
+        assert!(parse(&out).is_ok());
+        assert!(splice(&conn, &blob("b", &[], 0)).is_err());
+    }
+
+    #[test]
+    fn md_refuses_trailing_bytes_and_impossible_counts() {
+        let good = blob("name", &[b"xyz"], 2);
+        assert!(parse(&good).is_ok());
+        let mut padded = good.clone();
+        padded.resize(good.len() + 4096, 0);
+        let e = parse(&padded).unwrap_err().to_string();
+        assert!(e.contains("trailing bytes"), "{e}");
+        // A descriptor count no blob of this size can hold.
+        let at = good.windows(2).position(|w| w == b"n\x08").unwrap() + 9;
+        let mut huge = good.clone();
+        huge[at..at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        let e = parse(&huge).unwrap_err().to_string();
+        assert!(e.contains("more than the bytes left"), "{e}");
+        let mut secs = good.clone();
+        let at = good.windows(12).position(|w| w == b"nixlSecElms\x08").unwrap() + 19;
+        secs[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(parse(&secs).is_err());
     }
 
     #[test]
     fn md_rejects_garbage_without_panicking() {
-        let good = blob("name", &[b"xyz"], &3u64.to_le_bytes());
+        let good = blob("name", &[b"xyz"], 3);
         assert!(parse(b"").is_err());
         assert!(parse(b"nixlSerDes|").is_err());
         assert!(parse(&good[..good.len() - 30]).is_err());

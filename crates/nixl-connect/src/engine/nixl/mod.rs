@@ -36,6 +36,9 @@ use crate::operation::TransferPath;
 pub(crate) const MAX_IDLE_PEERS: usize = 64;
 /// Distinct metadata strings remembered as loaded.
 const MAX_LOADED: usize = 4096;
+/// Bytes of peers' agent metadata loaded into the initiator (and kept by NIXL) before every idle
+/// peer is forgotten: what peers send cannot pin more than about this much here.
+const MAX_LOADED_BYTES: usize = 64 << 20;
 /// Prepared descriptor lists kept per side before the cache is cleared.
 const MAX_PREPARED: usize = 1024;
 /// Per-operation metadata strings kept for reuse.
@@ -204,6 +207,8 @@ struct Initiator {
     peers: HashMap<Arc<str>, Peer>,
     /// Metadata strings already loaded, and the peer each named.
     loaded: HashMap<Arc<str>, Arc<str>>,
+    /// Bytes of agent metadata (and of the strings kept in `loaded`) loaded since the last shed.
+    loaded_bytes: usize,
     local_prep: HashMap<Vec<Range>, Prepared>,
     remote_prep: HashMap<(Arc<str>, Vec<Range>), Prepared>,
     inflight: Vec<Inflight>,
@@ -234,6 +239,22 @@ impl Initiator {
             }
             None => {}
         }
+    }
+
+    /// Forgets every peer no transfer uses, and every loaded string: NIXL frees what it kept of
+    /// those peers (peers in use stay loaded; their strings are loaded again if they come back).
+    fn shed(&mut self) {
+        let idle: Vec<Arc<str>> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| p.refs == 0)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in idle {
+            self.forget_peer(&name);
+        }
+        self.loaded.clear();
+        self.loaded_bytes = 0;
     }
 
     /// A transfer to `name` has ended.
@@ -275,6 +296,10 @@ impl Initiator {
                     .into(),
             });
         }
+        let size = spec.remote_raw.len() + spec.remote_md.len();
+        if self.loaded_bytes + size > MAX_LOADED_BYTES {
+            self.shed();
+        }
         let mut r = self.agent.load_remote(&spec.remote_raw);
         if r.is_err() {
             match self.peers.get(&spec.peer) {
@@ -313,6 +338,7 @@ impl Initiator {
             }
         };
         stats.remote_loads += 1;
+        self.loaded_bytes += size;
         if self.loaded.len() >= MAX_LOADED {
             self.loaded.clear();
         }
@@ -474,6 +500,7 @@ impl NixlTransport {
                 regs: Registry::new(Side::Initiator, self.initiator_gen),
                 peers: HashMap::new(),
                 loaded: HashMap::new(),
+                loaded_bytes: 0,
                 local_prep: HashMap::new(),
                 remote_prep: HashMap::new(),
                 inflight: Vec::new(),

@@ -1,0 +1,153 @@
+//! Memory freed as soon as the API allows, while a transfer is (or was) running over it: raw
+//! memory under an active operation dropped mid-transfer, and owned memory of a writable whose
+//! NIXL exposer was already retired. Each case frees the memory the moment the contract allows,
+//! maps a fresh zeroed allocation of the same size (where the freed one is reused) and checks
+//! that nothing writes into it.
+
+use std::alloc::Layout;
+use std::time::Duration;
+
+use nixl_connect::{Connector, Descriptor, Device, PathPolicy, RdmaMetadata};
+
+use super::soundness::{drop_at, sound_peer, DROP_POINTS};
+use super::support::{run_support, runtime, tcp_tls, PEER_ENV};
+
+const MIB: usize = 1 << 20;
+
+/// A page-aligned allocation the test frees by hand, as a caller of `from_raw_parts` would.
+struct RawAlloc {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+impl RawAlloc {
+    fn new(len: usize, fill: u8) -> Self {
+        let layout = Layout::from_size_align(len, 4096).unwrap();
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        assert!(!ptr.is_null());
+        // SAFETY: `ptr` is valid for `len` bytes, just allocated.
+        unsafe { std::ptr::write_bytes(ptr, fill, len) };
+        Self { ptr, layout }
+    }
+
+    fn descriptor(&self) -> Descriptor<'static> {
+        // SAFETY: the memory is valid until `free`, which the test calls only after every
+        // descriptor and operation over it has been dropped (the contract of `from_raw_parts`).
+        unsafe { Descriptor::from_raw_parts(self.ptr, self.layout.size(), Device::Host) }
+    }
+
+    fn free(self) {
+        // SAFETY: allocated with this layout in `new`, freed once.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
+/// True if a fresh zeroed allocation stayed zero.
+fn zero(c: &[u8]) -> bool {
+    c.iter().all(|&b| b == 0)
+}
+
+#[test]
+fn freed_raw_memory_of_dropped_operations_keeps_canaries() {
+    for (path, tls) in [("nixl", tcp_tls()), ("auto", "")] {
+        let mut env: Vec<(&str, &std::ffi::OsStr)> = vec![("NIXL_CONNECT_TEST_PATH", path.as_ref())];
+        if !tls.is_empty() {
+            env.push(("UCX_TLS", tls.as_ref()));
+        }
+        let text = run_support("freed::support_raw_drop", &env);
+        assert!(text.contains("RAW-DROP-OK"), "{path}: {text}");
+    }
+}
+
+#[test]
+#[ignore = "run by freed_raw_memory_of_dropped_operations_keeps_canaries in a fresh process"]
+fn support_raw_drop() {
+    let Ok(_) = std::env::var(PEER_ENV) else { return };
+    let policy: PathPolicy = std::env::var("NIXL_CONNECT_TEST_PATH")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(PathPolicy::Auto);
+    runtime().block_on(async {
+        let conn = Connector::builder().path(policy).build().unwrap();
+        let mut peer = sound_peer();
+        let len = 64 * MIB;
+        for (i, d) in DROP_POINTS.iter().enumerate() {
+            for write in [false, true] {
+                let kind = if write { "writable" } else { "readable" };
+                peer.say(&format!("expose {kind} {len} vec"));
+                let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+                let raw = RawAlloc::new(len, 0x11);
+                if write {
+                    drop_at(conn.begin_write(raw.descriptor(), &md), *d).await;
+                } else {
+                    drop_at(conn.begin_read(&md, raw.descriptor()), *d).await;
+                }
+                // The descriptor and the operation are gone: the contract lets the memory go.
+                raw.free();
+                let canary = vec![0u8; len];
+                peer.say("wait 300");
+                peer.expect("WAIT:");
+                peer.say("drop");
+                peer.expect("DROPPED");
+                assert!(
+                    zero(&canary),
+                    "{policy:?} drop point {i} ({kind}): a dropped operation's transfer wrote into \
+                     raw memory freed after its drop"
+                );
+            }
+        }
+        println!("RAW-DROP-OK {:?}", conn.stats().await.unwrap());
+    });
+}
+
+#[test]
+fn freed_owned_writable_of_retired_exposer_keeps_canaries() {
+    let text = run_support("freed::support_retired_writable", &[]);
+    assert!(text.contains("RETIRED-OK"), "{text}");
+}
+
+#[test]
+#[ignore = "run by freed_owned_writable_of_retired_exposer_keeps_canaries in a fresh process"]
+fn support_retired_writable() {
+    let Ok(_) = std::env::var(PEER_ENV) else { return };
+    runtime().block_on(async {
+        // Every dropped exposure rotates the exposer at once.
+        let conn = Connector::builder().quarantine_limit(0).build().unwrap();
+        let mut peer = sound_peer();
+        let len = 256 * MIB;
+        let mut hits = 0;
+        for round in 0..6 {
+            let w = conn
+                .create_writable(Descriptor::from(vec![0u8; len]))
+                .await
+                .unwrap();
+            // Retire the writable's exposer: another exposure, dropped, passes the limit.
+            let r = conn
+                .create_readable(Descriptor::from(vec![1u8; 4096]))
+                .await
+                .unwrap();
+            drop(r);
+            let before = conn.stats().await.unwrap().rotations;
+            assert!(before as usize > round, "the exposer rotated");
+            peer.say("write local");
+            peer.say(&w.metadata().to_json());
+            peer.expect("STARTED");
+            // Mid-copy (this side copies the writer's 256 MiB into the writable): drop it, then
+            // map a fresh zeroed allocation where its memory was.
+            tokio::time::sleep(Duration::from_millis(2 * round as u64)).await;
+            drop(w);
+            // Once the engine has handled the drop (a round trip through its queue), map the
+            // canary: a copy still running writes into it if the memory went back too early.
+            let _ = conn.stats().await;
+            let canary = vec![0u8; len];
+            let got = peer.expect("WRITE:");
+            if !zero(&canary) {
+                hits += 1;
+            }
+            println!("round {round}: writer saw {got}");
+        }
+        assert_eq!(hits, 0, "a copy wrote into a dropped writable's freed memory");
+        println!("RETIRED-OK {:?}", conn.stats().await.unwrap());
+    });
+}
