@@ -18,6 +18,7 @@
 //! or no CUDA where device memory is involved: the operation goes to NIXL instead
 //! ([`Event::Declined`]).
 
+mod auth;
 pub(crate) mod cma;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc;
@@ -32,7 +33,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use self::cma::{Copy, CopyError, Piece, SlotRef};
-use self::proto::{IpcSource, Msg, RefuseCode, VERSION};
+use self::auth::{KeyId, Nonce};
+use self::proto::{IpcSource, Msg, RefuseCode, MAX_FRAME, VERSION};
 use self::slots::{SlotTable, SLOTS};
 use super::poller::{hung_up, Registrar, Waker};
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
@@ -54,6 +56,11 @@ const MAX_NEGATIVE: usize = 4096;
 
 /// The abstract socket name of the connector whose NIXL agent is `agent` (a rotated exposer's
 /// name, `<connector>~<generation>`, names its connector's socket).
+/// This process's pid, as the kernel reports it to peers (`SO_PEERCRED`).
+fn self_pid() -> libc::pid_t {
+    std::process::id() as libc::pid_t
+}
+
 pub(crate) fn socket_name(agent: &str) -> Vec<u8> {
     let agent = agent.split_once('~').map_or(agent, |(base, _)| base);
     let mut n = b"nixl-connect.v1/".to_vec();
@@ -185,8 +192,16 @@ struct Conn {
     writing: bool,
     fds_in: VecDeque<OwnedFd>,
     slots: Option<Arc<SlotTable>>,
-    /// The handshake is done.
+    /// The handshake is done (client: the server proved it holds the opening operation's key;
+    /// server: `Hello` answered).
     ready: bool,
+    /// Server side: the client's `Probe` arrived (requests may follow).
+    probed: bool,
+    /// The client's nonce for this connection (sent in `Hello`).
+    nonce: Nonce,
+    /// Client side: the key of the operation that opened the connection (what the server must
+    /// prove it holds).
+    opening_key: Option<Arc<str>>,
     /// This side may pull from the peer's memory.
     can_pull: bool,
     /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
@@ -210,6 +225,9 @@ impl Conn {
             fds_in: VecDeque::new(),
             slots: None,
             ready: false,
+            probed: false,
+            nonce: [0; 16],
+            opening_key: None,
             can_pull: false,
             peer,
             queued: Vec::new(),
@@ -385,6 +403,8 @@ pub(crate) struct LocalTransport {
     by_peer: HashMap<Arc<str>, ConnId>,
     negative: HashMap<Arc<str>, Instant>,
     scopes: HashMap<Arc<str>, Scope>,
+    /// The key of each live scope by its key id (the name requests use on the wire).
+    key_ids: HashMap<KeyId, Arc<str>>,
     /// Fingerprints of this connector's exposers' connection metadata.
     identities: std::collections::HashSet<u64>,
     acts: HashMap<OpId, Act>,
@@ -435,6 +455,7 @@ impl LocalTransport {
             by_peer: HashMap::new(),
             negative: HashMap::new(),
             scopes: HashMap::new(),
+            key_ids: HashMap::new(),
             identities: std::collections::HashSet::new(),
             acts: HashMap::new(),
             finished: Arc::new(Mutex::new(Vec::new())),
@@ -512,16 +533,16 @@ impl LocalTransport {
 
     /// Sends `Hello` with the slot table's descriptor attached.
     #[allow(unsafe_code)]
-    fn send_hello(&mut self, i: ConnId) -> io::Result<()> {
-        let probe_addr = self.probe_addr();
-        let probe_val = *self.probe;
+    fn send_hello(&mut self, i: ConnId, key: &str) -> io::Result<()> {
         let c = self.conns.get_mut(&i).expect("live connection");
         let table = Arc::new(SlotTable::create()?);
         let mut buf = Vec::new();
+        // Nothing about this process but the key's hash and a nonce: the server proves it holds
+        // the key before anything else is sent.
         Msg::Hello {
             version: VERSION,
-            probe_addr,
-            probe_val,
+            key_id: auth::key_id(key),
+            nonce: c.nonce,
         }
         .encode(&mut buf);
         let fd = table.fd().as_raw_fd();
@@ -660,7 +681,7 @@ impl LocalTransport {
     }
 
     /// Opens (or finds) the connection to `peer`; `Err(reason)` when there is no same-host path.
-    fn connect(&mut self, peer: &Arc<str>) -> std::result::Result<ConnId, String> {
+    fn connect(&mut self, peer: &Arc<str>, key: &Arc<str>) -> std::result::Result<ConnId, String> {
         if let Some(&i) = self.by_peer.get(peer) {
             if self.conns.get(&i).is_some_and(|c| !c.dead) {
                 return Ok(i);
@@ -671,7 +692,7 @@ impl LocalTransport {
                 return Err("no same-host socket for this peer".into());
             }
         }
-        let r = self.try_connect(peer);
+        let r = self.try_connect(peer, key);
         if let Err(reason) = &r {
             if self.negative.len() >= MAX_NEGATIVE {
                 self.negative.clear();
@@ -683,7 +704,7 @@ impl LocalTransport {
     }
 
     #[allow(unsafe_code)]
-    fn try_connect(&mut self, peer: &Arc<str>) -> std::result::Result<ConnId, String> {
+    fn try_connect(&mut self, peer: &Arc<str>, key: &Arc<str>) -> std::result::Result<ConnId, String> {
         let fd = unix_socket().map_err(|e| e.to_string())?;
         let (a, len) = sockaddr(&socket_name(peer));
         // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
@@ -699,8 +720,11 @@ impl LocalTransport {
                 self.uid
             ));
         }
-        let i = self.insert(Conn::new(fd, true, pid, peer.clone()));
-        if let Err(e) = self.send_hello(i) {
+        let mut conn = Conn::new(fd, true, pid, peer.clone());
+        conn.nonce = auth::nonce();
+        conn.opening_key = Some(key.clone());
+        let i = self.insert(conn);
+        if let Err(e) = self.send_hello(i, key) {
             self.close(i, &mut Vec::new());
             return Err(format!("the same-host handshake failed ({e})"));
         }
@@ -773,18 +797,25 @@ impl LocalTransport {
                 false,
                 Msg::Hello {
                     version,
-                    probe_addr,
-                    probe_val,
+                    key_id,
+                    nonce,
                 },
-            ) => self.on_hello(i, version, probe_addr, probe_val),
+            ) => self.on_hello(i, version, key_id, nonce),
             (
                 true,
                 Msg::Welcome {
+                    proof,
                     probe_addr,
                     probe_val,
-                    ..
                 },
-            ) => self.on_welcome(i, probe_addr, probe_val, out),
+            ) => self.on_welcome(i, proof, probe_addr, probe_val, out),
+            (
+                false,
+                Msg::Probe {
+                    probe_addr,
+                    probe_val,
+                },
+            ) => self.on_probe(i, probe_addr, probe_val),
             (true, Msg::Reject { reason }) if self.conns.get(&i).is_some_and(|c| !c.ready) => {
                 let c = self.conns.get_mut(&i).expect("live");
                 c.dead = true;
@@ -799,7 +830,8 @@ impl LocalTransport {
                     gen,
                     write,
                     ident,
-                    key,
+                    key_id,
+                    mac,
                     device,
                     remote,
                     local,
@@ -807,6 +839,9 @@ impl LocalTransport {
                 },
             ) => {
                 if self.identities.contains(&ident) {
+                    let Some(key) = self.proven_key(i, slot, gen, write, &key_id, &mac) else {
+                        return;
+                    };
                     self.on_req(i, slot, gen, write, &key, device, remote, local, sources, out)
                 } else if let Some(c) = self.conns.get_mut(&i) {
                     // Metadata of an agent of the same name elsewhere (another host, an earlier
@@ -890,8 +925,9 @@ impl LocalTransport {
         }
     }
 
-    fn on_hello(&mut self, i: ConnId, version: u32, probe_addr: u64, probe_val: u64) {
+    fn on_hello(&mut self, i: ConnId, version: u32, key_id: KeyId, nonce: Nonce) {
         let (pa, pv) = (self.probe_addr(), *self.probe);
+        let key = self.key_ids.get(&key_id).cloned();
         let c = self.conns.get_mut(&i).expect("live");
         if c.ready || c.slots.is_some() {
             c.dead = true;
@@ -912,23 +948,145 @@ impl LocalTransport {
             return;
         }
         c.slots = Some(Arc::new(table));
-        c.can_pull = cma::can_read(c.peer_pid, probe_addr as usize, probe_val);
+        c.nonce = nonce;
         c.ready = true;
+        // The proof that this process holds the opening operation's key (none if it has no such
+        // live operation: the client then refuses that operation as a replay).
+        let proof = key.map(|k| auth::welcome_proof(&k, &nonce, c.peer_pid, self_pid()));
         c.send(&Msg::Welcome {
+            proof,
             probe_addr: pa,
             probe_val: pv,
-            reads_you: c.can_pull,
         });
     }
 
-    fn on_welcome(&mut self, i: ConnId, probe_addr: u64, probe_val: u64, out: &mut Vec<Event>) {
+    /// Server side: the client's probe, sent once it trusted our proof.
+    fn on_probe(&mut self, i: ConnId, probe_addr: u64, probe_val: u64) {
+        let c = self.conns.get_mut(&i).expect("live");
+        if !c.ready || c.probed {
+            c.dead = true;
+            return;
+        }
+        c.probed = true;
+        c.can_pull = cma::can_read(c.peer_pid, probe_addr as usize, probe_val);
+    }
+
+    /// Server side: the key a request names, if the client proved it holds it. Otherwise the
+    /// request is refused (an unknown key id: a replay) or the connection closed (a bad proof).
+    fn proven_key(
+        &mut self,
+        i: ConnId,
+        slot: u32,
+        gen: u64,
+        write: bool,
+        key_id: &KeyId,
+        mac: &auth::Tag,
+    ) -> Option<Arc<str>> {
+        let key = self.key_ids.get(key_id).cloned();
+        let c = self.conns.get_mut(&i).expect("live");
+        if !c.probed {
+            c.dead = true;
+            return None;
+        }
+        let Some(key) = key else {
+            c.send(&Msg::Refuse {
+                slot,
+                gen,
+                code: RefuseCode::NotLive,
+                reason: "no live operation has this notification key: it completed, was cancelled \
+                         or dropped (a replayed metadata string?)"
+                    .into(),
+            });
+            self.flush(i);
+            return None;
+        };
+        let want = auth::req_mac(&key, &c.nonce, c.peer_pid, self_pid(), slot, gen, write);
+        if !auth::same(&want, mac) {
+            tracing::warn!(pid = c.peer_pid, "a same-host request without proof of its key; closing");
+            c.dead = true;
+            return None;
+        }
+        Some(key)
+    }
+
+    fn on_welcome(
+        &mut self,
+        i: ConnId,
+        proof: Option<auth::Tag>,
+        probe_addr: u64,
+        probe_val: u64,
+        out: &mut Vec<Event>,
+    ) {
+        let (pa, pv) = (self.probe_addr(), *self.probe);
         let c = self.conns.get_mut(&i).expect("live");
         if c.ready {
             c.dead = true;
             return;
         }
+        let key = c.opening_key.take().expect("set by try_connect");
+        let Some(proof) = proof else {
+            // The server has no live operation with the opening key: refuse that operation as a
+            // replay (it must not go on to NIXL and read stale memory). Nothing was revealed; the
+            // others queued behind it take NIXL, and the connection is opened afresh next time.
+            c.dead = true;
+            let peer = c.peer.clone();
+            let queued = std::mem::take(&mut c.queued);
+            for id in queued {
+                let Some(a) = self.acts.remove(&id) else { continue };
+                self.free_slot(i, a.slot, a.gen);
+                if matches!(a.phase, Phase::Abandoned) {
+                    continue;
+                }
+                if a.spec.key == key {
+                    out.push(Event::ActiveEnded {
+                        id,
+                        result: Err(refused(
+                            peer.to_string(),
+                            RefuseCode::NotLive,
+                            "no live operation has this notification key: it completed, was \
+                             cancelled or dropped (a replayed metadata string?)"
+                                .into(),
+                        )),
+                    });
+                } else {
+                    out.push(Event::Declined {
+                        spec: a.spec,
+                        reason: "the same-host connection closed before its request".into(),
+                    });
+                }
+            }
+            return;
+        };
+        if !auth::same(&proof, &auth::welcome_proof(&key, &c.nonce, self_pid(), c.peer_pid)) {
+            // Not the process that made the operation: another one holds the socket name. It
+            // learnt a key hash and a nonce; nothing else is sent, nothing it says is believed.
+            tracing::warn!(
+                peer = %c.peer,
+                pid = c.peer_pid,
+                "the process on this peer's same-host socket could not prove it holds the \
+                 operation's key (an impostor?); using NIXL"
+            );
+            c.dead = true;
+            let peer = c.peer.clone();
+            self.refused_peers += 1;
+            self.decline_queued(
+                i,
+                "the process on the peer's same-host socket could not prove it holds the \
+                 operation's key (another process holds the socket name)",
+                out,
+            );
+            if self.negative.len() >= MAX_NEGATIVE {
+                self.negative.clear();
+            }
+            self.negative.insert(peer, Instant::now());
+            return;
+        }
         c.can_pull = cma::can_read(c.peer_pid, probe_addr as usize, probe_val);
         c.ready = true;
+        c.send(&Msg::Probe {
+            probe_addr: pa,
+            probe_val: pv,
+        });
         let queued = std::mem::take(&mut c.queued);
         for id in queued {
             self.request(id, out);
@@ -1011,13 +1169,35 @@ impl LocalTransport {
             });
             return;
         }
+        // A request the server could not accept (too many ranges for one frame) takes NIXL,
+        // rather than breaking the connection every other operation uses.
+        let frame = 64 + 16 * (a.spec.remote.len() + a.spec.local.len()) + 128 * a.sources.len();
+        if frame > MAX_FRAME {
+            let a = self.acts.remove(&id).expect("present");
+            let i = a.conn;
+            self.free_slot(i, a.slot, a.gen);
+            out.push(Event::Declined {
+                spec: a.spec,
+                reason: "too many ranges for one same-host request".into(),
+            });
+            return;
+        }
         a.phase = Phase::Requested;
         let req = Msg::Req {
             slot: a.slot,
             gen: a.gen,
             write: a.spec.write,
             ident: a.spec.remote_ident,
-            key: a.spec.key.to_string(),
+            key_id: auth::key_id(&a.spec.key),
+            mac: auth::req_mac(
+                &a.spec.key,
+                &c.nonce,
+                self_pid(),
+                c.peer_pid,
+                a.slot,
+                a.gen,
+                a.spec.write,
+            ),
             device: a.spec.remote.first().map_or(Device::Host, |r| r.device),
             remote: a
                 .spec
@@ -1728,6 +1908,7 @@ impl Transport for LocalTransport {
         self.identities.insert(out.identity);
         let mut ranges = spec.ranges.clone();
         ranges.sort_by_key(|r| r.addr);
+        self.key_ids.insert(auth::key_id(&spec.key), spec.key.clone());
         self.scopes.insert(
             spec.key.clone(),
             Scope {
@@ -1745,6 +1926,7 @@ impl Transport for LocalTransport {
     fn unexpose(&mut self, key: &str) {
         self.release_writer(key);
         let Some(s) = self.scopes.remove(key) else { return };
+        self.key_ids.remove(&auth::key_id(key));
         for (i, slot, gen) in s.grants {
             if let Some(t) = self.conns.get(&i).and_then(|c| c.slots.as_ref()) {
                 t.revoke(slot, gen);
@@ -1782,7 +1964,7 @@ impl Transport for LocalTransport {
                 return;
             }
         };
-        let i = match self.connect(&spec.peer) {
+        let i = match self.connect(&spec.peer, &spec.key) {
             Ok(i) => i,
             Err(reason) => {
                 out.push(Event::Declined { spec, reason });

@@ -5,24 +5,24 @@
 //!
 //! | frame | from | meaning |
 //! |---|---|---|
-//! | `Hello` (+ slot-table fd) | active | protocol version, an address and value in its memory to probe |
-//! | `Welcome` | passive | the passive side's probe; whether it could read the active side |
+//! | `Hello` (+ slot-table fd) | active | protocol version; the first operation's key id and a nonce |
+//! | `Welcome` | passive | proof that it holds that operation's key (or none); an address and value in its memory to probe |
+//! | `Probe` | active | once the proof checks: an address and value in its memory to probe |
 //! | `Reject` | passive | the same-host path is refused for this connection (different user...) |
-//! | `Req` | active | access to the operation named by the key: direction, ranges, (writes) the source, (device-memory writes) its CUDA IPC export |
+//! | `Req` | active | access to the operation named by a key id, with proof of its key: direction, ranges, (writes) the source, (device-memory writes) its CUDA IPC export |
 //! | `Grant` | passive | a read may copy now |
 //! | `GrantIpc` | passive | a read of device memory may copy now, through these CUDA IPC exports |
 //! | `Refuse` | passive | the request breaks the operation's scope (ended, range, direction, busy) |
 //! | `Fallback` | passive | this operation cannot take the same-host path: use NIXL |
 //! | `Done` | both | the copier finished (reads: the active side; writes: the passive side) |
 
+use super::auth::{KeyId, Nonce, Tag};
 use crate::device::Device;
 
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
-/// The largest key accepted.
-const MAX_KEY: usize = 1024;
 
 /// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,13 +73,20 @@ pub(crate) struct IpcSource {
 pub(crate) enum Msg {
     Hello {
         version: u32,
+        /// The key id of the operation that opens the connection.
+        key_id: KeyId,
+        nonce: Nonce,
+    },
+    Welcome {
+        /// [`super::auth::welcome_proof`] of that operation's key; `None` if no live operation
+        /// has that key id.
+        proof: Option<Tag>,
         probe_addr: u64,
         probe_val: u64,
     },
-    Welcome {
+    Probe {
         probe_addr: u64,
         probe_val: u64,
-        reads_you: bool,
     },
     Reject {
         reason: String,
@@ -90,7 +97,9 @@ pub(crate) enum Msg {
         write: bool,
         /// The fingerprint of the connection part of the metadata the request comes from.
         ident: u64,
-        key: String,
+        key_id: KeyId,
+        /// [`super::auth::req_mac`] of the operation's key.
+        mac: Tag,
         device: Device,
         /// Ranges in the passive side's memory.
         remote: Vec<(u64, u64)>,
@@ -140,6 +149,9 @@ impl W<'_> {
     fn u64(&mut self, v: u64) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
+    fn bytes(&mut self, b: &[u8]) {
+        self.0.extend_from_slice(b);
+    }
     fn str(&mut self, s: &str) {
         let b = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
         self.0.extend_from_slice(&(b.len() as u16).to_le_bytes());
@@ -188,6 +200,9 @@ impl<'a> R<'a> {
     }
     fn u64(&mut self) -> Option<u64> {
         self.take(8).map(|b| u64::from_le_bytes(b.try_into().expect("8")))
+    }
+    fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
+        self.take(N)?.try_into().ok()
     }
     fn str(&mut self, max: usize) -> Option<String> {
         let n = u16::from_le_bytes(self.take(2)?.try_into().expect("2")) as usize;
@@ -253,23 +268,37 @@ impl Msg {
         match self {
             Msg::Hello {
                 version,
-                probe_addr,
-                probe_val,
+                key_id,
+                nonce,
             } => {
                 w.u8(1);
                 w.u32(*version);
+                w.bytes(key_id);
+                w.bytes(nonce);
+            }
+            Msg::Welcome {
+                proof,
+                probe_addr,
+                probe_val,
+            } => {
+                w.u8(2);
+                match proof {
+                    Some(p) => {
+                        w.u8(1);
+                        w.bytes(p);
+                    }
+                    None => w.u8(0),
+                }
                 w.u64(*probe_addr);
                 w.u64(*probe_val);
             }
-            Msg::Welcome {
+            Msg::Probe {
                 probe_addr,
                 probe_val,
-                reads_you,
             } => {
-                w.u8(2);
+                w.u8(10);
                 w.u64(*probe_addr);
                 w.u64(*probe_val);
-                w.u8(u8::from(*reads_you));
             }
             Msg::Reject { reason } => {
                 w.u8(3);
@@ -280,7 +309,8 @@ impl Msg {
                 gen,
                 write,
                 ident,
-                key,
+                key_id,
+                mac,
                 device,
                 remote,
                 local,
@@ -291,7 +321,8 @@ impl Msg {
                 w.u64(*gen);
                 w.u8(u8::from(*write));
                 w.u64(*ident);
-                w.str(key);
+                w.bytes(key_id);
+                w.bytes(mac);
                 let (k, id) = device_code(*device);
                 w.u8(k);
                 w.u32(id);
@@ -370,13 +401,21 @@ impl Msg {
         Some(match r.u8()? {
             1 => Msg::Hello {
                 version: r.u32()?,
+                key_id: r.array()?,
+                nonce: r.array()?,
+            },
+            2 => Msg::Welcome {
+                proof: match r.u8()? {
+                    0 => None,
+                    1 => Some(r.array()?),
+                    _ => return None,
+                },
                 probe_addr: r.u64()?,
                 probe_val: r.u64()?,
             },
-            2 => Msg::Welcome {
+            10 => Msg::Probe {
                 probe_addr: r.u64()?,
                 probe_val: r.u64()?,
-                reads_you: r.u8()? != 0,
             },
             3 => Msg::Reject { reason: r.str(4096)? },
             4 => {
@@ -384,7 +423,8 @@ impl Msg {
                 let gen = r.u64()?;
                 let write = r.u8()? != 0;
                 let ident = r.u64()?;
-                let key = r.str(MAX_KEY)?;
+                let key_id = r.array()?;
+                let mac = r.array()?;
                 let device = device_from(r.u8()?, r.u32()?)?;
                 let remote = r.ranges()?;
                 let local = r.ranges()?;
@@ -394,7 +434,8 @@ impl Msg {
                     gen,
                     write,
                     ident,
-                    key,
+                    key_id,
+                    mac,
                     device,
                     remote,
                     local,
@@ -452,13 +493,22 @@ mod tests {
         vec![
             Msg::Hello {
                 version: VERSION,
-                probe_addr: 1,
-                probe_val: 2,
+                key_id: [1; 16],
+                nonce: [2; 16],
             },
             Msg::Welcome {
+                proof: Some([5; 32]),
                 probe_addr: 3,
                 probe_val: 4,
-                reads_you: true,
+            },
+            Msg::Welcome {
+                proof: None,
+                probe_addr: 3,
+                probe_val: 4,
+            },
+            Msg::Probe {
+                probe_addr: 1,
+                probe_val: 2,
             },
             Msg::Reject { reason: "uid".into() },
             Msg::Req {
@@ -466,7 +516,8 @@ mod tests {
                 gen: 10,
                 write: true,
                 ident: 11,
-                key: "k-ey".into(),
+                key_id: [6; 16],
+                mac: [7; 32],
                 device: Device::Cuda(3),
                 remote: vec![(1, 2), (3, 4)],
                 local: vec![(5, 6), (7, 8)],
@@ -522,7 +573,7 @@ mod tests {
         assert!(Msg::decode(&[0, 0, 0, 0]).is_err());
         assert!(Msg::decode(&(MAX_FRAME as u32 + 1).to_le_bytes()).is_err());
         let mut buf = Vec::new();
-        all()[3].encode(&mut buf);
+        all()[5].encode(&mut buf);
         let mut x = 0x2545_F491_4F6C_DD1Du64;
         for _ in 0..50_000 {
             let mut m = buf.clone();
@@ -549,7 +600,7 @@ mod tests {
         evil.push(4);
         evil.extend_from_slice(&[0; 12]);
         evil.push(0);
-        evil.extend_from_slice(&0u16.to_le_bytes());
+        evil.extend_from_slice(&[0; 8 + 16 + 32]);
         evil.push(0);
         evil.extend_from_slice(&0u32.to_le_bytes());
         evil.extend_from_slice(&u32::MAX.to_le_bytes());

@@ -327,7 +327,9 @@ impl NixlAgent {
             .collect();
         let mut p = defaults.clone().map_err(|e| nixl_err("UCX plugin params", e))?;
         for (k, v) in params {
-            if !known.iter().any(|n| n == k) {
+            // `engine_config` (UCX settings, `KEY=value,...`) is read by the plugin but not
+            // advertised among its defaults.
+            if !known.iter().any(|n| n == k) && k != "engine_config" {
                 return Err(Error::InvalidArgument(format!(
                     "unknown UCX backend parameter {k:?}; NIXL's UCX plugin takes: {}",
                     known.join(", ")

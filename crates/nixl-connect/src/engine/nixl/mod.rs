@@ -372,6 +372,22 @@ pub(crate) struct NixlTransport {
     pub(crate) stats: EngineStats,
 }
 
+/// The UCX settings every agent of this library gets unless the caller set them: `TCP_CONN_NB=y`
+/// (through the UCX plugin's `engine_config`, per agent, so no environment variable is needed),
+/// so that connecting to a peer never blocks the engine thread in `connect()` (a blackholed
+/// address in a peer's metadata would otherwise hold it for the kernel's SYN retries, minutes).
+/// `UCX_TCP_CONN_NB` in the environment still wins, as UCX reads it first.
+fn with_library_defaults(mut params: Vec<(String, String)>) -> Vec<(String, String)> {
+    const CONN_NB: &str = "TCP_CONN_NB=y";
+    match params.iter_mut().find(|(k, _)| k == "engine_config") {
+        Some((_, v)) if v.contains("TCP_CONN_NB") => {}
+        Some((_, v)) if v.is_empty() => *v = CONN_NB.into(),
+        Some((_, v)) => *v = format!("{v},{CONN_NB}"),
+        None => params.push(("engine_config".into(), CONN_NB.into())),
+    }
+    params
+}
+
 impl NixlTransport {
     /// Creates the exposer agent named `name`.
     pub(crate) fn new(
@@ -382,6 +398,7 @@ impl NixlTransport {
         tx: Sender<Cmd>,
         waker: Waker,
     ) -> Result<Self> {
+        let params = with_library_defaults(params);
         let exposer = Exposer::new(name, &params, 0)?;
         Ok(Self {
             name: name.to_string(),
