@@ -47,6 +47,48 @@ mod metadata;
 mod operation;
 mod registration;
 
+/// Entry points for the coverage-guided fuzz targets under `fuzz/`: each takes untrusted bytes
+/// as a peer would send them and must return (never panic, hang or allocate without bound).
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    use crate::engine::local::proto::Msg;
+    use crate::engine::nixl::md;
+
+    /// A peer's `RdmaMetadata` JSON, then its `nixl_metadata` decoded and parsed.
+    pub fn metadata_json(data: &[u8]) {
+        let Ok(s) = std::str::from_utf8(data) else { return };
+        if let Ok(m) = crate::RdmaMetadata::from_json(s) {
+            if let Ok(raw) = crate::metadata::decode_agent_metadata(&m.nixl_metadata) {
+                let _ = md::parse(&raw);
+            }
+        }
+    }
+
+    /// NIXL agent metadata as a peer sends it (decompressed): parsed strictly, fingerprinted, and
+    /// spliced with itself.
+    pub fn agent_metadata(data: &[u8]) {
+        if let Ok(m) = md::parse(data) {
+            assert!(m.sections_at <= data.len());
+            let _ = md::identity(data);
+            let out = md::splice(data, data).expect("a blob splices with itself");
+            assert_eq!(out, data, "splicing a blob with itself gives it back");
+        }
+    }
+
+    /// A stream of same-host frames as either side reads it: every frame that decodes encodes
+    /// back to the same bytes, and a stream cut anywhere decodes to the same frames.
+    pub fn wire_frames(data: &[u8]) {
+        let mut at = 0;
+        while let Ok(Some((m, used))) = Msg::decode(&data[at..]) {
+            let mut again = Vec::new();
+            m.encode(&mut again);
+            assert_eq!(&again[..], &data[at..at + used], "{m:?} re-encodes differently");
+            at += used;
+        }
+    }
+}
+
 pub use buffer::{HostBuffer, HUGE_PAGE};
 pub use connector::{Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_QUARANTINE_LIMIT};
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};

@@ -360,7 +360,14 @@ impl Engine {
     /// # Errors
     /// [`Error::Metadata`] for anything that is not NIXL agent metadata.
     pub(crate) fn decode(&self, md: &str) -> Result<Decoded> {
-        if let Some(d) = self.0.decoded.lock().unwrap_or_else(|p| p.into_inner()).map.get(md) {
+        if let Some(d) = self
+            .0
+            .decoded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map
+            .get(md)
+        {
             return Ok(d.clone());
         }
         let raw = decode_agent_metadata(md)?;
@@ -610,10 +617,7 @@ impl EngineLoop {
                 .finish(OperationStatus::Errored, Some(Error::EngineStopped));
         }
         let EngineLoop {
-            local,
-            nixl,
-            copying,
-            ..
+            local, nixl, copying, ..
         } = self;
         drop(local); // waits for the copies
         drop(copying);

@@ -6,7 +6,9 @@ mod core;
 mod freed;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod impostor;
 mod local;
+mod soak;
 mod soundness;
 mod support;
 mod untrusted;

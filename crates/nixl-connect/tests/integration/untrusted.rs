@@ -25,7 +25,9 @@ fn unpack(md: &str) -> Vec<u8> {
         .decode(md.strip_prefix("b64:").unwrap())
         .unwrap();
     let mut out = Vec::new();
-    flate2::read::ZlibDecoder::new(&z[..]).read_to_end(&mut out).unwrap();
+    flate2::read::ZlibDecoder::new(&z[..])
+        .read_to_end(&mut out)
+        .unwrap();
     out
 }
 

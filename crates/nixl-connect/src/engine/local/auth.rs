@@ -98,7 +98,10 @@ mod tests {
         assert!(same(&p, &welcome_proof("k1", &n, 10, 20)));
         assert!(!same(&p, &welcome_proof("k2", &n, 10, 20)));
         assert!(!same(&p, &welcome_proof("k1", &nonce(), 10, 20)));
-        assert!(!same(&p, &welcome_proof("k1", &n, 10, 21)), "a relay's pid differs");
+        assert!(
+            !same(&p, &welcome_proof("k1", &n, 10, 21)),
+            "a relay's pid differs"
+        );
         let r = req_mac("k1", &n, 10, 20, 3, 4, true);
         assert!(!same(&r, &req_mac("k1", &n, 10, 20, 3, 4, false)));
         assert!(!same(&r, &req_mac("k1", &n, 10, 20, 3, 5, true)));

@@ -32,8 +32,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use self::cma::{Copy, CopyError, Piece, SlotRef};
 use self::auth::{KeyId, Nonce};
+use self::cma::{Copy, CopyError, Piece, SlotRef};
 use self::proto::{IpcSource, Msg, RefuseCode, MAX_FRAME, VERSION};
 use self::slots::{SlotTable, SLOTS};
 use super::poller::{hung_up, Registrar, Waker};
@@ -1002,7 +1002,10 @@ impl LocalTransport {
         };
         let want = auth::req_mac(&key, &c.nonce, c.peer_pid, self_pid(), slot, gen, write);
         if !auth::same(&want, mac) {
-            tracing::warn!(pid = c.peer_pid, "a same-host request without proof of its key; closing");
+            tracing::warn!(
+                pid = c.peer_pid,
+                "a same-host request without proof of its key; closing"
+            );
             c.dead = true;
             return None;
         }
@@ -1057,7 +1060,10 @@ impl LocalTransport {
             }
             return;
         };
-        if !auth::same(&proof, &auth::welcome_proof(&key, &c.nonce, self_pid(), c.peer_pid)) {
+        if !auth::same(
+            &proof,
+            &auth::welcome_proof(&key, &c.nonce, self_pid(), c.peer_pid),
+        ) {
             // Not the process that made the operation: another one holds the socket name. It
             // learnt a key hash and a nonce; nothing else is sent, nothing it says is believed.
             tracing::warn!(

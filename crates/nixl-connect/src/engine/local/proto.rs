@@ -201,6 +201,13 @@ impl<'a> R<'a> {
     fn u64(&mut self) -> Option<u64> {
         self.take(8).map(|b| u64::from_le_bytes(b.try_into().expect("8")))
     }
+    fn bool(&mut self) -> Option<bool> {
+        match self.u8()? {
+            0 => Some(false),
+            1 => Some(true),
+            _ => None,
+        }
+    }
     fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
         self.take(N)?.try_into().ok()
     }
@@ -252,7 +259,7 @@ fn device_code(d: Device) -> (u8, u32) {
 
 fn device_from(kind: u8, id: u32) -> Option<Device> {
     Some(match kind {
-        0 => Device::Host,
+        0 if id == 0 => Device::Host,
         1 => Device::Cuda(id),
         2 => Device::Xpu(id),
         _ => return None,
@@ -421,7 +428,7 @@ impl Msg {
             4 => {
                 let slot = r.u32()?;
                 let gen = r.u64()?;
-                let write = r.u8()? != 0;
+                let write = r.bool()?;
                 let ident = r.u64()?;
                 let key_id = r.array()?;
                 let mac = r.array()?;
@@ -460,7 +467,7 @@ impl Msg {
             8 => Msg::Done {
                 slot: r.u32()?,
                 gen: r.u64()?,
-                ok: r.u8()? != 0,
+                ok: r.bool()?,
                 reason: r.str(4096)?,
             },
             9 => Msg::GrantIpc {

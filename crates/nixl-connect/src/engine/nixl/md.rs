@@ -61,7 +61,9 @@ impl<'a> Reader<'a> {
     /// Reads an entry whose value is one u64.
     fn u64(&mut self, tag: &[u8]) -> Result<u64> {
         let v = self.entry(tag)?;
-        let v: [u8; 8] = v.try_into().map_err(|_| self.bad("a count that is not 8 bytes"))?;
+        let v: [u8; 8] = v
+            .try_into()
+            .map_err(|_| self.bad("a count that is not 8 bytes"))?;
         Ok(u64::from_le_bytes(v))
     }
 
