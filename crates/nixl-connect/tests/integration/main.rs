@@ -7,6 +7,7 @@ mod freed;
 #[cfg(feature = "cuda")]
 mod gpu;
 mod impostor;
+mod limits;
 mod local;
 mod soak;
 mod soundness;

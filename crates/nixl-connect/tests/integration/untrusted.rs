@@ -92,3 +92,53 @@ fn support_inflating() {
         println!("INFLATING-OK");
     });
 }
+
+/// The `(address, length)` of every descriptor in agent metadata's sections.
+fn published_ranges(raw: &[u8]) -> Vec<(u64, u64)> {
+    let at = raw.windows(10).position(|w| w == b"MemSection").unwrap() + 11;
+    let mut r = &raw[at..];
+    let mut entry = |tag: &[u8]| -> Vec<u8> {
+        assert!(r.starts_with(tag), "{:?}", &r[..tag.len().min(r.len())]);
+        r = &r[tag.len()..];
+        let n = u64::from_le_bytes(r[..8].try_into().unwrap()) as usize;
+        let v = r[8..8 + n].to_vec();
+        r = &r[8 + n + 1..];
+        v
+    };
+    let u = |v: &[u8]| u64::from_le_bytes(v[..8].try_into().unwrap());
+    let mut out = Vec::new();
+    for _ in 0..u(&entry(b"nixlSecElms")) {
+        entry(b"bknd");
+        entry(b"nixlDList");
+        entry(b"t");
+        for _ in 0..u(&entry(b"n")) {
+            let d = entry(b"");
+            out.push((u(&d[..8]), u(&d[8..16])));
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn untrusted_published_metadata_reaches_only_the_operations_memory() {
+    let owner = Connector::new().unwrap();
+    let mut buf = nixl_connect::HostBuffer::new(1 << 20).unwrap();
+    buf.fill(1);
+    // The whole buffer is exposed (and registered) by one operation...
+    let whole = owner.create_readable(Descriptor::from(&buf)).await.unwrap();
+    // ...then a part of it by another: its metadata must not reach the rest.
+    let part = owner
+        .create_readable(buf.part(4096..8192).unwrap())
+        .await
+        .unwrap();
+    let ranges = published_ranges(&unpack(&part.metadata().nixl_metadata));
+    let d = &part.metadata().descriptors[0];
+    assert_eq!(
+        ranges,
+        vec![(d.ptr, 4096)],
+        "the part's metadata publishes only the part"
+    );
+    let all = published_ranges(&unpack(&whole.metadata().nixl_metadata));
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].1, 1 << 20);
+}

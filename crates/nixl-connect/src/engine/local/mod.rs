@@ -49,6 +49,14 @@ use crate::operation::{OpState, TransferPath};
 
 /// The token of the listening socket in the engine's poller.
 const LISTENER: u64 = 0;
+/// The poller token of the timer that re-arms the listener after running out of descriptors.
+const ACCEPT_TIMER: u64 = u64::MAX - 1; // u64::MAX is the poller's own wake-up
+/// How long the listener rests after `accept` ran out of descriptors or memory.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// Connections this connector serves at once (same-host peers beyond it are refused and use NIXL).
+const MAX_SERVED: usize = 1024;
+/// Connections it serves at once to one process.
+const MAX_SERVED_PER_PID: usize = 64;
 /// How long a peer with no same-host socket is not asked again.
 const NEGATIVE_TTL: Duration = Duration::from_secs(2);
 /// Negative answers remembered.
@@ -87,6 +95,17 @@ fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
     }
     let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len().min(a.sun_path.len() - 1);
     (a, len as libc::socklen_t)
+}
+
+#[allow(unsafe_code)]
+fn timerfd() -> io::Result<OwnedFd> {
+    // SAFETY: creates a new descriptor, owned right after.
+    let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 #[allow(unsafe_code)]
@@ -412,6 +431,9 @@ pub(crate) struct LocalTransport {
     exports: Exports,
     outstanding: Arc<Outstanding>,
     pub(crate) refused_peers: u64,
+    /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
+    /// the listener after `accept` ran out of descriptors, instead of spinning on it.
+    accept_timer: Option<OwnedFd>,
 }
 
 impl Drop for LocalTransport {
@@ -443,6 +465,11 @@ impl LocalTransport {
             }
         }
         let probe = Box::new(uuid::Uuid::new_v4().as_u64_pair().0 | 1);
+        let accept_timer = listener.as_ref().and_then(|_| {
+            let t = timerfd().ok()?;
+            reg.add(t.as_raw_fd(), ACCEPT_TIMER, true, false).ok()?;
+            Some(t)
+        });
         Self {
             enabled,
             listener,
@@ -462,6 +489,7 @@ impl LocalTransport {
             exports: Arc::new(Mutex::new(Vec::new())),
             outstanding: Arc::new(Outstanding::default()),
             refused_peers: 0,
+            accept_timer,
         }
     }
 
@@ -655,6 +683,14 @@ impl LocalTransport {
                 )
             };
             if fd < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::EINTR | libc::ECONNABORTED | libc::EPROTO) => continue,
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
+                        self.pause_accepting(&e);
+                    }
+                    _ => {}
+                }
                 return;
             }
             // SAFETY: a fresh descriptor nothing else owns.
@@ -663,7 +699,26 @@ impl LocalTransport {
             let Ok((pid, peer_uid)) = peer_cred(fd.as_raw_fd()) else {
                 continue;
             };
+            let served = self.conns.values().filter(|c| !c.client).count();
+            let from_pid = self
+                .conns
+                .values()
+                .filter(|c| !c.client && c.peer_pid == pid)
+                .count();
             let i = self.insert(Conn::new(fd, false, pid, "".into()));
+            if peer_uid == self.uid && (served >= MAX_SERVED || from_pid >= MAX_SERVED_PER_PID) {
+                self.refused_peers += 1;
+                let c = self.conns.get_mut(&i).expect("just inserted");
+                c.send(&Msg::Reject {
+                    reason: format!(
+                        "this process serves {served} same-host connections ({from_pid} from yours) \
+                         already; use NIXL"
+                    ),
+                });
+                self.flush(i);
+                self.close(i, &mut Vec::new());
+                continue;
+            }
             if peer_uid != self.uid {
                 self.refused_peers += 1;
                 let c = self.conns.get_mut(&i).expect("just inserted");
@@ -678,6 +733,44 @@ impl LocalTransport {
                 self.close(i, &mut Vec::new());
             }
         }
+    }
+
+    /// Stops watching the listener for [`ACCEPT_BACKOFF`] (the pending connection stays in the
+    /// backlog): an `accept` that fails for want of descriptors would otherwise wake the engine
+    /// again at once, for as long as the shortage lasts.
+    #[allow(unsafe_code)]
+    fn pause_accepting(&mut self, e: &io::Error) {
+        let (Some(l), Some(t)) = (&self.listener, &self.accept_timer) else {
+            return;
+        };
+        tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
+        self.reg.remove(l.as_raw_fd());
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: ACCEPT_BACKOFF.as_nanos() as libc::c_long,
+            },
+        };
+        // SAFETY: a valid timerfd we own, and a fully initialised itimerspec.
+        unsafe { libc::timerfd_settime(t.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+    }
+
+    /// The back-off timer fired: watch the listener again and take what waits.
+    #[allow(unsafe_code)]
+    fn resume_accepting(&mut self) {
+        if let Some(t) = &self.accept_timer {
+            let mut n = 0u64;
+            // SAFETY: reads the 8-byte expiry count of our non-blocking timerfd into `n`.
+            unsafe { libc::read(t.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+        }
+        if let Some(l) = &self.listener {
+            let _ = self.reg.add(l.as_raw_fd(), LISTENER, true, false);
+        }
+        self.accept();
     }
 
     /// Opens (or finds) the connection to `peer`; `Err(reason)` when there is no same-host path.
@@ -2055,6 +2148,11 @@ impl Transport for LocalTransport {
         for &(token, ev) in ready {
             if token == LISTENER {
                 self.accept();
+                event = true;
+                continue;
+            }
+            if token == ACCEPT_TIMER {
+                self.resume_accepting();
                 event = true;
                 continue;
             }

@@ -84,7 +84,9 @@ impl Registry {
         }
     }
 
-    /// A live registration containing `r`, or a new one of exactly `r`.
+    /// A live registration containing `r` (exposer side: of exactly `r`, since per-operation
+    /// metadata publishes the whole registration and its key reaches all of it), or a new one of
+    /// exactly `r`.
     #[allow(clippy::too_many_arguments)]
     fn get(
         &mut self,
@@ -100,7 +102,11 @@ impl Registry {
         // The registrations starting at or before r, nearest first: one of them contains r if any
         // does (32 candidates is plenty for registrations that do not overlap much).
         for (_, e) in self.map.range(lo..=hi).rev().take(32) {
-            if e.range.addr + e.range.len >= r.addr + r.len {
+            let fits = match self.side {
+                Side::Exposer => e.range == r,
+                Side::Initiator => e.range.addr + e.range.len >= r.addr + r.len,
+            };
+            if fits {
                 if let Some(t) = e.token.upgrade() {
                     return Ok((RegToken(t), e.range));
                 }
