@@ -18,6 +18,10 @@ use nixl_connect::{Connector, Descriptor, Error, PathPolicy, RdmaMetadata};
 use super::support::{pattern, runtime, PEER_ENV};
 
 const OUTSTANDING: usize = 1000;
+
+/// A task awaiting a passive operation: 0 dropped by this side, 1 complete with the right bytes,
+/// 2 complete with other bytes.
+type Waiter = tokio::task::JoinHandle<Result<u8, Error>>;
 /// How long a passive operation may wait for its peer before it counts as lost.
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -132,8 +136,7 @@ fn soak_mixed_load_between_two_processes() {
         let mut last_kill = Instant::now();
         let mut t = Tally::default();
         // seq -> (a task awaiting the passive side, issued at, peer generation)
-        let mut live: HashMap<u64, (tokio::task::JoinHandle<Result<u8, Error>>, Instant, u64)> =
-            HashMap::new();
+        let mut live: HashMap<u64, (Waiter, Instant, u64)> = HashMap::new();
         let mut results: HashMap<u64, String> = HashMap::new();
         let mut samples: Vec<(u64, u64, usize)> = Vec::new();
         let mut next_sample = Instant::now();
@@ -150,7 +153,7 @@ fn soak_mixed_load_between_two_processes() {
                 // The peer drops its operation at a random point 1 time in 10; this side 1 in 20.
                 let peer_drop = rng.below(10) == 0;
                 let our_drop = rng.below(20) == 0;
-                let (md, task): (RdmaMetadata, tokio::task::JoinHandle<Result<u8, Error>>) = if write {
+                let (md, task): (RdmaMetadata, Waiter) = if write {
                     let w = conn
                         .create_writable(Descriptor::from(vec![0u8; len]))
                         .await
