@@ -7,10 +7,10 @@
 use std::alloc::Layout;
 use std::time::Duration;
 
-use nixl_connect::{Connector, Descriptor, Device, PathPolicy, RdmaMetadata};
+use nixl_connect::{Connector, Descriptor, Device, RdmaMetadata};
 
-use super::soundness::{drop_at, sound_peer, DROP_POINTS};
-use super::support::{run_support, runtime, tcp_tls, PEER_ENV};
+use super::soundness::{drop_at, on_both_paths, policy_from_env, sound_peer, DROP_POINTS};
+use super::support::{run_support, runtime, PEER_ENV};
 
 const MIB: usize = 1 << 20;
 
@@ -50,24 +50,14 @@ fn zero(c: &[u8]) -> bool {
 
 #[test]
 fn freed_raw_memory_of_dropped_operations_keeps_canaries() {
-    for (path, tls) in [("nixl", tcp_tls()), ("auto", "")] {
-        let mut env: Vec<(&str, &std::ffi::OsStr)> = vec![("NIXL_CONNECT_TEST_PATH", path.as_ref())];
-        if !tls.is_empty() {
-            env.push(("UCX_TLS", tls.as_ref()));
-        }
-        let text = run_support("freed::support_raw_drop", &env);
-        assert!(text.contains("RAW-DROP-OK"), "{path}: {text}");
-    }
+    on_both_paths("freed::support_raw_drop", "RAW-DROP-OK");
 }
 
 #[test]
 #[ignore = "run by freed_raw_memory_of_dropped_operations_keeps_canaries in a fresh process"]
 fn support_raw_drop() {
     let Ok(_) = std::env::var(PEER_ENV) else { return };
-    let policy: PathPolicy = std::env::var("NIXL_CONNECT_TEST_PATH")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(PathPolicy::Auto);
+    let policy = policy_from_env();
     runtime().block_on(async {
         let conn = Connector::builder().path(policy).build().unwrap();
         let mut peer = sound_peer();

@@ -16,7 +16,21 @@ use super::support::{pattern, run_support, runtime, tcp_tls, Peer, PEER_ENV, T};
 pub(crate) const PEER: &str = "soundness::support_sound_peer";
 const MIB: usize = 1 << 20;
 
-fn policy_from_env() -> PathPolicy {
+/// Runs the support test `name` in a fresh process once over NIXL (TCP) and once with the
+/// same-host path allowed; each run must print `ok`.
+pub(crate) fn on_both_paths(name: &str, ok: &str) {
+    for (path, tls) in [("nixl", tcp_tls()), ("auto", "")] {
+        let mut env: Vec<(&str, &std::ffi::OsStr)> = vec![("NIXL_CONNECT_TEST_PATH", path.as_ref())];
+        if !tls.is_empty() {
+            env.push(("UCX_TLS", tls.as_ref()));
+        }
+        let text = run_support(name, &env);
+        assert!(text.contains(ok), "{path}: {text}");
+    }
+}
+
+/// The path policy a support process was started with.
+pub(crate) fn policy_from_env() -> PathPolicy {
     std::env::var("NIXL_CONNECT_TEST_PATH")
         .ok()
         .and_then(|p| p.parse().ok())
@@ -61,14 +75,7 @@ fn canary_intact(c: &[u8]) -> bool {
 
 #[test]
 fn cancel_begin_future_dropped_at_every_point() {
-    for (path, tls) in [("nixl", tcp_tls()), ("auto", "")] {
-        let mut env: Vec<(&str, &std::ffi::OsStr)> = vec![("NIXL_CONNECT_TEST_PATH", path.as_ref())];
-        if !tls.is_empty() {
-            env.push(("UCX_TLS", tls.as_ref()));
-        }
-        let text = run_support("soundness::support_cancel_begin", &env);
-        assert!(text.contains("CANCEL-BEGIN-OK"), "{path}: {text}");
-    }
+    on_both_paths("soundness::support_cancel_begin", "CANCEL-BEGIN-OK");
 }
 
 #[test]

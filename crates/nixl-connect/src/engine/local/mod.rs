@@ -1211,6 +1211,16 @@ impl LocalTransport {
         }
     }
 
+    /// Hands a queued operation to the next transport, freeing its slot.
+    fn decline_act(&mut self, id: OpId, reason: &str, out: &mut Vec<Event>) {
+        let a = self.acts.remove(&id).expect("present");
+        self.free_slot(a.conn, a.slot, a.gen);
+        out.push(Event::Declined {
+            spec: a.spec,
+            reason: reason.into(),
+        });
+    }
+
     fn take_act(&mut self, i: ConnId, slot: u32, gen: u64) -> Option<(OpId, Act)> {
         let id = self
             .acts
@@ -1259,26 +1269,18 @@ impl LocalTransport {
         }
         let c = self.conns.get_mut(&a.conn).expect("live");
         if !a.spec.write && !a.device && !c.can_pull {
-            let a = self.acts.remove(&id).expect("present");
-            let i = a.conn;
-            self.free_slot(i, a.slot, a.gen);
-            out.push(Event::Declined {
-                spec: a.spec,
-                reason: "the kernel does not let this process read the peer's memory (ptrace rules)".into(),
-            });
+            self.decline_act(
+                id,
+                "the kernel does not let this process read the peer's memory (ptrace rules)",
+                out,
+            );
             return;
         }
         // A request the server could not accept (too many ranges for one frame) takes NIXL,
         // rather than breaking the connection every other operation uses.
         let frame = 64 + 16 * (a.spec.remote.len() + a.spec.local.len()) + 128 * a.sources.len();
         if frame > MAX_FRAME {
-            let a = self.acts.remove(&id).expect("present");
-            let i = a.conn;
-            self.free_slot(i, a.slot, a.gen);
-            out.push(Event::Declined {
-                spec: a.spec,
-                reason: "too many ranges for one same-host request".into(),
-            });
+            self.decline_act(id, "too many ranges for one same-host request", out);
             return;
         }
         a.phase = Phase::Requested;
