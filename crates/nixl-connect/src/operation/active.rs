@@ -151,13 +151,10 @@ impl Drop for Active<'_> {
         let mut owned = Vec::with_capacity(descs.len());
         let mut borrowed = Vec::new();
         for d in descs {
-            // Raw memory is borrowed too: its owner frees it once the descriptor is gone.
-            if !d.owns_memory() {
-                borrowed.push(d);
-                continue;
-            }
             match d.try_into_static() {
-                Ok(s) => owned.push(s),
+                Ok(s) if s.owns_memory() => owned.push(s),
+                // Raw memory is borrowed too: its owner frees it once the descriptor is gone.
+                Ok(raw) => borrowed.push(raw),
                 Err(b) => borrowed.push(b),
             }
         }

@@ -152,13 +152,10 @@ impl Drop for Passive<'_> {
                 kept.push(Some(d));
                 continue;
             }
-            // Raw memory is borrowed too: its owner frees it once the descriptor is gone.
-            if !d.owns_memory() {
-                kept.push(Some(d));
-                continue;
-            }
             match d.try_into_static() {
-                Ok(s) if !s.is_host_buffer() => {
+                // Raw memory is borrowed too (its owner frees it once the descriptor is gone),
+                // and a HostBuffer quarantines its own pages.
+                Ok(s) if s.owns_memory() && !s.is_host_buffer() => {
                     owned.push(s);
                     kept.push(None);
                 }

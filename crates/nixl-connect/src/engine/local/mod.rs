@@ -62,13 +62,17 @@ const NEGATIVE_TTL: Duration = Duration::from_secs(2);
 /// Negative answers remembered.
 const MAX_NEGATIVE: usize = 4096;
 
-/// The abstract socket name of the connector whose NIXL agent is `agent` (a rotated exposer's
-/// name, `<connector>~<generation>`, names its connector's socket).
+/// Why a request for a key this side has no live operation for is refused.
+const NOT_LIVE: &str = "no live operation has this notification key: it completed, was cancelled \
+                        or dropped (a replayed metadata string?)";
+
 /// This process's pid, as the kernel reports it to peers (`SO_PEERCRED`).
 fn self_pid() -> libc::pid_t {
     std::process::id() as libc::pid_t
 }
 
+/// The abstract socket name of the connector whose NIXL agent is `agent` (a rotated exposer's
+/// name, `<connector>~<generation>`, names its connector's socket).
 pub(crate) fn socket_name(agent: &str) -> Vec<u8> {
     let agent = agent.split_once('~').map_or(agent, |(base, _)| base);
     let mut n = b"nixl-connect.v1/".to_vec();
@@ -1086,9 +1090,7 @@ impl LocalTransport {
                 slot,
                 gen,
                 code: RefuseCode::NotLive,
-                reason: "no live operation has this notification key: it completed, was cancelled \
-                         or dropped (a replayed metadata string?)"
-                    .into(),
+                reason: NOT_LIVE.into(),
             });
             self.flush(i);
             return None;
@@ -1136,13 +1138,7 @@ impl LocalTransport {
                 if a.spec.key == key {
                     out.push(Event::ActiveEnded {
                         id,
-                        result: Err(refused(
-                            peer.to_string(),
-                            RefuseCode::NotLive,
-                            "no live operation has this notification key: it completed, was \
-                             cancelled or dropped (a replayed metadata string?)"
-                                .into(),
-                        )),
+                        result: Err(refused(peer.to_string(), RefuseCode::NotLive, NOT_LIVE.into())),
                     });
                 } else {
                     out.push(Event::Declined {
@@ -1349,12 +1345,7 @@ impl LocalTransport {
             reason,
         };
         let answer = match self.scopes.get_mut(key) {
-            None => Some(refuse(
-                RefuseCode::NotLive,
-                "no live operation has this notification key: it completed, was cancelled or \
-                 dropped (a replayed metadata string?)"
-                    .into(),
-            )),
+            None => Some(refuse(RefuseCode::NotLive, NOT_LIVE.into())),
             Some(s) if (s.kind == OperationKind::Write) != write => Some(refuse(
                 RefuseCode::WrongDirection,
                 format!(

@@ -98,17 +98,19 @@ impl Registry {
         replaced: &mut Option<Range>,
     ) -> Result<(RegToken, Range)> {
         let k = key_of(&r);
-        let (lo, hi) = ((k.0, k.1, 0, 0), (k.0, k.1, r.addr, usize::MAX));
-        // The registrations starting at or before r, nearest first: one of them contains r if any
-        // does (32 candidates is plenty for registrations that do not overlap much).
-        for (_, e) in self.map.range(lo..=hi).rev().take(32) {
-            let fits = match self.side {
-                Side::Exposer => e.range == r,
-                Side::Initiator => e.range.addr + e.range.len >= r.addr + r.len,
-            };
-            if fits {
-                if let Some(t) = e.token.upgrade() {
-                    return Ok((RegToken(t), e.range));
+        if self.side == Side::Exposer {
+            if let Some(t) = self.map.get(&k).and_then(|e| e.token.upgrade()) {
+                return Ok((RegToken(t), r));
+            }
+        } else {
+            let (lo, hi) = ((k.0, k.1, 0, 0), (k.0, k.1, r.addr, usize::MAX));
+            // The registrations starting at or before r, nearest first: one of them contains r if
+            // any does (32 candidates is plenty for registrations that do not overlap much).
+            for (_, e) in self.map.range(lo..=hi).rev().take(32) {
+                if e.range.addr + e.range.len >= r.addr + r.len {
+                    if let Some(t) = e.token.upgrade() {
+                        return Ok((RegToken(t), e.range));
+                    }
                 }
             }
         }
