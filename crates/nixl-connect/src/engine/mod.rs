@@ -37,6 +37,9 @@ use crate::error::{Error, Result};
 use crate::metadata::decode_agent_metadata;
 use crate::operation::{OpState, OperationStatus, PathPolicy, TransferPath};
 
+/// How long a dropped connector waits for its same-host copies (they end within a chunk unless a
+/// peer stalls its pages) before it leaks the memory they may still write.
+pub(crate) const STOP_WAIT: Duration = Duration::from_secs(10);
 /// How long the engine keeps spinning after the last event before it sleeps.
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
 /// The first back-off while transfers are in flight.
@@ -611,16 +614,33 @@ impl EngineLoop {
         for (_, st) in self.passives.drain() {
             st.finish(OperationStatus::Errored, Some(Error::EngineStopped));
         }
-        let actives: Vec<Active> = self.actives.drain().map(|(_, a)| a).collect();
+        let mut actives: Vec<Active> = self.actives.drain().map(|(_, a)| a).collect();
         for a in &actives {
             a.state
                 .finish(OperationStatus::Errored, Some(Error::EngineStopped));
         }
         let EngineLoop {
-            local, nixl, copying, ..
+            mut local,
+            nixl,
+            copying,
+            ..
         } = self;
-        drop(local); // waits for the copies
-        drop(copying);
+        if local.stop(Some(STOP_WAIT)) {
+            drop(copying);
+        } else {
+            // A peer stalls the pages a copy reads (nothing interrupts that copy): the memory it
+            // writes is never freed. Every operation is gone (each holds the engine), so this is
+            // owned memory only: the exposures' kept here, the abandoned reads' below.
+            tracing::error!(
+                "same-host copies still running {STOP_WAIT:?} after the connector was dropped (a \
+                 peer stalls its pages): leaking the memory they may write"
+            );
+            std::mem::forget(copying);
+            for a in &mut actives {
+                std::mem::forget(a.keep.take());
+            }
+        }
+        drop(local);
         drop(nixl); // destroys the agents, then frees the quarantined memory
         for a in actives {
             drop(a.keep);

@@ -55,7 +55,6 @@ async fn impostor_learns_nothing_and_forges_nothing() {
                         1 => {
                             let mut w = vec![2u8, 1];
                             w.extend_from_slice(&[0x42; 32]); // a proof it cannot compute
-                            w.extend_from_slice(&[0; 16]);
                             send(&mut s, &w);
                         }
                         4 => {

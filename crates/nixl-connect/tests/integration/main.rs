@@ -11,5 +11,6 @@ mod limits;
 mod local;
 mod soak;
 mod soundness;
+mod stall;
 mod support;
 mod untrusted;

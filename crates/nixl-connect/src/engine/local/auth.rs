@@ -8,7 +8,7 @@
 //!   usable) and carries a fresh [`nonce`];
 //! - the server's `Welcome` carries [`welcome_proof`], an HMAC keyed by the notification key over
 //!   the nonce and both processes' pids (so a relaying impostor, whose pid differs, cannot pass a
-//!   real server's proof on). The client reveals nothing else (no probe address, no ranges, no
+//!   real server's proof on). The client reveals nothing else (no ranges, no
 //!   device export) and trusts no answer until the proof checks;
 //! - every `Req` carries [`req_mac`], proving the client holds its operation's key.
 

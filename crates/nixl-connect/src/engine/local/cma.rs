@@ -1,20 +1,21 @@
 //! Copies between processes of one host with cross-memory attach (`process_vm_readv`): always a
 //! pull into this process's own memory from the peer's.
 //!
-//! Small copies run on the engine thread; large ones are split across a process-wide pool of
-//! copy threads (one per core, at most [`MAX_THREADS`]) in pieces of at least [`MIN_PIECE`] bytes.
+//! Every copy runs on a process-wide pool of copy threads (never on the engine thread: the peer
+//! chooses the addresses, and a page it stalls would stall the thread); large ones are split in
+//! pieces of at least [`MIN_PIECE`] bytes across one thread per core (at most [`MAX_THREADS`]).
 //! Each system call moves at most [`CHUNK`] bytes, so a cancelled copy stops within a chunk.
 #![allow(unsafe_code)]
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
 
 use super::slots::{SlotTable, ARMED, COPYING, DONE};
 
-/// Copies up to this size run inline on the engine thread.
-pub(crate) const INLINE_MAX: usize = 256 << 10;
 /// The smallest piece a large copy is split into for another thread.
 pub(crate) const MIN_PIECE: usize = 8 << 20;
 /// The most bytes one `process_vm_readv` call moves (the cancellation granularity).
@@ -154,15 +155,6 @@ pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> R
     Ok(())
 }
 
-/// Runs a whole copy on this thread under the slot protocol.
-pub(crate) fn run_inline(c: &Copy) -> Result<(), CopyError> {
-    if !c.slot.table.advance(c.slot.idx, c.slot.gen, ARMED, COPYING) {
-        return Err(CopyError::NotStarted);
-    }
-    pull(c.pid, &c.pieces, &c.cancel)?;
-    finish(&c.slot)
-}
-
 fn finish(slot: &SlotRef) -> Result<(), CopyError> {
     if slot.table.advance(slot.idx, slot.gen, COPYING, DONE) {
         Ok(())
@@ -187,59 +179,142 @@ struct Group {
     done: Mutex<Option<Done>>,
 }
 
+/// The process-wide copy pool.
+///
+/// A copy can block for as long as its peer wants (a page backed by FUSE or by a `userfaultfd`
+/// range nobody serves), and nothing interrupts `process_vm_readv` short of killing the process.
+/// So no copy runs on the engine thread, one peer (process) runs at most [`Pool::per_peer`] pieces
+/// at once, and when every thread is busy the pool grows (to [`MAX_SPARE`] more threads, which
+/// leave again after [`SPARE_IDLE`] without work): a peer that stalls its pages holds its own
+/// copies and the threads running them, never another peer's.
 struct Pool {
-    queue: Mutex<VecDeque<Job>>,
+    state: Mutex<PoolState>,
     cv: Condvar,
-    threads: usize,
+    /// Threads kept (one per core, at most [`MAX_THREADS`]); also the most pieces of one peer
+    /// that run at once.
+    per_peer: usize,
 }
+
+#[derive(Default)]
+struct PoolState {
+    queue: VecDeque<Job>,
+    threads: usize,
+    idle: usize,
+    busy: HashMap<libc::pid_t, usize>,
+}
+
+impl PoolState {
+    /// The first queued job whose peer is under its limit.
+    fn take(&mut self, per_peer: usize) -> Option<Job> {
+        let busy = &self.busy;
+        let at = self
+            .queue
+            .iter()
+            .position(|j| busy.get(&j.pid).copied().unwrap_or(0) < per_peer)?;
+        let job = self.queue.remove(at)?;
+        *self.busy.entry(job.pid).or_default() += 1;
+        Some(job)
+    }
+}
+
+/// The most threads the pool adds while its kept ones are busy.
+pub(crate) const MAX_SPARE: usize = 56;
+/// How long an added thread waits for work before it leaves.
+pub(crate) const SPARE_IDLE: Duration = Duration::from_secs(10);
 
 fn pool() -> &'static Pool {
     static POOL: OnceLock<&'static Pool> = OnceLock::new();
     POOL.get_or_init(|| {
-        let threads = std::thread::available_parallelism()
+        let per_peer = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(2)
             .clamp(1, MAX_THREADS);
         let p: &'static Pool = Box::leak(Box::new(Pool {
-            queue: Mutex::new(VecDeque::new()),
+            state: Mutex::new(PoolState::default()),
             cv: Condvar::new(),
-            threads,
+            per_peer,
         }));
-        for i in 0..threads {
-            let _ = std::thread::Builder::new()
-                .name(format!("nixl-copy-{i}"))
-                .spawn(move || worker(p));
+        let mut st = lock(&p.state);
+        for _ in 0..per_peer {
+            p.start(&mut st);
         }
+        drop(st);
         p
     })
 }
 
-fn worker(p: &'static Pool) {
-    loop {
-        let job = {
-            let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
-            loop {
-                if let Some(j) = q.pop_front() {
-                    break j;
-                }
-                q = p.cv.wait(q).unwrap_or_else(|e| e.into_inner());
-            }
-        };
-        let r = pull(job.pid, &job.pieces, &job.cancel);
-        let g = job.group;
-        if let Err(e) = r {
-            job.cancel.store(true, Ordering::Relaxed); // stop the other pieces early
-            g.error.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(e);
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Pool {
+    /// Starts one more thread (counted in `st` before it runs).
+    fn start(&'static self, st: &mut PoolState) {
+        let n = st.threads;
+        let kept = n < self.per_peer;
+        let spawned = std::thread::Builder::new()
+            .name(format!("nixl-copy-{n}"))
+            .spawn(move || self.worker(kept));
+        if spawned.is_ok() {
+            st.threads += 1;
         }
-        if g.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let err = g.error.lock().unwrap_or_else(|e| e.into_inner()).take();
-            let result = match err {
-                Some(e) => Err(e),
-                None => finish(&g.slot),
+    }
+
+    fn worker(&'static self, kept: bool) {
+        let mut st = lock(&self.state);
+        loop {
+            let Some(job) = st.take(self.per_peer) else {
+                st.idle += 1;
+                let (g, timeout) = if kept {
+                    (self.cv.wait(st).unwrap_or_else(|e| e.into_inner()), false)
+                } else {
+                    let (g, t) = self
+                        .cv
+                        .wait_timeout(st, SPARE_IDLE)
+                        .unwrap_or_else(|e| e.into_inner());
+                    (g, t.timed_out())
+                };
+                st = g;
+                st.idle -= 1;
+                if timeout && st.queue.is_empty() {
+                    st.threads -= 1;
+                    return;
+                }
+                continue;
             };
-            if let Some(done) = g.done.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                done(result);
+            drop(st);
+            let pid = job.pid;
+            run(job);
+            st = lock(&self.state);
+            if let Some(n) = st.busy.get_mut(&pid) {
+                *n -= 1;
+                if *n == 0 {
+                    st.busy.remove(&pid);
+                }
             }
+            if !st.queue.is_empty() {
+                self.cv.notify_all(); // a job held back by its peer's limit may run now
+            }
+        }
+    }
+}
+
+/// Runs one piece of a copy; the last piece to end reports the copy's result.
+fn run(job: Job) {
+    let r = pull(job.pid, &job.pieces, &job.cancel);
+    let g = job.group;
+    if let Err(e) = r {
+        job.cancel.store(true, Ordering::Relaxed); // stop the other pieces early
+        lock(&g.error).get_or_insert(e);
+    }
+    if g.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+        let err = lock(&g.error).take();
+        let result = match err {
+            Some(e) => Err(e),
+            None => finish(&g.slot),
+        };
+        if let Some(done) = lock(&g.done).take() {
+            done(result);
         }
     }
 }
@@ -253,7 +328,7 @@ pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
     }
     let p = pool();
     let total = c.bytes();
-    let parts = (total / MIN_PIECE).clamp(1, p.threads);
+    let parts = (total / MIN_PIECE).clamp(1, p.per_peer);
     let per = total.div_ceil(parts);
     let mut jobs: Vec<Vec<Piece>> = Vec::with_capacity(parts);
     let mut cur = Vec::new();
@@ -284,29 +359,46 @@ pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
         slot: c.slot,
         done: Mutex::new(Some(done)),
     });
-    let mut q = p.queue.lock().unwrap_or_else(|e| e.into_inner());
+    let mut st = lock(&p.state);
+    let added = jobs.len();
     for pieces in jobs {
-        q.push_back(Job {
+        st.queue.push_back(Job {
             pid: c.pid,
             pieces,
             cancel: c.cancel.clone(),
             group: group.clone(),
         });
     }
-    drop(q);
+    // Every thread busy (some perhaps stalled by their peers): add threads for what came.
+    let want = added.saturating_sub(st.idle);
+    for _ in 0..want {
+        if st.threads >= p.per_peer + MAX_SPARE {
+            break;
+        }
+        p.start(&mut st);
+    }
+    drop(st);
     p.cv.notify_all();
     Ok(())
 }
 
-/// True when this process may read `pid`'s memory: reads `probe` there and compares.
-pub(crate) fn can_read(pid: libc::pid_t, probe_addr: usize, expect: u64) -> bool {
-    let mut got = 0u64;
-    let piece = Piece {
-        local: &mut got as *mut u64 as usize,
-        remote: probe_addr,
-        len: 8,
-    };
-    pull(pid, &[piece], &AtomicBool::new(false)).is_ok() && got == expect
+/// True when this process may read the memory of the process behind `pidfd` with
+/// `process_vm_readv`, found out without touching that memory (an address the peer chose could
+/// be backed by a page that never comes: a FUSE file, a `userfaultfd` range).
+///
+/// `pidfd_getfd` runs the same check as `process_vm_readv` (`PTRACE_MODE_ATTACH_REALCREDS`: uid,
+/// capabilities, Yama's `ptrace_scope`) before it looks up the descriptor; asking for a descriptor
+/// number no process has tells the two answers apart: `EPERM` (may not) or `EBADF` (may).
+pub(crate) fn may_pull(pidfd: &OwnedFd) -> bool {
+    // SAFETY: pidfd_getfd only reads its integer arguments; on success (impossible for this
+    // descriptor number) the descriptor it returns is closed at once.
+    let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), libc::c_int::MAX, 0) };
+    if r >= 0 {
+        // SAFETY: a fresh descriptor nothing else owns.
+        drop(unsafe { OwnedFd::from_raw_fd(r as libc::c_int) });
+        return true;
+    }
+    io::Error::last_os_error().raw_os_error() == Some(libc::EBADF)
 }
 
 #[cfg(test)]

@@ -67,6 +67,10 @@ const NOT_LIVE: &str = "no live operation has this notification key: it complete
                         or dropped (a replayed metadata string?)";
 
 /// This process's pid, as the kernel reports it to peers (`SO_PEERCRED`).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn self_pid() -> libc::pid_t {
     std::process::id() as libc::pid_t
 }
@@ -218,8 +222,8 @@ struct Conn {
     /// The handshake is done (client: the server proved it holds the opening operation's key;
     /// server: `Hello` answered).
     ready: bool,
-    /// Server side: the client's `Probe` arrived (requests may follow).
-    probed: bool,
+    /// Server side: the client sent `Trusted` (it checked our proof; requests may follow).
+    trusted: bool,
     /// The client's nonce for this connection (sent in `Hello`).
     nonce: Nonce,
     /// Client side: the key of the operation that opened the connection (what the server must
@@ -248,7 +252,7 @@ impl Conn {
             fds_in: VecDeque::new(),
             slots: None,
             ready: false,
-            probed: false,
+            trusted: false,
             nonce: [0; 16],
             opening_key: None,
             can_pull: false,
@@ -420,7 +424,6 @@ pub(crate) struct LocalTransport {
     reg: Registrar,
     waker: Waker,
     uid: libc::uid_t,
-    probe: Box<u64>,
     conns: HashMap<ConnId, Conn>,
     next_conn: ConnId,
     by_peer: HashMap<Arc<str>, ConnId>,
@@ -438,23 +441,14 @@ pub(crate) struct LocalTransport {
     /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
     /// the listener after `accept` ran out of descriptors, instead of spinning on it.
     accept_timer: Option<OwnedFd>,
+    /// [`Self::stop`] ran (the drop does not wait again).
+    stopped: bool,
 }
 
 impl Drop for LocalTransport {
     fn drop(&mut self) {
-        // Stop every copy and wait for the ones on the pool (at most one chunk each): the memory
-        // they write (adopted or quarantined by the engine) is freed right after this.
-        for a in self.acts.values() {
-            a.cancel.store(true, Ordering::Relaxed);
-        }
-        for s in self.scopes.values() {
-            if let Some(w) = &s.writer {
-                w.3.store(true, Ordering::Relaxed);
-            }
-        }
-        let mut n = self.outstanding.count.lock().unwrap_or_else(|p| p.into_inner());
-        while *n > 0 {
-            n = self.outstanding.cv.wait(n).unwrap_or_else(|p| p.into_inner());
+        if !self.stopped {
+            self.stop(None);
         }
     }
 }
@@ -468,7 +462,6 @@ impl LocalTransport {
                 tracing::warn!(error = %e, "cannot watch the same-host socket");
             }
         }
-        let probe = Box::new(uuid::Uuid::new_v4().as_u64_pair().0 | 1);
         let accept_timer = listener.as_ref().and_then(|_| {
             let t = timerfd().ok()?;
             reg.add(t.as_raw_fd(), ACCEPT_TIMER, true, false).ok()?;
@@ -480,7 +473,6 @@ impl LocalTransport {
             reg,
             waker,
             uid: uid(),
-            probe,
             conns: HashMap::new(),
             next_conn: 1,
             by_peer: HashMap::new(),
@@ -494,7 +486,40 @@ impl LocalTransport {
             outstanding: Arc::new(Outstanding::default()),
             refused_peers: 0,
             accept_timer,
+            stopped: false,
         }
+    }
+
+    /// Stops every copy and waits (up to `within`; `None`: for as long as it takes) for the ones
+    /// running on the pool, which end within a chunk unless their peer stalls its pages. True
+    /// when none is left; false when some still run (then the memory they write must never be
+    /// freed: the caller leaks it).
+    pub(crate) fn stop(&mut self, within: Option<Duration>) -> bool {
+        self.stopped = true;
+        for a in self.acts.values() {
+            a.cancel.store(true, Ordering::Relaxed);
+        }
+        for s in self.scopes.values() {
+            if let Some(w) = &s.writer {
+                w.3.store(true, Ordering::Relaxed);
+            }
+        }
+        let n = lock(&self.outstanding.count);
+        let n = match within {
+            None => self
+                .outstanding
+                .cv
+                .wait_while(n, |n| *n > 0)
+                .unwrap_or_else(|p| p.into_inner()),
+            Some(d) => {
+                self.outstanding
+                    .cv
+                    .wait_timeout_while(n, d, |n| *n > 0)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+            }
+        };
+        *n == 0
     }
 
     /// True when copies have finished that `progress` has not handled yet (checked before the
@@ -516,10 +541,6 @@ impl LocalTransport {
                 (Expect::WriteDone, Phase::Requested) => a.spec.write,
                 _ => false,
             })
-    }
-
-    fn probe_addr(&self) -> u64 {
-        &*self.probe as *const u64 as u64
     }
 
     fn insert(&mut self, c: Conn) -> ConnId {
@@ -898,21 +919,8 @@ impl LocalTransport {
                     nonce,
                 },
             ) => self.on_hello(i, version, key_id, nonce),
-            (
-                true,
-                Msg::Welcome {
-                    proof,
-                    probe_addr,
-                    probe_val,
-                },
-            ) => self.on_welcome(i, proof, probe_addr, probe_val, out),
-            (
-                false,
-                Msg::Probe {
-                    probe_addr,
-                    probe_val,
-                },
-            ) => self.on_probe(i, probe_addr, probe_val),
+            (true, Msg::Welcome { proof }) => self.on_welcome(i, proof, out),
+            (false, Msg::Trusted) => self.on_trusted(i),
             (true, Msg::Reject { reason }) if self.conns.get(&i).is_some_and(|c| !c.ready) => {
                 let c = self.conns.get_mut(&i).expect("live");
                 c.dead = true;
@@ -1023,7 +1031,6 @@ impl LocalTransport {
     }
 
     fn on_hello(&mut self, i: ConnId, version: u32, key_id: KeyId, nonce: Nonce) {
-        let (pa, pv) = (self.probe_addr(), *self.probe);
         let key = self.key_ids.get(&key_id).cloned();
         let c = self.conns.get_mut(&i).expect("live");
         if c.ready || c.slots.is_some() {
@@ -1050,22 +1057,18 @@ impl LocalTransport {
         // The proof that this process holds the opening operation's key (none if it has no such
         // live operation: the client then refuses that operation as a replay).
         let proof = key.map(|k| auth::welcome_proof(&k, &nonce, c.peer_pid, self_pid()));
-        c.send(&Msg::Welcome {
-            proof,
-            probe_addr: pa,
-            probe_val: pv,
-        });
+        c.send(&Msg::Welcome { proof });
     }
 
-    /// Server side: the client's probe, sent once it trusted our proof.
-    fn on_probe(&mut self, i: ConnId, probe_addr: u64, probe_val: u64) {
+    /// Server side: the client trusted our proof; its requests follow.
+    fn on_trusted(&mut self, i: ConnId) {
         let c = self.conns.get_mut(&i).expect("live");
-        if !c.ready || c.probed {
+        if !c.ready || c.trusted {
             c.dead = true;
             return;
         }
-        c.probed = true;
-        c.can_pull = cma::can_read(c.peer_pid, probe_addr as usize, probe_val);
+        c.trusted = true;
+        c.can_pull = c.pidfd.as_deref().is_some_and(cma::may_pull);
     }
 
     /// Server side: the key a request names, if the client proved it holds it. Otherwise the
@@ -1081,7 +1084,7 @@ impl LocalTransport {
     ) -> Option<Arc<str>> {
         let key = self.key_ids.get(key_id).cloned();
         let c = self.conns.get_mut(&i).expect("live");
-        if !c.probed {
+        if !c.trusted {
             c.dead = true;
             return None;
         }
@@ -1107,15 +1110,7 @@ impl LocalTransport {
         Some(key)
     }
 
-    fn on_welcome(
-        &mut self,
-        i: ConnId,
-        proof: Option<auth::Tag>,
-        probe_addr: u64,
-        probe_val: u64,
-        out: &mut Vec<Event>,
-    ) {
-        let (pa, pv) = (self.probe_addr(), *self.probe);
+    fn on_welcome(&mut self, i: ConnId, proof: Option<auth::Tag>, out: &mut Vec<Event>) {
         let c = self.conns.get_mut(&i).expect("live");
         if c.ready {
             c.dead = true;
@@ -1176,12 +1171,9 @@ impl LocalTransport {
             self.negative.insert(peer, Instant::now());
             return;
         }
-        c.can_pull = cma::can_read(c.peer_pid, probe_addr as usize, probe_val);
+        c.can_pull = c.pidfd.as_deref().is_some_and(cma::may_pull);
         c.ready = true;
-        c.send(&Msg::Probe {
-            probe_addr: pa,
-            probe_val: pv,
-        });
+        c.send(&Msg::Trusted);
         let queued = std::mem::take(&mut c.queued);
         for id in queued {
             self.request(id, out);
@@ -1584,14 +1576,6 @@ impl LocalTransport {
                 return;
             }
         };
-        if copy.bytes() <= cma::INLINE_MAX {
-            let r = cma::run_inline(&copy);
-            self.finished
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((owner, r));
-            return;
-        }
         let (done, owner) = self.on_copy_end(owner);
         if let Err(e) = cma::spawn(copy, done) {
             self.abort_start(&owner, e);

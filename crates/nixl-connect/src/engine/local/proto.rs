@@ -6,8 +6,8 @@
 //! | frame | from | meaning |
 //! |---|---|---|
 //! | `Hello` (+ slot-table fd) | active | protocol version; the first operation's key id and a nonce |
-//! | `Welcome` | passive | proof that it holds that operation's key (or none); an address and value in its memory to probe |
-//! | `Probe` | active | once the proof checks: an address and value in its memory to probe |
+//! | `Welcome` | passive | proof that it holds that operation's key (or none) |
+//! | `Trusted` | active | the proof checks: requests follow |
 //! | `Reject` | passive | the same-host path is refused for this connection (different user...) |
 //! | `Req` | active | access to the operation named by a key id, with proof of its key: direction, ranges, (writes) the source, (device-memory writes) its CUDA IPC export |
 //! | `Grant` | passive | a read may copy now |
@@ -20,7 +20,7 @@ use super::auth::{KeyId, Nonce, Tag};
 use crate::device::Device;
 
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
 
@@ -81,13 +81,9 @@ pub(crate) enum Msg {
         /// [`super::auth::welcome_proof`] of that operation's key; `None` if no live operation
         /// has that key id.
         proof: Option<Tag>,
-        probe_addr: u64,
-        probe_val: u64,
     },
-    Probe {
-        probe_addr: u64,
-        probe_val: u64,
-    },
+    /// The client checked the server's proof; its requests follow.
+    Trusted,
     Reject {
         reason: String,
     },
@@ -283,11 +279,7 @@ impl Msg {
                 w.bytes(key_id);
                 w.bytes(nonce);
             }
-            Msg::Welcome {
-                proof,
-                probe_addr,
-                probe_val,
-            } => {
+            Msg::Welcome { proof } => {
                 w.u8(2);
                 match proof {
                     Some(p) => {
@@ -296,17 +288,8 @@ impl Msg {
                     }
                     None => w.u8(0),
                 }
-                w.u64(*probe_addr);
-                w.u64(*probe_val);
             }
-            Msg::Probe {
-                probe_addr,
-                probe_val,
-            } => {
-                w.u8(10);
-                w.u64(*probe_addr);
-                w.u64(*probe_val);
-            }
+            Msg::Trusted => w.u8(10),
             Msg::Reject { reason } => {
                 w.u8(3);
                 w.str(reason);
@@ -417,13 +400,8 @@ impl Msg {
                     1 => Some(r.array()?),
                     _ => return None,
                 },
-                probe_addr: r.u64()?,
-                probe_val: r.u64()?,
             },
-            10 => Msg::Probe {
-                probe_addr: r.u64()?,
-                probe_val: r.u64()?,
-            },
+            10 => Msg::Trusted,
             3 => Msg::Reject { reason: r.str(4096)? },
             4 => {
                 let slot = r.u32()?;
@@ -503,20 +481,9 @@ mod tests {
                 key_id: [1; 16],
                 nonce: [2; 16],
             },
-            Msg::Welcome {
-                proof: Some([5; 32]),
-                probe_addr: 3,
-                probe_val: 4,
-            },
-            Msg::Welcome {
-                proof: None,
-                probe_addr: 3,
-                probe_val: 4,
-            },
-            Msg::Probe {
-                probe_addr: 1,
-                probe_val: 2,
-            },
+            Msg::Welcome { proof: Some([5; 32]) },
+            Msg::Welcome { proof: None },
+            Msg::Trusted,
             Msg::Reject { reason: "uid".into() },
             Msg::Req {
                 slot: 9,

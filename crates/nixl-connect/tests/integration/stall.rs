@@ -1,0 +1,225 @@
+//! A peer that stalls the pages it hands out: a read from it blocks in the kernel for as long as
+//! the peer wants (here a `userfaultfd` range nobody serves; a FUSE file or a hung NFS mount does
+//! the same). The connector's engine must go on serving everything else meanwhile.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Duration;
+
+use nixl_connect::{Connector, Descriptor, Device, PathPolicy, RdmaMetadata, TransferPath};
+
+use super::soundness::sound_peer;
+use super::support::{pattern, runtime, T};
+
+// <linux/userfaultfd.h>: _IOWR(0xAA, 0x3F, struct uffdio_api) and _IOWR(0xAA, 0x00, struct
+// uffdio_register).
+const UFFD_API: u64 = 0xAA;
+const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
+const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
+const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+
+/// Anonymous memory whose pages never come: every access (this process's, or a peer's through
+/// `process_vm_readv`) blocks until the `userfaultfd` is closed, then finds zero pages.
+struct Stalled {
+    ptr: *mut u8,
+    len: usize,
+    uffd: Option<OwnedFd>,
+}
+
+impl Stalled {
+    fn new(len: usize) -> Self {
+        // SAFETY: plain syscalls; each result is checked.
+        unsafe {
+            let fd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK);
+            assert!(
+                fd >= 0,
+                "userfaultfd: {} (this test needs it: root, or vm.unprivileged_userfaultfd=1)",
+                std::io::Error::last_os_error()
+            );
+            let uffd = OwnedFd::from_raw_fd(fd as i32);
+            let mut api = [UFFD_API, 0, 0];
+            assert_eq!(libc::ioctl(uffd.as_raw_fd(), UFFDIO_API, api.as_mut_ptr()), 0);
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(ptr, libc::MAP_FAILED);
+            let mut reg = [ptr as u64, len as u64, UFFDIO_REGISTER_MODE_MISSING, 0];
+            assert_eq!(
+                libc::ioctl(uffd.as_raw_fd(), UFFDIO_REGISTER, reg.as_mut_ptr()),
+                0,
+                "UFFDIO_REGISTER: {}",
+                std::io::Error::last_os_error()
+            );
+            Self {
+                ptr: ptr.cast(),
+                len,
+                uffd: Some(uffd),
+            }
+        }
+    }
+
+    /// Waits (up to `d`) until some access is blocked on a page of this memory.
+    fn wait_for_a_stall(&self, d: Duration) -> bool {
+        let fd = self.uffd.as_ref().expect("not released").as_raw_fd();
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, valid for the call.
+        unsafe { libc::poll(&mut p, 1, d.as_millis() as i32) == 1 }
+    }
+
+    /// Ends the stall: the blocked accesses go on and find zero pages.
+    fn release(&mut self) {
+        self.uffd = None;
+    }
+}
+
+impl Drop for Stalled {
+    fn drop(&mut self) {
+        self.release();
+        // SAFETY: the mapping made in `new`; every descriptor and operation over it is gone.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+#[test]
+fn stall_of_a_peer_page_leaves_the_engine_serving_others() {
+    runtime().block_on(async {
+        let owner = Connector::new().unwrap();
+        let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
+
+        // A small read (the size once copied on the engine thread) from memory that stalls.
+        let mut stalled = Stalled::new(64 << 10);
+        // SAFETY: the mapping lives until `stalled` drops, after every operation over it.
+        let d = unsafe { Descriptor::from_raw_parts(stalled.ptr, stalled.len, Device::Host) };
+        let bad = owner.create_readable(d).await.unwrap();
+        let stuck = reader
+            .begin_read(bad.metadata(), Descriptor::from(vec![1u8; 64 << 10]))
+            .await
+            .unwrap();
+        assert!(
+            stalled.wait_for_a_stall(Duration::from_secs(10)),
+            "the read never touched the stalled page"
+        );
+
+        // Meanwhile the reader's engine answers commands: it exposes memory and reports stats.
+        let want = pattern(4096, 17);
+        let served = tokio::time::timeout(Duration::from_secs(5), async {
+            let r = reader.create_readable(Descriptor::from(want.clone())).await?;
+            reader.stats().await?;
+            Ok::<_, nixl_connect::Error>(r)
+        })
+        .await;
+
+        // End the stall whatever happened, so the stuck copy finishes and the test can end.
+        stalled.release();
+        let got = stuck.wait_for_completion(T).await;
+        let exposed = served
+            .expect("the engine was blocked by the stalled page")
+            .unwrap();
+        // What it exposed meanwhile is served too.
+        let op = owner
+            .begin_read(exposed.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        op.wait_for_completion(T).await.unwrap();
+        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &want[..]);
+        got.unwrap();
+        assert_eq!(stuck.path(), Some(TransferPath::Local));
+        let back = stuck.into_descriptors().unwrap();
+        assert!(back[0].as_slice().unwrap().iter().all(|&b| b == 0));
+        bad.wait_for_completion(T).await.unwrap();
+        exposed.wait_for_completion(T).await.unwrap();
+    });
+}
+
+#[test]
+fn stall_of_one_peer_leaves_copies_from_others_running() {
+    runtime().block_on(async {
+        let owner = Connector::new().unwrap();
+        let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
+
+        // More stalled reads from one peer (this process) than the copy pool has threads.
+        let mut stalled: Vec<Stalled> = (0..12).map(|_| Stalled::new(64 << 10)).collect();
+        let mut bad = Vec::new();
+        let mut stuck = Vec::new();
+        for s in &stalled {
+            // SAFETY: the mapping lives until `stalled` drops, after every operation over it.
+            let d = unsafe { Descriptor::from_raw_parts(s.ptr, s.len, Device::Host) };
+            let r = owner.create_readable(d).await.unwrap();
+            let op = reader
+                .begin_read(r.metadata(), Descriptor::from(vec![1u8; 64 << 10]))
+                .await
+                .unwrap();
+            bad.push(r);
+            stuck.push(op);
+        }
+        assert!(
+            stalled[0].wait_for_a_stall(Duration::from_secs(10)),
+            "the reads never touched the stalled pages"
+        );
+
+        // Another peer (a process of its own) is read meanwhile.
+        let mut peer = sound_peer();
+        peer.say("expose readable 4096 vec");
+        let md = peer.expect("MD:");
+        let md = RdmaMetadata::from_json(&md).unwrap();
+        let served = tokio::time::timeout(Duration::from_secs(5), async {
+            let op = reader.begin_read(&md, Descriptor::from(vec![0u8; 4096])).await?;
+            op.wait_for_completion(T).await?;
+            Ok::<_, nixl_connect::Error>(op)
+        })
+        .await;
+
+        for s in &mut stalled {
+            s.release();
+        }
+        for op in &stuck {
+            op.wait_for_completion(T).await.unwrap();
+        }
+        let served = served
+            .expect("copies from another peer waited behind the stalled ones")
+            .unwrap();
+        assert_eq!(served.path(), Some(TransferPath::Local));
+        let back = served.into_descriptors().unwrap();
+        assert!(back[0].as_slice().unwrap().iter().all(|&b| b == 0x5A));
+        drop(stuck);
+        for r in &bad {
+            r.wait_for_completion(T).await.unwrap();
+        }
+        peer.finish();
+    });
+}
+
+#[test]
+fn stall_never_holds_the_drop_of_a_connector() {
+    runtime().block_on(async {
+        let owner = Connector::new().unwrap();
+        let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
+        let mut stalled = Stalled::new(64 << 10);
+        // SAFETY: the mapping lives until `stalled` drops, after every operation over it.
+        let d = unsafe { Descriptor::from_raw_parts(stalled.ptr, stalled.len, Device::Host) };
+        let bad = owner.create_readable(d).await.unwrap();
+        let stuck = reader
+            .begin_read(bad.metadata(), Descriptor::from(vec![1u8; 64 << 10]))
+            .await
+            .unwrap();
+        assert!(stalled.wait_for_a_stall(Duration::from_secs(10)));
+        // The read's memory is owned: dropping it does not wait; dropping the connector waits a
+        // bounded time for the stuck copy, then leaks the memory that copy may still write.
+        drop(stuck);
+        let dropped = tokio::task::spawn_blocking(move || drop(reader));
+        let dropped = tokio::time::timeout(Duration::from_secs(30), dropped).await;
+        stalled.release();
+        dropped
+            .expect("dropping the connector waited for the stalled copy")
+            .unwrap();
+        drop(bad);
+    });
+}
