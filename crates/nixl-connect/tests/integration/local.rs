@@ -334,17 +334,17 @@ fn local_network_namespaces_take_nixl() {
 }
 
 /// Two namespaces made for one test, removed when dropped.
-struct Netns {
-    a: String,
-    b: String,
-    dev_a: String,
-    dev_b: String,
-    ip_a: String,
-    ip_b: String,
+pub(crate) struct Netns {
+    pub(crate) a: String,
+    pub(crate) b: String,
+    pub(crate) dev_a: String,
+    pub(crate) dev_b: String,
+    pub(crate) ip_a: String,
+    pub(crate) ip_b: String,
 }
 
 impl Netns {
-    fn ip(args: &[&str]) -> Result<(), String> {
+    pub(crate) fn ip(args: &[&str]) -> Result<(), String> {
         let out = Command::new("ip")
             .args(args)
             .output()
@@ -361,7 +361,7 @@ impl Netns {
     }
 
     /// Makes the namespaces, or prints why it cannot and returns `None`.
-    fn make() -> Option<Self> {
+    pub(crate) fn make() -> Option<Self> {
         let id = std::process::id() % 100_000;
         let n = Netns {
             a: format!("nxc-a-{id}"),
@@ -388,7 +388,7 @@ impl Netns {
         for s in &steps {
             let args: Vec<&str> = s.split_whitespace().collect();
             if let Err(e) = Self::ip(&args) {
-                println!("local_network_namespaces_take_nixl: skipped: cannot make network namespaces ({e})");
+                println!("skipped: cannot make network namespaces ({e})");
                 return None; // Drop removes what was made
             }
         }
@@ -396,10 +396,15 @@ impl Netns {
     }
 
     fn command(&self, ns: &str, env: &[(&str, &str)]) -> Command {
+        self.command_for(ns, PEER, env)
+    }
+
+    /// The support test `test` run in namespace `ns` with `env`.
+    pub(crate) fn command_for(&self, ns: &str, test: &str, env: &[(&str, &str)]) -> Command {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", ns])
             .arg(std::env::current_exe().unwrap())
-            .args([PEER, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .args([test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
             .env(super::support::PEER_ENV, "peer");
         for (k, v) in env {
             cmd.env(k, v);

@@ -3,12 +3,13 @@
 //! the same). The connector's engine must go on serving everything else meanwhile.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nixl_connect::{Connector, Descriptor, Device, PathPolicy, RdmaMetadata, TransferPath};
 
-use super::soundness::sound_peer;
-use super::support::{pattern, runtime, T};
+use super::local::Netns;
+use super::soundness::{sound_peer, PEER};
+use super::support::{pattern, runtime, tcp_tls, Peer, PEER_ENV, T};
 
 // <linux/userfaultfd.h>: _IOWR(0xAA, 0x3F, struct uffdio_api) and _IOWR(0xAA, 0x00, struct
 // uffdio_register).
@@ -221,5 +222,90 @@ fn stall_never_holds_the_drop_of_a_connector() {
             .expect("dropping the connector waited for the stalled copy")
             .unwrap();
         drop(bad);
+    });
+}
+
+/// A peer whose address swallows every packet (its metadata names an address that answers
+/// nothing: a static neighbour entry sends the SYNs to a MAC nobody has). Connecting to it must not
+/// block the engine (UCX's blocking connect retries SYNs for two minutes): the library sets UCX's
+/// non-blocking connect for every agent.
+#[test]
+fn stall_blackholed_address_leaves_the_engine_serving() {
+    let Some(ns) = Netns::make() else { return };
+    let env_a = [("UCX_TLS", tcp_tls()), ("UCX_NET_DEVICES", ns.dev_a.as_str())];
+    let env_b = [("UCX_TLS", tcp_tls()), ("UCX_NET_DEVICES", ns.dev_b.as_str())];
+    let mut owner = Peer::from_command(ns.command_for(&ns.b, PEER, &env_b));
+    owner.say("expose readable 4096 vec");
+    let md = owner.expect("MD:");
+    // From namespace a, the owner's address now leads nowhere.
+    Netns::ip(&[
+        "-n",
+        &ns.a,
+        "neigh",
+        "replace",
+        &ns.ip_b,
+        "lladdr",
+        "02:00:00:00:be:ef",
+        "dev",
+        &ns.dev_a,
+        "nud",
+        "permanent",
+    ])
+    .unwrap();
+    let mut victim = Peer::from_command(ns.command_for(&ns.a, "stall::support_blackhole", &env_a));
+    victim.say(&md);
+    let served = victim.expect("SERVED:");
+    let read = victim.expect("BLACKHOLED:");
+    println!("served meanwhile: {served}; the blackholed read: {read}");
+    assert!(served.starts_with("ok"), "{served}");
+    assert!(read.starts_with("err"), "{read}");
+    victim.finish();
+}
+
+#[test]
+#[ignore = "run by stall_blackholed_address_leaves_the_engine_serving in a network namespace"]
+fn support_blackhole() {
+    let Ok(_) = std::env::var(PEER_ENV) else { return };
+    use std::io::BufRead;
+    runtime().block_on(async {
+        let line = std::io::stdin().lock().lines().next().unwrap().unwrap();
+        let md: RdmaMetadata = line.parse().unwrap();
+        let victim = Connector::builder().path(PathPolicy::Nixl).build().unwrap();
+        let other = Connector::builder().path(PathPolicy::Nixl).build().unwrap();
+        let t0 = Instant::now();
+        let bh = tokio::spawn({
+            let victim = victim.clone();
+            async move {
+                let op = victim
+                    .begin_read(&md, Descriptor::from(vec![0u8; 4096]))
+                    .await?;
+                op.wait_for_completion(Some(Duration::from_secs(5))).await
+            }
+        });
+        // Meanwhile the same connector reads another peer (in this namespace), within seconds.
+        let want = pattern(4096, 3);
+        let served = tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let r = other.create_readable(Descriptor::from(want.clone())).await?;
+            let op = victim
+                .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+                .await?;
+            op.wait_for_completion(T).await?;
+            let ok = op.into_descriptors().unwrap()[0].as_slice().unwrap() == &want[..];
+            Ok::<_, nixl_connect::Error>(ok)
+        })
+        .await;
+        match served {
+            Ok(Ok(true)) => println!("SERVED:ok after {:?}", t0.elapsed()),
+            Ok(Ok(false)) => println!("SERVED:wrong bytes"),
+            Ok(Err(e)) => println!("SERVED:err {e}"),
+            Err(_) => println!("SERVED:blocked for 10 s"),
+        }
+        let r = bh.await.unwrap();
+        println!(
+            "BLACKHOLED:{} after {:?}",
+            r.map_or_else(|e| format!("err {e}"), |()| "ok".into()),
+            t0.elapsed()
+        );
     });
 }
