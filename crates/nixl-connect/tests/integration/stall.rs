@@ -276,9 +276,7 @@ fn support_blackhole() {
         let bh = tokio::spawn({
             let victim = victim.clone();
             async move {
-                let op = victim
-                    .begin_read(&md, Descriptor::from(vec![0u8; 4096]))
-                    .await?;
+                let op = victim.begin_read(&md, Descriptor::from(vec![0u8; 4096])).await?;
                 op.wait_for_completion(Some(Duration::from_secs(5))).await
             }
         });

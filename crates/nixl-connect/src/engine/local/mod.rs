@@ -25,7 +25,7 @@ pub(crate) mod ipc;
 pub(crate) mod proto;
 pub(crate) mod slots;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -57,6 +57,9 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_SERVED: usize = 1024;
 /// Connections it serves at once to one process.
 const MAX_SERVED_PER_PID: usize = 64;
+/// The most read grants one connection holds at once (a well-behaved client has at most one per
+/// slot of its table); past it, requests take NIXL.
+const MAX_GRANTS_PER_CONN: usize = slots::SLOTS;
 /// How long a peer with no same-host socket is not asked again.
 const NEGATIVE_TTL: Duration = Duration::from_secs(2);
 /// Negative answers remembered.
@@ -224,6 +227,8 @@ struct Conn {
     ready: bool,
     /// Server side: the client sent `Trusted` (it checked our proof; requests may follow).
     trusted: bool,
+    /// Server side: read grants this connection holds (at most [`MAX_GRANTS_PER_CONN`]).
+    granted: usize,
     /// The client's nonce for this connection (sent in `Hello`).
     nonce: Nonce,
     /// Client side: the key of the operation that opened the connection (what the server must
@@ -253,6 +258,7 @@ impl Conn {
             slots: None,
             ready: false,
             trusted: false,
+            granted: 0,
             nonce: [0; 16],
             opening_key: None,
             can_pull: false,
@@ -311,7 +317,7 @@ struct Scope {
     ranges: Vec<Range>,
     state: Arc<OpState>,
     /// Read grants given: `(connection, slot, generation)`.
-    grants: Vec<(ConnId, u32, u64)>,
+    grants: HashSet<(ConnId, u32, u64)>,
     /// The writer copying into it now: `(connection, slot, generation, cancel)`.
     writer: Option<(ConnId, u32, u64, Arc<AtomicBool>)>,
 }
@@ -432,7 +438,7 @@ pub(crate) struct LocalTransport {
     /// The key of each live scope by its key id (the name requests use on the wire).
     key_ids: HashMap<KeyId, Arc<str>>,
     /// Fingerprints of this connector's exposers' connection metadata.
-    identities: std::collections::HashSet<u64>,
+    identities: HashSet<u64>,
     acts: HashMap<OpId, Act>,
     finished: Finished,
     exports: Exports,
@@ -479,7 +485,7 @@ impl LocalTransport {
             negative: HashMap::new(),
             scopes: HashMap::new(),
             key_ids: HashMap::new(),
-            identities: std::collections::HashSet::new(),
+            identities: HashSet::new(),
             acts: HashMap::new(),
             finished: Arc::new(Mutex::new(Vec::new())),
             exports: Arc::new(Mutex::new(Vec::new())),
@@ -1411,8 +1417,15 @@ impl LocalTransport {
                 RefuseCode::Busy,
                 "another writer is writing this writable now".into(),
             )),
+            Some(_) if !write && c.granted >= MAX_GRANTS_PER_CONN => Some(Msg::Fallback {
+                slot,
+                gen,
+                reason: format!("this connection holds {MAX_GRANTS_PER_CONN} same-host read grants already"),
+            }),
             Some(s) if !write => {
-                s.grants.push((i, slot, gen));
+                if s.grants.insert((i, slot, gen)) {
+                    c.granted += 1;
+                }
                 Some(Msg::Grant { slot, gen })
             }
             // The owner ended it an instant ago (its Unexpose is still queued).
@@ -1646,11 +1659,17 @@ impl LocalTransport {
             let key = key.clone();
             if !write {
                 let (exports, waker) = (self.exports.clone(), self.waker.clone());
-                self.scopes
+                if self
+                    .scopes
                     .get_mut(&key)
                     .expect("checked")
                     .grants
-                    .push((i, slot, gen));
+                    .insert((i, slot, gen))
+                {
+                    if let Some(c) = self.conns.get_mut(&i) {
+                        c.granted += 1;
+                    }
+                }
                 ipc::export(
                     remote,
                     Box::new(move |result| {
@@ -1746,8 +1765,12 @@ impl LocalTransport {
                         },
                         Ok(_) => unreachable!("granted is checked above"),
                         Err(reason) => {
-                            if let Some(s) = self.scopes.get_mut(&key) {
-                                s.grants.retain(|g| *g != (conn, slot, gen));
+                            if self
+                                .scopes
+                                .get_mut(&key)
+                                .is_some_and(|s| s.grants.remove(&(conn, slot, gen)))
+                            {
+                                self.ungrant(conn);
                             }
                             Msg::Fallback {
                                 slot,
@@ -1795,6 +1818,13 @@ impl LocalTransport {
         any
     }
 
+    /// A read grant of connection `i` ended.
+    fn ungrant(&mut self, i: ConnId) {
+        if let Some(c) = self.conns.get_mut(&i) {
+            c.granted = c.granted.saturating_sub(1);
+        }
+    }
+
     fn on_read_done(&mut self, i: ConnId, slot: u32, gen: u64, ok: bool, out: &mut Vec<Event>) {
         let key = self
             .scopes
@@ -1803,7 +1833,8 @@ impl LocalTransport {
             .map(|(k, _)| k.clone());
         let Some(key) = key else { return };
         let s = self.scopes.get_mut(&key).expect("found");
-        s.grants.retain(|g| *g != (i, slot, gen));
+        s.grants.remove(&(i, slot, gen));
+        self.ungrant(i);
         if ok {
             out.push(Event::PassiveCompleted { key });
         }
@@ -1992,7 +2023,7 @@ impl Transport for LocalTransport {
                 device: spec.ranges.first().map_or(Device::Host, |r| r.device),
                 ranges,
                 state: spec.state.clone(),
-                grants: Vec::new(),
+                grants: HashSet::new(),
                 writer: None,
             },
         );
@@ -2007,6 +2038,7 @@ impl Transport for LocalTransport {
             if let Some(t) = self.conns.get(&i).and_then(|c| c.slots.as_ref()) {
                 t.revoke(slot, gen);
             }
+            self.ungrant(i);
         }
         if s.writer.is_none() {
             s.state.mark_released();
