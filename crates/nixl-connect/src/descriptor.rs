@@ -662,6 +662,14 @@ pub(crate) fn check_local(descs: &[Descriptor<'_>], dest: bool) -> Result<()> {
     Ok(())
 }
 
+impl Held for Vec<Descriptor<'static>> {
+    fn release_pages(&self) {
+        for d in self {
+            d.release_pages();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -701,13 +709,5 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("mixes device kinds"));
-    }
-}
-
-impl Held for Vec<Descriptor<'static>> {
-    fn release_pages(&self) {
-        for d in self {
-            d.release_pages();
-        }
     }
 }
