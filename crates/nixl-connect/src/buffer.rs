@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::engine::RegToken;
 
-pub(crate) const PAGE: usize = 4096;
+const PAGE: usize = 4096;
 /// Transparent huge page size on x86-64.
 pub const HUGE_PAGE: usize = 2 << 20;
 
@@ -161,12 +161,6 @@ impl Quarantined {
         // gave it up); MADV_DONTNEED only replaces its pages with zero-filled ones, and every
         // access to it from now on is a late transfer that may read zeros.
         unsafe { libc::madvise(self.base as *mut libc::c_void, self.len, libc::MADV_DONTNEED) };
-    }
-}
-
-impl crate::engine::Held for std::sync::Arc<Quarantined> {
-    fn release_pages(&self) {
-        Quarantined::release_pages(self.as_ref());
     }
 }
 

@@ -15,7 +15,7 @@ use std::fmt;
 
 use crate::buffer::HostBuffer;
 use crate::device::Device;
-use crate::engine::{Held, RegToken};
+use crate::engine::RegToken;
 use crate::error::{Error, Result};
 use crate::metadata::SerializedDescriptor;
 
@@ -51,10 +51,6 @@ pub trait OwnedMemory: sealed::Sealed + Send + Sync + 'static {
     }
     #[doc(hidden)]
     fn vouched(&self) -> bool {
-        false
-    }
-    #[doc(hidden)]
-    fn exclusive_heap(&self) -> bool {
         false
     }
 }
@@ -101,9 +97,6 @@ impl<T: Plain> OwnedMemory for Vec<T> {
     fn raw(&self) -> (usize, usize) {
         (self.as_ptr() as usize, std::mem::size_of_val(self.as_slice()))
     }
-    fn exclusive_heap(&self) -> bool {
-        true
-    }
     fn into_any(self: Box<Self>) -> Box<dyn Any> {
         self
     }
@@ -113,9 +106,6 @@ impl<T: Plain> OwnedMemory for Box<[T]> {
     fn raw(&self) -> (usize, usize) {
         (self.as_ptr() as usize, std::mem::size_of_val(&**self))
     }
-    fn exclusive_heap(&self) -> bool {
-        true
-    }
     fn into_any(self: Box<Self>) -> Box<dyn Any> {
         self
     }
@@ -124,9 +114,6 @@ impl sealed::Sealed for bytes::BytesMut {}
 impl OwnedMemory for bytes::BytesMut {
     fn raw(&self) -> (usize, usize) {
         (self.as_ptr() as usize, self.len())
-    }
-    fn exclusive_heap(&self) -> bool {
-        true
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any> {
         self
@@ -426,29 +413,6 @@ impl<'a> Descriptor<'a> {
         matches!(self.mem, Mem::Owned(_))
     }
 
-    /// Gives the RAM of the whole pages inside owned heap memory (`Vec`, `Box<[T]>`, `BytesMut`)
-    /// back to the kernel; they stay mapped and read zeros. For memory of an ended operation that
-    /// only a late transfer can still reach. Anything else (memory shared with its owner, a
-    /// `HostBuffer`, device memory) is left as it is.
-    pub(crate) fn release_pages(&self) {
-        let Mem::Owned(m) = &self.mem else { return };
-        if !m.exclusive_heap() || self.device != Device::Host {
-            return;
-        }
-        let (ptr, len) = m.raw();
-        let page = crate::buffer::PAGE;
-        let (start, end) = (ptr.next_multiple_of(page), (ptr + len) / page * page);
-        if end > start {
-            // SAFETY: [start, end) is whole pages inside memory this descriptor alone owns (a
-            // heap allocation nothing else refers to); MADV_DONTNEED only replaces them with
-            // zero-filled pages, which every later access (a late transfer) may read or write.
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED)
-            };
-        }
-    }
-
     /// Drops the borrow lifetime of a descriptor that owns its memory (or wraps a raw pointer), for
     /// example to keep descriptors an operation gave back in a long-lived pool.
     ///
@@ -660,14 +624,6 @@ pub(crate) fn check_local(descs: &[Descriptor<'_>], dest: bool) -> Result<()> {
         crate::cuda::verify(d.ptr(), d.device())?;
     }
     Ok(())
-}
-
-impl Held for Vec<Descriptor<'static>> {
-    fn release_pages(&self) {
-        for d in self {
-            d.release_pages();
-        }
-    }
 }
 
 #[cfg(test)]

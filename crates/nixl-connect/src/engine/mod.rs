@@ -131,15 +131,8 @@ impl Drop for RegInner {
     }
 }
 
-/// Memory the engine keeps alive on an operation's behalf.
-pub(crate) trait Held: Send {
-    /// Gives the RAM behind it back where that is sound (it stays mapped and reads zeros): called
-    /// once the memory's exposures have ended and only a late transfer can reach it.
-    fn release_pages(&self) {}
-}
-
-/// Memory the engine keeps alive on an operation's behalf.
-pub(crate) type Hold = Box<dyn Held>;
+/// Memory (or anything) the engine keeps alive on an operation's behalf.
+pub(crate) type Hold = Box<dyn Send>;
 
 /// Commands to the engine thread.
 pub(crate) enum Cmd {
@@ -740,8 +733,8 @@ impl EngineLoop {
             },
             Cmd::Deregister { side, gen, range, id } => self.nixl.deregister(side, gen, range, id),
             Cmd::Quarantine { gen, mapping } => {
-                // After the exposures queued before it have ended (commands run in order); the
-                // hold releases its pages.
+                // After the exposures queued before it have ended (commands run in order).
+                mapping.release_pages();
                 let len = mapping.len();
                 self.nixl.hold(Some(gen), Box::new(mapping), len);
             }

@@ -486,8 +486,6 @@ impl NixlTransport {
     /// the exposer of generation `gen` (`None`: the current one); freed at once if that exposer
     /// is already gone.
     pub(crate) fn hold(&mut self, gen: Option<u64>, keep: Hold, bytes: usize) {
-        // Only a late transfer can reach it now: its data is nobody's.
-        keep.release_pages();
         let gen = gen.unwrap_or(self.exposer_gen);
         match self.exposer_of(gen) {
             Some(e) => {
