@@ -10,8 +10,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::slots::{SlotTable, ARMED, COPYING, DONE};
@@ -193,6 +193,8 @@ struct Pool {
     /// Threads kept (one per core, at most [`MAX_THREADS`]); also the most pieces of one peer
     /// that run at once.
     per_peer: usize,
+    /// The process that made it.
+    pid: u32,
 }
 
 #[derive(Default)]
@@ -222,25 +224,45 @@ pub(crate) const MAX_SPARE: usize = 56;
 /// How long an added thread waits for work before it leaves.
 pub(crate) const SPARE_IDLE: Duration = Duration::from_secs(10);
 
+/// This process's pool. A child made by `fork` inherits the parent's pool without its threads
+/// (and perhaps with its lock held), so the pool is per process id: a child starts its own.
 fn pool() -> &'static Pool {
-    static POOL: OnceLock<&'static Pool> = OnceLock::new();
-    POOL.get_or_init(|| {
-        let per_peer = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(2)
-            .clamp(1, MAX_THREADS);
-        let p: &'static Pool = Box::leak(Box::new(Pool {
-            state: Mutex::new(PoolState::default()),
-            cv: Condvar::new(),
-            per_peer,
-        }));
-        let mut st = lock(&p.state);
-        for _ in 0..per_peer {
-            p.start(&mut st);
+    static POOL: AtomicPtr<Pool> = AtomicPtr::new(std::ptr::null_mut());
+    let pid = std::process::id();
+    let cur = POOL.load(Ordering::Acquire);
+    // SAFETY: a non-null pointer in POOL is a leaked, never freed Pool.
+    if let Some(p) = unsafe { cur.as_ref() } {
+        if p.pid == pid {
+            return p;
         }
-        drop(st);
-        p
-    })
+    }
+    let per_peer = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .clamp(1, MAX_THREADS);
+    let fresh = Box::into_raw(Box::new(Pool {
+        state: Mutex::new(PoolState::default()),
+        cv: Condvar::new(),
+        per_peer,
+        pid,
+    }));
+    let p: &'static Pool = match POOL.compare_exchange(cur, fresh, Ordering::AcqRel, Ordering::Acquire) {
+        // SAFETY: `fresh` was just leaked and is never freed.
+        Ok(_) => unsafe { &*fresh },
+        Err(other) => {
+            // SAFETY: `fresh` was never shared; `other` is a leaked pool another thread installed.
+            unsafe {
+                drop(Box::from_raw(fresh));
+                return &*other;
+            }
+        }
+    };
+    let mut st = lock(&p.state);
+    for _ in 0..per_peer {
+        p.start(&mut st);
+    }
+    drop(st);
+    p
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
