@@ -5,7 +5,9 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use nixl_connect::{Connector, Descriptor, Device, PathPolicy, RdmaMetadata, TransferPath};
+use nixl_connect::{
+    Connector, Descriptor, Device, PathPolicy, RdmaMetadata, ReadOperation, ReadableOperation, TransferPath,
+};
 
 use super::local::Netns;
 use super::soundness::{sound_peer, PEER};
@@ -89,6 +91,22 @@ impl Drop for Stalled {
     }
 }
 
+/// `owner` exposes `s` (raw memory) and `reader` begins a read of it (into owned memory).
+async fn read_stalled(
+    owner: &Connector,
+    reader: &Connector,
+    s: &Stalled,
+) -> (ReadableOperation<'static>, ReadOperation<'static>) {
+    // SAFETY: the mapping lives until `s` drops, after every operation over it.
+    let d = unsafe { Descriptor::from_raw_parts(s.ptr, s.len, Device::Host) };
+    let bad = owner.create_readable(d).await.unwrap();
+    let stuck = reader
+        .begin_read(bad.metadata(), Descriptor::from(vec![1u8; s.len]))
+        .await
+        .unwrap();
+    (bad, stuck)
+}
+
 #[test]
 fn stall_of_a_peer_page_leaves_the_engine_serving_others() {
     runtime().block_on(async {
@@ -97,13 +115,7 @@ fn stall_of_a_peer_page_leaves_the_engine_serving_others() {
 
         // A small read (the size once copied on the engine thread) from memory that stalls.
         let mut stalled = Stalled::new(64 << 10);
-        // SAFETY: the mapping lives until `stalled` drops, after every operation over it.
-        let d = unsafe { Descriptor::from_raw_parts(stalled.ptr, stalled.len, Device::Host) };
-        let bad = owner.create_readable(d).await.unwrap();
-        let stuck = reader
-            .begin_read(bad.metadata(), Descriptor::from(vec![1u8; 64 << 10]))
-            .await
-            .unwrap();
+        let (bad, stuck) = read_stalled(&owner, &reader, &stalled).await;
         assert!(
             stalled.wait_for_a_stall(Duration::from_secs(10)),
             "the read never touched the stalled page"
@@ -151,13 +163,7 @@ fn stall_of_one_peer_leaves_copies_from_others_running() {
         let mut bad = Vec::new();
         let mut stuck = Vec::new();
         for s in &stalled {
-            // SAFETY: the mapping lives until `stalled` drops, after every operation over it.
-            let d = unsafe { Descriptor::from_raw_parts(s.ptr, s.len, Device::Host) };
-            let r = owner.create_readable(d).await.unwrap();
-            let op = reader
-                .begin_read(r.metadata(), Descriptor::from(vec![1u8; 64 << 10]))
-                .await
-                .unwrap();
+            let (r, op) = read_stalled(&owner, &reader, s).await;
             bad.push(r);
             stuck.push(op);
         }
@@ -204,13 +210,7 @@ fn stall_never_holds_the_drop_of_a_connector() {
         let owner = Connector::new().unwrap();
         let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
         let mut stalled = Stalled::new(64 << 10);
-        // SAFETY: the mapping lives until `stalled` drops, after every operation over it.
-        let d = unsafe { Descriptor::from_raw_parts(stalled.ptr, stalled.len, Device::Host) };
-        let bad = owner.create_readable(d).await.unwrap();
-        let stuck = reader
-            .begin_read(bad.metadata(), Descriptor::from(vec![1u8; 64 << 10]))
-            .await
-            .unwrap();
+        let (bad, stuck) = read_stalled(&owner, &reader, &stalled).await;
         assert!(stalled.wait_for_a_stall(Duration::from_secs(10)));
         // The read's memory is owned: dropping it does not wait; dropping the connector waits a
         // bounded time for the stuck copy, then leaks the memory that copy may still write.

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use super::lock;
 use super::slots::{SlotTable, ARMED, COPYING, DONE};
 
 /// The smallest piece a large copy is split into for another thread.
@@ -263,10 +264,6 @@ fn pool() -> &'static Pool {
     }
     drop(st);
     p
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Pool {

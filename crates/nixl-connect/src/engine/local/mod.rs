@@ -70,6 +70,8 @@ const NOT_LIVE: &str = "no live operation has this notification key: it complete
                         or dropped (a replayed metadata string?)";
 
 /// This process's pid, as the kernel reports it to peers (`SO_PEERCRED`).
+/// Locks `m`, taking over a lock poisoned by a panicking holder (every value guarded here stays
+/// consistent between statements).
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
