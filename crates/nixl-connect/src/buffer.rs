@@ -152,16 +152,6 @@ impl Quarantined {
     pub(crate) fn len(&self) -> usize {
         self.len
     }
-
-    /// Releases the pages (their data and RAM); the range stays mapped and reads zeros. Called by
-    /// an engine once it has ended every exposure of the memory (so no same-host copy it granted
-    /// is still meant to see the data).
-    pub(crate) fn release_pages(&self) {
-        // SAFETY: [base, base+len) is a private anonymous mapping this value owns (the HostBuffer
-        // gave it up); MADV_DONTNEED only replaces its pages with zero-filled ones, and every
-        // access to it from now on is a late transfer that may read zeros.
-        unsafe { libc::madvise(self.base as *mut libc::c_void, self.len, libc::MADV_DONTNEED) };
-    }
 }
 
 impl Drop for Quarantined {
@@ -179,9 +169,9 @@ impl Drop for HostBuffer {
         if regs.iter().any(|t| t.exposed()) {
             // Peers were told about this memory through NIXL, and UCX checks no registration when
             // a peer reaches it over TCP, CMA or shared memory: unmapping it could make this
-            // process fault serving a late or replayed transfer. Each engine that exposed it
-            // releases its pages (after the exposures it has queued have ended) and keeps the
-            // addresses mapped until it has destroyed the agent that exposed them.
+            // process fault serving a late or replayed transfer, and releasing its pages would
+            // let a read still in flight complete with zeros. Each engine that exposed it holds
+            // the mapping whole until it has destroyed the agent that exposed it.
             let q = Arc::new(Quarantined { base, len });
             for t in regs.iter().filter(|t| t.exposed()) {
                 t.quarantine(q.clone());

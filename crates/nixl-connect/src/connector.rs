@@ -122,7 +122,10 @@ impl ConnectorBuilder {
     /// unmapped) while the agent that exposed it lives: a late or replayed transfer then reads
     /// or writes memory nobody uses, instead of this process's next allocation. Past this much,
     /// new operations go to a fresh agent, and the old one is destroyed (releasing the memory)
-    /// once its last operation has ended. Creating an agent takes tens of milliseconds.
+    /// once its last operation has ended, or, when more than [`MAX_RETIRED_EXPOSERS`](crate::MAX_RETIRED_EXPOSERS) old agents
+    /// wait for their operations, at once: the oldest one's waiting operations then fail with
+    /// [`Error::Interrupted`]. Memory held back is thus bounded by about
+    /// `(MAX_RETIRED_EXPOSERS + 1) * bytes`. Creating an agent takes tens of milliseconds.
     pub fn quarantine_limit(mut self, bytes: usize) -> Self {
         self.quarantine_limit = bytes;
         self

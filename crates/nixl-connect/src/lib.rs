@@ -93,6 +93,7 @@ pub use buffer::{HostBuffer, HUGE_PAGE};
 pub use connector::{Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_QUARANTINE_LIMIT};
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind};
+pub use engine::nixl::MAX_RETIRED_EXPOSERS;
 pub use engine::EngineStats;
 pub use error::{Error, Result};
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor, MAX_NIXL_METADATA};

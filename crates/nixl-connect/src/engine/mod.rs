@@ -96,8 +96,8 @@ impl RegToken {
         self.0.side == Side::Exposer
     }
 
-    /// Hands a dropped HostBuffer's mapping to this registration's engine, which releases its
-    /// pages and holds the addresses until no peer can reach them through its exposer. Nothing
+    /// Hands a dropped HostBuffer's mapping to this registration's engine, which holds it (pages
+    /// and addresses) until no peer can reach it through its exposer. Nothing
     /// happens if the engine is gone (then nothing can).
     pub(crate) fn quarantine(&self, mapping: Arc<Quarantined>) {
         if self
@@ -245,6 +245,10 @@ pub struct EngineStats {
     pub rotations: u64,
     /// Bytes of exposed memory held back from the allocator until no peer can reach it.
     pub quarantined_bytes: u64,
+    /// Passive operations failed with [`Error::Interrupted`] because the retired NIXL agent that
+    /// exposed them was destroyed to bound held memory (see
+    /// [`MAX_RETIRED_EXPOSERS`](crate::MAX_RETIRED_EXPOSERS)).
+    pub evicted_operations: u64,
 }
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
@@ -733,8 +737,9 @@ impl EngineLoop {
             },
             Cmd::Deregister { side, gen, range, id } => self.nixl.deregister(side, gen, range, id),
             Cmd::Quarantine { gen, mapping } => {
-                // After the exposures queued before it have ended (commands run in order).
-                mapping.release_pages();
+                // Held whole, pages included: a NIXL read still in flight gets the buffer's own
+                // bytes (or an error once the exposer is destroyed), never zeros. Retired
+                // exposers are capped, so this is bounded.
                 let len = mapping.len();
                 self.nixl.hold(Some(gen), Box::new(mapping), len);
             }

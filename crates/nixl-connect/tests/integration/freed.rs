@@ -141,3 +141,56 @@ fn support_retired_writable() {
         println!("RETIRED-OK {:?}", conn.stats().await.unwrap());
     });
 }
+
+/// Exposures kept live in every generation of the NIXL exposer used to keep every retired
+/// exposer (and the memory it quarantines) alive: held memory grew with the number of rotations,
+/// not with `quarantine_limit` (the soak's RSS, 6 to 7.4 GB). Past the cap of retired exposers
+/// the oldest is destroyed and its live operations fail with `Interrupted`.
+#[test]
+fn freed_retired_exposers_are_capped() {
+    runtime().block_on(async {
+        let limit = MIB;
+        let conn = Connector::builder()
+            .path(nixl_connect::PathPolicy::Nixl)
+            .quarantine_limit(limit)
+            .build()
+            .unwrap();
+        let mut kept = Vec::new();
+        for _ in 0..12 {
+            // One exposure left waiting for a peer that never comes, in this generation...
+            kept.push(
+                conn.create_readable(Descriptor::from(vec![7u8; 4096]))
+                    .await
+                    .unwrap(),
+            );
+            // ...and one given up past the limit, which retires the generation.
+            let r = conn
+                .create_readable(Descriptor::from(vec![1u8; 2 * MIB]))
+                .await
+                .unwrap();
+            drop(r);
+        }
+        let stats = conn.stats().await.unwrap();
+        assert!(stats.rotations >= 12, "{stats:?}");
+        let bound = (nixl_connect::MAX_RETIRED_EXPOSERS as u64 + 1) * (limit as u64 + 2 * MIB as u64 + 4096);
+        assert!(
+            stats.quarantined_bytes <= bound,
+            "held {} bytes for given-up exposures, bound {bound}: {stats:?}",
+            stats.quarantined_bytes
+        );
+        // The oldest exposures' agents are gone: they end with a typed error, at once.
+        let first = kept[0].wait_for_completion(Some(Duration::from_secs(5))).await;
+        match first {
+            Err(nixl_connect::Error::Interrupted { .. }) => {}
+            other => panic!("the oldest exposure should have been interrupted: {other:?}"),
+        }
+        // The newest is untouched.
+        let last = kept.last().unwrap();
+        assert_eq!(
+            last.status(),
+            nixl_connect::OperationStatus::Initialized,
+            "{stats:?}"
+        );
+        assert!(stats.evicted_operations >= 1, "{stats:?}");
+    });
+}

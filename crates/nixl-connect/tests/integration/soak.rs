@@ -13,7 +13,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nixl_connect::{Connector, Descriptor, Error, PathPolicy, RdmaMetadata};
+use nixl_connect::{Connector, Descriptor, Error, HostBuffer, PathPolicy, RdmaMetadata};
 
 use super::support::{pattern, runtime, PEER_ENV};
 
@@ -107,6 +107,8 @@ struct Tally {
     peer_dropped: u64,
     we_dropped: u64,
     failed_after_kill: u64,
+    /// Passive operations failed because their retired exposer was destroyed past the cap.
+    evicted: u64,
     timed_out: u64,
     peer_errors: u64,
     wrong_bytes: u64,
@@ -175,10 +177,14 @@ fn soak_mixed_load_between_two_processes() {
                     });
                     (md, task)
                 } else {
-                    let r = conn
-                        .create_readable(Descriptor::from(pattern(len, seq)))
-                        .await
-                        .unwrap();
+                    // One readable in three over a HostBuffer (its drop hands the mapping to the
+                    // quarantine), the others over a Vec.
+                    let d = if seq % 3 == 0 {
+                        Descriptor::from(HostBuffer::from_slice(&pattern(len, seq)).unwrap())
+                    } else {
+                        Descriptor::from(pattern(len, seq))
+                    };
+                    let r = conn.create_readable(d).await.unwrap();
                     let md = r.metadata().clone();
                     let s = seq;
                     let task = tokio::spawn(async move {
@@ -225,6 +231,7 @@ fn soak_mixed_load_between_two_processes() {
                     Ok(1) => t.completed += 1,
                     Ok(2) => t.wrong_bytes += 1,
                     Ok(_) => {}
+                    Err(Error::Interrupted { .. }) => t.evicted += 1,
                     Err(Error::TimedOut { .. }) if gen < peer_gen => t.failed_after_kill += 1,
                     Err(Error::TimedOut { .. }) => {
                         // Only acceptable if the peer dropped or failed its side.
@@ -279,6 +286,7 @@ fn soak_mixed_load_between_two_processes() {
             first.map(|s| s.2),
             last.map(|s| s.2)
         );
+        println!("  engine {:?}", conn.stats().await);
         for s in &samples {
             println!("  sample t={}s rss={} KiB fds={}", s.0, s.1, s.2);
         }

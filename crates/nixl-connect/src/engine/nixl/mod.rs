@@ -34,6 +34,13 @@ use crate::operation::TransferPath;
 
 /// Peers kept loaded in the initiator with no transfer using them.
 pub(crate) const MAX_IDLE_PEERS: usize = 64;
+/// How many replaced (retired) NIXL agents a connector keeps alive for their passive operations
+/// still waiting for a peer. Past it, the oldest is destroyed: the memory it held back is
+/// released and its waiting operations fail with
+/// [`Error::Interrupted`](crate::Error::Interrupted). Held memory is thus bounded by about `MAX_RETIRED_EXPOSERS + 1` times the quarantine limit
+/// ([`ConnectorBuilder::quarantine_limit`](crate::ConnectorBuilder::quarantine_limit)).
+pub const MAX_RETIRED_EXPOSERS: usize = 3;
+
 /// Distinct metadata strings remembered as loaded.
 const MAX_LOADED: usize = 4096;
 /// Bytes of peers' agent metadata loaded into the initiator (and kept by NIXL) before every idle
@@ -377,6 +384,9 @@ pub(crate) struct NixlTransport {
     initiator_gen: u64,
     deregister_on_completion: bool,
     notif_buf: Vec<(String, Vec<u8>)>,
+    /// Keys of passive operations whose retired exposer was destroyed past the cap, to be
+    /// failed on the next progress.
+    evicted: Vec<Arc<str>>,
     pub(crate) stats: EngineStats,
 }
 
@@ -421,6 +431,7 @@ impl NixlTransport {
             initiator_gen: 0,
             deregister_on_completion,
             notif_buf: Vec::new(),
+            evicted: Vec::new(),
             stats: EngineStats::default(),
         })
     }
@@ -452,6 +463,21 @@ impl NixlTransport {
         }
         let before = self.retired.len();
         self.retired.retain(|_, e| !e.live.is_empty());
+        // Past the cap, the oldest retired exposer goes even though operations wait on it: held
+        // memory stays bounded whatever peers do with the metadata they were given.
+        while self.retired.len() > MAX_RETIRED_EXPOSERS {
+            let Some((gen, old)) = self.retired.pop_first() else {
+                break;
+            };
+            tracing::debug!(
+                gen,
+                waiting = old.live.len(),
+                "destroyed a retired NIXL exposer past the cap; its waiting operations fail"
+            );
+            self.evicted.extend(old.live.keys().cloned());
+            // Fields drop in order: the agent, then the memory it held back.
+            drop(old);
+        }
         if self.retired.len() != before {
             self.recount();
         }
@@ -800,6 +826,22 @@ impl Transport for NixlTransport {
         // an event, so the engine keeps spinning while data flows instead of backing off.
         let t0 = Instant::now();
         let mut event = false;
+        for key in self.evicted.drain(..) {
+            self.stats.evicted_operations += 1;
+            out.push(Event::PassiveFailed {
+                key,
+                error: Error::Interrupted {
+                    agent: self.name.clone(),
+                    reason: format!(
+                        "more than {MAX_RETIRED_EXPOSERS} replaced NIXL agents were waiting for \
+                         their operations, so the oldest, which exposed this operation, was \
+                         destroyed to release the memory it held back; expose the memory again \
+                         (a larger `quarantine_limit` makes this rarer)"
+                    ),
+                },
+            });
+            event = true;
+        }
         if let Some(init) = &mut self.initiator {
             let mut i = 0;
             while i < init.inflight.len() {
@@ -846,7 +888,7 @@ impl Transport for NixlTransport {
     }
 
     fn polling(&self) -> Polling {
-        if self.initiator.as_ref().is_some_and(|i| !i.inflight.is_empty()) {
+        if !self.evicted.is_empty() || self.initiator.as_ref().is_some_and(|i| !i.inflight.is_empty()) {
             Polling::Busy
         } else if !self.exposer.live.is_empty() || !self.retired.is_empty() {
             // Passive operations wait for their notification.
