@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use super::lock;
 use super::slots::{SlotTable, ARMED, COPYING, DONE};
+use super::sys::lock;
 
 /// The smallest piece a large copy is split into for another thread.
 pub(crate) const MIN_PIECE: usize = 8 << 20;

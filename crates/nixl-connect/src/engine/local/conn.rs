@@ -1,0 +1,416 @@
+//! Connections: accepting and making them, reading and writing frames, closing them (and what
+//! closing ends).
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::auth::{self, Nonce};
+use super::client::Phase;
+#[cfg(feature = "cuda")]
+use super::ipc;
+use super::proto::{self, Msg};
+use super::slots::{SlotTable, SLOTS};
+use super::sys::{peer_cred, pidfd, sockaddr, socket_name, unix_socket};
+use super::{
+    ConnId, LocalTransport, ACCEPT_BACKOFF, LISTENER, MAX_NEGATIVE, MAX_SERVED, MAX_SERVED_PER_PID,
+    NEGATIVE_TTL,
+};
+use crate::engine::transport::{Event, OpId};
+use crate::error::Error;
+
+/// One socket: a connection this side made (client, the active side) or accepted (server).
+pub(super) struct Conn {
+    pub(super) fd: OwnedFd,
+    pub(super) client: bool,
+    pub(super) peer_pid: libc::pid_t,
+    pub(super) pidfd: Option<Arc<OwnedFd>>,
+    pub(super) rbuf: Vec<u8>,
+    pub(super) wbuf: Vec<u8>,
+    pub(super) writing: bool,
+    pub(super) fds_in: VecDeque<OwnedFd>,
+    pub(super) slots: Option<Arc<SlotTable>>,
+    /// The handshake is done (client: the server proved it holds the opening operation's key;
+    /// server: `Hello` answered).
+    pub(super) ready: bool,
+    /// Server side: the client sent `Trusted` (it checked our proof; requests may follow).
+    pub(super) trusted: bool,
+    /// Server side: read grants this connection holds (at most [`MAX_GRANTS_PER_CONN`]).
+    pub(super) granted: usize,
+    /// The client's nonce for this connection (sent in `Hello`).
+    pub(super) nonce: Nonce,
+    /// Client side: the key of the operation that opened the connection (what the server must
+    /// prove it holds).
+    pub(super) opening_key: Option<Arc<str>>,
+    /// This side may pull from the peer's memory.
+    pub(super) can_pull: bool,
+    /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
+    pub(super) peer: Arc<str>,
+    pub(super) queued: Vec<OpId>,
+    pub(super) free_slots: Vec<u32>,
+    pub(super) gens: Vec<u64>,
+    pub(super) dead: bool,
+}
+
+impl Conn {
+    pub(super) fn new(fd: OwnedFd, client: bool, peer_pid: libc::pid_t, peer: Arc<str>) -> Self {
+        Self {
+            fd,
+            client,
+            peer_pid,
+            pidfd: pidfd(peer_pid).map(Arc::new),
+            rbuf: Vec::new(),
+            wbuf: Vec::new(),
+            writing: false,
+            fds_in: VecDeque::new(),
+            slots: None,
+            ready: false,
+            trusted: false,
+            granted: 0,
+            nonce: [0; 16],
+            opening_key: None,
+            can_pull: false,
+            peer,
+            queued: Vec::new(),
+            free_slots: if client {
+                (0..SLOTS as u32).rev().collect()
+            } else {
+                Vec::new()
+            },
+            gens: if client { vec![0; SLOTS] } else { Vec::new() },
+            dead: false,
+        }
+    }
+
+    pub(super) fn send(&mut self, m: &Msg) {
+        m.encode(&mut self.wbuf);
+    }
+}
+
+impl LocalTransport {
+    pub(super) fn insert(&mut self, c: Conn) -> ConnId {
+        // Ids are never reused, so a late copy or answer can never reach another connection.
+        let id = self.next_conn;
+        self.next_conn += 1;
+        let _ = self.reg.add(c.fd.as_raw_fd(), id, true, false);
+        self.conns.insert(id, c);
+        id
+    }
+
+    /// Sends what is buffered on connection `i`; watches for writability if the socket is full.
+    #[allow(unsafe_code)]
+    pub(super) fn flush(&mut self, i: ConnId) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
+        while !c.wbuf.is_empty() && !c.dead {
+            // SAFETY: sends bytes from a live buffer on our socket; MSG_NOSIGNAL turns a closed
+            // peer into EPIPE instead of SIGPIPE.
+            let n = unsafe {
+                libc::send(
+                    c.fd.as_raw_fd(),
+                    c.wbuf.as_ptr().cast(),
+                    c.wbuf.len(),
+                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                )
+            };
+            if n > 0 {
+                c.wbuf.drain(..n as usize);
+            } else {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::WouldBlock {
+                    c.dead = true;
+                }
+                break;
+            }
+        }
+        let want = !c.wbuf.is_empty() && !c.dead;
+        if want != c.writing {
+            c.writing = want;
+            let _ = self.reg.modify(c.fd.as_raw_fd(), i, true, want);
+        }
+    }
+
+    /// Reads everything available on connection `i` (collecting passed descriptors).
+    #[allow(unsafe_code)]
+    pub(super) fn read(&mut self, i: ConnId) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
+        let mut chunk = [0u8; 64 << 10];
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<RawFd>()) as u32) } as usize;
+        let mut cbuf = vec![0u64; space.div_ceil(8)];
+        loop {
+            let mut iov = libc::iovec {
+                iov_base: chunk.as_mut_ptr().cast(),
+                iov_len: chunk.len(),
+            };
+            // SAFETY: msghdr is plain old data; iov and cbuf outlive the call and their lengths
+            // are given; received descriptors are taken into OwnedFds right below.
+            let (n, msg) = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = &mut iov;
+                msg.msg_iovlen = 1;
+                msg.msg_control = cbuf.as_mut_ptr().cast();
+                msg.msg_controllen = space as _;
+                let n = libc::recvmsg(
+                    c.fd.as_raw_fd(),
+                    &mut msg,
+                    libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
+                );
+                (n, msg)
+            };
+            if n > 0 {
+                // SAFETY: walks the control messages recvmsg filled in, within msg_controllen.
+                unsafe {
+                    let mut cm = libc::CMSG_FIRSTHDR(&msg);
+                    while !cm.is_null() {
+                        if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
+                            let data = libc::CMSG_DATA(cm).cast::<RawFd>();
+                            let count = ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                                / std::mem::size_of::<RawFd>();
+                            for k in 0..count {
+                                let fd = std::ptr::read_unaligned(data.add(k));
+                                c.fds_in.push_back(OwnedFd::from_raw_fd(fd));
+                            }
+                        }
+                        cm = libc::CMSG_NXTHDR(&msg, cm);
+                    }
+                }
+                c.rbuf.extend_from_slice(&chunk[..n as usize]);
+                if c.rbuf.len() > 2 * proto::MAX_FRAME || c.wbuf.len() > 2 * proto::MAX_FRAME {
+                    c.dead = true; // a peer that floods us, or never reads what we send
+                    return;
+                }
+                if c.fds_in.len() > 4 {
+                    c.dead = true; // a peer passing descriptors beyond the one slot table
+                    return;
+                }
+                continue;
+            }
+            if n == 0 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock {
+                c.dead = true;
+            }
+            return;
+        }
+    }
+
+    pub(super) fn accept(&mut self) {
+        let Some(lfd) = self.listener.as_ref().map(AsRawFd::as_raw_fd) else {
+            return;
+        };
+        loop {
+            // SAFETY: accept4 on our listening socket; the new descriptor is owned right after.
+            #[allow(unsafe_code)]
+            let fd = unsafe {
+                libc::accept4(
+                    lfd,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                )
+            };
+            if fd < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::EINTR | libc::ECONNABORTED | libc::EPROTO) => continue,
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
+                        self.pause_accepting(&e);
+                    }
+                    _ => {}
+                }
+                return;
+            }
+            // SAFETY: a fresh descriptor nothing else owns.
+            #[allow(unsafe_code)]
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let Ok((pid, peer_uid)) = peer_cred(fd.as_raw_fd()) else {
+                continue;
+            };
+            let served = self.conns.values().filter(|c| !c.client).count();
+            let from_pid = self
+                .conns
+                .values()
+                .filter(|c| !c.client && c.peer_pid == pid)
+                .count();
+            let i = self.insert(Conn::new(fd, false, pid, "".into()));
+            if peer_uid == self.uid && (served >= MAX_SERVED || from_pid >= MAX_SERVED_PER_PID) {
+                self.refused_peers += 1;
+                let c = self.conns.get_mut(&i).expect("just inserted");
+                c.send(&Msg::Reject {
+                    reason: format!(
+                        "this process serves {served} same-host connections ({from_pid} from yours) \
+                         already; use NIXL"
+                    ),
+                });
+                self.flush(i);
+                self.close(i, &mut Vec::new());
+                continue;
+            }
+            if peer_uid != self.uid {
+                self.refused_peers += 1;
+                let c = self.conns.get_mut(&i).expect("just inserted");
+                c.send(&Msg::Reject {
+                    reason: format!(
+                        "the serving process runs as uid {}, the peer as uid {peer_uid}: the same-host \
+                         path is only for processes of one user",
+                        self.uid
+                    ),
+                });
+                self.flush(i);
+                self.close(i, &mut Vec::new());
+            }
+        }
+    }
+
+    /// Stops watching the listener for [`ACCEPT_BACKOFF`] (the pending connection stays in the
+    /// backlog): an `accept` that fails for want of descriptors would otherwise wake the engine
+    /// again at once, for as long as the shortage lasts.
+    #[allow(unsafe_code)]
+    pub(super) fn pause_accepting(&mut self, e: &io::Error) {
+        let (Some(l), Some(t)) = (&self.listener, &self.accept_timer) else {
+            return;
+        };
+        tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
+        self.reg.remove(l.as_raw_fd());
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: ACCEPT_BACKOFF.as_nanos() as libc::c_long,
+            },
+        };
+        // SAFETY: a valid timerfd we own, and a fully initialised itimerspec.
+        unsafe { libc::timerfd_settime(t.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+    }
+
+    /// The back-off timer fired: watch the listener again and take what waits.
+    #[allow(unsafe_code)]
+    pub(super) fn resume_accepting(&mut self) {
+        if let Some(t) = &self.accept_timer {
+            let mut n = 0u64;
+            // SAFETY: reads the 8-byte expiry count of our non-blocking timerfd into `n`.
+            unsafe { libc::read(t.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+        }
+        if let Some(l) = &self.listener {
+            let _ = self.reg.add(l.as_raw_fd(), LISTENER, true, false);
+        }
+        self.accept();
+    }
+
+    /// Opens (or finds) the connection to `peer`; `Err(reason)` when there is no same-host path.
+    pub(super) fn connect(&mut self, peer: &Arc<str>, key: &Arc<str>) -> std::result::Result<ConnId, String> {
+        if let Some(&i) = self.by_peer.get(peer) {
+            if self.conns.get(&i).is_some_and(|c| !c.dead) {
+                return Ok(i);
+            }
+        }
+        if let Some(t) = self.negative.get(peer) {
+            if t.elapsed() < NEGATIVE_TTL {
+                return Err("no same-host socket for this peer".into());
+            }
+        }
+        let r = self.try_connect(peer, key);
+        if let Err(reason) = &r {
+            if self.negative.len() >= MAX_NEGATIVE {
+                self.negative.clear();
+            }
+            self.negative.insert(peer.clone(), Instant::now());
+            tracing::trace!(peer = %peer, reason, "no same-host path");
+        }
+        r
+    }
+
+    #[allow(unsafe_code)]
+    pub(super) fn try_connect(
+        &mut self,
+        peer: &Arc<str>,
+        key: &Arc<str>,
+    ) -> std::result::Result<ConnId, String> {
+        let fd = unix_socket().map_err(|e| e.to_string())?;
+        let (a, len) = sockaddr(&socket_name(peer));
+        // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
+        let r = unsafe { libc::connect(fd.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) };
+        if r != 0 {
+            let e = io::Error::last_os_error();
+            return Err(format!("no same-host socket for this peer ({e})"));
+        }
+        let (pid, peer_uid) = peer_cred(fd.as_raw_fd()).map_err(|e| e.to_string())?;
+        if peer_uid != self.uid || pid <= 0 {
+            return Err(format!(
+                "the peer runs as uid {peer_uid} (this process: {})",
+                self.uid
+            ));
+        }
+        let mut conn = Conn::new(fd, true, pid, peer.clone());
+        conn.nonce = auth::nonce();
+        conn.opening_key = Some(key.clone());
+        let i = self.insert(conn);
+        if let Err(e) = self.send_hello(i, key) {
+            self.close(i, &mut Vec::new());
+            return Err(format!("the same-host handshake failed ({e})"));
+        }
+        self.by_peer.insert(peer.clone(), i);
+        Ok(i)
+    }
+
+    /// Closes connection `i`, ending what depended on it.
+    pub(super) fn close(&mut self, i: ConnId, out: &mut Vec<Event>) {
+        let Some(c) = self.conns.remove(&i) else { return };
+        self.reg.remove(c.fd.as_raw_fd());
+        // Device mappings opened for this connection are closed (after any copy using them).
+        #[cfg(feature = "cuda")]
+        ipc::forget(i);
+        if c.client {
+            if self.by_peer.get(&c.peer) == Some(&i) {
+                self.by_peer.remove(&c.peer);
+            }
+            let ids: Vec<OpId> = self
+                .acts
+                .iter()
+                .filter(|(_, a)| a.conn == i)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in ids {
+                let a = self.acts.get(&id).expect("listed");
+                match a.phase {
+                    // The copy runs on; its end reports the result.
+                    Phase::Copying => {}
+                    Phase::Queued | Phase::Exporting | Phase::Requested | Phase::Abandoned => {
+                        let a = self.acts.remove(&id).expect("listed");
+                        if let Some(t) = &c.slots {
+                            t.revoke(a.slot, a.gen);
+                        }
+                        if !matches!(a.phase, Phase::Abandoned) {
+                            out.push(Event::ActiveEnded {
+                                id,
+                                result: Err(Error::RemoteGone {
+                                    agent: c.peer.to_string(),
+                                    reason: "its connector closed the same-host connection (the \
+                                             process exited or dropped the connector)"
+                                        .into(),
+                                }),
+                            });
+                        }
+                    }
+                }
+            }
+        } else {
+            // Revoke this connection's read grants before forgetting them (its table stays mapped
+            // while a copy holds it), so a peer still copying cannot complete against memory the
+            // owner may since have given up.
+            for s in self.scopes.values_mut() {
+                s.grants.retain(|g| {
+                    if g.0 == i {
+                        if let Some(t) = &c.slots {
+                            t.revoke(g.1, g.2);
+                        }
+                    }
+                    g.0 != i
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! Copies on the pool: starting them, learning that they ended, and waiting for them before the
+//! memory they write may go.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::client::refused;
+use super::cma::{self, Copy, CopyError};
+#[cfg(feature = "cuda")]
+use super::ipc;
+use super::proto::{Msg, RefuseCode};
+use super::sys::{alive, lock};
+use super::{ConnId, LocalTransport};
+use crate::engine::transport::{Event, OpId};
+use crate::error::Error;
+use crate::operation::OpState;
+
+/// Copies running on the pool, so the transport can stop and wait for them before the memory
+/// they write is freed.
+#[derive(Default)]
+pub(super) struct Outstanding {
+    pub(super) count: Mutex<usize>,
+    pub(super) cv: std::sync::Condvar,
+}
+
+/// Who a finished copy belonged to.
+pub(super) enum CopyOwner {
+    /// A read of this side (client).
+    Read(OpId),
+    /// A write into this side's passive operation (server).
+    Write {
+        key: Arc<str>,
+        conn: ConnId,
+        slot: u32,
+        gen: u64,
+        state: Arc<OpState>,
+        pidfd: Option<Arc<OwnedFd>>,
+    },
+}
+
+pub(super) type Finished = Arc<Mutex<Vec<(CopyOwner, std::result::Result<(), CopyError>)>>>;
+
+/// A copy for the host path or the device path.
+pub(super) enum AnyCopy {
+    Host(Copy),
+    #[cfg(feature = "cuda")]
+    Device(ipc::Copy),
+}
+
+impl LocalTransport {
+    /// Stops every copy and waits (up to `within`; `None`: for as long as it takes) for the ones
+    /// running on the pool, which end within a chunk unless their peer stalls its pages. True
+    /// when none is left; false when some still run (then the memory they write must never be
+    /// freed: the caller leaks it).
+    pub(crate) fn stop(&mut self, within: Option<Duration>) -> bool {
+        self.stopped = true;
+        for a in self.acts.values() {
+            a.cancel.store(true, Ordering::Relaxed);
+        }
+        for s in self.scopes.values() {
+            if let Some(w) = &s.writer {
+                w.3.store(true, Ordering::Relaxed);
+            }
+        }
+        let n = lock(&self.outstanding.count);
+        let n = match within {
+            None => self
+                .outstanding
+                .cv
+                .wait_while(n, |n| *n > 0)
+                .unwrap_or_else(|p| p.into_inner()),
+            Some(d) => {
+                self.outstanding
+                    .cv
+                    .wait_timeout_while(n, d, |n| *n > 0)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+            }
+        };
+        *n == 0
+    }
+
+    /// True when copies have finished that `progress` has not handled yet (checked before the
+    /// engine sleeps, so a copy ending at that moment is never left unreaped).
+    pub(crate) fn has_finished(&self) -> bool {
+        !self.finished.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+            || !self.exports.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
+    pub(super) fn start_copy(&mut self, copy: AnyCopy, owner: CopyOwner) {
+        #[cfg_attr(not(feature = "cuda"), allow(clippy::infallible_destructuring_match))]
+        let copy = match copy {
+            AnyCopy::Host(c) => c,
+            #[cfg(feature = "cuda")]
+            AnyCopy::Device(c) => {
+                let (done, owner) = self.on_copy_end(owner);
+                if let Err(e) = ipc::spawn(c, done) {
+                    self.abort_start(&owner, e);
+                }
+                return;
+            }
+        };
+        let (done, owner) = self.on_copy_end(owner);
+        if let Err(e) = cma::spawn(copy, done) {
+            self.abort_start(&owner, e);
+        }
+    }
+
+    /// A copy's completion callback (run on the thread that ends the copy), counted as
+    /// outstanding until it runs.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn on_copy_end(
+        &self,
+        owner: CopyOwner,
+    ) -> (
+        Box<dyn FnOnce(std::result::Result<(), CopyError>) + Send>,
+        Arc<Mutex<Option<CopyOwner>>>,
+    ) {
+        let finished = self.finished.clone();
+        let waker = self.waker.clone();
+        let outstanding = self.outstanding.clone();
+        let owner = Arc::new(Mutex::new(Some(owner)));
+        let o2 = owner.clone();
+        *outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let done = Box::new(move |r| {
+            if let Some(o) = o2.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                finished.lock().unwrap_or_else(|e| e.into_inner()).push((o, r));
+            }
+            waker.wake_always();
+            *outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+            outstanding.cv.notify_all();
+        });
+        (done, owner)
+    }
+
+    /// A copy that never started (its callback will not run): reported as finished with `e`.
+    pub(super) fn abort_start(&mut self, owner: &Arc<Mutex<Option<CopyOwner>>>, e: CopyError) {
+        *self.outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+        if let Some(o) = owner.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            self.finished
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((o, Err(e)));
+        }
+    }
+
+    /// Handles finished copies and exports.
+    pub(super) fn reap(&mut self, out: &mut Vec<Event>) -> bool {
+        let exported = self.reap_exports(out);
+        let done = std::mem::take(&mut *self.finished.lock().unwrap_or_else(|e| e.into_inner()));
+        let any = exported || !done.is_empty();
+        for (owner, r) in done {
+            match owner {
+                CopyOwner::Read(id) => {
+                    let Some(a) = self.acts.remove(&id) else { continue };
+                    let i = a.conn;
+                    let live = self.conns.get(&i).is_some_and(|c| !c.dead);
+                    if let Err(CopyError::Unsupported(reason)) = &r {
+                        // Nothing moved: end the grant and let NIXL take the read.
+                        if live {
+                            let c = self.conns.get_mut(&i).expect("live");
+                            c.send(&Msg::Done {
+                                slot: a.slot,
+                                gen: a.gen,
+                                ok: false,
+                                reason: reason.clone(),
+                            });
+                            self.flush(i);
+                        }
+                        self.free_slot(i, a.slot, a.gen);
+                        if a.cancel.load(Ordering::Relaxed) {
+                            out.push(Event::ActiveEnded {
+                                id,
+                                result: Err(Error::Cancelled),
+                            });
+                        } else {
+                            out.push(Event::Declined {
+                                spec: a.spec,
+                                reason: format!("the same-host device copy cannot run here: {reason}"),
+                            });
+                        }
+                        continue;
+                    }
+                    let same = alive(&a.pidfd);
+                    let result = match r {
+                        Ok(()) if same => Ok(()),
+                        Ok(()) | Err(CopyError::PeerGone) => Err(Error::RemoteGone {
+                            agent: a.spec.peer.to_string(),
+                            reason: "its process exited during the copy".into(),
+                        }),
+                        Err(CopyError::Revoked | CopyError::NotStarted) => {
+                            Err(if a.cancel.load(Ordering::Relaxed) {
+                                Error::Cancelled
+                            } else {
+                                refused(
+                                    a.spec.peer.to_string(),
+                                    RefuseCode::NotLive,
+                                    "the owner ended the operation during the copy".into(),
+                                )
+                            })
+                        }
+                        Err(CopyError::Os(e)) => Err(Error::Transfer {
+                            agent: a.spec.peer.to_string(),
+                            reason: format!("the same-host copy failed: {e}"),
+                        }),
+                        Err(CopyError::Unsupported(_)) => unreachable!("handled above"),
+                    };
+                    if live {
+                        let c = self.conns.get_mut(&i).expect("live");
+                        c.send(&Msg::Done {
+                            slot: a.slot,
+                            gen: a.gen,
+                            ok: result.is_ok(),
+                            reason: String::new(),
+                        });
+                        self.flush(i);
+                    }
+                    self.free_slot(i, a.slot, a.gen);
+                    out.push(Event::ActiveEnded { id, result });
+                }
+                CopyOwner::Write {
+                    key,
+                    conn,
+                    slot,
+                    gen,
+                    state,
+                    pidfd,
+                } => {
+                    let same = alive(&pidfd);
+                    let ok = r.is_ok() && same;
+                    // The copy into this side's memory has ended either way.
+                    state.mark_released();
+                    if let Err(CopyError::Unsupported(reason)) = &r {
+                        // Nothing moved: the writer may take NIXL.
+                        if let Some(s) = self.scopes.get_mut(&key) {
+                            if s.writer
+                                .as_ref()
+                                .is_some_and(|w| (w.0, w.1, w.2) == (conn, slot, gen))
+                            {
+                                s.writer = None;
+                            }
+                        }
+                        if let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.dead) {
+                            c.send(&Msg::Fallback {
+                                slot,
+                                gen,
+                                reason: format!("the passive side cannot copy from device memory: {reason}"),
+                            });
+                            self.flush(conn);
+                        }
+                        continue;
+                    }
+                    if let Some(s) = self.scopes.get_mut(&key) {
+                        if s.writer
+                            .as_ref()
+                            .is_some_and(|w| (w.0, w.1, w.2) == (conn, slot, gen))
+                        {
+                            s.writer = None;
+                            match &r {
+                                Ok(()) if same => out.push(Event::PassiveCompleted { key: key.clone() }),
+                                // The writer cancelled before the copy began: nothing was touched.
+                                Err(CopyError::NotStarted) => {}
+                                _ => out.push(Event::PassiveFailed {
+                                    key: key.clone(),
+                                    error: Error::RemoteGone {
+                                        agent: "(same-host writer)".into(),
+                                        reason: "the writer went away in the middle of writing; the \
+                                                 writable's memory is torn"
+                                            .into(),
+                                    },
+                                }),
+                            }
+                        }
+                    }
+                    if let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.dead) {
+                        c.send(&Msg::Done {
+                            slot,
+                            gen,
+                            ok,
+                            reason: match &r {
+                                Ok(()) => String::new(),
+                                Err(e) => format!("the passive side's copy failed: {e:?}"),
+                            },
+                        });
+                        self.flush(conn);
+                    }
+                }
+            }
+        }
+        any
+    }
+}

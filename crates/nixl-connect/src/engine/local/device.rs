@@ -1,0 +1,248 @@
+//! Device memory (feature `cuda`): CUDA IPC exports and the device path's refusals.
+
+#[cfg(feature = "cuda")]
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use super::client::Phase;
+#[cfg(feature = "cuda")]
+use super::cma::SlotRef;
+#[cfg(feature = "cuda")]
+use super::copies::{AnyCopy, CopyOwner};
+#[cfg(feature = "cuda")]
+use super::ipc;
+use super::proto::{IpcSource, Msg, RefuseCode};
+use super::{ConnId, LocalTransport};
+use crate::device::Device;
+use crate::engine::transport::{Event, OpId};
+use crate::engine::Range;
+
+/// A finished CUDA IPC export.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) enum ExportDone {
+    /// A read grant's source (this side serves it).
+    Grant {
+        key: Arc<str>,
+        conn: ConnId,
+        slot: u32,
+        gen: u64,
+        result: std::result::Result<Vec<IpcSource>, String>,
+    },
+    /// A write's source (this side writes).
+    Write {
+        id: OpId,
+        result: std::result::Result<Vec<IpcSource>, String>,
+    },
+}
+
+pub(super) type Exports = Arc<Mutex<Vec<ExportDone>>>;
+
+/// The one device all `ranges` are on, or `None` for none or several.
+pub(super) fn uniform(ranges: &[Range]) -> Option<Device> {
+    let d = ranges.first()?.device;
+    ranges.iter().all(|r| r.device == d).then_some(d)
+}
+
+/// Why the device path cannot move a transfer from memory on `src` into memory on `dst`, if it
+/// cannot (the host path takes host-to-host).
+pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<String> {
+    match (src, dst) {
+        (Device::Cuda(_), Device::Cuda(_) | Device::Host) if cfg!(feature = "cuda") => {
+            #[cfg(feature = "cuda")]
+            if !ipc::available() {
+                return Some("no usable CUDA driver or GPU in this process".into());
+            }
+            None
+        }
+        (Device::Cuda(_), _) => Some("this build has no CUDA support (feature `cuda`)".into()),
+        (Device::Host, Device::Cuda(_)) => Some("host memory into device memory takes the NIXL path".into()),
+        (a, b) => Some(format!("memory on {a} to {b} takes the NIXL path")),
+    }
+}
+
+impl LocalTransport {
+    /// The device path of a request that passed every scope check: a read is granted once its
+    /// source is exported (the answer comes later); a write is copied here from its export.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn device_req(
+        &mut self,
+        i: ConnId,
+        slot: u32,
+        gen: u64,
+        write: bool,
+        key: &str,
+        remote: Vec<(u64, u64)>,
+        sources: Vec<IpcSource>,
+    ) -> Option<Msg> {
+        #[cfg(not(feature = "cuda"))]
+        return Some(Msg::Fallback {
+            slot,
+            gen,
+            reason: "this build has no CUDA support (feature `cuda`)".into(),
+        });
+        #[cfg(feature = "cuda")]
+        {
+            let (key, s) = self.scopes.get_key_value(key).expect("checked");
+            let key = key.clone();
+            if !write {
+                let (exports, waker) = (self.exports.clone(), self.waker.clone());
+                if self
+                    .scopes
+                    .get_mut(&key)
+                    .expect("checked")
+                    .grants
+                    .insert((i, slot, gen))
+                {
+                    if let Some(c) = self.conns.get_mut(&i) {
+                        c.granted += 1;
+                    }
+                }
+                ipc::export(
+                    remote,
+                    Box::new(move |result| {
+                        exports
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(ExportDone::Grant {
+                                key,
+                                conn: i,
+                                slot,
+                                gen,
+                                result,
+                            });
+                        waker.wake_always();
+                    }),
+                );
+                return None;
+            }
+            if s.writer.is_some() {
+                return Some(Msg::Refuse {
+                    slot,
+                    gen,
+                    code: RefuseCode::Busy,
+                    reason: "another writer is writing this writable now".into(),
+                });
+            }
+            if !s.state.try_mark_in_use() {
+                return Some(Msg::Refuse {
+                    slot,
+                    gen,
+                    code: RefuseCode::NotLive,
+                    reason: "the operation has ended (completed, cancelled or dropped)".into(),
+                });
+            }
+            let c = self.conns.get(&i).expect("live");
+            let (table, peer_pid, pidfd) = (c.slots.clone().expect("ready"), c.peer_pid, c.pidfd.clone());
+            let cancel = Arc::new(AtomicBool::new(false));
+            let s = self.scopes.get_mut(&key).expect("checked");
+            s.writer = Some((i, slot, gen, cancel.clone()));
+            let state = s.state.clone();
+            let copy = AnyCopy::Device(ipc::Copy {
+                conn: i,
+                pid: peer_pid,
+                pieces: remote
+                    .iter()
+                    .zip(sources)
+                    .map(|(&(dst, _), src)| ipc::Piece { dst, src })
+                    .collect(),
+                slot: SlotRef {
+                    table,
+                    idx: slot,
+                    gen,
+                },
+                cancel,
+            });
+            let owner = CopyOwner::Write {
+                key,
+                conn: i,
+                slot,
+                gen,
+                state,
+                pidfd,
+            };
+            self.start_copy(copy, owner);
+            None
+        }
+    }
+
+    /// Handles finished CUDA IPC exports.
+    pub(super) fn reap_exports(&mut self, out: &mut Vec<Event>) -> bool {
+        let done = std::mem::take(&mut *self.exports.lock().unwrap_or_else(|e| e.into_inner()));
+        let any = !done.is_empty();
+        for d in done {
+            match d {
+                ExportDone::Grant {
+                    key,
+                    conn,
+                    slot,
+                    gen,
+                    result,
+                } => {
+                    let granted = self
+                        .scopes
+                        .get(&key)
+                        .is_some_and(|s| s.grants.contains(&(conn, slot, gen)));
+                    let answer = match result {
+                        Ok(sources) if granted => Msg::GrantIpc { slot, gen, sources },
+                        _ if !granted => Msg::Refuse {
+                            slot,
+                            gen,
+                            code: RefuseCode::NotLive,
+                            reason: "the operation ended before its memory could be shared".into(),
+                        },
+                        Ok(_) => unreachable!("granted is checked above"),
+                        Err(reason) => {
+                            if self
+                                .scopes
+                                .get_mut(&key)
+                                .is_some_and(|s| s.grants.remove(&(conn, slot, gen)))
+                            {
+                                self.ungrant(conn);
+                            }
+                            Msg::Fallback {
+                                slot,
+                                gen,
+                                reason: format!(
+                                    "the device memory cannot be shared through CUDA IPC: {reason}"
+                                ),
+                            }
+                        }
+                    };
+                    if let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.dead) {
+                        c.send(&answer);
+                        self.flush(conn);
+                    }
+                }
+                ExportDone::Write { id, result } => {
+                    let Some(a) = self.acts.get_mut(&id) else { continue };
+                    match (&a.phase, result) {
+                        (Phase::Exporting, Ok(sources)) => {
+                            a.sources = sources;
+                            a.phase = Phase::Requested;
+                            self.request(id, out);
+                        }
+                        (Phase::Exporting, Err(reason)) => {
+                            let a = self.acts.remove(&id).expect("present");
+                            self.free_slot(a.conn, a.slot, a.gen);
+                            out.push(Event::Declined {
+                                spec: a.spec,
+                                reason: format!(
+                                    "the device memory cannot be shared through CUDA IPC: {reason}"
+                                ),
+                            });
+                        }
+                        // Abandoned while exporting: it was answered then; forget it now.
+                        (_, _) => {
+                            if matches!(a.phase, Phase::Abandoned) {
+                                let a = self.acts.remove(&id).expect("present");
+                                self.free_slot(a.conn, a.slot, a.gen);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        any
+    }
+}
