@@ -321,3 +321,94 @@ impl LocalTransport {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+    use crate::engine::local::conn::Conn;
+    use crate::engine::local::slots::SLOTS;
+    use crate::engine::poller::Poller;
+    use crate::operation::OperationStatus;
+
+    /// The frames the transport sent on `i`: those the socket took, then those still buffered.
+    fn sent(t: &LocalTransport, i: ConnId, peer: &mut UnixStream) -> Vec<Msg> {
+        let mut bytes = Vec::new();
+        let _ = peer.read_to_end(&mut bytes); // non-blocking: until EAGAIN
+        bytes.extend_from_slice(&t.conns[&i].wbuf);
+        let mut msgs = Vec::new();
+        let mut at = 0;
+        while let Some((m, n)) = Msg::decode(&bytes[at..]).expect("well-formed") {
+            msgs.push(m);
+            at += n;
+        }
+        msgs
+    }
+
+    /// A same-user client that asks for more reads than it has slots (reusing slot numbers under
+    /// new generations, never saying it is done) gets `MAX_GRANTS_PER_CONN` grants, then
+    /// `Fallback` (the operation goes to NIXL) instead of growing the server's grant set; an
+    /// ended grant makes room again. Without the cap: 4,106 grants for 4,106 requests.
+    #[test]
+    fn server_read_grants_per_connection_are_capped() {
+        let poller = Poller::new().unwrap();
+        let mut t = LocalTransport::new(false, None, poller.registrar(), poller.waker());
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        theirs.set_nonblocking(true).unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let mut c = Conn::new(OwnedFd::from(ours), false, self_pid(), "client".into());
+        c.ready = true;
+        c.trusted = true;
+        let i = t.insert(c);
+        let mem = vec![7u8; 4096];
+        let range = Range {
+            addr: mem.as_ptr() as usize,
+            len: mem.len(),
+            device: Device::Host,
+        };
+        t.scopes.insert(
+            "key".into(),
+            Scope {
+                kind: OperationKind::Read,
+                device: Device::Host,
+                ranges: vec![range],
+                state: OpState::new(OperationStatus::Initialized),
+                grants: HashSet::new(),
+                writer: None,
+            },
+        );
+        let extra = 10;
+        let mut out = Vec::new();
+        let ask = |t: &mut LocalTransport, n: u64, out: &mut Vec<Event>| {
+            let remote = vec![(range.addr as u64, 4096)];
+            let local = vec![(0x1000, 4096)];
+            let slot = (n % SLOTS as u64) as u32;
+            t.on_req(i, slot, n, false, "key", Device::Host, remote, local, vec![], out);
+        };
+        for n in 0..(MAX_GRANTS_PER_CONN + extra) as u64 {
+            ask(&mut t, n, &mut out);
+            // Keep the socket drained so every answer can be counted.
+            t.flush(i);
+        }
+        let msgs = sent(&t, i, &mut theirs);
+        let grants = msgs.iter().filter(|m| matches!(m, Msg::Grant { .. })).count();
+        let fallbacks = msgs.iter().filter(|m| matches!(m, Msg::Fallback { .. })).count();
+        assert_eq!(grants, MAX_GRANTS_PER_CONN, "{} answers", msgs.len());
+        assert_eq!(fallbacks, extra);
+        assert_eq!(t.scopes["key"].grants.len(), MAX_GRANTS_PER_CONN);
+        assert_eq!(t.conns[&i].granted, MAX_GRANTS_PER_CONN);
+
+        // One read ends: the next request is granted.
+        t.on_read_done(i, 0, 0, true, &mut out);
+        assert_eq!(t.conns[&i].granted, MAX_GRANTS_PER_CONN - 1);
+        t.conns.get_mut(&i).unwrap().wbuf.clear();
+        ask(&mut t, u64::MAX, &mut out);
+        t.flush(i);
+        let msgs = sent(&t, i, &mut theirs);
+        assert!(matches!(msgs.last(), Some(Msg::Grant { .. })), "{}", msgs.len());
+        drop(mem);
+    }
+}
