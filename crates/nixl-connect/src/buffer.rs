@@ -9,7 +9,8 @@ use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
-use crate::engine::RegToken;
+use crate::reg::RegToken;
+use crate::sync::Recover;
 
 const PAGE: usize = 4096;
 /// Transparent huge page size on x86-64.
@@ -142,16 +143,9 @@ impl std::fmt::Debug for HostBuffer {
 
 /// The mapping of a dropped [`HostBuffer`] that connectors exposed, kept mapped until the last
 /// engine that exposed it has destroyed the agent that did.
-pub(crate) struct Quarantined {
+struct Quarantined {
     base: usize,
     len: usize,
-}
-
-impl Quarantined {
-    /// The mapping's size in bytes.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
 }
 
 impl Drop for Quarantined {
@@ -164,7 +158,7 @@ impl Drop for Quarantined {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        let regs = std::mem::take(self.regs.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let regs = std::mem::take(self.regs.get_mut().recover());
         let (base, len) = (self.map_base.as_ptr() as usize, self.map_len);
         if regs.iter().any(|t| t.exposed()) {
             // Peers were told about this memory through NIXL, and UCX checks no registration when
@@ -174,7 +168,7 @@ impl Drop for HostBuffer {
             // the mapping whole until it has destroyed the agent that exposed it.
             let q = Arc::new(Quarantined { base, len });
             for t in regs.iter().filter(|t| t.exposed()) {
-                t.quarantine(q.clone());
+                t.quarantine(Box::new(q.clone()), len);
             }
             // If no engine took it (all gone, so no peer can reach it), this unmaps it.
             drop(q);

@@ -170,6 +170,22 @@ impl ConnectorBuilder {
             }),
         })
     }
+
+    /// A connector over the in-process loopback transport only (no NIXL, no same-host socket),
+    /// for tests of the engine and the operations.
+    #[cfg(test)]
+    pub(crate) fn build_loopback(self) -> Result<Connector> {
+        let worker_id = self.worker_id.unwrap_or_else(|| "loopback".into());
+        let name = format!("{worker_id}-{}", CONNECTIONS.fetch_add(1, Ordering::Relaxed));
+        let engine = Engine::start_loopback(name, self.cancel_grace)?;
+        Ok(Connector {
+            inner: Arc::new(Inner {
+                engine,
+                worker_id,
+                path: self.path,
+            }),
+        })
+    }
 }
 
 impl Connector {

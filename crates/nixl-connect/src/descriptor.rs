@@ -15,9 +15,13 @@ use std::fmt;
 
 use crate::buffer::HostBuffer;
 use crate::device::Device;
-use crate::engine::RegToken;
 use crate::error::{Error, Result};
 use crate::metadata::SerializedDescriptor;
+use crate::reg::RegToken;
+use crate::sync::Recover;
+
+#[cfg(feature = "cuda")]
+mod cuda;
 
 pub(crate) mod sealed {
     pub trait Sealed {}
@@ -336,8 +340,8 @@ impl<'a> Descriptor<'a> {
     }
 
     /// The range the transports see.
-    pub(crate) fn range(&self) -> crate::engine::Range {
-        crate::engine::Range {
+    pub(crate) fn range(&self) -> crate::reg::Range {
+        crate::reg::Range {
             addr: self.ptr(),
             len: self.size(),
             device: self.device,
@@ -393,7 +397,7 @@ impl<'a> Descriptor<'a> {
         };
         let list = match hb {
             Some(b) => {
-                let mut g = b.regs.lock().unwrap_or_else(|e| e.into_inner());
+                let mut g = b.regs.lock().recover();
                 if !g.iter().any(|t| t.same(&tok)) {
                     g.push(tok);
                 }

@@ -45,7 +45,10 @@ mod engine;
 mod error;
 mod metadata;
 mod operation;
+mod reg;
 mod registration;
+mod state;
+mod sync;
 
 /// Entry points for the coverage-guided fuzz targets under `fuzz/`: each takes untrusted bytes
 /// as a peer would send them and must return (never panic, hang or allocate without bound).

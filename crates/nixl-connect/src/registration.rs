@@ -1,6 +1,6 @@
 //! [`Registration`]: memory registered with a connector's NIXL agent ahead of its transfers.
 
-use crate::engine::RegToken;
+use crate::reg::RegToken;
 
 /// Memory registered with a [`Connector`](crate::Connector)'s NIXL agent ahead of the active
 /// operations that will use it ([`Connector::register`](crate::Connector::register)), as Dynamo's

@@ -5,12 +5,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_nixl-connect");
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_nixl-connect");
 
 /// The `UCX_TLS` value that makes NIXL move host memory over TCP (asynchronous, so a transfer can
 /// be caught in flight): `tcp`, plus `cuda_copy` on a machine with an NVIDIA driver, where NIXL
 /// refuses a transport list without it ("Add cuda_copy").
-pub fn tcp_tls() -> &'static str {
+pub(crate) fn tcp_tls() -> &'static str {
     if std::path::Path::new("/dev/nvidiactl").exists() {
         "tcp,cuda_copy"
     } else {
@@ -18,7 +18,7 @@ pub fn tcp_tls() -> &'static str {
     }
 }
 
-pub fn root() -> PathBuf {
+pub(crate) fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../..")
         .canonicalize()
@@ -26,20 +26,20 @@ pub fn root() -> PathBuf {
 }
 
 /// A fresh scratch folder.
-pub fn scratch(name: &str) -> PathBuf {
+pub(crate) fn scratch(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("nixl-connect-cli-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
 }
 
-pub fn cli() -> Command {
+pub(crate) fn cli() -> Command {
     Command::new(BIN)
 }
 
 /// The venv's python with Dynamo's module (and real torch, which it imports); fails (never
 /// skips) when it is missing.
-pub fn python() -> Command {
+pub(crate) fn python() -> Command {
     let py = root().join(".venv/bin/python");
     assert!(
         py.exists(),
@@ -53,14 +53,14 @@ pub fn python() -> Command {
 }
 
 /// A passive peer (CLI `serve` or Python readable/writable) that printed its metadata line.
-pub struct Passive {
+pub(crate) struct Passive {
     pub child: Child,
     pub metadata: String,
 }
 
 impl Passive {
     /// Starts `cmd` and waits for the first JSON line on its stdout.
-    pub fn start(mut cmd: Command) -> Self {
+    pub(crate) fn start(mut cmd: Command) -> Self {
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         let out = child.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -86,14 +86,14 @@ impl Passive {
     }
 
     /// Writes the metadata to a file in `dir`.
-    pub fn metadata_file(&self, dir: &Path) -> PathBuf {
+    pub(crate) fn metadata_file(&self, dir: &Path) -> PathBuf {
         let p = dir.join("metadata.json");
         std::fs::write(&p, &self.metadata).unwrap();
         p
     }
 
     /// Waits for the peer to exit (bounded) and returns its output.
-    pub fn finish(mut self) -> Output {
+    pub(crate) fn finish(mut self) -> Output {
         let t0 = Instant::now();
         while self.child.try_wait().unwrap().is_none() {
             assert!(
@@ -107,7 +107,7 @@ impl Passive {
 }
 
 /// Runs `cmd` to completion within `limit`, returning its output and how long it took.
-pub fn run(mut cmd: Command, limit: Duration) -> (Output, Duration) {
+pub(crate) fn run(mut cmd: Command, limit: Duration) -> (Output, Duration) {
     let t0 = Instant::now();
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
     while child.try_wait().unwrap().is_none() {
@@ -120,7 +120,7 @@ pub fn run(mut cmd: Command, limit: Duration) -> (Output, Duration) {
     (child.wait_with_output().unwrap(), t0.elapsed())
 }
 
-pub fn ok(o: &Output, what: &str) {
+pub(crate) fn ok(o: &Output, what: &str) {
     assert!(
         o.status.success(),
         "{what} failed: {:?}\nstdout: {}\nstderr: {}",
@@ -132,7 +132,7 @@ pub fn ok(o: &Output, what: &str) {
 
 /// The bytes `serve --size N` exposes, from the Python peer's implementation of the pattern (so
 /// both languages agree on it).
-pub fn pattern(n: usize, dir: &Path) -> Vec<u8> {
+pub(crate) fn pattern(n: usize, dir: &Path) -> Vec<u8> {
     let p = dir.join(format!("pattern-{n}"));
     let mut c = python();
     c.args(["pattern", "--size", &n.to_string(), "--out"]).arg(&p);
@@ -142,7 +142,7 @@ pub fn pattern(n: usize, dir: &Path) -> Vec<u8> {
 }
 
 /// A deterministic file of `n` bytes.
-pub fn file_of(n: usize, dir: &Path, seed: u8) -> (PathBuf, Vec<u8>) {
+pub(crate) fn file_of(n: usize, dir: &Path, seed: u8) -> (PathBuf, Vec<u8>) {
     let data: Vec<u8> = (0..n)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
         .collect();
@@ -152,7 +152,7 @@ pub fn file_of(n: usize, dir: &Path, seed: u8) -> (PathBuf, Vec<u8>) {
 }
 
 /// No file in `dir` looks like a leftover partial output.
-pub fn no_partials(dir: &Path) {
+pub(crate) fn no_partials(dir: &Path) {
     for e in std::fs::read_dir(dir).unwrap().flatten() {
         let n = e.file_name().to_string_lossy().into_owned();
         assert!(!n.contains("partial"), "partial output left behind: {n}");

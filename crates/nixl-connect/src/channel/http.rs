@@ -38,6 +38,7 @@ use tokio::sync::{oneshot, OnceCell};
 use super::MAX_DOCUMENT;
 use crate::error::{Error, Result};
 use crate::metadata::RdmaMetadata;
+use crate::sync::Recover;
 
 /// Environment variable with the address the process-wide listener binds (default `127.0.0.1:0`).
 pub const LISTEN_ENV: &str = "NIXL_CONNECT_HTTP_LISTEN";
@@ -58,7 +59,7 @@ struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Some(tx) = self.stop.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(tx) = self.stop.lock().recover().take() {
             let _ = tx.send(());
         }
     }
@@ -163,11 +164,7 @@ impl HttpChannel {
             extra,
             reply,
         };
-        self.inner
-            .items
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone(), item);
+        self.inner.items.lock().recover().insert(id.clone(), item);
         let url = format!("http://{}:{}/nixl/{id}", self.inner.host, self.inner.addr.port());
         Publication {
             url,
@@ -179,7 +176,7 @@ impl HttpChannel {
 
     /// How many publications are live.
     pub fn len(&self) -> usize {
-        self.inner.items.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.inner.items.lock().recover().len()
     }
 
     /// True when nothing is published.
@@ -238,11 +235,7 @@ impl Publication {
 impl Drop for Publication {
     fn drop(&mut self) {
         if let Some(inner) = self.channel.upgrade() {
-            inner
-                .items
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&self.id);
+            inner.items.lock().recover().remove(&self.id);
         }
     }
 }

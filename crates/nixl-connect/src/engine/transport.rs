@@ -8,13 +8,15 @@
 //! Nothing outside the engine knows which transport moved the bytes, except through
 //! [`TransferPath`](crate::TransferPath) for reporting.
 
+use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Range, RegToken};
+use super::stats::EngineStats;
 use crate::error::{Error, Result};
 use crate::metadata::OperationKind;
-use crate::operation::{OpState, TransferPath};
+use crate::reg::{Hold, Range, RegToken};
+use crate::state::OpState;
 
 /// An active operation's id within its engine.
 pub(crate) type OpId = u64;
@@ -32,14 +34,14 @@ pub(crate) struct PassiveSpec {
 pub(crate) struct Exposure {
     /// Registrations that should live as long as the memory (attached to the descriptors).
     pub(crate) tokens: Vec<RegToken>,
-    /// The agent metadata to publish, from the transport peers must be able to use (NIXL).
+    /// The agent metadata to publish, written by the publishing transport (the first in the
+    /// engine's list; NIXL), which every peer must be able to use.
     pub(crate) nixl_metadata: Option<Arc<str>>,
-    /// The generation of the NIXL exposer that exposed it.
+    /// The generation of the publisher's exposure: memory given up later is handed back to
+    /// [`Transport::hold`] with it.
     pub(crate) exposer_gen: u64,
-    /// The fingerprint of that exposer's connection metadata ([`md::identity`]), by which the
-    /// same-host path tells its own metadata from another host's agent of the same name.
-    ///
-    /// [`md::identity`]: super::nixl::md::identity
+    /// The fingerprint of the publisher's connection metadata, by which a later transport (the
+    /// same-host path) tells its own metadata from another host's agent of the same name.
     pub(crate) identity: u64,
 }
 
@@ -80,7 +82,7 @@ pub(crate) enum Event {
 /// How soon a transport needs [`Transport::progress`] called without being woken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Polling {
-    /// Only when woken (a command, a socket, a copy thread).
+    /// Only when it has work pending ([`Transport::has_pending`]).
     Never,
     /// Now and then: peers may need this side to act (exposed memory), at most this far apart.
     Every(Duration),
@@ -89,13 +91,14 @@ pub(crate) enum Polling {
     Watching,
     /// On every turn while the engine is hot: transfers are in flight.
     Busy,
+    /// On every turn of the engine, hot or not: it learns of its work from the descriptors it
+    /// registered with the poller (the ready list) and from [`Transport::has_pending`], and it
+    /// is cheap when there is none.
+    EveryTurn,
 }
 
 /// One way of moving bytes (NIXL, same-host), owned by the engine thread.
 pub(crate) trait Transport {
-    /// Which path this is.
-    fn path(&self) -> TransferPath;
-
     /// Exposes a passive operation's memory under its key, adding to `out`.
     ///
     /// # Errors
@@ -121,4 +124,47 @@ pub(crate) trait Transport {
 
     /// How soon it needs polling.
     fn polling(&self) -> Polling;
+
+    /// True when work has arrived that [`progress`](Self::progress) has not handled yet (a
+    /// finished copy, a message): checked before the engine sleeps, so it is never left
+    /// waiting.
+    fn has_pending(&self) -> bool {
+        false
+    }
+
+    /// Takes a message posted to this transport's mailbox (`cmd::Mailbox`, by one of its
+    /// own objects outside the engine thread, such as a registration token being dropped).
+    fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
+        drop(msg);
+    }
+
+    /// Memory given up after the exposure of generation `gen` published it: a transport through
+    /// which peers may still reach it keeps it (`None`) until they no longer can; otherwise it
+    /// is handed back (`Some`) for the next transport, or to be freed.
+    fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) -> Option<Hold> {
+        let _ = (gen, bytes);
+        Some(keep)
+    }
+
+    /// Registers `ranges` ahead of the transfers that will use them, if this transport
+    /// registers memory; the tokens keep the registrations alive.
+    ///
+    /// # Errors
+    /// The transport's failure to register.
+    fn preregister(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
+        let _ = ranges;
+        Ok(Vec::new())
+    }
+
+    /// Stops touching memory: waits up to `within` (`None`: for as long as it takes) for work
+    /// that cannot be interrupted. False when some still runs (the memory it may write must then
+    /// never be freed).
+    fn stop(&mut self, within: Option<Duration>) -> bool {
+        let _ = within;
+        true
+    }
+
+    /// Adds this transport's counters to `stats`; `completed` is how many active operations the
+    /// engine saw it complete.
+    fn add_stats(&self, stats: &mut EngineStats, completed: u64);
 }

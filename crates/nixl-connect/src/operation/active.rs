@@ -206,6 +206,7 @@ macro_rules! active_op {
         /// [`ConnectorBuilder::cancel_grace`](crate::ConnectorBuilder::cancel_grace) to end, after
         /// which the connector destroys the NIXL agent that posted it (other NIXL transfers of
         /// this connector in flight then fail with [`Error::Interrupted`]).
+        #[must_use = "dropping the operation cancels its transfer; await `wait_for_completion`"]
         pub struct $name<'a> {
             inner: Active<'a>,
         }

@@ -164,8 +164,8 @@ impl Drop for Passive<'_> {
             }
         }
         let bytes: usize = owned.iter().map(Descriptor::size).sum();
-        let keep: Option<(crate::engine::Hold, usize)> =
-            (!owned.is_empty()).then(|| (Box::new(owned) as crate::engine::Hold, bytes));
+        let keep: Option<(crate::reg::Hold, usize)> =
+            (!owned.is_empty()).then(|| (Box::new(owned) as crate::reg::Hold, bytes));
         let sent = self
             .engine
             .send(Cmd::Unexpose {
@@ -201,6 +201,8 @@ macro_rules! passive_op {
         /// `docs/SOUNDNESS.md`); borrowed memory is given back to its owner, and over NIXL's TCP,
         /// CMA and shared-memory transports a peer that kept the metadata can still reach it
         /// while this connector lives (UCX checks no registration at the target).
+        #[must_use = "dropping the operation ends the exposure; hand its metadata to the peer and \
+                      await `wait_for_completion`"]
         pub struct $name<'a> {
             inner: Passive<'a>,
         }

@@ -244,9 +244,9 @@ async fn validation_descriptor_mismatches_are_typed() {
         matches!(&e, Error::DescriptorMismatch(m) if m.contains("descriptor 0")),
         "size: {e}"
     );
-    let e = b.begin_read(&md, Vec::<Descriptor>::new()).await.unwrap_err();
+    let e = b.begin_read(&md, Vec::<Descriptor<'_>>::new()).await.unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "empty: {e}");
-    let e = a.create_readable(Vec::<Descriptor>::new()).await.unwrap_err();
+    let e = a.create_readable(Vec::<Descriptor<'_>>::new()).await.unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "empty readable: {e}");
     let ro = [0u8; 64];
     let w = a.create_writable(Descriptor::from(vec![0u8; 64])).await.unwrap();

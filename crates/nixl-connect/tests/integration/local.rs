@@ -131,10 +131,10 @@ async fn local_many_descriptors_and_concurrent_operations() {
     // 10,000 descriptors of 4 KiB in one operation.
     let n = 10_000;
     let src = HostBuffer::from_slice(&(0..n * 4096).map(|i| (i / 4096) as u8).collect::<Vec<_>>()).unwrap();
-    let descs: Vec<Descriptor> = src.chunks(4096).map(Descriptor::from).collect();
+    let descs: Vec<Descriptor<'_>> = src.chunks(4096).map(Descriptor::from).collect();
     let r = owner.create_readable(descs).await.unwrap();
     let mut dst = vec![0u8; n * 4096];
-    let locals: Vec<Descriptor> = dst.chunks_mut(4096).map(Descriptor::from).collect();
+    let locals: Vec<Descriptor<'_>> = dst.chunks_mut(4096).map(Descriptor::from).collect();
     let op = reader.begin_read(r.metadata(), locals).await.unwrap();
     op.wait_for_completion(T).await.unwrap();
     assert_eq!(op.path(), Some(TransferPath::Local));

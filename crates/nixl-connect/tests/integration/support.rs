@@ -9,14 +9,14 @@ use std::time::Duration;
 use nixl_connect::Descriptor;
 
 /// The default wait in tests.
-pub const T: Option<Duration> = Some(Duration::from_secs(30));
+pub(crate) const T: Option<Duration> = Some(Duration::from_secs(30));
 /// Set in a support process (to its role); support tests return at once without it.
-pub const PEER_ENV: &str = "NIXL_CONNECT_TEST_PEER";
+pub(crate) const PEER_ENV: &str = "NIXL_CONNECT_TEST_PEER";
 
 /// The `UCX_TLS` value that makes NIXL move host memory over TCP (asynchronous, so a transfer can
 /// be caught in flight): `tcp`, plus `cuda_copy` on a machine with an NVIDIA driver, where NIXL
 /// refuses a transport list without it ("Add cuda_copy").
-pub fn tcp_tls() -> &'static str {
+pub(crate) fn tcp_tls() -> &'static str {
     if std::path::Path::new("/dev/nvidiactl").exists() {
         "tcp,cuda_copy"
     } else {
@@ -25,7 +25,7 @@ pub fn tcp_tls() -> &'static str {
 }
 
 /// Deterministic bytes for `seed`.
-pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {
@@ -38,7 +38,7 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 }
 
 /// Unequal sizes summing to `total`: 1, 2, 3, ... weights.
-pub fn sizes(total: usize, n: usize) -> Vec<usize> {
+pub(crate) fn sizes(total: usize, n: usize) -> Vec<usize> {
     let w: usize = (1..=n).sum();
     let mut s: Vec<usize> = (1..=n).map(|i| (total / w * i).max(1)).collect();
     let used: usize = s[..n - 1].iter().sum();
@@ -46,7 +46,7 @@ pub fn sizes(total: usize, n: usize) -> Vec<usize> {
     s
 }
 
-pub fn split<'a>(mut buf: &'a mut [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
+pub(crate) fn split<'a>(mut buf: &'a mut [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
     sizes
         .iter()
         .map(|&s| {
@@ -57,7 +57,7 @@ pub fn split<'a>(mut buf: &'a mut [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> 
         .collect()
 }
 
-pub fn split_ro<'a>(mut buf: &'a [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
+pub(crate) fn split_ro<'a>(mut buf: &'a [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
     sizes
         .iter()
         .map(|&s| {
@@ -68,7 +68,7 @@ pub fn split_ro<'a>(mut buf: &'a [u8], sizes: &[usize]) -> Vec<Descriptor<'a>> {
         .collect()
 }
 
-pub fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -78,7 +78,7 @@ pub fn runtime() -> tokio::runtime::Runtime {
 
 /// Runs the ignored support test `name` in a fresh process of this binary with `env`; asserts it
 /// passed and returns its stdout.
-pub fn run_support(name: &str, env: &[(&str, &std::ffi::OsStr)]) -> String {
+pub(crate) fn run_support(name: &str, env: &[(&str, &std::ffi::OsStr)]) -> String {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
         .env(PEER_ENV, "1");
@@ -97,19 +97,19 @@ pub fn run_support(name: &str, env: &[(&str, &std::ffi::OsStr)]) -> String {
 }
 
 /// A peer process: this test binary running one of the ignored `support_*` tests.
-pub struct Peer {
+pub(crate) struct Peer {
     pub child: Child,
     out: BufReader<std::process::ChildStdout>,
 }
 
 impl Peer {
     /// The `core::support_peer` role `role` (`readable` / `writable` commands).
-    pub fn start(role: &str) -> Self {
+    pub(crate) fn start(role: &str) -> Self {
         Self::spawn("core::support_peer", role, &[])
     }
 
     /// The support test `test` with `role` in its environment, plus `env`.
-    pub fn spawn(test: &str, role: &str, env: &[(&str, &str)]) -> Self {
+    pub(crate) fn spawn(test: &str, role: &str, env: &[(&str, &str)]) -> Self {
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.args([test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
             .env(PEER_ENV, role)
@@ -125,7 +125,7 @@ impl Peer {
     }
 
     /// A peer from a prepared command (another user, another network namespace...).
-    pub fn from_command(mut cmd: Command) -> Self {
+    pub(crate) fn from_command(mut cmd: Command) -> Self {
         cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -135,13 +135,13 @@ impl Peer {
     }
 
     /// Sends one line to the peer.
-    pub fn say(&mut self, line: &str) {
+    pub(crate) fn say(&mut self, line: &str) {
         writeln!(self.child.stdin.as_mut().unwrap(), "{line}").unwrap();
         self.child.stdin.as_mut().unwrap().flush().unwrap();
     }
 
     /// The next line the peer tagged with `tag`.
-    pub fn expect(&mut self, tag: &str) -> String {
+    pub(crate) fn expect(&mut self, tag: &str) -> String {
         let mut line = String::new();
         loop {
             line.clear();
@@ -157,14 +157,14 @@ impl Peer {
     }
 
     /// Sends a signal to the peer (SIGSTOP, SIGCONT, SIGKILL).
-    pub fn signal(&self, sig: i32) {
+    pub(crate) fn signal(&self, sig: i32) {
         // SAFETY: kill(2) on our own child's pid.
         #[allow(unsafe_code)]
         let r = unsafe { libc::kill(self.child.id() as i32, sig) };
         assert_eq!(r, 0, "signalling the peer");
     }
 
-    pub fn finish(mut self) {
+    pub(crate) fn finish(mut self) {
         drop(self.child.stdin.take());
         let st = self.child.wait().unwrap();
         assert!(st.success(), "peer failed: {st}");

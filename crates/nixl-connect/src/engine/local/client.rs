@@ -2,74 +2,25 @@
 //! the operations' phases.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::AtomicBool;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::auth::{self};
 use super::cma::{self, Copy, Piece, SlotRef};
-use super::copies::{AnyCopy, CopyOwner};
-#[cfg(feature = "cuda")]
-use super::device::ExportDone;
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{IpcSource, Msg, RefuseCode, MAX_FRAME, VERSION};
+#[cfg(feature = "cuda")]
+use super::records::ExportDone;
+use super::records::{refused, Act, AnyCopy, CopyOwner, Expect, Phase};
 use super::slots::SlotTable;
 use super::sys::self_pid;
 use super::{ConnId, LocalTransport, MAX_NEGATIVE, NOT_LIVE};
 use crate::device::Device;
-use crate::engine::transport::{ActiveSpec, Event, OpId};
-use crate::error::Error;
-
-pub(super) enum Phase {
-    /// Waiting for the connection's handshake.
-    Queued,
-    /// A write from device memory: its source is being exported (CUDA thread).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Exporting,
-    /// Asked; waiting for the grant (reads) or for the passive side's copy (writes).
-    Requested,
-    /// A read being copied here.
-    Copying,
-    /// Given up: any late answer is ignored.
-    Abandoned,
-}
-
-/// An active operation on this transport.
-pub(super) struct Act {
-    pub(super) spec: ActiveSpec,
-    pub(super) conn: ConnId,
-    pub(super) slot: u32,
-    pub(super) gen: u64,
-    pub(super) phase: Phase,
-    pub(super) cancel: Arc<AtomicBool>,
-    /// The peer's pidfd while copying (to tell afterwards that it is still the same process).
-    pub(super) pidfd: Option<Arc<OwnedFd>>,
-    /// The source's memory is device memory: reads get `GrantIpc`, writes send their export.
-    pub(super) device: bool,
-    /// A device write's exported source, once the CUDA thread has it.
-    pub(super) sources: Vec<IpcSource>,
-}
-
-/// Which frame a client-side operation may receive in its phase.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Expect {
-    /// A read waiting for its grant (or given up, which answers it with a failure).
-    Grant,
-    /// A refusal or a hand-over to NIXL: only before any copy began.
-    Answer,
-    /// The passive side's end of a write.
-    WriteDone,
-}
-
-pub(super) fn refused(agent: String, code: RefuseCode, reason: String) -> Error {
-    Error::Refused {
-        agent,
-        replay: code == RefuseCode::NotLive,
-        reason,
-    }
-}
+use crate::engine::transport::{Event, OpId};
+#[cfg(feature = "cuda")]
+use crate::sync::Recover;
 
 impl LocalTransport {
     /// Whether a client-side operation on `i` in its current phase may receive frame `e`.
@@ -267,10 +218,7 @@ impl LocalTransport {
             ipc::export(
                 ranges,
                 Box::new(move |result| {
-                    exports
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(ExportDone::Write { id, result });
+                    exports.lock().recover().push(ExportDone::Write { id, result });
                     waker.wake_always();
                 }),
             );

@@ -15,7 +15,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::slots::{SlotTable, ARMED, COPYING, DONE};
-use super::sys::lock;
+use crate::sync::lock;
+use crate::sync::Recover;
 
 /// The smallest piece a large copy is split into for another thread.
 pub(crate) const MIN_PIECE: usize = 8 << 20;
@@ -285,12 +286,9 @@ impl Pool {
             let Some(job) = st.take(self.per_peer) else {
                 st.idle += 1;
                 let (g, timeout) = if kept {
-                    (self.cv.wait(st).unwrap_or_else(|e| e.into_inner()), false)
+                    (self.cv.wait(st).recover(), false)
                 } else {
-                    let (g, t) = self
-                        .cv
-                        .wait_timeout(st, SPARE_IDLE)
-                        .unwrap_or_else(|e| e.into_inner());
+                    let (g, t) = self.cv.wait_timeout(st, SPARE_IDLE).recover();
                     (g, t.timed_out())
                 };
                 st = g;

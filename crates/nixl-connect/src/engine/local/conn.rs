@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::auth::{self, Nonce};
-use super::client::Phase;
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{self, Msg};
+use super::records::Phase;
 use super::slots::{SlotTable, SLOTS};
 use super::sys::{peer_cred, pidfd, sockaddr, socket_name, unix_socket};
 use super::{

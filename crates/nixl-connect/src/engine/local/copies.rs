@@ -1,60 +1,28 @@
 //! Copies on the pool: starting them, learning that they ended, and waiting for them before the
 //! memory they write may go.
 
-use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::client::refused;
-use super::cma::{self, Copy, CopyError};
+use super::cma::{self, CopyError};
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{Msg, RefuseCode};
-use super::sys::{alive, lock};
-use super::{ConnId, LocalTransport};
-use crate::engine::transport::{Event, OpId};
+use super::records::{refused, AnyCopy, CopyOwner};
+use super::sys::alive;
+use super::LocalTransport;
+use crate::engine::transport::Event;
 use crate::error::Error;
-use crate::operation::OpState;
-
-/// Copies running on the pool, so the transport can stop and wait for them before the memory
-/// they write is freed.
-#[derive(Default)]
-pub(super) struct Outstanding {
-    pub(super) count: Mutex<usize>,
-    pub(super) cv: std::sync::Condvar,
-}
-
-/// Who a finished copy belonged to.
-pub(super) enum CopyOwner {
-    /// A read of this side (client).
-    Read(OpId),
-    /// A write into this side's passive operation (server).
-    Write {
-        key: Arc<str>,
-        conn: ConnId,
-        slot: u32,
-        gen: u64,
-        state: Arc<OpState>,
-        pidfd: Option<Arc<OwnedFd>>,
-    },
-}
-
-pub(super) type Finished = Arc<Mutex<Vec<(CopyOwner, std::result::Result<(), CopyError>)>>>;
-
-/// A copy for the host path or the device path.
-pub(super) enum AnyCopy {
-    Host(Copy),
-    #[cfg(feature = "cuda")]
-    Device(ipc::Copy),
-}
+use crate::sync::lock;
+use crate::sync::Recover;
 
 impl LocalTransport {
     /// Stops every copy and waits (up to `within`; `None`: for as long as it takes) for the ones
     /// running on the pool, which end within a chunk unless their peer stalls its pages. True
     /// when none is left; false when some still run (then the memory they write must never be
     /// freed: the caller leaks it).
-    pub(crate) fn stop(&mut self, within: Option<Duration>) -> bool {
+    pub(crate) fn stop_copies(&mut self, within: Option<Duration>) -> bool {
         self.stopped = true;
         for a in self.acts.values() {
             a.cancel.store(true, Ordering::Relaxed);
@@ -66,16 +34,12 @@ impl LocalTransport {
         }
         let n = lock(&self.outstanding.count);
         let n = match within {
-            None => self
-                .outstanding
-                .cv
-                .wait_while(n, |n| *n > 0)
-                .unwrap_or_else(|p| p.into_inner()),
+            None => self.outstanding.cv.wait_while(n, |n| *n > 0).recover(),
             Some(d) => {
                 self.outstanding
                     .cv
                     .wait_timeout_while(n, d, |n| *n > 0)
-                    .unwrap_or_else(|p| p.into_inner())
+                    .recover()
                     .0
             }
         };
@@ -85,8 +49,7 @@ impl LocalTransport {
     /// True when copies have finished that `progress` has not handled yet (checked before the
     /// engine sleeps, so a copy ending at that moment is never left unreaped).
     pub(crate) fn has_finished(&self) -> bool {
-        !self.finished.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
-            || !self.exports.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+        !self.finished.lock().recover().is_empty() || !self.exports.lock().recover().is_empty()
     }
 
     pub(super) fn start_copy(&mut self, copy: AnyCopy, owner: CopyOwner) {
@@ -123,13 +86,13 @@ impl LocalTransport {
         let outstanding = self.outstanding.clone();
         let owner = Arc::new(Mutex::new(Some(owner)));
         let o2 = owner.clone();
-        *outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        *outstanding.count.lock().recover() += 1;
         let done = Box::new(move |r| {
-            if let Some(o) = o2.lock().unwrap_or_else(|e| e.into_inner()).take() {
-                finished.lock().unwrap_or_else(|e| e.into_inner()).push((o, r));
+            if let Some(o) = o2.lock().recover().take() {
+                finished.lock().recover().push((o, r));
             }
             waker.wake_always();
-            *outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+            *outstanding.count.lock().recover() -= 1;
             outstanding.cv.notify_all();
         });
         (done, owner)
@@ -137,19 +100,16 @@ impl LocalTransport {
 
     /// A copy that never started (its callback will not run): reported as finished with `e`.
     pub(super) fn abort_start(&mut self, owner: &Arc<Mutex<Option<CopyOwner>>>, e: CopyError) {
-        *self.outstanding.count.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
-        if let Some(o) = owner.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            self.finished
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((o, Err(e)));
+        *self.outstanding.count.lock().recover() -= 1;
+        if let Some(o) = owner.lock().recover().take() {
+            self.finished.lock().recover().push((o, Err(e)));
         }
     }
 
     /// Handles finished copies and exports.
     pub(super) fn reap(&mut self, out: &mut Vec<Event>) -> bool {
         let exported = self.reap_exports(out);
-        let done = std::mem::take(&mut *self.finished.lock().unwrap_or_else(|e| e.into_inner()));
+        let done = std::mem::take(&mut *self.finished.lock().recover());
         let any = exported || !done.is_empty();
         for (owner, r) in done {
             match owner {

@@ -2,40 +2,22 @@
 
 #[cfg(feature = "cuda")]
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
 
-use super::client::Phase;
 #[cfg(feature = "cuda")]
 use super::cma::SlotRef;
 #[cfg(feature = "cuda")]
-use super::copies::{AnyCopy, CopyOwner};
-#[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{IpcSource, Msg, RefuseCode};
+#[cfg(feature = "cuda")]
+use super::records::{AnyCopy, CopyOwner};
+use super::records::{ExportDone, Phase};
 use super::{ConnId, LocalTransport};
 use crate::device::Device;
-use crate::engine::transport::{Event, OpId};
-use crate::engine::Range;
-
-/// A finished CUDA IPC export.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(super) enum ExportDone {
-    /// A read grant's source (this side serves it).
-    Grant {
-        key: Arc<str>,
-        conn: ConnId,
-        slot: u32,
-        gen: u64,
-        result: std::result::Result<Vec<IpcSource>, String>,
-    },
-    /// A write's source (this side writes).
-    Write {
-        id: OpId,
-        result: std::result::Result<Vec<IpcSource>, String>,
-    },
-}
-
-pub(super) type Exports = Arc<Mutex<Vec<ExportDone>>>;
+use crate::engine::transport::Event;
+use crate::reg::Range;
+use crate::sync::Recover;
 
 /// The one device all `ranges` are on, or `None` for none or several.
 pub(super) fn uniform(ranges: &[Range]) -> Option<Device> {
@@ -101,16 +83,13 @@ impl LocalTransport {
                 ipc::export(
                     remote,
                     Box::new(move |result| {
-                        exports
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push(ExportDone::Grant {
-                                key,
-                                conn: i,
-                                slot,
-                                gen,
-                                result,
-                            });
+                        exports.lock().recover().push(ExportDone::Grant {
+                            key,
+                            conn: i,
+                            slot,
+                            gen,
+                            result,
+                        });
                         waker.wake_always();
                     }),
                 );
@@ -168,7 +147,7 @@ impl LocalTransport {
 
     /// Handles finished CUDA IPC exports.
     pub(super) fn reap_exports(&mut self, out: &mut Vec<Event>) -> bool {
-        let done = std::mem::take(&mut *self.exports.lock().unwrap_or_else(|e| e.into_inner()));
+        let done = std::mem::take(&mut *self.exports.lock().recover());
         let any = !done.is_empty();
         for d in done {
             match d {

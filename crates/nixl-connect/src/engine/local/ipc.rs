@@ -33,6 +33,7 @@ use cudarc::driver::sys::{self, CUresult};
 use super::cma::{CopyError, SlotRef};
 use super::proto::IpcSource;
 use super::slots::{ARMED, COPYING, DONE};
+use crate::sync::Recover;
 
 /// Mappings kept open per process before the least recently used is closed.
 const MAX_MAPPINGS: usize = 1024;
@@ -91,11 +92,7 @@ fn worker() -> Option<&'static Mutex<Sender<Job>>> {
 
 fn submit(job: Job) -> Result<(), Job> {
     match worker() {
-        Some(tx) => tx
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send(job)
-            .map_err(|e| e.0),
+        Some(tx) => tx.lock().recover().send(job).map_err(|e| e.0),
         None => Err(job),
     }
 }
@@ -254,10 +251,8 @@ impl Cuda {
         // SAFETY: each attribute asked for here writes exactly one value of the type requested by
         // its caller (ordinal: i32, buffer id: u64, memory type: u32); the pointer is inspected,
         // never dereferenced.
-        check(
-            unsafe { sys::cuPointerGetAttribute((&mut v as *mut T).cast::<c_void>(), a, ptr) },
-            "cuPointerGetAttribute",
-        )?;
+        let r = unsafe { sys::cuPointerGetAttribute((&mut v as *mut T).cast::<c_void>(), a, ptr) };
+        check(r, "cuPointerGetAttribute")?;
         Ok(v)
     }
 
@@ -282,19 +277,15 @@ impl Cuda {
             }
             let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
             // SAFETY: writes the allocation's base and size into the locals.
-            check(
-                unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) },
-                "cuMemGetAddressRange",
-            )?;
+            let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
+            check(r, "cuMemGetAddressRange")?;
             let buffer_id =
                 self.attr::<u64>(addr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID)?;
             let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
             // SAFETY: writes the handle of the allocation at `base` (memory made otherwise than
             // by cuMemAlloc fails here and the operation takes NIXL).
-            check(
-                unsafe { sys::cuIpcGetMemHandle(&mut h, base) },
-                "cuIpcGetMemHandle",
-            )?;
+            let r = unsafe { sys::cuIpcGetMemHandle(&mut h, base) };
+            check(r, "cuIpcGetMemHandle")?;
             let offset = addr - base;
             if offset.checked_add(len).is_none_or(|e| e > size as u64) {
                 return Err("a range runs past the end of its CUDA allocation".into());

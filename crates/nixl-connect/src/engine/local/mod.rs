@@ -27,6 +27,7 @@ mod device;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc;
 pub(crate) mod proto;
+mod records;
 mod server;
 pub(crate) mod slots;
 mod sys;
@@ -38,20 +39,20 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use self::auth::KeyId;
-use self::client::{refused, Act, Expect, Phase};
 use self::conn::Conn;
-use self::copies::{Finished, Outstanding};
 pub(crate) use self::device::device_path_refusal;
-use self::device::{uniform, Exports};
+use self::device::uniform;
 use self::proto::Msg;
+use self::records::{refused, Act, Expect, Exports, Finished, Outstanding, Phase};
 use self::server::Scope;
 pub(crate) use self::sys::listen;
 use self::sys::{timerfd, uid};
 use super::poller::{hung_up, Registrar, Waker};
+use super::stats::EngineStats;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::operation::TransferPath;
+use crate::state::TransferPath;
 
 /// The token of the listening socket in the engine's poller.
 const LISTENER: u64 = 0;
@@ -98,18 +99,18 @@ pub(crate) struct LocalTransport {
     finished: Finished,
     exports: Exports,
     outstanding: Arc<Outstanding>,
-    pub(crate) refused_peers: u64,
+    refused_peers: u64,
     /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
     /// the listener after `accept` ran out of descriptors, instead of spinning on it.
     accept_timer: Option<OwnedFd>,
-    /// [`Self::stop`] ran (the drop does not wait again).
+    /// [`Self::stop_copies`] ran (the drop does not wait again).
     stopped: bool,
 }
 
 impl Drop for LocalTransport {
     fn drop(&mut self) {
         if !self.stopped {
-            self.stop(None);
+            self.stop_copies(None);
         }
     }
 }
@@ -275,10 +276,6 @@ impl LocalTransport {
 }
 
 impl Transport for LocalTransport {
-    fn path(&self) -> TransferPath {
-        TransferPath::Local
-    }
-
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         if self.listener.is_none() {
             return Ok(());
@@ -481,6 +478,19 @@ impl Transport for LocalTransport {
     }
 
     fn polling(&self) -> Polling {
-        Polling::Never
+        Polling::EveryTurn
+    }
+
+    fn has_pending(&self) -> bool {
+        self.has_finished()
+    }
+
+    fn stop(&mut self, within: Option<Duration>) -> bool {
+        self.stop_copies(within)
+    }
+
+    fn add_stats(&self, stats: &mut EngineStats, completed: u64) {
+        stats.local_transfers += completed;
+        stats.local_refused_peers += self.refused_peers;
     }
 }

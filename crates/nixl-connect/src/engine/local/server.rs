@@ -7,17 +7,17 @@ use std::sync::Arc;
 
 use super::auth::{self, KeyId, Nonce};
 use super::cma::{self, Copy, Piece, SlotRef};
-use super::copies::{AnyCopy, CopyOwner};
 use super::device::device_path_refusal;
 use super::proto::{IpcSource, Msg, RefuseCode, VERSION};
+use super::records::{AnyCopy, CopyOwner};
 use super::slots::SlotTable;
 use super::sys::self_pid;
 use super::{ConnId, LocalTransport, MAX_GRANTS_PER_CONN, NOT_LIVE};
 use crate::device::Device;
 use crate::engine::transport::Event;
-use crate::engine::Range;
 use crate::metadata::OperationKind;
-use crate::operation::OpState;
+use crate::reg::Range;
+use crate::state::OpState;
 
 /// A passive operation's scope on the serving side.
 pub(super) struct Scope {
@@ -332,7 +332,7 @@ mod tests {
     use crate::engine::local::conn::Conn;
     use crate::engine::local::slots::SLOTS;
     use crate::engine::poller::Poller;
-    use crate::operation::OperationStatus;
+    use crate::state::OperationStatus;
 
     /// The frames the transport sent on `i`: those the socket took, then those still buffered.
     fn sent(t: &LocalTransport, i: ConnId, peer: &mut UnixStream) -> Vec<Msg> {

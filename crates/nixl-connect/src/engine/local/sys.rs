@@ -3,13 +3,9 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-/// Locks `m`, taking over a lock poisoned by a panicking holder (every value guarded here stays
-/// consistent between statements).
-pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use crate::sync::fnv1a;
 
 /// This process's pid, as the kernel reports it to peers (`SO_PEERCRED`).
 pub(super) fn self_pid() -> libc::pid_t {
@@ -25,10 +21,7 @@ pub(crate) fn socket_name(agent: &str) -> Vec<u8> {
         n.extend_from_slice(agent.as_bytes());
     } else {
         // Too long for sockaddr_un: a stable hash (FNV-1a, 64 bits) names it instead.
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in agent.bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
+        let h = fnv1a(agent.as_bytes());
         n.extend_from_slice(format!("#{h:016x}").as_bytes());
     }
     n

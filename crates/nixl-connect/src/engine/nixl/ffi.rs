@@ -17,8 +17,9 @@ use nixl_sys::{
 };
 
 use crate::device::{Device, DeviceKind};
-use crate::engine::Range;
 use crate::error::{Error, Result};
+use crate::reg::Range;
+use crate::sync::Recover;
 
 /// Environment variable naming the NIXL library (a `libnixl_capi.so` file or a folder holding it).
 pub const NIXL_LIB_ENV: &str = "NIXL_CONNECT_LIB";
@@ -42,7 +43,7 @@ static PREFERRED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// Adds folders (holding `libnixl_capi.so`) to search before the default places.
 pub(crate) fn prefer(dirs: Vec<PathBuf>) {
-    PREFERRED.lock().unwrap_or_else(|e| e.into_inner()).extend(dirs);
+    PREFERRED.lock().recover().extend(dirs);
 }
 
 /// The places searched for `libnixl_capi.so`, in order, each group computed only when the ones
@@ -65,7 +66,7 @@ fn search(stop_at_first: bool) -> (Option<PathBuf>, Vec<PathBuf>) {
         let found = p.is_file().then(|| p.clone());
         return (found, vec![p]);
     }
-    let preferred = PREFERRED.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let preferred = PREFERRED.lock().recover().clone();
     groups.push(Box::new(move || preferred.iter().map(|d| d.join(CAPI)).collect()));
     groups.push(Box::new(|| {
         let mut out = Vec::new();
@@ -168,7 +169,7 @@ fn python_site_dirs() -> Vec<PathBuf> {
 
 /// Finds and loads NIXL once per process; later calls return the library already loaded.
 pub(crate) fn load() -> Result<Loaded> {
-    let mut guard = LOADED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut guard = LOADED.lock().recover();
     if let Some(l) = guard.as_ref() {
         return Ok(l.clone());
     }

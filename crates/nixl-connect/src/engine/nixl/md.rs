@@ -21,6 +21,7 @@
 //! flat however many registrations are live, and a peer loads each registration once.
 
 use crate::error::{Error, Result};
+use crate::sync::fnv1a;
 
 const HEADER: &[u8] = b"nixlSerDes|";
 const MEM_SECTION: &[u8] = b"MemSection";
@@ -165,11 +166,7 @@ pub(crate) fn parse(b: &[u8]) -> Result<AgentMd<'_>> {
 /// addresses): two agents that happen to share a name on different hosts differ here.
 pub(crate) fn identity(b: &[u8]) -> Option<u64> {
     let md = parse(b).ok()?;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &x in &b[..md.sections_at] {
-        h = (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3);
-    }
-    Some(h)
+    Some(fnv1a(&b[..md.sections_at]))
 }
 
 /// Splices the connection part of `conn` (an agent's `getLocalPartialMD` of no descriptors) with
@@ -194,44 +191,53 @@ pub(crate) fn splice(conn: &[u8], sections: &[u8]) -> Result<Vec<u8>> {
 }
 
 #[cfg(test)]
+fn entry(out: &mut Vec<u8>, tag: &[u8], v: &[u8]) {
+    out.extend_from_slice(tag);
+    out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+    out.extend_from_slice(v);
+    out.push(b'|');
+}
+
+/// A blob laid out as NIXL 1.5 writes it (for tests), with one UCX section of `descs` descriptors (none:
+/// no section).
+#[cfg(test)]
+pub(crate) fn blob(name: &str, conns: &[&[u8]], descs: usize) -> Vec<u8> {
+    let mut b = HEADER.to_vec();
+    entry(&mut b, b"Agent", name.as_bytes());
+    entry(&mut b, b"Conns", &(conns.len() as u64).to_le_bytes());
+    for c in conns {
+        entry(&mut b, b"t", b"UCX");
+        entry(&mut b, b"c", c);
+    }
+    entry(&mut b, b"", MEM_SECTION);
+    entry(&mut b, b"nixlSecElms", &u64::from(descs > 0).to_le_bytes());
+    if descs > 0 {
+        entry(&mut b, b"bknd", b"UCX");
+        entry(&mut b, b"nixlDList", DESC_LIST);
+        entry(&mut b, b"t", &0u32.to_le_bytes());
+        entry(&mut b, b"n", &(descs as u64).to_le_bytes());
+        for i in 0..descs {
+            let mut d = Vec::new();
+            d.extend_from_slice(&(0x1000 * (i as u64 + 1)).to_le_bytes());
+            d.extend_from_slice(&4096u64.to_le_bytes());
+            d.extend_from_slice(&0u64.to_le_bytes());
+            d.extend_from_slice(b"rkey|with|bars");
+            entry(&mut b, b"", &d);
+        }
+    }
+    b
+}
+
+/// The agent metadata the loopback transport publishes for agent `name`: one connection entry and
+/// no memory sections.
+#[cfg(test)]
+pub(crate) fn encode_loopback(name: &str) -> Vec<u8> {
+    blob(name, &[b"loopback"], 0)
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
-
-    fn entry(out: &mut Vec<u8>, tag: &[u8], v: &[u8]) {
-        out.extend_from_slice(tag);
-        out.extend_from_slice(&(v.len() as u64).to_le_bytes());
-        out.extend_from_slice(v);
-        out.push(b'|');
-    }
-
-    /// A blob laid out as NIXL 1.5 writes it, with one UCX section of `descs` descriptors (none:
-    /// no section).
-    fn blob(name: &str, conns: &[&[u8]], descs: usize) -> Vec<u8> {
-        let mut b = HEADER.to_vec();
-        entry(&mut b, b"Agent", name.as_bytes());
-        entry(&mut b, b"Conns", &(conns.len() as u64).to_le_bytes());
-        for c in conns {
-            entry(&mut b, b"t", b"UCX");
-            entry(&mut b, b"c", c);
-        }
-        entry(&mut b, b"", MEM_SECTION);
-        entry(&mut b, b"nixlSecElms", &u64::from(descs > 0).to_le_bytes());
-        if descs > 0 {
-            entry(&mut b, b"bknd", b"UCX");
-            entry(&mut b, b"nixlDList", DESC_LIST);
-            entry(&mut b, b"t", &0u32.to_le_bytes());
-            entry(&mut b, b"n", &(descs as u64).to_le_bytes());
-            for i in 0..descs {
-                let mut d = Vec::new();
-                d.extend_from_slice(&(0x1000 * (i as u64 + 1)).to_le_bytes());
-                d.extend_from_slice(&4096u64.to_le_bytes());
-                d.extend_from_slice(&0u64.to_le_bytes());
-                d.extend_from_slice(b"rkey|with|bars");
-                entry(&mut b, b"", &d);
-            }
-        }
-        b
-    }
 
     #[test]
     fn md_parses_name_and_boundary() {

@@ -19,18 +19,19 @@
 pub(crate) mod ffi;
 pub(crate) mod md;
 
+use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use self::ffi::{NixlAgent, PostError, Prepared, Registration, Transfer};
-use super::poller::Waker;
+use super::cmd::Mailbox;
+use super::stats::EngineStats;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
-use super::{Cmd, EngineStats, Hold, Range, RegInner, RegToken, Side};
 use crate::error::{Error, Result};
 use crate::metadata::encode_agent_metadata;
-use crate::operation::TransferPath;
+use crate::reg::{self, Hold, Range, RegToken};
+use crate::state::TransferPath;
 
 /// Peers kept loaded in the initiator with no transfer using them.
 pub(crate) const MAX_IDLE_PEERS: usize = 64;
@@ -99,15 +100,14 @@ impl Registry {
         &mut self,
         agent: &NixlAgent,
         r: Range,
-        tx: &Sender<Cmd>,
-        waker: &Waker,
+        mailbox: &Mailbox,
         stats: &mut EngineStats,
         replaced: &mut Option<Range>,
-    ) -> Result<(RegToken, Range)> {
+    ) -> Result<(Arc<RegInner>, Range)> {
         let k = key_of(&r);
         if self.side == Side::Exposer {
             if let Some(t) = self.map.get(&k).and_then(|e| e.token.upgrade()) {
-                return Ok((RegToken(t), r));
+                return Ok((t, r));
             }
         } else {
             let (lo, hi) = ((k.0, k.1, 0, 0), (k.0, k.1, r.addr, usize::MAX));
@@ -116,7 +116,7 @@ impl Registry {
             for (_, e) in self.map.range(lo..=hi).rev().take(32) {
                 if e.range.addr + e.range.len >= r.addr + r.len {
                     if let Some(t) = e.token.upgrade() {
-                        return Ok((RegToken(t), e.range));
+                        return Ok((t, e.range));
                     }
                 }
             }
@@ -131,8 +131,7 @@ impl Registry {
         let id = self.next_id;
         self.next_id += 1;
         let tok = Arc::new(RegInner {
-            tx: tx.clone(),
-            waker: waker.clone(),
+            mailbox: mailbox.clone(),
             side: self.side,
             gen: self.gen,
             range: r,
@@ -148,7 +147,7 @@ impl Registry {
             },
         );
         stats.registrations += 1;
-        Ok((RegToken(tok), r))
+        Ok((tok, r))
     }
 
     fn deregister(&mut self, gen: u64, range: Range, id: u64) -> bool {
@@ -161,6 +160,66 @@ impl Registry {
     }
 }
 
+/// Which NIXL agent a registration belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// The agent that exposes passive operations' memory.
+    Exposer,
+    /// The agent that posts this connector's transfers.
+    Initiator,
+}
+
+/// What the NIXL transport's objects outside the engine thread post to it.
+enum Mail {
+    /// A registration token was dropped.
+    Deregister {
+        side: Side,
+        gen: u64,
+        range: Range,
+        id: u64,
+    },
+    /// Memory given up (a dropped HostBuffer's mapping, `bytes` long) that the exposer of
+    /// generation `gen` exposed: held whole, pages included (a read still in flight gets the
+    /// buffer's own bytes, or an error once the exposer is destroyed, never zeros) until no peer
+    /// can reach it.
+    Quarantine { gen: u64, memory: Hold, bytes: usize },
+}
+
+/// One NIXL registration, kept alive by the [`RegToken`]s that wrap it; its drop queues the
+/// deregistration on the engine thread.
+pub(crate) struct RegInner {
+    mailbox: Mailbox,
+    side: Side,
+    gen: u64,
+    range: Range,
+    id: u64,
+}
+
+impl reg::Registration for RegInner {
+    fn exposed(&self) -> bool {
+        self.side == Side::Exposer
+    }
+
+    fn quarantine(&self, memory: Hold, bytes: usize) {
+        self.mailbox.post(Box::new(Mail::Quarantine {
+            gen: self.gen,
+            memory,
+            bytes,
+        }));
+    }
+}
+
+impl Drop for RegInner {
+    fn drop(&mut self) {
+        self.mailbox.post(Box::new(Mail::Deregister {
+            side: self.side,
+            gen: self.gen,
+            range: self.range,
+            id: self.id,
+        }));
+    }
+}
+
 struct Exposer {
     agent: NixlAgent,
     regs: Registry,
@@ -169,7 +228,7 @@ struct Exposer {
     /// Encoded metadata by the exact registrations it describes.
     md_cache: HashMap<Vec<Range>, Arc<str>>,
     /// Live passive operations: their keys and registrations.
-    live: HashMap<Arc<str>, Vec<RegToken>>,
+    live: HashMap<Arc<str>, Vec<Arc<RegInner>>>,
     /// Memory this agent exposed that has been given up, held until the agent is destroyed.
     /// Declared last: fields drop in order, so the agent (its UCX worker, which could still
     /// reach the memory) is gone before the memory is freed.
@@ -372,8 +431,7 @@ impl Initiator {
 pub(crate) struct NixlTransport {
     name: String,
     params: Vec<(String, String)>,
-    tx: Sender<Cmd>,
-    waker: Waker,
+    mailbox: Mailbox,
     /// The current exposer (new operations) and retired ones (destroyed once their last
     /// operation has ended), by generation.
     exposer: Exposer,
@@ -387,7 +445,7 @@ pub(crate) struct NixlTransport {
     /// Keys of passive operations whose retired exposer was destroyed past the cap, to be
     /// failed on the next progress.
     evicted: Vec<Arc<str>>,
-    pub(crate) stats: EngineStats,
+    stats: EngineStats,
 }
 
 /// The UCX settings every agent of this library gets unless the caller set them: `TCP_CONN_NB=y`
@@ -413,16 +471,14 @@ impl NixlTransport {
         params: Vec<(String, String)>,
         deregister_on_completion: bool,
         quarantine_limit: usize,
-        tx: Sender<Cmd>,
-        waker: Waker,
+        mailbox: Mailbox,
     ) -> Result<Self> {
         let params = with_library_defaults(params);
         let exposer = Exposer::new(name, &params, 0)?;
         Ok(Self {
             name: name.to_string(),
             params,
-            tx,
-            waker,
+            mailbox,
             exposer,
             exposer_gen: 0,
             retired: BTreeMap::new(),
@@ -489,7 +545,7 @@ impl NixlTransport {
     }
 
     /// Handles a registration token's drop.
-    pub(crate) fn deregister(&mut self, side: Side, gen: u64, range: Range, id: u64) {
+    fn deregister(&mut self, side: Side, gen: u64, range: Range, id: u64) {
         match side {
             Side::Exposer => {
                 if let Some(e) = self.exposer_of(gen) {
@@ -509,10 +565,8 @@ impl NixlTransport {
     }
 
     /// Holds exposed memory that was given up (`bytes` of it) until no peer can reach it through
-    /// the exposer of generation `gen` (`None`: the current one); freed at once if that exposer
-    /// is already gone.
-    pub(crate) fn hold(&mut self, gen: Option<u64>, keep: Hold, bytes: usize) {
-        let gen = gen.unwrap_or(self.exposer_gen);
+    /// the exposer of generation `gen`; freed at once if that exposer is already gone.
+    fn quarantine(&mut self, gen: u64, keep: Hold, bytes: usize) {
         match self.exposer_of(gen) {
             Some(e) => {
                 e.quarantine.push(keep);
@@ -535,7 +589,7 @@ impl NixlTransport {
             .map(|(g, _)| *g)
     }
 
-    pub(crate) fn live_registrations(&self) -> usize {
+    fn live_registrations(&self) -> usize {
         self.exposer.regs.map.len()
             + self.retired.values().map(|e| e.regs.map.len()).sum::<usize>()
             + self.initiator.as_ref().map_or(0, |i| i.regs.map.len())
@@ -563,8 +617,8 @@ impl NixlTransport {
     /// Registers `ranges` with the initiator ahead of the transfers that will use them (an
     /// active operation over memory inside a live registration reuses it). Nothing of the
     /// initiator's registrations is ever published to a peer.
-    pub(crate) fn preregister(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
-        let (tx, waker) = (self.tx.clone(), self.waker.clone());
+    fn register_ahead(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
+        let mailbox = self.mailbox.clone();
         self.initiator()?;
         let stats = &mut self.stats;
         let init = self.initiator.as_mut().expect("made above");
@@ -572,9 +626,9 @@ impl NixlTransport {
         for r in ranges {
             let mut replaced = None;
             let got = contain("register memory", || {
-                init.regs.get(&init.agent, *r, &tx, &waker, stats, &mut replaced)
+                init.regs.get(&init.agent, *r, &mailbox, stats, &mut replaced)
             })?;
-            tokens.push(got.0);
+            tokens.push(RegToken::new(got.0));
             if let Some(old) = replaced {
                 init.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
             }
@@ -601,7 +655,7 @@ impl NixlTransport {
         &mut self,
         spec: &ActiveSpec,
     ) -> std::result::Result<(Option<Inflight>, Vec<RegToken>), StartError> {
-        let (tx, waker) = (self.tx.clone(), self.waker.clone());
+        let mailbox = self.mailbox.clone();
         let stats = &mut self.stats;
         let init = match self.initiator.as_mut() {
             Some(i) => i,
@@ -612,8 +666,8 @@ impl NixlTransport {
             let mut replaced = None;
             tokens.push(
                 init.regs
-                    .get(&init.agent, *r, &tx, &waker, stats, &mut replaced)?
-                    .0,
+                    .get(&init.agent, *r, &mailbox, stats, &mut replaced)
+                    .map(|(t, _)| RegToken::new(t))?,
             );
             if let Some(old) = replaced {
                 init.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
@@ -720,10 +774,6 @@ fn transfer_failed(peer: &str, e: &str) -> Error {
 }
 
 impl Transport for NixlTransport {
-    fn path(&self) -> TransferPath {
-        TransferPath::Nixl
-    }
-
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         let mut regs = Vec::with_capacity(spec.ranges.len());
         let mut tokens = Vec::with_capacity(spec.ranges.len());
@@ -732,8 +782,7 @@ impl Transport for NixlTransport {
             let (t, reg) = self.exposer.regs.get(
                 &self.exposer.agent,
                 *r,
-                &self.tx,
-                &self.waker,
+                &self.mailbox,
                 &mut self.stats,
                 &mut replaced,
             )?;
@@ -748,8 +797,8 @@ impl Transport for NixlTransport {
         regs.sort_by_key(key_of);
         regs.dedup();
         let md = self.metadata_for(regs)?;
-        self.exposer.live.insert(spec.key.clone(), tokens.clone());
-        out.tokens.extend(tokens);
+        out.tokens.extend(tokens.iter().map(|t| RegToken::new(t.clone())));
+        self.exposer.live.insert(spec.key.clone(), tokens);
         out.nixl_metadata = Some(md);
         out.exposer_gen = self.exposer_gen;
         out.identity = self.exposer.identity;
@@ -766,7 +815,7 @@ impl Transport for NixlTransport {
             if self.deregister_on_completion {
                 // Deregister now, whoever else holds the tokens (the memory's cache included).
                 for t in &tokens {
-                    self.deregister(Side::Exposer, t.0.gen, t.0.range, t.0.id);
+                    self.deregister(Side::Exposer, t.gen, t.range, t.id);
                 }
             }
         }
@@ -885,6 +934,39 @@ impl Transport for NixlTransport {
             self.notif_buf = buf;
         }
         event || t0.elapsed() > ACTIVITY
+    }
+
+    fn has_pending(&self) -> bool {
+        !self.evicted.is_empty()
+    }
+
+    fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
+        match msg.downcast::<Mail>().map(|m| *m) {
+            Ok(Mail::Deregister { side, gen, range, id }) => self.deregister(side, gen, range, id),
+            Ok(Mail::Quarantine { gen, memory, bytes }) => self.quarantine(gen, memory, bytes),
+            Err(other) => drop(other),
+        }
+    }
+
+    fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) -> Option<Hold> {
+        self.quarantine(gen, keep, bytes);
+        None
+    }
+
+    fn preregister(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
+        self.register_ahead(ranges)
+    }
+
+    fn add_stats(&self, stats: &mut EngineStats, _completed: u64) {
+        let s = &self.stats;
+        stats.registrations += s.registrations;
+        stats.live_registrations += self.live_registrations();
+        stats.remote_loads += s.remote_loads;
+        stats.transfers += s.transfers;
+        stats.resets += s.resets;
+        stats.rotations += s.rotations;
+        stats.quarantined_bytes += s.quarantined_bytes;
+        stats.evicted_operations += s.evicted_operations;
     }
 
     fn polling(&self) -> Polling {

@@ -1,4 +1,7 @@
-//! [`OpState`]: one operation's status, error, waiters, and whether its memory is released.
+//! The status machine every operation shares with the engine: [`OperationStatus`], which path
+//! moved it ([`TransferPath`]), which paths it may take ([`PathPolicy`]), and [`OpState`] (one
+//! operation's status, error, waiters, and whether its memory is released). Below both the
+//! operations and the engine, so neither imports the other for it.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -6,9 +9,119 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use super::{OperationStatus, TransferPath};
-use crate::engine::RegToken;
-use crate::error::Error;
+use crate::error::{Error, Result};
+use crate::reg::RegToken;
+use crate::sync::Recover;
+
+/// Which path moved an operation's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum TransferPath {
+    /// NIXL (UCX): Python peers, other hosts, device memory.
+    Nixl = 1,
+    /// The same-host path: a Rust peer on this host, host memory copied directly.
+    Local = 2,
+}
+
+impl TransferPath {
+    pub(crate) fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(Self::Nixl),
+            2 => Some(Self::Local),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for TransferPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Nixl => "nixl",
+            Self::Local => "local",
+        })
+    }
+}
+
+/// Which paths a connector's active operations may take
+/// ([`ConnectorBuilder::path`](crate::ConnectorBuilder::path)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum PathPolicy {
+    /// The same-host path when the peer is a Rust connector on this host, NIXL otherwise.
+    #[default]
+    Auto,
+    /// NIXL only; the connector does not listen for same-host peers either.
+    Nixl,
+    /// The same-host path only: an operation it cannot take fails with
+    /// [`Error::PathUnavailable`](crate::Error::PathUnavailable) (for benchmarks and tests).
+    Local,
+}
+
+impl std::str::FromStr for PathPolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "nixl" => Ok(Self::Nixl),
+            "local" => Ok(Self::Local),
+            other => Err(Error::InvalidArgument(format!(
+                "path {other:?} is not one of auto, nixl, local"
+            ))),
+        }
+    }
+}
+
+/// The status of an operation, as Python's `OperationStatus`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum OperationStatus {
+    /// Not yet set up.
+    Uninitialized = 0,
+    /// Set up and waiting for its peer (passive operations).
+    Initialized = 1,
+    /// Data is moving (active operations).
+    InProgress = 2,
+    /// Done: the data has arrived.
+    Complete = 3,
+    /// Cancelled by `cancel()` or drop.
+    Cancelled = 4,
+    /// Failed; `wait_for_completion` returns the error.
+    Errored = 5,
+}
+
+impl OperationStatus {
+    pub(crate) fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Self::Initialized,
+            2 => Self::InProgress,
+            3 => Self::Complete,
+            4 => Self::Cancelled,
+            5 => Self::Errored,
+            _ => Self::Uninitialized,
+        }
+    }
+
+    /// True for `Complete`, `Cancelled` and `Errored`.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Self::Complete | Self::Cancelled | Self::Errored)
+    }
+}
+
+impl std::fmt::Display for OperationStatus {
+    /// Python's short names: `INIT`, `PROC`, `DONE`, `STOP`, `ERR`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Uninitialized => "<invalid>",
+            Self::Initialized => "INIT",
+            Self::InProgress => "PROC",
+            Self::Complete => "DONE",
+            Self::Cancelled => "STOP",
+            Self::Errored => "ERR",
+        })
+    }
+}
 
 /// Shared by an operation's handle, the engine, and the transport moving its bytes.
 ///
@@ -48,7 +161,7 @@ impl OpState {
     pub(crate) fn finish(&self, status: OperationStatus, error: Option<Error>) -> bool {
         // The error is stored under its lock in the same critical section as the status change, so
         // a waiter that sees `Errored` and then takes the lock always finds the error.
-        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.error.lock().recover();
         let mut cur = self.status.load(Ordering::Acquire);
         loop {
             if OperationStatus::from_u8(cur).is_terminal() {
@@ -69,7 +182,7 @@ impl OpState {
     }
 
     pub(crate) fn error(&self) -> Option<Error> {
-        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.error.lock().recover().clone()
     }
 
     pub(crate) fn notified(&self) -> tokio::sync::futures::Notified<'_> {
@@ -87,17 +200,17 @@ impl OpState {
 
     /// Keeps registrations for the operation's memory until the operation takes them.
     pub(crate) fn keep_tokens(&self, t: Vec<RegToken>) {
-        self.tokens.lock().unwrap_or_else(|p| p.into_inner()).extend(t);
+        self.tokens.lock().recover().extend(t);
     }
 
     /// The registrations kept for the operation's memory (one per descriptor, in order).
     pub(crate) fn take_tokens(&self) -> Vec<RegToken> {
-        std::mem::take(&mut *self.tokens.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *self.tokens.lock().recover())
     }
 
     /// Marks the memory as possibly in use by a transport (before the command leaves).
     pub(crate) fn mark_in_use(&self) {
-        *self.released.lock().unwrap_or_else(|p| p.into_inner()) = false;
+        *self.released.lock().recover() = false;
     }
 
     /// Marks the memory as in use by a transport unless the operation has ended; false if it has.
@@ -106,7 +219,7 @@ impl OpState {
     /// flag, so either the transport sees the end and stays away, or the owner sees the memory in
     /// use and waits.
     pub(crate) fn try_mark_in_use(&self) -> bool {
-        let mut g = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.released.lock().recover();
         if self.status().is_terminal() {
             return false;
         }
@@ -116,31 +229,27 @@ impl OpState {
 
     /// Marks the memory as no longer touched by any transport; wakes a blocked dropper.
     pub(crate) fn mark_released(&self) {
-        *self.released.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        *self.released.lock().recover() = true;
         self.released_cv.notify_all();
     }
 
     pub(crate) fn is_released(&self) -> bool {
-        *self.released.lock().unwrap_or_else(|p| p.into_inner())
+        *self.released.lock().recover()
     }
 
     /// Blocks the calling thread until the memory is released or `limit` passes; true if released.
     pub(crate) fn wait_released(&self, limit: Option<Duration>) -> bool {
         let deadline = limit.map(|l| Instant::now() + l);
-        let mut g = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.released.lock().recover();
         while !*g {
             match deadline {
-                None => g = self.released_cv.wait(g).unwrap_or_else(|p| p.into_inner()),
+                None => g = self.released_cv.wait(g).recover(),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
                         return false;
                     }
-                    g = self
-                        .released_cv
-                        .wait_timeout(g, d - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
+                    g = self.released_cv.wait_timeout(g, d - now).recover().0;
                 }
             }
         }

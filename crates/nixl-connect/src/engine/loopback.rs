@@ -1,0 +1,216 @@
+//! An in-process transport behind the same seam, compiled for tests: connectors of one process
+//! find each other by agent name in a process-wide hub and copy bytes with `memcpy`, so the
+//! engine's and the operations' state machines (completion exactly once, cancel, drop at every
+//! point, deadlines, replay) are tested in milliseconds without the NIXL library, as quinn tests
+//! its protocol with an in-memory pair.
+//!
+//! It publishes metadata in NIXL's format (an agent with one `LOOP` connection entry and no
+//! memory sections), so everything above the seam (decoding, the agent name, pairing checks) runs
+//! as it does over NIXL. A node can be *stalled*: its active transfers stay in flight until it is
+//! released, which is how tests reach the in-flight states.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use super::nixl::md;
+use super::poller::Waker;
+use super::stats::EngineStats;
+use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
+use crate::error::{Error, Result};
+use crate::metadata::{encode_agent_metadata, OperationKind};
+use crate::reg::Range;
+use crate::state::TransferPath;
+use crate::sync::lock;
+
+/// Every live loopback node of this process, by agent name.
+fn hub() -> &'static Mutex<HashMap<String, Weak<Node>>> {
+    static HUB: OnceLock<Mutex<HashMap<String, Weak<Node>>>> = OnceLock::new();
+    HUB.get_or_init(Default::default)
+}
+
+/// A live passive operation as the hub sees it: its kind and ranges.
+type Exposed = (OperationKind, Vec<Range>);
+
+/// One connector's side of the hub.
+pub(crate) struct Node {
+    name: String,
+    waker: Waker,
+    /// Live passive operations: their kind and ranges.
+    exposed: Mutex<HashMap<Arc<str>, Exposed>>,
+    /// Keys of passive operations a peer completed, for this node's engine.
+    completed: Mutex<Vec<Arc<str>>>,
+    /// While set, this node's active transfers stay in flight.
+    stalled: AtomicBool,
+}
+
+impl Node {
+    /// Holds (`true`) or releases this node's active transfers.
+    pub(crate) fn stall(&self, on: bool) {
+        self.stalled.store(on, Ordering::SeqCst);
+        self.waker.wake();
+    }
+}
+
+/// The node of the loopback connector with agent name `name`, if it lives.
+pub(crate) fn node(name: &str) -> Option<Arc<Node>> {
+    lock(hub()).get(name).and_then(Weak::upgrade)
+}
+
+/// The loopback transport of one connector.
+pub(crate) struct LoopbackTransport {
+    node: Arc<Node>,
+    /// The metadata it publishes (the same for every operation).
+    published: Arc<str>,
+    identity: u64,
+    /// Active transfers in flight.
+    inflight: Vec<ActiveSpec>,
+    transfers: u64,
+}
+
+impl LoopbackTransport {
+    /// Joins the hub as `name`, waking the engine through `waker`.
+    pub(crate) fn new(name: &str, waker: Waker) -> Self {
+        let node = Arc::new(Node {
+            name: name.to_string(),
+            waker,
+            exposed: Mutex::default(),
+            completed: Mutex::default(),
+            stalled: AtomicBool::new(false),
+        });
+        lock(hub()).insert(name.to_string(), Arc::downgrade(&node));
+        let blob = md::encode_loopback(name);
+        Self {
+            identity: md::identity(&blob).unwrap_or(0),
+            published: encode_agent_metadata(&blob).into(),
+            node,
+            inflight: Vec::new(),
+            transfers: 0,
+        }
+    }
+
+    /// Moves one transfer's bytes, if its peer still exposes what it asks for.
+    fn run(&self, spec: &ActiveSpec) -> Result<()> {
+        let refused = |reason: &str| Error::Refused {
+            agent: spec.peer.to_string(),
+            replay: false,
+            reason: reason.into(),
+        };
+        let Some(peer) = node(&spec.peer) else {
+            return Err(Error::RemoteGone {
+                agent: spec.peer.to_string(),
+                reason: "no loopback connector has this name any more".into(),
+            });
+        };
+        // The peer's map stays locked while copying: its operation cannot end (and its memory
+        // cannot go) under the copy.
+        let exposed = lock(&peer.exposed);
+        let Some((kind, ranges)) = exposed.get(&spec.key) else {
+            return Err(Error::Refused {
+                agent: spec.peer.to_string(),
+                replay: true,
+                reason: "no live operation has this notification key".into(),
+            });
+        };
+        if (*kind == OperationKind::Write) != spec.write {
+            return Err(refused("the operation's direction does not match"));
+        }
+        let inside = |r: &Range| {
+            ranges
+                .iter()
+                .any(|x| x.addr <= r.addr && r.addr + r.len <= x.addr + x.len)
+        };
+        if spec.local.len() != spec.remote.len()
+            || !spec.remote.iter().all(inside)
+            || spec.local.iter().zip(&spec.remote).any(|(l, r)| l.len != r.len)
+        {
+            return Err(refused(
+                "a requested range lies outside the operation's descriptors",
+            ));
+        }
+        for (l, r) in spec.local.iter().zip(&spec.remote) {
+            let (src, dst) = if spec.write { (l, r) } else { (r, l) };
+            // SAFETY: both ranges are live memory of this process: the local one is held by the
+            // active operation until the engine sees it end, the remote one by the peer's live
+            // passive operation, which cannot end while its map is locked here; the lengths were
+            // checked equal, and a readable never overlaps the reader's destination.
+            unsafe { std::ptr::copy(src.addr as *const u8, dst.addr as *mut u8, src.len) };
+        }
+        drop(exposed);
+        lock(&peer.completed).push(spec.key.clone());
+        peer.waker.wake();
+        Ok(())
+    }
+}
+
+impl Drop for LoopbackTransport {
+    fn drop(&mut self) {
+        let mut hub = lock(hub());
+        if hub
+            .get(&self.node.name)
+            .is_some_and(|w| w.as_ptr() == Arc::as_ptr(&self.node))
+        {
+            hub.remove(&self.node.name);
+        }
+    }
+}
+
+impl Transport for LoopbackTransport {
+    fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
+        lock(&self.node.exposed).insert(spec.key.clone(), (spec.kind, spec.ranges.clone()));
+        out.nixl_metadata = Some(self.published.clone());
+        out.identity = self.identity;
+        Ok(())
+    }
+
+    fn unexpose(&mut self, key: &str) {
+        lock(&self.node.exposed).remove(key);
+    }
+
+    fn begin(&mut self, spec: ActiveSpec, _out: &mut Vec<Event>) {
+        spec.state.set_path(TransferPath::Nixl);
+        self.inflight.push(spec);
+        self.node.waker.wake();
+    }
+
+    fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
+        if let Some(i) = self.inflight.iter().position(|s| s.id == id) {
+            self.inflight.swap_remove(i);
+            out.push(Event::ActiveEnded {
+                id,
+                result: Err(Error::Cancelled),
+            });
+        }
+    }
+
+    fn progress(&mut self, _ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
+        let mut any = false;
+        for key in std::mem::take(&mut *lock(&self.node.completed)) {
+            out.push(Event::PassiveCompleted { key });
+            any = true;
+        }
+        if !self.node.stalled.load(Ordering::SeqCst) {
+            for spec in std::mem::take(&mut self.inflight) {
+                let result = self.run(&spec);
+                self.transfers += 1;
+                out.push(Event::ActiveEnded { id: spec.id, result });
+                any = true;
+            }
+        }
+        any
+    }
+
+    fn polling(&self) -> Polling {
+        Polling::EveryTurn
+    }
+
+    fn has_pending(&self) -> bool {
+        !lock(&self.node.completed).is_empty()
+            || (!self.inflight.is_empty() && !self.node.stalled.load(Ordering::SeqCst))
+    }
+
+    fn add_stats(&self, stats: &mut EngineStats, _completed: u64) {
+        stats.transfers += self.transfers;
+    }
+}

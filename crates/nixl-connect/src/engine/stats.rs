@@ -1,0 +1,32 @@
+//! The engine's counters.
+
+#[allow(unused_imports)] // doc links
+use crate::error::Error;
+
+/// Counters for tests, `bench` and `doctor`.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct EngineStats {
+    /// NIXL memory registrations made so far.
+    pub registrations: u64,
+    /// NIXL registrations currently live.
+    pub live_registrations: usize,
+    /// Peer agent metadata loads into NIXL made so far.
+    pub remote_loads: u64,
+    /// Transfers posted through NIXL so far.
+    pub transfers: u64,
+    /// Active operations that took the same-host path.
+    pub local_transfers: u64,
+    /// Same-host connections refused because the peer runs as another user.
+    pub local_refused_peers: u64,
+    /// Times the NIXL initiator was destroyed to cut off an unresponsive peer.
+    pub resets: u64,
+    /// Times the NIXL exposer was replaced to release quarantined memory.
+    pub rotations: u64,
+    /// Bytes of exposed memory held back from the allocator until no peer can reach it.
+    pub quarantined_bytes: u64,
+    /// Passive operations failed with [`Error::Interrupted`] because the retired NIXL agent that
+    /// exposed them was destroyed to bound held memory (see
+    /// [`MAX_RETIRED_EXPOSERS`](crate::MAX_RETIRED_EXPOSERS)).
+    pub evicted_operations: u64,
+}
