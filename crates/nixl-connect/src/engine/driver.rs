@@ -114,27 +114,34 @@ impl EngineLoop {
     fn progress(&mut self, hot: bool) -> bool {
         let mut event = false;
         let ready = std::mem::take(&mut self.ready);
-        for (t, s) in self.transports.iter_mut().zip(&mut self.schedules) {
-            let polling = t.polling();
-            let now = Instant::now();
-            let due = match polling {
-                Polling::EveryTurn => true,
-                Polling::Never => t.has_pending(),
-                Polling::Busy if hot => true,
-                _ => now >= s.next || t.has_pending(),
-            };
-            if !due {
-                continue;
+        // Transports driven by the poller go first, so their ready descriptors are handled before
+        // a scheduled poll of another transport adds its time to this turn.
+        for driven_pass in [true, false] {
+            for (t, s) in self.transports.iter_mut().zip(&mut self.schedules) {
+                let polling = t.polling();
+                if (polling == Polling::EveryTurn) != driven_pass {
+                    continue;
+                }
+                let now = Instant::now();
+                let due = match polling {
+                    Polling::EveryTurn => true,
+                    Polling::Never => t.has_pending(),
+                    Polling::Busy if hot => true,
+                    _ => now >= s.next || t.has_pending(),
+                };
+                if !due {
+                    continue;
+                }
+                let active = t.progress(&ready, &mut self.events);
+                event |= active;
+                s.gap = match polling {
+                    _ if active => MIN_PARK,
+                    Polling::Watching if hot => WATCH_GAP,
+                    Polling::Every(t) => (s.gap * 2).min(t),
+                    _ => (s.gap * 2).min(MAX_PARK),
+                };
+                s.next = now + s.gap;
             }
-            let active = t.progress(&ready, &mut self.events);
-            event |= active;
-            s.gap = match polling {
-                _ if active => MIN_PARK,
-                Polling::Watching if hot => WATCH_GAP,
-                Polling::Every(t) => (s.gap * 2).min(t),
-                _ => (s.gap * 2).min(MAX_PARK),
-            };
-            s.next = now + s.gap;
         }
         self.ready = ready;
         self.ready.clear();
