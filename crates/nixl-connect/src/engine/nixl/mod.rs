@@ -18,19 +18,21 @@
 
 pub(crate) mod ffi;
 pub(crate) mod md;
+mod registry;
 
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use self::ffi::{NixlAgent, PostError, Prepared, Registration, Transfer};
+use self::ffi::{NixlAgent, PostError, Prepared, Transfer};
+use self::registry::{key_of, Mail, RegInner, Registry, Side};
 use super::cmd::Mailbox;
 use super::stats::EngineStats;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
 use crate::error::{Error, Result};
 use crate::metadata::encode_agent_metadata;
-use crate::reg::{self, Hold, Range, RegToken};
+use crate::reg::{Hold, Range, RegToken};
 use crate::state::TransferPath;
 
 /// Peers kept loaded in the initiator with no transfer using them.
@@ -55,170 +57,6 @@ const MAX_MD_CACHE: usize = 4096;
 pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
 /// A progress call longer than this did work in UCX (an idle one takes a few microseconds).
 const ACTIVITY: Duration = Duration::from_micros(25);
-
-/// Registrations of one agent, by address range.
-struct Registry {
-    side: Side,
-    gen: u64,
-    /// By (device kind, device id, address, length): registrations of one start address and
-    /// different lengths coexist.
-    map: BTreeMap<(u8, u32, usize, usize), RegEntry>,
-    next_id: u64,
-}
-
-struct RegEntry {
-    range: Range,
-    id: u64,
-    token: Weak<RegInner>,
-    _reg: Registration,
-}
-
-fn key_of(r: &Range) -> (u8, u32, usize, usize) {
-    let (k, id) = match r.device {
-        crate::Device::Host => (0, 0),
-        crate::Device::Cuda(n) => (1, n),
-        crate::Device::Xpu(n) => (2, n),
-    };
-    (k, id, r.addr, r.len)
-}
-
-impl Registry {
-    fn new(side: Side, gen: u64) -> Self {
-        Self {
-            side,
-            gen,
-            map: BTreeMap::new(),
-            next_id: 1,
-        }
-    }
-
-    /// A live registration containing `r` (exposer side: of exactly `r`, since per-operation
-    /// metadata publishes the whole registration and its key reaches all of it), or a new one of
-    /// exactly `r`.
-    #[allow(clippy::too_many_arguments)]
-    fn get(
-        &mut self,
-        agent: &NixlAgent,
-        r: Range,
-        mailbox: &Mailbox,
-        stats: &mut EngineStats,
-        replaced: &mut Option<Range>,
-    ) -> Result<(Arc<RegInner>, Range)> {
-        let k = key_of(&r);
-        if self.side == Side::Exposer {
-            if let Some(t) = self.map.get(&k).and_then(|e| e.token.upgrade()) {
-                return Ok((t, r));
-            }
-        } else {
-            let (lo, hi) = ((k.0, k.1, 0, 0), (k.0, k.1, r.addr, usize::MAX));
-            // The registrations starting at or before r, nearest first: one of them contains r if
-            // any does (32 candidates is plenty for registrations that do not overlap much).
-            for (_, e) in self.map.range(lo..=hi).rev().take(32) {
-                if e.range.addr + e.range.len >= r.addr + r.len {
-                    if let Some(t) = e.token.upgrade() {
-                        return Ok((t, e.range));
-                    }
-                }
-            }
-        }
-        // A dead entry of exactly this range may still have its deregistration queued: replace it
-        // now (the queued command then finds another id and does nothing); what was cached for
-        // it goes with it.
-        if self.map.remove(&k).is_some() {
-            *replaced = Some(r);
-        }
-        let reg = agent.register(r)?;
-        let id = self.next_id;
-        self.next_id += 1;
-        let tok = Arc::new(RegInner {
-            mailbox: mailbox.clone(),
-            side: self.side,
-            gen: self.gen,
-            range: r,
-            id,
-        });
-        self.map.insert(
-            k,
-            RegEntry {
-                range: r,
-                id,
-                token: Arc::downgrade(&tok),
-                _reg: reg,
-            },
-        );
-        stats.registrations += 1;
-        Ok((tok, r))
-    }
-
-    fn deregister(&mut self, gen: u64, range: Range, id: u64) -> bool {
-        let k = key_of(&range);
-        if gen == self.gen && self.map.get(&k).is_some_and(|e| e.id == id) {
-            self.map.remove(&k);
-            return true;
-        }
-        false
-    }
-}
-
-/// Which NIXL agent a registration belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Side {
-    /// The agent that exposes passive operations' memory.
-    Exposer,
-    /// The agent that posts this connector's transfers.
-    Initiator,
-}
-
-/// What the NIXL transport's objects outside the engine thread post to it.
-enum Mail {
-    /// A registration token was dropped.
-    Deregister {
-        side: Side,
-        gen: u64,
-        range: Range,
-        id: u64,
-    },
-    /// Memory given up (a dropped HostBuffer's mapping, `bytes` long) that the exposer of
-    /// generation `gen` exposed: held whole, pages included (a read still in flight gets the
-    /// buffer's own bytes, or an error once the exposer is destroyed, never zeros) until no peer
-    /// can reach it.
-    Quarantine { gen: u64, memory: Hold, bytes: usize },
-}
-
-/// One NIXL registration, kept alive by the [`RegToken`]s that wrap it; its drop queues the
-/// deregistration on the engine thread.
-pub(crate) struct RegInner {
-    mailbox: Mailbox,
-    side: Side,
-    gen: u64,
-    range: Range,
-    id: u64,
-}
-
-impl reg::Registration for RegInner {
-    fn exposed(&self) -> bool {
-        self.side == Side::Exposer
-    }
-
-    fn quarantine(&self, memory: Hold, bytes: usize) {
-        self.mailbox.post(Box::new(Mail::Quarantine {
-            gen: self.gen,
-            memory,
-            bytes,
-        }));
-    }
-}
-
-impl Drop for RegInner {
-    fn drop(&mut self) {
-        self.mailbox.post(Box::new(Mail::Deregister {
-            side: self.side,
-            gen: self.gen,
-            range: self.range,
-            id: self.id,
-        }));
-    }
-}
 
 struct Exposer {
     agent: NixlAgent,
