@@ -1,6 +1,11 @@
 //! The library's one error type, grouped by who can act on it.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The underlying cause an error carries (a NIXL status, ...), shared so that [`Error`] stays
+/// `Clone`.
+pub type ErrorSource = Arc<dyn std::error::Error + Send + Sync>;
 
 /// A specialised `Result` for this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -118,8 +123,14 @@ pub enum Error {
     /// The operating system refused memory or I/O (for example mapping a [`HostBuffer`]).
     ///
     /// [`HostBuffer`]: crate::HostBuffer
-    #[error("the OS refused: {0}")]
-    Os(String),
+    #[error("the OS refused {what}: {source}")]
+    Os {
+        /// What was being done.
+        what: String,
+        /// The operating system's error (`Error::source` gives this `Arc`).
+        #[source]
+        source: Arc<std::io::Error>,
+    },
 
     // ---- the transfer ----
     /// A NIXL call failed.
@@ -127,8 +138,11 @@ pub enum Error {
     Nixl {
         /// The NIXL call.
         op: &'static str,
-        /// NIXL's status.
+        /// NIXL's status, and what it means here.
         status: String,
+        /// NIXL's own error, when the call returned one.
+        #[source]
+        source: Option<ErrorSource>,
     },
 
     /// The peer's process (or its connector) is gone: its connection closed, it could not be
@@ -208,35 +222,55 @@ pub enum Error {
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
-        Error::Os(e.to_string())
+        Error::os("an I/O call", e)
     }
 }
 
+/// `Error::kind` from the variants' own names: the match is exhaustive, so a new variant cannot
+/// be forgotten, and each name is the variant's identifier, so none can be misspelt.
+macro_rules! kinds {
+    ($($variant:ident),* $(,)?) => {
+        impl Error {
+            /// The variant's name (`"TimedOut"`, `"RemoteGone"`, ...), for bindings and logs.
+            pub fn kind(&self) -> &'static str {
+                match self {
+                    $(Error::$variant { .. } => stringify!($variant),)*
+                }
+            }
+        }
+    };
+}
+
+kinds!(
+    InvalidArgument,
+    WrongPairing,
+    DeviceMismatch,
+    DescriptorMismatch,
+    Metadata,
+    Refused,
+    NixlNotFound,
+    NixlLoad,
+    CudaUnavailable,
+    NixlBackend,
+    Os,
+    Nixl,
+    RemoteGone,
+    Transfer,
+    Interrupted,
+    PathUnavailable,
+    EngineStopped,
+    Cancelled,
+    TimedOut,
+    Channel,
+    NotPublished,
+);
+
 impl Error {
-    /// The variant's name (`"TimedOut"`, `"RemoteGone"`, ...), for bindings and logs.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Error::InvalidArgument(_) => "InvalidArgument",
-            Error::WrongPairing { .. } => "WrongPairing",
-            Error::DeviceMismatch { .. } => "DeviceMismatch",
-            Error::DescriptorMismatch(_) => "DescriptorMismatch",
-            Error::Metadata { .. } => "Metadata",
-            Error::Refused { .. } => "Refused",
-            Error::NixlNotFound { .. } => "NixlNotFound",
-            Error::NixlLoad { .. } => "NixlLoad",
-            Error::CudaUnavailable(_) => "CudaUnavailable",
-            Error::NixlBackend { .. } => "NixlBackend",
-            Error::Os(_) => "Os",
-            Error::Nixl { .. } => "Nixl",
-            Error::RemoteGone { .. } => "RemoteGone",
-            Error::Transfer { .. } => "Transfer",
-            Error::Interrupted { .. } => "Interrupted",
-            Error::PathUnavailable { .. } => "PathUnavailable",
-            Error::EngineStopped => "EngineStopped",
-            Error::Cancelled => "Cancelled",
-            Error::TimedOut { .. } => "TimedOut",
-            Error::Channel(_) => "Channel",
-            Error::NotPublished { .. } => "NotPublished",
+    /// An [`Error::Os`]: the OS refused `what` with `source`.
+    pub fn os(what: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Os {
+            what: what.into(),
+            source: Arc::new(source),
         }
     }
 
@@ -255,5 +289,46 @@ impl Error {
                 | Error::Refused { .. }
                 | Error::PathUnavailable { .. }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn error_kind_is_the_variant_name() {
+        let e = Error::TimedOut {
+            after: std::time::Duration::from_secs(1),
+            peer: None,
+        };
+        assert_eq!(e.kind(), "TimedOut");
+        assert_eq!(Error::InvalidArgument("x".into()).kind(), "InvalidArgument");
+        assert_eq!(Error::EngineStopped.kind(), "EngineStopped");
+        // Every kind is its variant's name as `Debug` prints it.
+        for e in [
+            Error::Cancelled,
+            Error::Channel("c".into()),
+            Error::os("x", std::io::Error::other("y")),
+        ] {
+            assert!(format!("{e:?}").starts_with(e.kind()), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn error_os_keeps_its_io_source() {
+        let e = Error::os(
+            "mapping 4096 bytes",
+            std::io::Error::from_raw_os_error(libc::ENOMEM),
+        );
+        let src = e.source().expect("a source");
+        // Shared (the error is `Clone`): the source is the `Arc` around the `io::Error`.
+        let io = src.downcast_ref::<Arc<std::io::Error>>().expect("the io::Error");
+        assert_eq!(io.raw_os_error(), Some(libc::ENOMEM));
+        assert!(e.to_string().starts_with("the OS refused mapping 4096 bytes: "), "{e}");
+        let from: Error = std::io::Error::from_raw_os_error(libc::EMFILE).into();
+        assert!(from.source().is_some());
     }
 }

@@ -98,7 +98,7 @@ pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind};
 pub use engine::nixl::MAX_RETIRED_EXPOSERS;
 pub use engine::EngineStats;
-pub use error::{Error, Result};
+pub use error::{Error, ErrorSource, Result};
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor, MAX_NIXL_METADATA};
 pub use operation::{
     OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath, WritableOperation,

@@ -272,6 +272,7 @@ mod tests {
                     Some(Error::Nixl {
                         op: "x",
                         status: "y".into(),
+                        source: None,
                     }),
                 )
             });

@@ -169,7 +169,7 @@ impl Engine {
         cancel_grace: Duration,
         make: impl FnOnce(&str, Sender<Cmd>, Waker, Registrar) -> Result<Transports> + Send + 'static,
     ) -> Result<Self> {
-        let poller = Poller::new().map_err(|e| Error::Os(format!("creating the engine's poller: {e}")))?;
+        let poller = Poller::new().map_err(|e| Error::os("creating the engine's poller", e))?;
         let waker = poller.waker();
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
@@ -201,7 +201,7 @@ impl Engine {
                     std::process::abort();
                 }
             })
-            .map_err(|e| Error::Os(format!("spawning the engine thread: {e}")))?;
+            .map_err(|e| Error::os("spawning the engine thread", e))?;
         let thread = join.thread().id();
         ready_rx.recv().map_err(|_| Error::EngineStopped)??;
         Ok(Engine(Arc::new(Shared {

@@ -43,7 +43,7 @@ impl<'a> Passive<'a> {
                     OperationKind::Read => HostBuffer::from_slice(d.as_slice().expect("host slice")),
                     _ => HostBuffer::new(d.size()),
                 }
-                .map_err(|e| Error::Os(format!("staging {} bytes of borrowed memory: {e}", d.size())))?;
+                .map_err(|e| Error::os(format!("staging {} bytes of borrowed memory", d.size()), e))?;
                 staged.push((i, std::mem::replace(d, Descriptor::from(buf))));
             }
         }
@@ -77,6 +77,7 @@ impl<'a> Passive<'a> {
         let nixl_metadata = exposed.nixl_metadata.ok_or_else(|| Error::Nixl {
             op: "expose memory",
             status: "no transport produced NIXL metadata".into(),
+            source: None,
         })?;
         op.metadata = Some(RdmaMetadata {
             descriptors: op.descs.iter().map(Descriptor::metadata).collect(),

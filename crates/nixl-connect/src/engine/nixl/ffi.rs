@@ -8,7 +8,7 @@
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nixl_sys::{
@@ -268,6 +268,7 @@ pub(crate) fn nixl_err(op: &'static str, e: NixlError) -> Error {
     Error::Nixl {
         op,
         status: e.to_string(),
+        source: Some(Arc::new(e)),
     }
 }
 
@@ -411,6 +412,7 @@ impl NixlAgent {
                     ),
                     None => format!("{e}: preparing local descriptors"),
                 },
+                source: Some(Arc::new(e)),
             })?;
         Ok(Prepared {
             handle,

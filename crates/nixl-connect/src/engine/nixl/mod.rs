@@ -83,6 +83,7 @@ impl Exposer {
         let identity = md::identity(&conn_md).ok_or_else(|| Error::Nixl {
             op: "get local metadata",
             status: "NIXL's own metadata did not parse".into(),
+            source: None,
         })?;
         Ok(Self {
             identity,
@@ -835,6 +836,7 @@ fn contain<T>(op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
         Err(Error::Nixl {
             op,
             status: format!("panicked inside the NIXL bindings: {msg}"),
+            source: None,
         })
     })
 }
