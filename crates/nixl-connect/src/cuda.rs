@@ -12,6 +12,8 @@
 //! or device memory claimed as `cpu`, is [`Error::DeviceMismatch`].
 #![allow(unsafe_code)]
 
+use std::sync::Arc;
+
 use cudarc::driver::sys;
 
 use crate::device::Device;
@@ -48,14 +50,16 @@ fn driver_loaded() -> bool {
 /// [`Error::CudaUnavailable`] when there is no driver library or the driver fails to initialise.
 pub fn device_count() -> Result<usize> {
     if !driver_available() {
-        return Err(Error::CudaUnavailable(
-            "the CUDA driver library (libcuda.so.1) is not installed".into(),
+        return Err(Error::cuda_unavailable(
+            "the CUDA driver library (libcuda.so.1) is not installed",
+            None,
         ));
     }
-    cudarc::driver::result::init().map_err(|e| Error::CudaUnavailable(format!("cuInit failed: {e}")))?;
+    cudarc::driver::result::init()
+        .map_err(|e| Error::cuda_unavailable(format!("cuInit failed: {e}"), Some(Arc::new(e))))?;
     CudaContext::device_count()
         .map(|n| n.max(0) as usize)
-        .map_err(|e| Error::CudaUnavailable(format!("cuDeviceGetCount failed: {e}")))
+        .map_err(|e| Error::cuda_unavailable(format!("cuDeviceGetCount failed: {e}"), Some(Arc::new(e))))
 }
 
 /// Where the driver says `ptr` lives: `Some(ordinal)` for device memory, `None` for host memory.
@@ -92,9 +96,10 @@ pub(crate) fn locate(ptr: usize) -> Result<Option<u32>> {
         )
     };
     if r != sys::CUresult::CUDA_SUCCESS || ordinal < 0 {
-        return Err(Error::CudaUnavailable(format!(
-            "cannot query the device of pointer {ptr:#x}: {r:?}"
-        )));
+        return Err(Error::cuda_unavailable(
+            format!("cannot query the device of pointer {ptr:#x}: {r:?}"),
+            None,
+        ));
     }
     Ok(Some(ordinal as u32))
 }

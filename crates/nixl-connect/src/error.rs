@@ -110,8 +110,14 @@ pub enum Error {
     },
 
     /// CUDA was asked for but no usable driver or device is present.
-    #[error("CUDA is unavailable: {0}")]
-    CudaUnavailable(String),
+    #[error("CUDA is unavailable: {reason}")]
+    CudaUnavailable {
+        /// What is missing or failed.
+        reason: String,
+        /// The driver's error, when it gave one.
+        #[source]
+        source: Option<ErrorSource>,
+    },
 
     /// NIXL loaded but its UCX backend is unusable.
     #[error("NIXL backend unavailable: {reason}")]
@@ -153,6 +159,9 @@ pub enum Error {
         agent: String,
         /// What was observed.
         reason: String,
+        /// The transport's own error, when it gave one (NIXL's status).
+        #[source]
+        source: Option<ErrorSource>,
     },
 
     /// The transfer failed for another reason than the peer's exit (the kernel refused a copy,
@@ -163,6 +172,9 @@ pub enum Error {
         agent: String,
         /// What failed.
         reason: String,
+        /// The transport's own error, when it gave one.
+        #[source]
+        source: Option<ErrorSource>,
     },
 
     /// The connector cut this NIXL transfer off to release another operation's memory from an
@@ -274,6 +286,15 @@ impl Error {
         }
     }
 
+    /// An [`Error::CudaUnavailable`] for `reason`, with the driver's error when there is one.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn cuda_unavailable(reason: impl Into<String>, source: Option<ErrorSource>) -> Self {
+        Error::CudaUnavailable {
+            reason: reason.into(),
+            source,
+        }
+    }
+
     /// True for errors that retrying the same call cannot fix (caller, peer metadata, host setup).
     pub fn is_permanent(&self) -> bool {
         matches!(
@@ -327,7 +348,10 @@ mod tests {
         // Shared (the error is `Clone`): the source is the `Arc` around the `io::Error`.
         let io = src.downcast_ref::<Arc<std::io::Error>>().expect("the io::Error");
         assert_eq!(io.raw_os_error(), Some(libc::ENOMEM));
-        assert!(e.to_string().starts_with("the OS refused mapping 4096 bytes: "), "{e}");
+        assert!(
+            e.to_string().starts_with("the OS refused mapping 4096 bytes: "),
+            "{e}"
+        );
         let from: Error = std::io::Error::from_raw_os_error(libc::EMFILE).into();
         assert!(from.source().is_some());
     }

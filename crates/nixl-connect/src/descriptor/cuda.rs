@@ -44,9 +44,12 @@ fn ptr_of<T>(slice: &CudaSlice<T>, stream: &Arc<CudaStream>) -> Result<usize> {
         let (p, _sync) = slice.device_ptr(stream);
         p as usize
     };
-    stream
-        .synchronize()
-        .map_err(|e| Error::CudaUnavailable(format!("synchronising the slice's stream failed: {e}")))?;
+    stream.synchronize().map_err(|e| {
+        Error::cuda_unavailable(
+            format!("synchronising the slice's stream failed: {e}"),
+            Some(Arc::new(e)),
+        )
+    })?;
     Ok(p)
 }
 

@@ -101,6 +101,7 @@ impl LoopbackTransport {
             return Err(Error::RemoteGone {
                 agent: spec.peer.to_string(),
                 reason: "no loopback connector has this name any more".into(),
+                source: None,
             });
         };
         // The peer's map stays locked while copying: its operation cannot end (and its memory

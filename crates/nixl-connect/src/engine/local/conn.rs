@@ -391,6 +391,7 @@ impl LocalTransport {
                                     reason: "its connector closed the same-host connection (the \
                                              process exited or dropped the connector)"
                                         .into(),
+                                    source: None,
                                 }),
                             });
                         }

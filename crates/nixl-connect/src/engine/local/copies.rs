@@ -149,6 +149,7 @@ impl LocalTransport {
                         Ok(()) | Err(CopyError::PeerGone) => Err(Error::RemoteGone {
                             agent: a.spec.peer.to_string(),
                             reason: "its process exited during the copy".into(),
+                            source: None,
                         }),
                         Err(CopyError::Revoked | CopyError::NotStarted) => {
                             Err(if a.cancel.load(Ordering::Relaxed) {
@@ -164,6 +165,7 @@ impl LocalTransport {
                         Err(CopyError::Os(e)) => Err(Error::Transfer {
                             agent: a.spec.peer.to_string(),
                             reason: format!("the same-host copy failed: {e}"),
+                            source: None,
                         }),
                         Err(CopyError::Unsupported(_)) => unreachable!("handled above"),
                     };
@@ -229,6 +231,7 @@ impl LocalTransport {
                                         reason: "the writer went away in the middle of writing; the \
                                                  writable's memory is torn"
                                             .into(),
+                                        source: None,
                                     },
                                 }),
                             }

@@ -255,7 +255,11 @@ impl LocalTransport {
                             result: if ok {
                                 Ok(())
                             } else {
-                                Err(Error::Transfer { agent: peer, reason })
+                                Err(Error::Transfer {
+                                    agent: peer,
+                                    reason,
+                                    source: None,
+                                })
                             },
                         });
                     }

@@ -17,7 +17,7 @@ use nixl_sys::{
 };
 
 use crate::device::{Device, DeviceKind};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorSource, Result};
 use crate::reg::Range;
 use crate::sync::Recover;
 
@@ -381,8 +381,10 @@ impl NixlAgent {
     }
 
     /// Loads a peer's agent metadata (merging into what is loaded for it); returns its name.
-    pub(crate) fn load_remote(&self, md: &[u8]) -> std::result::Result<String, String> {
-        self.agent.load_remote_md(md).map_err(|e| e.to_string())
+    pub(crate) fn load_remote(&self, md: &[u8]) -> std::result::Result<String, ErrorSource> {
+        self.agent
+            .load_remote_md(md)
+            .map_err(|e| Arc::new(e) as ErrorSource)
     }
 
     /// Forgets a peer's agent metadata and drops this agent's connection to it.
@@ -449,16 +451,16 @@ impl NixlAgent {
         match self.agent.post_xfer_req(&req, Some(&args)) {
             Ok(true) => Ok(Some(Transfer { req })),
             Ok(false) => Ok(None),
-            Err(e) => Err(PostError::Transfer(e.to_string())),
+            Err(e) => Err(PostError::Transfer(Arc::new(e))),
         }
     }
 
     /// Polls one transfer (this also progresses the UCX worker).
-    pub(crate) fn poll(&self, t: &Transfer) -> std::result::Result<bool, String> {
+    pub(crate) fn poll(&self, t: &Transfer) -> std::result::Result<bool, ErrorSource> {
         match self.agent.get_xfer_status(&t.req) {
             Ok(XferStatus::InProgress) => Ok(false),
             Ok(XferStatus::Success) => Ok(true),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(Arc::new(e)),
         }
     }
 
@@ -485,7 +487,7 @@ impl NixlAgent {
 /// Why a post failed: before anything reached the peer (`Local`), or in the transport.
 pub(crate) enum PostError {
     Local(Error),
-    Transfer(String),
+    Transfer(ErrorSource),
 }
 
 /// A raw range handed to nixl-sys for registration.

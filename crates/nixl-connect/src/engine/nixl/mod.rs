@@ -30,7 +30,7 @@ use self::registry::{key_of, Mail, RegInner, Registry, Side};
 use super::cmd::Mailbox;
 use super::stats::EngineStats;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorSource, Result};
 use crate::metadata::encode_agent_metadata;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::TransferPath;
@@ -207,6 +207,7 @@ impl Initiator {
                 reason: "an earlier transfer with this peer failed and others are still in flight; \
                          start the operation again once they have ended"
                     .into(),
+                source: None,
             });
         }
         let size = spec.remote_raw.len() + spec.remote_md.len();
@@ -231,6 +232,7 @@ impl Initiator {
                                  memory again) while transfers to it are in flight; start the \
                                  operation again once they have ended"
                             .into(),
+                        source: None,
                     });
                 }
                 None => {}
@@ -247,6 +249,7 @@ impl Initiator {
                         "NIXL could not connect to the agent its metadata names ({e}): the peer has \
                          exited, or the metadata belongs to another host's network"
                     ),
+                    source: Some(e),
                 });
             }
         };
@@ -553,7 +556,7 @@ impl NixlTransport {
             Err(PostError::Local(e)) => Err(StartError::Failed(e)),
             // Part of the transfer may have been posted before the failure, and releasing the
             // request does not stop it: only destroying the initiator does (see `begin`).
-            Err(PostError::Transfer(e)) => Err(StartError::Posted(transfer_failed(&name, &e))),
+            Err(PostError::Transfer(e)) => Err(StartError::Posted(transfer_failed(&name, e))),
         }
     }
 
@@ -603,12 +606,13 @@ impl From<Error> for StartError {
     }
 }
 
-fn transfer_failed(peer: &str, e: &str) -> Error {
+fn transfer_failed(peer: &str, e: ErrorSource) -> Error {
     Error::RemoteGone {
         agent: peer.to_string(),
         reason: format!(
             "the transfer failed in UCX ({e}): the peer's process exited or its connection broke"
         ),
+        source: Some(e),
     }
 }
 
@@ -744,7 +748,7 @@ impl Transport for NixlTransport {
                             Ok(_) => Ok(()),
                             Err(e) => {
                                 init.forget_peer(&peer);
-                                Err(transfer_failed(&peer, &e))
+                                Err(transfer_failed(&peer, e))
                             }
                         };
                         out.push(Event::ActiveEnded { id, result });
