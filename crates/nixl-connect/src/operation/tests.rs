@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::engine::loopback;
-use crate::{Connector, Descriptor, Error, OperationStatus};
+use crate::{Connector, Descriptor, Error, OperationStatus, ReadOperation, ReadableOperation};
 
 const T: Option<Duration> = Some(Duration::from_secs(5));
 
@@ -28,6 +28,25 @@ fn stall(c: &Connector, on: bool) {
 /// Lets both engines run a few turns (a stalled transfer stays where it is meanwhile).
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+/// A readable of `seed`'s pattern on `a`, and `b`'s read of it held in flight (`b` stalled).
+async fn read_in_flight(
+    a: &Connector,
+    b: &Connector,
+    seed: u8,
+) -> (ReadableOperation<'static>, ReadOperation<'static>) {
+    let r = a
+        .create_readable(Descriptor::from(pattern(4096, seed)))
+        .await
+        .unwrap();
+    stall(b, true);
+    let op = b
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    settle().await;
+    (r, op)
 }
 
 #[tokio::test]
@@ -143,16 +162,7 @@ async fn loopback_deadline_passes_then_the_operation_completes() {
 #[tokio::test]
 async fn loopback_cancel_in_flight_moves_nothing() {
     let (a, b) = pair();
-    let r = a
-        .create_readable(Descriptor::from(pattern(4096, 4)))
-        .await
-        .unwrap();
-    stall(&b, true);
-    let op = b
-        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
-        .await
-        .unwrap();
-    settle().await;
+    let (r, op) = read_in_flight(&a, &b, 4).await;
     op.cancel();
     let e = op.wait_for_completion(T).await;
     assert_eq!(op.status(), OperationStatus::Cancelled, "{e:?}");
@@ -214,16 +224,7 @@ async fn loopback_drop_at_every_point_completes_nothing() {
 #[tokio::test]
 async fn loopback_passive_dropped_in_flight_refuses_the_late_transfer() {
     let (a, b) = pair();
-    let r = a
-        .create_readable(Descriptor::from(pattern(4096, 6)))
-        .await
-        .unwrap();
-    stall(&b, true);
-    let op = b
-        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
-        .await
-        .unwrap();
-    settle().await;
+    let (r, op) = read_in_flight(&a, &b, 6).await;
     drop(r);
     settle().await;
     stall(&b, false);
