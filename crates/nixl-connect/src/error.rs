@@ -5,6 +5,10 @@ use std::sync::Arc;
 
 /// The underlying cause an error carries (a NIXL status, ...), shared so that [`Error`] stays
 /// `Clone`.
+///
+/// `std::error::Error::source` hands back this `Arc` itself (or `Arc<io::Error>` for
+/// [`Error::Os`]): downcast to it first, then to the concrete error inside, for example
+/// `e.source()?.downcast_ref::<ErrorSource>()?.downcast_ref::<serde_json::Error>()`.
 pub type ErrorSource = Arc<dyn std::error::Error + Send + Sync>;
 
 /// A specialised `Result` for this crate.
@@ -196,6 +200,10 @@ pub enum Error {
         agent: String,
         /// Why the allowed paths cannot reach it.
         reason: String,
+        /// What the last path ran into, when it was an error of its own (the OS refusing the
+        /// same-host socket, the CUDA driver, [`PathRefusal`]).
+        #[source]
+        source: Option<ErrorSource>,
     },
 
     /// The connector's engine thread has stopped (it panicked or the process is exiting).
@@ -220,9 +228,10 @@ pub enum Error {
     },
 
     // ---- a channel ----
-    /// A metadata channel failed (unreachable server, protocol error, oversized document).
-    #[error("metadata channel: {0}")]
-    Channel(String),
+    /// A metadata channel failed (unreachable server, protocol error, oversized document);
+    /// [`ChannelError`] keeps the HTTP, NATS, I/O or JSON error behind it as its source.
+    #[error(transparent)]
+    Channel(ChannelError),
 
     /// Nothing is published there: the operation completed, was dropped, or never existed.
     #[error("nothing is published at {location}: the operation completed, was dropped, or never existed")]
@@ -230,6 +239,125 @@ pub enum Error {
         /// The URL or subject asked for.
         location: String,
     },
+}
+
+/// What [`Error::Channel`] carries: what the channel was doing and, when another library's error
+/// caused it, that error (`Error::source` gives it).
+///
+/// It dereferences to its message (`"cannot reach http://...: connection refused"`), so code that
+/// matched on the text of `Error::Channel` before it kept its source reads the same.
+#[derive(Debug, Clone)]
+pub struct ChannelError {
+    message: String,
+    source: Option<ErrorSource>,
+}
+
+impl ChannelError {
+    /// A channel error with no underlying error (a refusal of the channel's own rules).
+    pub fn new(message: impl Into<String>) -> Self {
+        ChannelError {
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A channel error caused by `source`; the message should name what was being done (the
+    /// source's own text is appended to it).
+    pub fn with_source(
+        message: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        ChannelError::shared(message, Arc::new(source))
+    }
+
+    /// As [`ChannelError::with_source`], for a source already shared (or boxed, then shared).
+    pub(crate) fn shared(message: impl Into<String>, source: ErrorSource) -> Self {
+        ChannelError {
+            message: format!("{}: {source}", message.into()),
+            source: Some(source),
+        }
+    }
+
+    /// The message, without the `metadata channel: ` prefix that `Display` adds.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl From<String> for ChannelError {
+    fn from(message: String) -> Self {
+        ChannelError::new(message)
+    }
+}
+
+impl From<&str> for ChannelError {
+    fn from(message: &str) -> Self {
+        ChannelError::new(message)
+    }
+}
+
+impl std::fmt::Display for ChannelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "metadata channel: {}", self.message)
+    }
+}
+
+impl std::error::Error for ChannelError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        // The `Arc` itself, as every variant of `Error` hands back its `ErrorSource`.
+        self.source.as_ref().map(|e| e as _)
+    }
+}
+
+impl std::ops::Deref for ChannelError {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.message
+    }
+}
+
+/// Why the same-host path cannot move memory from one device to another in this build and
+/// process ([`same_host_path`](crate::same_host_path)); such an operation takes NIXL.
+///
+/// It dereferences to its message, as the `String` it replaces did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[non_exhaustive]
+pub enum PathRefusal {
+    /// Host memory into device memory: NIXL moves it (CUDA IPC shares device memory only).
+    #[error("{}", self.message())]
+    HostIntoDevice,
+    /// Device memory, but this build has no CUDA support (feature `cuda`).
+    #[error("{}", self.message())]
+    NoCudaSupport,
+    /// Device memory, but this process has no usable CUDA driver or GPU.
+    #[error("{}", self.message())]
+    NoCudaDevice,
+    /// Memory the same-host path does not move (XPU memory).
+    #[error("{}", self.message())]
+    UnsupportedMemory,
+}
+
+impl PathRefusal {
+    /// The reason, as text.
+    pub fn message(&self) -> &'static str {
+        match self {
+            PathRefusal::HostIntoDevice => "host memory into device memory takes the NIXL path",
+            PathRefusal::NoCudaSupport => "this build has no CUDA support (feature `cuda`)",
+            PathRefusal::NoCudaDevice => "no usable CUDA driver or GPU in this process",
+            PathRefusal::UnsupportedMemory => {
+                "the same-host path moves host and CUDA memory only; other memory takes the NIXL path"
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for PathRefusal {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.message()
+    }
 }
 
 impl From<std::io::Error> for Error {
@@ -287,6 +415,24 @@ impl Error {
     }
 
     /// An [`Error::CudaUnavailable`] for `reason`, with the driver's error when there is one.
+    /// An [`Error::Channel`] with no underlying error.
+    pub(crate) fn channel(message: impl Into<String>) -> Self {
+        Error::Channel(ChannelError::new(message))
+    }
+
+    /// An [`Error::Channel`] caused by `source` while doing `what`.
+    pub(crate) fn channel_from(
+        what: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Error::channel_shared(what, Arc::new(source))
+    }
+
+    /// An [`Error::Channel`] caused by `source` (already shared or boxed) while doing `what`.
+    pub(crate) fn channel_shared(what: impl Into<String>, source: ErrorSource) -> Self {
+        Error::Channel(ChannelError::shared(what, source))
+    }
+
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn cuda_unavailable(reason: impl Into<String>, source: Option<ErrorSource>) -> Self {
         Error::CudaUnavailable {
@@ -354,5 +500,36 @@ mod tests {
         );
         let from: Error = std::io::Error::from_raw_os_error(libc::EMFILE).into();
         assert!(from.source().is_some());
+    }
+
+    #[test]
+    fn error_channel_keeps_its_source() {
+        let json = serde_json::from_str::<serde_json::Value>("{").unwrap_err();
+        let e = Error::channel_from("the reply is not JSON", json);
+        assert!(
+            e.to_string()
+                .starts_with("metadata channel: the reply is not JSON: "),
+            "{e}"
+        );
+        let src = e
+            .source()
+            .and_then(|s| s.downcast_ref::<ErrorSource>())
+            .expect("a source");
+        assert!(src.downcast_ref::<serde_json::Error>().is_some(), "{src:?}");
+        let Error::Channel(c) = &e else { panic!("{e:?}") };
+        // Reads as its message, as the `String` it replaced did.
+        assert!(c.contains("not JSON") && c.message().starts_with("the reply"));
+        assert!(Error::channel("the listener stopped").source().is_none());
+        assert_eq!(e.kind(), "Channel");
+    }
+
+    #[test]
+    fn error_path_refusal_is_typed_and_reads_as_text() {
+        let r = crate::same_host_path(crate::Device::Host, crate::Device::Cuda(0)).unwrap_err();
+        assert_eq!(r, PathRefusal::HostIntoDevice);
+        assert!(r.contains("host memory into device memory"), "{r}");
+        assert_eq!(r.to_string(), r.message());
+        let xpu = crate::same_host_path(crate::Device::Xpu(0), crate::Device::Host).unwrap_err();
+        assert_eq!(xpu, PathRefusal::UnsupportedMemory);
     }
 }

@@ -98,7 +98,7 @@ pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind};
 pub use engine::nixl::MAX_RETIRED_EXPOSERS;
 pub use engine::EngineStats;
-pub use error::{Error, ErrorSource, Result};
+pub use error::{ChannelError, Error, ErrorSource, PathRefusal, Result};
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor, MAX_NIXL_METADATA};
 pub use operation::{
     OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath, WritableOperation,
@@ -114,8 +114,8 @@ pub use registration::Registration;
 /// IPC (feature `cuda`), into device or host memory; host memory into device memory takes NIXL.
 ///
 /// # Errors
-/// The reason the same-host path cannot take the pair.
-pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), String> {
+/// The [`PathRefusal`] that says why the same-host path cannot take the pair.
+pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), PathRefusal> {
     match (src, dst) {
         (Device::Host, Device::Host) => Ok(()),
         (s, d) => engine::local::device_path_refusal(s, d).map_or(Ok(()), Err),

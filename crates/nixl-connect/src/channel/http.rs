@@ -87,9 +87,9 @@ impl HttpChannel {
         GLOBAL
             .get_or_try_init(|| async {
                 let addr = match std::env::var(LISTEN_ENV) {
-                    Ok(s) => s
-                        .parse()
-                        .map_err(|e| Error::Channel(format!("{LISTEN_ENV}={s:?} is not an address: {e}")))?,
+                    Ok(s) => s.parse().map_err(|e| {
+                        Error::channel_from(format!("{LISTEN_ENV}={s:?} is not an address"), e)
+                    })?,
                     Err(_) => SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
                 };
                 Self::bind(addr).await
@@ -110,8 +110,10 @@ impl HttpChannel {
     pub async fn bind(addr: SocketAddr) -> Result<Self> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
-            .map_err(|e| Error::Channel(format!("cannot listen on {addr}: {e}")))?;
-        let addr = listener.local_addr().map_err(|e| Error::Channel(e.to_string()))?;
+            .map_err(|e| Error::channel_from(format!("cannot listen on {addr}"), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::channel_from("the bound address", e))?;
         let host = match addr.ip() {
             ip if ip.is_unspecified() => hostname().unwrap_or_else(|| "localhost".into()),
             IpAddr::V6(ip) => format!("[{ip}]"),
@@ -225,10 +227,10 @@ impl Publication {
                 after: timeout,
                 peer: None,
             })?
-            .map_err(|_| Error::Channel("the metadata listener stopped".into()))?
+            .map_err(|_| Error::channel("the metadata listener stopped"))?
             .clone()
             .expect("waited for Some");
-        serde_json::from_slice(&got).map_err(|e| Error::Channel(format!("the reply is not JSON: {e}")))
+        serde_json::from_slice(&got).map_err(|e| Error::channel_from("the reply is not JSON", e))
     }
 }
 
@@ -298,9 +300,9 @@ fn hostname() -> Option<String> {
 async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
     let uri: hyper::Uri = url
         .parse()
-        .map_err(|e| Error::Channel(format!("{url:?} is not a URL: {e}")))?;
+        .map_err(|e| Error::channel_from(format!("{url:?} is not a URL"), e))?;
     if uri.scheme_str() != Some("http") {
-        return Err(Error::Channel(format!(
+        return Err(Error::channel(format!(
             "{url}: only http:// URLs are served by this channel"
         )));
     }
@@ -310,19 +312,19 @@ async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
         let resp = client
             .get(uri)
             .await
-            .map_err(|e| Error::Channel(format!("cannot reach {url}: {e}")))?;
+            .map_err(|e| Error::channel_from(format!("cannot reach {url}"), e))?;
         let status = resp.status();
         let body = Limited::new(resp.into_body(), MAX_DOCUMENT)
             .collect()
             .await
-            .map_err(|e| Error::Channel(format!("reading {url}: {e}")))?
+            .map_err(|e| Error::channel_shared(format!("reading {url}"), e.into()))?
             .to_bytes();
         match status {
             StatusCode::OK => Ok(body),
             StatusCode::NOT_FOUND => Err(Error::NotPublished {
                 location: url.to_string(),
             }),
-            s => Err(Error::Channel(format!("{url} answered {s}"))),
+            s => Err(Error::channel(format!("{url} answered {s}"))),
         }
     };
     tokio::time::timeout(timeout, work)
@@ -362,24 +364,24 @@ pub async fn reply(url: &str, reply: &serde_json::Value, timeout: Duration) -> R
     let target = format!("{}/reply", url.trim_end_matches('/'));
     let uri: hyper::Uri = target
         .parse()
-        .map_err(|e| Error::Channel(format!("{url:?} is not a URL: {e}")))?;
+        .map_err(|e| Error::channel_from(format!("{url:?} is not a URL"), e))?;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<http_body_util::Full<Bytes>>();
     let req = hyper::Request::post(uri)
         .header(header::CONTENT_TYPE, "application/json")
         .body(http_body_util::Full::new(Bytes::from(reply.to_string())))
-        .map_err(|e| Error::Channel(e.to_string()))?;
+        .map_err(|e| Error::channel_from("building the reply request", e))?;
     let work = async {
         let resp = client
             .request(req)
             .await
-            .map_err(|e| Error::Channel(format!("cannot reach {url}: {e}")))?;
+            .map_err(|e| Error::channel_from(format!("cannot reach {url}"), e))?;
         match resp.status() {
             s if s.is_success() => Ok(()),
             StatusCode::NOT_FOUND => Err(Error::NotPublished {
                 location: url.to_string(),
             }),
-            s => Err(Error::Channel(format!("{target} answered {s}"))),
+            s => Err(Error::channel(format!("{target} answered {s}"))),
         }
     };
     tokio::time::timeout(timeout, work)
@@ -399,5 +401,5 @@ pub async fn reply(url: &str, reply: &serde_json::Value, timeout: Duration) -> R
 /// Cancel safe.
 pub async fn fetch_extra(url: &str, timeout: Duration) -> Result<serde_json::Value> {
     let body = get_bytes(&format!("{}/extra", url.trim_end_matches('/')), timeout).await?;
-    serde_json::from_slice(&body).map_err(|e| Error::Channel(format!("{url}/extra is not JSON: {e}")))
+    serde_json::from_slice(&body).map_err(|e| Error::channel_from(format!("{url}/extra is not JSON"), e))
 }

@@ -24,8 +24,8 @@ pub struct NatsChannel {
     client: async_nats::Client,
 }
 
-fn chan(what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Channel(format!("NATS {what}: {e}"))
+fn chan(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
+    Error::channel_from(format!("NATS {what}"), e)
 }
 
 impl NatsChannel {
@@ -113,7 +113,7 @@ impl NatsChannel {
             Ok(Ok(m)) => m,
         };
         if msg.payload.len() > MAX_DOCUMENT {
-            return Err(Error::Channel(format!(
+            return Err(Error::channel(format!(
                 "the reply on {subject} is larger than {MAX_DOCUMENT} bytes"
             )));
         }

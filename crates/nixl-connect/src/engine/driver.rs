@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use super::cmd::Cmd;
 use super::poller::Poller;
 use super::stats::EngineStats;
-use super::transport::{ActiveSpec, Event, Exposure, OpId, Polling, Transport};
+use super::transport::{ActiveSpec, Decline, Event, Exposure, OpId, Polling, Transport};
 use crate::error::{Error, Result};
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::{OpState, OperationStatus};
@@ -457,7 +457,7 @@ impl EngineLoop {
     }
 
     /// Offers a declined operation to the next transport of the chain, or fails it.
-    fn hand_over(&mut self, spec: ActiveSpec, reason: String) {
+    fn hand_over(&mut self, spec: ActiveSpec, reason: Decline) {
         let id = spec.id;
         let on = self.actives.get(&id).map_or(self.chain[0], |a| a.on);
         let next = self
@@ -469,16 +469,13 @@ impl EngineLoop {
             Some(next) => self.offer(spec, next, Some(reason)),
             None => self.events.push(Event::ActiveEnded {
                 id,
-                result: Err(Error::PathUnavailable {
-                    agent: spec.peer.to_string(),
-                    reason,
-                }),
+                result: Err(reason.into_error(&spec.peer)),
             }),
         }
     }
 
     /// Offers `spec` to transport `i` of the chain (after another declined it with `why`).
-    fn offer(&mut self, spec: ActiveSpec, i: usize, why: Option<String>) {
+    fn offer(&mut self, spec: ActiveSpec, i: usize, why: Option<Decline>) {
         let id = spec.id;
         if spec.state.status().is_terminal() {
             // Cancelled before any transport took it: nothing touched the memory.

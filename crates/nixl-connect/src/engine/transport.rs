@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::stats::EngineStats;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorSource, PathRefusal, Result};
 use crate::metadata::OperationKind;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::OpState;
@@ -76,7 +76,69 @@ pub(crate) enum Event {
     /// A passive operation's memory was torn (a writer died mid-write).
     PassiveFailed { key: Arc<str>, error: Error },
     /// This transport cannot move the operation; the engine offers it to the next one.
-    Declined { spec: ActiveSpec, reason: String },
+    Declined { spec: ActiveSpec, reason: Decline },
+}
+
+/// Why a transport declined an operation: the text the user reads in
+/// [`Error::PathUnavailable`] when no transport is left, and the error behind it, if any.
+#[derive(Debug, Clone)]
+pub(crate) struct Decline {
+    pub(crate) reason: String,
+    pub(crate) source: Option<ErrorSource>,
+}
+
+impl Decline {
+    /// A decline caused by `source` (an OS or driver error); `reason` says what was being done.
+    pub(crate) fn because(
+        reason: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Decline::shared(reason, Arc::new(source))
+    }
+
+    /// As [`Decline::because`], for a source already shared.
+    pub(crate) fn shared(reason: impl Into<String>, source: ErrorSource) -> Self {
+        Decline {
+            reason: format!("{} ({source})", reason.into()),
+            source: Some(source),
+        }
+    }
+
+    /// The error an operation ends with when no transport is left to take it.
+    pub(crate) fn into_error(self, agent: &str) -> Error {
+        Error::PathUnavailable {
+            agent: agent.to_string(),
+            reason: self.reason,
+            source: self.source,
+        }
+    }
+}
+
+impl From<String> for Decline {
+    fn from(reason: String) -> Self {
+        Decline { reason, source: None }
+    }
+}
+
+impl From<&str> for Decline {
+    fn from(reason: &str) -> Self {
+        reason.to_string().into()
+    }
+}
+
+impl From<PathRefusal> for Decline {
+    fn from(refusal: PathRefusal) -> Self {
+        Decline {
+            reason: refusal.to_string(),
+            source: Some(Arc::new(refusal)),
+        }
+    }
+}
+
+impl std::fmt::Display for Decline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
+    }
 }
 
 /// How soon a transport needs [`Transport::progress`] called without being woken.
@@ -167,4 +229,38 @@ pub(crate) trait Transport {
     /// Adds this transport's counters to `stats`; `completed` is how many active operations the
     /// engine saw it complete.
     fn add_stats(&self, stats: &mut EngineStats, completed: u64);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn transport_decline_becomes_path_unavailable_with_its_source() {
+        let e = Decline::from(PathRefusal::NoCudaSupport).into_error("peer-1");
+        assert_eq!(e.kind(), "PathUnavailable");
+        assert!(e.to_string().contains("no CUDA support"), "{e}");
+        let src = e
+            .source()
+            .and_then(|s| s.downcast_ref::<ErrorSource>())
+            .expect("the refusal");
+        assert_eq!(
+            src.downcast_ref::<PathRefusal>(),
+            Some(&PathRefusal::NoCudaSupport)
+        );
+
+        let os = std::io::Error::from_raw_os_error(libc::ECONNREFUSED);
+        let e = Decline::because("no same-host socket for this peer", os).into_error("peer-2");
+        let io = e
+            .source()
+            .and_then(|s| s.downcast_ref::<ErrorSource>())
+            .and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert_eq!(
+            io.and_then(std::io::Error::raw_os_error),
+            Some(libc::ECONNREFUSED)
+        );
+        assert!(Decline::from("off").into_error("p").source().is_none());
+    }
 }

@@ -164,7 +164,7 @@ impl LocalTransport {
                 if !matches!(a.phase, Phase::Abandoned) {
                     out.push(Event::Declined {
                         spec: a.spec,
-                        reason: reason.to_string(),
+                        reason: reason.into(),
                     });
                 }
             }

@@ -15,6 +15,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::slots::{SlotTable, ARMED, COPYING, DONE};
+use crate::error::ErrorSource;
 use crate::sync::lock;
 use crate::sync::Recover;
 
@@ -35,7 +36,7 @@ pub(crate) struct Piece {
 }
 
 /// Why a copy did not complete.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(crate) enum CopyError {
     /// The grant was revoked (or the copy cancelled) before any byte was copied.
     NotStarted,
@@ -46,11 +47,23 @@ pub(crate) enum CopyError {
     PeerGone,
     /// The kernel refused (`EPERM`: ptrace rules; `EFAULT`: an address is not mapped), or the
     /// device failed mid-copy.
-    Os(String),
+    Os(ErrorSource),
     /// This path cannot do it (a device copy: no CUDA here, the peer's GPU not visible, the
     /// handle not openable), found out before any byte moved: the operation may take NIXL.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Unsupported(String),
+    Unsupported(ErrorSource),
+}
+
+/// Equal when of the same kind and, for the kinds with a cause, saying the same.
+impl PartialEq for CopyError {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (CopyError::Os(a), CopyError::Os(b)) | (CopyError::Unsupported(a), CopyError::Unsupported(b)) => {
+                a.to_string() == b.to_string()
+            }
+            (a, b) => std::mem::discriminant(a) == std::mem::discriminant(b),
+        }
+    }
 }
 
 /// Where a copy's slot lives, for the revocation protocol.
@@ -133,8 +146,11 @@ pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> R
             let e = io::Error::last_os_error();
             return Err(match e.raw_os_error() {
                 Some(libc::ESRCH) => CopyError::PeerGone,
-                _ if n == 0 => CopyError::Os("the peer's memory ended early".into()),
-                _ => CopyError::Os(e.to_string()),
+                _ if n == 0 => CopyError::Os(Arc::new(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the peer's memory ended early",
+                ))),
+                _ => CopyError::Os(Arc::new(e)),
             });
         }
         // Advance by what was read (a partial read stops at a fault; the next call reports it).

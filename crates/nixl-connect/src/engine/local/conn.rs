@@ -18,7 +18,7 @@ use super::{
     ConnId, LocalTransport, ACCEPT_BACKOFF, LISTENER, MAX_NEGATIVE, MAX_SERVED, MAX_SERVED_PER_PID,
     NEGATIVE_TTL,
 };
-use crate::engine::transport::{Event, OpId};
+use crate::engine::transport::{Decline, Event, OpId};
 use crate::error::Error;
 
 /// One socket: a connection this side made (client, the active side) or accepted (server).
@@ -300,8 +300,12 @@ impl LocalTransport {
         self.accept();
     }
 
-    /// Opens (or finds) the connection to `peer`; `Err(reason)` when there is no same-host path.
-    pub(super) fn connect(&mut self, peer: &Arc<str>, key: &Arc<str>) -> std::result::Result<ConnId, String> {
+    /// Opens (or finds) the connection to `peer`; `Err` says why there is no same-host path.
+    pub(super) fn connect(
+        &mut self,
+        peer: &Arc<str>,
+        key: &Arc<str>,
+    ) -> std::result::Result<ConnId, Decline> {
         if let Some(&i) = self.by_peer.get(peer) {
             if self.conns.get(&i).is_some_and(|c| !c.dead) {
                 return Ok(i);
@@ -309,7 +313,7 @@ impl LocalTransport {
         }
         if let Some(t) = self.negative.get(peer) {
             if t.elapsed() < NEGATIVE_TTL {
-                return Err("no same-host socket for this peer".into());
+                return Err("no same-host socket for this peer (none answered a moment ago)".into());
             }
         }
         let r = self.try_connect(peer, key);
@@ -318,7 +322,7 @@ impl LocalTransport {
                 self.negative.clear();
             }
             self.negative.insert(peer.clone(), Instant::now());
-            tracing::trace!(peer = %peer, reason, "no same-host path");
+            tracing::trace!(peer = %peer, %reason, "no same-host path");
         }
         r
     }
@@ -328,21 +332,19 @@ impl LocalTransport {
         &mut self,
         peer: &Arc<str>,
         key: &Arc<str>,
-    ) -> std::result::Result<ConnId, String> {
-        let fd = unix_socket().map_err(|e| e.to_string())?;
+    ) -> std::result::Result<ConnId, Decline> {
+        let fd = unix_socket().map_err(|e| Decline::because("cannot open a same-host socket", e))?;
         let (a, len) = sockaddr(&socket_name(peer));
         // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
         let r = unsafe { libc::connect(fd.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) };
         if r != 0 {
             let e = io::Error::last_os_error();
-            return Err(format!("no same-host socket for this peer ({e})"));
+            return Err(Decline::because("no same-host socket for this peer", e));
         }
-        let (pid, peer_uid) = peer_cred(fd.as_raw_fd()).map_err(|e| e.to_string())?;
+        let (pid, peer_uid) = peer_cred(fd.as_raw_fd())
+            .map_err(|e| Decline::because("cannot learn who holds the peer's same-host socket", e))?;
         if peer_uid != self.uid || pid <= 0 {
-            return Err(format!(
-                "the peer runs as uid {peer_uid} (this process: {})",
-                self.uid
-            ));
+            return Err(format!("the peer runs as uid {peer_uid} (this process: {})", self.uid).into());
         }
         let mut conn = Conn::new(fd, true, pid, peer.clone());
         conn.nonce = auth::nonce();
@@ -350,7 +352,7 @@ impl LocalTransport {
         let i = self.insert(conn);
         if let Err(e) = self.send_hello(i, key) {
             self.close(i, &mut Vec::new());
-            return Err(format!("the same-host handshake failed ({e})"));
+            return Err(Decline::because("the same-host handshake failed", e));
         }
         self.by_peer.insert(peer.clone(), i);
         Ok(i)

@@ -12,7 +12,7 @@ use super::proto::{Msg, RefuseCode};
 use super::records::{refused, AnyCopy, CopyOwner};
 use super::sys::alive;
 use super::LocalTransport;
-use crate::engine::transport::Event;
+use crate::engine::transport::{Decline, Event};
 use crate::error::Error;
 use crate::sync::lock;
 use crate::sync::Recover;
@@ -125,7 +125,7 @@ impl LocalTransport {
                                 slot: a.slot,
                                 gen: a.gen,
                                 ok: false,
-                                reason: reason.clone(),
+                                reason: reason.to_string(),
                             });
                             self.flush(i);
                         }
@@ -138,7 +138,10 @@ impl LocalTransport {
                         } else {
                             out.push(Event::Declined {
                                 spec: a.spec,
-                                reason: format!("the same-host device copy cannot run here: {reason}"),
+                                reason: Decline::shared(
+                                    "the same-host device copy cannot run here",
+                                    reason.clone(),
+                                ),
                             });
                         }
                         continue;
@@ -165,7 +168,7 @@ impl LocalTransport {
                         Err(CopyError::Os(e)) => Err(Error::Transfer {
                             agent: a.spec.peer.to_string(),
                             reason: format!("the same-host copy failed: {e}"),
-                            source: None,
+                            source: Some(e),
                         }),
                         Err(CopyError::Unsupported(_)) => unreachable!("handled above"),
                     };

@@ -15,7 +15,8 @@ use super::records::{AnyCopy, CopyOwner};
 use super::records::{ExportDone, Phase};
 use super::{ConnId, LocalTransport};
 use crate::device::Device;
-use crate::engine::transport::Event;
+use crate::engine::transport::{Decline, Event};
+use crate::error::PathRefusal;
 use crate::reg::Range;
 use crate::sync::Recover;
 
@@ -27,18 +28,18 @@ pub(super) fn uniform(ranges: &[Range]) -> Option<Device> {
 
 /// Why the device path cannot move a transfer from memory on `src` into memory on `dst`, if it
 /// cannot (the host path takes host-to-host).
-pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<String> {
+pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusal> {
     match (src, dst) {
         (Device::Cuda(_), Device::Cuda(_) | Device::Host) if cfg!(feature = "cuda") => {
             #[cfg(feature = "cuda")]
             if !ipc::available() {
-                return Some("no usable CUDA driver or GPU in this process".into());
+                return Some(PathRefusal::NoCudaDevice);
             }
             None
         }
-        (Device::Cuda(_), _) => Some("this build has no CUDA support (feature `cuda`)".into()),
-        (Device::Host, Device::Cuda(_)) => Some("host memory into device memory takes the NIXL path".into()),
-        (a, b) => Some(format!("memory on {a} to {b} takes the NIXL path")),
+        (Device::Cuda(_), Device::Cuda(_) | Device::Host) => Some(PathRefusal::NoCudaSupport),
+        (Device::Host, Device::Cuda(_)) => Some(PathRefusal::HostIntoDevice),
+        _ => Some(PathRefusal::UnsupportedMemory),
     }
 }
 
@@ -206,8 +207,9 @@ impl LocalTransport {
                             self.free_slot(a.conn, a.slot, a.gen);
                             out.push(Event::Declined {
                                 spec: a.spec,
-                                reason: format!(
-                                    "the device memory cannot be shared through CUDA IPC: {reason}"
+                                reason: Decline::shared(
+                                    "the device memory cannot be shared through CUDA IPC",
+                                    reason,
                                 ),
                             });
                         }

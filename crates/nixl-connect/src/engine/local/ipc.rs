@@ -33,6 +33,7 @@ use cudarc::driver::sys::{self, CUresult};
 use super::cma::{CopyError, SlotRef};
 use super::proto::IpcSource;
 use super::slots::{ARMED, COPYING, DONE};
+use crate::error::ErrorSource;
 use crate::sync::Recover;
 
 /// Mappings kept open per process before the least recently used is closed.
@@ -57,7 +58,41 @@ pub(crate) struct Copy {
     pub(crate) cancel: Arc<AtomicBool>,
 }
 
-type Exported = Box<dyn FnOnce(Result<Vec<IpcSource>, String>) + Send>;
+/// Why a step of the device path failed (shared as an [`ErrorSource`] beyond this file).
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+pub(crate) enum IpcError {
+    /// A driver call returned an error.
+    #[error("{call} failed: {result:?}")]
+    Driver {
+        /// The driver call.
+        call: &'static str,
+        /// What it returned.
+        result: CUresult,
+    },
+    /// This process has no usable CUDA driver or device.
+    #[error("no usable CUDA driver or device in this process")]
+    NoDevice,
+    /// The CUDA thread could not be started.
+    #[error("cannot start the CUDA thread")]
+    NoThread,
+    /// The peer's GPU (by UUID) is not visible to this process.
+    #[error("the peer's GPU is not visible to this process")]
+    PeerGpuNotVisible,
+    /// A range runs past the end of the allocation around it.
+    #[error("a range runs past the end of its CUDA allocation")]
+    PastAllocation,
+    /// A driver call panicked (the step is abandoned; the thread goes on).
+    #[error("the CUDA {0} panicked")]
+    Panicked(&'static str),
+}
+
+impl From<IpcError> for ErrorSource {
+    fn from(e: IpcError) -> Self {
+        Arc::new(e)
+    }
+}
+
+type Exported = Box<dyn FnOnce(Result<Vec<IpcSource>, ErrorSource>) + Send>;
 type Copied = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
 enum Job {
@@ -100,10 +135,10 @@ fn submit(job: Job) -> Result<(), Job> {
 /// Exports `ranges` of this process's device memory; `done` runs on the CUDA thread.
 pub(crate) fn export(ranges: Vec<(u64, u64)>, done: Exported) {
     if !available() {
-        return done(Err("no usable CUDA driver or device in this process".into()));
+        return done(Err(IpcError::NoDevice.into()));
     }
     if let Err(Job::Export(_, done)) = submit(Job::Export(ranges, done)) {
-        done(Err("cannot start the CUDA thread".into()));
+        done(Err(IpcError::NoThread.into()));
     }
 }
 
@@ -118,7 +153,7 @@ pub(crate) fn spawn(c: Copy, done: Copied) -> Result<(), CopyError> {
         Ok(()) => Ok(()),
         Err(Job::Copy(c, done)) => {
             let _ = c.slot.table.advance(c.slot.idx, c.slot.gen, COPYING, DONE);
-            done(Err(CopyError::Unsupported("cannot start the CUDA thread".into())));
+            done(Err(CopyError::Unsupported(IpcError::NoThread.into())));
             Ok(())
         }
         Err(_) => unreachable!("submit hands back the job it was given"),
@@ -132,11 +167,11 @@ pub(crate) fn forget(conn: u64) {
     }
 }
 
-fn check(r: CUresult, what: &str) -> Result<(), String> {
-    if r == CUresult::CUDA_SUCCESS {
+fn check(result: CUresult, call: &'static str) -> Result<(), IpcError> {
+    if result == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(format!("{what} failed: {r:?}"))
+        Err(IpcError::Driver { call, result })
     }
 }
 
@@ -171,12 +206,12 @@ impl Cuda {
         match job {
             Job::Export(ranges, done) => {
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.export(&ranges)))
-                    .unwrap_or_else(|_| Err("the CUDA export panicked".into()));
-                done(r);
+                    .unwrap_or(Err(IpcError::Panicked("export")));
+                done(r.map_err(ErrorSource::from));
             }
             Job::Copy(c, done) => {
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.copy(&c)))
-                    .unwrap_or_else(|_| Err(CopyError::Os("the CUDA copy panicked".into())));
+                    .unwrap_or_else(|_| Err(CopyError::Os(IpcError::Panicked("copy").into())));
                 // Finish the slot: DONE unless the source was revoked while the copy ran.
                 let r = r.and_then(|()| {
                     if c.slot.table.advance(c.slot.idx, c.slot.gen, COPYING, DONE) {
@@ -198,7 +233,7 @@ impl Cuda {
     }
 
     /// The primary context and stream of device `ordinal`, created on first use.
-    fn dev(&mut self, ordinal: i32) -> Result<Dev, String> {
+    fn dev(&mut self, ordinal: i32) -> Result<Dev, IpcError> {
         if let Some(d) = self.devs.get(&ordinal) {
             return Ok(*d);
         }
@@ -231,7 +266,7 @@ impl Cuda {
     }
 
     /// The ordinal of the device with `uuid` in this process.
-    fn ordinal_of(&mut self, uuid: &[u8; 16]) -> Result<i32, String> {
+    fn ordinal_of(&mut self, uuid: &[u8; 16]) -> Result<i32, IpcError> {
         if let Some((o, _)) = self.devs.iter().find(|(_, d)| &d.uuid == uuid) {
             return Ok(*o);
         }
@@ -243,10 +278,10 @@ impl Cuda {
                 return Ok(o);
             }
         }
-        Err("the peer's GPU is not visible to this process".into())
+        Err(IpcError::PeerGpuNotVisible)
     }
 
-    fn attr<T: Default>(&self, ptr: u64, a: sys::CUpointer_attribute) -> Result<T, String> {
+    fn attr<T: Default>(&self, ptr: u64, a: sys::CUpointer_attribute) -> Result<T, IpcError> {
         let mut v = T::default();
         // SAFETY: each attribute asked for here writes exactly one value of the type requested by
         // its caller (ordinal: i32, buffer id: u64, memory type: u32); the pointer is inspected,
@@ -256,11 +291,11 @@ impl Cuda {
         Ok(v)
     }
 
-    fn ordinal_of_ptr(&self, ptr: u64) -> Result<i32, String> {
+    fn ordinal_of_ptr(&self, ptr: u64) -> Result<i32, IpcError> {
         self.attr::<i32>(ptr, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)
     }
 
-    fn export(&mut self, ranges: &[(u64, u64)]) -> Result<Vec<IpcSource>, String> {
+    fn export(&mut self, ranges: &[(u64, u64)]) -> Result<Vec<IpcSource>, IpcError> {
         let mut synced = Vec::new();
         let mut out = Vec::with_capacity(ranges.len());
         for &(addr, len) in ranges {
@@ -288,7 +323,7 @@ impl Cuda {
             check(r, "cuIpcGetMemHandle")?;
             let offset = addr - base;
             if offset.checked_add(len).is_none_or(|e| e > size as u64) {
-                return Err("a range runs past the end of its CUDA allocation".into());
+                return Err(IpcError::PastAllocation);
             }
             out.push(IpcSource {
                 uuid: d.uuid,
@@ -333,7 +368,7 @@ impl Cuda {
                 self.close(old);
             }
         }
-        let d = self.dev(ordinal).map_err(CopyError::Unsupported)?;
+        let d = self.dev(ordinal).map_err(|e| CopyError::Unsupported(e.into()))?;
         let mut ptr: sys::CUdeviceptr = 0;
         let h = sys::CUipcMemHandle {
             reserved: src.handle.map(|b| b as _),
@@ -352,7 +387,7 @@ impl Cuda {
                 )
             })
         };
-        r.map_err(CopyError::Unsupported)?;
+        r.map_err(|e| CopyError::Unsupported(e.into()))?;
         self.maps.insert(
             key,
             Mapping {
@@ -396,11 +431,13 @@ impl Cuda {
                     .attr::<u32>(p.dst, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
                 {
                     Ok(t) if t == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => {
-                        Some(self.ordinal_of_ptr(p.dst).map_err(CopyError::Os)?)
+                        Some(self.ordinal_of_ptr(p.dst).map_err(|e| CopyError::Os(e.into()))?)
                     }
                     _ => None,
                 };
-                let src_ordinal = self.ordinal_of(&p.src.uuid).map_err(CopyError::Unsupported)?;
+                let src_ordinal = self
+                    .ordinal_of(&p.src.uuid)
+                    .map_err(|e| CopyError::Unsupported(e.into()))?;
                 let ordinal = dst_ordinal.unwrap_or(src_ordinal);
                 let src = if own {
                     // Two connectors of one process: the exporter's address is ours.
@@ -408,7 +445,7 @@ impl Cuda {
                 } else {
                     self.map(c.conn, &p.src, ordinal)?
                 };
-                let d = self.dev(ordinal).map_err(CopyError::Os)?;
+                let d = self.dev(ordinal).map_err(|e| CopyError::Os(e.into()))?;
                 // SAFETY: `dst` is memory of this process the copy's owner keeps valid until the
                 // copy ends (the transport waits for it before freeing); `src` is a mapping of a
                 // live grant's allocation, read only, and `offset + len` lies inside it (checked
@@ -423,9 +460,9 @@ impl Cuda {
                 };
                 if let Err(e) = r {
                     return Err(if started {
-                        CopyError::Os(e)
+                        CopyError::Os(e.into())
                     } else {
-                        CopyError::Unsupported(e)
+                        CopyError::Unsupported(e.into())
                     });
                 }
                 started = true;
@@ -444,8 +481,8 @@ impl Cuda {
                 let _ = sys::cuCtxSetCurrent(d.ctx);
                 sys::cuStreamSynchronize(d.stream)
             };
-            if r != CUresult::CUDA_SUCCESS && synced.is_ok() {
-                synced = Err(CopyError::Os(format!("cuStreamSynchronize failed: {r:?}")));
+            if let (Err(e), true) = (check(r, "cuStreamSynchronize"), synced.is_ok()) {
+                synced = Err(CopyError::Os(e.into()));
             }
         }
         result.and(synced)

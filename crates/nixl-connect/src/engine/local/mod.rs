@@ -232,7 +232,10 @@ impl LocalTransport {
                 if let Some((_, a)) = self.take_act(i, slot, gen) {
                     self.free_slot(i, slot, gen);
                     if !matches!(a.phase, Phase::Abandoned) {
-                        out.push(Event::Declined { spec: a.spec, reason });
+                        out.push(Event::Declined {
+                            spec: a.spec,
+                            reason: reason.into(),
+                        });
                     }
                 }
             }
@@ -330,8 +333,11 @@ impl Transport for LocalTransport {
             (Some(Device::Host), Some(Device::Host)) => false,
             (Some(l), Some(r)) => {
                 let (src, dst) = if spec.write { (l, r) } else { (r, l) };
-                if let Some(reason) = device_path_refusal(src, dst) {
-                    out.push(Event::Declined { spec, reason });
+                if let Some(refusal) = device_path_refusal(src, dst) {
+                    out.push(Event::Declined {
+                        spec,
+                        reason: refusal.into(),
+                    });
                     return;
                 }
                 true

@@ -12,7 +12,7 @@ use super::ipc;
 use super::proto::{IpcSource, RefuseCode};
 use super::ConnId;
 use crate::engine::transport::{ActiveSpec, OpId};
-use crate::error::Error;
+use crate::error::{Error, ErrorSource};
 use crate::state::OpState;
 
 pub(super) enum Phase {
@@ -105,12 +105,12 @@ pub(super) enum ExportDone {
         conn: ConnId,
         slot: u32,
         gen: u64,
-        result: std::result::Result<Vec<IpcSource>, String>,
+        result: std::result::Result<Vec<IpcSource>, ErrorSource>,
     },
     /// A write's source (this side writes).
     Write {
         id: OpId,
-        result: std::result::Result<Vec<IpcSource>, String>,
+        result: std::result::Result<Vec<IpcSource>, ErrorSource>,
     },
 }
 

@@ -216,7 +216,11 @@ impl LocalTransport {
                     s.device
                 };
                 match device_path_refusal(src, if write { s.device } else { Device::Host }) {
-                    Some(reason) => Some(Msg::Fallback { slot, gen, reason }),
+                    Some(refusal) => Some(Msg::Fallback {
+                        slot,
+                        gen,
+                        reason: refusal.to_string(),
+                    }),
                     None => self.device_req(i, slot, gen, write, key, remote, sources),
                 }
             }
