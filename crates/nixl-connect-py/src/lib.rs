@@ -70,7 +70,9 @@ fn descriptors(descs: Vec<PyDesc>) -> PyResult<Vec<Descriptor<'static>>> {
                 Some(d) => (d, false),
                 None => (device.as_str(), true),
             };
-            let dev: Device = dev.parse().map_err(err)?;
+            let dev: Device = dev
+                .parse()
+                .map_err(|e: nixl_connect::ParseDeviceError| err(e.into()))?;
             let len = usize::try_from(size).map_err(|_| invalid(format!("size {size} is too large")))?;
             if ptr == 0 {
                 return Err(invalid("a descriptor has a null pointer".into()));

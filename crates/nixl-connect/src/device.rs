@@ -4,8 +4,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::Error;
-
 /// The kind of memory a descriptor points at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -77,21 +75,26 @@ impl fmt::Display for Device {
     }
 }
 
+/// A device string that is not `cpu`, `cuda[:N]` or `xpu[:N]` (becomes
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument) with `?`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("device {input:?} is not one of 'cpu', 'cuda:<device_id>', or 'xpu:<device_id>'")]
+pub struct ParseDeviceError {
+    /// The string as given.
+    pub input: String,
+}
+
 impl FromStr for Device {
-    type Err = Error;
+    type Err = ParseDeviceError;
 
     /// Parses as Python does: trimmed, case-insensitive; `cpu`, `cuda[:N]`, `xpu[:N]`.
     ///
     /// Python's `Device` also takes `host...` and `gpu...`, but its `SerializedDescriptor` accepts
     /// only `cpu`, `cuda...` and `xpu...`; this parser follows the stricter wire rule.
-    fn from_str(s: &str) -> Result<Self, Error> {
+    fn from_str(s: &str) -> Result<Self, ParseDeviceError> {
         let v = s.trim().to_ascii_lowercase();
-        let bad = || {
-            Error::InvalidArgument(format!(
-                "device {s:?} is not one of 'cpu', 'cuda:<device_id>', or 'xpu:<device_id>'"
-            ))
-        };
-        let ordinal = |rest: &str| -> Result<u32, Error> {
+        let bad = || ParseDeviceError { input: s.to_string() };
+        let ordinal = |rest: &str| -> Result<u32, ParseDeviceError> {
             match rest {
                 "" => Ok(0),
                 r => r
@@ -122,7 +125,7 @@ impl<'de> serde::Deserialize<'de> for Device {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
         s.parse()
-            .map_err(|e: Error| serde::de::Error::custom(format!("device: {e}")))
+            .map_err(|e: ParseDeviceError| serde::de::Error::custom(format!("device: {e}")))
     }
 }
 

@@ -58,7 +58,7 @@ pub enum Error {
     #[error("device mismatch: the descriptor claims {claimed} but the pointer is {actual}")]
     DeviceMismatch {
         /// The device the descriptor names.
-        claimed: crate::Device,
+        claimed: crate::device::Device,
         /// Where the driver says the memory is.
         actual: String,
     },
@@ -360,6 +360,12 @@ impl std::ops::Deref for PathRefusal {
     }
 }
 
+impl From<crate::device::ParseDeviceError> for Error {
+    fn from(e: crate::device::ParseDeviceError) -> Self {
+        Error::InvalidArgument(e.to_string())
+    }
+}
+
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         Error::os("an I/O call", e)
@@ -464,6 +470,7 @@ mod tests {
     use std::error::Error as _;
 
     use super::*;
+    use crate::device::Device;
 
     #[test]
     fn error_kind_is_the_variant_name() {
@@ -525,11 +532,11 @@ mod tests {
 
     #[test]
     fn error_path_refusal_is_typed_and_reads_as_text() {
-        let r = crate::same_host_path(crate::Device::Host, crate::Device::Cuda(0)).unwrap_err();
+        let r = crate::same_host_path(Device::Host, Device::Cuda(0)).unwrap_err();
         assert_eq!(r, PathRefusal::HostIntoDevice);
         assert!(r.contains("host memory into device memory"), "{r}");
         assert_eq!(r.to_string(), r.message());
-        let xpu = crate::same_host_path(crate::Device::Xpu(0), crate::Device::Host).unwrap_err();
+        let xpu = crate::same_host_path(Device::Xpu(0), Device::Host).unwrap_err();
         assert_eq!(xpu, PathRefusal::UnsupportedMemory);
     }
 }

@@ -95,7 +95,7 @@ pub mod fuzzing {
 pub use buffer::{HostBuffer, HUGE_PAGE};
 pub use connector::{Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_QUARANTINE_LIMIT};
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
-pub use device::{Device, DeviceKind};
+pub use device::{Device, DeviceKind, ParseDeviceError};
 pub use engine::nixl::MAX_RETIRED_EXPOSERS;
 pub use engine::EngineStats;
 pub use error::{ChannelError, Error, ErrorSource, PathRefusal, Result};

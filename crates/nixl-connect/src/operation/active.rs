@@ -223,7 +223,7 @@ macro_rules! active_op {
             }
 
             /// Which path moves the bytes (`None` until a transport has taken the operation).
-            pub fn path(&self) -> Option<crate::TransferPath> {
+            pub fn path(&self) -> Option<crate::state::TransferPath> {
                 self.inner.state.path()
             }
 

@@ -229,7 +229,7 @@ macro_rules! passive_op {
             }
 
             /// Which path the completing peer used, once complete.
-            pub fn path(&self) -> Option<crate::TransferPath> {
+            pub fn path(&self) -> Option<crate::state::TransferPath> {
                 self.inner.state.path()
             }
 

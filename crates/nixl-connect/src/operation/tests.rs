@@ -4,8 +4,12 @@
 
 use std::time::Duration;
 
+use super::{ReadOperation, ReadableOperation};
+use crate::connector::Connector;
+use crate::descriptor::Descriptor;
 use crate::engine::loopback;
-use crate::{Connector, Descriptor, Error, OperationStatus, ReadOperation, ReadableOperation};
+use crate::error::Error;
+use crate::state::OperationStatus;
 
 const T: Option<Duration> = Some(Duration::from_secs(5));
 

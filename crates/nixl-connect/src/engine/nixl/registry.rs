@@ -30,9 +30,9 @@ pub(super) struct RegEntry {
 
 pub(super) fn key_of(r: &Range) -> (u8, u32, usize, usize) {
     let (k, id) = match r.device {
-        crate::Device::Host => (0, 0),
-        crate::Device::Cuda(n) => (1, n),
-        crate::Device::Xpu(n) => (2, n),
+        crate::device::Device::Host => (0, 0),
+        crate::device::Device::Cuda(n) => (1, n),
+        crate::device::Device::Xpu(n) => (2, n),
     };
     (k, id, r.addr, r.len)
 }
