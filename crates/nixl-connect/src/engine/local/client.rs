@@ -11,12 +11,13 @@ use super::cma::{self, Copy, Piece, SlotRef};
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{IpcSource, Msg, RefuseCode, MAX_FRAME, VERSION};
+use super::records::ConnId;
 #[cfg(feature = "cuda")]
 use super::records::ExportDone;
 use super::records::{refused, Act, AnyCopy, CopyOwner, Expect, Phase};
 use super::slots::SlotTable;
+use super::state::{LocalTransport, MAX_NEGATIVE, NOT_LIVE};
 use super::sys::self_pid;
-use super::{ConnId, LocalTransport, MAX_NEGATIVE, NOT_LIVE};
 use crate::device::Device;
 use crate::engine::transport::{Event, OpId};
 #[cfg(feature = "cuda")]

@@ -1,93 +1,23 @@
 //! Connections: accepting and making them, reading and writing frames, closing them (and what
 //! closing ends).
 
-use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::auth::{self, Nonce};
+use super::auth::{self};
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{self, Msg};
-use super::records::Phase;
-use super::slots::{SlotTable, SLOTS};
-use super::sys::{peer_cred, pidfd, sockaddr, socket_name, unix_socket};
-use super::{
-    ConnId, LocalTransport, ACCEPT_BACKOFF, LISTENER, MAX_NEGATIVE, MAX_SERVED, MAX_SERVED_PER_PID,
-    NEGATIVE_TTL,
+use super::records::ConnId;
+use super::records::{Conn, Phase};
+use super::state::{
+    LocalTransport, ACCEPT_BACKOFF, LISTENER, MAX_NEGATIVE, MAX_SERVED, MAX_SERVED_PER_PID, NEGATIVE_TTL,
 };
+use super::sys::{peer_cred, sockaddr, socket_name, unix_socket};
 use crate::engine::transport::{Decline, Event, OpId};
 use crate::error::Error;
-
-/// One socket: a connection this side made (client, the active side) or accepted (server).
-pub(super) struct Conn {
-    pub(super) fd: OwnedFd,
-    pub(super) client: bool,
-    pub(super) peer_pid: libc::pid_t,
-    pub(super) pidfd: Option<Arc<OwnedFd>>,
-    pub(super) rbuf: Vec<u8>,
-    pub(super) wbuf: Vec<u8>,
-    pub(super) writing: bool,
-    pub(super) fds_in: VecDeque<OwnedFd>,
-    pub(super) slots: Option<Arc<SlotTable>>,
-    /// The handshake is done (client: the server proved it holds the opening operation's key;
-    /// server: `Hello` answered).
-    pub(super) ready: bool,
-    /// Server side: the client sent `Trusted` (it checked our proof; requests may follow).
-    pub(super) trusted: bool,
-    /// Server side: read grants this connection holds (at most [`MAX_GRANTS_PER_CONN`]).
-    pub(super) granted: usize,
-    /// The client's nonce for this connection (sent in `Hello`).
-    pub(super) nonce: Nonce,
-    /// Client side: the key of the operation that opened the connection (what the server must
-    /// prove it holds).
-    pub(super) opening_key: Option<Arc<str>>,
-    /// This side may pull from the peer's memory.
-    pub(super) can_pull: bool,
-    /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
-    pub(super) peer: Arc<str>,
-    pub(super) queued: Vec<OpId>,
-    pub(super) free_slots: Vec<u32>,
-    pub(super) gens: Vec<u64>,
-    pub(super) dead: bool,
-}
-
-impl Conn {
-    pub(super) fn new(fd: OwnedFd, client: bool, peer_pid: libc::pid_t, peer: Arc<str>) -> Self {
-        Self {
-            fd,
-            client,
-            peer_pid,
-            pidfd: pidfd(peer_pid).map(Arc::new),
-            rbuf: Vec::new(),
-            wbuf: Vec::new(),
-            writing: false,
-            fds_in: VecDeque::new(),
-            slots: None,
-            ready: false,
-            trusted: false,
-            granted: 0,
-            nonce: [0; 16],
-            opening_key: None,
-            can_pull: false,
-            peer,
-            queued: Vec::new(),
-            free_slots: if client {
-                (0..SLOTS as u32).rev().collect()
-            } else {
-                Vec::new()
-            },
-            gens: if client { vec![0; SLOTS] } else { Vec::new() },
-            dead: false,
-        }
-    }
-
-    pub(super) fn send(&mut self, m: &Msg) {
-        m.encode(&mut self.wbuf);
-    }
-}
 
 impl LocalTransport {
     pub(super) fn insert(&mut self, c: Conn) -> ConnId {

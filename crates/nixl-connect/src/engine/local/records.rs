@@ -1,16 +1,25 @@
-//! The records the same-host transport keeps about its operations and copies: an active
-//! operation's phase, a finished copy's owner, a finished export. Below the files that act on
-//! them, so those never import each other.
+//! The records the same-host transport keeps: its connections ([`Conn`]), its passive
+//! operations' scopes ([`Scope`]), an active operation's phase, a finished copy's owner, a
+//! finished export. Below the files that act on them (and below the transport's own state), so
+//! none of those imports another.
 
+use std::collections::{HashSet, VecDeque};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
+
+use super::auth::Nonce;
+use super::proto::Msg;
+use super::slots::{SlotTable, SLOTS};
+use super::sys::pidfd;
+use crate::device::Device;
+use crate::metadata::OperationKind;
+use crate::reg::Range;
 
 use super::cma::{Copy, CopyError};
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{IpcSource, RefuseCode};
-use super::ConnId;
 use crate::engine::transport::{ActiveSpec, OpId};
 use crate::error::{Error, ErrorSource};
 use crate::state::OpState;
@@ -115,3 +124,102 @@ pub(super) enum ExportDone {
 }
 
 pub(super) type Exports = Arc<Mutex<Vec<ExportDone>>>;
+
+/// A connection's id (also its token in the engine's poller); never reused.
+pub(super) type ConnId = u64;
+
+/// One socket: a connection this side made (client, the active side) or accepted (server).
+pub(super) struct Conn {
+    pub(super) fd: OwnedFd,
+    pub(super) client: bool,
+    pub(super) peer_pid: libc::pid_t,
+    pub(super) pidfd: Option<Arc<OwnedFd>>,
+    pub(super) rbuf: Vec<u8>,
+    pub(super) wbuf: Vec<u8>,
+    pub(super) writing: bool,
+    pub(super) fds_in: VecDeque<OwnedFd>,
+    pub(super) slots: Option<Arc<SlotTable>>,
+    /// The handshake is done (client: the server proved it holds the opening operation's key;
+    /// server: `Hello` answered).
+    pub(super) ready: bool,
+    /// Server side: the client sent `Trusted` (it checked our proof; requests may follow).
+    pub(super) trusted: bool,
+    /// Server side: read grants this connection holds (at most [`MAX_GRANTS_PER_CONN`]).
+    pub(super) granted: usize,
+    /// The client's nonce for this connection (sent in `Hello`).
+    pub(super) nonce: Nonce,
+    /// Client side: the key of the operation that opened the connection (what the server must
+    /// prove it holds).
+    pub(super) opening_key: Option<Arc<str>>,
+    /// This side may pull from the peer's memory.
+    pub(super) can_pull: bool,
+    /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
+    pub(super) peer: Arc<str>,
+    pub(super) queued: Vec<OpId>,
+    pub(super) free_slots: Vec<u32>,
+    pub(super) gens: Vec<u64>,
+    pub(super) dead: bool,
+}
+
+impl Conn {
+    pub(super) fn new(fd: OwnedFd, client: bool, peer_pid: libc::pid_t, peer: Arc<str>) -> Self {
+        Self {
+            fd,
+            client,
+            peer_pid,
+            pidfd: pidfd(peer_pid).map(Arc::new),
+            rbuf: Vec::new(),
+            wbuf: Vec::new(),
+            writing: false,
+            fds_in: VecDeque::new(),
+            slots: None,
+            ready: false,
+            trusted: false,
+            granted: 0,
+            nonce: [0; 16],
+            opening_key: None,
+            can_pull: false,
+            peer,
+            queued: Vec::new(),
+            free_slots: if client {
+                (0..SLOTS as u32).rev().collect()
+            } else {
+                Vec::new()
+            },
+            gens: if client { vec![0; SLOTS] } else { Vec::new() },
+            dead: false,
+        }
+    }
+
+    pub(super) fn send(&mut self, m: &Msg) {
+        m.encode(&mut self.wbuf);
+    }
+}
+
+/// A passive operation's scope on the serving side.
+pub(super) struct Scope {
+    pub(super) kind: OperationKind,
+    pub(super) device: Device,
+    /// The operation's descriptors, sorted by address.
+    pub(super) ranges: Vec<Range>,
+    pub(super) state: Arc<OpState>,
+    /// Read grants given: `(connection, slot, generation)`.
+    pub(super) grants: HashSet<(ConnId, u32, u64)>,
+    /// The writer copying into it now: `(connection, slot, generation, cancel)`.
+    pub(super) writer: Option<(ConnId, u32, u64, Arc<AtomicBool>)>,
+}
+
+impl Scope {
+    /// True when `[addr, addr+len)` lies inside one descriptor.
+    pub(super) fn contains(&self, addr: u64, len: u64) -> bool {
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        let i = self.ranges.partition_point(|r| r.addr as u64 <= addr);
+        self.ranges[..i]
+            .iter()
+            .rev()
+            .take(16)
+            .any(|r| (r.addr + r.len) as u64 >= end)
+    }
+}

@@ -1,7 +1,6 @@
 //! The passive side: the handshake as a server, and the scope policy that decides what a peer's
 //! request may reach (keys, ranges, direction, one writer, grants per connection).
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -9,43 +8,14 @@ use super::auth::{self, KeyId, Nonce};
 use super::cma::{self, Copy, Piece, SlotRef};
 use super::device::device_path_refusal;
 use super::proto::{IpcSource, Msg, RefuseCode, VERSION};
+use super::records::ConnId;
 use super::records::{AnyCopy, CopyOwner};
 use super::slots::SlotTable;
+use super::state::{LocalTransport, MAX_GRANTS_PER_CONN, NOT_LIVE};
 use super::sys::self_pid;
-use super::{ConnId, LocalTransport, MAX_GRANTS_PER_CONN, NOT_LIVE};
 use crate::device::Device;
 use crate::engine::transport::Event;
 use crate::metadata::OperationKind;
-use crate::reg::Range;
-use crate::state::OpState;
-
-/// A passive operation's scope on the serving side.
-pub(super) struct Scope {
-    pub(super) kind: OperationKind,
-    pub(super) device: Device,
-    /// The operation's descriptors, sorted by address.
-    pub(super) ranges: Vec<Range>,
-    pub(super) state: Arc<OpState>,
-    /// Read grants given: `(connection, slot, generation)`.
-    pub(super) grants: HashSet<(ConnId, u32, u64)>,
-    /// The writer copying into it now: `(connection, slot, generation, cancel)`.
-    pub(super) writer: Option<(ConnId, u32, u64, Arc<AtomicBool>)>,
-}
-
-impl Scope {
-    /// True when `[addr, addr+len)` lies inside one descriptor.
-    pub(super) fn contains(&self, addr: u64, len: u64) -> bool {
-        let Some(end) = addr.checked_add(len) else {
-            return false;
-        };
-        let i = self.ranges.partition_point(|r| r.addr as u64 <= addr);
-        self.ranges[..i]
-            .iter()
-            .rev()
-            .take(16)
-            .any(|r| (r.addr + r.len) as u64 >= end)
-    }
-}
 
 impl LocalTransport {
     pub(super) fn on_hello(&mut self, i: ConnId, version: u32, key_id: KeyId, nonce: Nonce) {
@@ -328,14 +298,17 @@ impl LocalTransport {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashSet;
     use std::io::Read;
     use std::os::fd::OwnedFd;
     use std::os::unix::net::UnixStream;
 
     use super::*;
-    use crate::engine::local::conn::Conn;
+    use crate::engine::local::records::{Conn, Scope};
     use crate::engine::local::slots::SLOTS;
     use crate::engine::poller::Poller;
+    use crate::reg::Range;
+    use crate::state::OpState;
     use crate::state::OperationStatus;
 
     /// The frames the transport sent on `i`: those the socket took, then those still buffered.

@@ -1,0 +1,242 @@
+//! The same-host transport behind the engine's seam ([`Transport`]).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::auth::{self};
+use super::device::{device_path_refusal, uniform};
+use super::proto::Msg;
+use super::records::ConnId;
+use super::records::{Act, Phase, Scope};
+use super::state::{LocalTransport, ACCEPT_TIMER, LISTENER};
+use crate::device::Device;
+use crate::engine::poller::hung_up;
+use crate::engine::stats::EngineStats;
+use crate::engine::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
+use crate::error::{Error, Result};
+use crate::state::TransferPath;
+
+impl Transport for LocalTransport {
+    fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
+        if self.listener.is_none() {
+            return Ok(());
+        }
+        self.identities.insert(out.identity);
+        let mut ranges = spec.ranges.clone();
+        ranges.sort_by_key(|r| r.addr);
+        self.key_ids.insert(auth::key_id(&spec.key), spec.key.clone());
+        self.scopes.insert(
+            spec.key.clone(),
+            Scope {
+                kind: spec.kind,
+                device: spec.ranges.first().map_or(Device::Host, |r| r.device),
+                ranges,
+                state: spec.state.clone(),
+                grants: HashSet::new(),
+                writer: None,
+            },
+        );
+        Ok(())
+    }
+
+    fn unexpose(&mut self, key: &str) {
+        self.release_writer(key);
+        let Some(s) = self.scopes.remove(key) else { return };
+        self.key_ids.remove(&auth::key_id(key));
+        for (i, slot, gen) in s.grants {
+            if let Some(t) = self.conns.get(&i).and_then(|c| c.slots.as_ref()) {
+                t.revoke(slot, gen);
+            }
+            self.ungrant(i);
+        }
+        if s.writer.is_none() {
+            s.state.mark_released();
+        }
+    }
+
+    fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
+        if !self.enabled {
+            out.push(Event::Declined {
+                spec,
+                reason: "the same-host path is off for this connector".into(),
+            });
+            return;
+        }
+        let (local, remote) = (uniform(&spec.local), uniform(&spec.remote));
+        let device = match (local, remote) {
+            (Some(Device::Host), Some(Device::Host)) => false,
+            (Some(l), Some(r)) => {
+                let (src, dst) = if spec.write { (l, r) } else { (r, l) };
+                if let Some(refusal) = device_path_refusal(src, dst) {
+                    out.push(Event::Declined {
+                        spec,
+                        reason: refusal.into(),
+                    });
+                    return;
+                }
+                true
+            }
+            _ => {
+                out.push(Event::Declined {
+                    spec,
+                    reason: "the descriptors mix kinds of memory".into(),
+                });
+                return;
+            }
+        };
+        let i = match self.connect(&spec.peer, &spec.key) {
+            Ok(i) => i,
+            Err(reason) => {
+                out.push(Event::Declined { spec, reason });
+                return;
+            }
+        };
+        let c = self.conns.get_mut(&i).expect("connected");
+        let Some(slot) = c.free_slots.pop() else {
+            out.push(Event::Declined {
+                spec,
+                reason: "too many operations in flight to this peer on the same-host path".into(),
+            });
+            return;
+        };
+        c.gens[slot as usize] += 1;
+        let gen = c.gens[slot as usize];
+        if let Some(t) = &c.slots {
+            t.arm(slot, gen);
+        }
+        spec.state.set_path(TransferPath::Local);
+        let id = spec.id;
+        let ready = c.ready;
+        if !ready {
+            c.queued.push(id);
+        }
+        self.acts.insert(
+            id,
+            Act {
+                spec,
+                conn: i,
+                slot,
+                gen,
+                phase: Phase::Queued,
+                cancel: Arc::new(AtomicBool::new(false)),
+                pidfd: None,
+                device,
+                sources: Vec::new(),
+            },
+        );
+        if ready {
+            self.request(id, out);
+        } else {
+            self.flush(i);
+        }
+    }
+
+    fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
+        let Some(a) = self.acts.get_mut(&id) else { return };
+        let table = self.conns.get(&a.conn).and_then(|c| c.slots.clone());
+        match a.phase {
+            Phase::Copying => {
+                // Our own copy thread writes our memory: stop it; its end releases the memory.
+                a.cancel.store(true, Ordering::Relaxed);
+            }
+            Phase::Abandoned => {}
+            Phase::Queued | Phase::Exporting | Phase::Requested => {
+                // Nothing of ours is being written: a write's source is only read by the peer, and
+                // revoking its slot makes the peer discard what it read. Release at once.
+                if let Some(t) = table {
+                    t.revoke(a.slot, a.gen);
+                }
+                let was_queued = matches!(a.phase, Phase::Queued);
+                a.phase = Phase::Abandoned;
+                let conn = a.conn;
+                if was_queued {
+                    if let Some(c) = self.conns.get_mut(&conn) {
+                        c.queued.retain(|q| *q != id);
+                    }
+                    let a = self.acts.remove(&id).expect("present");
+                    self.free_slot(conn, a.slot, a.gen);
+                }
+                out.push(Event::ActiveEnded {
+                    id,
+                    result: Err(Error::Cancelled),
+                });
+            }
+        }
+    }
+
+    fn progress(&mut self, ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
+        let mut event = self.reap(out);
+        for &(token, ev) in ready {
+            if token == LISTENER {
+                self.accept();
+                event = true;
+                continue;
+            }
+            if token == ACCEPT_TIMER {
+                self.resume_accepting();
+                event = true;
+                continue;
+            }
+            let i: ConnId = token;
+            if !self.conns.contains_key(&i) {
+                continue;
+            }
+            event = true;
+            if ev & libc::EPOLLOUT as u32 != 0 {
+                self.flush(i);
+            }
+            if ev & libc::EPOLLIN as u32 != 0 || hung_up(ev) {
+                self.read(i);
+            }
+            while let Some(c) = self.conns.get_mut(&i) {
+                match Msg::decode(&c.rbuf) {
+                    Ok(Some((m, used))) => {
+                        c.rbuf.drain(..used);
+                        self.handle(i, m, out);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::debug!(error = e, "malformed same-host frame; closing the connection");
+                        c.dead = true;
+                        break;
+                    }
+                }
+            }
+            self.flush(i);
+            if self.conns.get(&i).is_some_and(|c| c.dead) {
+                self.close(i, out);
+            }
+        }
+        // Answers queued while handling other connections.
+        let pending: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| !c.wbuf.is_empty() && !c.writing)
+            .map(|(i, _)| *i)
+            .collect();
+        for i in pending {
+            self.flush(i);
+        }
+        event |= self.reap(out);
+        event
+    }
+
+    fn polling(&self) -> Polling {
+        Polling::EveryTurn
+    }
+
+    fn has_pending(&self) -> bool {
+        self.has_finished()
+    }
+
+    fn stop(&mut self, within: Option<Duration>) -> bool {
+        self.stop_copies(within)
+    }
+
+    fn add_stats(&self, stats: &mut EngineStats, completed: u64) {
+        stats.local_transfers += completed;
+        stats.local_refused_peers += self.refused_peers;
+    }
+}

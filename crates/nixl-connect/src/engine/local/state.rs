@@ -1,0 +1,112 @@
+//! The same-host transport's state: its limits, its records of connections, operations and
+//! scopes, and how it starts. What it does lives beside it: connections (`conn`), the server's
+//! scope policy (`server`), the client (`client`), copies (`copies`), device memory (`device`),
+//! frame dispatch (`dispatch`) and the engine's seam (`seam`).
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::auth::KeyId;
+use super::records::{Act, Conn, ConnId, Exports, Finished, Outstanding, Scope};
+use super::slots;
+use super::sys::{timerfd, uid};
+use crate::engine::poller::{Registrar, Waker};
+use crate::engine::transport::OpId;
+
+/// The token of the listening socket in the engine's poller.
+pub(super) const LISTENER: u64 = 0;
+/// The poller token of the timer that re-arms the listener after running out of descriptors.
+pub(super) const ACCEPT_TIMER: u64 = u64::MAX - 1; // u64::MAX is the poller's own wake-up
+/// How long the listener rests after `accept` ran out of descriptors or memory.
+pub(super) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// Connections this connector serves at once (same-host peers beyond it are refused and use NIXL).
+pub(super) const MAX_SERVED: usize = 1024;
+/// Connections it serves at once to one process.
+pub(super) const MAX_SERVED_PER_PID: usize = 64;
+/// The most read grants one connection holds at once (a well-behaved client has at most one per
+/// slot of its table); past it, requests take NIXL.
+pub(super) const MAX_GRANTS_PER_CONN: usize = slots::SLOTS;
+/// How long a peer with no same-host socket is not asked again.
+pub(super) const NEGATIVE_TTL: Duration = Duration::from_secs(2);
+/// Negative answers remembered.
+pub(super) const MAX_NEGATIVE: usize = 4096;
+
+/// Why a request for a key this side has no live operation for is refused.
+pub(super) const NOT_LIVE: &str = "no live operation has this notification key: it completed, was cancelled \
+                        or dropped (a replayed metadata string?)";
+
+/// The same-host transport of one connector.
+pub(crate) struct LocalTransport {
+    pub(super) enabled: bool,
+    pub(super) listener: Option<OwnedFd>,
+    pub(super) reg: Registrar,
+    pub(super) waker: Waker,
+    pub(super) uid: libc::uid_t,
+    pub(super) conns: HashMap<ConnId, Conn>,
+    pub(super) next_conn: ConnId,
+    pub(super) by_peer: HashMap<Arc<str>, ConnId>,
+    pub(super) negative: HashMap<Arc<str>, Instant>,
+    pub(super) scopes: HashMap<Arc<str>, Scope>,
+    /// The key of each live scope by its key id (the name requests use on the wire).
+    pub(super) key_ids: HashMap<KeyId, Arc<str>>,
+    /// Fingerprints of this connector's exposers' connection metadata.
+    pub(super) identities: HashSet<u64>,
+    pub(super) acts: HashMap<OpId, Act>,
+    pub(super) finished: Finished,
+    pub(super) exports: Exports,
+    pub(super) outstanding: Arc<Outstanding>,
+    pub(super) refused_peers: u64,
+    /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
+    /// the listener after `accept` ran out of descriptors, instead of spinning on it.
+    pub(super) accept_timer: Option<OwnedFd>,
+    /// [`Self::stop_copies`] ran (the drop does not wait again).
+    pub(super) stopped: bool,
+}
+
+impl Drop for LocalTransport {
+    fn drop(&mut self) {
+        if !self.stopped {
+            self.stop_copies(None);
+        }
+    }
+}
+
+impl LocalTransport {
+    /// A transport serving on `listener` (none: this connector cannot be reached on this path)
+    /// and, when `enabled`, trying it for active operations.
+    pub(crate) fn new(enabled: bool, listener: Option<OwnedFd>, reg: Registrar, waker: Waker) -> Self {
+        if let Some(l) = &listener {
+            if let Err(e) = reg.add(l.as_raw_fd(), LISTENER, true, false) {
+                tracing::warn!(error = %e, "cannot watch the same-host socket");
+            }
+        }
+        let accept_timer = listener.as_ref().and_then(|_| {
+            let t = timerfd().ok()?;
+            reg.add(t.as_raw_fd(), ACCEPT_TIMER, true, false).ok()?;
+            Some(t)
+        });
+        Self {
+            enabled,
+            listener,
+            reg,
+            waker,
+            uid: uid(),
+            conns: HashMap::new(),
+            next_conn: 1,
+            by_peer: HashMap::new(),
+            negative: HashMap::new(),
+            scopes: HashMap::new(),
+            key_ids: HashMap::new(),
+            identities: HashSet::new(),
+            acts: HashMap::new(),
+            finished: Arc::new(Mutex::new(Vec::new())),
+            exports: Arc::new(Mutex::new(Vec::new())),
+            outstanding: Arc::new(Outstanding::default()),
+            refused_peers: 0,
+            accept_timer,
+            stopped: false,
+        }
+    }
+}
