@@ -11,8 +11,9 @@ echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings" >&2
 cargo clippy --workspace --all-targets --all-features -- -D warnings
-echo "== cargo doc" >&2
+echo "== cargo doc (public, then private items: every intra-doc link resolves)" >&2
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps -q
+RUSTDOCFLAGS="-D warnings" cargo doc -p nixl-connect --all-features --no-deps --document-private-items -q
 echo "== cargo test" >&2
 cargo test --workspace --all-features 2>&1
 echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect side by side, Dynamo's callers on both)" >&2

@@ -54,7 +54,7 @@ pub enum PathPolicy {
     /// NIXL only; the connector does not listen for same-host peers either.
     Nixl,
     /// The same-host path only: an operation it cannot take fails with
-    /// [`Error::PathUnavailable`](crate::Error::PathUnavailable) (for benchmarks and tests).
+    /// [`Error::PathUnavailable`] (for benchmarks and tests).
     Local,
 }
 

@@ -5,7 +5,7 @@
 //!
 //! - [`http`] (feature `http`, on by default): an embedded HTTP server, one listener per process,
 //!   each published operation under its own unguessable path. Good on one host or a flat network.
-//! - [`nats`] (feature `nats`): NATS request/reply on a per-operation subject, for fleets whose
+//! - `nats` (feature `nats`): NATS request/reply on a per-operation subject, for fleets whose
 //!   workers already share a NATS server.
 //!
 //! Both unpublish when the returned publication guard is dropped: hold it as long as the

@@ -2,9 +2,9 @@
 //!
 //! Callers send [`Cmd`]s over a channel and wake the thread through its [`poller`]. The thread
 //! sleeps in `epoll` on the same-host transport's sockets and its wake-up `eventfd`; it polls NIXL
-//! only when NIXL needs it ([`Polling`]): often while transfers are in flight, every
+//! only when NIXL needs it ([`Polling`](transport::Polling)): often while transfers are in flight, every
 //! [`nixl::EXPOSED_POLL`] while memory is exposed (a peer may need this side to act, for example to
-//! serve a read over TCP), never otherwise. After any event it keeps spinning for [`SPIN`] so that
+//! serve a read over TCP), never otherwise. After any event it keeps spinning for [`SPIN`](driver::SPIN) so that
 //! back-to-back operations pay no wake-up; an idle connector costs no CPU.
 //!
 //! Ownership: from the moment a command leaves the caller, the memory a transport may touch is

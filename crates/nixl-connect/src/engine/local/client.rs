@@ -6,15 +6,14 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::auth::{self};
+use super::auth;
 use super::cma::{self, Copy, Piece, SlotRef};
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{IpcSource, Msg, RefuseCode, MAX_FRAME, VERSION};
-use super::records::ConnId;
 #[cfg(feature = "cuda")]
 use super::records::ExportDone;
-use super::records::{refused, Act, AnyCopy, CopyOwner, Expect, Phase};
+use super::records::{refused, Act, AnyCopy, ConnId, CopyOwner, Expect, Phase};
 use super::slots::SlotTable;
 use super::state::{LocalTransport, MAX_NEGATIVE, NOT_LIVE};
 use super::sys::self_pid;

@@ -6,12 +6,11 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::auth::{self};
+use super::auth;
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{self, Msg};
-use super::records::ConnId;
-use super::records::{Conn, Phase};
+use super::records::{Conn, ConnId, Phase};
 use super::state::{
     LocalTransport, ACCEPT_BACKOFF, LISTENER, MAX_NEGATIVE, MAX_SERVED, MAX_SERVED_PER_PID, NEGATIVE_TTL,
 };

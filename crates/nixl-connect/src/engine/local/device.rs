@@ -10,10 +10,9 @@ use super::cma::SlotRef;
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::proto::{IpcSource, Msg, RefuseCode};
-use super::records::ConnId;
 #[cfg(feature = "cuda")]
 use super::records::{AnyCopy, CopyOwner};
-use super::records::{ExportDone, Phase};
+use super::records::{ConnId, ExportDone, Phase};
 use super::state::LocalTransport;
 use crate::device::Device;
 use crate::engine::transport::{Decline, Event};

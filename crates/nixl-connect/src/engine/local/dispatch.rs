@@ -4,8 +4,7 @@
 use std::time::Instant;
 
 use super::proto::Msg;
-use super::records::ConnId;
-use super::records::{refused, Expect, Phase};
+use super::records::{refused, ConnId, Expect, Phase};
 use super::state::LocalTransport;
 use crate::engine::transport::Event;
 use crate::error::Error;

@@ -2,7 +2,7 @@
 //! band so the published metadata stays exactly NIXL's.
 //!
 //! Each connector listens on an abstract Unix socket named from its agent name
-//! ([`socket_name`]), which scopes it to this host's network namespace. An active side that finds
+//! ([`socket_name`](sys::socket_name)), which scopes it to this host's network namespace. An active side that finds
 //! the socket named by a metadata's agent connects, hands over a sealed slot table ([`slots`]),
 //! and asks for access to the operation by its notification key ([`proto`]). The passive side
 //! checks everything against its live operation: the peer's uid (`SO_PEERCRED`), the key, every
@@ -16,7 +16,7 @@
 //! it, the destination's owner opens it and copies on its own stream. No socket, a peer on another
 //! host, another user, a kernel that forbids cross-memory attach, host memory into device memory,
 //! or no CUDA where device memory is involved: the operation goes to NIXL instead
-//! ([`Event::Declined`]).
+//! ([`Event::Declined`](crate::engine::transport::Event::Declined)).
 
 mod auth;
 mod client;

@@ -1,7 +1,7 @@
 //! The records the same-host transport keeps: its connections ([`Conn`]), its passive
 //! operations' scopes ([`Scope`]), an active operation's phase, a finished copy's owner, a
-//! finished export. Below the files that act on them (and below the transport's own state), so
-//! none of those imports another.
+//! finished export. It sits below the files that act on these records and below the transport's
+//! own state (`state.rs`), so none of them imports its way back up.
 
 use std::collections::{HashSet, VecDeque};
 use std::os::fd::OwnedFd;
@@ -9,21 +9,20 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use super::auth::Nonce;
-use super::proto::Msg;
-use super::slots::{SlotTable, SLOTS};
-use super::sys::pidfd;
-use crate::device::Device;
-use crate::metadata::OperationKind;
-use crate::reg::Range;
-
 use super::cma::{Copy, CopyError};
 #[cfg(feature = "cuda")]
 use super::ipc;
-use super::proto::{IpcSource, RefuseCode};
+use super::proto::{IpcSource, Msg, RefuseCode};
+use super::slots::{SlotTable, SLOTS};
+use super::sys::pidfd;
+use crate::device::Device;
 use crate::engine::transport::{ActiveSpec, OpId};
 use crate::error::{Error, ErrorSource};
+use crate::metadata::OperationKind;
+use crate::reg::Range;
 use crate::state::OpState;
 
+/// Where an active operation is on the same-host path.
 pub(super) enum Phase {
     /// Waiting for the connection's handshake.
     Queued,
@@ -144,7 +143,8 @@ pub(super) struct Conn {
     pub(super) ready: bool,
     /// Server side: the client sent `Trusted` (it checked our proof; requests may follow).
     pub(super) trusted: bool,
-    /// Server side: read grants this connection holds (at most [`MAX_GRANTS_PER_CONN`]).
+    /// Server side: read grants this connection holds (at most
+    /// [`MAX_GRANTS_PER_CONN`](super::state::MAX_GRANTS_PER_CONN)).
     pub(super) granted: usize,
     /// The client's nonce for this connection (sent in `Hello`).
     pub(super) nonce: Nonce,

@@ -5,11 +5,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::auth::{self};
+use super::auth;
 use super::device::{device_path_refusal, uniform};
 use super::proto::Msg;
-use super::records::ConnId;
-use super::records::{Act, Phase, Scope};
+use super::records::{Act, ConnId, Phase, Scope};
 use super::state::{LocalTransport, ACCEPT_TIMER, LISTENER};
 use crate::device::Device;
 use crate::engine::poller::hung_up;

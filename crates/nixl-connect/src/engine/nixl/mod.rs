@@ -40,7 +40,7 @@ pub(crate) const MAX_IDLE_PEERS: usize = 64;
 /// How many replaced (retired) NIXL agents a connector keeps alive for their passive operations
 /// still waiting for a peer. Past it, the oldest is destroyed: the memory it held back is
 /// released and its waiting operations fail with
-/// [`Error::Interrupted`](crate::Error::Interrupted). Held memory is thus bounded by about `MAX_RETIRED_EXPOSERS + 1` times the quarantine limit
+/// [`Error::Interrupted`]. Held memory is thus bounded by about `MAX_RETIRED_EXPOSERS + 1` times the quarantine limit
 /// ([`ConnectorBuilder::quarantine_limit`](crate::ConnectorBuilder::quarantine_limit)).
 pub const MAX_RETIRED_EXPOSERS: usize = 3;
 

@@ -140,7 +140,7 @@ pub(super) enum Mail {
     Quarantine { gen: u64, memory: Hold, bytes: usize },
 }
 
-/// One NIXL registration, kept alive by the [`RegToken`]s that wrap it; its drop queues the
+/// One NIXL registration, kept alive by the [`RegToken`](crate::reg::RegToken)s that wrap it; its drop queues the
 /// deregistration on the engine thread.
 pub(super) struct RegInner {
     pub(super) mailbox: Mailbox,
