@@ -76,16 +76,7 @@ impl LocalTransport {
                     reason,
                 },
             ) if self.expects(i, slot, gen, Expect::Answer) => {
-                if let Some((id, a)) = self.take_act(i, slot, gen) {
-                    let peer = a.spec.peer.to_string();
-                    self.free_slot(i, slot, gen);
-                    if !matches!(a.phase, Phase::Abandoned) {
-                        out.push(Event::ActiveEnded {
-                            id,
-                            result: Err(refused(peer, code, reason)),
-                        });
-                    }
-                }
+                self.end_answered(i, slot, gen, out, |peer| Err(refused(peer, code, reason)));
             }
             (true, Msg::Fallback { slot, gen, reason }) if self.expects(i, slot, gen, Expect::Answer) => {
                 if let Some((_, a)) = self.take_act(i, slot, gen) {
@@ -108,24 +99,17 @@ impl LocalTransport {
                 },
             ) if self.expects(i, slot, gen, Expect::WriteDone) => {
                 // The passive side finished copying our write.
-                if let Some((id, a)) = self.take_act(i, slot, gen) {
-                    let peer = a.spec.peer.to_string();
-                    self.free_slot(i, slot, gen);
-                    if !matches!(a.phase, Phase::Abandoned) {
-                        out.push(Event::ActiveEnded {
-                            id,
-                            result: if ok {
-                                Ok(())
-                            } else {
-                                Err(Error::Transfer {
-                                    agent: peer,
-                                    reason,
-                                    source: None,
-                                })
-                            },
-                        });
+                self.end_answered(i, slot, gen, out, |peer| {
+                    if ok {
+                        Ok(())
+                    } else {
+                        Err(Error::Transfer {
+                            agent: peer,
+                            reason,
+                            source: None,
+                        })
                     }
-                }
+                });
             }
             (false, Msg::Done { slot, gen, ok, .. }) => self.on_read_done(i, slot, gen, ok, out),
             // Anything else breaks the protocol (a frame out of order, for an operation in another
@@ -136,6 +120,27 @@ impl LocalTransport {
                 if let Some(c) = self.conns.get_mut(&i) {
                     c.dead = true;
                 }
+            }
+        }
+    }
+
+    /// Ends the active operation that (`i`, `slot`, `gen`) answered: frees its slot and, unless it
+    /// was abandoned, reports `result` (given the peer's agent name).
+    fn end_answered(
+        &mut self,
+        i: ConnId,
+        slot: u32,
+        gen: u64,
+        out: &mut Vec<Event>,
+        result: impl FnOnce(String) -> crate::error::Result<()>,
+    ) {
+        if let Some((id, a)) = self.take_act(i, slot, gen) {
+            self.free_slot(i, slot, gen);
+            if !matches!(a.phase, Phase::Abandoned) {
+                out.push(Event::ActiveEnded {
+                    id,
+                    result: result(a.spec.peer.to_string()),
+                });
             }
         }
     }
