@@ -56,7 +56,8 @@ fn invalid(msg: String) -> PyErr {
 }
 
 /// One descriptor from Python: `(ptr, size, device, keepalive)`; a device string ending in
-/// `!ro` marks read-only memory (bytes), which may only be a source.
+/// `!ro` marks read-only memory (bytes), which may only be a source; `@<stream>` after it names
+/// the CUDA stream an operation over the memory waits for.
 type PyDesc = (u64, u64, String, Py<PyAny>);
 
 fn descriptors(descs: Vec<PyDesc>) -> PyResult<Vec<Descriptor<'static>>> {
@@ -66,9 +67,19 @@ fn descriptors(descs: Vec<PyDesc>) -> PyResult<Vec<Descriptor<'static>>> {
     descs
         .into_iter()
         .map(|(ptr, size, device, keep)| {
+            // `@<stream>`: the CUDA stream whose queued work an operation waits for (stream order).
+            let (device, stream) = match device.split_once('@') {
+                Some((d, s)) => {
+                    let s: u64 = s
+                        .parse()
+                        .map_err(|_| invalid(format!("bad stream handle {s:?}")))?;
+                    (d, Some(s))
+                }
+                None => (device.as_str(), None),
+            };
             let (dev, writable) = match device.strip_suffix("!ro") {
                 Some(d) => (d, false),
-                None => (device.as_str(), true),
+                None => (device, true),
             };
             let dev: Device = dev
                 .parse()
@@ -81,7 +92,15 @@ fn descriptors(descs: Vec<PyDesc>) -> PyResult<Vec<Descriptor<'static>>> {
             // data_ptr(), a buffer's address), which the descriptor keeps alive for as long as a
             // transfer may touch the memory; read-only objects are marked so and never written.
             #[allow(unsafe_code)]
-            Ok(unsafe { Descriptor::from_raw_parts_with_owner(ptr as *mut u8, len, dev, writable, keep) })
+            let d =
+                unsafe { Descriptor::from_raw_parts_with_owner(ptr as *mut u8, len, dev, writable, keep) };
+            Ok(match stream {
+                // SAFETY: the stream is the tensor's current stream (or its CUDA array interface's),
+                // which its runtime keeps alive while the tensor is in use.
+                #[allow(unsafe_code)]
+                Some(s) => unsafe { d.ordered_after(s) },
+                None => d,
+            })
         })
         .collect()
 }

@@ -21,6 +21,9 @@ use crate::error::{Error, Result};
 
 pub use cudarc::driver::{CudaContext, CudaStream};
 
+mod order;
+pub(crate) use order::{after, primary, Producer};
+
 /// True when the CUDA driver library (`libcuda.so.1`) can be loaded (looked for once: a failed
 /// `dlopen` walks the library path, milliseconds that every raw descriptor would otherwise pay).
 pub fn driver_available() -> bool {

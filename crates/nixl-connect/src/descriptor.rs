@@ -159,7 +159,15 @@ pub struct Descriptor<'a> {
     mem: Mem<'a>,
     device: Device,
     regs: Vec<RegToken>,
+    /// The stream whose work queued before an operation must finish before the operation starts.
+    producer: ProducerSlot,
 }
+
+/// Where a descriptor keeps its producer stream (nothing without the `cuda` feature).
+#[cfg(feature = "cuda")]
+type ProducerSlot = Option<crate::cuda::Producer>;
+#[cfg(not(feature = "cuda"))]
+type ProducerSlot = ();
 
 impl<'a> Descriptor<'a> {
     fn make(mem: Mem<'a>, device: Device) -> Self {
@@ -167,7 +175,19 @@ impl<'a> Descriptor<'a> {
             mem,
             device,
             regs: Vec::new(),
+            producer: Default::default(),
         }
+    }
+
+    /// The stream an operation over this descriptor waits for before it starts.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn producer(&self) -> Option<&crate::cuda::Producer> {
+        self.producer.as_ref()
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn set_producer(&mut self, p: crate::cuda::Producer) {
+        self.producer = Some(p);
     }
 
     /// A descriptor over memory it owns.
@@ -423,23 +443,31 @@ impl<'a> Descriptor<'a> {
     /// # Errors
     /// Gives the descriptor back when it borrows its memory.
     pub fn try_into_static(self) -> Result<Descriptor<'static>, Self> {
-        let Descriptor { mem, device, regs } = self;
+        let Descriptor {
+            mem,
+            device,
+            regs,
+            producer,
+        } = self;
         match mem {
-            Mem::Owned(m) => Ok(Descriptor {
-                mem: Mem::Owned(m),
-                device,
-                regs,
-            }),
-            Mem::Raw { ptr, len } => Ok(Descriptor {
-                mem: Mem::Raw { ptr, len },
-                device,
-                regs,
-            }),
-            other => Err(Descriptor {
-                mem: other,
-                device,
-                regs,
-            }),
+            Mem::Owned(m) => Ok(Descriptor::rebuilt(Mem::Owned(m), device, regs, producer)),
+            Mem::Raw { ptr, len } => Ok(Descriptor::rebuilt(Mem::Raw { ptr, len }, device, regs, producer)),
+            other => Err(Descriptor::rebuilt(other, device, regs, producer)),
+        }
+    }
+
+    /// A descriptor of `mem` with the rest of another's parts.
+    fn rebuilt<'b>(
+        mem: Mem<'b>,
+        device: Device,
+        regs: Vec<RegToken>,
+        producer: ProducerSlot,
+    ) -> Descriptor<'b> {
+        Descriptor {
+            mem,
+            device,
+            regs,
+            producer,
         }
     }
 }

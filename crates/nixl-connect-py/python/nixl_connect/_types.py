@@ -280,6 +280,24 @@ def _array_interface(arr: Any, device: Device) -> Optional[dict]:
     return None
 
 
+def _producer_stream(desc: "Descriptor") -> Optional[int]:
+    """The CUDA stream an operation over `desc` waits for before it starts (stream order: the
+    work queued there before the operation, and nothing else on the device): for a torch tensor
+    the caller's current stream on its device, for an object with a CUDA array interface its
+    `stream` (version 3); None for raw pointers, whose work the caller finishes first."""
+    if desc._kind == _KIND_TENSOR:
+        cuda = getattr(sys.modules.get("torch"), "cuda", None)
+        try:
+            return int(cuda.current_stream(desc._data_device.id).cuda_stream)
+        except Exception:  # noqa: BLE001 (not torch, or torch without CUDA: nothing to wait for)
+            return None
+    if desc._kind == _KIND_ARRAY:
+        iface = getattr(desc._data_ref, "__cuda_array_interface__", None)
+        stream = iface.get("stream") if isinstance(iface, dict) else None
+        return stream if isinstance(stream, int) and not isinstance(stream, bool) and stream > 0 else None
+    return None
+
+
 def _has_array_interface(obj: Any) -> bool:
     return hasattr(type(obj), "__array_interface__") or hasattr(type(obj), "__cuda_array_interface__")
 
@@ -573,4 +591,8 @@ class Descriptor:
         device = str(self._data_device)
         if self._readonly:
             device += "!ro"
+        if self._data_device.kind == DeviceKind.CUDA:
+            stream = _producer_stream(self)
+            if stream is not None:
+                device += f"@{stream}"
         return (self._data_ptr, self._data_size, device, keep)

@@ -75,6 +75,7 @@ impl<'a> Active<'a> {
         kind: OperationKind,
     ) -> Result<Self> {
         check_pairing(remote, &descs, kind)?;
+        super::producers_done(&descs).await?;
         let local: Vec<Range> = descs.iter().map(Descriptor::range).collect();
         let remote_ranges: Vec<Range> = remote
             .descriptors

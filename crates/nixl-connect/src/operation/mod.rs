@@ -46,3 +46,16 @@ async fn wait(state: &Arc<OpState>, timeout: Option<Duration>, peer: Option<&str
         })?,
     }
 }
+
+/// Waits until the work queued so far on the descriptors' producer streams is done (stream order;
+/// nothing else on the device is waited for). Without the `cuda` feature there is none.
+///
+/// # Cancel safety
+/// Cancel safe: nothing has started yet.
+async fn producers_done(descs: &[crate::descriptor::Descriptor<'_>]) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    crate::cuda::after(descs.iter().filter_map(|d| d.producer())).await?;
+    #[cfg(not(feature = "cuda"))]
+    let _ = descs;
+    Ok(())
+}

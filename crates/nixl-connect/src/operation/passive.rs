@@ -33,6 +33,7 @@ impl<'a> Passive<'a> {
         kind: OperationKind,
     ) -> Result<Self> {
         check_local(&descs, kind == OperationKind::Write)?;
+        super::producers_done(&descs).await?;
         // Borrowed slices go through a HostBuffer of the library's: one copy in for a readable,
         // one copy back for a completed writable.
         let mut descs = descs;

@@ -1,12 +1,12 @@
 //! Device memory between Rust peers of one host through CUDA IPC (feature `cuda`).
 //!
-//! The owner of the *source* exports it ([`export`]): on its CUDA thread it synchronises the
-//! memory's context (so the copy starts only after the owner's pending work on it is done), finds
-//! the allocation around each range (`cuMemGetAddressRange`), its buffer id and its IPC handle
+//! The owner of the *source* exports it ([`export`]): on its CUDA thread it finds the allocation
+//! around each range (`cuMemGetAddressRange`), its buffer id and its IPC handle
 //! (`cuIpcGetMemHandle`). The side whose memory is *written* copies ([`spawn`]), as on the host
 //! path: it opens the handle once and caches the mapping per (peer connection, allocation base,
 //! buffer id), so a freed and reallocated address never reuses a stale mapping, copies with
-//! `cuMemcpyAsync` on its own stream (device to device, or device to its own host memory), and
+//! `cuMemcpyAsync` on its own stream (device to device, or device to its own host memory) after
+//! checking the range against the mapping's true size (`cuMemGetAddressRange`), and
 //! synchronises that stream before the copy counts as done, so the owner learns of completion only
 //! after the bytes are in place. Every copy runs under the slot protocol of [`super::slots`]: a
 //! source revoked before the copy has finished makes the copier discard it.
@@ -81,6 +81,14 @@ pub(crate) enum IpcError {
     /// A range runs past the end of the allocation around it.
     #[error("a range runs past the end of its CUDA allocation")]
     PastAllocation,
+    /// The peer claimed more memory than the allocation its handle maps.
+    #[error("the peer claims {claimed} bytes of an allocation whose mapping holds {mapped}")]
+    LargerThanMapping {
+        /// The bytes the peer's export claims (allocation size, or offset + length).
+        claimed: u64,
+        /// The bytes the mapping really holds.
+        mapped: u64,
+    },
     /// A driver call panicked (the step is abandoned; the thread goes on).
     #[error("the CUDA {0} panicked")]
     Panicked(&'static str),
@@ -296,20 +304,14 @@ impl Cuda {
     }
 
     fn export(&mut self, ranges: &[(u64, u64)]) -> Result<Vec<IpcSource>, IpcError> {
-        let mut synced = Vec::new();
         let mut out = Vec::with_capacity(ranges.len());
         for &(addr, len) in ranges {
+            // No synchronisation here: the operation waited for its producer streams when it was
+            // created (crate::cuda::after), and nothing else on the device is the copy's business.
             let ordinal = self.ordinal_of_ptr(addr)?;
             let d = self.dev(ordinal)?;
             // SAFETY: makes a retained primary context current on this thread.
             check(unsafe { sys::cuCtxSetCurrent(d.ctx) }, "cuCtxSetCurrent")?;
-            if !synced.contains(&ordinal) {
-                // The owner's pending work on this memory (any stream of the context) is done
-                // before anyone may read it.
-                // SAFETY: synchronises the current context.
-                check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")?;
-                synced.push(ordinal);
-            }
             let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
             // SAFETY: writes the allocation's base and size into the locals.
             let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) };
@@ -410,6 +412,27 @@ impl Cuda {
         }
     }
 
+    /// Checks that `src`'s range lies inside the allocation actually mapped at `mapped` (its
+    /// true extent, from `cuMemGetAddressRange`), whatever the peer claimed.
+    fn within_mapping(&self, ctx: sys::CUcontext, mapped: u64, src: &IpcSource) -> Result<(), IpcError> {
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: makes a retained context current and writes the allocation's base and size
+        // into the locals; `mapped` is only inspected.
+        let r = unsafe {
+            check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, mapped)
+        };
+        check(r, "cuMemGetAddressRange")?;
+        let end = src.offset.checked_add(src.len);
+        if base != mapped || end.is_none_or(|e| e > size as u64) || src.alloc_len > size as u64 {
+            return Err(IpcError::LargerThanMapping {
+                claimed: src.alloc_len.max(end.unwrap_or(u64::MAX)),
+                mapped: size as u64,
+            });
+        }
+        Ok(())
+    }
+
     fn copy(&mut self, c: &Copy) -> Result<(), CopyError> {
         let own = c.pid == std::process::id() as libc::pid_t;
         let mut started = false;
@@ -446,6 +469,10 @@ impl Cuda {
                     self.map(c.conn, &p.src, ordinal)?
                 };
                 let d = self.dev(ordinal).map_err(|e| CopyError::Os(e.into()))?;
+                // The peer's word on the allocation's size is checked against the mapping itself:
+                // a peer claiming more than it exported never makes this process read past it.
+                self.within_mapping(d.ctx, src, &p.src)
+                    .map_err(|e| CopyError::Unsupported(e.into()))?;
                 // SAFETY: `dst` is memory of this process the copy's owner keeps valid until the
                 // copy ends (the transport waits for it before freeing); `src` is a mapping of a
                 // live grant's allocation, read only, and `offset + len` lies inside it (checked
@@ -486,5 +513,56 @@ impl Cuda {
             }
         }
         result.and(synced)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first GPU's context, or `None` after saying why the test is skipped (a failure where
+    /// `NIXL_CONNECT_REQUIRE_GPU` is set).
+    fn gpu(test: &str) -> Option<std::sync::Arc<cudarc::driver::CudaContext>> {
+        if available() {
+            if let Ok(ctx) = cudarc::driver::CudaContext::new(0) {
+                return Some(ctx);
+            }
+        }
+        assert!(
+            std::env::var_os("NIXL_CONNECT_REQUIRE_GPU").is_none(),
+            "{test}: a GPU is required here"
+        );
+        eprintln!("{test}: skipped: no usable CUDA device");
+        None
+    }
+
+    #[test]
+    fn ipc_mapping_size_refuses_a_peer_claiming_more_than_it_exported() {
+        let Some(ctx) = gpu("ipc_mapping_size_refuses_a_peer_claiming_more_than_it_exported") else {
+            return;
+        };
+        ctx.bind_to_thread().unwrap();
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: allocates 1 MiB with cuMemAlloc (IPC handles need such memory, not the stream
+        // pool's that cudarc allocates from); freed at the end.
+        let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, 1 << 20) };
+        assert_eq!(r, CUresult::CUDA_SUCCESS);
+        let mut cuda = Cuda::default();
+        let honest = cuda.export(&[(ptr, 1 << 20)]).unwrap().remove(0);
+        let d = cuda.dev(0).unwrap();
+        cuda.within_mapping(d.ctx, honest.base, &honest).unwrap();
+        // The peer's word: a larger allocation, and a range running past the real one.
+        let mut forged = honest.clone();
+        forged.alloc_len = 64 << 20;
+        forged.len = 2 << 20;
+        let e = cuda.within_mapping(d.ctx, forged.base, &forged).unwrap_err();
+        assert!(matches!(e, IpcError::LargerThanMapping { .. }), "{e}");
+        // Claiming a larger allocation alone is refused too.
+        let mut bigger = honest.clone();
+        bigger.alloc_len = 2 << 20;
+        assert!(cuda.within_mapping(d.ctx, bigger.base, &bigger).is_err());
+        ctx.bind_to_thread().unwrap();
+        // SAFETY: frees the allocation made above; nothing uses it any more.
+        unsafe { sys::cuMemFree_v2(ptr) };
     }
 }
