@@ -184,7 +184,12 @@ fn device_paths() -> Check {
     for &src in &kinds {
         for &dst in &kinds {
             let path = match nixl_connect::same_host_path(src, dst) {
-                Ok(()) if src == Device::Host => "same-host (process_vm_readv)".to_string(),
+                Ok(()) if src == Device::Host && dst == Device::Host => {
+                    "same-host (process_vm_readv)".to_string()
+                }
+                Ok(()) if src == Device::Host => {
+                    "same-host (process_vm_readv into pinned staging, then DMA)".to_string()
+                }
                 Ok(()) => "same-host (CUDA IPC)".to_string(),
                 Err(why) => format!("NIXL ({why})"),
             };

@@ -324,7 +324,8 @@ impl std::ops::Deref for ChannelError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 #[non_exhaustive]
 pub enum PathRefusal {
-    /// Host memory into device memory: NIXL moves it (CUDA IPC shares device memory only).
+    /// Host memory into device memory in a build without the `cuda` feature: NIXL moves it (with
+    /// it, the device memory's owner pulls the bytes through pinned staging).
     #[error("{}", self.message())]
     HostIntoDevice,
     /// Device memory, but this build has no CUDA support (feature `cuda`).
@@ -342,7 +343,9 @@ impl PathRefusal {
     /// The reason, as text.
     pub fn message(&self) -> &'static str {
         match self {
-            PathRefusal::HostIntoDevice => "host memory into device memory takes the NIXL path",
+            PathRefusal::HostIntoDevice => {
+                "host memory into device memory takes the NIXL path in a build without CUDA support"
+            }
             PathRefusal::NoCudaSupport => "this build has no CUDA support (feature `cuda`)",
             PathRefusal::NoCudaDevice => "no usable CUDA driver or GPU in this process",
             PathRefusal::UnsupportedMemory => {
@@ -532,9 +535,21 @@ mod tests {
 
     #[test]
     fn error_path_refusal_is_typed_and_reads_as_text() {
-        let r = crate::same_host_path(Device::Host, Device::Cuda(0)).unwrap_err();
-        assert_eq!(r, PathRefusal::HostIntoDevice);
-        assert!(r.contains("host memory into device memory"), "{r}");
+        match crate::same_host_path(Device::Host, Device::Cuda(0)) {
+            Err(r) if !cfg!(feature = "cuda") => {
+                assert_eq!(r, PathRefusal::HostIntoDevice);
+                assert!(r.contains("host memory into device memory"), "{r}");
+                assert_eq!(r.to_string(), r.message());
+            }
+            // A CUDA build on a host without a GPU.
+            Err(r) => assert_eq!(r, PathRefusal::NoCudaDevice, "{r}"),
+            // A CUDA build with a GPU: pulled through pinned staging.
+            Ok(()) => {
+                #[cfg(not(feature = "cuda"))]
+                panic!("host into device memory on the same-host path needs the `cuda` feature")
+            }
+        }
+        let r = crate::same_host_path(Device::Xpu(0), Device::Cuda(0)).unwrap_err();
         assert_eq!(r.to_string(), r.message());
         let xpu = crate::same_host_path(Device::Xpu(0), Device::Host).unwrap_err();
         assert_eq!(xpu, PathRefusal::UnsupportedMemory);

@@ -111,7 +111,8 @@ pub use registration::Registration;
 /// in both processes); `Err` says why not, and the operation then takes NIXL.
 ///
 /// Host to host goes through cross-memory attach; device memory as a source goes through CUDA
-/// IPC (feature `cuda`), into device or host memory; host memory into device memory takes NIXL.
+/// IPC (feature `cuda`), into device or host memory; host memory into device memory is pulled
+/// through pinned staging by the device memory's owner (feature `cuda`; NIXL without it).
 ///
 /// # Errors
 /// The [`PathRefusal`] that says why the same-host path cannot take the pair.

@@ -352,7 +352,7 @@ impl LocalTransport {
             return;
         }
         let _ = sources;
-        let copy = AnyCopy::Host(Copy {
+        let copy = Copy {
             pid: c.peer_pid,
             pieces: a
                 .spec
@@ -371,7 +371,8 @@ impl LocalTransport {
                 gen,
             },
             cancel: a.cancel.clone(),
-        });
+        };
+        let copy = AnyCopy::pulled_into(copy, a.spec.local.first().map(|r| r.device));
         self.start_copy(copy, CopyOwner::Read(id));
         let _ = out;
     }

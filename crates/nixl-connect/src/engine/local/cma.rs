@@ -173,7 +173,7 @@ pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> R
     Ok(())
 }
 
-fn finish(slot: &SlotRef) -> Result<(), CopyError> {
+pub(crate) fn finish(slot: &SlotRef) -> Result<(), CopyError> {
     if slot.table.advance(slot.idx, slot.gen, COPYING, DONE) {
         Ok(())
     } else {

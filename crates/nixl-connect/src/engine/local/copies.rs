@@ -10,6 +10,8 @@ use super::cma::{self, CopyError};
 use super::ipc;
 use super::proto::{Msg, RefuseCode};
 use super::records::{refused, AnyCopy, CopyOwner};
+#[cfg(feature = "cuda")]
+use super::staged;
 use super::state::LocalTransport;
 use super::sys::alive;
 use crate::engine::transport::{Decline, Event};
@@ -60,6 +62,14 @@ impl LocalTransport {
             AnyCopy::Device(c) => {
                 let (done, owner) = self.on_copy_end(owner);
                 if let Err(e) = ipc::spawn(c, done) {
+                    self.abort_start(&owner, e);
+                }
+                return;
+            }
+            #[cfg(feature = "cuda")]
+            AnyCopy::Staged(c) => {
+                let (done, owner) = self.on_copy_end(owner);
+                if let Err(e) = staged::spawn(c, done) {
                     self.abort_start(&owner, e);
                 }
                 return;

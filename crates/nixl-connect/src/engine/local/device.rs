@@ -27,7 +27,8 @@ pub(super) fn uniform(ranges: &[Range]) -> Option<Device> {
 }
 
 /// Why the device path cannot move a transfer from memory on `src` into memory on `dst`, if it
-/// cannot (the host path takes host-to-host).
+/// cannot (the host path takes host-to-host; host into device memory is pulled through pinned
+/// staging by the device memory's owner, which needs CUDA).
 pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusal> {
     match (src, dst) {
         (Device::Cuda(_), Device::Cuda(_) | Device::Host) if cfg!(feature = "cuda") => {
@@ -38,6 +39,13 @@ pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusa
             None
         }
         (Device::Cuda(_), Device::Cuda(_) | Device::Host) => Some(PathRefusal::NoCudaSupport),
+        (Device::Host, Device::Cuda(_)) if cfg!(feature = "cuda") => {
+            #[cfg(feature = "cuda")]
+            if !ipc::available() {
+                return Some(PathRefusal::NoCudaDevice);
+            }
+            None
+        }
         (Device::Host, Device::Cuda(_)) => Some(PathRefusal::HostIntoDevice),
         _ => Some(PathRefusal::UnsupportedMemory),
     }

@@ -32,6 +32,8 @@ mod records;
 mod seam;
 mod server;
 pub(crate) mod slots;
+#[cfg(feature = "cuda")]
+mod staged;
 mod state;
 mod sys;
 

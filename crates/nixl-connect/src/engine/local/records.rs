@@ -102,6 +102,21 @@ pub(super) enum AnyCopy {
     Host(Copy),
     #[cfg(feature = "cuda")]
     Device(ipc::Copy),
+    /// Host memory of the peer into device memory here (pulled through pinned staging).
+    #[cfg(feature = "cuda")]
+    Staged(Copy),
+}
+
+impl AnyCopy {
+    /// A copy pulled from the peer's host memory (cross-memory attach) into memory here on `dst`:
+    /// straight in for host memory, through pinned staging buffers for device memory.
+    pub(super) fn pulled_into(c: Copy, dst: Option<Device>) -> AnyCopy {
+        match dst {
+            #[cfg(feature = "cuda")]
+            Some(Device::Cuda(_)) => AnyCopy::Staged(c),
+            _ => AnyCopy::Host(c),
+        }
+    }
 }
 
 /// A finished CUDA IPC export.

@@ -75,7 +75,9 @@ impl Transport for LocalTransport {
                     });
                     return;
                 }
-                true
+                // Device memory as the source takes CUDA IPC; host memory into device memory
+                // takes the host path's grant, pulled through pinned staging by the copier.
+                src != Device::Host
             }
             _ => {
                 out.push(Event::Declined {

@@ -169,21 +169,10 @@ impl LocalTransport {
                     "the write's source ranges do not match its destination ranges".into(),
                 ))
             }
-            // The device path: which side's memory is device memory decides who must have CUDA.
-            Some(s)
-                if (!write && s.device != Device::Host) || (write && !sources.is_empty()) || {
-                    write && s.device != Device::Host
-                } =>
-            {
-                let src = if write {
-                    if sources.is_empty() {
-                        Device::Host
-                    } else {
-                        Device::Cuda(0)
-                    }
-                } else {
-                    s.device
-                };
+            // The device path, device memory as the source: a read of a device readable, or a
+            // write that sent its device source's export.
+            Some(s) if (!write && s.device != Device::Host) || (write && !sources.is_empty()) => {
+                let src = if write { Device::Cuda(0) } else { s.device };
                 match device_path_refusal(src, if write { s.device } else { Device::Host }) {
                     Some(refusal) => Some(Msg::Fallback {
                         slot,
@@ -192,6 +181,21 @@ impl LocalTransport {
                     }),
                     None => self.device_req(i, slot, gen, write, key, remote, sources),
                 }
+            }
+            // Host memory into a device writable (pulled through pinned staging below), when this
+            // side can.
+            Some(s)
+                if write
+                    && s.device != Device::Host
+                    && device_path_refusal(Device::Host, s.device).is_some() =>
+            {
+                Some(Msg::Fallback {
+                    slot,
+                    gen,
+                    reason: device_path_refusal(Device::Host, s.device)
+                        .map(|r| r.to_string())
+                        .unwrap_or_default(),
+                })
             }
             Some(_) if write && !can_pull => Some(Msg::Fallback {
                 slot,
@@ -224,26 +228,30 @@ impl LocalTransport {
                 let cancel = Arc::new(AtomicBool::new(false));
                 s.writer = Some((i, slot, gen, cancel.clone()));
                 let state = s.state.clone();
+                let dst_device = s.device;
                 let table = self.conns.get(&i).and_then(|c| c.slots.clone()).expect("ready");
                 let key = self.scopes.get_key_value(key).expect("present").0.clone();
-                let copy = AnyCopy::Host(Copy {
-                    pid: peer_pid,
-                    pieces: remote
-                        .iter()
-                        .zip(&local)
-                        .map(|(&(dst, len), &(src, _))| Piece {
-                            local: dst as usize,
-                            remote: src as usize,
-                            len: len as usize,
-                        })
-                        .collect(),
-                    slot: SlotRef {
-                        table,
-                        idx: slot,
-                        gen,
+                let copy = AnyCopy::pulled_into(
+                    Copy {
+                        pid: peer_pid,
+                        pieces: remote
+                            .iter()
+                            .zip(&local)
+                            .map(|(&(dst, len), &(src, _))| Piece {
+                                local: dst as usize,
+                                remote: src as usize,
+                                len: len as usize,
+                            })
+                            .collect(),
+                        slot: SlotRef {
+                            table,
+                            idx: slot,
+                            gen,
+                        },
+                        cancel,
                     },
-                    cancel,
-                });
+                    Some(dst_device),
+                );
                 let owner = CopyOwner::Write {
                     key,
                     conn: i,
