@@ -193,9 +193,9 @@ impl Mem {
             #[cfg(feature = "cuda")]
             Mem::Gpu(gs) => gs[first..first + per]
                 .iter_mut()
-                .map(|g| match dest {
-                    true => Descriptor::from_cuda_mut(&mut g.slice),
-                    false => Descriptor::from_cuda_ref(&g.slice),
+                .map(|g| {
+                    let _ = dest;
+                    g.descriptor()
                 })
                 .collect::<nixl_connect::Result<_>>()?,
         })
@@ -227,37 +227,82 @@ impl Mem {
 }
 
 #[cfg(feature = "cuda")]
+#[allow(unsafe_code)] // raw device memory
 mod gpu {
     use std::sync::Arc;
 
-    use anyhow::Result;
-    use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-    use nixl_connect::Device;
+    use anyhow::{bail, Result};
+    use cudarc::driver::{sys, CudaContext};
+    use nixl_connect::{Descriptor, Device};
 
     /// Device memory for the benchmark, filled from and checked against the host pattern.
+    ///
+    /// Allocated with `cuMemAlloc`, as PyTorch's caching allocator does: cudarc's own allocations
+    /// come from the stream-ordered pool (`cuMemAllocAsync`) where the device has one, and pool
+    /// memory cannot be shared through legacy CUDA IPC handles (it takes NIXL).
     pub(super) struct Gpu {
-        pub(super) stream: Arc<CudaStream>,
-        pub(super) slice: CudaSlice<u8>,
+        ctx: Arc<CudaContext>,
+        ptr: u64,
+        size: usize,
+        device: Device,
+    }
+
+    fn ok(r: sys::CUresult, what: &str) -> Result<()> {
+        if r != sys::CUresult::CUDA_SUCCESS {
+            bail!("{what} failed: {r:?}");
+        }
+        Ok(())
     }
 
     impl Gpu {
         pub(super) fn new(device: Device, size: usize, seed: Option<u64>) -> Result<Self> {
             nixl_connect::cuda::device_count()?;
-            let stream = CudaContext::new(device.id() as usize)?.default_stream();
-            let slice = match seed {
-                Some(s) => {
-                    let mut host = vec![0u8; size];
-                    crate::pattern::fill(&mut host, s, 0);
-                    stream.clone_htod(&host)?
-                }
-                None => stream.alloc_zeros::<u8>(size)?,
-            };
-            stream.synchronize()?;
-            Ok(Self { stream, slice })
+            let ctx = CudaContext::new(device.id() as usize)?;
+            ctx.bind_to_thread()?;
+            let mut host = vec![0u8; size];
+            if let Some(s) = seed {
+                crate::pattern::fill(&mut host, s, 0);
+            }
+            let mut ptr: sys::CUdeviceptr = 0;
+            // SAFETY: allocates `size` bytes in the bound context, then fills them from `host`
+            // (synchronous copy); freed once, in Drop.
+            unsafe {
+                ok(sys::cuMemAlloc_v2(&mut ptr, size.max(1)), "cuMemAlloc")?;
+                ok(
+                    sys::cuMemcpyHtoD_v2(ptr, host.as_ptr().cast(), size),
+                    "cuMemcpyHtoD",
+                )?;
+            }
+            Ok(Self {
+                ctx,
+                ptr,
+                size,
+                device,
+            })
+        }
+
+        /// A descriptor over this memory.
+        pub(super) fn descriptor(&mut self) -> nixl_connect::Result<Descriptor<'static>> {
+            // SAFETY: the memory stays allocated while the benchmark holds `self`, which outlives
+            // every operation over it (descriptors are given back after each operation).
+            unsafe { Descriptor::from_raw_cuda(self.ptr, self.size, self.device) }
         }
 
         pub(super) fn to_host(&self) -> Result<Vec<u8>> {
-            Ok(self.stream.clone_dtoh(&self.slice)?)
+            self.ctx.bind_to_thread()?;
+            let mut host = vec![0u8; self.size];
+            // SAFETY: copies this allocation's `size` bytes into `host` (synchronous).
+            let r = unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), self.ptr, self.size) };
+            ok(r, "cuMemcpyDtoH")?;
+            Ok(host)
+        }
+    }
+
+    impl Drop for Gpu {
+        fn drop(&mut self) {
+            let _ = self.ctx.bind_to_thread();
+            // SAFETY: frees the allocation made in `new`, which no operation uses any more.
+            unsafe { sys::cuMemFree_v2(self.ptr) };
         }
     }
 }
@@ -477,7 +522,9 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         // The copy limit, in the same run: one thread's process_vm_readv of the peer's buffer
         // (still mapped: the peer keeps it until the next block).
         let limit_gbps = match (&first_md, a.device) {
-            (Some(md), Device::Host) if a.limit => Some(vm_readv_limit(peer_pid, md, size, &a.buffers)?),
+            (Some(md), Device::Host) if a.limit && a.peer_device.unwrap_or(a.device) == Device::Host => {
+                Some(vm_readv_limit(peer_pid, md, size, &a.buffers)?)
+            }
             _ => None,
         };
         let row = Row {

@@ -54,10 +54,51 @@ fn alloc(s: &Arc<CudaStream>, kind: Mem, data: &[u8], n: usize) -> Vec<Descripto
             let chunk = &data[i * each..if i + 1 == n { data.len() } else { (i + 1) * each }];
             match kind {
                 Mem::Host => Descriptor::from(chunk.to_vec()),
-                Mem::Vram => Descriptor::from_cuda(s.clone_htod(chunk).unwrap()).unwrap(),
+                Mem::Vram => vram(s, chunk),
             }
         })
         .collect()
+}
+
+/// Device memory from `cuMemAlloc` (as PyTorch's caching allocator takes it), freed on drop.
+/// cudarc's own allocations come from the stream-ordered pool on this hardware, which legacy CUDA
+/// IPC handles cannot share (such memory takes NIXL; docs/GPU.md).
+struct DevMem {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+}
+
+impl Drop for DevMem {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: frees the allocation made by `vram`, which no transfer uses any more (the
+        // descriptor owning this is dropped only once no transport can touch the memory).
+        unsafe { cudarc::driver::sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// A descriptor owning fresh device memory holding `data`.
+fn vram(s: &Arc<CudaStream>, data: &[u8]) -> Descriptor<'static> {
+    use cudarc::driver::sys;
+    s.context().bind_to_thread().unwrap();
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: allocates and fills (synchronously) `data.len()` bytes in the bound context.
+    unsafe {
+        assert_eq!(
+            sys::cuMemAlloc_v2(&mut ptr, data.len().max(1)),
+            sys::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), data.len()),
+            sys::CUresult::CUDA_SUCCESS
+        );
+    }
+    let owner = DevMem {
+        ctx: s.context().clone(),
+        ptr,
+    };
+    // SAFETY: `owner` keeps the allocation alive as long as the descriptor needs it.
+    unsafe { Descriptor::from_raw_parts_with_owner(ptr as *mut u8, data.len(), Device::Cuda(0), true, owner) }
 }
 
 /// Copies the descriptors' bytes back to the host (device memory through cudarc).
@@ -201,13 +242,10 @@ impl Peer {
     }
 }
 
-/// The path a same-host pair takes: CUDA IPC when the source is device memory, NIXL for host
-/// memory into device memory.
-fn expected_path(source: Mem, destination: Mem) -> TransferPath {
-    match (source, destination) {
-        (Mem::Vram, _) | (Mem::Host, Mem::Host) => TransferPath::Local,
-        (Mem::Host, Mem::Vram) => TransferPath::Nixl,
-    }
+/// The path a same-host pair takes: always the same-host path (CUDA IPC when the source is device
+/// memory, cross-memory attach through pinned staging for host memory into device memory).
+fn expected_path(_source: Mem, _destination: Mem) -> TransferPath {
+    TransferPath::Local
 }
 
 fn mem_name(m: Mem) -> &'static str {
