@@ -22,6 +22,14 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "integration":
         print(m["executable"])' | while read -r exe; do cp "$exe" "$B/bin/integration"; done
 [ -x "$B/bin/integration" ] || { echo "gpu-bundle: the integration test binary was not built" >&2; exit 1; }
+# The library's unit tests too (the CUDA IPC checks that need a GPU live there).
+cargo test --release -q -p nixl-connect --features cuda --lib --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "lib" in m["target"]["kind"]:
+        print(m["executable"])' | while read -r exe; do cp "$exe" "$B/bin/unit"; done
+[ -x "$B/bin/unit" ] || { echo "gpu-bundle: the unit test binary was not built" >&2; exit 1; }
 strip "$B/bin/"* 2>/dev/null || true
 
 # NIXL: the closure of NEEDED libraries, resolved inside .nixl/, keeping the wheel's layout
@@ -60,9 +68,17 @@ cp .nixl/VERSION "$B/nixl/"
 mkdir -p "$B/python"
 cp target/wheels/nixl_connect-*.whl "$B/python/"
 cp -r tests/python "$B/python/tests"
+# What the Python tests import beyond the GPU host's image (torch, numpy and pytest are there;
+# pydantic and pytest-asyncio are not), as wheels for its Python 3.12, installed with --no-index.
+mkdir -p "$B/python/wheels"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$B/python/wheels" "pydantic==2.13.5" "pydantic-core==2.46.5" "annotated-types==0.8.0" \
+  "typing-inspection==0.4.5" "pytest-asyncio==1.5.0" \
+  || echo "gpu-bundle: could not download the Python test dependencies; the GPU host must have them" >&2
 rm -rf "$B/python/tests/__pycache__"
 cp scripts/gpu-run.sh "$B/"
-for a in gpu_pair.py gpu_copy.py gpu_ipc.py dyn_pair.py; do
+for a in gpu_pair.py gpu_copy.py gpu_ipc.py gpu_ipc_small.py dyn_pair.py; do
   [ -f "../shared/anchors/$a" ] && mkdir -p "$B/anchors" && cp "../shared/anchors/$a" "$B/anchors/"
 done
 tar -C .bundle -czf .bundle/nixl-connect-gpu.tar.gz nixl-connect-gpu

@@ -15,16 +15,20 @@ export NIXL_CONNECT_LIB="$B/nixl/lib" NIXL_CONNECT_REQUIRE_GPU=1
 nvidia-smi -L 2>&1 | tee -a "$log"
 status=0
 echo "== tests" | tee -a "$log"
-"$B/bin/integration" --test-threads=1 2>&1 | tee -a "$log" || status=1
+timeout 300 "$B/bin/integration" --test-threads=1 gpu 2>&1 | tee -a "$log" || status=1
+timeout 60 "$B/bin/unit" --test-threads=1 ipc cuda staged 2>&1 | tee -a "$log" || status=1
 echo "== python (nixl_connect with CUDA tensors)" | tee -a "$log"
 PY=${PYTHON:-python3}
-if "$PY" -c "import torch, pydantic, pytest, pytest_asyncio; assert torch.cuda.is_available()" 2>/dev/null; then
-  venv="$OUTDIR/.venv-nixl-connect"
-  "$PY" -m venv --system-site-packages "$venv" && "$venv/bin/pip" install -q --no-deps --no-index "$B"/python/nixl_connect-*.whl \
-    && (cd "$B/python/tests" && "$venv/bin/python" -m pytest -q -p no:cacheprovider test_cuda.py test_local_transfers.py 2>&1 | tee -a "$log") \
+if "$PY" -c "import torch, pytest; assert torch.cuda.is_available()" 2>/dev/null; then
+  # The image's python is itself a venv: install beside it with --target, not into a new venv
+  # (which would not see its torch and pytest).
+  site="/tmp/nixl-connect-site"
+  rm -rf "$site" && "$PY" -m pip install -q --no-deps --no-index --no-compile --target "$site" \
+      $(ls "$B"/python/wheels/*.whl 2>/dev/null) "$B"/python/nixl_connect-*.whl \
+    && (cd "$B/python/tests" && PYTHONPATH="$site" timeout 240 "$PY" -m pytest -q -p no:cacheprovider -rs -s test_cuda.py test_local_transfers.py 2>&1 | tee -a "$log") \
     || status=1
 else
-  echo "skipped: no python here with torch (CUDA), pydantic, pytest and pytest-asyncio" | tee -a "$log"
+  echo "skipped: no python here with torch (CUDA) and pytest" | tee -a "$log"
 fi
 SIZES=${SIZES:-4K,1M,64M,1G}
 RUNS=${RUNS:-3}
@@ -36,15 +40,23 @@ bench() {
 echo "== bench" | tee -a "$log"
 bench --device cuda:0 --op read
 bench --device cuda:0 --op write
-bench --device cuda:0 --op read --path nixl
-bench --device cuda:0 --op write --path nixl
 bench --device cpu --peer-device cuda:0 --op read
 bench --device cuda:0 --peer-device cpu --op read
+bench --device cuda:0 --peer-device cpu --op write
+bench --device cpu --peer-device cuda:0 --op write
+bench --device cpu --op read
+# NIXL's own path for device memory (UCX's emulated lane here, ~0.6 GB/s): once, without 1 GiB.
+RUNS=1 SIZES=4K,1M,64M bench --device cuda:0 --op read --path nixl
+echo "== device limits (torch, same run)" | tee -a "$log"
+for a in gpu_copy.py gpu_ipc.py gpu_ipc_small.py; do
+  [ -f "$B/anchors/$a" ] && (cd "$B/anchors" && timeout 90 python3 "$a" 2>&1 | tee -a "$res")
+done
+echo "== doctor" | tee -a "$log"
+"$B/bin/nixl-connect" doctor 2>&1 | tee -a "$log"
 if [ -f "$B/anchors/gpu_pair.py" ] && python3 -c "import nixl, torch" 2>/dev/null; then
   echo "== anchors (raw NIXL)" | tee -a "$log"
   # gpu_pair.py prints its own JSON lines (keys src, dst, op, size, median_us, GBps).
   (cd "$B/anchors" && PAIR_SIZES=4096,1048576,67108864,1073741824 python3 gpu_pair.py cuda cuda | tee -a "$res")
-  (cd "$B/anchors" && python3 gpu_copy.py 2>&1 | tee -a "$res") || true
 else
   echo "== anchors skipped: no python with nixl and torch here (raw figures: ../shared/anchors/FIGURES.md)" | tee -a "$log"
 fi
