@@ -55,28 +55,15 @@ impl LocalTransport {
     }
 
     pub(super) fn start_copy(&mut self, copy: AnyCopy, owner: CopyOwner) {
-        #[cfg_attr(not(feature = "cuda"), allow(clippy::infallible_destructuring_match))]
-        let copy = match copy {
-            AnyCopy::Host(c) => c,
-            #[cfg(feature = "cuda")]
-            AnyCopy::Device(c) => {
-                let (done, owner) = self.on_copy_end(owner);
-                if let Err(e) = ipc::spawn(c, done) {
-                    self.abort_start(&owner, e);
-                }
-                return;
-            }
-            #[cfg(feature = "cuda")]
-            AnyCopy::Staged(c) => {
-                let (done, owner) = self.on_copy_end(owner);
-                if let Err(e) = staged::spawn(c, done) {
-                    self.abort_start(&owner, e);
-                }
-                return;
-            }
-        };
         let (done, owner) = self.on_copy_end(owner);
-        if let Err(e) = cma::spawn(copy, done) {
+        let started = match copy {
+            AnyCopy::Host(c) => cma::spawn(c, done),
+            #[cfg(feature = "cuda")]
+            AnyCopy::Device(c) => ipc::spawn(c, done),
+            #[cfg(feature = "cuda")]
+            AnyCopy::Staged(c) => staged::spawn(c, done),
+        };
+        if let Err(e) = started {
             self.abort_start(&owner, e);
         }
     }
