@@ -55,7 +55,7 @@ mod sync;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    use crate::engine::local::proto::Msg;
+    use crate::engine::local::proto::{Msg, MAX_FRAME};
     use crate::engine::nixl::md;
 
     /// A peer's `RdmaMetadata` JSON, then its `nixl_metadata` decoded and parsed.
@@ -80,15 +80,27 @@ pub mod fuzzing {
     }
 
     /// A stream of same-host frames as either side reads it: every frame that decodes encodes
-    /// back to the same bytes, and a stream cut anywhere decodes to the same frames.
+    /// back to the same bytes (its MAC kept), and its encoded length is exact.
     pub fn wire_frames(data: &[u8]) {
         let mut at = 0;
-        while let Ok(Some((m, used))) = Msg::decode(&data[at..]) {
+        while let Ok(Some((f, used))) = Msg::decode(&data[at..], MAX_FRAME) {
             let mut again = Vec::new();
-            m.encode(&mut again);
-            assert_eq!(&again[..], &data[at..at + used], "{m:?} re-encodes differently");
+            f.msg.encode_signed(&mut again, |_| f.mac.unwrap_or_default());
+            assert_eq!(
+                &again[..],
+                &data[at..at + used],
+                "{:?} re-encodes differently",
+                f.msg
+            );
+            assert_eq!(f.msg.encoded_len(), used);
             at += used;
         }
+    }
+
+    /// Sequences of frames, honest and forged, into a connected pair of same-host protocol
+    /// cores: see [`crate::engine::local::link::fuzz`].
+    pub fn link_sequences(data: &[u8]) {
+        crate::engine::local::link::fuzz::run(data);
     }
 }
 

@@ -284,7 +284,7 @@ impl Drop for Shared {
 }
 
 /// Binds the same-host socket for `base`, or for `base-<pid>-<k>` if another connector has it.
-fn bind_unique(base: &str) -> Result<(String, Option<std::os::fd::OwnedFd>)> {
+fn bind_unique(base: &str) -> Result<(String, Option<local::Tracked>)> {
     for k in 0..64 {
         let name = match k {
             0 => base.to_string(),

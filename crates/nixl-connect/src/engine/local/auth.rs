@@ -10,7 +10,11 @@
 //!   the nonce and both processes' pids (so a relaying impostor, whose pid differs, cannot pass a
 //!   real server's proof on). The client reveals nothing else (no ranges, no
 //!   device export) and trusts no answer until the proof checks;
-//! - every `Req` carries [`req_mac`], proving the client holds its operation's key.
+//! - every frame about one operation, in either direction (`Req`, `Grant`, `GrantIpc`, `Refuse`,
+//!   `Fallback`, `Done`), ends with [`frame_mac`] under *that operation's* key, over the frame's
+//!   type and fields, the nonce, both pids and the direction. A process that proved one key on a
+//!   connection cannot answer for another operation on it, nor replay a frame onto another
+//!   connection (the nonce and pids differ), nor reflect a frame back (the direction differs).
 
 use hmac::{KeyInit, Mac};
 use sha2::{Digest, Sha256};
@@ -57,28 +61,46 @@ pub(crate) fn welcome_proof(key: &str, nonce: &Nonce, client_pid: i32, server_pi
     )
 }
 
-/// The client's proof that it holds `key`, for one request on a connection.
-pub(crate) fn req_mac(
-    key: &str,
+/// An operation's key made ready to sign frames: the HMAC key schedule is computed once per
+/// operation, each frame costs only its own bytes.
+#[derive(Clone)]
+pub(crate) struct Keyed(HmacSha256);
+
+impl Keyed {
+    /// Prepares `key` for signing.
+    pub(crate) fn new(key: &str) -> Self {
+        Self(HmacSha256::new_from_slice(key.as_bytes()).expect("HMAC takes any key length"))
+    }
+}
+
+/// Who sent a frame (part of what its MAC covers, so a frame cannot be reflected back).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum From {
+    /// The connecting (active) side.
+    Client,
+    /// The serving (passive) side.
+    Server,
+}
+
+/// The MAC of one frame about an operation: under that operation's `key`, over the connection's
+/// `nonce`, both pids, the sender's role and the frame's `signed` bytes (type and fields).
+pub(crate) fn frame_mac(
+    key: &Keyed,
     nonce: &Nonce,
     client_pid: i32,
     server_pid: i32,
-    slot: u32,
-    gen: u64,
-    write: bool,
+    from: From,
+    signed: &[u8],
 ) -> Tag {
-    tag(
-        key,
-        b"nixl-connect/req",
-        &[
-            nonce,
-            &client_pid.to_le_bytes(),
-            &server_pid.to_le_bytes(),
-            &slot.to_le_bytes(),
-            &gen.to_le_bytes(),
-            &[u8::from(write)],
-        ],
-    )
+    let mut m = key.0.clone();
+    m.update(b"nixl-connect/frame");
+    m.update(nonce);
+    m.update(&client_pid.to_le_bytes());
+    m.update(&server_pid.to_le_bytes());
+    m.update(&[from as u8]);
+    m.update(&(signed.len() as u32).to_le_bytes());
+    m.update(signed);
+    m.finalize().into_bytes().into()
 }
 
 /// Compares two tags in constant time.
@@ -102,9 +124,32 @@ mod tests {
             !same(&p, &welcome_proof("k1", &n, 10, 21)),
             "a relay's pid differs"
         );
-        let r = req_mac("k1", &n, 10, 20, 3, 4, true);
-        assert!(!same(&r, &req_mac("k1", &n, 10, 20, 3, 4, false)));
-        assert!(!same(&r, &req_mac("k1", &n, 10, 20, 3, 5, true)));
+        let k1 = Keyed::new("k1");
+        let r = frame_mac(&k1, &n, 10, 20, From::Client, b"frame");
+        assert!(same(
+            &r,
+            &frame_mac(&Keyed::new("k1"), &n, 10, 20, From::Client, b"frame")
+        ));
+        assert!(!same(
+            &r,
+            &frame_mac(&Keyed::new("k2"), &n, 10, 20, From::Client, b"frame")
+        ));
+        assert!(
+            !same(&r, &frame_mac(&k1, &n, 10, 20, From::Server, b"frame")),
+            "direction"
+        );
+        assert!(
+            !same(&r, &frame_mac(&k1, &n, 10, 21, From::Client, b"frame")),
+            "pids"
+        );
+        assert!(
+            !same(&r, &frame_mac(&k1, &nonce(), 10, 20, From::Client, b"frame")),
+            "nonce"
+        );
+        assert!(
+            !same(&r, &frame_mac(&k1, &n, 10, 20, From::Client, b"frame!")),
+            "fields"
+        );
         assert_ne!(key_id("k1"), key_id("k2"));
         assert!(!key_id("k1").windows(2).any(|w| w == b"k1"));
     }

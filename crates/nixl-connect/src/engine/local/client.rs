@@ -4,63 +4,43 @@
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::auth;
 use super::cma::{self, Copy, Piece, SlotRef};
 #[cfg(feature = "cuda")]
 use super::ipc;
-use super::proto::{IpcSource, Msg, RefuseCode, MAX_FRAME, VERSION};
+use super::link::grant_ipc_len;
+use super::proto::{IpcSource, Msg, MAX_FRAME};
 #[cfg(feature = "cuda")]
 use super::records::ExportDone;
-use super::records::{refused, Act, AnyCopy, ConnId, CopyOwner, Expect, Phase};
+use super::records::{Act, AnyCopy, ConnId, CopyOwner, Phase};
 use super::slots::SlotTable;
-use super::state::{LocalTransport, MAX_NEGATIVE, NOT_LIVE};
-use super::sys::self_pid;
+use super::state::LocalTransport;
 use crate::device::Device;
 use crate::engine::transport::{Event, OpId};
 #[cfg(feature = "cuda")]
 use crate::sync::Recover;
 
 impl LocalTransport {
-    /// Whether a client-side operation on `i` in its current phase may receive frame `e`.
-    pub(super) fn expects(&self, i: ConnId, slot: u32, gen: u64, e: Expect) -> bool {
-        self.acts
-            .values()
-            .find(|a| a.conn == i && a.slot == slot && a.gen == gen)
-            .is_some_and(|a| match (e, &a.phase) {
-                (_, Phase::Abandoned) => true,
-                (Expect::Grant, Phase::Requested) => !a.spec.write,
-                (Expect::Answer, Phase::Requested) => true,
-                (Expect::WriteDone, Phase::Requested) => a.spec.write,
-                _ => false,
-            })
-    }
-
-    /// Sends `Hello` with the slot table's descriptor attached.
+    /// Sends the core's `Hello` with the slot table's descriptor attached.
     #[allow(unsafe_code)]
-    pub(super) fn send_hello(&mut self, i: ConnId, key: &str) -> io::Result<()> {
+    pub(super) fn send_hello(&mut self, i: ConnId) -> io::Result<()> {
         let c = self.conns.get_mut(&i).expect("live connection");
         let table = Arc::new(SlotTable::create()?);
-        let mut buf = Vec::new();
         // Nothing about this process but the key's hash and a nonce: the server proves it holds
         // the key before anything else is sent.
-        Msg::Hello {
-            version: VERSION,
-            key_id: auth::key_id(key),
-            nonce: c.nonce,
-        }
-        .encode(&mut buf);
+        let buf = c.link.out();
         let fd = table.fd().as_raw_fd();
         let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr().cast(),
+            iov_base: buf.as_ptr() as *mut libc::c_void,
             iov_len: buf.len(),
         };
         // SAFETY: CMSG_SPACE is a pure size computation.
         let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
         let mut cbuf = vec![0u64; space.div_ceil(8)];
-        // SAFETY: msghdr is plain old data; the pointers set below outlive the sendmsg call, and
-        // the control buffer is large enough for one SCM_RIGHTS descriptor (CMSG_SPACE).
+        // SAFETY: msghdr is plain old data; the pointers set below outlive the sendmsg call (the
+        // kernel only reads through iov_base), and the control buffer is large enough for one
+        // SCM_RIGHTS descriptor (CMSG_SPACE).
         let n = unsafe {
             let mut msg: libc::msghdr = std::mem::zeroed();
             msg.msg_iov = &mut iov;
@@ -78,74 +58,15 @@ impl LocalTransport {
             // A fresh connection's buffer always takes a few dozen bytes; anything else is broken.
             return Err(io::Error::other("the hello did not fit the socket"));
         }
+        c.link.sent(n as usize);
         c.slots = Some(table);
         Ok(())
     }
 
-    pub(super) fn on_welcome(&mut self, i: ConnId, proof: Option<auth::Tag>, out: &mut Vec<Event>) {
-        let c = self.conns.get_mut(&i).expect("live");
-        if c.ready {
-            c.dead = true;
-            return;
-        }
-        let key = c.opening_key.take().expect("set by try_connect");
-        let Some(proof) = proof else {
-            // The server has no live operation with the opening key: refuse that operation as a
-            // replay (it must not go on to NIXL and read stale memory). Nothing was revealed; the
-            // others queued behind it take NIXL, and the connection is opened afresh next time.
-            c.dead = true;
-            let peer = c.peer.clone();
-            let queued = std::mem::take(&mut c.queued);
-            for id in queued {
-                let Some(a) = self.acts.remove(&id) else { continue };
-                self.free_slot(i, a.slot, a.gen);
-                if matches!(a.phase, Phase::Abandoned) {
-                    continue;
-                }
-                if a.spec.key == key {
-                    out.push(Event::ActiveEnded {
-                        id,
-                        result: Err(refused(peer.to_string(), RefuseCode::NotLive, NOT_LIVE.into())),
-                    });
-                } else {
-                    out.push(Event::Declined {
-                        spec: a.spec,
-                        reason: "the same-host connection closed before its request".into(),
-                    });
-                }
-            }
-            return;
-        };
-        if !auth::same(
-            &proof,
-            &auth::welcome_proof(&key, &c.nonce, self_pid(), c.peer_pid),
-        ) {
-            // Not the process that made the operation: another one holds the socket name. It
-            // learnt a key hash and a nonce; nothing else is sent, nothing it says is believed.
-            tracing::warn!(
-                peer = %c.peer,
-                pid = c.peer_pid,
-                "the process on this peer's same-host socket could not prove it holds the \
-                 operation's key (an impostor?); using NIXL"
-            );
-            c.dead = true;
-            let peer = c.peer.clone();
-            self.refused_peers += 1;
-            self.decline_queued(
-                i,
-                "the process on the peer's same-host socket could not prove it holds the \
-                 operation's key (another process holds the socket name)",
-                out,
-            );
-            if self.negative.len() >= MAX_NEGATIVE {
-                self.negative.clear();
-            }
-            self.negative.insert(peer, Instant::now());
-            return;
-        }
+    /// Client: the server proved it holds the opening operation's key; the queued requests go.
+    pub(super) fn on_ready(&mut self, i: ConnId, out: &mut Vec<Event>) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
         c.can_pull = c.pidfd.as_deref().is_some_and(cma::may_pull);
-        c.ready = true;
-        c.send(&Msg::Trusted);
         let queued = std::mem::take(&mut c.queued);
         for id in queued {
             self.request(id, out);
@@ -233,29 +154,12 @@ impl LocalTransport {
             );
             return;
         }
-        // A request the server could not accept (too many ranges for one frame) takes NIXL,
-        // rather than breaking the connection every other operation uses.
-        let frame = 64 + 16 * (a.spec.remote.len() + a.spec.local.len()) + 128 * a.sources.len();
-        if frame > MAX_FRAME {
-            self.decline_act(id, "too many ranges for one same-host request", out);
-            return;
-        }
-        a.phase = Phase::Requested;
         let req = Msg::Req {
             slot: a.slot,
             gen: a.gen,
             write: a.spec.write,
             ident: a.spec.remote_ident,
             key_id: auth::key_id(&a.spec.key),
-            mac: auth::req_mac(
-                &a.spec.key,
-                &c.nonce,
-                self_pid(),
-                c.peer_pid,
-                a.slot,
-                a.gen,
-                a.spec.write,
-            ),
             device: a.spec.remote.first().map_or(Device::Host, |r| r.device),
             remote: a
                 .spec
@@ -274,7 +178,22 @@ impl LocalTransport {
             },
             sources: std::mem::take(&mut a.sources),
         };
-        c.send(&req);
+        // A request the server could not accept, or whose answer could not come back in one frame
+        // (too many ranges), takes NIXL rather than breaking the connection others use.
+        let reply = if a.device && !a.spec.write {
+            grant_ipc_len(a.spec.remote.len())
+        } else {
+            0
+        };
+        if req.encoded_len() > MAX_FRAME || reply > MAX_FRAME {
+            self.decline_act(id, "too many ranges for one same-host request", out);
+            return;
+        }
+        a.phase = Phase::Requested;
+        if !c.link.request(&a.spec.key, &req) {
+            self.decline_act(id, "the same-host connection cannot take the request", out);
+            return;
+        }
         let i = a.conn;
         self.flush(i);
     }
@@ -306,19 +225,14 @@ impl LocalTransport {
         if !fits && !matches!(a.phase, Phase::Abandoned) {
             tracing::debug!("a same-host grant that does not fit its request; closing the connection");
             if let Some(c) = self.conns.get_mut(&i) {
-                c.dead = true;
+                c.link.kill("a grant that does not fit its request");
             }
             return;
         }
         if matches!(a.phase, Phase::Abandoned) {
             let a = self.acts.remove(&id).expect("present");
             if let Some(c) = self.conns.get_mut(&i) {
-                c.send(&Msg::Done {
-                    slot,
-                    gen,
-                    ok: false,
-                    reason: "cancelled".into(),
-                });
+                c.link.read_done(slot, gen, false, "cancelled");
             }
             self.free_slot(i, a.slot, a.gen);
             return;

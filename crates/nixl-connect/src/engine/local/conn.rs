@@ -1,5 +1,6 @@
-//! Connections: accepting and making them, reading and writing frames, closing them (and what
-//! closing ends).
+//! Connections at the edge: accepting and making them, moving bytes and passed descriptors
+//! between the socket and the connection's protocol core ([`Link`]), its deadlines, and closing
+//! (and what closing ends).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -9,14 +10,22 @@ use std::time::Instant;
 use super::auth;
 #[cfg(feature = "cuda")]
 use super::ipc;
-use super::proto::{self, Msg};
+use super::link::{Heard, Link};
 use super::records::{Conn, ConnId, Phase};
+use super::slots::SlotTable;
 use super::state::{
     LocalTransport, ACCEPT_BACKOFF, LISTENER, MAX_NEGATIVE, MAX_SERVED, MAX_SERVED_PER_PID, NEGATIVE_TTL,
 };
-use super::sys::{peer_cred, sockaddr, socket_name, unix_socket};
+use super::sys::{
+    close_elsewhere, peer_cred, refuse_passed_descriptors, self_pid, set_timer, sockaddr, socket_name,
+    unix_socket, Tracked,
+};
 use crate::engine::transport::{Decline, Event, OpId};
 use crate::error::Error;
+
+/// The most descriptors one `recvmsg` takes (the kernel's own limit per message, `SCM_MAX_FD`):
+/// none is ever truncated, since the kernel would close the rest on this thread.
+const MAX_PASSED: usize = 253;
 
 impl LocalTransport {
     pub(super) fn insert(&mut self, c: Conn) -> ConnId {
@@ -25,50 +34,98 @@ impl LocalTransport {
         self.next_conn += 1;
         let _ = self.reg.add(c.fd.as_raw_fd(), id, true, false);
         self.conns.insert(id, c);
+        self.watch_deadline(id);
         id
     }
 
-    /// Sends what is buffered on connection `i`; watches for writability if the socket is full.
+    /// Arms the deadline timer for connection `i`'s core, if it has a deadline sooner than the
+    /// one armed.
+    pub(super) fn watch_deadline(&mut self, i: ConnId) {
+        let Some(t) = self.conns.get(&i).and_then(|c| c.link.deadline()) else {
+            return;
+        };
+        if self.deadline_armed.is_some_and(|a| a <= t) {
+            return;
+        }
+        if let Some(fd) = &self.deadline_timer {
+            set_timer(fd, t.saturating_duration_since(Instant::now()));
+            self.deadline_armed = Some(t);
+        }
+    }
+
+    /// The deadline timer fired: every core past its deadline dies (and is closed), and the
+    /// timer is armed for the next one.
+    pub(super) fn on_deadlines(&mut self, out: &mut Vec<Event>) {
+        if let Some(t) = &self.deadline_timer {
+            let mut n = 0u64;
+            // SAFETY: reads the 8-byte expiry count of our non-blocking timerfd into `n`.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::read(t.as_raw_fd(), (&mut n as *mut u64).cast(), 8)
+            };
+        }
+        self.deadline_armed = None;
+        let now = Instant::now();
+        let ids: Vec<ConnId> = self.conns.keys().copied().collect();
+        for i in ids {
+            let c = self.conns.get_mut(&i).expect("listed");
+            c.link.on_timeout(now);
+            if c.link.is_dead() {
+                tracing::debug!(why = c.link.death(), "same-host connection timed out");
+                self.close(i, out);
+            } else {
+                self.watch_deadline(i);
+            }
+        }
+    }
+
+    /// Sends what connection `i`'s core has queued; watches for writability if the socket is
+    /// full.
     #[allow(unsafe_code)]
     pub(super) fn flush(&mut self, i: ConnId) {
         let Some(c) = self.conns.get_mut(&i) else { return };
-        while !c.wbuf.is_empty() && !c.dead {
+        while !c.link.out().is_empty() {
+            let buf = c.link.out();
             // SAFETY: sends bytes from a live buffer on our socket; MSG_NOSIGNAL turns a closed
             // peer into EPIPE instead of SIGPIPE.
             let n = unsafe {
                 libc::send(
                     c.fd.as_raw_fd(),
-                    c.wbuf.as_ptr().cast(),
-                    c.wbuf.len(),
+                    buf.as_ptr().cast(),
+                    buf.len(),
                     libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
                 )
             };
             if n > 0 {
-                c.wbuf.drain(..n as usize);
+                c.link.sent(n as usize);
             } else {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::WouldBlock {
-                    c.dead = true;
+                    c.link.kill("the socket failed");
+                    c.link.sent(usize::MAX);
                 }
                 break;
             }
         }
-        let want = !c.wbuf.is_empty() && !c.dead;
+        let want = !c.link.out().is_empty() && !c.link.is_dead();
         if want != c.writing {
             c.writing = want;
             let _ = self.reg.modify(c.fd.as_raw_fd(), i, true, want);
         }
     }
 
-    /// Reads everything available on connection `i` (collecting passed descriptors).
+    /// Reads everything available on connection `i` into its core; what the core proved goes to
+    /// `heard`. A descriptor is taken only where the core takes one (the client's slot table,
+    /// with its `Hello`), and only if it is a sealed table of the right size; every other one is
+    /// closed off this thread.
     #[allow(unsafe_code)]
-    pub(super) fn read(&mut self, i: ConnId) {
+    pub(super) fn read(&mut self, i: ConnId, heard: &mut Vec<Heard>) {
         let Some(c) = self.conns.get_mut(&i) else { return };
         let mut chunk = [0u8; 64 << 10];
         // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE((4 * std::mem::size_of::<RawFd>()) as u32) } as usize;
+        let space = unsafe { libc::CMSG_SPACE((MAX_PASSED * std::mem::size_of::<RawFd>()) as u32) } as usize;
         let mut cbuf = vec![0u64; space.div_ceil(8)];
-        loop {
+        while !c.link.is_dead() {
             let mut iov = libc::iovec {
                 iov_base: chunk.as_mut_ptr().cast(),
                 iov_len: chunk.len(),
@@ -88,38 +145,55 @@ impl LocalTransport {
                 );
                 (n, msg)
             };
-            if n > 0 {
-                // SAFETY: walks the control messages recvmsg filled in, within msg_controllen.
-                unsafe {
-                    let mut cm = libc::CMSG_FIRSTHDR(&msg);
-                    while !cm.is_null() {
-                        if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
-                            let data = libc::CMSG_DATA(cm).cast::<RawFd>();
-                            let count = ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
-                                / std::mem::size_of::<RawFd>();
-                            for k in 0..count {
-                                let fd = std::ptr::read_unaligned(data.add(k));
-                                c.fds_in.push_back(OwnedFd::from_raw_fd(fd));
-                            }
+            if n <= 0 {
+                if n == 0 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock {
+                    c.link.kill("the peer closed the connection");
+                }
+                return;
+            }
+            let mut fds = Vec::new();
+            // SAFETY: walks the control messages recvmsg filled in, within msg_controllen.
+            unsafe {
+                let mut cm = libc::CMSG_FIRSTHDR(&msg);
+                while !cm.is_null() {
+                    if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
+                        let data = libc::CMSG_DATA(cm).cast::<RawFd>();
+                        let count = ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                            / std::mem::size_of::<RawFd>();
+                        for k in 0..count {
+                            let fd = std::ptr::read_unaligned(data.add(k));
+                            fds.push(OwnedFd::from_raw_fd(fd));
                         }
-                        cm = libc::CMSG_NXTHDR(&msg, cm);
                     }
+                    cm = libc::CMSG_NXTHDR(&msg, cm);
                 }
-                c.rbuf.extend_from_slice(&chunk[..n as usize]);
-                if c.rbuf.len() > 2 * proto::MAX_FRAME || c.wbuf.len() > 2 * proto::MAX_FRAME {
-                    c.dead = true; // a peer that floods us, or never reads what we send
-                    return;
-                }
-                if c.fds_in.len() > 4 {
-                    c.dead = true; // a peer passing descriptors beyond the one slot table
-                    return;
-                }
-                continue;
             }
-            if n == 0 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock {
-                c.dead = true;
+            let passed = fds.len();
+            if passed > 0 {
+                if passed == 1 && c.link.takes_descriptors() {
+                    // The slot table: checked (sealed memfd first, without touching any other
+                    // kind of file) before anything else; from now on no descriptor is taken.
+                    refuse_passed_descriptors(c.fd.as_raw_fd());
+                    let fd = fds.pop().expect("one");
+                    if SlotTable::check(&fd).is_err() {
+                        close_elsewhere(fd);
+                        c.link
+                            .kill("the descriptor passed with the hello is no slot table");
+                        return;
+                    }
+                    match SlotTable::open(fd) {
+                        Ok(t) => c.slots = Some(Arc::new(t)),
+                        Err(_) => {
+                            c.link.kill("the slot table cannot be mapped");
+                            return;
+                        }
+                    }
+                } else {
+                    fds.into_iter().for_each(close_elsewhere);
+                }
             }
-            return;
+            c.link
+                .recv(&chunk[..n as usize], passed, Instant::now(), &self.key_ids, heard);
         }
     }
 
@@ -151,7 +225,7 @@ impl LocalTransport {
             }
             // SAFETY: a fresh descriptor nothing else owns.
             #[allow(unsafe_code)]
-            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let fd = Tracked::new(unsafe { OwnedFd::from_raw_fd(fd) });
             let Ok((pid, peer_uid)) = peer_cred(fd.as_raw_fd()) else {
                 continue;
             };
@@ -161,16 +235,15 @@ impl LocalTransport {
                 .values()
                 .filter(|c| !c.client && c.peer_pid == pid)
                 .count();
-            let i = self.insert(Conn::new(fd, false, pid, "".into()));
+            let link = Link::server(pid, self_pid(), Instant::now());
+            let i = self.insert(Conn::new(fd, link, pid, "".into()));
             if peer_uid == self.uid && (served >= MAX_SERVED || from_pid >= MAX_SERVED_PER_PID) {
                 self.refused_peers += 1;
                 let c = self.conns.get_mut(&i).expect("just inserted");
-                c.send(&Msg::Reject {
-                    reason: format!(
-                        "this process serves {served} same-host connections ({from_pid} from yours) \
+                c.link.reject(format!(
+                    "this process serves {served} same-host connections ({from_pid} from yours) \
                          already; use NIXL"
-                    ),
-                });
+                ));
                 self.flush(i);
                 self.close(i, &mut Vec::new());
                 continue;
@@ -178,13 +251,11 @@ impl LocalTransport {
             if peer_uid != self.uid {
                 self.refused_peers += 1;
                 let c = self.conns.get_mut(&i).expect("just inserted");
-                c.send(&Msg::Reject {
-                    reason: format!(
-                        "the serving process runs as uid {}, the peer as uid {peer_uid}: the same-host \
-                         path is only for processes of one user",
-                        self.uid
-                    ),
-                });
+                c.link.reject(format!(
+                    "the serving process runs as uid {}, the peer as uid {peer_uid}: the same-host \
+                     path is only for processes of one user",
+                    self.uid
+                ));
                 self.flush(i);
                 self.close(i, &mut Vec::new());
             }
@@ -201,18 +272,7 @@ impl LocalTransport {
         };
         tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
         self.reg.remove(l.as_raw_fd());
-        let spec = libc::itimerspec {
-            it_interval: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: ACCEPT_BACKOFF.as_nanos() as libc::c_long,
-            },
-        };
-        // SAFETY: a valid timerfd we own, and a fully initialised itimerspec.
-        unsafe { libc::timerfd_settime(t.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+        set_timer(t, ACCEPT_BACKOFF);
     }
 
     /// The back-off timer fired: watch the listener again and take what waits.
@@ -236,7 +296,7 @@ impl LocalTransport {
         key: &Arc<str>,
     ) -> std::result::Result<ConnId, Decline> {
         if let Some(&i) = self.by_peer.get(peer) {
-            if self.conns.get(&i).is_some_and(|c| !c.dead) {
+            if self.conns.get(&i).is_some_and(|c| !c.link.is_dead()) {
                 return Ok(i);
             }
         }
@@ -263,6 +323,9 @@ impl LocalTransport {
         key: &Arc<str>,
     ) -> std::result::Result<ConnId, Decline> {
         let fd = unix_socket().map_err(|e| Decline::because("cannot open a same-host socket", e))?;
+        // The server never passes descriptors; the kernel refuses any it tries (where it can).
+        refuse_passed_descriptors(fd.as_raw_fd());
+        let fd = Tracked::new(fd);
         let (a, len) = sockaddr(&socket_name(peer));
         // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
         let r = unsafe { libc::connect(fd.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) };
@@ -275,11 +338,9 @@ impl LocalTransport {
         if peer_uid != self.uid || pid <= 0 {
             return Err(format!("the peer runs as uid {peer_uid} (this process: {})", self.uid).into());
         }
-        let mut conn = Conn::new(fd, true, pid, peer.clone());
-        conn.nonce = auth::nonce();
-        conn.opening_key = Some(key.clone());
-        let i = self.insert(conn);
-        if let Err(e) = self.send_hello(i, key) {
+        let link = Link::client(key.clone(), auth::nonce(), self_pid(), pid, Instant::now());
+        let i = self.insert(Conn::new(fd, link, pid, peer.clone()));
+        if let Err(e) = self.send_hello(i) {
             self.close(i, &mut Vec::new());
             return Err(Decline::because("the same-host handshake failed", e));
         }

@@ -8,7 +8,8 @@ use std::time::Duration;
 use super::cma::{self, CopyError};
 #[cfg(feature = "cuda")]
 use super::ipc;
-use super::proto::{Msg, RefuseCode};
+use super::link::Answer;
+use super::proto::RefuseCode;
 use super::records::{refused, AnyCopy, CopyOwner};
 #[cfg(feature = "cuda")]
 use super::staged;
@@ -113,17 +114,12 @@ impl LocalTransport {
                 CopyOwner::Read(id) => {
                     let Some(a) = self.acts.remove(&id) else { continue };
                     let i = a.conn;
-                    let live = self.conns.get(&i).is_some_and(|c| !c.dead);
+                    let live = self.conns.get(&i).is_some_and(|c| !c.link.is_dead());
                     if let Err(CopyError::Unsupported(reason)) = &r {
                         // Nothing moved: end the grant and let NIXL take the read.
                         if live {
                             let c = self.conns.get_mut(&i).expect("live");
-                            c.send(&Msg::Done {
-                                slot: a.slot,
-                                gen: a.gen,
-                                ok: false,
-                                reason: reason.to_string(),
-                            });
+                            c.link.read_done(a.slot, a.gen, false, &reason.to_string());
                             self.flush(i);
                         }
                         self.free_slot(i, a.slot, a.gen);
@@ -171,12 +167,7 @@ impl LocalTransport {
                     };
                     if live {
                         let c = self.conns.get_mut(&i).expect("live");
-                        c.send(&Msg::Done {
-                            slot: a.slot,
-                            gen: a.gen,
-                            ok: result.is_ok(),
-                            reason: String::new(),
-                        });
+                        c.link.read_done(a.slot, a.gen, result.is_ok(), "");
                         self.flush(i);
                     }
                     self.free_slot(i, a.slot, a.gen);
@@ -204,12 +195,14 @@ impl LocalTransport {
                                 s.writer = None;
                             }
                         }
-                        if let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.dead) {
-                            c.send(&Msg::Fallback {
+                        if let Some(c) = self.conns.get_mut(&conn) {
+                            c.link.answer(
                                 slot,
                                 gen,
-                                reason: format!("the passive side cannot copy from device memory: {reason}"),
-                            });
+                                Answer::Fallback(format!(
+                                    "the passive side cannot copy from device memory: {reason}"
+                                )),
+                            );
                             self.flush(conn);
                         }
                         continue;
@@ -237,16 +230,12 @@ impl LocalTransport {
                             }
                         }
                     }
-                    if let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.dead) {
-                        c.send(&Msg::Done {
-                            slot,
-                            gen,
-                            ok,
-                            reason: match &r {
-                                Ok(()) => String::new(),
-                                Err(e) => format!("the passive side's copy failed: {e:?}"),
-                            },
-                        });
+                    if let Some(c) = self.conns.get_mut(&conn) {
+                        let reason = match &r {
+                            Ok(()) => String::new(),
+                            Err(e) => format!("the passive side's copy failed: {e:?}"),
+                        };
+                        c.link.answer(slot, gen, Answer::WriteDone { ok, reason });
                         self.flush(conn);
                     }
                 }

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use super::cma::SlotRef;
 #[cfg(feature = "cuda")]
 use super::ipc;
-use super::proto::{IpcSource, Msg, RefuseCode};
+use super::link::Answer;
+use super::proto::{IpcSource, RefuseCode};
 #[cfg(feature = "cuda")]
 use super::records::{AnyCopy, CopyOwner};
 use super::records::{ConnId, ExportDone, Phase};
@@ -65,13 +66,11 @@ impl LocalTransport {
         key: &str,
         remote: Vec<(u64, u64)>,
         sources: Vec<IpcSource>,
-    ) -> Option<Msg> {
+    ) -> Option<Answer> {
         #[cfg(not(feature = "cuda"))]
-        return Some(Msg::Fallback {
-            slot,
-            gen,
-            reason: "this build has no CUDA support (feature `cuda`)".into(),
-        });
+        return Some(Answer::Fallback(
+            "this build has no CUDA support (feature `cuda`)".into(),
+        ));
         #[cfg(feature = "cuda")]
         {
             let (key, s) = self.scopes.get_key_value(key).expect("checked");
@@ -105,20 +104,16 @@ impl LocalTransport {
                 return None;
             }
             if s.writer.is_some() {
-                return Some(Msg::Refuse {
-                    slot,
-                    gen,
-                    code: RefuseCode::Busy,
-                    reason: "another writer is writing this writable now".into(),
-                });
+                return Some(Answer::Refuse(
+                    RefuseCode::Busy,
+                    "another writer is writing this writable now".into(),
+                ));
             }
             if !s.state.try_mark_in_use() {
-                return Some(Msg::Refuse {
-                    slot,
-                    gen,
-                    code: RefuseCode::NotLive,
-                    reason: "the operation has ended (completed, cancelled or dropped)".into(),
-                });
+                return Some(Answer::Refuse(
+                    RefuseCode::NotLive,
+                    "the operation has ended (completed, cancelled or dropped)".into(),
+                ));
             }
             let c = self.conns.get(&i).expect("live");
             let (table, peer_pid, pidfd) = (c.slots.clone().expect("ready"), c.peer_pid, c.pidfd.clone());
@@ -172,13 +167,11 @@ impl LocalTransport {
                         .get(&key)
                         .is_some_and(|s| s.grants.contains(&(conn, slot, gen)));
                     let answer = match result {
-                        Ok(sources) if granted => Msg::GrantIpc { slot, gen, sources },
-                        _ if !granted => Msg::Refuse {
-                            slot,
-                            gen,
-                            code: RefuseCode::NotLive,
-                            reason: "the operation ended before its memory could be shared".into(),
-                        },
+                        Ok(sources) if granted => Answer::GrantIpc(sources),
+                        _ if !granted => Answer::Refuse(
+                            RefuseCode::NotLive,
+                            "the operation ended before its memory could be shared".into(),
+                        ),
                         Ok(_) => unreachable!("granted is checked above"),
                         Err(reason) => {
                             if self
@@ -188,17 +181,13 @@ impl LocalTransport {
                             {
                                 self.ungrant(conn);
                             }
-                            Msg::Fallback {
-                                slot,
-                                gen,
-                                reason: format!(
-                                    "the device memory cannot be shared through CUDA IPC: {reason}"
-                                ),
-                            }
+                            Answer::Fallback(format!(
+                                "the device memory cannot be shared through CUDA IPC: {reason}"
+                            ))
                         }
                     };
-                    if let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.dead) {
-                        c.send(&answer);
+                    if let Some(c) = self.conns.get_mut(&conn) {
+                        c.link.answer(slot, gen, answer);
                         self.flush(conn);
                     }
                 }

@@ -1,84 +1,68 @@
-//! Frame dispatch: each message from a same-host peer, to the part of the transport that acts on
-//! it (the client's answers, the server's requests, the handshake).
+//! Dispatch: what a connection's protocol core heard (well-formed, in order, proven), to the part
+//! of the transport that acts on it (the client's answers, the server's requests, the
+//! handshake's outcome).
 
 use std::time::Instant;
 
-use super::proto::Msg;
-use super::records::{refused, ConnId, Expect, Phase};
-use super::state::LocalTransport;
+use super::link::{Answer, Heard};
+use super::proto::RefuseCode;
+use super::records::{refused, ConnId, Phase};
+use super::state::{LocalTransport, MAX_NEGATIVE, NOT_LIVE};
 use crate::engine::transport::Event;
 use crate::error::Error;
 
 impl LocalTransport {
-    /// Acts on message `m` from connection `i`.
-    pub(super) fn handle(&mut self, i: ConnId, m: Msg, out: &mut Vec<Event>) {
-        let client = self.conns.get(&i).is_some_and(|c| c.client);
-        match (client, m) {
-            (
-                false,
-                Msg::Hello {
-                    version,
-                    key_id,
-                    nonce,
-                },
-            ) => self.on_hello(i, version, key_id, nonce),
-            (true, Msg::Welcome { proof }) => self.on_welcome(i, proof, out),
-            (false, Msg::Trusted) => self.on_trusted(i),
-            (true, Msg::Reject { reason }) if self.conns.get(&i).is_some_and(|c| !c.ready) => {
-                let c = self.conns.get_mut(&i).expect("live");
-                c.dead = true;
-                let peer = c.peer.clone();
-                self.decline_queued(i, &reason, out);
-                self.negative.insert(peer, Instant::now());
-            }
-            (
-                false,
-                Msg::Req {
-                    slot,
-                    gen,
-                    write,
-                    ident,
-                    key_id,
-                    mac,
-                    device,
-                    remote,
-                    local,
-                    sources,
-                },
-            ) => {
-                if self.identities.contains(&ident) {
-                    let Some(key) = self.proven_key(i, slot, gen, write, &key_id, &mac) else {
-                        return;
-                    };
-                    self.on_req(i, slot, gen, write, &key, device, remote, local, sources, out)
+    /// Acts on what connection `i`'s core heard.
+    pub(super) fn handle(&mut self, i: ConnId, h: Heard, out: &mut Vec<Event>) {
+        match h {
+            Heard::Hello => self.on_hello(i),
+            Heard::Req(r) => {
+                if self.identities.contains(&r.ident) {
+                    self.on_req(i, r, out)
                 } else if let Some(c) = self.conns.get_mut(&i) {
                     // Metadata of an agent of the same name elsewhere (another host, an earlier
                     // process): not this connector's to refuse; NIXL will sort it out.
-                    c.send(&Msg::Fallback {
-                        slot,
-                        gen,
-                        reason: "the metadata names another agent of the same name".into(),
-                    });
+                    c.link.answer(
+                        r.slot,
+                        r.gen,
+                        Answer::Fallback("the metadata names another agent of the same name".into()),
+                    );
                 }
             }
-            (true, Msg::Grant { slot, gen }) if self.expects(i, slot, gen, Expect::Grant) => {
-                self.on_grant(i, slot, gen, None, out)
+            Heard::ReadDone { slot, gen, ok, key } => self.on_read_done(i, slot, gen, ok, &key, out),
+            Heard::Ready => self.on_ready(i, out),
+            Heard::NotLive { key } => self.on_not_live(i, &key, out),
+            Heard::Impostor => {
+                let Some(c) = self.conns.get(&i) else { return };
+                // Not the process that made the operation: another one holds the socket name. It
+                // learnt a key hash and a nonce; nothing else is sent, nothing it says is believed.
+                tracing::warn!(
+                    peer = %c.peer,
+                    pid = c.peer_pid,
+                    "the process on this peer's same-host socket could not prove it holds the \
+                     operation's key (an impostor?); using NIXL"
+                );
+                self.refused_peers += 1;
+                self.avoid(i);
+                self.decline_queued(
+                    i,
+                    "the process on the peer's same-host socket could not prove it holds the \
+                     operation's key (another process holds the socket name)",
+                    out,
+                );
             }
-            (true, Msg::GrantIpc { slot, gen, sources }) if self.expects(i, slot, gen, Expect::Grant) => {
-                self.on_grant(i, slot, gen, Some(sources), out)
+            Heard::Rejected { reason } => {
+                self.avoid(i);
+                self.decline_queued(i, &reason, out);
             }
-            (
-                true,
-                Msg::Refuse {
-                    slot,
-                    gen,
-                    code,
-                    reason,
-                },
-            ) if self.expects(i, slot, gen, Expect::Answer) => {
-                self.end_answered(i, slot, gen, out, |peer| Err(refused(peer, code, reason)));
-            }
-            (true, Msg::Fallback { slot, gen, reason }) if self.expects(i, slot, gen, Expect::Answer) => {
+            Heard::Grant { slot, gen, sources } => self.on_grant(i, slot, gen, sources, out),
+            Heard::Refused {
+                slot,
+                gen,
+                code,
+                reason,
+            } => self.end_answered(i, slot, gen, out, |peer| Err(refused(peer, code, reason))),
+            Heard::Fallback { slot, gen, reason } => {
                 if let Some((_, a)) = self.take_act(i, slot, gen) {
                     self.free_slot(i, slot, gen);
                     if !matches!(a.phase, Phase::Abandoned) {
@@ -89,15 +73,12 @@ impl LocalTransport {
                     }
                 }
             }
-            (
-                true,
-                Msg::Done {
-                    slot,
-                    gen,
-                    ok,
-                    reason,
-                },
-            ) if self.expects(i, slot, gen, Expect::WriteDone) => {
+            Heard::WriteDone {
+                slot,
+                gen,
+                ok,
+                reason,
+            } => {
                 // The passive side finished copying our write.
                 self.end_answered(i, slot, gen, out, |peer| {
                     if ok {
@@ -111,15 +92,44 @@ impl LocalTransport {
                     }
                 });
             }
-            (false, Msg::Done { slot, gen, ok, .. }) => self.on_read_done(i, slot, gen, ok, out),
-            // Anything else breaks the protocol (a frame out of order, for an operation in another
-            // phase, or for none): the connection is closed; copies already running end on their
-            // own and nothing of theirs is released before that.
-            (_, other) => {
-                tracing::debug!(?other, "unexpected same-host frame; closing the connection");
-                if let Some(c) = self.conns.get_mut(&i) {
-                    c.dead = true;
-                }
+        }
+    }
+
+    /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
+    /// someone else holds its socket name).
+    fn avoid(&mut self, i: ConnId) {
+        let Some(peer) = self.conns.get(&i).map(|c| c.peer.clone()) else {
+            return;
+        };
+        if self.negative.len() >= MAX_NEGATIVE {
+            self.negative.clear();
+        }
+        self.negative.insert(peer, Instant::now());
+    }
+
+    /// Client: the server has no live operation with the opening key. That operation is refused
+    /// as a replay (it must not go on to NIXL and read stale memory); nothing was revealed; the
+    /// others queued behind it take NIXL, and the connection is opened afresh next time.
+    fn on_not_live(&mut self, i: ConnId, key: &str, out: &mut Vec<Event>) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
+        let peer = c.peer.clone();
+        let queued = std::mem::take(&mut c.queued);
+        for id in queued {
+            let Some(a) = self.acts.remove(&id) else { continue };
+            self.free_slot(i, a.slot, a.gen);
+            if matches!(a.phase, Phase::Abandoned) {
+                continue;
+            }
+            if &*a.spec.key == key {
+                out.push(Event::ActiveEnded {
+                    id,
+                    result: Err(refused(peer.to_string(), RefuseCode::NotLive, NOT_LIVE.into())),
+                });
+            } else {
+                out.push(Event::Declined {
+                    spec: a.spec,
+                    reason: "the same-host connection closed before its request".into(),
+                });
             }
         }
     }

@@ -27,6 +27,7 @@ mod device;
 mod dispatch;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc;
+pub(crate) mod link;
 pub(crate) mod proto;
 mod records;
 mod seam;
@@ -39,4 +40,4 @@ mod sys;
 
 pub(crate) use self::device::device_path_refusal;
 pub(crate) use self::state::LocalTransport;
-pub(crate) use self::sys::listen;
+pub(crate) use self::sys::{listen, Tracked};

@@ -1,7 +1,11 @@
 //! The same-host negotiation protocol: length-prefixed binary frames over a Unix stream socket.
 //!
-//! Frame: `u32` length of what follows (little-endian), `u8` type, payload. Every field is checked
-//! on decode; a peer that sends anything malformed is disconnected.
+//! Frame: `u32` length of what follows (little-endian), `u8` type, payload, and for every frame
+//! that concerns one operation (`Req`, `Grant`, `GrantIpc`, `Refuse`, `Fallback`, `Done`) a
+//! trailing 32-byte MAC under *that operation's* key over the type and payload
+//! ([`auth::frame_mac`](super::auth::frame_mac)). Every field is checked on decode; a peer that
+//! sends anything malformed is disconnected. The codec knows nothing of keys: it hands the signed
+//! bytes and the MAC to the connection core (`link`), which checks them.
 //!
 //! | frame | from | meaning |
 //! |---|---|---|
@@ -20,9 +24,17 @@ use super::auth::{KeyId, Nonce, Tag};
 use crate::device::Device;
 
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
-pub(crate) const VERSION: u32 = 4;
+/// (5: every frame about an operation carries a MAC under that operation's key.)
+pub(crate) const VERSION: u32 = 5;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
+/// The longest reason string a frame carries, in bytes (longer ones are cut at a character
+/// boundary when encoded; the decoder refuses longer ones).
+pub(crate) const MAX_REASON: usize = 4096;
+/// The length of the trailing MAC of an operation's frames.
+pub(crate) const MAC_LEN: usize = 32;
+/// Encoded size of one [`IpcSource`].
+pub(crate) const SOURCE_BYTES: usize = 16 + 64 + 5 * 8;
 
 /// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,8 +106,6 @@ pub(crate) enum Msg {
         /// The fingerprint of the connection part of the metadata the request comes from.
         ident: u64,
         key_id: KeyId,
-        /// [`super::auth::req_mac`] of the operation's key.
-        mac: Tag,
         device: Device,
         /// Ranges in the passive side's memory.
         remote: Vec<(u64, u64)>,
@@ -133,6 +143,15 @@ pub(crate) enum Msg {
     },
 }
 
+/// One decoded frame: the message, the bytes its MAC covers (type and payload), and the MAC
+/// (signed frames only).
+#[derive(Debug)]
+pub(crate) struct Frame<'a> {
+    pub(crate) msg: Msg,
+    pub(crate) signed: &'a [u8],
+    pub(crate) mac: Option<Tag>,
+}
+
 struct W<'a>(&'a mut Vec<u8>);
 
 impl W<'_> {
@@ -149,7 +168,7 @@ impl W<'_> {
         self.0.extend_from_slice(b);
     }
     fn str(&mut self, s: &str) {
-        let b = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+        let b = clip(s).as_bytes();
         self.0.extend_from_slice(&(b.len() as u16).to_le_bytes());
         self.0.extend_from_slice(b);
     }
@@ -172,8 +191,14 @@ impl W<'_> {
     }
 }
 
-/// Encoded size of one [`IpcSource`].
-const SOURCE_BYTES: usize = 16 + 64 + 5 * 8;
+/// `s` cut to at most [`MAX_REASON`] bytes at a character boundary.
+fn clip(s: &str) -> &str {
+    let mut n = s.len().min(MAX_REASON);
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    &s[..n]
+}
 
 struct R<'a> {
     b: &'a [u8],
@@ -192,10 +217,10 @@ impl<'a> R<'a> {
         self.take(1).map(|b| b[0])
     }
     fn u32(&mut self) -> Option<u32> {
-        self.take(4).map(|b| u32::from_le_bytes(b.try_into().expect("4")))
+        self.array().map(u32::from_le_bytes)
     }
     fn u64(&mut self) -> Option<u64> {
-        self.take(8).map(|b| u64::from_le_bytes(b.try_into().expect("8")))
+        self.array().map(u64::from_le_bytes)
     }
     fn bool(&mut self) -> Option<bool> {
         match self.u8()? {
@@ -208,7 +233,7 @@ impl<'a> R<'a> {
         self.take(N)?.try_into().ok()
     }
     fn str(&mut self, max: usize) -> Option<String> {
-        let n = u16::from_le_bytes(self.take(2)?.try_into().expect("2")) as usize;
+        let n = u16::from_le_bytes(self.array()?) as usize;
         if n > max {
             return None;
         }
@@ -263,8 +288,71 @@ fn device_from(kind: u8, id: u32) -> Option<Device> {
 }
 
 impl Msg {
-    /// Appends this frame (length prefix included) to `out`.
+    /// True for the frames that concern one operation and so carry its MAC.
+    pub(crate) fn signed(&self) -> bool {
+        !matches!(
+            self,
+            Msg::Hello { .. } | Msg::Welcome { .. } | Msg::Trusted | Msg::Reject { .. }
+        )
+    }
+
+    /// The exact encoded size of this frame, length prefix and MAC included.
+    pub(crate) fn encoded_len(&self) -> usize {
+        let str_len = |s: &str| 2 + clip(s).len();
+        let body = 1 + match self {
+            Msg::Hello { .. } => 4 + 16 + 16,
+            Msg::Welcome { proof } => 1 + proof.map_or(0, |p| p.len()),
+            Msg::Trusted => 0,
+            Msg::Reject { reason } => str_len(reason),
+            Msg::Req {
+                remote,
+                local,
+                sources,
+                ..
+            } => {
+                4 + 8
+                    + 1
+                    + 8
+                    + 16
+                    + 1
+                    + 4
+                    + 4
+                    + 16 * remote.len()
+                    + 4
+                    + 16 * local.len()
+                    + 4
+                    + SOURCE_BYTES * sources.len()
+            }
+            Msg::Grant { .. } => 12,
+            Msg::GrantIpc { sources, .. } => 12 + 4 + SOURCE_BYTES * sources.len(),
+            Msg::Refuse { reason, .. } => 12 + 1 + str_len(reason),
+            Msg::Fallback { reason, .. } => 12 + str_len(reason),
+            Msg::Done { reason, .. } => 12 + 1 + str_len(reason),
+        };
+        4 + body + if self.signed() { MAC_LEN } else { 0 }
+    }
+
+    /// Appends this frame to `out` (length prefix included); a signed frame ends with
+    /// `sign(type and payload)`, which unsigned frames never call.
+    pub(crate) fn encode_signed(&self, out: &mut Vec<u8>, sign: impl FnOnce(&[u8]) -> [u8; MAC_LEN]) {
+        let at = out.len();
+        self.encode_body(out);
+        if self.signed() {
+            let mac = sign(&out[at + 4..]);
+            out.extend_from_slice(&mac);
+            let len = (out.len() - at - 4) as u32;
+            out[at..at + 4].copy_from_slice(&len.to_le_bytes());
+        }
+    }
+
+    /// Appends this frame to `out`, signed frames with an all-zero MAC (tests, and answers that
+    /// prove nothing: see `link`).
+    #[cfg(test)]
     pub(crate) fn encode(&self, out: &mut Vec<u8>) {
+        self.encode_signed(out, |_| [0; MAC_LEN]);
+    }
+
+    fn encode_body(&self, out: &mut Vec<u8>) {
         let at = out.len();
         out.extend_from_slice(&[0; 4]);
         let mut w = W(out);
@@ -300,7 +388,6 @@ impl Msg {
                 write,
                 ident,
                 key_id,
-                mac,
                 device,
                 remote,
                 local,
@@ -312,7 +399,6 @@ impl Msg {
                 w.u8(u8::from(*write));
                 w.u64(*ident);
                 w.bytes(key_id);
-                w.bytes(mac);
                 let (k, id) = device_code(*device);
                 w.u8(k);
                 w.u32(id);
@@ -366,25 +452,33 @@ impl Msg {
         out[at..at + 4].copy_from_slice(&len.to_le_bytes());
     }
 
-    /// Decodes one frame from the front of `buf`: `Ok(None)` when it is not complete yet,
-    /// `Ok(Some((msg, used)))`, or `Err` for a malformed or oversized frame.
-    pub(crate) fn decode(buf: &[u8]) -> Result<Option<(Msg, usize)>, &'static str> {
-        if buf.len() < 4 {
+    /// Decodes one frame from the front of `buf`, of at most `max` bytes after its length
+    /// prefix: `Ok(None)` when it is not complete yet, `Ok(Some((frame, used)))`, or `Err` for a
+    /// malformed or oversized frame (a length over `max` is refused before its bytes arrive).
+    pub(crate) fn decode(buf: &[u8], max: usize) -> Result<Option<(Frame<'_>, usize)>, &'static str> {
+        let Some(head) = buf.get(..4) else {
             return Ok(None);
-        }
-        let len = u32::from_le_bytes(buf[..4].try_into().expect("4")) as usize;
-        if len == 0 || len > MAX_FRAME {
+        };
+        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        if len == 0 || len > max.min(MAX_FRAME) {
             return Err("a frame of a bad size");
         }
-        if buf.len() < 4 + len {
+        let Some(whole) = buf.get(4..4 + len) else {
             return Ok(None);
-        }
-        let mut r = R { b: &buf[4..4 + len] };
-        let m = Self::body(&mut r).ok_or("a malformed frame")?;
-        if !r.b.is_empty() {
+        };
+        let mut r = R { b: whole };
+        let msg = Self::body(&mut r).ok_or("a malformed frame")?;
+        let (signed, mac) = if msg.signed() {
+            let Ok(mac) = <[u8; MAC_LEN]>::try_from(r.b) else {
+                return Err("a frame without its MAC");
+            };
+            (&whole[..len - MAC_LEN], Some(mac))
+        } else if r.b.is_empty() {
+            (whole, None)
+        } else {
             return Err("trailing bytes in a frame");
-        }
-        Ok(Some((m, 4 + len)))
+        };
+        Ok(Some((Frame { msg, signed, mac }, 4 + len)))
     }
 
     fn body(r: &mut R<'_>) -> Option<Msg> {
@@ -402,14 +496,15 @@ impl Msg {
                 },
             },
             10 => Msg::Trusted,
-            3 => Msg::Reject { reason: r.str(4096)? },
+            3 => Msg::Reject {
+                reason: r.str(MAX_REASON)?,
+            },
             4 => {
                 let slot = r.u32()?;
                 let gen = r.u64()?;
                 let write = r.bool()?;
                 let ident = r.u64()?;
                 let key_id = r.array()?;
-                let mac = r.array()?;
                 let device = device_from(r.u8()?, r.u32()?)?;
                 let remote = r.ranges()?;
                 let local = r.ranges()?;
@@ -420,7 +515,6 @@ impl Msg {
                     write,
                     ident,
                     key_id,
-                    mac,
                     device,
                     remote,
                     local,
@@ -435,18 +529,18 @@ impl Msg {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 code: RefuseCode::from_u8(r.u8()?)?,
-                reason: r.str(4096)?,
+                reason: r.str(MAX_REASON)?,
             },
             7 => Msg::Fallback {
                 slot: r.u32()?,
                 gen: r.u64()?,
-                reason: r.str(4096)?,
+                reason: r.str(MAX_REASON)?,
             },
             8 => Msg::Done {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 ok: r.bool()?,
-                reason: r.str(4096)?,
+                reason: r.str(MAX_REASON)?,
             },
             9 => Msg::GrantIpc {
                 slot: r.u32()?,
@@ -491,7 +585,6 @@ mod tests {
                 write: true,
                 ident: 11,
                 key_id: [6; 16],
-                mac: [7; 32],
                 device: Device::Cuda(3),
                 remote: vec![(1, 2), (3, 4)],
                 local: vec![(5, 6), (7, 8)],
@@ -534,8 +627,9 @@ mod tests {
         let mut pending: Vec<u8> = Vec::new();
         for b in buf {
             pending.push(b);
-            while let Some((m, used)) = Msg::decode(&pending).unwrap() {
-                got.push(m);
+            while let Some((f, used)) = Msg::decode(&pending, MAX_FRAME).unwrap() {
+                assert_eq!(f.mac.is_some(), f.msg.signed());
+                got.push(f.msg);
                 pending.drain(..used);
             }
         }
@@ -543,9 +637,50 @@ mod tests {
     }
 
     #[test]
+    fn proto_encoded_len_is_exact() {
+        let long = "é".repeat(MAX_REASON); // 2 bytes a character: cut mid-way, at a boundary
+        let mut msgs = all();
+        msgs.push(Msg::Refuse {
+            slot: 1,
+            gen: 2,
+            code: RefuseCode::OutOfRange,
+            reason: long.clone(),
+        });
+        msgs.push(Msg::Reject { reason: long });
+        for m in msgs {
+            let mut buf = Vec::new();
+            m.encode(&mut buf);
+            assert_eq!(buf.len(), m.encoded_len(), "{m:?}");
+            let (f, used) = Msg::decode(&buf, MAX_FRAME).unwrap().expect("whole");
+            assert_eq!(used, buf.len());
+            if let Msg::Refuse { reason, .. } | Msg::Reject { reason } = &f.msg {
+                assert!(reason.len() <= MAX_REASON);
+                assert!(!reason.starts_with('é') || reason.chars().all(|c| c == 'é'));
+            }
+        }
+    }
+
+    #[test]
+    fn proto_refuses_a_length_over_the_limit_before_its_bytes() {
+        let mut buf = Vec::new();
+        Msg::Refuse {
+            slot: 1,
+            gen: 2,
+            code: RefuseCode::Busy,
+            reason: "x".repeat(100),
+        }
+        .encode(&mut buf);
+        assert!(
+            Msg::decode(&buf[..4], 64).is_err(),
+            "refused from its prefix alone"
+        );
+        assert!(Msg::decode(&buf[..4], MAX_FRAME).unwrap().is_none());
+    }
+
+    #[test]
     fn proto_rejects_malformed_frames_without_panicking() {
-        assert!(Msg::decode(&[0, 0, 0, 0]).is_err());
-        assert!(Msg::decode(&(MAX_FRAME as u32 + 1).to_le_bytes()).is_err());
+        assert!(Msg::decode(&[0, 0, 0, 0], MAX_FRAME).is_err());
+        assert!(Msg::decode(&(MAX_FRAME as u32 + 1).to_le_bytes(), MAX_FRAME).is_err());
         let mut buf = Vec::new();
         all()[5].encode(&mut buf);
         let mut x = 0x2545_F491_4F6C_DD1Du64;
@@ -556,7 +691,7 @@ mod tests {
             x ^= x << 17;
             let i = 4 + (x as usize) % (m.len() - 4);
             m[i] = (x >> 24) as u8;
-            let _ = Msg::decode(&m);
+            let _ = Msg::decode(&m, MAX_FRAME);
         }
         // So is an IPC source whose range overruns its allocation.
         let mut bad = source(7);
@@ -568,18 +703,18 @@ mod tests {
             sources: vec![bad],
         }
         .encode(&mut buf);
-        assert!(Msg::decode(&buf).is_err());
+        assert!(Msg::decode(&buf, MAX_FRAME).is_err());
         // A huge range count in a small frame is refused, not allocated.
         let mut evil = vec![0u8; 4];
         evil.push(4);
         evil.extend_from_slice(&[0; 12]);
         evil.push(0);
-        evil.extend_from_slice(&[0; 8 + 16 + 32]);
+        evil.extend_from_slice(&[0; 8 + 16]);
         evil.push(0);
         evil.extend_from_slice(&0u32.to_le_bytes());
         evil.extend_from_slice(&u32::MAX.to_le_bytes());
         let n = (evil.len() - 4) as u32;
         evil[..4].copy_from_slice(&n.to_le_bytes());
-        assert!(Msg::decode(&evil).is_err());
+        assert!(Msg::decode(&evil, MAX_FRAME).is_err());
     }
 }

@@ -3,18 +3,18 @@
 //! finished export. It sits below the files that act on these records and below the transport's
 //! own state (`state.rs`), so none of them imports its way back up.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
-use super::auth::Nonce;
 use super::cma::{Copy, CopyError};
 #[cfg(feature = "cuda")]
 use super::ipc;
-use super::proto::{IpcSource, Msg, RefuseCode};
+use super::link::Link;
+use super::proto::{IpcSource, RefuseCode};
 use super::slots::{SlotTable, SLOTS};
-use super::sys::pidfd;
+use super::sys::{pidfd, Tracked};
 use crate::device::Device;
 use crate::engine::transport::{ActiveSpec, OpId};
 use crate::error::{Error, ErrorSource};
@@ -51,17 +51,6 @@ pub(super) struct Act {
     pub(super) device: bool,
     /// A device write's exported source, once the CUDA thread has it.
     pub(super) sources: Vec<IpcSource>,
-}
-
-/// Which frame a client-side operation may receive in its phase.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Expect {
-    /// A read waiting for its grant (or given up, which answers it with a failure).
-    Grant,
-    /// A refusal or a hand-over to NIXL: only before any copy began.
-    Answer,
-    /// The passive side's end of a write.
-    WriteDone,
 }
 
 pub(super) fn refused(agent: String, code: RefuseCode, reason: String) -> Error {
@@ -143,29 +132,21 @@ pub(super) type Exports = Arc<Mutex<Vec<ExportDone>>>;
 pub(super) type ConnId = u64;
 
 /// One socket: a connection this side made (client, the active side) or accepted (server).
+/// What the peer says is read, checked and authenticated by its protocol core ([`Link`]); this
+/// record keeps what lives at the edge (the socket, the peer's process, the slot table) and the
+/// transport's bookkeeping.
 pub(super) struct Conn {
-    pub(super) fd: OwnedFd,
+    pub(super) fd: Tracked,
     pub(super) client: bool,
     pub(super) peer_pid: libc::pid_t,
     pub(super) pidfd: Option<Arc<OwnedFd>>,
-    pub(super) rbuf: Vec<u8>,
-    pub(super) wbuf: Vec<u8>,
+    /// The protocol core: framing, handshake, deadlines, proofs.
+    pub(super) link: Link,
     pub(super) writing: bool,
-    pub(super) fds_in: VecDeque<OwnedFd>,
     pub(super) slots: Option<Arc<SlotTable>>,
-    /// The handshake is done (client: the server proved it holds the opening operation's key;
-    /// server: `Hello` answered).
-    pub(super) ready: bool,
-    /// Server side: the client sent `Trusted` (it checked our proof; requests may follow).
-    pub(super) trusted: bool,
     /// Server side: read grants this connection holds (at most
     /// [`MAX_GRANTS_PER_CONN`](super::state::MAX_GRANTS_PER_CONN)).
     pub(super) granted: usize,
-    /// The client's nonce for this connection (sent in `Hello`).
-    pub(super) nonce: Nonce,
-    /// Client side: the key of the operation that opened the connection (what the server must
-    /// prove it holds).
-    pub(super) opening_key: Option<Arc<str>>,
     /// This side may pull from the peer's memory.
     pub(super) can_pull: bool,
     /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
@@ -173,26 +154,20 @@ pub(super) struct Conn {
     pub(super) queued: Vec<OpId>,
     pub(super) free_slots: Vec<u32>,
     pub(super) gens: Vec<u64>,
-    pub(super) dead: bool,
 }
 
 impl Conn {
-    pub(super) fn new(fd: OwnedFd, client: bool, peer_pid: libc::pid_t, peer: Arc<str>) -> Self {
+    pub(super) fn new(fd: Tracked, link: Link, peer_pid: libc::pid_t, peer: Arc<str>) -> Self {
+        let client = link.is_client();
         Self {
             fd,
             client,
             peer_pid,
             pidfd: pidfd(peer_pid).map(Arc::new),
-            rbuf: Vec::new(),
-            wbuf: Vec::new(),
+            link,
             writing: false,
-            fds_in: VecDeque::new(),
             slots: None,
-            ready: false,
-            trusted: false,
             granted: 0,
-            nonce: [0; 16],
-            opening_key: None,
             can_pull: false,
             peer,
             queued: Vec::new(),
@@ -202,12 +177,7 @@ impl Conn {
                 Vec::new()
             },
             gens: if client { vec![0; SLOTS] } else { Vec::new() },
-            dead: false,
         }
-    }
-
-    pub(super) fn send(&mut self, m: &Msg) {
-        m.encode(&mut self.wbuf);
     }
 }
 

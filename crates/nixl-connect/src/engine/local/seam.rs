@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use super::auth;
 use super::device::{device_path_refusal, uniform};
-use super::proto::Msg;
 use super::records::{Act, ConnId, Phase, Scope};
-use super::state::{LocalTransport, ACCEPT_TIMER, LISTENER};
+use super::state::{LocalTransport, ACCEPT_TIMER, DEADLINE_TIMER, LISTENER};
 use crate::device::Device;
 use crate::engine::poller::hung_up;
 use crate::engine::stats::EngineStats;
@@ -109,7 +108,7 @@ impl Transport for LocalTransport {
         }
         spec.state.set_path(TransferPath::Local);
         let id = spec.id;
-        let ready = c.ready;
+        let ready = c.link.is_ready();
         if !ready {
             c.queued.push(id);
         }
@@ -180,6 +179,11 @@ impl Transport for LocalTransport {
                 event = true;
                 continue;
             }
+            if token == DEADLINE_TIMER {
+                self.on_deadlines(out);
+                event = true;
+                continue;
+            }
             let i: ConnId = token;
             if !self.conns.contains_key(&i) {
                 continue;
@@ -189,32 +193,27 @@ impl Transport for LocalTransport {
                 self.flush(i);
             }
             if ev & libc::EPOLLIN as u32 != 0 || hung_up(ev) {
-                self.read(i);
-            }
-            while let Some(c) = self.conns.get_mut(&i) {
-                match Msg::decode(&c.rbuf) {
-                    Ok(Some((m, used))) => {
-                        c.rbuf.drain(..used);
-                        self.handle(i, m, out);
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        tracing::debug!(error = e, "malformed same-host frame; closing the connection");
-                        c.dead = true;
-                        break;
-                    }
+                let mut heard = Vec::new();
+                self.read(i, &mut heard);
+                for h in heard {
+                    self.handle(i, h, out);
                 }
             }
             self.flush(i);
-            if self.conns.get(&i).is_some_and(|c| c.dead) {
-                self.close(i, out);
+            match self.conns.get(&i) {
+                Some(c) if c.link.is_dead() => {
+                    tracing::debug!(why = c.link.death(), "closing a same-host connection");
+                    self.close(i, out);
+                }
+                Some(_) => self.watch_deadline(i),
+                None => {}
             }
         }
         // Answers queued while handling other connections.
         let pending: Vec<ConnId> = self
             .conns
             .iter()
-            .filter(|(_, c)| !c.wbuf.is_empty() && !c.writing)
+            .filter(|(_, c)| !c.link.out().is_empty() && !c.writing)
             .map(|(i, _)| *i)
             .collect();
         for i in pending {

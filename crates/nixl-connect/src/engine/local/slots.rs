@@ -75,25 +75,38 @@ impl SlotTable {
         Self::map(fd)
     }
 
-    /// Maps a table received from a peer, after checking its size and that it cannot shrink.
-    pub(crate) fn open(fd: OwnedFd) -> io::Result<Self> {
-        // SAFETY: fstat/fcntl only inspect the descriptor.
-        let (size, seals) = unsafe {
+    /// Checks that `fd` is a table: a sealed memfd (asked first: `F_GET_SEALS` touches no other
+    /// kind of file, so a FUSE file or a socket is refused without a call that could block)
+    /// that cannot shrink, of the table's size.
+    pub(crate) fn check(fd: &OwnedFd) -> io::Result<()> {
+        let bad = || {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                "the peer's slot table has the wrong size or is not sealed",
+            )
+        };
+        // SAFETY: fcntl only inspects the descriptor.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(bad());
+        }
+        // SAFETY: fstat of a memfd (checked above) fills a zeroed stat.
+        let size = unsafe {
             let mut st: libc::stat = std::mem::zeroed();
             if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
                 return Err(io::Error::last_os_error());
             }
-            (
-                st.st_size as usize,
-                libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS),
-            )
+            st.st_size as usize
         };
-        if size != SLOTS * 8 || seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                "the peer's slot table has the wrong size or is not sealed",
-            ));
+        if size != SLOTS * 8 {
+            return Err(bad());
         }
+        Ok(())
+    }
+
+    /// Maps a table received from a peer, after [`Self::check`].
+    pub(crate) fn open(fd: OwnedFd) -> io::Result<Self> {
+        Self::check(&fd)?;
         Self::map(fd)
     }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::auth::KeyId;
 use super::records::{Act, Conn, ConnId, Exports, Finished, Outstanding, Scope};
 use super::slots;
-use super::sys::{timerfd, uid};
+use super::sys::{timerfd, uid, Tracked};
 use crate::engine::poller::{Registrar, Waker};
 use crate::engine::transport::OpId;
 
@@ -19,6 +19,8 @@ use crate::engine::transport::OpId;
 pub(super) const LISTENER: u64 = 0;
 /// The poller token of the timer that re-arms the listener after running out of descriptors.
 pub(super) const ACCEPT_TIMER: u64 = u64::MAX - 1; // u64::MAX is the poller's own wake-up
+/// The poller token of the timer that fires at the earliest deadline of a connection's core.
+pub(super) const DEADLINE_TIMER: u64 = u64::MAX - 2;
 /// How long the listener rests after `accept` ran out of descriptors or memory.
 pub(super) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// Connections this connector serves at once (same-host peers beyond it are refused and use NIXL).
@@ -40,7 +42,7 @@ pub(super) const NOT_LIVE: &str = "no live operation has this notification key: 
 /// The same-host transport of one connector.
 pub(crate) struct LocalTransport {
     pub(super) enabled: bool,
-    pub(super) listener: Option<OwnedFd>,
+    pub(super) listener: Option<Tracked>,
     pub(super) reg: Registrar,
     pub(super) waker: Waker,
     pub(super) uid: libc::uid_t,
@@ -61,6 +63,10 @@ pub(crate) struct LocalTransport {
     /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
     /// the listener after `accept` ran out of descriptors, instead of spinning on it.
     pub(super) accept_timer: Option<OwnedFd>,
+    /// A timer for the connections' deadlines (handshakes, partial frames), and when it is armed
+    /// to fire.
+    pub(super) deadline_timer: Option<OwnedFd>,
+    pub(super) deadline_armed: Option<Instant>,
     /// [`Self::stop_copies`] ran (the drop does not wait again).
     pub(super) stopped: bool,
 }
@@ -76,7 +82,7 @@ impl Drop for LocalTransport {
 impl LocalTransport {
     /// A transport serving on `listener` (none: this connector cannot be reached on this path)
     /// and, when `enabled`, trying it for active operations.
-    pub(crate) fn new(enabled: bool, listener: Option<OwnedFd>, reg: Registrar, waker: Waker) -> Self {
+    pub(crate) fn new(enabled: bool, listener: Option<Tracked>, reg: Registrar, waker: Waker) -> Self {
         if let Some(l) = &listener {
             if let Err(e) = reg.add(l.as_raw_fd(), LISTENER, true, false) {
                 tracing::warn!(error = %e, "cannot watch the same-host socket");
@@ -85,6 +91,10 @@ impl LocalTransport {
         let accept_timer = listener.as_ref().and_then(|_| {
             let t = timerfd().ok()?;
             reg.add(t.as_raw_fd(), ACCEPT_TIMER, true, false).ok()?;
+            Some(t)
+        });
+        let deadline_timer = timerfd().ok().and_then(|t| {
+            reg.add(t.as_raw_fd(), DEADLINE_TIMER, true, false).ok()?;
             Some(t)
         });
         Self {
@@ -106,6 +116,8 @@ impl LocalTransport {
             outstanding: Arc::new(Outstanding::default()),
             refused_peers: 0,
             accept_timer,
+            deadline_timer,
+            deadline_armed: None,
             stopped: false,
         }
     }

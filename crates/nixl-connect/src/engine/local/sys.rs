@@ -50,6 +50,24 @@ pub(super) fn timerfd() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Arms timerfd `t` to fire once, `after` from now (at once for zero).
+#[allow(unsafe_code)]
+pub(super) fn set_timer(t: &OwnedFd, after: std::time::Duration) {
+    let after = after.max(std::time::Duration::from_micros(1));
+    let spec = libc::itimerspec {
+        it_interval: libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        },
+        it_value: libc::timespec {
+            tv_sec: after.as_secs() as libc::time_t,
+            tv_nsec: after.subsec_nanos() as libc::c_long,
+        },
+    };
+    // SAFETY: a valid timerfd we own, and a fully initialised itimerspec.
+    unsafe { libc::timerfd_settime(t.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+}
+
 #[allow(unsafe_code)]
 pub(super) fn unix_socket() -> io::Result<OwnedFd> {
     // SAFETY: creates a new descriptor, owned right after.
@@ -69,7 +87,7 @@ pub(super) fn unix_socket() -> io::Result<OwnedFd> {
 
 /// Binds and listens on the socket for `agent`; `Ok(None)` when another connector has it.
 #[allow(unsafe_code)]
-pub(crate) fn listen(agent: &str) -> io::Result<Option<OwnedFd>> {
+pub(crate) fn listen(agent: &str) -> io::Result<Option<Tracked>> {
     let fd = unix_socket()?;
     let (a, len) = sockaddr(&socket_name(agent));
     // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
@@ -85,7 +103,7 @@ pub(crate) fn listen(agent: &str) -> io::Result<Option<OwnedFd>> {
     if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(Some(fd))
+    Ok(Some(Tracked::new(fd)))
 }
 
 /// The peer's pid and uid (`SO_PEERCRED`), as the kernel recorded them at connect time.
@@ -140,4 +158,123 @@ pub(super) fn alive(pidfd: &Option<Arc<OwnedFd>>) -> bool {
 pub(super) fn uid() -> libc::uid_t {
     // SAFETY: getuid cannot fail.
     unsafe { libc::getuid() }
+}
+
+/// `SO_PASSRIGHTS` (Linux 6.16): whether a socket accepts descriptors passed to it.
+const SO_PASSRIGHTS: libc::c_int = 83;
+
+/// Makes the kernel refuse descriptors passed to `fd` from now on (the sender's `sendmsg` fails),
+/// where the kernel knows `SO_PASSRIGHTS`; older kernels deliver them and the connection core
+/// refuses them instead (they are closed off the engine thread, [`close_elsewhere`]).
+#[allow(unsafe_code)]
+pub(super) fn refuse_passed_descriptors(fd: RawFd) {
+    let off: libc::c_int = 0;
+    // SAFETY: setsockopt reads one c_int from a live local.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_PASSRIGHTS,
+            (&off as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+}
+
+/// Closes a descriptor a peer passed us on a thread of its own: closing may block for as long
+/// as the peer likes (a socket with `SO_LINGER` and unsent data, a FUSE file), and must never
+/// stall the engine. One thread for the process, fed in order.
+pub(super) fn close_elsewhere(fd: OwnedFd) {
+    use std::sync::mpsc::{channel, Sender};
+    use std::sync::{Mutex, OnceLock};
+    static CLOSER: OnceLock<Mutex<Option<Sender<OwnedFd>>>> = OnceLock::new();
+    let tx = CLOSER.get_or_init(|| {
+        let (tx, rx) = channel::<OwnedFd>();
+        let started = std::thread::Builder::new()
+            .name("nixl-connect-closer".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .is_ok();
+        Mutex::new(started.then_some(tx))
+    });
+    let fd = match tx.lock().map(|t| t.as_ref().map(|t| t.send(fd))) {
+        Ok(Some(Ok(()))) => return,
+        Ok(Some(Err(e))) => e.0,
+        _ => return, // no closer thread could be started: leak it rather than block here
+    };
+    std::mem::forget(fd);
+}
+
+/// A same-host socket (listener or connection) that a child of `fork()` must not keep serving:
+/// in the child, every tracked descriptor is replaced by `/dev/null` before the child runs on,
+/// so a parent that exits takes its socket name and connections with it.
+pub(crate) struct Tracked(OwnedFd);
+
+const TRACKED: usize = 8192;
+static TRACKED_FDS: [std::sync::atomic::AtomicI32; TRACKED] =
+    [const { std::sync::atomic::AtomicI32::new(-1) }; TRACKED];
+static PLACEHOLDER: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+/// Runs in a child of `fork()` before anything else there (async-signal-safe calls only).
+extern "C" fn in_child() {
+    use std::sync::atomic::Ordering;
+    let null = PLACEHOLDER.load(Ordering::Relaxed);
+    if null < 0 {
+        return;
+    }
+    for slot in &TRACKED_FDS {
+        let fd = slot.load(Ordering::Relaxed);
+        if fd >= 0 {
+            // SAFETY: dup2 is async-signal-safe; it atomically replaces our reference to the
+            // parent's socket with /dev/null, keeping the number taken (the leaked owner in the
+            // child never closes a number that something else now uses).
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::dup2(null, fd)
+            };
+        }
+    }
+}
+
+impl Tracked {
+    /// Tracks `fd` (untracked when dropped, before it is closed).
+    #[allow(unsafe_code)]
+    pub(crate) fn new(fd: OwnedFd) -> Self {
+        use std::sync::atomic::Ordering;
+        static INIT: std::sync::Once = std::sync::Once::new();
+        INIT.call_once(|| {
+            // SAFETY: opens /dev/null (a static C string) and registers a handler that only
+            // calls dup2.
+            unsafe {
+                let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+                PLACEHOLDER.store(null, Ordering::Relaxed);
+                libc::pthread_atfork(None, None, Some(in_child));
+            }
+        });
+        let raw = fd.as_raw_fd();
+        let tracked = TRACKED_FDS.iter().any(|s| {
+            s.compare_exchange(-1, raw, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        });
+        if !tracked {
+            tracing::debug!("more than {TRACKED} same-host sockets: a child of fork() keeps this one");
+        }
+        Self(fd)
+    }
+}
+
+impl AsRawFd for Tracked {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+        let raw = self.0.as_raw_fd();
+        if let Some(s) = TRACKED_FDS.iter().find(|s| s.load(Ordering::Relaxed) == raw) {
+            let _ = s.compare_exchange(raw, -1, Ordering::AcqRel, Ordering::Relaxed);
+        }
+        // The descriptor itself closes right after, once no child can be told to replace it.
+    }
 }

@@ -1,0 +1,735 @@
+//! The protocol core of one same-host connection, without I/O (quinn-proto's shape).
+//!
+//! A [`Link`] takes what the socket delivered ([`Link::recv`]: bytes, how many descriptors came
+//! with them, the time) and what its owner decides ([`Link::request`], [`Link::answer`],
+//! [`Link::read_done`]), and gives back bytes to send ([`Link::out`]) and what the peer said,
+//! checked ([`Heard`]). It owns everything that reads peer bytes: framing, the handshake and its
+//! deadline, partial frames and their deadline, which frame may come in which state, and the MAC
+//! of every frame about an operation under *that operation's* key. Its owner (the transport, at
+//! the edge) only ever sees frames that were well-formed, expected in their state and proven;
+//! it keeps sockets, descriptors, copies and CUDA.
+//!
+//! Rules it enforces, whatever the peer sends:
+//! - once dead, nothing more is handled ([`Link::recv`] returns at once);
+//! - nothing but `Hello` before `Hello` (server), nothing but `Welcome`/`Reject` before
+//!   `Welcome` (client), each at most once; handshake frames are small
+//!   ([`MAX_HANDSHAKE_FRAME`]), so a peer that has not shaken hands holds a few KiB at most;
+//! - descriptors arrive only with the `Hello`, one in all (the slot table); any other dies;
+//! - a handshake not done within [`HANDSHAKE_TIMEOUT`], or a frame not whole within
+//!   [`PARTIAL_FRAME_TIMEOUT`] of its first byte, kills the connection;
+//! - an answer must match an open request of this connection (slot, generation, direction, kind
+//!   of memory, number of ranges) and carry that request's operation's MAC; the only unproven
+//!   answers taken are the ones that can only make an operation fail or take NIXL: a refusal for
+//!   a key the server does not hold (`Refuse` with [`RefuseCode::NotLive`]) and `Fallback`;
+//! - open requests per connection are bounded ([`MAX_OPEN`]); past it the server answers
+//!   `Fallback` itself.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::auth::{self, KeyId, Keyed, Nonce, Tag};
+use super::proto::{IpcSource, Msg, RefuseCode, MAC_LEN, MAX_FRAME, MAX_REASON, SOURCE_BYTES, VERSION};
+use super::slots::SLOTS;
+use crate::device::Device;
+
+/// How long a connection may take to shake hands.
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a frame may take to arrive whole once its first byte has.
+pub(crate) const PARTIAL_FRAME_TIMEOUT: Duration = Duration::from_secs(5);
+/// The largest frame accepted before the handshake is done (a `Reject` with its reason).
+pub(crate) const MAX_HANDSHAKE_FRAME: usize = 16 + MAX_REASON;
+/// Requests open on one connection at once (one per slot of its table).
+pub(crate) const MAX_OPEN: usize = SLOTS;
+/// Unsent bytes a connection may hold for a peer that does not read them.
+pub(crate) const MAX_UNSENT: usize = 2 * MAX_FRAME;
+/// The largest reply frame of a device read of `n` ranges (`GrantIpc`).
+pub(crate) fn grant_ipc_len(n: usize) -> usize {
+    4 + 1 + 12 + 4 + SOURCE_BYTES * n + MAC_LEN
+}
+
+/// Where the handshake is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Server: waiting for `Hello`.
+    AwaitHello,
+    /// Server: `Welcome` sent, waiting for `Trusted`.
+    AwaitTrusted,
+    /// Client: `Hello` sent, waiting for `Welcome` (or `Reject`).
+    AwaitWelcome,
+    /// Requests and answers may flow.
+    Ready,
+    /// Closed: nothing more is handled or sent.
+    Dead,
+}
+
+/// A request this side sent (client) or accepted (server) that is not finished yet.
+struct Open {
+    key: Keyed,
+    /// The operation's key (the server reports it with the request's end).
+    name: Arc<str>,
+    write: bool,
+    /// Reads of device memory are granted with CUDA IPC exports (client: what it asked for).
+    device: bool,
+    /// Ranges requested (a device grant carries one export per range).
+    ranges: usize,
+    /// Reads: the grant came (client) or went (server); the reader's `Done` ends it.
+    granted: bool,
+}
+
+/// What the peer said, checked: well-formed, expected in its state, proven where it must be.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Heard {
+    /// Server: the client's `Hello` (the descriptor passed with it is its slot table; `Welcome`
+    /// is queued behind whatever the owner does with it).
+    Hello,
+    /// Server: a request proven under its operation's key.
+    Req(Request),
+    /// Server: the reader finished copying a granted read.
+    ReadDone {
+        slot: u32,
+        gen: u64,
+        ok: bool,
+        key: Arc<str>,
+    },
+    /// Client: the server proved it holds the opening operation's key; requests may follow.
+    Ready,
+    /// Client: the server has no live operation with the opening key `key` (a replayed metadata
+    /// string); the connection is closed.
+    NotLive { key: Arc<str> },
+    /// Client: the server could not prove it holds the opening key (another process holds the
+    /// socket name); the connection is closed.
+    Impostor,
+    /// Client: the server refused the connection (another user, too many connections, version).
+    Rejected { reason: String },
+    /// Client: a read may copy now (`sources`: the device memory's CUDA IPC exports).
+    Grant {
+        slot: u32,
+        gen: u64,
+        sources: Option<Vec<IpcSource>>,
+    },
+    /// Client: the request was refused.
+    Refused {
+        slot: u32,
+        gen: u64,
+        code: RefuseCode,
+        reason: String,
+    },
+    /// Client: the operation cannot take this path; use NIXL.
+    Fallback { slot: u32, gen: u64, reason: String },
+    /// Client: the server finished copying a write.
+    WriteDone {
+        slot: u32,
+        gen: u64,
+        ok: bool,
+        reason: String,
+    },
+}
+
+/// A proven request, as the server's scope policy receives it.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Request {
+    pub(crate) slot: u32,
+    pub(crate) gen: u64,
+    pub(crate) write: bool,
+    /// The fingerprint of the metadata's connection part the request comes from.
+    pub(crate) ident: u64,
+    /// The operation's notification key.
+    pub(crate) key: Arc<str>,
+    pub(crate) device: Device,
+    pub(crate) remote: Vec<(u64, u64)>,
+    pub(crate) local: Vec<(u64, u64)>,
+    pub(crate) sources: Vec<IpcSource>,
+}
+
+/// The server's answer to an open request.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    /// A host read may copy now.
+    Grant,
+    /// A device read may copy now, through these exports (one per requested range).
+    GrantIpc(Vec<IpcSource>),
+    /// Refused (ends the request).
+    Refuse(RefuseCode, String),
+    /// Take NIXL (ends the request).
+    Fallback(String),
+    /// The write was copied (or failed) here (ends the request).
+    WriteDone { ok: bool, reason: String },
+}
+
+/// The protocol state of one connection.
+pub(crate) struct Link {
+    client: bool,
+    state: State,
+    /// Client: the key the server must prove it holds.
+    opening: Option<Arc<str>>,
+    nonce: Nonce,
+    client_pid: i32,
+    server_pid: i32,
+    rbuf: Vec<u8>,
+    /// Bytes of `rbuf` already handled.
+    rpos: usize,
+    out: Vec<u8>,
+    /// Descriptors received so far.
+    fds: usize,
+    handshake_by: Option<Instant>,
+    /// When the first byte of the frame still incomplete arrived.
+    partial_since: Option<Instant>,
+    open: HashMap<(u32, u64), Open>,
+    death: Option<&'static str>,
+}
+
+impl Link {
+    /// The connecting side, opening the connection for the operation keyed `opening`: `Hello` is
+    /// queued in [`Self::out`] (the owner sends it with its slot table attached).
+    pub(crate) fn client(
+        opening: Arc<str>,
+        nonce: Nonce,
+        client_pid: i32,
+        server_pid: i32,
+        now: Instant,
+    ) -> Self {
+        let mut l = Self::new(true, State::AwaitWelcome, nonce, client_pid, server_pid, now);
+        l.push(&Msg::Hello {
+            version: VERSION,
+            key_id: auth::key_id(&opening),
+            nonce,
+        });
+        l.opening = Some(opening);
+        l
+    }
+
+    /// The serving side of an accepted connection.
+    pub(crate) fn server(client_pid: i32, server_pid: i32, now: Instant) -> Self {
+        Self::new(false, State::AwaitHello, [0; 16], client_pid, server_pid, now)
+    }
+
+    fn new(client: bool, state: State, nonce: Nonce, client_pid: i32, server_pid: i32, now: Instant) -> Self {
+        Self {
+            client,
+            state,
+            opening: None,
+            nonce,
+            client_pid,
+            server_pid,
+            rbuf: Vec::new(),
+            rpos: 0,
+            out: Vec::new(),
+            fds: 0,
+            handshake_by: Some(now + HANDSHAKE_TIMEOUT),
+            partial_since: None,
+            open: HashMap::new(),
+            death: None,
+        }
+    }
+
+    /// True for the connecting (active) side.
+    pub(crate) fn is_client(&self) -> bool {
+        self.client
+    }
+
+    /// Server, before `Hello`: refuses the connection with `reason` (sent, then closed).
+    pub(crate) fn reject(&mut self, reason: String) {
+        if !self.client && self.state == State::AwaitHello {
+            self.push(&Msg::Reject { reason });
+            self.kill("rejected");
+        }
+    }
+
+    /// True once the connection is closed (the owner closes its socket).
+    pub(crate) fn is_dead(&self) -> bool {
+        self.state == State::Dead
+    }
+
+    /// Why it died, for logs.
+    pub(crate) fn death(&self) -> Option<&'static str> {
+        self.death
+    }
+
+    /// True once requests may flow (client: the server's proof checked; server: `Trusted` came).
+    pub(crate) fn is_ready(&self) -> bool {
+        self.state == State::Ready
+    }
+
+    /// True while a descriptor passed now would be taken (server, before `Hello`, none yet).
+    pub(crate) fn takes_descriptors(&self) -> bool {
+        !self.client && self.state == State::AwaitHello && self.fds == 0
+    }
+
+    /// Closes the connection for `why` (the owner found something the core cannot see: a slot
+    /// table that is not one, a socket error).
+    pub(crate) fn kill(&mut self, why: &'static str) {
+        if self.state != State::Dead {
+            self.state = State::Dead;
+            self.death = Some(why);
+            self.open.clear();
+            self.rbuf = Vec::new();
+            self.rpos = 0;
+        }
+    }
+
+    /// Bytes to send.
+    pub(crate) fn out(&self) -> &[u8] {
+        &self.out
+    }
+
+    /// The first `n` bytes of [`Self::out`] were sent.
+    pub(crate) fn sent(&mut self, n: usize) {
+        self.out.drain(..n.min(self.out.len()));
+    }
+
+    /// When [`Self::on_timeout`] must run next, if ever.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        if self.state == State::Dead {
+            return None;
+        }
+        let partial = self.partial_since.map(|t| t + PARTIAL_FRAME_TIMEOUT);
+        match (self.handshake_by, partial) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The clock reached `now`: a handshake or a frame past its deadline kills the connection.
+    pub(crate) fn on_timeout(&mut self, now: Instant) {
+        if self.handshake_by.is_some_and(|t| now >= t) {
+            self.kill("the handshake did not finish in time");
+        } else if self
+            .partial_since
+            .is_some_and(|t| now >= t + PARTIAL_FRAME_TIMEOUT)
+        {
+            self.kill("a frame did not arrive whole in time");
+        }
+    }
+
+    /// Takes `data` read from the socket (with `fds` descriptors passed alongside) at `now`;
+    /// what it proved goes to `heard`. `keys` names the live operations by key id (server).
+    ///
+    /// Never panics, whatever the bytes; a peer that breaks a rule kills the connection, and
+    /// nothing after that is handled.
+    pub(crate) fn recv(
+        &mut self,
+        data: &[u8],
+        fds: usize,
+        now: Instant,
+        keys: &HashMap<KeyId, Arc<str>>,
+        heard: &mut Vec<Heard>,
+    ) {
+        if self.state == State::Dead {
+            return;
+        }
+        if fds > 0 {
+            if !self.takes_descriptors() || fds > 1 {
+                return self.kill("descriptors passed outside the hello");
+            }
+            self.fds += fds;
+        }
+        let max = self.max_frame();
+        if self.rbuf.len() - self.rpos + data.len() > max + 4 + MAX_FRAME.min(64 << 10) {
+            return self.kill("a peer that floods the connection");
+        }
+        self.rbuf.extend_from_slice(data);
+        // Taken out while its frames are handled (they borrow it); put back below.
+        let buf = std::mem::take(&mut self.rbuf);
+        while self.state != State::Dead {
+            match Msg::decode(&buf[self.rpos..], self.max_frame()) {
+                Ok(Some((frame, used))) => {
+                    self.rpos += used;
+                    self.handle(frame.msg, frame.signed, frame.mac, keys, heard);
+                }
+                Ok(None) => break,
+                Err(why) => self.kill(why),
+            }
+        }
+        self.rbuf = buf;
+        if self.state == State::Dead {
+            self.rbuf = Vec::new();
+            self.rpos = 0;
+            return;
+        }
+        if self.rpos == self.rbuf.len() {
+            self.rbuf.clear();
+            self.rpos = 0;
+            self.partial_since = None;
+        } else {
+            if self.rpos > 0 {
+                self.rbuf.drain(..self.rpos);
+                self.rpos = 0;
+            }
+            self.partial_since.get_or_insert(now);
+        }
+    }
+
+    fn max_frame(&self) -> usize {
+        match self.state {
+            State::Ready => MAX_FRAME,
+            _ => MAX_HANDSHAKE_FRAME,
+        }
+    }
+
+    fn mac(&self, key: &Keyed, from: auth::From, signed: &[u8]) -> Tag {
+        auth::frame_mac(key, &self.nonce, self.client_pid, self.server_pid, from, signed)
+    }
+
+    fn proven(&self, key: &Keyed, from: auth::From, signed: &[u8], mac: Option<Tag>) -> bool {
+        mac.is_some_and(|m| auth::same(&m, &self.mac(key, from, signed)))
+    }
+
+    fn push(&mut self, m: &Msg) {
+        m.encode_signed(&mut self.out, |_| [0; MAC_LEN]);
+    }
+
+    fn push_signed(&mut self, m: &Msg, key: &Keyed) {
+        let from = if self.client {
+            auth::From::Client
+        } else {
+            auth::From::Server
+        };
+        let (nonce, cp, sp) = (self.nonce, self.client_pid, self.server_pid);
+        m.encode_signed(&mut self.out, |b| auth::frame_mac(key, &nonce, cp, sp, from, b));
+        if self.out.len() > MAX_UNSENT {
+            self.kill("a peer that does not read what it is sent");
+        }
+    }
+
+    fn handle(
+        &mut self,
+        m: Msg,
+        signed: &[u8],
+        mac: Option<Tag>,
+        keys: &HashMap<KeyId, Arc<str>>,
+        heard: &mut Vec<Heard>,
+    ) {
+        match (self.client, self.state, m) {
+            // The server's handshake.
+            (
+                false,
+                State::AwaitHello,
+                Msg::Hello {
+                    version,
+                    key_id,
+                    nonce,
+                },
+            ) => {
+                if self.fds != 1 {
+                    return self.kill("a hello without its slot table");
+                }
+                if version != VERSION {
+                    self.push(&Msg::Reject {
+                        reason: format!("protocol version {version}; this side speaks {VERSION}"),
+                    });
+                    return self.kill("another protocol version");
+                }
+                self.nonce = nonce;
+                // The proof that this process holds the opening operation's key (none if it has
+                // no such live operation: the client then refuses that operation as a replay).
+                let proof = keys
+                    .get(&key_id)
+                    .map(|k| auth::welcome_proof(k, &nonce, self.client_pid, self.server_pid));
+                self.state = State::AwaitTrusted;
+                heard.push(Heard::Hello);
+                self.push(&Msg::Welcome { proof });
+            }
+            (false, State::AwaitTrusted, Msg::Trusted) => {
+                self.state = State::Ready;
+                self.handshake_by = None;
+            }
+            (
+                false,
+                State::Ready,
+                Msg::Req {
+                    slot,
+                    gen,
+                    write,
+                    ident,
+                    key_id,
+                    device,
+                    remote,
+                    local,
+                    sources,
+                },
+            ) => {
+                if slot as usize >= SLOTS || self.open.contains_key(&(slot, gen)) {
+                    return self.kill("a request for a slot that does not exist or is in use");
+                }
+                let Some(name) = keys.get(&key_id).cloned() else {
+                    // No live operation has this key: a replay. Nothing to prove it with.
+                    self.push(&Msg::Refuse {
+                        slot,
+                        gen,
+                        code: RefuseCode::NotLive,
+                        reason: super::state::NOT_LIVE.into(),
+                    });
+                    return;
+                };
+                let key = Keyed::new(&name);
+                if !self.proven(&key, auth::From::Client, signed, mac) {
+                    return self.kill("a request without proof of its operation's key");
+                }
+                if self.open.len() >= MAX_OPEN {
+                    let m = Msg::Fallback {
+                        slot,
+                        gen,
+                        reason: format!("this connection has {MAX_OPEN} requests open already"),
+                    };
+                    return self.push_signed(&m, &key);
+                }
+                self.open.insert(
+                    (slot, gen),
+                    Open {
+                        key,
+                        name: name.clone(),
+                        write,
+                        device: device != Device::Host,
+                        ranges: remote.len(),
+                        granted: false,
+                    },
+                );
+                heard.push(Heard::Req(Request {
+                    slot,
+                    gen,
+                    write,
+                    ident,
+                    key: name,
+                    device,
+                    remote,
+                    local,
+                    sources,
+                }));
+            }
+            (false, State::Ready, Msg::Done { slot, gen, ok, .. }) => {
+                let proven = match self.open.get(&(slot, gen)) {
+                    Some(o) if o.granted && !o.write => self.proven(&o.key, auth::From::Client, signed, mac),
+                    _ => return self.kill("a done for no granted read"),
+                };
+                if !proven {
+                    return self.kill("a done without proof of its operation's key");
+                }
+                let o = self.open.remove(&(slot, gen)).expect("checked just above");
+                heard.push(Heard::ReadDone {
+                    slot,
+                    gen,
+                    ok,
+                    key: o.name,
+                });
+            }
+            // The client's handshake.
+            (true, State::AwaitWelcome, Msg::Welcome { proof }) => {
+                let Some(opening) = self.opening.take() else {
+                    return self.kill("no opening key");
+                };
+                match proof {
+                    None => {
+                        heard.push(Heard::NotLive { key: opening });
+                        self.kill("the server has no live operation with the opening key");
+                    }
+                    Some(p)
+                        if auth::same(
+                            &p,
+                            &auth::welcome_proof(&opening, &self.nonce, self.client_pid, self.server_pid),
+                        ) =>
+                    {
+                        self.state = State::Ready;
+                        self.handshake_by = None;
+                        self.push(&Msg::Trusted);
+                        heard.push(Heard::Ready);
+                    }
+                    Some(_) => {
+                        heard.push(Heard::Impostor);
+                        self.kill("the server could not prove it holds the opening key");
+                    }
+                }
+            }
+            (true, State::AwaitWelcome, Msg::Reject { reason }) => {
+                heard.push(Heard::Rejected { reason });
+                self.kill("the server rejected the connection");
+            }
+            (true, State::Ready, m) => self.on_answer(m, signed, mac, heard),
+            _ => self.kill("a frame out of order"),
+        }
+    }
+
+    fn on_answer(&mut self, m: Msg, signed: &[u8], mac: Option<Tag>, heard: &mut Vec<Heard>) {
+        let (slot, gen) = match &m {
+            Msg::Grant { slot, gen }
+            | Msg::GrantIpc { slot, gen, .. }
+            | Msg::Refuse { slot, gen, .. }
+            | Msg::Fallback { slot, gen, .. }
+            | Msg::Done { slot, gen, .. } => (*slot, *gen),
+            _ => return self.kill("a frame out of order"),
+        };
+        let Some(o) = self.open.get(&(slot, gen)) else {
+            return self.kill("an answer to no open request");
+        };
+        if o.granted {
+            return self.kill("an answer to a read already granted");
+        }
+        let proven = self.proven(&o.key, auth::From::Server, signed, mac);
+        // Only answers that can make an operation fail or take NIXL may come unproven.
+        let unproven_ok = matches!(
+            m,
+            Msg::Refuse {
+                code: RefuseCode::NotLive,
+                ..
+            } | Msg::Fallback { .. }
+        );
+        if !proven && !unproven_ok {
+            return self.kill("an answer without proof of its operation's key");
+        }
+        let fits = match &m {
+            Msg::Grant { .. } => !o.write && !o.device,
+            Msg::GrantIpc { sources, .. } => !o.write && o.device && sources.len() == o.ranges,
+            Msg::Done { .. } => o.write,
+            _ => true,
+        };
+        if !fits {
+            return self.kill("an answer of the wrong kind for its request");
+        }
+        match m {
+            Msg::Grant { .. } => {
+                self.open.get_mut(&(slot, gen)).expect("checked").granted = true;
+                heard.push(Heard::Grant {
+                    slot,
+                    gen,
+                    sources: None,
+                });
+            }
+            Msg::GrantIpc { sources, .. } => {
+                self.open.get_mut(&(slot, gen)).expect("checked").granted = true;
+                heard.push(Heard::Grant {
+                    slot,
+                    gen,
+                    sources: Some(sources),
+                });
+            }
+            Msg::Refuse { code, reason, .. } => {
+                self.open.remove(&(slot, gen));
+                heard.push(Heard::Refused {
+                    slot,
+                    gen,
+                    code,
+                    reason,
+                });
+            }
+            Msg::Fallback { reason, .. } => {
+                self.open.remove(&(slot, gen));
+                heard.push(Heard::Fallback { slot, gen, reason });
+            }
+            Msg::Done { ok, reason, .. } => {
+                self.open.remove(&(slot, gen));
+                heard.push(Heard::WriteDone {
+                    slot,
+                    gen,
+                    ok,
+                    reason,
+                });
+            }
+            _ => unreachable!("matched above"),
+        }
+    }
+
+    /// Client: sends request `req` (a `Msg::Req`) for the operation keyed `key`. False (nothing
+    /// sent) when the connection is not ready, the slot is in use, or it is not a request.
+    pub(crate) fn request(&mut self, key: &str, req: &Msg) -> bool {
+        let Msg::Req {
+            slot,
+            gen,
+            write,
+            device,
+            remote,
+            ..
+        } = req
+        else {
+            return false;
+        };
+        if !self.client || self.state != State::Ready || self.open.contains_key(&(*slot, *gen)) {
+            return false;
+        }
+        let keyed = Keyed::new(key);
+        self.push_signed(req, &keyed);
+        self.open.insert(
+            (*slot, *gen),
+            Open {
+                key: keyed,
+                name: key.into(),
+                write: *write,
+                device: *device != Device::Host,
+                ranges: remote.len(),
+                granted: false,
+            },
+        );
+        true
+    }
+
+    /// Client: the copy of granted read (`slot`, `gen`) ended; tells the server.
+    pub(crate) fn read_done(&mut self, slot: u32, gen: u64, ok: bool, reason: &str) {
+        if self.state != State::Ready {
+            return;
+        }
+        let Some(o) = self.open.remove(&(slot, gen)) else {
+            return;
+        };
+        if o.granted {
+            let m = Msg::Done {
+                slot,
+                gen,
+                ok,
+                reason: reason.into(),
+            };
+            self.push_signed(&m, &o.key);
+        }
+    }
+
+    /// Client: forgets request (`slot`, `gen`) without telling the server (its operation ended
+    /// otherwise and its slot was revoked).
+    pub(crate) fn forget(&mut self, slot: u32, gen: u64) {
+        self.open.remove(&(slot, gen));
+    }
+
+    /// Server: answers open request (`slot`, `gen`) under its operation's key. A grant keeps it
+    /// open until the reader's `Done`; every other answer ends it. Nothing happens for a request
+    /// that is not open (the connection died, or it was answered already).
+    pub(crate) fn answer(&mut self, slot: u32, gen: u64, a: Answer) {
+        if self.client || self.state != State::Ready {
+            return;
+        }
+        let Some(o) = self.open.get_mut(&(slot, gen)) else {
+            return;
+        };
+        let m = match a {
+            Answer::Grant | Answer::GrantIpc(_) if o.write || o.granted => return,
+            Answer::Grant => {
+                o.granted = true;
+                Msg::Grant { slot, gen }
+            }
+            Answer::GrantIpc(sources) => {
+                o.granted = true;
+                Msg::GrantIpc { slot, gen, sources }
+            }
+            Answer::Refuse(code, reason) => Msg::Refuse {
+                slot,
+                gen,
+                code,
+                reason,
+            },
+            Answer::Fallback(reason) => Msg::Fallback { slot, gen, reason },
+            Answer::WriteDone { ok, reason } => Msg::Done {
+                slot,
+                gen,
+                ok,
+                reason,
+            },
+        };
+        let key = if matches!(m, Msg::Grant { .. } | Msg::GrantIpc { .. }) {
+            o.key.clone()
+        } else {
+            self.open.remove(&(slot, gen)).expect("present").key
+        };
+        self.push_signed(&m, &key);
+    }
+}
+
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) mod fuzz;
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,375 @@
+//! Two protocol cores connected in memory, with a manual clock: the harness the core's tests
+//! step by hand, and the structure-aware fuzz target over frame sequences (both roles), which
+//! interleaves honest traffic with forged, replayed, truncated and raw frames and checks after
+//! every step that nothing unproven got through.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{Answer, Heard, Link, MAX_OPEN, MAX_UNSENT};
+use crate::device::Device;
+use crate::engine::local::auth::{self, KeyId, Keyed, Nonce};
+use crate::engine::local::proto::{IpcSource, Msg, RefuseCode, MAX_FRAME, VERSION};
+
+/// The operation keys a pair knows: the server holds the first two live; the third is held by
+/// the client only (a replayed or foreign operation).
+pub(crate) const KEYS: [&str; 3] = [
+    "0c9a5a0e-4f4e-4c55-9d5d-1b7b2f1e6a01",
+    "5b1e2f3a-7d6c-4e9b-8a2f-3c4d5e6f7a02",
+    "9f8e7d6c-5b4a-4392-8170-6f5e4d3c2b03",
+];
+const CLIENT_PID: i32 = 4100;
+const SERVER_PID: i32 = 4200;
+
+/// A client core and a server core, what each heard, and the clock.
+pub(crate) struct Pair {
+    pub(crate) client: Link,
+    pub(crate) server: Link,
+    /// The server's live operations, by key id.
+    pub(crate) keys: HashMap<KeyId, Arc<str>>,
+    pub(crate) nonce: Nonce,
+    pub(crate) now: Instant,
+    pub(crate) at_client: Vec<Heard>,
+    pub(crate) at_server: Vec<Heard>,
+}
+
+impl Pair {
+    /// A client opening with `KEYS[opening]` and a server holding `KEYS[0]` and `KEYS[1]`.
+    pub(crate) fn new(opening: usize) -> Self {
+        let now = Instant::now();
+        let nonce = [7; 16];
+        let keys = KEYS[..2]
+            .iter()
+            .map(|k| (auth::key_id(k), Arc::<str>::from(*k)))
+            .collect();
+        Self {
+            client: Link::client(KEYS[opening].into(), nonce, CLIENT_PID, SERVER_PID, now),
+            server: Link::server(CLIENT_PID, SERVER_PID, now),
+            keys,
+            nonce,
+            now,
+            at_client: Vec::new(),
+            at_server: Vec::new(),
+        }
+    }
+
+    /// Delivers what the client queued to the server (`fds` descriptors with it).
+    pub(crate) fn deliver_to_server(&mut self, fds: usize) {
+        let bytes = self.client.out().to_vec();
+        self.client.sent(bytes.len());
+        self.server
+            .recv(&bytes, fds, self.now, &self.keys, &mut self.at_server);
+    }
+
+    /// Delivers what the server queued to the client.
+    pub(crate) fn deliver_to_client(&mut self) {
+        let bytes = self.server.out().to_vec();
+        self.server.sent(bytes.len());
+        self.client
+            .recv(&bytes, 0, self.now, &HashMap::new(), &mut self.at_client);
+    }
+
+    /// Hello (with the slot table), Welcome, Trusted.
+    #[cfg(test)]
+    pub(crate) fn shake(&mut self) {
+        self.deliver_to_server(1);
+        self.deliver_to_client();
+        self.deliver_to_server(0);
+    }
+
+    /// `m` encoded as a peer would forge it: signed under `KEYS[key]` (or an all-zero MAC),
+    /// as if sent by the client (`from_client`) or the server.
+    pub(crate) fn forge(&self, m: &Msg, key: Option<usize>, from_client: bool) -> Vec<u8> {
+        let from = if from_client {
+            auth::From::Client
+        } else {
+            auth::From::Server
+        };
+        let mut out = Vec::new();
+        m.encode_signed(&mut out, |b| match key {
+            Some(k) => auth::frame_mac(&Keyed::new(KEYS[k]), &self.nonce, CLIENT_PID, SERVER_PID, from, b),
+            None => [0; 32],
+        });
+        out
+    }
+
+    /// A request for a read (or write) of `ranges` host ranges, as the client would send it.
+    pub(crate) fn req(slot: u32, gen: u64, key: usize, write: bool, device: Device, ranges: usize) -> Msg {
+        Msg::Req {
+            slot,
+            gen,
+            write,
+            ident: 1,
+            key_id: auth::key_id(KEYS[key]),
+            device,
+            remote: vec![(0x1000, 4096); ranges],
+            local: if write {
+                vec![(0x9000, 4096); ranges]
+            } else {
+                Vec::new()
+            },
+            sources: Vec::new(),
+        }
+    }
+
+    /// Moves the clock on by `d` and lets both cores see it.
+    pub(crate) fn advance(&mut self, d: Duration) {
+        self.now += d;
+        self.client.on_timeout(self.now);
+        self.server.on_timeout(self.now);
+    }
+}
+
+/// Reads the fuzzer's bytes as a program.
+struct Input<'a>(&'a [u8]);
+
+impl Input<'_> {
+    fn u8(&mut self) -> Option<u8> {
+        let (b, rest) = self.0.split_first()?;
+        self.0 = rest;
+        Some(*b)
+    }
+    fn bytes(&mut self, n: usize) -> &[u8] {
+        let n = n.min(self.0.len());
+        let (h, t) = self.0.split_at(n);
+        self.0 = t;
+        h
+    }
+    fn small(&mut self) -> u32 {
+        u32::from(self.u8().unwrap_or(0) % 4)
+    }
+}
+
+fn source(len: u64) -> IpcSource {
+    IpcSource {
+        uuid: [1; 16],
+        handle: [2; 64],
+        base: 0x7000_0000,
+        alloc_len: 1 << 30,
+        buffer_id: 3,
+        offset: 0,
+        len,
+    }
+}
+
+/// One answer frame of kind `k` for (`slot`, `gen`).
+fn answer_frame(k: u8, slot: u32, gen: u64, n: usize) -> Msg {
+    match k % 6 {
+        0 => Msg::Grant { slot, gen },
+        1 => Msg::GrantIpc {
+            slot,
+            gen,
+            sources: vec![source(4096); n],
+        },
+        2 => Msg::Refuse {
+            slot,
+            gen,
+            code: RefuseCode::NotLive,
+            reason: "gone".into(),
+        },
+        3 => Msg::Refuse {
+            slot,
+            gen,
+            code: RefuseCode::OutOfRange,
+            reason: "range".into(),
+        },
+        4 => Msg::Fallback {
+            slot,
+            gen,
+            reason: "nixl".into(),
+        },
+        _ => Msg::Done {
+            slot,
+            gen,
+            ok: true,
+            reason: String::new(),
+        },
+    }
+}
+
+/// The fuzz target: `data` is a program of steps over a fresh pair (see the module's doc).
+/// Panics only when an invariant breaks.
+pub(crate) fn run(data: &[u8]) {
+    let mut input = Input(data);
+    let opening = usize::from(input.u8().unwrap_or(0) % 3);
+    let mut p = Pair::new(opening);
+    // What the client asked, by (slot, gen): the key it used and whether it was a write.
+    let mut asked: HashMap<(u32, u64), (usize, bool)> = HashMap::new();
+    while let Some(op) = input.u8() {
+        let (client_dead, server_dead) = (p.client.is_dead(), p.server.is_dead());
+        let (nc, ns) = (p.at_client.len(), p.at_server.len());
+        // Which key a forged frame of this step was signed under (none: honest traffic).
+        let mut forged_client: Option<Option<usize>> = None;
+        let mut forged_server: Option<Option<usize>> = None;
+        let (slot, gen) = (input.small(), u64::from(input.small()));
+        match op % 12 {
+            0 => {
+                let fds = usize::from(input.u8().unwrap_or(0) % 3);
+                p.deliver_to_server(fds);
+            }
+            1 => p.deliver_to_client(),
+            2 => {
+                let key = usize::from(input.u8().unwrap_or(0) % 3);
+                let b = input.u8().unwrap_or(0);
+                let (write, device) = (
+                    b & 1 == 1,
+                    if b & 2 == 2 { Device::Cuda(0) } else { Device::Host },
+                );
+                let m = Pair::req(slot, gen, key, write, device, 1 + usize::from(b >> 6));
+                if p.client.request(KEYS[key], &m) {
+                    asked.insert((slot, gen), (key, write));
+                }
+            }
+            3 => {
+                let a = match input.u8().unwrap_or(0) % 5 {
+                    0 => Answer::Grant,
+                    1 => Answer::GrantIpc(vec![source(4096)]),
+                    2 => Answer::Refuse(RefuseCode::Busy, "busy".into()),
+                    3 => Answer::Fallback("nixl".into()),
+                    _ => Answer::WriteDone {
+                        ok: true,
+                        reason: String::new(),
+                    },
+                };
+                p.server.answer(slot, gen, a);
+            }
+            4 => p
+                .client
+                .read_done(slot, gen, input.u8().unwrap_or(0) & 1 == 1, ""),
+            5 => {
+                // A forged frame to the client.
+                let k = input.u8().unwrap_or(0);
+                let key = match k >> 6 {
+                    3 => None,
+                    n => Some(usize::from(n)),
+                };
+                let m = match k % 8 {
+                    0 => Msg::Welcome {
+                        proof: key.map(|k| auth::welcome_proof(KEYS[k], &p.nonce, CLIENT_PID, SERVER_PID)),
+                    },
+                    1 => Msg::Reject { reason: "no".into() },
+                    2 => Msg::Hello {
+                        version: VERSION,
+                        key_id: [0; 16],
+                        nonce: [0; 16],
+                    },
+                    _ => answer_frame(k, slot, gen, 1 + usize::from(input.small() as u8)),
+                };
+                let bytes = p.forge(&m, key, false);
+                p.client.recv(&bytes, 0, p.now, &HashMap::new(), &mut p.at_client);
+                forged_client = Some(key);
+            }
+            6 => {
+                // A forged frame to the server.
+                let k = input.u8().unwrap_or(0);
+                let key = match k >> 6 {
+                    3 => None,
+                    n => Some(usize::from(n)),
+                };
+                let m = match k % 5 {
+                    0 => Msg::Hello {
+                        version: if k & 8 == 8 { VERSION + 1 } else { VERSION },
+                        key_id: auth::key_id(KEYS[key.unwrap_or(2)]),
+                        nonce: p.nonce,
+                    },
+                    1 => Msg::Trusted,
+                    2 => Pair::req(slot, gen, key.unwrap_or(2), k & 16 == 16, Device::Host, 1),
+                    3 => Msg::Done {
+                        slot,
+                        gen,
+                        ok: true,
+                        reason: String::new(),
+                    },
+                    _ => Msg::Grant { slot, gen },
+                };
+                let fds = usize::from(input.u8().unwrap_or(0) % 2);
+                let bytes = p.forge(&m, key, true);
+                p.server.recv(&bytes, fds, p.now, &p.keys, &mut p.at_server);
+                forged_server = Some(key);
+            }
+            7 | 8 => {
+                let n = usize::from(input.u8().unwrap_or(0));
+                let fds = usize::from(input.u8().unwrap_or(0) % 2);
+                let bytes = input.bytes(n).to_vec();
+                if op % 12 == 7 {
+                    p.server.recv(&bytes, fds, p.now, &p.keys, &mut p.at_server);
+                    forged_server = Some(None);
+                } else {
+                    p.client
+                        .recv(&bytes, fds, p.now, &HashMap::new(), &mut p.at_client);
+                    forged_client = Some(None);
+                }
+            }
+            9 => {
+                let ms = u64::from(input.u8().unwrap_or(0)) * 40;
+                p.advance(Duration::from_millis(ms));
+            }
+            10 => {
+                // Part of what the client queued (a frame cut anywhere).
+                let n = usize::from(input.u8().unwrap_or(0));
+                let bytes = p.client.out()[..n.min(p.client.out().len())].to_vec();
+                p.client.sent(bytes.len());
+                p.server.recv(&bytes, 0, p.now, &p.keys, &mut p.at_server);
+            }
+            _ => p.client.forget(slot, gen),
+        }
+        // A dead core hears nothing more.
+        if client_dead {
+            assert_eq!(p.at_client.len(), nc, "a dead client core heard something");
+        }
+        if server_dead {
+            assert_eq!(p.at_server.len(), ns, "a dead server core heard something");
+        }
+        // Nothing that makes an operation succeed gets through unless signed under that
+        // operation's own key.
+        for h in &p.at_client[nc..] {
+            let (slot, gen) = match h {
+                Heard::Grant { slot, gen, .. } | Heard::WriteDone { slot, gen, .. } => (*slot, *gen),
+                Heard::Refused {
+                    slot,
+                    gen,
+                    code: RefuseCode::NotLive,
+                    ..
+                }
+                | Heard::Fallback { slot, gen, .. } => {
+                    assert!(asked.contains_key(&(*slot, *gen)), "{h:?} answers nothing asked");
+                    continue;
+                }
+                Heard::Refused { slot, gen, .. } => (*slot, *gen),
+                _ => continue,
+            };
+            let Some(&(key, write)) = asked.get(&(slot, gen)) else {
+                panic!("{h:?} answers nothing asked");
+            };
+            if let Some(forged) = forged_client {
+                assert_eq!(forged, Some(key), "{h:?} believed under another key");
+            }
+            if matches!(h, Heard::Grant { .. }) {
+                assert!(!write, "a write granted as a read");
+            }
+        }
+        for h in &p.at_server[ns..] {
+            if let (Some(forged), Heard::Req(r)) = (forged_server, h) {
+                assert_eq!(
+                    forged.map(|k| KEYS[k]),
+                    Some(&*r.key),
+                    "a request believed under another key"
+                );
+            }
+            if let (Some(forged), Heard::ReadDone { key, .. }) = (forged_server, h) {
+                assert_eq!(
+                    forged.map(|k| KEYS[k]),
+                    Some(&**key),
+                    "a done believed under another key"
+                );
+            }
+        }
+        // Every peer-driven resource stays bounded.
+        for l in [&p.client, &p.server] {
+            assert!(l.rbuf.len() <= MAX_FRAME + 4 + (64 << 10));
+            assert!(l.out.len() <= MAX_UNSENT + MAX_FRAME);
+            assert!(l.open.len() <= MAX_OPEN);
+        }
+    }
+}

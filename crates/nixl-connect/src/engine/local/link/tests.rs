@@ -1,0 +1,382 @@
+//! The connection core's tests: two cores in memory, stepped by hand, with a manual clock. No
+//! socket, no thread, no sleep. Each finding of issue 27 that lives in the protocol has its test.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use super::fuzz::{Pair, KEYS};
+use super::*;
+
+/// The reader's side of a read of `KEYS[key]` on a shaken pair: request, grant, done.
+fn read(p: &mut Pair, slot: u32, gen: u64, key: usize) {
+    assert!(p
+        .client
+        .request(KEYS[key], &Pair::req(slot, gen, key, false, Device::Host, 1)));
+    p.deliver_to_server(0);
+}
+
+impl Pair {
+    fn deliver_to_server_plain(&mut self) {
+        self.deliver_to_server(0);
+    }
+}
+
+#[test]
+fn link_handshake_then_read_round_trip() {
+    let mut p = Pair::new(0);
+    p.shake();
+    assert_eq!(p.at_server, vec![Heard::Hello]);
+    assert_eq!(p.at_client, vec![Heard::Ready]);
+    assert!(p.client.is_ready() && p.server.is_ready());
+    read(&mut p, 3, 1, 1);
+    let Some(Heard::Req(r)) = p.at_server.pop() else {
+        panic!("{:?}", p.at_server)
+    };
+    assert_eq!((r.slot, r.gen, &*r.key, r.write), (3, 1, KEYS[1], false));
+    p.server.answer(3, 1, Answer::Grant);
+    p.deliver_to_client();
+    assert_eq!(
+        p.at_client.pop(),
+        Some(Heard::Grant {
+            slot: 3,
+            gen: 1,
+            sources: None
+        })
+    );
+    p.client.read_done(3, 1, true, "");
+    p.deliver_to_server_plain();
+    assert_eq!(
+        p.at_server.pop(),
+        Some(Heard::ReadDone {
+            slot: 3,
+            gen: 1,
+            ok: true,
+            key: KEYS[1].into()
+        })
+    );
+    assert!(p.client.open.is_empty() && p.server.open.is_empty());
+    assert!(!p.client.is_dead() && !p.server.is_dead());
+}
+
+/// The abort of HEAD 6daaea6: two `Welcome` frames in one write. The first is handled, the
+/// second finds the connection past its handshake: the core closes it, nothing panics, and
+/// nothing after it is handled.
+#[test]
+fn link_double_welcome_closes_without_panic() {
+    for (proof_key, first) in [
+        (None, Heard::NotLive { key: KEYS[0].into() }),
+        (Some(1), Heard::Impostor),
+        (Some(0), Heard::Ready),
+    ] {
+        let mut p = Pair::new(0);
+        p.deliver_to_server(1);
+        let proof = proof_key.map(|k| auth::welcome_proof(KEYS[k], &p.nonce, 4100, 4200));
+        let mut two = p.forge(&Msg::Welcome { proof }, None, false);
+        two.extend(p.forge(&Msg::Welcome { proof: None }, None, false));
+        two.extend(p.forge(&Msg::Grant { slot: 0, gen: 0 }, Some(0), false));
+        p.client.recv(&two, 0, p.now, &HashMap::new(), &mut p.at_client);
+        assert!(p.client.is_dead(), "closed");
+        assert_eq!(p.at_client, vec![first], "only the first Welcome was handled");
+        p.client.recv(&two, 0, p.now, &HashMap::new(), &mut p.at_client);
+        assert_eq!(p.at_client.len(), 1, "a dead connection handles nothing");
+    }
+}
+
+/// The cross-operation impostor: a process that proves the key of an operation it made itself
+/// (its own metadata naming the victim's agent) cannot then answer another operation's
+/// request on the reused connection: its grant is not signed under that operation's key.
+#[test]
+fn link_impostor_cannot_answer_another_operations_request() {
+    for forged_key in [Some(0), None, Some(2)] {
+        let mut p = Pair::new(0); // the impostor holds KEYS[0] (its own operation)
+        p.shake();
+        // The victim's operation (KEYS[1]) is asked on the same connection.
+        assert!(p
+            .client
+            .request(KEYS[1], &Pair::req(5, 9, 1, false, Device::Host, 1)));
+        let g = p.forge(&Msg::Grant { slot: 5, gen: 9 }, forged_key, false);
+        p.client.recv(&g, 0, p.now, &HashMap::new(), &mut p.at_client);
+        assert!(
+            p.client.is_dead(),
+            "{forged_key:?}: the impostor's grant closes the connection"
+        );
+        assert_eq!(
+            p.at_client,
+            vec![Heard::Ready],
+            "{forged_key:?}: no grant believed"
+        );
+    }
+    // Nor a write's Done.
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(p
+        .client
+        .request(KEYS[1], &Pair::req(6, 1, 1, true, Device::Host, 1)));
+    let d = Msg::Done {
+        slot: 6,
+        gen: 1,
+        ok: true,
+        reason: String::new(),
+    };
+    let d = p.forge(&d, Some(0), false);
+    p.client.recv(&d, 0, p.now, &HashMap::new(), &mut p.at_client);
+    assert!(p.client.is_dead());
+    assert!(!p.at_client.iter().any(|h| matches!(h, Heard::WriteDone { .. })));
+}
+
+/// Answers that can only make an operation fail or take NIXL may come unproven (the server
+/// does not hold a replayed operation's key); anything that makes it succeed may not.
+#[test]
+fn link_unproven_answers_only_fail_or_fall_back() {
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(p
+        .client
+        .request(KEYS[2], &Pair::req(1, 1, 2, false, Device::Host, 1)));
+    p.deliver_to_server_plain(); // the server holds no KEYS[2]: it refuses, unproven
+    p.deliver_to_client();
+    assert!(matches!(
+        p.at_client.last(),
+        Some(Heard::Refused {
+            code: RefuseCode::NotLive,
+            ..
+        })
+    ));
+    assert!(p
+        .client
+        .request(KEYS[1], &Pair::req(2, 1, 1, false, Device::Host, 1)));
+    let f = Msg::Fallback {
+        slot: 2,
+        gen: 1,
+        reason: "x".into(),
+    };
+    let f = p.forge(&f, None, false);
+    p.client.recv(&f, 0, p.now, &HashMap::new(), &mut p.at_client);
+    assert!(matches!(p.at_client.last(), Some(Heard::Fallback { .. })));
+    assert!(p
+        .client
+        .request(KEYS[1], &Pair::req(3, 1, 1, false, Device::Host, 1)));
+    let r = Msg::Refuse {
+        slot: 3,
+        gen: 1,
+        code: RefuseCode::OutOfRange,
+        reason: "x".into(),
+    };
+    let r = p.forge(&r, None, false);
+    p.client.recv(&r, 0, p.now, &HashMap::new(), &mut p.at_client);
+    assert!(p.client.is_dead(), "an unproven refusal of another kind closes");
+}
+
+/// A request proven under one key on one connection cannot be replayed on another (the nonce
+/// differs), nor can a server's grant.
+#[test]
+fn link_frames_replayed_onto_another_connection_are_refused() {
+    let mut a = Pair::new(0);
+    a.shake();
+    assert!(a
+        .client
+        .request(KEYS[1], &Pair::req(4, 4, 1, false, Device::Host, 1)));
+    let req = a.client.out().to_vec();
+    let mut b = Pair::new(0);
+    b.nonce = [8; 16];
+    b.client = Link::client(KEYS[0].into(), b.nonce, 4100, 4200, b.now);
+    b.shake();
+    b.server.recv(&req, 0, b.now, &b.keys.clone(), &mut b.at_server);
+    assert!(b.server.is_dead(), "a request replayed from another connection");
+    assert!(!b.at_server.iter().any(|h| matches!(h, Heard::Req(_))));
+    // A Done reflected back (client -> server bytes fed to the client) is refused too.
+    let mut c = Pair::new(0);
+    c.shake();
+    assert!(c
+        .client
+        .request(KEYS[1], &Pair::req(4, 4, 1, true, Device::Host, 1)));
+    let d = Msg::Done {
+        slot: 4,
+        gen: 4,
+        ok: true,
+        reason: String::new(),
+    };
+    let d = c.forge(&d, Some(1), true); // signed as the client would
+    c.client.recv(&d, 0, c.now, &HashMap::new(), &mut c.at_client);
+    assert!(c.client.is_dead(), "a frame signed for the other direction");
+}
+
+/// Before `Hello` nothing but `Hello` is handled: a `Done`, a request, a grant each close the
+/// connection at once, and nothing reaches the transport.
+#[test]
+fn link_nothing_but_hello_before_hello() {
+    for m in [
+        Msg::Done {
+            slot: 1,
+            gen: 1,
+            ok: true,
+            reason: String::new(),
+        },
+        Pair::req(1, 1, 0, false, Device::Host, 1),
+        Msg::Trusted,
+        Msg::Grant { slot: 1, gen: 1 },
+    ] {
+        let mut p = Pair::new(0);
+        let bytes = p.forge(&m, Some(0), true);
+        p.server.recv(&bytes, 0, p.now, &p.keys.clone(), &mut p.at_server);
+        assert!(p.server.is_dead(), "{m:?}");
+        assert!(p.at_server.is_empty(), "{m:?}");
+    }
+}
+
+/// Descriptors come only with the `Hello`, one in all; a `Hello` without one is refused.
+#[test]
+fn link_descriptors_only_with_the_hello() {
+    let mut p = Pair::new(0);
+    p.deliver_to_server(2);
+    assert!(p.server.is_dead(), "two descriptors");
+    let mut p = Pair::new(0);
+    p.deliver_to_server(0);
+    assert!(p.server.is_dead(), "a hello without its table");
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(p
+        .client
+        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
+    p.deliver_to_server(1);
+    assert!(p.server.is_dead(), "a descriptor after the hello");
+    assert!(!p.at_server.iter().any(|h| matches!(h, Heard::Req(_))));
+    let mut p = Pair::new(0);
+    p.shake();
+    p.server.answer(0, 0, Answer::Grant);
+    let bytes = p.forge(&Msg::Welcome { proof: None }, None, false);
+    p.client.recv(&bytes, 1, p.now, &HashMap::new(), &mut p.at_client);
+    assert!(p.client.is_dead(), "the client takes no descriptor at all");
+}
+
+/// A handshake has a deadline on both sides (a fork child holding the parent's socket, a peer
+/// that never answers), and so has a frame once its first byte arrived.
+#[test]
+fn link_handshake_and_partial_frames_have_deadlines() {
+    let mut p = Pair::new(0);
+    p.deliver_to_server(1); // the server answers nothing
+    assert_eq!(p.client.deadline(), Some(p.now + HANDSHAKE_TIMEOUT));
+    p.advance(HANDSHAKE_TIMEOUT - Duration::from_millis(1));
+    assert!(!p.client.is_dead());
+    p.advance(Duration::from_millis(1));
+    assert!(p.client.is_dead() && p.server.is_dead(), "both sides give up");
+    assert_eq!(p.client.death(), Some("the handshake did not finish in time"));
+
+    let mut p = Pair::new(0);
+    p.shake();
+    assert_eq!(p.server.deadline(), None, "no deadline once ready and idle");
+    assert!(p
+        .client
+        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
+    let req = p.client.out().to_vec();
+    p.server
+        .recv(&req[..10], 0, p.now, &p.keys.clone(), &mut p.at_server);
+    assert_eq!(p.server.deadline(), Some(p.now + PARTIAL_FRAME_TIMEOUT));
+    p.advance(PARTIAL_FRAME_TIMEOUT);
+    assert!(p.server.is_dead(), "a frame that never arrives whole");
+    assert!(p.at_server.iter().all(|h| !matches!(h, Heard::Req(_))));
+}
+
+/// Before the handshake a frame may be a few KiB: a length prefix of 16 MiB is refused from its
+/// four bytes, without holding anything.
+#[test]
+fn link_pre_handshake_frames_are_small() {
+    let mut p = Pair::new(0);
+    let big = (MAX_FRAME as u32).to_le_bytes();
+    p.server.recv(&big, 0, p.now, &p.keys.clone(), &mut p.at_server);
+    assert!(p.server.is_dead());
+    assert!(p.server.rbuf.capacity() == 0, "nothing held");
+    // Many Done frames in one buffer before Hello: the first closes it, the rest are not read.
+    let mut p = Pair::new(0);
+    let mut many = Vec::new();
+    for g in 0..10_000 {
+        let d = Msg::Done {
+            slot: 0,
+            gen: g,
+            ok: true,
+            reason: String::new(),
+        };
+        many.extend(p.forge(&d, None, true));
+    }
+    p.server.recv(&many, 0, p.now, &p.keys.clone(), &mut p.at_server);
+    assert!(p.server.is_dead() && p.at_server.is_empty());
+}
+
+/// Requests open on one connection are bounded: past [`MAX_OPEN`] the core answers `Fallback`
+/// itself and records nothing; a request for a slot outside the table closes it.
+#[test]
+fn link_open_requests_are_bounded() {
+    let mut p = Pair::new(0);
+    p.shake();
+    let mut bytes = Vec::new();
+    for n in 0..(MAX_OPEN + 5) as u64 {
+        let m = Pair::req((n % SLOTS as u64) as u32, n, 1, false, Device::Host, 1);
+        bytes.extend(p.forge(&m, Some(1), true));
+    }
+    p.server.recv(&bytes, 0, p.now, &p.keys.clone(), &mut p.at_server);
+    assert!(!p.server.is_dead());
+    let reqs = p.at_server.iter().filter(|h| matches!(h, Heard::Req(_))).count();
+    assert_eq!(reqs, MAX_OPEN);
+    assert_eq!(p.server.open.len(), MAX_OPEN);
+    let mut fallbacks = 0;
+    let out = p.server.out().to_vec();
+    let mut at = 0;
+    while let Some((f, n)) = Msg::decode(&out[at..], MAX_FRAME).unwrap() {
+        fallbacks += usize::from(matches!(f.msg, Msg::Fallback { .. }));
+        at += n;
+    }
+    assert_eq!(fallbacks, 5);
+    let m = p.forge(
+        &Pair::req(SLOTS as u32, 1, 1, false, Device::Host, 1),
+        Some(1),
+        true,
+    );
+    p.server.recv(&m, 0, p.now, &p.keys.clone(), &mut p.at_server);
+    assert!(p.server.is_dead(), "a slot outside the table");
+}
+
+/// A device read's grant must carry one export per range; a host grant for a device read, or
+/// a grant for a write, closes the connection.
+#[test]
+fn link_grants_must_fit_their_request() {
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(p
+        .client
+        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Cuda(0), 2)));
+    let g = Msg::GrantIpc {
+        slot: 1,
+        gen: 1,
+        sources: Vec::new(),
+    };
+    let g = p.forge(&g, Some(1), false);
+    p.client.recv(&g, 0, p.now, &HashMap::new(), &mut p.at_client);
+    assert!(p.client.is_dead());
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(p
+        .client
+        .request(KEYS[1], &Pair::req(1, 1, 1, true, Device::Host, 1)));
+    let g = p.forge(&Msg::Grant { slot: 1, gen: 1 }, Some(1), false);
+    p.client.recv(&g, 0, p.now, &HashMap::new(), &mut p.at_client);
+    assert!(p.client.is_dead(), "a write granted as a read");
+}
+
+/// The fuzz target's invariants hold over a few fixed programs (the corpus's seeds), so a
+/// change that breaks them fails here, not only under `cargo fuzz`.
+#[test]
+fn link_fuzz_programs_hold_their_invariants() {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for _ in 0..2_000 {
+        let mut prog = vec![0u8; 96];
+        for b in &mut prog {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = (x >> 32) as u8;
+        }
+        // Start most programs with an honest handshake so the ready state is reached.
+        prog[..8].copy_from_slice(&[0, 0, 0, 1, 1, 0, 0, 0]);
+        super::fuzz::run(&prog);
+    }
+}
