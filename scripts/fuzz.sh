@@ -16,7 +16,7 @@ while [ $# -gt 0 ]; do
     *) targets+=("$1"); shift ;;
   esac
 done
-[ ${#targets[@]} -gt 0 ] || targets=(metadata_json agent_metadata wire_frames)
+[ ${#targets[@]} -gt 0 ] || targets=(metadata_json agent_metadata wire_frames link_sequences)
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 toolchain=()
 if rustup toolchain list 2>/dev/null | grep -q nightly; then toolchain=(+nightly); else export RUSTC_BOOTSTRAP=1; fi

@@ -6,6 +6,7 @@ mod core;
 mod freed;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod hostile;
 mod impostor;
 mod limits;
 mod local;

@@ -101,7 +101,7 @@ impl LocalTransport {
             } else {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::WouldBlock {
-                    c.link.kill("the socket failed");
+                    c.link.hang_up("the socket failed");
                     c.link.sent(usize::MAX);
                 }
                 break;
@@ -147,7 +147,7 @@ impl LocalTransport {
             };
             if n <= 0 {
                 if n == 0 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock {
-                    c.link.kill("the peer closed the connection");
+                    c.link.hang_up("the peer closed the connection");
                 }
                 return;
             }
@@ -375,7 +375,22 @@ impl LocalTransport {
                         if let Some(t) = &c.slots {
                             t.revoke(a.slot, a.gen);
                         }
-                        if !matches!(a.phase, Phase::Abandoned) {
+                        if matches!(a.phase, Phase::Abandoned) {
+                            continue;
+                        }
+                        if !c.link.peer_went_away() {
+                            // The process on the socket broke the protocol (or never shook
+                            // hands): nothing of this operation was copied, and the peer the
+                            // metadata names may well be reachable through NIXL.
+                            out.push(Event::Declined {
+                                spec: a.spec,
+                                reason: format!(
+                                    "the same-host connection was closed: {}",
+                                    c.link.death().unwrap_or("a protocol error")
+                                )
+                                .into(),
+                            });
+                        } else {
                             out.push(Event::ActiveEnded {
                                 id,
                                 result: Err(Error::RemoteGone {

@@ -177,6 +177,9 @@ pub(crate) struct Link {
     partial_since: Option<Instant>,
     open: HashMap<(u32, u64), Open>,
     death: Option<&'static str>,
+    /// It died because the peer went away (end of stream, a socket error), not for a rule it
+    /// broke.
+    gone: bool,
 }
 
 impl Link {
@@ -220,6 +223,7 @@ impl Link {
             partial_since: None,
             open: HashMap::new(),
             death: None,
+            gone: false,
         }
     }
 
@@ -266,6 +270,21 @@ impl Link {
             self.rbuf = Vec::new();
             self.rpos = 0;
         }
+    }
+
+    /// Closes the connection because the peer went away (`why`: end of stream, a socket error).
+    pub(crate) fn hang_up(&mut self, why: &'static str) {
+        if self.state != State::Dead {
+            self.gone = true;
+        }
+        self.kill(why);
+    }
+
+    /// True when it died because the peer went away rather than for a rule it broke (or a
+    /// deadline it missed): what was waiting on it failed with the peer, where otherwise it may
+    /// take NIXL.
+    pub(crate) fn peer_went_away(&self) -> bool {
+        self.gone
     }
 
     /// Bytes to send.
