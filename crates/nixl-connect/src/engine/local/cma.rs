@@ -183,9 +183,18 @@ pub(crate) fn finish(slot: &SlotRef) -> Result<(), CopyError> {
 
 type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
+/// What one job of the pool does.
+enum Work {
+    /// Pulls these pieces.
+    Pull(Vec<Piece>),
+    /// Runs a part of a copy that does more than pull (a staged copy's lane: pull into pinned
+    /// memory, then DMA to the device).
+    Task(Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>),
+}
+
 struct Job {
     pid: libc::pid_t,
-    pieces: Vec<Piece>,
+    work: Work,
     cancel: Arc<AtomicBool>,
     group: Arc<Group>,
 }
@@ -202,9 +211,10 @@ struct Group {
 /// A copy can block for as long as its peer wants (a page backed by FUSE or by a `userfaultfd`
 /// range nobody serves), and nothing interrupts `process_vm_readv` short of killing the process.
 /// So no copy runs on the engine thread, one peer (process) runs at most [`Pool::per_peer`] pieces
-/// at once, and when every thread is busy the pool grows (to [`MAX_SPARE`] more threads, which
-/// leave again after [`SPARE_IDLE`] without work): a peer that stalls its pages holds its own
-/// copies and the threads running them, never another peer's.
+/// at once, and when every thread is busy the pool grows, by up to `per_peer` threads for each
+/// peer that holds threads (at least [`MAX_SPARE`] more in all, at most [`MAX_POOL_THREADS`];
+/// added threads leave again after [`SPARE_IDLE`] without work): a peer that stalls its pages
+/// holds its own copies and the threads running them, never another peer's share.
 struct Pool {
     state: Mutex<PoolState>,
     cv: Condvar,
@@ -237,8 +247,14 @@ impl PoolState {
     }
 }
 
-/// The most threads the pool adds while its kept ones are busy.
+/// The threads the pool may add while its kept ones are busy, whatever the number of peers.
 pub(crate) const MAX_SPARE: usize = 56;
+/// The most threads the pool runs (a bound on what peers that stall can make this process hold:
+/// each holds at most `per_peer`, so it takes this many over `per_peer` stalling processes, each
+/// with a connection of its own, to make copies queue).
+pub(crate) const MAX_POOL_THREADS: usize = 1024;
+/// The stack of a copy thread (it only makes system calls).
+const COPY_STACK: usize = 256 << 10;
 /// How long an added thread waits for work before it leaves.
 pub(crate) const SPARE_IDLE: Duration = Duration::from_secs(10);
 
@@ -284,12 +300,50 @@ fn pool() -> &'static Pool {
 }
 
 impl Pool {
+    /// Queues `jobs` and adds the threads they need.
+    fn submit(&'static self, jobs: Vec<Job>) {
+        let mut st = lock(&self.state);
+        st.queue.extend(jobs);
+        self.grow(&mut st);
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// Adds threads until every queued job that may run now (its peer under its share) has a
+    /// thread not running one (the running ones may be stalled by their peers), within the cap:
+    /// the kept threads plus `per_peer` for each peer with work and one more, at least
+    /// [`MAX_SPARE`] more, at most [`MAX_POOL_THREADS`].
+    fn grow(&'static self, st: &mut PoolState) {
+        let running: usize = st.busy.values().sum();
+        let mut may_run: HashMap<libc::pid_t, usize> = HashMap::new();
+        for j in &st.queue {
+            let busy = st.busy.get(&j.pid).copied().unwrap_or(0);
+            let n = may_run.entry(j.pid).or_default();
+            if busy + *n < self.per_peer {
+                *n += 1;
+            }
+        }
+        let runnable: usize = may_run.values().sum();
+        let peers = st.busy.len() + may_run.keys().filter(|p| !st.busy.contains_key(p)).count();
+        let cap = (self.per_peer * (peers + 1))
+            .max(self.per_peer + MAX_SPARE)
+            .min(MAX_POOL_THREADS);
+        while st.threads.saturating_sub(running) < runnable && st.threads < cap {
+            let before = st.threads;
+            self.start(st);
+            if st.threads == before {
+                break; // no thread could be started: what is queued waits for one to end
+            }
+        }
+    }
+
     /// Starts one more thread (counted in `st` before it runs).
     fn start(&'static self, st: &mut PoolState) {
         let n = st.threads;
         let kept = n < self.per_peer;
         let spawned = std::thread::Builder::new()
             .name(format!("nixl-copy-{n}"))
+            .stack_size(COPY_STACK)
             .spawn(move || self.worker(kept));
         if spawned.is_ok() {
             st.threads += 1;
@@ -315,6 +369,9 @@ impl Pool {
                 }
                 continue;
             };
+            if !st.queue.is_empty() {
+                self.grow(&mut st);
+            }
             drop(st);
             let pid = job.pid;
             run(job);
@@ -334,7 +391,11 @@ impl Pool {
 
 /// Runs one piece of a copy; the last piece to end reports the copy's result.
 fn run(job: Job) {
-    let r = pull(job.pid, &job.pieces, &job.cancel);
+    let r = match job.work {
+        Work::Pull(pieces) => pull(job.pid, &pieces, &job.cancel),
+        Work::Task(f) => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f()))
+            .unwrap_or_else(|_| Err(CopyError::Os(Arc::new(io::Error::other("a copy task panicked"))))),
+    };
     let g = job.group;
     if let Err(e) = r {
         job.cancel.store(true, Ordering::Relaxed); // stop the other pieces early
@@ -392,26 +453,50 @@ pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
         slot: c.slot,
         done: Mutex::new(Some(done)),
     });
-    let mut st = lock(&p.state);
-    let added = jobs.len();
-    for pieces in jobs {
-        st.queue.push_back(Job {
+    let jobs = jobs
+        .into_iter()
+        .map(|pieces| Job {
             pid: c.pid,
-            pieces,
+            work: Work::Pull(pieces),
             cancel: c.cancel.clone(),
             group: group.clone(),
-        });
+        })
+        .collect();
+    p.submit(jobs);
+    Ok(())
+}
+
+/// Runs `task` `parts` times on the copy pool, as `pid`'s copy guarded by `slot` (its peer's
+/// share of the pool, as pulls are); `done` runs once every part has ended (the first error,
+/// else the slot's `COPYING -> DONE`). Returns the revocation error at once (without calling
+/// `done`) when the grant was revoked before the copy began.
+pub(crate) fn spawn_tasks(
+    pid: libc::pid_t,
+    slot: SlotRef,
+    cancel: Arc<AtomicBool>,
+    parts: usize,
+    task: Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>,
+    done: Done,
+) -> Result<(), CopyError> {
+    if !slot.table.advance(slot.idx, slot.gen, ARMED, COPYING) {
+        return Err(CopyError::NotStarted);
     }
-    // Every thread busy (some perhaps stalled by their peers): add threads for what came.
-    let want = added.saturating_sub(st.idle);
-    for _ in 0..want {
-        if st.threads >= p.per_peer + MAX_SPARE {
-            break;
-        }
-        p.start(&mut st);
-    }
-    drop(st);
-    p.cv.notify_all();
+    let parts = parts.max(1);
+    let group = Arc::new(Group {
+        left: AtomicUsize::new(parts),
+        error: Mutex::new(None),
+        slot,
+        done: Mutex::new(Some(done)),
+    });
+    let jobs = (0..parts)
+        .map(|_| Job {
+            pid,
+            work: Work::Task(task.clone()),
+            cancel: cancel.clone(),
+            group: group.clone(),
+        })
+        .collect();
+    pool().submit(jobs);
     Ok(())
 }
 
@@ -437,6 +522,142 @@ pub(crate) fn may_pull(pidfd: &OwnedFd) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Memory of this process whose pages never come until the `userfaultfd` is dropped: a
+    /// `process_vm_readv` of it blocks in the kernel (as a hostile peer's FUSE file or unserved
+    /// `userfaultfd` range would), then finds zero pages.
+    struct Stalled {
+        ptr: usize,
+        uffd: OwnedFd,
+    }
+
+    impl Stalled {
+        fn new(len: usize) -> Option<Self> {
+            // SAFETY: plain syscalls on fresh descriptors and a fresh mapping, each checked.
+            unsafe {
+                let fd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK);
+                if fd < 0 {
+                    return None; // not root and vm.unprivileged_userfaultfd=0: skip
+                }
+                let uffd = OwnedFd::from_raw_fd(fd as i32);
+                let mut api = [0xAAu64, 0, 0];
+                assert_eq!(libc::ioctl(uffd.as_raw_fd(), 0xc018_aa3f, api.as_mut_ptr()), 0);
+                let p = libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                assert_ne!(p, libc::MAP_FAILED);
+                let mut reg = [p as u64, len as u64, 1, 0];
+                assert_eq!(libc::ioctl(uffd.as_raw_fd(), 0xc020_aa00, reg.as_mut_ptr()), 0);
+                Some(Self {
+                    ptr: p as usize,
+                    uffd,
+                })
+            }
+        }
+    }
+
+    /// Issue 27: the pool's cap was `per_peer + 56` threads, so enough peers stalling their
+    /// pages (eight on a 16-core host) held every thread and every other same-host copy of the
+    /// process waited forever. Now each peer holding threads adds its share to the cap: stalled
+    /// peers hold their own copies and the threads running them, and a copy from anyone else
+    /// still runs. The "peers" here are threads of this process (`process_vm_readv` takes a
+    /// thread id), each stalling on a `userfaultfd` range.
+    #[test]
+    fn cma_stalled_peers_cannot_starve_the_pool() {
+        let Some(stall) = Stalled::new(4 << 20) else {
+            eprintln!("skipped: userfaultfd is not available to this user");
+            return;
+        };
+        let per_peer = pool().per_peer;
+        let peers = (per_peer + MAX_SPARE) / per_peer + 4;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut parked = Vec::new();
+        for _ in 0..peers {
+            let tx = tx.clone();
+            let (go, wait) = std::sync::mpsc::channel::<()>();
+            parked.push((
+                go,
+                std::thread::spawn(move || {
+                    // SAFETY: gettid has no preconditions.
+                    tx.send(unsafe { libc::gettid() }).unwrap();
+                    let _ = wait.recv();
+                }),
+            ));
+        }
+        let tids: Vec<libc::pid_t> = (0..peers).map(|_| rx.recv().unwrap()).collect();
+        let table = Arc::new(SlotTable::create().unwrap());
+        let mut sink = vec![0u8; 4096 * peers * per_peer];
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let mut slot = 0u32;
+        let mut copy = |pid: libc::pid_t, local: usize, remote: usize| {
+            slot += 1;
+            table.arm(slot, 1);
+            let done_tx = done_tx.clone();
+            let c = Copy {
+                pid,
+                pieces: vec![Piece {
+                    local,
+                    remote,
+                    len: 4096,
+                }],
+                slot: SlotRef {
+                    table: table.clone(),
+                    idx: slot,
+                    gen: 1,
+                },
+                cancel: Arc::new(AtomicBool::new(false)),
+            };
+            spawn(c, Box::new(move |r| done_tx.send((pid, r)).unwrap())).unwrap();
+        };
+        for (k, &tid) in tids.iter().enumerate() {
+            for j in 0..per_peer {
+                let at = (k * per_peer + j) * 4096;
+                copy(tid, sink.as_mut_ptr() as usize + at, stall.ptr + at % (4 << 20));
+            }
+        }
+        // Every stalled copy holds its thread now; a copy from memory that is there must run.
+        let src = vec![5u8; 4096];
+        let mut dst = vec![0u8; 4096];
+        let me = std::process::id() as libc::pid_t;
+        copy(me, dst.as_mut_ptr() as usize, src.as_ptr() as usize);
+        let got = done_rx.recv_timeout(Duration::from_secs(20));
+        if got.is_err() {
+            let st = lock(&pool().state);
+            eprintln!(
+                "threads {} idle {} queued {} busy peers {} running {}",
+                st.threads,
+                st.idle,
+                st.queue.len(),
+                st.busy.len(),
+                st.busy.values().sum::<usize>()
+            );
+        }
+        let (pid, r) = got.expect("a copy from a well-behaved peer ran while others stalled");
+        assert_eq!(
+            pid, me,
+            "only the well-behaved copy can end while the pages stall"
+        );
+        r.unwrap();
+        assert_eq!(dst, src);
+        // The stalled copies end once the pages come (zero pages when the fd closes).
+        drop(stall.uffd);
+        for _ in 0..peers * per_peer {
+            let (_, r) = done_rx
+                .recv_timeout(Duration::from_secs(20))
+                .expect("stalled copies end");
+            r.unwrap();
+        }
+        for (go, h) in parked {
+            drop(go);
+            h.join().unwrap();
+        }
+        drop(sink);
+    }
 
     #[test]
     fn cma_pull_copies_many_pieces_in_batches() {

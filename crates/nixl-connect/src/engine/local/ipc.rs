@@ -89,6 +89,10 @@ pub(crate) enum IpcError {
         /// The bytes the mapping really holds.
         mapped: u64,
     },
+    /// The process holds as much pinned staging memory as it may
+    /// ([`MAX_STAGING`](super::staged::MAX_STAGING)): the copy takes NIXL.
+    #[error("this process holds its whole allowance of pinned staging memory")]
+    NoStaging,
     /// A driver call panicked (the step is abandoned; the thread goes on).
     #[error("the CUDA {0} panicked")]
     Panicked(&'static str),

@@ -5,41 +5,54 @@
 //! (the copier, as on every same-host path) pulls the peer's bytes with `process_vm_readv` (the
 //! host path's grant, ptrace rules and revocation) into page-locked buffers of its own
 //! (`cuMemHostAlloc`, kept in a process-wide pool) and queues `cuMemcpyHtoDAsync` from each. A copy
-//! is cut in [`CHUNK`]-byte pieces shared by up to [`MAX_WORKERS`] threads; each thread has two
-//! buffers and its own stream, so the pull of one piece overlaps the DMA of the one before.
+//! is cut in [`CHUNK`]-byte pieces (computed as they are taken, never listed) shared by up to
+//! [`MAX_WORKERS`] lanes; each lane is a task on the process's copy pool (under the peer's share
+//! of it, as every same-host copy), with two buffers and its own stream, so the pull of one piece
+//! overlaps the DMA of the one before. Pinned memory is bounded per process ([`MAX_STAGING`]): a
+//! lane that finds none left does not start, and a copy none of whose lanes can start takes NIXL.
 //! Every stream is synchronised before the copy counts as done.
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cma::{self, Copy, CopyError, Piece, CHUNK};
 use super::ipc::IpcError;
-use super::slots::{ARMED, COPYING, DONE};
 use crate::sync::Recover;
 
-/// The most threads one staged copy uses.
+/// The most lanes one staged copy uses.
 const MAX_WORKERS: usize = 8;
 /// Pinned buffers the pool keeps between copies (each [`CHUNK`] bytes).
 const KEPT_BUFFERS: usize = 2 * MAX_WORKERS;
+/// The most pinned staging memory this process holds at once, in bytes (32 buffers).
+pub(crate) const MAX_STAGING: usize = 32 * CHUNK;
 
 type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
 /// Page-locked host buffers of [`CHUNK`] bytes, usable from every context.
 static POOL: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+/// Buffers allocated and not freed (kept in [`POOL`] or in a lane).
+static HELD: AtomicUsize = AtomicUsize::new(0);
 
 fn take_buffer() -> Result<usize, IpcError> {
     if let Some(b) = POOL.lock().recover().pop() {
         return Ok(b);
     }
+    if HELD.fetch_add(1, Ordering::AcqRel) >= MAX_STAGING / CHUNK {
+        HELD.fetch_sub(1, Ordering::AcqRel);
+        return Err(IpcError::NoStaging);
+    }
     let mut p: *mut c_void = std::ptr::null_mut();
     // SAFETY: allocates CHUNK page-locked bytes (PORTABLE: usable from every context) into `p`;
     // the buffer goes back to the pool or is freed with cuMemFreeHost, never both.
     let r = unsafe { sys::cuMemHostAlloc(&mut p, CHUNK, sys::CU_MEMHOSTALLOC_PORTABLE) };
-    check(r, "cuMemHostAlloc")?;
+    if let Err(e) = check(r, "cuMemHostAlloc") {
+        HELD.fetch_sub(1, Ordering::AcqRel);
+        return Err(e);
+    }
     Ok(p as usize)
 }
 
@@ -52,6 +65,7 @@ fn give_back(b: usize) {
         // SAFETY: frees a buffer from cuMemHostAlloc that no stream uses any more (its stream was
         // synchronised) and nothing else holds.
         unsafe { sys::cuMemFreeHost(b as *mut c_void) };
+        HELD.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -63,115 +77,113 @@ fn check(r: CUresult, call: &'static str) -> Result<(), IpcError> {
     }
 }
 
-/// Starts `c` (pieces whose `local` side is device memory of this process) on a thread of its
-/// own; `done` runs there once the bytes are on the device (or not). Returns the revocation error
-/// at once (without calling `done`) when the grant was revoked before the copy began.
+/// Starts `c` (pieces whose `local` side is device memory of this process) as lanes on the copy
+/// pool; `done` runs on a copy thread once the bytes are on the device (or not). Returns the
+/// revocation error at once (without calling `done`) when the grant was revoked before the copy
+/// began.
 pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
-    if !c.slot.table.advance(c.slot.idx, c.slot.gen, ARMED, COPYING) {
-        return Err(CopyError::NotStarted);
-    }
-    let done = Arc::new(Mutex::new(Some(done)));
-    let d2 = done.clone();
-    let (slot, cancel) = (c.slot.clone(), c.cancel.clone());
-    let started = std::thread::Builder::new()
-        .name("nixl-connect-staged".into())
-        .spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&c)))
-                .unwrap_or_else(|_| Err(CopyError::Os(IpcError::Panicked("staged copy").into())));
-            let r = r.and_then(|()| cma::finish(&c.slot));
-            if let Some(done) = d2.lock().recover().take() {
-                done(r);
-            }
-        });
-    if started.is_err() {
-        let _ = cancel;
-        let _ = slot.table.advance(slot.idx, slot.gen, COPYING, DONE);
-        if let Some(done) = done.lock().recover().take() {
-            done(Err(CopyError::Unsupported(IpcError::NoThread.into())));
-        }
-    }
-    Ok(())
-}
-
-/// The pieces cut at [`CHUNK`] bytes.
-fn chunks(pieces: &[Piece]) -> Vec<Piece> {
-    let mut out = Vec::new();
-    for p in pieces {
-        let mut off = 0;
-        while off < p.len {
-            let len = (p.len - off).min(CHUNK);
-            out.push(Piece {
-                local: p.local + off,
-                remote: p.remote + off,
-                len,
-            });
-            off += len;
-        }
-    }
-    out
-}
-
-fn run(c: &Copy) -> Result<(), CopyError> {
-    let work = chunks(&c.pieces);
-    let Some(first) = work.first() else { return Ok(()) };
-    let ordinal = match crate::cuda::locate(first.local) {
-        Ok(Some(o)) => o,
-        _ => return Err(CopyError::Unsupported(IpcError::NoDevice.into())),
-    };
-    let ctx = crate::cuda::primary(ordinal).map_err(|_| CopyError::Unsupported(IpcError::NoDevice.into()))?;
-    let workers = std::thread::available_parallelism()
+    let chunks = Chunks::new(c.pieces);
+    let lanes = std::thread::available_parallelism()
         .map_or(1, |n| n.get() / 2)
         .clamp(1, MAX_WORKERS)
-        .min(work.len());
-    let next = AtomicUsize::new(0);
-    let error: Mutex<Option<CopyError>> = Mutex::new(None);
-    let stop = AtomicBool::new(false);
-    let shared = Shared {
+        .min(chunks.total.max(1));
+    let shared = Arc::new(Shared {
         pid: c.pid,
-        work: &work,
-        next: &next,
-        cancel: &c.cancel,
-        stop: &stop,
-        ctx,
-    };
-    let record = |r: Result<(), CopyError>| {
-        if let Err(e) = r {
-            stop.store(true, Ordering::Relaxed);
-            error.lock().recover().get_or_insert(e);
+        chunks,
+        next: AtomicUsize::new(0),
+        started: AtomicUsize::new(0),
+        cancel: c.cancel.clone(),
+        stop: AtomicBool::new(false),
+        ctx: OnceLock::new(),
+    });
+    let task = Arc::new(move || shared.lane());
+    cma::spawn_tasks(c.pid, c.slot, c.cancel, lanes, task, done)
+}
+
+/// A copy's pieces, cut at [`CHUNK`] bytes as they are taken: one entry per piece (the ranges
+/// a request named), never one per chunk.
+struct Chunks {
+    pieces: Vec<Piece>,
+    /// `starts[i]`: the index of piece `i`'s first chunk.
+    starts: Vec<usize>,
+    total: usize,
+}
+
+impl Chunks {
+    fn new(pieces: Vec<Piece>) -> Self {
+        let mut starts = Vec::with_capacity(pieces.len());
+        let mut total = 0usize;
+        for p in &pieces {
+            starts.push(total);
+            total += p.len.div_ceil(CHUNK);
         }
-    };
-    if workers == 1 {
-        record(shared.worker());
-    } else {
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..workers).map(|_| s.spawn(|| shared.worker())).collect();
-            for h in handles {
-                record(
-                    h.join()
-                        .unwrap_or_else(|_| Err(CopyError::Os(IpcError::Panicked("staged copy").into()))),
-                );
-            }
-        });
+        Self {
+            pieces,
+            starts,
+            total,
+        }
     }
-    match error.into_inner().recover() {
-        Some(e) => Err(e),
-        None if c.cancel.load(Ordering::Relaxed) => Err(CopyError::Revoked),
-        None => Ok(()),
+
+    /// Chunk `k`, if there is one.
+    fn get(&self, k: usize) -> Option<Piece> {
+        if k >= self.total {
+            return None;
+        }
+        let i = self.starts.partition_point(|&s| s <= k) - 1;
+        let p = self.pieces[i];
+        let off = (k - self.starts[i]) * CHUNK;
+        Some(Piece {
+            local: p.local + off,
+            remote: p.remote + off,
+            len: (p.len - off).min(CHUNK),
+        })
     }
 }
 
-struct Shared<'a> {
+/// What the lanes of one copy share.
+struct Shared {
     pid: libc::pid_t,
-    work: &'a [Piece],
-    next: &'a AtomicUsize,
-    cancel: &'a AtomicBool,
-    stop: &'a AtomicBool,
-    ctx: sys::CUcontext,
+    chunks: Chunks,
+    next: AtomicUsize,
+    /// Lanes that got their buffers.
+    started: AtomicUsize,
+    cancel: Arc<AtomicBool>,
+    stop: AtomicBool,
+    /// The destination device's primary context (as an address), found by the first lane.
+    ctx: OnceLock<Result<usize, ()>>,
 }
 
-// SAFETY: (Sync) the context handle is only passed to the driver, which accepts it from any
-// thread; everything else is shared through atomics or shared references to immutable data.
-unsafe impl Sync for Shared<'_> {}
+impl Shared {
+    /// One lane: finds the device, takes a stream and two buffers, and moves chunks until none
+    /// is left. A lane that finds no staging memory left stops at once, successfully, unless no
+    /// lane started at all (then the copy takes NIXL: nothing has moved).
+    fn lane(&self) -> Result<(), CopyError> {
+        let Some(first) = self.chunks.get(0) else {
+            return Ok(());
+        };
+        let ctx = *self.ctx.get_or_init(|| {
+            let ordinal = crate::cuda::locate(first.local).ok().flatten().ok_or(())?;
+            crate::cuda::primary(ordinal).map(|c| c as usize).map_err(|_| ())
+        });
+        let Ok(ctx) = ctx else {
+            return Err(CopyError::Unsupported(IpcError::NoDevice.into()));
+        };
+        // SAFETY: makes the device's retained primary context current on this pool thread (it
+        // stays retained for the life of the process).
+        let set = unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) };
+        check(set, "cuCtxSetCurrent").map_err(|e| CopyError::Unsupported(e.into()))?;
+        let mut lane = match Lane::new() {
+            Ok(l) => l,
+            Err(_) if self.started.load(Ordering::Acquire) > 0 => return Ok(()),
+            Err(e) => {
+                self.stop.store(true, Ordering::Relaxed);
+                return Err(CopyError::Unsupported(e.into()));
+            }
+        };
+        self.started.fetch_add(1, Ordering::AcqRel);
+        self.run(&mut lane)
+    }
+}
 
 /// One thread's stream, buffers and the events marking each buffer's last DMA.
 struct Lane {
@@ -238,12 +250,9 @@ impl Drop for Lane {
     }
 }
 
-impl Shared<'_> {
-    fn worker(&self) -> Result<(), CopyError> {
-        // SAFETY: makes the device's retained primary context current on this thread.
-        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
-            .map_err(|e| CopyError::Unsupported(e.into()))?;
-        let mut lane = Lane::new().map_err(|e| CopyError::Unsupported(e.into()))?;
+impl Shared {
+    /// Moves chunks through `lane` until none is left (or the copy stops).
+    fn run(&self, lane: &mut Lane) -> Result<(), CopyError> {
         let mut k = 0usize;
         loop {
             if self.cancel.load(Ordering::Relaxed) {
@@ -253,7 +262,7 @@ impl Shared<'_> {
                 return Ok(()); // another thread failed and reports it
             }
             let i = self.next.fetch_add(1, Ordering::Relaxed);
-            let Some(p) = self.work.get(i) else { break };
+            let Some(p) = self.chunks.get(i) else { break };
             let b = k % 2;
             k += 1;
             if lane.used[b] {
@@ -266,7 +275,10 @@ impl Shared<'_> {
                 remote: p.remote,
                 len: p.len,
             };
-            cma::pull(self.pid, &[staging], self.cancel)?;
+            if let Err(e) = cma::pull(self.pid, &[staging], &self.cancel) {
+                self.stop.store(true, Ordering::Relaxed);
+                return Err(e);
+            }
             // SAFETY: `p.local` is device memory of this process that the copy's owner keeps valid
             // until the copy ends (checked to be device memory above); the buffer holds `p.len`
             // bytes (<= CHUNK) and is not refilled before the event recorded after this copy.
@@ -291,5 +303,42 @@ impl Shared<'_> {
             "cuStreamSynchronize",
         )
         .map_err(|e| CopyError::Os(e.into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 27: `chunks()` built one entry per 8 MiB of every range (524K ranges over a
+    /// 16 GiB writable: ~10^9 entries). Chunks are now computed as they are taken, from one
+    /// entry per range.
+    #[test]
+    fn staged_chunks_are_computed_not_listed() {
+        let piece = |local, remote, len| Piece { local, remote, len };
+        let c = Chunks::new(vec![
+            piece(0x1000, 0x9000, 0),
+            piece(0x10_0000, 0x90_0000, 2 * CHUNK + 5),
+            piece(0x7000_0000, 0x8000_0000, 1),
+        ]);
+        assert_eq!(c.total, 4);
+        assert_eq!(c.get(0), Some(piece(0x10_0000, 0x90_0000, CHUNK)));
+        assert_eq!(c.get(1), Some(piece(0x10_0000 + CHUNK, 0x90_0000 + CHUNK, CHUNK)));
+        assert_eq!(
+            c.get(2),
+            Some(piece(0x10_0000 + 2 * CHUNK, 0x90_0000 + 2 * CHUNK, 5))
+        );
+        assert_eq!(c.get(3), Some(piece(0x7000_0000, 0x8000_0000, 1)));
+        assert_eq!(c.get(4), None);
+        // 524,288 ranges of 32 KiB over 16 GiB: one entry each, not one per chunk of each.
+        let many: Vec<Piece> = (0..524_288usize)
+            .map(|i| piece(i << 15, i << 15, 32 << 10))
+            .collect();
+        let c = Chunks::new(many);
+        assert_eq!(c.total, 524_288);
+        assert_eq!(c.starts.len(), 524_288);
+        assert_eq!(c.get(524_287).map(|p| p.local), Some(524_287 << 15));
+        let huge = Chunks::new(vec![piece(0, 0, 16 << 30)]);
+        assert_eq!((huge.total, huge.starts.len()), ((16 << 30) / CHUNK, 1));
     }
 }
