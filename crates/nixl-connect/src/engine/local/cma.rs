@@ -187,6 +187,7 @@ type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 enum Work {
     /// Pulls these pieces.
     Pull(Vec<Piece>),
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// Runs a part of a copy that does more than pull (a staged copy's lane: pull into pinned
     /// memory, then DMA to the device).
     Task(Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>),
@@ -470,6 +471,7 @@ pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
 /// share of the pool, as pulls are); `done` runs once every part has ended (the first error,
 /// else the slot's `COPYING -> DONE`). Returns the revocation error at once (without calling
 /// `done`) when the grant was revoked before the copy began.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn spawn_tasks(
     pid: libc::pid_t,
     slot: SlotRef,

@@ -699,12 +699,6 @@ impl Link {
         }
     }
 
-    /// Client: forgets request (`slot`, `gen`) without telling the server (its operation ended
-    /// otherwise and its slot was revoked).
-    pub(crate) fn forget(&mut self, slot: u32, gen: u64) {
-        self.open.remove(&(slot, gen));
-    }
-
     /// Server: answers open request (`slot`, `gen`) under its operation's key. A grant keeps it
     /// open until the reader's `Done`; every other answer ends it. Nothing happens for a request
     /// that is not open (the connection died, or it was answered already).
