@@ -5,9 +5,9 @@
 use std::time::Instant;
 
 use super::link::{Answer, Heard};
-use super::proto::RefuseCode;
+use super::proto::{RefuseCode, NOT_LIVE};
 use super::records::{refused, ConnId, Phase};
-use super::state::{LocalTransport, MAX_NEGATIVE, NOT_LIVE};
+use super::state::{LocalTransport, MAX_NEGATIVE};
 use crate::engine::transport::Event;
 use crate::error::Error;
 

@@ -29,7 +29,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::auth::{self, KeyId, Keyed, Nonce, Tag};
-use super::proto::{IpcSource, Msg, RefuseCode, MAC_LEN, MAX_FRAME, MAX_REASON, SOURCE_BYTES, VERSION};
+use super::proto::{
+    IpcSource, Msg, RefuseCode, MAC_LEN, MAX_FRAME, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
+};
 use super::slots::SLOTS;
 use crate::device::Device;
 
@@ -477,7 +479,7 @@ impl Link {
                         slot,
                         gen,
                         code: RefuseCode::NotLive,
-                        reason: super::state::NOT_LIVE.into(),
+                        reason: NOT_LIVE.into(),
                     });
                     return;
                 };

@@ -36,6 +36,10 @@ pub(crate) const MAC_LEN: usize = 32;
 /// Encoded size of one [`IpcSource`].
 pub(crate) const SOURCE_BYTES: usize = 16 + 64 + 5 * 8;
 
+/// Why a request for a key this side has no live operation for is refused.
+pub(crate) const NOT_LIVE: &str = "no live operation has this notification key: it completed, was cancelled \
+                        or dropped (a replayed metadata string?)";
+
 /// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]

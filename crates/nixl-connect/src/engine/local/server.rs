@@ -9,9 +9,9 @@ use super::device::device_path_refusal;
 use super::link::{grant_ipc_len, Answer, Request};
 #[cfg(test)]
 use super::proto::Msg;
-use super::proto::{RefuseCode, MAX_FRAME};
+use super::proto::{RefuseCode, MAX_FRAME, NOT_LIVE};
 use super::records::{AnyCopy, ConnId, CopyOwner};
-use super::state::{LocalTransport, MAX_GRANTS_PER_CONN, NOT_LIVE};
+use super::state::{LocalTransport, MAX_GRANTS_PER_CONN};
 use crate::device::Device;
 use crate::engine::transport::Event;
 use crate::metadata::OperationKind;

@@ -35,10 +35,6 @@ pub(super) const NEGATIVE_TTL: Duration = Duration::from_secs(2);
 /// Negative answers remembered.
 pub(super) const MAX_NEGATIVE: usize = 4096;
 
-/// Why a request for a key this side has no live operation for is refused.
-pub(super) const NOT_LIVE: &str = "no live operation has this notification key: it completed, was cancelled \
-                        or dropped (a replayed metadata string?)";
-
 /// The same-host transport of one connector.
 pub(crate) struct LocalTransport {
     pub(super) enabled: bool,
