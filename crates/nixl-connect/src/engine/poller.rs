@@ -33,14 +33,6 @@ struct WakerInner {
 }
 
 impl Waker {
-    /// Writes the eventfd whatever the engine is doing (for rare events from other threads).
-    pub(crate) fn wake_always(&self) {
-        self.0.sleeping.store(false, Ordering::SeqCst);
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to an eventfd this waker owns.
-        unsafe { libc::write(self.0.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
-    }
-
     /// Wakes the engine if it sleeps (or is about to).
     pub(crate) fn wake(&self) {
         // Pairs with the fence in `prepare_sleep`: either the engine sees what was queued before

@@ -18,8 +18,6 @@ use super::slots::SlotTable;
 use super::state::LocalTransport;
 use crate::device::Device;
 use crate::engine::transport::{Event, OpId};
-#[cfg(feature = "cuda")]
-use crate::sync::Recover;
 
 impl LocalTransport {
     /// Sends the core's `Hello` with the slot table's descriptor attached.
@@ -139,8 +137,8 @@ impl LocalTransport {
             ipc::export(
                 ranges,
                 Box::new(move |result| {
-                    exports.lock().recover().push(ExportDone::Write { id, result });
-                    waker.wake_always();
+                    exports.push(ExportDone::Write { id, result });
+                    waker.wake();
                 }),
             );
             return;
@@ -190,12 +188,11 @@ impl LocalTransport {
             return;
         }
         a.phase = Phase::Requested;
+        // Queued in the core; sent with everything else queued this turn, at the end of the
+        // transport's progress.
         if !c.link.request(&a.spec.key, &req) {
             self.decline_act(id, "the same-host connection cannot take the request", out);
-            return;
         }
-        let i = a.conn;
-        self.flush(i);
     }
 
     pub(super) fn on_grant(

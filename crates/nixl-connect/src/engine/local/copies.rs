@@ -52,7 +52,7 @@ impl LocalTransport {
     /// True when copies have finished that `progress` has not handled yet (checked before the
     /// engine sleeps, so a copy ending at that moment is never left unreaped).
     pub(crate) fn has_finished(&self) -> bool {
-        !self.finished.lock().recover().is_empty() || !self.exports.lock().recover().is_empty()
+        self.finished.is_pending() || self.exports.is_pending()
     }
 
     pub(super) fn start_copy(&mut self, copy: AnyCopy, owner: CopyOwner) {
@@ -87,9 +87,11 @@ impl LocalTransport {
         *outstanding.count.lock().recover() += 1;
         let done = Box::new(move |r| {
             if let Some(o) = o2.lock().recover().take() {
-                finished.lock().recover().push((o, r));
+                finished.push((o, r));
             }
-            waker.wake_always();
+            // The engine takes finished copies on every turn while it is awake, and checks for
+            // them after announcing a sleep: a wake-up is needed only if it sleeps.
+            waker.wake();
             *outstanding.count.lock().recover() -= 1;
             outstanding.cv.notify_all();
         });
@@ -100,14 +102,14 @@ impl LocalTransport {
     pub(super) fn abort_start(&mut self, owner: &Arc<Mutex<Option<CopyOwner>>>, e: CopyError) {
         *self.outstanding.count.lock().recover() -= 1;
         if let Some(o) = owner.lock().recover().take() {
-            self.finished.lock().recover().push((o, Err(e)));
+            self.finished.push((o, Err(e)));
         }
     }
 
     /// Handles finished copies and exports.
     pub(super) fn reap(&mut self, out: &mut Vec<Event>) -> bool {
         let exported = self.reap_exports(out);
-        let done = std::mem::take(&mut *self.finished.lock().recover());
+        let done = self.finished.take();
         let any = exported || !done.is_empty();
         for (owner, r) in done {
             match owner {
@@ -120,7 +122,6 @@ impl LocalTransport {
                         if live {
                             let c = self.conns.get_mut(&i).expect("live");
                             c.link.read_done(a.slot, a.gen, false, &reason.to_string());
-                            self.flush(i);
                         }
                         self.free_slot(i, a.slot, a.gen);
                         if a.cancel.load(Ordering::Relaxed) {
@@ -168,7 +169,6 @@ impl LocalTransport {
                     if live {
                         let c = self.conns.get_mut(&i).expect("live");
                         c.link.read_done(a.slot, a.gen, result.is_ok(), "");
-                        self.flush(i);
                     }
                     self.free_slot(i, a.slot, a.gen);
                     out.push(Event::ActiveEnded { id, result });
@@ -203,7 +203,6 @@ impl LocalTransport {
                                     "the passive side cannot copy from device memory: {reason}"
                                 )),
                             );
-                            self.flush(conn);
                         }
                         continue;
                     }
@@ -236,7 +235,6 @@ impl LocalTransport {
                             Err(e) => format!("the passive side's copy failed: {e:?}"),
                         };
                         c.link.answer(slot, gen, Answer::WriteDone { ok, reason });
-                        self.flush(conn);
                     }
                 }
             }

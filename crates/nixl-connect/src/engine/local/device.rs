@@ -19,7 +19,6 @@ use crate::device::Device;
 use crate::engine::transport::{Decline, Event};
 use crate::error::PathRefusal;
 use crate::reg::Range;
-use crate::sync::Recover;
 
 /// The one device all `ranges` are on, or `None` for none or several.
 pub(super) fn uniform(ranges: &[Range]) -> Option<Device> {
@@ -91,14 +90,14 @@ impl LocalTransport {
                 ipc::export(
                     remote,
                     Box::new(move |result| {
-                        exports.lock().recover().push(ExportDone::Grant {
+                        exports.push(ExportDone::Grant {
                             key,
                             conn: i,
                             slot,
                             gen,
                             result,
                         });
-                        waker.wake_always();
+                        waker.wake();
                     }),
                 );
                 return None;
@@ -151,7 +150,7 @@ impl LocalTransport {
 
     /// Handles finished CUDA IPC exports.
     pub(super) fn reap_exports(&mut self, out: &mut Vec<Event>) -> bool {
-        let done = std::mem::take(&mut *self.exports.lock().recover());
+        let done = self.exports.take();
         let any = !done.is_empty();
         for d in done {
             match d {
@@ -188,7 +187,6 @@ impl LocalTransport {
                     };
                     if let Some(c) = self.conns.get_mut(&conn) {
                         c.link.answer(slot, gen, answer);
-                        self.flush(conn);
                     }
                 }
                 ExportDone::Write { id, result } => {

@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::cma::{Copy, CopyError};
@@ -21,6 +21,7 @@ use crate::error::{Error, ErrorSource};
 use crate::metadata::OperationKind;
 use crate::reg::Range;
 use crate::state::OpState;
+use crate::sync::Recover;
 
 /// Where an active operation is on the same-host path.
 pub(super) enum Phase {
@@ -84,7 +85,47 @@ pub(super) enum CopyOwner {
     },
 }
 
-pub(super) type Finished = Arc<Mutex<Vec<(CopyOwner, std::result::Result<(), CopyError>)>>>;
+/// What other threads hand the engine (finished copies, finished exports): pushed under a lock,
+/// taken by the engine, which checks a flag first so that a turn with nothing to take costs no
+/// lock.
+pub(super) struct Inbox<T> {
+    items: Mutex<Vec<T>>,
+    any: AtomicBool,
+}
+
+impl<T> Default for Inbox<T> {
+    fn default() -> Self {
+        Self {
+            items: Mutex::new(Vec::new()),
+            any: AtomicBool::new(false),
+        }
+    }
+}
+
+impl<T> Inbox<T> {
+    /// Hands `item` to the engine (the caller wakes it).
+    pub(super) fn push(&self, item: T) {
+        self.items.lock().recover().push(item);
+        self.any.store(true, Ordering::SeqCst);
+    }
+
+    /// Everything handed over so far.
+    pub(super) fn take(&self) -> Vec<T> {
+        if !self.any.swap(false, Ordering::SeqCst) {
+            return Vec::new();
+        }
+        std::mem::take(&mut *self.items.lock().recover())
+    }
+
+    /// True when something waits to be taken (read after the engine's `prepare_sleep` fence, so
+    /// an item pushed before a [`Waker::wake`](crate::engine::poller::Waker::wake) that saw the
+    /// engine awake is never left behind).
+    pub(super) fn is_pending(&self) -> bool {
+        self.any.load(Ordering::SeqCst)
+    }
+}
+
+pub(super) type Finished = Arc<Inbox<(CopyOwner, std::result::Result<(), CopyError>)>>;
 
 /// A copy for the host path or the device path.
 pub(super) enum AnyCopy {
@@ -126,7 +167,7 @@ pub(super) enum ExportDone {
     },
 }
 
-pub(super) type Exports = Arc<Mutex<Vec<ExportDone>>>;
+pub(super) type Exports = Arc<Inbox<ExportDone>>;
 
 /// A connection's id (also its token in the engine's poller); never reused.
 pub(super) type ConnId = u64;

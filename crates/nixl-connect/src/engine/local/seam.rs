@@ -209,7 +209,8 @@ impl Transport for LocalTransport {
                 None => {}
             }
         }
-        // Answers queued while handling other connections.
+        event |= self.reap(out);
+        // Frames queued this turn (requests, answers, copies' ends), one send per connection.
         let pending: Vec<ConnId> = self
             .conns
             .iter()
@@ -219,7 +220,6 @@ impl Transport for LocalTransport {
         for i in pending {
             self.flush(i);
         }
-        event |= self.reap(out);
         event
     }
 

@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::auth::KeyId;
@@ -107,8 +107,8 @@ impl LocalTransport {
             key_ids: HashMap::new(),
             identities: HashSet::new(),
             acts: HashMap::new(),
-            finished: Arc::new(Mutex::new(Vec::new())),
-            exports: Arc::new(Mutex::new(Vec::new())),
+            finished: Arc::default(),
+            exports: Arc::default(),
             outstanding: Arc::new(Outstanding::default()),
             refused_peers: 0,
             accept_timer,
