@@ -54,7 +54,25 @@ fn main() {
     if child == 0 {
         drop(ours);
         let mut b = [0u8; 64];
+        // Blocking echoes first, then (after a frame of 0xff) echoes polled without sleeping, as
+        // a hot engine does.
         while theirs.read_exact(&mut b).is_ok() {
+            if b[0] == 0xff {
+                theirs.set_nonblocking(true).unwrap();
+                loop {
+                    match theirs.read(&mut b) {
+                        Ok(0) => break,
+                        Ok(_) => {
+                            theirs.set_nonblocking(false).unwrap();
+                            theirs.write_all(&b).unwrap();
+                            theirs.set_nonblocking(true).unwrap();
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                        Err(_) => break,
+                    }
+                }
+                break;
+            }
             if theirs.write_all(&b).is_err() {
                 break;
             }
@@ -68,13 +86,35 @@ fn main() {
     drop(theirs);
     let mut b = [0u8; 64];
     rows.push((
-        "socket round trip, two processes (Req -> Grant)",
+        "socket round trip, two processes, both asleep between frames",
         time(N, || {
             ours.write_all(&b).unwrap();
             ours.read_exact(&mut b).unwrap();
         }),
-        "1 on the reader's path; + 1 one-way Done on the owner's",
+        "1 (Req -> Grant) when the engines sleep; + 1 one-way Done",
     ));
+    b[0] = 0xff;
+    ours.write_all(&b).unwrap();
+    b[0] = 0;
+    ours.set_nonblocking(true).unwrap();
+    rows.push((
+        "socket round trip, two processes, both polling (hot engines)",
+        time(N, || {
+            ours.set_nonblocking(false).unwrap();
+            ours.write_all(&b).unwrap();
+            ours.set_nonblocking(true).unwrap();
+            let mut got = 0;
+            while got < b.len() {
+                match ours.read(&mut b[got..]) {
+                    Ok(n) => got += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }),
+        "1 (Req -> Grant) when the engines spin",
+    ));
+    ours.set_nonblocking(false).unwrap();
 
     let mut dst = vec![0u8; 4096];
     rows.push((
@@ -123,7 +163,7 @@ fn main() {
     });
     let (m, cv) = &*pair;
     rows.push((
-        "thread hand-off and back (engine -> copy pool -> engine)",
+        "thread hand-off and back, the pool thread asleep (engine -> pool -> engine)",
         time(N, || {
             let mut g = m.lock().unwrap();
             *g += 1;
@@ -137,6 +177,33 @@ fn main() {
     *m.lock().unwrap() = u64::MAX;
     cv.notify_all();
     pool.join().unwrap();
+
+    // The same hand-off between two threads that spin on an atomic (a pool thread kept hot).
+    let flag = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let f2 = flag.clone();
+    let spinner = std::thread::spawn(move || loop {
+        let v = f2.load(std::sync::atomic::Ordering::Acquire);
+        if v == u64::MAX {
+            return;
+        }
+        if v % 2 == 1 {
+            f2.store(v + 1, std::sync::atomic::Ordering::Release);
+        }
+        std::hint::spin_loop();
+    });
+    rows.push((
+        "thread hand-off and back, both threads spinning",
+        time(N, || {
+            let v = flag.load(std::sync::atomic::Ordering::Acquire);
+            flag.store(v + 1, std::sync::atomic::Ordering::Release);
+            while flag.load(std::sync::atomic::Ordering::Acquire) == v + 1 {
+                std::hint::spin_loop();
+            }
+        }),
+        "1 when the pool spins (it does not: it sleeps on a condvar)",
+    ));
+    flag.store(u64::MAX, std::sync::atomic::Ordering::Release);
+    spinner.join().unwrap();
 
     // The caller's task waking the engine (eventfd) and being woken back.
     // SAFETY: two fresh eventfds, owned below.
