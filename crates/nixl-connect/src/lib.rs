@@ -98,7 +98,7 @@ pub mod fuzzing {
     }
 
     /// Sequences of frames, honest and forged, into a connected pair of same-host protocol
-    /// cores: see [`crate::engine::local::link::fuzz`].
+    /// cores (the driver and its invariants: `engine/local/link/fuzz.rs`).
     pub fn link_sequences(data: &[u8]) {
         crate::engine::local::link::fuzz::run(data);
     }

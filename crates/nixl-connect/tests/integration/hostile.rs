@@ -7,7 +7,7 @@
 //! The hostile side speaks protocol v5 itself (frames and HMAC proofs written here from the
 //! protocol's description, not the library's code), so it gets as far as a real attacker would.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
@@ -19,7 +19,7 @@ use hmac::{KeyInit, Mac};
 use nixl_connect::{Connector, Descriptor, Error, PathPolicy, RdmaMetadata, TransferPath};
 use sha2::{Digest, Sha256};
 
-use super::support::{pattern, Peer, PEER_ENV, T};
+use super::support::{pattern, read_frame, Peer, PEER_ENV, T};
 
 type HmacSha256 = hmac::Hmac<Sha256>;
 
@@ -55,14 +55,6 @@ fn signed(key: &str, nonce: &[u8], pid: i32, body: &[u8]) -> Vec<u8> {
     let mut f = body.to_vec();
     f.extend_from_slice(&m.finalize().into_bytes());
     f
-}
-
-fn frame(s: &mut impl Read) -> Option<Vec<u8>> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).ok()?;
-    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
-    s.read_exact(&mut body).ok()?;
-    Some(body)
 }
 
 fn framed(body: &[u8]) -> Vec<u8> {
@@ -102,14 +94,14 @@ async fn hostile_double_welcome_does_not_abort_the_reader() {
     let hellos = Arc::new(AtomicUsize::new(0));
     let seen = hellos.clone();
     squat(&owner, move |mut s| {
-        if frame(&mut s).is_some_and(|f| f[0] == 1) {
+        if read_frame(&mut s).is_some_and(|f| f[0] == 1) {
             seen.fetch_add(1, Ordering::SeqCst);
             let mut w = vec![2u8, 1];
             w.extend_from_slice(&[0x42; 32]);
             let mut two = framed(&w);
             two.extend(framed(&w));
             let _ = s.write_all(&two);
-            let _ = frame(&mut s);
+            let _ = read_frame(&mut s);
         }
     });
     let reader = Connector::new().unwrap();
@@ -153,7 +145,7 @@ async fn hostile_impostor_proving_its_own_key_cannot_answer_for_another_operatio
     let k = own_key.clone();
     squat(&victim, move |mut s| {
         let pid = std::process::id() as i32; // reader and squatter share this test process
-        let Some(hello) = frame(&mut s) else { return };
+        let Some(hello) = read_frame(&mut s) else { return };
         if hello[0] != 1 || hello.len() != 37 {
             return;
         }
@@ -164,7 +156,7 @@ async fn hostile_impostor_proving_its_own_key_cannot_answer_for_another_operatio
         let mut w = vec![2u8, 1];
         w.extend(welcome_proof(&k, &nonce, pid, pid));
         let _ = s.write_all(&framed(&w));
-        while let Some(f) = frame(&mut s) {
+        while let Some(f) = read_frame(&mut s) {
             if f[0] != 4 {
                 continue; // Trusted, Done
             }

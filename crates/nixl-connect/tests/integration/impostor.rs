@@ -2,7 +2,7 @@
 //! connector's socket name before it does (a connector that does not listen, a Python peer, a
 //! name `bind_unique` gave up on), answers the handshake and tries to forge the rest.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener};
 use std::sync::{Arc, Mutex};
@@ -10,16 +10,7 @@ use std::time::Duration;
 
 use nixl_connect::{Connector, Descriptor, PathPolicy, TransferPath};
 
-use super::support::{pattern, T};
-
-/// Reads one frame (`u32` length, then the body); `None` at end of stream.
-fn frame(s: &mut impl Read) -> Option<Vec<u8>> {
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len).ok()?;
-    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
-    s.read_exact(&mut body).ok()?;
-    Some(body)
-}
+use super::support::{pattern, read_frame, T};
 
 fn send(s: &mut impl Write, body: &[u8]) {
     let _ = s.write_all(&(body.len() as u32).to_le_bytes());
@@ -49,7 +40,7 @@ async fn impostor_learns_nothing_and_forges_nothing() {
             let Ok(mut s) = s else { return };
             let log = log.clone();
             std::thread::spawn(move || {
-                while let Some(f) = frame(&mut s) {
+                while let Some(f) = read_frame(&mut s) {
                     log.lock().unwrap().push(f.clone());
                     match f[0] {
                         1 => {

@@ -24,6 +24,16 @@ pub(crate) fn tcp_tls() -> &'static str {
     }
 }
 
+/// Reads one same-host frame (`u32` length, then the body), as a hand-written peer does; `None`
+/// at end of stream.
+pub(crate) fn read_frame(s: &mut impl std::io::Read) -> Option<Vec<u8>> {
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).ok()?;
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    s.read_exact(&mut body).ok()?;
+    Some(body)
+}
+
 /// Deterministic bytes for `seed`.
 pub(crate) fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
