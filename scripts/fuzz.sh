@@ -3,16 +3,18 @@
 # the same-host wire frames. Each target runs for SECONDS (default 60) or RUNS executions, growing
 # the committed corpus under fuzz/corpus/<target>; a crash leaves its input in fuzz/artifacts/.
 # Needs cargo-fuzz (`cargo install cargo-fuzz`) and a nightly toolchain (or RUSTC_BOOTSTRAP=1).
-# Usage: bash scripts/fuzz.sh [--runs N] [--seconds S] [target...]
+# Usage: bash scripts/fuzz.sh [--runs N] [--seconds S] [--max-len BYTES] [target...]
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 secs=60
 runs=""
+maxlen=65536
 targets=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --seconds) secs=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
+    --max-len) maxlen=$2; shift 2 ;;
     *) targets+=("$1"); shift ;;
   esac
 done
@@ -25,6 +27,6 @@ for t in "${targets[@]}"; do
   limit=(-max_total_time="$secs")
   [ -n "$runs" ] && limit=(-runs="$runs")
   echo "== fuzz $t (${limit[*]})" >&2
-  cargo "${toolchain[@]}" fuzz run -O "$t" "corpus/$t" -- "${limit[@]}" -max_len=65536 -rss_limit_mb=2048 -print_final_stats=1 2>&1 \
+  cargo "${toolchain[@]}" fuzz run -O "$t" "corpus/$t" -- "${limit[@]}" -max_len="$maxlen" -rss_limit_mb=2048 -print_final_stats=1 2>&1 \
     | grep -E 'stat::|Done|ERROR|panicked|SUMMARY|cov:' | tail -8
 done
