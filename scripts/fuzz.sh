@@ -5,7 +5,9 @@
 # Needs cargo-fuzz (`cargo install cargo-fuzz`) and a nightly toolchain (or RUSTC_BOOTSTRAP=1).
 # Usage: bash scripts/fuzz.sh [--runs N] [--seconds S] [--max-len BYTES] [target...]
 set -euo pipefail
-cd "$(dirname "$0")/../fuzz"
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh   # libclang for nixl-sys's bindgen
+cd fuzz
 secs=60
 runs=""
 maxlen=65536

@@ -1,7 +1,7 @@
 //! Two protocol cores connected in memory, with a manual clock: the harness the core's tests
 //! step by hand, and the structure-aware fuzz target over frame sequences (both roles), which
-//! interleaves honest traffic with forged, replayed, truncated and raw frames and checks after
-//! every step that nothing unproven got through.
+//! interleaves honest traffic with forged (one to three copies in one write), replayed, truncated
+//! and raw frames and checks after every step that nothing unproven got through.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -139,6 +139,11 @@ impl Input<'_> {
     fn small(&mut self) -> u32 {
         u32::from(self.u8().unwrap_or(0) % 4)
     }
+    /// How many copies of a forged frame go in one write (1-3): a peer's frames arrive together,
+    /// and what the first does to the connection must hold for the ones after it in the buffer.
+    fn times(&mut self) -> usize {
+        1 + usize::from(self.u8().unwrap_or(0) % 3)
+    }
 }
 
 fn source(len: u64) -> IpcSource {
@@ -256,7 +261,7 @@ pub(crate) fn run(data: &[u8]) {
                     },
                     _ => answer_frame(k, slot, gen, 1 + usize::from(input.small() as u8)),
                 };
-                let bytes = p.forge(&m, key, false);
+                let bytes = p.forge(&m, key, false).repeat(input.times());
                 p.client.recv(&bytes, 0, p.now, &HashMap::new(), &mut p.at_client);
                 forged_client = Some(key);
             }
@@ -284,7 +289,7 @@ pub(crate) fn run(data: &[u8]) {
                     _ => Msg::Grant { slot, gen },
                 };
                 let fds = usize::from(input.u8().unwrap_or(0) % 2);
-                let bytes = p.forge(&m, key, true);
+                let bytes = p.forge(&m, key, true).repeat(input.times());
                 p.server.recv(&bytes, fds, p.now, &p.keys, &mut p.at_server);
                 forged_server = Some(key);
             }
