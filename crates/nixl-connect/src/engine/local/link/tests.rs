@@ -380,3 +380,43 @@ fn link_fuzz_programs_hold_their_invariants() {
         super::fuzz::run(&prog);
     }
 }
+
+/// The protocol core (this connection core, the frame codec, the MACs) names nothing of the edge:
+/// only its own parts, the slot count and the device type. A `use` of the transport's state, its
+/// jobs or the copy pool here would let a call circle run through the core.
+#[test]
+fn link_core_imports_nothing_of_the_edge() {
+    let core = [
+        ("link.rs", include_str!("../link.rs")),
+        ("proto.rs", include_str!("../proto.rs")),
+        ("auth.rs", include_str!("../auth.rs")),
+    ];
+    let allowed = [
+        "super::auth",
+        "super::proto",
+        "super::slots::SLOTS",
+        "crate::device::Device",
+        "super::*",
+    ];
+    let mut named = 0;
+    for (file, text) in core {
+        for (n, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with("//") {
+                continue;
+            }
+            for root in ["super::", "crate::"] {
+                for (at, _) in code.match_indices(root) {
+                    named += 1;
+                    assert!(
+                        allowed.iter().any(|a| code[at..].starts_with(a)),
+                        "{file}:{}: the protocol core names `{}`",
+                        n + 1,
+                        code[at..].split([';', ',', '{', ' ']).next().unwrap_or(""),
+                    );
+                }
+            }
+        }
+    }
+    assert!(named >= 5, "the scan found the core's own imports");
+}
