@@ -2,7 +2,8 @@
 //! library as a reader or a server would meet them): a process squatting a peer's socket name
 //! that answers the handshake twice, one that proves the key of an operation it made itself and
 //! then answers another operation on the reused connection, a child of `fork()` holding its
-//! parent's socket, and a client that passes a lingering socket with its `Hello`.
+//! parent's socket, and a client that passes a lingering socket with its `Hello` or queues one
+//! behind a frame that breaks the protocol.
 //!
 //! The hostile side speaks protocol v5 itself (frames and HMAC proofs written here from the
 //! protocol's description, not the library's code), so it gets as far as a real attacker would.
@@ -16,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hmac::{KeyInit, Mac};
-use nixl_connect::{Connector, Descriptor, Error, PathPolicy, RdmaMetadata, TransferPath};
+use nixl_connect::{Connector, Descriptor, Error, PathPolicy, RdmaMetadata, ReadableOperation, TransferPath};
 use sha2::{Digest, Sha256};
 
 use super::support::{pattern, read_frame, Peer, PEER_ENV, T};
@@ -292,10 +293,64 @@ async fn hostile_linger_descriptor_with_hello_does_not_stall_the_engine() {
         .unwrap();
     let md = r.metadata().clone();
 
-    // A TCP connection whose peer never reads, its send buffer full, lingering on close.
+    let (tcp, _never_reads) = lingering_tcp();
+    let s = UnixStream::connect_addr(&socket_of(&owner)).unwrap();
+    send_with_fd(&s, &hello(), tcp.as_raw_fd());
+    drop(tcp); // the server's copy is now the last one: its close lingers
+    std::thread::sleep(Duration::from_millis(200));
+
+    // A legitimate reader, meanwhile (took 0.46 s without the attack on HEAD 6daaea6).
+    legitimate_read_is_prompt(&md, &want, r).await;
+    drop(s);
+}
+
+/// Found in review after issue 27's first round: a client whose first message breaks the
+/// protocol (a `Hello` passing something that is no slot table) and whose second, still queued on
+/// the socket, passes a lingering TCP socket. The server stopped reading at the first and closed
+/// the connection on its engine thread; closing a Unix socket releases the descriptors queued on
+/// it, so the engine blocked in the linger (a legitimate read timed out at its 10 s deadline).
+/// Connection sockets now close on the closer's thread too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_descriptors_queued_behind_a_broken_hello_do_not_stall_the_engine() {
+    let owner = Connector::new().unwrap();
+    let want = pattern(1 << 20, 52);
+    let r = owner
+        .create_readable(Descriptor::from(want.clone()))
+        .await
+        .unwrap();
+    let md = r.metadata().clone();
+
+    let (first, _a) = lingering_tcp();
+    let (queued, _b) = lingering_tcp();
+    let s = UnixStream::connect_addr(&socket_of(&owner)).unwrap();
+    send_with_fd(&s, &hello(), first.as_raw_fd());
+    send_with_fd(&s, &[0], queued.as_raw_fd());
+    drop((first, queued)); // the copies queued on the server's socket are the last ones
+    std::thread::sleep(Duration::from_millis(200));
+
+    legitimate_read_is_prompt(&md, &want, r).await;
+    drop(s);
+}
+
+/// The name of `owner`'s same-host socket.
+fn socket_of(owner: &Connector) -> SocketAddr {
+    SocketAddr::from_abstract_name(format!("nixl-connect.v1/{}", owner.name()).as_bytes()).unwrap()
+}
+
+/// A `Hello` frame naming no operation.
+fn hello() -> Vec<u8> {
+    let mut hello = vec![1u8];
+    hello.extend_from_slice(&VERSION.to_le_bytes());
+    hello.extend_from_slice(&[9; 32]);
+    framed(&hello)
+}
+
+/// A TCP connection whose peer (the second) never reads, its send buffer full, lingering 120 s
+/// on close.
+fn lingering_tcp() -> (std::net::TcpStream, std::net::TcpStream) {
     let tl = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let tcp = std::net::TcpStream::connect(tl.local_addr().unwrap()).unwrap();
-    let (_never_reads, _) = tl.accept().unwrap();
+    let (never_reads, _) = tl.accept().unwrap();
     let linger = libc::linger {
         l_onoff: 1,
         l_linger: 120,
@@ -314,22 +369,17 @@ async fn hostile_linger_descriptor_with_hello_does_not_stall_the_engine() {
     tcp.set_nonblocking(true).unwrap();
     let junk = vec![0u8; 1 << 20];
     while (&tcp).write(&junk).is_ok() {}
+    (tcp, never_reads)
+}
 
-    // The Hello, with that socket attached.
-    let addr =
-        SocketAddr::from_abstract_name(format!("nixl-connect.v1/{}", owner.name()).as_bytes()).unwrap();
-    let s = UnixStream::connect_addr(&addr).unwrap();
-    let mut hello = vec![1u8];
-    hello.extend_from_slice(&VERSION.to_le_bytes());
-    hello.extend_from_slice(&[9; 32]);
-    let hello = framed(&hello);
-    let fd = tcp.as_raw_fd();
+/// Sends `bytes` on `s` in one message, passing `fd` with it.
+fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: std::os::fd::RawFd) {
     // SAFETY: a msghdr over live locals and a control buffer sized by CMSG_SPACE for one fd.
     #[allow(unsafe_code)]
     let sent = unsafe {
         let mut iov = libc::iovec {
-            iov_base: hello.as_ptr() as *mut libc::c_void,
-            iov_len: hello.len(),
+            iov_base: bytes.as_ptr() as *mut libc::c_void,
+            iov_len: bytes.len(),
         };
         let space = libc::CMSG_SPACE(4) as usize;
         let mut cbuf = vec![0u64; space.div_ceil(8)];
@@ -345,23 +395,23 @@ async fn hostile_linger_descriptor_with_hello_does_not_stall_the_engine() {
         std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<i32>(), fd);
         libc::sendmsg(s.as_raw_fd(), &msg, 0)
     };
-    assert_eq!(sent, hello.len() as isize);
-    drop(tcp); // the server's copy is now the last one: its close lingers
-    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(sent, bytes.len() as isize);
+}
 
-    // A legitimate reader, meanwhile (took 0.46 s without the attack on HEAD 6daaea6).
+/// A legitimate 1 MiB read of `md` (`r`'s metadata, holding `want`) completes on the same-host
+/// path well within its 10 s deadline.
+async fn legitimate_read_is_prompt(md: &RdmaMetadata, want: &[u8], r: ReadableOperation<'_>) {
     let reader = Connector::new().unwrap();
     let t0 = Instant::now();
     let op = reader
-        .begin_read(&md, Descriptor::from(vec![0u8; want.len()]))
+        .begin_read(md, Descriptor::from(vec![0u8; want.len()]))
         .await
         .unwrap();
     op.wait_for_completion(Some(Duration::from_secs(10)))
         .await
         .unwrap();
     assert_eq!(op.path(), Some(TransferPath::Local));
-    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &want[..]);
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), want);
     r.wait_for_completion(T).await.unwrap();
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
-    drop(s);
 }

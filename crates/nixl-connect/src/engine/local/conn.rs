@@ -26,6 +26,9 @@ use crate::error::Error;
 /// The most descriptors one `recvmsg` takes (the kernel's own limit per message, `SCM_MAX_FD`):
 /// none is ever truncated, since the kernel would close the rest on this thread.
 const MAX_PASSED: usize = 253;
+/// Bytes read from one connection in one engine turn: a few hundred small frames, or a 16 MiB
+/// request in pieces over several turns (its partial frame bounded and timed by the core).
+pub(super) const READ_PER_TURN: usize = 1 << 20;
 
 impl LocalTransport {
     pub(super) fn insert(&mut self, c: Conn) -> ConnId {
@@ -114,8 +117,10 @@ impl LocalTransport {
         }
     }
 
-    /// Reads everything available on connection `i` into its core; what the core proved goes to
-    /// `heard`. A descriptor is taken only where the core takes one (the client's slot table,
+    /// Reads what is available on connection `i` into its core, at most [`READ_PER_TURN`] bytes
+    /// (the rest waits for the next turn: the socket stays readable), so that a peer that keeps
+    /// its socket full neither holds the engine thread nor makes `heard` grow without bound; what
+    /// the core proved goes to `heard`. A descriptor is taken only where the core takes one (the client's slot table,
     /// with its `Hello`), and only if it is a sealed table of the right size; every other one is
     /// closed off this thread.
     #[allow(unsafe_code)]
@@ -125,7 +130,8 @@ impl LocalTransport {
         // SAFETY: CMSG_SPACE is a pure size computation.
         let space = unsafe { libc::CMSG_SPACE((MAX_PASSED * std::mem::size_of::<RawFd>()) as u32) } as usize;
         let mut cbuf = vec![0u64; space.div_ceil(8)];
-        while !c.link.is_dead() {
+        let mut budget = READ_PER_TURN;
+        while !c.link.is_dead() && budget > 0 {
             let mut iov = libc::iovec {
                 iov_base: chunk.as_mut_ptr().cast(),
                 iov_len: chunk.len(),
@@ -168,6 +174,7 @@ impl LocalTransport {
                     cm = libc::CMSG_NXTHDR(&msg, cm);
                 }
             }
+            budget = budget.saturating_sub(n as usize);
             let passed = fds.len();
             if passed > 0 {
                 if passed == 1 && c.link.takes_descriptors() {
@@ -420,5 +427,63 @@ impl LocalTransport {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::os::fd::OwnedFd;
+    use std::os::unix::net::UnixStream;
+    use std::time::Instant;
+
+    use super::*;
+    use crate::device::Device;
+    use crate::engine::local::link::fuzz::Pair;
+    use crate::engine::local::proto::{Msg, MAX_FRAME};
+    use crate::engine::local::sys::Tracked;
+    use crate::engine::poller::Poller;
+
+    /// A peer that keeps its socket full (here: 4 MiB of replayed requests, each refused) is read
+    /// at most [`READ_PER_TURN`] bytes a turn: the engine thread goes back to its other work
+    /// between turns, and what one turn decodes is bounded.
+    #[test]
+    fn conn_reads_at_most_a_budget_per_turn() {
+        let poller = Poller::new().unwrap();
+        let mut t = LocalTransport::new(false, None, poller.registrar(), poller.waker());
+        let mut p = Pair::new(0);
+        p.shake();
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let link = std::mem::replace(&mut p.server, Link::server(0, 0, Instant::now()));
+        let i = t.insert(Conn::new(
+            Tracked::new(OwnedFd::from(ours)),
+            link,
+            4100,
+            "".into(),
+        ));
+        let replay = p.forge(&Pair::req(1, 1, 2, false, Device::Host, 1), Some(2), true);
+        let frames = (4 << 20) / replay.len();
+        let batch = replay.repeat(frames);
+        let writer = std::thread::spawn(move || theirs.write_all(&batch).map(|()| theirs));
+        let mut turns = 0;
+        let mut answered = 0;
+        while answered < frames {
+            let mut heard = Vec::new();
+            t.read(i, &mut heard);
+            turns += 1;
+            let c = t.conns.get_mut(&i).unwrap();
+            assert!(!c.link.is_dead(), "{:?}", c.link.death());
+            let out = c.link.out().to_vec();
+            c.link.sent(out.len());
+            let mut at = 0;
+            while let Some((_, n)) = Msg::decode(&out[at..], MAX_FRAME).unwrap() {
+                answered += 1;
+                at += n;
+            }
+            assert!(turns < 100_000, "no progress");
+        }
+        assert!(turns >= 4, "4 MiB in {turns} turns");
+        let _keep_open = writer.join().unwrap().unwrap();
     }
 }

@@ -87,6 +87,11 @@ impl LocalTransport {
                         c.granted += 1;
                     }
                 }
+                let ranges = remote.len();
+                self.exporting += ranges;
+                if let Some(c) = self.conns.get_mut(&i) {
+                    c.exporting += ranges;
+                }
                 ipc::export(
                     remote,
                     Box::new(move |result| {
@@ -95,6 +100,7 @@ impl LocalTransport {
                             conn: i,
                             slot,
                             gen,
+                            ranges,
                             result,
                         });
                         waker.wake();
@@ -159,8 +165,13 @@ impl LocalTransport {
                     conn,
                     slot,
                     gen,
+                    ranges,
                     result,
                 } => {
+                    self.exporting -= ranges;
+                    if let Some(c) = self.conns.get_mut(&conn) {
+                        c.exporting = c.exporting.saturating_sub(ranges);
+                    }
                     let granted = self
                         .scopes
                         .get(&key)

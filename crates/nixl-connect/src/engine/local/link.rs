@@ -45,6 +45,8 @@ pub(crate) const MAX_HANDSHAKE_FRAME: usize = 16 + MAX_REASON;
 pub(crate) const MAX_OPEN: usize = SLOTS;
 /// Unsent bytes a connection may hold for a peer that does not read them.
 pub(crate) const MAX_UNSENT: usize = 2 * MAX_FRAME;
+/// The most capacity an empty read or write buffer keeps (beyond it, it is freed).
+const KEEP_CAPACITY: usize = 256 << 10;
 /// The largest reply frame of a device read of `n` ranges (`GrantIpc`).
 pub(crate) fn grant_ipc_len(n: usize) -> usize {
     4 + 1 + 12 + 4 + SOURCE_BYTES * n + MAC_LEN
@@ -172,6 +174,8 @@ pub(crate) struct Link {
     /// Bytes of `rbuf` already handled.
     rpos: usize,
     out: Vec<u8>,
+    /// How much of `out` was sent already (compacted once it passes half).
+    wpos: usize,
     /// Descriptors received so far.
     fds: usize,
     handshake_by: Option<Instant>,
@@ -220,6 +224,7 @@ impl Link {
             rbuf: Vec::new(),
             rpos: 0,
             out: Vec::new(),
+            wpos: 0,
             fds: 0,
             handshake_by: Some(now + HANDSHAKE_TIMEOUT),
             partial_since: None,
@@ -291,12 +296,24 @@ impl Link {
 
     /// Bytes to send.
     pub(crate) fn out(&self) -> &[u8] {
-        &self.out
+        &self.out[self.wpos..]
     }
 
-    /// The first `n` bytes of [`Self::out`] were sent.
+    /// The first `n` bytes of [`Self::out`] were sent. Amortised O(n): what was sent is dropped
+    /// from the buffer only once it is half of it, so a peer that reads a byte at a time cannot
+    /// make each send move everything queued behind it.
     pub(crate) fn sent(&mut self, n: usize) {
-        self.out.drain(..n.min(self.out.len()));
+        self.wpos = self.wpos.saturating_add(n).min(self.out.len());
+        if self.wpos == self.out.len() {
+            self.out.clear();
+            self.wpos = 0;
+            if self.out.capacity() > KEEP_CAPACITY {
+                self.out = Vec::new();
+            }
+        } else if self.wpos >= self.out.len() / 2 {
+            self.out.drain(..self.wpos);
+            self.wpos = 0;
+        }
     }
 
     /// When [`Self::on_timeout`] must run next, if ever.
@@ -372,6 +389,10 @@ impl Link {
             self.rbuf.clear();
             self.rpos = 0;
             self.partial_since = None;
+            if self.rbuf.capacity() > KEEP_CAPACITY {
+                // One large frame does not pin its size in memory for the connection's life.
+                self.rbuf = Vec::new();
+            }
         } else {
             if self.rpos > 0 {
                 self.rbuf.drain(..self.rpos);
@@ -398,6 +419,15 @@ impl Link {
 
     fn push(&mut self, m: &Msg) {
         m.encode_signed(&mut self.out, |_| [0; MAC_LEN]);
+        self.check_unsent();
+    }
+
+    /// A peer that sends without reading what it is answered (a replay's `Refuse`, say) cannot
+    /// make this side hold more than [`MAX_UNSENT`] bytes for it.
+    fn check_unsent(&mut self) {
+        if self.out.len() - self.wpos > MAX_UNSENT {
+            self.kill("a peer that does not read what it is sent");
+        }
     }
 
     fn push_signed(&mut self, m: &Msg, key: &Keyed) {
@@ -408,9 +438,7 @@ impl Link {
         };
         let (nonce, cp, sp) = (self.nonce, self.client_pid, self.server_pid);
         m.encode_signed(&mut self.out, |b| auth::frame_mac(key, &nonce, cp, sp, from, b));
-        if self.out.len() > MAX_UNSENT {
-            self.kill("a peer that does not read what it is sent");
-        }
+        self.check_unsent();
     }
 
     fn handle(
@@ -447,9 +475,15 @@ impl Link {
                 let proof = keys
                     .get(&key_id)
                     .map(|k| auth::welcome_proof(k, &nonce, self.client_pid, self.server_pid));
+                let live = proof.is_some();
                 self.state = State::AwaitTrusted;
                 heard.push(Heard::Hello);
                 self.push(&Msg::Welcome { proof });
+                if !live {
+                    // The client refuses its opening operation as a replay and closes; nothing
+                    // more of this connection is served (no `Trusted` can make it ready).
+                    self.kill("the hello named no live operation");
+                }
             }
             (false, State::AwaitTrusted, Msg::Trusted) => {
                 self.state = State::Ready;

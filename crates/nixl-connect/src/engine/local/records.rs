@@ -158,6 +158,8 @@ pub(super) enum ExportDone {
         conn: ConnId,
         slot: u32,
         gen: u64,
+        /// Ranges it exported (counted against the bounds while queued).
+        ranges: usize,
         result: std::result::Result<Vec<IpcSource>, ErrorSource>,
     },
     /// A write's source (this side writes).
@@ -188,6 +190,9 @@ pub(super) struct Conn {
     /// Server side: read grants this connection holds (at most
     /// [`MAX_GRANTS_PER_CONN`](super::state::MAX_GRANTS_PER_CONN)).
     pub(super) granted: usize,
+    /// Server side: device ranges of this connection's reads queued for export (at most
+    /// [`MAX_EXPORTING_PER_CONN`](super::state::MAX_EXPORTING_PER_CONN)).
+    pub(super) exporting: usize,
     /// This side may pull from the peer's memory.
     pub(super) can_pull: bool,
     /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
@@ -209,6 +214,7 @@ impl Conn {
             writing: false,
             slots: None,
             granted: 0,
+            exporting: 0,
             can_pull: false,
             peer,
             queued: Vec::new(),

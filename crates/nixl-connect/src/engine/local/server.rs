@@ -11,7 +11,7 @@ use super::link::{grant_ipc_len, Answer, Request};
 use super::proto::Msg;
 use super::proto::{RefuseCode, MAX_FRAME, NOT_LIVE};
 use super::records::{AnyCopy, ConnId, CopyOwner};
-use super::state::{LocalTransport, MAX_GRANTS_PER_CONN};
+use super::state::{LocalTransport, MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MAX_GRANTS_PER_CONN};
 use crate::device::Device;
 use crate::engine::transport::Event;
 use crate::metadata::OperationKind;
@@ -41,6 +41,10 @@ impl LocalTransport {
         let key = &*key;
         let Some(c) = self.conns.get_mut(&i) else { return };
         let (can_pull, peer_pid, peer_pidfd) = (c.can_pull, c.peer_pid, c.pidfd.clone());
+        // Exports queued past either bound (this connection's, the process's): device reads
+        // take NIXL until some end.
+        let exports_full = c.exporting + remote.len() > MAX_EXPORTING_PER_CONN
+            || self.exporting + remote.len() > MAX_EXPORTING;
         let refuse = |code, reason: String| Answer::Refuse(code, reason);
         let answer = match self.scopes.get_mut(key) {
             None => Some(refuse(RefuseCode::NotLive, NOT_LIVE.into())),
@@ -92,6 +96,9 @@ impl LocalTransport {
             Some(s) if !write && s.device != Device::Host && grant_ipc_len(remote.len()) > MAX_FRAME => Some(
                 Answer::Fallback("too many ranges for one same-host device grant".into()),
             ),
+            Some(s) if !write && s.device != Device::Host && exports_full => Some(Answer::Fallback(
+                "too many device ranges are being shared through CUDA IPC now".into(),
+            )),
             // The device path, device memory as the source: a read of a device readable, or a
             // write that sent its device source's export.
             Some(s) if (!write && s.device != Device::Host) || (write && !sources.is_empty()) => {
@@ -249,7 +256,8 @@ mod tests {
     /// new generations, never saying it is done) gets `MAX_GRANTS_PER_CONN` grants, then
     /// `Fallback` (the operation goes to NIXL) instead of growing the server's grant set; an
     /// ended grant makes room again. Without the cap: 4,106 grants for 4,106 requests. Device
-    /// reads count against the same cap (before: the device branch ran before the check).
+    /// reads count against the same cap (before: the device branch ran before the check), and
+    /// against the bounds on ranges queued for export.
     #[test]
     fn server_read_grants_per_connection_are_capped() {
         for device in [Device::Host, Device::Cuda(0)] {
@@ -312,6 +320,23 @@ mod tests {
                     panic!("{:?}", f.msg)
                 };
                 assert!(reason.contains("grants already"), "{reason}");
+                // Exports queued at either bound (the connection's, the process's): the device
+                // read takes NIXL instead of queueing more (before: one export per range of
+                // every grant, on an unbounded queue).
+                for (conn_full, all_full) in [(true, false), (false, true)] {
+                    let c = t.conns.get_mut(&i).unwrap();
+                    c.link.sent(usize::MAX);
+                    c.granted = 0;
+                    c.exporting = if conn_full { MAX_EXPORTING_PER_CONN } else { 0 };
+                    t.exporting = if all_full { MAX_EXPORTING } else { 0 };
+                    ask(&mut t, &mut p, 2 + u64::from(all_full), &mut out);
+                    let bytes = t.conns.get_mut(&i).unwrap().link.out().to_vec();
+                    let (f, _) = Msg::decode(&bytes, MAX_FRAME).unwrap().expect("an answer");
+                    let Msg::Fallback { reason, .. } = f.msg else {
+                        panic!("{:?}", f.msg)
+                    };
+                    assert!(reason.contains("being shared"), "{reason}");
+                }
                 continue;
             }
             for n in 0..(MAX_GRANTS_PER_CONN + 10) as u64 {

@@ -30,6 +30,12 @@ pub(super) const MAX_SERVED_PER_PID: usize = 64;
 /// The most read grants one connection holds at once (a well-behaved client has at most one per
 /// slot of its table); past it, requests take NIXL.
 pub(super) const MAX_GRANTS_PER_CONN: usize = slots::SLOTS;
+/// Device ranges one connection may have queued for export (CUDA IPC handles) at once: a grant
+/// of the largest device read that fits one frame (~139,800 ranges), and more; past it, device
+/// reads take NIXL until exports end.
+pub(super) const MAX_EXPORTING_PER_CONN: usize = 1 << 18;
+/// Device ranges queued for export at once in the process, over every connection.
+pub(super) const MAX_EXPORTING: usize = 1 << 20;
 /// How long a peer with no same-host socket is not asked again.
 pub(super) const NEGATIVE_TTL: Duration = Duration::from_secs(2);
 /// Negative answers remembered.
@@ -54,6 +60,8 @@ pub(crate) struct LocalTransport {
     pub(super) acts: HashMap<OpId, Act>,
     pub(super) finished: Finished,
     pub(super) exports: Exports,
+    /// Device ranges queued for export now (at most [`MAX_EXPORTING`]).
+    pub(super) exporting: usize,
     pub(super) outstanding: Arc<Outstanding>,
     pub(super) refused_peers: u64,
     /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
@@ -109,6 +117,7 @@ impl LocalTransport {
             acts: HashMap::new(),
             finished: Arc::default(),
             exports: Arc::default(),
+            exporting: 0,
             outstanding: Arc::new(Outstanding::default()),
             refused_peers: 0,
             accept_timer,

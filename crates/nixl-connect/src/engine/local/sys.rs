@@ -185,20 +185,35 @@ pub(super) fn refuse_passed_descriptors(fd: RawFd) {
 /// as the peer likes (a socket with `SO_LINGER` and unsent data, a FUSE file), and must never
 /// stall the engine. One thread for the process, fed in order.
 pub(super) fn close_elsewhere(fd: OwnedFd) {
+    to_closer(fd, false);
+}
+
+/// Hands `fd` to the closer thread, which untracks it first if `tracked` (so a child of `fork()`
+/// is told to replace it for as long as it is open here).
+fn to_closer(fd: OwnedFd, tracked: bool) {
     use std::sync::mpsc::{channel, Sender};
     use std::sync::{Mutex, OnceLock};
-    static CLOSER: OnceLock<Mutex<Option<Sender<OwnedFd>>>> = OnceLock::new();
+    /// A descriptor to close, and whether it is tracked.
+    type Closing = (OwnedFd, bool);
+    static CLOSER: OnceLock<Mutex<Option<Sender<Closing>>>> = OnceLock::new();
     let tx = CLOSER.get_or_init(|| {
-        let (tx, rx) = channel::<OwnedFd>();
+        let (tx, rx) = channel::<Closing>();
         let started = std::thread::Builder::new()
             .name("nixl-connect-closer".into())
-            .spawn(move || rx.into_iter().for_each(drop))
+            .spawn(move || {
+                for (fd, tracked) in rx {
+                    if tracked {
+                        untrack(fd.as_raw_fd());
+                    }
+                    drop(fd);
+                }
+            })
             .is_ok();
         Mutex::new(started.then_some(tx))
     });
-    let fd = match tx.lock().map(|t| t.as_ref().map(|t| t.send(fd))) {
+    let fd = match tx.lock().map(|t| t.as_ref().map(|t| t.send((fd, tracked)))) {
         Ok(Some(Ok(()))) => return,
-        Ok(Some(Err(e))) => e.0,
+        Ok(Some(Err(e))) => e.0 .0,
         _ => return, // no closer thread could be started: leak it rather than block here
     };
     std::mem::forget(fd);
@@ -207,7 +222,11 @@ pub(super) fn close_elsewhere(fd: OwnedFd) {
 /// A same-host socket (listener or connection) that a child of `fork()` must not keep serving:
 /// in the child, every tracked descriptor is replaced by `/dev/null` before the child runs on,
 /// so a parent that exits takes its socket name and connections with it.
-pub(crate) struct Tracked(OwnedFd);
+///
+/// Dropped, it is closed off the engine thread ([`close_elsewhere`]): closing a connection
+/// releases the descriptors the peer queued on it and this side never read (after a frame that
+/// broke the protocol, say), and releasing one can block as closing it would.
+pub(crate) struct Tracked(Option<OwnedFd>);
 
 const TRACKED: usize = 8192;
 static TRACKED_FDS: [std::sync::atomic::AtomicI32; TRACKED] =
@@ -258,23 +277,28 @@ impl Tracked {
         if !tracked {
             tracing::debug!("more than {TRACKED} same-host sockets: a child of fork() keeps this one");
         }
-        Self(fd)
+        Self(Some(fd))
     }
 }
 
 impl AsRawFd for Tracked {
     fn as_raw_fd(&self) -> RawFd {
-        self.0.as_raw_fd()
+        self.0.as_ref().map_or(-1, AsRawFd::as_raw_fd)
+    }
+}
+
+/// Stops telling children of `fork()` to replace `raw` (just before it is closed).
+fn untrack(raw: RawFd) {
+    use std::sync::atomic::Ordering;
+    if let Some(s) = TRACKED_FDS.iter().find(|s| s.load(Ordering::Relaxed) == raw) {
+        let _ = s.compare_exchange(raw, -1, Ordering::AcqRel, Ordering::Relaxed);
     }
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        use std::sync::atomic::Ordering;
-        let raw = self.0.as_raw_fd();
-        if let Some(s) = TRACKED_FDS.iter().find(|s| s.load(Ordering::Relaxed) == raw) {
-            let _ = s.compare_exchange(raw, -1, Ordering::AcqRel, Ordering::Relaxed);
+        if let Some(fd) = self.0.take() {
+            to_closer(fd, true);
         }
-        // The descriptor itself closes right after, once no child can be told to replace it.
     }
 }

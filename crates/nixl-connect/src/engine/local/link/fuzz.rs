@@ -380,7 +380,7 @@ pub(crate) fn run(data: &[u8]) {
         // Every peer-driven resource stays bounded.
         for l in [&p.client, &p.server] {
             assert!(l.rbuf.len() <= MAX_FRAME + 4 + (64 << 10));
-            assert!(l.out.len() <= MAX_UNSENT + MAX_FRAME);
+            assert!(l.out().len() <= MAX_UNSENT + MAX_FRAME);
             assert!(l.open.len() <= MAX_OPEN);
         }
     }

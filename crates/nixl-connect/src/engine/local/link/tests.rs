@@ -420,3 +420,69 @@ fn link_core_imports_nothing_of_the_edge() {
     }
     assert!(named >= 5, "the scan found the core's own imports");
 }
+
+/// A `Hello` naming no live operation is answered (the client refuses its opening operation as a
+/// replay) and the connection closed: no `Trusted` makes it ready, so a peer holding no key of
+/// this process is served nothing, not even refusals.
+#[test]
+fn link_hello_naming_no_live_operation_is_not_served() {
+    let mut p = Pair::new(2); // the server holds KEYS[0] and KEYS[1] only
+    p.deliver_to_server(1);
+    assert!(p.server.is_dead() && !p.server.is_ready());
+    p.deliver_to_client();
+    assert!(p.client.is_dead());
+    assert!(p.at_client.iter().any(|h| matches!(h, Heard::NotLive { .. })));
+    let trusted = p.forge(&Msg::Trusted, None, true);
+    p.server
+        .recv(&trusted, 0, p.now, &p.keys.clone(), &mut p.at_server);
+    assert!(p.server.is_dead() && !p.server.is_ready());
+    assert!(
+        p.server.out().is_empty() || p.server.out().len() < 200,
+        "only the welcome"
+    );
+}
+
+/// A peer that sends and never reads what it is answered (replayed requests, each refused) is cut
+/// off once [`MAX_UNSENT`] bytes wait for it.
+#[test]
+fn link_a_peer_that_does_not_read_is_cut_off() {
+    let mut p = Pair::new(0);
+    p.shake();
+    let replay = p.forge(&Pair::req(1, 1, 2, false, Device::Host, 1), Some(2), true);
+    let batch = replay.repeat(500);
+    let mut sent = 0;
+    while !p.server.is_dead() {
+        p.server.recv(&batch, 0, p.now, &p.keys.clone(), &mut p.at_server);
+        sent += batch.len();
+        assert!(p.server.out().len() <= MAX_UNSENT + 500 * 256);
+        assert!(sent < 2 * MAX_UNSENT, "never cut off");
+    }
+    assert_eq!(
+        p.server.death(),
+        Some("a peer that does not read what it is sent")
+    );
+}
+
+/// What a peer reads a byte at a time comes out whole and in order (sent bytes are dropped from
+/// the buffer in halves, not on every send).
+#[test]
+fn link_sent_bytes_leave_in_order_however_they_are_read() {
+    let mut p = Pair::new(0);
+    p.shake();
+    let replay = p.forge(&Pair::req(1, 1, 2, false, Device::Host, 1), Some(2), true);
+    p.server
+        .recv(&replay.repeat(300), 0, p.now, &p.keys.clone(), &mut p.at_server);
+    let want = p.server.out().to_vec();
+    assert!(want.len() > 10_000);
+    let mut got = Vec::new();
+    let mut step = 1;
+    while !p.server.out().is_empty() {
+        let n = step.min(p.server.out().len());
+        got.extend_from_slice(&p.server.out()[..n]);
+        p.server.sent(n);
+        step = step % 97 + 1;
+    }
+    assert_eq!(got, want);
+    p.server.sent(5); // more than queued: nothing breaks
+    assert!(p.server.out().is_empty());
+}
