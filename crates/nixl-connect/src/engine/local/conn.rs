@@ -433,15 +433,11 @@ impl LocalTransport {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
-    use std::os::fd::OwnedFd;
-    use std::os::unix::net::UnixStream;
-    use std::time::Instant;
 
     use super::*;
     use crate::device::Device;
     use crate::engine::local::link::fuzz::Pair;
     use crate::engine::local::proto::{Msg, MAX_FRAME};
-    use crate::engine::local::sys::Tracked;
     use crate::engine::poller::Poller;
 
     /// A peer that keeps its socket full (here: 4 MiB of replayed requests, each refused) is read
@@ -450,18 +446,9 @@ mod tests {
     #[test]
     fn conn_reads_at_most_a_budget_per_turn() {
         let poller = Poller::new().unwrap();
-        let mut t = LocalTransport::new(false, None, poller.registrar(), poller.waker());
         let mut p = Pair::new(0);
         p.shake();
-        let (ours, mut theirs) = UnixStream::pair().unwrap();
-        ours.set_nonblocking(true).unwrap();
-        let link = std::mem::replace(&mut p.server, Link::server(0, 0, Instant::now()));
-        let i = t.insert(Conn::new(
-            Tracked::new(OwnedFd::from(ours)),
-            link,
-            4100,
-            "".into(),
-        ));
+        let (mut t, i, mut theirs) = LocalTransport::serving(&poller, &mut p);
         let replay = p.forge(&Pair::req(1, 1, 2, false, Device::Host, 1), Some(2), true);
         let frames = (4 << 20) / replay.len();
         let batch = replay.repeat(frames);

@@ -236,17 +236,13 @@ impl LocalTransport {
 #[cfg(test)]
 mod tests {
     use std::collections::HashSet;
-    use std::os::fd::OwnedFd;
-    use std::os::unix::net::UnixStream;
-    use std::time::Instant;
 
     use super::*;
     use crate::engine::local::auth;
     use crate::engine::local::link::fuzz::{Pair, KEYS};
-    use crate::engine::local::link::{Heard, Link};
-    use crate::engine::local::records::{Conn, Scope};
+    use crate::engine::local::link::Heard;
+    use crate::engine::local::records::Scope;
     use crate::engine::local::slots::SLOTS;
-    use crate::engine::local::sys::Tracked;
     use crate::engine::poller::Poller;
     use crate::reg::Range;
     use crate::state::OpState;
@@ -262,17 +258,9 @@ mod tests {
     fn server_read_grants_per_connection_are_capped() {
         for device in [Device::Host, Device::Cuda(0)] {
             let poller = Poller::new().unwrap();
-            let mut t = LocalTransport::new(false, None, poller.registrar(), poller.waker());
             let mut p = Pair::new(0);
             p.shake();
-            let (ours, _theirs) = UnixStream::pair().unwrap();
-            let link = std::mem::replace(&mut p.server, Link::server(0, 0, Instant::now()));
-            let i = t.insert(Conn::new(
-                Tracked::new(OwnedFd::from(ours)),
-                link,
-                4100,
-                "".into(),
-            ));
+            let (mut t, i, _theirs) = LocalTransport::serving(&poller, &mut p);
             let mem = vec![7u8; 4096];
             let range = Range {
                 addr: mem.as_ptr() as usize,

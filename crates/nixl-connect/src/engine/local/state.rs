@@ -127,3 +127,26 @@ impl LocalTransport {
         }
     }
 }
+
+#[cfg(test)]
+impl LocalTransport {
+    /// A transport serving one connection for tests: `p`'s (shaken) server core over one end of
+    /// a socket pair, non-blocking; returns the transport, the connection's id and the other end
+    /// (the peer's).
+    pub(super) fn serving(
+        poller: &crate::engine::poller::Poller,
+        p: &mut super::link::fuzz::Pair,
+    ) -> (Self, ConnId, std::os::unix::net::UnixStream) {
+        let mut t = Self::new(false, None, poller.registrar(), poller.waker());
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
+        ours.set_nonblocking(true).expect("non-blocking");
+        let link = std::mem::replace(&mut p.server, super::link::Link::server(0, 0, Instant::now()));
+        let i = t.insert(Conn::new(
+            Tracked::new(OwnedFd::from(ours)),
+            link,
+            4100,
+            "".into(),
+        ));
+        (t, i, theirs)
+    }
+}
