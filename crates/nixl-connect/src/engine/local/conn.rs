@@ -120,9 +120,9 @@ impl LocalTransport {
     /// Reads what is available on connection `i` into its core, at most [`READ_PER_TURN`] bytes
     /// (the rest waits for the next turn: the socket stays readable), so that a peer that keeps
     /// its socket full neither holds the engine thread nor makes `heard` grow without bound; what
-    /// the core proved goes to `heard`. A descriptor is taken only where the core takes one (the client's slot table,
-    /// with its `Hello`), and only if it is a sealed table of the right size; every other one is
-    /// closed off this thread.
+    /// the core proved goes to `heard`. A descriptor is taken only where the core takes one (the
+    /// client's slot table, with its `Hello`), and only if it is a sealed table of the right
+    /// size; every other one is closed off this thread.
     #[allow(unsafe_code)]
     pub(super) fn read(&mut self, i: ConnId, heard: &mut Vec<Heard>) {
         let Some(c) = self.conns.get_mut(&i) else { return };
