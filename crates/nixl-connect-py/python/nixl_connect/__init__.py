@@ -1,5 +1,6 @@
-"""nixl_connect: a drop-in replacement for NVIDIA Dynamo's `dynamo.nixl_connect` (1.6.1), backed by
-a Rust core (`nixl_connect._core`).
+"""nixl_connect: a drop-in replacement for NVIDIA Dynamo's `dynamo.nixl_connect` (1.6.1, plus what
+1.7 adds: `await Connector.warmup()`, `Remote.decode_metadata()`), backed by a Rust core
+(`nixl_connect._core`).
 
 Migrate with one line::
 

@@ -296,6 +296,31 @@ class Remote:
         self._name: Optional[str] = None
         self._source: Any = None  # the core operation, once started (it may know the peer's name)
 
+    @staticmethod
+    def decode_metadata(nixl_metadata: Union[bytes, str]) -> bytes:
+        """The raw NIXL agent metadata in `nixl_metadata`, checked without loading the agent or
+        starting anything (Dynamo 1.7; its callers validate a batch of metadata with it before
+        borrowing any buffer).
+
+        A `str` is what `RdmaMetadata.nixl_metadata` carries: "b64:" + base64, or legacy hex, of
+        zlib-compressed metadata; `bytes` are taken as already decoded and returned as they are.
+        Raises TypeError for any other type, and `MetadataError` (a ValueError) when the text is
+        empty or does not decode (Dynamo raises binascii's, ValueError or zlib.error there).
+        """
+        if not isinstance(nixl_metadata, (bytes, str)):
+            raise TypeError("Argument `nixl_metadata` must be `bytes` or `str`.")
+        if len(nixl_metadata) == 0:
+            raise MetadataError("Argument `nixl_metadata` cannot be empty.")
+        if isinstance(nixl_metadata, bytes):
+            return nixl_metadata
+        try:
+            return _decode_nixl_metadata(nixl_metadata)
+        except (ValueError, binascii.Error, zlib.error, UnicodeDecodeError) as e:
+            raise MetadataError(
+                "Argument `nixl_metadata` is neither \"b64:\"+base64 nor hex of zlib-compressed "
+                f"NIXL metadata ({e}); pass the peer's RdmaMetadata.nixl_metadata unchanged."
+            ) from e
+
     def __enter__(self) -> "Remote":
         return self
 
@@ -971,9 +996,25 @@ class Connector:
         op = WritableOperation(await self._create_connection(), local_descriptors)
         return await _started(op)
 
+    async def warmup(self) -> None:
+        """Create the shared connection (the NIXL agent and the same-host listener) now, before
+        the first transfer (Dynamo 1.7).
+
+        Repeated and concurrent calls share one connection with the operations; what creating it
+        raises reaches the caller, so a worker can fail at start-up instead of on its first
+        request, and a later call tries again.
+        """
+        await self._create_connection()
+
     async def initialize(self) -> None:
-        """Deprecated no-op (Dynamo)."""
-        logger.debug("Connector.initialize() is deprecated and does nothing")
+        """Deprecated no-op (Dynamo); `warmup()` creates the connection eagerly."""
+        logger.debug("Connector.initialize() is deprecated and does nothing; use warmup()")
+
+    @property
+    def _shared_connection(self) -> Optional[Connection]:
+        """Dynamo's name for the connection once created (None before, and after a failed
+        creation); read by Dynamo 1.7's tests."""
+        return self._connection
 
 
 # Every live Connector, so that a child of fork() can reset their locks and connections at once.
