@@ -4,14 +4,14 @@
 //! operations and the engine, so neither imports the other for it.
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
 use crate::error::{Error, Result};
 use crate::reg::RegToken;
-use crate::sync::Recover;
+use crate::sync::{Recover, Watched};
 
 /// Which path moved an operation's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -133,8 +133,7 @@ pub(crate) struct OpState {
     path: AtomicU8,
     error: Mutex<Option<Error>>,
     notify: Notify,
-    released: Mutex<bool>,
-    released_cv: Condvar,
+    released: Watched<bool>,
     /// Registrations the engine made for the operation's memory, to keep with it.
     tokens: Mutex<Vec<RegToken>>,
 }
@@ -146,8 +145,7 @@ impl OpState {
             path: AtomicU8::new(0),
             error: Mutex::new(None),
             notify: Notify::new(),
-            released: Mutex::new(true),
-            released_cv: Condvar::new(),
+            released: Watched::new(true),
             tokens: Mutex::new(Vec::new()),
         })
     }
@@ -210,7 +208,7 @@ impl OpState {
 
     /// Marks the memory as possibly in use by a transport (before the command leaves).
     pub(crate) fn mark_in_use(&self) {
-        *self.released.lock().recover() = false;
+        self.released.update(|r| *r = false);
     }
 
     /// Marks the memory as in use by a transport unless the operation has ended; false if it has.
@@ -219,41 +217,29 @@ impl OpState {
     /// flag, so either the transport sees the end and stays away, or the owner sees the memory in
     /// use and waits.
     pub(crate) fn try_mark_in_use(&self) -> bool {
-        let mut g = self.released.lock().recover();
-        if self.status().is_terminal() {
-            return false;
-        }
-        *g = false;
-        true
+        self.released.update(|r| {
+            if self.status().is_terminal() {
+                return false;
+            }
+            *r = false;
+            true
+        })
     }
 
-    /// Marks the memory as no longer touched by any transport; wakes a blocked dropper.
+    /// Marks the memory as no longer touched by any transport; wakes a blocked dropper (no
+    /// system call when none waits: this runs once per operation).
     pub(crate) fn mark_released(&self) {
-        *self.released.lock().recover() = true;
-        self.released_cv.notify_all();
+        self.released.update(|r| *r = true);
     }
 
     pub(crate) fn is_released(&self) -> bool {
-        *self.released.lock().recover()
+        self.released.read(|r| *r)
     }
 
     /// Blocks the calling thread until the memory is released or `limit` passes; true if released.
     pub(crate) fn wait_released(&self, limit: Option<Duration>) -> bool {
-        let deadline = limit.map(|l| Instant::now() + l);
-        let mut g = self.released.lock().recover();
-        while !*g {
-            match deadline {
-                None => g = self.released_cv.wait(g).recover(),
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        return false;
-                    }
-                    g = self.released_cv.wait_timeout(g, d - now).recover().0;
-                }
-            }
-        }
-        true
+        self.released
+            .wait_until(|r| *r, limit.map(|l| Instant::now() + l))
     }
 }
 

@@ -2,7 +2,8 @@
 //! consistent between statements, so a lock poisoned by a panic elsewhere is taken over rather
 //! than turned into a second panic (on the engine thread, that would abort the process).
 
-use std::sync::{LockResult, Mutex, MutexGuard, PoisonError};
+use std::sync::{Condvar, LockResult, Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
 
 /// Takes over what a poisoned lock (or a wait on a condition variable) still holds.
 pub(crate) trait Recover<T> {
@@ -19,6 +20,69 @@ impl<T> Recover<T> for LockResult<T> {
 /// Locks `m`, taking over a lock poisoned by a panicking holder.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().recover()
+}
+
+/// A value that threads may block on until it satisfies a condition. Changing it makes no system
+/// call while nobody waits (`Condvar::notify_all` makes one every time, waiters or not), which
+/// matters on paths taken once per operation.
+pub(crate) struct Watched<T> {
+    inner: Mutex<WatchedInner<T>>,
+    cv: Condvar,
+}
+
+struct WatchedInner<T> {
+    value: T,
+    /// Threads blocked in [`Watched::wait_until`].
+    waiters: usize,
+}
+
+impl<T> Watched<T> {
+    /// Starts at `value`.
+    pub(crate) const fn new(value: T) -> Self {
+        Self {
+            inner: Mutex::new(WatchedInner { value, waiters: 0 }),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Runs `f` on the value under its lock, then wakes the waiters (if any) to look again.
+    pub(crate) fn update<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        let mut g = lock(&self.inner);
+        let r = f(&mut g.value);
+        let wake = g.waiters > 0;
+        drop(g);
+        if wake {
+            self.cv.notify_all();
+        }
+        r
+    }
+
+    /// Runs `f` on the value under its lock, waking nobody.
+    pub(crate) fn read<R>(&self, f: impl FnOnce(&T) -> R) -> R {
+        f(&lock(&self.inner).value)
+    }
+
+    /// Blocks until `done` holds of the value or `deadline` passes (none: for as long as it
+    /// takes); returns whether it holds.
+    pub(crate) fn wait_until(&self, mut done: impl FnMut(&T) -> bool, deadline: Option<Instant>) -> bool {
+        let mut g = lock(&self.inner);
+        while !done(&g.value) {
+            let left = match deadline {
+                None => None,
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => Some(left),
+                    _ => return false,
+                },
+            };
+            g.waiters += 1;
+            g = match left {
+                None => self.cv.wait(g).recover(),
+                Some(left) => self.cv.wait_timeout(g, left).recover().0,
+            };
+            g.waiters -= 1;
+        }
+        true
+    }
 }
 
 /// FNV-1a (64 bits) of `bytes`: a stable, dependency-free fingerprint (not for untrusted
@@ -38,6 +102,25 @@ mod tests {
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
+
+    #[test]
+    fn sync_watched_wakes_a_waiter_and_bounds_the_wait() {
+        use std::sync::Arc;
+        use std::time::Duration;
+        let w = Arc::new(Watched::new(0u32));
+        let t0 = Instant::now();
+        assert!(!w.wait_until(|v| *v > 0, Some(t0 + Duration::from_millis(20))));
+        assert!(t0.elapsed() >= Duration::from_millis(20));
+        let w2 = w.clone();
+        let waiter = std::thread::spawn(move || w2.wait_until(|v| *v == 3, None));
+        for _ in 0..3 {
+            std::thread::sleep(Duration::from_millis(5));
+            w.update(|v| *v += 1);
+        }
+        assert!(waiter.join().unwrap());
+        assert_eq!(w.read(|v| *v), 3);
+        assert!(w.wait_until(|v| *v == 3, Some(Instant::now())));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::cma::{self, CopyError};
 #[cfg(feature = "cuda")]
@@ -17,7 +17,6 @@ use super::state::LocalTransport;
 use super::sys::alive;
 use crate::engine::transport::{Decline, Event};
 use crate::error::Error;
-use crate::sync::lock;
 use crate::sync::Recover;
 
 impl LocalTransport {
@@ -27,6 +26,8 @@ impl LocalTransport {
     /// freed: the caller leaks it).
     pub(crate) fn stop_copies(&mut self, within: Option<Duration>) -> bool {
         self.stopped = true;
+        // Copies started but not handed over yet hold a count too: they run (and see `cancel`).
+        self.batch.submit();
         for a in self.acts.values() {
             a.cancel.store(true, Ordering::Relaxed);
         }
@@ -35,18 +36,8 @@ impl LocalTransport {
                 w.3.store(true, Ordering::Relaxed);
             }
         }
-        let n = lock(&self.outstanding.count);
-        let n = match within {
-            None => self.outstanding.cv.wait_while(n, |n| *n > 0).recover(),
-            Some(d) => {
-                self.outstanding
-                    .cv
-                    .wait_timeout_while(n, d, |n| *n > 0)
-                    .recover()
-                    .0
-            }
-        };
-        *n == 0
+        self.outstanding
+            .wait_until(|n| *n == 0, within.map(|d| Instant::now() + d))
     }
 
     /// True when copies have finished that `progress` has not handled yet (checked before the
@@ -55,10 +46,12 @@ impl LocalTransport {
         self.finished.is_pending() || self.exports.is_pending()
     }
 
+    /// Starts `copy` for `owner`. A host copy joins this turn's batch, handed to the pool by
+    /// [`Self::submit_copies`] at the turn's end.
     pub(super) fn start_copy(&mut self, copy: AnyCopy, owner: CopyOwner) {
         let (done, owner) = self.on_copy_end(owner);
         let started = match copy {
-            AnyCopy::Host(c) => cma::spawn(c, done),
+            AnyCopy::Host(c) => cma::spawn_into(&mut self.batch, c, done),
             #[cfg(feature = "cuda")]
             AnyCopy::Device(c) => ipc::spawn(c, done),
             #[cfg(feature = "cuda")]
@@ -67,6 +60,11 @@ impl LocalTransport {
         if let Err(e) = started {
             self.abort_start(&owner, e);
         }
+    }
+
+    /// Hands the copies started this turn to the pool.
+    pub(super) fn submit_copies(&mut self) {
+        self.batch.submit();
     }
 
     /// A copy's completion callback (run on the thread that ends the copy), counted as
@@ -84,7 +82,7 @@ impl LocalTransport {
         let outstanding = self.outstanding.clone();
         let owner = Arc::new(Mutex::new(Some(owner)));
         let o2 = owner.clone();
-        *outstanding.count.lock().recover() += 1;
+        outstanding.update(|n| *n += 1);
         let done = Box::new(move |r| {
             if let Some(o) = o2.lock().recover().take() {
                 finished.push((o, r));
@@ -92,15 +90,14 @@ impl LocalTransport {
             // The engine takes finished copies on every turn while it is awake, and checks for
             // them after announcing a sleep: a wake-up is needed only if it sleeps.
             waker.wake();
-            *outstanding.count.lock().recover() -= 1;
-            outstanding.cv.notify_all();
+            outstanding.update(|n| *n -= 1);
         });
         (done, owner)
     }
 
     /// A copy that never started (its callback will not run): reported as finished with `e`.
     pub(super) fn abort_start(&mut self, owner: &Arc<Mutex<Option<CopyOwner>>>, e: CopyError) {
-        *self.outstanding.count.lock().recover() -= 1;
+        self.outstanding.update(|n| *n -= 1);
         if let Some(o) = owner.lock().recover().take() {
             self.finished.push((o, Err(e)));
         }

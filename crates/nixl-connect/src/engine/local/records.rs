@@ -62,13 +62,9 @@ pub(super) fn refused(agent: String, code: RefuseCode, reason: String) -> Error 
     }
 }
 
-/// Copies running on the pool, so the transport can stop and wait for them before the memory
-/// they write is freed.
-#[derive(Default)]
-pub(super) struct Outstanding {
-    pub(super) count: Mutex<usize>,
-    pub(super) cv: std::sync::Condvar,
-}
+/// The number of copies running on the pool, so the transport can stop and wait for them before
+/// the memory they write is freed.
+pub(super) type Outstanding = crate::sync::Watched<usize>;
 
 /// Who a finished copy belonged to.
 pub(super) enum CopyOwner {

@@ -131,6 +131,7 @@ impl Transport for LocalTransport {
         } else {
             self.flush(i);
         }
+        self.submit_copies();
     }
 
     fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
@@ -210,6 +211,7 @@ impl Transport for LocalTransport {
             }
         }
         event |= self.reap(out);
+        self.submit_copies();
         // Frames queued this turn (requests, answers, copies' ends), one send per connection.
         let pending: Vec<ConnId> = self
             .conns
@@ -228,7 +230,9 @@ impl Transport for LocalTransport {
     }
 
     fn has_pending(&self) -> bool {
-        self.has_finished()
+        // Copies are submitted at the end of the turn that started them; one left in the batch
+        // (started outside a turn) is submitted by the next.
+        self.has_finished() || !self.batch.is_empty()
     }
 
     fn stop(&mut self, within: Option<Duration>) -> bool {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::auth::KeyId;
+use super::cma;
 use super::records::{Act, Conn, ConnId, Exports, Finished, Outstanding, Scope};
 use super::slots;
 use super::sys::{timerfd, uid, Tracked};
@@ -63,6 +64,8 @@ pub(crate) struct LocalTransport {
     /// Device ranges queued for export now (at most [`MAX_EXPORTING`]).
     pub(super) exporting: usize,
     pub(super) outstanding: Arc<Outstanding>,
+    /// Host copies started this turn, not yet on the pool.
+    pub(super) batch: cma::Batch,
     pub(super) refused_peers: u64,
     /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
     /// the listener after `accept` ran out of descriptors, instead of spinning on it.
@@ -118,7 +121,8 @@ impl LocalTransport {
             finished: Arc::default(),
             exports: Arc::default(),
             exporting: 0,
-            outstanding: Arc::new(Outstanding::default()),
+            outstanding: Arc::new(Outstanding::new(0)),
+            batch: cma::Batch::default(),
             refused_peers: 0,
             accept_timer,
             deadline_timer,
