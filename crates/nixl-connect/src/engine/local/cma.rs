@@ -130,18 +130,8 @@ pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> R
             }
         }
         // SAFETY: the local iovecs lie in memory this process owns and that the copy's owner keeps
-        // valid (and not otherwise accessed) until the copy ends; the remote ones are only read by
-        // the kernel, which checks them against the peer's address space.
-        let n = unsafe {
-            libc::process_vm_readv(
-                pid,
-                local.as_ptr(),
-                local.len() as libc::c_ulong,
-                remote.as_ptr(),
-                remote.len() as libc::c_ulong,
-                0,
-            )
-        };
+        // valid (and not otherwise accessed) until the copy ends.
+        let n = unsafe { readv(pid, &local, &remote) };
         if n <= 0 {
             let e = io::Error::last_os_error();
             return Err(match e.raw_os_error() {
@@ -171,6 +161,26 @@ pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> R
         }
     }
     Ok(())
+}
+
+/// One `process_vm_readv` of `remote` (in `pid`) into `local`: the bytes moved, or -1 (errno set).
+///
+/// # Safety
+/// Every `local` iovec must lie in memory this process owns and that nothing else accesses until
+/// the call returns. The remote ones are only read, by the kernel, which checks them against the
+/// peer's address space.
+unsafe fn readv(pid: libc::pid_t, local: &[libc::iovec], remote: &[libc::iovec]) -> isize {
+    // SAFETY: the caller's contract for `local`; both slices outlive the call.
+    unsafe {
+        libc::process_vm_readv(
+            pid,
+            local.as_ptr(),
+            local.len() as libc::c_ulong,
+            remote.as_ptr(),
+            remote.len() as libc::c_ulong,
+            0,
+        )
+    }
 }
 
 pub(crate) fn finish(slot: &SlotRef) -> Result<(), CopyError> {
@@ -505,19 +515,9 @@ fn pull_together(pid: libc::pid_t, parts: &[Part]) -> bool {
             });
         }
     }
-    // SAFETY: as in `pull`: the local iovecs lie in memory this process owns and that each copy's
-    // owner keeps valid (and not otherwise accessed) until its copy ends; the remote ones are only
-    // read by the kernel, which checks them against the peer's address space.
-    let n = unsafe {
-        libc::process_vm_readv(
-            pid,
-            local.as_ptr(),
-            local.len() as libc::c_ulong,
-            remote.as_ptr(),
-            remote.len() as libc::c_ulong,
-            0,
-        )
-    };
+    // SAFETY: the local iovecs lie in memory this process owns and that each copy's owner keeps
+    // valid (and not otherwise accessed) until its copy ends.
+    let n = unsafe { readv(pid, &local, &remote) };
     n >= 0 && n as usize == total
 }
 
@@ -916,6 +916,21 @@ mod tests {
         ));
     }
 
+    /// A copy of `len` bytes from `remote` in this process to `local`, guarded by slot `idx` of
+    /// `table` at generation `gen`.
+    fn copy_of(table: &Arc<SlotTable>, idx: u32, gen: u64, local: usize, remote: usize, len: usize) -> Copy {
+        Copy {
+            pid: std::process::id() as i32,
+            pieces: vec![Piece { local, remote, len }],
+            slot: SlotRef {
+                table: table.clone(),
+                idx,
+                gen,
+            },
+            cancel: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
     #[test]
     fn cma_spawn_splits_and_reports_once() {
         let src = vec![9u8; 40 << 20];
@@ -924,20 +939,14 @@ mod tests {
         table.arm(1, 5);
         let (tx, rx) = std::sync::mpsc::channel();
         spawn(
-            Copy {
-                pid: std::process::id() as i32,
-                pieces: vec![Piece {
-                    local: dst.as_mut_ptr() as usize,
-                    remote: src.as_ptr() as usize,
-                    len: src.len(),
-                }],
-                slot: SlotRef {
-                    table: table.clone(),
-                    idx: 1,
-                    gen: 5,
-                },
-                cancel: Arc::new(AtomicBool::new(false)),
-            },
+            copy_of(
+                &table,
+                1,
+                5,
+                dst.as_mut_ptr() as usize,
+                src.as_ptr() as usize,
+                src.len(),
+            ),
             Box::new(move |r| tx.send(r).unwrap()),
         )
         .unwrap();
@@ -960,22 +969,12 @@ mod tests {
         let table = Arc::new(SlotTable::create().unwrap());
         let (tx, rx) = std::sync::mpsc::channel();
         let mut batch = Batch::default();
-        let me = std::process::id() as i32;
         let start = |batch: &mut Batch, idx: u32, local: usize, remote: usize, len: usize| {
             table.arm(idx, 7);
             let tx = tx.clone();
             spawn_into(
                 batch,
-                Copy {
-                    pid: me,
-                    pieces: vec![Piece { local, remote, len }],
-                    slot: SlotRef {
-                        table: table.clone(),
-                        idx,
-                        gen: 7,
-                    },
-                    cancel: Arc::new(AtomicBool::new(false)),
-                },
+                copy_of(&table, idx, 7, local, remote, len),
                 Box::new(move |r| tx.send((idx, r)).unwrap()),
             )
             .unwrap();
@@ -1047,20 +1046,14 @@ mod tests {
             let tx = tx.clone();
             spawn_into(
                 &mut batch,
-                Copy {
-                    pid: std::process::id() as i32,
-                    pieces: vec![Piece {
-                        local: d.as_mut_ptr() as usize,
-                        remote: s.as_ptr() as usize,
-                        len: s.len(),
-                    }],
-                    slot: SlotRef {
-                        table: table.clone(),
-                        idx: k as u32,
-                        gen: 3,
-                    },
-                    cancel: Arc::new(AtomicBool::new(false)),
-                },
+                copy_of(
+                    &table,
+                    k as u32,
+                    3,
+                    d.as_mut_ptr() as usize,
+                    s.as_ptr() as usize,
+                    s.len(),
+                ),
                 Box::new(move |r| tx.send((k, r)).unwrap()),
             )
             .unwrap();
