@@ -238,8 +238,9 @@ impl OpState {
 
     /// Blocks the calling thread until the memory is released or `limit` passes; true if released.
     pub(crate) fn wait_released(&self, limit: Option<Duration>) -> bool {
+        // A limit too far to represent waits as long as it takes.
         self.released
-            .wait_until(|r| *r, limit.map(|l| Instant::now() + l))
+            .wait_until(|r| *r, limit.and_then(|l| Instant::now().checked_add(l)))
     }
 }
 

@@ -291,6 +291,27 @@ impl PoolState {
         Some(job)
     }
 
+    /// The jobs running, and the queued ones that may run now (their peer under its share).
+    fn load(&self, per_peer: usize) -> (usize, usize) {
+        let (mut running, mut runnable) = (0, 0);
+        for l in self.peers.values() {
+            running += l.running;
+            runnable += l.queued.min(per_peer.saturating_sub(l.running));
+        }
+        (running, runnable)
+    }
+
+    /// How many sleeping threads a submit wakes: one for every queued job that may run now
+    /// beyond those the spinning threads will take (each takes one as soon as it sees `queued`).
+    /// Counted over the whole queue, not the jobs just submitted: a spinning thread stays counted
+    /// until it takes its job, and two submits in that window must not both leave their job to it.
+    /// Threads woken earlier and not yet running still count as sleeping, so this may wake more
+    /// than needed (a cost), never fewer (a job left queued while threads sleep).
+    fn wakes(&self, per_peer: usize) -> usize {
+        let (_, runnable) = self.load(per_peer);
+        runnable.saturating_sub(self.hot).min(self.idle)
+    }
+
     /// A job of `pid` ended.
     fn ended(&mut self, pid: libc::pid_t) {
         if let Some(l) = self.peers.get_mut(&pid) {
@@ -360,17 +381,13 @@ fn pool() -> &'static Pool {
 impl Pool {
     /// Queues `jobs` and adds the threads they need.
     fn submit(&'static self, jobs: Vec<Job>) {
-        let n = jobs.len();
         let mut st = lock(&self.state);
         for j in jobs {
             st.push(j);
         }
         self.queued.store(st.queue.len(), Ordering::Release);
         self.grow(&mut st);
-        // Kept threads that spin see `queued` and take jobs first; sleeping ones are woken only
-        // for the jobs left over (a wake-up is a system call, and tens of microseconds on the
-        // machines measured).
-        let wake = n.saturating_sub(st.hot).min(st.idle);
+        let wake = st.wakes(self.per_peer);
         drop(st);
         for _ in 0..wake {
             self.cv.notify_one();
@@ -382,11 +399,7 @@ impl Pool {
     /// the kept threads plus `per_peer` for each peer with work and one more, at least
     /// [`MAX_SPARE`] more, at most [`MAX_POOL_THREADS`].
     fn grow(&'static self, st: &mut PoolState) {
-        let (mut running, mut runnable) = (0, 0);
-        for l in st.peers.values() {
-            running += l.running;
-            runnable += l.queued.min(self.per_peer.saturating_sub(l.running));
-        }
+        let (running, runnable) = st.load(self.per_peer);
         let peers = st.peers.len();
         let cap = (self.per_peer * (peers + 1))
             .max(self.per_peer + MAX_SPARE)

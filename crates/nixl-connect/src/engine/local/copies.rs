@@ -26,8 +26,6 @@ impl LocalTransport {
     /// freed: the caller leaks it).
     pub(crate) fn stop_copies(&mut self, within: Option<Duration>) -> bool {
         self.stopped = true;
-        // Copies started but not handed over yet hold a count too: they run (and see `cancel`).
-        self.batch.submit();
         for a in self.acts.values() {
             a.cancel.store(true, Ordering::Relaxed);
         }
@@ -36,8 +34,12 @@ impl LocalTransport {
                 w.3.store(true, Ordering::Relaxed);
             }
         }
+        // Copies started but not handed over yet hold a count too: they run, see `cancel` and
+        // end without moving a byte.
+        self.batch.submit();
+        // A limit too far to represent waits as long as it takes.
         self.outstanding
-            .wait_until(|n| *n == 0, within.map(|d| Instant::now() + d))
+            .wait_until(|n| *n == 0, within.and_then(|d| Instant::now().checked_add(d)))
     }
 
     /// True when copies have finished that `progress` has not handled yet (checked before the

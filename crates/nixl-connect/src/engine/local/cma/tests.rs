@@ -347,3 +347,38 @@ fn cma_batched_copies_that_all_succeed_move_every_byte() {
     }
     assert!(dsts == srcs);
 }
+
+/// A job of a peer that may run.
+fn queued_job(pid: libc::pid_t) -> Job {
+    Job {
+        pid,
+        parts: Vec::new(),
+        bytes: 0,
+        batched: false,
+    }
+}
+
+/// Two submits while one thread spins (counted hot until it takes a job): the second must wake
+/// a sleeping thread, or its job waits behind the first, whose peer may stall it for good (the
+/// review's interleaving: the wake count was taken from the jobs of each submit alone).
+#[test]
+fn cma_pool_submits_while_a_thread_spins_leave_no_job_without_a_thread() {
+    let mut st = PoolState {
+        hot: 1,
+        idle: 7,
+        ..PoolState::default()
+    };
+    st.push(queued_job(1001));
+    assert_eq!(st.wakes(2), 0, "the spinning thread takes the first job");
+    st.push(queued_job(1002));
+    assert_eq!(st.wakes(2), 1, "the second job needs a sleeping thread woken");
+    // Jobs held back by their peer's share need no thread.
+    st.peers.entry(1003).or_default().running = 2;
+    st.push(queued_job(1003));
+    assert_eq!(st.wakes(2), 1);
+    // Never more than sleep.
+    for _ in 0..20 {
+        st.push(queued_job(1004 + st.queue.len() as i32));
+    }
+    assert_eq!(st.wakes(2), 7);
+}
