@@ -563,10 +563,9 @@ fn end_part(part: Part, r: Result<(), CopyError>) {
     }
 }
 
-/// Copies of at most this many bytes are batched (see [`Batch`]).
-pub(crate) const SMALL: usize = 256 << 10;
-/// The most bytes of small copies one job carries.
-pub(crate) const BATCH_BYTES: usize = 256 << 10;
+/// The most bytes of small copies one batched job carries; a copy of at most this many bytes is
+/// small (see [`Batch`]).
+const BATCH_BYTES: usize = 256 << 10;
 
 /// Copies started but not yet handed to the pool: the engine starts the copies of one turn into a
 /// batch and submits it at the turn's end, so that the small copies of one peer (the reads a burst
@@ -583,7 +582,7 @@ impl Batch {
     /// Adds `part` (of `bytes`) of a copy from `pid`: to an open job of the same peer when it is
     /// small and fits, else as a job of its own.
     fn add(&mut self, pid: libc::pid_t, part: Part, bytes: usize) {
-        let small = bytes <= SMALL;
+        let small = bytes <= BATCH_BYTES;
         if small {
             if let Some(j) = self
                 .jobs

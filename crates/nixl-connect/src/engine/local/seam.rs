@@ -131,7 +131,6 @@ impl Transport for LocalTransport {
         } else {
             self.flush(i);
         }
-        self.submit_copies();
     }
 
     fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
