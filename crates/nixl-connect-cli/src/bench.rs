@@ -41,6 +41,11 @@ pub(crate) struct Args {
     /// Descriptors per operation (each of the size given).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     descriptors: u32,
+    /// How an operation's descriptors lie in memory (both sides alike): `separate` (a buffer of
+    /// its own each), `contiguous` (consecutive parts of one buffer) or `scattered` (parts of one
+    /// buffer with a gap of one descriptor's size between each). The last two need `--buffers huge`.
+    #[arg(long, default_value = "separate", value_parser = ["separate", "contiguous", "scattered"])]
+    layout: String,
     /// Operations outstanding at once (each with its own fresh metadata).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     concurrency: u32,
@@ -80,6 +85,7 @@ struct Block {
     concurrency: usize,
     n: usize,
     buffers: String,
+    layout: String,
     device: Device,
     ucx_params: Vec<(String, String)>,
 }
@@ -129,14 +135,44 @@ fn stats(v: &mut [f64]) -> Stats {
 /// Memory for one side: a huge-page HostBuffer or Vecs, recycled across iterations.
 enum Mem {
     Huge(Vec<HostBuffer>),
+    /// Parts of one HostBuffer: part `i` is `size` bytes at `i * stride`.
+    Parts {
+        buf: HostBuffer,
+        size: usize,
+        stride: usize,
+    },
     Vec(Vec<Option<Descriptor<'static>>>),
     #[cfg(feature = "cuda")]
     Gpu(Vec<gpu::Gpu>),
 }
 
 impl Mem {
-    /// `count` buffers of `size` bytes.
-    fn new(kind: &str, size: usize, count: usize, seed: Option<u64>, device: Device) -> Result<Self> {
+    /// `count` buffers (or parts of one buffer, as `layout` says) of `size` bytes.
+    fn new(
+        kind: &str,
+        layout: &str,
+        size: usize,
+        count: usize,
+        seed: Option<u64>,
+        device: Device,
+    ) -> Result<Self> {
+        if layout != "separate" {
+            if kind != "huge" || device != Device::Host {
+                bail!("--layout {layout} needs --buffers huge and host memory");
+            }
+            let stride = if layout == "scattered" { 2 * size } else { size };
+            let total = stride
+                .checked_mul(count)
+                .context("--layout: the buffer's size overflows")?;
+            let mut buf = HostBuffer::new(total)
+                .with_context(|| format!("allocating {} for the benchmark", crate::human(total)))?;
+            if let Some(s) = seed {
+                for k in 0..count {
+                    pattern::fill(&mut buf[k * stride..k * stride + size], s, 0);
+                }
+            }
+            return Ok(Mem::Parts { buf, size, stride });
+        }
         if device != Device::Host {
             #[cfg(feature = "cuda")]
             return Ok(Mem::Gpu(
@@ -190,6 +226,20 @@ impl Mem {
                 .iter_mut()
                 .map(|s| s.take().expect("descriptors are given back after each operation"))
                 .collect(),
+            Mem::Parts { buf, size, stride } => {
+                // Parts from the buffer's start: each descriptor, then its gap (if any).
+                let gap = *stride - *size;
+                let per_slot = if gap > 0 { 2 } else { 1 };
+                let sizes: Vec<usize> = (0..first + per)
+                    .flat_map(|_| [*size, gap].into_iter().take(per_slot))
+                    .collect();
+                let all = if dest {
+                    buf.descriptors_mut(&sizes)?
+                } else {
+                    buf.descriptors(&sizes)?
+                };
+                all.into_iter().step_by(per_slot).skip(first).collect()
+            }
             #[cfg(feature = "cuda")]
             Mem::Gpu(gs) => gs[first..first + per]
                 .iter_mut()
@@ -214,6 +264,9 @@ impl Mem {
     fn holds(&self, i: usize, seed: u64) -> bool {
         match self {
             Mem::Huge(b) => pattern::first_mismatch(&b[i], seed, 0).is_none(),
+            Mem::Parts { buf, size, stride } => {
+                pattern::first_mismatch(&buf[i * stride..i * stride + size], seed, 0).is_none()
+            }
             Mem::Vec(d) => {
                 pattern::first_mismatch(d[i].as_ref().and_then(|d| d.as_slice()).unwrap_or(&[]), seed, 0)
                     .is_none()
@@ -314,7 +367,11 @@ struct Row {
     iters: usize,
     lat: Stats,
     passive: Stats,
+    /// The copy limit: one thread's process_vm_readv of the operation's ranges (one per
+    /// descriptor).
     limit_gbps: Option<f64>,
+    /// The same bytes as one range, for consecutive descriptors.
+    one_range_gbps: Option<f64>,
     ok: bool,
 }
 
@@ -339,6 +396,7 @@ impl Row {
             "device": a.device.to_string(),
             "peer_device": a.peer_device.unwrap_or(a.device).to_string(),
             "buffers": a.buffers,
+            "layout": a.layout,
             "size": self.block.size,
             "descriptors": self.block.descriptors,
             "bytes": self.bytes(),
@@ -362,6 +420,10 @@ impl Row {
         if let Some(l) = self.limit_gbps {
             v["limit_GBps"] = l.into();
             v["of_limit"] = (self.gbps() / l).into();
+        }
+        if let Some(l) = self.one_range_gbps {
+            v["one_range_limit_GBps"] = l.into();
+            v["of_one_range_limit"] = (self.gbps() / l).into();
         }
         v
     }
@@ -469,6 +531,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             concurrency: conc,
             n,
             buffers: a.buffers.clone(),
+            layout: a.layout.clone(),
             device: a.peer_device.unwrap_or(a.device),
             ucx_params: a.ucx_params.clone(),
         };
@@ -479,6 +542,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         // The active side's memory: destinations of reads, sources of writes.
         let mut mem = Mem::new(
             &a.buffers,
+            &a.layout,
             size,
             per * conc,
             write.then_some(size as u64),
@@ -519,13 +583,14 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             }
             first_md.get_or_insert_with(|| mds.swap_remove(0));
         }
-        // The copy limit, in the same run: one thread's process_vm_readv of the peer's buffer
+        // The copy limit, in the same run: one thread's process_vm_readv of the peer's memory
         // (still mapped: the peer keeps it until the next block).
-        let limit_gbps = match (&first_md, a.device) {
+        let (limit_gbps, one_range_gbps) = match (&first_md, a.device) {
             (Some(md), Device::Host) if a.limit && a.peer_device.unwrap_or(a.device) == Device::Host => {
-                Some(vm_readv_limit(peer_pid, md, size, &a.buffers)?)
+                let (l, one) = vm_readv_limit(peer_pid, md, size, &a.buffers, &a.layout)?;
+                (Some(l), one.filter(|_| per > 1))
             }
-            _ => None,
+            _ => (None, None),
         };
         let row = Row {
             block,
@@ -534,6 +599,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             lat: stats(&mut times),
             passive: stats(&mut waits),
             limit_gbps,
+            one_range_gbps,
             ok,
         };
         if json {
@@ -573,46 +639,99 @@ pub(crate) async fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
-/// One thread's `process_vm_readv` rate (GB/s, median) of `size` bytes from the peer's first
-/// buffer into local memory of the same kind.
-fn vm_readv_limit(pid: i32, md: &RdmaMetadata, size: usize, buffers: &str) -> Result<f64> {
-    use nix::sys::uio::{process_vm_readv, RemoteIoVec};
-    use nix::unistd::Pid;
-    let (mut hb, mut vv) = (None, None);
-    let dst: &mut [u8] = if buffers == "huge" {
-        hb.insert(HostBuffer::new(size)?)
-    } else {
-        vv.insert(vec![0u8; size])
+/// The copy limits of one operation (GB/s, medians): one thread's `process_vm_readv` of the
+/// peer's descriptors in `md` into local memory laid out as the benchmark's (`buffers`, `layout`),
+/// one range per descriptor in calls of at most 1,024 ranges; and for consecutive descriptors
+/// (`--layout contiguous`, or one descriptor), the same bytes as one range.
+fn vm_readv_limit(
+    pid: i32,
+    md: &RdmaMetadata,
+    size: usize,
+    buffers: &str,
+    layout: &str,
+) -> Result<(f64, Option<f64>)> {
+    use nix::sys::uio::RemoteIoVec;
+    let n = md.descriptors.len();
+    let remote: Vec<RemoteIoVec> = md
+        .descriptors
+        .iter()
+        .map(|d| RemoteIoVec {
+            base: d.ptr as usize,
+            len: d.size as usize,
+        })
+        .collect();
+    let total = size * n;
+    let (mut huge, mut vecs, mut one) = (Vec::new(), Vec::<Vec<u8>>::new(), None);
+    let mut local: Vec<&mut [u8]> = match layout {
+        "separate" if buffers == "huge" => {
+            for _ in 0..n {
+                huge.push(HostBuffer::new(size)?);
+            }
+            huge.iter_mut().map(|b| &mut b[..]).collect()
+        }
+        "separate" => {
+            vecs.resize(n, vec![0u8; size]);
+            vecs.iter_mut().map(|v| &mut v[..]).collect()
+        }
+        _ => {
+            let stride = if layout == "scattered" { 2 * size } else { size };
+            let buf = one.insert(HostBuffer::new((stride * n).max(1))?);
+            buf.chunks_mut(stride.max(1))
+                .take(n)
+                .map(|c| &mut c[..size])
+                .collect()
+        }
     };
-    dst.fill(0);
-    let remote = [RemoteIoVec {
-        base: md.descriptors[0].ptr as usize,
-        len: size,
-    }];
-    let reps = (default_iters(size) / 2).clamp(5, 200);
+    let per_range = readv_rate(pid, &mut local, &remote, total)?;
+    drop(local);
+    let adjacent = remote.windows(2).all(|w| w[0].base + w[0].len == w[1].base);
+    let one_range = match (one.as_mut(), remote.first()) {
+        (Some(buf), Some(first)) if layout == "contiguous" && adjacent => Some(readv_rate(
+            pid,
+            &mut [&mut buf[..total]],
+            &[RemoteIoVec {
+                base: first.base,
+                len: total,
+            }],
+            total,
+        )?),
+        _ if n == 1 => Some(per_range),
+        _ => None,
+    };
+    Ok((per_range, one_range))
+}
+
+/// One thread's rate (GB/s, median of repeated reads) of `process_vm_readv` from `remote` (in
+/// `pid`) into `local`, in calls of at most 1,024 ranges.
+fn readv_rate(
+    pid: i32,
+    local: &mut [&mut [u8]],
+    remote: &[nix::sys::uio::RemoteIoVec],
+    total: usize,
+) -> Result<f64> {
+    use nix::sys::uio::process_vm_readv;
+    use nix::unistd::Pid;
+    for s in local.iter_mut() {
+        s.fill(0);
+    }
+    let reps = (default_iters(total) / 2).clamp(5, 200);
     let mut v = Vec::with_capacity(reps);
     for _ in 0..reps + 2 {
         let t0 = Instant::now();
-        let mut got = 0;
-        while got < size {
-            let n = process_vm_readv(
-                Pid::from_raw(pid),
-                &mut [std::io::IoSliceMut::new(&mut dst[got..])],
-                &[RemoteIoVec {
-                    base: remote[0].base + got,
-                    len: size - got,
-                }],
-            )
-            .context("process_vm_readv of the peer's buffer (the copy limit)")?;
-            if n == 0 {
-                bail!("process_vm_readv read nothing");
+        for (l, r) in local.chunks_mut(1024).zip(remote.chunks(1024)) {
+            let want: usize = r.iter().map(|r| r.len).sum();
+            let mut iov: Vec<std::io::IoSliceMut<'_>> =
+                l.iter_mut().map(|s| std::io::IoSliceMut::new(s)).collect();
+            let got = process_vm_readv(Pid::from_raw(pid), &mut iov, r)
+                .context("process_vm_readv of the peer's buffer (the copy limit)")?;
+            if got != want {
+                bail!("process_vm_readv read {got} of {want} bytes (the copy limit)");
             }
-            got += n;
         }
         v.push(t0.elapsed().as_secs_f64() * 1e6);
     }
     let s = stats(&mut v[2..]);
-    Ok(size as f64 / s.p50 / 1e3)
+    Ok(total as f64 / s.p50 / 1e3)
 }
 
 /// One round: an active operation per metadata, all outstanding at once; returns the path taken
@@ -696,6 +815,7 @@ pub(crate) async fn peer() -> Result<()> {
         let count = b.descriptors * b.concurrency;
         let mut mem = Mem::new(
             &b.buffers,
+            &b.layout,
             b.size,
             count,
             (!write).then_some(b.size as u64),

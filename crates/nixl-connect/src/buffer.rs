@@ -9,7 +9,7 @@ use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 
-use crate::reg::RegToken;
+use crate::reg::{RegSet, RegToken};
 use crate::sync::Recover;
 
 const PAGE: usize = 4096;
@@ -36,7 +36,7 @@ pub struct HostBuffer {
     map_base: NonNull<u8>,
     map_len: usize,
     huge: bool,
-    pub(crate) regs: Mutex<Vec<RegToken>>,
+    pub(crate) regs: Mutex<RegSet>,
 }
 
 // SAFETY: HostBuffer owns its mapping exclusively (like Vec<u8>); &HostBuffer only hands out &[u8].
@@ -86,7 +86,7 @@ impl HostBuffer {
             map_base: unsafe { NonNull::new_unchecked(base) },
             map_len,
             huge,
-            regs: Mutex::new(Vec::new()),
+            regs: Mutex::new(RegSet::default()),
         })
     }
 
@@ -160,7 +160,7 @@ impl Drop for HostBuffer {
     fn drop(&mut self) {
         let regs = std::mem::take(self.regs.get_mut().recover());
         let (base, len) = (self.map_base.as_ptr() as usize, self.map_len);
-        if regs.iter().any(|t| t.exposed()) {
+        if regs.iter().any(RegToken::exposed) {
             // Peers were told about this memory through NIXL, and UCX checks no registration when
             // a peer reaches it over TCP, CMA or shared memory: unmapping it could make this
             // process fault serving a late or replayed transfer, and releasing its pages would

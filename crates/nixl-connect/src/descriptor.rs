@@ -417,10 +417,7 @@ impl<'a> Descriptor<'a> {
         };
         let list = match hb {
             Some(b) => {
-                let mut g = b.regs.lock().recover();
-                if !g.iter().any(|t| t.same(&tok)) {
-                    g.push(tok);
-                }
+                b.regs.lock().recover().insert(tok);
                 return;
             }
             None => &mut self.regs,

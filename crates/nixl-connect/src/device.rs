@@ -92,6 +92,9 @@ impl FromStr for Device {
     /// Python's `Device` also takes `host...` and `gpu...`, but its `SerializedDescriptor` accepts
     /// only `cpu`, `cuda...` and `xpu...`; this parser follows the stricter wire rule.
     fn from_str(s: &str) -> Result<Self, ParseDeviceError> {
+        if s == "cpu" {
+            return Ok(Device::Host); // every host descriptor of a metadata: no allocation
+        }
         let v = s.trim().to_ascii_lowercase();
         let bad = || ParseDeviceError { input: s.to_string() };
         let ordinal = |rest: &str| -> Result<u32, ParseDeviceError> {

@@ -78,7 +78,7 @@ pub struct SerializedDescriptor {
 }
 
 fn nonzero_ptr<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
-    let v = i128::deserialize(d)?;
+    let v = d.deserialize_u64(WholeNumber)?;
     if v == 0 {
         return Err(serde::de::Error::custom("ptr cannot be zero (aka null)"));
     }
@@ -86,8 +86,37 @@ fn nonzero_ptr<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u6
 }
 
 fn size_field<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u64, D::Error> {
-    let v = i128::deserialize(d)?;
+    let v = d.deserialize_u64(WholeNumber)?;
     u64::try_from(v).map_err(|_| serde::de::Error::custom(format!("size {v} must be an integer >= 0")))
+}
+
+/// A JSON integer of any sign (as `i128`; the callers name the field in their range errors),
+/// read through the deserializer's `u64` path: a descriptor list is mostly these numbers, and the
+/// `i128` path is the slow one. Anything but an integer is refused as `i128` would refuse it.
+struct WholeNumber;
+
+impl serde::de::Visitor<'_> for WholeNumber {
+    type Value = i128;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("i128")
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<i128, E> {
+        Ok(v.into())
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<i128, E> {
+        Ok(v.into())
+    }
+
+    fn visit_u128<E: serde::de::Error>(self, v: u128) -> std::result::Result<i128, E> {
+        i128::try_from(v).map_err(|_| E::invalid_value(serde::de::Unexpected::Other("u128"), &self))
+    }
+
+    fn visit_i128<E: serde::de::Error>(self, v: i128) -> std::result::Result<i128, E> {
+        Ok(v)
+    }
 }
 
 fn kind_field<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<u8, D::Error> {

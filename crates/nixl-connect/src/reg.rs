@@ -6,6 +6,7 @@
 //! through its own type's `Drop`. Nothing here imports anything above it.
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::device::Device;
@@ -48,6 +49,11 @@ impl RegToken {
         Arc::ptr_eq(&self.0, &other.0)
     }
 
+    /// The registration's identity (its address, unique while this token keeps it alive).
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.0) as *const () as usize
+    }
+
     /// See [`Registration::exposed`].
     pub(crate) fn exposed(&self) -> bool {
         self.0.exposed()
@@ -56,5 +62,46 @@ impl RegToken {
     /// See [`Registration::quarantine`].
     pub(crate) fn quarantine(&self, memory: Hold, bytes: usize) {
         self.0.quarantine(memory, bytes)
+    }
+}
+
+/// The registrations one piece of memory keeps alive, each once: a buffer exposed in many parts
+/// (a descriptor per part, each registered) finds a token it holds already in constant time.
+#[derive(Default)]
+pub(crate) struct RegSet(HashMap<usize, RegToken>);
+
+impl RegSet {
+    /// Keeps `tok` unless it keeps a registration already held.
+    pub(crate) fn insert(&mut self, tok: RegToken) {
+        self.0.entry(tok.id()).or_insert(tok);
+    }
+
+    /// The tokens held.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &RegToken> {
+        self.0.values()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Dummy;
+    impl Registration for Dummy {
+        fn exposed(&self) -> bool {
+            false
+        }
+        fn quarantine(&self, _memory: Hold, _bytes: usize) {}
+    }
+
+    #[test]
+    fn reg_set_keeps_each_registration_once() {
+        let (a, b) = (RegToken::new(Arc::new(Dummy)), RegToken::new(Arc::new(Dummy)));
+        let mut set = RegSet::default();
+        for t in [a.clone(), b.clone(), a.clone(), a.clone(), b.clone()] {
+            set.insert(t);
+        }
+        assert_eq!(set.iter().count(), 2);
+        assert!(set.iter().any(|t| t.same(&a)) && set.iter().any(|t| t.same(&b)));
     }
 }

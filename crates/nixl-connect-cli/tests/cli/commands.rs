@@ -343,6 +343,66 @@ fn cli_bad_numbers_are_errors_not_panics() {
     let _ = peer.child.kill();
 }
 
+/// Many descriptors in each layout, read and written: the bytes are verified, and each row carries
+/// the copy limit of its own ranges (contiguous ones also as one range; no timing asserted).
+#[test]
+fn cli_bench_layouts_verify_bytes_and_measure_their_own_limit() {
+    for layout in ["separate", "contiguous", "scattered"] {
+        for op in ["read", "write"] {
+            let mut c = cli();
+            c.args([
+                "bench",
+                "--path",
+                "local",
+                "--sizes",
+                "4K",
+                "--descriptors",
+                "300",
+                "--iters",
+                "3",
+                "--warmup",
+                "1",
+                "--op",
+                op,
+                "--layout",
+                layout,
+            ]);
+            let (o, _) = run(c, LIMIT);
+            ok(&o, "bench");
+            let v: serde_json::Value = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .find(|v: &serde_json::Value| v.get("size").is_some())
+                .expect("a row");
+            assert_eq!(v["ok"], true, "{layout}/{op}: bytes verified: {v}");
+            assert_eq!(v["layout"], layout);
+            assert_eq!(v["descriptors"], 300);
+            assert!(v["limit_GBps"].as_f64().is_some_and(|l| l > 0.0), "{v}");
+            assert_eq!(
+                v.get("one_range_limit_GBps").is_some(),
+                layout == "contiguous",
+                "{layout}/{op}: {v}"
+            );
+        }
+    }
+    let mut c = cli();
+    c.args([
+        "bench",
+        "--sizes",
+        "4K",
+        "--layout",
+        "scattered",
+        "--buffers",
+        "vec",
+    ]);
+    let (o, _) = run(c, LIMIT);
+    assert_eq!(o.status.code(), Some(1), "refused: {o:?}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--buffers huge"),
+        "{o:?}"
+    );
+}
+
 /// The benchmark runs every op and buffer kind and prints DESIGN.md's keys (no timing asserted).
 #[test]
 fn cli_bench_prints_design_keys_for_every_mode() {

@@ -26,6 +26,8 @@ pub(crate) const CHUNK: usize = 8 << 20;
 /// The most copy threads the pool starts.
 pub(crate) const MAX_THREADS: usize = 8;
 const IOV_MAX: usize = 1024;
+/// The fewest ranges a large copy of small ranges is split into for another thread.
+pub(crate) const MIN_RANGES: usize = 256;
 
 /// One contiguous piece: `len` bytes from `remote` in the peer to `local` here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -616,6 +618,25 @@ impl Batch {
     }
 }
 
+/// Joins pieces that continue one another on both sides (consecutive parts of one buffer
+/// described as many descriptors) into one, so that a call moves them as one range; drops empty
+/// ones. The union is exactly the pieces given: nothing outside them is read or written.
+pub(crate) fn coalesce(pieces: Vec<Piece>) -> Vec<Piece> {
+    let mut out: Vec<Piece> = Vec::with_capacity(pieces.len());
+    for p in pieces.into_iter().filter(|p| p.len > 0) {
+        match out.last_mut() {
+            Some(last)
+                if last.local.checked_add(last.len) == Some(p.local)
+                    && last.remote.checked_add(last.len) == Some(p.remote) =>
+            {
+                last.len += p.len;
+            }
+            _ => out.push(p),
+        }
+    }
+    out
+}
+
 /// Starts `c` on the copy pool at once (see [`spawn_into`]).
 #[cfg(test)]
 pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
@@ -634,12 +655,17 @@ pub(crate) fn spawn_into(batch: &mut Batch, c: Copy, done: Done) -> Result<(), C
     }
     let p = pool();
     let total = c.bytes();
-    let parts = (total / MIN_PIECE).clamp(1, p.per_peer);
+    let pieces = coalesce(c.pieces);
+    // A part is worth a thread of its own from MIN_PIECE bytes, or from MIN_RANGES ranges (the
+    // kernel pins each range's pages apart: many small ranges cost more than their bytes).
+    let parts = (total / MIN_PIECE)
+        .max(pieces.len() / MIN_RANGES)
+        .clamp(1, p.per_peer);
     let per = total.div_ceil(parts);
     let mut jobs: Vec<Vec<Piece>> = Vec::with_capacity(parts);
     let mut cur = Vec::new();
     let mut in_part = 0;
-    for mut p in c.pieces {
+    for mut p in pieces {
         while p.len > 0 {
             let last = jobs.len() + 1 == parts;
             let take = if last { p.len } else { p.len.min(per - in_part) };

@@ -192,6 +192,64 @@ fn cma_pull_reports_a_bad_address() {
     ));
 }
 
+#[test]
+fn cma_coalesce_joins_only_pieces_adjacent_on_both_sides() {
+    let p = |local, remote, len| Piece { local, remote, len };
+    let got = coalesce(vec![
+        p(100, 1000, 10),
+        p(110, 1010, 5), // continues both sides: joined
+        p(115, 2000, 5), // local continues, remote does not: kept apart
+        p(120, 2005, 0), // empty: dropped
+        p(130, 2005, 4), // remote continues, local does not: kept apart
+        p(134, 2009, 6), // continues both: joined
+        p(usize::MAX - 3, 10, 3),
+        p(0, 13, 1), // would wrap around: kept apart
+    ]);
+    assert_eq!(
+        got,
+        vec![
+            p(100, 1000, 15),
+            p(115, 2000, 5),
+            p(130, 2005, 10),
+            p(usize::MAX - 3, 10, 3),
+            p(0, 13, 1)
+        ]
+    );
+}
+
+/// A copy of many small scattered ranges (a gap between each, on both sides) is split across
+/// threads by its ranges, not its bytes, and still moves every byte and nothing in the gaps.
+#[test]
+fn cma_copy_of_many_scattered_ranges_moves_every_byte_and_no_gap() {
+    const N: usize = 1000;
+    const S: usize = 4096;
+    let src: Vec<u8> = (0..2 * N * S).map(|i| (i * 13 % 251) as u8 + 1).collect();
+    let mut dst = vec![0u8; 2 * N * S];
+    let table = Arc::new(SlotTable::create().unwrap());
+    table.arm(2, 9);
+    let pieces = (0..N)
+        .map(|i| Piece {
+            local: dst.as_mut_ptr() as usize + 2 * i * S,
+            remote: src.as_ptr() as usize + 2 * i * S,
+            len: S,
+        })
+        .collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut c = copy_of(&table, 2, 9, 0, 0, 0);
+    c.pieces = pieces;
+    spawn(c, Box::new(move |r| tx.send(r).unwrap())).unwrap();
+    assert_eq!(rx.recv().unwrap(), Ok(()));
+    for i in 0..N {
+        let (at, gap) = (2 * i * S, (2 * i + 1) * S);
+        assert!(dst[at..at + S] == src[at..at + S], "range {i} moved");
+        assert!(
+            dst[gap..gap + S].iter().all(|&b| b == 0),
+            "gap after range {i} untouched"
+        );
+    }
+    assert_eq!(table.revoke(2, 9), DONE);
+}
+
 /// A copy of `len` bytes from `remote` in this process to `local`, guarded by slot `idx` of
 /// `table` at generation `gen`.
 fn copy_of(table: &Arc<SlotTable>, idx: u32, gen: u64, local: usize, remote: usize, len: usize) -> Copy {
