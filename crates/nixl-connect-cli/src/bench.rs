@@ -46,6 +46,10 @@ pub(crate) struct Args {
     /// buffer with a gap of one descriptor's size between each). The last two need `--buffers huge`.
     #[arg(long, default_value = "separate", value_parser = ["separate", "contiguous", "scattered"])]
     layout: String,
+    /// Fresh memory for every operation, on both sides (allocated outside the timed part, as a
+    /// worker allocates a tensor per request), instead of the same buffers reused.
+    #[arg(long)]
+    fresh: bool,
     /// Operations outstanding at once (each with its own fresh metadata).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     concurrency: u32,
@@ -86,6 +90,7 @@ struct Block {
     n: usize,
     buffers: String,
     layout: String,
+    fresh: bool,
     device: Device,
     ucx_params: Vec<(String, String)>,
 }
@@ -397,6 +402,7 @@ impl Row {
             "peer_device": a.peer_device.unwrap_or(a.device).to_string(),
             "buffers": a.buffers,
             "layout": a.layout,
+            "fresh": a.fresh,
             "size": self.block.size,
             "descriptors": self.block.descriptors,
             "bytes": self.bytes(),
@@ -532,6 +538,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             n,
             buffers: a.buffers.clone(),
             layout: a.layout.clone(),
+            fresh: a.fresh,
             device: a.peer_device.unwrap_or(a.device),
             ucx_params: a.ucx_params.clone(),
         };
@@ -551,8 +558,19 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         let (mut times, mut waits) = (Vec::new(), Vec::new());
         let mut ok = true;
         let mut path = String::from("-");
-        let mut first_md: Option<RdmaMetadata> = None;
+        let mut last_md: Option<RdmaMetadata> = None;
         for i in 0..n {
+            if a.fresh && i > 0 {
+                drop(mem);
+                mem = Mem::new(
+                    &a.buffers,
+                    &a.layout,
+                    size,
+                    per * conc,
+                    write.then_some(size as u64),
+                    a.device,
+                )?;
+            }
             let mut lines = Vec::with_capacity(conc);
             for _ in 0..conc {
                 lines.push(next_line(&mut from_peer).await?);
@@ -568,7 +586,8 @@ pub(crate) async fn run(a: Args) -> Result<()> {
                 mem.recycle(k * per, back);
             }
             path = p;
-            if !write && i == 0 {
+            // Verified on the first iteration, and with fresh memory on the last one as well.
+            if !write && (i == 0 || (a.fresh && i + 1 == n)) {
                 ok &= (0..per * conc).all(|k| mem.holds(k, size as u64));
             }
             for _ in 0..conc {
@@ -581,11 +600,13 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             if i >= a.warmup as usize {
                 times.push(dt.as_secs_f64() * 1e6);
             }
-            first_md.get_or_insert_with(|| mds.swap_remove(0));
+            // The last operation's memory is the one the peer still holds (with --fresh, each operation
+            // had its own).
+            last_md = Some(mds.swap_remove(0));
         }
         // The copy limit, in the same run: one thread's process_vm_readv of the peer's memory
         // (still mapped: the peer keeps it until the next block).
-        let (limit_gbps, one_range_gbps) = match (&first_md, a.device) {
+        let (limit_gbps, one_range_gbps) = match (&last_md, a.device) {
             (Some(md), Device::Host) if a.limit && a.peer_device.unwrap_or(a.device) == Device::Host => {
                 let (l, one) = vm_readv_limit(peer_pid, md, size, &a.buffers, &a.layout)?;
                 (Some(l), one.filter(|_| per > 1))
@@ -822,8 +843,20 @@ pub(crate) async fn peer() -> Result<()> {
             b.device,
         )?;
         for i in 0..b.n {
+            if b.fresh && i > 0 {
+                drop(mem);
+                mem = Mem::new(
+                    &b.buffers,
+                    &b.layout,
+                    b.size,
+                    count,
+                    (!write).then_some(b.size as u64),
+                    b.device,
+                )?;
+            }
             let waits = passive_round(&conn, &mut mem, b.descriptors, b.concurrency, write).await?;
-            let ok = !(write && i == 0) || (0..count).all(|k| mem.holds(k, b.size as u64));
+            let check = write && (i == 0 || (b.fresh && i + 1 == b.n));
+            let ok = !check || (0..count).all(|k| mem.holds(k, b.size as u64));
             for wait_us in waits {
                 println!("{}", serde_json::to_string(&PeerIter { wait_us, ok })?);
             }

@@ -43,6 +43,132 @@ impl RawAlloc {
     }
 }
 
+/// An anonymous mapping the test replaces in place (`MAP_FIXED` over it: the old pages freed and
+/// fresh zeroed ones at the same address, with no moment in which another allocation could take
+/// the range), as an allocator handing the same addresses to the next request does.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Mapping {
+    fn new(len: usize) -> Self {
+        // SAFETY: a fresh private anonymous mapping; checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        Self { ptr: p.cast(), len }
+    }
+
+    /// Frees the pages and maps fresh zeroed ones at the same address, filled with `fill`. Only
+    /// once every descriptor and operation over the old memory has been dropped.
+    fn replace(&mut self, fill: u8) {
+        // SAFETY: replaces this test's own mapping, which nothing borrows any more (the caller's
+        // contract); MAP_FIXED at the same address and length touches nothing else.
+        unsafe {
+            let p = libc::mmap(
+                self.ptr.cast(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            );
+            assert_eq!(p.cast::<u8>(), self.ptr, "mapped again at the same address");
+            std::ptr::write_bytes(self.ptr, fill, self.len);
+        }
+    }
+
+    fn descriptor(&self) -> Descriptor<'static> {
+        // SAFETY: the mapping lives until `replace` or drop, which the test calls only after every
+        // descriptor and operation over it has been dropped (the contract of `from_raw_parts`).
+        unsafe { Descriptor::from_raw_parts(self.ptr, self.len, Device::Host) }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` readable bytes; no operation over it is live.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps this test's own mapping once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Memory freed and mapped again at the same address between operations serves its new bytes,
+/// as exposed memory and as a read's destination, on both paths: nothing learned about the old
+/// pages (a NIXL registration of the same range whose deregistration may still be queued, a
+/// same-host grant) moves bytes to or from the new ones.
+#[test]
+fn freed_memory_mapped_again_at_the_same_address_moves_its_new_bytes() {
+    on_both_paths("freed::support_same_address", "SAME-ADDRESS-OK");
+}
+
+#[test]
+#[ignore = "run by freed_memory_mapped_again_at_the_same_address_moves_its_new_bytes in a fresh process"]
+fn support_same_address() {
+    let Ok(_) = std::env::var(PEER_ENV) else { return };
+    let policy = policy_from_env();
+    let name = std::env::var("NIXL_CONNECT_TEST_PATH").unwrap_or_else(|_| "auto".into());
+    runtime().block_on(async {
+        let conn = Connector::builder().path(policy).build().unwrap();
+        let mut peer = sound_peer();
+        let len = 8 * MIB;
+        // Exposed: the peer reads this process's memory, a new fill at the same address each round.
+        let mut m = Mapping::new(len);
+        for round in 0..4u8 {
+            let fill = 0x10 + round;
+            m.replace(fill);
+            let r = conn.create_readable(m.descriptor()).await.unwrap();
+            peer.say(&format!("read {name}"));
+            peer.say(&r.metadata().to_json());
+            peer.expect("STARTED");
+            let got = peer.expect("READ:");
+            assert!(
+                got.starts_with(&format!("ok first={fill} ")) && got.ends_with("same=true"),
+                "{name}, round {round}: the peer read {got}, not this round's {fill} throughout"
+            );
+            r.wait_for_completion(Some(Duration::from_secs(20)))
+                .await
+                .unwrap();
+            drop(r);
+        }
+        // A read's destination: fresh zeroed pages at the same address each round receive every
+        // byte of the peer's readable (0x5A).
+        let mut d = Mapping::new(len);
+        for round in 0..4 {
+            d.replace(0);
+            peer.say(&format!("expose readable {len} host"));
+            let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+            let op = conn.begin_read(&md, d.descriptor()).await.unwrap();
+            op.wait_for_completion(Some(Duration::from_secs(20)))
+                .await
+                .unwrap();
+            drop(op);
+            peer.say("wait 20000");
+            assert_eq!(peer.expect("WAIT:"), "ok");
+            peer.say("drop");
+            peer.expect("DROPPED");
+            assert!(
+                d.bytes().iter().all(|&b| b == 0x5A),
+                "{name}, round {round}: the new pages at the old address did not get every byte"
+            );
+        }
+        println!("SAME-ADDRESS-OK");
+    });
+}
+
 /// True if a fresh zeroed allocation stayed zero.
 fn zero(c: &[u8]) -> bool {
     c.iter().all(|&b| b == 0)

@@ -580,7 +580,7 @@ fn support_deadline_killed() {
 /// - `drop`: drops it and its memory, prints `DROPPED`;
 /// - `read auto|nixl|local [fresh]` then a metadata line: reads it (with a fresh connector when
 ///   `fresh`), prints `STARTED` once the transfer is under way, then
-///   `READ:ok first=<byte> path=<path>` or `READ:err <error>`;
+///   `READ:ok first=<byte> path=<path> same=<every byte as the first>` or `READ:err <error>`;
 /// - `write auto|nixl|local` then a metadata line: writes 0x77 bytes into it, prints
 ///   `STARTED`, then `WRITE:ok` or `WRITE:err <error>`.
 #[test]
@@ -663,8 +663,10 @@ fn support_sound_peer() {
                             match op.wait_for_completion(Some(Duration::from_secs(20))).await {
                                 Ok(()) => {
                                     let path = op.path().map_or("?".into(), |p| p.to_string());
-                                    let first = op.into_descriptors().unwrap()[0].as_slice().unwrap()[0];
-                                    Ok((first, path))
+                                    let back = op.into_descriptors().unwrap();
+                                    let bytes = back[0].as_slice().unwrap();
+                                    let same = bytes.iter().all(|&b| b == bytes[0]);
+                                    Ok((bytes[0], format!("{path} same={same}")))
                                 }
                                 Err(e) => Err(e),
                             }
