@@ -3,7 +3,9 @@
 # over RUNS runs (default 3): the Rust `bench` over both paths (same-host "local" and "nixl"), raw
 # NIXL (nixl_raw_pair.py, UCX defaults), Python Dynamo (run_dynamo.py), and the Python pair
 # (py_pair.py, and scripts/py_pair_bench.py timing both sides) with Dynamo's module and with this
-# project's nixl_connect. Prints markdown tables and writes JSON to bench-results/.
+# project's nixl_connect; then many operations at once beside raw NIXL with as many outstanding
+# (scripts/nixl_raw_concurrent.py), many descriptors against their copy limit, fresh memory against
+# reused. Prints markdown tables and writes JSON to bench-results/.
 # Usage: bash scripts/bench.sh [--sizes 4K,64K,1M,16M,64M,256M] [--runs 3] [--no-anchors]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +54,58 @@ if [ "$ANCHORS" = 1 ] && [ -d "$ANCHOR_DIR" ]; then
   .venv/bin/python "$ANCHOR_DIR/nixl_raw_pair.py" --ops READ,WRITE --runs "$RUNS" --sizes "$SIZES" --thp 0 --json "$OUT/$stamp-raw4k.json" >&2 || echo "raw NIXL anchor (4 KiB pages) failed" >&2
   .venv/bin/python "$ANCHOR_DIR/run_dynamo.py" --runs "$RUNS" --sizes "$SIZES" --json "$OUT/$stamp-dynamo.json" >&2 || echo "Python Dynamo anchor failed" >&2
 fi
+# Many operations at once (issue 28), UCX_TLS=tcp for the NIXL rows and their anchor: 4 KiB with
+# 64 outstanding on both paths, beside raw NIXL with 64 outstanding (scripts/nixl_raw_concurrent.py);
+# 1,000 x 4 KiB in one operation in each layout (same-host path, against the copy limit of the same
+# ranges); 8 MiB over fresh memory for every operation against the same memory reused.
+many="$OUT/$stamp-many.jsonl"; : > "$many"
+for r in $(seq "$RUNS"); do
+  for path in local nixl; do
+    for op in read write; do
+      UCX_TLS=tcp target/release/nixl-connect bench --json --path "$path" --op "$op" --sizes 4K --concurrency 64 --iters 200 \
+        | grep '"size"' | sed "s/^{/{\"run\":$r,\"set\":\"concurrency\",/" >> "$many"
+      UCX_TLS=tcp .venv/bin/python scripts/nixl_raw_concurrent.py --runs 1 --op "${op^^}" --concurrency 64 2>/dev/null \
+        | tail -n1 | sed "s/^{/{\"run\":$r,\"set\":\"concurrency\",\"path\":\"$path\",/" >> "$many" || echo "raw NIXL concurrent anchor failed" >&2
+    done
+  done
+  for layout in separate contiguous scattered; do
+    target/release/nixl-connect bench --json --path local --sizes 4K --descriptors 1000 --layout "$layout" \
+      | grep '"size"' | sed "s/^{/{\"run\":$r,\"set\":\"descriptors\",/" >> "$many"
+  done
+  for path in local nixl; do
+    for fresh in "" --fresh; do
+      UCX_TLS=tcp target/release/nixl-connect bench --json --path "$path" --buffers vec --sizes 8M --iters 30 $fresh \
+        | grep '"size"' | sed "s/^{/{\"run\":$r,\"set\":\"fresh\",/" >> "$many"
+    done
+  done
+done
+.venv/bin/python - "$many" <<'PY' || true
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+med = statistics.median
+print("\nMany operations (issue 28; medians of run medians, UCX_TLS=tcp for the NIXL path)")
+print("| what | nixl-connect | anchor in the same runs | ratio |")
+print("|---|---|---|---|")
+for path in ("local", "nixl"):
+  for op in ("read", "write"):
+    ours = [r["ops_per_s"] for r in rows if r["set"] == "concurrency" and r.get("impl") == "nixl-connect" and r["path"] == path and r["op"] == op]
+    raw = [r["ops_per_s_median"] for r in rows if r["set"] == "concurrency" and r.get("anchor") and r["path"] == path and r["op"] == op.upper()]
+    if ours:
+      a = f"{med(raw):,.0f}/s raw NIXL" if raw else "-"
+      ratio = f"{med(ours) / med(raw):.2f}x" if raw else "-"
+      print(f"| 4 KiB {op}, 64 outstanding, {path} path | {med(ours):,.0f}/s | {a} | {ratio} |")
+for layout in ("separate", "contiguous", "scattered"):
+  rs = [r for r in rows if r["set"] == "descriptors" and r["layout"] == layout]
+  if rs:
+    one = [r["one_range_limit_GBps"] for r in rs if "one_range_limit_GBps" in r]
+    extra = f"; as one range {med(one):.2f} GB/s" if one else ""
+    print(f"| 1,000 x 4 KiB read, {layout} | {med(r['latency_p50_us'] for r in rs):.0f} us, {med(r['GBps'] for r in rs):.2f} GB/s | copy limit {med(r['limit_GBps'] for r in rs):.2f} GB/s{extra} | {med(r['of_limit'] for r in rs):.0%} |")
+for path in ("local", "nixl"):
+  f = [r["latency_p50_us"] for r in rows if r["set"] == "fresh" and r["path"] == path and r["fresh"]]
+  u = [r["latency_p50_us"] for r in rows if r["set"] == "fresh" and r["path"] == path and not r["fresh"]]
+  if f and u:
+    print(f"| 8 MiB read, Vec, fresh memory, {path} path | {med(f):.0f} us | reused {med(u):.0f} us | {med(f) / med(u):.2f}x |")
+PY
 .venv/bin/python - "$res" "$OUT/$stamp-raw.json" "$OUT/$stamp-dynamo.json" "$OUT/$stamp-raw4k.json" "$pyres" <<'PY'
 import json, statistics, sys, os
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
