@@ -31,7 +31,7 @@ const MIN_PARK: Duration = Duration::from_micros(20);
 /// The longest back-off while transfers are in flight.
 const MAX_PARK: Duration = Duration::from_millis(1);
 /// How often a hot engine progresses a transport that watches for peers' completions.
-const WATCH_GAP: Duration = Duration::from_micros(25);
+const WATCH_GAP: Duration = Duration::from_micros(5);
 /// Completed operations' keys remembered, to refuse replaying their metadata.
 const MAX_COMPLETED: usize = 65_536;
 
