@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # Installs what nixl-connect needs on a fresh Debian machine, idempotently:
-#   - libclang (nixl-sys generates its bindings with bindgen at build time)
+#   - libclang (nixl-sys generates its bindings with bindgen at build time) and protoc (Debian's
+#     protobuf-compiler: etcd-client, behind the etcd metadata channel, generates its gRPC code)
 #   - the NIXL library from PyPI's nixl-cu13 wheel, unpacked into .nixl/ (ignored by git)
 #   - with --interop: a Python venv (.venv/) holding Dynamo's dynamo.nixl_connect (ai-dynamo-runtime),
 #     Dynamo's own callers and their tests (ai-dynamo, without its heavy optional dependencies), real
 #     PyTorch (the PyPI wheel, CPU use only) and this project's nixl_connect wheel, built from source
 #   - with --nats: Debian's nats-server for the NATS channel tests
-# Usage: bash scripts/setup.sh [--interop] [--nats]
+#   - with --etcd: Debian's etcd-server for the etcd channel tests (the tests start their own etcd)
+# Usage: bash scripts/setup.sh [--interop] [--nats] [--etcd]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NIXL_VERSION=1.5.1          # must match the pinned nixl-sys (=1.5.1) in Cargo.toml
 NIXL_WHEEL=${NIXL_WHEEL:-nixl-cu13}
 DYNAMO_VERSION=1.6.1
 TORCH_VERSION=2.15.0
-want_interop=0; want_nats=0
+want_interop=0; want_nats=0; want_etcd=0
 for a in "$@"; do
   case "$a" in
     --interop) want_interop=1 ;;
     --nats) want_nats=1 ;;
+    --etcd) want_etcd=1 ;;
     *) echo "setup: unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -26,7 +29,9 @@ SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 
 apt_pkgs=()
 if ! ldconfig -p 2>/dev/null | grep -q 'libclang\(-[0-9.]*\)\?\.so'; then apt_pkgs+=(libclang-dev); fi
+if ! command -v protoc >/dev/null 2>&1; then apt_pkgs+=(protobuf-compiler); fi
 if [ "$want_nats" = 1 ] && ! command -v nats-server >/dev/null 2>&1; then apt_pkgs+=(nats-server); fi
+if [ "$want_etcd" = 1 ] && ! command -v etcd >/dev/null 2>&1; then apt_pkgs+=(etcd-server); fi
 if ! command -v unzip >/dev/null 2>&1; then apt_pkgs+=(unzip); fi
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   say "installing ${apt_pkgs[*]} with apt-get"

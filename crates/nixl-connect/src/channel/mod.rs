@@ -7,10 +7,14 @@
 //!   each published operation under its own unguessable path. Good on one host or a flat network.
 //! - `nats` (feature `nats`): NATS request/reply on a per-operation subject, for fleets whose
 //!   workers already share a NATS server.
+//! - `etcd` (feature `etcd`): a key held by a lease in the etcd a Dynamo deployment runs for
+//!   discovery, for workers on many hosts.
 //!
-//! Both unpublish when the returned publication guard is dropped: hold it as long as the
+//! All unpublish when the returned publication guard is dropped: hold it as long as the
 //! operation, and drop it when the operation completes (or is dropped).
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 #[cfg(feature = "http")]
 pub mod http;
 #[cfg(feature = "nats")]

@@ -3,6 +3,8 @@
 
 mod channels;
 mod core;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod freed;
 #[cfg(feature = "cuda")]
 mod gpu;

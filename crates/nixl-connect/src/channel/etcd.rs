@@ -1,0 +1,349 @@
+//! The etcd channel: metadata under a key held by a lease, in the etcd a Dynamo deployment runs.
+//!
+//! The passive side writes its metadata under `<prefix><name>` (default prefix [`DEFAULT_PREFIX`],
+//! a fresh UUID for the name unless one is given), attached to a lease of [`LEASE_TTL`] that it
+//! keeps alive while the [`EtcdPublication`] lives. Dropping the publication revokes the lease
+//! (the key goes at once); a publisher that dies or loses etcd stops renewing it, and etcd deletes
+//! the key when the lease runs out, so a key never outlives its worker by more than the TTL. The
+//! peer gets the key, or watches for it until its deadline when it is not there yet.
+//!
+//! The key is written only if absent (one transaction): a name already taken is an error, never
+//! a silent overwrite of another worker's metadata. Nothing is ever written half: one put of the
+//! whole document, or none.
+
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+};
+
+use super::MAX_DOCUMENT;
+use crate::error::{Error, Result};
+use crate::metadata::RdmaMetadata;
+
+/// The key prefix of published metadata, under Dynamo's etcd as under any other.
+pub const DEFAULT_PREFIX: &str = "nixl-connect/md/";
+
+/// How long a published key outlives a publisher that stopped renewing its lease (etcd's lease
+/// TTL, seconds granularity). The lease is renewed every third of it.
+pub const LEASE_TTL: Duration = Duration::from_secs(10);
+
+/// A client of an etcd cluster used as a metadata channel. Cheap to clone.
+#[derive(Clone)]
+pub struct EtcdChannel {
+    client: Client,
+    endpoints: Vec<String>,
+    prefix: String,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for EtcdChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdChannel")
+            .field("endpoints", &self.endpoints)
+            .field("prefix", &self.prefix)
+            .finish()
+    }
+}
+
+fn chan(what: &str, e: etcd_client::Error) -> Error {
+    Error::channel_from(format!("etcd {what}"), e)
+}
+
+fn timed_out(after: Duration) -> Error {
+    Error::TimedOut { after, peer: None }
+}
+
+/// Runs `fut` (an etcd call) within `limit`: a server that does not answer is a typed timeout,
+/// never a hang.
+async fn within<T>(
+    limit: Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = std::result::Result<T, etcd_client::Error>>,
+) -> Result<T> {
+    tokio::time::timeout(limit, fut)
+        .await
+        .map_err(|_| timed_out(limit))?
+        .map_err(|e| chan(what, e))
+}
+
+impl EtcdChannel {
+    /// Connects to the etcd cluster at `endpoints` (`http://host:port`, or `host:port`) and checks
+    /// that it answers, within `timeout`; every later call is bounded by the same `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::Channel`] when no endpoint can be reached or the cluster refuses;
+    /// [`Error::TimedOut`] when it does not answer within `timeout`;
+    /// [`Error::InvalidArgument`] for an empty endpoint list.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn connect(endpoints: &[impl AsRef<str>], timeout: Duration) -> Result<Self> {
+        let endpoints: Vec<String> = endpoints
+            .iter()
+            .map(|e| {
+                let e = e.as_ref();
+                if e.contains("://") {
+                    e.to_string()
+                } else {
+                    format!("http://{e}")
+                }
+            })
+            .collect();
+        if endpoints.is_empty() {
+            return Err(Error::InvalidArgument("no etcd endpoint given".into()));
+        }
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(timeout)
+            .with_timeout(timeout);
+        let what = format!("connect to {}", endpoints.join(","));
+        let mut client = within(timeout, &what, Client::connect(&endpoints, Some(opts))).await?;
+        // The client connects lazily: one read proves the cluster answers.
+        within(
+            timeout,
+            &what,
+            client.get(
+                DEFAULT_PREFIX,
+                Some(GetOptions::new().with_keys_only().with_limit(1)),
+            ),
+        )
+        .await?;
+        Ok(Self {
+            client,
+            endpoints,
+            prefix: DEFAULT_PREFIX.to_string(),
+            timeout,
+        })
+    }
+
+    /// Publishes under `prefix` instead of [`DEFAULT_PREFIX`] (a deployment's namespace, for
+    /// instance `dynamo/nixl-connect/`).
+    #[must_use]
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The prefix keys are published under.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Publishes `md` under the prefix and a fresh name; kept until the returned publication is
+    /// dropped (or its publisher stops renewing it: [`LEASE_TTL`]).
+    ///
+    /// # Errors
+    /// As [`publish_as`](Self::publish_as).
+    ///
+    /// # Cancel safety
+    /// As [`publish_as`](Self::publish_as).
+    pub async fn publish(&self, md: &RdmaMetadata) -> Result<EtcdPublication> {
+        self.publish_as(&uuid::Uuid::new_v4().simple().to_string(), md)
+            .await
+    }
+
+    /// Publishes `md` under `<prefix><name>`, only if that key is free.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty name or a key already published;
+    /// [`Error::Channel`] when etcd refuses; [`Error::TimedOut`] when it does not answer within
+    /// the channel's timeout. On any error nothing is left in etcd (the lease is revoked, or
+    /// expires).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a publication dropped half-way leaves at most a lease (and its key) that
+    /// expires within [`LEASE_TTL`].
+    pub async fn publish_as(&self, name: &str, md: &RdmaMetadata) -> Result<EtcdPublication> {
+        if name.is_empty() {
+            return Err(Error::InvalidArgument("an etcd key name cannot be empty".into()));
+        }
+        let key = format!("{}{name}", self.prefix);
+        let mut c = self.client.clone();
+        let t = self.timeout;
+        let ttl = LEASE_TTL.as_secs() as i64;
+        let lease = within(t, "lease grant", c.lease_grant(ttl, None)).await?.id();
+        // From here on the lease is ours to end: a guard revokes it unless the publication takes it.
+        let mut guard = Revoke(Some((c.clone(), lease)));
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(
+                key.clone(),
+                md.to_json(),
+                Some(PutOptions::new().with_lease(lease)),
+            )]);
+        let put = within(t, &format!("put {key}"), c.txn(txn)).await?;
+        if !put.succeeded() {
+            return Err(Error::InvalidArgument(format!(
+                "etcd key {key} is already published (by another worker, or by this one earlier): \
+                 choose another name"
+            )));
+        }
+        let (mut keeper, mut stream) = within(t, "lease keep-alive", c.lease_keep_alive(lease)).await?;
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(LEASE_TTL / 3);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let renewed = async {
+                    keeper.keep_alive().await?;
+                    stream.message().await
+                };
+                match tokio::time::timeout(LEASE_TTL / 3, renewed).await {
+                    Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+                    Ok(Ok(_)) => {
+                        tracing::warn!(lease, "etcd ended the lease: the metadata key is gone");
+                        return;
+                    }
+                    Ok(Err(e)) => tracing::warn!(lease, error = %e, "renewing the etcd lease failed"),
+                    Err(_) => tracing::warn!(lease, "etcd did not answer a lease renewal in time"),
+                }
+            }
+        });
+        let client = guard.0.take().map(|(c, _)| c);
+        Ok(EtcdPublication {
+            key,
+            lease,
+            task,
+            client,
+        })
+    }
+
+    /// Fetches and validates the metadata under `key` (a full key, as
+    /// [`EtcdPublication::key`] gives it), waiting for it to be published until `timeout`.
+    ///
+    /// # Errors
+    /// [`Error::NotPublished`] when the key is not there by the deadline (never published,
+    /// unpublished, or its publisher's lease ran out); [`Error::TimedOut`] when etcd does not
+    /// answer; [`Error::Channel`] when it refuses or the document is oversized;
+    /// [`Error::Metadata`] for a bad document.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn fetch(&self, key: &str, timeout: Duration) -> Result<RdmaMetadata> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut c = self.client.clone();
+        let limit = self.timeout.min(timeout);
+        let got = within(limit, &format!("get {key}"), c.get(key, None)).await?;
+        if let Some(kv) = got.kvs().first() {
+            return parse(key, kv.value());
+        }
+        // Not there yet: watch from the revision just read, so a put in between is not missed.
+        let from = got.header().map_or(0, |h| h.revision()) + 1;
+        let not_published = || Error::NotPublished {
+            location: format!("etcd key {key} (waited {timeout:?})"),
+        };
+        let watch = c.watch(key, Some(WatchOptions::new().with_start_revision(from)));
+        let mut stream = match tokio::time::timeout_at(deadline, watch).await {
+            Err(_) => return Err(not_published()),
+            Ok(r) => r.map_err(|e| chan(&format!("watch {key}"), e))?,
+        };
+        loop {
+            let msg = match tokio::time::timeout_at(deadline, stream.message()).await {
+                Err(_) => return Err(not_published()),
+                Ok(r) => r.map_err(|e| chan(&format!("watch {key}"), e))?,
+            };
+            let Some(resp) = msg else {
+                return Err(Error::channel(format!("etcd ended the watch of {key}")));
+            };
+            if resp.canceled() {
+                return Err(Error::channel(format!("etcd cancelled the watch of {key}")));
+            }
+            for ev in resp.events() {
+                if let (EventType::Put, Some(kv)) = (ev.event_type(), ev.kv()) {
+                    return parse(key, kv.value());
+                }
+            }
+        }
+    }
+}
+
+fn parse(key: &str, value: &[u8]) -> Result<RdmaMetadata> {
+    if value.len() > MAX_DOCUMENT {
+        return Err(Error::channel(format!(
+            "the value of etcd key {key} is larger than {MAX_DOCUMENT} bytes"
+        )));
+    }
+    let text = std::str::from_utf8(value).map_err(|_| Error::Metadata {
+        field: "json",
+        reason: "the document is not UTF-8".into(),
+    })?;
+    RdmaMetadata::from_json(text)
+}
+
+/// Revokes a lease when dropped while it still holds one (a publication that failed half-way).
+struct Revoke(Option<(Client, i64)>);
+
+impl Drop for Revoke {
+    fn drop(&mut self) {
+        if let Some((c, lease)) = self.0.take() {
+            revoke_later(c, lease);
+        }
+    }
+}
+
+/// Revokes `lease` from a task of the current runtime; without one (or if etcd does not answer)
+/// the lease expires by itself within [`LEASE_TTL`].
+fn revoke_later(mut c: Client, lease: i64) {
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            let _ = tokio::time::timeout(LEASE_TTL, c.lease_revoke(lease)).await;
+        });
+    }
+}
+
+/// One published document; dropping it stops renewing its lease and revokes it (the key is
+/// deleted at once, or by etcd within [`LEASE_TTL`] if the revocation cannot reach it).
+pub struct EtcdPublication {
+    key: String,
+    lease: i64,
+    task: tokio::task::JoinHandle<()>,
+    client: Option<Client>,
+}
+
+impl std::fmt::Debug for EtcdPublication {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdPublication")
+            .field("key", &self.key)
+            .field("lease", &self.lease)
+            .finish()
+    }
+}
+
+impl EtcdPublication {
+    /// The full key the peer passes to [`EtcdChannel::fetch`].
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The lease that holds the key.
+    pub fn lease(&self) -> i64 {
+        self.lease
+    }
+
+    /// Unpublishes now and waits for etcd to confirm (up to [`LEASE_TTL`]).
+    ///
+    /// # Errors
+    /// [`Error::Channel`] when etcd refuses; [`Error::TimedOut`]. Either way the key is gone
+    /// within [`LEASE_TTL`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the lease then expires within [`LEASE_TTL`].
+    pub async fn unpublish(mut self) -> Result<()> {
+        self.task.abort();
+        match self.client.take() {
+            Some(mut c) => within(LEASE_TTL, "lease revoke", c.lease_revoke(self.lease))
+                .await
+                .map(drop),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for EtcdPublication {
+    fn drop(&mut self) {
+        self.task.abort();
+        if let Some(c) = self.client.take() {
+            revoke_later(c, self.lease);
+        }
+    }
+}
