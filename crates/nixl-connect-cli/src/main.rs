@@ -7,6 +7,7 @@
 mod bench;
 mod demo;
 mod doctor;
+mod etcd;
 mod pattern;
 mod sendrecv;
 mod transfer;
@@ -104,7 +105,7 @@ fn main() {
     });
     rt.shutdown_timeout(Duration::from_millis(100));
     if let Err(e) = r {
-        eprintln!("nixl-connect: {e:#}");
+        eprintln!("nixl-connect: {}", one_line(&e));
         std::process::exit(exit_code(&e));
     }
 }
@@ -135,6 +136,24 @@ impl std::fmt::Display for Exit {
 }
 
 impl std::error::Error for Exit {}
+
+/// The error and its causes on one line, each cause once: a cause whose text the message before
+/// it already ends with (errors that append their source's text, as the channels' do) is not
+/// repeated.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if out.ends_with(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
+}
 
 /// 3 for a timeout, 4 for a peer that is gone, 1 for everything else.
 fn exit_code(e: &anyhow::Error) -> i32 {
@@ -207,6 +226,19 @@ pub(crate) fn human_bytes(n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cli_error_line_names_each_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused");
+        let e = anyhow::Error::new(nixl_connect::ChannelError::with_source("etcd get k", io))
+            .context("connecting to etcd at h:1");
+        assert_eq!(
+            one_line(&e),
+            "connecting to etcd at h:1: metadata channel: etcd get k: connection refused"
+        );
+        let e = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(one_line(&e), "outer: inner");
+    }
 
     proptest::proptest! {
         #[test]

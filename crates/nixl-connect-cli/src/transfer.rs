@@ -38,11 +38,17 @@ pub(crate) struct ServeArgs {
     /// Print the result as a JSON line on stdout (instead of a line on stderr).
     #[arg(long)]
     json: bool,
+    /// Also publish the metadata in etcd, held by a lease while this command runs:
+    /// `etcd://HOST:PORT/KEY`, or a prefix ending in `/` for a fresh name (the location is
+    /// printed on stderr).
+    #[arg(long)]
+    publish: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct ReadArgs {
-    /// The readable's RdmaMetadata JSON: a file, or `-` for stdin.
+    /// The readable's RdmaMetadata JSON: a file, `-` for stdin, or `etcd://HOST:PORT/KEY` (waits
+    /// up to --timeout for it to be published).
     #[arg(long)]
     metadata: String,
     /// Which path may move the bytes: auto (same-host when the peer is a Rust connector on
@@ -62,7 +68,7 @@ pub(crate) struct ReadArgs {
 
 #[derive(clap::Args, Debug)]
 pub(crate) struct WriteArgs {
-    /// The writable's RdmaMetadata JSON: a file, or `-` for stdin.
+    /// The writable's RdmaMetadata JSON: a file, `-` for stdin, or `etcd://HOST:PORT/KEY`.
     #[arg(long)]
     metadata: String,
     /// Which path may move the bytes: auto, nixl, or local.
@@ -131,7 +137,10 @@ pub(crate) fn write_atomic(path: &Path, parts: &[&[u8]]) -> Result<()> {
     r
 }
 
-async fn read_metadata(src: &str) -> Result<RdmaMetadata> {
+async fn read_metadata(src: &str, timeout: Duration) -> Result<RdmaMetadata> {
+    if let Some(loc) = crate::etcd::Location::parse(src) {
+        return crate::etcd::fetch(&loc?, timeout).await;
+    }
     let text = if src == "-" {
         let mut s = String::new();
         tokio::io::AsyncReadExt::read_to_string(&mut tokio::io::stdin(), &mut s).await?;
@@ -208,6 +217,19 @@ fn report(
     }
 }
 
+/// Publishes `md` at `loc` when there is one, saying where on stderr; the publication lasts as
+/// long as the returned guard.
+async fn published(
+    loc: Option<&crate::etcd::Location>,
+    md: &RdmaMetadata,
+    timeout: Duration,
+) -> Result<Option<nixl_connect::channel::etcd::EtcdPublication>> {
+    let Some(loc) = loc else { return Ok(None) };
+    let (p, url) = crate::etcd::publish(loc, md, timeout).await?;
+    eprintln!("published at {url}");
+    Ok(Some(p))
+}
+
 pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
     if a.device != Device::Host {
         bail!("--device {}: only cpu memory is served by this command", a.device);
@@ -241,6 +263,11 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
         (None, None) => unreachable!("clap requires --file or --size"),
     };
     let sizes = split_sizes(buf.len(), a.descriptors)?;
+    let publish_at = a.publish.as_deref().map(|p| {
+        crate::etcd::Location::parse(p)
+            .unwrap_or_else(|| Err(anyhow::anyhow!("--publish {p:?}: write etcd://HOST:PORT/KEY")))
+    });
+    let publish_at = publish_at.transpose()?;
     let conn = Connector::new()?;
     let bytes = buf.len();
     let t0;
@@ -248,6 +275,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
     if a.writable {
         let op = conn.create_writable(buf.descriptors_mut(&sizes)?).await?;
         println!("{}", op.metadata().to_json());
+        let _published = published(publish_at.as_ref(), op.metadata(), timeout).await?;
         t0 = Instant::now();
         op.wait_for_completion(Some(timeout))
             .await
@@ -259,6 +287,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
     } else {
         let op = conn.create_readable(buf.descriptors(&sizes)?).await?;
         println!("{}", op.metadata().to_json());
+        let _published = published(publish_at.as_ref(), op.metadata(), timeout).await?;
         t0 = Instant::now();
         op.wait_for_completion(Some(timeout))
             .await
@@ -277,7 +306,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
 pub(crate) async fn read(a: ReadArgs) -> Result<()> {
     let timeout = timeout_of(a.timeout)?;
     let t0 = Instant::now();
-    let md = read_metadata(&a.metadata).await?;
+    let md = read_metadata(&a.metadata, timeout).await?;
     let (sizes, total) = sizes_of(&md)?;
     // Owned memory: if the deadline passes, dropping the operation never blocks on the peer.
     let descs = buffers(&sizes)?;
@@ -308,7 +337,7 @@ pub(crate) async fn write(a: WriteArgs) -> Result<()> {
     let timeout = timeout_of(a.timeout)?;
     let t0 = Instant::now();
     let data = std::fs::read(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
-    let md = read_metadata(&a.metadata).await?;
+    let md = read_metadata(&a.metadata, timeout).await?;
     let (sizes, total) = sizes_of(&md)?;
     if total != data.len() {
         bail!(

@@ -49,6 +49,89 @@ fn cli_serve_read_and_write_round_trip() {
     no_partials(&dir);
 }
 
+/// `serve --publish etcd://...` and `read --metadata etcd://...` against a real etcd (Debian's
+/// `etcd-server`, `bash scripts/setup.sh --etcd`): the reader, started first, waits for the
+/// publication; once `serve` exits its key is gone, and a read of it is one line.
+#[test]
+fn cli_serve_publishes_in_etcd_and_read_waits_for_it_there() {
+    let dir = scratch("etcd");
+    let port = |()| {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (cp, pp) = (port(()), port(()));
+    let (client, peer) = (format!("http://127.0.0.1:{cp}"), format!("http://127.0.0.1:{pp}"));
+    let mut etcd = std::process::Command::new("etcd")
+        .args(["--name", "cli", "--data-dir"])
+        .arg(dir.join("etcd-data"))
+        .args([
+            "--listen-client-urls",
+            &client,
+            "--advertise-client-urls",
+            &client,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+        ])
+        .args(["--initial-cluster", &format!("cli={peer}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("etcd is not installed: run `bash scripts/setup.sh --etcd`");
+    let t0 = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", cp)).is_err() {
+        assert!(t0.elapsed() < LIMIT, "etcd did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let loc = format!("etcd://127.0.0.1:{cp}/nixl-connect/md/cli-test");
+    let out = dir.join("out");
+    let mut r = cli();
+    r.args(["read", "--metadata", &loc, "--timeout", "60", "--out"])
+        .arg(&out)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let reader = r.spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut c = cli();
+    c.args(["serve", "--size", "1M", "--publish", &loc]);
+    let server = Passive::start(c);
+    let o = reader.wait_with_output().unwrap();
+    ok(&o, "read --metadata etcd://");
+    let o = server.finish();
+    ok(&o, "serve --publish etcd://");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains(&format!("published at {loc}")),
+        "{o:?}"
+    );
+    assert!(std::fs::read(&out).unwrap() == pattern(1 << 20, &dir));
+    let mut r = cli();
+    r.args(["read", "--metadata", &loc, "--timeout", "1", "--out"])
+        .arg(dir.join("out2"));
+    let l = one_line(&run(r, LIMIT).0);
+    assert!(
+        l.contains("nothing is published at etcd key nixl-connect/md/cli-test"),
+        "{l}"
+    );
+    assert!(!dir.join("out2").exists());
+    let _ = etcd.kill();
+    let _ = etcd.wait();
+    let mut r = cli();
+    r.args(["read", "--metadata", &loc, "--timeout", "2", "--out"])
+        .arg(dir.join("out3"));
+    let (o, took) = run(r, LIMIT);
+    let l = one_line(&o);
+    assert!(
+        l.contains("etcd") && took < Duration::from_secs(10),
+        "{l} after {took:?}"
+    );
+}
+
 #[test]
 fn cli_metadata_from_stdin() {
     let dir = scratch("stdin");
