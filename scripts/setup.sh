@@ -5,7 +5,9 @@
 #   - the NIXL library from PyPI's nixl-cu13 wheel, unpacked into .nixl/ (ignored by git)
 #   - with --interop: a Python venv (.venv/) holding Dynamo's dynamo.nixl_connect (ai-dynamo-runtime),
 #     Dynamo's own callers and their tests (ai-dynamo, without its heavy optional dependencies), real
-#     PyTorch (the PyPI wheel, CPU use only) and this project's nixl_connect wheel, built from source
+#     PyTorch (the PyPI wheel, CPU use only) and this project's nixl_connect wheel, built from source;
+#     and Dynamo's next release (ai-dynamo + ai-dynamo-runtime 1.7.0.dev, no dependencies: it uses
+#     .venv's) in .dynamo-next/, whose tests run on nixl_connect beside 1.6.1's
 #   - with --nats: Debian's nats-server for the NATS channel tests
 #   - with --etcd: Debian's etcd-server for the etcd channel tests (the tests start their own etcd)
 # Usage: bash scripts/setup.sh [--interop] [--nats] [--etcd]
@@ -14,6 +16,7 @@ cd "$(dirname "$0")/.."
 NIXL_VERSION=1.5.1          # must match the pinned nixl-sys (=1.5.1) in Cargo.toml
 NIXL_WHEEL=${NIXL_WHEEL:-nixl-cu13}
 DYNAMO_VERSION=1.6.1
+DYNAMO_NEXT=1.7.0.dev20261026   # Dynamo's next release (PyPI pre-release), tested beside 1.6.1
 TORCH_VERSION=2.15.0
 want_interop=0; want_nats=0; want_etcd=0
 for a in "$@"; do
@@ -72,6 +75,12 @@ if [ "$want_interop" = 1 ] && ! .venv/bin/python -c "import torch, dynamo.common
   .venv/bin/pip install -q "torch==${TORCH_VERSION}"
   .venv/bin/pip install -q --no-deps "ai-dynamo==${DYNAMO_VERSION}"
   .venv/bin/pip install -q pillow msgspec safetensors "redis>=6.2,<9" "aiohttp>=3.14.3,<4" pyyaml "prometheus-client>=0.23.1,<1"
+fi
+if [ "$want_interop" = 1 ] && [ ! -f ".dynamo-next/VERSION" ]; then
+  say "installing ai-dynamo==${DYNAMO_NEXT} and ai-dynamo-runtime==${DYNAMO_NEXT} into .dynamo-next/"
+  rm -rf .dynamo-next
+  .venv/bin/pip install -q --no-deps --pre --target .dynamo-next "ai-dynamo==${DYNAMO_NEXT}" "ai-dynamo-runtime==${DYNAMO_NEXT}"
+  echo "$DYNAMO_NEXT" > .dynamo-next/VERSION
 fi
 if [ "$want_interop" = 1 ]; then
   # The Python module nixl_connect (crates/nixl-connect-py), built from source with maturin and

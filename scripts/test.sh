@@ -22,3 +22,4 @@ echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect side by side,
 .venv/bin/python -m pytest tests/python -q -p no:cacheprovider
 echo "== pytest: the tests the ai-dynamo wheel ships for its nixl_connect callers, on nixl_connect" >&2
 bash scripts/test-dynamo.sh
+bash scripts/test-dynamo.sh --next

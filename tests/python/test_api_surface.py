@@ -253,3 +253,25 @@ def test_rdma_metadata_to_descriptors(nc):
         (1, 2, "cpu"), (3, 4, "cuda:1")]
     with pytest.raises(ValueError):
         nc.RdmaMetadata(operation_kind=1).to_descriptors()
+
+
+async def test_descriptor_registration_handle_lives_from_register_to_deregister(nc):
+    # `_nixl_hndl` (Dynamo's private name, read by Dynamo 1.7's mm_kwargs tests): None until
+    # `register_with_connector`, then one object, kept by a repeated registration, None again after
+    # `deregister_with_connector`.
+    conn = await nc.Connector()._create_connection()
+    d = nc.Descriptor(bytearray(4096))
+    assert d._nixl_hndl is None
+    d.register_with_connector(conn)
+    handle = d._nixl_hndl
+    assert handle is not None
+    d.register_with_connector(conn)
+    assert d._nixl_hndl is handle
+    d.deregister_with_connector(conn)
+    assert d._nixl_hndl is None
+
+
+def test_module_names_nixls_python_api(nc):
+    # `nixl_api`: NIXL's Python API module, as Dynamo's module imports it (None on nixl_connect
+    # when the `nixl` package is not installed; this suite's venv has it).
+    assert nc.nixl_api is not None and callable(nc.nixl_api.nixl_agent)

@@ -45,6 +45,10 @@ Behaviour that differs from Dynamo, by design:
   (`ReadOperation(connection, ...)`) is allowed; it starts on its first `wait_for_completion()`.
 * `Connection.metadata` (the agent's whole NIXL metadata) is not available; each passive
   operation's `metadata()` carries what its peer needs. `Remote` only names the peer agent.
+* `nixl_api` is NIXL's Python API module (`nixl._api`; None when the `nixl` package is not
+  installed), as in Dynamo's module, where agents are made through it. This module never calls it
+  (its agents are made by the Rust core), so replacing it (Dynamo 1.7's warm-up tests patch in a
+  mock and count `nixl_agent` calls) changes nothing here.
 
 Dynamo's own callers (the `ai-dynamo` package) touch private names; they keep Dynamo's meaning:
 `await Connector._create_connection()` (async, no arguments, overridable, usable through
@@ -183,3 +187,15 @@ for _name in __all__ + ["TimeoutError", "CancelledError"]:
         except (AttributeError, TypeError):  # pragma: no cover
             pass
 del _name, _obj
+
+
+def __getattr__(name):
+    # `nixl_api`: NIXL's Python API as Dynamo's module names it, imported on first use (see above).
+    if name == "nixl_api":
+        try:
+            from nixl import _api as api
+        except Exception:  # noqa: BLE001 - not installed, or its native part does not load
+            api = None
+        globals()["nixl_api"] = api
+        return api
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -471,6 +471,13 @@ class Descriptor:
         return self._registration is not None or self._connection is not None
 
     @property
+    def _nixl_hndl(self) -> Any:
+        """Semi-internal (Dynamo): the registration `register_with_connector` made (the same
+        object until `deregister_with_connector`), or None. Dynamo 1.7's tests check that a pooled
+        Descriptor keeps its registration by its identity."""
+        return self._registration
+
+    @property
     def ptr(self) -> int:
         """The address of the first byte."""
         return self._data_ptr
