@@ -297,6 +297,47 @@ async def test_dynamo_media_nixl_reads_from_a_raw_nixl_agent(dynamo_on):
         agent.deregister_memory(reg)
 
 
+def _media_example() -> str:
+    """The Rust example `media_rdma` (crates/nixl-connect/examples), built by `cargo test` (or here)."""
+    root = os.path.dirname(os.path.dirname(HERE))
+    for profile in ("debug", "release"):
+        exe = os.path.join(root, "target", profile, "examples", "media_rdma")
+        if os.path.exists(exe):
+            return exe
+    subprocess.run(["cargo", "build", "-q", "-p", "nixl-connect", "--example", "media_rdma"],
+                   cwd=root, check=True, timeout=900)
+    return os.path.join(root, "target", "debug", "examples", "media_rdma")
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "RGB"])
+async def test_dynamo_media_nixl_reads_what_the_rust_media_example_publishes(dynamo_on, mode, tmp_path):
+    """Dynamo's frontend, played by the Rust example `media_rdma` (decodes a PNG into memory,
+    publishes Dynamo's media descriptor, serves reads until stdin closes), read by Dynamo's
+    `read_decoded_media_via_nixl`, unmodified, three times (each read picks its own key)."""
+    import numpy as np
+    from PIL import Image
+    from dynamo.common.utils.media_nixl import read_decoded_media_via_nixl
+    rng = np.random.default_rng(11)
+    img = rng.integers(0, 255, (37, 53, len(mode)), dtype=np.uint8)
+    png = tmp_path / "picture.png"
+    Image.fromarray(img, mode).save(png)
+    p = subprocess.Popen([_media_example(), str(png)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, NIXL_LOG_LEVEL="WARN"))
+    try:
+        meta = json.loads(p.stdout.readline())
+        assert meta["shape"] == [37, 53, len(mode)] and meta["dtype"] == "uint8", meta
+        assert meta["nixl_metadata"].startswith("b64:")
+        c = dynamo_on.Connector()
+        for _ in range(3):
+            got = await waited(read_decoded_media_via_nixl(c, meta))
+            assert np.array_equal(got, img[..., :3])
+    finally:
+        p.stdin.close()
+        rc = p.wait(timeout=60)
+    assert rc == 0, p.stderr.read()[-3000:]
+
+
 # --------------------------------------------------------------------------- mixed modules
 
 
