@@ -13,7 +13,8 @@
 # Usage: bash scripts/setup.sh [--interop] [--nats] [--etcd]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NIXL_VERSION=1.5.1          # must match the pinned nixl-sys (=1.5.1) in Cargo.toml
+NIXL_VERSION=${NIXL_VERSION:-1.5.1}   # the pinned nixl-sys (=1.5.1); scripts/test-nixl-versions.sh sets others
+NIXL_DIR=${NIXL_DIR:-.nixl}           # where that NIXL is unpacked
 NIXL_WHEEL=${NIXL_WHEEL:-nixl-cu13}
 DYNAMO_VERSION=1.6.1
 DYNAMO_NEXT=1.7.0.dev20261026   # Dynamo's next release (PyPI pre-release), tested beside 1.6.1
@@ -31,7 +32,8 @@ say() { echo "setup: $*" >&2; }
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 
 apt_pkgs=()
-if ! ldconfig -p 2>/dev/null | grep -q 'libclang\(-[0-9.]*\)\?\.so'; then apt_pkgs+=(libclang-dev); fi
+# (grep reads all of ldconfig's output: `grep -q` would stop early and SIGPIPE ldconfig, a failure under pipefail)
+if ! ldconfig -p 2>/dev/null | grep 'libclang\(-[0-9.]*\)\?\.so' >/dev/null; then apt_pkgs+=(libclang-dev); fi
 if ! command -v protoc >/dev/null 2>&1; then apt_pkgs+=(protobuf-compiler); fi
 if [ "$want_nats" = 1 ] && ! command -v nats-server >/dev/null 2>&1; then apt_pkgs+=(nats-server); fi
 if [ "$want_etcd" = 1 ] && ! command -v etcd >/dev/null 2>&1; then apt_pkgs+=(etcd-server); fi
@@ -43,20 +45,20 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if [ ! -f .nixl/lib/libnixl_capi.so ]; then
-  say "downloading ${NIXL_WHEEL}==${NIXL_VERSION} from PyPI into .nixl/"
-  rm -rf .nixl && mkdir -p .nixl/wheel
+if [ ! -f "$NIXL_DIR/lib/libnixl_capi.so" ]; then
+  say "downloading ${NIXL_WHEEL}==${NIXL_VERSION} from PyPI into $NIXL_DIR/"
+  rm -rf "$NIXL_DIR" && mkdir -p "$NIXL_DIR/wheel"
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 -d .nixl/wheel "${NIXL_WHEEL}==${NIXL_VERSION}"
-  w=$(ls .nixl/wheel/*.whl | head -n1)
+      --platform manylinux_2_28_x86_64 -d "$NIXL_DIR/wheel" "${NIXL_WHEEL}==${NIXL_VERSION}"
+  w=$(ls "$NIXL_DIR"/wheel/*.whl | head -n1)
   pkg=${NIXL_WHEEL//-/_}
   # Only the shared libraries: libnixl*, its plugins, UCX and their dependencies. Keep the wheel's
   # relative layout, which the libraries' RPATH ($ORIGIN/../<pkg>.libs) relies on.
-  unzip -q -o "$w" ".${pkg}.mesonpy.libs/*" "${pkg}.libs/*" -d .nixl/
-  mv ".nixl/.${pkg}.mesonpy.libs" .nixl/lib
-  # lib/ must see ../<pkg>.libs for RPATH $ORIGIN/../<pkg>.libs; it does (both under .nixl/).
-  rm -rf .nixl/wheel
-  echo "${NIXL_WHEEL}==${NIXL_VERSION}" > .nixl/VERSION
+  unzip -q -o "$w" ".${pkg}.mesonpy.libs/*" "${pkg}.libs/*" -d "$NIXL_DIR/"
+  mv "$NIXL_DIR/.${pkg}.mesonpy.libs" "$NIXL_DIR/lib"
+  # lib/ must see ../<pkg>.libs for RPATH $ORIGIN/../<pkg>.libs; it does (both under $NIXL_DIR/).
+  rm -rf "$NIXL_DIR/wheel"
+  echo "${NIXL_WHEEL}==${NIXL_VERSION}" > "$NIXL_DIR/VERSION"
 fi
 
 if [ "$want_interop" = 1 ] && [ ! -x .venv/bin/python ]; then
@@ -92,4 +94,4 @@ if [ "$want_interop" = 1 ]; then
   bash scripts/build-wheel.sh target/wheels
   .venv/bin/pip install -q --force-reinstall --no-deps target/wheels/nixl_connect-*.whl
 fi
-say "ready (NIXL: $(cat .nixl/VERSION) in $(pwd)/.nixl/lib)"
+say "ready (NIXL: $(cat "$NIXL_DIR/VERSION") in $(pwd)/$NIXL_DIR/lib)"

@@ -23,3 +23,5 @@ echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect side by side,
 echo "== pytest: the tests the ai-dynamo wheel ships for its nixl_connect callers, on nixl_connect" >&2
 bash scripts/test-dynamo.sh
 bash scripts/test-dynamo.sh --next
+echo "== the NIXL tests on the other NIXL releases Dynamo's extras pin (1.4.1, 1.5.0)" >&2
+bash scripts/test-nixl-versions.sh

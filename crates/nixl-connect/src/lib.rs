@@ -137,7 +137,9 @@ pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), PathR
 
 /// Where NIXL is looked for, and what was loaded.
 pub mod nixl_library {
-    pub use crate::engine::nixl::ffi::{NIXL_LIB_ENV, NIXL_SYS_VERSION, SKIP_VERSION_ENV};
+    pub use crate::engine::nixl::ffi::{
+        NIXL_LIB_ENV, NIXL_SYS_VERSION, SKIP_VERSION_ENV, SUPPORTED_RELEASES,
+    };
 
     /// Every path searched for `libnixl_capi.so`, in order (see [`NIXL_LIB_ENV`]).
     pub fn candidates() -> Vec<std::path::PathBuf> {

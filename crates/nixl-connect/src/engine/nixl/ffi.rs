@@ -27,6 +27,14 @@ pub const NIXL_LIB_ENV: &str = "NIXL_CONNECT_LIB";
 /// The NIXL version the library was built against (the pinned nixl-sys release).
 pub const NIXL_SYS_VERSION: &str = "1.5.1";
 
+/// The NIXL releases (major.minor) this build serves: the ones Dynamo's extras pin (1.4.1 for
+/// ai-dynamo 1.6.1's vllm extra, 1.5.0 and 1.5.1 elsewhere). 1.5 only added to 1.4's C API (memory
+/// views, remote descriptor lists, an opaque custom parameter, the `NOT_FOUND` status), none of
+/// which this crate calls; nixl-sys resolves each C function on its first call, so a function a
+/// release lacks matters only if called. `scripts/test-nixl-versions.sh` runs the NIXL tests on
+/// each.
+pub const SUPPORTED_RELEASES: &[&str] = &["1.4", "1.5"];
+
 const CAPI: &str = "libnixl_capi.so";
 /// How long `python3` may take to name its site-packages folders.
 const PYTHON_LIMIT: Duration = Duration::from_secs(3);
@@ -178,13 +186,15 @@ pub(crate) fn load() -> Result<Loaded> {
         return Err(Error::NixlNotFound { searched });
     };
     if let Some(found) = version_beside(&path) {
-        if !same_release(&found, NIXL_SYS_VERSION) && std::env::var_os(SKIP_VERSION_ENV).is_none() {
+        if !supported_release(&found) && std::env::var_os(SKIP_VERSION_ENV).is_none() {
             return Err(Error::NixlLoad {
                 reason: format!(
-                    "this is NIXL {found}, but nixl-connect was built for NIXL {NIXL_SYS_VERSION} \
-                     (its C API changes between releases): install `nixl-cu13=={NIXL_SYS_VERSION}` \
-                     (or nixl-cu12) with pip, or point {NIXL_LIB_ENV} at a NIXL \
-                     {NIXL_SYS_VERSION} library; {SKIP_VERSION_ENV}=1 skips this check at your risk"
+                    "this is NIXL {found}, but nixl-connect serves NIXL {} (built against \
+                     {NIXL_SYS_VERSION}; the C API changes between releases): install \
+                     `nixl-cu13=={NIXL_SYS_VERSION}` (or nixl-cu12) with pip, or point {NIXL_LIB_ENV} \
+                     at a library of one of those releases; {SKIP_VERSION_ENV}=1 skips this check \
+                     at your risk",
+                    SUPPORTED_RELEASES.join(" and ")
                 ),
                 path,
             });
@@ -245,10 +255,12 @@ pub(crate) fn version_beside(capi: &Path) -> Option<String> {
     None
 }
 
-/// True when two versions share their major and minor numbers (`1.5.0` and `1.5.1`).
-pub(crate) fn same_release(a: &str, b: &str) -> bool {
-    let mm = |v: &str| v.split('.').take(2).map(str::to_string).collect::<Vec<_>>();
-    mm(a) == mm(b)
+/// True when `version`'s major.minor is one of [`SUPPORTED_RELEASES`] (`1.4.1`, `1.5.0`).
+pub(crate) fn supported_release(version: &str) -> bool {
+    let mm: Vec<&str> = version.trim().split('.').take(2).collect();
+    SUPPORTED_RELEASES
+        .iter()
+        .any(|r| r.split('.').collect::<Vec<_>>() == mm)
 }
 
 /// The NIXL memory type of a device.
@@ -537,9 +549,12 @@ mod version_tests {
     }
 
     #[test]
-    fn nixl_version_release_compares_major_minor() {
-        assert!(same_release("1.5.0", "1.5.1"));
-        assert!(!same_release("1.4.1", "1.5.1"));
-        assert!(!same_release("2.5.1", "1.5.1"));
+    fn nixl_version_supported_releases_are_the_pinned_ones() {
+        for v in ["1.4.1", "1.5.0", "1.5.1", " 1.5.2 "] {
+            assert!(supported_release(v), "{v}");
+        }
+        for v in ["1.3.0", "1.6.0", "2.5.1", "1", "", "1.45.0", "11.5.0"] {
+            assert!(!supported_release(v), "{v}");
+        }
     }
 }
