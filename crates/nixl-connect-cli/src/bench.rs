@@ -547,14 +547,17 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             .await?;
         to_peer.flush().await?;
         // The active side's memory: destinations of reads, sources of writes.
-        let mut mem = Mem::new(
-            &a.buffers,
-            &a.layout,
-            size,
-            per * conc,
-            write.then_some(size as u64),
-            a.device,
-        )?;
+        let new_mem = || {
+            Mem::new(
+                &a.buffers,
+                &a.layout,
+                size,
+                per * conc,
+                write.then_some(size as u64),
+                a.device,
+            )
+        };
+        let mut mem = new_mem()?;
         let (mut times, mut waits) = (Vec::new(), Vec::new());
         let mut ok = true;
         let mut path = String::from("-");
@@ -562,14 +565,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         for i in 0..n {
             if a.fresh && i > 0 {
                 drop(mem);
-                mem = Mem::new(
-                    &a.buffers,
-                    &a.layout,
-                    size,
-                    per * conc,
-                    write.then_some(size as u64),
-                    a.device,
-                )?;
+                mem = new_mem()?;
             }
             let mut lines = Vec::with_capacity(conc);
             for _ in 0..conc {
@@ -834,25 +830,21 @@ pub(crate) async fn peer() -> Result<()> {
         };
         let write = b.op == "write";
         let count = b.descriptors * b.concurrency;
-        let mut mem = Mem::new(
-            &b.buffers,
-            &b.layout,
-            b.size,
-            count,
-            (!write).then_some(b.size as u64),
-            b.device,
-        )?;
+        let new_mem = || {
+            Mem::new(
+                &b.buffers,
+                &b.layout,
+                b.size,
+                count,
+                (!write).then_some(b.size as u64),
+                b.device,
+            )
+        };
+        let mut mem = new_mem()?;
         for i in 0..b.n {
             if b.fresh && i > 0 {
                 drop(mem);
-                mem = Mem::new(
-                    &b.buffers,
-                    &b.layout,
-                    b.size,
-                    count,
-                    (!write).then_some(b.size as u64),
-                    b.device,
-                )?;
+                mem = new_mem()?;
             }
             let waits = passive_round(&conn, &mut mem, b.descriptors, b.concurrency, write).await?;
             let check = write && (i == 0 || (b.fresh && i + 1 == b.n));

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use nixl_connect::channel::etcd::{EtcdChannel, LEASE_TTL};
 use nixl_connect::{Connector, Descriptor, Error, RdmaMetadata};
 
+use super::channels::free_port;
 use super::local::Netns;
 use super::support::{pattern, runtime, tcp_tls, Peer, PEER_ENV};
 
@@ -26,18 +27,10 @@ struct Etcd {
 }
 
 impl Etcd {
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    }
-
     /// Starts etcd listening on `ip` (through `prefix`, e.g. `ip netns exec NS`), and waits
     /// until it accepts connections (probed from `probe`, or here).
     fn start_with(prefix: &[&str], ip: &str, probe: bool) -> Self {
-        let (cp, pp) = (Self::free_port(), Self::free_port());
+        let (cp, pp) = (free_port(), free_port());
         let dir = std::env::temp_dir().join(format!("nxc-etcd-{}-{cp}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let client = format!("http://{ip}:{cp}");

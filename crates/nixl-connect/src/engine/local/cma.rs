@@ -627,7 +627,8 @@ pub(crate) fn coalesce(pieces: Vec<Piece>) -> Vec<Piece> {
         match out.last_mut() {
             Some(last)
                 if last.local.checked_add(last.len) == Some(p.local)
-                    && last.remote.checked_add(last.len) == Some(p.remote) =>
+                    && last.remote.checked_add(last.len) == Some(p.remote)
+                    && last.len.checked_add(p.len).is_some() =>
             {
                 last.len += p.len;
             }
