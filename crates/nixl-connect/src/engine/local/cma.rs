@@ -620,22 +620,21 @@ impl Batch {
 
 /// Joins pieces that continue one another on both sides (consecutive parts of one buffer
 /// described as many descriptors) into one, so that a call moves them as one range; drops empty
-/// ones. The union is exactly the pieces given: nothing outside them is read or written.
-pub(crate) fn coalesce(pieces: Vec<Piece>) -> Vec<Piece> {
-    let mut out: Vec<Piece> = Vec::with_capacity(pieces.len());
-    for p in pieces.into_iter().filter(|p| p.len > 0) {
-        match out.last_mut() {
-            Some(last)
-                if last.local.checked_add(last.len) == Some(p.local)
-                    && last.remote.checked_add(last.len) == Some(p.remote)
-                    && last.len.checked_add(p.len).is_some() =>
-            {
-                last.len += p.len;
-            }
-            _ => out.push(p),
+/// ones. The union is exactly the pieces given: nothing outside them is read or written. In
+/// place: a copy of one piece (every small operation) allocates nothing here.
+pub(crate) fn coalesce(mut pieces: Vec<Piece>) -> Vec<Piece> {
+    pieces.retain(|p| p.len > 0);
+    // `dedup_by` hands the later piece first; returning true drops it into the earlier one.
+    pieces.dedup_by(|next, last| {
+        let joins = last.local.checked_add(last.len) == Some(next.local)
+            && last.remote.checked_add(last.len) == Some(next.remote)
+            && last.len.checked_add(next.len).is_some();
+        if joins {
+            last.len += next.len;
         }
-    }
-    out
+        joins
+    });
+    pieces
 }
 
 /// Starts `c` on the copy pool at once (see [`spawn_into`]).
