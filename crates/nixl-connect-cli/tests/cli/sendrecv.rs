@@ -3,7 +3,7 @@
 //! nothing behind, and every wait ends within its `--timeout`.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -153,7 +153,7 @@ fn cli_recv_checks_the_destination_first_and_tells_the_sender() {
 
 /// A filesystem mounted for the test (read-only, or too small): skipped with a printed reason
 /// where mounting is not allowed.
-struct Mount(PathBuf);
+struct Mount(Scratch);
 
 impl Mount {
     fn tmpfs(name: &str, opts: &str) -> Option<Self> {

@@ -25,12 +25,41 @@ pub(crate) fn root() -> PathBuf {
         .unwrap()
 }
 
-/// A fresh scratch folder.
-pub(crate) fn scratch(name: &str) -> PathBuf {
+/// A fresh scratch folder, removed with everything in it when the guard drops (a failing test
+/// included: the sigint test alone writes 768 MiB, and scratch left behind fills a CI disk).
+pub(crate) struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh scratch folder named after `name` and this process.
+pub(crate) fn scratch(name: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("nixl-connect-cli-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
 }
 
 pub(crate) fn cli() -> Command {
