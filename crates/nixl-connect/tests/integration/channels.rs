@@ -107,7 +107,6 @@ async fn channel_http_fetch_is_bounded() {
 }
 
 /// A TCP port free on loopback right now.
-#[cfg(any(feature = "nats", feature = "etcd"))]
 pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
