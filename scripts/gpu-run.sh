@@ -45,8 +45,39 @@ bench --device cuda:0 --peer-device cpu --op read
 bench --device cuda:0 --peer-device cpu --op write
 bench --device cpu --peer-device cuda:0 --op write
 bench --device cpu --op read
+# Host memory on this (many-core) host: 4 KiB latency both ways, 64 outstanding (issue 28's rate).
+RUNS=3 SIZES=4K bench --device cpu --op write
+RUNS=3 SIZES=4K bench --device cpu --op read --concurrency 64 --iters 300
+RUNS=3 SIZES=4K bench --device cpu --op write --concurrency 64 --iters 300
+# Fresh device memory per operation (cuMemAlloc on both sides, a new IPC mapping each time) beside
+# the same memory reused.
+RUNS=3 SIZES=8M bench --device cuda:0 --op read --iters 100 --fresh
+RUNS=3 SIZES=8M bench --device cuda:0 --op read --iters 100
 # NIXL's own path for device memory (UCX's emulated lane here, ~0.6 GB/s): once, without 1 GiB.
 RUNS=1 SIZES=4K,1M,64M bench --device cuda:0 --op read --path nixl
+if "$PY" -c "import torch" 2>/dev/null && [ -d /tmp/nixl-connect-site ]; then
+  echo "== python, 4 KiB, both sides in one process (us per operation)" | tee -a "$log"
+  for r in $(seq "$RUNS"); do
+    PYTHONPATH=/tmp/nixl-connect-site timeout 120 "$PY" - <<'PY' 2>&1 | tee -a "$res"
+import asyncio, json, statistics, time
+import nixl_connect as nc
+async def main():
+    a, b = nc.Connector(), nc.Connector()
+    src, dst = bytearray(b"x" * 4096), bytearray(4096)
+    ts = []
+    for i in range(1100):
+        t0 = time.perf_counter()
+        r = await a.create_readable(nc.Descriptor(src))
+        op = await b.begin_read(r.metadata(), nc.Descriptor(dst))
+        await asyncio.wait_for(op.wait_for_completion(), 10)
+        await asyncio.wait_for(r.wait_for_completion(), 10)
+        ts.append((time.perf_counter() - t0) * 1e6)
+        op.__exit__(None, None, None); r.__exit__(None, None, None)
+    print(json.dumps({"python_inproc_4k_us": statistics.median(ts[100:])}))
+asyncio.run(main())
+PY
+  done
+fi
 echo "== device limits (torch, same run)" | tee -a "$log"
 for a in gpu_copy.py gpu_ipc.py gpu_ipc_small.py; do
   [ -f "$B/anchors/$a" ] && (cd "$B/anchors" && timeout 90 python3 "$a" 2>&1 | tee -a "$res")
