@@ -34,8 +34,8 @@ macro_rules! plain {
 }
 plain!(u8, i8, u16, i16, u32, i32, u64, i64, u128, i128, f32, f64);
 
-/// Memory a descriptor may own. Implemented for [`HostBuffer`], `Vec<T>`, `Box<[T]>` and
-/// `bytes::BytesMut` (with `T:` [`Plain`]); sealed.
+/// Memory a descriptor may own. Implemented for [`HostBuffer`], `Arc<HostBuffer>` (read-only,
+/// shared), `Vec<T>`, `Box<[T]>` and `bytes::BytesMut` (with `T:` [`Plain`]); sealed.
 pub trait OwnedMemory: sealed::Sealed + Send + Sync + 'static {
     #[doc(hidden)]
     fn raw(&self) -> (usize, usize);
@@ -94,6 +94,24 @@ impl OwnedMemory for HostBuffer {
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any> {
         self
+    }
+}
+/// A [`HostBuffer`] shared by reference count: read-only, cheap to clone, and exposed again and
+/// again through its one registration (kept in the buffer, so every clone finds it). The last
+/// clone to go frees the buffer, quarantining its pages if a peer was ever told of them.
+impl sealed::Sealed for std::sync::Arc<HostBuffer> {}
+impl OwnedMemory for std::sync::Arc<HostBuffer> {
+    fn raw(&self) -> (usize, usize) {
+        (self.as_ptr() as usize, self.len())
+    }
+    fn host_buffer(&self) -> Option<&HostBuffer> {
+        Some(self)
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+    fn writable(&self) -> bool {
+        false
     }
 }
 impl<T: Plain> sealed::Sealed for Vec<T> {}
@@ -488,6 +506,13 @@ impl fmt::Debug for Descriptor<'_> {
 
 impl From<HostBuffer> for Descriptor<'static> {
     fn from(b: HostBuffer) -> Self {
+        Descriptor::owned(b)
+    }
+}
+/// A read-only descriptor that holds one more reference to a shared [`HostBuffer`]: many
+/// operations, at once or one after another, expose the same memory through one registration.
+impl From<std::sync::Arc<HostBuffer>> for Descriptor<'static> {
+    fn from(b: std::sync::Arc<HostBuffer>) -> Self {
         Descriptor::owned(b)
     }
 }

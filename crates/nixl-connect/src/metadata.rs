@@ -230,6 +230,25 @@ impl RdmaMetadata {
         Ok(())
     }
 
+    /// Encodes raw NIXL agent metadata (`nixl_agent.get_agent_metadata()`, nixl-sys'
+    /// `get_local_md`) as an `RdmaMetadata`'s `nixl_metadata`: `b64:` followed by the base64 of
+    /// its zlib compression at level 6, byte for byte what Dynamo's Python module and its Rust
+    /// frontend (`get_nixl_metadata` in `media/rdma.rs`) write.
+    pub fn encode_agent_metadata(md: &[u8]) -> String {
+        encode_agent_metadata(md)
+    }
+
+    /// Decodes a `nixl_metadata` string (`b64:` base64 or the older hex form, zlib-compressed)
+    /// into raw NIXL agent metadata, as Dynamo 1.7's `Remote.decode_metadata` does, bounded at
+    /// [`MAX_NIXL_METADATA`] bytes.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] on bad base64 or hex, bad zlib, empty output or output above
+    /// [`MAX_NIXL_METADATA`].
+    pub fn decode_agent_metadata(nixl_metadata: &str) -> Result<Vec<u8>> {
+        decode_agent_metadata(nixl_metadata)
+    }
+
     /// Decodes `nixl_metadata` into the raw NIXL agent metadata.
     ///
     /// # Errors
@@ -343,6 +362,36 @@ fn decode_hex(s: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metadata_agent_encoding_matches_python() {
+        // Python: "b64:" + base64.b64encode(zlib.compress(b"nixlSerDes|example", 6)).decode()
+        const PY: &str = "b64:eJzLy6zICU4tckktrkmtSMwtyEkFAEYgB2o=";
+        assert_eq!(RdmaMetadata::encode_agent_metadata(b"nixlSerDes|example"), PY);
+        assert_eq!(
+            RdmaMetadata::decode_agent_metadata(PY).unwrap(),
+            b"nixlSerDes|example"
+        );
+        // The older hex form decodes to the same bytes.
+        let hex = "789ccbcbacc8094e2d72492dae49ad48cc2dc84905004620076a";
+        assert_eq!(
+            RdmaMetadata::decode_agent_metadata(hex).unwrap(),
+            b"nixlSerDes|example"
+        );
+        for bad in ["b64:!!", "xyz", "b64:", ""] {
+            let e = RdmaMetadata::decode_agent_metadata(bad).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::Metadata {
+                        field: "nixl_metadata",
+                        ..
+                    }
+                ),
+                "{bad}: {e}"
+            );
+        }
+    }
 
     fn sample() -> RdmaMetadata {
         RdmaMetadata {
