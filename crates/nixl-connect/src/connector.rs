@@ -49,7 +49,9 @@ struct Inner {
 #[derive(Debug, Clone)]
 pub struct ConnectorBuilder {
     worker_id: Option<String>,
+    backends: Vec<String>,
     ucx_params: Vec<(String, String)>,
+    progress_delay: Duration,
     path: PathPolicy,
     cancel_grace: Duration,
     deregister_on_completion: bool,
@@ -60,11 +62,22 @@ pub struct ConnectorBuilder {
 /// NIXL agent to release it.
 pub const DEFAULT_QUARANTINE_LIMIT: usize = 256 << 20;
 
+/// How long, by default, NIXL may go unprogressed while it has work (transfers in flight,
+/// passive operations waiting for a peer) once the connector has been idle for a moment: 1 ms,
+/// the default of Dynamo's `DYN_MM_NIXL_PROGRESS_DELAY_US`. An idle connector with nothing
+/// exposed is never progressed and costs no CPU.
+pub const DEFAULT_PROGRESS_DELAY: Duration = crate::engine::DEFAULT_PROGRESS_DELAY;
+
+/// The longest progress delay a builder takes (1 s, Dynamo's bound).
+pub const MAX_PROGRESS_DELAY: Duration = Duration::from_secs(1);
+
 impl Default for ConnectorBuilder {
     fn default() -> Self {
         Self {
             worker_id: None,
+            backends: vec!["UCX".into()],
             ucx_params: Vec::new(),
+            progress_delay: DEFAULT_PROGRESS_DELAY,
             path: PathPolicy::Auto,
             cancel_grace: DEFAULT_CANCEL_GRACE,
             deregister_on_completion: false,
@@ -77,6 +90,37 @@ impl ConnectorBuilder {
     /// The worker id (Python's `worker_id`); default: a fresh UUID without dashes.
     pub fn worker_id(mut self, id: impl Into<String>) -> Self {
         self.worker_id = Some(id.into());
+        self
+    }
+
+    /// The NIXL backends (plugin names) each of the connector's NIXL agents is created with, in
+    /// order (default `["UCX"]`). A peer's transfer uses a backend both agents have; the same-host
+    /// path is not a NIXL backend and is chosen by [`path`](Self::path). Other plugins
+    /// (`LIBFABRIC`, or storage backends such as `POSIX` and `GDS`) are created with their
+    /// plugin's default parameters; [`ucx_param`](Self::ucx_param) applies to `UCX` alone.
+    ///
+    /// [`build`](Self::build) refuses an empty list, a name twice, or a plugin this NIXL does
+    /// not have ([`Error::InvalidArgument`] listing the ones it has), and fails with
+    /// [`Error::NixlBackend`] when a backend cannot start on this machine.
+    pub fn backends<I, S>(mut self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.backends = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The longest time NIXL goes unprogressed while it has work, once the connector has been
+    /// idle for a moment (default [`DEFAULT_PROGRESS_DELAY`], at most [`MAX_PROGRESS_DELAY`]):
+    /// Dynamo's `DYN_MM_NIXL_PROGRESS_DELAY_US`. The connector progresses NIXL on its engine
+    /// thread, not on a NIXL progress thread: right after any activity it polls every few
+    /// microseconds (for 2 ms), then backs off up to this delay. A shorter delay answers a
+    /// lone transfer sooner at the cost of CPU while operations wait; zero keeps the engine
+    /// spinning a core for as long as any operation waits (NIXL's own default). A connector with
+    /// no operation and no exposed memory sleeps whatever this is.
+    pub fn progress_delay(mut self, delay: Duration) -> Self {
+        self.progress_delay = delay;
         self
     }
 
@@ -139,9 +183,30 @@ impl ConnectorBuilder {
     ///
     /// # Errors
     /// [`Error::NixlNotFound`] / [`Error::NixlLoad`] when NIXL is absent or broken (with the fix
-    /// in the message), [`Error::NixlBackend`] when UCX cannot start, [`Error::InvalidArgument`]
-    /// for an empty worker id or an unknown UCX parameter.
+    /// in the message), [`Error::NixlBackend`] when a backend cannot start,
+    /// [`Error::InvalidArgument`] for an empty worker id, an unknown UCX parameter, a backend list
+    /// that is empty, repeats a name or names a plugin NIXL lacks, or a progress delay above
+    /// [`MAX_PROGRESS_DELAY`].
     pub fn build(self) -> Result<Connector> {
+        if self.backends.is_empty() {
+            return Err(Error::InvalidArgument(
+                "the connector's NIXL backend list is empty; name at least one (\"UCX\")".into(),
+            ));
+        }
+        if let Some(b) = (1..self.backends.len())
+            .find(|&i| self.backends[..i].contains(&self.backends[i]))
+            .map(|i| &self.backends[i])
+        {
+            return Err(Error::InvalidArgument(format!(
+                "NIXL backend {b:?} is named twice in the connector's backend list"
+            )));
+        }
+        if self.progress_delay > MAX_PROGRESS_DELAY {
+            return Err(Error::InvalidArgument(format!(
+                "progress delay {:?} is above the {MAX_PROGRESS_DELAY:?} a connector takes",
+                self.progress_delay
+            )));
+        }
         let worker_id = self
             .worker_id
             .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
@@ -155,7 +220,9 @@ impl ConnectorBuilder {
         let engine = Engine::start(
             name,
             EngineOptions {
+                backends: self.backends,
                 ucx_params: self.ucx_params,
+                progress_delay: self.progress_delay,
                 path: self.path,
                 cancel_grace: self.cancel_grace,
                 deregister_on_completion: self.deregister_on_completion,

@@ -105,7 +105,10 @@ pub mod fuzzing {
 }
 
 pub use buffer::{HostBuffer, HUGE_PAGE};
-pub use connector::{Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_QUARANTINE_LIMIT};
+pub use connector::{
+    Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_PROGRESS_DELAY, DEFAULT_QUARANTINE_LIMIT,
+    MAX_PROGRESS_DELAY,
+};
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};
 pub use engine::nixl::MAX_RETIRED_EXPOSERS;

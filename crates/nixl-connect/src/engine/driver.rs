@@ -28,8 +28,10 @@ pub(crate) const STOP_WAIT: Duration = Duration::from_secs(10);
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
 /// The first back-off of a transport's schedule after activity.
 const MIN_PARK: Duration = Duration::from_micros(20);
-/// The longest back-off while transfers are in flight.
-const MAX_PARK: Duration = Duration::from_millis(1);
+/// The longest back-off, by default, of a transport with work (transfers in flight, passive
+/// operations waiting for a peer's completion) once the engine has gone idle: NIXL is progressed
+/// at least this often then (Dynamo's `DYN_MM_NIXL_PROGRESS_DELAY_US` default, 1 ms).
+pub(crate) const DEFAULT_PROGRESS_DELAY: Duration = Duration::from_millis(1);
 /// How often a hot engine progresses a transport that watches for peers' completions.
 const WATCH_GAP: Duration = Duration::from_micros(5);
 /// Completed operations' keys remembered, to refuse replaying their metadata.
@@ -57,6 +59,9 @@ pub(crate) struct EngineLoop {
     /// Every transport, the publisher of metadata first; exposures go to all of them in order.
     transports: Vec<Box<dyn Transport>>,
     schedules: Vec<Schedule>,
+    /// The longest back-off of a transport with work once the engine is idle (the connector's
+    /// progress delay).
+    max_park: Duration,
     /// Active operations try these transports (positions in `transports`) in turn.
     chain: Vec<usize>,
     /// Active operations each transport completed (for the counters).
@@ -82,9 +87,11 @@ impl EngineLoop {
         chain: Vec<usize>,
         rx: Receiver<Cmd>,
         poller: Poller,
+        max_park: Duration,
     ) -> Self {
         let now = Instant::now();
         Self {
+            max_park,
             rx,
             poller,
             schedules: transports
@@ -137,8 +144,8 @@ impl EngineLoop {
                 s.gap = match polling {
                     _ if active => MIN_PARK,
                     Polling::Watching if hot => WATCH_GAP,
-                    Polling::Every(t) => (s.gap * 2).min(t),
-                    _ => (s.gap * 2).min(MAX_PARK),
+                    Polling::Every(t) => (s.gap * 2).min(t.max(self.max_park)),
+                    _ => (s.gap * 2).min(self.max_park),
                 };
                 s.next = now + s.gap;
             }

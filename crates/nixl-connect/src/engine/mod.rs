@@ -34,6 +34,7 @@ use tokio::sync::oneshot;
 
 pub(crate) use self::cmd::{Cmd, Mailbox};
 use self::driver::EngineLoop;
+pub(crate) use self::driver::DEFAULT_PROGRESS_DELAY;
 use self::local::LocalTransport;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
@@ -93,7 +94,9 @@ static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 /// Options the engine starts with.
 #[derive(Debug, Clone)]
 pub(crate) struct EngineOptions {
+    pub(crate) backends: Vec<String>,
     pub(crate) ucx_params: Vec<(String, String)>,
+    pub(crate) progress_delay: Duration,
     pub(crate) path: PathPolicy,
     pub(crate) cancel_grace: Duration,
     pub(crate) deregister_on_completion: bool,
@@ -129,44 +132,57 @@ impl Engine {
             bind_unique(&base)?
         };
         let o = opts.clone();
-        Self::launch(name, opts.cancel_grace, move |name, tx, waker, registrar| {
-            // Every transport exposes passive operations, in this order: NIXL publishes the
-            // metadata, the same-host path (which reads what NIXL published) comes after it.
-            // Active operations try them in the order of `chain`.
-            const NIXL: usize = 0;
-            const LOCAL: usize = 1;
-            let nixl = NixlTransport::new(
-                name,
-                o.ucx_params.clone(),
-                o.deregister_on_completion,
-                o.quarantine_limit,
-                Mailbox::new(tx, waker.clone(), NIXL),
-            )?;
-            let local = LocalTransport::new(o.path != PathPolicy::Nixl, listener, registrar, waker);
-            let chain = match o.path {
-                PathPolicy::Auto => vec![LOCAL, NIXL],
-                PathPolicy::Nixl => vec![NIXL],
-                PathPolicy::Local => vec![LOCAL],
-            };
-            Ok((vec![Box::new(nixl), Box::new(local)], chain))
-        })
+        Self::launch(
+            name,
+            opts.cancel_grace,
+            opts.progress_delay,
+            move |name, tx, waker, registrar| {
+                // Every transport exposes passive operations, in this order: NIXL publishes the
+                // metadata, the same-host path (which reads what NIXL published) comes after it.
+                // Active operations try them in the order of `chain`.
+                const NIXL: usize = 0;
+                const LOCAL: usize = 1;
+                let nixl = NixlTransport::new(
+                    name,
+                    o.backends.clone(),
+                    o.ucx_params.clone(),
+                    o.deregister_on_completion,
+                    o.quarantine_limit,
+                    Mailbox::new(tx, waker.clone(), NIXL),
+                )?;
+                let local = LocalTransport::new(o.path != PathPolicy::Nixl, listener, registrar, waker);
+                let chain = match o.path {
+                    PathPolicy::Auto => vec![LOCAL, NIXL],
+                    PathPolicy::Nixl => vec![NIXL],
+                    PathPolicy::Local => vec![LOCAL],
+                };
+                Ok((vec![Box::new(nixl), Box::new(local)], chain))
+            },
+        )
     }
 
     /// Starts an engine over the in-process [`loopback`] transport only (no NIXL, no socket).
     #[cfg(test)]
     pub(crate) fn start_loopback(name: String, cancel_grace: Duration) -> Result<Self> {
-        Self::launch(name, cancel_grace, |name, _tx, waker, _registrar| {
-            let t: Box<dyn Transport> = Box::new(loopback::LoopbackTransport::new(name, waker));
-            Ok((vec![t], vec![0]))
-        })
+        Self::launch(
+            name,
+            cancel_grace,
+            driver::DEFAULT_PROGRESS_DELAY,
+            |name, _tx, waker, _registrar| {
+                let t: Box<dyn Transport> = Box::new(loopback::LoopbackTransport::new(name, waker));
+                Ok((vec![t], vec![0]))
+            },
+        )
     }
 
     /// Starts the engine thread named for `name`, whose transports (and the chain active
     /// operations try) `make` builds on that thread; returns once they exist, or with the error
-    /// that kept them from existing.
+    /// that kept them from existing. `progress_delay` is the longest a transport with work waits
+    /// between progress calls once the engine has gone idle.
     fn launch(
         name: String,
         cancel_grace: Duration,
+        progress_delay: Duration,
         make: impl FnOnce(&str, Sender<Cmd>, Waker, Registrar) -> Result<Transports> + Send + 'static,
     ) -> Result<Self> {
         let poller = Poller::new().map_err(|e| Error::os("creating the engine's poller", e))?;
@@ -190,7 +206,7 @@ impl Engine {
                         return;
                     }
                 };
-                let engine = EngineLoop::new(transports, chain, rx, poller);
+                let engine = EngineLoop::new(transports, chain, rx, poller, progress_delay);
                 // A panic here would leave transfers, copies and peers' access to memory that the
                 // unwinding would free: there is no sound way back, so the process stops instead.
                 if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run())).is_err() {

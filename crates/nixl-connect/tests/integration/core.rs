@@ -173,6 +173,133 @@ async fn cache_registers_and_loads_once() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_shared_buffer_is_exposed_again_and_at_once_through_one_registration() {
+    const LEN: usize = 1 << 16;
+    for (policy, path) in PATHS {
+        let (a, b) = pair_on(policy);
+        let shared = std::sync::Arc::new(HostBuffer::from_slice(&pattern(LEN, 3)).unwrap());
+        // Read-only: a writable over shared memory is refused.
+        let e = a
+            .create_writable(Descriptor::from(shared.clone()))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        // Exposed again and again, one operation after another.
+        let mut expose_us = Vec::new();
+        for _ in 0..20 {
+            let t0 = Instant::now();
+            let r = a.create_readable(Descriptor::from(shared.clone())).await.unwrap();
+            expose_us.push(t0.elapsed().as_secs_f64() * 1e6);
+            let op = b
+                .begin_read(r.metadata(), Descriptor::from(vec![0u8; LEN]))
+                .await
+                .unwrap();
+            op.wait_for_completion(T).await.unwrap();
+            r.wait_for_completion(T).await.unwrap();
+            assert_eq!(op.path(), Some(path));
+            let got: Vec<u8> = op.into_descriptors().unwrap().remove(0).into_inner().unwrap();
+            assert!(got == pattern(LEN, 3), "{path:?}: bytes differ");
+        }
+        // And exposed by several operations at once, each read by its own reader.
+        let mut readables = Vec::new();
+        for _ in 0..4 {
+            readables.push(a.create_readable(Descriptor::from(shared.clone())).await.unwrap());
+        }
+        for r in &readables {
+            let op = b
+                .begin_read(r.metadata(), Descriptor::from(vec![0u8; LEN]))
+                .await
+                .unwrap();
+            op.wait_for_completion(T).await.unwrap();
+            r.wait_for_completion(T).await.unwrap();
+            let got: Vec<u8> = op.into_descriptors().unwrap().remove(0).into_inner().unwrap();
+            assert!(got == pattern(LEN, 3), "{path:?}: bytes differ");
+        }
+        let sa = a.stats().await.unwrap();
+        assert_eq!(
+            sa.registrations, 1,
+            "{path:?}: 24 exposures of one shared buffer registered it once: {sa:?}"
+        );
+        println!(
+            "{path:?}: expose of a shared 64 KiB buffer: first {:.1} us, then median {:.1} us",
+            expose_us[0],
+            {
+                let mut v = expose_us[1..].to_vec();
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            }
+        );
+        // The operations hold references; the buffer goes (and its registration with it) when
+        // the last one does.
+        drop(readables);
+        assert_eq!(a.stats().await.unwrap().live_registrations, 1, "{path:?}");
+        drop(shared);
+        let sa = a.stats().await.unwrap();
+        assert_eq!(sa.live_registrations, 0, "{path:?}: {sa:?}");
+    }
+}
+
+// ---------------------------------------------------------------- builder
+
+#[test]
+fn builder_refuses_bad_backend_lists_and_delays_naming_the_fix() {
+    let cases: [(ConnectorBuilderFn, &str); 4] = [
+        (|b| b.backends(Vec::<String>::new()), "empty"),
+        (|b| b.backends(["UCX", "UCX"]), "twice"),
+        (|b| b.backends(["UCX", "NO_SUCH_PLUGIN"]), "UCX"),
+        (|b| b.progress_delay(Duration::from_secs(2)), "above"),
+    ];
+    for (make, says) in cases {
+        let e = make(Connector::builder()).build().unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(e.to_string().contains(says), "{says}: {e}");
+    }
+}
+
+type ConnectorBuilderFn = fn(nixl_connect::ConnectorBuilder) -> nixl_connect::ConnectorBuilder;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builder_backends_and_progress_delay_still_move_data() {
+    // A second NIXL backend beside UCX (POSIX, a storage plugin every NIXL wheel ships), and the
+    // progress delay at both ends of its range: NIXL reads still complete on both sides.
+    for (backends, delay) in [
+        (vec!["UCX", "POSIX"], nixl_connect::DEFAULT_PROGRESS_DELAY),
+        (vec!["UCX"], Duration::ZERO),
+        (vec!["UCX"], nixl_connect::MAX_PROGRESS_DELAY),
+    ] {
+        let make = || {
+            Connector::builder()
+                .backends(backends.clone())
+                .progress_delay(delay)
+                .path(PathPolicy::Nixl)
+                .build()
+                .unwrap()
+        };
+        let (a, b) = (make(), make());
+        for round in 0..3u64 {
+            let r = a
+                .create_readable(Descriptor::from(pattern(1 << 16, round)))
+                .await
+                .unwrap();
+            let op = b
+                .begin_read(r.metadata(), Descriptor::from(vec![0u8; 1 << 16]))
+                .await
+                .unwrap();
+            op.wait_for_completion(T).await.unwrap();
+            r.wait_for_completion(T).await.unwrap();
+            assert_eq!(op.path(), Some(TransferPath::Nixl));
+            let got: Vec<u8> = op.into_descriptors().unwrap().remove(0).into_inner().unwrap();
+            assert!(
+                got == pattern(1 << 16, round),
+                "{backends:?} {delay:?}: bytes differ"
+            );
+            // Let the engines go idle, so the next round starts from the delay's back-off.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
 // ---------------------------------------------------------------- validation
 
 async fn readable_md(

@@ -302,17 +302,18 @@ pub(crate) struct Prepared {
     len: usize,
 }
 
-/// One NIXL agent with the UCX backend, NIXL's own threads off. Not thread-safe: the engine thread
-/// owns it. Dropping it destroys the UCX worker, which cuts every peer off from this agent's
-/// memory and ends every transfer it posted.
+/// One NIXL agent with its backends (UCX, and any others the connector's builder named), NIXL's
+/// own threads off. Not thread-safe: the engine thread owns it. Dropping it destroys the UCX
+/// worker, which cuts every peer off from this agent's memory and ends every transfer it posted.
 pub(crate) struct NixlAgent {
     agent: Agent,
     name: String,
 }
 
 impl NixlAgent {
-    /// Creates an agent named `name` with the UCX backend and the extra UCX `params`.
-    pub(crate) fn new(name: &str, params: &[(String, String)]) -> Result<Self> {
+    /// Creates an agent named `name` with a backend for each of `backends` (NIXL plugin names;
+    /// `UCX` takes the extra `params`, the others their plugin's defaults).
+    pub(crate) fn new(name: &str, backends: &[String], params: &[(String, String)]) -> Result<Self> {
         load()?;
         let cfg = AgentConfig {
             enable_prog_thread: false,
@@ -321,39 +322,58 @@ impl NixlAgent {
             ..AgentConfig::default()
         };
         let agent = Agent::new_configured(name, &cfg).map_err(|e| nixl_err("create agent", e))?;
-        let plugins = agent
+        let plugins: Vec<String> = agent
             .get_available_plugins()
-            .map_err(|e| nixl_err("list plugins", e))?;
-        if !plugins.iter().any(|p| p.map(|s| s == "UCX").unwrap_or(false)) {
-            return Err(Error::NixlBackend {
-                reason: "the UCX plugin (plugins/libplugin_UCX.so next to libnixl.so) was not found; \
-                         reinstall NIXL with `bash scripts/setup.sh` or set NIXL_PLUGIN_DIR"
-                    .into(),
-            });
-        }
-        let (_mems, defaults) = agent
-            .get_plugin_params("UCX")
-            .map_err(|e| nixl_err("UCX plugin params", e))?;
-        let known: Vec<String> = defaults
+            .map_err(|e| nixl_err("list plugins", e))?
             .iter()
-            .map_err(|e| nixl_err("UCX plugin params", e))?
-            .filter_map(|kv| kv.ok().map(|(k, _)| k.to_owned()))
+            .filter_map(|p| p.ok().map(str::to_owned))
             .collect();
-        let mut p = defaults.clone().map_err(|e| nixl_err("UCX plugin params", e))?;
-        for (k, v) in params {
-            // `engine_config` (UCX settings, `KEY=value,...`) is read by the plugin but not
-            // advertised among its defaults.
-            if !known.iter().any(|n| n == k) && k != "engine_config" {
+        for backend in backends {
+            if !plugins.iter().any(|p| p == backend) {
+                if backend == "UCX" {
+                    return Err(Error::NixlBackend {
+                        reason: "the UCX plugin (plugins/libplugin_UCX.so next to libnixl.so) was \
+                                 not found; reinstall NIXL with `bash scripts/setup.sh` or set \
+                                 NIXL_PLUGIN_DIR"
+                            .into(),
+                    });
+                }
                 return Err(Error::InvalidArgument(format!(
-                    "unknown UCX backend parameter {k:?}; NIXL's UCX plugin takes: {}",
-                    known.join(", ")
+                    "NIXL has no backend plugin {backend:?}; the plugins found are: {}",
+                    plugins.join(", ")
                 )));
             }
-            p.set(k, v).map_err(|e| nixl_err("UCX backend param", e))?;
+            let (_mems, defaults) = agent
+                .get_plugin_params(backend)
+                .map_err(|e| nixl_err("plugin params", e))?;
+            let mut p = defaults.clone().map_err(|e| nixl_err("plugin params", e))?;
+            if backend == "UCX" {
+                let known: Vec<String> = defaults
+                    .iter()
+                    .map_err(|e| nixl_err("UCX plugin params", e))?
+                    .filter_map(|kv| kv.ok().map(|(k, _)| k.to_owned()))
+                    .collect();
+                for (k, v) in params {
+                    // `engine_config` (UCX settings, `KEY=value,...`) is read by the plugin but
+                    // not advertised among its defaults.
+                    if !known.iter().any(|n| n == k) && k != "engine_config" {
+                        return Err(Error::InvalidArgument(format!(
+                            "unknown UCX backend parameter {k:?}; NIXL's UCX plugin takes: {}",
+                            known.join(", ")
+                        )));
+                    }
+                    p.set(k, v).map_err(|e| nixl_err("UCX backend param", e))?;
+                }
+            }
+            agent
+                .create_backend(backend, &p)
+                .map_err(|e| Error::NixlBackend {
+                    reason: format!(
+                        "creating the {backend} backend failed ({e}); check its environment \
+                     (UCX_* variables for UCX) or leave it out of the connector's backends"
+                    ),
+                })?;
         }
-        agent.create_backend("UCX", &p).map_err(|e| Error::NixlBackend {
-            reason: format!("creating the UCX backend failed ({e}); check UCX_* environment variables"),
-        })?;
         Ok(Self {
             agent,
             name: name.to_string(),

@@ -55,7 +55,10 @@ const MAX_PREPARED: usize = 1024;
 const MAX_MD_CACHE: usize = 4096;
 /// How often an exposer with memory registered but no operation live is progressed.
 pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
-/// A progress call longer than this did work in UCX (an idle one takes a few microseconds).
+/// A progress call longer than this did work in UCX (an idle one takes a few microseconds), if
+/// the call right after it is as long: one slow call alone is as often a thread preempted or
+/// woken cold as work, and taking it for work kept an idle engine spinning for 2 ms each time
+/// (2.2% of a core for a readable waiting for its reader on a 2-core VM).
 const ACTIVITY: Duration = Duration::from_micros(25);
 
 struct Exposer {
@@ -77,8 +80,8 @@ struct Exposer {
 }
 
 impl Exposer {
-    fn new(name: &str, params: &[(String, String)], gen: u64) -> Result<Self> {
-        let agent = NixlAgent::new(name, params)?;
+    fn new(name: &str, backends: &[String], params: &[(String, String)], gen: u64) -> Result<Self> {
+        let agent = NixlAgent::new(name, backends, params)?;
         let conn_md = agent.partial_metadata(&[])?;
         let identity = md::identity(&conn_md).ok_or_else(|| Error::Nixl {
             op: "get local metadata",
@@ -272,6 +275,9 @@ impl Initiator {
 /// The NIXL transport of one connector.
 pub(crate) struct NixlTransport {
     name: String,
+    /// The NIXL backends each agent is created with (UCX first by default).
+    backends: Vec<String>,
+    /// UCX's extra parameters.
     params: Vec<(String, String)>,
     mailbox: Mailbox,
     /// The current exposer (new operations) and retired ones (destroyed once their last
@@ -287,6 +293,9 @@ pub(crate) struct NixlTransport {
     /// Keys of passive operations whose retired exposer was destroyed past the cap, to be
     /// failed on the next progress.
     evicted: Vec<Arc<str>>,
+    /// The last progress call was slow with nothing to show for it: progress again at once, and
+    /// count it as work if that one is slow too.
+    recheck: bool,
     stats: EngineStats,
 }
 
@@ -310,15 +319,17 @@ impl NixlTransport {
     /// Creates the exposer agent named `name`.
     pub(crate) fn new(
         name: &str,
+        backends: Vec<String>,
         params: Vec<(String, String)>,
         deregister_on_completion: bool,
         quarantine_limit: usize,
         mailbox: Mailbox,
     ) -> Result<Self> {
         let params = with_library_defaults(params);
-        let exposer = Exposer::new(name, &params, 0)?;
+        let exposer = Exposer::new(name, &backends, &params, 0)?;
         Ok(Self {
             name: name.to_string(),
+            backends,
             params,
             mailbox,
             exposer,
@@ -330,6 +341,7 @@ impl NixlTransport {
             deregister_on_completion,
             notif_buf: Vec::new(),
             evicted: Vec::new(),
+            recheck: false,
             stats: EngineStats::default(),
         })
     }
@@ -348,7 +360,7 @@ impl NixlTransport {
     fn rotate(&mut self) {
         if self.exposer.quarantined > self.quarantine_limit {
             let gen = self.exposer_gen + 1;
-            match Exposer::new(&format!("{}~{gen}", self.name), &self.params, gen) {
+            match Exposer::new(&format!("{}~{gen}", self.name), &self.backends, &self.params, gen) {
                 Ok(fresh) => {
                     let old = std::mem::replace(&mut self.exposer, fresh);
                     self.retired.insert(self.exposer_gen, old);
@@ -441,7 +453,7 @@ impl NixlTransport {
         if self.initiator.is_none() {
             self.initiator_gen += 1;
             let name = format!("{}.i{}", self.name, self.initiator_gen);
-            let agent = NixlAgent::new(&name, &self.params)?;
+            let agent = NixlAgent::new(&name, &self.backends, &self.params)?;
             self.initiator = Some(Initiator {
                 agent,
                 regs: Registry::new(Side::Initiator, self.initiator_gen),
@@ -714,7 +726,7 @@ impl Transport for NixlTransport {
 
     fn progress(&mut self, _ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
         // NIXL does not say whether UCX did any work in a progress call (serving a peer's read
-        // over TCP, receiving fragments of a transfer): a call that took long did, and counts as
+        // over TCP, receiving fragments of a transfer): two slow calls in a row did, and count as
         // an event, so the engine keeps spinning while data flows instead of backing off.
         let t0 = Instant::now();
         let mut event = false;
@@ -776,11 +788,14 @@ impl Transport for NixlTransport {
             }
             self.notif_buf = buf;
         }
-        event || t0.elapsed() > ACTIVITY
+        let slow = t0.elapsed() > ACTIVITY;
+        let busy = event || (slow && self.recheck);
+        self.recheck = slow && !busy;
+        busy
     }
 
     fn has_pending(&self) -> bool {
-        !self.evicted.is_empty()
+        self.recheck || !self.evicted.is_empty()
     }
 
     fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
