@@ -70,9 +70,14 @@ pub(crate) struct Args {
     /// buffer); on by default for host memory.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     limit: bool,
-    /// Also measure an idle connector's CPU use over two seconds.
+    /// Also measure a connector's CPU use over two idle seconds: with nothing outstanding, then
+    /// with one readable exposed and waiting for a reader (Dynamo's media publisher).
     #[arg(long)]
     idle_cpu: bool,
+    /// The connector's progress delay in microseconds (`ConnectorBuilder::progress_delay`;
+    /// default 1000).
+    #[arg(long)]
+    progress_delay_us: Option<u64>,
 }
 
 fn parse_kv(s: &str) -> std::result::Result<(String, String), String> {
@@ -521,6 +526,9 @@ pub(crate) async fn run(a: Args) -> Result<()> {
     for (k, v) in &a.ucx_params {
         builder = builder.ucx_param(k, v);
     }
+    if let Some(us) = a.progress_delay_us {
+        builder = builder.progress_delay(Duration::from_micros(us));
+    }
     let conn = builder.build()?;
     let write = a.op == "write";
     let (per, conc) = (a.descriptors as usize, a.concurrency as usize);
@@ -626,24 +634,29 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         }
     }
     if a.idle_cpu {
-        // An idle connector (nothing outstanding) must cost next to no CPU: this process's CPU
-        // time over two idle seconds, after the engine's spin window has passed.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let (c0, t0) = (process_cpu_ns(), Instant::now());
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let (c1, wall) = (process_cpu_ns(), t0.elapsed());
-        if let (Some(c0), Some(c1)) = (c0, c1) {
-            let pct = (c1 - c0) as f64 / wall.as_nanos() as f64 * 100.0;
-            if json {
-                println!(
-                    "{}",
-                    serde_json::json!({"impl": "nixl-connect", "idle_connector_cpu_pct": pct, "idle_seconds": wall.as_secs_f64()})
-                );
-            } else {
-                println!(
-                    "idle connector: {pct:.3}% of a core over {:.1} s",
-                    wall.as_secs_f64()
-                );
+        // An idle connector must cost next to no CPU: this process's CPU time over two idle
+        // seconds, after the engine's spin window has passed; first with nothing outstanding,
+        // then with one readable waiting for a reader that does not come.
+        let waiting = HostBuffer::from_slice(&[7u8; 1 << 20])?;
+        for what in ["idle_connector_cpu_pct", "waiting_readable_cpu_pct"] {
+            let _op = match what {
+                "waiting_readable_cpu_pct" => Some(conn.create_readable(Descriptor::from(&waiting)).await?),
+                _ => None,
+            };
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let (c0, t0) = (process_cpu_ns(), Instant::now());
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let (c1, wall) = (process_cpu_ns(), t0.elapsed());
+            if let (Some(c0), Some(c1)) = (c0, c1) {
+                let pct = (c1 - c0) as f64 / wall.as_nanos() as f64 * 100.0;
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({"impl": "nixl-connect", what: pct, "idle_seconds": wall.as_secs_f64(), "progress_delay_us": a.progress_delay_us.unwrap_or(1000)})
+                    );
+                } else {
+                    println!("{what}: {pct:.3}% of a core over {:.1} s", wall.as_secs_f64());
+                }
             }
         }
     }
