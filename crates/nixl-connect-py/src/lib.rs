@@ -48,7 +48,7 @@ create_exception!(
 );
 
 fn err(e: Error) -> PyErr {
-    CoreError::new_err((e.kind(), e.to_string()))
+    CoreError::new_err((e.kind(), e.report().to_string()))
 }
 
 fn invalid(msg: String) -> PyErr {

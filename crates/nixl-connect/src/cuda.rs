@@ -59,10 +59,10 @@ pub fn device_count() -> Result<usize> {
         ));
     }
     cudarc::driver::result::init()
-        .map_err(|e| Error::cuda_unavailable(format!("cuInit failed: {e}"), Some(Arc::new(e))))?;
+        .map_err(|e| Error::cuda_unavailable("cuInit failed", Some(Arc::new(e))))?;
     CudaContext::device_count()
         .map(|n| n.max(0) as usize)
-        .map_err(|e| Error::cuda_unavailable(format!("cuDeviceGetCount failed: {e}"), Some(Arc::new(e))))
+        .map_err(|e| Error::cuda_unavailable("cuDeviceGetCount failed", Some(Arc::new(e))))
 }
 
 /// Where the driver says `ptr` lives: `Some(ordinal)` for device memory, `None` for host memory.

@@ -28,6 +28,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///   [`Error::EngineStopped`].
 /// - **The operation** ended without data moving: [`Error::Cancelled`], [`Error::TimedOut`].
 /// - **A metadata channel** (HTTP, NATS) failed: [`Error::Channel`], [`Error::NotPublished`].
+///
+/// `Display` says what happened at this level only; the error behind it (an OS, NIXL, CUDA, HTTP
+/// or JSON error) is `source()`, never repeated in the text. [`Error::report`] prints the whole
+/// chain, each cause once, as does any reporter that walks `source()` (anyhow's `{:#}`).
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -133,7 +137,7 @@ pub enum Error {
     /// The operating system refused memory or I/O (for example mapping a [`HostBuffer`]).
     ///
     /// [`HostBuffer`]: crate::HostBuffer
-    #[error("the OS refused {what}: {source}")]
+    #[error("the OS refused {what}")]
     Os {
         /// What was being done.
         what: String,
@@ -144,11 +148,11 @@ pub enum Error {
 
     // ---- the transfer ----
     /// A NIXL call failed.
-    #[error("NIXL {op} failed: {status}")]
+    #[error("NIXL {op} failed{}", if status.is_empty() { String::new() } else { format!(": {status}") })]
     Nixl {
         /// The NIXL call.
         op: &'static str,
-        /// NIXL's status, and what it means here.
+        /// What the failure means here (empty when NIXL's own error, the source, says it all).
         status: String,
         /// NIXL's own error, when the call returned one.
         #[source]
@@ -261,8 +265,8 @@ impl ChannelError {
         }
     }
 
-    /// A channel error caused by `source`; the message should name what was being done (the
-    /// source's own text is appended to it).
+    /// A channel error caused by `source`; the message names what was being done (the source's
+    /// own text is not repeated in it: [`Error::report`] prints each cause once).
     pub fn with_source(
         message: impl Into<String>,
         source: impl std::error::Error + Send + Sync + 'static,
@@ -273,7 +277,7 @@ impl ChannelError {
     /// As [`ChannelError::with_source`], for a source already shared (or boxed, then shared).
     pub(crate) fn shared(message: impl Into<String>, source: ErrorSource) -> Self {
         ChannelError {
-            message: format!("{}: {source}", message.into()),
+            message: message.into(),
             source: Some(source),
         }
     }
@@ -468,8 +472,91 @@ impl Error {
     }
 }
 
+/// An error and each cause under it, once each, joined by `": "`: what a log line or a user
+/// should see ([`Error::report`]). Every error of this crate says only what happened at its own
+/// level and hands back its cause as `source()`; a cause whose text the report already ends
+/// with (another library that repeats its own source) is left out.
+pub struct Report<'a>(&'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut out = self.0.to_string();
+        let mut cause = self.0.source();
+        while let Some(c) = cause {
+            let text = c.to_string();
+            if !text.is_empty() && !out.ends_with(&text) {
+                out.push_str(": ");
+                out.push_str(&text);
+            }
+            cause = c.source();
+        }
+        f.write_str(&out)
+    }
+}
+
+impl std::fmt::Debug for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+impl Error {
+    /// This error with its causes, each once (`"the OS refused mapping 1 GiB: Cannot allocate
+    /// memory (os error 12)"`). `Display` alone says only what happened at this level.
+    pub fn report(&self) -> Report<'_> {
+        Report(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
+    /// Every cause under `e`, and that no level's text repeats the level under it.
+    fn assert_each_cause_once(e: &Error) -> Vec<String> {
+        let mut texts = vec![e.to_string()];
+        let mut cause = std::error::Error::source(e);
+        while let Some(c) = cause {
+            texts.push(c.to_string());
+            cause = c.source();
+        }
+        for w in texts.windows(2) {
+            assert!(!w[0].contains(&w[1]), "{:?} repeats its cause {:?}", w[0], w[1]);
+        }
+        texts
+    }
+
+    #[test]
+    fn error_report_prints_each_cause_once() {
+        let io = || std::io::Error::from_raw_os_error(libc::ENOMEM);
+        let os = Error::os("mapping 1 GiB", io());
+        let texts = assert_each_cause_once(&os);
+        assert_eq!(texts.len(), 2, "Os and its io::Error: {texts:?}");
+        let report = os.report().to_string();
+        assert_eq!(report, format!("the OS refused mapping 1 GiB: {}", io()));
+        assert_eq!(report.matches(&io().to_string()).count(), 1, "{report}");
+
+        let channel = Error::channel_shared("cannot reach http://127.0.0.1:9/x", Arc::new(io()));
+        assert_each_cause_once(&channel);
+        let report = channel.report().to_string();
+        assert_eq!(
+            report,
+            format!("metadata channel: cannot reach http://127.0.0.1:9/x: {}", io())
+        );
+
+        let gone = Error::RemoteGone {
+            agent: "peer-1".into(),
+            reason: "the transfer failed in UCX".into(),
+            source: Some(Arc::new(io())),
+        };
+        assert_each_cause_once(&gone);
+        assert!(gone.report().to_string().ends_with(&io().to_string()));
+        // No source: the report is the Display.
+        assert_eq!(
+            Error::Cancelled.report().to_string(),
+            Error::Cancelled.to_string()
+        );
+    }
+
     use std::error::Error as _;
 
     use super::*;
@@ -504,9 +591,13 @@ mod tests {
         // Shared (the error is `Clone`): the source is the `Arc` around the `io::Error`.
         let io = src.downcast_ref::<Arc<std::io::Error>>().expect("the io::Error");
         assert_eq!(io.raw_os_error(), Some(libc::ENOMEM));
+        assert_eq!(e.to_string(), "the OS refused mapping 4096 bytes");
         assert!(
-            e.to_string().starts_with("the OS refused mapping 4096 bytes: "),
-            "{e}"
+            e.report()
+                .to_string()
+                .starts_with("the OS refused mapping 4096 bytes: "),
+            "{}",
+            e.report()
         );
         let from: Error = std::io::Error::from_raw_os_error(libc::EMFILE).into();
         assert!(from.source().is_some());
@@ -516,10 +607,13 @@ mod tests {
     fn error_channel_keeps_its_source() {
         let json = serde_json::from_str::<serde_json::Value>("{").unwrap_err();
         let e = Error::channel_from("the reply is not JSON", json);
+        assert_eq!(e.to_string(), "metadata channel: the reply is not JSON");
         assert!(
-            e.to_string()
+            e.report()
+                .to_string()
                 .starts_with("metadata channel: the reply is not JSON: "),
-            "{e}"
+            "{}",
+            e.report()
         );
         let src = e
             .source()

@@ -99,7 +99,7 @@ impl Decline {
     /// As [`Decline::because`], for a source already shared.
     pub(crate) fn shared(reason: impl Into<String>, source: ErrorSource) -> Self {
         Decline {
-            reason: format!("{} ({source})", reason.into()),
+            reason: reason.into(),
             source: Some(source),
         }
     }
@@ -129,7 +129,7 @@ impl From<&str> for Decline {
 impl From<PathRefusal> for Decline {
     fn from(refusal: PathRefusal) -> Self {
         Decline {
-            reason: refusal.to_string(),
+            reason: "the same-host path does not move this memory".into(),
             source: Some(Arc::new(refusal)),
         }
     }
@@ -137,7 +137,10 @@ impl From<PathRefusal> for Decline {
 
 impl std::fmt::Display for Decline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.reason)
+        match &self.source {
+            Some(s) => write!(f, "{}: {s}", self.reason),
+            None => f.write_str(&self.reason),
+        }
     }
 }
 
@@ -241,7 +244,12 @@ mod tests {
     fn transport_decline_becomes_path_unavailable_with_its_source() {
         let e = Decline::from(PathRefusal::NoCudaSupport).into_error("peer-1");
         assert_eq!(e.kind(), "PathUnavailable");
-        assert!(e.to_string().contains("no CUDA support"), "{e}");
+        assert!(!e.to_string().contains("no CUDA support"), "{e}");
+        assert!(
+            e.report().to_string().contains("no CUDA support"),
+            "{}",
+            e.report()
+        );
         let src = e
             .source()
             .and_then(|s| s.downcast_ref::<ErrorSource>())

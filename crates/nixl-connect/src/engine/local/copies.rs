@@ -160,7 +160,7 @@ impl LocalTransport {
                         }
                         Err(CopyError::Os(e)) => Err(Error::Transfer {
                             agent: a.spec.peer.to_string(),
-                            reason: format!("the same-host copy failed: {e}"),
+                            reason: "the same-host copy failed".into(),
                             source: Some(e),
                         }),
                         Err(CopyError::Unsupported(_)) => unreachable!("handled above"),

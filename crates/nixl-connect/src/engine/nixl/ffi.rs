@@ -279,7 +279,7 @@ fn device_id(d: Device) -> u64 {
 pub(crate) fn nixl_err(op: &'static str, e: NixlError) -> Error {
     Error::Nixl {
         op,
-        status: e.to_string(),
+        status: String::new(),
         source: Some(Arc::new(e)),
     }
 }
@@ -441,10 +441,10 @@ impl NixlAgent {
                 op: "create transfer",
                 status: match agent {
                     Some(a) => format!(
-                        "{e}: the remote descriptors are not registered memory of agent {a}, or the \
+                        "the remote descriptors are not registered memory of agent {a}, or the \
                          metadata is stale"
                     ),
-                    None => format!("{e}: preparing local descriptors"),
+                    None => "preparing local descriptors".into(),
                 },
                 source: Some(Arc::new(e)),
             })?;

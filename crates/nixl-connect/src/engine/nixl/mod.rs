@@ -248,10 +248,9 @@ impl Initiator {
                 self.peers.remove(&spec.peer);
                 return Err(Error::RemoteGone {
                     agent: spec.peer.to_string(),
-                    reason: format!(
-                        "NIXL could not connect to the agent its metadata names ({e}): the peer has \
+                    reason: "NIXL could not connect to the agent its metadata names: the peer has \
                          exited, or the metadata belongs to another host's network"
-                    ),
+                        .into(),
                     source: Some(e),
                 });
             }
@@ -621,9 +620,7 @@ impl From<Error> for StartError {
 fn transfer_failed(peer: &str, e: ErrorSource) -> Error {
     Error::RemoteGone {
         agent: peer.to_string(),
-        reason: format!(
-            "the transfer failed in UCX ({e}): the peer's process exited or its connection broke"
-        ),
+        reason: "the transfer failed in UCX: the peer's process exited or its connection broke".into(),
         source: Some(e),
     }
 }
