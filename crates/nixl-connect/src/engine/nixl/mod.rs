@@ -367,7 +367,7 @@ impl NixlTransport {
                     self.stats.rotations += 1;
                     tracing::debug!(gen, "rotated the NIXL exposer to release quarantined memory");
                 }
-                Err(e) => tracing::warn!(error = %e, "could not rotate the NIXL exposer"),
+                Err(e) => tracing::warn!(error = %e.report(), "could not rotate the NIXL exposer"),
             }
         }
         let before = self.retired.len();
