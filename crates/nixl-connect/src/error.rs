@@ -248,8 +248,8 @@ pub enum Error {
 /// What [`Error::Channel`] carries: what the channel was doing and, when another library's error
 /// caused it, that error (`Error::source` gives it).
 ///
-/// It dereferences to its message (`"cannot reach http://...: connection refused"`), so code that
-/// matched on the text of `Error::Channel` before it kept its source reads the same.
+/// `Display` is `metadata channel: ` and what the channel was doing (`"cannot reach
+/// http://..."`); the library's error behind it is `source()` ([`Error::report`] prints both).
 #[derive(Debug, Clone)]
 pub struct ChannelError {
     message: String,
@@ -313,18 +313,8 @@ impl std::error::Error for ChannelError {
     }
 }
 
-impl std::ops::Deref for ChannelError {
-    type Target = str;
-
-    fn deref(&self) -> &str {
-        &self.message
-    }
-}
-
 /// Why the same-host path cannot move memory from one device to another in this build and
 /// process ([`same_host_path`](crate::same_host_path)); such an operation takes NIXL.
-///
-/// It dereferences to its message, as the `String` it replaces did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 #[non_exhaustive]
 pub enum PathRefusal {
@@ -359,23 +349,9 @@ impl PathRefusal {
     }
 }
 
-impl std::ops::Deref for PathRefusal {
-    type Target = str;
-
-    fn deref(&self) -> &str {
-        self.message()
-    }
-}
-
 impl From<crate::device::ParseDeviceError> for Error {
     fn from(e: crate::device::ParseDeviceError) -> Self {
         Error::InvalidArgument(e.to_string())
-    }
-}
-
-impl From<std::io::Error> for Error {
-    fn from(e: std::io::Error) -> Self {
-        Error::os("an I/O call", e)
     }
 }
 
@@ -599,7 +575,11 @@ mod tests {
             "{}",
             e.report()
         );
-        let from: Error = std::io::Error::from_raw_os_error(libc::EMFILE).into();
+        // No blanket `From<io::Error>`: every OS error names what it was refused.
+        let from = Error::os(
+            "opening a socket",
+            std::io::Error::from_raw_os_error(libc::EMFILE),
+        );
         assert!(from.source().is_some());
     }
 
@@ -622,7 +602,7 @@ mod tests {
         assert!(src.downcast_ref::<serde_json::Error>().is_some(), "{src:?}");
         let Error::Channel(c) = &e else { panic!("{e:?}") };
         // Reads as its message, as the `String` it replaced did.
-        assert!(c.contains("not JSON") && c.message().starts_with("the reply"));
+        assert!(c.message().contains("not JSON") && c.message().starts_with("the reply"));
         assert!(Error::channel("the listener stopped").source().is_none());
         assert_eq!(e.kind(), "Channel");
     }
@@ -632,7 +612,7 @@ mod tests {
         match crate::same_host_path(Device::Host, Device::Cuda(0)) {
             Err(r) if !cfg!(feature = "cuda") => {
                 assert_eq!(r, PathRefusal::HostIntoDevice);
-                assert!(r.contains("host memory into device memory"), "{r}");
+                assert!(r.message().contains("host memory into device memory"), "{r}");
                 assert_eq!(r.to_string(), r.message());
             }
             // A CUDA build on a host without a GPU.

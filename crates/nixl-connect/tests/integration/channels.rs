@@ -99,7 +99,7 @@ async fn channel_http_fetch_is_bounded() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&e, Error::Channel(m) if m.contains("cannot reach")),
+        matches!(&e, Error::Channel(m) if m.message().contains("cannot reach")),
         "{e}"
     );
     let e = http::fetch("ftp://example/x", T).await.unwrap_err();

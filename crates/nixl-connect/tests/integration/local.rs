@@ -127,7 +127,7 @@ fn local_same_host_path_names_what_takes_nixl() {
             continue;
         }
         let why = r.unwrap_err();
-        assert!(why.contains("CUDA"), "{src}->{dst}: {why}");
+        assert!(why.message().contains("CUDA"), "{src}->{dst}: {why}");
     }
 }
 
