@@ -25,10 +25,7 @@ ok = lib["status"] == "ok" and lib["detail"].endswith("==" + v + ")") and st["st
 print("test-nixl-versions: NIXL library", lib["detail"], "; self-test", st["status"], file=sys.stderr)
 sys.exit(0 if ok else 1)' "$v" || { echo "test-nixl-versions: NIXL $v did not load and pass doctor's self-test" >&2; exit 1; }
   echo "== NIXL $v: integration tests" >&2
-  # Less the one that tests only this crate's own same-host socket across fork() (no NIXL in it;
-  # the main run has it): it fails now and then (the fork-child leftover in the notes).
-  cargo test --workspace --all-features --test integration 2>&1 -- \
-    --skip hostile::hostile_fork_child_does_not_keep_serving_its_parents_socket
+  cargo test --workspace --all-features --test integration 2>&1
   echo "== NIXL $v: Dynamo's multimodal tests on nixl_connect" >&2
   bash scripts/test-dynamo.sh
 done

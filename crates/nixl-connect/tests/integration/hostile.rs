@@ -221,9 +221,13 @@ fn support_fork_and_exit() {
         #[allow(unsafe_code)]
         let child = unsafe { libc::fork() };
         if child == 0 {
-            // SAFETY: as above.
+            // SAFETY: as above; write(2) is async-signal-safe too. By the time fork() returns
+            // here the fork handlers have run: the line tells the test so (under load the child
+            // may not run for a while after the parent has exited).
             #[allow(unsafe_code)]
             unsafe {
+                let line = b"FORKED\n";
+                libc::write(1, line.as_ptr().cast(), line.len());
                 libc::sleep(60);
                 libc::_exit(0);
             }
@@ -244,7 +248,18 @@ async fn hostile_fork_child_does_not_keep_serving_its_parents_socket() {
     let mut peer = Peer::spawn("hostile::support_fork_and_exit", "fork", &[]);
     let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
     let name = peer.expect("NAME:");
-    let child: i32 = peer.expect("CHILD:").parse().unwrap();
+    // "CHILD:" (the parent) and "FORKED" (the child, once its fork handlers have run) come in
+    // either order. Without waiting for the child, the test failed once in 20 runs on a loaded
+    // machine: it connected before the child had been scheduled at all.
+    let (mut child, mut forked) = (None, false);
+    while child.is_none() || !forked {
+        let line = peer.expect("");
+        if let Some(pid) = line.split("CHILD:").nth(1) {
+            child = Some(pid.trim().parse::<i32>().unwrap());
+        }
+        forked |= line.contains("FORKED");
+    }
+    let child = child.unwrap();
     assert!(peer.child.wait().unwrap().success());
     struct Reap(i32);
     impl Drop for Reap {
