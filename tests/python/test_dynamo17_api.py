@@ -99,3 +99,14 @@ def test_dynamo17_decode_metadata_refuses_what_is_not_metadata(nc):
                 zlib.compress(b"x").hex()[:-4]):
         with pytest.raises(nc.MetadataError, match="nixl_metadata"):
             nc.Remote.decode_metadata(bad)
+
+
+def test_dynamo17_decode_metadata_refuses_a_zlib_bomb_on_ours():
+    # A peer's 64 KiB string that inflates to 256 MiB: our module's decoder (the core's) stops at
+    # 16 MiB instead of allocating it all, and says so.
+    import nixl_connect as ours
+
+    bomb = "b64:" + base64.b64encode(zlib.compress(bytes(256 << 20), 9)).decode()
+    assert len(bomb) < 1 << 20
+    with pytest.raises(ours.MetadataError, match="more than 16777216 bytes"):
+        ours.Remote.decode_metadata(bomb)

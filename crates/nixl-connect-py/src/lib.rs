@@ -723,6 +723,24 @@ where
     Ok(future)
 }
 
+/// The raw NIXL agent metadata in a `nixl_metadata` string (`b64:` base64 or legacy hex, zlib),
+/// decoded by the core: bounded at `MAX_NIXL_METADATA` bytes, so a hostile string cannot inflate
+/// without limit. Raises `CoreError("Metadata", ...)`.
+#[pyfunction]
+fn decode_agent_metadata<'py>(
+    py: Python<'py>,
+    nixl_metadata: &str,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let raw = RdmaMetadata::decode_agent_metadata(nixl_metadata).map_err(err)?;
+    Ok(pyo3::types::PyBytes::new(py, &raw))
+}
+
+/// The NIXL agent name inside a `nixl_metadata` string, or `""` when it is not NIXL metadata.
+#[pyfunction]
+fn agent_name(nixl_metadata: &str) -> String {
+    RdmaMetadata::agent_name_in(nixl_metadata).unwrap_or_default()
+}
+
 /// The library folders of the NIXL wheels (`nixl_cu13`, `nixl_cu12`) this interpreter can import.
 fn nixl_wheel_dirs(py: Python<'_>) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
@@ -757,5 +775,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Active>()?;
     m.add_class::<Completions>()?;
     m.add_class::<Registration>()?;
+    m.add_function(wrap_pyfunction!(decode_agent_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(agent_name, m)?)?;
     Ok(())
 }

@@ -249,6 +249,18 @@ impl RdmaMetadata {
         decode_agent_metadata(nixl_metadata)
     }
 
+    /// The NIXL agent name inside a `nixl_metadata` string (decoded as
+    /// [`decode_agent_metadata`](Self::decode_agent_metadata), then read as NIXL's serialised
+    /// agent metadata, every part checked).
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] when the string does not decode or the blob is not NIXL agent
+    /// metadata.
+    pub fn agent_name_in(nixl_metadata: &str) -> Result<String> {
+        let raw = decode_agent_metadata(nixl_metadata)?;
+        Ok(crate::engine::nixl::md::parse(&raw)?.name.to_string())
+    }
+
     /// Decodes `nixl_metadata` into the raw NIXL agent metadata.
     ///
     /// # Errors

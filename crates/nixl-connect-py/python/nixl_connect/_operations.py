@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import concurrent.futures
 import ctypes
 import math
@@ -20,7 +19,6 @@ import sys
 import threading
 import uuid
 import weakref
-import zlib
 from abc import ABC, abstractmethod
 from functools import cached_property
 from typing import Any, Dict, List, Optional, Union
@@ -151,28 +149,14 @@ def _check_shapes(local: List[Descriptor], remote: List[SerializedDescriptor]) -
                 f"descriptor at {i} must have the same size. {ld.size} != {rd.size}.")
 
 
-def _decode_nixl_metadata(text: Union[str, bytes]) -> bytes:
-    """The raw NIXL agent metadata inside `nixl_metadata` ("b64:"+base64 or hex, zlib)."""
-    if isinstance(text, (bytes, bytearray)):
-        text = bytes(text).decode("ascii")
-    if text.startswith("b64:"):
-        compressed = base64.b64decode(text[4:])
-    else:
-        compressed = bytes.fromhex(text)
-    return zlib.decompress(compressed)
-
-
 def _agent_name(nixl_metadata: Union[str, bytes]) -> str:
-    """The agent name in a NIXL metadata blob ("nixlSerDes|Agent" + u64 length + name), or ""."""
-    try:
-        blob = _decode_nixl_metadata(nixl_metadata)
-    except (ValueError, binascii.Error, zlib.error, UnicodeDecodeError):
-        return ""
-    tag = b"nixlSerDes|Agent"
-    if not blob.startswith(tag) or len(blob) < len(tag) + 8:
-        return ""
-    n = int.from_bytes(blob[len(tag):len(tag) + 8], "little")
-    return blob[len(tag) + 8:len(tag) + 8 + n].decode("utf-8", "replace")
+    """The agent name in `nixl_metadata`, read by the core's decoder, or ""."""
+    if isinstance(nixl_metadata, (bytes, bytearray)):
+        try:
+            nixl_metadata = bytes(nixl_metadata).decode("ascii")
+        except UnicodeDecodeError:
+            return ""
+    return _core.agent_name(nixl_metadata)
 
 
 def _describe(descriptors: List[Any]) -> str:
@@ -314,12 +298,13 @@ class Remote:
         if isinstance(nixl_metadata, bytes):
             return nixl_metadata
         try:
-            return _decode_nixl_metadata(nixl_metadata)
-        except (ValueError, binascii.Error, zlib.error, UnicodeDecodeError) as e:
+            return _core.decode_agent_metadata(nixl_metadata)
+        except CoreError as e:
             raise MetadataError(
                 "Argument `nixl_metadata` is neither \"b64:\"+base64 nor hex of zlib-compressed "
-                f"NIXL metadata ({e}); pass the peer's RdmaMetadata.nixl_metadata unchanged."
-            ) from e
+                f"NIXL metadata of at most 16 MiB ({e.args[1]}); pass the peer's "
+                "RdmaMetadata.nixl_metadata unchanged."
+            ) from None
 
     def __enter__(self) -> "Remote":
         return self
