@@ -33,18 +33,41 @@ pub fn driver_available() -> bool {
 }
 
 /// True when this process has loaded the CUDA driver library already (somebody uses CUDA here).
+///
+/// Asked for every raw descriptor, so it walks the list of loaded objects in memory
+/// (`dl_iterate_phdr`) instead of asking `dlopen(RTLD_NOLOAD)`, which searches the library path
+/// on disk when the library is not loaded (a dozen system calls, and an `munmap` that interrupts
+/// every core this process runs on, twice per operation from Python). Once seen loaded, it stays
+/// so (the driver is never unloaded).
 fn driver_loaded() -> bool {
-    // SAFETY: RTLD_NOLOAD only looks the library up among those already loaded (nothing is loaded
-    // or initialised); a handle it returns is closed at once, which leaves the library loaded.
-    unsafe {
-        let h = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
-        if h.is_null() {
-            false
-        } else {
-            libc::dlclose(h);
-            true
-        }
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static LOADED: AtomicBool = AtomicBool::new(false);
+    if LOADED.load(Ordering::Relaxed) {
+        return true;
     }
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        _size: libc::size_t,
+        _data: *mut libc::c_void,
+    ) -> libc::c_int {
+        // SAFETY: the loader passes a valid dl_phdr_info whose dlpi_name is null or a
+        // NUL-terminated path, valid for the duration of this call.
+        let name = unsafe { (*info).dlpi_name };
+        if name.is_null() {
+            return 0;
+        }
+        // SAFETY: as above.
+        let path = unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes();
+        let file = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
+        i32::from(file.starts_with(b"libcuda.so"))
+    }
+    // SAFETY: dl_iterate_phdr calls `visit` once per loaded object, with the loader's lock held;
+    // `visit` only reads the name it is given.
+    let found = unsafe { libc::dl_iterate_phdr(Some(visit), std::ptr::null_mut()) } != 0;
+    if found {
+        LOADED.store(true, Ordering::Relaxed);
+    }
+    found
 }
 
 /// The number of CUDA devices.
@@ -71,7 +94,7 @@ pub fn device_count() -> Result<usize> {
 /// initialised it, no memory can be device memory, and a host-only worker must stay free of CUDA
 /// (its initialisation costs time, and CUDA does not survive into the children of `fork()`).
 pub(crate) fn locate(ptr: usize) -> Result<Option<u32>> {
-    if !driver_loaded() || !driver_available() {
+    if !driver_loaded() {
         return Ok(None);
     }
     let mut mem_type: u32 = 0;
