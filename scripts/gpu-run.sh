@@ -46,7 +46,7 @@ bench --device cuda:0 --peer-device cpu --op write
 bench --device cpu --peer-device cuda:0 --op write
 bench --device cpu --op read
 # Host memory on this (many-core) host: 4 KiB latency both ways, 64 outstanding (issue 28's rate).
-RUNS=3 SIZES=4K bench --device cpu --op write
+RUNS=3 SIZES=4K bench --device cpu --op write --idle-cpu
 RUNS=3 SIZES=4K bench --device cpu --op read --concurrency 64 --iters 300
 RUNS=3 SIZES=4K bench --device cpu --op write --concurrency 64 --iters 300
 # Fresh device memory per operation (cuMemAlloc on both sides, a new IPC mapping each time) beside
