@@ -185,8 +185,8 @@ impl ConnectorBuilder {
     /// [`Error::NixlNotFound`] / [`Error::NixlLoad`] when NIXL is absent or broken (with the fix
     /// in the message), [`Error::NixlBackend`] when a backend cannot start,
     /// [`Error::InvalidArgument`] for an empty worker id, an unknown UCX parameter, a backend list
-    /// that is empty, repeats a name or names a plugin NIXL lacks, or a progress delay above
-    /// [`MAX_PROGRESS_DELAY`].
+    /// that is empty, repeats a name or names a plugin NIXL lacks, UCX parameters without UCX
+    /// among the backends, or a progress delay above [`MAX_PROGRESS_DELAY`].
     pub fn build(self) -> Result<Connector> {
         if self.backends.is_empty() {
             return Err(Error::InvalidArgument(
@@ -200,6 +200,11 @@ impl ConnectorBuilder {
             return Err(Error::InvalidArgument(format!(
                 "NIXL backend {b:?} is named twice in the connector's backend list"
             )));
+        }
+        if !self.ucx_params.is_empty() && !self.backends.iter().any(|b| b == "UCX") {
+            return Err(Error::InvalidArgument(
+                "UCX parameters were given but UCX is not among the connector's NIXL backends".into(),
+            ));
         }
         if self.progress_delay > MAX_PROGRESS_DELAY {
             return Err(Error::InvalidArgument(format!(

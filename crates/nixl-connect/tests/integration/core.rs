@@ -244,8 +244,12 @@ async fn cache_shared_buffer_is_exposed_again_and_at_once_through_one_registrati
 
 #[test]
 fn builder_refuses_bad_backend_lists_and_delays_naming_the_fix() {
-    let cases: [(ConnectorBuilderFn, &str); 4] = [
+    let cases: [(ConnectorBuilderFn, &str); 5] = [
         (|b| b.backends(Vec::<String>::new()), "empty"),
+        (
+            |b| b.backends(["POSIX"]).ucx_param("ucx_error_handling_mode", "none"),
+            "not among",
+        ),
         (|b| b.backends(["UCX", "UCX"]), "twice"),
         (|b| b.backends(["UCX", "NO_SUCH_PLUGIN"]), "UCX"),
         (|b| b.progress_delay(Duration::from_secs(2)), "above"),
