@@ -173,6 +173,24 @@ async fn cache_registers_and_loads_once() {
     );
 }
 
+/// Reads `r` from `b` into a fresh `Vec` over `path`, and checks both ends and the bytes.
+async fn read_checked(
+    b: &Connector,
+    r: &nixl_connect::ReadableOperation<'_>,
+    path: TransferPath,
+    want: Vec<u8>,
+) {
+    let op = b
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; want.len()]))
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    r.wait_for_completion(T).await.unwrap();
+    assert_eq!(op.path(), Some(path));
+    let got: Vec<u8> = op.into_descriptors().unwrap().remove(0).into_inner().unwrap();
+    assert!(got == want, "{path:?}: bytes differ");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cache_shared_buffer_is_exposed_again_and_at_once_through_one_registration() {
     const LEN: usize = 1 << 16;
@@ -191,15 +209,7 @@ async fn cache_shared_buffer_is_exposed_again_and_at_once_through_one_registrati
             let t0 = Instant::now();
             let r = a.create_readable(Descriptor::from(shared.clone())).await.unwrap();
             expose_us.push(t0.elapsed().as_secs_f64() * 1e6);
-            let op = b
-                .begin_read(r.metadata(), Descriptor::from(vec![0u8; LEN]))
-                .await
-                .unwrap();
-            op.wait_for_completion(T).await.unwrap();
-            r.wait_for_completion(T).await.unwrap();
-            assert_eq!(op.path(), Some(path));
-            let got: Vec<u8> = op.into_descriptors().unwrap().remove(0).into_inner().unwrap();
-            assert!(got == pattern(LEN, 3), "{path:?}: bytes differ");
+            read_checked(&b, &r, path, pattern(LEN, 3)).await;
         }
         // And exposed by several operations at once, each read by its own reader.
         let mut readables = Vec::new();
@@ -207,14 +217,7 @@ async fn cache_shared_buffer_is_exposed_again_and_at_once_through_one_registrati
             readables.push(a.create_readable(Descriptor::from(shared.clone())).await.unwrap());
         }
         for r in &readables {
-            let op = b
-                .begin_read(r.metadata(), Descriptor::from(vec![0u8; LEN]))
-                .await
-                .unwrap();
-            op.wait_for_completion(T).await.unwrap();
-            r.wait_for_completion(T).await.unwrap();
-            let got: Vec<u8> = op.into_descriptors().unwrap().remove(0).into_inner().unwrap();
-            assert!(got == pattern(LEN, 3), "{path:?}: bytes differ");
+            read_checked(&b, r, path, pattern(LEN, 3)).await;
         }
         let sa = a.stats().await.unwrap();
         assert_eq!(
