@@ -81,17 +81,18 @@ pub enum Error {
         reason: String,
     },
 
-    /// The peer's passive side refused the operation: its operation has completed, was
-    /// cancelled or dropped (`replay`: the metadata was used after its operation ended), or the
-    /// request breaks its scope (a range outside its descriptors, the wrong direction, a second
-    /// writer). Checked by the side that owns the memory, on the same-host path.
-    #[error("peer {agent} refused the operation: {reason}")]
+    /// The operation was refused: the peer's passive side has no live operation with the key
+    /// (it completed, was cancelled or dropped), or the request breaks its scope (a range outside
+    /// its descriptors, the wrong direction, a second writer), checked by the side that owns the
+    /// memory on the same-host path; or this connector already completed an operation with the
+    /// same metadata. [`Refusal::is_replay`] tells a replayed metadata string.
+    #[error("peer {agent} refused the operation ({refusal}): {reason}")]
     Refused {
         /// The peer's NIXL agent name.
         agent: String,
-        /// True when the peer has no live operation with this key (a replayed metadata string).
-        replay: bool,
-        /// What the peer said.
+        /// Why, as the owner's refusal code says.
+        refusal: Refusal,
+        /// What the refusing side said, in its words.
         reason: String,
     },
 
@@ -313,6 +314,37 @@ impl std::error::Error for ChannelError {
     }
 }
 
+/// Why an operation was refused ([`Error::Refused`]): the same-host protocol's refusal codes, and
+/// this connector's own single-use rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The peer has no live operation with this key: it completed, was cancelled or dropped (the
+    /// metadata was used after its operation ended).
+    #[error("no live operation with this key")]
+    NotLive,
+    /// This connector already completed an operation with this metadata (it is single-use).
+    #[error("metadata already used")]
+    AlreadyCompleted,
+    /// A range lies outside the operation's descriptors.
+    #[error("outside the operation's descriptors")]
+    OutOfRange,
+    /// A read of a writable, or a write of a readable.
+    #[error("wrong direction")]
+    WrongDirection,
+    /// Another writer holds the writable.
+    #[error("another writer holds it")]
+    Busy,
+}
+
+impl Refusal {
+    /// True when the metadata was used after its operation ended (a replay): asking again with
+    /// the same metadata cannot succeed; the peer must expose the memory again.
+    pub fn is_replay(self) -> bool {
+        matches!(self, Refusal::NotLive | Refusal::AlreadyCompleted)
+    }
+}
+
 /// Why the same-host path cannot move memory from one device to another in this build and
 /// process ([`same_host_path`](crate::same_host_path)); such an operation takes NIXL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
@@ -499,6 +531,26 @@ mod tests {
             assert!(!w[0].contains(&w[1]), "{:?} repeats its cause {:?}", w[0], w[1]);
         }
         texts
+    }
+
+    #[test]
+    fn error_refusal_is_typed_and_tells_a_replay() {
+        for (r, replay) in [
+            (Refusal::NotLive, true),
+            (Refusal::AlreadyCompleted, true),
+            (Refusal::OutOfRange, false),
+            (Refusal::WrongDirection, false),
+            (Refusal::Busy, false),
+        ] {
+            assert_eq!(r.is_replay(), replay, "{r:?}");
+            let e = Error::Refused {
+                agent: "peer-1".into(),
+                refusal: r,
+                reason: "what the peer said".into(),
+            };
+            assert_eq!(e.kind(), "Refused");
+            assert!(e.to_string().contains(&r.to_string()), "{e}");
+        }
     }
 
     #[test]

@@ -113,7 +113,7 @@ pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};
 pub use engine::nixl::MAX_RETIRED_EXPOSERS;
 pub use engine::EngineStats;
-pub use error::{ChannelError, Error, ErrorSource, PathRefusal, Report, Result};
+pub use error::{ChannelError, Error, ErrorSource, PathRefusal, Refusal, Report, Result};
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor, MAX_NIXL_METADATA};
 pub use operation::{
     OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath, WritableOperation,

@@ -336,7 +336,7 @@ impl EngineLoop {
                         OperationStatus::Errored,
                         Some(Error::Refused {
                             agent: spec.peer.to_string(),
-                            replay: true,
+                            refusal: crate::error::Refusal::AlreadyCompleted,
                             reason: "this connector already completed an operation with this \
                                      metadata's notification key; metadata is single-use"
                                 .into(),

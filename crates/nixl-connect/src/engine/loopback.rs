@@ -92,9 +92,9 @@ impl LoopbackTransport {
 
     /// Moves one transfer's bytes, if its peer still exposes what it asks for.
     fn run(&self, spec: &ActiveSpec) -> Result<()> {
-        let refused = |reason: &str| Error::Refused {
+        let refused = |refusal, reason: &str| Error::Refused {
             agent: spec.peer.to_string(),
-            replay: false,
+            refusal,
             reason: reason.into(),
         };
         let Some(peer) = node(&spec.peer) else {
@@ -110,12 +110,15 @@ impl LoopbackTransport {
         let Some((kind, ranges)) = exposed.get(&spec.key) else {
             return Err(Error::Refused {
                 agent: spec.peer.to_string(),
-                replay: true,
+                refusal: crate::error::Refusal::NotLive,
                 reason: "no live operation has this notification key".into(),
             });
         };
         if (*kind == OperationKind::Write) != spec.write {
-            return Err(refused("the operation's direction does not match"));
+            return Err(refused(
+                crate::error::Refusal::WrongDirection,
+                "the operation's direction does not match",
+            ));
         }
         let inside = |r: &Range| {
             ranges
@@ -127,6 +130,7 @@ impl LoopbackTransport {
             || spec.local.iter().zip(&spec.remote).any(|(l, r)| l.len != r.len)
         {
             return Err(refused(
+                crate::error::Refusal::OutOfRange,
                 "a requested range lies outside the operation's descriptors",
             ));
         }

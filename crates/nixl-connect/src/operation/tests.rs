@@ -114,7 +114,10 @@ async fn loopback_replay_after_completion_is_refused() {
             .await
             .unwrap();
         let e = op.wait_for_completion(T).await.unwrap_err();
-        assert!(matches!(e, Error::Refused { replay: true, .. }), "{who}: {e}");
+        assert!(
+            matches!(e, Error::Refused { refusal: r, .. } if r.is_replay()),
+            "{who}: {e}"
+        );
     }
 }
 
@@ -233,7 +236,10 @@ async fn loopback_passive_dropped_in_flight_refuses_the_late_transfer() {
     settle().await;
     stall(&b, false);
     let e = op.wait_for_completion(T).await.unwrap_err();
-    assert!(matches!(e, Error::Refused { replay: true, .. }), "{e}");
+    assert!(
+        matches!(e, Error::Refused { refusal: r, .. } if r.is_replay()),
+        "{e}"
+    );
     let got = op.into_descriptors().ok().unwrap();
     assert!(
         got[0].as_slice().unwrap().iter().all(|&x| x == 0),

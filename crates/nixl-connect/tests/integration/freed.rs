@@ -317,6 +317,9 @@ fn freed_retired_exposers_are_capped() {
             nixl_connect::OperationStatus::Initialized,
             "{stats:?}"
         );
-        assert!(stats.evicted_operations >= 1, "{stats:?}");
+        // Counted when the engine hands the eviction out, which the interrupted wait above has
+        // seen (the first snapshot may come before it: the test failed once so under load).
+        let after = conn.stats().await.unwrap();
+        assert!(after.evicted_operations >= 1, "{after:?}");
     });
 }

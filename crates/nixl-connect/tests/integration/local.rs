@@ -66,7 +66,7 @@ async fn local_wrong_direction_is_refused() {
         .unwrap();
     let e = op.wait_for_completion(T).await.unwrap_err();
     assert!(
-        matches!(&e, Error::Refused { replay: false, reason, .. } if reason.contains("writable")),
+        matches!(&e, Error::Refused { refusal: nixl_connect::Refusal::WrongDirection, reason, .. } if reason.contains("writable")),
         "{e}"
     );
     assert_eq!(

@@ -57,7 +57,12 @@ pub(super) struct Act {
 pub(super) fn refused(agent: String, code: RefuseCode, reason: String) -> Error {
     Error::Refused {
         agent,
-        replay: code == RefuseCode::NotLive,
+        refusal: match code {
+            RefuseCode::NotLive => crate::error::Refusal::NotLive,
+            RefuseCode::OutOfRange => crate::error::Refusal::OutOfRange,
+            RefuseCode::WrongDirection => crate::error::Refusal::WrongDirection,
+            RefuseCode::Busy => crate::error::Refusal::Busy,
+        },
         reason,
     }
 }
