@@ -49,8 +49,9 @@ impl HostBuffer {
     /// `len >= 2 MiB`.
     ///
     /// # Errors
-    /// The OS error when the mapping fails (out of memory, limits).
-    pub fn new(len: usize) -> std::io::Result<Self> {
+    /// [`Error::Os`](crate::Error::Os) naming the mapping when it fails (out of memory, limits),
+    /// with the OS error as its source.
+    pub fn new(len: usize) -> crate::Result<Self> {
         let huge = len >= HUGE_PAGE;
         let align = if huge { HUGE_PAGE } else { PAGE };
         let rounded = len.max(1).div_ceil(align) * align;
@@ -67,7 +68,10 @@ impl HostBuffer {
             )
         };
         if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
+            return Err(crate::Error::os(
+                format!("mapping {map_len} bytes for a HostBuffer of {len}"),
+                std::io::Error::last_os_error(),
+            ));
         }
         let base = base.cast::<u8>();
         let offset = (align - (base as usize % align)) % align;
@@ -94,7 +98,7 @@ impl HostBuffer {
     ///
     /// # Errors
     /// As [`HostBuffer::new`].
-    pub fn from_slice(data: &[u8]) -> std::io::Result<Self> {
+    pub fn from_slice(data: &[u8]) -> crate::Result<Self> {
         let mut b = Self::new(data.len())?;
         b.copy_from_slice(data);
         Ok(b)

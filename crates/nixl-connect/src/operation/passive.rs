@@ -43,8 +43,7 @@ impl<'a> Passive<'a> {
                 let buf = match kind {
                     OperationKind::Read => HostBuffer::from_slice(d.as_slice().expect("host slice")),
                     _ => HostBuffer::new(d.size()),
-                }
-                .map_err(|e| Error::os(format!("staging {} bytes of borrowed memory", d.size()), e))?;
+                }?;
                 staged.push((i, std::mem::replace(d, Descriptor::from(buf))));
             }
         }
