@@ -340,7 +340,7 @@ pub(crate) fn decode_agent_metadata(s: &str) -> Result<Vec<u8>> {
     let mut z = flate2::read::ZlibDecoder::new(&compressed[..]).take(MAX_NIXL_METADATA as u64 + 1);
     z.read_to_end(&mut out).map_err(|e| Error::Metadata {
         field,
-        reason: format!("bad zlib data ({e})"),
+        reason: format!("does not decompress as zlib data ({e})"),
     })?;
     if out.len() > MAX_NIXL_METADATA {
         return Err(Error::Metadata {

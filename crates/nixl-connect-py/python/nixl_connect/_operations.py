@@ -300,9 +300,16 @@ class Remote:
         try:
             return _core.decode_agent_metadata(nixl_metadata)
         except CoreError as e:
+            detail = e.args[1]
+            if not nixl_metadata.startswith("b64:"):
+                # Say it as Dynamo's decoder (bytes.fromhex) would, for callers matching its text.
+                try:
+                    bytes.fromhex(nixl_metadata)
+                except ValueError as hex_error:
+                    detail = f"{hex_error}; {detail}"
             raise MetadataError(
                 "Argument `nixl_metadata` is neither \"b64:\"+base64 nor hex of zlib-compressed "
-                f"NIXL metadata of at most 16 MiB ({e.args[1]}); pass the peer's "
+                f"NIXL metadata of at most 16 MiB ({detail}); pass the peer's "
                 "RdmaMetadata.nixl_metadata unchanged."
             ) from None
 
