@@ -122,6 +122,24 @@ def test_core_errors_are_translated(nc):
     assert err.kind == "SomethingNew"
 
 
+def test_core_chooses_the_class_of_every_kind(nc):
+    """The Rust core names the class for each of its kinds (args[2]); each names a class of
+    this module, the one the kind's table entry and the docs give."""
+    if not hasattr(nc._core, "error_classes"):
+        pytest.skip("Dynamo's module has no Rust core")
+    from nixl_connect import _errors  # noqa: PLC0415 - internal module
+    pairs = dict(nc._core.error_classes())
+    assert set(pairs) == set(KINDS) | {"Forked"}, set(pairs) ^ (set(KINDS) | {"Forked"})
+    for kind, name in pairs.items():
+        cls = getattr(_errors, name)
+        assert cls is nc.ERROR_CLASSES[kind], kind
+        err = _errors.from_core(nc._core.CoreError(kind, "m", name))
+        assert type(err) is cls and err.kind == kind
+    # A class this module lacks (a newer core) falls back to the kind's entry.
+    err = _errors.from_core(nc._core.CoreError("Refused", "m", "NoSuchClass"))
+    assert type(err) is nc.ERROR_CLASSES["Refused"]
+
+
 # --------------------------------------------------------------------------- typed errors in use
 
 async def test_wrong_pairing_is_typed(nc):

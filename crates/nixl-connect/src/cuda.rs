@@ -145,7 +145,7 @@ pub(crate) fn verify(ptr: usize, claimed: Device) -> Result<()> {
     } else {
         Err(Error::DeviceMismatch {
             claimed,
-            actual: actual.map_or("host memory".to_string(), |m| format!("memory on cuda:{m}")),
+            actual: actual.map_or(Device::Host, Device::Cuda),
         })
     }
 }

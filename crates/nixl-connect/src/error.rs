@@ -40,6 +40,13 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A device string that names no device (`"tpu:0"`): [`ParseDeviceError`] itself, kind
+    /// [`ErrorKind::InvalidArgument`].
+    ///
+    /// [`ParseDeviceError`]: crate::ParseDeviceError
+    #[error(transparent)]
+    InvalidDevice(crate::device::ParseDeviceError),
+
     /// A read was paired with a writable's metadata, or a write with a readable's.
     #[error(
         "wrong pairing: {operation} needs metadata from a {expected} operation, but this metadata \
@@ -59,12 +66,12 @@ pub enum Error {
     },
 
     /// A descriptor claims a device its memory is not on (per the CUDA driver).
-    #[error("device mismatch: the descriptor claims {claimed} but the pointer is {actual}")]
+    #[error("device mismatch: the descriptor claims {claimed} but the pointer is on {actual}")]
     DeviceMismatch {
         /// The device the descriptor names.
         claimed: crate::device::Device,
         /// Where the driver says the memory is.
-        actual: String,
+        actual: crate::device::Device,
     },
 
     /// Local and remote descriptors do not line up.
@@ -73,12 +80,15 @@ pub enum Error {
 
     // ---- the peer ----
     /// `RdmaMetadata` that does not parse, breaks a field rule, or that NIXL rejects.
-    #[error("bad metadata in `{field}`: {reason}")]
+    #[error("bad metadata in `{field}`: {problem}")]
     Metadata {
-        /// The offending field (`descriptors[2].ptr`, `nixl_metadata`, `json`, ...).
+        /// The offending field (`descriptors[].ptr`, `nixl_metadata`, `json`, ...).
         field: &'static str,
         /// What is wrong with it.
-        reason: String,
+        problem: MetadataProblem,
+        /// The decoder's own error, when one found it (serde_json's, base64's, zlib's, UTF-8's).
+        #[source]
+        source: Option<ErrorSource>,
     },
 
     /// The operation was refused: the peer's passive side has no live operation with the key
@@ -133,6 +143,9 @@ pub enum Error {
     NixlBackend {
         /// What failed.
         reason: String,
+        /// NIXL's own error, when the call returned one.
+        #[source]
+        source: Option<ErrorSource>,
     },
 
     /// The operating system refused memory or I/O (for example mapping a [`HostBuffer`]).
@@ -345,6 +358,67 @@ impl Refusal {
     }
 }
 
+/// What is wrong with a field of a peer's metadata ([`Error::Metadata`]); the decoder's own
+/// error, when one found it, is the error's `source()`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetadataProblem {
+    /// The document is not UTF-8.
+    #[error("the document is not UTF-8")]
+    NotUtf8,
+    /// The JSON does not parse, has a key the model does not, or a value breaks a field's type
+    /// or range (serde_json's error, naming it, is the source).
+    #[error("does not parse as RdmaMetadata JSON")]
+    Json,
+    /// The descriptor list is empty.
+    #[error("must contain at least one descriptor")]
+    NoDescriptors,
+    /// The descriptors name more than one kind of device.
+    #[error("mixes device kinds; one operation moves one kind of memory")]
+    MixedDevices,
+    /// A range wraps past the end of the address space.
+    #[error("a range wraps past the end of the address space")]
+    RangeWraps,
+    /// A field that must not be empty is.
+    #[error("is empty")]
+    Empty,
+    /// `operation_kind` is neither READ (1) nor WRITE (2).
+    #[error("{0} is neither READ (1) nor WRITE (2)")]
+    UnknownKind(u8),
+    /// Bad base64 after `b64:` (base64's error is the source).
+    #[error("bad base64 after `b64:`")]
+    Base64,
+    /// Neither `b64:`-prefixed base64 nor hex.
+    #[error("is neither `b64:`-prefixed base64 nor hex")]
+    NotBase64NorHex,
+    /// The bytes do not decompress as zlib data (zlib's error is the source).
+    #[error("does not decompress as zlib data")]
+    Zlib,
+    /// The bytes decompress to more than `limit` bytes.
+    #[error("decompresses to more than {limit} bytes; refusing it")]
+    TooLarge {
+        /// The bound ([`MAX_NIXL_METADATA`](crate::MAX_NIXL_METADATA)).
+        limit: usize,
+    },
+    /// The bytes decompress to nothing.
+    #[error("decompresses to nothing")]
+    DecompressesToNothing,
+    /// The bytes are not the serialised agent metadata of the transport that must read them.
+    #[error(
+        "not NIXL agent metadata ({what} at byte {at}); pass the nixl_metadata a NIXL Connect \
+         operation published"
+    )]
+    NotAgentMetadata {
+        /// What the reader ran into.
+        what: &'static str,
+        /// The byte offset where it did.
+        at: usize,
+    },
+    /// Two metadata blobs that must come from one agent come from two.
+    #[error("metadata of agents {0} and {1} cannot be spliced")]
+    AgentsDiffer(String, String),
+}
+
 /// Why the same-host path cannot move memory from one device to another in this build and
 /// process ([`same_host_path`](crate::same_host_path)); such an operation takes NIXL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
@@ -383,19 +457,31 @@ impl PathRefusal {
 
 impl From<crate::device::ParseDeviceError> for Error {
     fn from(e: crate::device::ParseDeviceError) -> Self {
-        Error::InvalidArgument(e.to_string())
+        Error::InvalidDevice(e)
     }
 }
 
-/// `Error::kind` from the variants' own names: the match is exhaustive, so a new variant cannot
-/// be forgotten, and each name is the variant's identifier, so none can be misspelt.
+/// [`ErrorKind`] from the kinds' names: the enum, its names and the list of them from one list,
+/// so none can be misspelt or left out of [`ErrorKind::ALL`].
 macro_rules! kinds {
-    ($($variant:ident),* $(,)?) => {
-        impl Error {
-            /// The variant's name (`"TimedOut"`, `"RemoteGone"`, ...), for bindings and logs.
-            pub fn kind(&self) -> &'static str {
+    ($($(#[$doc:meta])* $kind:ident),* $(,)?) => {
+        /// What kind of error an [`Error`] is, as bindings, logs and metrics need it: one kind per
+        /// variant of [`Error`], except [`Error::InvalidDevice`], which is an
+        /// [`ErrorKind::InvalidArgument`]. The Python module chooses its exception class by it.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum ErrorKind {
+            $($(#[$doc])* $kind,)*
+        }
+
+        impl ErrorKind {
+            /// Every kind, in the order of [`Error`]'s variants.
+            pub const ALL: &'static [ErrorKind] = &[$(ErrorKind::$kind,)*];
+
+            /// The kind's name (`"TimedOut"`, `"RemoteGone"`, ...): the name of its variant.
+            pub fn as_str(self) -> &'static str {
                 match self {
-                    $(Error::$variant { .. } => stringify!($variant),)*
+                    $(ErrorKind::$kind => stringify!($kind),)*
                 }
             }
         }
@@ -403,30 +489,108 @@ macro_rules! kinds {
 }
 
 kinds!(
+    /// [`Error::InvalidArgument`].
     InvalidArgument,
+    /// [`Error::WrongPairing`].
     WrongPairing,
+    /// [`Error::DeviceMismatch`].
     DeviceMismatch,
+    /// [`Error::DescriptorMismatch`].
     DescriptorMismatch,
+    /// [`Error::Metadata`].
     Metadata,
+    /// [`Error::Refused`].
     Refused,
+    /// [`Error::NixlNotFound`].
     NixlNotFound,
+    /// [`Error::NixlLoad`].
     NixlLoad,
+    /// [`Error::CudaUnavailable`].
     CudaUnavailable,
+    /// [`Error::NixlBackend`].
     NixlBackend,
+    /// [`Error::Os`].
     Os,
+    /// [`Error::Nixl`].
     Nixl,
+    /// [`Error::RemoteGone`].
     RemoteGone,
+    /// [`Error::Transfer`].
     Transfer,
+    /// [`Error::Interrupted`].
     Interrupted,
+    /// [`Error::PathUnavailable`].
     PathUnavailable,
+    /// [`Error::EngineStopped`].
     EngineStopped,
+    /// [`Error::Cancelled`].
     Cancelled,
+    /// [`Error::TimedOut`].
     TimedOut,
+    /// [`Error::Channel`].
     Channel,
+    /// [`Error::NotPublished`].
     NotPublished,
 );
 
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl Error {
+    /// The error's [`ErrorKind`] (its variant, for bindings and logs).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::InvalidArgument(_) | Error::InvalidDevice(_) => ErrorKind::InvalidArgument,
+            Error::WrongPairing { .. } => ErrorKind::WrongPairing,
+            Error::DeviceMismatch { .. } => ErrorKind::DeviceMismatch,
+            Error::DescriptorMismatch { .. } => ErrorKind::DescriptorMismatch,
+            Error::Metadata { .. } => ErrorKind::Metadata,
+            Error::Refused { .. } => ErrorKind::Refused,
+            Error::NixlNotFound { .. } => ErrorKind::NixlNotFound,
+            Error::NixlLoad { .. } => ErrorKind::NixlLoad,
+            Error::CudaUnavailable { .. } => ErrorKind::CudaUnavailable,
+            Error::NixlBackend { .. } => ErrorKind::NixlBackend,
+            Error::Os { .. } => ErrorKind::Os,
+            Error::Nixl { .. } => ErrorKind::Nixl,
+            Error::RemoteGone { .. } => ErrorKind::RemoteGone,
+            Error::Transfer { .. } => ErrorKind::Transfer,
+            Error::Interrupted { .. } => ErrorKind::Interrupted,
+            Error::PathUnavailable { .. } => ErrorKind::PathUnavailable,
+            Error::EngineStopped => ErrorKind::EngineStopped,
+            Error::Cancelled => ErrorKind::Cancelled,
+            Error::TimedOut { .. } => ErrorKind::TimedOut,
+            Error::Channel { .. } => ErrorKind::Channel,
+            Error::NotPublished { .. } => ErrorKind::NotPublished,
+        }
+    }
+}
+
+impl Error {
+    /// An [`Error::Metadata`] about `field`, found by this crate's own rules.
+    pub(crate) fn metadata(field: &'static str, problem: MetadataProblem) -> Self {
+        Error::Metadata {
+            field,
+            problem,
+            source: None,
+        }
+    }
+
+    /// An [`Error::Metadata`] about `field`, found by a decoder whose error is `source`.
+    pub(crate) fn metadata_from(
+        field: &'static str,
+        problem: MetadataProblem,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Error::Metadata {
+            field,
+            problem,
+            source: Some(Arc::new(source)),
+        }
+    }
+
     /// An [`Error::Os`]: the OS refused `what` with `source`.
     pub fn os(what: impl Into<String>, source: std::io::Error) -> Self {
         Error::Os {
@@ -467,6 +631,7 @@ impl Error {
         matches!(
             self,
             Error::InvalidArgument(_)
+                | Error::InvalidDevice(_)
                 | Error::WrongPairing { .. }
                 | Error::DescriptorMismatch(_)
                 | Error::DeviceMismatch { .. }
@@ -548,7 +713,7 @@ mod tests {
                 refusal: r,
                 reason: "what the peer said".into(),
             };
-            assert_eq!(e.kind(), "Refused");
+            assert_eq!(e.kind(), ErrorKind::Refused);
             assert!(e.to_string().contains(&r.to_string()), "{e}");
         }
     }
@@ -596,16 +761,28 @@ mod tests {
             after: std::time::Duration::from_secs(1),
             peer: None,
         };
-        assert_eq!(e.kind(), "TimedOut");
-        assert_eq!(Error::InvalidArgument("x".into()).kind(), "InvalidArgument");
-        assert_eq!(Error::EngineStopped.kind(), "EngineStopped");
+        assert_eq!(e.kind(), ErrorKind::TimedOut);
+        assert_eq!(e.kind().as_str(), "TimedOut");
+        assert_eq!(
+            Error::InvalidArgument("x".into()).kind(),
+            ErrorKind::InvalidArgument
+        );
+        assert_eq!(Error::EngineStopped.kind(), ErrorKind::EngineStopped);
+        // A device that names nothing is its own typed leaf, of the caller's kind.
+        let dev = Error::from("tpu:0".parse::<Device>().unwrap_err());
+        assert_eq!(dev.kind(), ErrorKind::InvalidArgument);
+        assert!(matches!(&dev, Error::InvalidDevice(p) if p.input == "tpu:0"));
+        assert!(dev.is_permanent());
+        // Every kind's name is distinct and is its variant's.
+        let names: std::collections::HashSet<_> = ErrorKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(names.len(), ErrorKind::ALL.len());
         // Every kind is its variant's name as `Debug` prints it.
         for e in [
             Error::Cancelled,
             Error::Channel("c".into()),
             Error::os("x", std::io::Error::other("y")),
         ] {
-            assert!(format!("{e:?}").starts_with(e.kind()), "{e:?}");
+            assert!(format!("{e:?}").starts_with(e.kind().as_str()), "{e:?}");
         }
     }
 
@@ -656,7 +833,7 @@ mod tests {
         // Reads as its message, as the `String` it replaced did.
         assert!(c.message().contains("not JSON") && c.message().starts_with("the reply"));
         assert!(Error::channel("the listener stopped").source().is_none());
-        assert_eq!(e.kind(), "Channel");
+        assert_eq!(e.kind(), ErrorKind::Channel);
     }
 
     #[test]

@@ -267,7 +267,11 @@ ERROR_CLASSES: Dict[str, Type[NixlConnectError]] = {
 
 
 def from_core(error: BaseException) -> NixlConnectError:
-    """The typed exception for a `_core.CoreError` (args == (kind, message))."""
+    """The typed exception for a `_core.CoreError` (args == (kind, message, class)).
+
+    The Rust side chooses the class (`class_of` in the extension) and names it in `args[2]`; a
+    name this module does not define (a newer `_core`) falls back to the kind's entry of
+    `ERROR_CLASSES`, then to a plain `NixlConnectError` subclass."""
     args = error.args
     kind = getattr(error, "kind", None)
     if not isinstance(kind, str):
@@ -275,5 +279,8 @@ def from_core(error: BaseException) -> NixlConnectError:
     message = getattr(error, "message", None)
     if not isinstance(message, str):
         message = args[1] if len(args) >= 2 and isinstance(args[1], str) else str(error)
-    cls = ERROR_CLASSES.get(kind, _UnknownKindError)
+    named = args[2] if len(args) >= 3 and isinstance(args[2], str) else None
+    cls = globals().get(named) if named else None
+    if not (isinstance(cls, type) and issubclass(cls, NixlConnectError)):
+        cls = ERROR_CLASSES.get(kind, _UnknownKindError)
     return cls(message, kind=kind)

@@ -18,7 +18,7 @@ use etcd_client::{
 };
 
 use super::MAX_DOCUMENT;
-use crate::error::{Error, Result};
+use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::RdmaMetadata;
 
 /// The key prefix of published metadata, under Dynamo's etcd as under any other.
@@ -263,10 +263,8 @@ fn parse(key: &str, value: &[u8]) -> Result<RdmaMetadata> {
             "the value of etcd key {key} is larger than {MAX_DOCUMENT} bytes"
         )));
     }
-    let text = std::str::from_utf8(value).map_err(|_| Error::Metadata {
-        field: "json",
-        reason: "the document is not UTF-8".into(),
-    })?;
+    let text =
+        std::str::from_utf8(value).map_err(|e| Error::metadata_from("json", MetadataProblem::NotUtf8, e))?;
     RdmaMetadata::from_json(text)
 }
 

@@ -36,7 +36,7 @@ use hyper::body::Bytes;
 use tokio::sync::{oneshot, OnceCell};
 
 use super::MAX_DOCUMENT;
-use crate::error::{Error, Result};
+use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::RdmaMetadata;
 use crate::sync::Recover;
 
@@ -345,10 +345,8 @@ async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
 /// Cancel safe.
 pub async fn fetch(url: &str, timeout: Duration) -> Result<RdmaMetadata> {
     let body = get_bytes(url, timeout).await?;
-    let text = std::str::from_utf8(&body).map_err(|_| Error::Metadata {
-        field: "json",
-        reason: "the document is not UTF-8".into(),
-    })?;
+    let text =
+        std::str::from_utf8(&body).map_err(|e| Error::metadata_from("json", MetadataProblem::NotUtf8, e))?;
     RdmaMetadata::from_json(text)
 }
 

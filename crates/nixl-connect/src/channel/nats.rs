@@ -12,7 +12,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 
 use super::MAX_DOCUMENT;
-use crate::error::{Error, Result};
+use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::RdmaMetadata;
 
 /// The subject prefix of published metadata.
@@ -117,10 +117,8 @@ impl NatsChannel {
                 "the reply on {subject} is larger than {MAX_DOCUMENT} bytes"
             )));
         }
-        let text = std::str::from_utf8(&msg.payload).map_err(|_| Error::Metadata {
-            field: "json",
-            reason: "the document is not UTF-8".into(),
-        })?;
+        let text = std::str::from_utf8(&msg.payload)
+            .map_err(|e| Error::metadata_from("json", MetadataProblem::NotUtf8, e))?;
         RdmaMetadata::from_json(text)
     }
 }

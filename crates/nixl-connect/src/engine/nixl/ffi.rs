@@ -336,6 +336,7 @@ impl NixlAgent {
                                  not found; reinstall NIXL with `bash scripts/setup.sh` or set \
                                  NIXL_PLUGIN_DIR"
                             .into(),
+                        source: None,
                     });
                 }
                 return Err(Error::InvalidArgument(format!(
@@ -369,9 +370,10 @@ impl NixlAgent {
                 .create_backend(backend, &p)
                 .map_err(|e| Error::NixlBackend {
                     reason: format!(
-                        "creating the {backend} backend failed ({e}); check its environment \
-                     (UCX_* variables for UCX) or leave it out of the connector's backends"
+                        "creating the {backend} backend failed; check its environment (UCX_* \
+                         variables for UCX) or leave it out of the connector's backends"
                     ),
+                    source: Some(Arc::new(e)),
                 })?;
         }
         Ok(Self {

@@ -20,7 +20,7 @@
 //! of just that operation's registrations (`getLocalPartialMD` of them), so its size and cost stay
 //! flat however many registrations are live, and a peer loads each registration once.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, MetadataProblem, Result};
 use crate::sync::fnv1a;
 
 const HEADER: &[u8] = b"nixlSerDes|";
@@ -48,15 +48,11 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn bad(&self, what: &str) -> Error {
-        Error::Metadata {
-            field: "nixl_metadata",
-            reason: format!(
-                "not NIXL agent metadata ({what} at byte {}); pass the nixl_metadata a NIXL Connect \
-                 operation published",
-                self.at
-            ),
-        }
+    fn bad(&self, what: &'static str) -> Error {
+        Error::metadata(
+            "nixl_metadata",
+            MetadataProblem::NotAgentMetadata { what, at: self.at },
+        )
     }
 
     /// Reads an entry whose value is one u64.
@@ -71,7 +67,7 @@ impl<'a> Reader<'a> {
     /// Reads `TAG, u64 len, value, '|'`, requiring the tag.
     fn entry(&mut self, tag: &[u8]) -> Result<&'a [u8]> {
         if !self.b[self.at..].starts_with(tag) {
-            return Err(self.bad(&format!("missing `{}`", String::from_utf8_lossy(tag))));
+            return Err(self.bad("a missing entry tag"));
         }
         self.at += tag.len();
         let len_end = self.at.checked_add(8).filter(|&e| e <= self.b.len());
@@ -179,10 +175,10 @@ pub(crate) fn splice(conn: &[u8], sections: &[u8]) -> Result<Vec<u8>> {
     let c = parse(conn)?;
     let s = parse(sections)?;
     if c.name != s.name {
-        return Err(Error::Metadata {
-            field: "nixl_metadata",
-            reason: format!("cannot splice metadata of agents {} and {}", c.name, s.name),
-        });
+        return Err(Error::metadata(
+            "nixl_metadata",
+            MetadataProblem::AgentsDiffer(c.name.into(), s.name.into()),
+        ));
     }
     let mut out = Vec::with_capacity(c.sections_at + sections.len() - s.sections_at);
     out.extend_from_slice(&conn[..c.sections_at]);
@@ -226,13 +222,6 @@ pub(crate) fn blob(name: &str, conns: &[&[u8]], descs: usize) -> Vec<u8> {
         }
     }
     b
-}
-
-/// The agent metadata the loopback transport publishes for agent `name`: one connection entry and
-/// no memory sections.
-#[cfg(test)]
-pub(crate) fn encode_loopback(name: &str) -> Vec<u8> {
-    blob(name, &[b"loopback"], 0)
 }
 
 #[cfg(test)]
