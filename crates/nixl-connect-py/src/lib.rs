@@ -22,7 +22,7 @@
 //! Cancelling the awaiting Python task drops the Rust future (each operation is cancel safe).
 use std::collections::VecDeque;
 use std::future::Future;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
@@ -32,7 +32,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use nixl_connect::{
-    Descriptor, Device, Error, RdmaMetadata, ReadOperation, ReadableOperation, WritableOperation,
+    Descriptor, Device, Error, ErrorKind, RdmaMetadata, ReadOperation, ReadableOperation, WritableOperation,
     WriteOperation,
 };
 use pyo3::create_exception;
@@ -44,15 +44,66 @@ create_exception!(
     _core,
     CoreError,
     PyException,
-    "An error of the Rust core: args are (kind, message), kind the Rust error variant's name."
+    "An error of the Rust core: args are (kind, message, class), kind the Rust error's kind, \
+     class the name of the `nixl_connect` exception class to raise for it."
 );
 
+/// The `nixl_connect` exception class (in `_errors.py`) raised for each kind of core error: the
+/// choice is made here, beside the kinds; `test_core_chooses_the_class_of_every_kind`
+/// (tests/python/test_extras.py) fails when a kind has none or names another kind's class.
+fn class_of(kind: ErrorKind) -> &'static str {
+    match kind {
+        ErrorKind::InvalidArgument => "InvalidArgumentError",
+        ErrorKind::WrongPairing => "WrongPairingError",
+        ErrorKind::DeviceMismatch => "DeviceMismatchError",
+        ErrorKind::DescriptorMismatch => "DescriptorMismatchError",
+        ErrorKind::Metadata => "MetadataError",
+        ErrorKind::Refused => "RefusedError",
+        ErrorKind::NixlNotFound => "NixlNotFoundError",
+        ErrorKind::NixlLoad => "NixlLoadError",
+        ErrorKind::CudaUnavailable => "CudaUnavailableError",
+        ErrorKind::NixlBackend => "NixlBackendError",
+        ErrorKind::Os => "OsError",
+        ErrorKind::Nixl => "NixlError",
+        ErrorKind::RemoteGone => "RemoteGoneError",
+        ErrorKind::Transfer => "TransferError",
+        ErrorKind::Interrupted => "TransferInterruptedError",
+        ErrorKind::PathUnavailable => "PathUnavailableError",
+        ErrorKind::EngineStopped => "EngineStoppedError",
+        ErrorKind::Cancelled => "CancelledError",
+        ErrorKind::TimedOut => "TimeoutError",
+        ErrorKind::Channel => "ChannelError",
+        ErrorKind::NotPublished => "NotPublishedError",
+        _ => UNKNOWN_CLASS,
+    }
+}
+
+/// The class for a kind this module does not know yet (a newer core).
+const UNKNOWN_CLASS: &str = "NixlConnectError";
+
+/// The error of an object used in a process forked after it was made: a kind of this module's
+/// own, since the core has no such error.
+const FORKED: (&str, &str) = ("Forked", "ForkedError");
+
 fn err(e: Error) -> PyErr {
-    CoreError::new_err((e.kind(), e.report().to_string()))
+    let kind = e.kind();
+    CoreError::new_err((kind.as_str(), e.report().to_string(), class_of(kind)))
 }
 
 fn invalid(msg: String) -> PyErr {
-    CoreError::new_err(("InvalidArgument", msg))
+    let kind = ErrorKind::InvalidArgument;
+    CoreError::new_err((kind.as_str(), msg, class_of(kind)))
+}
+
+/// Every kind of core error, with the class raised for it: `(kind, class)` pairs, the forked
+/// object's error included (for the Python layer's own checks).
+#[pyfunction]
+fn error_classes() -> Vec<(&'static str, &'static str)> {
+    ErrorKind::ALL
+        .iter()
+        .map(|k| (k.as_str(), class_of(*k)))
+        .chain([FORKED])
+        .collect()
 }
 
 /// One descriptor from Python: `(ptr, size, device, keepalive)`; a device string ending in
@@ -133,13 +184,14 @@ impl<T> Owned<T> {
         match &self.inner {
             Some(t) if std::process::id() == self.pid => Ok(t),
             _ => Err(CoreError::new_err((
-                "Forked",
+                FORKED.0,
                 format!(
                     "this object was created in process {} before it forked; objects of the \
                      parent cannot be used in a child: create a new Connector (and operations) in \
                      this process",
                     self.pid
                 ),
+                FORKED.1,
             ))),
         }
     }
@@ -608,7 +660,7 @@ impl Completions {
         loop {
             match (&self.wake).read(&mut buf) {
                 Ok(n) if n == buf.len() => continue,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 _ => break,
             }
         }
@@ -735,6 +787,20 @@ fn decode_agent_metadata<'py>(
     Ok(pyo3::types::PyBytes::new(py, &raw))
 }
 
+/// A `nixl_metadata` string as hex of its zlib bytes (Dynamo's `hex_encode=True` form), converted
+/// by the core. Raises `CoreError("Metadata", ...)`.
+#[pyfunction]
+fn agent_metadata_hex(nixl_metadata: &str) -> PyResult<String> {
+    RdmaMetadata {
+        descriptors: Vec::new(),
+        nixl_metadata: nixl_metadata.to_string(),
+        notification_key: String::new(),
+        operation_kind: 0,
+    }
+    .nixl_metadata_as_hex()
+    .map_err(err)
+}
+
 /// The NIXL agent name inside a `nixl_metadata` string, or `""` when it is not NIXL metadata.
 #[pyfunction]
 fn agent_name(nixl_metadata: &str) -> String {
@@ -777,5 +843,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Registration>()?;
     m.add_function(wrap_pyfunction!(decode_agent_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(agent_name, m)?)?;
+    m.add_function(wrap_pyfunction!(error_classes, m)?)?;
+    m.add_function(wrap_pyfunction!(agent_metadata_hex, m)?)?;
     Ok(())
 }
+

@@ -243,10 +243,16 @@ impl ConnectorBuilder {
         })
     }
 
-    /// A connector over the in-process loopback transport only (no NIXL, no same-host socket),
-    /// for tests of the engine and the operations.
-    #[cfg(test)]
-    pub(crate) fn build_loopback(self) -> Result<Connector> {
+    /// A connector over the in-process loopback transport only (no NIXL, no same-host socket;
+    /// feature `testing`): it pairs with the other loopback connectors of this process, so tests
+    /// of code that uses connectors run without the NIXL library. See [`crate::testing`].
+    ///
+    /// The builder's worker id and cancel grace apply; its NIXL and same-host settings do not.
+    ///
+    /// # Errors
+    /// [`Error::Os`] when the engine's thread or poller cannot be made.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn build_loopback(self) -> Result<Connector> {
         let worker_id = self.worker_id.unwrap_or_else(|| "loopback".into());
         let name = format!("{worker_id}-{}", CONNECTIONS.fetch_add(1, Ordering::Relaxed));
         let engine = Engine::start_loopback(name, self.cancel_grace)?;
@@ -404,6 +410,19 @@ impl Connector {
     /// Cancel safe.
     pub async fn stats(&self) -> Result<EngineStats> {
         self.inner.engine.stats().await
+    }
+
+    /// Returns once this connector's engine has acted on everything sent to it before the call
+    /// and run its transports once more (see [`crate::testing::settle`]).
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: dropping the future only drops the answer.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) async fn settle(&self) -> Result<()> {
+        self.inner
+            .engine
+            .call(|reply| crate::engine::Cmd::Settle { reply })
+            .await
     }
 }
 

@@ -62,7 +62,7 @@ pub mod fuzzing {
     pub fn metadata_json(data: &[u8]) {
         let Ok(s) = std::str::from_utf8(data) else { return };
         if let Ok(m) = crate::RdmaMetadata::from_json(s) {
-            if let Ok(raw) = crate::metadata::decode_agent_metadata(&m.nixl_metadata) {
+            if let Ok(raw) = crate::engine::nixl::encoding::decode(&m.nixl_metadata) {
                 let _ = md::parse(&raw);
             }
         }
@@ -113,7 +113,9 @@ pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};
 pub use engine::nixl::MAX_RETIRED_EXPOSERS;
 pub use engine::EngineStats;
-pub use error::{ChannelError, Error, ErrorSource, PathRefusal, Refusal, Report, Result};
+pub use error::{
+    ChannelError, Error, ErrorKind, ErrorSource, MetadataProblem, PathRefusal, Refusal, Report, Result,
+};
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor, MAX_NIXL_METADATA};
 pub use operation::{
     OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath, WritableOperation,
@@ -135,6 +137,61 @@ pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), PathR
     match (src, dst) {
         (Device::Host, Device::Host) => Ok(()),
         (s, d) => engine::local::device_path_refusal(s, d).map_or(Ok(()), Err),
+    }
+}
+
+/// For users' own tests (feature `testing`): connectors over an in-process loopback transport
+/// that need no NIXL library and no socket.
+///
+/// A loopback connector ([`ConnectorBuilder::build_loopback`]) pairs with the other loopback
+/// connectors of its process, by agent name, and copies bytes with `memcpy`. Every operation
+/// runs the same engine and the same state machines as over NIXL: completion exactly once on both
+/// sides, deadlines, cancel, drop at any point, replayed metadata refused, a gone peer reported as
+/// [`Error::RemoteGone`]. Its metadata is `loopback:<agent name>` in `nixl_metadata`, which only
+/// loopback connectors read, and its operations report [`TransferPath::Loopback`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> nixl_connect::Result<()> {
+/// use nixl_connect::{Connector, Descriptor};
+/// let (a, b) = (Connector::builder().build_loopback()?, Connector::builder().build_loopback()?);
+/// let readable = a.create_readable(Descriptor::from(vec![7u8; 64])).await?;
+/// let read = b.begin_read(readable.metadata(), Descriptor::from(vec![0u8; 64])).await?;
+/// read.wait_for_completion(None).await?;
+/// readable.wait_for_completion(None).await?;
+/// assert_eq!(read.results()[0].as_slice(), Some(&[7u8; 64][..]));
+/// # Ok(()) }
+/// ```
+#[cfg(any(test, feature = "testing"))]
+pub mod testing {
+    use crate::Connector;
+
+    /// Holds (`true`) or releases (`false`) the active transfers of a loopback connector: while
+    /// held, its reads and writes stay in flight, which is how a test reaches the in-flight
+    /// states (cancel, drop, the peer's operation ending under a transfer). Returns false when
+    /// `connector` is not a live loopback connector.
+    pub fn stall(connector: &Connector, on: bool) -> bool {
+        match crate::engine::loopback::node(connector.name()) {
+            Some(n) => {
+                n.stall(on);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Returns once `connector`'s engine has acted on everything sent to it before this call
+    /// (an operation begun, dropped or cancelled, a stall released) and run its transports once
+    /// more: a deterministic step for tests, in place of sleeping. Over the loopback transport, a
+    /// transfer that is not stalled has then run and reached its peer; the peer's own engine
+    /// takes it up on its next turn (settle the peer too).
+    ///
+    /// # Errors
+    /// [`crate::Error::EngineStopped`] when the connector's engine has stopped.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe: dropping the future only drops the answer.
+    pub async fn settle(connector: &Connector) -> crate::Result<()> {
+        connector.settle().await
     }
 }
 

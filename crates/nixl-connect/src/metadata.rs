@@ -11,20 +11,14 @@
 //! prints. Like the pydantic model (`extra="forbid"`), unknown keys are rejected.
 
 use std::fmt;
-use std::io::Read;
 use std::str::FromStr;
 
-use base64::Engine as _;
 use serde::{Deserialize, Serialize};
 
 use crate::device::Device;
-use crate::error::{Error, Result};
-
-/// The largest NIXL agent metadata accepted after decompression (16 MiB).
-///
-/// Agent metadata is a few KiB; the cap stops a small hostile `nixl_metadata` from expanding into
-/// gigabytes (a zlib bomb).
-pub const MAX_NIXL_METADATA: usize = 16 << 20;
+use crate::engine::nixl::encoding;
+pub use crate::engine::nixl::encoding::MAX_NIXL_METADATA;
+use crate::error::{Error, MetadataProblem, Result};
 
 /// Which side a passive operation lets its peer take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -161,10 +155,8 @@ impl RdmaMetadata {
     /// an unknown device, `operation_kind` outside 1..=3, an empty descriptor list, an empty
     /// `nixl_metadata` or `notification_key`, mixed device kinds.
     pub fn from_json(s: &str) -> Result<Self> {
-        let md: RdmaMetadata = serde_json::from_str(s.trim()).map_err(|e| Error::Metadata {
-            field: json_field(&e.to_string()),
-            reason: e.to_string(),
-        })?;
+        let md: RdmaMetadata = serde_json::from_str(s.trim())
+            .map_err(|e| Error::metadata_from(json_field(&e.to_string()), MetadataProblem::Json, e))?;
         md.validate()?;
         Ok(md)
     }
@@ -179,9 +171,11 @@ impl RdmaMetadata {
     /// # Errors
     /// [`Error::Metadata`] when `operation_kind` is neither READ (1) nor WRITE (2).
     pub fn kind(&self) -> Result<OperationKind> {
-        OperationKind::from_u8(self.operation_kind).ok_or_else(|| Error::Metadata {
-            field: "operation_kind",
-            reason: format!("{} is neither READ (1) nor WRITE (2)", self.operation_kind),
+        OperationKind::from_u8(self.operation_kind).ok_or_else(|| {
+            Error::metadata(
+                "operation_kind",
+                MetadataProblem::UnknownKind(self.operation_kind),
+            )
         })
     }
 
@@ -190,41 +184,29 @@ impl RdmaMetadata {
     /// # Errors
     /// [`Error::Metadata`] naming the field that breaks a rule.
     pub fn validate(&self) -> Result<()> {
-        let first = self.descriptors.first().ok_or_else(|| Error::Metadata {
-            field: "descriptors",
-            reason: "must contain at least one descriptor".into(),
-        })?;
+        let first = self
+            .descriptors
+            .first()
+            .ok_or_else(|| Error::metadata("descriptors", MetadataProblem::NoDescriptors))?;
         if self
             .descriptors
             .iter()
             .any(|d| d.device.kind() != first.device.kind())
         {
-            return Err(Error::Metadata {
-                field: "descriptors",
-                reason: "mixes device kinds; one operation moves one kind of memory".into(),
-            });
+            return Err(Error::metadata("descriptors", MetadataProblem::MixedDevices));
         }
         if self
             .descriptors
             .iter()
             .any(|d| d.ptr.checked_add(d.size).is_none())
         {
-            return Err(Error::Metadata {
-                field: "descriptors",
-                reason: "a range wraps past the end of the address space".into(),
-            });
+            return Err(Error::metadata("descriptors", MetadataProblem::RangeWraps));
         }
         if self.nixl_metadata.is_empty() {
-            return Err(Error::Metadata {
-                field: "nixl_metadata",
-                reason: "is empty".into(),
-            });
+            return Err(Error::metadata("nixl_metadata", MetadataProblem::Empty));
         }
         if self.notification_key.is_empty() {
-            return Err(Error::Metadata {
-                field: "notification_key",
-                reason: "is empty".into(),
-            });
+            return Err(Error::metadata("notification_key", MetadataProblem::Empty));
         }
         self.kind()?;
         Ok(())
@@ -235,7 +217,7 @@ impl RdmaMetadata {
     /// its zlib compression at level 6, byte for byte what Dynamo's Python module and its Rust
     /// frontend (`get_nixl_metadata` in `media/rdma.rs`) write.
     pub fn encode_agent_metadata(md: &[u8]) -> String {
-        encode_agent_metadata(md)
+        encoding::encode(md)
     }
 
     /// Decodes a `nixl_metadata` string (`b64:` base64 or the older hex form, zlib-compressed)
@@ -246,7 +228,7 @@ impl RdmaMetadata {
     /// [`Error::Metadata`] on bad base64 or hex, bad zlib, empty output or output above
     /// [`MAX_NIXL_METADATA`].
     pub fn decode_agent_metadata(nixl_metadata: &str) -> Result<Vec<u8>> {
-        decode_agent_metadata(nixl_metadata)
+        encoding::decode(nixl_metadata)
     }
 
     /// The NIXL agent name inside a `nixl_metadata` string (decoded as
@@ -257,8 +239,16 @@ impl RdmaMetadata {
     /// [`Error::Metadata`] when the string does not decode or the blob is not NIXL agent
     /// metadata.
     pub fn agent_name_in(nixl_metadata: &str) -> Result<String> {
-        let raw = decode_agent_metadata(nixl_metadata)?;
-        Ok(crate::engine::nixl::md::parse(&raw)?.name.to_string())
+        encoding::agent_name(nixl_metadata)
+    }
+
+    /// `nixl_metadata` in the older form, hex of the zlib bytes, as Dynamo's
+    /// `metadata(hex_encode=True)` publishes it (a hex string comes back as it is).
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] when a `b64:` string has bad base64.
+    pub fn nixl_metadata_as_hex(&self) -> Result<String> {
+        encoding::to_hex(&self.nixl_metadata)
     }
 
     /// Decodes `nixl_metadata` into the raw NIXL agent metadata.
@@ -266,7 +256,7 @@ impl RdmaMetadata {
     /// # Errors
     /// [`Error::Metadata`] on bad base64 or hex, bad zlib, or output above [`MAX_NIXL_METADATA`].
     pub fn decode_nixl_metadata(&self) -> Result<Vec<u8>> {
-        decode_agent_metadata(&self.nixl_metadata)
+        encoding::decode(&self.nixl_metadata)
     }
 }
 
@@ -309,101 +299,9 @@ fn json_field(msg: &str) -> &'static str {
     "json"
 }
 
-/// `b64:` + base64(zlib(md, level 6)), as Python's `metadata()` does by default.
-pub(crate) fn encode_agent_metadata(md: &[u8]) -> String {
-    let mut z =
-        flate2::write::ZlibEncoder::new(Vec::with_capacity(md.len() / 2), flate2::Compression::new(6));
-    std::io::Write::write_all(&mut z, md).expect("writing to a Vec cannot fail");
-    let bytes = z.finish().expect("writing to a Vec cannot fail");
-    let mut s = String::with_capacity(4 + bytes.len() * 4 / 3 + 4);
-    s.push_str("b64:");
-    base64::engine::general_purpose::STANDARD.encode_string(&bytes, &mut s);
-    s
-}
-
-pub(crate) fn decode_agent_metadata(s: &str) -> Result<Vec<u8>> {
-    let field = "nixl_metadata";
-    let compressed = if let Some(b) = s.strip_prefix("b64:") {
-        base64::engine::general_purpose::STANDARD
-            .decode(b)
-            .map_err(|e| Error::Metadata {
-                field,
-                reason: format!("bad base64 after `b64:` ({e})"),
-            })?
-    } else {
-        decode_hex(s).ok_or_else(|| Error::Metadata {
-            field,
-            reason: "is neither `b64:`-prefixed base64 nor hex".into(),
-        })?
-    };
-    let mut out = Vec::new();
-    let mut z = flate2::read::ZlibDecoder::new(&compressed[..]).take(MAX_NIXL_METADATA as u64 + 1);
-    z.read_to_end(&mut out).map_err(|e| Error::Metadata {
-        field,
-        reason: format!("does not decompress as zlib data ({e})"),
-    })?;
-    if out.len() > MAX_NIXL_METADATA {
-        return Err(Error::Metadata {
-            field,
-            reason: format!("decompresses to more than {MAX_NIXL_METADATA} bytes; refusing it"),
-        });
-    }
-    if out.is_empty() {
-        return Err(Error::Metadata {
-            field,
-            reason: "decompresses to nothing".into(),
-        });
-    }
-    Ok(out)
-}
-
-fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
-        return None;
-    }
-    let b = s.as_bytes();
-    let val = |c: u8| match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    };
-    b.chunks(2).map(|p| Some(val(p[0])? << 4 | val(p[1])?)).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn metadata_agent_encoding_matches_python() {
-        // Python: "b64:" + base64.b64encode(zlib.compress(b"nixlSerDes|example", 6)).decode()
-        const PY: &str = "b64:eJzLy6zICU4tckktrkmtSMwtyEkFAEYgB2o=";
-        assert_eq!(RdmaMetadata::encode_agent_metadata(b"nixlSerDes|example"), PY);
-        assert_eq!(
-            RdmaMetadata::decode_agent_metadata(PY).unwrap(),
-            b"nixlSerDes|example"
-        );
-        // The older hex form decodes to the same bytes.
-        let hex = "789ccbcbacc8094e2d72492dae49ad48cc2dc84905004620076a";
-        assert_eq!(
-            RdmaMetadata::decode_agent_metadata(hex).unwrap(),
-            b"nixlSerDes|example"
-        );
-        for bad in ["b64:!!", "xyz", "b64:", ""] {
-            let e = RdmaMetadata::decode_agent_metadata(bad).unwrap_err();
-            assert!(
-                matches!(
-                    e,
-                    Error::Metadata {
-                        field: "nixl_metadata",
-                        ..
-                    }
-                ),
-                "{bad}: {e}"
-            );
-        }
-    }
 
     fn sample() -> RdmaMetadata {
         RdmaMetadata {
@@ -412,7 +310,7 @@ mod tests {
                 ptr: 140234,
                 size: 4096,
             }],
-            nixl_metadata: encode_agent_metadata(b"agent-metadata"),
+            nixl_metadata: RdmaMetadata::encode_agent_metadata(b"agent-metadata"),
             notification_key: "0b7c3a43-4a4e-4c43-9a46-8e2c0e0b9a11".into(),
             operation_kind: 1,
         }
@@ -436,16 +334,6 @@ mod tests {
         let back = RdmaMetadata::from_json(&md.to_json()).unwrap();
         assert_eq!(back, md);
         assert_eq!(back.decode_nixl_metadata().unwrap(), b"agent-metadata");
-    }
-
-    #[test]
-    fn metadata_accepts_hex_encoding() {
-        let b64 = encode_agent_metadata(b"hello agent");
-        let raw = base64::engine::general_purpose::STANDARD
-            .decode(&b64[4..])
-            .unwrap();
-        let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(decode_agent_metadata(&hex).unwrap(), b"hello agent");
     }
 
     fn field_of(json: &str) -> &'static str {
@@ -509,33 +397,6 @@ mod tests {
         assert_eq!(field_of(&mixed), "descriptors");
     }
 
-    #[test]
-    fn metadata_rejects_bad_encodings() {
-        for s in ["b64:!!!", "b64:aGVsbG8=", "zz", "abc", "00ff"] {
-            assert!(
-                matches!(
-                    decode_agent_metadata(s),
-                    Err(Error::Metadata {
-                        field: "nixl_metadata",
-                        ..
-                    })
-                ),
-                "{s}"
-            );
-        }
-    }
-
-    #[test]
-    fn metadata_caps_decompression() {
-        let big = vec![0u8; MAX_NIXL_METADATA + 1024];
-        let bomb = encode_agent_metadata(&big);
-        assert!(bomb.len() < 64 << 10, "a zlib bomb is small: {}", bomb.len());
-        let err = decode_agent_metadata(&bomb).unwrap_err();
-        assert!(err.to_string().contains("more than"), "{err}");
-    }
-
-    /// Thousands of deterministic mutations of valid metadata: every one parses or fails with a
-    /// typed error; none panics.
     #[test]
     fn metadata_mutations_never_panic() {
         let good = sample().to_json().into_bytes();

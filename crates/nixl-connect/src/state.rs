@@ -22,6 +22,8 @@ pub enum TransferPath {
     Nixl = 1,
     /// The same-host path: a Rust peer on this host, host memory copied directly.
     Local = 2,
+    /// The in-process loopback transport of the `testing` feature.
+    Loopback = 3,
 }
 
 impl TransferPath {
@@ -29,6 +31,7 @@ impl TransferPath {
         match v {
             1 => Some(Self::Nixl),
             2 => Some(Self::Local),
+            3 => Some(Self::Loopback),
             _ => None,
         }
     }
@@ -39,6 +42,7 @@ impl std::fmt::Display for TransferPath {
         f.write_str(match self {
             Self::Nixl => "nixl",
             Self::Local => "local",
+            Self::Loopback => "loopback",
         })
     }
 }

@@ -8,7 +8,6 @@ exceptions of `nixl_connect._errors`.
 from __future__ import annotations
 
 import asyncio
-import base64
 import concurrent.futures
 import ctypes
 import math
@@ -669,9 +668,10 @@ class PassiveOperation(AbstractOperation):
             self._metadata_cache[False] = base
         if not key:
             return base
-        nixl = base.nixl_metadata
-        if nixl.startswith("b64:"):
-            nixl = base64.b64decode(nixl[4:]).hex()
+        try:
+            nixl = _core.agent_metadata_hex(base.nixl_metadata)
+        except CoreError as e:
+            raise from_core(e) from None
         md = base.model_copy(update={"nixl_metadata": nixl})
         self._metadata_cache[True] = md
         return md

@@ -56,6 +56,13 @@ pub(crate) enum Cmd {
         ranges: Vec<Range>,
         reply: oneshot::Sender<Result<Vec<RegToken>>>,
     },
+    /// Answer once the turn that takes this command has also progressed the transports due and
+    /// applied what they reported: after it, everything sent to the engine before it has been
+    /// acted on, and a transport driven on every turn (the loopback) has run once since.
+    #[cfg(any(test, feature = "testing"))]
+    Settle {
+        reply: oneshot::Sender<()>,
+    },
     /// Report the engine's counters.
     Stats {
         reply: oneshot::Sender<EngineStats>,

@@ -13,6 +13,8 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tokio::sync::oneshot;
+
 use super::cmd::Cmd;
 use super::poller::Poller;
 use super::stats::EngineStats;
@@ -77,6 +79,8 @@ pub(crate) struct EngineLoop {
     /// Owned memory of ended exposures that a transport may still be writing (a same-host copy):
     /// handed to the transports' hold only once the operation's memory is released.
     copying: Vec<(Arc<OpState>, u64, Hold, usize)>,
+    /// [`Cmd::Settle`] replies, sent at the end of the turn that took them.
+    settles: Vec<oneshot::Sender<()>>,
 }
 
 impl EngineLoop {
@@ -112,6 +116,7 @@ impl EngineLoop {
             completed: HashSet::new(),
             completed_order: VecDeque::new(),
             copying: Vec::new(),
+            settles: Vec::new(),
         }
     }
 
@@ -202,6 +207,9 @@ impl EngineLoop {
                 self.release_copied();
             }
             event |= self.apply();
+            for reply in self.settles.drain(..) {
+                let _ = reply.send(());
+            }
             if event {
                 last_event = Instant::now();
                 self.poller.wait(Some(Duration::ZERO), &mut self.ready);
@@ -335,7 +343,7 @@ impl EngineLoop {
                     state.finish(
                         OperationStatus::Errored,
                         Some(Error::Refused {
-                            agent: spec.peer.to_string(),
+                            agent: spec.peer.name.to_string(),
                             refusal: crate::error::Refusal::AlreadyCompleted,
                             reason: "this connector already completed an operation with this \
                                      metadata's notification key; metadata is single-use"
@@ -382,6 +390,8 @@ impl EngineLoop {
             Cmd::Register { ranges, reply } => {
                 let _ = reply.send(self.preregister(&ranges));
             }
+            #[cfg(any(test, feature = "testing"))]
+            Cmd::Settle { reply } => self.settles.push(reply),
             Cmd::Stats { reply } => {
                 let mut s = EngineStats::default();
                 for (t, n) in self.transports.iter().zip(&self.completions) {
@@ -476,7 +486,7 @@ impl EngineLoop {
             Some(next) => self.offer(spec, next, Some(reason)),
             None => self.events.push(Event::ActiveEnded {
                 id,
-                result: Err(reason.into_error(&spec.peer)),
+                result: Err(reason.into_error(&spec.peer.name)),
             }),
         }
     }

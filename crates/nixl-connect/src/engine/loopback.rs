@@ -1,28 +1,59 @@
-//! An in-process transport behind the same seam, compiled for tests: connectors of one process
-//! find each other by agent name in a process-wide hub and copy bytes with `memcpy`, so the
-//! engine's and the operations' state machines (completion exactly once, cancel, drop at every
-//! point, deadlines, replay) are tested in milliseconds without the NIXL library, as quinn tests
-//! its protocol with an in-memory pair.
+//! An in-process transport behind the same seam, compiled for tests and for the `testing`
+//! feature: connectors of one process find each other by agent name in a process-wide hub and
+//! copy bytes with `memcpy`, so the engine's and the operations' state machines (completion
+//! exactly once, cancel, drop at every point, deadlines, replay) are tested in milliseconds
+//! without the NIXL library, as quinn tests its protocol with an in-memory pair.
 //!
-//! It publishes metadata in NIXL's format (an agent with one `LOOP` connection entry and no
-//! memory sections), so everything above the seam (decoding, the agent name, pairing checks) runs
-//! as it does over NIXL. A node can be *stalled*: its active transfers stay in flight until it is
-//! released, which is how tests reach the in-flight states.
+//! It publishes its own metadata, `loopback:<agent name>`, and decodes peers' with
+//! [`decode_peer`]: nothing of NIXL's format is used or loaded. A node can be *stalled*: its
+//! active transfers stay in flight until it is released, which is how tests reach the in-flight
+//! states.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use super::nixl::md;
 use super::poller::Waker;
 use super::stats::EngineStats;
-use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
-use crate::error::{Error, Result};
-use crate::metadata::{encode_agent_metadata, OperationKind};
+use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, PeerInfo, Polling, Transport};
+use crate::error::{Error, MetadataProblem, Result};
+use crate::metadata::OperationKind;
 use crate::reg::Range;
 use crate::state::TransferPath;
 use crate::sync::lock;
+
+/// What a loopback connector's published metadata starts with; its agent name follows.
+const PREFIX: &str = "loopback:";
+/// The longest agent name a loopback peer's metadata may carry.
+const MAX_NAME: usize = 1024;
+
+/// Decodes a loopback peer's published metadata (`loopback:<agent name>`).
+///
+/// # Errors
+/// [`Error::Metadata`] for anything else (NIXL metadata included: a loopback connector pairs
+/// only with loopback connectors).
+pub(crate) fn decode_peer(s: &str) -> Result<PeerInfo> {
+    let bad = || {
+        Error::metadata(
+            "nixl_metadata",
+            MetadataProblem::NotAgentMetadata {
+                what: "not `loopback:` and an agent name",
+                at: 0,
+            },
+        )
+    };
+    let name = s.strip_prefix(PREFIX).ok_or_else(bad)?;
+    if name.is_empty() || name.len() > MAX_NAME {
+        return Err(bad());
+    }
+    Ok(PeerInfo {
+        published: s.into(),
+        reach: Arc::from(&[][..]),
+        name: name.into(),
+        identity: crate::sync::fnv1a(name.as_bytes()),
+    })
+}
 
 /// Every live loopback node of this process, by agent name.
 fn hub() -> &'static Mutex<HashMap<String, Weak<Node>>> {
@@ -80,10 +111,9 @@ impl LoopbackTransport {
             stalled: AtomicBool::new(false),
         });
         lock(hub()).insert(name.to_string(), Arc::downgrade(&node));
-        let blob = md::encode_loopback(name);
         Self {
-            identity: md::identity(&blob).unwrap_or(0),
-            published: encode_agent_metadata(&blob).into(),
+            identity: crate::sync::fnv1a(name.as_bytes()),
+            published: format!("{PREFIX}{name}").into(),
             node,
             inflight: Vec::new(),
             transfers: 0,
@@ -93,13 +123,13 @@ impl LoopbackTransport {
     /// Moves one transfer's bytes, if its peer still exposes what it asks for.
     fn run(&self, spec: &ActiveSpec) -> Result<()> {
         let refused = |refusal, reason: &str| Error::Refused {
-            agent: spec.peer.to_string(),
+            agent: spec.peer.name.to_string(),
             refusal,
             reason: reason.into(),
         };
-        let Some(peer) = node(&spec.peer) else {
+        let Some(peer) = node(&spec.peer.name) else {
             return Err(Error::RemoteGone {
-                agent: spec.peer.to_string(),
+                agent: spec.peer.name.to_string(),
                 reason: "no loopback connector has this name any more".into(),
                 source: None,
             });
@@ -109,7 +139,7 @@ impl LoopbackTransport {
         let exposed = lock(&peer.exposed);
         let Some((kind, ranges)) = exposed.get(&spec.key) else {
             return Err(Error::Refused {
-                agent: spec.peer.to_string(),
+                agent: spec.peer.name.to_string(),
                 refusal: crate::error::Refusal::NotLive,
                 reason: "no live operation has this notification key".into(),
             });
@@ -164,7 +194,7 @@ impl Drop for LoopbackTransport {
 impl Transport for LoopbackTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         lock(&self.node.exposed).insert(spec.key.clone(), (spec.kind, spec.ranges.clone()));
-        out.nixl_metadata = Some(self.published.clone());
+        out.published = Some(self.published.clone());
         out.identity = self.identity;
         Ok(())
     }
@@ -174,7 +204,7 @@ impl Transport for LoopbackTransport {
     }
 
     fn begin(&mut self, spec: ActiveSpec, _out: &mut Vec<Event>) {
-        spec.state.set_path(TransferPath::Nixl);
+        spec.state.set_path(TransferPath::Loopback);
         self.inflight.push(spec);
         self.node.waker.wake();
     }

@@ -16,7 +16,7 @@
 mod cmd;
 mod driver;
 pub(crate) mod local;
-#[cfg(test)]
+#[cfg(any(test, feature = "testing"))]
 pub(crate) mod loopback;
 pub(crate) mod nixl;
 mod poller;
@@ -39,9 +39,8 @@ use self::local::LocalTransport;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
 pub use self::stats::EngineStats;
-use self::transport::{OpId, Transport};
+use self::transport::{DecodePeer, OpId, PeerInfo, Transport};
 use crate::error::{Error, Result};
-use crate::metadata::decode_agent_metadata;
 pub(crate) use crate::reg::Range;
 use crate::state::PathPolicy;
 use crate::sync::Recover;
@@ -52,26 +51,16 @@ const MAX_DECODED: usize = 1024;
 /// peers send cannot pin more than this much memory here.
 const MAX_DECODED_BYTES: usize = 32 << 20;
 
-/// A peer's metadata string, decoded: its agent metadata and agent name.
-#[derive(Clone)]
-pub(crate) struct Decoded {
-    pub(crate) md: Arc<str>,
-    pub(crate) raw: Arc<[u8]>,
-    pub(crate) peer: Arc<str>,
-    /// The fingerprint of the agent's connection part ([`nixl::md::identity`]).
-    pub(crate) ident: u64,
-}
-
 /// Decoded metadata by string, bounded in count and bytes (cleared when either would pass).
 #[derive(Default)]
 struct DecodedCache {
-    map: HashMap<Arc<str>, Decoded>,
+    map: HashMap<Arc<str>, PeerInfo>,
     bytes: usize,
 }
 
 impl DecodedCache {
-    fn insert(&mut self, d: &Decoded) {
-        let size = d.md.len() + d.raw.len();
+    fn insert(&mut self, d: &PeerInfo) {
+        let size = d.published.len() + d.reach.len();
         if size > MAX_DECODED_BYTES / 4 {
             return; // too big to keep: decoded again if it comes back
         }
@@ -79,7 +68,7 @@ impl DecodedCache {
             self.map.clear();
             self.bytes = 0;
         }
-        if self.map.insert(d.md.clone(), d.clone()).is_none() {
+        if self.map.insert(d.published.clone(), d.clone()).is_none() {
             self.bytes += size;
         }
     }
@@ -116,6 +105,8 @@ struct Shared {
     next_op: AtomicU64,
     cancel_grace: Duration,
     decoded: Mutex<DecodedCache>,
+    /// The publishing transport's decoder of peers' metadata.
+    decode: DecodePeer,
 }
 
 impl Engine {
@@ -136,6 +127,7 @@ impl Engine {
             name,
             opts.cancel_grace,
             opts.progress_delay,
+            nixl::encoding::decode_peer,
             move |name, tx, waker, registrar| {
                 // Every transport exposes passive operations, in this order: NIXL publishes the
                 // metadata, the same-host path (which reads what NIXL published) comes after it.
@@ -162,12 +154,13 @@ impl Engine {
     }
 
     /// Starts an engine over the in-process [`loopback`] transport only (no NIXL, no socket).
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn start_loopback(name: String, cancel_grace: Duration) -> Result<Self> {
         Self::launch(
             name,
             cancel_grace,
             driver::DEFAULT_PROGRESS_DELAY,
+            loopback::decode_peer,
             |name, _tx, waker, _registrar| {
                 let t: Box<dyn Transport> = Box::new(loopback::LoopbackTransport::new(name, waker));
                 Ok((vec![t], vec![0]))
@@ -183,6 +176,7 @@ impl Engine {
         name: String,
         cancel_grace: Duration,
         progress_delay: Duration,
+        decode: DecodePeer,
         make: impl FnOnce(&str, Sender<Cmd>, Waker, Registrar) -> Result<Transports> + Send + 'static,
     ) -> Result<Self> {
         let poller = Poller::new().map_err(|e| Error::os("creating the engine's poller", e))?;
@@ -229,6 +223,7 @@ impl Engine {
             next_op: AtomicU64::new(1),
             cancel_grace,
             decoded: Mutex::new(DecodedCache::default()),
+            decode,
         })))
     }
 
@@ -245,23 +240,16 @@ impl Engine {
         self.0.cancel_grace
     }
 
-    /// Decodes a peer's `nixl_metadata` (base64/hex, zlib, NIXL's serialisation) and reads its
-    /// agent name; cached by string, so a peer's repeated metadata costs a lookup.
+    /// Decodes a peer's published metadata (`nixl_metadata`) with the publishing transport's
+    /// decoder; cached by string, so a peer's repeated metadata costs a lookup.
     ///
     /// # Errors
-    /// [`Error::Metadata`] for anything that is not NIXL agent metadata.
-    pub(crate) fn decode(&self, md: &str) -> Result<Decoded> {
+    /// [`Error::Metadata`] for anything the publishing transport cannot read.
+    pub(crate) fn decode(&self, md: &str) -> Result<PeerInfo> {
         if let Some(d) = self.0.decoded.lock().recover().map.get(md) {
             return Ok(d.clone());
         }
-        let raw = decode_agent_metadata(md)?;
-        let peer: Arc<str> = nixl::md::parse(&raw)?.name.into();
-        let d = Decoded {
-            md: md.into(),
-            ident: nixl::md::identity(&raw).unwrap_or(0),
-            raw: raw.into(),
-            peer,
-        };
+        let d = (self.0.decode)(md)?;
         self.0.decoded.lock().recover().insert(&d);
         Ok(d)
     }

@@ -34,9 +34,10 @@ pub(crate) struct PassiveSpec {
 pub(crate) struct Exposure {
     /// Registrations that should live as long as the memory (attached to the descriptors).
     pub(crate) tokens: Vec<RegToken>,
-    /// The agent metadata to publish, written by the publishing transport (the first in the
-    /// engine's list; NIXL), which every peer must be able to use.
-    pub(crate) nixl_metadata: Option<Arc<str>>,
+    /// The string peers reach this connector by (`RdmaMetadata.nixl_metadata`), written by the
+    /// publishing transport (the first in the engine's list), which every peer must be able to
+    /// use, and decoded by peers with that transport's [`DecodePeer`].
+    pub(crate) published: Option<Arc<str>>,
     /// The generation of the publisher's exposure: memory given up later is handed back to
     /// [`Transport::hold`] with it.
     pub(crate) exposer_gen: u64,
@@ -45,6 +46,24 @@ pub(crate) struct Exposure {
     pub(crate) identity: u64,
 }
 
+/// A peer, as the transport that published its metadata decoded it: decoded once per string
+/// (the engine caches it), then passed to every transport an active operation tries.
+#[derive(Clone)]
+pub(crate) struct PeerInfo {
+    /// The string the peer published, as received.
+    pub(crate) published: Arc<str>,
+    /// What the publishing transport needs to reach the peer (NIXL: its agent metadata).
+    pub(crate) reach: Arc<[u8]>,
+    /// The peer's agent name.
+    pub(crate) name: Arc<str>,
+    /// The fingerprint of the peer's connection part: two agents of one name on two hosts differ
+    /// here.
+    pub(crate) identity: u64,
+}
+
+/// The publishing transport's decoder of a peer's published string.
+pub(crate) type DecodePeer = fn(&str) -> Result<PeerInfo>;
+
 /// An active operation as the transports see it.
 pub(crate) struct ActiveSpec {
     pub(crate) id: OpId,
@@ -52,14 +71,8 @@ pub(crate) struct ActiveSpec {
     pub(crate) write: bool,
     pub(crate) local: Vec<Range>,
     pub(crate) remote: Vec<Range>,
-    /// The peer's `nixl_metadata` string, as published.
-    pub(crate) remote_md: Arc<str>,
-    /// The peer's agent metadata, decoded.
-    pub(crate) remote_raw: Arc<[u8]>,
-    /// The peer's agent name (read from its metadata).
-    pub(crate) peer: Arc<str>,
-    /// The fingerprint of the peer's connection metadata (computed once per metadata string).
-    pub(crate) remote_ident: u64,
+    /// The peer, decoded from its published metadata.
+    pub(crate) peer: PeerInfo,
     pub(crate) key: Arc<str>,
     pub(crate) state: Arc<OpState>,
 }
@@ -243,7 +256,7 @@ mod tests {
     #[test]
     fn transport_decline_becomes_path_unavailable_with_its_source() {
         let e = Decline::from(PathRefusal::NoCudaSupport).into_error("peer-1");
-        assert_eq!(e.kind(), "PathUnavailable");
+        assert_eq!(e.kind(), crate::error::ErrorKind::PathUnavailable);
         assert!(!e.to_string().contains("no CUDA support"), "{e}");
         assert!(
             e.report().to_string().contains("no CUDA support"),

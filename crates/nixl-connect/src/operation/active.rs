@@ -86,7 +86,7 @@ impl<'a> Active<'a> {
                 device: d.device,
             })
             .collect();
-        let remote_md = engine.decode(&remote.nixl_metadata)?;
+        let peer = engine.decode(&remote.nixl_metadata)?;
         let state = OpState::new(OperationStatus::InProgress);
         let key: Arc<str> = remote.notification_key.as_str().into();
         let id = engine.next_op();
@@ -98,7 +98,7 @@ impl<'a> Active<'a> {
             descs,
             key: key.clone(),
             id,
-            peer: remote_md.peer.clone(),
+            peer: peer.name.clone(),
         };
         state.mark_in_use();
         let spec = ActiveSpec {
@@ -107,10 +107,7 @@ impl<'a> Active<'a> {
             write: kind == OperationKind::Write,
             local,
             remote: remote_ranges,
-            remote_md: remote_md.md,
-            remote_raw: remote_md.raw,
-            peer: remote_md.peer,
-            remote_ident: remote_md.ident,
+            peer,
             key,
             state: state.clone(),
         };

@@ -10,8 +10,6 @@
 
 mod active;
 mod passive;
-#[cfg(test)]
-mod tests;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -74,9 +74,9 @@ impl<'a> Passive<'a> {
         for (d, t) in op.descs.iter_mut().zip(exposed.tokens) {
             d.attach(t);
         }
-        let nixl_metadata = exposed.nixl_metadata.ok_or_else(|| Error::Nixl {
+        let nixl_metadata = exposed.published.ok_or_else(|| Error::Nixl {
             op: "expose memory",
-            status: "no transport produced NIXL metadata".into(),
+            status: "no transport published metadata for it".into(),
             source: None,
         })?;
         op.metadata = Some(RdmaMetadata {

@@ -1,15 +1,13 @@
 //! The operations' and the engine's state machines over the in-process loopback transport
-//! (`engine::loopback`): no NIXL library, no socket, milliseconds per test. The same behaviours
-//! are tested over real NIXL and the same-host path by the integration tests.
+//! (feature `testing`): no NIXL library, no socket, no sleep; each step waits for the engines to
+//! act ([`testing::settle`]). The same behaviours are tested over real NIXL and the same-host
+//! path by the `integration` tests.
 
 use std::time::Duration;
 
-use super::{ReadOperation, ReadableOperation};
-use crate::connector::Connector;
-use crate::descriptor::Descriptor;
-use crate::engine::loopback;
-use crate::error::Error;
-use crate::state::OperationStatus;
+use nixl_connect::{
+    testing, Connector, Descriptor, Error, OperationStatus, ReadOperation, ReadableOperation,
+};
 
 const T: Option<Duration> = Some(Duration::from_secs(5));
 
@@ -26,12 +24,15 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 fn stall(c: &Connector, on: bool) {
-    loopback::node(c.name()).expect("live node").stall(on);
+    assert!(testing::stall(c, on), "a live loopback node");
 }
 
-/// Lets both engines run a few turns (a stalled transfer stays where it is meanwhile).
-async fn settle() {
-    tokio::time::sleep(Duration::from_millis(20)).await;
+/// Lets each engine act on what was sent to it and run its transports once (a stalled transfer
+/// stays where it is meanwhile): a deterministic step, no sleep.
+async fn settle(conns: &[&Connector]) {
+    for c in conns {
+        testing::settle(c).await.unwrap();
+    }
 }
 
 /// A readable of `seed`'s pattern on `a`, and `b`'s read of it held in flight (`b` stalled).
@@ -49,7 +50,7 @@ async fn read_in_flight(
         .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
         .await
         .unwrap();
-    settle().await;
+    settle(&[b]).await;
     (r, op)
 }
 
@@ -174,7 +175,7 @@ async fn loopback_cancel_in_flight_moves_nothing() {
     let e = op.wait_for_completion(T).await;
     assert_eq!(op.status(), OperationStatus::Cancelled, "{e:?}");
     stall(&b, false);
-    settle().await;
+    settle(&[&b, &a]).await;
     // The readable never saw a completion and still serves another reader, once.
     assert_eq!(r.status(), OperationStatus::Initialized);
     let c = Connector::builder().build_loopback().unwrap();
@@ -202,11 +203,11 @@ async fn loopback_drop_at_every_point_completes_nothing() {
             .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
             .await
             .unwrap();
-        settle().await;
+        settle(&[&b]).await;
         drop(op);
     }
     stall(&b, false);
-    settle().await;
+    settle(&[&b, &a]).await;
     assert_eq!(r.status(), OperationStatus::Initialized);
     assert_eq!(
         b.stats().await.unwrap().transfers,
@@ -220,7 +221,7 @@ async fn loopback_drop_at_every_point_completes_nothing() {
         .await
         .unwrap();
     drop(op);
-    settle().await;
+    settle(&[&b, &a]).await;
     let s = r.status();
     assert!(
         matches!(s, OperationStatus::Initialized | OperationStatus::Complete),
@@ -233,7 +234,7 @@ async fn loopback_passive_dropped_in_flight_refuses_the_late_transfer() {
     let (a, b) = pair();
     let (r, op) = read_in_flight(&a, &b, 6).await;
     drop(r);
-    settle().await;
+    settle(&[&a]).await;
     stall(&b, false);
     let e = op.wait_for_completion(T).await.unwrap_err();
     assert!(
@@ -256,8 +257,7 @@ async fn loopback_peer_gone_is_remote_gone() {
         .unwrap();
     let md = r.metadata().clone();
     drop(r);
-    drop(a); // its engine stops and leaves the hub
-    settle().await;
+    drop(a); // its engine stops (the drop joins its thread) and leaves the hub
     let op = b
         .begin_read(&md, Descriptor::from(vec![0u8; 4096]))
         .await

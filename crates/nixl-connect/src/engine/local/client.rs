@@ -156,7 +156,7 @@ impl LocalTransport {
             slot: a.slot,
             gen: a.gen,
             write: a.spec.write,
-            ident: a.spec.remote_ident,
+            ident: a.spec.peer.identity,
             key_id: auth::key_id(&a.spec.key),
             device: a.spec.remote.first().map_or(Device::Host, |r| r.device),
             remote: a

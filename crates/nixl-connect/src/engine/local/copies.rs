@@ -143,7 +143,7 @@ impl LocalTransport {
                     let result = match r {
                         Ok(()) if same => Ok(()),
                         Ok(()) | Err(CopyError::PeerGone) => Err(Error::RemoteGone {
-                            agent: a.spec.peer.to_string(),
+                            agent: a.spec.peer.name.to_string(),
                             reason: "its process exited during the copy".into(),
                             source: None,
                         }),
@@ -152,14 +152,14 @@ impl LocalTransport {
                                 Error::Cancelled
                             } else {
                                 refused(
-                                    a.spec.peer.to_string(),
+                                    a.spec.peer.name.to_string(),
                                     RefuseCode::NotLive,
                                     "the owner ended the operation during the copy".into(),
                                 )
                             })
                         }
                         Err(CopyError::Os(e)) => Err(Error::Transfer {
-                            agent: a.spec.peer.to_string(),
+                            agent: a.spec.peer.name.to_string(),
                             reason: "the same-host copy failed".into(),
                             source: Some(e),
                         }),

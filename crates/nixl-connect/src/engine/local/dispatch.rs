@@ -149,7 +149,7 @@ impl LocalTransport {
             if !matches!(a.phase, Phase::Abandoned) {
                 out.push(Event::ActiveEnded {
                     id,
-                    result: result(a.spec.peer.to_string()),
+                    result: result(a.spec.peer.name.to_string()),
                 });
             }
         }

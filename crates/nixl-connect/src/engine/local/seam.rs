@@ -86,7 +86,7 @@ impl Transport for LocalTransport {
                 return;
             }
         };
-        let i = match self.connect(&spec.peer, &spec.key) {
+        let i = match self.connect(&spec.peer.name, &spec.key) {
             Ok(i) => i,
             Err(reason) => {
                 out.push(Event::Declined { spec, reason });

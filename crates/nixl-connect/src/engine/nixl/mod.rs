@@ -16,6 +16,7 @@
 //! (a peer's later registrations add sections); prepared descriptor lists are cached per range
 //! list. A transfer that fails makes the initiator forget that peer.
 
+pub(crate) mod encoding;
 pub(crate) mod ffi;
 pub(crate) mod md;
 mod registry;
@@ -25,13 +26,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use self::encoding::encode as encode_agent_metadata;
 use self::ffi::{NixlAgent, PostError, Prepared, Transfer};
 use self::registry::{key_of, Mail, RegInner, Registry, Side};
 use super::cmd::Mailbox;
 use super::stats::EngineStats;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
 use crate::error::{Error, ErrorSource, Result};
-use crate::metadata::encode_agent_metadata;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::TransferPath;
 
@@ -201,36 +202,36 @@ impl Initiator {
 
     /// Makes sure the peer's metadata string is loaded; returns its agent name.
     fn load(&mut self, spec: &ActiveSpec, stats: &mut EngineStats) -> Result<Arc<str>> {
-        if let Some(n) = self.loaded.get(&spec.remote_md) {
+        if let Some(n) = self.loaded.get(&spec.peer.published) {
             return Ok(n.clone());
         }
-        if self.peers.get(&spec.peer).is_some_and(|p| p.stale) {
+        if self.peers.get(&spec.peer.name).is_some_and(|p| p.stale) {
             return Err(Error::Transfer {
-                agent: spec.peer.to_string(),
+                agent: spec.peer.name.to_string(),
                 reason: "an earlier transfer with this peer failed and others are still in flight; \
                          start the operation again once they have ended"
                     .into(),
                 source: None,
             });
         }
-        let size = spec.remote_raw.len() + spec.remote_md.len();
+        let size = spec.peer.reach.len() + spec.peer.published.len();
         if self.loaded_bytes + size > MAX_LOADED_BYTES {
             self.shed();
         }
-        let mut r = self.agent.load_remote(&spec.remote_raw);
+        let mut r = self.agent.load_remote(&spec.peer.reach);
         if r.is_err() {
-            match self.peers.get(&spec.peer) {
+            match self.peers.get(&spec.peer.name) {
                 // A peer restarted under the same name, or its metadata changed in a way NIXL
                 // does not merge: forget it entirely and load afresh (a failed load must never be
                 // retried without invalidating first).
                 Some(p) if p.refs == 0 => {
-                    self.forget_peer(&spec.peer.clone());
-                    r = self.agent.load_remote(&spec.remote_raw);
+                    self.forget_peer(&spec.peer.name.clone());
+                    r = self.agent.load_remote(&spec.peer.reach);
                 }
                 // Transfers to it are in flight: it cannot be invalidated now.
                 Some(_) => {
                     return Err(Error::Transfer {
-                        agent: spec.peer.to_string(),
+                        agent: spec.peer.name.to_string(),
                         reason: "the peer's metadata changed (it restarted or registered the same \
                                  memory again) while transfers to it are in flight; start the \
                                  operation again once they have ended"
@@ -244,10 +245,10 @@ impl Initiator {
         let name: Arc<str> = match r {
             Ok(n) => n.into(),
             Err(e) => {
-                self.agent.invalidate_remote(&spec.peer);
-                self.peers.remove(&spec.peer);
+                self.agent.invalidate_remote(&spec.peer.name);
+                self.peers.remove(&spec.peer.name);
                 return Err(Error::RemoteGone {
-                    agent: spec.peer.to_string(),
+                    agent: spec.peer.name.to_string(),
                     reason: "NIXL could not connect to the agent its metadata names: the peer has \
                          exited, or the metadata belongs to another host's network"
                         .into(),
@@ -260,7 +261,7 @@ impl Initiator {
         if self.loaded.len() >= MAX_LOADED {
             self.loaded.clear();
         }
-        self.loaded.insert(spec.remote_md.clone(), name.clone());
+        self.loaded.insert(spec.peer.published.clone(), name.clone());
         self.peers.entry(name.clone()).or_insert(Peer {
             refs: 0,
             last_used: Instant::now(),
@@ -651,7 +652,7 @@ impl Transport for NixlTransport {
         let md = self.metadata_for(regs)?;
         out.tokens.extend(tokens.iter().map(|t| RegToken::new(t.clone())));
         self.exposer.live.insert(spec.key.clone(), tokens);
-        out.nixl_metadata = Some(md);
+        out.published = Some(md);
         out.exposer_gen = self.exposer_gen;
         out.identity = self.exposer.identity;
         Ok(())

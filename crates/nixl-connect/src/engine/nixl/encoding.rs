@@ -1,0 +1,205 @@
+//! NIXL's agent metadata as `RdmaMetadata.nixl_metadata` carries it: `b64:` followed by the
+//! base64 of its zlib compression at level 6 (Dynamo's Python module and its Rust frontend write
+//! this), or the older hex of the zlib bytes; and a published string decoded into the typed
+//! [`PeerInfo`] the engine passes around.
+//!
+//! The NIXL transport is the only part of the crate that knows this format: the metadata model
+//! (`crate::metadata`) and the Python package reach it through
+//! [`RdmaMetadata`](crate::RdmaMetadata)'s `encode_agent_metadata` / `decode_agent_metadata` /
+//! `agent_name_in`, and the engine through the publisher's [`decode_peer`].
+
+use std::io::Read;
+use std::sync::Arc;
+
+use base64::Engine as _;
+
+use super::md;
+use crate::engine::transport::PeerInfo;
+use crate::error::{Error, MetadataProblem, Result};
+
+/// The largest NIXL agent metadata accepted after decompression (16 MiB).
+///
+/// Agent metadata is a few KiB; the cap stops a small hostile `nixl_metadata` from expanding into
+/// gigabytes (a zlib bomb).
+pub const MAX_NIXL_METADATA: usize = 16 << 20;
+
+const FIELD: &str = "nixl_metadata";
+
+/// `b64:` + base64(zlib(md, level 6)), as Python's `metadata()` does by default.
+pub(crate) fn encode(md: &[u8]) -> String {
+    let mut z =
+        flate2::write::ZlibEncoder::new(Vec::with_capacity(md.len() / 2), flate2::Compression::new(6));
+    std::io::Write::write_all(&mut z, md).expect("writing to a Vec cannot fail");
+    let bytes = z.finish().expect("writing to a Vec cannot fail");
+    let mut s = String::with_capacity(4 + bytes.len() * 4 / 3 + 4);
+    s.push_str("b64:");
+    base64::engine::general_purpose::STANDARD.encode_string(&bytes, &mut s);
+    s
+}
+
+/// The raw agent metadata in a `nixl_metadata` string, bounded at [`MAX_NIXL_METADATA`].
+///
+/// # Errors
+/// [`Error::Metadata`] on bad base64 or hex, bad zlib, empty output or output above the bound.
+pub(crate) fn decode(s: &str) -> Result<Vec<u8>> {
+    let compressed = if let Some(b) = s.strip_prefix("b64:") {
+        base64::engine::general_purpose::STANDARD
+            .decode(b)
+            .map_err(|e| Error::metadata_from(FIELD, MetadataProblem::Base64, e))?
+    } else {
+        decode_hex(s).ok_or_else(|| Error::metadata(FIELD, MetadataProblem::NotBase64NorHex))?
+    };
+    let mut out = Vec::new();
+    let mut z = flate2::read::ZlibDecoder::new(&compressed[..]).take(MAX_NIXL_METADATA as u64 + 1);
+    z.read_to_end(&mut out)
+        .map_err(|e| Error::metadata_from(FIELD, MetadataProblem::Zlib, e))?;
+    if out.len() > MAX_NIXL_METADATA {
+        return Err(Error::metadata(
+            FIELD,
+            MetadataProblem::TooLarge {
+                limit: MAX_NIXL_METADATA,
+            },
+        ));
+    }
+    if out.is_empty() {
+        return Err(Error::metadata(FIELD, MetadataProblem::DecompressesToNothing));
+    }
+    Ok(out)
+}
+
+/// A `nixl_metadata` string in the older form, hex of the zlib bytes (what Dynamo's
+/// `metadata(hex_encode=True)` writes); a hex string is returned as it is.
+///
+/// # Errors
+/// [`Error::Metadata`] when a `b64:` string has bad base64.
+pub(crate) fn to_hex(s: &str) -> Result<String> {
+    let Some(b) = s.strip_prefix("b64:") else {
+        return Ok(s.to_string());
+    };
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b)
+        .map_err(|e| Error::metadata_from(FIELD, MetadataProblem::Base64, e))?;
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push_str(&format!("{b:02x}"));
+    }
+    Ok(out)
+}
+
+/// The agent name inside a `nixl_metadata` string.
+///
+/// # Errors
+/// [`Error::Metadata`] when the string does not decode or is not NIXL agent metadata.
+pub(crate) fn agent_name(s: &str) -> Result<String> {
+    let raw = decode(s)?;
+    Ok(md::parse(&raw)?.name.to_string())
+}
+
+/// A peer's published `nixl_metadata`, decoded once: its agent metadata (what the NIXL transport
+/// loads to reach it), its agent name and the fingerprint of its connection part.
+///
+/// # Errors
+/// [`Error::Metadata`] for anything that is not NIXL agent metadata.
+pub(crate) fn decode_peer(s: &str) -> Result<PeerInfo> {
+    let raw = decode(s)?;
+    let name: Arc<str> = md::parse(&raw)?.name.into();
+    Ok(PeerInfo {
+        published: s.into(),
+        identity: md::identity(&raw).unwrap_or(0),
+        reach: raw.into(),
+        name,
+    })
+}
+
+fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    let b = s.as_bytes();
+    let val = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    };
+    b.chunks(2).map(|p| Some(val(p[0])? << 4 | val(p[1])?)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encoding_matches_python() {
+        // Python: "b64:" + base64.b64encode(zlib.compress(b"nixlSerDes|example", 6)).decode()
+        const PY: &str = "b64:eJzLy6zICU4tckktrkmtSMwtyEkFAEYgB2o=";
+        assert_eq!(encode(b"nixlSerDes|example"), PY);
+        assert_eq!(decode(PY).unwrap(), b"nixlSerDes|example");
+        // The older hex form decodes to the same bytes.
+        let hex = "789ccbcbacc8094e2d72492dae49ad48cc2dc84905004620076a";
+        assert_eq!(decode(hex).unwrap(), b"nixlSerDes|example");
+    }
+
+    #[test]
+    fn encoding_accepts_hex() {
+        let b64 = encode(b"hello agent");
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(&b64[4..])
+            .unwrap();
+        let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(to_hex(&b64).unwrap(), hex);
+        assert_eq!(to_hex(&hex).unwrap(), hex, "hex stays hex");
+        assert_eq!(decode(&hex).unwrap(), b"hello agent");
+        assert!(to_hex("b64:!!").is_err());
+    }
+
+    #[test]
+    fn encoding_refuses_bad_strings_with_a_typed_problem() {
+        for (s, want) in [
+            ("b64:!!!", MetadataProblem::Base64),
+            ("b64:aGVsbG8=", MetadataProblem::Zlib),
+            ("zz", MetadataProblem::NotBase64NorHex),
+            ("abc", MetadataProblem::NotBase64NorHex),
+            ("00ff", MetadataProblem::Zlib),
+            ("b64:", MetadataProblem::Zlib),
+            ("", MetadataProblem::Zlib),
+        ] {
+            match decode(s) {
+                Err(Error::Metadata { field, problem, .. }) => {
+                    assert_eq!(field, FIELD, "{s}");
+                    assert_eq!(problem, want, "{s}");
+                }
+                other => panic!("{s}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn encoding_caps_decompression() {
+        let big = vec![0u8; MAX_NIXL_METADATA + 1024];
+        let bomb = encode(&big);
+        assert!(bomb.len() < 64 << 10, "a zlib bomb is small: {}", bomb.len());
+        let err = decode(&bomb).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Metadata {
+                    problem: MetadataProblem::TooLarge { .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("more than"), "{err}");
+    }
+
+    #[test]
+    fn encoding_decodes_a_peer_once_into_its_name_and_identity() {
+        let blob = md::blob("worker-7", &[b"conn"], 0);
+        let p = decode_peer(&encode(&blob)).unwrap();
+        assert_eq!(&*p.name, "worker-7");
+        assert_eq!(&*p.reach, &blob[..]);
+        assert_eq!(p.identity, md::identity(&blob).unwrap());
+        assert!(decode_peer(&encode(b"not nixl")).is_err());
+    }
+}

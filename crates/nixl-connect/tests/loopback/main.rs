@@ -1,0 +1,8 @@
+//! Tests over the in-process loopback transport (feature `testing`), which need no NIXL library:
+//! `scripts/test.sh` runs them with `NIXL_CONNECT_LIB` pointing at nothing.
+//!
+//! - `state`: the operations' and the engine's state machines, stepped without sleeping;
+//! - `nolib`: what a user's own tests get from `nixl_connect::testing`, with NIXL never loaded.
+
+mod nolib;
+mod state;
