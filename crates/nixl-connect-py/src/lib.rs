@@ -847,4 +847,3 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(agent_metadata_hex, m)?)?;
     Ok(())
 }
-

@@ -111,12 +111,13 @@ pub use connector::{
 };
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};
+pub use engine::nixl::encoding::MAX_NIXL_METADATA;
 pub use engine::nixl::MAX_RETIRED_EXPOSERS;
 pub use engine::EngineStats;
 pub use error::{
     ChannelError, Error, ErrorKind, ErrorSource, MetadataProblem, PathRefusal, Refusal, Report, Result,
 };
-pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor, MAX_NIXL_METADATA};
+pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor};
 pub use operation::{
     OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath, WritableOperation,
     WriteOperation,

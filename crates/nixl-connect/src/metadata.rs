@@ -16,8 +16,6 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::device::Device;
-use crate::engine::nixl::encoding;
-pub use crate::engine::nixl::encoding::MAX_NIXL_METADATA;
 use crate::error::{Error, MetadataProblem, Result};
 
 /// Which side a passive operation lets its peer take.
@@ -210,53 +208,6 @@ impl RdmaMetadata {
         }
         self.kind()?;
         Ok(())
-    }
-
-    /// Encodes raw NIXL agent metadata (`nixl_agent.get_agent_metadata()`, nixl-sys'
-    /// `get_local_md`) as an `RdmaMetadata`'s `nixl_metadata`: `b64:` followed by the base64 of
-    /// its zlib compression at level 6, byte for byte what Dynamo's Python module and its Rust
-    /// frontend (`get_nixl_metadata` in `media/rdma.rs`) write.
-    pub fn encode_agent_metadata(md: &[u8]) -> String {
-        encoding::encode(md)
-    }
-
-    /// Decodes a `nixl_metadata` string (`b64:` base64 or the older hex form, zlib-compressed)
-    /// into raw NIXL agent metadata, as Dynamo 1.7's `Remote.decode_metadata` does, bounded at
-    /// [`MAX_NIXL_METADATA`] bytes.
-    ///
-    /// # Errors
-    /// [`Error::Metadata`] on bad base64 or hex, bad zlib, empty output or output above
-    /// [`MAX_NIXL_METADATA`].
-    pub fn decode_agent_metadata(nixl_metadata: &str) -> Result<Vec<u8>> {
-        encoding::decode(nixl_metadata)
-    }
-
-    /// The NIXL agent name inside a `nixl_metadata` string (decoded as
-    /// [`decode_agent_metadata`](Self::decode_agent_metadata), then read as NIXL's serialised
-    /// agent metadata, every part checked).
-    ///
-    /// # Errors
-    /// [`Error::Metadata`] when the string does not decode or the blob is not NIXL agent
-    /// metadata.
-    pub fn agent_name_in(nixl_metadata: &str) -> Result<String> {
-        encoding::agent_name(nixl_metadata)
-    }
-
-    /// `nixl_metadata` in the older form, hex of the zlib bytes, as Dynamo's
-    /// `metadata(hex_encode=True)` publishes it (a hex string comes back as it is).
-    ///
-    /// # Errors
-    /// [`Error::Metadata`] when a `b64:` string has bad base64.
-    pub fn nixl_metadata_as_hex(&self) -> Result<String> {
-        encoding::to_hex(&self.nixl_metadata)
-    }
-
-    /// Decodes `nixl_metadata` into the raw NIXL agent metadata.
-    ///
-    /// # Errors
-    /// [`Error::Metadata`] on bad base64 or hex, bad zlib, or output above [`MAX_NIXL_METADATA`].
-    pub fn decode_nixl_metadata(&self) -> Result<Vec<u8>> {
-        encoding::decode(&self.nixl_metadata)
     }
 }
 

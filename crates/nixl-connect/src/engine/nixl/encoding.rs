@@ -3,10 +3,11 @@
 //! this), or the older hex of the zlib bytes; and a published string decoded into the typed
 //! [`PeerInfo`] the engine passes around.
 //!
-//! The NIXL transport is the only part of the crate that knows this format: the metadata model
-//! (`crate::metadata`) and the Python package reach it through
-//! [`RdmaMetadata`](crate::RdmaMetadata)'s `encode_agent_metadata` / `decode_agent_metadata` /
-//! `agent_name_in`, and the engine through the publisher's [`decode_peer`].
+//! The NIXL transport is the only part of the crate that knows this format. Users and the Python
+//! package reach it through the methods of [`RdmaMetadata`] defined here
+//! (`encode_agent_metadata`, `decode_agent_metadata`, `agent_name_in`, `nixl_metadata_as_hex`,
+//! `decode_nixl_metadata`), and the engine through the publisher's [`decode_peer`]; the metadata
+//! model (`crate::metadata`) imports nothing of it.
 
 use std::io::Read;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use base64::Engine as _;
 use super::md;
 use crate::engine::transport::PeerInfo;
 use crate::error::{Error, MetadataProblem, Result};
+use crate::metadata::RdmaMetadata;
 
 /// The largest NIXL agent metadata accepted after decompression (16 MiB).
 ///
@@ -109,6 +111,56 @@ pub(crate) fn decode_peer(s: &str) -> Result<PeerInfo> {
         reach: raw.into(),
         name,
     })
+}
+
+/// NIXL's encoding of `nixl_metadata`, for users and the Python package.
+impl RdmaMetadata {
+    /// Encodes raw NIXL agent metadata (`nixl_agent.get_agent_metadata()`, nixl-sys'
+    /// `get_local_md`) as an `RdmaMetadata`'s `nixl_metadata`: `b64:` followed by the base64 of
+    /// its zlib compression at level 6, byte for byte what Dynamo's Python module and its Rust
+    /// frontend (`get_nixl_metadata` in `media/rdma.rs`) write.
+    pub fn encode_agent_metadata(md: &[u8]) -> String {
+        encode(md)
+    }
+
+    /// Decodes a `nixl_metadata` string (`b64:` base64 or the older hex form, zlib-compressed)
+    /// into raw NIXL agent metadata, as Dynamo 1.7's `Remote.decode_metadata` does, bounded at
+    /// [`MAX_NIXL_METADATA`] bytes.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] on bad base64 or hex, bad zlib, empty output or output above
+    /// [`MAX_NIXL_METADATA`].
+    pub fn decode_agent_metadata(nixl_metadata: &str) -> Result<Vec<u8>> {
+        decode(nixl_metadata)
+    }
+
+    /// The NIXL agent name inside a `nixl_metadata` string (decoded as
+    /// [`decode_agent_metadata`](Self::decode_agent_metadata), then read as NIXL's serialised
+    /// agent metadata, every part checked).
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] when the string does not decode or the blob is not NIXL agent
+    /// metadata.
+    pub fn agent_name_in(nixl_metadata: &str) -> Result<String> {
+        agent_name(nixl_metadata)
+    }
+
+    /// `nixl_metadata` in the older form, hex of the zlib bytes, as Dynamo's
+    /// `metadata(hex_encode=True)` publishes it (a hex string comes back as it is).
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] when a `b64:` string has bad base64.
+    pub fn nixl_metadata_as_hex(&self) -> Result<String> {
+        to_hex(&self.nixl_metadata)
+    }
+
+    /// Decodes `nixl_metadata` into the raw NIXL agent metadata.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] on bad base64 or hex, bad zlib, or output above [`MAX_NIXL_METADATA`].
+    pub fn decode_nixl_metadata(&self) -> Result<Vec<u8>> {
+        decode(&self.nixl_metadata)
+    }
 }
 
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
