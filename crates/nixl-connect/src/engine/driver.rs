@@ -551,6 +551,11 @@ impl EngineLoop {
                         }
                     }
                     Event::Declined { spec, reason } => self.hand_over(spec, reason),
+                    Event::PathTaken { id, path } => {
+                        if let Some(a) = self.actives.get(&id) {
+                            a.state.set_path(path);
+                        }
+                    }
                     // Tokens of an operation whose caller is no longer waiting: the transport
                     // keeps its own while it needs them.
                     Event::Registered { .. } => {}

@@ -203,8 +203,11 @@ impl Transport for LoopbackTransport {
         lock(&self.node.exposed).remove(key);
     }
 
-    fn begin(&mut self, spec: ActiveSpec, _out: &mut Vec<Event>) {
-        spec.state.set_path(TransferPath::Loopback);
+    fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
+        out.push(Event::PathTaken {
+            id: spec.id,
+            path: TransferPath::Loopback,
+        });
         self.inflight.push(spec);
         self.node.waker.wake();
     }

@@ -6,7 +6,8 @@
 //! same-host path first (when the peer's socket answers), NIXL otherwise; a transport that cannot
 //! move an operation hands it back with [`Event::Declined`] and the engine offers it to the next.
 //! Nothing outside the engine knows which transport moved the bytes, except through
-//! [`TransferPath`](crate::TransferPath) for reporting.
+//! [`TransferPath`] for reporting, which the transport reports as [`Event::PathTaken`]: the
+//! engine is the only writer of an operation's state.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use super::stats::EngineStats;
 use crate::error::{Error, ErrorSource, PathRefusal, Result};
 use crate::metadata::OperationKind;
 use crate::reg::{Hold, Range, RegToken};
-use crate::state::OpState;
+use crate::state::{OpState, TransferPath};
 
 /// An active operation's id within its engine.
 pub(crate) type OpId = u64;
@@ -79,6 +80,9 @@ pub(crate) struct ActiveSpec {
 
 /// What a transport reports to the engine.
 pub(crate) enum Event {
+    /// This transport has taken an active operation and moves its bytes (for reporting,
+    /// [`TransferPath`]); a later hand-over to the next transport reports that one's path.
+    PathTaken { id: OpId, path: TransferPath },
     /// An active operation ended on this transport: no transport touches its memory any more.
     ActiveEnded { id: OpId, result: Result<()> },
     /// Registrations made for an active operation, to keep with its memory (so that reusing the

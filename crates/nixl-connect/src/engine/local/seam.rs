@@ -106,7 +106,10 @@ impl Transport for LocalTransport {
         if let Some(t) = &c.slots {
             t.arm(slot, gen);
         }
-        spec.state.set_path(TransferPath::Local);
+        out.push(Event::PathTaken {
+            id: spec.id,
+            path: TransferPath::Local,
+        });
         let id = spec.id;
         let ready = c.link.is_ready();
         if !ready {

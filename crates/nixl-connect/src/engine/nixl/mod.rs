@@ -675,7 +675,10 @@ impl Transport for NixlTransport {
     }
 
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
-        spec.state.set_path(TransferPath::Nixl);
+        out.push(Event::PathTaken {
+            id: spec.id,
+            path: TransferPath::Nixl,
+        });
         if let Err(e) = self.initiator() {
             out.push(Event::ActiveEnded {
                 id: spec.id,
