@@ -1,175 +1,39 @@
-//! The engine loop: one thread per connector that owns every operation's bookkeeping and drives
-//! the transports. It knows them only through the seam ([`Transport`]): an ordered list (the
-//! publisher of metadata first), a chain of positions in it that active operations try in turn,
-//! and a schedule per transport derived from what it asks for ([`Polling`]).
-//!
-//! The thread sleeps in `epoll` on the transports' descriptors and its wake-up `eventfd`, and
-//! wakes for a command, a ready descriptor or a transport's deadline. After any event it keeps
-//! spinning for [`SPIN`] so that back-to-back operations pay no wake-up; an idle connector costs
-//! no CPU.
+//! The engine thread: the edge around [`EngineCore`]. It receives the callers' commands, reads
+//! the clock, sleeps in `epoll` on the transports' descriptors and its wake-up `eventfd`, and
+//! wakes for a command, a ready descriptor or a transport's deadline; every decision is the
+//! core's. After any event it keeps spinning for [`SPIN`] so that back-to-back operations pay no
+//! wake-up; an idle connector costs no CPU.
 
-use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{Receiver, TryRecvError};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
-
 use super::cmd::Cmd;
+use super::core::EngineCore;
 use super::poller::Poller;
-use super::stats::EngineStats;
-use super::transport::{ActiveSpec, Decline, Event, Exposure, OpId, Polling, Transport};
-use crate::error::{Error, Result};
-use crate::reg::{Hold, Range, RegToken};
-use crate::state::{OpState, OperationStatus};
 
-/// How long a dropped connector waits for its transports' work on memory (same-host copies end
-/// within a chunk unless a peer stalls its pages) before it leaks the memory they may still write.
-pub(crate) const STOP_WAIT: Duration = Duration::from_secs(10);
 /// How long the engine keeps spinning after the last event before it sleeps.
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
-/// The first back-off of a transport's schedule after activity.
-const MIN_PARK: Duration = Duration::from_micros(20);
-/// The longest back-off, by default, of a transport with work (transfers in flight, passive
-/// operations waiting for a peer's completion) once the engine has gone idle: NIXL is progressed
-/// at least this often then (Dynamo's `DYN_MM_NIXL_PROGRESS_DELAY_US` default, 1 ms).
-pub(crate) const DEFAULT_PROGRESS_DELAY: Duration = Duration::from_millis(1);
-/// How often a hot engine progresses a transport that watches for peers' completions.
-const WATCH_GAP: Duration = Duration::from_micros(5);
-/// Completed operations' keys remembered, to refuse replaying their metadata.
-const MAX_COMPLETED: usize = 65_536;
 
-/// When a transport is progressed next, when its [`Polling`] asks for a schedule.
-struct Schedule {
-    gap: Duration,
-    next: Instant,
-}
-
-/// Bookkeeping of one active operation in the engine.
-struct Active {
-    key: Arc<str>,
-    state: Arc<OpState>,
-    keep: Option<Hold>,
-    /// The transport moving it (its position in the list), once started.
-    on: usize,
-}
-
-/// The engine thread's state.
+/// The engine thread's loop: a core, the channel its commands arrive on, and the poller it sleeps
+/// in.
 pub(crate) struct EngineLoop {
+    core: EngineCore,
     rx: Receiver<Cmd>,
     poller: Poller,
-    /// Every transport, the publisher of metadata first; exposures go to all of them in order.
-    transports: Vec<Box<dyn Transport>>,
-    schedules: Vec<Schedule>,
-    /// The longest back-off of a transport with work once the engine is idle (the connector's
-    /// progress delay).
-    max_park: Duration,
-    /// Active operations try these transports (positions in `transports`) in turn.
-    chain: Vec<usize>,
-    /// Active operations each transport completed (for the counters).
-    completions: Vec<u64>,
-    actives: HashMap<OpId, Active>,
-    passives: HashMap<Arc<str>, Arc<OpState>>,
-    events: Vec<Event>,
     ready: Vec<(u64, u32)>,
     pending: Option<Cmd>,
-    /// Keys of this connector's completed active operations (most recent [`MAX_COMPLETED`]).
-    completed: HashSet<Arc<str>>,
-    completed_order: VecDeque<Arc<str>>,
-    /// Owned memory of ended exposures that a transport may still be writing (a same-host copy):
-    /// handed to the transports' hold only once the operation's memory is released.
-    copying: Vec<(Arc<OpState>, u64, Hold, usize)>,
-    /// [`Cmd::Settle`] replies, sent at the end of the turn that took them.
-    settles: Vec<oneshot::Sender<()>>,
 }
 
 impl EngineLoop {
-    /// A loop over `transports` (the publisher of metadata first) whose active operations try
-    /// the positions in `chain` in turn.
-    pub(crate) fn new(
-        transports: Vec<Box<dyn Transport>>,
-        chain: Vec<usize>,
-        rx: Receiver<Cmd>,
-        poller: Poller,
-        max_park: Duration,
-    ) -> Self {
-        let now = Instant::now();
+    /// A loop driving `core` with the commands of `rx`, sleeping in `poller`.
+    pub(crate) fn new(core: EngineCore, rx: Receiver<Cmd>, poller: Poller) -> Self {
         Self {
-            max_park,
+            core,
             rx,
             poller,
-            schedules: transports
-                .iter()
-                .map(|_| Schedule {
-                    gap: MIN_PARK,
-                    next: now,
-                })
-                .collect(),
-            completions: vec![0; transports.len()],
-            transports,
-            chain,
-            actives: HashMap::new(),
-            passives: HashMap::new(),
-            events: Vec::new(),
             ready: Vec::new(),
             pending: None,
-            completed: HashSet::new(),
-            completed_order: VecDeque::new(),
-            copying: Vec::new(),
-            settles: Vec::new(),
         }
-    }
-
-    /// Progresses every transport that is due: on every turn ([`Polling::EveryTurn`]), or by
-    /// its schedule (from [`MIN_PARK`] apart just after a command or a sign of activity, backing
-    /// off to what its polling allows). Returns whether anything happened.
-    fn progress(&mut self, hot: bool) -> bool {
-        let mut event = false;
-        let ready = std::mem::take(&mut self.ready);
-        // Transports driven by the poller go first, so their ready descriptors are handled before
-        // a scheduled poll of another transport adds its time to this turn.
-        for driven_pass in [true, false] {
-            for (t, s) in self.transports.iter_mut().zip(&mut self.schedules) {
-                let polling = t.polling();
-                if (polling == Polling::EveryTurn) != driven_pass {
-                    continue;
-                }
-                let now = Instant::now();
-                let due = match polling {
-                    Polling::EveryTurn => true,
-                    Polling::Never => t.has_pending(),
-                    Polling::Busy if hot => true,
-                    _ => now >= s.next || t.has_pending(),
-                };
-                if !due {
-                    continue;
-                }
-                let active = t.progress(&ready, &mut self.events);
-                event |= active;
-                s.gap = match polling {
-                    _ if active => MIN_PARK,
-                    Polling::Watching if hot => WATCH_GAP,
-                    Polling::Every(t) => (s.gap * 2).min(t.max(self.max_park)),
-                    _ => (s.gap * 2).min(self.max_park),
-                };
-                s.next = now + s.gap;
-            }
-        }
-        self.ready = ready;
-        self.ready.clear();
-        event
-    }
-
-    /// How long the loop may sleep: until the earliest scheduled transport is due (`None`: until
-    /// woken).
-    fn sleep_for(&self) -> Option<Duration> {
-        let now = Instant::now();
-        self.transports
-            .iter()
-            .zip(&self.schedules)
-            .filter(|(t, _)| !matches!(t.polling(), Polling::Never | Polling::EveryTurn))
-            .map(|(_, s)| s.next.saturating_duration_since(now))
-            .min()
     }
 
     /// Runs until every handle is gone or [`Cmd::Shutdown`], then ends everything.
@@ -183,33 +47,21 @@ impl EngineLoop {
                     shutdown = true;
                     break;
                 }
-                self.handle(cmd);
+                self.core.handle(cmd);
                 event = true;
             }
             if shutdown {
                 break;
             }
+            let now = Instant::now();
             if event {
-                let now = Instant::now();
-                for s in &mut self.schedules {
-                    s.gap = MIN_PARK;
-                    s.next = now;
-                }
-            }
-            if !self.copying.is_empty() {
-                self.release_copied();
+                self.core.wake_all(now);
             }
             // While the engine is hot: transfers in flight are progressed on every turn,
             // operations waiting for a completion every WATCH_GAP; otherwise by the schedule.
-            let hot = last_event.elapsed() < SPIN;
-            event |= self.progress(hot);
-            if !self.copying.is_empty() {
-                self.release_copied();
-            }
-            event |= self.apply();
-            for reply in self.settles.drain(..) {
-                let _ = reply.send(());
-            }
+            let hot = now.saturating_duration_since(last_event) < SPIN;
+            event |= self.core.turn(now, hot, &self.ready);
+            self.ready.clear();
             if event {
                 last_event = Instant::now();
                 self.poller.wait(Some(Duration::ZERO), &mut self.ready);
@@ -222,9 +74,9 @@ impl EngineLoop {
                 self.poller.wait(Some(Duration::ZERO), &mut self.ready);
                 continue;
             }
-            let timeout = self.sleep_for();
+            let timeout = self.core.sleep_for(Instant::now());
             self.poller.prepare_sleep();
-            if self.transports.iter().any(|t| t.has_pending()) {
+            if self.core.has_pending() {
                 self.poller.awake();
                 continue;
             }
@@ -239,7 +91,7 @@ impl EngineLoop {
             }
             self.poller.wait(timeout, &mut self.ready);
         }
-        self.shutdown();
+        self.core.shutdown();
     }
 
     /// The next command; a disconnected channel (every handle gone) reads as `Shutdown`.
@@ -249,319 +101,5 @@ impl EngineLoop {
             Err(TryRecvError::Empty) => None,
             Err(TryRecvError::Disconnected) => Some(Cmd::Shutdown),
         }
-    }
-
-    /// Ends everything: operations still waiting learn the engine is gone; the transports (and
-    /// their agents) are destroyed, which ends every transfer; then held memory is freed.
-    fn shutdown(mut self) {
-        for (_, st) in self.passives.drain() {
-            st.finish(OperationStatus::Errored, Some(Error::EngineStopped));
-        }
-        let mut actives: Vec<Active> = self.actives.drain().map(|(_, a)| a).collect();
-        for a in &actives {
-            a.state
-                .finish(OperationStatus::Errored, Some(Error::EngineStopped));
-        }
-        let EngineLoop {
-            mut transports,
-            copying,
-            ..
-        } = self;
-        // Every transport is asked to stop (none skipped: each must stop touching memory).
-        let mut stopped = true;
-        for t in &mut transports {
-            stopped &= t.stop(Some(STOP_WAIT));
-        }
-        if stopped {
-            drop(copying);
-        } else {
-            // A peer stalls the pages a copy reads (nothing interrupts that copy): the memory it
-            // writes is never freed. Every operation is gone (each holds the engine), so this is
-            // owned memory only: the exposures' kept here, the abandoned reads' below.
-            tracing::error!(
-                "transfers still running {STOP_WAIT:?} after the connector was dropped (a peer \
-                 stalls its pages): leaking the memory they may write"
-            );
-            std::mem::forget(copying);
-            for a in &mut actives {
-                std::mem::forget(a.keep.take());
-            }
-        }
-        // In reverse order: the publisher of metadata (NIXL: destroying its agents ends every
-        // transfer, then frees the memory it held back) goes last.
-        while let Some(t) = transports.pop() {
-            drop(t);
-        }
-        for a in actives {
-            drop(a.keep);
-            a.state.mark_released();
-        }
-    }
-
-    fn handle(&mut self, cmd: Cmd) {
-        match cmd {
-            Cmd::Expose { spec, reply } => {
-                let mut out = Exposure::default();
-                let r = self
-                    .transports
-                    .iter_mut()
-                    .try_for_each(|t| t.expose(&spec, &mut out));
-                match r {
-                    Ok(()) => {
-                        self.passives.insert(spec.key.clone(), spec.state.clone());
-                        if let Err(Ok(_)) = reply.send(Ok(out)) {
-                            // The caller's future is gone: nobody has the metadata; end it here.
-                            self.end_passive(&spec.key);
-                        }
-                    }
-                    Err(e) => {
-                        for t in &mut self.transports {
-                            t.unexpose(&spec.key);
-                        }
-                        let _ = reply.send(Err(e));
-                    }
-                }
-            }
-            Cmd::Unexpose { key, gen, keep } => {
-                let state = self.passives.get(&key).cloned();
-                self.end_passive(&key);
-                if let Some((k, bytes)) = keep {
-                    match state {
-                        // A same-host copy into it stops within one chunk; its memory goes on to
-                        // the hold (which may free it at once, if its exposer is gone) after that.
-                        Some(st) if !st.is_released() => self.copying.push((st, gen, k, bytes)),
-                        _ => self.hold(gen, k, bytes),
-                    }
-                }
-            }
-            Cmd::Begin { spec } => {
-                let (id, state) = (spec.id, spec.state.clone());
-                if self.completed.contains(&spec.key) {
-                    // Metadata is single-use: this connector already completed an operation with
-                    // it. A retry after a failure is allowed; a replay after success is not.
-                    state.mark_released();
-                    state.finish(
-                        OperationStatus::Errored,
-                        Some(Error::Refused {
-                            agent: spec.peer.name.to_string(),
-                            refusal: crate::error::Refusal::AlreadyCompleted,
-                            reason: "this connector already completed an operation with this \
-                                     metadata's notification key; metadata is single-use"
-                                .into(),
-                        }),
-                    );
-                    return;
-                }
-                self.actives.insert(
-                    id,
-                    Active {
-                        key: spec.key.clone(),
-                        state: state.clone(),
-                        keep: None,
-                        on: self.chain[0],
-                    },
-                );
-                let first = self.chain[0];
-                self.offer(spec, first, None);
-                // Settle what the transports decided at once: an immediate hand-over to the next
-                // transport, and registrations to keep with the memory.
-                let tokens = self.settle(id);
-                if !tokens.is_empty() {
-                    state.keep_tokens(tokens);
-                }
-            }
-            Cmd::Abandon { id, hard } => {
-                if let Some(a) = self.actives.get(&id) {
-                    let on = a.on;
-                    let mut out = std::mem::take(&mut self.events);
-                    self.transports[on].abandon(id, hard, &mut out);
-                    self.events = out;
-                }
-            }
-            Cmd::Adopt { id, keep } => match self.actives.get_mut(&id) {
-                Some(a) => a.keep = Some(keep),
-                None => drop(keep), // already released
-            },
-            Cmd::Mail { to, msg } => {
-                if let Some(t) = self.transports.get_mut(to) {
-                    t.on_mail(msg);
-                }
-            }
-            Cmd::Register { ranges, reply } => {
-                let _ = reply.send(self.preregister(&ranges));
-            }
-            #[cfg(any(test, feature = "testing"))]
-            Cmd::Settle { reply } => self.settles.push(reply),
-            Cmd::Stats { reply } => {
-                let mut s = EngineStats::default();
-                for (t, n) in self.transports.iter().zip(&self.completions) {
-                    t.add_stats(&mut s, *n);
-                }
-                let _ = reply.send(s);
-            }
-            Cmd::Shutdown => {}
-        }
-    }
-
-    fn remember_completed(&mut self, key: Arc<str>) {
-        if self.completed.insert(key.clone()) {
-            self.completed_order.push_back(key);
-            if self.completed_order.len() > MAX_COMPLETED {
-                if let Some(old) = self.completed_order.pop_front() {
-                    self.completed.remove(&old);
-                }
-            }
-        }
-    }
-
-    /// Hands the memory of ended exposures whose last same-host copy has stopped to the hold.
-    fn release_copied(&mut self) {
-        let mut i = 0;
-        while i < self.copying.len() {
-            if self.copying[i].0.is_released() {
-                let (_, gen, keep, bytes) = self.copying.swap_remove(i);
-                self.hold(gen, keep, bytes);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    fn end_passive(&mut self, key: &Arc<str>) {
-        self.passives.remove(key);
-        for t in &mut self.transports {
-            t.unexpose(key);
-        }
-    }
-
-    /// Hands memory given up after it was exposed (by the exposure of generation `gen`) to the
-    /// first transport that must hold it until no peer can reach it; freed here if none must.
-    fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) {
-        let mut keep = keep;
-        for t in &mut self.transports {
-            match t.hold(gen, keep, bytes) {
-                Some(k) => keep = k,
-                None => return,
-            }
-        }
-    }
-
-    /// Registers `ranges` with every transport that registers memory, ahead of its transfers.
-    fn preregister(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
-        let mut tokens = Vec::new();
-        for t in &mut self.transports {
-            tokens.extend(t.preregister(ranges)?);
-        }
-        Ok(tokens)
-    }
-
-    /// Handles the events of a just-offered operation `id` that are best handled now: hand-overs
-    /// to the next transport, and its registrations (returned, to keep with its memory).
-    fn settle(&mut self, id: OpId) -> Vec<RegToken> {
-        let mut tokens = Vec::new();
-        loop {
-            let pos = self.events.iter().position(|e| {
-                matches!(e, Event::Declined { spec, .. } if spec.id == id)
-                    || matches!(e, Event::Registered { id: i, .. } if *i == id)
-            });
-            let Some(pos) = pos else { return tokens };
-            match self.events.remove(pos) {
-                Event::Registered { tokens: t, .. } => tokens.extend(t),
-                Event::Declined { spec, reason } => self.hand_over(spec, reason),
-                _ => unreachable!("matched above"),
-            }
-        }
-    }
-
-    /// Offers a declined operation to the next transport of the chain, or fails it.
-    fn hand_over(&mut self, spec: ActiveSpec, reason: Decline) {
-        let id = spec.id;
-        let on = self.actives.get(&id).map_or(self.chain[0], |a| a.on);
-        let next = self
-            .chain
-            .iter()
-            .position(|&t| t == on)
-            .and_then(|p| self.chain.get(p + 1).copied());
-        match next {
-            Some(next) => self.offer(spec, next, Some(reason)),
-            None => self.events.push(Event::ActiveEnded {
-                id,
-                result: Err(reason.into_error(&spec.peer.name)),
-            }),
-        }
-    }
-
-    /// Offers `spec` to transport `i` of the chain (after another declined it with `why`).
-    fn offer(&mut self, spec: ActiveSpec, i: usize, why: Option<Decline>) {
-        let id = spec.id;
-        if spec.state.status().is_terminal() {
-            // Cancelled before any transport took it: nothing touched the memory.
-            self.events.push(Event::ActiveEnded {
-                id,
-                result: Err(Error::Cancelled),
-            });
-            return;
-        }
-        if let Some(a) = self.actives.get_mut(&id) {
-            a.on = i;
-        }
-        if let Some(why) = why {
-            tracing::trace!(op = id, %why, "offered to the next transport");
-        }
-        let mut out = std::mem::take(&mut self.events);
-        self.transports[i].begin(spec, &mut out);
-        self.events = out;
-    }
-
-    /// Applies the transports' events to the operations.
-    fn apply(&mut self) -> bool {
-        let mut any = false;
-        while !self.events.is_empty() {
-            any = true;
-            for ev in std::mem::take(&mut self.events) {
-                match ev {
-                    Event::ActiveEnded { id, result } => {
-                        let Some(a) = self.actives.remove(&id) else {
-                            continue;
-                        };
-                        if result.is_ok() {
-                            self.completions[a.on] += 1;
-                            self.remember_completed(a.key.clone());
-                        }
-                        // Released before the status is final: a waiter woken by the status may
-                        // take the memory back at once.
-                        drop(a.keep);
-                        a.state.mark_released();
-                        match result {
-                            Ok(()) => a.state.finish(OperationStatus::Complete, None),
-                            Err(Error::Cancelled) => a.state.finish(OperationStatus::Cancelled, None),
-                            Err(e) => a.state.finish(OperationStatus::Errored, Some(e)),
-                        };
-                    }
-                    Event::PassiveCompleted { key } => {
-                        if let Some(st) = self.passives.get(&key) {
-                            st.finish(OperationStatus::Complete, None);
-                            self.end_passive(&key);
-                        }
-                    }
-                    Event::PassiveFailed { key, error } => {
-                        if let Some(st) = self.passives.get(&key) {
-                            st.finish(OperationStatus::Errored, Some(error));
-                            self.end_passive(&key);
-                        }
-                    }
-                    Event::Declined { spec, reason } => self.hand_over(spec, reason),
-                    Event::PathTaken { id, path } => {
-                        if let Some(a) = self.actives.get(&id) {
-                            a.state.set_path(path);
-                        }
-                    }
-                    // Tokens of an operation whose caller is no longer waiting: the transport
-                    // keeps its own while it needs them.
-                    Event::Registered { .. } => {}
-                }
-            }
-        }
-        any
     }
 }

@@ -14,6 +14,7 @@
 //! can reach it (see `docs/SOUNDNESS.md`).
 
 mod cmd;
+mod core;
 mod driver;
 pub(crate) mod local;
 #[cfg(any(test, feature = "testing"))]
@@ -28,13 +29,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
 pub(crate) use self::cmd::{Cmd, Mailbox};
+use self::core::EngineCore;
+pub(crate) use self::core::DEFAULT_PROGRESS_DELAY;
 use self::driver::EngineLoop;
-pub(crate) use self::driver::DEFAULT_PROGRESS_DELAY;
 use self::local::LocalTransport;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
@@ -159,7 +161,7 @@ impl Engine {
         Self::launch(
             name,
             cancel_grace,
-            driver::DEFAULT_PROGRESS_DELAY,
+            self::core::DEFAULT_PROGRESS_DELAY,
             loopback::decode_peer,
             |name, _tx, waker, _registrar| {
                 let t: Box<dyn Transport> = Box::new(loopback::LoopbackTransport::new(name, waker));
@@ -200,7 +202,8 @@ impl Engine {
                         return;
                     }
                 };
-                let engine = EngineLoop::new(transports, chain, rx, poller, progress_delay);
+                let core = EngineCore::new(transports, chain, progress_delay, Instant::now());
+                let engine = EngineLoop::new(core, rx, poller);
                 // A panic here would leave transfers, copies and peers' access to memory that the
                 // unwinding would free: there is no sound way back, so the process stops instead.
                 if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run())).is_err() {

@@ -1,0 +1,411 @@
+//! The engine core stepped by hand: commands in, `now` from a manual clock, no thread, no
+//! poller, no sleep. The transports are probes behind the real seam that do what each test
+//! scripts (take or decline an operation, keep or pass on memory, ask for a polling rate) and
+//! record what the core asked of them.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use super::{EngineCore, MIN_PARK};
+use crate::device::Device;
+use crate::engine::cmd::Cmd;
+use crate::engine::stats::EngineStats;
+use crate::engine::transport::{
+    ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, PeerInfo, Polling, Transport,
+};
+use crate::error::{Error, ErrorKind, Refusal, Result};
+use crate::metadata::OperationKind;
+use crate::reg::{Hold, Range};
+use crate::state::{OpState, OperationStatus, TransferPath};
+
+/// What a probe records and how it behaves, shared with the test that scripted it.
+#[derive(Default)]
+struct Script {
+    /// Declines every operation offered, with this reason.
+    decline: Option<&'static str>,
+    /// Keeps memory handed to its hold (rather than passing it on).
+    keeps: bool,
+    /// Completes the operations it took on its next progress.
+    complete: bool,
+    polling: Option<Polling>,
+    /// Calls seen, in order.
+    log: Vec<String>,
+    progressed: usize,
+    held: Vec<Hold>,
+}
+
+struct Probe {
+    name: &'static str,
+    path: TransferPath,
+    script: Arc<Mutex<Script>>,
+    taken: Vec<OpId>,
+}
+
+fn probe(name: &'static str, path: TransferPath) -> (Box<dyn Transport>, Arc<Mutex<Script>>) {
+    let script = Arc::new(Mutex::new(Script::default()));
+    let p = Probe {
+        name,
+        path,
+        script: script.clone(),
+        taken: Vec::new(),
+    };
+    (Box::new(p), script)
+}
+
+impl Probe {
+    fn log(&self, what: String) {
+        self.script
+            .lock()
+            .unwrap()
+            .log
+            .push(format!("{}:{what}", self.name));
+    }
+}
+
+impl Transport for Probe {
+    fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
+        self.log(format!("expose {}", spec.key));
+        if out.published.is_none() {
+            out.published = Some(format!("probe:{}", self.name).into());
+        }
+        Ok(())
+    }
+
+    fn unexpose(&mut self, key: &str) {
+        self.log(format!("unexpose {key}"));
+    }
+
+    fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
+        self.log(format!("begin {}", spec.id));
+        let decline = self.script.lock().unwrap().decline;
+        match decline {
+            Some(reason) => out.push(Event::Declined {
+                spec,
+                reason: Decline::from(reason),
+            }),
+            None => {
+                out.push(Event::PathTaken {
+                    id: spec.id,
+                    path: self.path,
+                });
+                self.taken.push(spec.id);
+            }
+        }
+    }
+
+    fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
+        self.log(format!("abandon {id}"));
+        if let Some(i) = self.taken.iter().position(|&t| t == id) {
+            self.taken.remove(i);
+            out.push(Event::ActiveEnded {
+                id,
+                result: Err(Error::Cancelled),
+            });
+        }
+    }
+
+    fn progress(&mut self, _ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
+        let mut s = self.script.lock().unwrap();
+        s.progressed += 1;
+        if !s.complete || self.taken.is_empty() {
+            return false;
+        }
+        for id in self.taken.drain(..) {
+            out.push(Event::ActiveEnded { id, result: Ok(()) });
+        }
+        true
+    }
+
+    fn polling(&self) -> Polling {
+        self.script.lock().unwrap().polling.unwrap_or(Polling::Never)
+    }
+
+    fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) -> Option<Hold> {
+        self.log(format!("hold gen {gen} {bytes} bytes"));
+        let mut s = self.script.lock().unwrap();
+        if s.keeps {
+            s.held.push(keep);
+            return None;
+        }
+        Some(keep)
+    }
+
+    fn add_stats(&self, stats: &mut EngineStats, completed: u64) {
+        stats.transfers += completed;
+    }
+}
+
+fn peer() -> PeerInfo {
+    PeerInfo {
+        published: "probe:peer".into(),
+        reach: Arc::from(&[][..]),
+        name: "peer".into(),
+        identity: 1,
+    }
+}
+
+fn active(id: OpId, key: &str) -> (ActiveSpec, Arc<OpState>) {
+    let state = OpState::new(OperationStatus::InProgress);
+    state.mark_in_use();
+    let range = Range {
+        addr: 0x1000,
+        len: 64,
+        device: Device::Host,
+    };
+    let spec = ActiveSpec {
+        id,
+        write: false,
+        local: vec![range],
+        remote: vec![range],
+        peer: peer(),
+        key: key.into(),
+        state: state.clone(),
+    };
+    (spec, state)
+}
+
+/// Memory whose drop the test can see.
+struct Canary(Arc<AtomicBool>);
+
+impl Drop for Canary {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn canary() -> (Hold, Arc<AtomicBool>) {
+    let freed = Arc::new(AtomicBool::new(false));
+    (Box::new(Canary(freed.clone())), freed)
+}
+
+const MS: Duration = Duration::from_millis(1);
+
+#[test]
+fn core_schedule_backs_off_to_the_polling_rate_and_wakes_on_activity() {
+    let t0 = Instant::now();
+    let (t, script) = probe("a", TransferPath::Nixl);
+    script.lock().unwrap().polling = Some(Polling::Every(5 * MS));
+    let mut core = EngineCore::new(vec![t], vec![0], MS, t0);
+    let progressed = || script.lock().unwrap().progressed;
+
+    // Due at once, then again after MIN_PARK, the gap doubling up to the polling rate (5 ms,
+    // above the 1 ms progress delay); never progressed before it is due.
+    core.turn(t0, false, &[]);
+    assert_eq!(progressed(), 1);
+    let mut now = t0;
+    let mut gap = MIN_PARK * 2;
+    let mut gaps = Vec::new();
+    for _ in 0..20 {
+        assert_eq!(core.sleep_for(now), Some(gap), "after {gaps:?}");
+        let before = progressed();
+        core.turn(now + gap - Duration::from_nanos(1), false, &[]);
+        assert_eq!(progressed(), before, "progressed before it was due");
+        now += gap;
+        core.turn(now, false, &[]);
+        assert_eq!(progressed(), before + 1);
+        gaps.push(gap);
+        gap = (gap * 2).min(5 * MS);
+    }
+    assert_eq!(*gaps.last().unwrap(), 5 * MS, "{gaps:?}");
+
+    // Activity (a command) makes it due again at once, back at the shortest gap.
+    core.wake_all(now + MS);
+    assert_eq!(core.sleep_for(now + MS), Some(Duration::ZERO));
+    core.turn(now + MS, false, &[]);
+    assert_eq!(core.sleep_for(now + MS), Some(MIN_PARK * 2));
+}
+
+#[test]
+fn core_schedule_leaves_an_idle_transport_alone() {
+    let t0 = Instant::now();
+    let (t, script) = probe("a", TransferPath::Nixl);
+    let mut core = EngineCore::new(vec![t], vec![0], MS, t0);
+    // Polling::Never with nothing pending: no deadline, never progressed, at any time.
+    assert_eq!(core.sleep_for(t0), None);
+    for k in 0..10 {
+        core.turn(t0 + k * 100 * MS, false, &[]);
+    }
+    assert_eq!(script.lock().unwrap().progressed, 0);
+}
+
+#[test]
+fn core_hand_over_chain_offers_a_declined_operation_to_the_next_transport() {
+    let t0 = Instant::now();
+    let (a, sa) = probe("local", TransferPath::Local);
+    let (b, sb) = probe("nixl", TransferPath::Nixl);
+    sa.lock().unwrap().decline = Some("no same-host socket");
+    sb.lock().unwrap().complete = true;
+    sb.lock().unwrap().polling = Some(Polling::Busy);
+    let mut core = EngineCore::new(vec![b, a], vec![1, 0], MS, t0);
+
+    let (spec, state) = active(1, "k1");
+    core.handle(Cmd::Begin { spec });
+    // Offered to the chain's first (local), which declined; taken by the next at once.
+    assert_eq!(sa.lock().unwrap().log, ["local:begin 1"]);
+    assert_eq!(sb.lock().unwrap().log, ["nixl:begin 1"]);
+    assert_eq!(state.status(), OperationStatus::InProgress);
+    core.wake_all(t0);
+    core.turn(t0, true, &[]);
+    assert_eq!(state.path(), Some(TransferPath::Nixl));
+    assert_eq!(state.status(), OperationStatus::Complete);
+    assert!(state.is_released());
+
+    // Every transport declines: the operation fails with the last one's reason.
+    sb.lock().unwrap().decline = Some("the peer's agent cannot be loaded");
+    let (spec, state) = active(2, "k2");
+    core.handle(Cmd::Begin { spec });
+    core.turn(t0 + MS, true, &[]);
+    assert_eq!(state.status(), OperationStatus::Errored);
+    let e = state.error().unwrap();
+    assert_eq!(e.kind(), ErrorKind::PathUnavailable);
+    assert!(e.to_string().contains("cannot be loaded"), "{e}");
+    assert!(state.is_released());
+    assert_eq!(state.path(), None, "no transport took it");
+}
+
+#[test]
+fn core_completed_metadata_is_refused_and_a_cancelled_operation_is_offered_nowhere() {
+    let t0 = Instant::now();
+    let (a, sa) = probe("a", TransferPath::Nixl);
+    sa.lock().unwrap().complete = true;
+    sa.lock().unwrap().polling = Some(Polling::Busy);
+    let mut core = EngineCore::new(vec![a], vec![0], MS, t0);
+    let (spec, state) = active(1, "key");
+    core.handle(Cmd::Begin { spec });
+    core.turn(t0, true, &[]);
+    assert_eq!(state.status(), OperationStatus::Complete);
+
+    // The same key again: refused without reaching a transport.
+    let (spec, again) = active(2, "key");
+    core.handle(Cmd::Begin { spec });
+    assert!(matches!(
+        again.error(),
+        Some(Error::Refused {
+            refusal: Refusal::AlreadyCompleted,
+            ..
+        })
+    ));
+    // Cancelled before the engine took it: no transport is offered it.
+    let (spec, cancelled) = active(3, "other");
+    cancelled.finish(OperationStatus::Cancelled, None);
+    core.handle(Cmd::Begin { spec });
+    core.turn(t0 + MS, true, &[]);
+    assert_eq!(sa.lock().unwrap().log, ["a:begin 1"]);
+    assert!(cancelled.is_released());
+    assert_eq!(cancelled.status(), OperationStatus::Cancelled);
+}
+
+#[test]
+fn core_abandon_reaches_the_transport_that_holds_the_operation() {
+    let t0 = Instant::now();
+    let (a, sa) = probe("a", TransferPath::Local);
+    let (b, sb) = probe("b", TransferPath::Nixl);
+    sa.lock().unwrap().decline = Some("declined");
+    let mut core = EngineCore::new(vec![a, b], vec![0, 1], MS, t0);
+    let (spec, state) = active(7, "k");
+    core.handle(Cmd::Begin { spec });
+    let (keep, freed) = canary();
+    core.handle(Cmd::Adopt { id: 7, keep });
+    state.finish(OperationStatus::Cancelled, None);
+    core.handle(Cmd::Abandon { id: 7, hard: false });
+    assert!(!freed.load(Ordering::SeqCst), "freed before the transport let go");
+    core.turn(t0, false, &[]);
+    assert_eq!(sb.lock().unwrap().log, ["b:begin 7", "b:abandon 7"]);
+    assert!(!sa.lock().unwrap().log.iter().any(|l| l.contains("abandon")));
+    assert!(
+        freed.load(Ordering::SeqCst),
+        "the adopted memory is freed once it ended"
+    );
+    assert!(state.is_released());
+}
+
+#[test]
+fn core_hold_chain_gives_memory_to_the_first_transport_that_keeps_it() {
+    let t0 = Instant::now();
+    let (a, sa) = probe("a", TransferPath::Nixl);
+    let (b, sb) = probe("b", TransferPath::Local);
+    sb.lock().unwrap().keeps = true;
+    let mut core = EngineCore::new(vec![a, b], vec![0, 1], MS, t0);
+    let (keep, freed) = canary();
+    core.handle(Cmd::Unexpose {
+        key: "gone".into(),
+        gen: 3,
+        keep: Some((keep, 4096)),
+    });
+    assert_eq!(
+        sa.lock().unwrap().log,
+        ["a:unexpose gone", "a:hold gen 3 4096 bytes"]
+    );
+    assert_eq!(
+        sb.lock().unwrap().log,
+        ["b:unexpose gone", "b:hold gen 3 4096 bytes"]
+    );
+    assert!(!freed.load(Ordering::SeqCst), "b keeps it");
+    sb.lock().unwrap().held.clear();
+    assert!(freed.load(Ordering::SeqCst));
+
+    // Nobody keeps it: freed at once.
+    sb.lock().unwrap().keeps = false;
+    let (keep, freed) = canary();
+    core.handle(Cmd::Unexpose {
+        key: "other".into(),
+        gen: 4,
+        keep: Some((keep, 1)),
+    });
+    assert!(freed.load(Ordering::SeqCst));
+}
+
+#[test]
+fn core_exposed_memory_under_a_copy_waits_for_the_copy_before_the_hold() {
+    let t0 = Instant::now();
+    let (a, _sa) = probe("a", TransferPath::Nixl);
+    let mut core = EngineCore::new(vec![a], vec![0], MS, t0);
+    let state = OpState::new(OperationStatus::Initialized);
+    let (reply, mut exposed) = oneshot::channel();
+    core.handle(Cmd::Expose {
+        spec: PassiveSpec {
+            key: "w".into(),
+            kind: OperationKind::Write,
+            ranges: Vec::new(),
+            state: state.clone(),
+        },
+        reply,
+    });
+    let out = exposed.try_recv().unwrap().unwrap();
+    assert_eq!(out.published.as_deref(), Some("probe:a"));
+    // A peer's copy into the memory is running (the memory is in use) when its owner drops it.
+    state.mark_in_use();
+    let (keep, freed) = canary();
+    core.handle(Cmd::Unexpose {
+        key: "w".into(),
+        gen: 1,
+        keep: Some((keep, 64)),
+    });
+    for k in 0..3 {
+        core.turn(t0 + k * MS, false, &[]);
+        assert!(!freed.load(Ordering::SeqCst), "freed under a running copy");
+    }
+    state.mark_released();
+    core.turn(t0 + 3 * MS, false, &[]);
+    assert!(
+        freed.load(Ordering::SeqCst),
+        "handed to the hold once the copy stopped"
+    );
+}
+
+#[test]
+fn core_settle_answers_at_the_end_of_the_turn_that_took_it() {
+    let t0 = Instant::now();
+    let (a, sa) = probe("a", TransferPath::Nixl);
+    sa.lock().unwrap().polling = Some(Polling::EveryTurn);
+    let mut core = EngineCore::new(vec![a], vec![0], MS, t0);
+    let (reply, mut settled) = oneshot::channel();
+    core.handle(Cmd::Settle { reply });
+    assert!(settled.try_recv().is_err(), "answered before the transports ran");
+    core.turn(t0, false, &[]);
+    assert_eq!(sa.lock().unwrap().progressed, 1);
+    assert!(settled.try_recv().is_ok());
+}
