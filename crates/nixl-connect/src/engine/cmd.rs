@@ -2,6 +2,7 @@
 //! objects (registration tokens, held outside the thread) reach it.
 
 use std::any::Any;
+use std::marker::PhantomData;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
@@ -9,7 +10,7 @@ use tokio::sync::oneshot;
 
 use super::poller::Waker;
 use super::stats::EngineStats;
-use super::transport::{ActiveSpec, Exposure, OpId, PassiveSpec};
+use super::transport::{ActiveSpec, Exposure, OpId, PassiveSpec, TransportId};
 use crate::error::Result;
 use crate::reg::{Hold, Range, RegToken};
 
@@ -44,10 +45,10 @@ pub(crate) enum Cmd {
         id: OpId,
         keep: Hold,
     },
-    /// A message from outside the engine thread to the transport at position `to` (for example a
-    /// registration token's drop), handed to it as it is.
+    /// A message from outside the engine thread to transport `to` (for example a registration
+    /// token's drop), handed to it as it is.
     Mail {
-        to: usize,
+        to: TransportId,
         msg: Box<dyn Any + Send>,
     },
     /// Register `ranges` ahead of the transfers that will use them, with every transport that
@@ -73,22 +74,47 @@ pub(crate) enum Cmd {
 /// The way back to one transport on the engine thread: a message posted here reaches its
 /// [`Transport::on_mail`](super::transport::Transport::on_mail), in order with the engine's other
 /// commands; nothing happens once the engine is gone.
-#[derive(Clone)]
-pub(crate) struct Mailbox {
+///
+/// Typed by the transport's own message `M`: only that type can be posted, and the transport
+/// reads back exactly that type.
+pub(crate) struct Mailbox<M> {
     tx: Sender<Cmd>,
     waker: Waker,
-    to: usize,
+    to: TransportId,
+    msg: PhantomData<fn(M)>,
 }
 
-impl Mailbox {
-    /// A mailbox to the transport at position `to` of the engine behind `tx`.
-    pub(crate) fn new(tx: Sender<Cmd>, waker: Waker, to: usize) -> Self {
-        Self { tx, waker, to }
+impl<M> Clone for Mailbox<M> {
+    fn clone(&self) -> Self {
+        Self {
+            tx: self.tx.clone(),
+            waker: self.waker.clone(),
+            to: self.to,
+            msg: PhantomData,
+        }
+    }
+}
+
+impl<M: Send + 'static> Mailbox<M> {
+    /// A mailbox to transport `to` of the engine behind `tx`.
+    pub(crate) fn new(tx: Sender<Cmd>, waker: Waker, to: TransportId) -> Self {
+        Self {
+            tx,
+            waker,
+            to,
+            msg: PhantomData,
+        }
     }
 
     /// Posts `msg`; false when the engine is gone.
-    pub(crate) fn post(&self, msg: Box<dyn Any + Send>) -> bool {
-        let sent = self.tx.send(Cmd::Mail { to: self.to, msg }).is_ok();
+    pub(crate) fn post(&self, msg: M) -> bool {
+        let sent = self
+            .tx
+            .send(Cmd::Mail {
+                to: self.to,
+                msg: Box::new(msg),
+            })
+            .is_ok();
         if sent {
             self.waker.wake();
         }

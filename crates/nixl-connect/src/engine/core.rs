@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use super::cmd::Cmd;
+use super::poller::Ready;
 use super::stats::EngineStats;
-use super::transport::{ActiveSpec, Decline, Event, Exposure, OpId, Polling, Transport};
+use super::transport::{ActiveSpec, Decline, Event, Exposure, OpId, Polling, Transport, TransportId};
 use crate::error::{Error, Result};
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::{OpState, OperationStatus};
@@ -45,8 +46,8 @@ struct Active {
     key: Arc<str>,
     state: Arc<OpState>,
     keep: Option<Hold>,
-    /// The transport moving it (its position in the list), once started.
-    on: usize,
+    /// The transport moving it, once started.
+    on: TransportId,
 }
 
 /// The engine's state and decisions (the thread, the poller and the channel are the driver's).
@@ -57,13 +58,15 @@ pub(crate) struct EngineCore {
     /// The longest back-off of a transport with work once the engine is idle (the connector's
     /// progress delay).
     max_park: Duration,
-    /// Active operations try these transports (positions in `transports`) in turn.
-    chain: Vec<usize>,
+    /// Active operations try these transports in turn.
+    chain: Vec<TransportId>,
     /// Active operations each transport completed (for the counters).
     completions: Vec<u64>,
     actives: HashMap<OpId, Active>,
     passives: HashMap<Arc<str>, Arc<OpState>>,
     events: Vec<Event>,
+    /// The ready descriptors of the transport being progressed (kept to reuse its allocation).
+    mine: Vec<(u64, u32)>,
     /// Keys of this connector's completed active operations (most recent [`MAX_COMPLETED`]).
     completed: HashSet<Arc<str>>,
     completed_order: VecDeque<Arc<str>>,
@@ -79,7 +82,7 @@ impl EngineCore {
     /// the positions in `chain` in turn, each transport due at `now`.
     pub(crate) fn new(
         transports: Vec<Box<dyn Transport>>,
-        chain: Vec<usize>,
+        chain: Vec<TransportId>,
         max_park: Duration,
         now: Instant,
     ) -> Self {
@@ -98,6 +101,7 @@ impl EngineCore {
             actives: HashMap::new(),
             passives: HashMap::new(),
             events: Vec::new(),
+            mine: Vec::new(),
             completed: HashSet::new(),
             completed_order: VecDeque::new(),
             copying: Vec::new(),
@@ -107,27 +111,37 @@ impl EngineCore {
 
     /// Progresses every transport that is due: on every turn ([`Polling::EveryTurn`]), or by
     /// its schedule (from [`MIN_PARK`] apart just after a command or a sign of activity, backing
-    /// off to what its polling allows). Returns whether anything happened.
-    fn progress(&mut self, now: Instant, hot: bool, ready: &[(u64, u32)]) -> bool {
+    /// off to what its polling allows), or because descriptors it registered are `ready` (each
+    /// transport is handed its own only). Returns whether anything happened.
+    fn progress(&mut self, now: Instant, hot: bool, ready: &[Ready]) -> bool {
         let mut event = false;
+        let mut mine = std::mem::take(&mut self.mine);
         // Transports driven by the poller go first, so their ready descriptors are handled before
         // a scheduled poll of another transport adds its time to this turn.
         for driven_pass in [true, false] {
-            for (t, s) in self.transports.iter_mut().zip(&mut self.schedules) {
+            for (i, (t, s)) in self.transports.iter_mut().zip(&mut self.schedules).enumerate() {
                 let polling = t.polling();
                 if (polling == Polling::EveryTurn) != driven_pass {
                     continue;
                 }
-                let due = match polling {
-                    Polling::EveryTurn => true,
-                    Polling::Never => t.has_pending(),
-                    Polling::Busy if hot => true,
-                    _ => now >= s.next || t.has_pending(),
-                };
+                mine.clear();
+                mine.extend(
+                    ready
+                        .iter()
+                        .filter(|r| r.owner.index() == i)
+                        .map(|r| (r.token, r.events)),
+                );
+                let due = !mine.is_empty()
+                    || match polling {
+                        Polling::EveryTurn => true,
+                        Polling::Never => t.has_pending(),
+                        Polling::Busy if hot => true,
+                        _ => now >= s.next || t.has_pending(),
+                    };
                 if !due {
                     continue;
                 }
-                let active = t.progress(ready, &mut self.events);
+                let active = t.progress(&mine, &mut self.events);
                 event |= active;
                 s.gap = match polling {
                     _ if active => MIN_PARK,
@@ -138,6 +152,7 @@ impl EngineCore {
                 s.next = now + s.gap;
             }
         }
+        self.mine = mine;
         event
     }
 
@@ -165,7 +180,7 @@ impl EngineCore {
     /// are due (`hot`: the engine was active within the driver's spin; `ready`: the poller's ready
     /// descriptors), applies what they reported and answers the turn's settles. Returns whether
     /// anything happened.
-    pub(crate) fn turn(&mut self, now: Instant, hot: bool, ready: &[(u64, u32)]) -> bool {
+    pub(crate) fn turn(&mut self, now: Instant, hot: bool, ready: &[Ready]) -> bool {
         if !self.copying.is_empty() {
             self.release_copied();
         }
@@ -310,7 +325,7 @@ impl EngineCore {
                 if let Some(a) = self.actives.get(&id) {
                     let on = a.on;
                     let mut out = std::mem::take(&mut self.events);
-                    self.transports[on].abandon(id, hard, &mut out);
+                    self.transports[on.index()].abandon(id, hard, &mut out);
                     self.events = out;
                 }
             }
@@ -319,7 +334,7 @@ impl EngineCore {
                 None => drop(keep), // already released
             },
             Cmd::Mail { to, msg } => {
-                if let Some(t) = self.transports.get_mut(to) {
+                if let Some(t) = self.transports.get_mut(to.index()) {
                     t.on_mail(msg);
                 }
             }
@@ -428,7 +443,7 @@ impl EngineCore {
     }
 
     /// Offers `spec` to transport `i` of the chain (after another declined it with `why`).
-    fn offer(&mut self, spec: ActiveSpec, i: usize, why: Option<Decline>) {
+    fn offer(&mut self, spec: ActiveSpec, i: TransportId, why: Option<Decline>) {
         let id = spec.id;
         if spec.state.status().is_terminal() {
             // Cancelled before any transport took it: nothing touched the memory.
@@ -445,7 +460,7 @@ impl EngineCore {
             tracing::trace!(op = id, %why, "offered to the next transport");
         }
         let mut out = std::mem::take(&mut self.events);
-        self.transports[i].begin(spec, &mut out);
+        self.transports[i.index()].begin(spec, &mut out);
         self.events = out;
     }
 
@@ -461,7 +476,7 @@ impl EngineCore {
                             continue;
                         };
                         if result.is_ok() {
-                            self.completions[a.on] += 1;
+                            self.completions[a.on.index()] += 1;
                             self.remember_completed(a.key.clone());
                         }
                         // Released before the status is final: a waiter woken by the status may

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::cmd::Cmd;
 use super::core::EngineCore;
-use super::poller::Poller;
+use super::poller::{Poller, Ready};
 
 /// How long the engine keeps spinning after the last event before it sleeps.
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
@@ -20,7 +20,7 @@ pub(crate) struct EngineLoop {
     core: EngineCore,
     rx: Receiver<Cmd>,
     poller: Poller,
-    ready: Vec<(u64, u32)>,
+    ready: Vec<Ready>,
     pending: Option<Cmd>,
 }
 

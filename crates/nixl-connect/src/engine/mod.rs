@@ -41,7 +41,7 @@ use self::local::LocalTransport;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
 pub use self::stats::EngineStats;
-use self::transport::{DecodePeer, OpId, PeerInfo, Transport};
+use self::transport::{DecodePeer, OpId, PeerInfo, Transport, TransportId};
 use crate::error::{Error, Result};
 pub(crate) use crate::reg::Range;
 use crate::state::PathPolicy;
@@ -76,9 +76,53 @@ impl DecodedCache {
     }
 }
 
-/// The transports of an engine (the publisher of metadata first) and the positions active
-/// operations try in turn.
-type Transports = (Vec<Box<dyn Transport>>, Vec<usize>);
+/// The transports of an engine, each with the id of the [`Seat`] it was made with (the publisher
+/// of metadata first), and the ids active operations try in turn.
+type Transports = (Vec<(TransportId, Box<dyn Transport>)>, Vec<TransportId>);
+
+/// What a transport is given as it is made: its id, a mailbox to it, a registrar whose
+/// descriptors are reported to it alone, and the engine's waker.
+pub(crate) struct Seat {
+    pub(crate) id: TransportId,
+    tx: Sender<Cmd>,
+    pub(crate) registrar: Registrar,
+    pub(crate) waker: Waker,
+}
+
+impl Seat {
+    /// A mailbox to this transport for its own message type `M`.
+    pub(crate) fn mailbox<M: Send + 'static>(&self) -> Mailbox<M> {
+        Mailbox::new(self.tx.clone(), self.waker.clone(), self.id)
+    }
+}
+
+/// Hands out an engine's [`Seat`]s, in order: the engine lists its transports in that order
+/// (the first made publishes the metadata).
+pub(crate) struct Seats<'a> {
+    taken: usize,
+    tx: Sender<Cmd>,
+    waker: Waker,
+    poller: &'a Poller,
+}
+
+impl Seats<'_> {
+    /// The next transport's seat.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] past [`TransportId::MAX`] transports.
+    pub(crate) fn take(&mut self) -> Result<Seat> {
+        let id = TransportId::nth(self.taken).ok_or_else(|| {
+            Error::InvalidArgument(format!("an engine has at most {} transports", TransportId::MAX))
+        })?;
+        self.taken += 1;
+        Ok(Seat {
+            id,
+            tx: self.tx.clone(),
+            registrar: self.poller.registrar_for(id),
+            waker: self.waker.clone(),
+        })
+    }
+}
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
@@ -130,27 +174,34 @@ impl Engine {
             opts.cancel_grace,
             opts.progress_delay,
             nixl::encoding::decode_peer,
-            move |name, tx, waker, registrar| {
-                // Every transport exposes passive operations, in this order: NIXL publishes the
-                // metadata, the same-host path (which reads what NIXL published) comes after it.
-                // Active operations try them in the order of `chain`.
-                const NIXL: usize = 0;
-                const LOCAL: usize = 1;
-                let nixl = NixlTransport::new(
+            move |name, seats| {
+                // Every transport exposes passive operations, in the order they are made: NIXL
+                // publishes the metadata, the same-host path (which reads what NIXL published)
+                // comes after it. Active operations try them in the order of `chain`.
+                let seat = seats.take()?;
+                let nixl = seat.id;
+                let nixl_transport = NixlTransport::new(
                     name,
                     o.backends.clone(),
                     o.ucx_params.clone(),
                     o.deregister_on_completion,
                     o.quarantine_limit,
-                    Mailbox::new(tx, waker.clone(), NIXL),
+                    seat.mailbox(),
                 )?;
-                let local = LocalTransport::new(o.path != PathPolicy::Nixl, listener, registrar, waker);
+                let seat = seats.take()?;
+                let local = seat.id;
+                let local_transport =
+                    LocalTransport::new(o.path != PathPolicy::Nixl, listener, seat.registrar, seat.waker);
                 let chain = match o.path {
-                    PathPolicy::Auto => vec![LOCAL, NIXL],
-                    PathPolicy::Nixl => vec![NIXL],
-                    PathPolicy::Local => vec![LOCAL],
+                    PathPolicy::Auto => vec![local, nixl],
+                    PathPolicy::Nixl => vec![nixl],
+                    PathPolicy::Local => vec![local],
                 };
-                Ok((vec![Box::new(nixl), Box::new(local)], chain))
+                let transports: Vec<(TransportId, Box<dyn Transport>)> = vec![
+                    (nixl, Box::new(nixl_transport)),
+                    (local, Box::new(local_transport)),
+                ];
+                Ok((transports, chain))
             },
         )
     }
@@ -163,9 +214,10 @@ impl Engine {
             cancel_grace,
             self::core::DEFAULT_PROGRESS_DELAY,
             loopback::decode_peer,
-            |name, _tx, waker, _registrar| {
-                let t: Box<dyn Transport> = Box::new(loopback::LoopbackTransport::new(name, waker));
-                Ok((vec![t], vec![0]))
+            |name, seats| {
+                let seat = seats.take()?;
+                let t: Box<dyn Transport> = Box::new(loopback::LoopbackTransport::new(name, seat.waker));
+                Ok((vec![(seat.id, t)], vec![seat.id]))
             },
         )
     }
@@ -179,7 +231,7 @@ impl Engine {
         cancel_grace: Duration,
         progress_delay: Duration,
         decode: DecodePeer,
-        make: impl FnOnce(&str, Sender<Cmd>, Waker, Registrar) -> Result<Transports> + Send + 'static,
+        make: impl FnOnce(&str, &mut Seats<'_>) -> Result<Transports> + Send + 'static,
     ) -> Result<Self> {
         let poller = Poller::new().map_err(|e| Error::os("creating the engine's poller", e))?;
         let waker = poller.waker();
@@ -192,7 +244,24 @@ impl Engine {
                 NEXT_ENGINE.fetch_add(1, Ordering::Relaxed)
             ))
             .spawn(move || {
-                let (transports, chain) = match make(&agent_name, self_tx, w2, poller.registrar()) {
+                let mut seats = Seats {
+                    taken: 0,
+                    tx: self_tx,
+                    waker: w2,
+                    poller: &poller,
+                };
+                let made = make(&agent_name, &mut seats).and_then(|(mut made, chain)| {
+                    // Listed in the order of their seats: a transport's id is its place.
+                    made.sort_by_key(|(id, _)| id.index());
+                    let in_order = made.iter().enumerate().all(|(i, (id, _))| id.index() == i);
+                    if !in_order || made.len() != seats.taken {
+                        return Err(Error::InvalidArgument(
+                            "every seat taken must get exactly one transport".into(),
+                        ));
+                    }
+                    Ok((made.into_iter().map(|(_, t)| t).collect(), chain))
+                });
+                let (transports, chain) = match made {
                     Ok(t) => {
                         let _ = ready_tx.send(Ok(()));
                         t

@@ -12,8 +12,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The token of the waker's eventfd in [`Poller::wait`]'s results.
-pub(crate) const WAKE: u64 = u64::MAX;
+use super::transport::TransportId;
+
+/// A token's bits above this name its owner: 0 the poller itself (its waker), `n + 1` the
+/// transport with id `n`; a transport chooses the bits below.
+const OWNER_SHIFT: u32 = 56;
+/// The largest token a transport may register.
+pub(crate) const MAX_TOKEN: u64 = (1 << OWNER_SHIFT) - 1;
+/// The token of the waker's eventfd (owner 0, the poller's own).
+const WAKE: u64 = 0;
 
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
@@ -53,19 +60,31 @@ pub(crate) struct Poller {
     events: Vec<libc::epoll_event>,
 }
 
-/// Adds and removes descriptors of one epoll instance (a transport keeps one).
+/// Adds and removes descriptors of one epoll instance on behalf of one owner (a transport keeps
+/// its own): [`Poller::wait`] reports a descriptor's readiness to that owner only, under the
+/// token it chose.
 #[derive(Clone)]
-pub(crate) struct Registrar(Arc<OwnedFd>);
+pub(crate) struct Registrar {
+    epoll: Arc<OwnedFd>,
+    /// The owner's tag in the token's top bits.
+    owner: u64,
+}
 
 impl Registrar {
     fn ctl(&self, op: libc::c_int, fd: RawFd, token: u64, read: bool, write: bool) -> io::Result<()> {
+        if token > MAX_TOKEN {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a poll token above MAX_TOKEN",
+            ));
+        }
         let mut ev = libc::epoll_event {
             events: (if read { libc::EPOLLIN | libc::EPOLLRDHUP } else { 0 }
                 | if write { libc::EPOLLOUT } else { 0 }) as u32,
-            u64: token,
+            u64: self.owner << OWNER_SHIFT | token,
         };
         // SAFETY: `ev` is a valid epoll_event; the kernel validates both descriptors.
-        cvt(unsafe { libc::epoll_ctl(self.0.as_raw_fd(), op, fd, &mut ev) }).map(drop)
+        cvt(unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) }).map(drop)
     }
 
     /// Watches `fd` (level-triggered) under `token`.
@@ -81,7 +100,14 @@ impl Registrar {
     /// Stops watching `fd` (closing it does that too).
     pub(crate) fn remove(&self, fd: RawFd) {
         // SAFETY: EPOLL_CTL_DEL ignores the event argument; a stale fd only yields an error.
-        unsafe { libc::epoll_ctl(self.0.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+        unsafe {
+            libc::epoll_ctl(
+                self.epoll.as_raw_fd(),
+                libc::EPOLL_CTL_DEL,
+                fd,
+                std::ptr::null_mut(),
+            )
+        };
     }
 }
 
@@ -95,7 +121,10 @@ impl Poller {
             (ep, OwnedFd::from_raw_fd(ev))
         };
         let p = Self {
-            epoll: Registrar(Arc::new(ep)),
+            epoll: Registrar {
+                epoll: Arc::new(ep),
+                owner: 0,
+            },
             waker: Waker(Arc::new(WakerInner {
                 fd: ev,
                 sleeping: AtomicBool::new(false),
@@ -110,9 +139,12 @@ impl Poller {
         self.waker.clone()
     }
 
-    /// The registrar of this poller's epoll instance.
-    pub(crate) fn registrar(&self) -> Registrar {
-        self.epoll.clone()
+    /// A registrar for transport `owner`: what it registers is reported to it alone.
+    pub(crate) fn registrar_for(&self, owner: TransportId) -> Registrar {
+        Registrar {
+            epoll: self.epoll.epoll.clone(),
+            owner: owner.index() as u64 + 1,
+        }
     }
 
     /// Announces that the engine is about to sleep; it must re-check its queues afterwards and
@@ -127,10 +159,11 @@ impl Poller {
         self.waker.0.sleeping.store(false, Ordering::SeqCst);
     }
 
-    /// Waits up to `timeout` (`None`: until woken) and returns the ready tokens.
-    pub(crate) fn wait(&mut self, timeout: Option<Duration>, out: &mut Vec<(u64, u32)>) {
+    /// Waits up to `timeout` (`None`: until woken) and adds the ready descriptors to `out`, as
+    /// their owner, its token and the epoll events.
+    pub(crate) fn wait(&mut self, timeout: Option<Duration>, out: &mut Vec<Ready>) {
         let (ep, evs, len) = (
-            self.epoll.0.as_raw_fd(),
+            self.epoll.epoll.as_raw_fd(),
             self.events.as_mut_ptr(),
             self.events.len() as i32,
         );
@@ -174,15 +207,31 @@ impl Poller {
         };
         self.awake();
         for ev in &self.events[..n.max(0) as usize] {
-            if ev.u64 == WAKE {
-                let mut buf = 0u64;
-                // SAFETY: reads 8 bytes into a live u64 from the waker's own nonblocking eventfd.
-                unsafe { libc::read(self.waker.0.fd.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
-            } else {
-                out.push((ev.u64, ev.events));
+            let (owner, token) = (ev.u64 >> OWNER_SHIFT, ev.u64 & MAX_TOKEN);
+            match TransportId::nth((owner as usize).wrapping_sub(1)) {
+                Some(owner) => out.push(Ready {
+                    owner,
+                    token,
+                    events: ev.events,
+                }),
+                None => {
+                    let mut buf = 0u64;
+                    // SAFETY: reads 8 bytes into a live u64 from the waker's own nonblocking
+                    // eventfd.
+                    unsafe { libc::read(self.waker.0.fd.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
+                }
             }
         }
     }
+}
+
+/// A ready descriptor, as [`Poller::wait`] reports it: the transport that registered it, its
+/// token and the epoll events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ready {
+    pub(crate) owner: TransportId,
+    pub(crate) token: u64,
+    pub(crate) events: u32,
 }
 
 /// True when an event mask reports a hang-up or an error.
@@ -208,5 +257,25 @@ mod tests {
         let t0 = std::time::Instant::now();
         p.wait(Some(Duration::from_secs(5)), &mut out);
         assert!(t0.elapsed() < Duration::from_secs(4), "the wake-up was not lost");
+    }
+
+    #[test]
+    fn poller_reports_a_descriptor_to_its_owner_under_its_own_token() {
+        let mut p = Poller::new().unwrap();
+        let (a, b) = (TransportId::nth(0).unwrap(), TransportId::nth(3).unwrap());
+        let (ra, rb) = (p.registrar_for(a), p.registrar_for(b));
+        let (x, y) = (
+            std::os::unix::net::UnixStream::pair().unwrap(),
+            std::os::unix::net::UnixStream::pair().unwrap(),
+        );
+        // The same token, chosen by two owners.
+        ra.add(x.0.as_raw_fd(), 5, false, true).unwrap();
+        rb.add(y.0.as_raw_fd(), 5, false, true).unwrap();
+        assert!(ra.add(x.1.as_raw_fd(), MAX_TOKEN + 1, true, false).is_err());
+        let mut out = Vec::new();
+        p.wait(Some(Duration::ZERO), &mut out);
+        out.sort_by_key(|r| r.owner.index());
+        let owners: Vec<_> = out.iter().map(|r| (r.owner, r.token)).collect();
+        assert_eq!(owners, [(a, 5), (b, 5)]);
     }
 }

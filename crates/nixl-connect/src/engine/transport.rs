@@ -22,6 +22,26 @@ use crate::state::{OpState, TransferPath};
 /// An active operation's id within its engine.
 pub(crate) type OpId = u64;
 
+/// A transport's name within its engine, handed out (in order) as the engine's transports are
+/// made: active operations' chain, a transport's mail and its poll tokens name it by this id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct TransportId(u8);
+
+impl TransportId {
+    /// The most transports one engine has.
+    pub(crate) const MAX: usize = 32;
+
+    /// The `n`th transport made (`None` past [`TransportId::MAX`]).
+    pub(crate) fn nth(n: usize) -> Option<Self> {
+        (n < Self::MAX).then_some(TransportId(n as u8))
+    }
+
+    /// Its place in the engine's list of transports.
+    pub(crate) fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
 /// A passive operation as the transports see it.
 pub(crate) struct PassiveSpec {
     pub(crate) key: Arc<str>,

@@ -12,9 +12,10 @@ use tokio::sync::oneshot;
 use super::{EngineCore, MIN_PARK};
 use crate::device::Device;
 use crate::engine::cmd::Cmd;
+use crate::engine::poller::Ready;
 use crate::engine::stats::EngineStats;
 use crate::engine::transport::{
-    ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, PeerInfo, Polling, Transport,
+    ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, PeerInfo, Polling, Transport, TransportId,
 };
 use crate::error::{Error, ErrorKind, Refusal, Result};
 use crate::metadata::OperationKind;
@@ -34,6 +35,8 @@ struct Script {
     /// Calls seen, in order.
     log: Vec<String>,
     progressed: usize,
+    /// The ready descriptors each progress was handed.
+    ready: Vec<Vec<(u64, u32)>>,
     held: Vec<Hold>,
 }
 
@@ -107,9 +110,10 @@ impl Transport for Probe {
         }
     }
 
-    fn progress(&mut self, _ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
+    fn progress(&mut self, ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
         let mut s = self.script.lock().unwrap();
         s.progressed += 1;
+        s.ready.push(ready.to_vec());
         if !s.complete || self.taken.is_empty() {
             return false;
         }
@@ -183,12 +187,17 @@ fn canary() -> (Hold, Arc<AtomicBool>) {
 
 const MS: Duration = Duration::from_millis(1);
 
+/// A chain of transport ids, by their places.
+fn ids(places: &[usize]) -> Vec<TransportId> {
+    places.iter().map(|&i| TransportId::nth(i).unwrap()).collect()
+}
+
 #[test]
 fn core_schedule_backs_off_to_the_polling_rate_and_wakes_on_activity() {
     let t0 = Instant::now();
     let (t, script) = probe("a", TransferPath::Nixl);
     script.lock().unwrap().polling = Some(Polling::Every(5 * MS));
-    let mut core = EngineCore::new(vec![t], vec![0], MS, t0);
+    let mut core = EngineCore::new(vec![t], ids(&[0]), MS, t0);
     let progressed = || script.lock().unwrap().progressed;
 
     // Due at once, then again after MIN_PARK, the gap doubling up to the polling rate (5 ms,
@@ -222,7 +231,7 @@ fn core_schedule_backs_off_to_the_polling_rate_and_wakes_on_activity() {
 fn core_schedule_leaves_an_idle_transport_alone() {
     let t0 = Instant::now();
     let (t, script) = probe("a", TransferPath::Nixl);
-    let mut core = EngineCore::new(vec![t], vec![0], MS, t0);
+    let mut core = EngineCore::new(vec![t], ids(&[0]), MS, t0);
     // Polling::Never with nothing pending: no deadline, never progressed, at any time.
     assert_eq!(core.sleep_for(t0), None);
     for k in 0..10 {
@@ -239,7 +248,7 @@ fn core_hand_over_chain_offers_a_declined_operation_to_the_next_transport() {
     sa.lock().unwrap().decline = Some("no same-host socket");
     sb.lock().unwrap().complete = true;
     sb.lock().unwrap().polling = Some(Polling::Busy);
-    let mut core = EngineCore::new(vec![b, a], vec![1, 0], MS, t0);
+    let mut core = EngineCore::new(vec![b, a], ids(&[1, 0]), MS, t0);
 
     let (spec, state) = active(1, "k1");
     core.handle(Cmd::Begin { spec });
@@ -272,7 +281,7 @@ fn core_completed_metadata_is_refused_and_a_cancelled_operation_is_offered_nowhe
     let (a, sa) = probe("a", TransferPath::Nixl);
     sa.lock().unwrap().complete = true;
     sa.lock().unwrap().polling = Some(Polling::Busy);
-    let mut core = EngineCore::new(vec![a], vec![0], MS, t0);
+    let mut core = EngineCore::new(vec![a], ids(&[0]), MS, t0);
     let (spec, state) = active(1, "key");
     core.handle(Cmd::Begin { spec });
     core.turn(t0, true, &[]);
@@ -304,7 +313,7 @@ fn core_abandon_reaches_the_transport_that_holds_the_operation() {
     let (a, sa) = probe("a", TransferPath::Local);
     let (b, sb) = probe("b", TransferPath::Nixl);
     sa.lock().unwrap().decline = Some("declined");
-    let mut core = EngineCore::new(vec![a, b], vec![0, 1], MS, t0);
+    let mut core = EngineCore::new(vec![a, b], ids(&[0, 1]), MS, t0);
     let (spec, state) = active(7, "k");
     core.handle(Cmd::Begin { spec });
     let (keep, freed) = canary();
@@ -328,7 +337,7 @@ fn core_hold_chain_gives_memory_to_the_first_transport_that_keeps_it() {
     let (a, sa) = probe("a", TransferPath::Nixl);
     let (b, sb) = probe("b", TransferPath::Local);
     sb.lock().unwrap().keeps = true;
-    let mut core = EngineCore::new(vec![a, b], vec![0, 1], MS, t0);
+    let mut core = EngineCore::new(vec![a, b], ids(&[0, 1]), MS, t0);
     let (keep, freed) = canary();
     core.handle(Cmd::Unexpose {
         key: "gone".into(),
@@ -362,7 +371,7 @@ fn core_hold_chain_gives_memory_to_the_first_transport_that_keeps_it() {
 fn core_exposed_memory_under_a_copy_waits_for_the_copy_before_the_hold() {
     let t0 = Instant::now();
     let (a, _sa) = probe("a", TransferPath::Nixl);
-    let mut core = EngineCore::new(vec![a], vec![0], MS, t0);
+    let mut core = EngineCore::new(vec![a], ids(&[0]), MS, t0);
     let state = OpState::new(OperationStatus::Initialized);
     let (reply, mut exposed) = oneshot::channel();
     core.handle(Cmd::Expose {
@@ -401,11 +410,35 @@ fn core_settle_answers_at_the_end_of_the_turn_that_took_it() {
     let t0 = Instant::now();
     let (a, sa) = probe("a", TransferPath::Nixl);
     sa.lock().unwrap().polling = Some(Polling::EveryTurn);
-    let mut core = EngineCore::new(vec![a], vec![0], MS, t0);
+    let mut core = EngineCore::new(vec![a], ids(&[0]), MS, t0);
     let (reply, mut settled) = oneshot::channel();
     core.handle(Cmd::Settle { reply });
     assert!(settled.try_recv().is_err(), "answered before the transports ran");
     core.turn(t0, false, &[]);
     assert_eq!(sa.lock().unwrap().progressed, 1);
     assert!(settled.try_recv().is_ok());
+}
+
+#[test]
+fn core_ready_descriptors_reach_only_the_transport_that_registered_them() {
+    let t0 = Instant::now();
+    let (a, sa) = probe("a", TransferPath::Nixl);
+    let (b, sb) = probe("b", TransferPath::Local);
+    // Neither asks to be polled: only its own ready descriptors make one due.
+    let mut core = EngineCore::new(vec![a, b], ids(&[0, 1]), MS, t0);
+    let ready = |owner: usize, token: u64| Ready {
+        owner: TransportId::nth(owner).unwrap(),
+        token,
+        events: libc::EPOLLIN as u32,
+    };
+    core.turn(t0, false, &[ready(1, 0), ready(1, 7)]);
+    assert_eq!(sa.lock().unwrap().progressed, 0, "a was handed b's descriptors");
+    assert_eq!(
+        sb.lock().unwrap().ready,
+        [vec![(0, libc::EPOLLIN as u32), (7, libc::EPOLLIN as u32)]]
+    );
+    // The same token under another owner is another descriptor.
+    core.turn(t0 + MS, false, &[ready(0, 7)]);
+    assert_eq!(sa.lock().unwrap().ready, [vec![(7, libc::EPOLLIN as u32)]]);
+    assert_eq!(sb.lock().unwrap().progressed, 1);
 }

@@ -13,15 +13,15 @@ use super::cma;
 use super::records::{Act, Conn, ConnId, Exports, Finished, Outstanding, Scope};
 use super::slots;
 use super::sys::{timerfd, uid, Tracked};
-use crate::engine::poller::{Registrar, Waker};
+use crate::engine::poller::{Registrar, Waker, MAX_TOKEN};
 use crate::engine::transport::OpId;
 
 /// The token of the listening socket in the engine's poller.
 pub(super) const LISTENER: u64 = 0;
 /// The poller token of the timer that re-arms the listener after running out of descriptors.
-pub(super) const ACCEPT_TIMER: u64 = u64::MAX - 1; // u64::MAX is the poller's own wake-up
+pub(super) const ACCEPT_TIMER: u64 = MAX_TOKEN;
 /// The poller token of the timer that fires at the earliest deadline of a connection's core.
-pub(super) const DEADLINE_TIMER: u64 = u64::MAX - 2;
+pub(super) const DEADLINE_TIMER: u64 = MAX_TOKEN - 1;
 /// How long the listener rests after `accept` ran out of descriptors or memory.
 pub(super) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// Connections this connector serves at once (same-host peers beyond it are refused and use NIXL).
@@ -141,7 +141,8 @@ impl LocalTransport {
         poller: &crate::engine::poller::Poller,
         p: &mut super::link::fuzz::Pair,
     ) -> (Self, ConnId, std::os::unix::net::UnixStream) {
-        let mut t = Self::new(false, None, poller.registrar(), poller.waker());
+        let id = crate::engine::transport::TransportId::nth(0).expect("the first id");
+        let mut t = Self::new(false, None, poller.registrar_for(id), poller.waker());
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
         ours.set_nonblocking(true).expect("non-blocking");
         let link = std::mem::replace(&mut p.server, super::link::Link::server(0, 0, Instant::now()));

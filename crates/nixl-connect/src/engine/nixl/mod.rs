@@ -279,7 +279,7 @@ pub(crate) struct NixlTransport {
     backends: Vec<String>,
     /// UCX's extra parameters.
     params: Vec<(String, String)>,
-    mailbox: Mailbox,
+    mailbox: Mailbox<Mail>,
     /// The current exposer (new operations) and retired ones (destroyed once their last
     /// operation has ended), by generation.
     exposer: Exposer,
@@ -323,7 +323,7 @@ impl NixlTransport {
         params: Vec<(String, String)>,
         deregister_on_completion: bool,
         quarantine_limit: usize,
-        mailbox: Mailbox,
+        mailbox: Mailbox<Mail>,
     ) -> Result<Self> {
         let params = with_library_defaults(params);
         let exposer = Exposer::new(name, &backends, &params, 0)?;

@@ -55,7 +55,7 @@ impl Registry {
         &mut self,
         agent: &NixlAgent,
         r: Range,
-        mailbox: &Mailbox,
+        mailbox: &Mailbox<Mail>,
         stats: &mut EngineStats,
         replaced: &mut Option<Range>,
     ) -> Result<(Arc<RegInner>, Range)> {
@@ -117,7 +117,7 @@ impl Registry {
 
 /// Which NIXL agent a registration belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Side {
+pub(crate) enum Side {
     /// The agent that exposes passive operations' memory.
     Exposer,
     /// The agent that posts this connector's transfers.
@@ -125,7 +125,7 @@ pub(super) enum Side {
 }
 
 /// What the NIXL transport's objects outside the engine thread post to it.
-pub(super) enum Mail {
+pub(crate) enum Mail {
     /// A registration token was dropped.
     Deregister {
         side: Side,
@@ -143,7 +143,7 @@ pub(super) enum Mail {
 /// One NIXL registration, kept alive by the [`RegToken`](crate::reg::RegToken)s that wrap it; its drop queues the
 /// deregistration on the engine thread.
 pub(super) struct RegInner {
-    pub(super) mailbox: Mailbox,
+    pub(super) mailbox: Mailbox<Mail>,
     pub(super) side: Side,
     pub(super) gen: u64,
     pub(super) range: Range,
@@ -156,21 +156,21 @@ impl reg::Registration for RegInner {
     }
 
     fn quarantine(&self, memory: Hold, bytes: usize) {
-        self.mailbox.post(Box::new(Mail::Quarantine {
+        self.mailbox.post(Mail::Quarantine {
             gen: self.gen,
             memory,
             bytes,
-        }));
+        });
     }
 }
 
 impl Drop for RegInner {
     fn drop(&mut self) {
-        self.mailbox.post(Box::new(Mail::Deregister {
+        self.mailbox.post(Mail::Deregister {
             side: self.side,
             gen: self.gen,
             range: self.range,
             id: self.id,
-        }));
+        });
     }
 }
