@@ -1,5 +1,9 @@
 """Typed exceptions: one class per error kind of the Rust core.
 
+The Rust core chooses the class of each of its error kinds (`class_of` in the extension; every
+`_core.CoreError` names it) and `ERROR_CLASSES` is the same table, kind -> class, checked against
+the core's by `test_core_chooses_the_class_of_every_kind`.
+
 Every class derives from `NixlConnectError` *and* from the builtin exception Dynamo's
 `dynamo.nixl_connect` raises in the same situation, so `except RuntimeError` / `except ValueError`
 written for Dynamo keeps working while new code can catch the precise class or look at `.kind`.
