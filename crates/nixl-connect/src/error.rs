@@ -76,7 +76,7 @@ pub enum Error {
 
     /// Local and remote descriptors do not line up.
     #[error("descriptor mismatch: {0}")]
-    DescriptorMismatch(String),
+    DescriptorMismatch(Mismatch),
 
     // ---- the peer ----
     /// `RdmaMetadata` that does not parse, breaks a field rule, or that NIXL rejects.
@@ -356,6 +356,33 @@ impl Refusal {
     pub fn is_replay(self) -> bool {
         matches!(self, Refusal::NotLive | Refusal::AlreadyCompleted)
     }
+}
+
+/// How an active operation's descriptors fail to line up with the peer's ([`Error::DescriptorMismatch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Mismatch {
+    /// Not one local descriptor per remote one.
+    #[error(
+        "{local} local descriptors for {remote} remote descriptors; pass one local descriptor per \
+         remote one"
+    )]
+    Count {
+        /// Local descriptors.
+        local: usize,
+        /// Remote descriptors.
+        remote: usize,
+    },
+    /// A local descriptor's size differs from its remote one's.
+    #[error("descriptor {index}: local size {local} != remote size {remote}")]
+    Size {
+        /// The descriptor's position.
+        index: usize,
+        /// The local size in bytes.
+        local: u64,
+        /// The remote size in bytes.
+        remote: u64,
+    },
 }
 
 /// What is wrong with a field of a peer's metadata ([`Error::Metadata`]); the decoder's own

@@ -115,7 +115,8 @@ pub use engine::nixl::encoding::MAX_NIXL_METADATA;
 pub use engine::nixl::MAX_RETIRED_EXPOSERS;
 pub use engine::EngineStats;
 pub use error::{
-    ChannelError, Error, ErrorKind, ErrorSource, MetadataProblem, PathRefusal, Refusal, Report, Result,
+    ChannelError, Error, ErrorKind, ErrorSource, MetadataProblem, Mismatch, PathRefusal, Refusal, Report,
+    Result,
 };
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor};
 pub use operation::{

@@ -8,7 +8,7 @@ use crate::descriptor::{check_local, Descriptor};
 use crate::engine::transport::ActiveSpec;
 use crate::engine::transport::OpId;
 use crate::engine::{Cmd, Engine, Range};
-use crate::error::{Error, Result};
+use crate::error::{Error, Mismatch, Result};
 use crate::metadata::{OperationKind, RdmaMetadata};
 
 pub(crate) struct Active<'a> {
@@ -49,19 +49,18 @@ pub(crate) fn check_pairing(
     }
     check_local(local, kind == OperationKind::Read)?;
     if local.len() != remote.descriptors.len() {
-        return Err(Error::DescriptorMismatch(format!(
-            "{} local descriptors for {} remote descriptors; pass one local descriptor per remote one",
-            local.len(),
-            remote.descriptors.len()
-        )));
+        return Err(Error::DescriptorMismatch(Mismatch::Count {
+            local: local.len(),
+            remote: remote.descriptors.len(),
+        }));
     }
     for (i, (l, r)) in local.iter().zip(&remote.descriptors).enumerate() {
         if l.size() as u64 != r.size {
-            return Err(Error::DescriptorMismatch(format!(
-                "descriptor {i}: local size {} != remote size {}",
-                l.size(),
-                r.size
-            )));
+            return Err(Error::DescriptorMismatch(Mismatch::Size {
+                index: i,
+                local: l.size() as u64,
+                remote: r.size,
+            }));
         }
     }
     Ok(())
