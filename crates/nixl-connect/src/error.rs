@@ -430,7 +430,13 @@ pub enum MetadataProblem {
     /// The bytes decompress to nothing.
     #[error("decompresses to nothing")]
     DecompressesToNothing,
-    /// The bytes are not the serialised agent metadata of the transport that must read them.
+    /// Not a loopback connector's metadata (`loopback:<agent name>`, feature `testing`).
+    #[error(
+        "not a loopback connector's metadata (`loopback:<agent name>`); a loopback connector \
+         pairs only with loopback connectors"
+    )]
+    NotLoopback,
+    /// The bytes are not NIXL's serialised agent metadata.
     #[error(
         "not NIXL agent metadata ({what} at byte {at}); pass the nixl_metadata a NIXL Connect \
          operation published"

@@ -34,15 +34,7 @@ const MAX_NAME: usize = 1024;
 /// [`Error::Metadata`] for anything else (NIXL metadata included: a loopback connector pairs
 /// only with loopback connectors).
 pub(crate) fn decode_peer(s: &str) -> Result<PeerInfo> {
-    let bad = || {
-        Error::metadata(
-            "nixl_metadata",
-            MetadataProblem::NotAgentMetadata {
-                what: "not `loopback:` and an agent name",
-                at: 0,
-            },
-        )
-    };
+    let bad = || Error::metadata("nixl_metadata", MetadataProblem::NotLoopback);
     let name = s.strip_prefix(PREFIX).ok_or_else(bad)?;
     if name.is_empty() || name.len() > MAX_NAME {
         return Err(bad());

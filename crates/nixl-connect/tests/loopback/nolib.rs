@@ -94,7 +94,7 @@ async fn loopback_refuses_metadata_it_cannot_read_before_any_transfer() {
                 e,
                 Error::Metadata {
                     field: "nixl_metadata",
-                    problem: MetadataProblem::NotAgentMetadata { .. },
+                    problem: MetadataProblem::NotLoopback,
                     ..
                 }
             ),
