@@ -791,14 +791,7 @@ fn decode_agent_metadata<'py>(
 /// by the core. Raises `CoreError("Metadata", ...)`.
 #[pyfunction]
 fn agent_metadata_hex(nixl_metadata: &str) -> PyResult<String> {
-    RdmaMetadata {
-        descriptors: Vec::new(),
-        nixl_metadata: nixl_metadata.to_string(),
-        notification_key: String::new(),
-        operation_kind: 0,
-    }
-    .nixl_metadata_as_hex()
-    .map_err(err)
+    RdmaMetadata::agent_metadata_as_hex(nixl_metadata).map_err(err)
 }
 
 /// The NIXL agent name inside a `nixl_metadata` string, or `""` when it is not NIXL metadata.

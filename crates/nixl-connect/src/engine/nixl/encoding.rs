@@ -5,7 +5,7 @@
 //!
 //! The NIXL transport is the only part of the crate that knows this format. Users and the Python
 //! package reach it through the methods of [`RdmaMetadata`] defined here
-//! (`encode_agent_metadata`, `decode_agent_metadata`, `agent_name_in`, `nixl_metadata_as_hex`,
+//! (`encode_agent_metadata`, `decode_agent_metadata`, `agent_name_in`, `nixl_metadata_as_hex`, `agent_metadata_as_hex`,
 //! `decode_nixl_metadata`), and the engine through the publisher's [`decode_peer`]; the metadata
 //! model (`crate::metadata`) imports nothing of it.
 
@@ -81,9 +81,11 @@ pub(crate) fn to_hex(s: &str) -> Result<String> {
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(b)
         .map_err(|e| Error::metadata_from(FIELD, MetadataProblem::Base64, e))?;
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(bytes.len() * 2);
     for b in bytes {
-        out.push_str(&format!("{b:02x}"));
+        out.push(DIGITS[usize::from(b >> 4)].into());
+        out.push(DIGITS[usize::from(b & 0xf)].into());
     }
     Ok(out)
 }
@@ -151,7 +153,16 @@ impl RdmaMetadata {
     /// # Errors
     /// [`Error::Metadata`] when a `b64:` string has bad base64.
     pub fn nixl_metadata_as_hex(&self) -> Result<String> {
-        to_hex(&self.nixl_metadata)
+        Self::agent_metadata_as_hex(&self.nixl_metadata)
+    }
+
+    /// A `nixl_metadata` string in the older hex form, as
+    /// [`nixl_metadata_as_hex`](Self::nixl_metadata_as_hex) gives it, for a string held alone.
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] when a `b64:` string has bad base64.
+    pub fn agent_metadata_as_hex(nixl_metadata: &str) -> Result<String> {
+        to_hex(nixl_metadata)
     }
 
     /// Decodes `nixl_metadata` into the raw NIXL agent metadata.
