@@ -13,8 +13,9 @@
 //! # How coroutines complete
 //!
 //! The Rust futures are polled on their asyncio loop's own thread, with the GIL held (a poll never
-//! blocks): once when the coroutine is called (a future that is ready at once, like waiting for a
-//! finished transfer, costs no trip through the loop), then whenever it is woken. A waker, called
+//! blocks): twice when the coroutine is called, before and after its asyncio future is made (a
+//! future that is ready by then, like waiting for a finished transfer or an exposure a hot engine
+//! answered meanwhile, costs no trip through the loop), then whenever it is woken. A waker, called
 //! by the engine thread or a timer without the GIL, queues the task on its loop's `Completions`
 //! and writes one byte to a socket the loop watches (`loop.add_reader`). So no thread of ours ever
 //! takes the GIL (a thread that does while Python finalizes crashes the process), and a completion
@@ -745,25 +746,40 @@ fn completions<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult
     Ok(c)
 }
 
-/// Returns an asyncio future of the running loop that `work` resolves. `work` is polled once
-/// here (a future that is ready at once, like waiting for a finished transfer, resolves without
-/// a trip through the loop), then on the loop's thread whenever it is woken.
+/// Returns an asyncio future of the running loop that `work` resolves.
+///
+/// `work` is polled once before anything else (which starts it: an operation's command reaches
+/// its engine), then again once the loop's future is made. A future that is ready at once, like
+/// waiting for a finished transfer, resolves without a trip through the loop; so does one that
+/// became ready meanwhile, like an exposure a hot engine answered while the future was being made
+/// (a trip through the loop costs a wake-up of its thread and two turns of the loop). After that
+/// it is polled on the loop's thread whenever it is woken.
 fn spawn<'py, F>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,
 {
     static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let rt = runtime()?;
+    let mut work: Work = Box::pin(work);
+    // The first poll only starts the work: the second, below, registers the waker that counts.
+    let first = {
+        let _timers = rt.enter();
+        work.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+    };
     let event_loop = GET_RUNNING_LOOP
         .get_or_try_init(py, || {
             Ok::<_, PyErr>(py.import("asyncio")?.getattr("get_running_loop")?.unbind())
         })?
         .bind(py)
         .call0()?;
-    let rt = runtime()?;
-    let queue = completions(py, &event_loop)?.get().queue.clone();
     let future = event_loop.call_method0("create_future")?;
+    if let Poll::Ready(result) = first {
+        resolve(&future, result.unwrap_or_else(Outcome::Failed));
+        return Ok(future);
+    }
+    let queue = completions(py, &event_loop)?.get().queue.clone();
     let task = Arc::new(Task {
-        work: Mutex::new(Some(Box::pin(work))),
+        work: Mutex::new(Some(work)),
         target: Mutex::new(Some(future.clone().unbind())),
         queued: AtomicBool::new(false),
         queue,
