@@ -67,6 +67,12 @@ if [ "$want_interop" = 1 ] && [ ! -x .venv/bin/python ]; then
   .venv/bin/pip install -q --no-deps "nixl==${NIXL_VERSION}" "${NIXL_WHEEL}==${NIXL_VERSION}" "ai-dynamo-runtime==${DYNAMO_VERSION}"
   .venv/bin/pip install -q numpy "pydantic>=2.10.6,<=2.13.5"
 fi
+if [ "$want_interop" = 1 ] && ! .venv/bin/python -c "import uvloop" >/dev/null 2>&1; then
+  # ai-dynamo-runtime requires uvloop (installed above without its dependencies) and Dynamo runs its
+  # workers on it: the Python module's tests and benchmarks run on it as well as on asyncio.
+  say "installing uvloop into .venv"
+  .venv/bin/pip install -q "uvloop>=0.21,<1"
+fi
 if [ "$want_interop" = 1 ] && ! .venv/bin/python -c "import torch, dynamo.common.multimodal" >/dev/null 2>&1; then
   # Dynamo's callers (dynamo.common.multimodal, trtllm, vllm omni) and the tests the ai-dynamo wheel
   # ships for them run against real torch. ai-dynamo is installed without its dependencies

@@ -305,3 +305,37 @@ async def test_keyword_arguments(nc):
             await waited(op.wait_for_completion())
         await waited(writable.wait_for_completion())
     assert back == src
+
+
+def test_round_trips_on_uvloop(nc):
+    """Dynamo runs its workers on uvloop: reads, writes, a wait that times out and a cancelled
+    wait, each on a uvloop loop (the module's completions arrive through the loop's readers)."""
+    import uvloop
+
+    async def main():
+        a, b = nc.Connector(), nc.Connector()
+        for i in range(20):
+            src, dst = pattern(4096 + i, seed=i), bytearray(4096 + i)
+            with await a.create_readable(nc.Descriptor(src)) as readable:
+                with await b.begin_read(readable.metadata(), nc.Descriptor(dst)) as read_op:
+                    await waited(asyncio.gather(read_op.wait_for_completion(),
+                                                readable.wait_for_completion()))
+            assert bytes(dst) == bytes(src)
+            src, dst = pattern(8192, seed=100 + i), bytearray(8192)
+            with await a.create_writable(nc.Descriptor(dst)) as writable:
+                with await b.begin_write(nc.Descriptor(src), writable.metadata()) as write_op:
+                    await waited(asyncio.gather(write_op.wait_for_completion(),
+                                                writable.wait_for_completion()))
+            assert bytes(dst) == bytes(src)
+        # Nobody reads this one: a bounded wait times out, a cancelled one ends quietly.
+        with await a.create_readable(nc.Descriptor(pattern(4096, seed=7))) as lonely:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(lonely.wait_for_completion(), 0.05)
+            task = asyncio.ensure_future(lonely.wait_for_completion())
+            await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        return type(asyncio.get_running_loop()).__module__
+
+    assert uvloop.run(main()).startswith("uvloop")

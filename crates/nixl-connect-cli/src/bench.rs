@@ -3,8 +3,9 @@
 //! This process is the active side (it reads or writes); the peer it spawns (`bench-peer`) is the
 //! passive side. Per iteration the peer creates `--concurrency` readables (or writables) of
 //! `--descriptors` descriptors each, prints their metadata, and times until they complete (the
-//! passive side's wait); this side times from receiving the metadata to the end of its reads or
-//! writes, as the anchors in ../shared/anchors do. With `--limit` (the default for host memory) the
+//! passive side's wait, from publishing; the `from begin` column times the same completion from
+//! this side's start, the span of raw NIXL's `notif_A`); this side times from receiving the
+//! metadata to the end of its reads or writes, as the anchors in ../shared/anchors do. With `--limit` (the default for host memory) the
 //! same run also measures the copy limit: one thread's `process_vm_readv` of the peer's buffer.
 
 use std::io::IsTerminal;
@@ -104,6 +105,17 @@ struct Block {
 struct PeerIter {
     wait_us: f64,
     ok: bool,
+    /// When the passive side saw its operation complete ([`monotonic_ns`]).
+    done_ns: u64,
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine, so the passive
+/// side's completion can be timed from the active side's start, the span raw NIXL's anchor
+/// (`nixl_raw_pair.py`, `notif_A`) measures.
+fn monotonic_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64)
+        .unwrap_or(0)
 }
 
 fn default_iters(size: usize) -> usize {
@@ -377,6 +389,8 @@ struct Row {
     iters: usize,
     lat: Stats,
     passive: Stats,
+    /// The passive side's completion timed from the active side's start (raw NIXL's `notif_A`).
+    passive_from_begin: Stats,
     /// The copy limit: one thread's process_vm_readv of the operation's ranges (one per
     /// descriptor).
     limit_gbps: Option<f64>,
@@ -420,6 +434,7 @@ impl Row {
             "latency_max_us": self.lat.max,
             "passive_p50_us": self.passive.p50,
             "passive_p99_us": self.passive.p99,
+            "passive_from_begin_p50_us": self.passive_from_begin.p50,
             "GBps": self.gbps(),
             "ops_per_s": self.ops_per_s(),
             "ok": self.ok,
@@ -460,7 +475,7 @@ fn table_header(a: &Args) {
         if a.concurrency > 1 { "round of concurrent operations" } else { "operation" },
     );
     println!(
-        "{:>9} {:>6} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>10} {:>9} {:>7} {:>6} {:>3}",
+        "{:>9} {:>6} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>8} {:>10} {:>9} {:>10} {:>7} {:>6} {:>3}",
         "size",
         "descs",
         "conc",
@@ -472,6 +487,7 @@ fn table_header(a: &Args) {
         "GB/s",
         "ops/s",
         "passive",
+        "from begin",
         "limit",
         "path",
         "ok"
@@ -480,7 +496,7 @@ fn table_header(a: &Args) {
 
 fn table_row(r: &Row) {
     println!(
-        "{:>9} {:>6} {:>5} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>10.0} {:>9.1} {:>7} {:>6} {:>3}",
+        "{:>9} {:>6} {:>5} {:>6} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>8.2} {:>10.0} {:>9.1} {:>10.1} {:>7} {:>6} {:>3}",
         size_label(r.block.size),
         r.block.descriptors,
         r.block.concurrency,
@@ -492,6 +508,7 @@ fn table_row(r: &Row) {
         r.gbps(),
         r.ops_per_s(),
         r.passive.p50,
+        r.passive_from_begin.p50,
         r.limit_gbps.map_or("-".into(), |l| format!("{l:.2}")),
         r.path,
         if r.ok { "yes" } else { "NO" },
@@ -566,7 +583,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             )
         };
         let mut mem = new_mem()?;
-        let (mut times, mut waits) = (Vec::new(), Vec::new());
+        let (mut times, mut waits, mut from_begin) = (Vec::new(), Vec::new(), Vec::new());
         let mut ok = true;
         let mut path = String::from("-");
         let mut last_md: Option<RdmaMetadata> = None;
@@ -579,7 +596,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             for _ in 0..conc {
                 lines.push(next_line(&mut from_peer).await?);
             }
-            let t0 = Instant::now();
+            let (t0, begin_ns) = (Instant::now(), monotonic_ns());
             let mut mds = Vec::with_capacity(conc);
             for l in &lines {
                 mds.push(l.parse::<RdmaMetadata>()?);
@@ -599,6 +616,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
                 ok &= peer.ok;
                 if i >= a.warmup as usize {
                     waits.push(peer.wait_us);
+                    from_begin.push(peer.done_ns.saturating_sub(begin_ns) as f64 / 1e3);
                 }
             }
             if i >= a.warmup as usize {
@@ -623,6 +641,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             iters: times.len(),
             lat: stats(&mut times),
             passive: stats(&mut waits),
+            passive_from_begin: stats(&mut from_begin),
             limit_gbps,
             one_range_gbps,
             ok,
@@ -859,11 +878,11 @@ pub(crate) async fn peer() -> Result<()> {
                 drop(mem);
                 mem = new_mem()?;
             }
-            let waits = passive_round(&conn, &mut mem, b.descriptors, b.concurrency, write).await?;
+            let done = passive_round(&conn, &mut mem, b.descriptors, b.concurrency, write).await?;
             let check = write && (i == 0 || (b.fresh && i + 1 == b.n));
             let ok = !check || (0..count).all(|k| mem.holds(k, b.size as u64));
-            for wait_us in waits {
-                println!("{}", serde_json::to_string(&PeerIter { wait_us, ok })?);
+            for (wait_us, done_ns) in done {
+                println!("{}", serde_json::to_string(&PeerIter { wait_us, ok, done_ns })?);
             }
         }
         _prev = Some(mem);
@@ -872,14 +891,14 @@ pub(crate) async fn peer() -> Result<()> {
 }
 
 /// One round of passive operations, published on stdout; returns each one's wait (publish to
-/// completion) in microseconds.
+/// completion) in microseconds, and when it completed ([`monotonic_ns`]).
 async fn passive_round(
     conn: &Connector,
     mem: &mut Mem,
     per: usize,
     conc: usize,
     write: bool,
-) -> Result<Vec<f64>> {
+) -> Result<Vec<(f64, u64)>> {
     use std::io::Write;
     let t = Some(Duration::from_secs(60));
     let mut all = mem.descriptors(0, per * conc, write)?;
@@ -911,12 +930,12 @@ async fn passive_round(
     let mut backs = Vec::with_capacity(conc);
     for op in readables {
         op.wait_for_completion(t).await?;
-        waits.push(t0.elapsed().as_secs_f64() * 1e6);
+        waits.push((t0.elapsed().as_secs_f64() * 1e6, monotonic_ns()));
         backs.push(op.into_descriptors());
     }
     for op in writables {
         op.wait_for_completion(t).await?;
-        waits.push(t0.elapsed().as_secs_f64() * 1e6);
+        waits.push((t0.elapsed().as_secs_f64() * 1e6, monotonic_ns()));
         backs.push(op.into_descriptors());
     }
     let owned: Vec<Vec<Descriptor<'static>>> = backs

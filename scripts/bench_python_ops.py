@@ -1,0 +1,123 @@
+"""The Python module's cost per operation: 4 KiB, both sides in one process, on asyncio and on
+uvloop (Dynamo runs its workers on uvloop), for two caller patterns, beside Dynamo's own module.
+
+Patterns (each iteration is one whole operation, both sides complete; medians of the iterations
+after the first 10, which connect):
+
+- `plain`: `create_readable(Descriptor(bytearray))`, `begin_read(readable.metadata(),
+  Descriptor(bytearray))`, both `wait_for_completion()` gathered, both released.
+- `dynamo`: Dynamo 1.6.1's multimodal caller (`dynamo.common.multimodal.mm_kwargs_transfer`):
+  the sender wraps the payload in a fresh tensor (`torch.frombuffer(bytearray(...))`) and a fresh
+  `Descriptor`, creates the readable and ships `metadata().model_dump()`; the receiver validates
+  it back (`RdmaMetadata.model_validate`), reads into a fresh `Descriptor` over its tensor inside a
+  gathered task, and the sender's cleanup awaits the readable under `asyncio.wait_for(gather(...,
+  return_exceptions=True))` before releasing it.
+
+    python scripts/bench_python_ops.py [RUNS] [ITERS]   -> JSON lines, then a table on stderr
+
+`dynamo.nixl_connect` (Dynamo's module, milliseconds an operation here) runs ITERS // 10
+iterations.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+PY = sys.executable
+MODULES = ("nixl_connect", "dynamo.nixl_connect")
+LOOPS = ("asyncio", "uvloop")
+PATTERNS = ("plain", "dynamo")
+
+ONE = r"""
+import asyncio, importlib, json, statistics, sys, time
+module, loop_kind, pattern, iters = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+nc = importlib.import_module(module)
+if pattern == "dynamo":
+    import torch
+
+async def plain(a, b, src, dst):
+    r = await a.create_readable(nc.Descriptor(src))
+    op = await b.begin_read(r.metadata(), nc.Descriptor(dst))
+    await asyncio.gather(op.wait_for_completion(), r.wait_for_completion())
+    r.__exit__(None, None, None)
+    op.__exit__(None, None, None)
+
+async def dynamo(a, b, payload, dst):
+    # sender (mm_kwargs_transfer's register): a fresh tensor and Descriptor per payload
+    tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    readable = await a.create_readable(nc.Descriptor(tensor))
+    request = readable.metadata().model_dump()
+    # receiver: metadata validated back, the read in a gathered task
+    rm = nc.RdmaMetadata.model_validate(request)
+    async def do_read(rm=rm, d=nc.Descriptor(dst)):
+        read_op = await b.begin_read(rm, d)
+        await read_op.wait_for_completion()
+        read_op.__exit__(None, None, None)
+    await asyncio.gather(do_read())
+    # sender's cleanup: bounded wait, then release
+    await asyncio.wait_for(asyncio.gather(readable.wait_for_completion(), return_exceptions=True),
+                           timeout=30)
+    readable.__exit__(None, None, None)
+
+async def main():
+    a, b = nc.Connector(), nc.Connector()
+    if pattern == "plain":
+        src, dst, one = bytearray(b"x" * 4096), bytearray(4096), plain
+    else:
+        src, dst, one = b"x" * 4096, torch.zeros(4096, dtype=torch.uint8), dynamo
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        await one(a, b, src, dst)
+        times.append((time.perf_counter() - t0) * 1e6)
+    print(json.dumps({"median_us": round(statistics.median(times[10:]), 1)}))
+
+if loop_kind == "uvloop":
+    import uvloop
+    uvloop.run(main())
+else:
+    asyncio.run(main())
+"""
+
+
+def env_for(module):
+    env = dict(os.environ, NIXL_LOG_LEVEL="FATAL", UCX_LOG_LEVEL="fatal")
+    env.pop("NIXL_CONNECT_AS_DYNAMO", None)
+    return env
+
+
+def one(module, loop_kind, pattern, iters):
+    r = subprocess.run([PY, "-c", ONE, module, loop_kind, pattern, str(iters)], capture_output=True,
+                       text=True, env=env_for(module), timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"{module} {loop_kind} {pattern} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])["median_us"]
+
+
+def main():
+    runs = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    iters = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
+    rows = {}
+    for run in range(1, runs + 1):
+        for pattern in PATTERNS:
+            for loop_kind in LOOPS:
+                for module in MODULES:
+                    n = iters if module == "nixl_connect" else max(20, iters // 10)
+                    us = one(module, loop_kind, pattern, n)
+                    rows.setdefault((pattern, loop_kind, module), []).append(us)
+                    print(json.dumps({"run": run, "bench": "python_4KiB_in_process", "module": module,
+                                      "loop": loop_kind, "pattern": pattern, "iters": n,
+                                      "median_us": us}), flush=True)
+    print(f"\n4 KiB, both sides in one process: medians of {runs} runs (run medians in brackets), us",
+          file=sys.stderr)
+    for pattern in PATTERNS:
+        for loop_kind in LOOPS:
+            ours = rows[(pattern, loop_kind, "nixl_connect")]
+            dyn = rows[(pattern, loop_kind, "dynamo.nixl_connect")]
+            print(f"  {pattern:7s} {loop_kind:8s} nixl_connect {statistics.median(ours):8.1f} {sorted(ours)}"
+                  f"   dynamo.nixl_connect {statistics.median(dyn):8.1f}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
