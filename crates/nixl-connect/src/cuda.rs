@@ -97,7 +97,11 @@ impl LoadWatch {
         found
     }
 
-    unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, size: libc::size_t, data: *mut libc::c_void) -> libc::c_int {
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        size: libc::size_t,
+        data: *mut libc::c_void,
+    ) -> libc::c_int {
         use std::sync::atomic::Ordering;
         // SAFETY: `data` is the `Walk` that `loaded` passes, alive and not otherwise borrowed
         // during the walk.
@@ -235,7 +239,10 @@ mod tests {
         // SAFETY: loading zlib runs only its own initialisers; it is never closed.
         let lib = unsafe { libc::dlopen(c"libz.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
         assert!(!lib.is_null(), "zlib is installed");
-        assert!(watch.loaded(), "the loader's count moved: walked again, and found");
+        assert!(
+            watch.loaded(),
+            "the loader's count moved: walked again, and found"
+        );
         assert!(watch.loaded(), "once seen, kept");
     }
 }
