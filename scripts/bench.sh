@@ -21,6 +21,7 @@ while [ $# -gt 0 ]; do
 done
 bash scripts/setup.sh --interop
 cargo build --release -q -p nixl-connect-cli
+cargo build --release -q -p nixl-connect --example in_process_pair
 ANCHOR_DIR=${ANCHOR_DIR:-../shared/anchors}
 OUT=bench-results; mkdir -p "$OUT"; stamp=$(date -u +%Y%m%dT%H%M%SZ)
 res="$OUT/$stamp.jsonl"; : > "$res"

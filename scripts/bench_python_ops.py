@@ -16,7 +16,9 @@ after the first 10, which connect):
     python scripts/bench_python_ops.py [RUNS] [ITERS]   -> JSON lines, then a table on stderr
 
 `dynamo.nixl_connect` (Dynamo's module, milliseconds an operation here) runs ITERS // 10
-iterations.
+iterations. The Rust anchor, the `plain` pattern without Python
+(`crates/nixl-connect/examples/in_process_pair.rs`, built by scripts/bench.sh), runs in each run
+beside them when its binary is there.
 """
 import json
 import os
@@ -25,6 +27,8 @@ import subprocess
 import sys
 
 PY = sys.executable
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUST = os.path.join(ROOT, "target", "release", "examples", "in_process_pair")
 MODULES = ("nixl_connect", "dynamo.nixl_connect")
 LOOPS = ("asyncio", "uvloop")
 PATTERNS = ("plain", "dynamo")
@@ -95,11 +99,25 @@ def one(module, loop_kind, pattern, iters):
     return json.loads(r.stdout.strip().splitlines()[-1])["median_us"]
 
 
+def rust(iters):
+    env = dict(os.environ)
+    env.setdefault("NIXL_CONNECT_LIB", os.path.join(ROOT, ".nixl", "lib"))
+    r = subprocess.run([RUST, str(iters)], capture_output=True, text=True, env=env, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"the Rust anchor failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])["median_us"]
+
+
 def main():
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     iters = int(sys.argv[2]) if len(sys.argv) > 2 else 2000
     rows = {}
     for run in range(1, runs + 1):
+        if os.path.exists(RUST):
+            us = rust(iters)
+            rows.setdefault(("rust",), []).append(us)
+            print(json.dumps({"run": run, "bench": "rust_4KiB_in_process", "iters": iters,
+                              "median_us": us}), flush=True)
         for pattern in PATTERNS:
             for loop_kind in LOOPS:
                 for module in MODULES:
@@ -111,6 +129,9 @@ def main():
                                       "median_us": us}), flush=True)
     print(f"\n4 KiB, both sides in one process: medians of {runs} runs (run medians in brackets), us",
           file=sys.stderr)
+    if ("rust",) in rows:
+        print(f"  plain   Rust     in_process_pair {statistics.median(rows[('rust',)]):8.1f} "
+              f"{sorted(rows[('rust',)])}", file=sys.stderr)
     for pattern in PATTERNS:
         for loop_kind in LOOPS:
             ours = rows[(pattern, loop_kind, "nixl_connect")]
