@@ -759,19 +759,22 @@ where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,
 {
     static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    let rt = runtime()?;
-    let mut work: Work = Box::pin(work);
-    // The first poll only starts the work: the second, below, registers the waker that counts.
-    let first = {
-        let _timers = rt.enter();
-        work.as_mut().poll(&mut Context::from_waker(Waker::noop()))
-    };
+    // No running loop (a call outside a coroutine) raises here, before anything has started.
     let event_loop = GET_RUNNING_LOOP
         .get_or_try_init(py, || {
             Ok::<_, PyErr>(py.import("asyncio")?.getattr("get_running_loop")?.unbind())
         })?
         .bind(py)
         .call0()?;
+    let rt = runtime()?;
+    let mut work: Work = Box::pin(work);
+    // The first poll only starts the work: the second, below, registers the waker that counts.
+    // Should making the future fail in between, dropping `work` ends what it started (every
+    // operation is cancel safe).
+    let first = {
+        let _timers = rt.enter();
+        work.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+    };
     let future = event_loop.call_method0("create_future")?;
     if let Poll::Ready(result) = first {
         resolve(&future, result.unwrap_or_else(Outcome::Failed));
