@@ -110,6 +110,16 @@ def test_timeout_and_cancelled_classes(nc):
     assert not issubclass(nc.CancelledError, asyncio.CancelledError)
 
 
+def test_core_coroutine_outside_a_running_loop_starts_nothing(nc):
+    """A core coroutine called with no running loop raises before its operation starts: no
+    exposure reaches the engine (nothing is registered), so nothing is left to undo."""
+    core = nc._core.Connector("outside-a-loop")
+    desc = nc.Descriptor(bytearray(4096))
+    with pytest.raises(RuntimeError, match="no running event loop"):
+        core.create_readable([desc._core_desc()])
+    assert core.stats()["registrations"] == 0
+
+
 def test_core_errors_are_translated(nc):
     """A _core.CoreError(kind, message) becomes the typed class of its kind."""
     from nixl_connect._errors import from_core  # noqa: PLC0415 - internal helper
