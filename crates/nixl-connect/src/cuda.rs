@@ -228,17 +228,23 @@ mod tests {
 
     #[test]
     fn cuda_load_watch_sees_a_library_loaded_after_it_answered_no() {
-        // zlib: on every Debian system, and not linked into this test binary.
-        let watch = LoadWatch::new(b"libz.so");
-        if mapped("libz.so") {
+        // glibc's libBrokenLocale: on every glibc system, and loaded by nothing else here (zlib
+        // was the first choice, but a test that loads NIXL concurrently brings it in).
+        let watch = LoadWatch::new(b"libBrokenLocale.so");
+        if mapped("libBrokenLocale.so") {
             assert!(watch.loaded());
             return;
         }
-        assert!(!watch.loaded(), "a whole walk finds no libz");
+        assert!(!watch.loaded(), "a whole walk finds no libBrokenLocale");
         assert!(!watch.loaded(), "the kept answer, nothing loaded since");
-        // SAFETY: loading zlib runs only its own initialisers; it is never closed.
-        let lib = unsafe { libc::dlopen(c"libz.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        assert!(!lib.is_null(), "zlib is installed");
+        // SAFETY: loading libBrokenLocale runs only its own initialisers; it is never closed.
+        let lib = unsafe {
+            libc::dlopen(
+                c"libBrokenLocale.so.1".as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_LOCAL,
+            )
+        };
+        assert!(!lib.is_null(), "glibc's libBrokenLocale is installed");
         assert!(
             watch.loaded(),
             "the loader's count moved: walked again, and found"
