@@ -201,10 +201,11 @@ fn etcd_killed_publisher_key_expires_with_its_lease() {
         publisher.signal(libc::SIGKILL);
         let _ = publisher.child.wait();
         let t0 = Instant::now();
-        // Still there until the lease runs out, then gone.
+        // Still there until the lease runs out, then gone. A probe etcd is slow to answer (it
+        // syncs its log as the lease ends; CI saw one take over 200 ms) is asked again.
         loop {
             match ch.fetch(&key, Duration::from_millis(200)).await {
-                Ok(_) => assert!(
+                Ok(_) | Err(Error::TimedOut { .. }) => assert!(
                     t0.elapsed() < LEASE_TTL + Duration::from_secs(5),
                     "the key outlived its lease"
                 ),
@@ -248,7 +249,8 @@ async fn etcd_frozen_or_gone_is_a_typed_error_within_the_deadline() {
             .await
         {
             Err(Error::NotPublished { .. }) if t0.elapsed() > Duration::from_secs(1) => break,
-            Err(Error::NotPublished { .. }) | Ok(_) => {}
+            // etcd, just resumed, may take more than a probe's 200 ms to answer: asked again.
+            Err(Error::NotPublished { .. } | Error::TimedOut { .. }) | Ok(_) => {}
             Err(e) => panic!("{e}"),
         }
         assert!(
