@@ -5,8 +5,9 @@
 //! `--descriptors` descriptors each, prints their metadata, and times until they complete (the
 //! passive side's wait, from publishing; the `from begin` column times the same completion from
 //! this side's start, the span of raw NIXL's `notif_A`); this side times from receiving the
-//! metadata to the end of its reads or writes, as the anchors in ../shared/anchors do. With `--limit` (the default for host memory) the
-//! same run also measures the copy limit: one thread's `process_vm_readv` of the peer's buffer.
+//! metadata to the end of its reads or writes, as the anchors in ../shared/anchors do. With
+//! `--limit` (the default for host memory) the same run also measures the copy limit: one
+//! thread's `process_vm_readv` of the peer's buffer.
 
 use std::io::IsTerminal;
 use std::process::Stdio;
