@@ -7,10 +7,11 @@ use std::sync::Arc;
 
 use super::auth;
 use super::cma::{self, Copy, Piece, SlotRef};
+use super::eager;
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::link::grant_ipc_len;
-use super::proto::{IpcSource, Msg, MAX_FRAME};
+use super::proto::{IpcSource, Msg, EAGER_MAX, MAX_FRAME};
 #[cfg(feature = "cuda")]
 use super::records::ExportDone;
 use super::records::{Act, AnyCopy, ConnId, CopyOwner, Phase};
@@ -18,6 +19,8 @@ use super::slots::SlotTable;
 use super::state::LocalTransport;
 use crate::device::Device;
 use crate::engine::transport::{Event, OpId};
+use crate::error::Error;
+use crate::reg::Range;
 
 impl LocalTransport {
     /// Sends the core's `Hello` with the slot table's descriptor attached.
@@ -143,8 +146,19 @@ impl LocalTransport {
             );
             return;
         }
+        // A small host operation carries its bytes in a frame (a write's in its request, a
+        // read's in the answer): each side copies only its own memory, and needs no pull.
+        let host = |r: &[Range]| r.iter().all(|r| r.device == Device::Host);
+        let total = a.spec.remote.iter().fold(0usize, |t, r| t.saturating_add(r.len));
+        let small = (1..=EAGER_MAX).contains(&total) && host(&a.spec.local) && host(&a.spec.remote);
+        let eager = small && !a.spec.write;
+        let data = if small && a.spec.write {
+            eager::read_act(a)
+        } else {
+            Vec::new()
+        };
         let c = self.conns.get_mut(&a.conn).expect("live");
-        if !a.spec.write && !a.device && !c.can_pull {
+        if !a.spec.write && !a.device && !eager && !c.can_pull {
             self.decline_act(
                 id,
                 "the kernel does not let this process read the peer's memory (ptrace rules)",
@@ -165,7 +179,7 @@ impl LocalTransport {
                 .iter()
                 .map(|r| (r.addr as u64, r.len as u64))
                 .collect(),
-            local: if a.spec.write {
+            local: if a.spec.write && data.is_empty() {
                 a.spec
                     .local
                     .iter()
@@ -175,6 +189,8 @@ impl LocalTransport {
                 Vec::new()
             },
             sources: std::mem::take(&mut a.sources),
+            eager,
+            data,
         };
         // A request the server could not accept, or whose answer could not come back in one frame
         // (too many ranges), takes NIXL rather than breaking the connection others use.
@@ -193,6 +209,28 @@ impl LocalTransport {
         if !c.link.request(&a.spec.key, &req) {
             self.decline_act(id, "the same-host connection cannot take the request", out);
         }
+    }
+
+    /// Client: an eager read's bytes came (proven, exactly as many as requested): copied into
+    /// the reader's memory here, and the read is over.
+    pub(super) fn on_data(&mut self, i: ConnId, slot: u32, gen: u64, data: &[u8], out: &mut Vec<Event>) {
+        let Some((id, a)) = self.take_act(i, slot, gen) else {
+            return;
+        };
+        self.free_slot(i, slot, gen);
+        if matches!(a.phase, Phase::Abandoned) {
+            return;
+        }
+        let result = if eager::write_act(&a, data) {
+            Ok(())
+        } else {
+            Err(Error::Transfer {
+                agent: a.spec.peer.name.to_string(),
+                reason: "the same-host answer does not fit the read's memory".into(),
+                source: None,
+            })
+        };
+        out.push(Event::ActiveEnded { id, result });
     }
 
     pub(super) fn on_grant(

@@ -56,6 +56,7 @@ impl LocalTransport {
                 self.decline_queued(i, &reason, out);
             }
             Heard::Grant { slot, gen, sources } => self.on_grant(i, slot, gen, sources, out),
+            Heard::Data { slot, gen, data } => self.on_data(i, slot, gen, &data, out),
             Heard::Refused {
                 slot,
                 gen,

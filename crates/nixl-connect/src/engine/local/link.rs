@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use super::auth::{self, KeyId, Keyed, Nonce, Tag};
 use super::proto::{
-    IpcSource, Msg, RefuseCode, MAC_LEN, MAX_FRAME, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
+    IpcSource, Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FRAME, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
 };
 use super::slots::SLOTS;
 use crate::device::Device;
@@ -79,6 +79,10 @@ struct Open {
     ranges: usize,
     /// Reads: the grant came (client) or went (server); the reader's `Done` ends it.
     granted: bool,
+    /// A small host read whose bytes may come back in the answer ([`Msg::Data`]).
+    eager: bool,
+    /// Bytes requested (the ranges' lengths added up, saturating).
+    total: u64,
 }
 
 /// What the peer said, checked: well-formed, expected in its state, proven where it must be.
@@ -121,6 +125,9 @@ pub(crate) enum Heard {
     },
     /// Client: the operation cannot take this path; use NIXL.
     Fallback { slot: u32, gen: u64, reason: String },
+    /// Client: an eager read's bytes, proven, exactly as many as requested (the read is over: no
+    /// `Done` is sent).
+    Data { slot: u32, gen: u64, data: Vec<u8> },
     /// Client: the server finished copying a write.
     WriteDone {
         slot: u32,
@@ -144,6 +151,11 @@ pub(crate) struct Request {
     pub(crate) remote: Vec<(u64, u64)>,
     pub(crate) local: Vec<(u64, u64)>,
     pub(crate) sources: Vec<IpcSource>,
+    /// A host read of at most [`EAGER_MAX`] bytes: it may be answered with [`Answer::Data`].
+    pub(crate) eager: bool,
+    /// An eager host write's bytes (exactly the remote ranges' total, at most [`EAGER_MAX`]);
+    /// empty for every other request.
+    pub(crate) data: Vec<u8>,
 }
 
 /// The server's answer to an open request.
@@ -153,6 +165,9 @@ pub(crate) enum Answer {
     Grant,
     /// A device read may copy now, through these exports (one per requested range).
     GrantIpc(Vec<IpcSource>),
+    /// An eager read's bytes (ends the request; anything but exactly the bytes requested, for an
+    /// eager read, is sent as a `Fallback` instead).
+    Data(Vec<u8>),
     /// Refused (ends the request).
     Refuse(RefuseCode, String),
     /// Take NIXL (ends the request).
@@ -502,10 +517,27 @@ impl Link {
                     remote,
                     local,
                     sources,
+                    eager,
+                    data,
                 },
             ) => {
                 if slot as usize >= SLOTS || self.open.contains_key(&(slot, gen)) {
                     return self.kill("a request for a slot that does not exist or is in use");
+                }
+                let total = remote.iter().try_fold(0u64, |t, r| t.checked_add(r.1));
+                let host = device == Device::Host;
+                if eager && (write || !host || !data.is_empty() || total.is_none_or(|t| t > EAGER_MAX as u64))
+                {
+                    return self.kill("an eager read that is not a small host read");
+                }
+                if !data.is_empty()
+                    && (!write
+                        || !host
+                        || !local.is_empty()
+                        || !sources.is_empty()
+                        || total != Some(data.len() as u64))
+                {
+                    return self.kill("a write's bytes that do not match its ranges");
                 }
                 let Some(name) = keys.get(&key_id).cloned() else {
                     // No live operation has this key: a replay. Nothing to prove it with.
@@ -535,9 +567,11 @@ impl Link {
                         key,
                         name: name.clone(),
                         write,
-                        device: device != Device::Host,
+                        device: !host,
                         ranges: remote.len(),
                         granted: false,
+                        eager,
+                        total: total.unwrap_or(u64::MAX),
                     },
                 );
                 heard.push(Heard::Req(Request {
@@ -550,6 +584,8 @@ impl Link {
                     remote,
                     local,
                     sources,
+                    eager,
+                    data,
                 }));
             }
             (false, State::Ready, Msg::Done { slot, gen, ok, .. }) => {
@@ -608,6 +644,7 @@ impl Link {
         let (slot, gen) = match &m {
             Msg::Grant { slot, gen }
             | Msg::GrantIpc { slot, gen, .. }
+            | Msg::Data { slot, gen, .. }
             | Msg::Refuse { slot, gen, .. }
             | Msg::Fallback { slot, gen, .. }
             | Msg::Done { slot, gen, .. } => (*slot, *gen),
@@ -634,6 +671,7 @@ impl Link {
         let fits = match &m {
             Msg::Grant { .. } => !o.write && !o.device,
             Msg::GrantIpc { sources, .. } => !o.write && o.device && sources.len() == o.ranges,
+            Msg::Data { data, .. } => !o.write && !o.device && o.eager && data.len() as u64 == o.total,
             Msg::Done { .. } => o.write,
             _ => true,
         };
@@ -656,6 +694,10 @@ impl Link {
                     gen,
                     sources: Some(sources),
                 });
+            }
+            Msg::Data { data, .. } => {
+                self.open.remove(&(slot, gen));
+                heard.push(Heard::Data { slot, gen, data });
             }
             Msg::Refuse { code, reason, .. } => {
                 self.open.remove(&(slot, gen));
@@ -692,6 +734,7 @@ impl Link {
             write,
             device,
             remote,
+            eager,
             ..
         } = req
         else {
@@ -711,6 +754,8 @@ impl Link {
                 device: *device != Device::Host,
                 ranges: remote.len(),
                 granted: false,
+                eager: *eager,
+                total: remote.iter().fold(0u64, |t, r| t.saturating_add(r.1)),
             },
         );
         true
@@ -736,7 +781,8 @@ impl Link {
     }
 
     /// Server: answers open request (`slot`, `gen`) under its operation's key. A grant keeps it
-    /// open until the reader's `Done`; every other answer ends it. Nothing happens for a request
+    /// open until the reader's `Done`; every other answer (an eager read's bytes included) ends
+    /// it. Nothing happens for a request
     /// that is not open (the connection died, or it was answered already).
     pub(crate) fn answer(&mut self, slot: u32, gen: u64, a: Answer) {
         if self.client || self.state != State::Ready {
@@ -755,6 +801,16 @@ impl Link {
                 o.granted = true;
                 Msg::GrantIpc { slot, gen, sources }
             }
+            Answer::Data(data)
+                if !o.write && !o.granted && !o.device && o.eager && data.len() as u64 == o.total =>
+            {
+                Msg::Data { slot, gen, data }
+            }
+            Answer::Data(_) => Msg::Fallback {
+                slot,
+                gen,
+                reason: "the passive side's eager answer did not fit the request".into(),
+            },
             Answer::Refuse(code, reason) => Msg::Refuse {
                 slot,
                 gen,

@@ -11,7 +11,9 @@
 //!
 //! The side whose memory is written copies, pulling with `process_vm_readv` ([`cma`]): the reader
 //! for a read, the passive side for a write. So each process writes only its own memory, and the
-//! owner of the source can revoke a grant at any instant without waiting (see [`slots`]). Device
+//! owner of the source can revoke a grant at any instant without waiting (see [`slots`]). A small
+//! host operation (up to [`proto::EAGER_MAX`]) carries its bytes in its frames instead, each side
+//! copying only its own memory on its engine thread: one round trip (`eager`). Device
 //! memory (feature `cuda`) goes the same way through CUDA IPC (`ipc`): the source's owner exports
 //! it, the destination's owner opens it and copies on its own stream. No socket, a peer on another
 //! host, another user, a kernel that forbids cross-memory attach, host memory into device memory,
@@ -25,6 +27,7 @@ mod conn;
 mod copies;
 mod device;
 mod dispatch;
+mod eager;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc;
 pub(crate) mod link;

@@ -13,8 +13,9 @@
 //! | `Welcome` | passive | proof that it holds that operation's key (or none) |
 //! | `Trusted` | active | the proof checks: requests follow |
 //! | `Reject` | passive | the same-host path is refused for this connection (different user...) |
-//! | `Req` | active | access to the operation named by a key id, with proof of its key: direction, ranges, (writes) the source, (device-memory writes) its CUDA IPC export |
+//! | `Req` | active | access to the operation named by a key id, with proof of its key: direction, ranges, (writes) the source, (device-memory writes) its CUDA IPC export; (small host reads) whether the bytes may come back in the answer; (small host writes) the bytes themselves |
 //! | `Grant` | passive | a read may copy now |
+//! | `Data` | passive | a small host read's bytes, copied by their owner (ends the read: no `Done`) |
 //! | `GrantIpc` | passive | a read of device memory may copy now, through these CUDA IPC exports |
 //! | `Refuse` | passive | the request breaks the operation's scope (ended, range, direction, busy) |
 //! | `Fallback` | passive | this operation cannot take the same-host path: use NIXL |
@@ -24,8 +25,9 @@ use super::auth::{KeyId, Nonce, Tag};
 use crate::device::Device;
 
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
-/// (5: every frame about an operation carries a MAC under that operation's key.)
-pub(crate) const VERSION: u32 = 5;
+/// (5: every frame about an operation carries a MAC under that operation's key; 6: small host
+/// operations carry their bytes in the request or the answer.)
+pub(crate) const VERSION: u32 = 6;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
 /// The longest reason string a frame carries, in bytes (longer ones are cut at a character
@@ -33,6 +35,11 @@ pub(crate) const MAX_FRAME: usize = 16 << 20;
 pub(crate) const MAX_REASON: usize = 4096;
 /// The length of the trailing MAC of an operation's frames.
 pub(crate) const MAC_LEN: usize = 32;
+/// The most bytes a small host operation carries in its frame ([`Msg::Req`]'s `data` for a write,
+/// [`Msg::Data`] for a read): each side copies only its own memory, on its engine thread, with no
+/// copy thread, no slot word and no `Done` (one round trip). Larger operations copy with
+/// `process_vm_readv`. A decoder refuses a longer field.
+pub(crate) const EAGER_MAX: usize = 8 << 10;
 /// Encoded size of one [`IpcSource`].
 pub(crate) const SOURCE_BYTES: usize = 16 + 64 + 5 * 8;
 
@@ -117,6 +124,12 @@ pub(crate) enum Msg {
         local: Vec<(u64, u64)>,
         /// For writes from device memory: the sources exported (one per remote range), else empty.
         sources: Vec<IpcSource>,
+        /// A host read of at most [`EAGER_MAX`] bytes into host memory: the server may answer
+        /// with [`Msg::Data`] instead of a grant.
+        eager: bool,
+        /// A host write of at most [`EAGER_MAX`] bytes: its bytes, the remote ranges' in order
+        /// (`local` is then empty; the server copies them into its memory and answers `Done`).
+        data: Vec<u8>,
     },
     Grant {
         slot: u32,
@@ -127,6 +140,12 @@ pub(crate) enum Msg {
         gen: u64,
         /// One per requested range, in the request's order.
         sources: Vec<IpcSource>,
+    },
+    /// The answer to an eager read: the requested ranges' bytes, in order.
+    Data {
+        slot: u32,
+        gen: u64,
+        data: Vec<u8>,
     },
     Refuse {
         slot: u32,
@@ -182,6 +201,10 @@ impl W<'_> {
             self.u64(a);
             self.u64(l);
         }
+    }
+    fn data(&mut self, d: &[u8]) {
+        self.u32(d.len() as u32);
+        self.0.extend_from_slice(d);
     }
     fn sources(&mut self, v: &[IpcSource]) {
         self.u32(v.len() as u32);
@@ -242,6 +265,14 @@ impl<'a> R<'a> {
             return None;
         }
         String::from_utf8(self.take(n)?.to_vec()).ok()
+    }
+    /// An eager operation's bytes: at most [`EAGER_MAX`].
+    fn data(&mut self) -> Option<Vec<u8>> {
+        let n = self.u32()? as usize;
+        if n > EAGER_MAX {
+            return None;
+        }
+        Some(self.take(n)?.to_vec())
     }
     fn ranges(&mut self) -> Option<Vec<(u64, u64)>> {
         let n = self.u32()? as usize;
@@ -312,6 +343,7 @@ impl Msg {
                 remote,
                 local,
                 sources,
+                data,
                 ..
             } => {
                 4 + 8
@@ -326,8 +358,12 @@ impl Msg {
                     + 16 * local.len()
                     + 4
                     + SOURCE_BYTES * sources.len()
+                    + 1
+                    + 4
+                    + data.len()
             }
             Msg::Grant { .. } => 12,
+            Msg::Data { data, .. } => 12 + 4 + data.len(),
             Msg::GrantIpc { sources, .. } => 12 + 4 + SOURCE_BYTES * sources.len(),
             Msg::Refuse { reason, .. } => 12 + 1 + str_len(reason),
             Msg::Fallback { reason, .. } => 12 + str_len(reason),
@@ -396,6 +432,8 @@ impl Msg {
                 remote,
                 local,
                 sources,
+                eager,
+                data,
             } => {
                 w.u8(4);
                 w.u32(*slot);
@@ -409,6 +447,8 @@ impl Msg {
                 w.ranges(remote);
                 w.ranges(local);
                 w.sources(sources);
+                w.u8(u8::from(*eager));
+                w.data(data);
             }
             Msg::Grant { slot, gen } => {
                 w.u8(5);
@@ -420,6 +460,12 @@ impl Msg {
                 w.u32(*slot);
                 w.u64(*gen);
                 w.sources(sources);
+            }
+            Msg::Data { slot, gen, data } => {
+                w.u8(11);
+                w.u32(*slot);
+                w.u64(*gen);
+                w.data(data);
             }
             Msg::Refuse {
                 slot,
@@ -513,6 +559,8 @@ impl Msg {
                 let remote = r.ranges()?;
                 let local = r.ranges()?;
                 let sources = r.sources()?;
+                let eager = r.bool()?;
+                let data = r.data()?;
                 Msg::Req {
                     slot,
                     gen,
@@ -523,6 +571,8 @@ impl Msg {
                     remote,
                     local,
                     sources,
+                    eager,
+                    data,
                 }
             }
             5 => Msg::Grant {
@@ -550,6 +600,11 @@ impl Msg {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 sources: r.sources()?,
+            },
+            11 => Msg::Data {
+                slot: r.u32()?,
+                gen: r.u64()?,
+                data: r.data()?,
             },
             _ => return None,
         })
@@ -593,8 +648,28 @@ mod tests {
                 remote: vec![(1, 2), (3, 4)],
                 local: vec![(5, 6), (7, 8)],
                 sources: vec![source(1), source(2)],
+                eager: false,
+                data: Vec::new(),
+            },
+            Msg::Req {
+                slot: 12,
+                gen: 13,
+                write: true,
+                ident: 14,
+                key_id: [7; 16],
+                device: Device::Host,
+                remote: vec![(1, 3), (9, 2)],
+                local: vec![],
+                sources: vec![],
+                eager: true,
+                data: vec![1, 2, 3, 4, 5],
             },
             Msg::Grant { slot: 1, gen: 2 },
+            Msg::Data {
+                slot: 5,
+                gen: 6,
+                data: vec![9; EAGER_MAX],
+            },
             Msg::GrantIpc {
                 slot: 3,
                 gen: 4,
@@ -708,6 +783,31 @@ mod tests {
         }
         .encode(&mut buf);
         assert!(Msg::decode(&buf, MAX_FRAME).is_err());
+        // So are an eager read's bytes, or an eager write's, past EAGER_MAX.
+        for m in [
+            Msg::Data {
+                slot: 1,
+                gen: 1,
+                data: vec![0; EAGER_MAX + 1],
+            },
+            Msg::Req {
+                slot: 1,
+                gen: 1,
+                write: true,
+                ident: 0,
+                key_id: [0; 16],
+                device: Device::Host,
+                remote: vec![(0, EAGER_MAX as u64 + 1)],
+                local: vec![],
+                sources: vec![],
+                eager: false,
+                data: vec![0; EAGER_MAX + 1],
+            },
+        ] {
+            let mut buf = Vec::new();
+            m.encode(&mut buf);
+            assert!(Msg::decode(&buf, MAX_FRAME).is_err(), "{:?}", &buf[..5]);
+        }
         // A huge range count in a small frame is refused, not allocated.
         let mut evil = vec![0u8; 4];
         evil.push(4);

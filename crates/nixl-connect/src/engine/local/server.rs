@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use super::cma::{self, Copy, Piece, SlotRef};
 use super::device::device_path_refusal;
+use super::eager;
 use super::link::{grant_ipc_len, Answer, Request};
 #[cfg(test)]
 use super::proto::Msg;
@@ -36,6 +37,8 @@ impl LocalTransport {
             remote,
             local,
             sources,
+            eager,
+            data,
             ..
         } = r;
         let key = &*key;
@@ -46,6 +49,7 @@ impl LocalTransport {
         let exports_full = c.exporting + remote.len() > MAX_EXPORTING_PER_CONN
             || self.exporting + remote.len() > MAX_EXPORTING;
         let refuse = |code, reason: String| Answer::Refuse(code, reason);
+        let mut completed = None;
         let answer = match self.scopes.get_mut(key) {
             None => Some(refuse(RefuseCode::NotLive, NOT_LIVE.into())),
             Some(s) if (s.kind == OperationKind::Write) != write => Some(refuse(
@@ -72,6 +76,32 @@ impl LocalTransport {
                 RefuseCode::OutOfRange,
                 "a requested range lies outside the operation's descriptors".into(),
             )),
+            // Small host operations (the link checked the sizes, the direction and host memory):
+            // this side copies its own memory, on this thread, holding it in use for the copy so
+            // that its owner's drop waits for it. The operation is over once the answer is sent.
+            Some(s) if !data.is_empty() && s.writer.is_some() => Some(refuse(
+                RefuseCode::Busy,
+                "another writer is writing this writable now".into(),
+            )),
+            Some(s) if eager || !data.is_empty() => {
+                let answer = if eager {
+                    eager::read_scope(s, &remote).map(Answer::Data)
+                } else {
+                    eager::write_scope(s, &remote, &data).then(|| Answer::WriteDone {
+                        ok: true,
+                        reason: String::new(),
+                    })
+                };
+                if answer.is_some() {
+                    completed = self.scopes.get_key_value(key).map(|(k, _)| k.clone());
+                    answer
+                } else {
+                    Some(refuse(
+                        RefuseCode::NotLive,
+                        "the operation has ended (completed, cancelled or dropped)".into(),
+                    ))
+                }
+            }
             Some(_)
                 if write
                     && (local.len() != remote.len()
@@ -186,7 +216,9 @@ impl LocalTransport {
                 c.link.answer(slot, gen, a);
             }
         }
-        let _ = out;
+        if let Some(key) = completed {
+            out.push(Event::PassiveCompleted { key });
+        }
     }
 
     /// A read grant of connection `i` ended.

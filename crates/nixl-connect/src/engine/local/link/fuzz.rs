@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::{Answer, Heard, Link, MAX_OPEN, MAX_UNSENT};
 use crate::device::Device;
 use crate::engine::local::auth::{self, KeyId, Keyed, Nonce};
-use crate::engine::local::proto::{IpcSource, Msg, RefuseCode, MAX_FRAME, VERSION};
+use crate::engine::local::proto::{IpcSource, Msg, RefuseCode, EAGER_MAX, MAX_FRAME, VERSION};
 
 /// The operation keys a pair knows: the server holds the first two live; the third is held by
 /// the client only (a replayed or foreign operation).
@@ -110,6 +110,26 @@ impl Pair {
                 Vec::new()
             },
             sources: Vec::new(),
+            eager: false,
+            data: Vec::new(),
+        }
+    }
+
+    /// A small host request of `len` bytes as the client would send it: an eager read (its bytes
+    /// may come back in the answer) or a write carrying its bytes.
+    pub(crate) fn eager_req(slot: u32, gen: u64, key: usize, write: bool, len: usize) -> Msg {
+        Msg::Req {
+            slot,
+            gen,
+            write,
+            ident: 1,
+            key_id: auth::key_id(KEYS[key]),
+            device: Device::Host,
+            remote: vec![(0x1000, len as u64)],
+            local: Vec::new(),
+            sources: Vec::new(),
+            eager: !write,
+            data: if write { vec![0x5a; len] } else { Vec::new() },
         }
     }
 
@@ -158,9 +178,18 @@ fn source(len: u64) -> IpcSource {
     }
 }
 
+/// The sizes of eager requests and answers the target tries: ones that fit, the limit, one past
+/// it, and one that matches nothing asked.
+const EAGER_SIZES: [usize; 4] = [16, 4096, EAGER_MAX, EAGER_MAX + 1];
+
 /// One answer frame of kind `k` for (`slot`, `gen`).
 fn answer_frame(k: u8, slot: u32, gen: u64, n: usize) -> Msg {
-    match k % 6 {
+    match k % 7 {
+        6 => Msg::Data {
+            slot,
+            gen,
+            data: vec![0xa5; [16, 4096, EAGER_MAX, 17][n % 4]],
+        },
         0 => Msg::Grant { slot, gen },
         1 => Msg::GrantIpc {
             slot,
@@ -199,8 +228,9 @@ pub(crate) fn run(data: &[u8]) {
     let mut input = Input(data);
     let opening = usize::from(input.u8().unwrap_or(0) % 3);
     let mut p = Pair::new(opening);
-    // What the client asked, by (slot, gen): the key it used and whether it was a write.
-    let mut asked: HashMap<(u32, u64), (usize, bool)> = HashMap::new();
+    // What the client asked, by (slot, gen): the key it used, whether it was a write, whether it
+    // was an eager read, and how many bytes.
+    let mut asked: HashMap<(u32, u64), (usize, bool, bool, usize)> = HashMap::new();
     while let Some(op) = input.u8() {
         let (client_dead, server_dead) = (p.client.is_dead(), p.server.is_dead());
         let (nc, ns) = (p.at_client.len(), p.at_server.len());
@@ -221,13 +251,21 @@ pub(crate) fn run(data: &[u8]) {
                     b & 1 == 1,
                     if b & 2 == 2 { Device::Cuda(0) } else { Device::Host },
                 );
-                let m = Pair::req(slot, gen, key, write, device, 1 + usize::from(b >> 6));
+                let (m, eager, total) = if b & 4 == 4 {
+                    let len = EAGER_SIZES[usize::from(b >> 6)];
+                    (Pair::eager_req(slot, gen, key, write, len), !write, len)
+                } else {
+                    let n = 1 + usize::from(b >> 6);
+                    (Pair::req(slot, gen, key, write, device, n), false, 4096 * n)
+                };
                 if p.client.request(KEYS[key], &m) {
-                    asked.insert((slot, gen), (key, write));
+                    asked.insert((slot, gen), (key, write, eager, total));
                 }
             }
             3 => {
-                let a = match input.u8().unwrap_or(0) % 5 {
+                let k = input.u8().unwrap_or(0);
+                let a = match k % 6 {
+                    5 => Answer::Data(vec![0xa5; EAGER_SIZES[usize::from(k >> 6)]]),
                     0 => Answer::Grant,
                     1 => Answer::GrantIpc(vec![source(4096)]),
                     2 => Answer::Refuse(RefuseCode::Busy, "busy".into()),
@@ -272,7 +310,14 @@ pub(crate) fn run(data: &[u8]) {
                     3 => None,
                     n => Some(usize::from(n)),
                 };
-                let m = match k % 5 {
+                let m = match k % 6 {
+                    5 => Pair::eager_req(
+                        slot,
+                        gen,
+                        key.unwrap_or(2),
+                        k & 16 == 16,
+                        EAGER_SIZES[usize::from(input.small() as u8)],
+                    ),
                     0 => Msg::Hello {
                         version: if k & 8 == 8 { VERSION + 1 } else { VERSION },
                         key_id: auth::key_id(KEYS[key.unwrap_or(2)]),
@@ -337,7 +382,9 @@ pub(crate) fn run(data: &[u8]) {
         // operation's own key.
         for h in &p.at_client[nc..] {
             let (slot, gen) = match h {
-                Heard::Grant { slot, gen, .. } | Heard::WriteDone { slot, gen, .. } => (*slot, *gen),
+                Heard::Grant { slot, gen, .. }
+                | Heard::WriteDone { slot, gen, .. }
+                | Heard::Data { slot, gen, .. } => (*slot, *gen),
                 Heard::Refused {
                     slot,
                     gen,
@@ -351,7 +398,7 @@ pub(crate) fn run(data: &[u8]) {
                 Heard::Refused { slot, gen, .. } => (*slot, *gen),
                 _ => continue,
             };
-            let Some(&(key, write)) = asked.get(&(slot, gen)) else {
+            let Some(&(key, write, eager, total)) = asked.get(&(slot, gen)) else {
                 panic!("{h:?} answers nothing asked");
             };
             if let Some(forged) = forged_client {
@@ -360,8 +407,29 @@ pub(crate) fn run(data: &[u8]) {
             if matches!(h, Heard::Grant { .. }) {
                 assert!(!write, "a write granted as a read");
             }
+            if let Heard::Data { data, .. } = h {
+                assert!(
+                    eager && !write,
+                    "bytes believed for a request that did not ask for them"
+                );
+                assert_eq!(
+                    data.len(),
+                    total,
+                    "an eager read's bytes of the wrong size believed"
+                );
+            }
         }
         for h in &p.at_server[ns..] {
+            // A small operation's fields reach the owner only as the link's rules allow.
+            if let Heard::Req(r) = h {
+                let total: u64 = r.remote.iter().map(|x| x.1).sum();
+                if r.eager {
+                    assert!(!r.write && r.data.is_empty() && total <= EAGER_MAX as u64);
+                }
+                if !r.data.is_empty() {
+                    assert!(r.write && r.local.is_empty() && total == r.data.len() as u64);
+                }
+            }
             if let (Some(forged), Heard::Req(r)) = (forged_server, h) {
                 assert_eq!(
                     forged.map(|k| KEYS[k]),

@@ -486,3 +486,160 @@ fn link_sent_bytes_leave_in_order_however_they_are_read() {
     p.server.sent(5); // more than queued: nothing breaks
     assert!(p.server.out().is_empty());
 }
+
+/// A small host read takes one round trip: the request asks for the bytes, the owner's answer
+/// carries them (proven under the operation's key), and nothing more is sent for it (a `Done`
+/// after it is a frame for no granted read, and closes the connection).
+#[test]
+fn link_eager_read_takes_one_round_trip() {
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(p.client.request(KEYS[1], &Pair::eager_req(2, 5, 1, false, 4096)));
+    p.deliver_to_server(0);
+    let Some(Heard::Req(r)) = p.at_server.pop() else {
+        panic!("{:?}", p.at_server)
+    };
+    assert!(r.eager && !r.write && r.data.is_empty());
+    p.server.answer(2, 5, Answer::Data(vec![0x33; 4096]));
+    assert!(
+        p.server.open.is_empty(),
+        "the answer ends the request at the owner"
+    );
+    p.deliver_to_client();
+    assert_eq!(
+        p.at_client.pop(),
+        Some(Heard::Data {
+            slot: 2,
+            gen: 5,
+            data: vec![0x33; 4096]
+        })
+    );
+    assert!(p.client.open.is_empty(), "and at the reader: no Done follows");
+    p.client.read_done(2, 5, true, "");
+    assert!(p.client.out().is_empty(), "a done for an eager read is not sent");
+    assert!(!p.client.is_dead() && !p.server.is_dead());
+}
+
+/// A small host write carries its bytes in its request; the owner's `Done` ends it.
+#[test]
+fn link_eager_write_carries_its_bytes() {
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(p.client.request(KEYS[0], &Pair::eager_req(1, 1, 0, true, 100)));
+    p.deliver_to_server(0);
+    let Some(Heard::Req(r)) = p.at_server.pop() else {
+        panic!("{:?}", p.at_server)
+    };
+    assert!(r.write && !r.eager && r.data == vec![0x5a; 100] && r.local.is_empty());
+    p.server.answer(
+        1,
+        1,
+        Answer::WriteDone {
+            ok: true,
+            reason: String::new(),
+        },
+    );
+    p.deliver_to_client();
+    assert!(matches!(
+        p.at_client.pop(),
+        Some(Heard::WriteDone { ok: true, .. })
+    ));
+}
+
+/// Bytes the reader did not ask for, or not exactly as many as it asked for, or under another
+/// operation's key, are never believed: the connection closes and nothing is heard. A correct
+/// answer repeated is an answer to no open request.
+#[test]
+fn link_eager_answers_must_fit_their_request() {
+    type Case = (Msg, Option<usize>, fn(&mut Pair));
+    let eager = |p: &mut Pair| assert!(p.client.request(KEYS[0], &Pair::eager_req(0, 1, 0, false, 4096)));
+    let plain = |p: &mut Pair| {
+        assert!(p
+            .client
+            .request(KEYS[0], &Pair::req(0, 1, 0, false, Device::Host, 1)))
+    };
+    let write = |p: &mut Pair| assert!(p.client.request(KEYS[0], &Pair::eager_req(0, 1, 0, true, 4096)));
+    let data = |n: usize| Msg::Data {
+        slot: 0,
+        gen: 1,
+        data: vec![1; n],
+    };
+    let cases: [Case; 6] = [
+        (data(4095), Some(0), eager),
+        (data(4097), Some(0), eager),
+        (data(4096), Some(0), plain),
+        (data(4096), Some(0), write),
+        (data(4096), Some(1), eager),
+        (data(4096), None, eager),
+    ];
+    for (m, key, ask) in cases {
+        let mut p = Pair::new(0);
+        p.shake();
+        ask(&mut p);
+        let before = p.at_client.len();
+        let bytes = p.forge(&m, key, false);
+        p.client.recv(&bytes, 0, p.now, &HashMap::new(), &mut p.at_client);
+        assert!(p.client.is_dead(), "{m:?} under {key:?}");
+        assert_eq!(p.at_client.len(), before, "nothing believed");
+    }
+    let mut p = Pair::new(0);
+    p.shake();
+    eager(&mut p);
+    let bytes = p.forge(&data(4096), Some(0), false).repeat(2);
+    p.client.recv(&bytes, 0, p.now, &HashMap::new(), &mut p.at_client);
+    assert_eq!(
+        p.at_client
+            .iter()
+            .filter(|h| matches!(h, Heard::Data { .. }))
+            .count(),
+        1
+    );
+    assert!(p.client.is_dead(), "the second copy answers no open request");
+}
+
+/// The owner takes an eager request only as the protocol allows: a write whose bytes do not add
+/// up to its ranges, bytes with a read, an eager read of device memory or past `EAGER_MAX`
+/// close the connection before anything reaches the scope policy. An answer that does not fit
+/// its eager read goes out as a `Fallback`, never as bytes.
+#[test]
+fn link_eager_requests_must_be_small_host_operations() {
+    let req = |write: bool, eager: bool, device: Device, remote: u64, local: usize, data: usize| Msg::Req {
+        slot: 0,
+        gen: 1,
+        write,
+        ident: 1,
+        key_id: auth::key_id(KEYS[0]),
+        device,
+        remote: vec![(0x1000, remote)],
+        local: vec![(0x9000, remote); local],
+        sources: Vec::new(),
+        eager,
+        data: vec![9; data],
+    };
+    for m in [
+        req(true, false, Device::Host, 4096, 0, 4095),
+        req(true, false, Device::Host, 4096, 1, 4096),
+        req(false, false, Device::Host, 4096, 0, 4096),
+        req(true, false, Device::Cuda(0), 4096, 0, 4096),
+        req(false, true, Device::Cuda(0), 4096, 0, 0),
+        req(true, true, Device::Host, 4096, 0, 0),
+        req(false, true, Device::Host, EAGER_MAX as u64 + 1, 0, 0),
+        req(false, true, Device::Host, u64::MAX, 0, 0),
+    ] {
+        let mut p = Pair::new(0);
+        p.shake();
+        let bytes = p.forge(&m, Some(0), true);
+        p.server.recv(&bytes, 0, p.now, &p.keys, &mut p.at_server);
+        assert!(p.server.is_dead(), "{m:?}");
+        assert!(!p.at_server.iter().any(|h| matches!(h, Heard::Req(_))), "{m:?}");
+    }
+    let mut p = Pair::new(0);
+    p.shake();
+    read(&mut p, 0, 1, 0);
+    p.server.answer(0, 1, Answer::Data(vec![1; 4096]));
+    p.deliver_to_client();
+    assert!(
+        matches!(p.at_client.pop(), Some(Heard::Fallback { .. })),
+        "bytes for a grant's read"
+    );
+}
