@@ -249,6 +249,11 @@ impl Link {
         }
     }
 
+    /// Requests open on this connection (sent and not yet answered or done).
+    pub(crate) fn open_requests(&self) -> usize {
+        self.open.len()
+    }
+
     /// True for the connecting (active) side.
     pub(crate) fn is_client(&self) -> bool {
         self.client
