@@ -461,12 +461,17 @@ class ActiveOperation(AbstractOperation):
 
     def __init__(self, connection: Connection, operation_kind: OperationKind,
                  remote_metadata: RdmaMetadata,
-                 local_descriptors: Union[Descriptor, List[Descriptor]]) -> None:
+                 local_descriptors: Union[Descriptor, List[Descriptor]],
+                 _checked: Optional[List[Descriptor]] = None) -> None:
         self._released = True
         if not isinstance(connection, Connection):
             raise TypeError("Argument `connection` must be `nixl_connect.Connection`.")
-        remote_metadata = _as_metadata(remote_metadata)
-        local = _check_active_args(OperationKind(operation_kind), remote_metadata, local_descriptors)
+        if _checked is None:  # the Connector's begin_* checked them already
+            remote_metadata = _as_metadata(remote_metadata)
+            local = _check_active_args(OperationKind(operation_kind), remote_metadata,
+                                       local_descriptors)
+        else:
+            local = _checked
         self._remote_metadata = remote_metadata
         self._remote = Remote(connection, remote_metadata.nixl_metadata)
         self._observed = OperationStatus.UNINITIALIZED   # what results() trusts (Dynamo: cached)
@@ -751,8 +756,10 @@ class ReadOperation(ActiveOperation):
     """Reads a peer's ReadableOperation into local memory (created by `Connector.begin_read`)."""
 
     def __init__(self, connection: Connection, remote_metadata: RdmaMetadata,
-                 local_descriptors: Union[Descriptor, List[Descriptor]]) -> None:
-        super().__init__(connection, OperationKind.READ, remote_metadata, local_descriptors)
+                 local_descriptors: Union[Descriptor, List[Descriptor]],
+                 _checked: Optional[List[Descriptor]] = None) -> None:
+        super().__init__(connection, OperationKind.READ, remote_metadata, local_descriptors,
+                         _checked)
 
     def cancel(self) -> None:
         """Cancel the read if it has not completed."""
@@ -777,8 +784,10 @@ class WriteOperation(ActiveOperation):
 
     def __init__(self, connection: Connection,
                  local_descriptors: Union[Descriptor, List[Descriptor]],
-                 remote_metadata: RdmaMetadata) -> None:
-        super().__init__(connection, OperationKind.WRITE, remote_metadata, local_descriptors)
+                 remote_metadata: RdmaMetadata,
+                 _checked: Optional[List[Descriptor]] = None) -> None:
+        super().__init__(connection, OperationKind.WRITE, remote_metadata, local_descriptors,
+                         _checked)
 
     def cancel(self) -> None:
         """Cancel the write if it has not completed."""
@@ -961,8 +970,9 @@ class Connector:
         """Start reading the peer's ReadableOperation (described by `remote_metadata`) into
         `local_descriptors`; the data starts moving now. Await `wait_for_completion()`."""
         remote_metadata = _as_metadata(remote_metadata)
-        _check_active_args(OperationKind.READ, remote_metadata, local_descriptors)
-        op = ReadOperation(await self._create_connection(), remote_metadata, local_descriptors)
+        local = _check_active_args(OperationKind.READ, remote_metadata, local_descriptors)
+        op = ReadOperation(await self._create_connection(), remote_metadata, local_descriptors,
+                           _checked=local)
         return await _started(op)
 
     async def begin_write(self, local_descriptors: Union[Descriptor, List[Descriptor]],
@@ -970,8 +980,9 @@ class Connector:
         """Start writing `local_descriptors` into the peer's WritableOperation; the data starts
         moving now. Await `wait_for_completion()`."""
         remote_metadata = _as_metadata(remote_metadata)
-        _check_active_args(OperationKind.WRITE, remote_metadata, local_descriptors)
-        op = WriteOperation(await self._create_connection(), local_descriptors, remote_metadata)
+        local = _check_active_args(OperationKind.WRITE, remote_metadata, local_descriptors)
+        op = WriteOperation(await self._create_connection(), local_descriptors, remote_metadata,
+                            _checked=local)
         return await _started(op)
 
     async def create_readable(self, local_descriptors: Union[Descriptor, List[Descriptor]]
