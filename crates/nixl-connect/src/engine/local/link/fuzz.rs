@@ -118,19 +118,21 @@ impl Pair {
     /// A small host request of `len` bytes as the client would send it: an eager read (its bytes
     /// may come back in the answer) or a write carrying its bytes.
     pub(crate) fn eager_req(slot: u32, gen: u64, key: usize, write: bool, len: usize) -> Msg {
-        Msg::Req {
-            slot,
-            gen,
-            write,
-            ident: 1,
-            key_id: auth::key_id(KEYS[key]),
-            device: Device::Host,
-            remote: vec![(0x1000, len as u64)],
-            local: Vec::new(),
-            sources: Vec::new(),
-            eager: !write,
-            data: if write { vec![0x5a; len] } else { Vec::new() },
+        let mut m = Self::req(slot, gen, key, write, Device::Host, 1);
+        if let Msg::Req {
+            remote,
+            local,
+            eager,
+            data,
+            ..
+        } = &mut m
+        {
+            *remote = vec![(0x1000, len as u64)];
+            local.clear();
+            *eager = !write;
+            *data = if write { vec![0x5a; len] } else { Vec::new() };
         }
+        m
     }
 
     /// Moves the clock on by `d` and lets both cores see it.
