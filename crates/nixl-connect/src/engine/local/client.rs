@@ -155,12 +155,13 @@ impl LocalTransport {
         // Only while few requests are open on the connection: many small operations at once go
         // faster as grants, their copies batched on the pool (64 outstanding 4 KiB reads: 50K/s
         // eager, 120K/s batched), where the frames and MACs of eager ones load the engines.
+        // Always where this side may not pull (ptrace rules): a grant could not be served.
         let host = |r: &[Range]| r.iter().all(|r| r.device == Device::Host);
         let total = a.spec.remote.iter().fold(0usize, |t, r| t.saturating_add(r.len));
         let few = self
             .conns
             .get(&a.conn)
-            .is_some_and(|c| c.link.open_requests() < EAGER_OPEN);
+            .is_some_and(|c| !c.can_pull || c.link.open_requests() < EAGER_OPEN);
         let small = few && (1..=EAGER_MAX).contains(&total) && host(&a.spec.local) && host(&a.spec.remote);
         let eager = small && !a.spec.write;
         let data = if small && a.spec.write {

@@ -531,7 +531,13 @@ impl Link {
                 }
                 let total = remote.iter().try_fold(0u64, |t, r| t.checked_add(r.1));
                 let host = device == Device::Host;
-                if eager && (write || !host || !data.is_empty() || total.is_none_or(|t| t > EAGER_MAX as u64))
+                if eager
+                    && (write
+                        || !host
+                        || !data.is_empty()
+                        || !local.is_empty()
+                        || !sources.is_empty()
+                        || total.is_none_or(|t| t > EAGER_MAX as u64))
                 {
                     return self.kill("an eager read that is not a small host read");
                 }
@@ -787,17 +793,18 @@ impl Link {
 
     /// Server: answers open request (`slot`, `gen`) under its operation's key. A grant keeps it
     /// open until the reader's `Done`; every other answer (an eager read's bytes included) ends
-    /// it. Nothing happens for a request
-    /// that is not open (the connection died, or it was answered already).
-    pub(crate) fn answer(&mut self, slot: u32, gen: u64, a: Answer) {
+    /// it. Nothing happens for a request that is not open (the connection died, or it was
+    /// answered already). True when the answer is queued on a live connection (the owner of an
+    /// eager operation completes it only then).
+    pub(crate) fn answer(&mut self, slot: u32, gen: u64, a: Answer) -> bool {
         if self.client || self.state != State::Ready {
-            return;
+            return false;
         }
         let Some(o) = self.open.get_mut(&(slot, gen)) else {
-            return;
+            return false;
         };
         let m = match a {
-            Answer::Grant | Answer::GrantIpc(_) if o.write || o.granted => return,
+            Answer::Grant | Answer::GrantIpc(_) if o.write || o.granted => return false,
             Answer::Grant => {
                 o.granted = true;
                 Msg::Grant { slot, gen }
@@ -836,6 +843,7 @@ impl Link {
             self.open.remove(&(slot, gen)).expect("present").key
         };
         self.push_signed(&m, &key);
+        self.state == State::Ready
     }
 }
 

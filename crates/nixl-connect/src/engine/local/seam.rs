@@ -34,6 +34,7 @@ impl Transport for LocalTransport {
                 state: spec.state.clone(),
                 grants: HashSet::new(),
                 writer: None,
+                done: false,
             },
         );
         Ok(())
@@ -147,7 +148,10 @@ impl Transport for LocalTransport {
             Phase::Abandoned => {}
             Phase::Queued | Phase::Exporting | Phase::Requested => {
                 // Nothing of ours is being written: a write's source is only read by the peer, and
-                // revoking its slot makes the peer discard what it read. Release at once.
+                // revoking its slot makes the peer discard what it read. Release at once. (A small
+                // operation's request already carried or asked for its bytes: the owner may still
+                // complete it, as a posted NIXL transfer may still land; an eager read's answer is
+                // then not copied here.)
                 if let Some(t) = table {
                     t.revoke(a.slot, a.gen);
                 }

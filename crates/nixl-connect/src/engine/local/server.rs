@@ -43,6 +43,12 @@ impl LocalTransport {
         } = r;
         let key = &*key;
         let Some(c) = self.conns.get_mut(&i) else { return };
+        if !c.link.is_ready() {
+            // The connection died after the request was heard (the peer went away, or broke a
+            // rule later in the same read): no answer can reach it, so nothing is granted,
+            // copied or completed for it.
+            return;
+        }
         let (can_pull, peer_pid, peer_pidfd) = (c.can_pull, c.peer_pid, c.pidfd.clone());
         // Exports queued past either bound (this connection's, the process's): device reads
         // take NIXL until some end.
@@ -68,7 +74,7 @@ impl LocalTransport {
                 "the request names memory on {device}; the operation's is on {}",
                 s.device
             ))),
-            Some(s) if s.state.status().is_terminal() => Some(refuse(
+            Some(s) if s.done || s.state.status().is_terminal() => Some(refuse(
                 RefuseCode::NotLive,
                 "the operation has ended (completed, cancelled or dropped)".into(),
             )),
@@ -93,6 +99,7 @@ impl LocalTransport {
                     })
                 };
                 if answer.is_some() {
+                    s.done = true;
                     completed = self.scopes.get_key_value(key).map(|(k, _)| k.clone());
                     answer
                 } else {
@@ -211,13 +218,23 @@ impl LocalTransport {
                 None
             }
         };
-        if let Some(a) = answer {
-            if let Some(c) = self.conns.get_mut(&i) {
-                c.link.answer(slot, gen, a);
-            }
-        }
+        let sent = match answer {
+            Some(a) => self
+                .conns
+                .get_mut(&i)
+                .is_some_and(|c| c.link.answer(slot, gen, a)),
+            None => false,
+        };
+        // An eager operation is complete once its answer is on its way (a read's bytes, a
+        // write's Done); should the connection have died in queueing it, the reader never gets
+        // the bytes and the writer learns nothing: the operation stays live for a retry (a
+        // write's bytes are in place, and a retry writes them again).
         if let Some(key) = completed {
-            out.push(Event::PassiveCompleted { key });
+            if sent {
+                out.push(Event::PassiveCompleted { key });
+            } else if let Some(s) = self.scopes.get_mut(&key) {
+                s.done = false;
+            }
         }
     }
 
@@ -280,6 +297,106 @@ mod tests {
     use crate::state::OpState;
     use crate::state::OperationStatus;
 
+    /// The owner's side of small operations: an eager read's answer carries the readable's bytes
+    /// and completes it once (a second request in the same turn finds it done); an eager write
+    /// lands its bytes and completes the writable; and a request heard on a connection that died
+    /// later in the same read (here: a frame out of order right behind it) is neither answered,
+    /// copied nor completed (found by review: it used to complete the readable with no byte sent).
+    #[test]
+    fn server_eager_operations_complete_once_and_only_when_answered() {
+        for case in ["read", "write", "dead"] {
+            let poller = Poller::new().unwrap();
+            let mut p = Pair::new(0);
+            p.shake();
+            let (mut t, i, _theirs) = LocalTransport::serving(&poller, &mut p);
+            let mut mem = vec![7u8; 4096];
+            let range = Range {
+                addr: mem.as_mut_ptr() as usize,
+                len: mem.len(),
+                device: Device::Host,
+            };
+            let key: std::sync::Arc<str> = KEYS[1].into();
+            t.key_ids.insert(auth::key_id(&key), key.clone());
+            t.identities.insert(1);
+            let write = case == "write";
+            t.scopes.insert(
+                key.clone(),
+                Scope {
+                    kind: if write {
+                        OperationKind::Write
+                    } else {
+                        OperationKind::Read
+                    },
+                    device: Device::Host,
+                    ranges: vec![range],
+                    state: OpState::new(OperationStatus::Initialized),
+                    grants: HashSet::new(),
+                    writer: None,
+                    done: false,
+                },
+            );
+            let req = |slot: u32| {
+                let mut m = Pair::eager_req(slot, 1, 1, write, 4096);
+                if let Msg::Req { remote, data, .. } = &mut m {
+                    remote[0].0 = range.addr as u64;
+                    if write {
+                        *data = vec![9; 4096];
+                    }
+                }
+                p.forge(&m, Some(1), true)
+            };
+            let mut bytes = req(0);
+            if case == "dead" {
+                bytes.extend(p.forge(&Msg::Grant { slot: 5, gen: 5 }, Some(1), true));
+            } else {
+                bytes.extend(req(1));
+            }
+            let mut heard = Vec::new();
+            let mut out = Vec::new();
+            t.conns
+                .get_mut(&i)
+                .unwrap()
+                .link
+                .recv(&bytes, 0, p.now, &t.key_ids, &mut heard);
+            for h in heard {
+                t.handle(i, h, &mut out);
+            }
+            let completed = out
+                .iter()
+                .filter(|e| matches!(e, Event::PassiveCompleted { .. }))
+                .count();
+            let sent = t.conns[&i].link.out().to_vec();
+            let mut msgs = Vec::new();
+            let mut at = 0;
+            while let Some((f, n)) = Msg::decode(&sent[at..], MAX_FRAME).unwrap() {
+                msgs.push(f.msg);
+                at += n;
+            }
+            match case {
+                "dead" => {
+                    assert_eq!(completed, 0, "nothing completed on a dead connection");
+                    assert!(msgs.is_empty(), "{msgs:?}");
+                    assert!(!t.scopes[&key].done);
+                }
+                _ => {
+                    assert_eq!(completed, 1, "{case}: completed once");
+                    assert!(t.scopes[&key].done);
+                    match &msgs[..] {
+                        [first, Msg::Refuse {
+                            code: RefuseCode::NotLive,
+                            ..
+                        }] => match (write, first) {
+                            (false, Msg::Data { data, .. }) => assert_eq!(data, &vec![7u8; 4096]),
+                            (true, Msg::Done { ok: true, .. }) => assert_eq!(mem, vec![9u8; 4096]),
+                            other => panic!("{other:?}"),
+                        },
+                        other => panic!("{case}: {other:?}"),
+                    }
+                }
+            }
+        }
+    }
+
     /// A same-user client that asks for more reads than it has slots (reusing slot numbers under
     /// new generations, never saying it is done) gets `MAX_GRANTS_PER_CONN` grants, then
     /// `Fallback` (the operation goes to NIXL) instead of growing the server's grant set; an
@@ -311,6 +428,7 @@ mod tests {
                     state: OpState::new(OperationStatus::Initialized),
                     grants: HashSet::new(),
                     writer: None,
+                    done: false,
                 },
             );
             let mut out = Vec::new();
