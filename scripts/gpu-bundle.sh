@@ -30,6 +30,9 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and "lib" in m["target"]["kind"]:
         print(m["executable"])' | while read -r exe; do cp "$exe" "$B/bin/unit"; done
 [ -x "$B/bin/unit" ] || { echo "gpu-bundle: the unit test binary was not built" >&2; exit 1; }
+# The Rust anchor of the Python per-operation bench (both sides in one process, no Python).
+cargo build --release -q -p nixl-connect --example in_process_pair
+cp target/release/examples/in_process_pair "$B/bin/"
 strip "$B/bin/"* 2>/dev/null || true
 
 # NIXL: the closure of NEEDED libraries, resolved inside .nixl/, keeping the wheel's layout
@@ -68,6 +71,7 @@ cp .nixl/VERSION "$B/nixl/"
 mkdir -p "$B/python"
 cp target/wheels/nixl_connect-*.whl "$B/python/"
 cp -r tests/python "$B/python/tests"
+cp scripts/bench_python_ops.py "$B/python/"
 # What the Python tests import beyond the GPU host's image (torch, numpy and pytest are there;
 # pydantic and pytest-asyncio are not), as wheels for its Python 3.12, installed with --no-index.
 mkdir -p "$B/python/wheels"
