@@ -210,6 +210,9 @@ struct Cuda {
     maps: HashMap<(u64, u64, u64, i32), Mapping>,
     /// The buffer id last seen at (connection, base): another one means the old allocation is gone.
     ids: HashMap<(u64, u64), u64>,
+    /// Every visible device's UUID, by ordinal: read once, with no context (`cuDeviceGetUuid`
+    /// needs none), so that finding a peer's device makes a context on that device alone.
+    uuids: Option<Vec<[u8; 16]>>,
     tick: u64,
 }
 
@@ -279,18 +282,29 @@ impl Cuda {
 
     /// The ordinal of the device with `uuid` in this process.
     fn ordinal_of(&mut self, uuid: &[u8; 16]) -> Result<i32, IpcError> {
-        if let Some((o, _)) = self.devs.iter().find(|(_, d)| &d.uuid == uuid) {
-            return Ok(*o);
-        }
-        let mut n = 0;
-        // SAFETY: writes the device count into `n`.
-        check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
-        for o in 0..n {
-            if &self.dev(o)?.uuid == uuid {
-                return Ok(o);
+        if self.uuids.is_none() {
+            let mut n = 0;
+            // SAFETY: writes the device count into `n`.
+            check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+            let mut all = Vec::with_capacity(usize::try_from(n).unwrap_or(0));
+            for o in 0..n {
+                let mut dev: sys::CUdevice = 0;
+                let mut u = sys::CUuuid { bytes: [0; 16] };
+                // SAFETY: plain driver queries writing into the locals above; they create no
+                // context.
+                unsafe {
+                    check(sys::cuDeviceGet(&mut dev, o), "cuDeviceGet")?;
+                    check(sys::cuDeviceGetUuid_v2(&mut u, dev), "cuDeviceGetUuid")?;
+                }
+                all.push(u.bytes.map(|b| b as u8));
             }
+            self.uuids = Some(all);
         }
-        Err(IpcError::PeerGpuNotVisible)
+        self.uuids
+            .as_deref()
+            .and_then(|all| all.iter().position(|u| u == uuid))
+            .and_then(|o| i32::try_from(o).ok())
+            .ok_or(IpcError::PeerGpuNotVisible)
     }
 
     fn attr<T: Default>(&self, ptr: u64, a: sys::CUpointer_attribute) -> Result<T, IpcError> {
@@ -538,6 +552,35 @@ mod tests {
         );
         eprintln!("{test}: skipped: no usable CUDA device");
         None
+    }
+
+    #[test]
+    fn ipc_finding_a_peer_device_makes_no_context() {
+        let Some(ctx) = gpu("ipc_finding_a_peer_device_makes_no_context") else {
+            return;
+        };
+        ctx.bind_to_thread().unwrap();
+        let mut dev: sys::CUdevice = 0;
+        let mut u = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: plain driver queries writing into the locals.
+        unsafe {
+            assert_eq!(sys::cuDeviceGet(&mut dev, 0), CUresult::CUDA_SUCCESS);
+            assert_eq!(sys::cuDeviceGetUuid_v2(&mut u, dev), CUresult::CUDA_SUCCESS);
+        }
+        let uuid = u.bytes.map(|b| b as u8);
+        let mut cuda = Cuda::default();
+        assert_eq!(cuda.ordinal_of(&uuid).unwrap(), 0);
+        assert!(
+            cuda.devs.is_empty(),
+            "no context or stream was made to compare UUIDs"
+        );
+        let mut unknown = uuid;
+        unknown[0] ^= 0xff;
+        assert!(matches!(
+            cuda.ordinal_of(&unknown),
+            Err(IpcError::PeerGpuNotVisible)
+        ));
+        assert!(cuda.devs.is_empty());
     }
 
     #[test]
