@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 import weakref
 from abc import ABC, abstractmethod
@@ -162,6 +163,10 @@ def _describe(descriptors: List[Any]) -> str:
     if len(descriptors) == 1:
         return str(descriptors[0])
     return "[" + ", ".join(f"({d})" for d in descriptors) + "]"
+
+
+# The core's status code of a completed operation (`OperationStatus.COMPLETE`'s value).
+_COMPLETE = int(OperationStatus.COMPLETE.value)
 
 
 def _core_status(core: Any) -> OperationStatus:
@@ -561,8 +566,11 @@ class ActiveOperation(AbstractOperation):
             if self._pre_status == OperationStatus.CANCELLED or self._released:
                 return
             await self._start()
+        core = self._core
         try:
-            await self._core.wait(timeout)
+            # Already complete (a small read often is by now): no future, no trip through the loop.
+            if core.status() != _COMPLETE:
+                await core.wait(timeout)
         except CoreError as e:
             err = from_core(e)
             if err.kind == "Cancelled":
@@ -695,8 +703,7 @@ class PassiveOperation(AbstractOperation):
 
     async def _wait(self, timeout: Optional[float]) -> None:
         timeout = _check_timeout(timeout)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = time.monotonic()
         if self._core is None and not self._released:
             await self._start()
         if self._released:
@@ -708,15 +715,19 @@ class PassiveOperation(AbstractOperation):
             if st == OperationStatus.CANCELLED:
                 raise CancelledError(f"{self!r} was cancelled before it was released.")
             await _sleep_then_time_out(timeout, repr(self))
+        core = self._core
         try:
-            await self._core.wait(timeout)
+            # Already complete (the owner of a small read completes when its answer leaves): no
+            # future, no trip through the loop.
+            if core.status() != _COMPLETE:
+                await core.wait(timeout)
         except CoreError as e:
             err = from_core(e)
             if err.kind == "Cancelled" and self._released:
                 # Released by another task while this one waited: like Dynamo, never completes.
                 if self.status == OperationStatus.COMPLETE:
                     return
-                left = None if timeout is None else max(0.0, timeout - (loop.time() - started))
+                left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
                 await _sleep_then_time_out(left, repr(self))
             raise err from None
 
