@@ -76,8 +76,8 @@ pub(crate) struct Args {
     /// with one readable exposed and waiting for a reader (Dynamo's media publisher).
     #[arg(long)]
     idle_cpu: bool,
-    /// The connector's progress delay in microseconds (`ConnectorBuilder::progress_delay`;
-    /// default 1000).
+    /// Both connectors' progress delay in microseconds (`ConnectorBuilder::progress_delay`;
+    /// default 1000): the active side's and the passive peer's.
     #[arg(long)]
     progress_delay_us: Option<u64>,
 }
@@ -100,6 +100,8 @@ struct Block {
     fresh: bool,
     device: Device,
     ucx_params: Vec<(String, String)>,
+    /// The passive peer's progress delay (the active side's too).
+    progress_delay_us: Option<u64>,
 }
 
 #[derive(Serialize, Deserialize, Debug)]
@@ -567,6 +569,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             fresh: a.fresh,
             device: a.peer_device.unwrap_or(a.device),
             ucx_params: a.ucx_params.clone(),
+            progress_delay_us: a.progress_delay_us,
         };
         to_peer
             .write_all(format!("{}\n", serde_json::to_string(&block)?).as_bytes())
@@ -857,6 +860,9 @@ pub(crate) async fn peer() -> Result<()> {
                 let mut builder = Connector::builder();
                 for (k, v) in &b.ucx_params {
                     builder = builder.ucx_param(k, v);
+                }
+                if let Some(us) = b.progress_delay_us {
+                    builder = builder.progress_delay(Duration::from_micros(us));
                 }
                 conn.insert(builder.build()?).clone()
             }
