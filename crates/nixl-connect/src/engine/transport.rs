@@ -227,6 +227,13 @@ pub(crate) trait Transport {
     /// How soon it needs polling.
     fn polling(&self) -> Polling;
 
+    /// True when the last [`progress`](Self::progress) call did work that produced no event (UCX
+    /// moving a peer's bytes over TCP, say): the engine progresses it again soon instead of
+    /// backing off towards the progress delay, without staying hot for it.
+    fn did_work(&self) -> bool {
+        false
+    }
+
     /// True when work has arrived that [`progress`](Self::progress) has not handled yet (a
     /// finished copy, a message): checked before the engine sleeps, so it is never left
     /// waiting.

@@ -32,6 +32,8 @@ struct Script {
     /// Completes the operations it took on its next progress.
     complete: bool,
     polling: Option<Polling>,
+    /// Reports work without events after each progress ([`Transport::did_work`]).
+    worked: bool,
     /// Calls seen, in order.
     log: Vec<String>,
     progressed: usize,
@@ -125,6 +127,10 @@ impl Transport for Probe {
 
     fn polling(&self) -> Polling {
         self.script.lock().unwrap().polling.unwrap_or(Polling::Never)
+    }
+
+    fn did_work(&self) -> bool {
+        self.script.lock().unwrap().worked
     }
 
     fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) -> Option<Hold> {
@@ -225,6 +231,35 @@ fn core_schedule_backs_off_to_the_polling_rate_and_wakes_on_activity() {
     assert_eq!(core.sleep_for(now + MS), Some(Duration::ZERO));
     core.turn(now + MS, false, &[]);
     assert_eq!(core.sleep_for(now + MS), Some(MIN_PARK * 2));
+}
+
+#[test]
+fn core_schedule_stays_short_while_a_transport_works_without_events() {
+    let t0 = Instant::now();
+    let (t, script) = probe("a", TransferPath::Nixl);
+    script.lock().unwrap().polling = Some(Polling::Watching);
+    let mut core = EngineCore::new(vec![t], ids(&[0]), MS, t0);
+    // Backing off while nothing happens: 40, 80, 160 us.
+    let mut now = t0;
+    assert!(!core.turn(now, false, &[]));
+    for gap in [MIN_PARK * 2, MIN_PARK * 4, MIN_PARK * 8] {
+        assert_eq!(core.sleep_for(now), Some(gap));
+        now += gap;
+        assert!(!core.turn(now, false, &[]));
+    }
+    // Work without an event (bytes of a peer's write taken in): due again after the shortest
+    // gap, every time, and the turn reports no event (the engine is not kept hot for it).
+    script.lock().unwrap().worked = true;
+    for _ in 0..5 {
+        now += core.sleep_for(now).unwrap();
+        assert!(!core.turn(now, false, &[]), "work alone is not an event");
+        assert_eq!(core.sleep_for(now), Some(MIN_PARK));
+    }
+    // Once it stops, the back-off starts again from the shortest gap.
+    script.lock().unwrap().worked = false;
+    now += MIN_PARK;
+    core.turn(now, false, &[]);
+    assert_eq!(core.sleep_for(now), Some(MIN_PARK * 2));
 }
 
 #[test]
