@@ -73,7 +73,8 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     limit: bool,
     /// Also measure a connector's CPU use over two idle seconds: with nothing outstanding, then
-    /// with one readable exposed and waiting for a reader (Dynamo's media publisher).
+    /// with one readable exposed and waiting for a reader (Dynamo's media publisher), then with
+    /// one writable waiting for a writer.
     #[arg(long)]
     idle_cpu: bool,
     /// Both connectors' progress delay in microseconds (`ConnectorBuilder::progress_delay`;
@@ -659,11 +660,23 @@ pub(crate) async fn run(a: Args) -> Result<()> {
     if a.idle_cpu {
         // An idle connector must cost next to no CPU: this process's CPU time over two idle
         // seconds, after the engine's spin window has passed; first with nothing outstanding,
-        // then with one readable waiting for a reader that does not come.
+        // then with one readable waiting for a reader that does not come, then one writable
+        // waiting for a writer.
         let waiting = HostBuffer::from_slice(&[7u8; 1 << 20])?;
-        for what in ["idle_connector_cpu_pct", "waiting_readable_cpu_pct"] {
-            let _op = match what {
+        let mut landing = HostBuffer::new(1 << 20)?;
+        for what in [
+            "idle_connector_cpu_pct",
+            "waiting_readable_cpu_pct",
+            "waiting_writable_cpu_pct",
+        ] {
+            let _readable = match what {
                 "waiting_readable_cpu_pct" => Some(conn.create_readable(Descriptor::from(&waiting)).await?),
+                _ => None,
+            };
+            let _writable = match what {
+                "waiting_writable_cpu_pct" => {
+                    Some(conn.create_writable(Descriptor::from(&mut landing)).await?)
+                }
                 _ => None,
             };
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -144,8 +144,9 @@ impl EngineCore {
                 let active = t.progress(&mine, &mut self.events);
                 event |= active;
                 s.gap = match polling {
-                    _ if active || t.did_work() => MIN_PARK,
+                    _ if active => MIN_PARK,
                     Polling::Watching if hot => WATCH_GAP,
+                    _ if t.did_work() => MIN_PARK,
                     Polling::Every(t) => (s.gap * 2).min(t.max(self.max_park)),
                     _ => (s.gap * 2).min(self.max_park),
                 };

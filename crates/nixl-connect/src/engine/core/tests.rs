@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::{EngineCore, MIN_PARK};
+use super::{EngineCore, MIN_PARK, WATCH_GAP};
 use crate::device::Device;
 use crate::engine::cmd::Cmd;
 use crate::engine::poller::Ready;
@@ -255,11 +255,15 @@ fn core_schedule_stays_short_while_a_transport_works_without_events() {
         assert!(!core.turn(now, false, &[]), "work alone is not an event");
         assert_eq!(core.sleep_for(now), Some(MIN_PARK));
     }
-    // Once it stops, the back-off starts again from the shortest gap.
-    script.lock().unwrap().worked = false;
+    // A hot engine keeps watching at its shorter gap: work does not lengthen it.
     now += MIN_PARK;
+    core.turn(now, true, &[]);
+    assert_eq!(core.sleep_for(now), Some(WATCH_GAP));
+    // Once it stops, the back-off goes on from the last gap.
+    script.lock().unwrap().worked = false;
+    now += WATCH_GAP;
     core.turn(now, false, &[]);
-    assert_eq!(core.sleep_for(now), Some(MIN_PARK * 2));
+    assert_eq!(core.sleep_for(now), Some(WATCH_GAP * 2));
 }
 
 #[test]

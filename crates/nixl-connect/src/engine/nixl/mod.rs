@@ -62,12 +62,21 @@ pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
 /// woken cold as work, and taking it for work kept an idle engine spinning for 2 ms each time
 /// (2.2% of a core for a readable waiting for its reader on a 2-core VM).
 const ACTIVITY: Duration = Duration::from_micros(25);
-/// While a writable is live, a progress call longer than this may have taken in a burst of a
-/// peer's write (an idle call takes about a microsecond, one that takes in a burst over TCP 15-25,
-/// measured on the 2-core VM): the transport is then progressed again soon
+/// While a writable is live, draining the exposers' notifications with more CPU time than this
+/// took in a burst of a peer's write (an idle drain uses about a microsecond, one that takes in a
+/// burst over TCP 15-25, measured on the 2-core VM): the transport is then progressed again soon
 /// ([`Transport::did_work`]), without keeping the engine hot. Backing off to the progress delay
-/// between bursts instead held a 64 MiB write over TCP to 1.13-1.30x raw NIXL's time.
+/// between bursts instead held a 64 MiB write over TCP to 1.13-1.30x raw NIXL's time. CPU time,
+/// not the wall clock: a drain preempted, or run cold after a sleep, is not work, and taking it
+/// for work would keep an idle writable's engine waking every 20 us.
 const RECEIVING: Duration = Duration::from_micros(10);
+
+/// The CPU time this thread has used so far (zero if the clock cannot be read).
+fn thread_cpu_time() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map(Duration::from)
+        .unwrap_or_default()
+}
 
 struct Exposer {
     agent: NixlAgent,
@@ -307,8 +316,8 @@ pub(crate) struct NixlTransport {
     /// The last progress call was slow with nothing to show for it: progress again at once, and
     /// count it as work if that one is slow too.
     recheck: bool,
-    /// The last progress call was slow (see [`RECEIVING`]) while a peer may have been writing
-    /// into this process.
+    /// The last progress call's drain used CPU time (see [`RECEIVING`]) while a peer may have been
+    /// writing into this process.
     slow_receiving: bool,
     stats: EngineStats,
 }
@@ -791,7 +800,14 @@ impl Transport for NixlTransport {
                 }
             }
         }
+        self.slow_receiving = false;
         if self.polling() != Polling::Never {
+            // Only a writable's bytes come in at the peer's pace, so only then does a short
+            // schedule pay (a readable's owner sends faster over TCP when progressed less often),
+            // and only then is this thread's CPU clock read (a system call).
+            let receiving =
+                !self.exposer.writables.is_empty() || self.retired.values().any(|e| !e.writables.is_empty());
+            let cpu0 = receiving.then(thread_cpu_time);
             let mut buf = std::mem::take(&mut self.notif_buf);
             for e in std::iter::once(&self.exposer).chain(self.retired.values()) {
                 if let Err(err) = e.agent.notifications(&mut buf) {
@@ -809,15 +825,11 @@ impl Transport for NixlTransport {
                 }
             }
             self.notif_buf = buf;
+            self.slow_receiving = cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > RECEIVING);
         }
-        let took = t0.elapsed();
-        let slow = took > ACTIVITY;
+        let slow = t0.elapsed() > ACTIVITY;
         let busy = event || (slow && self.recheck);
         self.recheck = slow && !busy;
-        // Only a writable's bytes come in at the peer's pace, so only then does a short schedule
-        // pay: a readable's owner sends faster over TCP when it is progressed less often.
-        self.slow_receiving = took > RECEIVING
-            && (!self.exposer.writables.is_empty() || self.retired.values().any(|e| !e.writables.is_empty()));
         busy
     }
 
