@@ -206,6 +206,20 @@ async def test_timeout_is_typed(nc):
             await op.wait_for_completion(timeout="1")
 
 
+async def test_timeout_longer_than_any_duration_is_no_limit(nc):
+    # 1e300 seconds is finite but past what a Rust Duration holds: it waits without a limit,
+    # like inf or None (it once raised a PanicException from the core).
+    a = nc.Connector()
+    with await a.create_writable(nc.Descriptor(bytearray(64))) as op:
+        waiter = asyncio.ensure_future(op.wait_for_completion(timeout=1e300))
+        await asyncio.sleep(0.1)
+        assert not waiter.done(), waiter.exception() if waiter.done() else None
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert op.status == nc.OperationStatus.INITIALIZED
+
+
 async def test_wait_after_passive_release_times_out(nc):
     a = nc.Connector()
     op = await a.create_readable(nc.Descriptor(bytearray(64)))

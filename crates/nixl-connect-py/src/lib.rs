@@ -157,10 +157,12 @@ fn descriptors(descs: Vec<PyDesc>) -> PyResult<Vec<Descriptor<'static>>> {
         .collect()
 }
 
+/// A wait's limit from Python's seconds: `None` (and a finite number of seconds past what a
+/// `Duration` holds, like Python's `inf`) waits without one.
 fn timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
     match t {
         None => Ok(None),
-        Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) if s.is_finite() && s >= 0.0 => Ok(Duration::try_from_secs_f64(s).ok()),
         Some(s) => Err(invalid(format!("timeout {s} is not a number of seconds >= 0"))),
     }
 }
