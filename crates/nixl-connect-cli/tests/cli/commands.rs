@@ -331,11 +331,7 @@ fn cli_read_deadline_holds_when_the_server_is_stopped() {
         }
         let mut peer = Passive::start(c);
         let md = peer.metadata_file(&dir);
-        // SAFETY: kill(2) on our own child's pid.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(peer.child.id() as i32, libc::SIGSTOP)
-        };
+        crate::stop::signal(peer.child.id(), libc::SIGSTOP);
         let out = dir.join("out");
         let mut r = cli();
         r.args(["read", "--timeout", "3", "--path", path, "--metadata"])
@@ -346,11 +342,7 @@ fn cli_read_deadline_holds_when_the_server_is_stopped() {
             r.env("UCX_TLS", tls);
         }
         let (o, took) = run(r, Duration::from_secs(30));
-        // SAFETY: as above.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(peer.child.id() as i32, libc::SIGCONT);
-        };
+        crate::stop::signal(peer.child.id(), libc::SIGCONT);
         let _ = peer.child.kill();
         let l = one_line(&o);
         assert_eq!(o.status.code(), Some(3), "{path}: {l}");

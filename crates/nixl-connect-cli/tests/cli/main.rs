@@ -4,4 +4,6 @@
 mod commands;
 mod interop;
 mod sendrecv;
+#[path = "../../../nixl-connect/tests/integration/stop.rs"]
+pub(crate) mod stop;
 mod support;

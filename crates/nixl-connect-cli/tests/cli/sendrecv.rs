@@ -322,11 +322,7 @@ fn cli_recv_deadline_holds_when_the_sender_is_stopped() {
             vec![("UCX_TLS", tls)]
         };
         let s = Sender::start(&file, &env);
-        // SAFETY: kill(2) on our own child's pid.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(s.child.id() as i32, libc::SIGSTOP)
-        };
+        crate::stop::signal(s.child.id(), libc::SIGSTOP);
         let mut r = cli();
         r.args(["recv", &s.url, "--timeout", "3", "-o"])
             .arg(dir.join("out"));
@@ -334,12 +330,8 @@ fn cli_recv_deadline_holds_when_the_sender_is_stopped() {
             r.env(k, v);
         }
         let (o, took) = run(r, Duration::from_secs(30));
-        // SAFETY: as above.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::kill(s.child.id() as i32, libc::SIGCONT);
-            libc::kill(s.child.id() as i32, libc::SIGKILL);
-        };
+        crate::stop::signal(s.child.id(), libc::SIGCONT);
+        crate::stop::signal(s.child.id(), libc::SIGKILL);
         assert_eq!(o.status.code(), Some(3), "UCX_TLS={tls}: {}", stderr(&o));
         assert!(took < Duration::from_secs(6), "UCX_TLS={tls}: took {took:?}");
         assert!(!dir.join("out").exists());

@@ -87,10 +87,7 @@ impl Etcd {
     }
 
     fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on our own child's pid.
-        #[allow(unsafe_code)]
-        let r = unsafe { libc::kill(self.child.id() as i32, sig) };
-        assert_eq!(r, 0);
+        crate::stop::signal(self.child.id(), sig);
     }
 }
 

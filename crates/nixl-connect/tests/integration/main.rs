@@ -15,5 +15,6 @@ mod local;
 mod soak;
 mod soundness;
 mod stall;
+pub(crate) mod stop;
 mod support;
 mod untrusted;

@@ -166,12 +166,9 @@ impl Peer {
         }
     }
 
-    /// Sends a signal to the peer (SIGSTOP, SIGCONT, SIGKILL).
+    /// Sends a signal to the peer (SIGSTOP, SIGCONT, SIGKILL); SIGSTOP returns once it is stopped.
     pub(crate) fn signal(&self, sig: i32) {
-        // SAFETY: kill(2) on our own child's pid.
-        #[allow(unsafe_code)]
-        let r = unsafe { libc::kill(self.child.id() as i32, sig) };
-        assert_eq!(r, 0, "signalling the peer");
+        crate::stop::signal(self.child.id(), sig);
     }
 
     pub(crate) fn finish(mut self) {
