@@ -12,6 +12,10 @@ after the first 10, which connect):
   it back (`RdmaMetadata.model_validate`), reads into a fresh `Descriptor` over its tensor inside a
   gathered task, and the sender's cleanup awaits the readable under `asyncio.wait_for(gather(...,
   return_exceptions=True))` before releasing it.
+- `caller`: the `dynamo` pattern's own steps (the tensor, `model_dump`/`model_validate` of one
+  `RdmaMetadata`, the gathered task, `wait_for(gather(...))`) with each call into the module
+  replaced by an awaitable that is already complete: the floor any implementation of the module
+  sits on under this caller. Not a measurement of either module: it runs for `nixl_connect` only.
 
     python scripts/bench_python_ops.py [RUNS] [ITERS]   -> JSON lines, then a table on stderr
 
@@ -33,13 +37,13 @@ RUST = os.environ.get("IN_PROCESS_PAIR",
                       os.path.join(ROOT, "target", "release", "examples", "in_process_pair"))
 MODULES = ("nixl_connect", "dynamo.nixl_connect")
 LOOPS = ("asyncio", "uvloop")
-PATTERNS = ("plain", "dynamo")
+PATTERNS = ("plain", "dynamo", "caller")
 
 ONE = r"""
 import asyncio, importlib, json, statistics, sys, time
 module, loop_kind, pattern, iters = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 nc = importlib.import_module(module)
-if pattern == "dynamo":
+if pattern in ("dynamo", "caller"):
     import torch
 
 async def plain(a, b, src, dst):
@@ -66,12 +70,32 @@ async def dynamo(a, b, payload, dst):
                            timeout=30)
     readable.__exit__(None, None, None)
 
+async def _complete(value=None):
+    return value
+
+async def caller(a, b, payload, dst):
+    # Dynamo's caller with every call into the module replaced by an awaitable already complete
+    # (and the readable's metadata made once): what the pattern costs before any implementation.
+    tensor = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    await _complete(tensor)
+    request = SAMPLE.model_dump()
+    rm = nc.RdmaMetadata.model_validate(request)
+    async def do_read(rm=rm, d=dst):
+        await _complete(rm)
+        await _complete(d)
+    await asyncio.gather(do_read())
+    await asyncio.wait_for(asyncio.gather(_complete(), return_exceptions=True), timeout=30)
+
 async def main():
+    global SAMPLE
     a, b = nc.Connector(), nc.Connector()
     if pattern == "plain":
         src, dst, one = bytearray(b"x" * 4096), bytearray(4096), plain
     else:
         src, dst, one = b"x" * 4096, torch.zeros(4096, dtype=torch.uint8), dynamo
+    if pattern == "caller":
+        r = await a.create_readable(nc.Descriptor(src))
+        SAMPLE, one = r.metadata(), caller
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -134,6 +158,8 @@ def main():
         for pattern in PATTERNS:
             for loop_kind in LOOPS:
                 for module in modules:
+                    if pattern == "caller" and module != "nixl_connect":
+                        continue
                     n = iters if module == "nixl_connect" else max(20, iters // 10)
                     us = one(module, loop_kind, pattern, n)
                     rows.setdefault((pattern, loop_kind, module), []).append(us)
@@ -148,6 +174,10 @@ def main():
     for pattern in PATTERNS:
         for loop_kind in LOOPS:
             ours = rows[(pattern, loop_kind, "nixl_connect")]
+            if pattern == "caller":
+                print(f"  {pattern:7s} {loop_kind:8s} (no module) {statistics.median(ours):9.1f} "
+                      f"{sorted(ours)}", file=sys.stderr)
+                continue
             dyn = rows.get((pattern, loop_kind, "dynamo.nixl_connect"))
             theirs = f"   dynamo.nixl_connect {statistics.median(dyn):8.1f}" if dyn else ""
             print(f"  {pattern:7s} {loop_kind:8s} nixl_connect {statistics.median(ours):8.1f} {sorted(ours)}"
