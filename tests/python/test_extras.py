@@ -358,3 +358,28 @@ def test_tensor_is_duck_typed(nc):
     assert (d.ptr, d.size, str(d.device)) == (backing.__array_interface__["data"][0], 64, "cpu")
     Dev.type, Dev.index = "cuda", 1
     assert str(nc.Descriptor(FakeTensor()).device) == "cuda:1"
+
+
+async def test_exposures_over_fresh_memory_resolve_once_whichever_way(nc):
+    """An exposure the engine answers while the caller waits for it resolves at the call; one it
+    answers later resolves through the loop. Either way each resolves once, with its own memory:
+    a task run during the wait stays queued for the loop, whose later run must not resolve it
+    again (the loop's exception handler would hear of it)."""
+    loop = asyncio.get_running_loop()
+    heard = []
+    loop.set_exception_handler(lambda _loop, context: heard.append(context))
+    a, b = nc.Connector(), nc.Connector()
+    try:
+        for i in range(300):
+            src = bytearray(pattern(4096, i))  # fresh memory every time
+            readable = await a.create_readable(nc.Descriptor(src))
+            dst = bytearray(4096)
+            with await b.begin_read(readable.metadata(), nc.Descriptor(dst)) as op:
+                await waited(op.wait_for_completion())
+            await waited(readable.wait_for_completion())
+            readable.__exit__(None, None, None)
+            assert dst == src, f"exposure {i} moved other bytes"
+        await asyncio.sleep(0.01)  # the loop's last drains run
+    finally:
+        loop.set_exception_handler(None)
+    assert not heard, heard[:3]

@@ -30,7 +30,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nixl_connect::{
     Descriptor, Device, Error, ErrorKind, RdmaMetadata, ReadOperation, ReadableOperation, WritableOperation,
@@ -298,7 +298,7 @@ impl Connector {
     fn create_readable<'py>(&self, py: Python<'py>, descs: Vec<PyDesc>) -> PyResult<Bound<'py, PyAny>> {
         let descs = descriptors(descs)?;
         let conn = self.inner.get()?.clone();
-        spawn(py, async move {
+        spawn_local(py, async move {
             let op = conn.create_readable(descs).await?;
             Ok(Outcome::Passive(Passive::new(PassiveOp::Readable(op))))
         })
@@ -307,7 +307,7 @@ impl Connector {
     fn create_writable<'py>(&self, py: Python<'py>, descs: Vec<PyDesc>) -> PyResult<Bound<'py, PyAny>> {
         let descs = descriptors(descs)?;
         let conn = self.inner.get()?.clone();
-        spawn(py, async move {
+        spawn_local(py, async move {
             let op = conn.create_writable(descs).await?;
             Ok(Outcome::Passive(Passive::new(PassiveOp::Writable(op))))
         })
@@ -627,6 +627,21 @@ impl Wake for Task {
 }
 
 impl Task {
+    /// Whether the task is woken within `limit` (checked between yields of this thread's core;
+    /// called without the GIL).
+    fn woken_within(&self, limit: Duration) -> bool {
+        let until = Instant::now() + limit;
+        loop {
+            if self.queued.load(Ordering::Acquire) {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+
     /// Polls the future (on the loop's thread, GIL held; polls never block); resolves the asyncio
     /// future once it is ready.
     fn run(self: &Arc<Self>, py: Python<'_>, rt: &tokio::runtime::Runtime) {
@@ -786,6 +801,28 @@ fn spawn<'py, F>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,
 {
+    spawn_within(py, work, None)
+}
+
+/// The longest the loop's thread waits, its GIL released, for work only this process's engine
+/// does (an exposure: registering the memory and making its metadata) before it hands the loop a
+/// pending future instead.
+const LOCAL_WAIT: Duration = Duration::from_micros(50);
+
+/// [`spawn`] for work that no peer takes part in: when the engine has not answered by the time the
+/// asyncio future is made, the loop's thread waits up to [`LOCAL_WAIT`] for it (yielding its core
+/// to the engine), which spares the loop the wake-up of its thread and two of its turns.
+fn spawn_local<'py, F>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
+where
+    F: Future<Output = Result<Outcome, Error>> + Send + 'static,
+{
+    spawn_within(py, work, Some(LOCAL_WAIT))
+}
+
+fn spawn_within<'py, F>(py: Python<'py>, work: F, local: Option<Duration>) -> PyResult<Bound<'py, PyAny>>
+where
+    F: Future<Output = Result<Outcome, Error>> + Send + 'static,
+{
     static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     // No running loop (a call outside a coroutine) raises here, before anything has started.
     let event_loop = GET_RUNNING_LOOP
@@ -816,6 +853,11 @@ where
         queue,
     });
     task.run(py, rt);
+    if let Some(limit) = local {
+        if !future.call_method0("done")?.is_truthy()? && py.detach(|| task.woken_within(limit)) {
+            task.run(py, rt);
+        }
+    }
     if !future.call_method0("done")?.is_truthy()? {
         future.call_method1("add_done_callback", (Abort(task),))?;
     }
