@@ -360,11 +360,11 @@ def test_tensor_is_duck_typed(nc):
     assert str(nc.Descriptor(FakeTensor()).device) == "cuda:1"
 
 
-async def test_exposures_over_fresh_memory_resolve_once_whichever_way(nc):
-    """An exposure the engine answers while the caller waits for it resolves at the call; one it
-    answers later resolves through the loop. Either way each resolves once, with its own memory:
-    a task run during the wait stays queued for the loop, whose later run must not resolve it
-    again (the loop's exception handler would hear of it)."""
+async def test_exposures_and_small_reads_resolve_once_whichever_way(nc):
+    """An exposure, or the wait of a small read, that the engine answers while the caller waits at
+    the call resolves there; one answered later resolves through the loop. Either way each
+    resolves once, with its own memory: a task run during the wait stays queued for the loop,
+    whose later run must not resolve it again (the loop's exception handler would hear of it)."""
     loop = asyncio.get_running_loop()
     heard = []
     loop.set_exception_handler(lambda _loop, context: heard.append(context))

@@ -33,8 +33,8 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use nixl_connect::{
-    Descriptor, Device, Error, ErrorKind, RdmaMetadata, ReadOperation, ReadableOperation, WritableOperation,
-    WriteOperation,
+    Descriptor, Device, Error, ErrorKind, RdmaMetadata, ReadOperation, ReadableOperation, TransferPath,
+    WritableOperation, WriteOperation,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -321,10 +321,11 @@ impl Connector {
     ) -> PyResult<Bound<'py, PyAny>> {
         let md: RdmaMetadata = metadata_json.parse().map_err(err)?;
         let descs = descriptors(descs)?;
+        let quick = is_quick(&descs);
         let conn = self.inner.get()?.clone();
         spawn(py, async move {
             let op = conn.begin_read(&md, descs).await?;
-            Ok(Outcome::Active(Active::new(ActiveOp::Read(op))))
+            Ok(Outcome::Active(Active::new(ActiveOp::Read(op), quick)))
         })
     }
 
@@ -336,10 +337,11 @@ impl Connector {
     ) -> PyResult<Bound<'py, PyAny>> {
         let md: RdmaMetadata = metadata_json.parse().map_err(err)?;
         let descs = descriptors(descs)?;
+        let quick = is_quick(&descs);
         let conn = self.inner.get()?.clone();
         spawn(py, async move {
             let op = conn.begin_write(descs, &md).await?;
-            Ok(Outcome::Active(Active::new(ActiveOp::Write(op))))
+            Ok(Outcome::Active(Active::new(ActiveOp::Write(op), quick)))
         })
     }
 }
@@ -470,12 +472,15 @@ impl ActiveOp {
         }
     }
 
-    fn path(&self) -> Option<String> {
+    fn path_taken(&self) -> Option<TransferPath> {
         match self {
             ActiveOp::Read(o) => o.path(),
             ActiveOp::Write(o) => o.path(),
         }
-        .map(|p| p.to_string())
+    }
+
+    fn path(&self) -> Option<String> {
+        self.path_taken().map(|p| p.to_string())
     }
 
     fn cancel(&self) {
@@ -493,18 +498,32 @@ impl ActiveOp {
     }
 }
 
+/// The most bytes an active operation over host memory moves for its wait to count as quick
+/// (see [`Active::wait`]): on the same-host path such an operation takes one round trip between
+/// two engines (8 KiB or less travel in the frames; up to this, one `process_vm_readv`).
+const QUICK_BYTES: usize = 64 << 10;
+
+/// Whether an active operation over `descs` is small and over host memory only.
+fn is_quick(descs: &[Descriptor<'_>]) -> bool {
+    descs.iter().all(|d| d.device() == Device::Host)
+        && descs.iter().map(Descriptor::size).sum::<usize>() <= QUICK_BYTES
+}
+
 /// A read or a write: moving data to or from a peer's passive operation.
 #[pyclass(frozen, module = "nixl_connect._core")]
 struct Active {
     op: Owned<Mutex<Option<Arc<ActiveOp>>>>,
     last: Mutex<(u8, Option<String>)>,
+    /// Small and over host memory: a wait may wait briefly at the call (see [`Active::wait`]).
+    quick: bool,
 }
 
 impl Active {
-    fn new(op: ActiveOp) -> Self {
+    fn new(op: ActiveOp, quick: bool) -> Self {
         Self {
             last: Mutex::new((op.status(), None)),
             op: Owned::new(Mutex::new(Some(Arc::new(op)))),
+            quick,
         }
     }
 
@@ -531,16 +550,29 @@ impl Active {
     }
 
     /// Waits for the transfer (`timeout` in seconds, None: no limit); cancel safe.
+    ///
+    /// A small operation over host memory that has not taken the NIXL path ([`QUICK_BYTES`]: one
+    /// round trip on the same-host path) is waited for at the call for up to [`LOCAL_WAIT`] (or
+    /// `timeout`, if shorter), the GIL released, for as long as it does not turn out to take NIXL.
     #[pyo3(signature = (timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
         let t = self::timeout(timeout)?;
         let op = self.get()?;
-        spawn(py, async move {
+        let watched = op.clone().filter(|_| self.quick);
+        let work = async move {
             match op {
                 Some(op) => op.wait(t).await.map(|()| Outcome::Done),
                 None => Err(Error::Cancelled),
             }
-        })
+        };
+        match watched {
+            Some(op) => {
+                let limit = t.map_or(LOCAL_WAIT, |t| t.min(LOCAL_WAIT));
+                let quick = move || op.path_taken() != Some(TransferPath::Nixl);
+                spawn_within(py, work, Some((limit, &quick)))
+            }
+            None => spawn(py, work),
+        }
     }
 
     fn cancel(&self) -> PyResult<()> {
@@ -627,15 +659,15 @@ impl Wake for Task {
 }
 
 impl Task {
-    /// Whether the task is woken within `limit` (checked between yields of this thread's core;
-    /// called without the GIL).
-    fn woken_within(&self, limit: Duration) -> bool {
+    /// Whether the task is woken within `limit`, while `keep` holds (both checked between yields
+    /// of this thread's core; called without the GIL).
+    fn woken_within(&self, limit: Duration, keep: &(dyn Fn() -> bool + Sync)) -> bool {
         let until = Instant::now() + limit;
         loop {
             if self.queued.load(Ordering::Acquire) {
                 return true;
             }
-            if Instant::now() >= until {
+            if Instant::now() >= until || !keep() {
                 return false;
             }
             std::thread::yield_now();
@@ -816,10 +848,14 @@ fn spawn_local<'py, F>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,
 {
-    spawn_within(py, work, Some(LOCAL_WAIT))
+    spawn_within(py, work, Some((LOCAL_WAIT, &|| true)))
 }
 
-fn spawn_within<'py, F>(py: Python<'py>, work: F, local: Option<Duration>) -> PyResult<Bound<'py, PyAny>>
+/// How long the loop's thread may wait at the call, and while what holds.
+type LocalWait<'a> = Option<(Duration, &'a (dyn Fn() -> bool + Sync))>;
+
+/// [`spawn`], waiting at the call as `local` says (see [`spawn_local`]).
+fn spawn_within<'py, F>(py: Python<'py>, work: F, local: LocalWait<'_>) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,
 {
@@ -853,8 +889,8 @@ where
         queue,
     });
     task.run(py, rt);
-    if let Some(limit) = local {
-        if !future.call_method0("done")?.is_truthy()? && py.detach(|| task.woken_within(limit)) {
+    if let Some((limit, keep)) = local {
+        if !future.call_method0("done")?.is_truthy()? && py.detach(|| task.woken_within(limit, keep)) {
             task.run(py, rt);
         }
     }
