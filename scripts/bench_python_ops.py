@@ -163,7 +163,8 @@ def main():
                     n = iters if module == "nixl_connect" else max(20, iters // 10)
                     us = one(module, loop_kind, pattern, n)
                     rows.setdefault((pattern, loop_kind, module), []).append(us)
-                    print(json.dumps({"run": run, "bench": "python_4KiB_in_process", "module": module,
+                    print(json.dumps({"run": run, "bench": "python_4KiB_in_process",
+                                      "module": None if pattern == "caller" else module,
                                       "loop": loop_kind, "pattern": pattern, "iters": n,
                                       "median_us": us}), flush=True)
     print(f"\n4 KiB, both sides in one process: medians of {runs} runs (run medians in brackets), us",

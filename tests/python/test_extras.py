@@ -360,6 +360,9 @@ def test_tensor_is_duck_typed(nc):
     assert str(nc.Descriptor(FakeTensor()).device) == "cuda:1"
 
 
+# A second result set on an asyncio future (an InvalidStateError inside the loop's reader callback)
+# reaches sys.unraisablehook or the loop's exception handler: either fails the test.
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 async def test_exposures_and_small_reads_resolve_once_whichever_way(nc):
     """An exposure, or the wait of a small read, that the engine answers while the caller waits at
     the call resolves there; one answered later resolves through the loop. Either way each
@@ -369,17 +372,27 @@ async def test_exposures_and_small_reads_resolve_once_whichever_way(nc):
     heard = []
     loop.set_exception_handler(lambda _loop, context: heard.append(context))
     a, b = nc.Connector(), nc.Connector()
+    core_a = (await a._create_connection())._core
+    core_b = (await b._create_connection())._core
+    at_call = {"exposure": 0, "wait": 0}
     try:
         for i in range(300):
             src = bytearray(pattern(4096, i))  # fresh memory every time
-            readable = await a.create_readable(nc.Descriptor(src))
             dst = bytearray(4096)
-            with await b.begin_read(readable.metadata(), nc.Descriptor(dst)) as op:
-                await waited(op.wait_for_completion())
-            await waited(readable.wait_for_completion())
-            readable.__exit__(None, None, None)
+            pending = core_a.create_readable([nc.Descriptor(src)._core_desc()])
+            at_call["exposure"] += pending.done()
+            readable = await pending
+            op = await core_b.begin_read(readable.metadata_json(), [nc.Descriptor(dst)._core_desc()])
+            pending = op.wait(30.0)
+            at_call["wait"] += pending.done()
+            await waited(pending)
+            await waited(readable.wait(30.0))
+            readable.release()
+            op.release()
             assert dst == src, f"exposure {i} moved other bytes"
         await asyncio.sleep(0.01)  # the loop's last drains run
     finally:
         loop.set_exception_handler(None)
     assert not heard, heard[:3]
+    # Which way each went depends on the machine's load: reported, not asserted.
+    print(f"resolved at the call, of 300: {at_call}")

@@ -498,12 +498,13 @@ impl ActiveOp {
     }
 }
 
-/// The most bytes an active operation over host memory moves for its wait to count as quick
+/// The most bytes an active operation over local host memory moves for its wait to count as quick
 /// (see [`Active::wait`]): on the same-host path such an operation takes one round trip between
 /// two engines (8 KiB or less travel in the frames; up to this, one `process_vm_readv`).
 const QUICK_BYTES: usize = 64 << 10;
 
-/// Whether an active operation over `descs` is small and over host memory only.
+/// Whether an active operation over `descs` (its local memory) is small and over host memory
+/// only. Remote device memory takes NIXL, which ends the wait at the call as soon as it is known.
 fn is_quick(descs: &[Descriptor<'_>]) -> bool {
     descs.iter().all(|d| d.device() == Device::Host)
         && descs.iter().map(Descriptor::size).sum::<usize>() <= QUICK_BYTES
@@ -660,7 +661,8 @@ impl Wake for Task {
 
 impl Task {
     /// Whether the task is woken within `limit`, while `keep` holds (both checked between yields
-    /// of this thread's core; called without the GIL).
+    /// of this thread's core, so an engine thread that shares it runs; on a busy host one yield
+    /// may take a time slice).
     fn woken_within(&self, limit: Duration, keep: &(dyn Fn() -> bool + Sync)) -> bool {
         let until = Instant::now() + limit;
         loop {
@@ -836,8 +838,9 @@ where
     spawn_within(py, work, None)
 }
 
-/// The longest the loop's thread waits, its GIL released, for work only this process's engine
-/// does (an exposure: registering the memory and making its metadata) before it hands the loop a
+/// The longest the loop's thread waits at the call for an answer that takes no more than one turn
+/// of this process's engine (an exposure: registering the memory and making its metadata) or one
+/// round trip between two engines (a small same-host operation), before it hands the loop a
 /// pending future instead.
 const LOCAL_WAIT: Duration = Duration::from_micros(50);
 
@@ -890,7 +893,9 @@ where
     });
     task.run(py, rt);
     if let Some((limit, keep)) = local {
-        if !future.call_method0("done")?.is_truthy()? && py.detach(|| task.woken_within(limit, keep)) {
+        // The GIL stays held: no thread of the module takes it, and releasing it could hand it to
+        // another Python thread for a whole switch interval (5 ms) before this one got it back.
+        if !future.call_method0("done")?.is_truthy()? && task.woken_within(limit, keep) {
             task.run(py, rt);
         }
     }

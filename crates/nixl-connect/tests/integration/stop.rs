@@ -20,24 +20,39 @@ pub(crate) fn signal(pid: u32, sig: i32) {
         return;
     }
     let t0 = Instant::now();
-    while !stopped(pid) {
-        assert!(
-            t0.elapsed() < STOP_LIMIT,
-            "{pid} did not stop within {STOP_LIMIT:?}"
-        );
+    loop {
+        let states = states(pid);
+        if !states.is_empty() && states.iter().all(|&c| c == 'T') {
+            return;
+        }
+        let exited = states.is_empty() || states.iter().any(|&c| matches!(c, 'Z' | 'X'));
+        if exited || t0.elapsed() >= STOP_LIMIT {
+            // SAFETY: kill(2) on our own child's pid: a child left stopped would outlive the test.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::kill(pid as i32, libc::SIGKILL)
+            };
+            if exited {
+                panic!("{pid} exited before it could be stopped (thread states {states:?})");
+            }
+            panic!("{pid} did not stop within {STOP_LIMIT:?} (thread states {states:?})");
+        }
         std::thread::sleep(Duration::from_millis(1));
     }
 }
 
-/// Whether every thread of `pid` is in the stopped state (`T` in `/proc/PID/task/TID/stat`).
-fn stopped(pid: u32) -> bool {
+/// The state letter of each thread of `pid` (`/proc/PID/task/TID/stat`: `T` stopped, `Z` zombie);
+/// none when the process is gone.
+fn states(pid: u32) -> Vec<char> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return false;
+        return Vec::new();
     };
-    tasks.flatten().all(|t| {
-        std::fs::read_to_string(t.path().join("stat")).is_ok_and(|s| {
+    tasks
+        .flatten()
+        .filter_map(|t| {
+            let s = std::fs::read_to_string(t.path().join("stat")).ok()?;
             // The state follows the ")" that closes the command name (which may hold spaces).
-            s.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('T'))
+            s.rsplit_once(") ")?.1.chars().next()
         })
-    })
+        .collect()
 }
