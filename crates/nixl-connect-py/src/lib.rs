@@ -554,7 +554,7 @@ impl Active {
     ///
     /// A small operation over host memory that has not taken the NIXL path ([`QUICK_BYTES`]: one
     /// round trip on the same-host path) is waited for at the call for up to [`LOCAL_WAIT`] (or
-    /// `timeout`, if shorter), the GIL released, for as long as it does not turn out to take NIXL.
+    /// `timeout`, if shorter), the GIL held, for as long as it does not turn out to take NIXL.
     #[pyo3(signature = (timeout=None))]
     fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
         let t = self::timeout(timeout)?;
@@ -663,7 +663,7 @@ impl Task {
     /// Whether the task is woken within `limit`, while `keep` holds (both checked between yields
     /// of this thread's core, so an engine thread that shares it runs; on a busy host one yield
     /// may take a time slice).
-    fn woken_within(&self, limit: Duration, keep: &(dyn Fn() -> bool + Sync)) -> bool {
+    fn woken_within(&self, limit: Duration, keep: &dyn Fn() -> bool) -> bool {
         let until = Instant::now() + limit;
         loop {
             if self.queued.load(Ordering::Acquire) {
@@ -855,7 +855,7 @@ where
 }
 
 /// How long the loop's thread may wait at the call, and while what holds.
-type LocalWait<'a> = Option<(Duration, &'a (dyn Fn() -> bool + Sync))>;
+type LocalWait<'a> = Option<(Duration, &'a dyn Fn() -> bool)>;
 
 /// [`spawn`], waiting at the call as `local` says (see [`spawn_local`]).
 fn spawn_within<'py, F>(py: Python<'py>, work: F, local: LocalWait<'_>) -> PyResult<Bound<'py, PyAny>>
