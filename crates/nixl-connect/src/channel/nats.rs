@@ -15,6 +15,10 @@ use super::MAX_DOCUMENT;
 use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::RdmaMetadata;
 
+/// How long [`NatsChannel::publish`] waits for its own subscription to answer when the client has
+/// no request timeout.
+const PROOF_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The subject prefix of published metadata.
 pub const SUBJECT_PREFIX: &str = "nixl-connect.md.";
 
@@ -52,8 +56,13 @@ impl NatsChannel {
 
     /// Publishes `md` on a fresh subject; answered until the returned guard is dropped.
     ///
+    /// Returns once the server answers requests on the subject: publish subscribes, then requests
+    /// the document itself (one round trip to the server), so a peer's fetch that starts after
+    /// this returns cannot miss the subscription.
+    ///
     /// # Errors
-    /// [`Error::Channel`] when the subscription fails.
+    /// [`Error::Channel`] when the subscription fails; [`Error::TimedOut`] when the server does
+    /// not route the proof request within the client's request timeout.
     ///
     /// # Cancel safety
     /// Cancel safe.
@@ -64,8 +73,6 @@ impl NatsChannel {
             .subscribe(subject.clone())
             .await
             .map_err(|e| chan("subscribe", e))?;
-        // Make sure the server has the subscription before the subject is handed out.
-        self.client.flush().await.map_err(|e| chan("flush", e))?;
         let body = bytes::Bytes::from(md.to_json());
         let client = self.client.clone();
         let task = tokio::spawn(async move {
@@ -77,7 +84,32 @@ impl NatsChannel {
                 }
             }
         });
-        Ok(NatsPublication { subject, task })
+        let publication = NatsPublication { subject, task };
+        // The subject may be handed out only once the server routes requests on it. A flush only
+        // empties the client's write buffer; the server may not have read the subscription yet,
+        // and a peer's request in that window fails with "no responders" (seen in CI). The server
+        // handles one connection's operations in order, so a request of our own on the subject,
+        // answered by the task above, proves the subscription is live for every connection.
+        let timeout = self.client.timeout().unwrap_or(PROOF_TIMEOUT);
+        match tokio::time::timeout(
+            timeout,
+            self.client
+                .request(publication.subject.clone(), bytes::Bytes::new()),
+        )
+        .await
+        {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) if e.kind() != async_nats::RequestErrorKind::TimedOut => {
+                return Err(chan("request on the fresh subscription", e))
+            }
+            _ => {
+                return Err(Error::TimedOut {
+                    after: timeout,
+                    peer: None,
+                })
+            }
+        }
+        Ok(publication)
     }
 
     /// Fetches and validates the metadata published on `subject`.

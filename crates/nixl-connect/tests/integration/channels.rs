@@ -186,6 +186,25 @@ mod nats {
         );
     }
 
+    /// The race CI met: a peer's fetch that starts the moment `publish` returns, on another
+    /// connection, must find the subscription (a client flush alone does not wait for the server).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn channel_nats_fetch_right_after_publish_is_answered() {
+        let server = NatsServer::start();
+        let a = Connector::new().unwrap();
+        let publisher = NatsChannel::connect(&server.url, T).await.unwrap();
+        let fetcher = NatsChannel::connect(&server.url, T).await.unwrap();
+        let (_r, md) = readable_and_reader(&a).await;
+        for i in 0..500 {
+            let publication = publisher.publish(&md).await.unwrap();
+            let fetched = fetcher
+                .fetch(publication.subject(), T)
+                .await
+                .unwrap_or_else(|e| panic!("publication {i}: {e}"));
+            assert_eq!(fetched, md);
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn channel_nats_server_gone_is_an_error_not_a_hang() {
         let mut server = NatsServer::start();
