@@ -211,6 +211,11 @@ impl LocalTransport {
                             .is_some_and(|w| (w.0, w.1, w.2) == (conn, slot, gen))
                         {
                             s.writer = None;
+                            // Completed or torn, the writable has ended from here on: a request
+                            // heard later in this turn, before the engine applies the event,
+                            // finds it done (it used to find no writer and start a copy into the
+                            // memory of an operation that had just completed).
+                            s.done = !matches!(r, Err(CopyError::NotStarted));
                             match &r {
                                 Ok(()) if same => out.push(Event::PassiveCompleted { key: key.clone() }),
                                 // The writer cancelled before the copy began: nothing was touched.

@@ -240,8 +240,9 @@ pub(super) struct Scope {
     pub(super) grants: HashSet<(ConnId, u32, u64)>,
     /// The writer copying into it now: `(connection, slot, generation, cancel)`.
     pub(super) writer: Option<(ConnId, u32, u64, Arc<AtomicBool>)>,
-    /// An eager operation completed it this turn (the engine applies the completion after the
-    /// turn): later requests are refused as if it had ended.
+    /// An operation completed (or tore) it this turn: an eager answer, a reader's `ReadDone`, the
+    /// end of a writer's copy. The engine applies the completion after the turn; requests heard
+    /// before then are refused as if it had ended.
     pub(super) done: bool,
 }
 

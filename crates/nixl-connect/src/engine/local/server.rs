@@ -262,11 +262,12 @@ impl LocalTransport {
         if !s.grants.contains(&(i, slot, gen)) {
             return;
         }
-        self.scopes
-            .get_mut(&key)
-            .expect("found")
-            .grants
-            .remove(&(i, slot, gen));
+        let s = self.scopes.get_mut(&key).expect("found");
+        s.grants.remove(&(i, slot, gen));
+        if ok {
+            // Completed: a request heard later in this turn finds it done.
+            s.done = true;
+        }
         self.ungrant(i);
         if ok {
             out.push(Event::PassiveCompleted { key });
@@ -397,6 +398,125 @@ mod tests {
         }
     }
 
+    /// The grant path's completions end the operation for the rest of the engine's turn: a request
+    /// heard after a reader's `Done` in the same read, or after a writer's copy ended, is refused
+    /// as not live. Before, the engine (which applies the completion only after the turn) granted
+    /// the second read, and let the second write start a copy into (or take NIXL to) the memory of
+    /// a writable that had just completed.
+    #[test]
+    fn server_grant_path_completions_end_the_operation_within_the_turn() {
+        for write in [false, true] {
+            let poller = Poller::new().unwrap();
+            let mut p = Pair::new(0);
+            p.shake();
+            let (mut t, i, _theirs) = LocalTransport::serving(&poller, &mut p);
+            let mut mem = vec![7u8; 4096];
+            let range = Range {
+                addr: mem.as_mut_ptr() as usize,
+                len: mem.len(),
+                device: Device::Host,
+            };
+            let key: std::sync::Arc<str> = KEYS[1].into();
+            t.key_ids.insert(auth::key_id(&key), key.clone());
+            t.identities.insert(1);
+            let state = OpState::new(OperationStatus::Initialized);
+            t.scopes.insert(
+                key.clone(),
+                Scope {
+                    kind: if write {
+                        OperationKind::Write
+                    } else {
+                        OperationKind::Read
+                    },
+                    device: Device::Host,
+                    ranges: vec![range],
+                    state: state.clone(),
+                    grants: HashSet::new(),
+                    writer: None,
+                    done: false,
+                },
+            );
+            let req = |p: &Pair, slot: u32| {
+                let mut m = Pair::req(slot, 1, 1, write, Device::Host, 1);
+                if let Msg::Req { remote, .. } = &mut m {
+                    remote[0].0 = range.addr as u64;
+                }
+                p.forge(&m, Some(1), true)
+            };
+            let mut out = Vec::new();
+            let hear = |t: &mut LocalTransport, bytes: &[u8], out: &mut Vec<Event>| {
+                let mut heard = Vec::new();
+                let c = t.conns.get_mut(&i).unwrap();
+                c.link.recv(bytes, 0, p.now, &t.key_ids, &mut heard);
+                for h in heard {
+                    t.handle(i, h, out);
+                }
+            };
+            let mut bytes = Vec::new();
+            if write {
+                // A writer's copy into the writable (slot 0) has just ended on the pool.
+                assert!(state.try_mark_in_use());
+                t.scopes.get_mut(&key).unwrap().writer = Some((i, 0, 1, Arc::new(AtomicBool::new(false))));
+                t.finished.push((
+                    CopyOwner::Write {
+                        key: key.clone(),
+                        conn: i,
+                        slot: 0,
+                        gen: 1,
+                        state: state.clone(),
+                        pidfd: None,
+                    },
+                    Ok(()),
+                ));
+                t.reap(&mut out);
+            } else {
+                // A reader was granted slot 0; its `Done` arrives in the same read as another
+                // reader's request.
+                hear(&mut t, &req(&p, 0), &mut out);
+                let c = t.conns.get_mut(&i).unwrap();
+                let n = c.link.out().len();
+                c.link.sent(n);
+                bytes.extend(p.forge(
+                    &Msg::Done {
+                        slot: 0,
+                        gen: 1,
+                        ok: true,
+                        reason: String::new(),
+                    },
+                    Some(1),
+                    true,
+                ));
+            }
+            bytes.extend(req(&p, 1));
+            hear(&mut t, &bytes, &mut out);
+            let completed = out
+                .iter()
+                .filter(|e| matches!(e, Event::PassiveCompleted { .. }))
+                .count();
+            assert_eq!(completed, 1, "write {write}: completed once");
+            assert!(t.scopes[&key].done, "write {write}");
+            let sent = t.conns[&i].link.out().to_vec();
+            let mut msgs = Vec::new();
+            let mut at = 0;
+            while let Some((f, n)) = Msg::decode(&sent[at..], MAX_FRAME).unwrap() {
+                msgs.push(f.msg);
+                at += n;
+            }
+            assert!(
+                matches!(
+                    msgs.last(),
+                    Some(Msg::Refuse {
+                        slot: 1,
+                        code: RefuseCode::NotLive,
+                        ..
+                    })
+                ),
+                "write {write}: {msgs:?}"
+            );
+            assert!(t.scopes[&key].writer.is_none(), "write {write}");
+        }
+    }
+
     /// A same-user client that asks for more reads than it has slots (reusing slot numbers under
     /// new generations, never saying it is done) gets `MAX_GRANTS_PER_CONN` grants, then
     /// `Fallback` (the operation goes to NIXL) instead of growing the server's grant set; an
@@ -505,8 +625,9 @@ mod tests {
             assert_eq!(t.scopes[&key].grants.len(), MAX_GRANTS_PER_CONN, "{device}");
             assert_eq!(t.conns[&i].granted, MAX_GRANTS_PER_CONN, "{device}");
 
-            // One read ends: the next request is granted.
-            t.on_read_done(i, 0, 0, true, &key, &mut out);
+            // One read ends (its copy failed, so the readable stays live): the next request is
+            // granted.
+            t.on_read_done(i, 0, 0, false, &key, &mut out);
             assert_eq!(t.conns[&i].granted, MAX_GRANTS_PER_CONN - 1);
             if device == Device::Host {
                 // Its Done also closes the core's request, which makes room there too.
@@ -515,7 +636,7 @@ mod tests {
                         &Msg::Done {
                             slot: 0,
                             gen: 0,
-                            ok: true,
+                            ok: false,
                             reason: String::new(),
                         },
                         Some(1),
