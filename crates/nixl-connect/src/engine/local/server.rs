@@ -298,6 +298,89 @@ mod tests {
     use crate::state::OpState;
     use crate::state::OperationStatus;
 
+    /// A transport serving `p`'s (shaken) connection `i`, with one live operation of `kind` over
+    /// `range` under `KEYS[1]` (its metadata's identity 1). The poller and the peer's end of the
+    /// socket live as long as it.
+    struct Served {
+        _poller: Poller,
+        _theirs: std::os::unix::net::UnixStream,
+        t: LocalTransport,
+        i: ConnId,
+        key: Arc<str>,
+        state: Arc<OpState>,
+    }
+
+    fn served(p: &mut Pair, kind: OperationKind, range: Range) -> Served {
+        let poller = Poller::new().unwrap();
+        let (mut t, i, theirs) = LocalTransport::serving(&poller, p);
+        let key: Arc<str> = KEYS[1].into();
+        t.key_ids.insert(auth::key_id(&key), key.clone());
+        t.identities.insert(1);
+        let state = OpState::new(OperationStatus::Initialized);
+        t.scopes.insert(
+            key.clone(),
+            Scope {
+                kind,
+                device: range.device,
+                ranges: vec![range],
+                state: state.clone(),
+                grants: HashSet::new(),
+                writer: None,
+                done: false,
+            },
+        );
+        Served {
+            _poller: poller,
+            _theirs: theirs,
+            t,
+            i,
+            key,
+            state,
+        }
+    }
+
+    impl Served {
+        /// Feeds `bytes` to the connection's core and acts on what it heard, as one turn would.
+        fn hear(&mut self, p: &Pair, bytes: &[u8], out: &mut Vec<Event>) {
+            let mut heard = Vec::new();
+            let c = self.t.conns.get_mut(&self.i).unwrap();
+            c.link.recv(bytes, 0, p.now, &self.t.key_ids, &mut heard);
+            for h in heard {
+                self.t.handle(self.i, h, out);
+            }
+        }
+
+        /// The messages queued to the peer since the last call (taken as sent).
+        fn answers(&mut self) -> Vec<Msg> {
+            let c = self.t.conns.get_mut(&self.i).unwrap();
+            let bytes = c.link.out().to_vec();
+            c.link.sent(bytes.len());
+            let mut at = 0;
+            let mut msgs = Vec::new();
+            while let Some((f, n)) = Msg::decode(&bytes[at..], MAX_FRAME).expect("well-formed") {
+                msgs.push(f.msg);
+                at += n;
+            }
+            msgs
+        }
+    }
+
+    fn host_range(mem: &mut [u8]) -> Range {
+        Range {
+            addr: mem.as_mut_ptr() as usize,
+            len: mem.len(),
+            device: Device::Host,
+        }
+    }
+
+    fn kind(write: bool) -> OperationKind {
+        if write {
+            OperationKind::Write
+        } else {
+            OperationKind::Read
+        }
+    }
+
     /// The owner's side of small operations: an eager read's answer carries the readable's bytes
     /// and completes it once (a second request in the same turn finds it done); an eager write
     /// lands its bytes and completes the writable; and a request heard on a connection that died
@@ -306,36 +389,12 @@ mod tests {
     #[test]
     fn server_eager_operations_complete_once_and_only_when_answered() {
         for case in ["read", "write", "dead"] {
-            let poller = Poller::new().unwrap();
             let mut p = Pair::new(0);
             p.shake();
-            let (mut t, i, _theirs) = LocalTransport::serving(&poller, &mut p);
             let mut mem = vec![7u8; 4096];
-            let range = Range {
-                addr: mem.as_mut_ptr() as usize,
-                len: mem.len(),
-                device: Device::Host,
-            };
-            let key: std::sync::Arc<str> = KEYS[1].into();
-            t.key_ids.insert(auth::key_id(&key), key.clone());
-            t.identities.insert(1);
+            let range = host_range(&mut mem);
             let write = case == "write";
-            t.scopes.insert(
-                key.clone(),
-                Scope {
-                    kind: if write {
-                        OperationKind::Write
-                    } else {
-                        OperationKind::Read
-                    },
-                    device: Device::Host,
-                    ranges: vec![range],
-                    state: OpState::new(OperationStatus::Initialized),
-                    grants: HashSet::new(),
-                    writer: None,
-                    done: false,
-                },
-            );
+            let mut sv = served(&mut p, kind(write), range);
             let req = |slot: u32| {
                 let mut m = Pair::eager_req(slot, 1, 1, write, 4096);
                 if let Msg::Req { remote, data, .. } = &mut m {
@@ -352,36 +411,23 @@ mod tests {
             } else {
                 bytes.extend(req(1));
             }
-            let mut heard = Vec::new();
             let mut out = Vec::new();
-            t.conns
-                .get_mut(&i)
-                .unwrap()
-                .link
-                .recv(&bytes, 0, p.now, &t.key_ids, &mut heard);
-            for h in heard {
-                t.handle(i, h, &mut out);
-            }
+            sv.hear(&p, &bytes, &mut out);
             let completed = out
                 .iter()
                 .filter(|e| matches!(e, Event::PassiveCompleted { .. }))
                 .count();
-            let sent = t.conns[&i].link.out().to_vec();
-            let mut msgs = Vec::new();
-            let mut at = 0;
-            while let Some((f, n)) = Msg::decode(&sent[at..], MAX_FRAME).unwrap() {
-                msgs.push(f.msg);
-                at += n;
-            }
+            let msgs = sv.answers();
+            let done = sv.t.scopes[&sv.key].done;
             match case {
                 "dead" => {
                     assert_eq!(completed, 0, "nothing completed on a dead connection");
                     assert!(msgs.is_empty(), "{msgs:?}");
-                    assert!(!t.scopes[&key].done);
+                    assert!(!done);
                 }
                 _ => {
                     assert_eq!(completed, 1, "{case}: completed once");
-                    assert!(t.scopes[&key].done);
+                    assert!(done);
                     match &msgs[..] {
                         [first, Msg::Refuse {
                             code: RefuseCode::NotLive,
@@ -406,36 +452,11 @@ mod tests {
     #[test]
     fn server_grant_path_completions_end_the_operation_within_the_turn() {
         for write in [false, true] {
-            let poller = Poller::new().unwrap();
             let mut p = Pair::new(0);
             p.shake();
-            let (mut t, i, _theirs) = LocalTransport::serving(&poller, &mut p);
             let mut mem = vec![7u8; 4096];
-            let range = Range {
-                addr: mem.as_mut_ptr() as usize,
-                len: mem.len(),
-                device: Device::Host,
-            };
-            let key: std::sync::Arc<str> = KEYS[1].into();
-            t.key_ids.insert(auth::key_id(&key), key.clone());
-            t.identities.insert(1);
-            let state = OpState::new(OperationStatus::Initialized);
-            t.scopes.insert(
-                key.clone(),
-                Scope {
-                    kind: if write {
-                        OperationKind::Write
-                    } else {
-                        OperationKind::Read
-                    },
-                    device: Device::Host,
-                    ranges: vec![range],
-                    state: state.clone(),
-                    grants: HashSet::new(),
-                    writer: None,
-                    done: false,
-                },
-            );
+            let range = host_range(&mut mem);
+            let mut sv = served(&mut p, kind(write), range);
             let req = |p: &Pair, slot: u32| {
                 let mut m = Pair::req(slot, 1, 1, write, Device::Host, 1);
                 if let Msg::Req { remote, .. } = &mut m {
@@ -444,38 +465,29 @@ mod tests {
                 p.forge(&m, Some(1), true)
             };
             let mut out = Vec::new();
-            let hear = |t: &mut LocalTransport, bytes: &[u8], out: &mut Vec<Event>| {
-                let mut heard = Vec::new();
-                let c = t.conns.get_mut(&i).unwrap();
-                c.link.recv(bytes, 0, p.now, &t.key_ids, &mut heard);
-                for h in heard {
-                    t.handle(i, h, out);
-                }
-            };
             let mut bytes = Vec::new();
             if write {
                 // A writer's copy into the writable (slot 0) has just ended on the pool.
-                assert!(state.try_mark_in_use());
-                t.scopes.get_mut(&key).unwrap().writer = Some((i, 0, 1, Arc::new(AtomicBool::new(false))));
-                t.finished.push((
+                assert!(sv.state.try_mark_in_use());
+                let (i, key) = (sv.i, sv.key.clone());
+                sv.t.scopes.get_mut(&key).unwrap().writer = Some((i, 0, 1, Arc::new(AtomicBool::new(false))));
+                sv.t.finished.push((
                     CopyOwner::Write {
-                        key: key.clone(),
+                        key,
                         conn: i,
                         slot: 0,
                         gen: 1,
-                        state: state.clone(),
+                        state: sv.state.clone(),
                         pidfd: None,
                     },
                     Ok(()),
                 ));
-                t.reap(&mut out);
+                sv.t.reap(&mut out);
             } else {
                 // A reader was granted slot 0; its `Done` arrives in the same read as another
                 // reader's request.
-                hear(&mut t, &req(&p, 0), &mut out);
-                let c = t.conns.get_mut(&i).unwrap();
-                let n = c.link.out().len();
-                c.link.sent(n);
+                sv.hear(&p, &req(&p, 0), &mut out);
+                sv.answers();
                 bytes.extend(p.forge(
                     &Msg::Done {
                         slot: 0,
@@ -488,20 +500,16 @@ mod tests {
                 ));
             }
             bytes.extend(req(&p, 1));
-            hear(&mut t, &bytes, &mut out);
+            sv.hear(&p, &bytes, &mut out);
             let completed = out
                 .iter()
                 .filter(|e| matches!(e, Event::PassiveCompleted { .. }))
                 .count();
             assert_eq!(completed, 1, "write {write}: completed once");
-            assert!(t.scopes[&key].done, "write {write}");
-            let sent = t.conns[&i].link.out().to_vec();
-            let mut msgs = Vec::new();
-            let mut at = 0;
-            while let Some((f, n)) = Msg::decode(&sent[at..], MAX_FRAME).unwrap() {
-                msgs.push(f.msg);
-                at += n;
-            }
+            let scope = &sv.t.scopes[&sv.key];
+            assert!(scope.done, "write {write}");
+            assert!(scope.writer.is_none(), "write {write}");
+            let msgs = sv.answers();
             assert!(
                 matches!(
                     msgs.last(),
@@ -513,7 +521,6 @@ mod tests {
                 ),
                 "write {write}: {msgs:?}"
             );
-            assert!(t.scopes[&key].writer.is_none(), "write {write}");
         }
     }
 
@@ -526,131 +533,89 @@ mod tests {
     #[test]
     fn server_read_grants_per_connection_are_capped() {
         for device in [Device::Host, Device::Cuda(0)] {
-            let poller = Poller::new().unwrap();
             let mut p = Pair::new(0);
             p.shake();
-            let (mut t, i, _theirs) = LocalTransport::serving(&poller, &mut p);
             let mem = vec![7u8; 4096];
             let range = Range {
                 addr: mem.as_ptr() as usize,
                 len: mem.len(),
                 device,
             };
-            let key: std::sync::Arc<str> = KEYS[1].into();
-            t.key_ids.insert(auth::key_id(&key), key.clone());
-            t.identities.insert(1);
-            t.scopes.insert(
-                key.clone(),
-                Scope {
-                    kind: OperationKind::Read,
-                    device,
-                    ranges: vec![range],
-                    state: OpState::new(OperationStatus::Initialized),
-                    grants: HashSet::new(),
-                    writer: None,
-                    done: false,
-                },
-            );
+            let mut sv = served(&mut p, OperationKind::Read, range);
+            let i = sv.i;
             let mut out = Vec::new();
-            let ask = |t: &mut LocalTransport, p: &mut Pair, n: u64, out: &mut Vec<Event>| {
+            let ask = |sv: &mut Served, p: &Pair, n: u64, out: &mut Vec<Event>| {
                 let slot = (n % SLOTS as u64) as u32;
                 let mut m = Pair::req(slot, n, 1, false, device, 1);
                 if let Msg::Req { remote, .. } = &mut m {
                     remote[0] = (range.addr as u64, 4096);
                 }
-                let m = p.forge(&m, Some(1), true);
-                let mut heard = Vec::new();
-                let c = t.conns.get_mut(&i).unwrap();
-                c.link.recv(&m, 0, p.now, &t.key_ids, &mut heard);
-                for h in heard {
-                    t.handle(i, h, out);
-                }
+                sv.hear(p, &p.forge(&m, Some(1), true), out);
+            };
+            let fallback = |sv: &mut Served| {
+                let msgs = sv.answers();
+                let [Msg::Fallback { reason, .. }] = &msgs[..] else {
+                    panic!("{msgs:?}")
+                };
+                reason.clone()
             };
             if device != Device::Host {
                 // A connection that holds the cap in grants asks for a device read: the cap is
                 // checked before the device path is even considered.
-                t.conns.get_mut(&i).unwrap().granted = MAX_GRANTS_PER_CONN;
-                ask(&mut t, &mut p, 1, &mut out);
-                let c = t.conns.get_mut(&i).unwrap();
-                let bytes = c.link.out().to_vec();
-                let (f, _) = Msg::decode(&bytes, MAX_FRAME).unwrap().expect("an answer");
-                let Msg::Fallback { reason, .. } = f.msg else {
-                    panic!("{:?}", f.msg)
-                };
+                sv.t.conns.get_mut(&i).unwrap().granted = MAX_GRANTS_PER_CONN;
+                ask(&mut sv, &p, 1, &mut out);
+                let reason = fallback(&mut sv);
                 assert!(reason.contains("grants already"), "{reason}");
                 // Exports queued at either bound (the connection's, the process's): the device
                 // read takes NIXL instead of queueing more (before: one export per range of
                 // every grant, on an unbounded queue).
                 for (conn_full, all_full) in [(true, false), (false, true)] {
-                    let c = t.conns.get_mut(&i).unwrap();
-                    c.link.sent(usize::MAX);
+                    let c = sv.t.conns.get_mut(&i).unwrap();
                     c.granted = 0;
                     c.exporting = if conn_full { MAX_EXPORTING_PER_CONN } else { 0 };
-                    t.exporting = if all_full { MAX_EXPORTING } else { 0 };
-                    ask(&mut t, &mut p, 2 + u64::from(all_full), &mut out);
-                    let bytes = t.conns.get_mut(&i).unwrap().link.out().to_vec();
-                    let (f, _) = Msg::decode(&bytes, MAX_FRAME).unwrap().expect("an answer");
-                    let Msg::Fallback { reason, .. } = f.msg else {
-                        panic!("{:?}", f.msg)
-                    };
+                    sv.t.exporting = if all_full { MAX_EXPORTING } else { 0 };
+                    ask(&mut sv, &p, 2 + u64::from(all_full), &mut out);
+                    let reason = fallback(&mut sv);
                     assert!(reason.contains("being shared"), "{reason}");
                 }
                 continue;
             }
             for n in 0..(MAX_GRANTS_PER_CONN + 10) as u64 {
-                ask(&mut t, &mut p, n, &mut out);
+                ask(&mut sv, &p, n, &mut out);
             }
-            let answers = |t: &mut LocalTransport, p: &mut Pair| {
-                let c = t.conns.get_mut(&i).unwrap();
-                let bytes = c.link.out().to_vec();
-                c.link.sent(bytes.len());
-                let mut at = 0;
-                let mut msgs = Vec::new();
-                while let Some((f, n)) = Msg::decode(&bytes[at..], MAX_FRAME).expect("well-formed") {
-                    msgs.push(f.msg);
-                    at += n;
-                }
-                let _ = p;
-                msgs
-            };
-            let msgs = answers(&mut t, &mut p);
+            let msgs = sv.answers();
             let grants = msgs.iter().filter(|m| matches!(m, Msg::Grant { .. })).count();
             let fallbacks = msgs.iter().filter(|m| matches!(m, Msg::Fallback { .. })).count();
-            if device == Device::Host {
-                assert_eq!(grants, MAX_GRANTS_PER_CONN, "{} answers", msgs.len());
-            }
-            // Device grants wait for their export (none here): every one beyond the cap is
-            // answered at once instead.
-            assert_eq!(fallbacks, 10, "{device}");
-            assert_eq!(t.scopes[&key].grants.len(), MAX_GRANTS_PER_CONN, "{device}");
-            assert_eq!(t.conns[&i].granted, MAX_GRANTS_PER_CONN, "{device}");
+            assert_eq!(grants, MAX_GRANTS_PER_CONN, "{} answers", msgs.len());
+            assert_eq!(fallbacks, 10);
+            assert_eq!(sv.t.scopes[&sv.key].grants.len(), MAX_GRANTS_PER_CONN);
+            assert_eq!(sv.t.conns[&i].granted, MAX_GRANTS_PER_CONN);
 
             // One read ends (its copy failed, so the readable stays live): the next request is
             // granted.
-            t.on_read_done(i, 0, 0, false, &key, &mut out);
-            assert_eq!(t.conns[&i].granted, MAX_GRANTS_PER_CONN - 1);
-            if device == Device::Host {
-                // Its Done also closes the core's request, which makes room there too.
-                t.conns.get_mut(&i).unwrap().link.recv(
-                    &p.forge(
-                        &Msg::Done {
-                            slot: 0,
-                            gen: 0,
-                            ok: false,
-                            reason: String::new(),
-                        },
-                        Some(1),
-                        true,
-                    ),
-                    0,
-                    p.now,
-                    &t.key_ids.clone(),
-                    &mut Vec::<Heard>::new(),
-                );
-                ask(&mut t, &mut p, u64::MAX, &mut out);
-                let msgs = answers(&mut t, &mut p);
-                assert!(matches!(msgs.last(), Some(Msg::Grant { .. })), "{msgs:?}");
-            }
+            let key = sv.key.clone();
+            sv.t.on_read_done(i, 0, 0, false, &key, &mut out);
+            assert_eq!(sv.t.conns[&i].granted, MAX_GRANTS_PER_CONN - 1);
+            // Its Done also closes the core's request, which makes room there too.
+            sv.t.conns.get_mut(&i).unwrap().link.recv(
+                &p.forge(
+                    &Msg::Done {
+                        slot: 0,
+                        gen: 0,
+                        ok: false,
+                        reason: String::new(),
+                    },
+                    Some(1),
+                    true,
+                ),
+                0,
+                p.now,
+                &sv.t.key_ids.clone(),
+                &mut Vec::<Heard>::new(),
+            );
+            ask(&mut sv, &p, u64::MAX, &mut out);
+            let msgs = sv.answers();
+            assert!(matches!(msgs.last(), Some(Msg::Grant { .. })), "{msgs:?}");
             drop(mem);
         }
     }
