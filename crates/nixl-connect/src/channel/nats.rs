@@ -57,8 +57,11 @@ impl NatsChannel {
     /// Publishes `md` on a fresh subject; answered until the returned guard is dropped.
     ///
     /// Returns once the server answers requests on the subject: publish subscribes, then requests
-    /// the document itself (one round trip to the server), so a peer's fetch that starts after
-    /// this returns cannot miss the subscription.
+    /// the document itself (one round trip to the server), so a peer's fetch through the same
+    /// server that starts after this returns cannot miss the subscription. The client needs
+    /// permission to publish on `nixl-connect.md.>` and to subscribe to its reply inbox
+    /// (`_INBOX.>`), as a fetch does; a server that denies it drops the request, and publish
+    /// then ends in [`Error::TimedOut`].
     ///
     /// # Errors
     /// [`Error::Channel`] when the subscription fails; [`Error::TimedOut`] when the server does
@@ -89,7 +92,8 @@ impl NatsChannel {
         // empties the client's write buffer; the server may not have read the subscription yet,
         // and a peer's request in that window fails with "no responders" (seen in CI). The server
         // handles one connection's operations in order, so a request of our own on the subject,
-        // answered by the task above, proves the subscription is live for every connection.
+        // answered by the task above, proves the subscription is live for every connection to
+        // this server (in a cluster, interest reaches the other servers a moment later).
         let timeout = self.client.timeout().unwrap_or(PROOF_TIMEOUT);
         match tokio::time::timeout(
             timeout,

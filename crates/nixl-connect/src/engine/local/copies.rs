@@ -215,7 +215,9 @@ impl LocalTransport {
                             // heard later in this turn, before the engine applies the event,
                             // finds it done (it used to find no writer and start a copy into the
                             // memory of an operation that had just completed).
-                            s.done = !matches!(r, Err(CopyError::NotStarted));
+                            if !matches!(r, Err(CopyError::NotStarted)) {
+                                s.done = true;
+                            }
                             match &r {
                                 Ok(()) if same => out.push(Event::PassiveCompleted { key: key.clone() }),
                                 // The writer cancelled before the copy began: nothing was touched.

@@ -172,10 +172,12 @@ impl LocalTransport {
                     if let Some(c) = self.conns.get_mut(&conn) {
                         c.exporting = c.exporting.saturating_sub(ranges);
                     }
+                    // Not for a scope another reader completed this turn (its grants go when
+                    // the engine applies the completion and unexposes it).
                     let granted = self
                         .scopes
                         .get(&key)
-                        .is_some_and(|s| s.grants.contains(&(conn, slot, gen)));
+                        .is_some_and(|s| !s.done && s.grants.contains(&(conn, slot, gen)));
                     let answer = match result {
                         Ok(sources) if granted => Answer::GrantIpc(sources),
                         _ if !granted => Answer::Refuse(

@@ -445,18 +445,23 @@ mod tests {
     }
 
     /// The grant path's completions end the operation for the rest of the engine's turn: a request
-    /// heard after a reader's `Done` in the same read, or after a writer's copy ended, is refused
-    /// as not live. Before, the engine (which applies the completion only after the turn) granted
-    /// the second read, and let the second write start a copy into (or take NIXL to) the memory of
-    /// a writable that had just completed.
+    /// heard after a reader's `Done` in the same read, or after a writer's copy ended (whole or
+    /// torn), is refused as not live. Before, the engine (which applies the completion only after
+    /// the turn) granted the second read, and let the second write start a copy into (or take
+    /// NIXL to) the memory of a writable that had just completed. A write that never began
+    /// leaves the writable live.
     #[test]
     fn server_grant_path_completions_end_the_operation_within_the_turn() {
-        for write in [false, true] {
+        for case in ["read", "written", "torn", "write not started"] {
+            let write = case != "read";
             let mut p = Pair::new(0);
             p.shake();
             let mut mem = vec![7u8; 4096];
             let range = host_range(&mut mem);
             let mut sv = served(&mut p, kind(write), range);
+            // The kernel lets this side pull (so a request that passed the liveness checks would
+            // start a copy), except where the test needs an answer from a request that does.
+            sv.t.conns.get_mut(&sv.i).unwrap().can_pull = case != "write not started";
             let req = |p: &Pair, slot: u32| {
                 let mut m = Pair::req(slot, 1, 1, write, Device::Host, 1);
                 if let Msg::Req { remote, .. } = &mut m {
@@ -467,10 +472,16 @@ mod tests {
             let mut out = Vec::new();
             let mut bytes = Vec::new();
             if write {
-                // A writer's copy into the writable (slot 0) has just ended on the pool.
+                // A writer's copy into the writable (slot 0) has just ended on the pool: all of
+                // it, torn by the writer's exit, or never begun (the writer cancelled first).
                 assert!(sv.state.try_mark_in_use());
                 let (i, key) = (sv.i, sv.key.clone());
                 sv.t.scopes.get_mut(&key).unwrap().writer = Some((i, 0, 1, Arc::new(AtomicBool::new(false))));
+                let result = match case {
+                    "written" => Ok(()),
+                    "torn" => Err(cma::CopyError::PeerGone),
+                    _ => Err(cma::CopyError::NotStarted),
+                };
                 sv.t.finished.push((
                     CopyOwner::Write {
                         key,
@@ -480,7 +491,7 @@ mod tests {
                         state: sv.state.clone(),
                         pidfd: None,
                     },
-                    Ok(()),
+                    result,
                 ));
                 sv.t.reap(&mut out);
             } else {
@@ -501,25 +512,42 @@ mod tests {
             }
             bytes.extend(req(&p, 1));
             sv.hear(&p, &bytes, &mut out);
-            let completed = out
-                .iter()
-                .filter(|e| matches!(e, Event::PassiveCompleted { .. }))
-                .count();
-            assert_eq!(completed, 1, "write {write}: completed once");
+            let count = |f: fn(&Event) -> bool| out.iter().filter(|e| f(e)).count();
+            let completed = count(|e| matches!(e, Event::PassiveCompleted { .. }));
+            let failed = count(|e| matches!(e, Event::PassiveFailed { .. }));
             let scope = &sv.t.scopes[&sv.key];
-            assert!(scope.done, "write {write}");
-            assert!(scope.writer.is_none(), "write {write}");
+            assert!(scope.writer.is_none(), "{case}");
+            let done = scope.done;
             let msgs = sv.answers();
+            let last = msgs.last();
+            if case == "write not started" {
+                // Nothing was touched: the writable goes on, and the next writer is served (here
+                // the kernel's rules send it to NIXL).
+                assert_eq!((completed, failed), (0, 0), "{case}");
+                assert!(!done, "{case}");
+                assert!(
+                    matches!(last, Some(Msg::Fallback { slot: 1, .. })),
+                    "{case}: {msgs:?}"
+                );
+                continue;
+            }
+            let torn = case == "torn";
+            assert_eq!(
+                (completed, failed),
+                (usize::from(!torn), usize::from(torn)),
+                "{case}"
+            );
+            assert!(done, "{case}");
             assert!(
                 matches!(
-                    msgs.last(),
+                    last,
                     Some(Msg::Refuse {
                         slot: 1,
                         code: RefuseCode::NotLive,
                         ..
                     })
                 ),
-                "write {write}: {msgs:?}"
+                "{case}: {msgs:?}"
             );
         }
     }
