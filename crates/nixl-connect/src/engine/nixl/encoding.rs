@@ -164,8 +164,10 @@ pub(crate) fn decode_peer(s: &str) -> Result<PeerInfo> {
 impl RdmaMetadata {
     /// Encodes raw NIXL agent metadata (`nixl_agent.get_agent_metadata()`, nixl-sys'
     /// `get_local_md`) as an `RdmaMetadata`'s `nixl_metadata`: `b64:` followed by the base64 of
-    /// its zlib compression at level 6, byte for byte what Dynamo's Python module and its Rust
-    /// frontend (`get_nixl_metadata` in `media/rdma.rs`) write.
+    /// its zlib compression at level 6, the form Dynamo's Python module and its Rust frontend
+    /// (`get_nixl_metadata` in `media/rdma.rs`) write and read. The compressed bytes may differ
+    /// from theirs (this crate's zlib-rs takes another match strategy at level 6 than the zlib
+    /// Python links: 324 against 320 bytes for one agent's 484), the bytes they decode to do not.
     pub fn encode_agent_metadata(md: &[u8]) -> String {
         encode(md)
     }
