@@ -112,7 +112,8 @@ fn local_same_host_path_names_what_takes_nixl() {
     #[cfg(not(feature = "cuda"))]
     {
         let why = same_host_path(Device::Host, Device::Cuda(0)).unwrap_err();
-        assert!(why.contains("host memory into device memory"), "{why}");
+        assert_eq!(why, nixl_connect::PathRefusal::HostIntoDevice);
+        assert!(why.message().contains("host memory into device memory"), "{why}");
     }
     for (src, dst) in [
         (Device::Cuda(0), Device::Cuda(0)),
