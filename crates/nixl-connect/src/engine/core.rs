@@ -490,16 +490,19 @@ impl EngineCore {
                             Err(e) => a.state.finish(OperationStatus::Errored, Some(e)),
                         };
                     }
+                    // Every transport forgets the key before the status is final: a waiter woken
+                    // by it (or its peer, told at once) may replay the metadata, which must find
+                    // nothing exposed (core_passive_end_unexposes_before_any_waiter_sees_it).
                     Event::PassiveCompleted { key } => {
-                        if let Some(st) = self.passives.get(&key) {
-                            st.finish(OperationStatus::Complete, None);
+                        if let Some(st) = self.passives.get(&key).cloned() {
                             self.end_passive(&key);
+                            st.finish(OperationStatus::Complete, None);
                         }
                     }
                     Event::PassiveFailed { key, error } => {
-                        if let Some(st) = self.passives.get(&key) {
-                            st.finish(OperationStatus::Errored, Some(error));
+                        if let Some(st) = self.passives.get(&key).cloned() {
                             self.end_passive(&key);
+                            st.finish(OperationStatus::Errored, Some(error));
                         }
                     }
                     Event::Declined { spec, reason } => self.hand_over(spec, reason),

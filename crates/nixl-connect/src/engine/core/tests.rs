@@ -40,6 +40,12 @@ struct Script {
     /// The ready descriptors each progress was handed.
     ready: Vec<Vec<(u64, u32)>>,
     held: Vec<Hold>,
+    /// Events its next progress reports (a passive operation's completion, say).
+    emit: Vec<Event>,
+    /// The state of each operation it exposed, by key.
+    exposed: Vec<(Arc<str>, Arc<OpState>)>,
+    /// Each key it was told to unexpose, with its operation's status at that moment.
+    unexposed: Vec<(String, OperationStatus)>,
 }
 
 struct Probe {
@@ -73,6 +79,12 @@ impl Probe {
 impl Transport for Probe {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         self.log(format!("expose {}", spec.key));
+        let state = spec.state.clone();
+        self.script
+            .lock()
+            .unwrap()
+            .exposed
+            .push((spec.key.clone(), state));
         if out.published.is_none() {
             out.published = Some(format!("probe:{}", self.name).into());
         }
@@ -81,6 +93,15 @@ impl Transport for Probe {
 
     fn unexpose(&mut self, key: &str) {
         self.log(format!("unexpose {key}"));
+        let mut s = self.script.lock().unwrap();
+        let status = s
+            .exposed
+            .iter()
+            .find(|(k, _)| &**k == key)
+            .map(|(_, st)| st.status());
+        if let Some(status) = status {
+            s.unexposed.push((key.to_string(), status));
+        }
     }
 
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
@@ -116,6 +137,11 @@ impl Transport for Probe {
         let mut s = self.script.lock().unwrap();
         s.progressed += 1;
         s.ready.push(ready.to_vec());
+        let emitted = !s.emit.is_empty();
+        out.append(&mut s.emit);
+        if emitted {
+            return true;
+        }
         if !s.complete || self.taken.is_empty() {
             return false;
         }
@@ -480,4 +506,51 @@ fn core_ready_descriptors_reach_only_the_transport_that_registered_them() {
     core.turn(t0 + MS, false, &[ready(0, 7)]);
     assert_eq!(sa.lock().unwrap().ready, [vec![(7, libc::EPOLLIN as u32)]]);
     assert_eq!(sb.lock().unwrap().progressed, 1);
+}
+
+/// The loopback replay race (1 in ~300 runs of `loopback_replay_after_completion_is_refused`): the
+/// core marked a passive operation complete (waking its waiter) before the transports forgot its
+/// key, so a replay begun by the woken owner's peer in that window found the key still exposed and
+/// was served. Every transport must have forgotten the key before any waiter sees the end.
+#[test]
+fn core_passive_end_unexposes_before_any_waiter_sees_it() {
+    let t0 = Instant::now();
+    for failed in [false, true] {
+        let (a, sa) = probe("a", TransferPath::Nixl);
+        sa.lock().unwrap().polling = Some(Polling::EveryTurn);
+        let mut core = EngineCore::new(vec![a], ids(&[0]), MS, t0);
+        let state = OpState::new(OperationStatus::Initialized);
+        let (reply, mut exposed) = oneshot::channel();
+        core.handle(Cmd::Expose {
+            spec: PassiveSpec {
+                key: "k".into(),
+                kind: OperationKind::Read,
+                ranges: Vec::new(),
+                state: state.clone(),
+            },
+            reply,
+        });
+        exposed.try_recv().unwrap().unwrap();
+        let end = if failed {
+            Event::PassiveFailed {
+                key: "k".into(),
+                error: Error::Cancelled,
+            }
+        } else {
+            Event::PassiveCompleted { key: "k".into() }
+        };
+        sa.lock().unwrap().emit.push(end);
+        core.turn(t0, false, &[]);
+        let want = if failed {
+            OperationStatus::Errored
+        } else {
+            OperationStatus::Complete
+        };
+        assert_eq!(state.status(), want);
+        assert_eq!(
+            sa.lock().unwrap().unexposed,
+            [("k".to_string(), OperationStatus::Initialized)],
+            "the key was still exposed when the operation's end became visible (failed: {failed})"
+        );
+    }
 }
