@@ -159,14 +159,19 @@ impl Engine {
     /// Binds the same-host socket, creates the exposer agent and starts the engine thread.
     ///
     /// The agent's name is `base`, or `base-<pid>-<k>` when another connector in this network
-    /// namespace already serves `base` (agent names must be unique for the same-host path).
+    /// namespace already serves `base` (agent names must be unique for the same-host path), with
+    /// the advertisement of a fresh same-host identity appended (`.nxc1-<fingerprint>`, see
+    /// `local::identity`) when it serves the same-host path.
     pub(crate) fn start(base: String, opts: EngineOptions) -> Result<Self> {
         // Fail fast (and without touching nixl-sys) when NIXL is absent.
         nixl::ffi::load()?;
         let (name, listener) = if opts.path == PathPolicy::Nixl {
             (base, None)
         } else {
-            bind_unique(&base)?
+            let id =
+                local::Identity::generate().map_err(|e| Error::os("making the same-host identity", e))?;
+            let (name, listener) = bind_unique(&base, &id)?;
+            (name, listener.map(|l| (l, Arc::new(id))))
         };
         let o = opts.clone();
         Self::launch(
@@ -359,12 +364,14 @@ impl Drop for Shared {
     }
 }
 
-/// Binds the same-host socket for `base`, or for `base-<pid>-<k>` if another connector has it.
-fn bind_unique(base: &str) -> Result<(String, Option<local::Tracked>)> {
+/// Binds the same-host socket for `base`, or for `base-<pid>-<k>` if another connector has it,
+/// each advertising `id` ([`local::Identity::advertise`]); the name is `base` as given when no
+/// socket can be had (nothing is advertised then, and no peer tries this connector's socket).
+fn bind_unique(base: &str, id: &local::Identity) -> Result<(String, Option<local::Tracked>)> {
     for k in 0..64 {
         let name = match k {
-            0 => base.to_string(),
-            k => format!("{base}-{}-{k}", std::process::id()),
+            0 => id.advertise(base),
+            k => id.advertise(&format!("{base}-{}-{k}", std::process::id())),
         };
         match local::listen(&name) {
             Ok(Some(fd)) => return Ok((name, Some(fd))),

@@ -5,8 +5,14 @@
 //! parent's socket, and a client that passes a lingering socket with its `Hello` or queues one
 //! behind a frame that breaks the protocol.
 //!
-//! The hostile side speaks protocol v5 itself (frames and HMAC proofs written here from the
-//! protocol's description, not the library's code), so it gets as far as a real attacker would.
+//! Round 4 (issue 40): a metadata holder squatting on a name, of a Python-like peer (which
+//! advertises no same-host endpoint: it is never connected to) and of an advertising Rust owner
+//! elsewhere (it proves the key it learnt from the metadata, signs with its own identity, and is
+//! believed in nothing: no request, no eager bytes leave).
+//!
+//! The hostile side speaks protocol v7 itself (frames, HMAC proofs and the identity signature
+//! written here from the protocol's description, not the library's code), so it gets as far as a
+//! real attacker would.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -24,7 +30,7 @@ use super::support::{pattern, read_frame, Peer, PEER_ENV, T};
 
 type HmacSha256 = hmac::Hmac<Sha256>;
 
-const VERSION: u32 = 5;
+const VERSION: u32 = 7;
 
 fn key_id(key: &str) -> [u8; 16] {
     let mut h = Sha256::new();
@@ -81,8 +87,11 @@ fn squat(owner: &Connector, serve: impl Fn(UnixStream) + Send + Sync + 'static) 
 }
 
 /// Issue 27, reproduced 6 of 6 on HEAD 6daaea6: two `Welcome` frames in one write aborted the
-/// reader (a panic on the engine thread). Now the first closes the connection, the second is
-/// never handled, and the read goes around the squatter through NIXL.
+/// reader (a panic on the engine thread); the double `Welcome` itself is now a core test
+/// (`link_double_welcome_closes_without_panic`). Round 4: the squatted peer advertises no
+/// same-host endpoint (a NIXL-only connector, as a Python Dynamo peer is), so the reader never
+/// connects to its name at all: the squatter hears nothing, the read takes NIXL and gets the
+/// owner's bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_double_welcome_does_not_abort_the_reader() {
     let owner = Connector::builder().path(PathPolicy::Nixl).build().unwrap();
@@ -114,16 +123,22 @@ async fn hostile_double_welcome_does_not_abort_the_reader() {
     assert_eq!(op.path(), Some(TransferPath::Nixl));
     assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &want[..]);
     r.wait_for_completion(T).await.unwrap();
-    assert!(hellos.load(Ordering::SeqCst) >= 1, "the reader met the squatter");
+    assert_eq!(
+        hellos.load(Ordering::SeqCst),
+        0,
+        "a peer that advertises no same-host endpoint is never connected to"
+    );
 }
 
 /// Issue 27, reproduced 3 of 3 on HEAD 6daaea6: a squatter on a NIXL-only peer's name gets the
 /// reader to run an operation of its own (its own key, its own memory, the victim's agent), so
 /// its proof checks; then, on the reused connection, it grants the victim's operation. Before:
 /// the victim's read reported success on the same-host path (bytes from the squatter) and the
-/// victim's readable never completed. Now the grant is not signed under the victim operation's
-/// key: the connection closes, the read takes NIXL and reads the victim's bytes, and the
-/// victim's readable completes.
+/// victim's readable never completed. Round 4 (issue 40, reproduced on 2f059c9 from outside): it
+/// needs no operation of its own, since the metadata it holds proves the key. Now a peer that
+/// advertises no same-host endpoint is never connected to: the squatter hears no hello for
+/// either operation, the victim's read takes NIXL and reads the victim's bytes, and the victim's
+/// readable completes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_impostor_proving_its_own_key_cannot_answer_for_another_operation() {
     let victim = Connector::builder().path(PathPolicy::Nixl).build().unwrap();
@@ -174,15 +189,15 @@ async fn hostile_impostor_proving_its_own_key_cannot_answer_for_another_operatio
         .begin_read(&md_own, Descriptor::from(vec![0u8; own.len()]))
         .await
         .unwrap();
-    op.wait_for_completion(T).await.unwrap();
-    assert_eq!(
+    let own_read = op.wait_for_completion(T).await;
+    assert_ne!(
         op.path(),
         Some(TransferPath::Local),
-        "its own operation: proven, copied"
+        "its own operation is not taken on the same-host path ({own_read:?})"
     );
-    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &own[..]);
+    drop(op);
 
-    // The victim's operation, on the connection the squatter holds.
+    // The victim's operation.
     let op = reader
         .begin_read(&md_victim, Descriptor::from(vec![0u8; want.len()]))
         .await
@@ -199,9 +214,176 @@ async fn hostile_impostor_proving_its_own_key_cannot_answer_for_another_operatio
         .expect("the victim's readable completes");
     assert_eq!(
         grants.load(Ordering::SeqCst),
-        2,
-        "the squatter did answer both requests"
+        0,
+        "the squatter was never asked anything"
     );
+}
+
+/// The support process of [`hostile_metadata_holder_cannot_answer_as_an_advertising_owner`]: a
+/// process that holds an owner's metadata (each line on stdin is one) and squats on the owner's
+/// socket name in its own network namespace. It proves each operation's key (it holds the
+/// metadata) and signs its `Welcome` with an Ed25519 identity of its own, then listens. `report`
+/// prints what it heard: `HEARD:hellos=N trusted=T requests=R`.
+#[test]
+#[ignore = "run by hostile_metadata_holder_cannot_answer_as_an_advertising_owner in a namespace"]
+fn support_squatter() {
+    use std::io::BufRead;
+    let Ok(_) = std::env::var(PEER_ENV) else { return };
+    let key: Arc<std::sync::Mutex<String>> = Arc::default();
+    let heard = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let identity = ed25519_dalek::SigningKey::from_bytes(&[0x66; 32]);
+    let mut bound = None;
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        if line == "report" {
+            let [h, t, r] = &*heard;
+            println!(
+                "HEARD:hellos={} trusted={} requests={}",
+                h.load(Ordering::SeqCst),
+                t.load(Ordering::SeqCst),
+                r.load(Ordering::SeqCst)
+            );
+            std::io::stdout().flush().unwrap();
+            continue;
+        }
+        let md: RdmaMetadata = line.parse().unwrap();
+        *key.lock().unwrap() = md.notification_key.clone();
+        let name = RdmaMetadata::agent_name_in(&md.nixl_metadata).unwrap();
+        if bound.as_ref() != Some(&name) {
+            let addr = SocketAddr::from_abstract_name(format!("nixl-connect.v1/{name}").as_bytes()).unwrap();
+            let listener = UnixListener::bind_addr(&addr).expect("the squatter binds the owner's name");
+            let (key, heard, identity) = (key.clone(), heard.clone(), identity.clone());
+            std::thread::spawn(move || {
+                for s in listener.incoming() {
+                    let Ok(mut s) = s else { return };
+                    let (key, heard, identity) = (key.clone(), heard.clone(), identity.clone());
+                    std::thread::spawn(move || {
+                        let Some(hello) = read_frame(&mut s) else { return };
+                        if hello[0] != 1 || hello.len() != 37 {
+                            return;
+                        }
+                        heard[0].fetch_add(1, Ordering::SeqCst);
+                        let nonce = hello[21..37].to_vec();
+                        let k = key.lock().unwrap().clone();
+                        let (client, me) = (peer_pid(&s), std::process::id() as i32);
+                        // What the owner would send: the proof of the key the metadata holds,
+                        // signed by an identity (not the one the owner's name advertises).
+                        let proof =
+                            (hello[5..21] == key_id(&k)).then(|| welcome_proof(&k, &nonce, client, me));
+                        let mut signed = b"nixl-connect/welcome-identity\0".to_vec();
+                        signed.extend_from_slice(&nonce);
+                        signed.extend_from_slice(&client.to_le_bytes());
+                        signed.extend_from_slice(&me.to_le_bytes());
+                        let mut w = vec![2u8];
+                        match &proof {
+                            Some(p) => {
+                                signed.push(1);
+                                signed.extend_from_slice(p);
+                                w.push(1);
+                                w.extend_from_slice(p);
+                            }
+                            None => {
+                                signed.push(0);
+                                w.push(0);
+                            }
+                        }
+                        // A client of an older protocol (before version 7) asks for no identity:
+                        // the squatter answers in the form the hello's version speaks.
+                        let version = u32::from_le_bytes(hello[1..5].try_into().unwrap());
+                        if version >= 7 {
+                            use ed25519_dalek::Signer;
+                            w.extend_from_slice(&identity.verifying_key().to_bytes());
+                            w.extend_from_slice(&identity.sign(&signed).to_bytes());
+                        }
+                        let _ = s.write_all(&framed(&w));
+                        while let Some(f) = read_frame(&mut s) {
+                            match f[0] {
+                                10 => heard[1].fetch_add(1, Ordering::SeqCst),
+                                _ => heard[2].fetch_add(1, Ordering::SeqCst),
+                            };
+                        }
+                    });
+                }
+            });
+            bound = Some(name);
+        }
+        println!("BOUND");
+        std::io::stdout().flush().unwrap();
+    }
+}
+
+/// The pid of the process at the other end of `s` (`SO_PEERCRED`).
+fn peer_pid(s: &UnixStream) -> i32 {
+    // SAFETY: ucred is plain old data; getsockopt writes at most `len` bytes into it.
+    #[allow(unsafe_code)]
+    unsafe {
+        let mut c: libc::ucred = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        );
+        c.pid
+    }
+}
+
+/// Round 4 (issue 40), findings 1 and 2, reproduced on 2f059c9 from outside: a process that holds
+/// a peer's metadata binds that peer's socket name where the peer is not (here: the owner serves
+/// in another network namespace, as on another host or pod; the squatter and the reader share
+/// one) and proves every key it learnt. Before: the reader believed it, its read returned the
+/// squatter's bytes and its small write's bytes left in the request frame. Now the squatter's
+/// `Welcome` is not signed by the identity the owner's agent name advertises: the reader sends it
+/// nothing after the hello (no `Trusted`, no request, so no eager bytes, ranges or exports), and
+/// every read and write reaches the real owner through NIXL, bytes verified.
+#[test]
+fn hostile_metadata_holder_cannot_answer_as_an_advertising_owner() {
+    use super::local::Netns;
+    use super::soundness::PEER;
+    let Some(ns) = Netns::make() else { return };
+    let tls = super::support::tcp_tls();
+    let env_a = [("UCX_TLS", tls), ("UCX_NET_DEVICES", ns.dev_a.as_str())];
+    let env_b = [("UCX_TLS", tls), ("UCX_NET_DEVICES", ns.dev_b.as_str())];
+    let mut owner = Peer::from_command(ns.command_for(&ns.a, PEER, &env_a));
+    let mut squatter = Peer::from_command(ns.command_for(&ns.b, "hostile::support_squatter", &env_b));
+    let mut reader = Peer::from_command(ns.command_for(&ns.b, PEER, &env_b));
+    for (len, kind) in [(4096usize, "vec"), (1usize << 20, "host")] {
+        owner.say(&format!("expose readable {len} {kind}"));
+        let md = owner.expect("MD:");
+        squatter.say(&md);
+        squatter.expect("BOUND");
+        reader.say("read auto fresh");
+        reader.say(&md);
+        reader.expect("STARTED");
+        let got = reader.expect("READ:");
+        assert!(
+            got.starts_with("ok first=90") && got.contains("path=nixl"),
+            "{len}: the owner's bytes through NIXL: {got}"
+        );
+        owner.say("wait 5000");
+        assert_eq!(owner.expect("WAIT:"), "ok");
+        // A small write carries its bytes in its request: none may reach the squatter.
+        owner.say(&format!("expose writable {len} {kind}"));
+        let md = owner.expect("MD:");
+        squatter.say(&md);
+        squatter.expect("BOUND");
+        reader.say("write auto");
+        reader.say(&md);
+        reader.expect("STARTED");
+        assert_eq!(reader.expect("WRITE:"), "ok", "{len}");
+        owner.say("wait 5000");
+        assert_eq!(owner.expect("WAIT:"), "ok", "{len}: the write reached the owner");
+    }
+    squatter.say("report");
+    let heard = squatter.expect("HEARD:");
+    println!("hostile_metadata_holder_cannot_answer_as_an_advertising_owner: {heard}");
+    assert!(
+        !heard.starts_with("hellos=0 "),
+        "the reader met the squatter: {heard}"
+    );
+    assert!(heard.ends_with("trusted=0 requests=0"), "{heard}");
 }
 
 /// The support process of [`hostile_fork_child_does_not_keep_serving_its_parents_socket`]: it
@@ -357,12 +539,12 @@ async fn hostile_descriptors_queued_behind_a_broken_hello_do_not_stall_the_engin
 }
 
 /// The name of `owner`'s same-host socket.
-fn socket_of(owner: &Connector) -> SocketAddr {
+pub(crate) fn socket_of(owner: &Connector) -> SocketAddr {
     SocketAddr::from_abstract_name(format!("nixl-connect.v1/{}", owner.name()).as_bytes()).unwrap()
 }
 
 /// A `Hello` frame naming no operation.
-fn hello() -> Vec<u8> {
+pub(crate) fn hello() -> Vec<u8> {
     let mut hello = vec![1u8];
     hello.extend_from_slice(&VERSION.to_le_bytes());
     hello.extend_from_slice(&[9; 32]);
@@ -371,7 +553,7 @@ fn hello() -> Vec<u8> {
 
 /// A TCP connection whose peer (the second) never reads, its send buffer full, lingering 120 s
 /// on close.
-fn lingering_tcp() -> (std::net::TcpStream, std::net::TcpStream) {
+pub(crate) fn lingering_tcp() -> (std::net::TcpStream, std::net::TcpStream) {
     let tl = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let tcp = std::net::TcpStream::connect(tl.local_addr().unwrap()).unwrap();
     let (never_reads, _) = tl.accept().unwrap();
@@ -397,12 +579,12 @@ fn lingering_tcp() -> (std::net::TcpStream, std::net::TcpStream) {
 }
 
 /// Sends `bytes` on `s` in one message, passing `fd` with it.
-fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: std::os::fd::RawFd) {
+pub(crate) fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: std::os::fd::RawFd) {
     try_send_with_fd(s, bytes, fd).unwrap();
 }
 
 /// As [`send_with_fd`], returning the OS error instead of panicking.
-fn try_send_with_fd(s: &UnixStream, bytes: &[u8], fd: std::os::fd::RawFd) -> std::io::Result<()> {
+pub(crate) fn try_send_with_fd(s: &UnixStream, bytes: &[u8], fd: std::os::fd::RawFd) -> std::io::Result<()> {
     // SAFETY: a msghdr over live locals and a control buffer sized by CMSG_SPACE for one fd.
     #[allow(unsafe_code)]
     let sent = unsafe {

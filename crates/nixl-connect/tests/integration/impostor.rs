@@ -1,6 +1,7 @@
-//! An impostor on the same-host socket: a same-user process (here a thread) that binds a
-//! connector's socket name before it does (a connector that does not listen, a Python peer, a
-//! name `bind_unique` gave up on), answers the handshake and tries to forge the rest.
+//! An impostor on the same-host socket: a same-user process (here a thread) that binds the
+//! socket name of a connector that does not listen (a NIXL-only connector, a Python peer, a name
+//! `bind_unique` gave up on), ready to answer the handshake and forge the rest. Such a peer's
+//! agent name advertises no same-host endpoint, so it is never connected to.
 
 use std::io::Write;
 use std::os::linux::net::SocketAddrExt;
@@ -81,19 +82,14 @@ async fn impostor_learns_nothing_and_forges_nothing() {
 
     tokio::time::sleep(Duration::from_millis(50)).await;
     let frames = seen.lock().unwrap().clone();
-    assert!(!frames.is_empty(), "the reader did try the impostor's socket");
-    for f in &frames {
-        assert_eq!(
-            f[0], 1,
-            "only a Hello reached the impostor, got frame type {}",
-            f[0]
-        );
-        let key = md.notification_key.as_bytes();
-        assert!(
-            !f.windows(key.len()).any(|w| w == key),
-            "the notification key crossed the socket"
-        );
-    }
+    // Round 4: the victim advertises no same-host endpoint (as a Python Dynamo peer does not),
+    // so the reader never connects to its name: the impostor hears nothing at all, not even a
+    // key's hash. (An advertising owner's squatter: hostile.rs.)
+    assert!(
+        frames.is_empty(),
+        "the reader connected to a name that advertises nothing: {} frames",
+        frames.len()
+    );
     let s = reader.stats().await.unwrap();
-    assert!(s.local_refused_peers >= 1, "{s:?}");
+    assert_eq!(s.local_refused_peers, 0, "{s:?}");
 }

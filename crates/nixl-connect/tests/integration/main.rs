@@ -5,6 +5,7 @@ mod channels;
 mod core;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod flood;
 mod freed;
 #[cfg(feature = "cuda")]
 mod gpu;

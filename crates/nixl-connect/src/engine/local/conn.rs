@@ -8,17 +8,19 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::auth;
+use super::identity;
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::link::{Heard, Link};
 use super::records::{Conn, ConnId, Phase};
 use super::slots::SlotTable;
 use super::state::{
-    LocalTransport, ACCEPT_BACKOFF, LISTENER, MAX_NEGATIVE, MAX_SERVED, MAX_SERVED_PER_PID, NEGATIVE_TTL,
+    LocalTransport, ACCEPT_BACKOFF, LISTENER, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID, MAX_NEGATIVE,
+    NEGATIVE_TTL,
 };
 use super::sys::{
-    close_elsewhere, peer_cred, refuse_passed_descriptors, self_pid, set_timer, sockaddr, socket_name,
-    unix_socket, Tracked,
+    close_elsewhere, close_refused, peer_cred, pidfd, refuse_passed_descriptors, self_pid, set_timer,
+    sockaddr, socket_name, unix_socket, Tracked,
 };
 use crate::engine::transport::{Decline, Event, OpId};
 use crate::error::Error;
@@ -175,6 +177,14 @@ impl LocalTransport {
                 }
             }
             budget = budget.saturating_sub(n as usize);
+            if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+                // Descriptors were cut off (more than a message takes, or our table was full and
+                // the kernel closed them): never what an honest peer sends.
+                fds.into_iter().for_each(close_elsewhere);
+                c.link
+                    .kill("descriptors passed beyond what a message takes were cut off");
+                return;
+            }
             let passed = fds.len();
             if passed > 0 {
                 if passed == 1 && c.link.takes_descriptors() {
@@ -232,37 +242,54 @@ impl LocalTransport {
             }
             // SAFETY: a fresh descriptor nothing else owns.
             #[allow(unsafe_code)]
-            let fd = Tracked::new(unsafe { OwnedFd::from_raw_fd(fd) });
-            let Ok((pid, peer_uid)) = peer_cred(fd.as_raw_fd()) else {
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let (pid, peer_uid) = match peer_cred(fd.as_raw_fd()) {
+                Ok(c) if c.1 == self.uid && c.0 > 0 => c,
+                _ => {
+                    // Another user (or a peer we cannot name): closed before anything is held
+                    // for it (no record, no pidfd, no buffer, no fork tracking), off this thread
+                    // and after taking what it queued. A client of another user never sends a
+                    // hello: it checks our uid first.
+                    self.refused_peers += 1;
+                    close_refused(fd);
+                    continue;
+                }
+            };
+            let _ = peer_uid;
+            let Some(identity) = self.identity.clone() else {
+                close_refused(fd);
                 continue;
             };
-            let served = self.conns.values().filter(|c| !c.client).count();
-            let from_pid = self
-                .conns
-                .values()
-                .filter(|c| !c.client && c.peer_pid == pid)
-                .count();
-            let link = Link::server(pid, self_pid(), Instant::now());
-            let i = self.insert(Conn::new(fd, link, pid, "".into()));
-            if peer_uid == self.uid && (served >= MAX_SERVED || from_pid >= MAX_SERVED_PER_PID) {
-                self.refused_peers += 1;
-                let c = self.conns.get_mut(&i).expect("just inserted");
-                c.link.reject(format!(
-                    "this process serves {served} same-host connections ({from_pid} from yours) \
-                         already; use NIXL"
-                ));
-                self.flush(i);
-                self.close(i, &mut Vec::new());
-                continue;
+            let (mut served, mut from_pid, mut shaking, mut shaking_pid) = (0, 0, 0, 0);
+            for c in self.conns.values().filter(|c| !c.client) {
+                let mine = c.peer_pid == pid;
+                let unshaken = !c.link.is_ready();
+                served += 1;
+                from_pid += usize::from(mine);
+                shaking += usize::from(unshaken);
+                shaking_pid += usize::from(mine && unshaken);
             }
-            if peer_uid != self.uid {
+            let refusal = if served >= self.caps.served || from_pid >= self.caps.per_pid {
+                Some(format!(
+                    "this process serves {served} same-host connections ({from_pid} from yours) \
+                     already; use NIXL"
+                ))
+            } else if shaking_pid >= MAX_HANDSHAKING_PER_PID || shaking >= MAX_HANDSHAKING {
+                // The handshake window is charged to the process that holds it: its own
+                // connections that have not shaken hands are what keep it out.
+                Some(format!(
+                    "{shaking} same-host connections ({shaking_pid} from yours) have not finished \
+                     their handshake; use NIXL"
+                ))
+            } else {
+                None
+            };
+            let link = Link::server(identity, pid, self_pid(), Instant::now());
+            let i = self.insert(Conn::new(Tracked::new(fd), link, pid, None, "".into()));
+            if let Some(reason) = refusal {
                 self.refused_peers += 1;
                 let c = self.conns.get_mut(&i).expect("just inserted");
-                c.link.reject(format!(
-                    "the serving process runs as uid {}, the peer as uid {peer_uid}: the same-host \
-                     path is only for processes of one user",
-                    self.uid
-                ));
+                c.link.reject(reason);
                 self.flush(i);
                 self.close(i, &mut Vec::new());
             }
@@ -302,6 +329,15 @@ impl LocalTransport {
         peer: &Arc<str>,
         key: &Arc<str>,
     ) -> std::result::Result<ConnId, Decline> {
+        // Only a peer whose agent name advertises a same-host identity is ever connected to: a
+        // Python Dynamo peer binds no socket, and whoever binds its name must learn nothing.
+        let Some(expect) = identity::advertised(peer) else {
+            return Err(
+                "the peer's agent name advertises no same-host endpoint (a Python Dynamo \
+                        peer, or a connector that serves none)"
+                    .into(),
+            );
+        };
         if let Some(&i) = self.by_peer.get(peer) {
             if self.conns.get(&i).is_some_and(|c| !c.link.is_dead()) {
                 return Ok(i);
@@ -312,7 +348,7 @@ impl LocalTransport {
                 return Err("no same-host socket for this peer (none answered a moment ago)".into());
             }
         }
-        let r = self.try_connect(peer, key);
+        let r = self.try_connect(peer, key, expect);
         if let Err(reason) = &r {
             if self.negative.len() >= MAX_NEGATIVE {
                 self.negative.clear();
@@ -328,6 +364,7 @@ impl LocalTransport {
         &mut self,
         peer: &Arc<str>,
         key: &Arc<str>,
+        expect: identity::Fingerprint,
     ) -> std::result::Result<ConnId, Decline> {
         let fd = unix_socket().map_err(|e| Decline::because("cannot open a same-host socket", e))?;
         // The server never passes descriptors; the kernel refuses any it tries (where it can).
@@ -345,8 +382,25 @@ impl LocalTransport {
         if peer_uid != self.uid || pid <= 0 {
             return Err(format!("the peer runs as uid {peer_uid} (this process: {})", self.uid).into());
         }
-        let link = Link::client(key.clone(), auth::nonce(), self_pid(), pid, Instant::now());
-        let i = self.insert(Conn::new(fd, link, pid, peer.clone()));
+        // The process that made the listening socket (what SO_PEERCRED names) must still live:
+        // a child that kept the socket without running its engine (a raw `clone()` skips the
+        // fork handlers) would leave the hello unanswered until its deadline.
+        let Some(server) = pidfd(pid) else {
+            return Err(
+                "the process that made the peer's same-host socket is gone (a child of \
+                        it holds the socket)"
+                    .into(),
+            );
+        };
+        let link = Link::client(
+            key.clone(),
+            expect,
+            auth::nonce(),
+            self_pid(),
+            pid,
+            Instant::now(),
+        );
+        let i = self.insert(Conn::new(fd, link, pid, Some(server), peer.clone()));
         if let Err(e) = self.send_hello(i) {
             self.close(i, &mut Vec::new());
             return Err(Decline::because("the same-host handshake failed", e));

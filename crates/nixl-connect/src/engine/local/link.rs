@@ -11,6 +11,9 @@
 //!
 //! Rules it enforces, whatever the peer sends:
 //! - once dead, nothing more is handled ([`Link::recv`] returns at once);
+//! - the client believes a `Welcome` only when it is signed by the identity its peer's agent name
+//!   advertises ([`identity`]): a process that merely holds the metadata (and so every key in it)
+//!   cannot answer as the owner, not even "no live operation";
 //! - nothing but `Hello` before `Hello` (server), nothing but `Welcome`/`Reject` before
 //!   `Welcome` (client), each at most once; handshake frames are small
 //!   ([`MAX_HANDSHAKE_FRAME`]), so a peer that has not shaken hands holds a few KiB at most;
@@ -20,7 +23,9 @@
 //! - an answer must match an open request of this connection (slot, generation, direction, kind
 //!   of memory, number of ranges) and carry that request's operation's MAC; the only unproven
 //!   answers taken are the ones that can only make an operation fail or take NIXL: a refusal for
-//!   a key the server does not hold (`Refuse` with [`RefuseCode::NotLive`]) and `Fallback`;
+//!   a key the server does not hold (`Refuse` with [`RefuseCode::NotLive`]) and `Fallback`, and
+//!   only on a connection whose server proved the owner's identity (every frame on it comes from
+//!   that process);
 //! - open requests per connection are bounded ([`MAX_OPEN`]); past it the server answers
 //!   `Fallback` itself.
 
@@ -29,6 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::auth::{self, KeyId, Keyed, Nonce, Tag};
+use super::identity::{self, Fingerprint, Identity};
 use super::proto::{
     IpcSource, Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FRAME, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
 };
@@ -100,13 +106,15 @@ pub(crate) enum Heard {
         ok: bool,
         key: Arc<str>,
     },
-    /// Client: the server proved it holds the opening operation's key; requests may follow.
+    /// Client: the server proved it is the advertised owner and holds the opening operation's
+    /// key; requests may follow.
     Ready,
-    /// Client: the server has no live operation with the opening key `key` (a replayed metadata
-    /// string); the connection is closed.
+    /// Client: the server proved it is the advertised owner and has no live operation with the
+    /// opening key `key` (a replayed metadata string); the connection is closed.
     NotLive { key: Arc<str> },
-    /// Client: the server could not prove it holds the opening key (another process holds the
-    /// socket name); the connection is closed.
+    /// Client: the server could not prove it is the owner its agent name advertises (another
+    /// process holds the socket name: a metadata holder, a squatter), or the owner's proof of the
+    /// opening key failed; the connection is closed.
     Impostor,
     /// Client: the server refused the connection (another user, too many connections, version).
     Rejected { reason: String },
@@ -182,6 +190,10 @@ pub(crate) struct Link {
     state: State,
     /// Client: the key the server must prove it holds.
     opening: Option<Arc<str>>,
+    /// Client: the identity the server must prove it is (its agent name's advertisement).
+    expect: Option<Fingerprint>,
+    /// Server: the identity it signs its `Welcome` with.
+    identity: Option<Arc<Identity>>,
     nonce: Nonce,
     client_pid: i32,
     server_pid: i32,
@@ -204,16 +216,19 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    /// The connecting side, opening the connection for the operation keyed `opening`: `Hello` is
-    /// queued in [`Self::out`] (the owner sends it with its slot table attached).
+    /// The connecting side, opening the connection for the operation keyed `opening` to the
+    /// agent whose name advertises `expect`: `Hello` is queued in [`Self::out`] (the owner sends
+    /// it with its slot table attached).
     pub(crate) fn client(
         opening: Arc<str>,
+        expect: Fingerprint,
         nonce: Nonce,
         client_pid: i32,
         server_pid: i32,
         now: Instant,
     ) -> Self {
         let mut l = Self::new(true, State::AwaitWelcome, nonce, client_pid, server_pid, now);
+        l.expect = Some(expect);
         l.push(&Msg::Hello {
             version: VERSION,
             key_id: auth::key_id(&opening),
@@ -223,9 +238,11 @@ impl Link {
         l
     }
 
-    /// The serving side of an accepted connection.
-    pub(crate) fn server(client_pid: i32, server_pid: i32, now: Instant) -> Self {
-        Self::new(false, State::AwaitHello, [0; 16], client_pid, server_pid, now)
+    /// The serving side of an accepted connection, proving `identity` in its `Welcome`.
+    pub(crate) fn server(identity: Arc<Identity>, client_pid: i32, server_pid: i32, now: Instant) -> Self {
+        let mut l = Self::new(false, State::AwaitHello, [0; 16], client_pid, server_pid, now);
+        l.identity = Some(identity);
+        l
     }
 
     fn new(client: bool, state: State, nonce: Nonce, client_pid: i32, server_pid: i32, now: Instant) -> Self {
@@ -233,6 +250,8 @@ impl Link {
             client,
             state,
             opening: None,
+            expect: None,
+            identity: None,
             nonce,
             client_pid,
             server_pid,
@@ -496,9 +515,13 @@ impl Link {
                     .get(&key_id)
                     .map(|k| auth::welcome_proof(k, &nonce, self.client_pid, self.server_pid));
                 let live = proof.is_some();
+                let Some(id) = &self.identity else {
+                    return self.kill("a server without an identity");
+                };
+                let (public, sig) = id.sign_welcome(&nonce, self.client_pid, self.server_pid, proof.as_ref());
                 self.state = State::AwaitTrusted;
                 heard.push(Heard::Hello);
-                self.push(&Msg::Welcome { proof });
+                self.push(&Msg::Welcome { proof, public, sig });
                 if !live {
                     // The client refuses its opening operation as a replay and closes; nothing
                     // more of this connection is served (no `Trusted` can make it ready).
@@ -616,10 +639,24 @@ impl Link {
                 });
             }
             // The client's handshake.
-            (true, State::AwaitWelcome, Msg::Welcome { proof }) => {
-                let Some(opening) = self.opening.take() else {
+            (true, State::AwaitWelcome, Msg::Welcome { proof, public, sig }) => {
+                let (Some(opening), Some(expect)) = (self.opening.take(), self.expect) else {
                     return self.kill("no opening key");
                 };
+                // First who answers: only the owner of the advertised identity is believed,
+                // whatever it says (a live operation's proof, or none).
+                if !identity::verify_welcome(
+                    &expect,
+                    &public,
+                    &sig,
+                    &self.nonce,
+                    self.client_pid,
+                    self.server_pid,
+                    proof.as_ref(),
+                ) {
+                    heard.push(Heard::Impostor);
+                    return self.kill("the server could not prove it is the agent its name advertises");
+                }
                 match proof {
                     None => {
                         heard.push(Heard::NotLive { key: opening });

@@ -28,6 +28,7 @@ mod copies;
 mod device;
 mod dispatch;
 mod eager;
+mod identity;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc;
 pub(crate) mod link;
@@ -42,5 +43,6 @@ mod state;
 mod sys;
 
 pub(crate) use self::device::device_path_refusal;
+pub(crate) use self::identity::Identity;
 pub(crate) use self::state::LocalTransport;
 pub(crate) use self::sys::{listen, Tracked};

@@ -10,7 +10,7 @@
 //! | frame | from | meaning |
 //! |---|---|---|
 //! | `Hello` (+ slot-table fd) | active | protocol version; the first operation's key id and a nonce |
-//! | `Welcome` | passive | proof that it holds that operation's key (or none) |
+//! | `Welcome` | passive | proof that it holds that operation's key (or none), signed by the identity its agent name advertises |
 //! | `Trusted` | active | the proof checks: requests follow |
 //! | `Reject` | passive | the same-host path is refused for this connection (different user...) |
 //! | `Req` | active | access to the operation named by a key id, with proof of its key: direction, ranges, (writes) the source, (device-memory writes) its CUDA IPC export; (small host reads) whether the bytes may come back in the answer; (small host writes) the bytes themselves |
@@ -22,12 +22,14 @@
 //! | `Done` | both | the copier finished (reads: the active side; writes: the passive side) |
 
 use super::auth::{KeyId, Nonce, Tag};
+use super::identity::{PublicKey, Sig};
 use crate::device::Device;
 
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
 /// (5: every frame about an operation carries a MAC under that operation's key; 6: small host
-/// operations carry their bytes in the request or the answer.)
-pub(crate) const VERSION: u32 = 6;
+/// operations carry their bytes in the request or the answer; 7: the `Welcome` is signed by the
+/// identity the agent name advertises.)
+pub(crate) const VERSION: u32 = 7;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
 /// The longest reason string a frame carries, in bytes (longer ones are cut at a character
@@ -104,6 +106,11 @@ pub(crate) enum Msg {
         /// [`super::auth::welcome_proof`] of that operation's key; `None` if no live operation
         /// has that key id.
         proof: Option<Tag>,
+        /// The server's identity key, whose fingerprint the agent name advertises.
+        public: PublicKey,
+        /// Its signature over the client's nonce, both pids and `proof`
+        /// ([`super::identity::verify_welcome`]).
+        sig: Sig,
     },
     /// The client checked the server's proof; its requests follow.
     Trusted,
@@ -336,7 +343,7 @@ impl Msg {
         let str_len = |s: &str| 2 + clip(s).len();
         let body = 1 + match self {
             Msg::Hello { .. } => 4 + 16 + 16,
-            Msg::Welcome { proof } => 1 + proof.map_or(0, |p| p.len()),
+            Msg::Welcome { proof, .. } => 1 + proof.map_or(0, |p| p.len()) + 32 + 64,
             Msg::Trusted => 0,
             Msg::Reject { reason } => str_len(reason),
             Msg::Req {
@@ -407,7 +414,7 @@ impl Msg {
                 w.bytes(key_id);
                 w.bytes(nonce);
             }
-            Msg::Welcome { proof } => {
+            Msg::Welcome { proof, public, sig } => {
                 w.u8(2);
                 match proof {
                     Some(p) => {
@@ -416,6 +423,8 @@ impl Msg {
                     }
                     None => w.u8(0),
                 }
+                w.bytes(public);
+                w.bytes(sig);
             }
             Msg::Trusted => w.u8(10),
             Msg::Reject { reason } => {
@@ -544,6 +553,8 @@ impl Msg {
                     1 => Some(r.array()?),
                     _ => return None,
                 },
+                public: r.array()?,
+                sig: r.array()?,
             },
             10 => Msg::Trusted,
             3 => Msg::Reject {
@@ -634,8 +645,16 @@ mod tests {
                 key_id: [1; 16],
                 nonce: [2; 16],
             },
-            Msg::Welcome { proof: Some([5; 32]) },
-            Msg::Welcome { proof: None },
+            Msg::Welcome {
+                proof: Some([5; 32]),
+                public: [6; 32],
+                sig: [7; 64],
+            },
+            Msg::Welcome {
+                proof: None,
+                public: [6; 32],
+                sig: [7; 64],
+            },
             Msg::Trusted,
             Msg::Reject { reason: "uid".into() },
             Msg::Req {

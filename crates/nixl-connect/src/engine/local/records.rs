@@ -204,13 +204,22 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    pub(super) fn new(fd: Tracked, link: Link, peer_pid: libc::pid_t, peer: Arc<str>) -> Self {
+    /// A connection record; the client's holds a pidfd of its server from the start (made by
+    /// the caller, who checked that process is alive), the server's gets one only once the
+    /// peer's `Hello` arrived ([`Self::open_pidfd`]): a bare connection holds one descriptor.
+    pub(super) fn new(
+        fd: Tracked,
+        link: Link,
+        peer_pid: libc::pid_t,
+        pidfd: Option<OwnedFd>,
+        peer: Arc<str>,
+    ) -> Self {
         let client = link.is_client();
         Self {
             fd,
             client,
             peer_pid,
-            pidfd: pidfd(peer_pid).map(Arc::new),
+            pidfd: pidfd.map(Arc::new),
             link,
             writing: false,
             slots: None,
@@ -225,6 +234,15 @@ impl Conn {
                 Vec::new()
             },
             gens: if client { vec![0; SLOTS] } else { Vec::new() },
+        }
+    }
+}
+
+impl Conn {
+    /// Opens the peer's pidfd if none is held yet.
+    pub(super) fn open_pidfd(&mut self) {
+        if self.pidfd.is_none() {
+            self.pidfd = pidfd(self.peer_pid).map(Arc::new);
         }
     }
 }

@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 
 use super::auth::KeyId;
 use super::cma;
+use super::identity::Identity;
 use super::records::{Act, Conn, ConnId, Exports, Finished, Outstanding, Scope};
 use super::slots;
-use super::sys::{timerfd, uid, Tracked};
+use super::sys::{descriptor_budget, raise_descriptor_limit, timerfd, uid, Tracked};
 use crate::engine::poller::{Registrar, Waker, MAX_TOKEN};
 use crate::engine::transport::OpId;
 
@@ -28,6 +29,32 @@ pub(super) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 pub(super) const MAX_SERVED: usize = 1024;
 /// Connections it serves at once to one process.
 pub(super) const MAX_SERVED_PER_PID: usize = 64;
+/// Served connections that have not finished their handshake, from one process: past it, that
+/// process's next connection is refused (the handshake window is charged to who holds it).
+pub(super) const MAX_HANDSHAKING_PER_PID: usize = 4;
+/// Served connections that have not finished their handshake, in all.
+pub(super) const MAX_HANDSHAKING: usize = 64;
+
+/// The caps on served connections, set from the descriptor limit at start.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Caps {
+    /// Connections served at once: [`MAX_SERVED`], or an eighth of the descriptor limit if
+    /// that is lower (each holds a socket, a pidfd and a slot table: the table never fills).
+    pub(super) served: usize,
+    /// Connections served to one process: [`MAX_SERVED_PER_PID`], or an eighth of `served`.
+    pub(super) per_pid: usize,
+}
+
+impl Caps {
+    /// The caps under a limit of `budget` descriptors.
+    pub(super) fn for_budget(budget: usize) -> Self {
+        let served = MAX_SERVED.min(budget / 8).max(8);
+        Self {
+            served,
+            per_pid: MAX_SERVED_PER_PID.min(served / 8).max(2),
+        }
+    }
+}
 /// The most read grants one connection holds at once (a well-behaved client has at most one per
 /// slot of its table); past it, requests take NIXL.
 pub(super) const MAX_GRANTS_PER_CONN: usize = slots::SLOTS;
@@ -46,6 +73,11 @@ pub(super) const MAX_NEGATIVE: usize = 4096;
 pub(crate) struct LocalTransport {
     pub(super) enabled: bool,
     pub(super) listener: Option<Tracked>,
+    /// The identity this connector's agent name advertises, proven to every client (none when
+    /// it serves no socket).
+    pub(super) identity: Option<Arc<Identity>>,
+    /// The caps on served connections.
+    pub(super) caps: Caps,
     pub(super) reg: Registrar,
     pub(super) waker: Waker,
     pub(super) uid: libc::uid_t,
@@ -87,9 +119,17 @@ impl Drop for LocalTransport {
 }
 
 impl LocalTransport {
-    /// A transport serving on `listener` (none: this connector cannot be reached on this path)
-    /// and, when `enabled`, trying it for active operations.
-    pub(crate) fn new(enabled: bool, listener: Option<Tracked>, reg: Registrar, waker: Waker) -> Self {
+    /// A transport serving on `listener` as `identity` (none: this connector cannot be reached on
+    /// this path) and, when `enabled`, trying it for active operations.
+    pub(crate) fn new(
+        enabled: bool,
+        listener: Option<(Tracked, Arc<Identity>)>,
+        reg: Registrar,
+        waker: Waker,
+    ) -> Self {
+        let (listener, identity) = listener.unzip();
+        raise_descriptor_limit();
+        let caps = Caps::for_budget(descriptor_budget());
         if let Some(l) = &listener {
             if let Err(e) = reg.add(l.as_raw_fd(), LISTENER, true, false) {
                 tracing::warn!(error = %e, "cannot watch the same-host socket");
@@ -107,6 +147,8 @@ impl LocalTransport {
         Self {
             enabled,
             listener,
+            identity,
+            caps,
             reg,
             waker,
             uid: uid(),
@@ -143,13 +185,16 @@ impl LocalTransport {
     ) -> (Self, ConnId, std::os::unix::net::UnixStream) {
         let id = crate::engine::transport::TransportId::nth(0).expect("the first id");
         let mut t = Self::new(false, None, poller.registrar_for(id), poller.waker());
+        t.identity = Some(Arc::new(Identity::from_seed(super::link::fuzz::SERVER_SEED)));
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
         ours.set_nonblocking(true).expect("non-blocking");
-        let link = std::mem::replace(&mut p.server, super::link::Link::server(0, 0, Instant::now()));
+        let spare = super::link::Link::server(t.identity.clone().expect("set above"), 0, 0, Instant::now());
+        let link = std::mem::replace(&mut p.server, spare);
         let i = t.insert(Conn::new(
             Tracked::new(OwnedFd::from(ours)),
             link,
             4100,
+            None,
             "".into(),
         ));
         (t, i, theirs)

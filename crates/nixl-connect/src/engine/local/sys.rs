@@ -181,27 +181,121 @@ pub(super) fn refuse_passed_descriptors(fd: RawFd) {
     };
 }
 
-/// Closes a descriptor a peer passed us on a thread of its own: closing may block for as long
-/// as the peer likes (a socket with `SO_LINGER` and unsent data, a FUSE file), and must never
-/// stall the engine. One thread for the process, fed in order.
+/// Closes a descriptor a peer passed us, off the engine thread and never ahead of our own
+/// sockets. A socket is defused first (`SO_LINGER` {on, 0}: its close resets instead of waiting
+/// for a reader that never reads), so its close cannot block; anything else (a FUSE file whose
+/// daemon never answers its flush) may still block, but only the closer of passed descriptors,
+/// which holds nothing of ours ([`Closer::Passed`]).
 pub(super) fn close_elsewhere(fd: OwnedFd) {
-    to_closer(fd, false);
+    defuse(&fd);
+    to_closer(Closer::Passed, fd, false);
 }
 
-/// Hands `fd` to the closer thread, which untracks it first if `tracked` (so a child of `fork()`
+/// Makes closing `fd` return at once if it is a socket (`SO_LINGER` {on, 0}; other files are
+/// left as they are).
+#[allow(unsafe_code)]
+pub(super) fn defuse(fd: &OwnedFd) {
+    // SAFETY: stat is plain old data; fstat writes into it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on a descriptor we own, into a live local.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+        return;
+    }
+    let l = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt reads one linger from a live local.
+    unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&l as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+}
+
+/// Takes the descriptors a peer left queued on our socket `fd` (passed with bytes this side never
+/// read), defused and sent to the closer of passed descriptors: closing `fd` would otherwise
+/// release them right there, and the release of a lingering socket blocks as its close would.
+/// Bounded: at most 64 messages.
+#[allow(unsafe_code)]
+fn drain_passed(fd: RawFd) {
+    const MAX_PASSED: usize = 253;
+    let mut chunk = [0u8; 4096];
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE((MAX_PASSED * std::mem::size_of::<RawFd>()) as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    for _ in 0..64 {
+        let mut iov = libc::iovec {
+            iov_base: chunk.as_mut_ptr().cast(),
+            iov_len: chunk.len(),
+        };
+        // SAFETY: msghdr is plain old data; iov and cbuf outlive the call and their lengths are
+        // given; received descriptors are owned right below.
+        let (n, msg) = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = cbuf.as_mut_ptr().cast();
+            msg.msg_controllen = space as _;
+            let n = libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC);
+            (n, msg)
+        };
+        if n <= 0 {
+            return;
+        }
+        // SAFETY: walks the control messages recvmsg filled in, within msg_controllen; each
+        // descriptor is new in this process and owned once.
+        unsafe {
+            let mut cm = libc::CMSG_FIRSTHDR(&msg);
+            while !cm.is_null() {
+                if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(cm).cast::<RawFd>();
+                    let count =
+                        ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                    for k in 0..count {
+                        close_elsewhere(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(k))));
+                    }
+                }
+                cm = libc::CMSG_NXTHDR(&msg, cm);
+            }
+        }
+    }
+}
+
+/// The two closing threads of the process.
+#[derive(Clone, Copy)]
+enum Closer {
+    /// Our own same-host sockets (listeners, connections): drained of passed descriptors first.
+    Own,
+    /// Descriptors peers passed us: whatever they are, they wait only for each other.
+    Passed,
+}
+
+/// Hands `fd` to `closer`'s thread, which untracks it first if `tracked` (so a child of `fork()`
 /// is told to replace it for as long as it is open here).
-fn to_closer(fd: OwnedFd, tracked: bool) {
+fn to_closer(closer: Closer, fd: OwnedFd, tracked: bool) {
     use std::sync::mpsc::{channel, Sender};
     use std::sync::{Mutex, OnceLock};
     /// A descriptor to close, and whether it is tracked.
     type Closing = (OwnedFd, bool);
-    static CLOSER: OnceLock<Mutex<Option<Sender<Closing>>>> = OnceLock::new();
-    let tx = CLOSER.get_or_init(|| {
+    static CLOSERS: [OnceLock<Mutex<Option<Sender<Closing>>>>; 2] = [OnceLock::new(), OnceLock::new()];
+    let (which, name) = match closer {
+        Closer::Own => (0, "nixl-connect-closer"),
+        Closer::Passed => (1, "nixl-connect-closer-passed"),
+    };
+    let tx = CLOSERS[which].get_or_init(|| {
         let (tx, rx) = channel::<Closing>();
         let started = std::thread::Builder::new()
-            .name("nixl-connect-closer".into())
+            .name(name.into())
             .spawn(move || {
                 for (fd, tracked) in rx {
+                    if which == 0 {
+                        drain_passed(fd.as_raw_fd());
+                    }
                     if tracked {
                         untrack(fd.as_raw_fd());
                     }
@@ -217,6 +311,52 @@ fn to_closer(fd: OwnedFd, tracked: bool) {
         _ => return, // no closer thread could be started: leak it rather than block here
     };
     std::mem::forget(fd);
+}
+
+/// Closes `fd`, a socket of ours that was never tracked (an accepted connection refused at
+/// once), on the closer of our sockets, after taking what the peer queued on it.
+pub(super) fn close_refused(fd: OwnedFd) {
+    to_closer(Closer::Own, fd, false);
+}
+
+/// Raises this process's soft limit on open descriptors to its hard limit, once (as servers do):
+/// the caps on same-host connections ([`descriptor_budget`]) stay far below it, so a flood of
+/// connections cannot fill the table, where the kernel would close passed descriptors on the
+/// engine thread itself.
+#[allow(unsafe_code)]
+pub(super) fn raise_descriptor_limit() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: rlimit is plain old data; getrlimit/setrlimit read or write one.
+        unsafe {
+            let mut r: libc::rlimit = std::mem::zeroed();
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+                let old = r.rlim_cur;
+                r.rlim_cur = r.rlim_max.min(1 << 20);
+                if r.rlim_cur > old && libc::setrlimit(libc::RLIMIT_NOFILE, &r) == 0 {
+                    tracing::debug!(
+                        from = old,
+                        to = r.rlim_cur,
+                        "raised the soft limit on open descriptors"
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// The soft limit on open descriptors now (1,024 if it cannot be read).
+#[allow(unsafe_code)]
+pub(super) fn descriptor_budget() -> usize {
+    // SAFETY: as in raise_descriptor_limit.
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 {
+            r.rlim_cur.min(1 << 20) as usize
+        } else {
+            1024
+        }
+    }
 }
 
 /// A same-host socket (listener or connection) that a child of `fork()` must not keep serving:
@@ -298,7 +438,7 @@ fn untrack(raw: RawFd) {
 impl Drop for Tracked {
     fn drop(&mut self) {
         if let Some(fd) = self.0.take() {
-            to_closer(fd, true);
+            to_closer(Closer::Own, fd, true);
         }
     }
 }

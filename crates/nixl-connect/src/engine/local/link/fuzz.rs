@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use super::{Answer, Heard, Link, MAX_OPEN, MAX_UNSENT};
 use crate::device::Device;
 use crate::engine::local::auth::{self, KeyId, Keyed, Nonce};
+use crate::engine::local::identity::Identity;
 use crate::engine::local::proto::{IpcSource, Msg, RefuseCode, EAGER_MAX, MAX_FRAME, VERSION};
 
 /// The operation keys a pair knows: the server holds the first two live; the third is held by
@@ -21,6 +22,24 @@ pub(crate) const KEYS: [&str; 3] = [
 ];
 const CLIENT_PID: i32 = 4100;
 const SERVER_PID: i32 = 4200;
+/// The seed of the identity the client's metadata advertises (the owner's).
+pub(crate) const SERVER_SEED: [u8; 32] = [42; 32];
+/// The seed of another process's identity (a metadata holder squatting on the owner's name).
+pub(crate) const IMPOSTOR_SEED: [u8; 32] = [43; 32];
+
+/// The identity of `seed`, made once per process (a key pair costs tens of microseconds, and the
+/// fuzz target makes a pair of cores per input).
+pub(crate) fn identity_of(seed: [u8; 32]) -> Arc<Identity> {
+    use std::sync::OnceLock;
+    static OWNER: OnceLock<Arc<Identity>> = OnceLock::new();
+    static IMPOSTOR: OnceLock<Arc<Identity>> = OnceLock::new();
+    let cell = match seed {
+        SERVER_SEED => &OWNER,
+        IMPOSTOR_SEED => &IMPOSTOR,
+        _ => return Arc::new(Identity::from_seed(seed)),
+    };
+    cell.get_or_init(|| Arc::new(Identity::from_seed(seed))).clone()
+}
 
 /// A client core and a server core, what each heard, and the clock.
 pub(crate) struct Pair {
@@ -35,8 +54,15 @@ pub(crate) struct Pair {
 }
 
 impl Pair {
-    /// A client opening with `KEYS[opening]` and a server holding `KEYS[0]` and `KEYS[1]`.
+    /// A client opening with `KEYS[opening]` and a server holding `KEYS[0]` and `KEYS[1]`, the
+    /// owner of the identity the client expects.
     pub(crate) fn new(opening: usize) -> Self {
+        Self::serving_as(opening, SERVER_SEED)
+    }
+
+    /// As [`Self::new`], with a server proving the identity of `seed` (the owner's is
+    /// [`SERVER_SEED`]).
+    pub(crate) fn serving_as(opening: usize, seed: [u8; 32]) -> Self {
         let now = Instant::now();
         let nonce = [7; 16];
         let keys = KEYS[..2]
@@ -44,8 +70,15 @@ impl Pair {
             .map(|k| (auth::key_id(k), Arc::<str>::from(*k)))
             .collect();
         Self {
-            client: Link::client(KEYS[opening].into(), nonce, CLIENT_PID, SERVER_PID, now),
-            server: Link::server(CLIENT_PID, SERVER_PID, now),
+            client: Link::client(
+                KEYS[opening].into(),
+                identity_of(SERVER_SEED).fingerprint(),
+                nonce,
+                CLIENT_PID,
+                SERVER_PID,
+                now,
+            ),
+            server: Link::server(identity_of(seed), CLIENT_PID, SERVER_PID, now),
             keys,
             nonce,
             now,
@@ -92,6 +125,15 @@ impl Pair {
             None => [0; 32],
         });
         out
+    }
+
+    /// A `Welcome` signed by the identity of `seed`, proving `KEYS[proof_key]` (or no live
+    /// operation), as a server would send it on this pair's connection.
+    pub(crate) fn welcome(&self, proof_key: Option<usize>, seed: [u8; 32]) -> Msg {
+        let proof = proof_key.map(|k| auth::welcome_proof(KEYS[k], &self.nonce, CLIENT_PID, SERVER_PID));
+        let (public, sig) =
+            identity_of(seed).sign_welcome(&self.nonce, CLIENT_PID, SERVER_PID, proof.as_ref());
+        Msg::Welcome { proof, public, sig }
     }
 
     /// A request for a read (or write) of `ranges` host ranges, as the client would send it.
@@ -238,6 +280,8 @@ pub(crate) fn run(data: &[u8]) {
         let (nc, ns) = (p.at_client.len(), p.at_server.len());
         // Which key a forged frame of this step was signed under (none: honest traffic).
         let mut forged_client: Option<Option<usize>> = None;
+        // Whether a forged frame of this step was a `Welcome` signed by the owner's identity.
+        let mut honest_welcome = false;
         let mut forged_server: Option<Option<usize>> = None;
         let (slot, gen) = (input.small(), u64::from(input.small()));
         match op % 12 {
@@ -289,10 +333,16 @@ pub(crate) fn run(data: &[u8]) {
                     3 => None,
                     n => Some(usize::from(n)),
                 };
+                honest_welcome = k & 0x20 == 0x20 && k % 8 == 0;
                 let m = match k % 8 {
-                    0 => Msg::Welcome {
-                        proof: key.map(|k| auth::welcome_proof(KEYS[k], &p.nonce, CLIENT_PID, SERVER_PID)),
-                    },
+                    0 => p.welcome(
+                        key,
+                        if honest_welcome {
+                            SERVER_SEED
+                        } else {
+                            IMPOSTOR_SEED
+                        },
+                    ),
                     1 => Msg::Reject { reason: "no".into() },
                     2 => Msg::Hello {
                         version: VERSION,
@@ -379,6 +429,16 @@ pub(crate) fn run(data: &[u8]) {
         }
         if server_dead {
             assert_eq!(p.at_server.len(), ns, "a dead server core heard something");
+        }
+        // No handshake outcome is believed from anyone but the owner of the advertised identity.
+        if forged_client.is_some() && !honest_welcome {
+            assert!(
+                !p.at_client[nc..]
+                    .iter()
+                    .any(|h| matches!(h, Heard::Ready | Heard::NotLive { .. })),
+                "a Welcome believed without the owner's signature: {:?}",
+                &p.at_client[nc..]
+            );
         }
         // Nothing that makes an operation succeed gets through unless signed under that
         // operation's own key.

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::fuzz::{Pair, KEYS};
+use super::fuzz::{Pair, IMPOSTOR_SEED, KEYS, SERVER_SEED};
 use super::*;
 
 /// The reader's side of a read of `KEYS[key]` on a shaken pair: request, grant, done.
@@ -70,9 +70,8 @@ fn link_double_welcome_closes_without_panic() {
     ] {
         let mut p = Pair::new(0);
         p.deliver_to_server(1);
-        let proof = proof_key.map(|k| auth::welcome_proof(KEYS[k], &p.nonce, 4100, 4200));
-        let mut two = p.forge(&Msg::Welcome { proof }, None, false);
-        two.extend(p.forge(&Msg::Welcome { proof: None }, None, false));
+        let mut two = p.forge(&p.welcome(proof_key, SERVER_SEED), None, false);
+        two.extend(p.forge(&p.welcome(None, SERVER_SEED), None, false));
         two.extend(p.forge(&Msg::Grant { slot: 0, gen: 0 }, Some(0), false));
         p.client.recv(&two, 0, p.now, &HashMap::new(), &mut p.at_client);
         assert!(p.client.is_dead(), "closed");
@@ -179,7 +178,14 @@ fn link_frames_replayed_onto_another_connection_are_refused() {
     let req = a.client.out().to_vec();
     let mut b = Pair::new(0);
     b.nonce = [8; 16];
-    b.client = Link::client(KEYS[0].into(), b.nonce, 4100, 4200, b.now);
+    b.client = Link::client(
+        KEYS[0].into(),
+        Identity::from_seed(SERVER_SEED).fingerprint(),
+        b.nonce,
+        4100,
+        4200,
+        b.now,
+    );
     b.shake();
     b.server.recv(&req, 0, b.now, &b.keys.clone(), &mut b.at_server);
     assert!(b.server.is_dead(), "a request replayed from another connection");
@@ -244,7 +250,7 @@ fn link_descriptors_only_with_the_hello() {
     let mut p = Pair::new(0);
     p.shake();
     p.server.answer(0, 0, Answer::Grant);
-    let bytes = p.forge(&Msg::Welcome { proof: None }, None, false);
+    let bytes = p.forge(&p.welcome(None, SERVER_SEED), None, false);
     p.client.recv(&bytes, 1, p.now, &HashMap::new(), &mut p.at_client);
     assert!(p.client.is_dead(), "the client takes no descriptor at all");
 }
@@ -381,7 +387,7 @@ fn link_fuzz_programs_hold_their_invariants() {
     }
 }
 
-/// The protocol core (this connection core, the frame codec, the MACs) names nothing of the edge:
+/// The protocol core (this connection core, the frame codec, the MACs, the identity) names nothing of the edge:
 /// only its own parts, the slot count and the device type. A `use` of the transport's state, its
 /// jobs or the copy pool here would let a call circle run through the core.
 #[test]
@@ -390,9 +396,11 @@ fn link_core_imports_nothing_of_the_edge() {
         ("link.rs", include_str!("../link.rs")),
         ("proto.rs", include_str!("../proto.rs")),
         ("auth.rs", include_str!("../auth.rs")),
+        ("identity.rs", include_str!("../identity.rs")),
     ];
     let allowed = [
         "super::auth",
+        "super::identity",
         "super::proto",
         "super::slots::SLOTS",
         "crate::device::Device",
@@ -642,4 +650,80 @@ fn link_eager_requests_must_be_small_host_operations() {
         matches!(p.at_client.pop(), Some(Heard::Fallback { .. })),
         "bytes for a grant's read"
     );
+}
+
+/// Round 4: a metadata holder (it knows every key in the metadata) binds the owner's socket name
+/// and answers with a correct proof of the key under its own identity. The client believes
+/// nothing: it hears an impostor, sends no `Trusted` and no request (so no eager bytes, ranges or
+/// device exports), and its core closes.
+#[test]
+fn link_metadata_holder_cannot_answer_as_the_owner() {
+    for opening in [0, 1] {
+        let mut p = Pair::serving_as(opening, IMPOSTOR_SEED);
+        p.deliver_to_server(1);
+        assert_eq!(
+            p.at_server,
+            vec![Heard::Hello],
+            "the squatter proves the key it holds"
+        );
+        p.deliver_to_client();
+        assert_eq!(p.at_client, vec![Heard::Impostor]);
+        assert!(p.client.is_dead());
+        assert!(p.client.out().is_empty(), "nothing follows the hello");
+        assert!(
+            !p.client
+                .request(KEYS[opening], &Pair::eager_req(0, 1, opening, true, 4096)),
+            "a small write's bytes never leave on it"
+        );
+        assert!(p.client.out().is_empty());
+    }
+}
+
+/// Round 4: "no live operation" ends an operation only when the owner says it. A `Welcome`
+/// without a proof that is not signed by the advertised identity (a squatter's, or an unsigned
+/// one) is an impostor's (the operation takes NIXL), not a replay; the owner's is a replay.
+#[test]
+fn link_unproven_not_live_welcome_is_an_impostor() {
+    for (seed, heard) in [
+        (IMPOSTOR_SEED, Heard::Impostor),
+        (SERVER_SEED, Heard::NotLive { key: KEYS[2].into() }),
+    ] {
+        let mut p = Pair::new(2);
+        p.deliver_to_server(1);
+        p.server.sent(p.server.out().len());
+        let w = p.forge(&p.welcome(None, seed), None, false);
+        p.client.recv(&w, 0, p.now, &HashMap::new(), &mut p.at_client);
+        assert_eq!(p.at_client, vec![heard]);
+    }
+    // A Welcome with the owner's key but a signature over another nonce (a replayed Welcome).
+    let mut p = Pair::new(0);
+    let old = p.welcome(Some(0), SERVER_SEED);
+    p.nonce = [9; 16];
+    p.client = Link::client(
+        KEYS[0].into(),
+        Identity::from_seed(SERVER_SEED).fingerprint(),
+        p.nonce,
+        4100,
+        4200,
+        p.now,
+    );
+    let w = p.forge(&old, None, false);
+    p.client.recv(&w, 0, p.now, &HashMap::new(), &mut p.at_client);
+    assert_eq!(
+        p.at_client,
+        vec![Heard::Impostor],
+        "a Welcome replayed from another connection"
+    );
+}
+
+/// The owner's identity is proven once per connection; every later operation's frames still go
+/// under their own key (the cross-operation rules hold on an identity-proven connection).
+#[test]
+fn link_owner_proven_connection_serves_later_operations() {
+    let mut p = Pair::new(0);
+    p.shake();
+    assert_eq!(p.at_client, vec![Heard::Ready]);
+    assert!(p.client.request(KEYS[1], &Pair::eager_req(3, 1, 1, true, 4096)));
+    p.deliver_to_server(0);
+    assert!(matches!(&p.at_server[1], Heard::Req(r) if &*r.key == KEYS[1] && r.data.len() == 4096));
 }

@@ -1,0 +1,239 @@
+//! Who the owner of an agent name is: the same-host path's identity binding.
+//!
+//! Knowing an operation's notification key proves nothing about *who* answers: every holder of the
+//! metadata knows it (a reader, a relay, a NATS or etcd subscriber). So a connector that serves
+//! the same-host path makes an Ed25519 key pair at start and writes its public key's
+//! [`Fingerprint`] into its NIXL agent name ([`advertise`]): `<name>.nxc1-<32 hex digits>`. The
+//! agent name is opaque to Python readers and travels inside the byte-compatible metadata, so the
+//! advertisement costs nothing there. Then:
+//!
+//! - an active side connects only to agent names that carry an advertisement ([`advertised`]): a
+//!   Python Dynamo peer (whose agent name has none) goes to NIXL at once, no `Hello` names it, and
+//!   whoever binds its name learns nothing;
+//! - the server's `Welcome` carries its public key and a signature over the client's nonce, both
+//!   processes' pids and the Welcome's own proof (or its absence: "no live operation"): the client
+//!   believes the connection only when the key matches the fingerprint its metadata named and the
+//!   signature checks ([`verify_welcome`]). A metadata holder knows the fingerprint, never the
+//!   private key, so it cannot answer as the owner; a relay's pid differs, so a real owner's
+//!   signature cannot be passed on.
+//!
+//! Everything later on that connection comes from the process that proved the identity (a Unix
+//! stream socket cannot be written into by a third process), which is what lets an answer that
+//! ends an operation unproven by its key (a `Refuse` for a key the owner no longer holds) be
+//! believed.
+
+use std::fmt;
+
+use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
+use sha2::{Digest, Sha256};
+
+use super::auth::{Nonce, Tag};
+
+/// The advertisement's marker in an agent name, before the fingerprint.
+const MARK: &str = ".nxc1-";
+/// The first 16 bytes of SHA-256 over a connector's public key (domain-separated).
+pub(crate) type Fingerprint = [u8; 16];
+/// An Ed25519 public key.
+pub(crate) type PublicKey = [u8; 32];
+/// An Ed25519 signature.
+pub(crate) type Sig = [u8; 64];
+
+/// A connector's same-host identity: the private key only this process holds.
+pub(crate) struct Identity {
+    key: SigningKey,
+    public: PublicKey,
+    fingerprint: Fingerprint,
+}
+
+impl fmt::Debug for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the private key.
+        write!(f, "Identity({})", hex(&self.fingerprint))
+    }
+}
+
+impl Identity {
+    /// A fresh identity from the operating system's random generator.
+    pub(crate) fn generate() -> std::io::Result<Self> {
+        let mut seed = [0u8; 32];
+        getrandom::getrandom(&mut seed).map_err(std::io::Error::other)?;
+        Ok(Self::from_seed(seed))
+    }
+
+    /// The identity of a fixed seed (tests).
+    pub(crate) fn from_seed(seed: [u8; 32]) -> Self {
+        let key = SigningKey::from_bytes(&seed);
+        let public = key.verifying_key().to_bytes();
+        Self {
+            key,
+            fingerprint: fingerprint(&public),
+            public,
+        }
+    }
+
+    /// The public key's fingerprint, as advertised.
+    pub(crate) fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// `name` with this identity's advertisement appended.
+    pub(crate) fn advertise(&self, name: &str) -> String {
+        format!("{name}{MARK}{}", hex(&self.fingerprint))
+    }
+
+    /// The server's signed `Welcome`: its public key and a signature over the client's nonce, both
+    /// pids and the Welcome's proof (or its absence).
+    pub(crate) fn sign_welcome(
+        &self,
+        nonce: &Nonce,
+        client_pid: i32,
+        server_pid: i32,
+        proof: Option<&Tag>,
+    ) -> (PublicKey, Sig) {
+        let m = welcome_message(nonce, client_pid, server_pid, proof);
+        (self.public, self.key.sign(&m).to_bytes())
+    }
+}
+
+/// The fingerprint of `public`.
+pub(crate) fn fingerprint(public: &PublicKey) -> Fingerprint {
+    let mut h = Sha256::new();
+    h.update(b"nixl-connect/identity\0");
+    h.update(public);
+    let d = h.finalize();
+    d[..16].try_into().expect("16 of 32 bytes")
+}
+
+/// The fingerprint an agent name advertises, if it advertises the same-host path (a rotated
+/// exposer's name, `<connector>~<generation>`, advertises its connector's). `None` for a Python
+/// Dynamo peer's name, or any name without a well-formed advertisement.
+pub(crate) fn advertised(agent: &str) -> Option<Fingerprint> {
+    let base = agent.split_once('~').map_or(agent, |(base, _)| base);
+    let (_, tail) = base.rsplit_once(MARK)?;
+    if tail.len() != 32
+        || !tail
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return None;
+    }
+    let mut f = [0u8; 16];
+    for (i, b) in f.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&tail[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(f)
+}
+
+/// True when `public` is the key `expected` names and `sig` is its signature of this `Welcome`.
+pub(crate) fn verify_welcome(
+    expected: &Fingerprint,
+    public: &PublicKey,
+    sig: &Sig,
+    nonce: &Nonce,
+    client_pid: i32,
+    server_pid: i32,
+    proof: Option<&Tag>,
+) -> bool {
+    if fingerprint(public) != *expected {
+        return false;
+    }
+    let Ok(key) = VerifyingKey::from_bytes(public) else {
+        return false;
+    };
+    let m = welcome_message(nonce, client_pid, server_pid, proof);
+    key.verify_strict(&m, &Signature::from_bytes(sig)).is_ok()
+}
+
+fn welcome_message(nonce: &Nonce, client_pid: i32, server_pid: i32, proof: Option<&Tag>) -> Vec<u8> {
+    let mut m = Vec::with_capacity(64 + 16 + 8 + 33);
+    m.extend_from_slice(b"nixl-connect/welcome-identity\0");
+    m.extend_from_slice(nonce);
+    m.extend_from_slice(&client_pid.to_le_bytes());
+    m.extend_from_slice(&server_pid.to_le_bytes());
+    match proof {
+        Some(p) => {
+            m.push(1);
+            m.extend_from_slice(p);
+        }
+        None => m.push(0),
+    }
+    m
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identity_advertisement_round_trips_and_python_names_advertise_nothing() {
+        let id = Identity::from_seed([7; 32]);
+        let name = id.advertise("worker-3");
+        assert_eq!(advertised(&name), Some(id.fingerprint()));
+        assert_eq!(
+            advertised(&format!("{name}~2")),
+            Some(id.fingerprint()),
+            "a rotated exposer"
+        );
+        // Python Dynamo's agent names (uuid4 strings) and malformed advertisements.
+        for n in [
+            "5f0c8f5e-7a41-4c4e-9d59-0f2d3c4b5a69",
+            "worker.nxc1-",
+            "worker.nxc1-0123",
+            "worker.nxc1-0123456789ABCDEF0123456789abcdef",
+            "worker.nxc1-0123456789abcdef0123456789abcdefX",
+            "worker.nxc1-0123456789abcdef0123456789abcdeg",
+            "",
+        ] {
+            assert_eq!(advertised(n), None, "{n}");
+        }
+    }
+
+    #[test]
+    fn identity_welcome_checks_key_fingerprint_nonce_pids_and_proof() {
+        let id = Identity::from_seed([1; 32]);
+        let other = Identity::from_seed([2; 32]);
+        let n = [3u8; 16];
+        let proof = [9u8; 32];
+        let (public, sig) = id.sign_welcome(&n, 10, 20, Some(&proof));
+        let fp = id.fingerprint();
+        assert!(verify_welcome(&fp, &public, &sig, &n, 10, 20, Some(&proof)));
+        assert!(!verify_welcome(
+            &other.fingerprint(),
+            &public,
+            &sig,
+            &n,
+            10,
+            20,
+            Some(&proof)
+        ));
+        assert!(
+            !verify_welcome(&fp, &public, &sig, &[4; 16], 10, 20, Some(&proof)),
+            "nonce"
+        );
+        assert!(
+            !verify_welcome(&fp, &public, &sig, &n, 11, 20, Some(&proof)),
+            "a relay's pid"
+        );
+        assert!(
+            !verify_welcome(&fp, &public, &sig, &n, 10, 20, None),
+            "proof dropped"
+        );
+        assert!(
+            !verify_welcome(&fp, &public, &sig, &n, 10, 20, Some(&[8; 32])),
+            "proof changed"
+        );
+        // Another key that signs correctly, but is not the advertised one.
+        let (p2, s2) = other.sign_welcome(&n, 10, 20, Some(&proof));
+        assert!(!verify_welcome(&fp, &p2, &s2, &n, 10, 20, Some(&proof)));
+        // The advertised key with a signature that is not its own.
+        assert!(!verify_welcome(&fp, &public, &s2, &n, 10, 20, Some(&proof)));
+        assert!(
+            !format!("{id:?}").contains(&hex(&[1; 32])),
+            "no private key in Debug"
+        );
+    }
+}
