@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "http")]
 use nixl_connect::channel::http::{self, HttpChannel};
 use nixl_connect::{Connector, Descriptor, Error, RdmaMetadata};
 
@@ -27,6 +28,7 @@ async fn read_it(b: &Connector, md: &RdmaMetadata) {
     assert_eq!(got, (0..4096u32).map(|i| i as u8).collect::<Vec<u8>>());
 }
 
+#[cfg(feature = "http")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn channel_http_publish_fetch_and_unpublish() {
     let (a, b) = (Connector::new().unwrap(), Connector::new().unwrap());
@@ -58,6 +60,7 @@ async fn channel_http_publish_fetch_and_unpublish() {
     ));
 }
 
+#[cfg(feature = "http")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn channel_http_global_serves_many_operations() {
     let a = Connector::new().unwrap();
@@ -75,6 +78,7 @@ async fn channel_http_global_serves_many_operations() {
     assert_eq!(again.local_addr(), ch.local_addr(), "one listener per process");
 }
 
+#[cfg(feature = "http")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn channel_http_fetch_is_bounded() {
     // A server that accepts and never answers: the fetch times out instead of hanging.

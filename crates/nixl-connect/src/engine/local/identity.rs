@@ -72,6 +72,7 @@ impl Identity {
     }
 
     /// The public key's fingerprint, as advertised.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn fingerprint(&self) -> Fingerprint {
         self.fingerprint
     }
