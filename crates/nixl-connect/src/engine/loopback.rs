@@ -128,7 +128,7 @@ impl LoopbackTransport {
         };
         // The peer's map stays locked while copying: its operation cannot end (and its memory
         // cannot go) under the copy.
-        let exposed = lock(&peer.exposed);
+        let mut exposed = lock(&peer.exposed);
         let Some((kind, ranges)) = exposed.get(&spec.key) else {
             return Err(Error::Refused {
                 agent: spec.peer.name.to_string(),
@@ -164,6 +164,10 @@ impl LoopbackTransport {
             // checked equal, and a readable never overlaps the reader's destination.
             unsafe { std::ptr::copy(src.addr as *const u8, dst.addr as *mut u8, src.len) };
         }
+        // One transfer completes a passive operation (as NIXL's notification does): the key is
+        // gone before the map is unlocked, so a second reader, on any connector, is refused
+        // whatever its owner's engine has applied yet (loopback_concurrent_readers_one_succeeds).
+        exposed.remove(&spec.key);
         drop(exposed);
         lock(&peer.completed).push(spec.key.clone());
         peer.waker.wake();

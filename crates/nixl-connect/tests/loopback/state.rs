@@ -122,6 +122,37 @@ async fn loopback_replay_after_completion_is_refused() {
     }
 }
 
+/// Found in review (issue 40): a read's copy released the owner's map before the key was marked
+/// done, so a second reader on another connector, begun before the owner's engine applied the
+/// completion, was served too. One readable serves one read, whichever connectors race for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_concurrent_readers_one_succeeds() {
+    for round in 0..50u8 {
+        let (a, b) = pair();
+        let c = Connector::builder().build_loopback().unwrap();
+        let r = a
+            .create_readable(Descriptor::from(pattern(4096, round)))
+            .await
+            .unwrap();
+        let md = r.metadata().clone();
+        let (x, y) = tokio::join!(
+            b.begin_read(&md, Descriptor::from(vec![0u8; 4096])),
+            c.begin_read(&md, Descriptor::from(vec![0u8; 4096]))
+        );
+        let (x, y) = (x.unwrap(), y.unwrap());
+        let (x, y) = tokio::join!(x.wait_for_completion(T), y.wait_for_completion(T));
+        let ok = usize::from(x.is_ok()) + usize::from(y.is_ok());
+        assert_eq!(ok, 1, "round {round}: {x:?} {y:?}");
+        for e in [x, y].into_iter().filter_map(Result::err) {
+            assert!(
+                matches!(e, Error::Refused { refusal: r, .. } if r.is_replay()),
+                "{e}"
+            );
+        }
+        r.wait_for_completion(T).await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn loopback_wrong_pairing_fails_before_any_transfer() {
     let (a, b) = pair();
