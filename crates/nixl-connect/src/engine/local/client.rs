@@ -17,6 +17,7 @@ use super::records::ExportDone;
 use super::records::{Act, AnyCopy, ConnId, CopyOwner, Phase};
 use super::slots::SlotTable;
 use super::state::LocalTransport;
+use super::violation::Violation;
 use crate::device::Device;
 use crate::engine::transport::{Event, OpId};
 use crate::error::Error;
@@ -272,7 +273,7 @@ impl LocalTransport {
         if !fits && !matches!(a.phase, Phase::Abandoned) {
             tracing::debug!("a same-host grant that does not fit its request; closing the connection");
             if let Some(c) = self.conns.get_mut(&i) {
-                c.link.kill("a grant that does not fit its request");
+                c.link.kill(Violation::GrantDoesNotFit);
             }
             return;
         }

@@ -22,6 +22,7 @@ use super::sys::{
     close_elsewhere, close_refused, peer_cred, pidfd, refuse_passed_descriptors, self_pid, set_timer,
     sockaddr, socket_name, unix_socket, Tracked,
 };
+use super::violation::Violation;
 use crate::engine::transport::{Decline, Event, OpId};
 use crate::error::Error;
 
@@ -76,7 +77,7 @@ impl LocalTransport {
             let c = self.conns.get_mut(&i).expect("listed");
             c.link.on_timeout(now);
             if c.link.is_dead() {
-                tracing::debug!(why = c.link.death(), "same-host connection timed out");
+                tracing::debug!(why = ?c.link.death(), "same-host connection timed out");
                 self.close(i, out);
             } else {
                 self.watch_deadline(i);
@@ -106,7 +107,7 @@ impl LocalTransport {
             } else {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::WouldBlock {
-                    c.link.hang_up("the socket failed");
+                    c.link.hang_up(Violation::SocketFailed);
                     c.link.sent(usize::MAX);
                 }
                 break;
@@ -155,7 +156,7 @@ impl LocalTransport {
             };
             if n <= 0 {
                 if n == 0 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock {
-                    c.link.hang_up("the peer closed the connection");
+                    c.link.hang_up(Violation::PeerClosed);
                 }
                 return;
             }
@@ -181,8 +182,7 @@ impl LocalTransport {
                 // Descriptors were cut off (more than a message takes, or our table was full and
                 // the kernel closed them): never what an honest peer sends.
                 fds.into_iter().for_each(close_elsewhere);
-                c.link
-                    .kill("descriptors passed beyond what a message takes were cut off");
+                c.link.kill(Violation::ControlTruncated);
                 return;
             }
             let passed = fds.len();
@@ -194,14 +194,13 @@ impl LocalTransport {
                     let fd = fds.pop().expect("one");
                     if SlotTable::check(&fd).is_err() {
                         close_elsewhere(fd);
-                        c.link
-                            .kill("the descriptor passed with the hello is no slot table");
+                        c.link.kill(Violation::NotATable);
                         return;
                     }
                     match SlotTable::open(fd) {
                         Ok(t) => c.slots = Some(Arc::new(t)),
                         Err(_) => {
-                            c.link.kill("the slot table cannot be mapped");
+                            c.link.kill(Violation::TableUnmappable);
                             return;
                         }
                     }
@@ -447,7 +446,7 @@ impl LocalTransport {
                                 spec: a.spec,
                                 reason: format!(
                                     "the same-host connection was closed: {}",
-                                    c.link.death().unwrap_or("a protocol error")
+                                    c.link.death().map_or("a protocol error", |v| v.reason())
                                 )
                                 .into(),
                             });

@@ -39,6 +39,7 @@ use super::proto::{
     IpcSource, Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FRAME, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
 };
 use super::slots::SLOTS;
+use super::violation::Violation;
 use crate::device::Device;
 
 /// How long a connection may take to shake hands.
@@ -209,7 +210,7 @@ pub(crate) struct Link {
     /// When the first byte of the frame still incomplete arrived.
     partial_since: Option<Instant>,
     open: HashMap<(u32, u64), Open>,
-    death: Option<&'static str>,
+    death: Option<Violation>,
     /// It died because the peer went away (end of stream, a socket error), not for a rule it
     /// broke.
     gone: bool,
@@ -282,7 +283,7 @@ impl Link {
     pub(crate) fn reject(&mut self, reason: String) {
         if !self.client && self.state == State::AwaitHello {
             self.push(&Msg::Reject { reason });
-            self.kill("rejected");
+            self.kill(Violation::Rejected);
         }
     }
 
@@ -292,7 +293,7 @@ impl Link {
     }
 
     /// Why it died, for logs.
-    pub(crate) fn death(&self) -> Option<&'static str> {
+    pub(crate) fn death(&self) -> Option<Violation> {
         self.death
     }
 
@@ -308,7 +309,7 @@ impl Link {
 
     /// Closes the connection for `why` (the owner found something the core cannot see: a slot
     /// table that is not one, a socket error).
-    pub(crate) fn kill(&mut self, why: &'static str) {
+    pub(crate) fn kill(&mut self, why: Violation) {
         if self.state != State::Dead {
             self.state = State::Dead;
             self.death = Some(why);
@@ -319,7 +320,7 @@ impl Link {
     }
 
     /// Closes the connection because the peer went away (`why`: end of stream, a socket error).
-    pub(crate) fn hang_up(&mut self, why: &'static str) {
+    pub(crate) fn hang_up(&mut self, why: Violation) {
         if self.state != State::Dead {
             self.gone = true;
         }
@@ -370,12 +371,12 @@ impl Link {
     /// The clock reached `now`: a handshake or a frame past its deadline kills the connection.
     pub(crate) fn on_timeout(&mut self, now: Instant) {
         if self.handshake_by.is_some_and(|t| now >= t) {
-            self.kill("the handshake did not finish in time");
+            self.kill(Violation::HandshakeTimedOut);
         } else if self
             .partial_since
             .is_some_and(|t| now >= t + PARTIAL_FRAME_TIMEOUT)
         {
-            self.kill("a frame did not arrive whole in time");
+            self.kill(Violation::PartialFrameTimedOut);
         }
     }
 
@@ -397,13 +398,13 @@ impl Link {
         }
         if fds > 0 {
             if !self.takes_descriptors() || fds > 1 {
-                return self.kill("descriptors passed outside the hello");
+                return self.kill(Violation::PassedOutsideHello);
             }
             self.fds += fds;
         }
         let max = self.max_frame();
         if self.rbuf.len() - self.rpos + data.len() > max + 4 + MAX_FRAME.min(64 << 10) {
-            return self.kill("a peer that floods the connection");
+            return self.kill(Violation::Flood);
         }
         self.rbuf.extend_from_slice(data);
         // Taken out while its frames are handled (they borrow it); put back below.
@@ -465,7 +466,7 @@ impl Link {
     /// make this side hold more than [`MAX_UNSENT`] bytes for it.
     fn check_unsent(&mut self) {
         if self.out.len() - self.wpos > MAX_UNSENT {
-            self.kill("a peer that does not read what it is sent");
+            self.kill(Violation::NotReading);
         }
     }
 
@@ -500,13 +501,13 @@ impl Link {
                 },
             ) => {
                 if self.fds != 1 {
-                    return self.kill("a hello without its slot table");
+                    return self.kill(Violation::HelloWithoutTable);
                 }
                 if version != VERSION {
                     self.push(&Msg::Reject {
                         reason: format!("protocol version {version}; this side speaks {VERSION}"),
                     });
-                    return self.kill("another protocol version");
+                    return self.kill(Violation::OtherVersion);
                 }
                 self.nonce = nonce;
                 // The proof that this process holds the opening operation's key (none if it has
@@ -516,7 +517,7 @@ impl Link {
                     .map(|k| auth::welcome_proof(k, &nonce, self.client_pid, self.server_pid));
                 let live = proof.is_some();
                 let Some(id) = &self.identity else {
-                    return self.kill("a server without an identity");
+                    return self.kill(Violation::NoIdentity);
                 };
                 let (public, sig) = id.sign_welcome(&nonce, self.client_pid, self.server_pid, proof.as_ref());
                 self.state = State::AwaitTrusted;
@@ -525,7 +526,7 @@ impl Link {
                 if !live {
                     // The client refuses its opening operation as a replay and closes; nothing
                     // more of this connection is served (no `Trusted` can make it ready).
-                    self.kill("the hello named no live operation");
+                    self.kill(Violation::HelloNotLive);
                 }
             }
             (false, State::AwaitTrusted, Msg::Trusted) => {
@@ -550,7 +551,7 @@ impl Link {
                 },
             ) => {
                 if slot as usize >= SLOTS || self.open.contains_key(&(slot, gen)) {
-                    return self.kill("a request for a slot that does not exist or is in use");
+                    return self.kill(Violation::BadSlot);
                 }
                 let total = remote.iter().try_fold(0u64, |t, r| t.checked_add(r.1));
                 let host = device == Device::Host;
@@ -562,7 +563,7 @@ impl Link {
                         || !sources.is_empty()
                         || total.is_none_or(|t| t > EAGER_MAX as u64))
                 {
-                    return self.kill("an eager read that is not a small host read");
+                    return self.kill(Violation::EagerReadTooLarge);
                 }
                 if !data.is_empty()
                     && (!write
@@ -571,7 +572,7 @@ impl Link {
                         || !sources.is_empty()
                         || total != Some(data.len() as u64))
                 {
-                    return self.kill("a write's bytes that do not match its ranges");
+                    return self.kill(Violation::WriteBytesMismatch);
                 }
                 let Some(name) = keys.get(&key_id).cloned() else {
                     // No live operation has this key: a replay. Nothing to prove it with.
@@ -585,7 +586,7 @@ impl Link {
                 };
                 let key = Keyed::new(&name);
                 if !self.proven(&key, auth::From::Client, signed, mac) {
-                    return self.kill("a request without proof of its operation's key");
+                    return self.kill(Violation::UnprovenRequest);
                 }
                 if self.open.len() >= MAX_OPEN {
                     let m = Msg::Fallback {
@@ -625,10 +626,10 @@ impl Link {
             (false, State::Ready, Msg::Done { slot, gen, ok, .. }) => {
                 let proven = match self.open.get(&(slot, gen)) {
                     Some(o) if o.granted && !o.write => self.proven(&o.key, auth::From::Client, signed, mac),
-                    _ => return self.kill("a done for no granted read"),
+                    _ => return self.kill(Violation::DoneForNothing),
                 };
                 if !proven {
-                    return self.kill("a done without proof of its operation's key");
+                    return self.kill(Violation::UnprovenDone);
                 }
                 let o = self.open.remove(&(slot, gen)).expect("checked just above");
                 heard.push(Heard::ReadDone {
@@ -641,7 +642,7 @@ impl Link {
             // The client's handshake.
             (true, State::AwaitWelcome, Msg::Welcome { proof, public, sig }) => {
                 let (Some(opening), Some(expect)) = (self.opening.take(), self.expect) else {
-                    return self.kill("no opening key");
+                    return self.kill(Violation::NoOpeningKey);
                 };
                 // First who answers: only the owner of the advertised identity is believed,
                 // whatever it says (a live operation's proof, or none).
@@ -655,12 +656,12 @@ impl Link {
                     proof.as_ref(),
                 ) {
                     heard.push(Heard::Impostor);
-                    return self.kill("the server could not prove it is the agent its name advertises");
+                    return self.kill(Violation::NotTheOwner);
                 }
                 match proof {
                     None => {
                         heard.push(Heard::NotLive { key: opening });
-                        self.kill("the server has no live operation with the opening key");
+                        self.kill(Violation::ServerNotLive);
                     }
                     Some(p)
                         if auth::same(
@@ -675,16 +676,16 @@ impl Link {
                     }
                     Some(_) => {
                         heard.push(Heard::Impostor);
-                        self.kill("the server could not prove it holds the opening key");
+                        self.kill(Violation::BadProof);
                     }
                 }
             }
             (true, State::AwaitWelcome, Msg::Reject { reason }) => {
                 heard.push(Heard::Rejected { reason });
-                self.kill("the server rejected the connection");
+                self.kill(Violation::ServerRejected);
             }
             (true, State::Ready, m) => self.on_answer(m, signed, mac, heard),
-            _ => self.kill("a frame out of order"),
+            _ => self.kill(Violation::OutOfOrder),
         }
     }
 
@@ -696,13 +697,13 @@ impl Link {
             | Msg::Refuse { slot, gen, .. }
             | Msg::Fallback { slot, gen, .. }
             | Msg::Done { slot, gen, .. } => (*slot, *gen),
-            _ => return self.kill("a frame out of order"),
+            _ => return self.kill(Violation::OutOfOrder),
         };
         let Some(o) = self.open.get(&(slot, gen)) else {
-            return self.kill("an answer to no open request");
+            return self.kill(Violation::AnswerToNothing);
         };
         if o.granted {
-            return self.kill("an answer to a read already granted");
+            return self.kill(Violation::AnswerAfterGrant);
         }
         let proven = self.proven(&o.key, auth::From::Server, signed, mac);
         // Only answers that can make an operation fail or take NIXL may come unproven.
@@ -714,7 +715,7 @@ impl Link {
             } | Msg::Fallback { .. }
         );
         if !proven && !unproven_ok {
-            return self.kill("an answer without proof of its operation's key");
+            return self.kill(Violation::UnprovenAnswer);
         }
         let fits = match &m {
             Msg::Grant { .. } => !o.write && !o.device,
@@ -724,7 +725,7 @@ impl Link {
             _ => true,
         };
         if !fits {
-            return self.kill("an answer of the wrong kind for its request");
+            return self.kill(Violation::WrongAnswer);
         }
         match m {
             Msg::Grant { .. } => {

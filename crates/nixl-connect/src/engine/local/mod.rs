@@ -41,6 +41,7 @@ pub(crate) mod slots;
 mod staged;
 mod state;
 mod sys;
+pub(crate) mod violation;
 
 pub(crate) use self::device::device_path_refusal;
 pub(crate) use self::identity::Identity;

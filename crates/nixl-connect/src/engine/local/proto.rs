@@ -23,6 +23,7 @@
 
 use super::auth::{KeyId, Nonce, Tag};
 use super::identity::{PublicKey, Sig};
+use super::violation::Violation;
 use crate::device::Device;
 
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
@@ -514,28 +515,28 @@ impl Msg {
     /// Decodes one frame from the front of `buf`, of at most `max` bytes after its length
     /// prefix: `Ok(None)` when it is not complete yet, `Ok(Some((frame, used)))`, or `Err` for a
     /// malformed or oversized frame (a length over `max` is refused before its bytes arrive).
-    pub(crate) fn decode(buf: &[u8], max: usize) -> Result<Option<(Frame<'_>, usize)>, &'static str> {
+    pub(crate) fn decode(buf: &[u8], max: usize) -> Result<Option<(Frame<'_>, usize)>, Violation> {
         let Some(head) = buf.get(..4) else {
             return Ok(None);
         };
         let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
         if len == 0 || len > max.min(MAX_FRAME) {
-            return Err("a frame of a bad size");
+            return Err(Violation::BadFrameSize);
         }
         let Some(whole) = buf.get(4..4 + len) else {
             return Ok(None);
         };
         let mut r = R { b: whole };
-        let msg = Self::body(&mut r).ok_or("a malformed frame")?;
+        let msg = Self::body(&mut r).ok_or(Violation::MalformedFrame)?;
         let (signed, mac) = if msg.signed() {
             let Ok(mac) = <[u8; MAC_LEN]>::try_from(r.b) else {
-                return Err("a frame without its MAC");
+                return Err(Violation::MissingMac);
             };
             (&whole[..len - MAC_LEN], Some(mac))
         } else if r.b.is_empty() {
             (whole, None)
         } else {
-            return Err("trailing bytes in a frame");
+            return Err(Violation::TrailingBytes);
         };
         Ok(Some((Frame { msg, signed, mac }, 4 + len)))
     }

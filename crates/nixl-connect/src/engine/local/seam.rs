@@ -209,7 +209,7 @@ impl Transport for LocalTransport {
             self.flush(i);
             match self.conns.get(&i) {
                 Some(c) if c.link.is_dead() => {
-                    tracing::debug!(why = c.link.death(), "closing a same-host connection");
+                    tracing::debug!(why = ?c.link.death(), "closing a same-host connection");
                     self.close(i, out);
                 }
                 Some(_) => self.watch_deadline(i),

@@ -266,7 +266,7 @@ fn link_handshake_and_partial_frames_have_deadlines() {
     assert!(!p.client.is_dead());
     p.advance(Duration::from_millis(1));
     assert!(p.client.is_dead() && p.server.is_dead(), "both sides give up");
-    assert_eq!(p.client.death(), Some("the handshake did not finish in time"));
+    assert_eq!(p.client.death(), Some(Violation::HandshakeTimedOut));
 
     let mut p = Pair::new(0);
     p.shake();
@@ -397,10 +397,12 @@ fn link_core_imports_nothing_of_the_edge() {
         ("proto.rs", include_str!("../proto.rs")),
         ("auth.rs", include_str!("../auth.rs")),
         ("identity.rs", include_str!("../identity.rs")),
+        ("violation.rs", include_str!("../violation.rs")),
     ];
     let allowed = [
         "super::auth",
         "super::identity",
+        "super::violation",
         "super::proto",
         "super::slots::SLOTS",
         "crate::device::Device",
@@ -465,10 +467,7 @@ fn link_a_peer_that_does_not_read_is_cut_off() {
         assert!(p.server.out().len() <= MAX_UNSENT + 500 * 256);
         assert!(sent < 2 * MAX_UNSENT, "never cut off");
     }
-    assert_eq!(
-        p.server.death(),
-        Some("a peer that does not read what it is sent")
-    );
+    assert_eq!(p.server.death(), Some(Violation::NotReading));
 }
 
 /// What a peer reads a byte at a time comes out whole and in order (sent bytes are dropped from
