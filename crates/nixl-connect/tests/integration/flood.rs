@@ -230,41 +230,6 @@ async fn flood_another_users_connections_hold_nothing_and_reads_go_on() {
     let _ = child.wait();
 }
 
-/// The support process of [`flood_raw_clone_child_does_not_keep_readers_waiting`]: it exposes a
-/// readable, makes a child with a raw `clone()` (no fork handlers run: the child keeps the
-/// listening socket as it is, and never serves it), and exits.
-#[test]
-#[ignore = "run by flood_raw_clone_child_does_not_keep_readers_waiting in a fresh process"]
-fn support_raw_clone_and_exit() {
-    let Ok(_) = std::env::var(super::support::PEER_ENV) else {
-        return;
-    };
-    super::support::runtime().block_on(async {
-        let conn = Connector::new().unwrap();
-        let src = pattern(4096, 7);
-        let r = conn.create_readable(Descriptor::from(&src[..])).await.unwrap();
-        println!("MD:{}", r.metadata().to_json());
-        std::io::stdout().flush().unwrap();
-        // SAFETY: a raw clone (fork semantics, SIGCHLD to the parent, no atfork handlers) in a
-        // test's support process; the child only calls async-signal-safe functions.
-        #[allow(unsafe_code)]
-        let child = unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD as libc::c_ulong, 0, 0, 0, 0) };
-        if child == 0 {
-            // SAFETY: as above.
-            #[allow(unsafe_code)]
-            unsafe {
-                let line = b"CLONED\n";
-                libc::write(1, line.as_ptr().cast(), line.len());
-                libc::sleep(60);
-                libc::_exit(0);
-            }
-        }
-        println!("CHILD:{child}");
-        std::io::stdout().flush().unwrap();
-        std::process::exit(0);
-    });
-}
-
 /// Round 4, reproduced on 2f059c9: a child made with a raw `clone()` skips the fork handlers, so
 /// it keeps the listening socket after its parent (the listener's creator) exits; a reader of the
 /// parent's metadata connected, sent its hello into the backlog and waited the handshake deadline
@@ -272,29 +237,9 @@ fn support_raw_clone_and_exit() {
 /// once, where the dead peer is a typed error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flood_raw_clone_child_does_not_keep_readers_waiting() {
-    let mut peer = super::support::Peer::spawn("flood::support_raw_clone_and_exit", "clone", &[]);
+    let mut peer = super::support::Peer::spawn("hostile::support_fork_and_exit", "clone", &[]);
     let md: nixl_connect::RdmaMetadata = peer.expect("MD:").parse().unwrap();
-    let (mut child, mut cloned) = (None, false);
-    while child.is_none() || !cloned {
-        let line = peer.expect("");
-        if let Some(pid) = line.split("CHILD:").nth(1) {
-            child = Some(pid.trim().parse::<i32>().unwrap());
-        }
-        cloned |= line.contains("CLONED");
-    }
-    let child = child.unwrap();
-    assert!(peer.child.wait().unwrap().success());
-    struct Reap(i32);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            // SAFETY: kill(2) of the grandchild this test made.
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::kill(self.0, libc::SIGKILL)
-            };
-        }
-    }
-    let _reap = Reap(child);
+    let _reap = super::hostile::orphan_of(&mut peer, "FORKED");
     let reader = Connector::new().unwrap();
     let t0 = Instant::now();
     let r = match reader.begin_read(&md, Descriptor::from(vec![0u8; 4096])).await {

@@ -386,26 +386,36 @@ fn hostile_metadata_holder_cannot_answer_as_an_advertising_owner() {
     assert!(heard.ends_with("trusted=0 requests=0"), "{heard}");
 }
 
-/// The support process of [`hostile_fork_child_does_not_keep_serving_its_parents_socket`]: it
-/// exposes a readable, forks a child that only sleeps, and exits.
+/// The support process of [`hostile_fork_child_does_not_keep_serving_its_parents_socket`] (and,
+/// with its role `clone`, of `flood_raw_clone_child_does_not_keep_readers_waiting`): it exposes a
+/// readable, makes a child that only sleeps (with `fork()`, whose handlers run; or with a raw
+/// `clone()`, which runs none: the child keeps the listening socket as it is), and exits.
 #[test]
 #[ignore = "run by hostile_fork_child_does_not_keep_serving_its_parents_socket in a fresh process"]
 fn support_fork_and_exit() {
-    let Ok(_) = std::env::var(PEER_ENV) else { return };
+    let Ok(role) = std::env::var(PEER_ENV) else { return };
+    let raw = role == "clone";
     super::support::runtime().block_on(async {
         let conn = Connector::new().unwrap();
         let src = pattern(4096, 7);
         let r = conn.create_readable(Descriptor::from(&src[..])).await.unwrap();
         println!("MD:{}", r.metadata().to_json());
         println!("NAME:{}", conn.name());
-        // SAFETY: fork in a test's support process; the child calls only async-signal-safe
-        // functions (sleep, _exit).
+        // SAFETY: fork (or a raw clone with fork's semantics, SIGCHLD to the parent, no atfork
+        // handlers) in a test's support process; the child calls only async-signal-safe
+        // functions (write, sleep, _exit).
         #[allow(unsafe_code)]
-        let child = unsafe { libc::fork() };
+        let child = unsafe {
+            if raw {
+                libc::syscall(libc::SYS_clone, libc::SIGCHLD as libc::c_ulong, 0, 0, 0, 0) as libc::pid_t
+            } else {
+                libc::fork()
+            }
+        };
         if child == 0 {
-            // SAFETY: as above; write(2) is async-signal-safe too. By the time fork() returns
-            // here the fork handlers have run: the line tells the test so (under load the child
-            // may not run for a while after the parent has exited).
+            // SAFETY: as above. By the time fork() returns here the fork handlers have run: the
+            // line tells the test so (under load the child may not run for a while after the
+            // parent has exited).
             #[allow(unsafe_code)]
             unsafe {
                 let line = b"FORKED\n";
@@ -430,30 +440,8 @@ async fn hostile_fork_child_does_not_keep_serving_its_parents_socket() {
     let mut peer = Peer::spawn("hostile::support_fork_and_exit", "fork", &[]);
     let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
     let name = peer.expect("NAME:");
-    // "CHILD:" (the parent) and "FORKED" (the child, once its fork handlers have run) come in
-    // either order. Without waiting for the child, the test failed once in 20 runs on a loaded
-    // machine: it connected before the child had been scheduled at all.
-    let (mut child, mut forked) = (None, false);
-    while child.is_none() || !forked {
-        let line = peer.expect("");
-        if let Some(pid) = line.split("CHILD:").nth(1) {
-            child = Some(pid.trim().parse::<i32>().unwrap());
-        }
-        forked |= line.contains("FORKED");
-    }
-    let child = child.unwrap();
-    assert!(peer.child.wait().unwrap().success());
-    struct Reap(i32);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            // SAFETY: kill(2) of the grandchild this test made.
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::kill(self.0, libc::SIGKILL)
-            };
-        }
-    }
-    let _reap = Reap(child);
+    let reap = orphan_of(&mut peer, "FORKED");
+    let child = reap.0;
     // SAFETY: kill with signal 0 only checks the grandchild exists.
     #[allow(unsafe_code)]
     let alive = unsafe { libc::kill(child, 0) } == 0;
@@ -472,6 +460,37 @@ async fn hostile_fork_child_does_not_keep_serving_its_parents_socket() {
     let took = t0.elapsed();
     assert!(!matches!(r, Err(Error::TimedOut { .. }) | Ok(())), "{r:?}");
     assert!(took < Duration::from_secs(8), "{took:?}: {r:?}");
+}
+
+/// A grandchild a test made, killed when dropped.
+pub(crate) struct Reap(pub(crate) i32);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) of the grandchild this test made.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(self.0, libc::SIGKILL)
+        };
+    }
+}
+
+/// Waits for a support process that made a child and exits: its `CHILD:<pid>` line and the
+/// child's `marker` line come in either order (without waiting for the child, a test failed once
+/// in 20 runs on a loaded machine: it connected before the child had been scheduled at all).
+/// Returns the child, killed when the result is dropped, once the support process has exited.
+pub(crate) fn orphan_of(peer: &mut Peer, marker: &str) -> Reap {
+    let (mut child, mut seen) = (None, false);
+    while child.is_none() || !seen {
+        let line = peer.expect("");
+        if let Some(pid) = line.split("CHILD:").nth(1) {
+            child = Some(pid.trim().parse::<i32>().unwrap());
+        }
+        seen |= line.contains(marker);
+    }
+    let reap = Reap(child.unwrap());
+    assert!(peer.child.wait().unwrap().success());
+    reap
 }
 
 /// Issue 27, reproduced: a client that never saw any metadata connects to a serving connector's

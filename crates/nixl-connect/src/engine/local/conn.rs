@@ -3,7 +3,7 @@
 //! (and what closing ends).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,16 +19,13 @@ use super::state::{
     NEGATIVE_TTL,
 };
 use super::sys::{
-    close_elsewhere, close_refused, peer_cred, pidfd, refuse_passed_descriptors, self_pid, set_timer,
-    sockaddr, socket_name, unix_socket, Tracked,
+    close_elsewhere, close_refused, peer_cred, pidfd, recv_with_fds, refuse_passed_descriptors, self_pid,
+    set_timer, sockaddr, socket_name, unix_socket, Control, Tracked,
 };
 use super::violation::Violation;
 use crate::engine::transport::{Decline, Event, OpId};
 use crate::error::Error;
 
-/// The most descriptors one `recvmsg` takes (the kernel's own limit per message, `SCM_MAX_FD`):
-/// none is ever truncated, since the kernel would close the rest on this thread.
-const MAX_PASSED: usize = 253;
 /// Bytes read from one connection in one engine turn: a few hundred small frames, or a 16 MiB
 /// request in pieces over several turns (its partial frame bounded and timed by the core).
 pub(super) const READ_PER_TURN: usize = 1 << 20;
@@ -126,59 +123,28 @@ impl LocalTransport {
     /// the core proved goes to `heard`. A descriptor is taken only where the core takes one (the
     /// client's slot table, with its `Hello`), and only if it is a sealed table of the right
     /// size; every other one is closed off this thread.
-    #[allow(unsafe_code)]
     pub(super) fn read(&mut self, i: ConnId, heard: &mut Vec<Heard>) {
         let Some(c) = self.conns.get_mut(&i) else { return };
         let mut chunk = [0u8; 64 << 10];
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE((MAX_PASSED * std::mem::size_of::<RawFd>()) as u32) } as usize;
-        let mut cbuf = vec![0u64; space.div_ceil(8)];
+        let mut control = Control::new();
         let mut budget = READ_PER_TURN;
         while !c.link.is_dead() && budget > 0 {
-            let mut iov = libc::iovec {
-                iov_base: chunk.as_mut_ptr().cast(),
-                iov_len: chunk.len(),
-            };
-            // SAFETY: msghdr is plain old data; iov and cbuf outlive the call and their lengths
-            // are given; received descriptors are taken into OwnedFds right below.
-            let (n, msg) = unsafe {
-                let mut msg: libc::msghdr = std::mem::zeroed();
-                msg.msg_iov = &mut iov;
-                msg.msg_iovlen = 1;
-                msg.msg_control = cbuf.as_mut_ptr().cast();
-                msg.msg_controllen = space as _;
-                let n = libc::recvmsg(
-                    c.fd.as_raw_fd(),
-                    &mut msg,
-                    libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC,
-                );
-                (n, msg)
-            };
-            if n <= 0 {
-                if n == 0 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock {
-                    c.link.hang_up(Violation::PeerClosed);
-                }
-                return;
-            }
             let mut fds = Vec::new();
-            // SAFETY: walks the control messages recvmsg filled in, within msg_controllen.
-            unsafe {
-                let mut cm = libc::CMSG_FIRSTHDR(&msg);
-                while !cm.is_null() {
-                    if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
-                        let data = libc::CMSG_DATA(cm).cast::<RawFd>();
-                        let count = ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
-                            / std::mem::size_of::<RawFd>();
-                        for k in 0..count {
-                            let fd = std::ptr::read_unaligned(data.add(k));
-                            fds.push(OwnedFd::from_raw_fd(fd));
-                        }
-                    }
-                    cm = libc::CMSG_NXTHDR(&msg, cm);
+            let (n, truncated) = match recv_with_fds(c.fd.as_raw_fd(), &mut chunk, &mut control, &mut fds) {
+                Ok((0, _)) => {
+                    c.link.hang_up(Violation::PeerClosed);
+                    return;
                 }
-            }
-            budget = budget.saturating_sub(n as usize);
-            if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+                Ok(r) => r,
+                Err(e) => {
+                    if e.kind() != io::ErrorKind::WouldBlock {
+                        c.link.hang_up(Violation::PeerClosed);
+                    }
+                    return;
+                }
+            };
+            budget = budget.saturating_sub(n);
+            if truncated {
                 // Descriptors were cut off (more than a message takes, or our table was full and
                 // the kernel closed them): never what an honest peer sends.
                 fds.into_iter().for_each(close_elsewhere);
@@ -209,7 +175,7 @@ impl LocalTransport {
                 }
             }
             c.link
-                .recv(&chunk[..n as usize], passed, Instant::now(), &self.key_ids, heard);
+                .recv(&chunk[..n], passed, Instant::now(), &self.key_ids, heard);
         }
     }
 

@@ -217,51 +217,82 @@ pub(super) fn defuse(fd: &OwnedFd) {
     };
 }
 
+/// The most descriptors one `recvmsg` takes (the kernel's own limit per message, `SCM_MAX_FD`):
+/// none is ever truncated for want of room here.
+pub(super) const MAX_PASSED: usize = 253;
+
+/// A control buffer for [`recv_with_fds`]: room for [`MAX_PASSED`] descriptors.
+pub(super) struct Control(Vec<u64>);
+
+impl Control {
+    #[allow(unsafe_code)]
+    pub(super) fn new() -> Self {
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        let space = unsafe { libc::CMSG_SPACE((MAX_PASSED * std::mem::size_of::<RawFd>()) as u32) } as usize;
+        Self(vec![0u64; space.div_ceil(8)])
+    }
+}
+
+/// One non-blocking `recvmsg` on `fd` into `buf`: the bytes read (0 at the end of the stream),
+/// whether descriptors were cut off (`MSG_CTRUNC`), and the descriptors passed with them, each
+/// owned (closed-on-exec) and appended to `fds`.
+#[allow(unsafe_code)]
+pub(super) fn recv_with_fds(
+    fd: RawFd,
+    buf: &mut [u8],
+    control: &mut Control,
+    fds: &mut Vec<OwnedFd>,
+) -> io::Result<(usize, bool)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: msghdr is plain old data; iov and the control buffer outlive the call and their
+    // lengths are given.
+    let (n, msg) = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.0.as_mut_ptr().cast();
+        msg.msg_controllen = (control.0.len() * 8) as _;
+        let n = libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC);
+        (n, msg)
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: walks the control messages recvmsg filled in, within msg_controllen; each
+    // descriptor is new in this process and owned once.
+    unsafe {
+        let mut cm = libc::CMSG_FIRSTHDR(&msg);
+        while !cm.is_null() {
+            if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cm).cast::<RawFd>();
+                let count =
+                    ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                for k in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(k))));
+                }
+            }
+            cm = libc::CMSG_NXTHDR(&msg, cm);
+        }
+    }
+    Ok((n as usize, msg.msg_flags & libc::MSG_CTRUNC != 0))
+}
+
 /// Takes the descriptors a peer left queued on our socket `fd` (passed with bytes this side never
 /// read), defused and sent to the closer of passed descriptors: closing `fd` would otherwise
 /// release them right there, and the release of a lingering socket blocks as its close would.
 /// Bounded: at most 64 messages.
-#[allow(unsafe_code)]
 fn drain_passed(fd: RawFd) {
-    const MAX_PASSED: usize = 253;
     let mut chunk = [0u8; 4096];
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE((MAX_PASSED * std::mem::size_of::<RawFd>()) as u32) } as usize;
-    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    let mut control = Control::new();
+    let mut fds = Vec::new();
     for _ in 0..64 {
-        let mut iov = libc::iovec {
-            iov_base: chunk.as_mut_ptr().cast(),
-            iov_len: chunk.len(),
-        };
-        // SAFETY: msghdr is plain old data; iov and cbuf outlive the call and their lengths are
-        // given; received descriptors are owned right below.
-        let (n, msg) = unsafe {
-            let mut msg: libc::msghdr = std::mem::zeroed();
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            msg.msg_control = cbuf.as_mut_ptr().cast();
-            msg.msg_controllen = space as _;
-            let n = libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC);
-            (n, msg)
-        };
-        if n <= 0 {
+        let r = recv_with_fds(fd, &mut chunk, &mut control, &mut fds);
+        fds.drain(..).for_each(close_elsewhere);
+        if !matches!(r, Ok((n, _)) if n > 0) {
             return;
-        }
-        // SAFETY: walks the control messages recvmsg filled in, within msg_controllen; each
-        // descriptor is new in this process and owned once.
-        unsafe {
-            let mut cm = libc::CMSG_FIRSTHDR(&msg);
-            while !cm.is_null() {
-                if (*cm).cmsg_level == libc::SOL_SOCKET && (*cm).cmsg_type == libc::SCM_RIGHTS {
-                    let data = libc::CMSG_DATA(cm).cast::<RawFd>();
-                    let count =
-                        ((*cm).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
-                    for k in 0..count {
-                        close_elsewhere(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(k))));
-                    }
-                }
-                cm = libc::CMSG_NXTHDR(&msg, cm);
-            }
         }
     }
 }
