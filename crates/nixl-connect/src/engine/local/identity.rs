@@ -3,7 +3,7 @@
 //! Knowing an operation's notification key proves nothing about *who* answers: every holder of the
 //! metadata knows it (a reader, a relay, a NATS or etcd subscriber). So a connector that serves
 //! the same-host path makes an Ed25519 key pair at start and writes its public key's
-//! [`Fingerprint`] into its NIXL agent name ([`advertise`]): `<name>.nxc1-<32 hex digits>`. The
+//! [`Fingerprint`] into its NIXL agent name ([`Identity::advertise`]): `<name>.nxc1-<32 hex digits>`. The
 //! agent name is opaque to Python readers and travels inside the byte-compatible metadata, so the
 //! advertisement costs nothing there. Then:
 //!
