@@ -167,6 +167,11 @@ impl Engine {
         nixl::ffi::load()?;
         let (name, listener) = if opts.path == PathPolicy::Nixl {
             (base, None)
+        } else if base.contains('~') {
+            // `~` starts a rotated exposer's generation in a name: an advertisement after it
+            // would not be read, so such a worker id serves NIXL only.
+            tracing::debug!(worker = %base, "a worker id with `~` serves no same-host socket");
+            (base, None)
         } else {
             let id =
                 local::Identity::generate().map_err(|e| Error::os("making the same-host identity", e))?;

@@ -232,9 +232,17 @@ fn support_squatter() {
     let key: Arc<std::sync::Mutex<String>> = Arc::default();
     let heard = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)]);
     let identity = ed25519_dalek::SigningKey::from_bytes(&[0x66; 32]);
+    // `mute`: from now on, close each connection as soon as its hello arrives.
+    let mute = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut bound = None;
     for line in std::io::stdin().lock().lines() {
         let line = line.unwrap();
+        if line == "mute" {
+            mute.store(true, Ordering::SeqCst);
+            println!("MUTED");
+            std::io::stdout().flush().unwrap();
+            continue;
+        }
         if line == "report" {
             let [h, t, r] = &*heard;
             println!(
@@ -252,17 +260,21 @@ fn support_squatter() {
         if bound.as_ref() != Some(&name) {
             let addr = SocketAddr::from_abstract_name(format!("nixl-connect.v1/{name}").as_bytes()).unwrap();
             let listener = UnixListener::bind_addr(&addr).expect("the squatter binds the owner's name");
-            let (key, heard, identity) = (key.clone(), heard.clone(), identity.clone());
+            let (key, heard, identity, mute) = (key.clone(), heard.clone(), identity.clone(), mute.clone());
             std::thread::spawn(move || {
                 for s in listener.incoming() {
                     let Ok(mut s) = s else { return };
                     let (key, heard, identity) = (key.clone(), heard.clone(), identity.clone());
+                    let mute = mute.load(Ordering::SeqCst);
                     std::thread::spawn(move || {
                         let Some(hello) = read_frame(&mut s) else { return };
                         if hello[0] != 1 || hello.len() != 37 {
                             return;
                         }
                         heard[0].fetch_add(1, Ordering::SeqCst);
+                        if mute {
+                            return; // closed without a word
+                        }
                         let nonce = hello[21..37].to_vec();
                         let k = key.lock().unwrap().clone();
                         let (client, me) = (peer_pid(&s), std::process::id() as i32);
@@ -376,6 +388,25 @@ fn hostile_metadata_holder_cannot_answer_as_an_advertising_owner() {
         owner.say("wait 5000");
         assert_eq!(owner.expect("WAIT:"), "ok", "{len}: the write reached the owner");
     }
+    // Review finding: a connection closed during its handshake (here by the squatter, as by a
+    // server that refuses silently) ended the operations queued on it with `RemoteGone`; they
+    // take NIXL now, and the name is avoided for a while.
+    squatter.say("mute");
+    squatter.expect("MUTED");
+    owner.say("expose readable 4096 vec");
+    let md = owner.expect("MD:");
+    squatter.say(&md);
+    squatter.expect("BOUND");
+    reader.say("read auto fresh");
+    reader.say(&md);
+    reader.expect("STARTED");
+    let got = reader.expect("READ:");
+    assert!(
+        got.starts_with("ok first=90") && got.contains("path=nixl"),
+        "a connection closed in its handshake: {got}"
+    );
+    owner.say("wait 5000");
+    assert_eq!(owner.expect("WAIT:"), "ok");
     squatter.say("report");
     let heard = squatter.expect("HEARD:");
     println!("hostile_metadata_holder_cannot_answer_as_an_advertising_owner: {heard}");

@@ -208,19 +208,18 @@ impl LocalTransport {
             // SAFETY: a fresh descriptor nothing else owns.
             #[allow(unsafe_code)]
             let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-            let (pid, peer_uid) = match peer_cred(fd.as_raw_fd()) {
-                Ok(c) if c.1 == self.uid && c.0 > 0 => c,
+            let pid = match peer_cred(fd.as_raw_fd()) {
+                Ok((pid, uid)) if uid == self.uid => pid,
                 _ => {
-                    // Another user (or a peer we cannot name): closed before anything is held
-                    // for it (no record, no pidfd, no buffer, no fork tracking), off this thread
-                    // and after taking what it queued. A client of another user never sends a
-                    // hello: it checks our uid first.
+                    // Another user: closed before anything is held for it (no record, no pidfd,
+                    // no buffer, no fork tracking), off this thread and after taking what it
+                    // queued. A client of another user never sends a hello: it checks our uid
+                    // first.
                     self.refused_peers += 1;
                     close_refused(fd);
                     continue;
                 }
             };
-            let _ = peer_uid;
             let Some(identity) = self.identity.clone() else {
                 close_refused(fd);
                 continue;
@@ -234,7 +233,11 @@ impl LocalTransport {
                 shaking += usize::from(unshaken);
                 shaking_pid += usize::from(mine && unshaken);
             }
-            let refusal = if served >= self.caps.served || from_pid >= self.caps.per_pid {
+            let refusal = if pid <= 0 {
+                // Our user in another PID namespace: its pid is not ours to see, so nothing can be
+                // copied from it or checked; told so, it takes NIXL.
+                Some("the peer's process is not visible from here (another PID namespace); use NIXL".into())
+            } else if served >= self.caps.served || from_pid >= self.caps.per_pid {
                 Some(format!(
                     "this process serves {served} same-host connections ({from_pid} from yours) \
                      already; use NIXL"
@@ -250,7 +253,10 @@ impl LocalTransport {
                 None
             };
             let link = Link::server(identity, pid, self_pid(), Instant::now());
-            let i = self.insert(Conn::new(Tracked::new(fd), link, pid, None, "".into()));
+            // The pidfd is taken now, so that the process a later copy checks is the one that
+            // connected (a pid freed meanwhile could name another process by the `Hello`).
+            let peer = if refusal.is_none() { pidfd(pid) } else { None };
+            let i = self.insert(Conn::new(Tracked::new(fd), link, pid, peer, "".into()));
             if let Some(reason) = refusal {
                 self.refused_peers += 1;
                 let c = self.conns.get_mut(&i).expect("just inserted");
@@ -385,6 +391,14 @@ impl LocalTransport {
             if self.by_peer.get(&c.peer) == Some(&i) {
                 self.by_peer.remove(&c.peer);
             }
+            if !c.link.shook_hands() {
+                // Not asked again for a while: what answered (or failed to) is no owner that
+                // will serve us now.
+                if self.negative.len() >= MAX_NEGATIVE {
+                    self.negative.clear();
+                }
+                self.negative.insert(c.peer.clone(), Instant::now());
+            }
             let ids: Vec<OpId> = self
                 .acts
                 .iter()
@@ -404,10 +418,12 @@ impl LocalTransport {
                         if matches!(a.phase, Phase::Abandoned) {
                             continue;
                         }
-                        if !c.link.peer_went_away() {
-                            // The process on the socket broke the protocol (or never shook
-                            // hands): nothing of this operation was copied, and the peer the
-                            // metadata names may well be reachable through NIXL.
+                        if !c.link.peer_went_away() || !c.link.shook_hands() {
+                            // The process on the socket broke the protocol, or the connection
+                            // ended before the handshake (a server that refused it without a
+                            // word, a squatter, a peer that died): nothing of this operation was
+                            // copied, and the peer the metadata names may well be reachable
+                            // through NIXL.
                             out.push(Event::Declined {
                                 spec: a.spec,
                                 reason: format!(

@@ -214,6 +214,8 @@ pub(crate) struct Link {
     /// It died because the peer went away (end of stream, a socket error), not for a rule it
     /// broke.
     gone: bool,
+    /// The handshake finished (requests could flow) at some point.
+    shaken: bool,
 }
 
 impl Link {
@@ -266,6 +268,7 @@ impl Link {
             open: HashMap::new(),
             death: None,
             gone: false,
+            shaken: false,
         }
     }
 
@@ -332,6 +335,13 @@ impl Link {
     /// take NIXL.
     pub(crate) fn peer_went_away(&self) -> bool {
         self.gone
+    }
+
+    /// True once the handshake finished (even if the connection died since). A connection that
+    /// ends before it (whoever closed it: a server that refuses silently, a squatter, a peer that
+    /// died) says nothing about the operations queued on it: they take NIXL.
+    pub(crate) fn shook_hands(&self) -> bool {
+        self.shaken
     }
 
     /// Bytes to send.
@@ -531,6 +541,7 @@ impl Link {
             }
             (false, State::AwaitTrusted, Msg::Trusted) => {
                 self.state = State::Ready;
+                self.shaken = true;
                 self.handshake_by = None;
             }
             (
@@ -670,6 +681,7 @@ impl Link {
                         ) =>
                     {
                         self.state = State::Ready;
+                        self.shaken = true;
                         self.handshake_by = None;
                         self.push(&Msg::Trusted);
                         heard.push(Heard::Ready);

@@ -14,7 +14,7 @@ use super::ipc;
 use super::link::Link;
 use super::proto::{IpcSource, RefuseCode};
 use super::slots::{SlotTable, SLOTS};
-use super::sys::{pidfd, Tracked};
+use super::sys::Tracked;
 use crate::device::Device;
 use crate::engine::transport::{ActiveSpec, OpId};
 use crate::error::{Error, ErrorSource};
@@ -204,9 +204,9 @@ pub(super) struct Conn {
 }
 
 impl Conn {
-    /// A connection record; the client's holds a pidfd of its server from the start (made by
-    /// the caller, who checked that process is alive), the server's gets one only once the
-    /// peer's `Hello` arrived ([`Self::open_pidfd`]): a bare connection holds one descriptor.
+    /// A connection record, with the pidfd of the peer's process the caller took (the client's
+    /// server, checked alive; the server's client, at accept: the handshake caps bound how many
+    /// connections without a `Hello` hold one).
     pub(super) fn new(
         fd: Tracked,
         link: Link,
@@ -234,15 +234,6 @@ impl Conn {
                 Vec::new()
             },
             gens: if client { vec![0; SLOTS] } else { Vec::new() },
-        }
-    }
-}
-
-impl Conn {
-    /// Opens the peer's pidfd if none is held yet.
-    pub(super) fn open_pidfd(&mut self) {
-        if self.pidfd.is_none() {
-            self.pidfd = pidfd(self.peer_pid).map(Arc::new);
         }
     }
 }

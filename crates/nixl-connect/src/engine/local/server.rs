@@ -22,7 +22,6 @@ impl LocalTransport {
     /// whether this side may pull from the client (ptrace rules) is known now.
     pub(super) fn on_hello(&mut self, i: ConnId) {
         let Some(c) = self.conns.get_mut(&i) else { return };
-        c.open_pidfd();
         c.can_pull = c.pidfd.as_deref().is_some_and(cma::may_pull);
     }
 

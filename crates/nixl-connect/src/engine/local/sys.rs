@@ -182,25 +182,19 @@ pub(super) fn refuse_passed_descriptors(fd: RawFd) {
 }
 
 /// Closes a descriptor a peer passed us, off the engine thread and never ahead of our own
-/// sockets. A socket is defused first (`SO_LINGER` {on, 0}: its close resets instead of waiting
-/// for a reader that never reads), so its close cannot block; anything else (a FUSE file whose
-/// daemon never answers its flush) may still block, but only the closer of passed descriptors,
-/// which holds nothing of ours ([`Closer::Passed`]).
+/// sockets, on the closer of passed descriptors ([`Closer::Passed`]), which first defuses a socket
+/// ([`defuse`]) so that its close cannot block. Nothing here touches the descriptor: even an
+/// `fstat` may wait on a FUSE daemon the peer controls. Anything whose close blocks (a FUSE file
+/// whose daemon never answers its flush) holds only that closer, never one of our sockets.
 pub(super) fn close_elsewhere(fd: OwnedFd) {
-    defuse(&fd);
     to_closer(Closer::Passed, fd, false);
 }
 
-/// Makes closing `fd` return at once if it is a socket (`SO_LINGER` {on, 0}; other files are
-/// left as they are).
+/// Makes closing `fd` return at once if it is a socket (`SO_LINGER` {on, 0}: a reset instead of
+/// a wait for a reader that never reads). On anything else `setsockopt` fails with `ENOTSOCK`
+/// without touching the file.
 #[allow(unsafe_code)]
-pub(super) fn defuse(fd: &OwnedFd) {
-    // SAFETY: stat is plain old data; fstat writes into it.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstat on a descriptor we own, into a live local.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
-        return;
-    }
+fn defuse(fd: RawFd) {
     let l = libc::linger {
         l_onoff: 1,
         l_linger: 0,
@@ -208,7 +202,7 @@ pub(super) fn defuse(fd: &OwnedFd) {
     // SAFETY: setsockopt reads one linger from a live local.
     unsafe {
         libc::setsockopt(
-            fd.as_raw_fd(),
+            fd,
             libc::SOL_SOCKET,
             libc::SO_LINGER,
             (&l as *const libc::linger).cast(),
@@ -280,15 +274,44 @@ pub(super) fn recv_with_fds(
     Ok((n as usize, msg.msg_flags & libc::MSG_CTRUNC != 0))
 }
 
-/// Takes the descriptors a peer left queued on our socket `fd` (passed with bytes this side never
-/// read), defused and sent to the closer of passed descriptors: closing `fd` would otherwise
-/// release them right there, and the release of a lingering socket blocks as its close would.
-/// Bounded: at most 64 messages.
+/// Takes the descriptors peers left queued on our socket `fd` (passed with bytes this side never
+/// read), to the closer of passed descriptors: closing `fd` would otherwise release them right
+/// there, and the release of a lingering socket blocks as its close would. A listener's pending
+/// connections are taken and drained first (at most twice its backlog; the listener closes only
+/// with its connector). A connection is shut down first, so its peer can queue nothing more, then
+/// drained to its end.
+#[allow(unsafe_code)]
 fn drain_passed(fd: RawFd) {
+    for _ in 0..256 {
+        // SAFETY: accept4 on our socket (EINVAL at once if it is no listener); the new descriptor
+        // is owned right after.
+        let c = unsafe {
+            libc::accept4(
+                fd,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            )
+        };
+        if c < 0 {
+            break;
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let c = unsafe { OwnedFd::from_raw_fd(c) };
+        drain_connection(c.as_raw_fd());
+    }
+    drain_connection(fd);
+}
+
+/// Shuts connection `fd` down both ways and takes what was queued on it, to its end.
+#[allow(unsafe_code)]
+fn drain_connection(fd: RawFd) {
+    // SAFETY: shutdown of our own socket (ENOTCONN, harmless, for anything but a connection).
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
     let mut chunk = [0u8; 4096];
     let mut control = Control::new();
     let mut fds = Vec::new();
-    for _ in 0..64 {
+    loop {
         let r = recv_with_fds(fd, &mut chunk, &mut control, &mut fds);
         fds.drain(..).for_each(close_elsewhere);
         if !matches!(r, Ok((n, _)) if n > 0) {
@@ -326,6 +349,8 @@ fn to_closer(closer: Closer, fd: OwnedFd, tracked: bool) {
                 for (fd, tracked) in rx {
                     if which == 0 {
                         drain_passed(fd.as_raw_fd());
+                    } else {
+                        defuse(fd.as_raw_fd());
                     }
                     if tracked {
                         untrack(fd.as_raw_fd());
