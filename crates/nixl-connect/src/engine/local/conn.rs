@@ -391,9 +391,11 @@ impl LocalTransport {
             if self.by_peer.get(&c.peer) == Some(&i) {
                 self.by_peer.remove(&c.peer);
             }
-            if !c.link.shook_hands() {
-                // Not asked again for a while: what answered (or failed to) is no owner that
-                // will serve us now.
+            if !c.link.shook_hands() && c.link.peer_went_away() {
+                // Closed on us before the handshake: not asked again for a while (what answered
+                // is no owner that will serve us now). An owner's proven "not live" is no reason
+                // to avoid it (its next operation may be live); an impostor or a rejection was
+                // avoided when it was heard.
                 if self.negative.len() >= MAX_NEGATIVE {
                     self.negative.clear();
                 }
