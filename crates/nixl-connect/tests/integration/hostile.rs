@@ -361,52 +361,52 @@ fn hostile_metadata_holder_cannot_answer_as_an_advertising_owner() {
     let mut owner = Peer::from_command(ns.command_for(&ns.a, PEER, &env_a));
     let mut squatter = Peer::from_command(ns.command_for(&ns.b, "hostile::support_squatter", &env_b));
     let mut reader = Peer::from_command(ns.command_for(&ns.b, PEER, &env_b));
-    for (len, kind) in [(4096usize, "vec"), (1usize << 20, "host")] {
-        owner.say(&format!("expose readable {len} {kind}"));
+    // The owner exposes (`expose readable|writable LEN KIND`), the squatter takes its name, the
+    // reader reads or writes: the reader's report line, once the owner's operation completed.
+    fn through(owner: &mut Peer, squatter: &mut Peer, reader: &mut Peer, expose: &str, op: &str) -> String {
+        owner.say(expose);
         let md = owner.expect("MD:");
         squatter.say(&md);
         squatter.expect("BOUND");
-        reader.say("read auto fresh");
+        reader.say(op);
         reader.say(&md);
         reader.expect("STARTED");
-        let got = reader.expect("READ:");
+        let got = reader.expect(if op.starts_with("read") { "READ:" } else { "WRITE:" });
+        owner.say("wait 5000");
+        assert_eq!(
+            owner.expect("WAIT:"),
+            "ok",
+            "{expose}: the operation reached the owner"
+        );
+        got
+    }
+    let (o, s, r) = (&mut owner, &mut squatter, &mut reader);
+    for (len, kind) in [(4096usize, "vec"), (1usize << 20, "host")] {
+        let got = through(
+            o,
+            s,
+            r,
+            &format!("expose readable {len} {kind}"),
+            "read auto fresh",
+        );
         assert!(
             got.starts_with("ok first=90") && got.contains("path=nixl"),
             "{len}: the owner's bytes through NIXL: {got}"
         );
-        owner.say("wait 5000");
-        assert_eq!(owner.expect("WAIT:"), "ok");
         // A small write carries its bytes in its request: none may reach the squatter.
-        owner.say(&format!("expose writable {len} {kind}"));
-        let md = owner.expect("MD:");
-        squatter.say(&md);
-        squatter.expect("BOUND");
-        reader.say("write auto");
-        reader.say(&md);
-        reader.expect("STARTED");
-        assert_eq!(reader.expect("WRITE:"), "ok", "{len}");
-        owner.say("wait 5000");
-        assert_eq!(owner.expect("WAIT:"), "ok", "{len}: the write reached the owner");
+        let got = through(o, s, r, &format!("expose writable {len} {kind}"), "write auto");
+        assert_eq!(got, "ok", "{len}");
     }
     // Review finding: a connection closed during its handshake (here by the squatter, as by a
     // server that refuses silently) ended the operations queued on it with `RemoteGone`; they
     // take NIXL now, and the name is avoided for a while.
-    squatter.say("mute");
-    squatter.expect("MUTED");
-    owner.say("expose readable 4096 vec");
-    let md = owner.expect("MD:");
-    squatter.say(&md);
-    squatter.expect("BOUND");
-    reader.say("read auto fresh");
-    reader.say(&md);
-    reader.expect("STARTED");
-    let got = reader.expect("READ:");
+    s.say("mute");
+    s.expect("MUTED");
+    let got = through(o, s, r, "expose readable 4096 vec", "read auto fresh");
     assert!(
         got.starts_with("ok first=90") && got.contains("path=nixl"),
         "a connection closed in its handshake: {got}"
     );
-    owner.say("wait 5000");
-    assert_eq!(owner.expect("WAIT:"), "ok");
     squatter.say("report");
     let heard = squatter.expect("HEARD:");
     println!("hostile_metadata_holder_cannot_answer_as_an_advertising_owner: {heard}");
