@@ -3,7 +3,7 @@
 //! (and what closing ends).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,8 +19,8 @@ use super::state::{
     NEGATIVE_TTL,
 };
 use super::sys::{
-    close_elsewhere, close_refused, peer_cred, pidfd, recv_with_fds, refuse_passed_descriptors, self_pid,
-    set_timer, sockaddr, socket_name, unix_socket, Control, Tracked,
+    accept, close_elsewhere, close_refused, peer_cred, pidfd, recv_with_fds, refuse_passed_descriptors,
+    self_pid, set_timer, sockaddr, socket_name, unix_socket, Control, Tracked,
 };
 use super::violation::Violation;
 use crate::engine::transport::{Decline, Event, OpId};
@@ -184,30 +184,19 @@ impl LocalTransport {
             return;
         };
         loop {
-            // SAFETY: accept4 on our listening socket; the new descriptor is owned right after.
-            #[allow(unsafe_code)]
-            let fd = unsafe {
-                libc::accept4(
-                    lfd,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-                )
-            };
-            if fd < 0 {
-                let e = io::Error::last_os_error();
-                match e.raw_os_error() {
-                    Some(libc::EINTR | libc::ECONNABORTED | libc::EPROTO) => continue,
-                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
-                        self.pause_accepting(&e);
+            let fd = match accept(lfd) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    match e.raw_os_error() {
+                        Some(libc::EINTR | libc::ECONNABORTED | libc::EPROTO) => continue,
+                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
+                            self.pause_accepting(&e);
+                        }
+                        _ => {}
                     }
-                    _ => {}
+                    return;
                 }
-                return;
-            }
-            // SAFETY: a fresh descriptor nothing else owns.
-            #[allow(unsafe_code)]
-            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            };
             let pid = match peer_cred(fd.as_raw_fd()) {
                 Ok((pid, uid)) if uid == self.uid => pid,
                 _ => {
@@ -300,6 +289,13 @@ impl LocalTransport {
         peer: &Arc<str>,
         key: &Arc<str>,
     ) -> std::result::Result<ConnId, Decline> {
+        // A connection open to this exact name was made for its advertisement (the fast path of
+        // every operation after the first: nothing parsed again).
+        if let Some(&i) = self.by_peer.get(peer) {
+            if self.conns.get(&i).is_some_and(|c| !c.link.is_dead()) {
+                return Ok(i);
+            }
+        }
         // Only a peer whose agent name advertises a same-host identity is ever connected to: a
         // Python Dynamo peer binds no socket, and whoever binds its name must learn nothing.
         let Some(expect) = identity::advertised(peer) else {
@@ -309,11 +305,6 @@ impl LocalTransport {
                     .into(),
             );
         };
-        if let Some(&i) = self.by_peer.get(peer) {
-            if self.conns.get(&i).is_some_and(|c| !c.link.is_dead()) {
-                return Ok(i);
-            }
-        }
         if let Some(t) = self.negative.get(peer) {
             if t.elapsed() < NEGATIVE_TTL {
                 return Err("no same-host socket for this peer (none answered a moment ago)".into());

@@ -274,30 +274,35 @@ pub(super) fn recv_with_fds(
     Ok((n as usize, msg.msg_flags & libc::MSG_CTRUNC != 0))
 }
 
+/// Accepts a pending connection on listener `fd`, non-blocking and closed-on-exec.
+#[allow(unsafe_code)]
+pub(super) fn accept(fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: accept4 on a socket of ours; the new descriptor is owned right after.
+    let c = unsafe {
+        libc::accept4(
+            fd,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+        )
+    };
+    if c < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(c) })
+}
+
 /// Takes the descriptors peers left queued on our socket `fd` (passed with bytes this side never
 /// read), to the closer of passed descriptors: closing `fd` would otherwise release them right
 /// there, and the release of a lingering socket blocks as its close would. A listener's pending
 /// connections are taken and drained first (at most twice its backlog; the listener closes only
 /// with its connector). A connection is shut down first, so its peer can queue nothing more, then
 /// drained to its end.
-#[allow(unsafe_code)]
 fn drain_passed(fd: RawFd) {
     for _ in 0..256 {
-        // SAFETY: accept4 on our socket (EINVAL at once if it is no listener); the new descriptor
-        // is owned right after.
-        let c = unsafe {
-            libc::accept4(
-                fd,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            )
-        };
-        if c < 0 {
-            break;
-        }
-        // SAFETY: a fresh descriptor nothing else owns.
-        let c = unsafe { OwnedFd::from_raw_fd(c) };
+        // EINVAL at once if `fd` is no listener.
+        let Ok(c) = accept(fd) else { break };
         drain_connection(c.as_raw_fd());
     }
     drain_connection(fd);
