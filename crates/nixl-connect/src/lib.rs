@@ -55,8 +55,8 @@ mod sync;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    use crate::engine::local::proto::{Msg, MAX_FRAME};
     use crate::engine::nixl::md;
+    use crate::engine::same_host::wire::{Msg, MAX_FRAME};
 
     /// A peer's `RdmaMetadata` JSON, then its `nixl_metadata` decoded and parsed.
     pub fn metadata_json(data: &[u8]) {
@@ -100,7 +100,7 @@ pub mod fuzzing {
     /// Sequences of frames, honest and forged, into a connected pair of same-host protocol
     /// cores (the driver and its invariants: `engine/local/link/fuzz.rs`).
     pub fn link_sequences(data: &[u8]) {
-        crate::engine::local::link::fuzz::run(data);
+        crate::engine::same_host::link::fuzz::run(data);
     }
 }
 
@@ -138,7 +138,7 @@ pub use registration::Registration;
 pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), PathRefusal> {
     match (src, dst) {
         (Device::Host, Device::Host) => Ok(()),
-        (s, d) => engine::local::device_path_refusal(s, d).map_or(Ok(()), Err),
+        (s, d) => engine::same_host::device_path_refusal(s, d).map_or(Ok(()), Err),
     }
 }
 

@@ -16,11 +16,11 @@
 mod cmd;
 mod core;
 mod driver;
-pub(crate) mod local;
 #[cfg(any(test, feature = "testing"))]
 pub(crate) mod loopback;
 pub(crate) mod nixl;
 mod poller;
+pub(crate) mod same_host;
 mod stats;
 pub(crate) mod transport;
 
@@ -37,9 +37,9 @@ pub(crate) use self::cmd::{Cmd, Mailbox};
 use self::core::EngineCore;
 pub(crate) use self::core::DEFAULT_PROGRESS_DELAY;
 use self::driver::EngineLoop;
-use self::local::LocalTransport;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
+use self::same_host::SameHostTransport;
 pub use self::stats::EngineStats;
 use self::transport::{DecodePeer, OpId, PeerInfo, Transport, TransportId};
 use crate::error::{Error, Result};
@@ -161,7 +161,7 @@ impl Engine {
     /// The agent's name is `base`, or `base-<pid>-<k>` when another connector in this network
     /// namespace already serves `base` (agent names must be unique for the same-host path), with
     /// the advertisement of a fresh same-host identity appended (`.nxc1-<fingerprint>`, see
-    /// `local::identity`) when it serves the same-host path.
+    /// `same_host::identity`) when it serves the same-host path.
     pub(crate) fn start(base: String, opts: EngineOptions) -> Result<Self> {
         // Fail fast (and without touching nixl-sys) when NIXL is absent.
         nixl::ffi::load()?;
@@ -174,7 +174,7 @@ impl Engine {
             (base, None)
         } else {
             let id =
-                local::Identity::generate().map_err(|e| Error::os("making the same-host identity", e))?;
+                same_host::Identity::generate().map_err(|e| Error::os("making the same-host identity", e))?;
             let (name, listener) = bind_unique(&base, &id)?;
             (name, listener.map(|l| (l, Arc::new(id))))
         };
@@ -201,7 +201,7 @@ impl Engine {
                 let seat = seats.take()?;
                 let local = seat.id;
                 let local_transport =
-                    LocalTransport::new(o.path != PathPolicy::Nixl, listener, seat.registrar, seat.waker);
+                    SameHostTransport::new(o.path != PathPolicy::Nixl, listener, seat.registrar, seat.waker);
                 let chain = match o.path {
                     PathPolicy::Auto => vec![local, nixl],
                     PathPolicy::Nixl => vec![nixl],
@@ -370,15 +370,15 @@ impl Drop for Shared {
 }
 
 /// Binds the same-host socket for `base`, or for `base-<pid>-<k>` if another connector has it,
-/// each advertising `id` ([`local::Identity::advertise`]); the name is `base` as given when no
+/// each advertising `id` ([`same_host::Identity::advertise`]); the name is `base` as given when no
 /// socket can be had (nothing is advertised then, and no peer tries this connector's socket).
-fn bind_unique(base: &str, id: &local::Identity) -> Result<(String, Option<local::Tracked>)> {
+fn bind_unique(base: &str, id: &same_host::Identity) -> Result<(String, Option<same_host::Tracked>)> {
     for k in 0..64 {
         let name = match k {
             0 => id.advertise(base),
             k => id.advertise(&format!("{base}-{}-{k}", std::process::id())),
         };
-        match local::listen(&name) {
+        match same_host::listen(&name) {
             Ok(Some(fd)) => return Ok((name, Some(fd))),
             Ok(None) => continue,
             Err(e) => {

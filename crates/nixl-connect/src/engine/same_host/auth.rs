@@ -73,9 +73,10 @@ impl Keyed {
     }
 }
 
-/// Who sent a frame (part of what its MAC covers, so a frame cannot be reflected back).
+/// Which end of a connection: who sent a frame (part of what its MAC covers, so a frame cannot
+/// be reflected back), and which role a connection's core plays.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum From {
+pub(crate) enum Side {
     /// The connecting (active) side.
     Client,
     /// The serving (passive) side.
@@ -89,7 +90,7 @@ pub(crate) fn frame_mac(
     nonce: &Nonce,
     client_pid: i32,
     server_pid: i32,
-    from: From,
+    from: Side,
     signed: &[u8],
 ) -> Tag {
     let mut m = key.0.clone();
@@ -125,29 +126,29 @@ mod tests {
             "a relay's pid differs"
         );
         let k1 = Keyed::new("k1");
-        let r = frame_mac(&k1, &n, 10, 20, From::Client, b"frame");
+        let r = frame_mac(&k1, &n, 10, 20, Side::Client, b"frame");
         assert!(same(
             &r,
-            &frame_mac(&Keyed::new("k1"), &n, 10, 20, From::Client, b"frame")
+            &frame_mac(&Keyed::new("k1"), &n, 10, 20, Side::Client, b"frame")
         ));
         assert!(!same(
             &r,
-            &frame_mac(&Keyed::new("k2"), &n, 10, 20, From::Client, b"frame")
+            &frame_mac(&Keyed::new("k2"), &n, 10, 20, Side::Client, b"frame")
         ));
         assert!(
-            !same(&r, &frame_mac(&k1, &n, 10, 20, From::Server, b"frame")),
+            !same(&r, &frame_mac(&k1, &n, 10, 20, Side::Server, b"frame")),
             "direction"
         );
         assert!(
-            !same(&r, &frame_mac(&k1, &n, 10, 21, From::Client, b"frame")),
+            !same(&r, &frame_mac(&k1, &n, 10, 21, Side::Client, b"frame")),
             "pids"
         );
         assert!(
-            !same(&r, &frame_mac(&k1, &nonce(), 10, 20, From::Client, b"frame")),
+            !same(&r, &frame_mac(&k1, &nonce(), 10, 20, Side::Client, b"frame")),
             "nonce"
         );
         assert!(
-            !same(&r, &frame_mac(&k1, &n, 10, 20, From::Client, b"frame!")),
+            !same(&r, &frame_mac(&k1, &n, 10, 20, Side::Client, b"frame!")),
             "fields"
         );
         assert_ne!(key_id("k1"), key_id("k2"));

@@ -4,20 +4,21 @@
 
 use std::time::Instant;
 
+use super::limits::MAX_NEGATIVE;
 use super::link::{Answer, Heard};
-use super::proto::{RefuseCode, NOT_LIVE};
-use super::records::{refused, ConnId, Phase};
-use super::state::{LocalTransport, MAX_NEGATIVE};
+use super::records::{refused, ConnId, Phase, RequestId};
+use super::transport::SameHostTransport;
+use super::wire::{RefuseCode, NOT_LIVE};
 use crate::engine::transport::Event;
 use crate::error::Error;
 
-impl LocalTransport {
+impl SameHostTransport {
     /// Acts on what connection `i`'s core heard.
     pub(super) fn handle(&mut self, i: ConnId, h: Heard, out: &mut Vec<Event>) {
         match h {
             Heard::Hello => self.on_hello(i),
             Heard::Req(r) => {
-                if self.identities.contains(&r.ident) {
+                if self.book.knows(r.ident) {
                     self.on_req(i, r, out)
                 } else if let Some(c) = self.conns.get_mut(&i) {
                     // Metadata of an agent of the same name elsewhere (another host, an earlier
@@ -29,7 +30,9 @@ impl LocalTransport {
                     );
                 }
             }
-            Heard::ReadDone { slot, gen, ok, key } => self.on_read_done(i, slot, gen, ok, &key, out),
+            Heard::ReadDone { slot, gen, ok, key } => {
+                self.on_read_done(RequestId { conn: i, slot, gen }, ok, &key, out)
+            }
             Heard::Ready => self.on_ready(i, out),
             Heard::NotLive { key } => self.on_not_live(i, &key, out),
             Heard::Impostor => {

@@ -1,14 +1,13 @@
 //! The same-host transport behind the engine's seam ([`Transport`]).
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::auth;
 use super::device::{device_path_refusal, uniform};
-use super::records::{Act, ConnId, Phase, Scope};
-use super::state::{LocalTransport, ACCEPT_TIMER, DEADLINE_TIMER, LISTENER};
+use super::records::{Act, ConnId, Phase};
+use super::server_book::Scope;
+use super::transport::{SameHostTransport, ACCEPT_TIMER, DEADLINE_TIMER, LISTENER};
 use crate::device::Device;
 use crate::engine::poller::hung_up;
 use crate::engine::stats::EngineStats;
@@ -16,39 +15,24 @@ use crate::engine::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, P
 use crate::error::{Error, Result};
 use crate::state::TransferPath;
 
-impl Transport for LocalTransport {
+impl Transport for SameHostTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         if self.listener.is_none() {
             return Ok(());
         }
-        self.identities.insert(out.identity);
-        let mut ranges = spec.ranges.clone();
-        ranges.sort_by_key(|r| r.addr);
-        self.key_ids.insert(auth::key_id(&spec.key), spec.key.clone());
-        self.scopes.insert(
-            spec.key.clone(),
-            Scope {
-                kind: spec.kind,
-                device: spec.ranges.first().map_or(Device::Host, |r| r.device),
-                ranges,
-                state: spec.state.clone(),
-                grants: HashSet::new(),
-                writer: None,
-                done: false,
-            },
-        );
+        let scope = Scope::new(spec.kind, spec.ranges.clone(), spec.state.clone());
+        self.book.expose(spec.key.clone(), out.identity, scope);
         Ok(())
     }
 
     fn unexpose(&mut self, key: &str) {
         self.release_writer(key);
-        let Some(s) = self.scopes.remove(key) else { return };
-        self.key_ids.remove(&auth::key_id(key));
-        for (i, slot, gen) in s.grants {
-            if let Some(t) = self.conns.get(&i).and_then(|c| c.slots.as_ref()) {
-                t.revoke(slot, gen);
+        let Some(s) = self.book.unexpose(key) else { return };
+        for g in s.grants {
+            if let Some(t) = self.conns.get(&g.conn).and_then(|c| c.slots.as_ref()) {
+                t.revoke(g.slot, g.gen);
             }
-            self.ungrant(i);
+            self.ungrant(g.conn);
         }
         if s.writer.is_none() {
             s.state.mark_released();

@@ -9,17 +9,17 @@ use super::cma::{self, CopyError};
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::link::Answer;
-use super::proto::RefuseCode;
 use super::records::{refused, AnyCopy, CopyOwner};
 #[cfg(feature = "cuda")]
 use super::staged;
-use super::state::LocalTransport;
 use super::sys::alive;
+use super::transport::SameHostTransport;
+use super::wire::RefuseCode;
 use crate::engine::transport::{Decline, Event};
 use crate::error::Error;
 use crate::sync::Recover;
 
-impl LocalTransport {
+impl SameHostTransport {
     /// Stops every copy and waits (up to `within`; `None`: for as long as it takes) for the ones
     /// running on the pool, which end within a chunk unless their peer stalls its pages. True
     /// when none is left; false when some still run (then the memory they write must never be
@@ -29,10 +29,8 @@ impl LocalTransport {
         for a in self.acts.values() {
             a.cancel.store(true, Ordering::Relaxed);
         }
-        for s in self.scopes.values() {
-            if let Some(w) = &s.writer {
-                w.3.store(true, Ordering::Relaxed);
-            }
+        for s in self.book.scopes() {
+            s.cancel_writer();
         }
         // Copies started but not handed over yet hold a count too: they run, see `cancel` and
         // end without moving a byte.
@@ -174,9 +172,7 @@ impl LocalTransport {
                 }
                 CopyOwner::Write {
                     key,
-                    conn,
-                    slot,
-                    gen,
+                    id,
                     state,
                     pidfd,
                 } => {
@@ -186,18 +182,15 @@ impl LocalTransport {
                     state.mark_released();
                     if let Err(CopyError::Unsupported(reason)) = &r {
                         // Nothing moved: the writer may take NIXL.
-                        if let Some(s) = self.scopes.get_mut(&key) {
-                            if s.writer
-                                .as_ref()
-                                .is_some_and(|w| (w.0, w.1, w.2) == (conn, slot, gen))
-                            {
+                        if let Some(s) = self.book.scope_mut(&key) {
+                            if s.is_writer(id) {
                                 s.writer = None;
                             }
                         }
-                        if let Some(c) = self.conns.get_mut(&conn) {
+                        if let Some(c) = self.conns.get_mut(&id.conn) {
                             c.link.answer(
-                                slot,
-                                gen,
+                                id.slot,
+                                id.gen,
                                 Answer::Fallback(format!(
                                     "the passive side cannot copy from device memory: {reason}"
                                 )),
@@ -205,11 +198,8 @@ impl LocalTransport {
                         }
                         continue;
                     }
-                    if let Some(s) = self.scopes.get_mut(&key) {
-                        if s.writer
-                            .as_ref()
-                            .is_some_and(|w| (w.0, w.1, w.2) == (conn, slot, gen))
-                        {
+                    if let Some(s) = self.book.scope_mut(&key) {
+                        if s.is_writer(id) {
                             s.writer = None;
                             // Completed or torn, the writable has ended from here on: a request
                             // heard later in this turn, before the engine applies the event,
@@ -235,12 +225,12 @@ impl LocalTransport {
                             }
                         }
                     }
-                    if let Some(c) = self.conns.get_mut(&conn) {
+                    if let Some(c) = self.conns.get_mut(&id.conn) {
                         let reason = match &r {
                             Ok(()) => String::new(),
                             Err(e) => format!("the passive side's copy failed: {e:?}"),
                         };
-                        c.link.answer(slot, gen, Answer::WriteDone { ok, reason });
+                        c.link.answer(id.slot, id.gen, Answer::WriteDone { ok, reason });
                     }
                 }
             }

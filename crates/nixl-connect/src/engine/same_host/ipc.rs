@@ -31,8 +31,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cma::{CopyError, SlotRef};
-use super::proto::IpcSource;
 use super::slots::{ARMED, COPYING, DONE};
+use super::wire::IpcSource;
 use crate::error::ErrorSource;
 use crate::sync::Recover;
 

@@ -11,13 +11,13 @@ use super::eager;
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::link::grant_ipc_len;
-use super::proto::{IpcSource, Msg, EAGER_MAX, MAX_FRAME};
 #[cfg(feature = "cuda")]
 use super::records::ExportDone;
 use super::records::{Act, AnyCopy, ConnId, CopyOwner, Phase};
 use super::slots::SlotTable;
-use super::state::LocalTransport;
+use super::transport::SameHostTransport;
 use super::violation::Violation;
+use super::wire::{IpcSource, Msg, EAGER_MAX, MAX_FRAME};
 use crate::device::Device;
 use crate::engine::transport::{Event, OpId};
 use crate::error::Error;
@@ -27,7 +27,7 @@ use crate::reg::Range;
 /// frames (see [`EAGER_MAX`]); at or above it, it takes a grant and the copy pool.
 const EAGER_OPEN: usize = 4;
 
-impl LocalTransport {
+impl SameHostTransport {
     /// Sends the core's `Hello` with the slot table's descriptor attached.
     #[allow(unsafe_code)]
     pub(super) fn send_hello(&mut self, i: ConnId) -> io::Result<()> {

@@ -3,16 +3,16 @@
 //! scope policy (`server`), the client (`client`), copies (`copies`), device memory (`device`),
 //! frame dispatch (`dispatch`) and the engine's seam (`seam`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::auth::KeyId;
 use super::cma;
 use super::identity::Identity;
-use super::records::{Act, Conn, ConnId, Exports, Finished, Outstanding, Scope};
-use super::slots;
+use super::limits::Caps;
+use super::records::{Act, Conn, ConnId, Exports, Finished, Outstanding};
+use super::server_book::ServerBook;
 use super::sys::{descriptor_budget, raise_descriptor_limit, timerfd, uid, Tracked};
 use crate::engine::poller::{Registrar, Waker, MAX_TOKEN};
 use crate::engine::transport::OpId;
@@ -23,54 +23,8 @@ pub(super) const LISTENER: u64 = 0;
 pub(super) const ACCEPT_TIMER: u64 = MAX_TOKEN;
 /// The poller token of the timer that fires at the earliest deadline of a connection's core.
 pub(super) const DEADLINE_TIMER: u64 = MAX_TOKEN - 1;
-/// How long the listener rests after `accept` ran out of descriptors or memory.
-pub(super) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
-/// Connections this connector serves at once (same-host peers beyond it are refused and use NIXL).
-pub(super) const MAX_SERVED: usize = 1024;
-/// Connections it serves at once to one process.
-pub(super) const MAX_SERVED_PER_PID: usize = 64;
-/// Served connections that have not finished their handshake, from one process: past it, that
-/// process's next connection is refused (the handshake window is charged to who holds it).
-pub(super) const MAX_HANDSHAKING_PER_PID: usize = 4;
-/// Served connections that have not finished their handshake, in all.
-pub(super) const MAX_HANDSHAKING: usize = 64;
-
-/// The caps on served connections, set from the descriptor limit at start.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Caps {
-    /// Connections served at once: [`MAX_SERVED`], or an eighth of the descriptor limit if
-    /// that is lower (each holds a socket, a pidfd and a slot table: the table never fills).
-    pub(super) served: usize,
-    /// Connections served to one process: [`MAX_SERVED_PER_PID`], or an eighth of `served`.
-    pub(super) per_pid: usize,
-}
-
-impl Caps {
-    /// The caps under a limit of `budget` descriptors.
-    pub(super) fn for_budget(budget: usize) -> Self {
-        let served = MAX_SERVED.min(budget / 8).max(8);
-        Self {
-            served,
-            per_pid: MAX_SERVED_PER_PID.min(served / 8).max(2),
-        }
-    }
-}
-/// The most read grants one connection holds at once (a well-behaved client has at most one per
-/// slot of its table); past it, requests take NIXL.
-pub(super) const MAX_GRANTS_PER_CONN: usize = slots::SLOTS;
-/// Device ranges one connection may have queued for export (CUDA IPC handles) at once: a grant
-/// of the largest device read that fits one frame (~139,800 ranges), and more; past it, device
-/// reads take NIXL until exports end.
-pub(super) const MAX_EXPORTING_PER_CONN: usize = 1 << 18;
-/// Device ranges queued for export at once in the process, over every connection.
-pub(super) const MAX_EXPORTING: usize = 1 << 20;
-/// How long a peer with no same-host socket is not asked again.
-pub(super) const NEGATIVE_TTL: Duration = Duration::from_secs(2);
-/// Negative answers remembered.
-pub(super) const MAX_NEGATIVE: usize = 4096;
-
 /// The same-host transport of one connector.
-pub(crate) struct LocalTransport {
+pub(crate) struct SameHostTransport {
     pub(super) enabled: bool,
     pub(super) listener: Option<Tracked>,
     /// The identity this connector's agent name advertises, proven to every client (none when
@@ -85,16 +39,11 @@ pub(crate) struct LocalTransport {
     pub(super) next_conn: ConnId,
     pub(super) by_peer: HashMap<Arc<str>, ConnId>,
     pub(super) negative: HashMap<Arc<str>, Instant>,
-    pub(super) scopes: HashMap<Arc<str>, Scope>,
-    /// The key of each live scope by its key id (the name requests use on the wire).
-    pub(super) key_ids: HashMap<KeyId, Arc<str>>,
-    /// Fingerprints of this connector's exposers' connection metadata.
-    pub(super) identities: HashSet<u64>,
+    /// What this connector serves (scopes, key ids, identities, exports queued).
+    pub(super) book: ServerBook,
     pub(super) acts: HashMap<OpId, Act>,
     pub(super) finished: Finished,
     pub(super) exports: Exports,
-    /// Device ranges queued for export now (at most [`MAX_EXPORTING`]).
-    pub(super) exporting: usize,
     pub(super) outstanding: Arc<Outstanding>,
     /// Host copies started this turn, not yet on the pool.
     pub(super) batch: cma::Batch,
@@ -110,7 +59,7 @@ pub(crate) struct LocalTransport {
     pub(super) stopped: bool,
 }
 
-impl Drop for LocalTransport {
+impl Drop for SameHostTransport {
     fn drop(&mut self) {
         if !self.stopped {
             self.stop_copies(None);
@@ -118,7 +67,7 @@ impl Drop for LocalTransport {
     }
 }
 
-impl LocalTransport {
+impl SameHostTransport {
     /// A transport serving on `listener` as `identity` (none: this connector cannot be reached on
     /// this path) and, when `enabled`, trying it for active operations.
     pub(crate) fn new(
@@ -156,13 +105,10 @@ impl LocalTransport {
             next_conn: 1,
             by_peer: HashMap::new(),
             negative: HashMap::new(),
-            scopes: HashMap::new(),
-            key_ids: HashMap::new(),
-            identities: HashSet::new(),
+            book: ServerBook::default(),
             acts: HashMap::new(),
             finished: Arc::default(),
             exports: Arc::default(),
-            exporting: 0,
             outstanding: Arc::new(Outstanding::new(0)),
             batch: cma::Batch::default(),
             refused_peers: 0,
@@ -175,7 +121,7 @@ impl LocalTransport {
 }
 
 #[cfg(test)]
-impl LocalTransport {
+impl SameHostTransport {
     /// A transport serving one connection for tests: `p`'s (shaken) server core over one end of
     /// a socket pair, non-blocking; returns the transport, the connection's id and the other end
     /// (the peer's).

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use super::{Answer, Heard, Link, MAX_OPEN, MAX_UNSENT};
 use crate::device::Device;
-use crate::engine::local::auth::{self, KeyId, Keyed, Nonce};
-use crate::engine::local::identity::Identity;
-use crate::engine::local::proto::{IpcSource, Msg, RefuseCode, EAGER_MAX, MAX_FRAME, VERSION};
+use crate::engine::same_host::auth::{self, KeyId, Keyed, Nonce, Side};
+use crate::engine::same_host::identity::Identity;
+use crate::engine::same_host::wire::{IpcSource, Msg, RefuseCode, EAGER_MAX, MAX_FRAME, VERSION};
 
 /// The operation keys a pair knows: the server holds the first two live; the third is held by
 /// the client only (a replayed or foreign operation).
@@ -114,11 +114,7 @@ impl Pair {
     /// `m` encoded as a peer would forge it: signed under `KEYS[key]` (or an all-zero MAC),
     /// as if sent by the client (`from_client`) or the server.
     pub(crate) fn forge(&self, m: &Msg, key: Option<usize>, from_client: bool) -> Vec<u8> {
-        let from = if from_client {
-            auth::From::Client
-        } else {
-            auth::From::Server
-        };
+        let from = if from_client { Side::Client } else { Side::Server };
         let mut out = Vec::new();
         m.encode_signed(&mut out, |b| match key {
             Some(k) => auth::frame_mac(&Keyed::new(KEYS[k]), &self.nonce, CLIENT_PID, SERVER_PID, from, b),

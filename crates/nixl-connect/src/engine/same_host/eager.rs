@@ -1,17 +1,18 @@
 //! Eager copies: a small host operation's bytes ride in its frame (protocol version 6), so each
 //! side copies only its *own* memory, on its engine thread: the owner of a readable gathers the
-//! requested ranges into the answer ([`Msg::Data`](super::proto::Msg::Data)), the reader scatters
+//! requested ranges into the answer ([`Msg::Data`](super::wire::Msg::Data)), the reader scatters
 //! them into its destination; a writer gathers its source into the request, the owner of the
 //! writable scatters it into its memory. No copy thread, no slot word, no `Done`: one round trip.
 //!
-//! Bounded at [`EAGER_MAX`](super::proto::EAGER_MAX) bytes an operation (a copy of that size takes
+//! Bounded at [`EAGER_MAX`](super::wire::EAGER_MAX) bytes an operation (a copy of that size takes
 //! well under a microsecond). Nothing here reads a peer's memory, so a peer cannot stall the
 //! engine through it: the ranges were checked against this side's own operation (the server's
 //! scope, the client's descriptors) before they reach these functions.
 
 #![allow(unsafe_code)]
 
-use super::records::{Act, Phase, Scope};
+use super::records::{Act, Phase};
+use super::server_book::Scope;
 use crate::device::Device;
 
 /// The owner of a readable: the bytes of `remote` (ranges of its memory), in order; `None`, with

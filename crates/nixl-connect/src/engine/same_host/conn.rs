@@ -11,17 +11,15 @@ use super::auth;
 use super::identity;
 #[cfg(feature = "cuda")]
 use super::ipc;
+use super::limits::{ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID, MAX_NEGATIVE, NEGATIVE_TTL};
 use super::link::{Heard, Link};
 use super::records::{Conn, ConnId, Phase};
 use super::slots::SlotTable;
-use super::state::{
-    LocalTransport, ACCEPT_BACKOFF, LISTENER, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID, MAX_NEGATIVE,
-    NEGATIVE_TTL,
-};
 use super::sys::{
     accept, close_elsewhere, close_refused, peer_cred, pidfd, recv_with_fds, refuse_passed_descriptors,
     self_pid, set_timer, sockaddr, socket_name, unix_socket, Control, Tracked,
 };
+use super::transport::{SameHostTransport, LISTENER};
 use super::violation::Violation;
 use crate::engine::transport::{Decline, Event, OpId};
 use crate::error::Error;
@@ -30,7 +28,7 @@ use crate::error::Error;
 /// request in pieces over several turns (its partial frame bounded and timed by the core).
 pub(super) const READ_PER_TURN: usize = 1 << 20;
 
-impl LocalTransport {
+impl SameHostTransport {
     pub(super) fn insert(&mut self, c: Conn) -> ConnId {
         // Ids are never reused, so a late copy or answer can never reach another connection.
         let id = self.next_conn;
@@ -175,7 +173,7 @@ impl LocalTransport {
                 }
             }
             c.link
-                .recv(&chunk[..n], passed, Instant::now(), &self.key_ids, heard);
+                .recv(&chunk[..n], passed, Instant::now(), self.book.key_ids(), heard);
         }
     }
 
@@ -444,14 +442,14 @@ impl LocalTransport {
             // Revoke this connection's read grants before forgetting them (its table stays mapped
             // while a copy holds it), so a peer still copying cannot complete against memory the
             // owner may since have given up.
-            for s in self.scopes.values_mut() {
+            for s in self.book.scopes_mut() {
                 s.grants.retain(|g| {
-                    if g.0 == i {
+                    if g.conn == i {
                         if let Some(t) = &c.slots {
-                            t.revoke(g.1, g.2);
+                            t.revoke(g.slot, g.gen);
                         }
                     }
-                    g.0 != i
+                    g.conn != i
                 });
             }
         }
@@ -464,9 +462,9 @@ mod tests {
 
     use super::*;
     use crate::device::Device;
-    use crate::engine::local::link::fuzz::Pair;
-    use crate::engine::local::proto::{Msg, MAX_FRAME};
     use crate::engine::poller::Poller;
+    use crate::engine::same_host::link::fuzz::Pair;
+    use crate::engine::same_host::wire::{Msg, MAX_FRAME};
 
     /// A peer that keeps its socket full (here: 4 MiB of replayed requests, each refused) is read
     /// at most [`READ_PER_TURN`] bytes a turn: the engine thread goes back to its other work
@@ -476,7 +474,7 @@ mod tests {
         let poller = Poller::new().unwrap();
         let mut p = Pair::new(0);
         p.shake();
-        let (mut t, i, mut theirs) = LocalTransport::serving(&poller, &mut p);
+        let (mut t, i, mut theirs) = SameHostTransport::serving(&poller, &mut p);
         let replay = p.forge(&Pair::req(1, 1, 2, false, Device::Host, 1), Some(2), true);
         let frames = (4 << 20) / replay.len();
         let batch = replay.repeat(frames);

@@ -33,13 +33,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::auth::{self, KeyId, Keyed, Nonce, Tag};
+use super::auth::{self, KeyId, Keyed, Nonce, Side, Tag};
 use super::identity::{self, Fingerprint, Identity};
-use super::proto::{
-    IpcSource, Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FRAME, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
-};
 use super::slots::SLOTS;
 use super::violation::Violation;
+use super::wire::{
+    IpcSource, Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FRAME, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
+};
 use crate::device::Device;
 
 /// How long a connection may take to shake hands.
@@ -187,7 +187,7 @@ pub(crate) enum Answer {
 
 /// The protocol state of one connection.
 pub(crate) struct Link {
-    client: bool,
+    side: Side,
     state: State,
     /// Client: the key the server must prove it holds.
     opening: Option<Arc<str>>,
@@ -230,7 +230,14 @@ impl Link {
         server_pid: i32,
         now: Instant,
     ) -> Self {
-        let mut l = Self::new(true, State::AwaitWelcome, nonce, client_pid, server_pid, now);
+        let mut l = Self::new(
+            Side::Client,
+            State::AwaitWelcome,
+            nonce,
+            client_pid,
+            server_pid,
+            now,
+        );
         l.expect = Some(expect);
         l.push(&Msg::Hello {
             version: VERSION,
@@ -243,14 +250,21 @@ impl Link {
 
     /// The serving side of an accepted connection, proving `identity` in its `Welcome`.
     pub(crate) fn server(identity: Arc<Identity>, client_pid: i32, server_pid: i32, now: Instant) -> Self {
-        let mut l = Self::new(false, State::AwaitHello, [0; 16], client_pid, server_pid, now);
+        let mut l = Self::new(
+            Side::Server,
+            State::AwaitHello,
+            [0; 16],
+            client_pid,
+            server_pid,
+            now,
+        );
         l.identity = Some(identity);
         l
     }
 
-    fn new(client: bool, state: State, nonce: Nonce, client_pid: i32, server_pid: i32, now: Instant) -> Self {
+    fn new(side: Side, state: State, nonce: Nonce, client_pid: i32, server_pid: i32, now: Instant) -> Self {
         Self {
-            client,
+            side,
             state,
             opening: None,
             expect: None,
@@ -279,12 +293,12 @@ impl Link {
 
     /// True for the connecting (active) side.
     pub(crate) fn is_client(&self) -> bool {
-        self.client
+        self.side == Side::Client
     }
 
     /// Server, before `Hello`: refuses the connection with `reason` (sent, then closed).
     pub(crate) fn reject(&mut self, reason: String) {
-        if !self.client && self.state == State::AwaitHello {
+        if self.side == Side::Server && self.state == State::AwaitHello {
             self.push(&Msg::Reject { reason });
             self.kill(Violation::Rejected);
         }
@@ -307,7 +321,7 @@ impl Link {
 
     /// True while a descriptor passed now would be taken (server, before `Hello`, none yet).
     pub(crate) fn takes_descriptors(&self) -> bool {
-        !self.client && self.state == State::AwaitHello && self.fds == 0
+        self.side == Side::Server && self.state == State::AwaitHello && self.fds == 0
     }
 
     /// Closes the connection for `why` (the owner found something the core cannot see: a slot
@@ -459,11 +473,11 @@ impl Link {
         }
     }
 
-    fn mac(&self, key: &Keyed, from: auth::From, signed: &[u8]) -> Tag {
+    fn mac(&self, key: &Keyed, from: Side, signed: &[u8]) -> Tag {
         auth::frame_mac(key, &self.nonce, self.client_pid, self.server_pid, from, signed)
     }
 
-    fn proven(&self, key: &Keyed, from: auth::From, signed: &[u8], mac: Option<Tag>) -> bool {
+    fn proven(&self, key: &Keyed, from: Side, signed: &[u8], mac: Option<Tag>) -> bool {
         mac.is_some_and(|m| auth::same(&m, &self.mac(key, from, signed)))
     }
 
@@ -481,11 +495,7 @@ impl Link {
     }
 
     fn push_signed(&mut self, m: &Msg, key: &Keyed) {
-        let from = if self.client {
-            auth::From::Client
-        } else {
-            auth::From::Server
-        };
+        let from = self.side;
         let (nonce, cp, sp) = (self.nonce, self.client_pid, self.server_pid);
         m.encode_signed(&mut self.out, |b| auth::frame_mac(key, &nonce, cp, sp, from, b));
         self.check_unsent();
@@ -499,10 +509,10 @@ impl Link {
         keys: &HashMap<KeyId, Arc<str>>,
         heard: &mut Vec<Heard>,
     ) {
-        match (self.client, self.state, m) {
+        match (self.side, self.state, m) {
             // The server's handshake.
             (
-                false,
+                Side::Server,
                 State::AwaitHello,
                 Msg::Hello {
                     version,
@@ -539,13 +549,13 @@ impl Link {
                     self.kill(Violation::HelloNotLive);
                 }
             }
-            (false, State::AwaitTrusted, Msg::Trusted) => {
+            (Side::Server, State::AwaitTrusted, Msg::Trusted) => {
                 self.state = State::Ready;
                 self.shaken = true;
                 self.handshake_by = None;
             }
             (
-                false,
+                Side::Server,
                 State::Ready,
                 Msg::Req {
                     slot,
@@ -596,7 +606,7 @@ impl Link {
                     return;
                 };
                 let key = Keyed::new(&name);
-                if !self.proven(&key, auth::From::Client, signed, mac) {
+                if !self.proven(&key, Side::Client, signed, mac) {
                     return self.kill(Violation::UnprovenRequest);
                 }
                 if self.open.len() >= MAX_OPEN {
@@ -634,9 +644,9 @@ impl Link {
                     data,
                 }));
             }
-            (false, State::Ready, Msg::Done { slot, gen, ok, .. }) => {
+            (Side::Server, State::Ready, Msg::Done { slot, gen, ok, .. }) => {
                 let proven = match self.open.get(&(slot, gen)) {
-                    Some(o) if o.granted && !o.write => self.proven(&o.key, auth::From::Client, signed, mac),
+                    Some(o) if o.granted && !o.write => self.proven(&o.key, Side::Client, signed, mac),
                     _ => return self.kill(Violation::DoneForNothing),
                 };
                 if !proven {
@@ -651,7 +661,7 @@ impl Link {
                 });
             }
             // The client's handshake.
-            (true, State::AwaitWelcome, Msg::Welcome { proof, public, sig }) => {
+            (Side::Client, State::AwaitWelcome, Msg::Welcome { proof, public, sig }) => {
                 let (Some(opening), Some(expect)) = (self.opening.take(), self.expect) else {
                     return self.kill(Violation::NoOpeningKey);
                 };
@@ -692,11 +702,11 @@ impl Link {
                     }
                 }
             }
-            (true, State::AwaitWelcome, Msg::Reject { reason }) => {
+            (Side::Client, State::AwaitWelcome, Msg::Reject { reason }) => {
                 heard.push(Heard::Rejected { reason });
                 self.kill(Violation::ServerRejected);
             }
-            (true, State::Ready, m) => self.on_answer(m, signed, mac, heard),
+            (Side::Client, State::Ready, m) => self.on_answer(m, signed, mac, heard),
             _ => self.kill(Violation::OutOfOrder),
         }
     }
@@ -717,7 +727,7 @@ impl Link {
         if o.granted {
             return self.kill(Violation::AnswerAfterGrant);
         }
-        let proven = self.proven(&o.key, auth::From::Server, signed, mac);
+        let proven = self.proven(&o.key, Side::Server, signed, mac);
         // Only answers that can make an operation fail or take NIXL may come unproven.
         let unproven_ok = matches!(
             m,
@@ -801,7 +811,7 @@ impl Link {
         else {
             return false;
         };
-        if !self.client || self.state != State::Ready || self.open.contains_key(&(*slot, *gen)) {
+        if self.side != Side::Client || self.state != State::Ready || self.open.contains_key(&(*slot, *gen)) {
             return false;
         }
         let keyed = Keyed::new(key);
@@ -847,7 +857,7 @@ impl Link {
     /// answered already). True when the answer is queued on a live connection (the owner of an
     /// eager operation completes it only then).
     pub(crate) fn answer(&mut self, slot: u32, gen: u64, a: Answer) -> bool {
-        if self.client || self.state != State::Ready {
+        if self.side != Side::Server || self.state != State::Ready {
             return false;
         }
         let Some(o) = self.open.get_mut(&(slot, gen)) else {

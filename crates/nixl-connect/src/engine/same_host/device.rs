@@ -10,11 +10,13 @@ use super::cma::SlotRef;
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::link::Answer;
-use super::proto::{IpcSource, RefuseCode};
 #[cfg(feature = "cuda")]
 use super::records::{AnyCopy, CopyOwner};
-use super::records::{ConnId, ExportDone, Phase};
-use super::state::LocalTransport;
+use super::records::{ExportDone, Phase, RequestId};
+#[cfg(feature = "cuda")]
+use super::server_book::Writer;
+use super::transport::SameHostTransport;
+use super::wire::{IpcSource, RefuseCode};
 use crate::device::Device;
 use crate::engine::transport::{Decline, Event};
 use crate::error::PathRefusal;
@@ -51,16 +53,13 @@ pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusa
     }
 }
 
-impl LocalTransport {
-    /// The device path of a request that passed every scope check: a read is granted once its
-    /// source is exported (the answer comes later); a write is copied here from its export.
+impl SameHostTransport {
+    /// The device path of a request the policy let through: a read is granted once its source
+    /// is exported (the answer comes later); a write is copied here from its export.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn device_req(
         &mut self,
-        i: ConnId,
-        slot: u32,
-        gen: u64,
+        id: RequestId,
         write: bool,
         key: &str,
         remote: Vec<(u64, u64)>,
@@ -72,24 +71,15 @@ impl LocalTransport {
         ));
         #[cfg(feature = "cuda")]
         {
-            let (key, s) = self.scopes.get_key_value(key).expect("checked");
-            let key = key.clone();
+            let key = self.book.key(key).expect("decided on it");
             if !write {
                 let (exports, waker) = (self.exports.clone(), self.waker.clone());
-                if self
-                    .scopes
-                    .get_mut(&key)
-                    .expect("checked")
-                    .grants
-                    .insert((i, slot, gen))
-                {
-                    if let Some(c) = self.conns.get_mut(&i) {
-                        c.granted += 1;
-                    }
-                }
+                let s = self.book.scope_mut(&key).expect("decided on it");
+                let fresh = s.grants.insert(id);
                 let ranges = remote.len();
-                self.exporting += ranges;
-                if let Some(c) = self.conns.get_mut(&i) {
+                self.book.exports_queued(ranges);
+                if let Some(c) = self.conns.get_mut(&id.conn) {
+                    c.granted += usize::from(fresh);
                     c.exporting += ranges;
                 }
                 ipc::export(
@@ -97,9 +87,7 @@ impl LocalTransport {
                     Box::new(move |result| {
                         exports.push(ExportDone::Grant {
                             key,
-                            conn: i,
-                            slot,
-                            gen,
+                            id,
                             ranges,
                             result,
                         });
@@ -108,26 +96,23 @@ impl LocalTransport {
                 );
                 return None;
             }
-            if s.writer.is_some() {
-                return Some(Answer::Refuse(
-                    RefuseCode::Busy,
-                    "another writer is writing this writable now".into(),
-                ));
-            }
+            let s = self.book.scope_mut(&key).expect("decided on it");
             if !s.state.try_mark_in_use() {
                 return Some(Answer::Refuse(
                     RefuseCode::NotLive,
                     "the operation has ended (completed, cancelled or dropped)".into(),
                 ));
             }
-            let c = self.conns.get(&i).expect("live");
-            let (table, peer_pid, pidfd) = (c.slots.clone().expect("ready"), c.peer_pid, c.pidfd.clone());
             let cancel = Arc::new(AtomicBool::new(false));
-            let s = self.scopes.get_mut(&key).expect("checked");
-            s.writer = Some((i, slot, gen, cancel.clone()));
+            s.writer = Some(Writer {
+                id,
+                cancel: cancel.clone(),
+            });
             let state = s.state.clone();
+            let c = self.conns.get(&id.conn).expect("live");
+            let (table, peer_pid, pidfd) = (c.slots.clone().expect("ready"), c.peer_pid, c.pidfd.clone());
             let copy = AnyCopy::Device(ipc::Copy {
-                conn: i,
+                conn: id.conn,
                 pid: peer_pid,
                 pieces: remote
                     .iter()
@@ -136,16 +121,14 @@ impl LocalTransport {
                     .collect(),
                 slot: SlotRef {
                     table,
-                    idx: slot,
-                    gen,
+                    idx: id.slot,
+                    gen: id.gen,
                 },
                 cancel,
             });
             let owner = CopyOwner::Write {
                 key,
-                conn: i,
-                slot,
-                gen,
+                id,
                 state,
                 pidfd,
             };
@@ -162,22 +145,20 @@ impl LocalTransport {
             match d {
                 ExportDone::Grant {
                     key,
-                    conn,
-                    slot,
-                    gen,
+                    id,
                     ranges,
                     result,
                 } => {
-                    self.exporting -= ranges;
-                    if let Some(c) = self.conns.get_mut(&conn) {
+                    self.book.exports_ended(ranges);
+                    if let Some(c) = self.conns.get_mut(&id.conn) {
                         c.exporting = c.exporting.saturating_sub(ranges);
                     }
                     // Not for a scope another reader completed this turn (its grants go when
                     // the engine applies the completion and unexposes it).
                     let granted = self
-                        .scopes
-                        .get(&key)
-                        .is_some_and(|s| !s.done && s.grants.contains(&(conn, slot, gen)));
+                        .book
+                        .scope(&key)
+                        .is_some_and(|s| !s.done && s.grants.contains(&id));
                     let answer = match result {
                         Ok(sources) if granted => Answer::GrantIpc(sources),
                         _ if !granted => Answer::Refuse(
@@ -186,20 +167,16 @@ impl LocalTransport {
                         ),
                         Ok(_) => unreachable!("granted is checked above"),
                         Err(reason) => {
-                            if self
-                                .scopes
-                                .get_mut(&key)
-                                .is_some_and(|s| s.grants.remove(&(conn, slot, gen)))
-                            {
-                                self.ungrant(conn);
+                            if self.book.scope_mut(&key).is_some_and(|s| s.grants.remove(&id)) {
+                                self.ungrant(id.conn);
                             }
                             Answer::Fallback(format!(
                                 "the device memory cannot be shared through CUDA IPC: {reason}"
                             ))
                         }
                     };
-                    if let Some(c) = self.conns.get_mut(&conn) {
-                        c.link.answer(slot, gen, answer);
+                    if let Some(c) = self.conns.get_mut(&id.conn) {
+                        c.link.answer(id.slot, id.gen, answer);
                     }
                 }
                 ExportDone::Write { id, result } => {

@@ -4,7 +4,7 @@
 //! Each connector listens on an abstract Unix socket named from its agent name
 //! ([`socket_name`](sys::socket_name)), which scopes it to this host's network namespace. An active side that finds
 //! the socket named by a metadata's agent connects, hands over a sealed slot table ([`slots`]),
-//! and asks for access to the operation by its notification key ([`proto`]). The passive side
+//! and asks for access to the operation by its notification key ([`wire`]). The passive side
 //! checks everything against its live operation: the peer's uid (`SO_PEERCRED`), the key, every
 //! range inside the operation's descriptors, the direction, one writer at a time; access ends when
 //! the operation completes, is cancelled or dropped (a replayed metadata string is refused).
@@ -12,7 +12,7 @@
 //! The side whose memory is written copies, pulling with `process_vm_readv` ([`cma`]): the reader
 //! for a read, the passive side for a write. So each process writes only its own memory, and the
 //! owner of the source can revoke a grant at any instant without waiting (see [`slots`]). A small
-//! host operation (up to [`proto::EAGER_MAX`]) carries its bytes in its frames instead, each side
+//! host operation (up to [`wire::EAGER_MAX`]) carries its bytes in its frames instead, each side
 //! copying only its own memory on its engine thread: one round trip (`eager`). Device
 //! memory (feature `cuda`) goes the same way through CUDA IPC (`ipc`): the source's owner exports
 //! it, the destination's owner opens it and copies on its own stream. No socket, a peer on another
@@ -31,19 +31,22 @@ mod eager;
 mod identity;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc;
+mod limits;
 pub(crate) mod link;
-pub(crate) mod proto;
+mod policy;
 mod records;
 mod seam;
 mod server;
+mod server_book;
 pub(crate) mod slots;
 #[cfg(feature = "cuda")]
 mod staged;
-mod state;
 mod sys;
+mod transport;
 pub(crate) mod violation;
+pub(crate) mod wire;
 
 pub(crate) use self::device::device_path_refusal;
 pub(crate) use self::identity::Identity;
-pub(crate) use self::state::LocalTransport;
 pub(crate) use self::sys::{listen, Tracked};
+pub(crate) use self::transport::SameHostTransport;

@@ -394,7 +394,7 @@ fn link_fuzz_programs_hold_their_invariants() {
 fn link_core_imports_nothing_of_the_edge() {
     let core = [
         ("link.rs", include_str!("../link.rs")),
-        ("proto.rs", include_str!("../proto.rs")),
+        ("wire.rs", include_str!("../wire.rs")),
         ("auth.rs", include_str!("../auth.rs")),
         ("identity.rs", include_str!("../identity.rs")),
         ("violation.rs", include_str!("../violation.rs")),
@@ -403,7 +403,7 @@ fn link_core_imports_nothing_of_the_edge() {
         "super::auth",
         "super::identity",
         "super::violation",
-        "super::proto",
+        "super::wire",
         "super::slots::SLOTS",
         "crate::device::Device",
         "super::*",

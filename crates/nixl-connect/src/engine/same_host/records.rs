@@ -3,7 +3,6 @@
 //! finished export. It sits below the files that act on these records and below the transport's
 //! own state (`state.rs`), so none of them imports its way back up.
 
-use std::collections::HashSet;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,14 +11,12 @@ use super::cma::{Copy, CopyError};
 #[cfg(feature = "cuda")]
 use super::ipc;
 use super::link::Link;
-use super::proto::{IpcSource, RefuseCode};
 use super::slots::{SlotTable, SLOTS};
 use super::sys::Tracked;
+use super::wire::{IpcSource, RefuseCode};
 use crate::device::Device;
 use crate::engine::transport::{ActiveSpec, OpId};
 use crate::error::{Error, ErrorSource};
-use crate::metadata::OperationKind;
-use crate::reg::Range;
 use crate::state::OpState;
 use crate::sync::Recover;
 
@@ -78,9 +75,7 @@ pub(super) enum CopyOwner {
     /// A write into this side's passive operation (server).
     Write {
         key: Arc<str>,
-        conn: ConnId,
-        slot: u32,
-        gen: u64,
+        id: RequestId,
         state: Arc<OpState>,
         pidfd: Option<Arc<OwnedFd>>,
     },
@@ -156,9 +151,7 @@ pub(super) enum ExportDone {
     /// A read grant's source (this side serves it).
     Grant {
         key: Arc<str>,
-        conn: ConnId,
-        slot: u32,
-        gen: u64,
+        id: RequestId,
         /// Ranges it exported (counted against the bounds while queued).
         ranges: usize,
         result: std::result::Result<Vec<IpcSource>, ErrorSource>,
@@ -175,6 +168,17 @@ pub(super) type Exports = Arc<Inbox<ExportDone>>;
 /// A connection's id (also its token in the engine's poller); never reused.
 pub(super) type ConnId = u64;
 
+/// One request on one connection: the name a grant or a writer goes by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct RequestId {
+    /// The connection it came on.
+    pub(super) conn: ConnId,
+    /// The slot of the client's table it uses.
+    pub(super) slot: u32,
+    /// The slot's generation for this request.
+    pub(super) gen: u64,
+}
+
 /// One socket: a connection this side made (client, the active side) or accepted (server).
 /// What the peer says is read, checked and authenticated by its protocol core ([`Link`]); this
 /// record keeps what lives at the edge (the socket, the peer's process, the slot table) and the
@@ -189,10 +193,10 @@ pub(super) struct Conn {
     pub(super) writing: bool,
     pub(super) slots: Option<Arc<SlotTable>>,
     /// Server side: read grants this connection holds (at most
-    /// [`MAX_GRANTS_PER_CONN`](super::state::MAX_GRANTS_PER_CONN)).
+    /// [`MAX_GRANTS_PER_CONN`](super::transport::MAX_GRANTS_PER_CONN)).
     pub(super) granted: usize,
     /// Server side: device ranges of this connection's reads queued for export (at most
-    /// [`MAX_EXPORTING_PER_CONN`](super::state::MAX_EXPORTING_PER_CONN)).
+    /// [`MAX_EXPORTING_PER_CONN`](super::transport::MAX_EXPORTING_PER_CONN)).
     pub(super) exporting: usize,
     /// This side may pull from the peer's memory.
     pub(super) can_pull: bool,
@@ -235,37 +239,5 @@ impl Conn {
             },
             gens: if client { vec![0; SLOTS] } else { Vec::new() },
         }
-    }
-}
-
-/// A passive operation's scope on the serving side.
-pub(super) struct Scope {
-    pub(super) kind: OperationKind,
-    pub(super) device: Device,
-    /// The operation's descriptors, sorted by address.
-    pub(super) ranges: Vec<Range>,
-    pub(super) state: Arc<OpState>,
-    /// Read grants given: `(connection, slot, generation)`.
-    pub(super) grants: HashSet<(ConnId, u32, u64)>,
-    /// The writer copying into it now: `(connection, slot, generation, cancel)`.
-    pub(super) writer: Option<(ConnId, u32, u64, Arc<AtomicBool>)>,
-    /// An operation completed (or tore) it this turn: an eager answer, a reader's `ReadDone`, the
-    /// end of a writer's copy. The engine applies the completion after the turn; requests heard
-    /// before then are refused as if it had ended.
-    pub(super) done: bool,
-}
-
-impl Scope {
-    /// True when `[addr, addr+len)` lies inside one descriptor.
-    pub(super) fn contains(&self, addr: u64, len: u64) -> bool {
-        let Some(end) = addr.checked_add(len) else {
-            return false;
-        };
-        let i = self.ranges.partition_point(|r| r.addr as u64 <= addr);
-        self.ranges[..i]
-            .iter()
-            .rev()
-            .take(16)
-            .any(|r| (r.addr + r.len) as u64 >= end)
     }
 }

@@ -1,0 +1,53 @@
+//! The same-host wing's limits: what one connector serves at once, to one process and in all,
+//! before and after the handshake; grants and exports per connection; how long a negative
+//! answer is remembered. Every owner reads them from here (none imports the transport for them).
+
+use std::time::Duration;
+
+use super::slots;
+
+/// How long the listener rests after `accept` ran out of descriptors or memory.
+pub(super) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// Connections this connector serves at once (same-host peers beyond it are refused and use NIXL).
+pub(super) const MAX_SERVED: usize = 1024;
+/// Connections it serves at once to one process.
+pub(super) const MAX_SERVED_PER_PID: usize = 64;
+/// Served connections that have not finished their handshake, from one process: past it, that
+/// process's next connection is refused (the handshake window is charged to who holds it).
+pub(super) const MAX_HANDSHAKING_PER_PID: usize = 4;
+/// Served connections that have not finished their handshake, in all.
+pub(super) const MAX_HANDSHAKING: usize = 64;
+
+/// The caps on served connections, set from the descriptor limit at start.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Caps {
+    /// Connections served at once: [`MAX_SERVED`], or an eighth of the descriptor limit if
+    /// that is lower (each holds a socket, a pidfd and a slot table: the table never fills).
+    pub(super) served: usize,
+    /// Connections served to one process: [`MAX_SERVED_PER_PID`], or an eighth of `served`.
+    pub(super) per_pid: usize,
+}
+
+impl Caps {
+    /// The caps under a limit of `budget` descriptors.
+    pub(super) fn for_budget(budget: usize) -> Self {
+        let served = MAX_SERVED.min(budget / 8).max(8);
+        Self {
+            served,
+            per_pid: MAX_SERVED_PER_PID.min(served / 8).max(2),
+        }
+    }
+}
+/// The most read grants one connection holds at once (a well-behaved client has at most one per
+/// slot of its table); past it, requests take NIXL.
+pub(super) const MAX_GRANTS_PER_CONN: usize = slots::SLOTS;
+/// Device ranges one connection may have queued for export (CUDA IPC handles) at once: a grant
+/// of the largest device read that fits one frame (~139,800 ranges), and more; past it, device
+/// reads take NIXL until exports end.
+pub(super) const MAX_EXPORTING_PER_CONN: usize = 1 << 18;
+/// Device ranges queued for export at once in the process, over every connection.
+pub(super) const MAX_EXPORTING: usize = 1 << 20;
+/// How long a peer with no same-host socket is not asked again.
+pub(super) const NEGATIVE_TTL: Duration = Duration::from_secs(2);
+/// Negative answers remembered.
+pub(super) const MAX_NEGATIVE: usize = 4096;

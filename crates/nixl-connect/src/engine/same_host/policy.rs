@@ -1,0 +1,207 @@
+//! The access policy: what a proven request may reach, decided from the request, the scope it
+//! names, the asking connection's load and the device paths this process has, and nothing else
+//! (sans-IO: no socket, no clock, no syscall; the caller acts on the [`Decision`]).
+//!
+//! Time does not enter it: the handshake's and frames' deadlines are the link core's
+//! (`link.rs`), and whether the operation has ended is its [`OpState`](crate::state::OpState)'s
+//! status, read here.
+
+use super::limits::{MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MAX_GRANTS_PER_CONN};
+use super::link::grant_ipc_len;
+use super::server_book::Scope;
+use super::wire::{IpcSource, RefuseCode, MAX_FRAME, NOT_LIVE};
+use crate::device::Device;
+use crate::metadata::OperationKind;
+
+/// What a proven request asks for, as the policy sees it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Asked<'a> {
+    /// A write (else a read).
+    pub(super) write: bool,
+    /// The device the request says the operation's memory is on.
+    pub(super) device: Device,
+    /// The ranges of the operation's memory it names (`(address, length)`).
+    pub(super) remote: &'a [(u64, u64)],
+    /// A write's source ranges in the writer's memory, one per remote range.
+    pub(super) local: &'a [(u64, u64)],
+    /// A write from device memory: its source's CUDA IPC exports, one per range.
+    pub(super) sources: &'a [IpcSource],
+    /// A small read that asks for its bytes in the answer.
+    pub(super) eager: bool,
+    /// A small write carrying its bytes (how many).
+    pub(super) data: usize,
+}
+
+/// The asking connection and the process's load, as the policy sees them.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Load {
+    /// Read grants the connection holds.
+    pub(super) granted: usize,
+    /// Device ranges queued for export for the connection.
+    pub(super) exporting: usize,
+    /// Device ranges queued for export in the process, over every connection.
+    pub(super) exporting_all: usize,
+    /// The kernel lets this side read the peer's memory (ptrace rules).
+    pub(super) can_pull: bool,
+}
+
+/// What is done with a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Decision {
+    /// Refused: the operation is not this peer's to use as asked (ends it on the peer's side).
+    Refuse(RefuseCode, String),
+    /// Not on this path: the peer takes NIXL.
+    Fallback(String),
+    /// A small read: answer with the readable's bytes (copied on the engine thread).
+    EagerRead,
+    /// A small write: land the bytes carried, then answer done.
+    EagerWrite,
+    /// A host read: grant the peer its ranges (it pulls).
+    Grant,
+    /// A device read: export the ranges through CUDA IPC and grant them.
+    DeviceRead,
+    /// A write from device memory: open the writer's exports and copy on this side.
+    DeviceWrite,
+    /// A write from host memory: pull it from the writer into this side's memory.
+    PullWrite,
+}
+
+fn refuse(code: RefuseCode, reason: &str) -> Decision {
+    Decision::Refuse(code, reason.into())
+}
+
+const ENDED: &str = "the operation has ended (completed, cancelled or dropped)";
+const BUSY: &str = "another writer is writing this writable now";
+
+/// Decides what `asked` may do with `scope` (the scope its key names, if any), for a connection
+/// under `load`. `device_path(src, dst)` says why this process cannot copy from `src` into `dst`
+/// memory on the same-host path, if it cannot (no CUDA, no IPC for that pair).
+///
+/// The order matters and is the policy: liveness and bounds come before any path is chosen, the
+/// caps before any export is queued, and a busy writable refuses before any copy starts.
+pub(super) fn decide(
+    scope: Option<&Scope>,
+    asked: &Asked<'_>,
+    load: &Load,
+    device_path: &dyn Fn(Device, Device) -> Option<String>,
+) -> Decision {
+    let Some(s) = scope else {
+        return refuse(RefuseCode::NotLive, NOT_LIVE);
+    };
+    let write = asked.write;
+    if (s.kind == OperationKind::Write) != write {
+        return Decision::Refuse(
+            RefuseCode::WrongDirection,
+            format!(
+                "the operation is a {}able; a {} cannot use it",
+                if s.kind == OperationKind::Write {
+                    "writ"
+                } else {
+                    "read"
+                },
+                if write { "write" } else { "read" }
+            ),
+        );
+    }
+    if asked.device != s.device {
+        return Decision::Fallback(format!(
+            "the request names memory on {}; the operation's is on {}",
+            asked.device, s.device
+        ));
+    }
+    if s.done || s.state.status().is_terminal() {
+        return refuse(RefuseCode::NotLive, ENDED);
+    }
+    if asked.remote.is_empty() || !asked.remote.iter().all(|&(a, l)| s.contains(a, l)) {
+        return refuse(
+            RefuseCode::OutOfRange,
+            "a requested range lies outside the operation's descriptors",
+        );
+    }
+    // Small host operations (the link checked the sizes, the direction and host memory).
+    if asked.data > 0 && s.writer.is_some() {
+        return refuse(RefuseCode::Busy, BUSY);
+    }
+    if asked.eager {
+        return Decision::EagerRead;
+    }
+    if asked.data > 0 {
+        return Decision::EagerWrite;
+    }
+    let device = s.device != Device::Host;
+    if write && !matches_sources(asked) {
+        return refuse(
+            RefuseCode::OutOfRange,
+            "the write's source ranges do not match its destination ranges",
+        );
+    }
+    if !write {
+        // Every read grant, host or device, counts against the connection's cap.
+        if load.granted >= MAX_GRANTS_PER_CONN {
+            return Decision::Fallback(format!(
+                "this connection holds {MAX_GRANTS_PER_CONN} same-host read grants already"
+            ));
+        }
+        if !device {
+            return Decision::Grant;
+        }
+        // A device read's grant carries one export per range: it must fit one frame.
+        if grant_ipc_len(asked.remote.len()) > MAX_FRAME {
+            return Decision::Fallback("too many ranges for one same-host device grant".into());
+        }
+        let n = asked.remote.len();
+        if load.exporting + n > MAX_EXPORTING_PER_CONN || load.exporting_all + n > MAX_EXPORTING {
+            return Decision::Fallback("too many device ranges are being shared through CUDA IPC now".into());
+        }
+        return match device_path(s.device, Device::Host) {
+            Some(refusal) => Decision::Fallback(refusal),
+            None => Decision::DeviceRead,
+        };
+    }
+    // Writes from here on.
+    if !asked.sources.is_empty() {
+        // The writer's source is device memory (its device is known to the writer only).
+        return match device_path(Device::Cuda(0), s.device) {
+            Some(refusal) => Decision::Fallback(refusal),
+            None if s.writer.is_some() => refuse(RefuseCode::Busy, BUSY),
+            None => Decision::DeviceWrite,
+        };
+    }
+    // Host memory into a device writable is pulled through pinned staging, when this side can.
+    if device {
+        if let Some(refusal) = device_path(Device::Host, s.device) {
+            return Decision::Fallback(refusal);
+        }
+    }
+    if !load.can_pull {
+        return Decision::Fallback(
+            "the kernel does not let the passive side read this process (ptrace rules)".into(),
+        );
+    }
+    if s.writer.is_some() {
+        return refuse(RefuseCode::Busy, BUSY);
+    }
+    Decision::PullWrite
+}
+
+/// A write's source ranges pair with its destination ranges: one each, of equal lengths, none
+/// wrapping the address space (and one device export per range, if any).
+fn matches_sources(asked: &Asked<'_>) -> bool {
+    let (local, remote, sources) = (asked.local, asked.remote, asked.sources);
+    local.len() == remote.len()
+        && local
+            .iter()
+            .zip(remote)
+            .all(|(l, r)| l.1 == r.1 && l.0.checked_add(l.1).is_some())
+        && (sources.is_empty()
+            || (sources.len() == remote.len() && sources.iter().zip(remote).all(|(s, r)| s.len == r.1)))
+}
+
+/// Why a request's answer is that the operation ended (an eager copy found it ended, a write
+/// could not mark it in use).
+pub(super) fn ended() -> Decision {
+    refuse(RefuseCode::NotLive, ENDED)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,219 @@
+//! The passive side's actions: the handshake as a server, and what is done with a proven request
+//! once the policy (`policy.rs`) has decided it: an answer, a grant, a copy.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use super::cma::{self, Copy, Piece, SlotRef};
+use super::device::device_path_refusal;
+use super::eager;
+use super::link::{Answer, Request};
+use super::policy::{self, Asked, Decision, Load};
+use super::records::{AnyCopy, ConnId, CopyOwner, RequestId};
+use super::server_book::Writer;
+use super::transport::SameHostTransport;
+use crate::device::Device;
+use crate::engine::transport::Event;
+
+impl SameHostTransport {
+    /// Server side: the client's `Hello` came with a sealed slot table (checked on receipt);
+    /// whether this side may pull from the client (ptrace rules) is known now.
+    pub(super) fn on_hello(&mut self, i: ConnId) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
+        c.can_pull = c.pidfd.as_deref().is_some_and(cma::may_pull);
+    }
+
+    /// Server side: a proven request, decided by the policy (`policy.rs`) and acted on here:
+    /// answered, granted, or handed to a copy.
+    pub(super) fn on_req(&mut self, i: ConnId, r: Request, out: &mut Vec<Event>) {
+        let Request {
+            slot,
+            gen,
+            write,
+            key,
+            device,
+            remote,
+            local,
+            sources,
+            eager,
+            data,
+            ..
+        } = r;
+        let Some(c) = self.conns.get(&i) else { return };
+        if !c.link.is_ready() {
+            // The connection died after the request was heard (the peer went away, or broke a
+            // rule later in the same read): no answer can reach it, so nothing is granted,
+            // copied or completed for it.
+            return;
+        }
+        let load = Load {
+            granted: c.granted,
+            exporting: c.exporting,
+            exporting_all: self.book.exporting(),
+            can_pull: c.can_pull,
+        };
+        let asked = Asked {
+            write,
+            device,
+            remote: &remote,
+            local: &local,
+            sources: &sources,
+            eager,
+            data: data.len(),
+        };
+        let refusal = |s: Device, d: Device| device_path_refusal(s, d).map(|r| r.to_string());
+        let decision = policy::decide(self.book.scope(&key), &asked, &load, &refusal);
+        let id = RequestId { conn: i, slot, gen };
+        let mut completed = None;
+        let answer = match decision {
+            Decision::Refuse(..) | Decision::Fallback(_) => Some(answer_of(decision)),
+            // Small host operations: this side copies its own memory, on this thread, holding it
+            // in use for the copy so that its owner's drop waits for it. The operation is over
+            // once the answer is sent.
+            Decision::EagerRead | Decision::EagerWrite => {
+                let s = self.book.scope_mut(&key).expect("decided on it");
+                let answer = if decision == Decision::EagerRead {
+                    eager::read_scope(s, &remote).map(Answer::Data)
+                } else {
+                    eager::write_scope(s, &remote, &data).then(|| Answer::WriteDone {
+                        ok: true,
+                        reason: String::new(),
+                    })
+                };
+                if answer.is_some() {
+                    s.done = true;
+                    completed = self.book.key(&key);
+                    answer
+                } else {
+                    Some(answer_of(policy::ended()))
+                }
+            }
+            Decision::Grant => {
+                let s = self.book.scope_mut(&key).expect("decided on it");
+                if s.grants.insert(id) {
+                    if let Some(c) = self.conns.get_mut(&i) {
+                        c.granted += 1;
+                    }
+                }
+                Some(Answer::Grant)
+            }
+            Decision::DeviceRead | Decision::DeviceWrite => self.device_req(id, write, &key, remote, sources),
+            Decision::PullWrite => self.pull_write(id, &key, &remote, &local),
+        };
+        let sent = match answer {
+            Some(a) => self
+                .conns
+                .get_mut(&i)
+                .is_some_and(|c| c.link.answer(slot, gen, a)),
+            None => false,
+        };
+        // An eager operation is complete once its answer is on its way (a read's bytes, a
+        // write's Done); should the connection have died in queueing it, the reader never gets
+        // the bytes and the writer learns nothing: the operation stays live for a retry (a
+        // write's bytes are in place, and a retry writes them again).
+        if let Some(key) = completed {
+            if sent {
+                out.push(Event::PassiveCompleted { key });
+            } else if let Some(s) = self.book.scope_mut(&key) {
+                s.done = false;
+            }
+        }
+    }
+
+    /// A write from host memory that the policy let through: marks the writable in use (its
+    /// owner may have ended it an instant ago: then not live) and pulls the writer's bytes into
+    /// it on the copy pool.
+    fn pull_write(
+        &mut self,
+        id: RequestId,
+        key: &str,
+        remote: &[(u64, u64)],
+        local: &[(u64, u64)],
+    ) -> Option<Answer> {
+        let c = self.conns.get(&id.conn).expect("decided on it");
+        let (peer_pid, peer_pidfd, table) = (c.peer_pid, c.pidfd.clone(), c.slots.clone().expect("ready"));
+        let key = self.book.key(key).expect("decided on it");
+        let s = self.book.scope_mut(&key).expect("decided on it");
+        if !s.state.try_mark_in_use() {
+            return Some(answer_of(policy::ended()));
+        }
+        let cancel = Arc::new(AtomicBool::new(false));
+        s.writer = Some(Writer {
+            id,
+            cancel: cancel.clone(),
+        });
+        let (state, dst_device) = (s.state.clone(), s.device);
+        let copy = AnyCopy::pulled_into(
+            Copy {
+                pid: peer_pid,
+                pieces: remote
+                    .iter()
+                    .zip(local)
+                    .map(|(&(dst, len), &(src, _))| Piece {
+                        local: dst as usize,
+                        remote: src as usize,
+                        len: len as usize,
+                    })
+                    .collect(),
+                slot: SlotRef {
+                    table,
+                    idx: id.slot,
+                    gen: id.gen,
+                },
+                cancel,
+            },
+            Some(dst_device),
+        );
+        let owner = CopyOwner::Write {
+            key,
+            id,
+            state,
+            pidfd: peer_pidfd,
+        };
+        self.start_copy(copy, owner);
+        None
+    }
+
+    /// A read grant of connection `i` ended.
+    pub(super) fn ungrant(&mut self, i: ConnId) {
+        if let Some(c) = self.conns.get_mut(&i) {
+            c.granted = c.granted.saturating_sub(1);
+        }
+    }
+
+    /// Server side: the reader finished copying a granted read of the operation keyed `key`.
+    pub(super) fn on_read_done(&mut self, id: RequestId, ok: bool, key: &str, out: &mut Vec<Event>) {
+        let Some(key) = self.book.key(key) else { return };
+        let s = self.book.scope_mut(&key).expect("found");
+        if !s.grants.remove(&id) {
+            return;
+        }
+        if ok {
+            // Completed: a request heard later in this turn finds it done.
+            s.done = true;
+        }
+        self.ungrant(id.conn);
+        if ok {
+            out.push(Event::PassiveCompleted { key });
+        }
+    }
+
+    /// Tells the writer copying into the writable keyed `key`, if any, to stop.
+    pub(super) fn release_writer(&mut self, key: &str) {
+        if let Some(s) = self.book.scope(key) {
+            s.cancel_writer();
+        }
+    }
+}
+
+/// The answer that carries a refusal or a fallback decided by the policy.
+fn answer_of(d: Decision) -> Answer {
+    match d {
+        Decision::Refuse(code, reason) => Answer::Refuse(code, reason),
+        Decision::Fallback(reason) => Answer::Fallback(reason),
+        other => unreachable!("{other:?} is not an answer"),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,373 @@
+//! The passive side's actions through one served connection's core (a socket pair under a
+//! poller; the policy's own rules are tested without either in `policy/tests.rs`).
+
+use super::*;
+use crate::engine::poller::Poller;
+use crate::engine::same_host::limits::{MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MAX_GRANTS_PER_CONN};
+use crate::engine::same_host::link::fuzz::{Pair, KEYS};
+use crate::engine::same_host::link::Heard;
+use crate::engine::same_host::server_book::Scope;
+use crate::engine::same_host::slots::SLOTS;
+use crate::engine::same_host::wire::{Msg, RefuseCode, MAX_FRAME};
+use crate::metadata::OperationKind;
+use crate::reg::Range;
+use crate::state::OpState;
+use crate::state::OperationStatus;
+
+/// A transport serving `p`'s (shaken) connection `i`, with one live operation of `kind` over
+/// `range` under `KEYS[1]` (its metadata's identity 1). The poller and the peer's end of the
+/// socket live as long as it.
+struct Served {
+    _poller: Poller,
+    _theirs: std::os::unix::net::UnixStream,
+    t: SameHostTransport,
+    i: ConnId,
+    key: Arc<str>,
+    state: Arc<OpState>,
+}
+
+fn served(p: &mut Pair, kind: OperationKind, range: Range) -> Served {
+    let poller = Poller::new().unwrap();
+    let (mut t, i, theirs) = SameHostTransport::serving(&poller, p);
+    let key: Arc<str> = KEYS[1].into();
+    let state = OpState::new(OperationStatus::Initialized);
+    t.book
+        .expose(key.clone(), 1, Scope::new(kind, vec![range], state.clone()));
+    Served {
+        _poller: poller,
+        _theirs: theirs,
+        t,
+        i,
+        key,
+        state,
+    }
+}
+
+impl Served {
+    /// Feeds `bytes` to the connection's core and acts on what it heard, as one turn would.
+    fn hear(&mut self, p: &Pair, bytes: &[u8], out: &mut Vec<Event>) {
+        let mut heard = Vec::new();
+        let c = self.t.conns.get_mut(&self.i).unwrap();
+        c.link.recv(bytes, 0, p.now, self.t.book.key_ids(), &mut heard);
+        for h in heard {
+            self.t.handle(self.i, h, out);
+        }
+    }
+
+    /// The messages queued to the peer since the last call (taken as sent).
+    fn answers(&mut self) -> Vec<Msg> {
+        let c = self.t.conns.get_mut(&self.i).unwrap();
+        let bytes = c.link.out().to_vec();
+        c.link.sent(bytes.len());
+        let mut at = 0;
+        let mut msgs = Vec::new();
+        while let Some((f, n)) = Msg::decode(&bytes[at..], MAX_FRAME).expect("well-formed") {
+            msgs.push(f.msg);
+            at += n;
+        }
+        msgs
+    }
+}
+
+fn host_range(mem: &mut [u8]) -> Range {
+    Range {
+        addr: mem.as_mut_ptr() as usize,
+        len: mem.len(),
+        device: Device::Host,
+    }
+}
+
+fn kind(write: bool) -> OperationKind {
+    if write {
+        OperationKind::Write
+    } else {
+        OperationKind::Read
+    }
+}
+
+/// The owner's side of small operations: an eager read's answer carries the readable's bytes
+/// and completes it once (a second request in the same turn finds it done); an eager write
+/// lands its bytes and completes the writable; and a request heard on a connection that died
+/// later in the same read (here: a frame out of order right behind it) is neither answered,
+/// copied nor completed (found by review: it used to complete the readable with no byte sent).
+#[test]
+fn server_eager_operations_complete_once_and_only_when_answered() {
+    for case in ["read", "write", "dead"] {
+        let mut p = Pair::new(0);
+        p.shake();
+        let mut mem = vec![7u8; 4096];
+        let range = host_range(&mut mem);
+        let write = case == "write";
+        let mut sv = served(&mut p, kind(write), range);
+        let req = |slot: u32| {
+            let mut m = Pair::eager_req(slot, 1, 1, write, 4096);
+            if let Msg::Req { remote, data, .. } = &mut m {
+                remote[0].0 = range.addr as u64;
+                if write {
+                    *data = vec![9; 4096];
+                }
+            }
+            p.forge(&m, Some(1), true)
+        };
+        let mut bytes = req(0);
+        if case == "dead" {
+            bytes.extend(p.forge(&Msg::Grant { slot: 5, gen: 5 }, Some(1), true));
+        } else {
+            bytes.extend(req(1));
+        }
+        let mut out = Vec::new();
+        sv.hear(&p, &bytes, &mut out);
+        let completed = out
+            .iter()
+            .filter(|e| matches!(e, Event::PassiveCompleted { .. }))
+            .count();
+        let msgs = sv.answers();
+        let done = sv.t.book.scope(&sv.key).unwrap().done;
+        match case {
+            "dead" => {
+                assert_eq!(completed, 0, "nothing completed on a dead connection");
+                assert!(msgs.is_empty(), "{msgs:?}");
+                assert!(!done);
+            }
+            _ => {
+                assert_eq!(completed, 1, "{case}: completed once");
+                assert!(done);
+                match &msgs[..] {
+                    [first, Msg::Refuse {
+                        code: RefuseCode::NotLive,
+                        ..
+                    }] => match (write, first) {
+                        (false, Msg::Data { data, .. }) => assert_eq!(data, &vec![7u8; 4096]),
+                        (true, Msg::Done { ok: true, .. }) => assert_eq!(mem, vec![9u8; 4096]),
+                        other => panic!("{other:?}"),
+                    },
+                    other => panic!("{case}: {other:?}"),
+                }
+            }
+        }
+    }
+}
+
+/// The grant path's completions end the operation for the rest of the engine's turn: a request
+/// heard after a reader's `Done` in the same read, or after a writer's copy ended (whole or
+/// torn), is refused as not live. Before, the engine (which applies the completion only after
+/// the turn) granted the second read, and let the second write start a copy into (or take
+/// NIXL to) the memory of a writable that had just completed. A write that never began
+/// leaves the writable live.
+#[test]
+fn server_grant_path_completions_end_the_operation_within_the_turn() {
+    for case in ["read", "written", "torn", "write not started"] {
+        let write = case != "read";
+        let mut p = Pair::new(0);
+        p.shake();
+        let mut mem = vec![7u8; 4096];
+        let range = host_range(&mut mem);
+        let mut sv = served(&mut p, kind(write), range);
+        // The kernel lets this side pull (so a request that passed the liveness checks would
+        // start a copy), except where the test needs an answer from a request that does.
+        sv.t.conns.get_mut(&sv.i).unwrap().can_pull = case != "write not started";
+        let req = |p: &Pair, slot: u32| {
+            let mut m = Pair::req(slot, 1, 1, write, Device::Host, 1);
+            if let Msg::Req { remote, .. } = &mut m {
+                remote[0].0 = range.addr as u64;
+            }
+            p.forge(&m, Some(1), true)
+        };
+        let mut out = Vec::new();
+        let mut bytes = Vec::new();
+        if write {
+            // A writer's copy into the writable (slot 0) has just ended on the pool: all of
+            // it, torn by the writer's exit, or never begun (the writer cancelled first).
+            assert!(sv.state.try_mark_in_use());
+            let (i, key) = (sv.i, sv.key.clone());
+            let id = RequestId {
+                conn: i,
+                slot: 0,
+                gen: 1,
+            };
+            sv.t.book.scope_mut(&key).unwrap().writer = Some(Writer {
+                id,
+                cancel: Arc::new(AtomicBool::new(false)),
+            });
+            let result = match case {
+                "written" => Ok(()),
+                "torn" => Err(cma::CopyError::PeerGone),
+                _ => Err(cma::CopyError::NotStarted),
+            };
+            sv.t.finished.push((
+                CopyOwner::Write {
+                    key,
+                    id,
+                    state: sv.state.clone(),
+                    pidfd: None,
+                },
+                result,
+            ));
+            sv.t.reap(&mut out);
+        } else {
+            // A reader was granted slot 0; its `Done` arrives in the same read as another
+            // reader's request.
+            sv.hear(&p, &req(&p, 0), &mut out);
+            sv.answers();
+            bytes.extend(p.forge(
+                &Msg::Done {
+                    slot: 0,
+                    gen: 1,
+                    ok: true,
+                    reason: String::new(),
+                },
+                Some(1),
+                true,
+            ));
+        }
+        bytes.extend(req(&p, 1));
+        sv.hear(&p, &bytes, &mut out);
+        let count = |f: fn(&Event) -> bool| out.iter().filter(|e| f(e)).count();
+        let completed = count(|e| matches!(e, Event::PassiveCompleted { .. }));
+        let failed = count(|e| matches!(e, Event::PassiveFailed { .. }));
+        let scope = sv.t.book.scope(&sv.key).unwrap();
+        assert!(scope.writer.is_none(), "{case}");
+        let done = scope.done;
+        let msgs = sv.answers();
+        let last = msgs.last();
+        if case == "write not started" {
+            // Nothing was touched: the writable goes on, and the next writer is served (here
+            // the kernel's rules send it to NIXL).
+            assert_eq!((completed, failed), (0, 0), "{case}");
+            assert!(!done, "{case}");
+            assert!(
+                matches!(last, Some(Msg::Fallback { slot: 1, .. })),
+                "{case}: {msgs:?}"
+            );
+            continue;
+        }
+        let torn = case == "torn";
+        assert_eq!(
+            (completed, failed),
+            (usize::from(!torn), usize::from(torn)),
+            "{case}"
+        );
+        assert!(done, "{case}");
+        assert!(
+            matches!(
+                last,
+                Some(Msg::Refuse {
+                    slot: 1,
+                    code: RefuseCode::NotLive,
+                    ..
+                })
+            ),
+            "{case}: {msgs:?}"
+        );
+    }
+}
+
+/// A same-user client that asks for more reads than it has slots (reusing slot numbers under
+/// new generations, never saying it is done) gets `MAX_GRANTS_PER_CONN` grants, then
+/// `Fallback` (the operation goes to NIXL) instead of growing the server's grant set; an
+/// ended grant makes room again. Without the cap: 4,106 grants for 4,106 requests. Device
+/// reads count against the same cap (before: the device branch ran before the check), and
+/// against the bounds on ranges queued for export.
+#[test]
+fn server_read_grants_per_connection_are_capped() {
+    for device in [Device::Host, Device::Cuda(0)] {
+        let mut p = Pair::new(0);
+        p.shake();
+        let mem = vec![7u8; 4096];
+        let range = Range {
+            addr: mem.as_ptr() as usize,
+            len: mem.len(),
+            device,
+        };
+        let mut sv = served(&mut p, OperationKind::Read, range);
+        let i = sv.i;
+        let mut out = Vec::new();
+        let ask = |sv: &mut Served, p: &Pair, n: u64, out: &mut Vec<Event>| {
+            let slot = (n % SLOTS as u64) as u32;
+            let mut m = Pair::req(slot, n, 1, false, device, 1);
+            if let Msg::Req { remote, .. } = &mut m {
+                remote[0] = (range.addr as u64, 4096);
+            }
+            sv.hear(p, &p.forge(&m, Some(1), true), out);
+        };
+        let fallback = |sv: &mut Served| {
+            let msgs = sv.answers();
+            let [Msg::Fallback { reason, .. }] = &msgs[..] else {
+                panic!("{msgs:?}")
+            };
+            reason.clone()
+        };
+        if device != Device::Host {
+            // A connection that holds the cap in grants asks for a device read: the cap is
+            // checked before the device path is even considered.
+            sv.t.conns.get_mut(&i).unwrap().granted = MAX_GRANTS_PER_CONN;
+            ask(&mut sv, &p, 1, &mut out);
+            let reason = fallback(&mut sv);
+            assert!(reason.contains("grants already"), "{reason}");
+            // Exports queued at either bound (the connection's, the process's): the device
+            // read takes NIXL instead of queueing more (before: one export per range of
+            // every grant, on an unbounded queue).
+            for (conn_full, all_full) in [(true, false), (false, true)] {
+                let c = sv.t.conns.get_mut(&i).unwrap();
+                c.granted = 0;
+                c.exporting = if conn_full { MAX_EXPORTING_PER_CONN } else { 0 };
+                let all = sv.t.book.exporting();
+                sv.t.book.exports_ended(all);
+                sv.t.book.exports_queued(if all_full { MAX_EXPORTING } else { 0 });
+                ask(&mut sv, &p, 2 + u64::from(all_full), &mut out);
+                let reason = fallback(&mut sv);
+                assert!(reason.contains("being shared"), "{reason}");
+            }
+            continue;
+        }
+        for n in 0..(MAX_GRANTS_PER_CONN + 10) as u64 {
+            ask(&mut sv, &p, n, &mut out);
+        }
+        let msgs = sv.answers();
+        let grants = msgs.iter().filter(|m| matches!(m, Msg::Grant { .. })).count();
+        let fallbacks = msgs.iter().filter(|m| matches!(m, Msg::Fallback { .. })).count();
+        assert_eq!(grants, MAX_GRANTS_PER_CONN, "{} answers", msgs.len());
+        assert_eq!(fallbacks, 10);
+        assert_eq!(
+            sv.t.book.scope(&sv.key).unwrap().grants.len(),
+            MAX_GRANTS_PER_CONN
+        );
+        assert_eq!(sv.t.conns[&i].granted, MAX_GRANTS_PER_CONN);
+
+        // One read ends (its copy failed, so the readable stays live): the next request is
+        // granted.
+        let key = sv.key.clone();
+        sv.t.on_read_done(
+            RequestId {
+                conn: i,
+                slot: 0,
+                gen: 0,
+            },
+            false,
+            &key,
+            &mut out,
+        );
+        assert_eq!(sv.t.conns[&i].granted, MAX_GRANTS_PER_CONN - 1);
+        // Its Done also closes the core's request, which makes room there too.
+        sv.t.conns.get_mut(&i).unwrap().link.recv(
+            &p.forge(
+                &Msg::Done {
+                    slot: 0,
+                    gen: 0,
+                    ok: false,
+                    reason: String::new(),
+                },
+                Some(1),
+                true,
+            ),
+            0,
+            p.now,
+            &sv.t.book.key_ids().clone(),
+            &mut Vec::<Heard>::new(),
+        );
+        ask(&mut sv, &p, u64::MAX, &mut out);
+        let msgs = sv.answers();
+        assert!(matches!(msgs.last(), Some(Msg::Grant { .. })), "{msgs:?}");
+        drop(mem);
+    }
+}

@@ -1,0 +1,165 @@
+//! The server book: what this connector serves on the same-host path. Its passive operations'
+//! scopes by key ([`Scope`]), the key ids requests name them by, the identities of its exposers'
+//! metadata, and how many device ranges are queued for export now. It owns these maps; the
+//! transport reaches them only through its methods, and the policy (`policy.rs`) only reads a
+//! [`Scope`].
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::auth::{self, KeyId};
+use super::records::RequestId;
+use crate::device::Device;
+use crate::metadata::OperationKind;
+use crate::reg::Range;
+use crate::state::OpState;
+
+/// The writer copying into a writable now.
+#[derive(Debug, Clone)]
+pub(super) struct Writer {
+    /// Its request.
+    pub(super) id: RequestId,
+    /// Set to stop its copy (the owner unexposed, the connector stops).
+    pub(super) cancel: Arc<AtomicBool>,
+}
+
+/// A passive operation's scope on the serving side.
+pub(super) struct Scope {
+    pub(super) kind: OperationKind,
+    pub(super) device: Device,
+    /// The operation's descriptors, sorted by address.
+    pub(super) ranges: Vec<Range>,
+    pub(super) state: Arc<OpState>,
+    /// Read grants given.
+    pub(super) grants: HashSet<RequestId>,
+    /// The writer copying into it now.
+    pub(super) writer: Option<Writer>,
+    /// An operation completed (or tore) it this turn: an eager answer, a reader's `ReadDone`, the
+    /// end of a writer's copy. The engine applies the completion after the turn; requests heard
+    /// before then are refused as if it had ended.
+    pub(super) done: bool,
+}
+
+impl Scope {
+    /// The scope of a passive operation of `kind` over `ranges` (all on one device).
+    pub(super) fn new(kind: OperationKind, mut ranges: Vec<Range>, state: Arc<OpState>) -> Self {
+        ranges.sort_by_key(|r| r.addr);
+        Self {
+            kind,
+            device: ranges.first().map_or(Device::Host, |r| r.device),
+            ranges,
+            state,
+            grants: HashSet::new(),
+            writer: None,
+            done: false,
+        }
+    }
+
+    /// True when `[addr, addr+len)` lies inside one descriptor.
+    pub(super) fn contains(&self, addr: u64, len: u64) -> bool {
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        let i = self.ranges.partition_point(|r| r.addr as u64 <= addr);
+        self.ranges[..i]
+            .iter()
+            .rev()
+            .take(16)
+            .any(|r| (r.addr + r.len) as u64 >= end)
+    }
+
+    /// True when `id` is the writer copying into it now.
+    pub(super) fn is_writer(&self, id: RequestId) -> bool {
+        self.writer.as_ref().is_some_and(|w| w.id == id)
+    }
+
+    /// Tells its writer, if any, to stop copying.
+    pub(super) fn cancel_writer(&self) {
+        if let Some(w) = &self.writer {
+            w.cancel.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// What this connector serves: scopes, key ids, identities, exports queued.
+#[derive(Default)]
+pub(super) struct ServerBook {
+    scopes: HashMap<Arc<str>, Scope>,
+    /// The key of each live scope by its key id (the name requests use on the wire).
+    key_ids: HashMap<KeyId, Arc<str>>,
+    /// Fingerprints of this connector's exposers' connection metadata.
+    identities: HashSet<u64>,
+    /// Device ranges queued for export now (at most
+    /// [`MAX_EXPORTING`](super::transport::MAX_EXPORTING)).
+    exporting: usize,
+}
+
+impl ServerBook {
+    /// Serves `scope` under `key`, for metadata of the exposer identified by `identity`.
+    pub(super) fn expose(&mut self, key: Arc<str>, identity: u64, scope: Scope) {
+        self.identities.insert(identity);
+        self.key_ids.insert(auth::key_id(&key), key.clone());
+        self.scopes.insert(key, scope);
+    }
+
+    /// Stops serving `key`; its scope, if it was served.
+    pub(super) fn unexpose(&mut self, key: &str) -> Option<Scope> {
+        let s = self.scopes.remove(key)?;
+        self.key_ids.remove(&auth::key_id(key));
+        Some(s)
+    }
+
+    /// The keys of live scopes by key id (what a connection's core resolves requests with).
+    pub(super) fn key_ids(&self) -> &HashMap<KeyId, Arc<str>> {
+        &self.key_ids
+    }
+
+    /// True when `identity` is one of this connector's exposers' (a request naming another is
+    /// for an agent of the same name elsewhere).
+    pub(super) fn knows(&self, identity: u64) -> bool {
+        self.identities.contains(&identity)
+    }
+
+    /// The scope served under `key`.
+    pub(super) fn scope(&self, key: &str) -> Option<&Scope> {
+        self.scopes.get(key)
+    }
+
+    /// The scope served under `key`, to change.
+    pub(super) fn scope_mut(&mut self, key: &str) -> Option<&mut Scope> {
+        self.scopes.get_mut(key)
+    }
+
+    /// The book's own copy of `key` (shared with the events that name it).
+    pub(super) fn key(&self, key: &str) -> Option<Arc<str>> {
+        self.scopes.get_key_value(key).map(|(k, _)| k.clone())
+    }
+
+    /// Every scope served, to change.
+    pub(super) fn scopes_mut(&mut self) -> impl Iterator<Item = &mut Scope> {
+        self.scopes.values_mut()
+    }
+
+    /// Every scope served.
+    pub(super) fn scopes(&self) -> impl Iterator<Item = &Scope> {
+        self.scopes.values()
+    }
+
+    /// Device ranges queued for export now, over every connection.
+    pub(super) fn exporting(&self) -> usize {
+        self.exporting
+    }
+
+    /// `n` more device ranges are queued for export.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn exports_queued(&mut self, n: usize) {
+        self.exporting += n;
+    }
+
+    /// `n` device ranges' exports ended.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn exports_ended(&mut self, n: usize) {
+        self.exporting = self.exporting.saturating_sub(n);
+    }
+}
