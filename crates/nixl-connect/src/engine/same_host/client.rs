@@ -2,19 +2,20 @@
 //! the operations' phases.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use super::auth;
-use super::cma::{self, Copy, Piece, SlotRef};
 use super::eager;
-#[cfg(feature = "cuda")]
-use super::ipc;
 use super::link::grant_ipc_len;
 #[cfg(feature = "cuda")]
 use super::records::ExportDone;
 use super::records::{Act, AnyCopy, ConnId, CopyOwner, Phase};
-use super::slots::SlotTable;
+use super::sys;
+use super::sys::cma::{self, Copy, Piece, SlotRef};
+#[cfg(feature = "cuda")]
+use super::sys::ipc;
+use super::sys::slots::SlotTable;
 use super::transport::SameHostTransport;
 use super::violation::Violation;
 use super::wire::{IpcSource, Msg, EAGER_MAX, MAX_FRAME};
@@ -29,42 +30,18 @@ const EAGER_OPEN: usize = 4;
 
 impl SameHostTransport {
     /// Sends the core's `Hello` with the slot table's descriptor attached.
-    #[allow(unsafe_code)]
     pub(super) fn send_hello(&mut self, i: ConnId) -> io::Result<()> {
         let c = self.conns.get_mut(&i).expect("live connection");
         let table = Arc::new(SlotTable::create()?);
         // Nothing about this process but the key's hash and a nonce: the server proves it holds
         // the key before anything else is sent.
         let buf = c.link.out();
-        let fd = table.fd().as_raw_fd();
-        let mut iov = libc::iovec {
-            iov_base: buf.as_ptr() as *mut libc::c_void,
-            iov_len: buf.len(),
-        };
-        // SAFETY: CMSG_SPACE is a pure size computation.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-        let mut cbuf = vec![0u64; space.div_ceil(8)];
-        // SAFETY: msghdr is plain old data; the pointers set below outlive the sendmsg call (the
-        // kernel only reads through iov_base), and the control buffer is large enough for one
-        // SCM_RIGHTS descriptor (CMSG_SPACE).
-        let n = unsafe {
-            let mut msg: libc::msghdr = std::mem::zeroed();
-            msg.msg_iov = &mut iov;
-            msg.msg_iovlen = 1;
-            msg.msg_control = cbuf.as_mut_ptr().cast();
-            msg.msg_controllen = space as _;
-            let cm = libc::CMSG_FIRSTHDR(&msg);
-            (*cm).cmsg_level = libc::SOL_SOCKET;
-            (*cm).cmsg_type = libc::SCM_RIGHTS;
-            (*cm).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<RawFd>(), fd);
-            libc::sendmsg(c.fd.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
-        };
-        if n != buf.len() as isize {
+        let n = sys::send_with_fd(c.fd.as_raw_fd(), buf, table.fd().as_raw_fd())?;
+        if n != buf.len() {
             // A fresh connection's buffer always takes a few dozen bytes; anything else is broken.
             return Err(io::Error::other("the hello did not fit the socket"));
         }
-        c.link.sent(n as usize);
+        c.link.sent(n);
         c.slots = Some(table);
         Ok(())
     }

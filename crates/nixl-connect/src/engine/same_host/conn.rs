@@ -9,15 +9,15 @@ use std::time::Instant;
 
 use super::auth;
 use super::identity;
-#[cfg(feature = "cuda")]
-use super::ipc;
 use super::limits::{ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID, MAX_NEGATIVE, NEGATIVE_TTL};
 use super::link::{Heard, Link};
 use super::records::{Conn, ConnId, Phase};
-use super::slots::SlotTable;
+#[cfg(feature = "cuda")]
+use super::sys::ipc;
+use super::sys::slots::SlotTable;
 use super::sys::{
-    accept, close_elsewhere, close_refused, peer_cred, pidfd, recv_with_fds, refuse_passed_descriptors,
-    self_pid, set_timer, sockaddr, socket_name, unix_socket, Control, Tracked,
+    accept, clear_timer, close_elsewhere, close_refused, connect, peer_cred, pidfd, recv_with_fds,
+    refuse_passed_descriptors, self_pid, send, set_timer, socket_name, unix_socket, Control, Tracked,
 };
 use super::transport::{SameHostTransport, LISTENER};
 use super::violation::Violation;
@@ -58,12 +58,7 @@ impl SameHostTransport {
     /// timer is armed for the next one.
     pub(super) fn on_deadlines(&mut self, out: &mut Vec<Event>) {
         if let Some(t) = &self.deadline_timer {
-            let mut n = 0u64;
-            // SAFETY: reads the 8-byte expiry count of our non-blocking timerfd into `n`.
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::read(t.as_raw_fd(), (&mut n as *mut u64).cast(), 8)
-            };
+            clear_timer(t);
         }
         self.deadline_armed = None;
         let now = Instant::now();
@@ -82,25 +77,14 @@ impl SameHostTransport {
 
     /// Sends what connection `i`'s core has queued; watches for writability if the socket is
     /// full.
-    #[allow(unsafe_code)]
     pub(super) fn flush(&mut self, i: ConnId) {
         let Some(c) = self.conns.get_mut(&i) else { return };
         while !c.link.out().is_empty() {
-            let buf = c.link.out();
-            // SAFETY: sends bytes from a live buffer on our socket; MSG_NOSIGNAL turns a closed
-            // peer into EPIPE instead of SIGPIPE.
-            let n = unsafe {
-                libc::send(
-                    c.fd.as_raw_fd(),
-                    buf.as_ptr().cast(),
-                    buf.len(),
-                    libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-                )
-            };
-            if n > 0 {
-                c.link.sent(n as usize);
+            let sent = send(c.fd.as_raw_fd(), c.link.out());
+            if let Ok(n @ 1..) = sent {
+                c.link.sent(n);
             } else {
-                let e = io::Error::last_os_error();
+                let e = sent.err().unwrap_or_else(|| io::ErrorKind::WriteZero.into());
                 if e.kind() != io::ErrorKind::WouldBlock {
                     c.link.hang_up(Violation::SocketFailed);
                     c.link.sent(usize::MAX);
@@ -257,7 +241,6 @@ impl SameHostTransport {
     /// Stops watching the listener for [`ACCEPT_BACKOFF`] (the pending connection stays in the
     /// backlog): an `accept` that fails for want of descriptors would otherwise wake the engine
     /// again at once, for as long as the shortage lasts.
-    #[allow(unsafe_code)]
     pub(super) fn pause_accepting(&mut self, e: &io::Error) {
         let (Some(l), Some(t)) = (&self.listener, &self.accept_timer) else {
             return;
@@ -268,12 +251,9 @@ impl SameHostTransport {
     }
 
     /// The back-off timer fired: watch the listener again and take what waits.
-    #[allow(unsafe_code)]
     pub(super) fn resume_accepting(&mut self) {
         if let Some(t) = &self.accept_timer {
-            let mut n = 0u64;
-            // SAFETY: reads the 8-byte expiry count of our non-blocking timerfd into `n`.
-            unsafe { libc::read(t.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+            clear_timer(t);
         }
         if let Some(l) = &self.listener {
             let _ = self.reg.add(l.as_raw_fd(), LISTENER, true, false);
@@ -319,7 +299,6 @@ impl SameHostTransport {
         r
     }
 
-    #[allow(unsafe_code)]
     pub(super) fn try_connect(
         &mut self,
         peer: &Arc<str>,
@@ -330,11 +309,7 @@ impl SameHostTransport {
         // The server never passes descriptors; the kernel refuses any it tries (where it can).
         refuse_passed_descriptors(fd.as_raw_fd());
         let fd = Tracked::new(fd);
-        let (a, len) = sockaddr(&socket_name(peer));
-        // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
-        let r = unsafe { libc::connect(fd.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) };
-        if r != 0 {
-            let e = io::Error::last_os_error();
+        if let Err(e) = connect(fd.as_raw_fd(), &socket_name(peer)) {
             return Err(Decline::because("no same-host socket for this peer", e));
         }
         let (pid, peer_uid) = peer_cred(fd.as_raw_fd())

@@ -5,14 +5,14 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::cma::{self, CopyError};
-#[cfg(feature = "cuda")]
-use super::ipc;
 use super::link::Answer;
 use super::records::{refused, AnyCopy, CopyOwner};
-#[cfg(feature = "cuda")]
-use super::staged;
 use super::sys::alive;
+use super::sys::cma::{self, CopyError};
+#[cfg(feature = "cuda")]
+use super::sys::ipc;
+#[cfg(feature = "cuda")]
+use super::sys::staged;
 use super::transport::SameHostTransport;
 use super::wire::RefuseCode;
 use crate::engine::transport::{Decline, Event};

@@ -5,16 +5,16 @@ use std::sync::atomic::AtomicBool;
 #[cfg(feature = "cuda")]
 use std::sync::Arc;
 
-#[cfg(feature = "cuda")]
-use super::cma::SlotRef;
-#[cfg(feature = "cuda")]
-use super::ipc;
 use super::link::Answer;
 #[cfg(feature = "cuda")]
 use super::records::{AnyCopy, CopyOwner};
 use super::records::{ExportDone, Phase, RequestId};
 #[cfg(feature = "cuda")]
 use super::server_book::Writer;
+#[cfg(feature = "cuda")]
+use super::sys::cma::SlotRef;
+#[cfg(feature = "cuda")]
+use super::sys::ipc;
 use super::transport::SameHostTransport;
 use super::wire::{IpcSource, RefuseCode};
 use crate::device::Device;

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use super::slots;
+/// Slots per connection (operations in flight on one connection at once): the slot table's
+/// size.
+pub(crate) const SLOTS: usize = 4096;
 
 /// How long the listener rests after `accept` ran out of descriptors or memory.
 pub(super) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -40,7 +42,7 @@ impl Caps {
 }
 /// The most read grants one connection holds at once (a well-behaved client has at most one per
 /// slot of its table); past it, requests take NIXL.
-pub(super) const MAX_GRANTS_PER_CONN: usize = slots::SLOTS;
+pub(super) const MAX_GRANTS_PER_CONN: usize = SLOTS;
 /// Device ranges one connection may have queued for export (CUDA IPC handles) at once: a grant
 /// of the largest device read that fits one frame (~139,800 ranges), and more; past it, device
 /// reads take NIXL until exports end.

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use super::auth::{self, KeyId, Keyed, Nonce, Side, Tag};
 use super::identity::{self, Fingerprint, Identity};
-use super::slots::SLOTS;
+use super::limits::SLOTS;
 use super::violation::Violation;
 use super::wire::{
     IpcSource, Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FRAME, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,

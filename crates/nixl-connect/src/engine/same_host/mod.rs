@@ -20,30 +20,44 @@
 //! or no CUDA where device memory is involved: the operation goes to NIXL instead
 //! ([`Event::Declined`](crate::engine::transport::Event::Declined)).
 
+#[forbid(unsafe_code)]
 mod auth;
+#[forbid(unsafe_code)]
 mod client;
-pub(crate) mod cma;
+#[forbid(unsafe_code)]
 mod conn;
+#[forbid(unsafe_code)]
 mod copies;
+#[forbid(unsafe_code)]
 mod device;
+#[forbid(unsafe_code)]
 mod dispatch;
+#[forbid(unsafe_code)]
 mod eager;
+#[forbid(unsafe_code)]
 mod identity;
-#[cfg(feature = "cuda")]
-pub(crate) mod ipc;
+#[forbid(unsafe_code)]
 mod limits;
+#[forbid(unsafe_code)]
 pub(crate) mod link;
+#[forbid(unsafe_code)]
 mod policy;
+#[forbid(unsafe_code)]
 mod records;
+#[forbid(unsafe_code)]
 mod seam;
+#[forbid(unsafe_code)]
 mod server;
+#[forbid(unsafe_code)]
 mod server_book;
-pub(crate) mod slots;
-#[cfg(feature = "cuda")]
-mod staged;
+// The metal floor: the only module of the wing with `unsafe` (each block with its `SAFETY:` line).
+#[allow(unsafe_code)]
 mod sys;
+#[forbid(unsafe_code)]
 mod transport;
+#[forbid(unsafe_code)]
 pub(crate) mod violation;
+#[forbid(unsafe_code)]
 pub(crate) mod wire;
 
 pub(crate) use self::device::device_path_refusal;

@@ -7,11 +7,11 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::cma::{Copy, CopyError};
-#[cfg(feature = "cuda")]
-use super::ipc;
 use super::link::Link;
-use super::slots::{SlotTable, SLOTS};
+use super::sys::cma::{Copy, CopyError};
+#[cfg(feature = "cuda")]
+use super::sys::ipc;
+use super::sys::slots::{SlotTable, SLOTS};
 use super::sys::Tracked;
 use super::wire::{IpcSource, RefuseCode};
 use crate::device::Device;

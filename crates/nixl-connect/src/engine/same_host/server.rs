@@ -4,13 +4,13 @@
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use super::cma::{self, Copy, Piece, SlotRef};
 use super::device::device_path_refusal;
 use super::eager;
 use super::link::{Answer, Request};
 use super::policy::{self, Asked, Decision, Load};
 use super::records::{AnyCopy, ConnId, CopyOwner, RequestId};
 use super::server_book::Writer;
+use super::sys::cma::{self, Copy, Piece, SlotRef};
 use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::transport::Event;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use super::auth::{self, KeyId};
 use super::records::RequestId;
+use super::sys::mem;
 use crate::device::Device;
 use crate::metadata::OperationKind;
 use crate::reg::Range;
@@ -58,15 +59,7 @@ impl Scope {
 
     /// True when `[addr, addr+len)` lies inside one descriptor.
     pub(super) fn contains(&self, addr: u64, len: u64) -> bool {
-        let Some(end) = addr.checked_add(len) else {
-            return false;
-        };
-        let i = self.ranges.partition_point(|r| r.addr as u64 <= addr);
-        self.ranges[..i]
-            .iter()
-            .rev()
-            .take(16)
-            .any(|r| (r.addr + r.len) as u64 >= end)
+        mem::inside(&self.ranges, addr, len)
     }
 
     /// True when `id` is the writer copying into it now.

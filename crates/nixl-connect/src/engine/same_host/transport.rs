@@ -8,11 +8,11 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::cma;
 use super::identity::Identity;
 use super::limits::Caps;
 use super::records::{Act, Conn, ConnId, Exports, Finished, Outstanding};
 use super::server_book::ServerBook;
+use super::sys::cma;
 use super::sys::{descriptor_budget, raise_descriptor_limit, timerfd, uid, Tracked};
 use crate::engine::poller::{Registrar, Waker, MAX_TOKEN};
 use crate::engine::transport::OpId;

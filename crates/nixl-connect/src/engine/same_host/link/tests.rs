@@ -388,7 +388,7 @@ fn link_fuzz_programs_hold_their_invariants() {
 }
 
 /// The protocol core (this connection core, the frame codec, the MACs, the identity) names nothing of the edge:
-/// only its own parts, the slot count and the device type. A `use` of the transport's state, its
+/// only its own parts, the slot count (a limit) and the device type. A `use` of the transport's state, its
 /// jobs or the copy pool here would let a call circle run through the core.
 #[test]
 fn link_core_imports_nothing_of_the_edge() {
@@ -404,7 +404,7 @@ fn link_core_imports_nothing_of_the_edge() {
         "super::identity",
         "super::violation",
         "super::wire",
-        "super::slots::SLOTS",
+        "super::limits::SLOTS",
         "crate::device::Device",
         "super::*",
     ];

@@ -5,7 +5,6 @@
 //! chooses the addresses, and a page it stalls would stall the thread); large ones are split in
 //! pieces of at least [`MIN_PIECE`] bytes across one thread per core (at most [`MAX_THREADS`]).
 //! Each system call moves at most [`CHUNK`] bytes, so a cancelled copy stops within a chunk.
-#![allow(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
 use std::io;

@@ -11,7 +11,6 @@
 //! overlaps the DMA of the one before. Pinned memory is bounded per process ([`MAX_STAGING`]): a
 //! lane that finds none left does not start, and a copy none of whose lanes can start takes NIXL.
 //! Every stream is synchronised before the copy counts as done.
-#![allow(unsafe_code)]
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -20,7 +20,6 @@
 //!
 //! All CUDA calls of this path run on one thread per process, `nixl-connect-cuda`, so the engine
 //! thread never blocks on the device.
-#![allow(unsafe_code)]
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -32,7 +31,7 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::cma::{CopyError, SlotRef};
 use super::slots::{ARMED, COPYING, DONE};
-use super::wire::IpcSource;
+use crate::engine::same_host::wire::IpcSource;
 use crate::error::ErrorSource;
 use crate::sync::Recover;
 

@@ -13,14 +13,12 @@
 //! generation each time, so a late revocation of an old grant never touches a new one. The table
 //! lives in a sealed memfd (it cannot shrink under the other process), created by the connecting
 //! side and passed over the socket.
-#![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Slots per connection (operations in flight on one connection at once).
-pub(crate) const SLOTS: usize = 4096;
+pub(crate) use crate::engine::same_host::limits::SLOTS;
 
 pub(crate) const FREE: u64 = 0;
 pub(crate) const ARMED: u64 = 1;

@@ -1,11 +1,94 @@
-//! The operating system under the same-host path: abstract Unix sockets, peer credentials,
-//! pidfds, and the poisoned-lock helper.
+//! The metal floor of the same-host wing: every syscall and every `unsafe` block of the wing
+//! lives in this folder (the modules above it are compiled with `forbid(unsafe_code)`).
+//!
+//! - this file: abstract Unix sockets, descriptors passed over them, peer credentials, pidfds,
+//!   timers, the descriptor limit, and the closer threads;
+//! - [`mem`]: raw copies between this process's memory and byte vectors (small operations);
+//! - [`slots`]: the slot table, a sealed memfd both processes map;
+//! - [`cma`]: copies with `process_vm_readv`, the copy pool;
+//! - `ipc` and `staged` (feature `cuda`): CUDA IPC exports and copies, pinned staging.
+
+pub(crate) mod cma;
+#[cfg(feature = "cuda")]
+pub(crate) mod ipc;
+pub(super) mod mem;
+pub(crate) mod slots;
+#[cfg(feature = "cuda")]
+pub(super) mod staged;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use crate::sync::fnv1a;
+
+/// Sends `buf` on the socket `fd` with the descriptor `pass` attached (`SCM_RIGHTS`), without
+/// blocking and without `SIGPIPE`: the bytes sent.
+pub(super) fn send_with_fd(fd: RawFd, buf: &[u8], pass: RawFd) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u64; space.div_ceil(8)];
+    // SAFETY: msghdr is plain old data; the pointers set below outlive the sendmsg call (the
+    // kernel only reads through iov_base), and the control buffer is large enough for one
+    // SCM_RIGHTS descriptor (CMSG_SPACE).
+    let n = unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let cm = libc::CMSG_FIRSTHDR(&msg);
+        (*cm).cmsg_level = libc::SOL_SOCKET;
+        (*cm).cmsg_type = libc::SCM_RIGHTS;
+        (*cm).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<RawFd>(), pass);
+        libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Sends `buf` on the socket `fd` without blocking and without `SIGPIPE` (a closed peer is
+/// `EPIPE`): the bytes sent.
+pub(super) fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
+    // SAFETY: sends bytes from a live buffer of `buf.len()` bytes on a socket we hold.
+    let n = unsafe {
+        libc::send(
+            fd,
+            buf.as_ptr().cast(),
+            buf.len(),
+            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Connects the socket `fd` to the abstract socket `name`.
+pub(super) fn connect(fd: RawFd, name: &[u8]) -> io::Result<()> {
+    let (a, len) = sockaddr(name);
+    // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
+    let r = unsafe { libc::connect(fd, (&a as *const libc::sockaddr_un).cast(), len) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Takes the expiry count of the non-blocking timer `t` (so it stops being readable).
+pub(super) fn clear_timer(t: &OwnedFd) {
+    let mut n = 0u64;
+    // SAFETY: reads at most 8 bytes, the expiry count, into `n` (8 bytes) from our timerfd.
+    unsafe { libc::read(t.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+}
 
 /// This process's pid, as the kernel reports it to peers (`SO_PEERCRED`).
 pub(super) fn self_pid() -> libc::pid_t {
@@ -27,7 +110,6 @@ pub(crate) fn socket_name(agent: &str) -> Vec<u8> {
     n
 }
 
-#[allow(unsafe_code)]
 pub(super) fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
     // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
     let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
@@ -39,7 +121,6 @@ pub(super) fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
     (a, len as libc::socklen_t)
 }
 
-#[allow(unsafe_code)]
 pub(super) fn timerfd() -> io::Result<OwnedFd> {
     // SAFETY: creates a new descriptor, owned right after.
     let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC) };
@@ -51,7 +132,6 @@ pub(super) fn timerfd() -> io::Result<OwnedFd> {
 }
 
 /// Arms timerfd `t` to fire once, `after` from now (at once for zero).
-#[allow(unsafe_code)]
 pub(super) fn set_timer(t: &OwnedFd, after: std::time::Duration) {
     let after = after.max(std::time::Duration::from_micros(1));
     let spec = libc::itimerspec {
@@ -68,7 +148,6 @@ pub(super) fn set_timer(t: &OwnedFd, after: std::time::Duration) {
     unsafe { libc::timerfd_settime(t.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
 }
 
-#[allow(unsafe_code)]
 pub(super) fn unix_socket() -> io::Result<OwnedFd> {
     // SAFETY: creates a new descriptor, owned right after.
     let fd = unsafe {
@@ -86,7 +165,6 @@ pub(super) fn unix_socket() -> io::Result<OwnedFd> {
 }
 
 /// Binds and listens on the socket for `agent`; `Ok(None)` when another connector has it.
-#[allow(unsafe_code)]
 pub(crate) fn listen(agent: &str) -> io::Result<Option<Tracked>> {
     let fd = unix_socket()?;
     let (a, len) = sockaddr(&socket_name(agent));
@@ -107,7 +185,6 @@ pub(crate) fn listen(agent: &str) -> io::Result<Option<Tracked>> {
 }
 
 /// The peer's pid and uid (`SO_PEERCRED`), as the kernel recorded them at connect time.
-#[allow(unsafe_code)]
 pub(super) fn peer_cred(fd: RawFd) -> io::Result<(libc::pid_t, libc::uid_t)> {
     // SAFETY: ucred is plain old data; getsockopt writes at most `len` bytes into it.
     let mut c: libc::ucred = unsafe { std::mem::zeroed() };
@@ -129,7 +206,6 @@ pub(super) fn peer_cred(fd: RawFd) -> io::Result<(libc::pid_t, libc::uid_t)> {
 }
 
 /// A pidfd for `pid`, so a copy can tell afterwards that its peer is still the same process.
-#[allow(unsafe_code)]
 pub(super) fn pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
     // SAFETY: pidfd_open returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -137,7 +213,6 @@ pub(super) fn pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
-#[allow(unsafe_code)]
 pub(super) fn alive(pidfd: &Option<Arc<OwnedFd>>) -> bool {
     match pidfd {
         // SAFETY: signal 0 only checks that the process behind the pidfd still exists.
@@ -154,7 +229,6 @@ pub(super) fn alive(pidfd: &Option<Arc<OwnedFd>>) -> bool {
     }
 }
 
-#[allow(unsafe_code)]
 pub(super) fn uid() -> libc::uid_t {
     // SAFETY: getuid cannot fail.
     unsafe { libc::getuid() }
@@ -166,7 +240,6 @@ const SO_PASSRIGHTS: libc::c_int = 83;
 /// Makes the kernel refuse descriptors passed to `fd` from now on (the sender's `sendmsg` fails),
 /// where the kernel knows `SO_PASSRIGHTS`; older kernels deliver them and the connection core
 /// refuses them instead (they are closed off the engine thread, [`close_elsewhere`]).
-#[allow(unsafe_code)]
 pub(super) fn refuse_passed_descriptors(fd: RawFd) {
     let off: libc::c_int = 0;
     // SAFETY: setsockopt reads one c_int from a live local.
@@ -193,7 +266,6 @@ pub(super) fn close_elsewhere(fd: OwnedFd) {
 /// Makes closing `fd` return at once if it is a socket (`SO_LINGER` {on, 0}: a reset instead of
 /// a wait for a reader that never reads). On anything else `setsockopt` fails with `ENOTSOCK`
 /// without touching the file.
-#[allow(unsafe_code)]
 fn defuse(fd: RawFd) {
     let l = libc::linger {
         l_onoff: 1,
@@ -219,7 +291,6 @@ pub(super) const MAX_PASSED: usize = 253;
 pub(super) struct Control(Vec<u64>);
 
 impl Control {
-    #[allow(unsafe_code)]
     pub(super) fn new() -> Self {
         // SAFETY: CMSG_SPACE is a pure size computation.
         let space = unsafe { libc::CMSG_SPACE((MAX_PASSED * std::mem::size_of::<RawFd>()) as u32) } as usize;
@@ -230,7 +301,6 @@ impl Control {
 /// One non-blocking `recvmsg` on `fd` into `buf`: the bytes read (0 at the end of the stream),
 /// whether descriptors were cut off (`MSG_CTRUNC`), and the descriptors passed with them, each
 /// owned (closed-on-exec) and appended to `fds`.
-#[allow(unsafe_code)]
 pub(super) fn recv_with_fds(
     fd: RawFd,
     buf: &mut [u8],
@@ -275,7 +345,6 @@ pub(super) fn recv_with_fds(
 }
 
 /// Accepts a pending connection on listener `fd`, non-blocking and closed-on-exec.
-#[allow(unsafe_code)]
 pub(super) fn accept(fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: accept4 on a socket of ours; the new descriptor is owned right after.
     let c = unsafe {
@@ -309,7 +378,6 @@ fn drain_passed(fd: RawFd) {
 }
 
 /// Shuts connection `fd` down both ways and takes what was queued on it, to its end.
-#[allow(unsafe_code)]
 fn drain_connection(fd: RawFd) {
     // SAFETY: shutdown of our own socket (ENOTCONN, harmless, for anything but a connection).
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
@@ -384,7 +452,6 @@ pub(super) fn close_refused(fd: OwnedFd) {
 /// the caps on same-host connections ([`descriptor_budget`]) stay far below it, so a flood of
 /// connections cannot fill the table, where the kernel would close passed descriptors on the
 /// engine thread itself.
-#[allow(unsafe_code)]
 pub(super) fn raise_descriptor_limit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -407,7 +474,6 @@ pub(super) fn raise_descriptor_limit() {
 }
 
 /// The soft limit on open descriptors now (1,024 if it cannot be read).
-#[allow(unsafe_code)]
 pub(super) fn descriptor_budget() -> usize {
     // SAFETY: as in raise_descriptor_limit.
     unsafe {
@@ -447,17 +513,13 @@ extern "C" fn in_child() {
             // SAFETY: dup2 is async-signal-safe; it atomically replaces our reference to the
             // parent's socket with /dev/null, keeping the number taken (the leaked owner in the
             // child never closes a number that something else now uses).
-            #[allow(unsafe_code)]
-            unsafe {
-                libc::dup2(null, fd)
-            };
+            unsafe { libc::dup2(null, fd) };
         }
     }
 }
 
 impl Tracked {
     /// Tracks `fd` (untracked when dropped, before it is closed).
-    #[allow(unsafe_code)]
     pub(crate) fn new(fd: OwnedFd) -> Self {
         use std::sync::atomic::Ordering;
         static INIT: std::sync::Once = std::sync::Once::new();

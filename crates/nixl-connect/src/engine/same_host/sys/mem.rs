@@ -1,0 +1,119 @@
+//! Raw copies between this process's own memory and byte vectors: the small operations' bytes
+//! (`eager.rs` decides when; this file only copies).
+//!
+//! Every range touched lies inside `own`: host [`Range`]s of one of this process's operations,
+//! which exist only for memory a caller vouched for (`Descriptor::from_raw_parts` is `unsafe`, the
+//! safe constructors borrow or own the memory) and which stay allocated while the operation is
+//! held (the caller's hold: a passive operation marked in use, an active operation not yet
+//! reported ended). These functions check the first; the caller keeps the second, as for every
+//! copy on this path ([`cma`](super::cma)).
+
+use crate::device::Device;
+use crate::reg::Range;
+
+/// True when `[addr, addr+len)` lies inside one of `own` (sorted by address).
+pub(in crate::engine::same_host) fn inside(own: &[Range], addr: u64, len: u64) -> bool {
+    let Some(end) = addr.checked_add(len) else {
+        return false;
+    };
+    let i = own.partition_point(|r| r.addr as u64 <= addr);
+    own[..i]
+        .iter()
+        .rev()
+        .take(16)
+        .any(|r| (r.addr + r.len) as u64 >= end)
+}
+
+/// True when `own` is host memory and every one of `picks` (not none) lies inside it.
+fn owned(own: &[Range], picks: &[(u64, u64)]) -> bool {
+    own.iter().all(|r| r.device == Device::Host)
+        && !picks.is_empty()
+        && picks.iter().all(|&(a, l)| inside(own, a, l))
+}
+
+/// The bytes of `picks` (address, length), in order; `None`, with nothing read, unless `own`
+/// (sorted by address) is host memory and every pick (not none) lies inside it.
+pub(in crate::engine::same_host) fn gather(own: &[Range], picks: &[(u64, u64)]) -> Option<Vec<u8>> {
+    if !owned(own, picks) {
+        return None;
+    }
+    let total = picks.iter().map(|r| r.1 as usize).sum();
+    let mut out = Vec::with_capacity(total);
+    for &(addr, len) in picks {
+        // SAFETY: `addr..addr + len` lies inside one of `own`'s host ranges (checked above),
+        // memory of this process that the caller holds allocated for the call (module doc);
+        // `out` is a fresh allocation, so the two cannot overlap.
+        let src = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) };
+        out.extend_from_slice(src);
+    }
+    Some(out)
+}
+
+/// Copies `data` into `picks` (address, length) in order; false, with nothing written, unless
+/// `own` (sorted by address) is host memory, every pick (not none) lies inside it, and their
+/// lengths add up to `data.len()`. The caller makes sure nothing else writes or reads them meanwhile (one
+/// writer per writable; an active operation's memory is lent to it alone).
+pub(in crate::engine::same_host) fn scatter(own: &[Range], picks: &[(u64, u64)], data: &[u8]) -> bool {
+    let total = picks.iter().try_fold(0u64, |t, r| t.checked_add(r.1));
+    if total != Some(data.len() as u64) || !owned(own, picks) {
+        return false;
+    }
+    let mut at = 0usize;
+    for &(addr, len) in picks {
+        let len = len as usize;
+        // SAFETY: `addr..addr + len` lies inside one of `own`'s host ranges (checked above),
+        // memory of this process the caller holds allocated and untouched by anything else for
+        // the call (module doc); `data` is a distinct allocation (a frame buffer); the lengths
+        // add up to `data.len()` (checked above), so `at + len <= data.len()`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr().add(at), addr as usize as *mut u8, len);
+        }
+        at += len;
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(mem: &[u8]) -> Range {
+        Range {
+            addr: mem.as_ptr() as usize,
+            len: mem.len(),
+            device: Device::Host,
+        }
+    }
+
+    #[test]
+    fn mem_gather_then_scatter_moves_the_bytes_in_order() {
+        let src: Vec<u8> = (0..100u8).collect();
+        let base = src.as_ptr() as u64;
+        let got = gather(&[range(&src)], &[(base + 10, 5), (base + 50, 3)]).unwrap();
+        assert_eq!(got, [10, 11, 12, 13, 14, 50, 51, 52]);
+        let mut dst = [0u8; 16];
+        let own = [range(&dst)];
+        let base = dst.as_mut_ptr() as u64;
+        assert!(scatter(&own, &[(base + 1, 3), (base + 8, 5)], &got));
+        assert_eq!(dst, [0, 10, 11, 12, 0, 0, 0, 0, 13, 14, 50, 51, 52, 0, 0, 0]);
+    }
+
+    /// A pick outside the memory the operation owns, or lengths that do not add up, touch nothing.
+    #[test]
+    fn mem_picks_outside_own_memory_touch_nothing() {
+        let mut dst = [0u8; 16];
+        let own = [range(&dst)];
+        let base = dst.as_mut_ptr() as u64;
+        assert!(gather(&own, &[(base + 8, 9)]).is_none());
+        assert!(gather(&own, &[]).is_none());
+        assert!(gather(&own, &[(u64::MAX - 1, 4)]).is_none());
+        assert!(!scatter(&own, &[(base, 4), (base + 14, 4)], &[1; 8]));
+        assert!(!scatter(&own, &[(base, 4)], &[1; 5]));
+        let device = [Range {
+            device: Device::Cuda(0),
+            ..own[0]
+        }];
+        assert!(!scatter(&device, &[(base, 4)], &[1; 4]));
+        assert_eq!(dst, [0; 16]);
+    }
+}
