@@ -394,6 +394,8 @@ fn link_fuzz_programs_hold_their_invariants() {
 fn link_core_imports_nothing_of_the_edge() {
     let core = [
         ("link.rs", include_str!("../link.rs")),
+        ("link/answers.rs", include_str!("answers.rs")),
+        ("link/events.rs", include_str!("events.rs")),
         ("wire.rs", include_str!("../wire.rs")),
         ("auth.rs", include_str!("../auth.rs")),
         ("identity.rs", include_str!("../identity.rs")),
@@ -404,6 +406,7 @@ fn link_core_imports_nothing_of_the_edge() {
         "super::identity",
         "super::violation",
         "super::wire",
+        "crate::engine::same_host::wire",
         "super::limits::SLOTS",
         "crate::device::Device",
         "super::*",
