@@ -311,26 +311,31 @@ pub(crate) async fn read(a: ReadArgs) -> Result<()> {
     // Owned memory: if the deadline passes, dropping the operation never blocks on the peer.
     let descs = buffers(&sizes)?;
     let conn = Connector::builder().path(a.path).build()?;
-    let t1 = Instant::now();
-    let op = conn.begin_read(&md, descs).await?;
-    let left = timeout.saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
-    op.wait_for_completion(Some(left)).await.map_err(|e| match e {
-        nixl_connect::Error::TimedOut { peer, .. } => crate::Exit::timed_out(format!(
-            "timed out after {} s reading from {}",
-            a.timeout,
-            peer.as_deref().unwrap_or("the peer")
-        )),
-        e => anyhow::Error::new(e).context("reading"),
-    })?;
-    let took = t1.elapsed();
-    let path = op.path();
-    let back = op
-        .into_descriptors()
-        .map_err(|_| anyhow::anyhow!("the read was not released"))?;
-    let parts: Vec<&[u8]> = back.iter().filter_map(|d| d.as_slice()).collect();
-    write_atomic(&a.out, &parts)?;
-    report(a.json, "read", total, took, path, Some(&a.out));
-    Ok(())
+    let done = async {
+        let t1 = Instant::now();
+        let op = conn.begin_read(&md, descs).await?;
+        let left = timeout.saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
+        op.wait_for_completion(Some(left)).await.map_err(|e| match e {
+            nixl_connect::Error::TimedOut { peer, .. } => crate::Exit::timed_out(format!(
+                "timed out after {} s reading from {}",
+                a.timeout,
+                peer.as_deref().unwrap_or("the peer")
+            )),
+            e => anyhow::Error::new(e).context("reading"),
+        })?;
+        let took = t1.elapsed();
+        let path = op.path();
+        let back = op
+            .into_descriptors()
+            .map_err(|_| anyhow::anyhow!("the read was not released"))?;
+        let parts: Vec<&[u8]> = back.iter().filter_map(|d| d.as_slice()).collect();
+        write_atomic(&a.out, &parts)?;
+        report(a.json, "read", total, took, path, Some(&a.out));
+        Ok(())
+    }
+    .await;
+    close_by(conn, t0 + timeout).await;
+    done
 }
 
 pub(crate) async fn write(a: WriteArgs) -> Result<()> {
@@ -355,19 +360,31 @@ pub(crate) async fn write(a: WriteArgs) -> Result<()> {
         off += s;
     }
     let conn = Connector::builder().path(a.path).build()?;
-    let t1 = Instant::now();
-    let op = conn.begin_write(descs, &md).await?;
-    let left = timeout.saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
-    op.wait_for_completion(Some(left)).await.map_err(|e| match e {
-        nixl_connect::Error::TimedOut { .. } => crate::Exit::timed_out(format!(
-            "timed out after {} s writing {}",
-            a.timeout,
-            a.file.display()
-        )),
-        e => anyhow::Error::new(e).context(format!("writing {}", a.file.display())),
-    })?;
-    report(a.json, "wrote", total, t1.elapsed(), op.path(), Some(&a.file));
-    Ok(())
+    let done = async {
+        let t1 = Instant::now();
+        let op = conn.begin_write(descs, &md).await?;
+        let left = timeout.saturating_sub(t0.elapsed()).max(Duration::from_millis(1));
+        op.wait_for_completion(Some(left)).await.map_err(|e| match e {
+            nixl_connect::Error::TimedOut { .. } => crate::Exit::timed_out(format!(
+                "timed out after {} s writing {}",
+                a.timeout,
+                a.file.display()
+            )),
+            e => anyhow::Error::new(e).context(format!("writing {}", a.file.display())),
+        })?;
+        report(a.json, "wrote", total, t1.elapsed(), op.path(), Some(&a.file));
+        Ok(())
+    }
+    .await;
+    close_by(conn, t0 + timeout).await;
+    done
+}
+
+/// Ends `conn` within what is left of `deadline`: a copy that a stalled peer holds is left
+/// behind (its memory leaked as the process exits) instead of waited for 10 s more.
+async fn close_by(conn: Connector, deadline: Instant) {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let _ = tokio::task::spawn_blocking(move || conn.shutdown_timeout(left)).await;
 }
 
 #[cfg(test)]

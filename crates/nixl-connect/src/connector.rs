@@ -401,6 +401,21 @@ impl Connector {
         Ok(Registration::new(tokens, bytes))
     }
 
+    /// Drops this handle to the connector and bounds the end of its engine by `within`: when
+    /// its last operation or clone is gone too, the engine stops, and copies still running on
+    /// the same-host path (a peer that stalls the pages they read: nothing interrupts such a
+    /// copy) are waited for up to `within`, then their memory is leaked rather than freed under
+    /// them. Dropping a connector waits up to 10 s; a caller with a deadline passes what is left
+    /// of it (as `tokio::runtime::Runtime::shutdown_timeout` does).
+    ///
+    /// Blocks for at most `within` when this was the last handle (the engine thread is joined
+    /// here), at once otherwise (the wait happens where the last handle goes). A blocking call:
+    /// from async code, call it where blocking is allowed (`spawn_blocking`) or at the end of
+    /// `main`.
+    pub fn shutdown_timeout(self, within: Duration) {
+        self.inner.engine.set_stop_wait(within);
+    }
+
     /// The engine's counters (registrations, remote loads, transfers).
     ///
     /// # Errors

@@ -5,6 +5,7 @@ use std::any::Any;
 use std::marker::PhantomData;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::oneshot;
 
@@ -31,20 +32,12 @@ pub(crate) enum Cmd {
     },
     /// Start an active operation (its outcome, and the registrations to keep with its memory,
     /// arrive through its state).
-    Begin {
-        spec: ActiveSpec,
-    },
+    Begin { spec: ActiveSpec },
     /// Stop an active operation's transfer as soon as possible; with `hard`, even at the cost of
     /// other operations (its owner cannot wait any longer).
-    Abandon {
-        id: OpId,
-        hard: bool,
-    },
+    Abandon { id: OpId, hard: bool },
     /// Hold `keep` (a dropped operation's memory) until its transfer has ended.
-    Adopt {
-        id: OpId,
-        keep: Hold,
-    },
+    Adopt { id: OpId, keep: Hold },
     /// A message from outside the engine thread to transport `to` (for example a registration
     /// token's drop), handed to it as it is.
     Mail {
@@ -61,14 +54,12 @@ pub(crate) enum Cmd {
     /// applied what they reported: after it, everything sent to the engine before it has been
     /// acted on, and a transport driven on every turn (the loopback) has run once since.
     #[cfg(any(test, feature = "testing"))]
-    Settle {
-        reply: oneshot::Sender<()>,
-    },
+    Settle { reply: oneshot::Sender<()> },
     /// Report the engine's counters.
-    Stats {
-        reply: oneshot::Sender<EngineStats>,
-    },
-    Shutdown,
+    Stats { reply: oneshot::Sender<EngineStats> },
+    /// End everything, waiting up to `within` for copies still running (then their memory is
+    /// leaked rather than freed under them).
+    Shutdown { within: Duration },
 }
 
 /// The way back to one transport on the engine thread: a message posted here reaches its

@@ -204,7 +204,10 @@ impl EngineCore {
 
     /// Ends everything: operations still waiting learn the engine is gone; the transports (and
     /// their agents) are destroyed, which ends every transfer; then held memory is freed.
-    pub(crate) fn shutdown(mut self) {
+    ///
+    /// Copies still running (a peer stalls the pages they read) are waited for up to `within`;
+    /// past it their memory is leaked, never freed under them.
+    pub(crate) fn shutdown(mut self, within: Duration) {
         for (_, st) in self.passives.drain() {
             st.finish(OperationStatus::Errored, Some(Error::EngineStopped));
         }
@@ -221,7 +224,7 @@ impl EngineCore {
         // Every transport is asked to stop (none skipped: each must stop touching memory).
         let mut stopped = true;
         for t in &mut transports {
-            stopped &= t.stop(Some(STOP_WAIT));
+            stopped &= t.stop(Some(within));
         }
         if stopped {
             drop(copying);
@@ -230,7 +233,7 @@ impl EngineCore {
             // writes is never freed. Every operation is gone (each holds the engine), so this is
             // owned memory only: the exposures' kept here, the abandoned reads' below.
             tracing::error!(
-                "transfers still running {STOP_WAIT:?} after the connector was dropped (a peer \
+                "transfers still running {within:?} after the connector was dropped (a peer \
                  stalls its pages): leaking the memory they may write"
             );
             std::mem::forget(copying);
@@ -351,7 +354,7 @@ impl EngineCore {
                 }
                 let _ = reply.send(s);
             }
-            Cmd::Shutdown => {}
+            Cmd::Shutdown { .. } => {}
         }
     }
 

@@ -8,7 +8,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
 
 use super::cmd::Cmd;
-use super::core::EngineCore;
+use super::core::{EngineCore, STOP_WAIT};
 use super::poller::{Poller, Ready};
 
 /// How long the engine keeps spinning after the last event before it sleeps.
@@ -39,18 +39,18 @@ impl EngineLoop {
     /// Runs until every handle is gone or [`Cmd::Shutdown`], then ends everything.
     pub(crate) fn run(mut self) {
         let mut last_event = Instant::now();
-        let mut shutdown = false;
+        let mut shutdown = None;
         loop {
             let mut event = false;
             while let Some(cmd) = self.pending.take().or_else(|| self.next_cmd()) {
-                if matches!(cmd, Cmd::Shutdown) {
-                    shutdown = true;
+                if let Cmd::Shutdown { within } = cmd {
+                    shutdown = Some(within);
                     break;
                 }
                 self.core.handle(cmd);
                 event = true;
             }
-            if shutdown {
+            if shutdown.is_some() {
                 break;
             }
             let now = Instant::now();
@@ -91,7 +91,7 @@ impl EngineLoop {
             }
             self.poller.wait(timeout, &mut self.ready);
         }
-        self.core.shutdown();
+        self.core.shutdown(shutdown.unwrap_or(STOP_WAIT));
     }
 
     /// The next command; a disconnected channel (every handle gone) reads as `Shutdown`.
@@ -99,7 +99,7 @@ impl EngineLoop {
         match self.rx.try_recv() {
             Ok(c) => Some(c),
             Err(TryRecvError::Empty) => None,
-            Err(TryRecvError::Disconnected) => Some(Cmd::Shutdown),
+            Err(TryRecvError::Disconnected) => Some(Cmd::Shutdown { within: STOP_WAIT }),
         }
     }
 }

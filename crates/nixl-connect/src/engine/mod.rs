@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 pub(crate) use self::cmd::{Cmd, Mailbox};
-use self::core::EngineCore;
 pub(crate) use self::core::DEFAULT_PROGRESS_DELAY;
+use self::core::{EngineCore, STOP_WAIT};
 use self::driver::EngineLoop;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
@@ -150,6 +150,9 @@ struct Shared {
     name: String,
     next_op: AtomicU64,
     cancel_grace: Duration,
+    /// How long the engine's end waits for copies still running ([`STOP_WAIT`] unless the
+    /// connector was shut down with a deadline).
+    stop_wait: Mutex<Duration>,
     decoded: Mutex<DecodedCache>,
     /// The publishing transport's decoder of peers' metadata.
     decode: DecodePeer,
@@ -304,6 +307,7 @@ impl Engine {
             name,
             next_op: AtomicU64::new(1),
             cancel_grace,
+            stop_wait: Mutex::new(STOP_WAIT),
             decoded: Mutex::new(DecodedCache::default()),
             decode,
         })))
@@ -318,6 +322,12 @@ impl Engine {
     }
 
     /// How long a dropped operation with borrowed memory waits before its transport is cut off.
+    /// Bounds the wait for copies still running when the engine ends (its last handle dropped)
+    /// by `within`.
+    pub(crate) fn set_stop_wait(&self, within: Duration) {
+        *self.0.stop_wait.lock().recover() = within;
+    }
+
     pub(crate) fn cancel_grace(&self) -> Duration {
         self.0.cancel_grace
     }
@@ -359,7 +369,8 @@ impl Engine {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let _ = self.tx.send(Cmd::Shutdown);
+        let within = *self.stop_wait.lock().recover();
+        let _ = self.tx.send(Cmd::Shutdown { within });
         self.waker.wake();
         if std::thread::current().id() != self.thread {
             if let Some(j) = self.join.lock().recover().take() {

@@ -225,6 +225,31 @@ fn stall_never_holds_the_drop_of_a_connector() {
     });
 }
 
+/// The end of a connector whose copy a peer stalls is bounded by the caller's deadline
+/// (`shutdown_timeout`), not by the 10 s a plain drop waits: `read --timeout 5` against a stalled
+/// owner exited after 15 s (found from outside on 2f059c9). The copy's memory is leaked instead.
+#[test]
+fn stall_shutdown_timeout_bounds_the_end_by_the_callers_deadline() {
+    runtime().block_on(async {
+        let owner = Connector::new().unwrap();
+        let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
+        let mut stalled = Stalled::new(64 << 10);
+        let (bad, stuck) = read_stalled(&owner, &reader, &stalled).await;
+        assert!(stalled.wait_for_a_stall(Duration::from_secs(10)));
+        drop(stuck);
+        let t0 = Instant::now();
+        let ended = tokio::task::spawn_blocking(move || reader.shutdown_timeout(Duration::from_millis(200)));
+        // Well under the 10 s a plain drop waits, and far over the 200 ms asked for.
+        let ended = tokio::time::timeout(Duration::from_secs(5), ended).await;
+        let took = t0.elapsed();
+        stalled.release();
+        ended
+            .unwrap_or_else(|_| panic!("the end waited past the caller's deadline ({took:?})"))
+            .unwrap();
+        drop(bad);
+    });
+}
+
 /// A peer whose address swallows every packet (its metadata names an address that answers
 /// nothing: a static neighbour entry sends the SYNs to a MAC nobody has). Connecting to it must not
 /// block the engine (UCX's blocking connect retries SYNs for two minutes): the library sets UCX's

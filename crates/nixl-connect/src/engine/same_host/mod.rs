@@ -3,15 +3,15 @@
 //!
 //! Each connector listens on an abstract Unix socket named from its agent name
 //! ([`socket_name`](sys::socket_name)), which scopes it to this host's network namespace. An active side that finds
-//! the socket named by a metadata's agent connects, hands over a sealed slot table ([`slots`]),
+//! the socket named by a metadata's agent connects, hands over a sealed slot table ([`slots`](sys::slots)),
 //! and asks for access to the operation by its notification key ([`wire`]). The passive side
 //! checks everything against its live operation: the peer's uid (`SO_PEERCRED`), the key, every
 //! range inside the operation's descriptors, the direction, one writer at a time; access ends when
 //! the operation completes, is cancelled or dropped (a replayed metadata string is refused).
 //!
-//! The side whose memory is written copies, pulling with `process_vm_readv` ([`cma`]): the reader
+//! The side whose memory is written copies, pulling with `process_vm_readv` ([`cma`](sys::cma)): the reader
 //! for a read, the passive side for a write. So each process writes only its own memory, and the
-//! owner of the source can revoke a grant at any instant without waiting (see [`slots`]). A small
+//! owner of the source can revoke a grant at any instant without waiting (see [`slots`](sys::slots)). A small
 //! host operation (up to [`wire::EAGER_MAX`]) carries its bytes in its frames instead, each side
 //! copying only its own memory on its engine thread: one round trip (`eager`). Device
 //! memory (feature `cuda`) goes the same way through CUDA IPC (`ipc`): the source's owner exports
@@ -19,6 +19,21 @@
 //! host, another user, a kernel that forbids cross-memory attach, host memory into device memory,
 //! or no CUDA where device memory is involved: the operation goes to NIXL instead
 //! ([`Event::Declined`](crate::engine::transport::Event::Declined)).
+//!
+//! # Layout
+//! One owner per piece of state, and the metal floor apart (docs/ARCHITECTURE.md has the map):
+//! - the protocol core, sans-IO: `link` (one connection's state machine, with `link/events.rs` and
+//!   `link/answers.rs`), [`wire`] (the frame codec), `auth` (MACs), `identity` (Ed25519),
+//!   [`violation`] (what a peer broke);
+//! - the access policy, sans-IO: `policy` (`decide(scope, request, load) -> Decision`);
+//! - the owners: `transport` (the [`SameHostTransport`] and how it starts), `server_book`
+//!   (scopes, key ids, identities, exports), `records` (connections, active operations, finished
+//!   copies), `limits` (every cap);
+//! - the actions: `conn` (sockets and their turns), `client` (the active side), `server` (acts on
+//!   the policy's decisions), `dispatch` (what a core heard, to whom), `copies`, `device`,
+//!   `eager`, and `seam` (the engine's [`Transport`](crate::engine::transport::Transport));
+//! - `sys/`: every syscall and every `unsafe` block; the modules above are compiled with
+//!   `forbid(unsafe_code)`.
 
 #[forbid(unsafe_code)]
 mod auth;

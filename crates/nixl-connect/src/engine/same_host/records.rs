@@ -1,7 +1,7 @@
-//! The records the same-host transport keeps: its connections ([`Conn`]), its passive
-//! operations' scopes ([`Scope`]), an active operation's phase, a finished copy's owner, a
-//! finished export. It sits below the files that act on these records and below the transport's
-//! own state (`state.rs`), so none of them imports its way back up.
+//! The records the same-host transport keeps: its connections ([`Conn`]), a request's name
+//! ([`RequestId`]), an active operation's phase, a finished copy's owner, a finished export. It
+//! sits below the files that act on these records and below the transport (`transport.rs`) and
+//! the server book (`server_book.rs`), so none of them imports its way back up.
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};

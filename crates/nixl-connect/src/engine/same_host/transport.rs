@@ -1,7 +1,8 @@
-//! The same-host transport's state: its limits, its records of connections, operations and
-//! scopes, and how it starts. What it does lives beside it: connections (`conn`), the server's
-//! scope policy (`server`), the client (`client`), copies (`copies`), device memory (`device`),
-//! frame dispatch (`dispatch`) and the engine's seam (`seam`).
+//! The same-host transport: the struct that holds the wing's owners (the server book, the
+//! connections, the active operations, the copies' inboxes) and how it starts. What it does
+//! lives beside it: connections (`conn`), the access policy (`policy`) and the server's actions
+//! on it (`server`), the client (`client`), copies (`copies`), device memory (`device`), frame
+//! dispatch (`dispatch`) and the engine's seam (`seam`); its limits are in `limits`.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
