@@ -10,7 +10,7 @@ use super::eager;
 use super::link::grant_ipc_len;
 #[cfg(feature = "cuda")]
 use super::records::ExportDone;
-use super::records::{Act, AnyCopy, ConnId, CopyOwner, Phase};
+use super::records::{Act, AnyCopy, ConnId, CopyOwner, Phase, RequestId};
 use super::sys;
 use super::sys::cma::{self, Copy, Piece, SlotRef};
 #[cfg(feature = "cuda")]
@@ -63,7 +63,7 @@ impl SameHostTransport {
             .map(|c| std::mem::take(&mut c.queued))
             .unwrap_or_default();
         for id in queued {
-            if let Some(a) = self.acts.remove(&id) {
+            if let Some(a) = self.client.remove(id) {
                 self.free_slot(i, a.slot, a.gen);
                 if !matches!(a.phase, Phase::Abandoned) {
                     out.push(Event::Declined {
@@ -77,7 +77,7 @@ impl SameHostTransport {
 
     /// Hands a queued operation to the next transport, freeing its slot.
     pub(super) fn decline_act(&mut self, id: OpId, reason: &str, out: &mut Vec<Event>) {
-        let a = self.acts.remove(&id).expect("present");
+        let a = self.client.remove(id).expect("present");
         self.free_slot(a.conn, a.slot, a.gen);
         out.push(Event::Declined {
             spec: a.spec,
@@ -86,12 +86,8 @@ impl SameHostTransport {
     }
 
     pub(super) fn take_act(&mut self, i: ConnId, slot: u32, gen: u64) -> Option<(OpId, Act)> {
-        let id = self
-            .acts
-            .iter()
-            .find(|(_, a)| a.conn == i && a.slot == slot && a.gen == gen)
-            .map(|(id, _)| *id)?;
-        self.acts.remove(&id).map(|a| (id, a))
+        let id = self.client.by_request(RequestId { conn: i, slot, gen })?;
+        self.client.remove(id).map(|a| (id, a))
     }
 
     pub(super) fn free_slot(&mut self, i: ConnId, slot: u32, gen: u64) {
@@ -108,7 +104,7 @@ impl SameHostTransport {
     /// Sends the request of a queued operation (the handshake is done); a write from device
     /// memory exports its source first.
     pub(super) fn request(&mut self, id: OpId, out: &mut Vec<Event>) {
-        let Some(a) = self.acts.get_mut(&id) else { return };
+        let Some(a) = self.client.get_mut(id) else { return };
         #[cfg(feature = "cuda")]
         if a.spec.write && a.device && a.sources.is_empty() {
             a.phase = Phase::Exporting;
@@ -231,13 +227,10 @@ impl SameHostTransport {
         sources: Option<Vec<IpcSource>>,
         out: &mut Vec<Event>,
     ) {
-        let Some((&id, a)) = self
-            .acts
-            .iter_mut()
-            .find(|(_, a)| a.conn == i && a.slot == slot && a.gen == gen)
-        else {
+        let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
             return;
         };
+        let a = self.client.get_mut(id).expect("found");
         // The grant must be of the kind asked for, and an IPC grant must match the ranges.
         let fits = match &sources {
             None => !a.device,
@@ -255,7 +248,7 @@ impl SameHostTransport {
             return;
         }
         if matches!(a.phase, Phase::Abandoned) {
-            let a = self.acts.remove(&id).expect("present");
+            let a = self.client.remove(id).expect("present");
             if let Some(c) = self.conns.get_mut(&i) {
                 c.link.read_done(slot, gen, false, "cancelled");
             }

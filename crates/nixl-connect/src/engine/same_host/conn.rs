@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use super::auth;
 use super::identity;
-use super::limits::{ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID, MAX_NEGATIVE, NEGATIVE_TTL};
+use super::limits::{ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID};
 use super::link::{Heard, Link};
 use super::records::{Conn, ConnId, Phase};
 #[cfg(feature = "cuda")]
@@ -21,7 +21,7 @@ use super::sys::{
 };
 use super::transport::{SameHostTransport, LISTENER};
 use super::violation::Violation;
-use crate::engine::transport::{Decline, Event, OpId};
+use crate::engine::transport::{Decline, Event};
 use crate::error::Error;
 
 /// Bytes read from one connection in one engine turn: a few hundred small frames, or a 16 MiB
@@ -157,7 +157,7 @@ impl SameHostTransport {
                 }
             }
             c.link
-                .recv(&chunk[..n], passed, Instant::now(), self.book.key_ids(), heard);
+                .recv(&chunk[..n], passed, Instant::now(), self.server.key_ids(), heard);
         }
     }
 
@@ -269,7 +269,7 @@ impl SameHostTransport {
     ) -> std::result::Result<ConnId, Decline> {
         // A connection open to this exact name was made for its advertisement (the fast path of
         // every operation after the first: nothing parsed again).
-        if let Some(&i) = self.by_peer.get(peer) {
+        if let Some(i) = self.client.conn_to(peer) {
             if self.conns.get(&i).is_some_and(|c| !c.link.is_dead()) {
                 return Ok(i);
             }
@@ -283,17 +283,12 @@ impl SameHostTransport {
                     .into(),
             );
         };
-        if let Some(t) = self.negative.get(peer) {
-            if t.elapsed() < NEGATIVE_TTL {
-                return Err("no same-host socket for this peer (none answered a moment ago)".into());
-            }
+        if self.client.avoids(peer, Instant::now()) {
+            return Err("no same-host socket for this peer (none answered a moment ago)".into());
         }
         let r = self.try_connect(peer, key, expect);
         if let Err(reason) = &r {
-            if self.negative.len() >= MAX_NEGATIVE {
-                self.negative.clear();
-            }
-            self.negative.insert(peer.clone(), Instant::now());
+            self.client.avoid(peer.clone(), Instant::now());
             tracing::trace!(peer = %peer, %reason, "no same-host path");
         }
         r
@@ -340,7 +335,7 @@ impl SameHostTransport {
             self.close(i, &mut Vec::new());
             return Err(Decline::because("the same-host handshake failed", e));
         }
-        self.by_peer.insert(peer.clone(), i);
+        self.client.connected(peer.clone(), i);
         Ok(i)
     }
 
@@ -352,32 +347,21 @@ impl SameHostTransport {
         #[cfg(feature = "cuda")]
         ipc::forget(i);
         if c.client {
-            if self.by_peer.get(&c.peer) == Some(&i) {
-                self.by_peer.remove(&c.peer);
-            }
+            self.client.disconnected(&c.peer, i);
             if !c.link.shook_hands() && c.link.peer_went_away() {
                 // Closed on us before the handshake: not asked again for a while (what answered
                 // is no owner that will serve us now). An owner's proven "not live" is no reason
                 // to avoid it (its next operation may be live); an impostor or a rejection was
                 // avoided when it was heard.
-                if self.negative.len() >= MAX_NEGATIVE {
-                    self.negative.clear();
-                }
-                self.negative.insert(c.peer.clone(), Instant::now());
+                self.client.avoid(c.peer.clone(), Instant::now());
             }
-            let ids: Vec<OpId> = self
-                .acts
-                .iter()
-                .filter(|(_, a)| a.conn == i)
-                .map(|(id, _)| *id)
-                .collect();
-            for id in ids {
-                let a = self.acts.get(&id).expect("listed");
+            for id in self.client.on_conn(i) {
+                let a = self.client.get(id).expect("listed");
                 match a.phase {
                     // The copy runs on; its end reports the result.
                     Phase::Copying => {}
                     Phase::Queued | Phase::Exporting | Phase::Requested | Phase::Abandoned => {
-                        let a = self.acts.remove(&id).expect("listed");
+                        let a = self.client.remove(id).expect("listed");
                         if let Some(t) = &c.slots {
                             t.revoke(a.slot, a.gen);
                         }
@@ -417,7 +401,7 @@ impl SameHostTransport {
             // Revoke this connection's read grants before forgetting them (its table stays mapped
             // while a copy holds it), so a peer still copying cannot complete against memory the
             // owner may since have given up.
-            for s in self.book.scopes_mut() {
+            for s in self.server.scopes_mut() {
                 s.grants.retain(|g| {
                     if g.conn == i {
                         if let Some(t) = &c.slots {

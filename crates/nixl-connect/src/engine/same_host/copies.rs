@@ -26,10 +26,10 @@ impl SameHostTransport {
     /// freed: the caller leaks it).
     pub(crate) fn stop_copies(&mut self, within: Option<Duration>) -> bool {
         self.stopped = true;
-        for a in self.acts.values() {
+        for (_, a) in self.client.acts() {
             a.cancel.store(true, Ordering::Relaxed);
         }
-        for s in self.book.scopes() {
+        for s in self.server.scopes() {
             s.cancel_writer();
         }
         // Copies started but not handed over yet hold a count too: they run, see `cancel` and
@@ -111,7 +111,7 @@ impl SameHostTransport {
         for (owner, r) in done {
             match owner {
                 CopyOwner::Read(id) => {
-                    let Some(a) = self.acts.remove(&id) else { continue };
+                    let Some(a) = self.client.remove(id) else { continue };
                     let i = a.conn;
                     let live = self.conns.get(&i).is_some_and(|c| !c.link.is_dead());
                     if let Err(CopyError::Unsupported(reason)) = &r {
@@ -182,7 +182,7 @@ impl SameHostTransport {
                     state.mark_released();
                     if let Err(CopyError::Unsupported(reason)) = &r {
                         // Nothing moved: the writer may take NIXL.
-                        if let Some(s) = self.book.scope_mut(&key) {
+                        if let Some(s) = self.server.scope_mut(&key) {
                             if s.is_writer(id) {
                                 s.writer = None;
                             }
@@ -198,7 +198,7 @@ impl SameHostTransport {
                         }
                         continue;
                     }
-                    if let Some(s) = self.book.scope_mut(&key) {
+                    if let Some(s) = self.server.scope_mut(&key) {
                         if s.is_writer(id) {
                             s.writer = None;
                             // Completed or torn, the writable has ended from here on: a request

@@ -71,13 +71,13 @@ impl SameHostTransport {
         ));
         #[cfg(feature = "cuda")]
         {
-            let key = self.book.key(key).expect("decided on it");
+            let key = self.server.key(key).expect("decided on it");
             if !write {
                 let (exports, waker) = (self.exports.clone(), self.waker.clone());
-                let s = self.book.scope_mut(&key).expect("decided on it");
+                let s = self.server.scope_mut(&key).expect("decided on it");
                 let fresh = s.grants.insert(id);
                 let ranges = remote.len();
-                self.book.exports_queued(ranges);
+                self.server.exports_queued(ranges);
                 if let Some(c) = self.conns.get_mut(&id.conn) {
                     c.granted += usize::from(fresh);
                     c.exporting += ranges;
@@ -96,7 +96,7 @@ impl SameHostTransport {
                 );
                 return None;
             }
-            let s = self.book.scope_mut(&key).expect("decided on it");
+            let s = self.server.scope_mut(&key).expect("decided on it");
             if !s.state.try_mark_in_use() {
                 return Some(Answer::Refuse(
                     RefuseCode::NotLive,
@@ -149,14 +149,14 @@ impl SameHostTransport {
                     ranges,
                     result,
                 } => {
-                    self.book.exports_ended(ranges);
+                    self.server.exports_ended(ranges);
                     if let Some(c) = self.conns.get_mut(&id.conn) {
                         c.exporting = c.exporting.saturating_sub(ranges);
                     }
                     // Not for a scope another reader completed this turn (its grants go when
                     // the engine applies the completion and unexposes it).
                     let granted = self
-                        .book
+                        .server
                         .scope(&key)
                         .is_some_and(|s| !s.done && s.grants.contains(&id));
                     let answer = match result {
@@ -167,7 +167,7 @@ impl SameHostTransport {
                         ),
                         Ok(_) => unreachable!("granted is checked above"),
                         Err(reason) => {
-                            if self.book.scope_mut(&key).is_some_and(|s| s.grants.remove(&id)) {
+                            if self.server.scope_mut(&key).is_some_and(|s| s.grants.remove(&id)) {
                                 self.ungrant(id.conn);
                             }
                             Answer::Fallback(format!(
@@ -180,7 +180,9 @@ impl SameHostTransport {
                     }
                 }
                 ExportDone::Write { id, result } => {
-                    let Some(a) = self.acts.get_mut(&id) else { continue };
+                    let Some(a) = self.client.get_mut(id) else {
+                        continue;
+                    };
                     match (&a.phase, result) {
                         (Phase::Exporting, Ok(sources)) => {
                             a.sources = sources;
@@ -188,7 +190,7 @@ impl SameHostTransport {
                             self.request(id, out);
                         }
                         (Phase::Exporting, Err(reason)) => {
-                            let a = self.acts.remove(&id).expect("present");
+                            let a = self.client.remove(id).expect("present");
                             self.free_slot(a.conn, a.slot, a.gen);
                             out.push(Event::Declined {
                                 spec: a.spec,
@@ -201,7 +203,7 @@ impl SameHostTransport {
                         // Abandoned while exporting: it was answered then; forget it now.
                         (_, _) => {
                             if matches!(a.phase, Phase::Abandoned) {
-                                let a = self.acts.remove(&id).expect("present");
+                                let a = self.client.remove(id).expect("present");
                                 self.free_slot(a.conn, a.slot, a.gen);
                             }
                         }

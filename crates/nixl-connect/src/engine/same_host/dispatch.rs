@@ -4,7 +4,6 @@
 
 use std::time::Instant;
 
-use super::limits::MAX_NEGATIVE;
 use super::link::{Answer, Heard};
 use super::records::{refused, ConnId, Phase, RequestId};
 use super::transport::SameHostTransport;
@@ -18,7 +17,7 @@ impl SameHostTransport {
         match h {
             Heard::Hello => self.on_hello(i),
             Heard::Req(r) => {
-                if self.book.knows(r.ident) {
+                if self.server.knows(r.ident) {
                     self.on_req(i, r, out)
                 } else if let Some(c) = self.conns.get_mut(&i) {
                     // Metadata of an agent of the same name elsewhere (another host, an earlier
@@ -105,10 +104,7 @@ impl SameHostTransport {
         let Some(peer) = self.conns.get(&i).map(|c| c.peer.clone()) else {
             return;
         };
-        if self.negative.len() >= MAX_NEGATIVE {
-            self.negative.clear();
-        }
-        self.negative.insert(peer, Instant::now());
+        self.client.avoid(peer, Instant::now());
     }
 
     /// Client: the server has no live operation with the opening key. That operation is refused
@@ -119,7 +115,7 @@ impl SameHostTransport {
         let peer = c.peer.clone();
         let queued = std::mem::take(&mut c.queued);
         for id in queued {
-            let Some(a) = self.acts.remove(&id) else { continue };
+            let Some(a) = self.client.remove(id) else { continue };
             self.free_slot(i, a.slot, a.gen);
             if matches!(a.phase, Phase::Abandoned) {
                 continue;

@@ -27,7 +27,8 @@
 //!   [`violation`] (what a peer broke);
 //! - the access policy, sans-IO: `policy` (`decide(scope, request, load) -> Decision`);
 //! - the owners: `transport` (the [`SameHostTransport`] and how it starts), `server_book`
-//!   (scopes, key ids, identities, exports), `records` (connections, active operations, finished
+//!   (scopes, key ids, identities, exports), `client_book` (active operations, connections by
+//!   peer, peers avoided), `records` (connections, active operations, finished
 //!   copies), `limits` (every cap);
 //! - the actions: `conn` (sockets and their turns), `client` (the active side), `server` (acts on
 //!   the policy's decisions), `dispatch` (what a core heard, to whom), `copies`, `device`,
@@ -39,6 +40,8 @@
 mod auth;
 #[forbid(unsafe_code)]
 mod client;
+#[forbid(unsafe_code)]
+mod client_book;
 #[forbid(unsafe_code)]
 mod conn;
 #[forbid(unsafe_code)]

@@ -21,13 +21,15 @@ impl Transport for SameHostTransport {
             return Ok(());
         }
         let scope = Scope::new(spec.kind, spec.ranges.clone(), spec.state.clone());
-        self.book.expose(spec.key.clone(), out.identity, scope);
+        self.server.expose(spec.key.clone(), out.identity, scope);
         Ok(())
     }
 
     fn unexpose(&mut self, key: &str) {
         self.release_writer(key);
-        let Some(s) = self.book.unexpose(key) else { return };
+        let Some(s) = self.server.unexpose(key) else {
+            return;
+        };
         for g in s.grants {
             if let Some(t) = self.conns.get(&g.conn).and_then(|c| c.slots.as_ref()) {
                 t.revoke(g.slot, g.gen);
@@ -100,7 +102,7 @@ impl Transport for SameHostTransport {
         if !ready {
             c.queued.push(id);
         }
-        self.acts.insert(
+        self.client.insert(
             id,
             Act {
                 spec,
@@ -122,7 +124,7 @@ impl Transport for SameHostTransport {
     }
 
     fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
-        let Some(a) = self.acts.get_mut(&id) else { return };
+        let Some(a) = self.client.get_mut(id) else { return };
         let table = self.conns.get(&a.conn).and_then(|c| c.slots.clone());
         match a.phase {
             Phase::Copying => {
@@ -146,7 +148,7 @@ impl Transport for SameHostTransport {
                     if let Some(c) = self.conns.get_mut(&conn) {
                         c.queued.retain(|q| *q != id);
                     }
-                    let a = self.acts.remove(&id).expect("present");
+                    let a = self.client.remove(id).expect("present");
                     self.free_slot(conn, a.slot, a.gen);
                 }
                 out.push(Event::ActiveEnded {

@@ -49,7 +49,7 @@ impl SameHostTransport {
         let load = Load {
             granted: c.granted,
             exporting: c.exporting,
-            exporting_all: self.book.exporting(),
+            exporting_all: self.server.exporting(),
             can_pull: c.can_pull,
         };
         let asked = Asked {
@@ -62,7 +62,7 @@ impl SameHostTransport {
             data: data.len(),
         };
         let refusal = |s: Device, d: Device| device_path_refusal(s, d).map(|r| r.to_string());
-        let decision = policy::decide(self.book.scope(&key), &asked, &load, &refusal);
+        let decision = policy::decide(self.server.scope(&key), &asked, &load, &refusal);
         let id = RequestId { conn: i, slot, gen };
         let mut completed = None;
         let answer = match decision {
@@ -71,7 +71,7 @@ impl SameHostTransport {
             // in use for the copy so that its owner's drop waits for it. The operation is over
             // once the answer is sent.
             Decision::EagerRead | Decision::EagerWrite => {
-                let s = self.book.scope_mut(&key).expect("decided on it");
+                let s = self.server.scope_mut(&key).expect("decided on it");
                 let answer = if decision == Decision::EagerRead {
                     eager::read_scope(s, &remote).map(Answer::Data)
                 } else {
@@ -82,14 +82,14 @@ impl SameHostTransport {
                 };
                 if answer.is_some() {
                     s.done = true;
-                    completed = self.book.key(&key);
+                    completed = self.server.key(&key);
                     answer
                 } else {
                     Some(answer_of(policy::ended()))
                 }
             }
             Decision::Grant => {
-                let s = self.book.scope_mut(&key).expect("decided on it");
+                let s = self.server.scope_mut(&key).expect("decided on it");
                 if s.grants.insert(id) {
                     if let Some(c) = self.conns.get_mut(&i) {
                         c.granted += 1;
@@ -114,7 +114,7 @@ impl SameHostTransport {
         if let Some(key) = completed {
             if sent {
                 out.push(Event::PassiveCompleted { key });
-            } else if let Some(s) = self.book.scope_mut(&key) {
+            } else if let Some(s) = self.server.scope_mut(&key) {
                 s.done = false;
             }
         }
@@ -132,8 +132,8 @@ impl SameHostTransport {
     ) -> Option<Answer> {
         let c = self.conns.get(&id.conn).expect("decided on it");
         let (peer_pid, peer_pidfd, table) = (c.peer_pid, c.pidfd.clone(), c.slots.clone().expect("ready"));
-        let key = self.book.key(key).expect("decided on it");
-        let s = self.book.scope_mut(&key).expect("decided on it");
+        let key = self.server.key(key).expect("decided on it");
+        let s = self.server.scope_mut(&key).expect("decided on it");
         if !s.state.try_mark_in_use() {
             return Some(answer_of(policy::ended()));
         }
@@ -183,8 +183,8 @@ impl SameHostTransport {
 
     /// Server side: the reader finished copying a granted read of the operation keyed `key`.
     pub(super) fn on_read_done(&mut self, id: RequestId, ok: bool, key: &str, out: &mut Vec<Event>) {
-        let Some(key) = self.book.key(key) else { return };
-        let s = self.book.scope_mut(&key).expect("found");
+        let Some(key) = self.server.key(key) else { return };
+        let s = self.server.scope_mut(&key).expect("found");
         if !s.grants.remove(&id) {
             return;
         }
@@ -200,7 +200,7 @@ impl SameHostTransport {
 
     /// Tells the writer copying into the writable keyed `key`, if any, to stop.
     pub(super) fn release_writer(&mut self, key: &str) {
-        if let Some(s) = self.book.scope(key) {
+        if let Some(s) = self.server.scope(key) {
             s.cancel_writer();
         }
     }

@@ -9,14 +9,14 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::client_book::ClientBook;
 use super::identity::Identity;
 use super::limits::Caps;
-use super::records::{Act, Conn, ConnId, Exports, Finished, Outstanding};
+use super::records::{Conn, ConnId, Exports, Finished, Outstanding};
 use super::server_book::ServerBook;
 use super::sys::cma;
 use super::sys::{descriptor_budget, raise_descriptor_limit, timerfd, uid, Tracked};
 use crate::engine::poller::{Registrar, Waker, MAX_TOKEN};
-use crate::engine::transport::OpId;
 
 /// The token of the listening socket in the engine's poller.
 pub(super) const LISTENER: u64 = 0;
@@ -38,11 +38,11 @@ pub(crate) struct SameHostTransport {
     pub(super) uid: libc::uid_t,
     pub(super) conns: HashMap<ConnId, Conn>,
     pub(super) next_conn: ConnId,
-    pub(super) by_peer: HashMap<Arc<str>, ConnId>,
-    pub(super) negative: HashMap<Arc<str>, Instant>,
     /// What this connector serves (scopes, key ids, identities, exports queued).
-    pub(super) book: ServerBook,
-    pub(super) acts: HashMap<OpId, Act>,
+    pub(super) server: ServerBook,
+    /// What this connector asks of others (active operations, connections by peer, peers
+    /// avoided).
+    pub(super) client: ClientBook,
     pub(super) finished: Finished,
     pub(super) exports: Exports,
     pub(super) outstanding: Arc<Outstanding>,
@@ -104,10 +104,8 @@ impl SameHostTransport {
             uid: uid(),
             conns: HashMap::new(),
             next_conn: 1,
-            by_peer: HashMap::new(),
-            negative: HashMap::new(),
-            book: ServerBook::default(),
-            acts: HashMap::new(),
+            server: ServerBook::default(),
+            client: ClientBook::default(),
             finished: Arc::default(),
             exports: Arc::default(),
             outstanding: Arc::new(Outstanding::new(0)),

@@ -31,7 +31,7 @@ fn served(p: &mut Pair, kind: OperationKind, range: Range) -> Served {
     let (mut t, i, theirs) = SameHostTransport::serving(&poller, p);
     let key: Arc<str> = KEYS[1].into();
     let state = OpState::new(OperationStatus::Initialized);
-    t.book
+    t.server
         .expose(key.clone(), 1, Scope::new(kind, vec![range], state.clone()));
     Served {
         _poller: poller,
@@ -48,7 +48,7 @@ impl Served {
     fn hear(&mut self, p: &Pair, bytes: &[u8], out: &mut Vec<Event>) {
         let mut heard = Vec::new();
         let c = self.t.conns.get_mut(&self.i).unwrap();
-        c.link.recv(bytes, 0, p.now, self.t.book.key_ids(), &mut heard);
+        c.link.recv(bytes, 0, p.now, self.t.server.key_ids(), &mut heard);
         for h in heard {
             self.t.handle(self.i, h, out);
         }
@@ -122,7 +122,7 @@ fn server_eager_operations_complete_once_and_only_when_answered() {
             .filter(|e| matches!(e, Event::PassiveCompleted { .. }))
             .count();
         let msgs = sv.answers();
-        let done = sv.t.book.scope(&sv.key).unwrap().done;
+        let done = sv.t.server.scope(&sv.key).unwrap().done;
         match case {
             "dead" => {
                 assert_eq!(completed, 0, "nothing completed on a dead connection");
@@ -185,7 +185,7 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
                 slot: 0,
                 gen: 1,
             };
-            sv.t.book.scope_mut(&key).unwrap().writer = Some(Writer {
+            sv.t.server.scope_mut(&key).unwrap().writer = Some(Writer {
                 id,
                 cancel: Arc::new(AtomicBool::new(false)),
             });
@@ -225,7 +225,7 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
         let count = |f: fn(&Event) -> bool| out.iter().filter(|e| f(e)).count();
         let completed = count(|e| matches!(e, Event::PassiveCompleted { .. }));
         let failed = count(|e| matches!(e, Event::PassiveFailed { .. }));
-        let scope = sv.t.book.scope(&sv.key).unwrap();
+        let scope = sv.t.server.scope(&sv.key).unwrap();
         assert!(scope.writer.is_none(), "{case}");
         let done = scope.done;
         let msgs = sv.answers();
@@ -311,9 +311,10 @@ fn server_read_grants_per_connection_are_capped() {
                 let c = sv.t.conns.get_mut(&i).unwrap();
                 c.granted = 0;
                 c.exporting = if conn_full { MAX_EXPORTING_PER_CONN } else { 0 };
-                let all = sv.t.book.exporting();
-                sv.t.book.exports_ended(all);
-                sv.t.book.exports_queued(if all_full { MAX_EXPORTING } else { 0 });
+                let all = sv.t.server.exporting();
+                sv.t.server.exports_ended(all);
+                sv.t.server
+                    .exports_queued(if all_full { MAX_EXPORTING } else { 0 });
                 ask(&mut sv, &p, 2 + u64::from(all_full), &mut out);
                 let reason = fallback(&mut sv);
                 assert!(reason.contains("being shared"), "{reason}");
@@ -329,7 +330,7 @@ fn server_read_grants_per_connection_are_capped() {
         assert_eq!(grants, MAX_GRANTS_PER_CONN, "{} answers", msgs.len());
         assert_eq!(fallbacks, 10);
         assert_eq!(
-            sv.t.book.scope(&sv.key).unwrap().grants.len(),
+            sv.t.server.scope(&sv.key).unwrap().grants.len(),
             MAX_GRANTS_PER_CONN
         );
         assert_eq!(sv.t.conns[&i].granted, MAX_GRANTS_PER_CONN);
@@ -362,7 +363,7 @@ fn server_read_grants_per_connection_are_capped() {
             ),
             0,
             p.now,
-            &sv.t.book.key_ids().clone(),
+            &sv.t.server.key_ids().clone(),
             &mut Vec::<Heard>::new(),
         );
         ask(&mut sv, &p, u64::MAX, &mut out);

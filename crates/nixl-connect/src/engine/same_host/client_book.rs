@@ -1,0 +1,135 @@
+//! The client book: what this connector asks of others on the same-host path. Its active
+//! operations ([`Act`]s) by id, the connection open to each advertised peer name, and the names
+//! found without a same-host path a moment ago (not asked again for [`NEGATIVE_TTL`]). It owns
+//! these maps; the transport reaches them only through its methods.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::limits::{MAX_NEGATIVE, NEGATIVE_TTL};
+use super::records::{Act, ConnId, RequestId};
+use crate::engine::transport::OpId;
+
+/// What this connector asks: active operations, connections by peer, peers avoided.
+#[derive(Default)]
+pub(super) struct ClientBook {
+    acts: HashMap<OpId, Act>,
+    /// The connection open to each peer name (made for its advertisement).
+    by_peer: HashMap<Arc<str>, ConnId>,
+    /// Peer names found with no same-host path, and when (at most [`MAX_NEGATIVE`]).
+    avoided: HashMap<Arc<str>, Instant>,
+}
+
+impl ClientBook {
+    /// Starts tracking the active operation `id`.
+    pub(super) fn insert(&mut self, id: OpId, act: Act) {
+        self.acts.insert(id, act);
+    }
+
+    /// The active operation `id`.
+    pub(super) fn get(&self, id: OpId) -> Option<&Act> {
+        self.acts.get(&id)
+    }
+
+    /// The active operation `id`, to change.
+    pub(super) fn get_mut(&mut self, id: OpId) -> Option<&mut Act> {
+        self.acts.get_mut(&id)
+    }
+
+    /// Stops tracking the active operation `id`; it, if it was tracked.
+    pub(super) fn remove(&mut self, id: OpId) -> Option<Act> {
+        self.acts.remove(&id)
+    }
+
+    /// Every active operation.
+    pub(super) fn acts(&self) -> impl Iterator<Item = (OpId, &Act)> {
+        self.acts.iter().map(|(id, a)| (*id, a))
+    }
+
+    /// The active operation that sent request `r`.
+    pub(super) fn by_request(&self, r: RequestId) -> Option<OpId> {
+        self.acts
+            .iter()
+            .find(|(_, a)| a.conn == r.conn && a.slot == r.slot && a.gen == r.gen)
+            .map(|(id, _)| *id)
+    }
+
+    /// The ids of the active operations on connection `conn`.
+    pub(super) fn on_conn(&self, conn: ConnId) -> Vec<OpId> {
+        self.acts
+            .iter()
+            .filter(|(_, a)| a.conn == conn)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// The connection open to `peer`, if one was made.
+    pub(super) fn conn_to(&self, peer: &str) -> Option<ConnId> {
+        self.by_peer.get(peer).copied()
+    }
+
+    /// Connection `conn` now serves `peer`.
+    pub(super) fn connected(&mut self, peer: Arc<str>, conn: ConnId) {
+        self.by_peer.insert(peer, conn);
+    }
+
+    /// Connection `conn` to `peer` closed.
+    pub(super) fn disconnected(&mut self, peer: &str, conn: ConnId) {
+        if self.by_peer.get(peer) == Some(&conn) {
+            self.by_peer.remove(peer);
+        }
+    }
+
+    /// True when `peer` was found with no same-host path less than [`NEGATIVE_TTL`] before
+    /// `now`.
+    pub(super) fn avoids(&self, peer: &str, now: Instant) -> bool {
+        self.avoided
+            .get(peer)
+            .is_some_and(|t| now.saturating_duration_since(*t) < NEGATIVE_TTL)
+    }
+
+    /// `peer` has no same-host path as of `now`: it is not asked again for [`NEGATIVE_TTL`]
+    /// (the memory of such names is bounded: past [`MAX_NEGATIVE`] it starts over).
+    pub(super) fn avoid(&mut self, peer: Arc<str>, now: Instant) {
+        if self.avoided.len() >= MAX_NEGATIVE {
+            self.avoided.clear();
+        }
+        self.avoided.insert(peer, now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A peer found without a same-host path is avoided for `NEGATIVE_TTL`, then asked again;
+    /// the memory of avoided names never passes `MAX_NEGATIVE`.
+    #[test]
+    fn client_book_avoids_a_peer_for_a_while_and_remembers_a_bounded_number() {
+        let mut b = ClientBook::default();
+        let t0 = Instant::now();
+        b.avoid("a".into(), t0);
+        assert!(b.avoids("a", t0 + NEGATIVE_TTL - Duration::from_millis(1)));
+        assert!(!b.avoids("a", t0 + NEGATIVE_TTL));
+        assert!(!b.avoids("b", t0));
+        for n in 0..MAX_NEGATIVE + 1 {
+            b.avoid(format!("p{n}").into(), t0);
+        }
+        assert!(b.avoided.len() <= MAX_NEGATIVE);
+    }
+
+    /// A closed connection forgets its peer only if it is still the one serving that peer.
+    #[test]
+    fn client_book_forgets_only_the_connection_that_closed() {
+        let mut b = ClientBook::default();
+        b.connected("a".into(), 1);
+        b.connected("a".into(), 2);
+        b.disconnected("a", 1);
+        assert_eq!(b.conn_to("a"), Some(2));
+        b.disconnected("a", 2);
+        assert_eq!(b.conn_to("a"), None);
+    }
+}
