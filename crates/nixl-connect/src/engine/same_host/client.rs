@@ -114,13 +114,10 @@ impl SameHostTransport {
                 .iter()
                 .map(|r| (r.addr as u64, r.len as u64))
                 .collect();
-            let (exports, waker) = (self.exports.clone(), self.waker.clone());
+            let done = self.in_flight.export_done();
             ipc::export(
                 ranges,
-                Box::new(move |result| {
-                    exports.push(ExportDone::Write { id, result });
-                    waker.wake();
-                }),
+                Box::new(move |result| done(ExportDone::Write { id, result })),
             );
             return;
         }
@@ -280,7 +277,7 @@ impl SameHostTransport {
                 },
                 cancel: a.cancel.clone(),
             });
-            self.start_copy(copy, CopyOwner::Read(id));
+            self.in_flight.start(copy, CopyOwner::Read(id));
             return;
         }
         let _ = sources;
@@ -305,7 +302,7 @@ impl SameHostTransport {
             cancel: a.cancel.clone(),
         };
         let copy = AnyCopy::pulled_into(copy, a.spec.local.first().map(|r| r.device));
-        self.start_copy(copy, CopyOwner::Read(id));
+        self.in_flight.start(copy, CopyOwner::Read(id));
         let _ = out;
     }
 }

@@ -2,22 +2,16 @@
 //! memory they write may go.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::link::Answer;
-use super::records::{refused, AnyCopy, CopyOwner};
+use super::records::{refused, CopyOwner};
 use super::sys::alive;
-use super::sys::cma::{self, CopyError};
-#[cfg(feature = "cuda")]
-use super::sys::ipc;
-#[cfg(feature = "cuda")]
-use super::sys::staged;
+use super::sys::cma::CopyError;
 use super::transport::SameHostTransport;
 use super::wire::RefuseCode;
 use crate::engine::transport::{Decline, Event};
 use crate::error::Error;
-use crate::sync::Recover;
 
 impl SameHostTransport {
     /// Stops every copy and waits (up to `within`; `None`: for as long as it takes) for the ones
@@ -32,81 +26,13 @@ impl SameHostTransport {
         for s in self.server.scopes() {
             s.cancel_writer();
         }
-        // Copies started but not handed over yet hold a count too: they run, see `cancel` and
-        // end without moving a byte.
-        self.batch.submit();
-        // A limit too far to represent waits as long as it takes.
-        self.outstanding
-            .wait_until(|n| *n == 0, within.and_then(|d| Instant::now().checked_add(d)))
-    }
-
-    /// True when copies have finished that `progress` has not handled yet (checked before the
-    /// engine sleeps, so a copy ending at that moment is never left unreaped).
-    pub(crate) fn has_finished(&self) -> bool {
-        self.finished.is_pending() || self.exports.is_pending()
-    }
-
-    /// Starts `copy` for `owner`. A host copy joins this turn's batch, handed to the pool by
-    /// [`Self::submit_copies`] at the turn's end.
-    pub(super) fn start_copy(&mut self, copy: AnyCopy, owner: CopyOwner) {
-        let (done, owner) = self.on_copy_end(owner);
-        let started = match copy {
-            AnyCopy::Host(c) => cma::spawn_into(&mut self.batch, c, done),
-            #[cfg(feature = "cuda")]
-            AnyCopy::Device(c) => ipc::spawn(c, done),
-            #[cfg(feature = "cuda")]
-            AnyCopy::Staged(c) => staged::spawn(c, done),
-        };
-        if let Err(e) = started {
-            self.abort_start(&owner, e);
-        }
-    }
-
-    /// Hands the copies started this turn to the pool.
-    pub(super) fn submit_copies(&mut self) {
-        self.batch.submit();
-    }
-
-    /// A copy's completion callback (run on the thread that ends the copy), counted as
-    /// outstanding until it runs.
-    #[allow(clippy::type_complexity)]
-    pub(super) fn on_copy_end(
-        &self,
-        owner: CopyOwner,
-    ) -> (
-        Box<dyn FnOnce(std::result::Result<(), CopyError>) + Send>,
-        Arc<Mutex<Option<CopyOwner>>>,
-    ) {
-        let finished = self.finished.clone();
-        let waker = self.waker.clone();
-        let outstanding = self.outstanding.clone();
-        let owner = Arc::new(Mutex::new(Some(owner)));
-        let o2 = owner.clone();
-        outstanding.update(|n| *n += 1);
-        let done = Box::new(move |r| {
-            if let Some(o) = o2.lock().recover().take() {
-                finished.push((o, r));
-            }
-            // The engine takes finished copies on every turn while it is awake, and checks for
-            // them after announcing a sleep: a wake-up is needed only if it sleeps.
-            waker.wake();
-            outstanding.update(|n| *n -= 1);
-        });
-        (done, owner)
-    }
-
-    /// A copy that never started (its callback will not run): reported as finished with `e`.
-    pub(super) fn abort_start(&mut self, owner: &Arc<Mutex<Option<CopyOwner>>>, e: CopyError) {
-        self.outstanding.update(|n| *n -= 1);
-        if let Some(o) = owner.lock().recover().take() {
-            self.finished.push((o, Err(e)));
-        }
+        self.in_flight.wait(within)
     }
 
     /// Handles finished copies and exports.
     pub(super) fn reap(&mut self, out: &mut Vec<Event>) -> bool {
         let exported = self.reap_exports(out);
-        let done = self.finished.take();
+        let done = self.in_flight.take_finished();
         let any = exported || !done.is_empty();
         for (owner, r) in done {
             match owner {

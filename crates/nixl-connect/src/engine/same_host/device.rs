@@ -73,7 +73,7 @@ impl SameHostTransport {
         {
             let key = self.server.key(key).expect("decided on it");
             if !write {
-                let (exports, waker) = (self.exports.clone(), self.waker.clone());
+                let done = self.in_flight.export_done();
                 let s = self.server.scope_mut(&key).expect("decided on it");
                 let fresh = s.grants.insert(id);
                 let ranges = remote.len();
@@ -85,13 +85,12 @@ impl SameHostTransport {
                 ipc::export(
                     remote,
                     Box::new(move |result| {
-                        exports.push(ExportDone::Grant {
+                        done(ExportDone::Grant {
                             key,
                             id,
                             ranges,
                             result,
-                        });
-                        waker.wake();
+                        })
                     }),
                 );
                 return None;
@@ -132,14 +131,14 @@ impl SameHostTransport {
                 state,
                 pidfd,
             };
-            self.start_copy(copy, owner);
+            self.in_flight.start(copy, owner);
             None
         }
     }
 
     /// Handles finished CUDA IPC exports.
     pub(super) fn reap_exports(&mut self, out: &mut Vec<Event>) -> bool {
-        let done = self.exports.take();
+        let done = self.in_flight.take_exports();
         let any = !done.is_empty();
         for d in done {
             match d {

@@ -28,7 +28,7 @@
 //! - the access policy, sans-IO: `policy` (`decide(scope, request, load) -> Decision`);
 //! - the owners: `transport` (the [`SameHostTransport`] and how it starts), `server_book`
 //!   (scopes, key ids, identities, exports), `client_book` (active operations, connections by
-//!   peer, peers avoided), `records` (connections, active operations, finished
+//!   peer, peers avoided), `in_flight` (copies and exports off the engine thread), `records` (connections, active operations, finished
 //!   copies), `limits` (every cap);
 //! - the actions: `conn` (sockets and their turns), `client` (the active side), `server` (acts on
 //!   the policy's decisions), `dispatch` (what a core heard, to whom), `copies`, `device`,
@@ -54,6 +54,8 @@ mod dispatch;
 mod eager;
 #[forbid(unsafe_code)]
 mod identity;
+#[forbid(unsafe_code)]
+mod in_flight;
 #[forbid(unsafe_code)]
 mod limits;
 #[forbid(unsafe_code)]

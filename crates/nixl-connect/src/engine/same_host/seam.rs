@@ -203,7 +203,7 @@ impl Transport for SameHostTransport {
             }
         }
         event |= self.reap(out);
-        self.submit_copies();
+        self.in_flight.submit();
         // Frames queued this turn (requests, answers, copies' ends), one send per connection.
         let pending: Vec<ConnId> = self
             .conns
@@ -224,7 +224,7 @@ impl Transport for SameHostTransport {
     fn has_pending(&self) -> bool {
         // Copies are submitted at the end of the turn that started them; one left in the batch
         // (started outside a turn) is submitted by the next.
-        self.has_finished() || !self.batch.is_empty()
+        self.in_flight.has_finished() || self.in_flight.unsubmitted()
     }
 
     fn stop(&mut self, within: Option<Duration>) -> bool {

@@ -170,7 +170,7 @@ impl SameHostTransport {
             state,
             pidfd: peer_pidfd,
         };
-        self.start_copy(copy, owner);
+        self.in_flight.start(copy, owner);
         None
     }
 

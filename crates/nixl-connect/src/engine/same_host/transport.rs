@@ -11,10 +11,10 @@ use std::time::Instant;
 
 use super::client_book::ClientBook;
 use super::identity::Identity;
+use super::in_flight::InFlight;
 use super::limits::Caps;
-use super::records::{Conn, ConnId, Exports, Finished, Outstanding};
+use super::records::{Conn, ConnId};
 use super::server_book::ServerBook;
-use super::sys::cma;
 use super::sys::{descriptor_budget, raise_descriptor_limit, timerfd, uid, Tracked};
 use crate::engine::poller::{Registrar, Waker, MAX_TOKEN};
 
@@ -34,7 +34,6 @@ pub(crate) struct SameHostTransport {
     /// The caps on served connections.
     pub(super) caps: Caps,
     pub(super) reg: Registrar,
-    pub(super) waker: Waker,
     pub(super) uid: libc::uid_t,
     pub(super) conns: HashMap<ConnId, Conn>,
     pub(super) next_conn: ConnId,
@@ -43,11 +42,8 @@ pub(crate) struct SameHostTransport {
     /// What this connector asks of others (active operations, connections by peer, peers
     /// avoided).
     pub(super) client: ClientBook,
-    pub(super) finished: Finished,
-    pub(super) exports: Exports,
-    pub(super) outstanding: Arc<Outstanding>,
-    /// Host copies started this turn, not yet on the pool.
-    pub(super) batch: cma::Batch,
+    /// Copies and exports in flight off the engine thread.
+    pub(super) in_flight: InFlight,
     pub(super) refused_peers: u64,
     /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
     /// the listener after `accept` ran out of descriptors, instead of spinning on it.
@@ -94,22 +90,20 @@ impl SameHostTransport {
             reg.add(t.as_raw_fd(), DEADLINE_TIMER, true, false).ok()?;
             Some(t)
         });
+        let in_flight = InFlight::new(waker);
         Self {
             enabled,
             listener,
             identity,
             caps,
             reg,
-            waker,
+
             uid: uid(),
             conns: HashMap::new(),
             next_conn: 1,
             server: ServerBook::default(),
             client: ClientBook::default(),
-            finished: Arc::default(),
-            exports: Arc::default(),
-            outstanding: Arc::new(Outstanding::new(0)),
-            batch: cma::Batch::default(),
+            in_flight,
             refused_peers: 0,
             accept_timer,
             deadline_timer,

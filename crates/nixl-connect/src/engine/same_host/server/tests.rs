@@ -194,7 +194,7 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
                 "torn" => Err(cma::CopyError::PeerGone),
                 _ => Err(cma::CopyError::NotStarted),
             };
-            sv.t.finished.push((
+            sv.t.in_flight.finish(
                 CopyOwner::Write {
                     key,
                     id,
@@ -202,7 +202,7 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
                     pidfd: None,
                 },
                 result,
-            ));
+            );
             sv.t.reap(&mut out);
         } else {
             // A reader was granted slot 0; its `Done` arrives in the same read as another
