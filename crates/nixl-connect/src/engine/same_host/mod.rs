@@ -84,3 +84,6 @@ pub(crate) use self::device::device_path_refusal;
 pub(crate) use self::identity::Identity;
 pub(crate) use self::sys::{listen, Tracked};
 pub(crate) use self::transport::SameHostTransport;
+
+#[cfg(test)]
+mod tests;

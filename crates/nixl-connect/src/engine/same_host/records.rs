@@ -193,10 +193,10 @@ pub(super) struct Conn {
     pub(super) writing: bool,
     pub(super) slots: Option<Arc<SlotTable>>,
     /// Server side: read grants this connection holds (at most
-    /// [`MAX_GRANTS_PER_CONN`](super::transport::MAX_GRANTS_PER_CONN)).
+    /// [`MAX_GRANTS_PER_CONN`](super::limits::MAX_GRANTS_PER_CONN)).
     pub(super) granted: usize,
     /// Server side: device ranges of this connection's reads queued for export (at most
-    /// [`MAX_EXPORTING_PER_CONN`](super::transport::MAX_EXPORTING_PER_CONN)).
+    /// [`MAX_EXPORTING_PER_CONN`](super::limits::MAX_EXPORTING_PER_CONN)).
     pub(super) exporting: usize,
     /// This side may pull from the peer's memory.
     pub(super) can_pull: bool,

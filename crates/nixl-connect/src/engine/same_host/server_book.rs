@@ -84,7 +84,7 @@ pub(super) struct ServerBook {
     /// Fingerprints of this connector's exposers' connection metadata.
     identities: HashSet<u64>,
     /// Device ranges queued for export now (at most
-    /// [`MAX_EXPORTING`](super::transport::MAX_EXPORTING)).
+    /// [`MAX_EXPORTING`](super::limits::MAX_EXPORTING)).
     exporting: usize,
 }
 

@@ -74,9 +74,9 @@ pub(crate) struct Request {
     pub(crate) remote: Vec<(u64, u64)>,
     pub(crate) local: Vec<(u64, u64)>,
     pub(crate) sources: Vec<IpcSource>,
-    /// A host read of at most [`EAGER_MAX`] bytes: it may be answered with [`Answer::Data`].
+    /// A host read of at most [`EAGER_MAX`](crate::engine::same_host::wire::EAGER_MAX) bytes: it may be answered with [`Answer::Data`].
     pub(crate) eager: bool,
-    /// An eager host write's bytes (exactly the remote ranges' total, at most [`EAGER_MAX`]);
+    /// An eager host write's bytes (exactly the remote ranges' total, at most [`EAGER_MAX`](crate::engine::same_host::wire::EAGER_MAX));
     /// empty for every other request.
     pub(crate) data: Vec<u8>,
 }
