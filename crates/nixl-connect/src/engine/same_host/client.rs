@@ -31,7 +31,7 @@ const EAGER_OPEN: usize = 4;
 impl SameHostTransport {
     /// Sends the core's `Hello` with the slot table's descriptor attached.
     pub(super) fn send_hello(&mut self, i: ConnId) -> io::Result<()> {
-        let c = self.conns.get_mut(&i).expect("live connection");
+        let c = self.sockets.get_mut(i).expect("live connection");
         let table = Arc::new(SlotTable::create()?);
         // Nothing about this process but the key's hash and a nonce: the server proves it holds
         // the key before anything else is sent.
@@ -48,7 +48,7 @@ impl SameHostTransport {
 
     /// Client: the server proved it holds the opening operation's key; the queued requests go.
     pub(super) fn on_ready(&mut self, i: ConnId, out: &mut Vec<Event>) {
-        let Some(c) = self.conns.get_mut(&i) else { return };
+        let Some(c) = self.sockets.get_mut(i) else { return };
         c.can_pull = c.pidfd.as_deref().is_some_and(cma::may_pull);
         let queued = std::mem::take(&mut c.queued);
         for id in queued {
@@ -58,8 +58,8 @@ impl SameHostTransport {
 
     pub(super) fn decline_queued(&mut self, i: ConnId, reason: &str, out: &mut Vec<Event>) {
         let queued = self
-            .conns
-            .get_mut(&i)
+            .sockets
+            .get_mut(i)
             .map(|c| std::mem::take(&mut c.queued))
             .unwrap_or_default();
         for id in queued {
@@ -91,7 +91,7 @@ impl SameHostTransport {
     }
 
     pub(super) fn free_slot(&mut self, i: ConnId, slot: u32, gen: u64) {
-        if let Some(c) = self.conns.get_mut(&i) {
+        if let Some(c) = self.sockets.get_mut(i) {
             if c.client && c.gens.get(slot as usize) == Some(&gen) {
                 if let Some(t) = &c.slots {
                     t.free(slot, gen);
@@ -130,8 +130,8 @@ impl SameHostTransport {
         let host = |r: &[Range]| r.iter().all(|r| r.device == Device::Host);
         let total = a.spec.remote.iter().fold(0usize, |t, r| t.saturating_add(r.len));
         let few = self
-            .conns
-            .get(&a.conn)
+            .sockets
+            .get(a.conn)
             .is_some_and(|c| !c.can_pull || c.link.open_requests() < EAGER_OPEN);
         let small = few && (1..=EAGER_MAX).contains(&total) && host(&a.spec.local) && host(&a.spec.remote);
         let eager = small && !a.spec.write;
@@ -140,7 +140,7 @@ impl SameHostTransport {
         } else {
             Vec::new()
         };
-        let c = self.conns.get_mut(&a.conn).expect("live");
+        let c = self.sockets.get_mut(a.conn).expect("live");
         if !a.spec.write && !a.device && !eager && !c.can_pull {
             self.decline_act(
                 id,
@@ -239,21 +239,21 @@ impl SameHostTransport {
         };
         if !fits && !matches!(a.phase, Phase::Abandoned) {
             tracing::debug!("a same-host grant that does not fit its request; closing the connection");
-            if let Some(c) = self.conns.get_mut(&i) {
+            if let Some(c) = self.sockets.get_mut(i) {
                 c.link.kill(Violation::GrantDoesNotFit);
             }
             return;
         }
         if matches!(a.phase, Phase::Abandoned) {
             let a = self.client.remove(id).expect("present");
-            if let Some(c) = self.conns.get_mut(&i) {
+            if let Some(c) = self.sockets.get_mut(i) {
                 c.link.read_done(slot, gen, false, "cancelled");
             }
             self.free_slot(i, a.slot, a.gen);
             return;
         }
         a.phase = Phase::Copying;
-        let c = self.conns.get(&i).expect("live");
+        let c = self.sockets.get(i).expect("live");
         a.pidfd = c.pidfd.clone();
         #[cfg(feature = "cuda")]
         if let Some(sources) = sources {

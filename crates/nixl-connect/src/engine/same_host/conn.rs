@@ -1,168 +1,46 @@
-//! Connections at the edge: accepting and making them, moving bytes and passed descriptors
-//! between the socket and the connection's protocol core ([`Link`]), its deadlines, and closing
-//! (and what closing ends).
+//! Connections as the transport sees them: accepting and making them (who may connect is the
+//! sockets' `admission`), their deadlines passing, and closing (what a connection's end means for
+//! the operations on it). The bytes between a socket and its protocol core are the sockets'
+//! (`sockets.rs`).
 
-use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::auth;
 use super::identity;
-use super::limits::{ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID};
-use super::link::{Heard, Link};
+use super::link::Link;
 use super::records::{Conn, ConnId, Phase};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
-use super::sys::slots::SlotTable;
 use super::sys::{
-    accept, clear_timer, close_elsewhere, close_refused, connect, peer_cred, pidfd, recv_with_fds,
-    refuse_passed_descriptors, self_pid, send, set_timer, socket_name, unix_socket, Control, Tracked,
+    accept, close_refused, connect, peer_cred, pidfd, refuse_passed_descriptors, self_pid, socket_name,
+    unix_socket, Tracked,
 };
-use super::transport::{SameHostTransport, LISTENER};
-use super::violation::Violation;
+use super::transport::SameHostTransport;
 use crate::engine::transport::{Decline, Event};
 use crate::error::Error;
 
-/// Bytes read from one connection in one engine turn: a few hundred small frames, or a 16 MiB
-/// request in pieces over several turns (its partial frame bounded and timed by the core).
-pub(super) const READ_PER_TURN: usize = 1 << 20;
-
 impl SameHostTransport {
-    pub(super) fn insert(&mut self, c: Conn) -> ConnId {
-        // Ids are never reused, so a late copy or answer can never reach another connection.
-        let id = self.next_conn;
-        self.next_conn += 1;
-        let _ = self.reg.add(c.fd.as_raw_fd(), id, true, false);
-        self.conns.insert(id, c);
-        self.watch_deadline(id);
-        id
-    }
-
-    /// Arms the deadline timer for connection `i`'s core, if it has a deadline sooner than the
-    /// one armed.
-    pub(super) fn watch_deadline(&mut self, i: ConnId) {
-        let Some(t) = self.conns.get(&i).and_then(|c| c.link.deadline()) else {
-            return;
-        };
-        if self.deadline_armed.is_some_and(|a| a <= t) {
-            return;
-        }
-        if let Some(fd) = &self.deadline_timer {
-            set_timer(fd, t.saturating_duration_since(Instant::now()));
-            self.deadline_armed = Some(t);
-        }
-    }
-
     /// The deadline timer fired: every core past its deadline dies (and is closed), and the
     /// timer is armed for the next one.
     pub(super) fn on_deadlines(&mut self, out: &mut Vec<Event>) {
-        if let Some(t) = &self.deadline_timer {
-            clear_timer(t);
-        }
-        self.deadline_armed = None;
+        self.sockets.deadline_fired();
         let now = Instant::now();
-        let ids: Vec<ConnId> = self.conns.keys().copied().collect();
-        for i in ids {
-            let c = self.conns.get_mut(&i).expect("listed");
+        for i in self.sockets.ids() {
+            let c = self.sockets.get_mut(i).expect("listed");
             c.link.on_timeout(now);
             if c.link.is_dead() {
                 tracing::debug!(why = ?c.link.death(), "same-host connection timed out");
                 self.close(i, out);
             } else {
-                self.watch_deadline(i);
+                self.sockets.watch_deadline(i);
             }
-        }
-    }
-
-    /// Sends what connection `i`'s core has queued; watches for writability if the socket is
-    /// full.
-    pub(super) fn flush(&mut self, i: ConnId) {
-        let Some(c) = self.conns.get_mut(&i) else { return };
-        while !c.link.out().is_empty() {
-            let sent = send(c.fd.as_raw_fd(), c.link.out());
-            if let Ok(n @ 1..) = sent {
-                c.link.sent(n);
-            } else {
-                let e = sent.err().unwrap_or_else(|| io::ErrorKind::WriteZero.into());
-                if e.kind() != io::ErrorKind::WouldBlock {
-                    c.link.hang_up(Violation::SocketFailed);
-                    c.link.sent(usize::MAX);
-                }
-                break;
-            }
-        }
-        let want = !c.link.out().is_empty() && !c.link.is_dead();
-        if want != c.writing {
-            c.writing = want;
-            let _ = self.reg.modify(c.fd.as_raw_fd(), i, true, want);
-        }
-    }
-
-    /// Reads what is available on connection `i` into its core, at most [`READ_PER_TURN`] bytes
-    /// (the rest waits for the next turn: the socket stays readable), so that a peer that keeps
-    /// its socket full neither holds the engine thread nor makes `heard` grow without bound; what
-    /// the core proved goes to `heard`. A descriptor is taken only where the core takes one (the
-    /// client's slot table, with its `Hello`), and only if it is a sealed table of the right
-    /// size; every other one is closed off this thread.
-    pub(super) fn read(&mut self, i: ConnId, heard: &mut Vec<Heard>) {
-        let Some(c) = self.conns.get_mut(&i) else { return };
-        let mut chunk = [0u8; 64 << 10];
-        let mut control = Control::new();
-        let mut budget = READ_PER_TURN;
-        while !c.link.is_dead() && budget > 0 {
-            let mut fds = Vec::new();
-            let (n, truncated) = match recv_with_fds(c.fd.as_raw_fd(), &mut chunk, &mut control, &mut fds) {
-                Ok((0, _)) => {
-                    c.link.hang_up(Violation::PeerClosed);
-                    return;
-                }
-                Ok(r) => r,
-                Err(e) => {
-                    if e.kind() != io::ErrorKind::WouldBlock {
-                        c.link.hang_up(Violation::PeerClosed);
-                    }
-                    return;
-                }
-            };
-            budget = budget.saturating_sub(n);
-            if truncated {
-                // Descriptors were cut off (more than a message takes, or our table was full and
-                // the kernel closed them): never what an honest peer sends.
-                fds.into_iter().for_each(close_elsewhere);
-                c.link.kill(Violation::ControlTruncated);
-                return;
-            }
-            let passed = fds.len();
-            if passed > 0 {
-                if passed == 1 && c.link.takes_descriptors() {
-                    // The slot table: checked (sealed memfd first, without touching any other
-                    // kind of file) before anything else; from now on no descriptor is taken.
-                    refuse_passed_descriptors(c.fd.as_raw_fd());
-                    let fd = fds.pop().expect("one");
-                    if SlotTable::check(&fd).is_err() {
-                        close_elsewhere(fd);
-                        c.link.kill(Violation::NotATable);
-                        return;
-                    }
-                    match SlotTable::open(fd) {
-                        Ok(t) => c.slots = Some(Arc::new(t)),
-                        Err(_) => {
-                            c.link.kill(Violation::TableUnmappable);
-                            return;
-                        }
-                    }
-                } else {
-                    fds.into_iter().for_each(close_elsewhere);
-                }
-            }
-            c.link
-                .recv(&chunk[..n], passed, Instant::now(), self.server.key_ids(), heard);
         }
     }
 
     pub(super) fn accept(&mut self) {
-        let Some(lfd) = self.listener.as_ref().map(AsRawFd::as_raw_fd) else {
+        let Some(lfd) = self.sockets.listener() else {
             return;
         };
         loop {
@@ -172,7 +50,7 @@ impl SameHostTransport {
                     match e.raw_os_error() {
                         Some(libc::EINTR | libc::ECONNABORTED | libc::EPROTO) => continue,
                         Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
-                            self.pause_accepting(&e);
+                            self.sockets.pause_accepting(&e);
                         }
                         _ => {}
                     }
@@ -180,7 +58,7 @@ impl SameHostTransport {
                 }
             };
             let pid = match peer_cred(fd.as_raw_fd()) {
-                Ok((pid, uid)) if uid == self.uid => pid,
+                Ok((pid, uid)) if uid == self.sockets.uid() => pid,
                 _ => {
                     // Another user: closed before anything is held for it (no record, no pidfd,
                     // no buffer, no fork tracking), off this thread and after taking what it
@@ -195,69 +73,27 @@ impl SameHostTransport {
                 close_refused(fd);
                 continue;
             };
-            let (mut served, mut from_pid, mut shaking, mut shaking_pid) = (0, 0, 0, 0);
-            for c in self.conns.values().filter(|c| !c.client) {
-                let mine = c.peer_pid == pid;
-                let unshaken = !c.link.is_ready();
-                served += 1;
-                from_pid += usize::from(mine);
-                shaking += usize::from(unshaken);
-                shaking_pid += usize::from(mine && unshaken);
-            }
-            let refusal = if pid <= 0 {
-                // Our user in another PID namespace: its pid is not ours to see, so nothing can be
-                // copied from it or checked; told so, it takes NIXL.
-                Some("the peer's process is not visible from here (another PID namespace); use NIXL".into())
-            } else if served >= self.caps.served || from_pid >= self.caps.per_pid {
-                Some(format!(
-                    "this process serves {served} same-host connections ({from_pid} from yours) \
-                     already; use NIXL"
-                ))
-            } else if shaking_pid >= MAX_HANDSHAKING_PER_PID || shaking >= MAX_HANDSHAKING {
-                // The handshake window is charged to the process that holds it: its own
-                // connections that have not shaken hands are what keep it out.
-                Some(format!(
-                    "{shaking} same-host connections ({shaking_pid} from yours) have not finished \
-                     their handshake; use NIXL"
-                ))
-            } else {
-                None
-            };
+            let refusal = self.sockets.admission(pid);
             let link = Link::server(identity, pid, self_pid(), Instant::now());
             // The pidfd is taken now, so that the process a later copy checks is the one that
             // connected (a pid freed meanwhile could name another process by the `Hello`).
             let peer = if refusal.is_none() { pidfd(pid) } else { None };
-            let i = self.insert(Conn::new(Tracked::new(fd), link, pid, peer, "".into()));
+            let i = self
+                .sockets
+                .insert(Conn::new(Tracked::new(fd), link, pid, peer, "".into()));
             if let Some(reason) = refusal {
                 self.refused_peers += 1;
-                let c = self.conns.get_mut(&i).expect("just inserted");
+                let c = self.sockets.get_mut(i).expect("just inserted");
                 c.link.reject(reason);
-                self.flush(i);
+                self.sockets.flush(i);
                 self.close(i, &mut Vec::new());
             }
         }
     }
 
-    /// Stops watching the listener for [`ACCEPT_BACKOFF`] (the pending connection stays in the
-    /// backlog): an `accept` that fails for want of descriptors would otherwise wake the engine
-    /// again at once, for as long as the shortage lasts.
-    pub(super) fn pause_accepting(&mut self, e: &io::Error) {
-        let (Some(l), Some(t)) = (&self.listener, &self.accept_timer) else {
-            return;
-        };
-        tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
-        self.reg.remove(l.as_raw_fd());
-        set_timer(t, ACCEPT_BACKOFF);
-    }
-
     /// The back-off timer fired: watch the listener again and take what waits.
     pub(super) fn resume_accepting(&mut self) {
-        if let Some(t) = &self.accept_timer {
-            clear_timer(t);
-        }
-        if let Some(l) = &self.listener {
-            let _ = self.reg.add(l.as_raw_fd(), LISTENER, true, false);
-        }
+        self.sockets.resume_accepting();
         self.accept();
     }
 
@@ -270,7 +106,7 @@ impl SameHostTransport {
         // A connection open to this exact name was made for its advertisement (the fast path of
         // every operation after the first: nothing parsed again).
         if let Some(i) = self.client.conn_to(peer) {
-            if self.conns.get(&i).is_some_and(|c| !c.link.is_dead()) {
+            if self.sockets.get(i).is_some_and(|c| !c.link.is_dead()) {
                 return Ok(i);
             }
         }
@@ -309,8 +145,9 @@ impl SameHostTransport {
         }
         let (pid, peer_uid) = peer_cred(fd.as_raw_fd())
             .map_err(|e| Decline::because("cannot learn who holds the peer's same-host socket", e))?;
-        if peer_uid != self.uid || pid <= 0 {
-            return Err(format!("the peer runs as uid {peer_uid} (this process: {})", self.uid).into());
+        let uid = self.sockets.uid();
+        if peer_uid != uid || pid <= 0 {
+            return Err(format!("the peer runs as uid {peer_uid} (this process: {uid})").into());
         }
         // The process that made the listening socket (what SO_PEERCRED names) must still live:
         // a child that kept the socket without running its engine (a raw `clone()` skips the
@@ -330,7 +167,9 @@ impl SameHostTransport {
             pid,
             Instant::now(),
         );
-        let i = self.insert(Conn::new(fd, link, pid, Some(server), peer.clone()));
+        let i = self
+            .sockets
+            .insert(Conn::new(fd, link, pid, Some(server), peer.clone()));
         if let Err(e) = self.send_hello(i) {
             self.close(i, &mut Vec::new());
             return Err(Decline::because("the same-host handshake failed", e));
@@ -341,8 +180,7 @@ impl SameHostTransport {
 
     /// Closes connection `i`, ending what depended on it.
     pub(super) fn close(&mut self, i: ConnId, out: &mut Vec<Event>) {
-        let Some(c) = self.conns.remove(&i) else { return };
-        self.reg.remove(c.fd.as_raw_fd());
+        let Some(c) = self.sockets.remove(i) else { return };
         // Device mappings opened for this connection are closed (after any copy using them).
         #[cfg(feature = "cuda")]
         ipc::forget(i);
@@ -442,9 +280,9 @@ mod tests {
         let mut answered = 0;
         while answered < frames {
             let mut heard = Vec::new();
-            t.read(i, &mut heard);
+            t.sockets.read(i, t.server.key_ids(), &mut heard);
             turns += 1;
-            let c = t.conns.get_mut(&i).unwrap();
+            let c = t.sockets.get_mut(i).unwrap();
             assert!(!c.link.is_dead(), "{:?}", c.link.death());
             let out = c.link.out().to_vec();
             c.link.sent(out.len());

@@ -39,11 +39,11 @@ impl SameHostTransport {
                 CopyOwner::Read(id) => {
                     let Some(a) = self.client.remove(id) else { continue };
                     let i = a.conn;
-                    let live = self.conns.get(&i).is_some_and(|c| !c.link.is_dead());
+                    let live = self.sockets.get(i).is_some_and(|c| !c.link.is_dead());
                     if let Err(CopyError::Unsupported(reason)) = &r {
                         // Nothing moved: end the grant and let NIXL take the read.
                         if live {
-                            let c = self.conns.get_mut(&i).expect("live");
+                            let c = self.sockets.get_mut(i).expect("live");
                             c.link.read_done(a.slot, a.gen, false, &reason.to_string());
                         }
                         self.free_slot(i, a.slot, a.gen);
@@ -90,7 +90,7 @@ impl SameHostTransport {
                         Err(CopyError::Unsupported(_)) => unreachable!("handled above"),
                     };
                     if live {
-                        let c = self.conns.get_mut(&i).expect("live");
+                        let c = self.sockets.get_mut(i).expect("live");
                         c.link.read_done(a.slot, a.gen, result.is_ok(), "");
                     }
                     self.free_slot(i, a.slot, a.gen);
@@ -113,7 +113,7 @@ impl SameHostTransport {
                                 s.writer = None;
                             }
                         }
-                        if let Some(c) = self.conns.get_mut(&id.conn) {
+                        if let Some(c) = self.sockets.get_mut(id.conn) {
                             c.link.answer(
                                 id.slot,
                                 id.gen,
@@ -151,7 +151,7 @@ impl SameHostTransport {
                             }
                         }
                     }
-                    if let Some(c) = self.conns.get_mut(&id.conn) {
+                    if let Some(c) = self.sockets.get_mut(id.conn) {
                         let reason = match &r {
                             Ok(()) => String::new(),
                             Err(e) => format!("the passive side's copy failed: {e:?}"),

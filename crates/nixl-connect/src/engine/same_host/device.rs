@@ -78,7 +78,7 @@ impl SameHostTransport {
                 let fresh = s.grants.insert(id);
                 let ranges = remote.len();
                 self.server.exports_queued(ranges);
-                if let Some(c) = self.conns.get_mut(&id.conn) {
+                if let Some(c) = self.sockets.get_mut(id.conn) {
                     c.granted += usize::from(fresh);
                     c.exporting += ranges;
                 }
@@ -108,7 +108,7 @@ impl SameHostTransport {
                 cancel: cancel.clone(),
             });
             let state = s.state.clone();
-            let c = self.conns.get(&id.conn).expect("live");
+            let c = self.sockets.get(id.conn).expect("live");
             let (table, peer_pid, pidfd) = (c.slots.clone().expect("ready"), c.peer_pid, c.pidfd.clone());
             let copy = AnyCopy::Device(ipc::Copy {
                 conn: id.conn,
@@ -149,7 +149,7 @@ impl SameHostTransport {
                     result,
                 } => {
                     self.server.exports_ended(ranges);
-                    if let Some(c) = self.conns.get_mut(&id.conn) {
+                    if let Some(c) = self.sockets.get_mut(id.conn) {
                         c.exporting = c.exporting.saturating_sub(ranges);
                     }
                     // Not for a scope another reader completed this turn (its grants go when
@@ -174,7 +174,7 @@ impl SameHostTransport {
                             ))
                         }
                     };
-                    if let Some(c) = self.conns.get_mut(&id.conn) {
+                    if let Some(c) = self.sockets.get_mut(id.conn) {
                         c.link.answer(id.slot, id.gen, answer);
                     }
                 }

@@ -19,7 +19,7 @@ impl SameHostTransport {
             Heard::Req(r) => {
                 if self.server.knows(r.ident) {
                     self.on_req(i, r, out)
-                } else if let Some(c) = self.conns.get_mut(&i) {
+                } else if let Some(c) = self.sockets.get_mut(i) {
                     // Metadata of an agent of the same name elsewhere (another host, an earlier
                     // process): not this connector's to refuse; NIXL will sort it out.
                     c.link.answer(
@@ -35,7 +35,7 @@ impl SameHostTransport {
             Heard::Ready => self.on_ready(i, out),
             Heard::NotLive { key } => self.on_not_live(i, &key, out),
             Heard::Impostor => {
-                let Some(c) = self.conns.get(&i) else { return };
+                let Some(c) = self.sockets.get(i) else { return };
                 // Not the process that made the operation: another one holds the socket name. It
                 // learnt a key hash and a nonce; nothing else is sent, nothing it says is believed.
                 tracing::warn!(
@@ -101,7 +101,7 @@ impl SameHostTransport {
     /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
     /// someone else holds its socket name).
     fn avoid(&mut self, i: ConnId) {
-        let Some(peer) = self.conns.get(&i).map(|c| c.peer.clone()) else {
+        let Some(peer) = self.sockets.get(i).map(|c| c.peer.clone()) else {
             return;
         };
         self.client.avoid(peer, Instant::now());
@@ -111,7 +111,7 @@ impl SameHostTransport {
     /// as a replay (it must not go on to NIXL and read stale memory); nothing was revealed; the
     /// others queued behind it take NIXL, and the connection is opened afresh next time.
     fn on_not_live(&mut self, i: ConnId, key: &str, out: &mut Vec<Event>) {
-        let Some(c) = self.conns.get_mut(&i) else { return };
+        let Some(c) = self.sockets.get_mut(i) else { return };
         let peer = c.peer.clone();
         let queued = std::mem::take(&mut c.queued);
         for id in queued {

@@ -70,6 +70,8 @@ mod seam;
 mod server;
 #[forbid(unsafe_code)]
 mod server_book;
+#[forbid(unsafe_code)]
+mod sockets;
 // The metal floor: the only module of the wing with `unsafe` (each block with its `SAFETY:` line).
 #[allow(unsafe_code)]
 mod sys;

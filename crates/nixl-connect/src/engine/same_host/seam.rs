@@ -7,7 +7,8 @@ use std::time::Duration;
 use super::device::{device_path_refusal, uniform};
 use super::records::{Act, ConnId, Phase};
 use super::server_book::Scope;
-use super::transport::{SameHostTransport, ACCEPT_TIMER, DEADLINE_TIMER, LISTENER};
+use super::sockets::{ACCEPT_TIMER, DEADLINE_TIMER, LISTENER};
+use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::poller::hung_up;
 use crate::engine::stats::EngineStats;
@@ -17,7 +18,7 @@ use crate::state::TransferPath;
 
 impl Transport for SameHostTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
-        if self.listener.is_none() {
+        if self.sockets.listener().is_none() {
             return Ok(());
         }
         let scope = Scope::new(spec.kind, spec.ranges.clone(), spec.state.clone());
@@ -31,7 +32,7 @@ impl Transport for SameHostTransport {
             return;
         };
         for g in s.grants {
-            if let Some(t) = self.conns.get(&g.conn).and_then(|c| c.slots.as_ref()) {
+            if let Some(t) = self.sockets.get(g.conn).and_then(|c| c.slots.as_ref()) {
                 t.revoke(g.slot, g.gen);
             }
             self.ungrant(g.conn);
@@ -80,7 +81,7 @@ impl Transport for SameHostTransport {
                 return;
             }
         };
-        let c = self.conns.get_mut(&i).expect("connected");
+        let c = self.sockets.get_mut(i).expect("connected");
         let Some(slot) = c.free_slots.pop() else {
             out.push(Event::Declined {
                 spec,
@@ -119,13 +120,13 @@ impl Transport for SameHostTransport {
         if ready {
             self.request(id, out);
         } else {
-            self.flush(i);
+            self.sockets.flush(i);
         }
     }
 
     fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
         let Some(a) = self.client.get_mut(id) else { return };
-        let table = self.conns.get(&a.conn).and_then(|c| c.slots.clone());
+        let table = self.sockets.get(a.conn).and_then(|c| c.slots.clone());
         match a.phase {
             Phase::Copying => {
                 // Our own copy thread writes our memory: stop it; its end releases the memory.
@@ -145,7 +146,7 @@ impl Transport for SameHostTransport {
                 a.phase = Phase::Abandoned;
                 let conn = a.conn;
                 if was_queued {
-                    if let Some(c) = self.conns.get_mut(&conn) {
+                    if let Some(c) = self.sockets.get_mut(conn) {
                         c.queued.retain(|q| *q != id);
                     }
                     let a = self.client.remove(id).expect("present");
@@ -178,41 +179,35 @@ impl Transport for SameHostTransport {
                 continue;
             }
             let i: ConnId = token;
-            if !self.conns.contains_key(&i) {
+            if self.sockets.get(i).is_none() {
                 continue;
             }
             event = true;
             if ev & libc::EPOLLOUT as u32 != 0 {
-                self.flush(i);
+                self.sockets.flush(i);
             }
             if ev & libc::EPOLLIN as u32 != 0 || hung_up(ev) {
                 let mut heard = Vec::new();
-                self.read(i, &mut heard);
+                self.sockets.read(i, self.server.key_ids(), &mut heard);
                 for h in heard {
                     self.handle(i, h, out);
                 }
             }
-            self.flush(i);
-            match self.conns.get(&i) {
+            self.sockets.flush(i);
+            match self.sockets.get(i) {
                 Some(c) if c.link.is_dead() => {
                     tracing::debug!(why = ?c.link.death(), "closing a same-host connection");
                     self.close(i, out);
                 }
-                Some(_) => self.watch_deadline(i),
+                Some(_) => self.sockets.watch_deadline(i),
                 None => {}
             }
         }
         event |= self.reap(out);
         self.in_flight.submit();
         // Frames queued this turn (requests, answers, copies' ends), one send per connection.
-        let pending: Vec<ConnId> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| !c.link.out().is_empty() && !c.writing)
-            .map(|(i, _)| *i)
-            .collect();
-        for i in pending {
-            self.flush(i);
+        for i in self.sockets.with_frames_queued() {
+            self.sockets.flush(i);
         }
         event
     }

@@ -19,7 +19,7 @@ impl SameHostTransport {
     /// Server side: the client's `Hello` came with a sealed slot table (checked on receipt);
     /// whether this side may pull from the client (ptrace rules) is known now.
     pub(super) fn on_hello(&mut self, i: ConnId) {
-        let Some(c) = self.conns.get_mut(&i) else { return };
+        let Some(c) = self.sockets.get_mut(i) else { return };
         c.can_pull = c.pidfd.as_deref().is_some_and(cma::may_pull);
     }
 
@@ -39,7 +39,7 @@ impl SameHostTransport {
             data,
             ..
         } = r;
-        let Some(c) = self.conns.get(&i) else { return };
+        let Some(c) = self.sockets.get(i) else { return };
         if !c.link.is_ready() {
             // The connection died after the request was heard (the peer went away, or broke a
             // rule later in the same read): no answer can reach it, so nothing is granted,
@@ -91,7 +91,7 @@ impl SameHostTransport {
             Decision::Grant => {
                 let s = self.server.scope_mut(&key).expect("decided on it");
                 if s.grants.insert(id) {
-                    if let Some(c) = self.conns.get_mut(&i) {
+                    if let Some(c) = self.sockets.get_mut(i) {
                         c.granted += 1;
                     }
                 }
@@ -102,8 +102,8 @@ impl SameHostTransport {
         };
         let sent = match answer {
             Some(a) => self
-                .conns
-                .get_mut(&i)
+                .sockets
+                .get_mut(i)
                 .is_some_and(|c| c.link.answer(slot, gen, a)),
             None => false,
         };
@@ -130,7 +130,7 @@ impl SameHostTransport {
         remote: &[(u64, u64)],
         local: &[(u64, u64)],
     ) -> Option<Answer> {
-        let c = self.conns.get(&id.conn).expect("decided on it");
+        let c = self.sockets.get(id.conn).expect("decided on it");
         let (peer_pid, peer_pidfd, table) = (c.peer_pid, c.pidfd.clone(), c.slots.clone().expect("ready"));
         let key = self.server.key(key).expect("decided on it");
         let s = self.server.scope_mut(&key).expect("decided on it");
@@ -176,7 +176,7 @@ impl SameHostTransport {
 
     /// A read grant of connection `i` ended.
     pub(super) fn ungrant(&mut self, i: ConnId) {
-        if let Some(c) = self.conns.get_mut(&i) {
+        if let Some(c) = self.sockets.get_mut(i) {
             c.granted = c.granted.saturating_sub(1);
         }
     }

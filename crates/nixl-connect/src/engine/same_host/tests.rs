@@ -24,6 +24,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("server_book", 6),
     ("client_book", 6),
     ("in_flight", 6),
+    ("sockets", 6),
     ("policy", 7),
     ("eager", 7),
     ("transport", 8),

@@ -47,7 +47,7 @@ impl Served {
     /// Feeds `bytes` to the connection's core and acts on what it heard, as one turn would.
     fn hear(&mut self, p: &Pair, bytes: &[u8], out: &mut Vec<Event>) {
         let mut heard = Vec::new();
-        let c = self.t.conns.get_mut(&self.i).unwrap();
+        let c = self.t.sockets.get_mut(self.i).unwrap();
         c.link.recv(bytes, 0, p.now, self.t.server.key_ids(), &mut heard);
         for h in heard {
             self.t.handle(self.i, h, out);
@@ -56,7 +56,7 @@ impl Served {
 
     /// The messages queued to the peer since the last call (taken as sent).
     fn answers(&mut self) -> Vec<Msg> {
-        let c = self.t.conns.get_mut(&self.i).unwrap();
+        let c = self.t.sockets.get_mut(self.i).unwrap();
         let bytes = c.link.out().to_vec();
         c.link.sent(bytes.len());
         let mut at = 0;
@@ -165,7 +165,7 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
         let mut sv = served(&mut p, kind(write), range);
         // The kernel lets this side pull (so a request that passed the liveness checks would
         // start a copy), except where the test needs an answer from a request that does.
-        sv.t.conns.get_mut(&sv.i).unwrap().can_pull = case != "write not started";
+        sv.t.sockets.get_mut(sv.i).unwrap().can_pull = case != "write not started";
         let req = |p: &Pair, slot: u32| {
             let mut m = Pair::req(slot, 1, 1, write, Device::Host, 1);
             if let Msg::Req { remote, .. } = &mut m {
@@ -300,7 +300,7 @@ fn server_read_grants_per_connection_are_capped() {
         if device != Device::Host {
             // A connection that holds the cap in grants asks for a device read: the cap is
             // checked before the device path is even considered.
-            sv.t.conns.get_mut(&i).unwrap().granted = MAX_GRANTS_PER_CONN;
+            sv.t.sockets.get_mut(i).unwrap().granted = MAX_GRANTS_PER_CONN;
             ask(&mut sv, &p, 1, &mut out);
             let reason = fallback(&mut sv);
             assert!(reason.contains("grants already"), "{reason}");
@@ -308,7 +308,7 @@ fn server_read_grants_per_connection_are_capped() {
             // read takes NIXL instead of queueing more (before: one export per range of
             // every grant, on an unbounded queue).
             for (conn_full, all_full) in [(true, false), (false, true)] {
-                let c = sv.t.conns.get_mut(&i).unwrap();
+                let c = sv.t.sockets.get_mut(i).unwrap();
                 c.granted = 0;
                 c.exporting = if conn_full { MAX_EXPORTING_PER_CONN } else { 0 };
                 let all = sv.t.server.exporting();
@@ -333,7 +333,7 @@ fn server_read_grants_per_connection_are_capped() {
             sv.t.server.scope(&sv.key).unwrap().grants.len(),
             MAX_GRANTS_PER_CONN
         );
-        assert_eq!(sv.t.conns[&i].granted, MAX_GRANTS_PER_CONN);
+        assert_eq!(sv.t.sockets.get(i).unwrap().granted, MAX_GRANTS_PER_CONN);
 
         // One read ends (its copy failed, so the readable stays live): the next request is
         // granted.
@@ -348,9 +348,9 @@ fn server_read_grants_per_connection_are_capped() {
             &key,
             &mut out,
         );
-        assert_eq!(sv.t.conns[&i].granted, MAX_GRANTS_PER_CONN - 1);
+        assert_eq!(sv.t.sockets.get(i).unwrap().granted, MAX_GRANTS_PER_CONN - 1);
         // Its Done also closes the core's request, which makes room there too.
-        sv.t.conns.get_mut(&i).unwrap().link.recv(
+        sv.t.sockets.get_mut(i).unwrap().link.recv(
             &p.forge(
                 &Msg::Done {
                     slot: 0,

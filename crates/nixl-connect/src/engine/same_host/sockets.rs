@@ -1,0 +1,299 @@
+//! The sockets: the listener, every connection ([`Conn`]) by id, the timers that re-arm the
+//! listener and fire the connections' deadlines, and their place in the engine's poller. It
+//! owns these (private fields): it moves bytes between a socket and its connection's protocol
+//! core and decides who may connect (`admission`); what a connection's end means for the
+//! operations on it is the transport's (`conn.rs`).
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::auth::KeyId;
+use super::limits::{Caps, ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID};
+use super::link::Heard;
+use super::records::{Conn, ConnId};
+use super::sys::slots::SlotTable;
+use super::sys::{
+    clear_timer, close_elsewhere, recv_with_fds, refuse_passed_descriptors, send, set_timer, timerfd, uid,
+    Control, Tracked,
+};
+use super::violation::Violation;
+use crate::engine::poller::{Registrar, MAX_TOKEN};
+
+/// The token of the listening socket in the engine's poller.
+pub(super) const LISTENER: u64 = 0;
+/// The poller token of the timer that re-arms the listener after running out of descriptors.
+pub(super) const ACCEPT_TIMER: u64 = MAX_TOKEN;
+/// The poller token of the timer that fires at the earliest deadline of a connection's core.
+pub(super) const DEADLINE_TIMER: u64 = MAX_TOKEN - 1;
+/// Bytes read from one connection in one engine turn: a few hundred small frames, or a 16 MiB
+/// request in pieces over several turns (its partial frame bounded and timed by the core).
+pub(super) const READ_PER_TURN: usize = 1 << 20;
+
+/// The listener, the connections and their timers.
+pub(super) struct Sockets {
+    listener: Option<Tracked>,
+    reg: Registrar,
+    /// The caps on served connections.
+    caps: Caps,
+    /// This process's uid (peers of another are closed at once).
+    uid: libc::uid_t,
+    conns: HashMap<ConnId, Conn>,
+    next: ConnId,
+    /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
+    /// the listener after `accept` ran out of descriptors, instead of spinning on it.
+    accept_timer: Option<OwnedFd>,
+    /// A timer for the connections' deadlines (handshakes, partial frames), and when it is armed
+    /// to fire.
+    deadline_timer: Option<OwnedFd>,
+    deadline_armed: Option<Instant>,
+}
+
+impl Sockets {
+    /// The sockets of a transport serving on `listener` (none: it serves nothing), watched
+    /// through `reg`, with `caps` on served connections.
+    pub(super) fn new(listener: Option<Tracked>, reg: Registrar, caps: Caps) -> Self {
+        if let Some(l) = &listener {
+            if let Err(e) = reg.add(l.as_raw_fd(), LISTENER, true, false) {
+                tracing::warn!(error = %e, "cannot watch the same-host socket");
+            }
+        }
+        let accept_timer = listener.as_ref().and_then(|_| {
+            let t = timerfd().ok()?;
+            reg.add(t.as_raw_fd(), ACCEPT_TIMER, true, false).ok()?;
+            Some(t)
+        });
+        let deadline_timer = timerfd().ok().and_then(|t| {
+            reg.add(t.as_raw_fd(), DEADLINE_TIMER, true, false).ok()?;
+            Some(t)
+        });
+        Self {
+            listener,
+            reg,
+            caps,
+            uid: uid(),
+            conns: HashMap::new(),
+            next: 1,
+            accept_timer,
+            deadline_timer,
+            deadline_armed: None,
+        }
+    }
+
+    /// The listening socket, when this transport serves.
+    pub(super) fn listener(&self) -> Option<RawFd> {
+        self.listener.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
+    /// This process's uid.
+    pub(super) fn uid(&self) -> libc::uid_t {
+        self.uid
+    }
+
+    /// Connection `i`.
+    pub(super) fn get(&self, i: ConnId) -> Option<&Conn> {
+        self.conns.get(&i)
+    }
+
+    /// Connection `i`, to change.
+    pub(super) fn get_mut(&mut self, i: ConnId) -> Option<&mut Conn> {
+        self.conns.get_mut(&i)
+    }
+
+    /// The ids of every connection.
+    pub(super) fn ids(&self) -> Vec<ConnId> {
+        self.conns.keys().copied().collect()
+    }
+
+    /// The connections with frames queued and no wait for writability armed.
+    pub(super) fn with_frames_queued(&self) -> Vec<ConnId> {
+        self.conns
+            .iter()
+            .filter(|(_, c)| !c.link.out().is_empty() && !c.writing)
+            .map(|(i, _)| *i)
+            .collect()
+    }
+
+    /// Takes `c` in and watches it; its id (never reused, so a late copy or answer can never
+    /// reach another connection).
+    pub(super) fn insert(&mut self, c: Conn) -> ConnId {
+        let id = self.next;
+        self.next += 1;
+        let _ = self.reg.add(c.fd.as_raw_fd(), id, true, false);
+        self.conns.insert(id, c);
+        self.watch_deadline(id);
+        id
+    }
+
+    /// Stops watching connection `i` and hands it back (the caller ends what depended on it).
+    pub(super) fn remove(&mut self, i: ConnId) -> Option<Conn> {
+        let c = self.conns.remove(&i)?;
+        self.reg.remove(c.fd.as_raw_fd());
+        Some(c)
+    }
+
+    /// Why a connection from `pid` (of our user) is not served, if it is not: another PID
+    /// namespace, the served caps (in all, per process), the handshake places (in all, per
+    /// process: the handshake window is charged to the process that holds it).
+    pub(super) fn admission(&self, pid: libc::pid_t) -> Option<String> {
+        let (mut served, mut from_pid, mut shaking, mut shaking_pid) = (0, 0, 0, 0);
+        for c in self.conns.values().filter(|c| !c.client) {
+            let mine = c.peer_pid == pid;
+            let unshaken = !c.link.is_ready();
+            served += 1;
+            from_pid += usize::from(mine);
+            shaking += usize::from(unshaken);
+            shaking_pid += usize::from(mine && unshaken);
+        }
+        if pid <= 0 {
+            // Our user in another PID namespace: its pid is not ours to see, so nothing can be
+            // copied from it or checked; told so, it takes NIXL.
+            Some("the peer's process is not visible from here (another PID namespace); use NIXL".into())
+        } else if served >= self.caps.served || from_pid >= self.caps.per_pid {
+            Some(format!(
+                "this process serves {served} same-host connections ({from_pid} from yours) \
+                 already; use NIXL"
+            ))
+        } else if shaking_pid >= MAX_HANDSHAKING_PER_PID || shaking >= MAX_HANDSHAKING {
+            Some(format!(
+                "{shaking} same-host connections ({shaking_pid} from yours) have not finished \
+                 their handshake; use NIXL"
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// Arms the deadline timer for connection `i`'s core, if it has a deadline sooner than the
+    /// one armed.
+    pub(super) fn watch_deadline(&mut self, i: ConnId) {
+        let Some(t) = self.conns.get(&i).and_then(|c| c.link.deadline()) else {
+            return;
+        };
+        if self.deadline_armed.is_some_and(|a| a <= t) {
+            return;
+        }
+        if let Some(fd) = &self.deadline_timer {
+            set_timer(fd, t.saturating_duration_since(Instant::now()));
+            self.deadline_armed = Some(t);
+        }
+    }
+
+    /// The deadline timer fired: it is disarmed (the caller times every core out and watches
+    /// the deadlines of those left).
+    pub(super) fn deadline_fired(&mut self) {
+        if let Some(t) = &self.deadline_timer {
+            clear_timer(t);
+        }
+        self.deadline_armed = None;
+    }
+
+    /// Stops watching the listener for [`ACCEPT_BACKOFF`] (the pending connection stays in the
+    /// backlog): an `accept` that fails for want of descriptors would otherwise wake the engine
+    /// again at once, for as long as the shortage lasts.
+    pub(super) fn pause_accepting(&mut self, e: &io::Error) {
+        let (Some(l), Some(t)) = (&self.listener, &self.accept_timer) else {
+            return;
+        };
+        tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
+        self.reg.remove(l.as_raw_fd());
+        set_timer(t, ACCEPT_BACKOFF);
+    }
+
+    /// The back-off timer fired: the listener is watched again (the caller accepts what waits).
+    pub(super) fn resume_accepting(&mut self) {
+        if let Some(t) = &self.accept_timer {
+            clear_timer(t);
+        }
+        if let Some(l) = &self.listener {
+            let _ = self.reg.add(l.as_raw_fd(), LISTENER, true, false);
+        }
+    }
+
+    /// Sends what connection `i`'s core has queued; watches for writability if the socket is
+    /// full.
+    pub(super) fn flush(&mut self, i: ConnId) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
+        while !c.link.out().is_empty() {
+            let sent = send(c.fd.as_raw_fd(), c.link.out());
+            if let Ok(n @ 1..) = sent {
+                c.link.sent(n);
+            } else {
+                let e = sent.err().unwrap_or_else(|| io::ErrorKind::WriteZero.into());
+                if e.kind() != io::ErrorKind::WouldBlock {
+                    c.link.hang_up(Violation::SocketFailed);
+                    c.link.sent(usize::MAX);
+                }
+                break;
+            }
+        }
+        let want = !c.link.out().is_empty() && !c.link.is_dead();
+        if want != c.writing {
+            c.writing = want;
+            let _ = self.reg.modify(c.fd.as_raw_fd(), i, true, want);
+        }
+    }
+
+    /// Reads what is available on connection `i` into its core, at most [`READ_PER_TURN`] bytes
+    /// (the rest waits for the next turn: the socket stays readable), so that a peer that keeps
+    /// its socket full neither holds the engine thread nor makes `heard` grow without bound; what
+    /// the core proved (requests resolved through `key_ids`) goes to `heard`. A descriptor is
+    /// taken only where the core takes one (the client's slot table, with its `Hello`), and only
+    /// if it is a sealed table of the right size; every other one is closed off this thread.
+    pub(super) fn read(&mut self, i: ConnId, key_ids: &HashMap<KeyId, Arc<str>>, heard: &mut Vec<Heard>) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
+        let mut chunk = [0u8; 64 << 10];
+        let mut control = Control::new();
+        let mut budget = READ_PER_TURN;
+        while !c.link.is_dead() && budget > 0 {
+            let mut fds = Vec::new();
+            let (n, truncated) = match recv_with_fds(c.fd.as_raw_fd(), &mut chunk, &mut control, &mut fds) {
+                Ok((0, _)) => {
+                    c.link.hang_up(Violation::PeerClosed);
+                    return;
+                }
+                Ok(r) => r,
+                Err(e) => {
+                    if e.kind() != io::ErrorKind::WouldBlock {
+                        c.link.hang_up(Violation::PeerClosed);
+                    }
+                    return;
+                }
+            };
+            budget = budget.saturating_sub(n);
+            if truncated {
+                // Descriptors were cut off (more than a message takes, or our table was full and
+                // the kernel closed them): never what an honest peer sends.
+                fds.into_iter().for_each(close_elsewhere);
+                c.link.kill(Violation::ControlTruncated);
+                return;
+            }
+            let passed = fds.len();
+            if passed > 0 {
+                if passed == 1 && c.link.takes_descriptors() {
+                    // The slot table: checked (sealed memfd first, without touching any other
+                    // kind of file) before anything else; from now on no descriptor is taken.
+                    refuse_passed_descriptors(c.fd.as_raw_fd());
+                    let fd = fds.pop().expect("one");
+                    if SlotTable::check(&fd).is_err() {
+                        close_elsewhere(fd);
+                        c.link.kill(Violation::NotATable);
+                        return;
+                    }
+                    match SlotTable::open(fd) {
+                        Ok(t) => c.slots = Some(Arc::new(t)),
+                        Err(_) => {
+                            c.link.kill(Violation::TableUnmappable);
+                            return;
+                        }
+                    }
+                } else {
+                    fds.into_iter().for_each(close_elsewhere);
+                }
+            }
+            c.link.recv(&chunk[..n], passed, Instant::now(), key_ids, heard);
+        }
+    }
+}
