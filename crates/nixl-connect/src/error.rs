@@ -632,13 +632,20 @@ impl Error {
         }
     }
 
-    /// An [`Error::CudaUnavailable`] for `reason`, with the driver's error when there is one.
     /// An [`Error::Channel`] with no underlying error.
+    #[cfg_attr(
+        not(any(feature = "http", feature = "nats", feature = "etcd")),
+        allow(dead_code)
+    )]
     pub(crate) fn channel(message: impl Into<String>) -> Self {
         Error::Channel(ChannelError::new(message))
     }
 
     /// An [`Error::Channel`] caused by `source` while doing `what`.
+    #[cfg_attr(
+        not(any(feature = "http", feature = "nats", feature = "etcd")),
+        allow(dead_code)
+    )]
     pub(crate) fn channel_from(
         what: impl Into<String>,
         source: impl std::error::Error + Send + Sync + 'static,
@@ -647,10 +654,15 @@ impl Error {
     }
 
     /// An [`Error::Channel`] caused by `source` (already shared or boxed) while doing `what`.
+    #[cfg_attr(
+        not(any(feature = "http", feature = "nats", feature = "etcd")),
+        allow(dead_code)
+    )]
     pub(crate) fn channel_shared(what: impl Into<String>, source: ErrorSource) -> Self {
         Error::Channel(ChannelError::shared(what, source))
     }
 
+    /// An [`Error::CudaUnavailable`] for `reason`, with the driver's error when there is one.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn cuda_unavailable(reason: impl Into<String>, source: Option<ErrorSource>) -> Self {
         Error::CudaUnavailable {

@@ -2,7 +2,7 @@
 //! handle by which memory keeps a transport's registration of it alive.
 //!
 //! Buffers, descriptors and operations hold [`RegToken`]s without knowing which transport made
-//! them; the transport (today NIXL) implements [`Registration`] and learns of the last drop
+//! them; the transport (today NIXL) implements [`Registered`] and learns of the last drop
 //! through its own type's `Drop`. Nothing here imports anything above it.
 
 use std::any::Any;
@@ -23,7 +23,7 @@ pub(crate) struct Range {
 pub(crate) type Hold = Box<dyn Send>;
 
 /// A transport's registration of memory, as the memory's owner sees it.
-pub(crate) trait Registration: Send + Sync + Any {
+pub(crate) trait Registered: Send + Sync + Any {
     /// True when peers may have been told about this memory (an exposure, not an initiator's
     /// private registration).
     fn exposed(&self) -> bool;
@@ -36,11 +36,11 @@ pub(crate) trait Registration: Send + Sync + Any {
 
 /// Keeps one registration alive; the last clone's drop ends it (the transport deregisters).
 #[derive(Clone)]
-pub(crate) struct RegToken(Arc<dyn Registration>);
+pub(crate) struct RegToken(Arc<dyn Registered>);
 
 impl RegToken {
     /// Wraps a transport's registration.
-    pub(crate) fn new(reg: Arc<dyn Registration>) -> Self {
+    pub(crate) fn new(reg: Arc<dyn Registered>) -> Self {
         Self(reg)
     }
 
@@ -54,12 +54,12 @@ impl RegToken {
         Arc::as_ptr(&self.0) as *const () as usize
     }
 
-    /// See [`Registration::exposed`].
+    /// See [`Registered::exposed`].
     pub(crate) fn exposed(&self) -> bool {
         self.0.exposed()
     }
 
-    /// See [`Registration::quarantine`].
+    /// See [`Registered::quarantine`].
     pub(crate) fn quarantine(&self, memory: Hold, bytes: usize) {
         self.0.quarantine(memory, bytes)
     }
@@ -87,7 +87,7 @@ mod tests {
     use super::*;
 
     struct Dummy;
-    impl Registration for Dummy {
+    impl Registered for Dummy {
         fn exposed(&self) -> bool {
             false
         }

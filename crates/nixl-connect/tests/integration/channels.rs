@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 use nixl_connect::channel::http::{self, HttpChannel};
 use nixl_connect::{Connector, Descriptor, Error, RdmaMetadata};
 
+use super::support::free_port;
+
 const T: Duration = Duration::from_secs(30);
 
 async fn readable_and_reader(a: &Connector) -> (nixl_connect::ReadableOperation<'static>, RdmaMetadata) {
@@ -108,15 +110,6 @@ async fn channel_http_fetch_is_bounded() {
     );
     let e = http::fetch("ftp://example/x", T).await.unwrap_err();
     assert!(matches!(e, Error::Channel(_)), "{e}");
-}
-
-/// A TCP port free on loopback right now.
-pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 // ---------------------------------------------------------------- NATS

@@ -12,9 +12,8 @@ use std::time::{Duration, Instant};
 use nixl_connect::channel::etcd::{EtcdChannel, LEASE_TTL};
 use nixl_connect::{Connector, Descriptor, Error, RdmaMetadata};
 
-use super::channels::free_port;
 use super::local::Netns;
-use super::support::{pattern, runtime, tcp_tls, Peer, PEER_ENV};
+use super::support::{free_port, pattern, runtime, tcp_tls, Peer, PEER_ENV};
 
 const T: Duration = Duration::from_secs(10);
 const LEN: usize = 1 << 20;

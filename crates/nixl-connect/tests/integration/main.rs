@@ -1,6 +1,7 @@
 //! The library's one integration-test binary: every test here runs against the real NIXL library
 //! (installed by `bash scripts/setup.sh`), never a mock.
 
+#[cfg(any(feature = "http", feature = "nats"))]
 mod channels;
 mod core;
 #[cfg(feature = "etcd")]

@@ -184,3 +184,13 @@ impl Drop for Peer {
         let _ = self.child.wait();
     }
 }
+
+/// A TCP port free on loopback right now.
+#[cfg_attr(not(any(feature = "http", feature = "nats", feature = "etcd")), allow(dead_code))]
+pub(crate) fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -285,7 +285,7 @@ pub(crate) fn nixl_err(op: &'static str, e: NixlError) -> Error {
 }
 
 /// A memory registration; deregistered when dropped (before its agent: the owner sees to it).
-pub(crate) struct Registration {
+pub(crate) struct AgentRegistration {
     _handle: RegistrationHandle,
 }
 
@@ -387,7 +387,7 @@ impl NixlAgent {
     }
 
     /// Registers one range.
-    pub(crate) fn register(&self, r: Range) -> Result<Registration> {
+    pub(crate) fn register(&self, r: Range) -> Result<AgentRegistration> {
         let desc = RawRegion {
             addr: r.addr,
             len: r.len,
@@ -398,7 +398,7 @@ impl NixlAgent {
             .agent
             .register_memory(&desc, None)
             .map_err(|e| nixl_err("register memory", e))?;
-        Ok(Registration { _handle: handle })
+        Ok(AgentRegistration { _handle: handle })
     }
 
     /// This agent's metadata restricted to `regs` (exactly registered ranges): the connection

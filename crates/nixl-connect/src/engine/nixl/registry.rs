@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 
-use super::ffi::{NixlAgent, Registration};
+use super::ffi::{AgentRegistration, NixlAgent};
 use crate::engine::cmd::Mailbox;
 use crate::engine::stats::EngineStats;
 use crate::error::Result;
@@ -25,7 +25,7 @@ pub(super) struct RegEntry {
     pub(super) range: Range,
     pub(super) id: u64,
     pub(super) token: Weak<RegInner>,
-    pub(super) _reg: Registration,
+    pub(super) _reg: AgentRegistration,
 }
 
 pub(super) fn key_of(r: &Range) -> (u8, u32, usize, usize) {
@@ -150,7 +150,7 @@ pub(super) struct RegInner {
     pub(super) id: u64,
 }
 
-impl reg::Registration for RegInner {
+impl reg::Registered for RegInner {
     fn exposed(&self) -> bool {
         self.side == Side::Exposer
     }
