@@ -186,7 +186,10 @@ impl Drop for Peer {
 }
 
 /// A TCP port free on loopback right now.
-#[cfg_attr(not(any(feature = "http", feature = "nats", feature = "etcd")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "http", feature = "nats", feature = "etcd")),
+    allow(dead_code)
+)]
 pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
