@@ -77,6 +77,46 @@ fn same_host_path() -> Check {
     optional(c)
 }
 
+/// Whether same-host peers in other network namespaces (pods on this node) can reach this
+/// process's connectors: the socket directory both must share (`NIXL_CONNECT_SOCKET_DIR`), and
+/// whether a connector serves there now.
+fn socket_dir() -> Check {
+    let Some(dir) = std::env::var_os("NIXL_CONNECT_SOCKET_DIR").filter(|v| !v.is_empty()) else {
+        return check(
+            "socket directory",
+            "info",
+            "not set: Rust peers in another network namespace (another pod) are reached through NIXL",
+            Some("set NIXL_CONNECT_SOCKET_DIR to a directory every worker on the node mounts (see docs/KUBERNETES.md)"),
+        );
+    };
+    let dir = std::path::PathBuf::from(dir);
+    let served = Connector::new().ok().and_then(|c| {
+        let stem = c.name().rsplit_once(".nxc1-").map(|(_, fp)| format!("nxc1-{fp}.sock"))?;
+        // SAFETY: getuid cannot fail.
+        let uid = unsafe { libc::getuid() };
+        let path = dir.join(format!("nixl-connect.{uid}")).join(stem);
+        Some((path.exists(), path))
+    });
+    match served {
+        Some((true, path)) => check(
+            "socket directory",
+            "ok",
+            format!(
+                "{}: a connector serves at {} (peers sharing the directory reach it across network namespaces)",
+                dir.display(),
+                path.display()
+            ),
+            None,
+        ),
+        _ => check(
+            "socket directory",
+            "warn",
+            format!("{}: no connector could serve there (see the log line `cannot serve same-host peers through the socket directory`)", dir.display()),
+            Some("the directory must be writable, and its nixl-connect.<uid> folder this user's with mode 0700; keep the path under ~60 bytes"),
+        ),
+    }
+}
+
 /// The NIXL version next to the library: `.nixl/VERSION` from scripts/setup.sh, or the wheel's
 /// dist-info folder name in site-packages.
 fn nixl_version(lib: &Path) -> String {
@@ -291,6 +331,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         }
     }
     checks.push(same_host_path());
+    checks.push(optional(socket_dir()));
     checks.push(optional(cuda()));
     checks.push(device_paths());
     checks.push(optional(huge_pages()));

@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::descriptor::{Descriptor, Descriptors};
@@ -56,6 +57,7 @@ pub struct ConnectorBuilder {
     cancel_grace: Duration,
     deregister_on_completion: bool,
     quarantine_limit: usize,
+    socket_dir: Option<PathBuf>,
 }
 
 /// How much given-up exposed memory a connector holds back, by default, before it replaces its
@@ -82,6 +84,7 @@ impl Default for ConnectorBuilder {
             cancel_grace: DEFAULT_CANCEL_GRACE,
             deregister_on_completion: false,
             quarantine_limit: DEFAULT_QUARANTINE_LIMIT,
+            socket_dir: None,
         }
     }
 }
@@ -128,6 +131,22 @@ impl ConnectorBuilder {
     /// notifications to shared memory at the cost of peer-failure detection).
     pub fn ucx_param(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.ucx_params.push((key.into(), value.into()));
+        self
+    }
+
+    /// A directory shared with same-host peers that share no network namespace with this process
+    /// (pods on one node mounting one volume, each in its own namespace): this connector's
+    /// same-host socket is also a file there, and peers' are looked for there when their abstract
+    /// socket cannot be reached. Default: the environment's `NIXL_CONNECT_SOCKET_DIR`, else none
+    /// (abstract sockets only, as before).
+    ///
+    /// The connector keeps its sockets in a folder of its user's own inside it
+    /// (`nixl-connect.<uid>`, mode 0700, made if missing, refused if it is anything else), each
+    /// named from the connector's identity and removed when the connector goes; sockets that dead
+    /// processes left there are removed by the next connector to start. The path must be short
+    /// enough for a Unix socket address (about 60 bytes with the names added).
+    pub fn socket_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.socket_dir = Some(dir.into());
         self
     }
 
@@ -232,6 +251,11 @@ impl ConnectorBuilder {
                 cancel_grace: self.cancel_grace,
                 deregister_on_completion: self.deregister_on_completion,
                 quarantine_limit: self.quarantine_limit,
+                socket_dir: self.socket_dir.or_else(|| {
+                    std::env::var_os("NIXL_CONNECT_SOCKET_DIR")
+                        .filter(|v| !v.is_empty())
+                        .map(PathBuf::from)
+                }),
             },
         )?;
         Ok(Connector {

@@ -136,6 +136,8 @@ pub(crate) struct EngineOptions {
     pub(crate) cancel_grace: Duration,
     pub(crate) deregister_on_completion: bool,
     pub(crate) quarantine_limit: usize,
+    /// A directory shared with same-host peers in other network namespaces, if any.
+    pub(crate) socket_dir: Option<std::path::PathBuf>,
 }
 
 /// A handle to a connector's engine thread.
@@ -181,6 +183,18 @@ impl Engine {
             let (name, listener) = bind_unique(&base, &id)?;
             (name, listener.map(|l| (l, Arc::new(id))))
         };
+        // The same socket as a file in the shared directory, for peers in other network
+        // namespaces (it needs the identity its name is made from).
+        let dir_listener = match (&opts.socket_dir, &listener) {
+            (Some(dir), Some((_, id))) => match same_host::listen_in(dir, &id.stem()) {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot serve same-host peers through the socket directory");
+                    None
+                }
+            },
+            _ => None,
+        };
         let o = opts.clone();
         Self::launch(
             name,
@@ -203,8 +217,14 @@ impl Engine {
                 )?;
                 let seat = seats.take()?;
                 let local = seat.id;
-                let local_transport =
-                    SameHostTransport::new(o.path != PathPolicy::Nixl, listener, seat.registrar, seat.waker);
+                let local_transport = SameHostTransport::new(
+                    o.path != PathPolicy::Nixl,
+                    listener,
+                    dir_listener,
+                    o.socket_dir.clone(),
+                    seat.registrar,
+                    seat.waker,
+                );
                 let chain = match o.path {
                     PathPolicy::Auto => vec![local, nixl],
                     PathPolicy::Nixl => vec![nixl],

@@ -341,7 +341,9 @@ fn local_network_namespaces_take_nixl() {
     );
 }
 
-/// Two namespaces made for one test, removed when dropped.
+/// Two namespaces made for one test, removed when dropped. Their names come from this process's
+/// id, so the tests that make them take turns (one `Netns` at a time in a process: tests running
+/// in parallel used to collide on the names, and the second skipped without a word).
 pub(crate) struct Netns {
     pub(crate) a: String,
     pub(crate) b: String,
@@ -349,7 +351,11 @@ pub(crate) struct Netns {
     pub(crate) dev_b: String,
     pub(crate) ip_a: String,
     pub(crate) ip_b: String,
+    _turn: std::sync::MutexGuard<'static, ()>,
 }
+
+/// Whose turn it is to have namespaces.
+static NETNS_TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Netns {
     pub(crate) fn ip(args: &[&str]) -> Result<(), String> {
@@ -368,8 +374,11 @@ impl Netns {
         }
     }
 
-    /// Makes the namespaces, or prints why it cannot and returns `None`.
+    /// Makes the namespaces (waiting for the test that has them now), or prints why it cannot
+    /// and returns `None`: only where this process may not (not root); as root a failure is the
+    /// test's.
     pub(crate) fn make() -> Option<Self> {
+        let turn = NETNS_TURN.lock().unwrap_or_else(|e| e.into_inner());
         let id = std::process::id() % 100_000;
         let n = Netns {
             a: format!("nxc-a-{id}"),
@@ -378,6 +387,7 @@ impl Netns {
             dev_b: format!("nxb{id}"),
             ip_a: format!("10.251.{}.1", id % 250),
             ip_b: format!("10.251.{}.2", id % 250),
+            _turn: turn,
         };
         // One `ip` command a line (every name and address here is free of spaces).
         let steps = [
@@ -396,6 +406,9 @@ impl Netns {
         for s in &steps {
             let args: Vec<&str> = s.split_whitespace().collect();
             if let Err(e) = Self::ip(&args) {
+                // SAFETY: geteuid cannot fail.
+                let euid = unsafe { libc::geteuid() };
+                assert!(euid != 0, "cannot make network namespaces as root: {e}");
                 println!("skipped: cannot make network namespaces ({e})");
                 return None; // Drop removes what was made
             }

@@ -13,6 +13,7 @@ use super::link::Link;
 use super::records::{Conn, ConnId, Phase};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
+use super::sys::dir::{connect_path, socket_path};
 use super::sys::{
     accept, close_refused, connect, peer_cred, pidfd, refuse_passed_descriptors, self_pid, socket_name,
     unix_socket, Tracked,
@@ -39,10 +40,15 @@ impl SameHostTransport {
         }
     }
 
+    /// Accepts what waits on every listener (the abstract socket, the one in the shared
+    /// directory).
     pub(super) fn accept(&mut self) {
-        let Some(lfd) = self.sockets.listener() else {
-            return;
-        };
+        for lfd in self.sockets.listeners() {
+            self.accept_from(lfd);
+        }
+    }
+
+    fn accept_from(&mut self, lfd: std::os::fd::RawFd) {
         loop {
             let fd = match accept(lfd) {
                 Ok(fd) => fd,
@@ -136,18 +142,19 @@ impl SameHostTransport {
         key: &Arc<str>,
         expect: identity::Fingerprint,
     ) -> std::result::Result<ConnId, Decline> {
-        let fd = unix_socket().map_err(|e| Decline::because("cannot open a same-host socket", e))?;
-        // The server never passes descriptors; the kernel refuses any it tries (where it can).
-        refuse_passed_descriptors(fd.as_raw_fd());
-        let fd = Tracked::new(fd);
-        if let Err(e) = connect(fd.as_raw_fd(), &socket_name(peer)) {
-            return Err(Decline::because("no same-host socket for this peer", e));
-        }
+        let fd = self.dial(peer, &expect)?;
         let (pid, peer_uid) = peer_cred(fd.as_raw_fd())
             .map_err(|e| Decline::because("cannot learn who holds the peer's same-host socket", e))?;
         let uid = self.sockets.uid();
-        if peer_uid != uid || pid <= 0 {
+        if peer_uid != uid {
             return Err(format!("the peer runs as uid {peer_uid} (this process: {uid})").into());
+        }
+        if pid <= 0 {
+            // Found through the shared directory, from another PID namespace: its pid is not
+            // ours to see, so nothing can be copied from or to it by process.
+            return Err("the peer's process is in another PID namespace (its pid is not visible from \
+                        here): the same-host path cannot copy across it yet"
+                .into());
         }
         // The process that made the listening socket (what SO_PEERCRED names) must still live:
         // a child that kept the socket without running its engine (a raw `clone()` skips the
@@ -176,6 +183,33 @@ impl SameHostTransport {
         }
         self.client.connected(peer.clone(), i);
         Ok(i)
+    }
+
+    /// A socket connected to `peer`'s: its abstract socket (this network namespace), else its
+    /// socket file in the shared directory (named from the identity it advertises, `expect`).
+    fn dial(&self, peer: &Arc<str>, expect: &identity::Fingerprint) -> std::result::Result<Tracked, Decline> {
+        let open = || {
+            let fd = unix_socket().map_err(|e| Decline::because("cannot open a same-host socket", e))?;
+            // The server never passes descriptors; the kernel refuses any it tries (where it can).
+            refuse_passed_descriptors(fd.as_raw_fd());
+            Ok::<_, Decline>(Tracked::new(fd))
+        };
+        let fd = open()?;
+        let abstract_err = match connect(fd.as_raw_fd(), &socket_name(peer)) {
+            Ok(()) => return Ok(fd),
+            Err(e) => e,
+        };
+        let Some(dir) = &self.socket_dir else {
+            return Err(Decline::because("no same-host socket for this peer", abstract_err));
+        };
+        let fd = open()?;
+        match connect_path(fd.as_raw_fd(), &socket_path(dir, &identity::stem(expect))) {
+            Ok(()) => Ok(fd),
+            Err(e) => Err(Decline::because(
+                "no same-host socket for this peer, in this network namespace or the socket directory",
+                e,
+            )),
+        }
     }
 
     /// Closes connection `i`, ending what depended on it.

@@ -82,6 +82,11 @@ impl Identity {
         format!("{name}{MARK}{}", hex(&self.fingerprint))
     }
 
+    /// The name of this identity's socket in a shared directory ([`stem`]).
+    pub(crate) fn stem(&self) -> String {
+        stem(&self.fingerprint)
+    }
+
     /// The server's signed `Welcome`: its public key and a signature over the client's nonce, both
     /// pids and the Welcome's proof (or its absence).
     pub(crate) fn sign_welcome(
@@ -94,6 +99,12 @@ impl Identity {
         let m = welcome_message(nonce, client_pid, server_pid, proof);
         (self.public, self.key.sign(&m).to_bytes())
     }
+}
+
+/// The name of the socket, in a shared directory, of the connector whose agent name advertises
+/// `f`: `nxc1-<32 hex digits>`.
+pub(crate) fn stem(f: &Fingerprint) -> String {
+    format!("nxc1-{}", hex(f))
 }
 
 /// The fingerprint of `public`.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::device::{device_path_refusal, uniform};
 use super::records::{Act, ConnId, Phase};
 use super::server_book::Scope;
-use super::sockets::{ACCEPT_TIMER, DEADLINE_TIMER, LISTENER};
+use super::sockets::{ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
 use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::poller::hung_up;
@@ -163,7 +163,7 @@ impl Transport for SameHostTransport {
     fn progress(&mut self, ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
         let mut event = self.reap(out);
         for &(token, ev) in ready {
-            if token == LISTENER {
+            if token == LISTENER || token == DIR_LISTENER {
                 self.accept();
                 event = true;
                 continue;

@@ -14,6 +14,7 @@ use super::auth::KeyId;
 use super::limits::{Caps, ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID};
 use super::link::Heard;
 use super::records::{Conn, ConnId};
+use super::sys::dir::DirListener;
 use super::sys::slots::SlotTable;
 use super::sys::{
     clear_timer, close_elsewhere, recv_with_fds, refuse_passed_descriptors, send, set_timer, timerfd, uid,
@@ -24,6 +25,8 @@ use crate::engine::poller::{Registrar, MAX_TOKEN};
 
 /// The token of the listening socket in the engine's poller.
 pub(super) const LISTENER: u64 = 0;
+/// The token of the listening socket in the shared directory.
+pub(super) const DIR_LISTENER: u64 = MAX_TOKEN - 2;
 /// The poller token of the timer that re-arms the listener after running out of descriptors.
 pub(super) const ACCEPT_TIMER: u64 = MAX_TOKEN;
 /// The poller token of the timer that fires at the earliest deadline of a connection's core.
@@ -35,6 +38,8 @@ pub(super) const READ_PER_TURN: usize = 1 << 20;
 /// The listener, the connections and their timers.
 pub(super) struct Sockets {
     listener: Option<Tracked>,
+    /// The same socket as a file in the shared directory, if there is one.
+    dir: Option<DirListener>,
     reg: Registrar,
     /// The caps on served connections.
     caps: Caps,
@@ -52,12 +57,17 @@ pub(super) struct Sockets {
 }
 
 impl Sockets {
-    /// The sockets of a transport serving on `listener` (none: it serves nothing), watched
-    /// through `reg`, with `caps` on served connections.
-    pub(super) fn new(listener: Option<Tracked>, reg: Registrar, caps: Caps) -> Self {
+    /// The sockets of a transport serving on `listener` (none: it serves nothing) and on `dir`
+    /// (in a shared directory), watched through `reg`, with `caps` on served connections.
+    pub(super) fn new(listener: Option<Tracked>, dir: Option<DirListener>, reg: Registrar, caps: Caps) -> Self {
         if let Some(l) = &listener {
             if let Err(e) = reg.add(l.as_raw_fd(), LISTENER, true, false) {
                 tracing::warn!(error = %e, "cannot watch the same-host socket");
+            }
+        }
+        if let Some(d) = &dir {
+            if let Err(e) = reg.add(d.fd(), DIR_LISTENER, true, false) {
+                tracing::warn!(error = %e, "cannot watch the same-host socket in the socket directory");
             }
         }
         let accept_timer = listener.as_ref().and_then(|_| {
@@ -71,6 +81,7 @@ impl Sockets {
         });
         Self {
             listener,
+            dir,
             reg,
             caps,
             uid: uid(),
@@ -85,6 +96,11 @@ impl Sockets {
     /// The listening socket, when this transport serves.
     pub(super) fn listener(&self) -> Option<RawFd> {
         self.listener.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
+    /// Every listening socket: the abstract one and the one in the shared directory.
+    pub(super) fn listeners(&self) -> Vec<RawFd> {
+        self.listener().into_iter().chain(self.dir.as_ref().map(DirListener::fd)).collect()
     }
 
     /// This process's uid.
@@ -194,11 +210,13 @@ impl Sockets {
     /// backlog): an `accept` that fails for want of descriptors would otherwise wake the engine
     /// again at once, for as long as the shortage lasts.
     pub(super) fn pause_accepting(&mut self, e: &io::Error) {
-        let (Some(l), Some(t)) = (&self.listener, &self.accept_timer) else {
+        let Some(t) = &self.accept_timer else {
             return;
         };
         tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
-        self.reg.remove(l.as_raw_fd());
+        for l in self.listeners() {
+            self.reg.remove(l);
+        }
         set_timer(t, ACCEPT_BACKOFF);
     }
 
@@ -209,6 +227,9 @@ impl Sockets {
         }
         if let Some(l) = &self.listener {
             let _ = self.reg.add(l.as_raw_fd(), LISTENER, true, false);
+        }
+        if let Some(d) = &self.dir {
+            let _ = self.reg.add(d.fd(), DIR_LISTENER, true, false);
         }
     }
 

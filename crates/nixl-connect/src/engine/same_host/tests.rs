@@ -18,6 +18,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("sys/slots", 1),
     ("sys/cma", 2),
     ("sys/mem", 1),
+    ("sys/dir", 1),
     ("sys/ipc", 3),
     ("sys/staged", 4),
     ("records", 5),

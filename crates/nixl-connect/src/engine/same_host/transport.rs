@@ -4,6 +4,7 @@
 //! on it (`server`), the client (`client`), copies (`copies`), device memory (`device`), frame
 //! dispatch (`dispatch`) and the engine's seam (`seam`); its limits are in `limits`.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::client_book::ClientBook;
@@ -12,6 +13,7 @@ use super::in_flight::InFlight;
 use super::limits::Caps;
 use super::server_book::ServerBook;
 use super::sockets::Sockets;
+use super::sys::dir::DirListener;
 use super::sys::{descriptor_budget, raise_descriptor_limit, Tracked};
 use crate::engine::poller::{Registrar, Waker};
 
@@ -19,6 +21,9 @@ use crate::engine::poller::{Registrar, Waker};
 pub(crate) struct SameHostTransport {
     /// Whether active operations try this path.
     pub(super) enabled: bool,
+    /// The directory shared with peers in other network namespaces, where their sockets are
+    /// looked for when their abstract one cannot be reached.
+    pub(super) socket_dir: Option<PathBuf>,
     /// The identity this connector's agent name advertises, proven to every client (none when
     /// it serves no socket).
     pub(super) identity: Option<Arc<Identity>>,
@@ -47,10 +52,13 @@ impl Drop for SameHostTransport {
 
 impl SameHostTransport {
     /// A transport serving on `listener` as `identity` (none: this connector cannot be reached on
-    /// this path) and, when `enabled`, trying it for active operations.
+    /// this path), and on `dir_listener` in the shared `socket_dir` if there is one, and, when
+    /// `enabled`, trying it for active operations (looking in `socket_dir` too).
     pub(crate) fn new(
         enabled: bool,
         listener: Option<(Tracked, Arc<Identity>)>,
+        dir_listener: Option<DirListener>,
+        socket_dir: Option<PathBuf>,
         reg: Registrar,
         waker: Waker,
     ) -> Self {
@@ -59,8 +67,9 @@ impl SameHostTransport {
         let caps = Caps::for_budget(descriptor_budget());
         Self {
             enabled,
+            socket_dir,
             identity,
-            sockets: Sockets::new(listener, reg, caps),
+            sockets: Sockets::new(listener, dir_listener, reg, caps),
             server: ServerBook::default(),
             client: ClientBook::default(),
             in_flight: InFlight::new(waker),
@@ -80,7 +89,7 @@ impl SameHostTransport {
         p: &mut super::link::fuzz::Pair,
     ) -> (Self, super::records::ConnId, std::os::unix::net::UnixStream) {
         let id = crate::engine::transport::TransportId::nth(0).expect("the first id");
-        let mut t = Self::new(false, None, poller.registrar_for(id), poller.waker());
+        let mut t = Self::new(false, None, None, None, poller.registrar_for(id), poller.waker());
         t.identity = Some(Arc::new(Identity::from_seed(super::link::fuzz::SERVER_SEED)));
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
         ours.set_nonblocking(true).expect("non-blocking");

@@ -6,9 +6,11 @@
 //! - [`mem`]: raw copies between this process's memory and byte vectors (small operations);
 //! - [`slots`]: the slot table, a sealed memfd both processes map;
 //! - [`cma`]: copies with `process_vm_readv`, the copy pool;
+//! - [`dir`]: the rendezvous in a directory both sides mount (sockets as files, locks);
 //! - `ipc` and `staged` (feature `cuda`): CUDA IPC exports and copies, pinned staging.
 
 pub(crate) mod cma;
+pub(crate) mod dir;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc;
 pub(super) mod mem;

@@ -1,0 +1,274 @@
+//! The rendezvous in a directory both sides mount: processes that share no network namespace
+//! (pods on one node, each with its own) but a volume find each other's same-host socket as a
+//! file there, instead of the abstract socket their namespaces keep apart.
+//!
+//! Each user has a folder of its own inside the shared directory (`nixl-connect.<uid>`, mode
+//! 0700, checked to be a real directory of this user: a volume such as Kubernetes' `emptyDir` is
+//! created open to all), so another user cannot even reach the sockets in it. A socket is named
+//! from its connector's identity (`nxc1-<fingerprint>.sock`, the fingerprint its agent name
+//! advertises, so a peer finds it from the metadata alone) and created 0600; beside it a lock file
+//! (`.lock`) that its process holds locked (`flock`) for its life. A lock nobody holds marks a
+//! socket its process left behind when it died: the next connector to start removes both, which
+//! no live socket can suffer (its lock is held); and a second process cannot take a name whose
+//! lock is held. Whoever binds a name proves nothing by it: the handshake still checks the
+//! identity's signature.
+
+use std::fs::{self, File, OpenOptions, TryLockError};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use super::{uid, unix_socket, Tracked};
+
+/// Lock files a sweep looks at, at most (a directory full of other files costs a start nothing
+/// more).
+const MAX_SWEPT: usize = 4096;
+
+/// This user's folder inside the shared directory `base`.
+pub(crate) fn user_dir(base: &Path) -> PathBuf {
+    base.join(format!("nixl-connect.{}", uid()))
+}
+
+/// The socket of the connector whose identity's stem is `stem`, in the shared directory `base`.
+pub(crate) fn socket_path(base: &Path, stem: &str) -> PathBuf {
+    user_dir(base).join(format!("{stem}.sock"))
+}
+
+/// Makes (or checks) this user's folder in `base`: a real directory (not a link), of this user,
+/// mode 0700.
+fn own_dir(base: &Path) -> io::Result<PathBuf> {
+    let d = user_dir(base);
+    match fs::DirBuilder::new().mode(0o700).create(&d) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let m = fs::symlink_metadata(&d)?;
+    if !m.file_type().is_dir() || m.uid() != uid() || m.mode() & 0o077 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} must be a directory of uid {} with mode 0700 (it is {}, uid {}, mode {:o}): remove it \
+                 and let the connector make it",
+                d.display(),
+                uid(),
+                if m.file_type().is_dir() { "a directory" } else { "not a directory" },
+                m.uid(),
+                m.mode() & 0o7777
+            ),
+        ));
+    }
+    Ok(d)
+}
+
+/// A listening socket bound in a shared directory, and the lock that says its process lives.
+/// Dropping it removes both files.
+pub(crate) struct DirListener {
+    sock: Tracked,
+    sock_path: PathBuf,
+    lock_path: PathBuf,
+    /// Held locked for the listener's life.
+    _lock: File,
+}
+
+impl DirListener {
+    /// The listening socket.
+    pub(crate) fn fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
+    }
+
+    /// Where it is bound.
+    pub(crate) fn path(&self) -> &Path {
+        &self.sock_path
+    }
+}
+
+impl Drop for DirListener {
+    fn drop(&mut self) {
+        // Still ours: the lock is held until the fields drop, after this.
+        let _ = fs::remove_file(&self.sock_path);
+        let _ = fs::remove_file(&self.lock_path);
+    }
+}
+
+/// Binds and listens on the socket named `stem` in this user's folder of `base` (made 0700 if
+/// missing), after removing what dead processes left there. `EADDRINUSE` when a live process
+/// holds `stem`.
+pub(crate) fn listen_in(base: &Path, stem: &str) -> io::Result<DirListener> {
+    let d = own_dir(base)?;
+    sweep(&d);
+    let lock_path = d.join(format!("{stem}.lock"));
+    let sock_path = d.join(format!("{stem}.sock"));
+    let lock = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&lock_path)?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(TryLockError::WouldBlock) => return Err(io::Error::from_raw_os_error(libc::EADDRINUSE)),
+        Err(TryLockError::Error(e)) => return Err(e),
+    }
+    // A socket file of this name is a dead process's (its lock was free): ours now.
+    match fs::remove_file(&sock_path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let fd = unix_socket()?;
+    let (a, len) = path_addr(&sock_path)?;
+    // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
+    if unsafe { libc::bind(fd.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let listener = DirListener {
+        sock: Tracked::new(fd),
+        sock_path,
+        lock_path,
+        _lock: lock,
+    };
+    // The folder (0700) already keeps others out; the socket itself says so too.
+    fs::set_permissions(&listener.sock_path, fs::Permissions::from_mode(0o600))?;
+    // SAFETY: listen on our own bound socket.
+    if unsafe { libc::listen(listener.fd(), 128) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(listener)
+}
+
+/// Removes the sockets of dead processes from `d`: each whose lock file nobody holds (taken here
+/// while its files go, so that no process can take the name meanwhile).
+fn sweep(d: &Path) {
+    let Ok(entries) = fs::read_dir(d) else { return };
+    for e in entries.flatten().take(MAX_SWEPT) {
+        let path = e.path();
+        if path.extension().and_then(|x| x.to_str()) != Some("lock") {
+            continue;
+        }
+        let Ok(lock) = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open(&path)
+        else {
+            continue;
+        };
+        if lock.try_lock().is_ok() {
+            tracing::debug!(path = %path.display(), "removing a same-host socket its process left behind");
+            let _ = fs::remove_file(path.with_extension("sock"));
+            let _ = fs::remove_file(&path);
+        }
+    }
+}
+
+/// The address of the filesystem socket at `p` (not abstract); `InvalidInput` when the path does
+/// not fit `sockaddr_un`.
+fn path_addr(p: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+    // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
+    let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = p.as_os_str().as_bytes();
+    if bytes.len() >= a.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "the socket path {} is longer than the {} bytes a Unix socket takes: use a shorter socket directory",
+                p.display(),
+                a.sun_path.len() - 1
+            ),
+        ));
+    }
+    for (i, b) in bytes.iter().enumerate() {
+        a.sun_path[i] = *b as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    Ok((a, len as libc::socklen_t))
+}
+
+/// Connects the socket `fd` to the filesystem socket at `p`.
+pub(crate) fn connect_path(fd: RawFd, p: &Path) -> io::Result<()> {
+    let (a, len) = path_addr(p)?;
+    // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
+    let r = unsafe { libc::connect(fd, (&a as *const libc::sockaddr_un).cast(), len) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("nxc-dir-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        fs::create_dir_all(&d).unwrap();
+        // A shared volume is often open to all (Kubernetes' emptyDir is 0777).
+        fs::set_permissions(&d, fs::Permissions::from_mode(0o777)).unwrap();
+        d
+    }
+
+    /// The user's folder is made 0700 inside an open volume; the socket is 0600 and reachable by
+    /// path; dropping the listener removes its files.
+    #[test]
+    fn dir_listener_is_private_and_cleaned_up() {
+        let base = scratch("private");
+        let l = listen_in(&base, "nxc1-aa").unwrap();
+        let dm = fs::metadata(user_dir(&base)).unwrap();
+        assert_eq!(dm.mode() & 0o777, 0o700);
+        assert_eq!(fs::metadata(l.path()).unwrap().mode() & 0o777, 0o600);
+        let c = unix_socket().unwrap();
+        connect_path(c.as_raw_fd(), &socket_path(&base, "nxc1-aa")).unwrap();
+        let (sock, lock) = (l.path().to_path_buf(), l.path().with_extension("lock"));
+        drop(l);
+        assert!(!sock.exists() && !lock.exists());
+        fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// A live process's name cannot be taken; a dead one's files are swept by the next start
+    /// (here: a lock file nobody holds and its socket file).
+    #[test]
+    fn dir_live_names_are_kept_and_dead_ones_swept() {
+        let base = scratch("sweep");
+        let live = listen_in(&base, "nxc1-live").unwrap();
+        let again = listen_in(&base, "nxc1-live").err().expect("a held name");
+        assert_eq!(again.raw_os_error(), Some(libc::EADDRINUSE));
+        let d = user_dir(&base);
+        fs::write(d.join("nxc1-dead.lock"), b"").unwrap();
+        fs::write(d.join("nxc1-dead.sock"), b"").unwrap();
+        let other = listen_in(&base, "nxc1-other").unwrap();
+        assert!(!d.join("nxc1-dead.lock").exists() && !d.join("nxc1-dead.sock").exists());
+        assert!(live.path().exists(), "the live socket stays");
+        drop((live, other));
+        fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// A user folder that is not this user's private directory is refused, not used (a link to
+    /// elsewhere, a folder others can enter).
+    #[test]
+    fn dir_refuses_a_folder_others_can_enter() {
+        let base = scratch("open");
+        fs::create_dir(user_dir(&base)).unwrap();
+        fs::set_permissions(user_dir(&base), fs::Permissions::from_mode(0o755)).unwrap();
+        let e = listen_in(&base, "nxc1-x").err().expect("refused");
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+        fs::remove_dir(user_dir(&base)).unwrap();
+        std::os::unix::fs::symlink("/tmp", user_dir(&base)).unwrap();
+        let e = listen_in(&base, "nxc1-x").err().expect("refused");
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+        fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// A path longer than a Unix socket address takes is a typed error with what to do.
+    #[test]
+    fn dir_too_long_a_path_is_refused() {
+        let base = PathBuf::from(format!("/tmp/{}", "d".repeat(120)));
+        let e = path_addr(&base.join("x.sock")).err().expect("too long");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("shorter socket directory"), "{e}");
+    }
+}
