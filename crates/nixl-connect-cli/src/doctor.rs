@@ -86,14 +86,17 @@ fn socket_dir() -> Check {
             "socket directory",
             "info",
             "not set: Rust peers in another network namespace (another pod) are reached through NIXL",
-            Some("set NIXL_CONNECT_SOCKET_DIR to a directory every worker on the node mounts (see docs/KUBERNETES.md)"),
+            Some("set NIXL_CONNECT_SOCKET_DIR to a directory every worker on the node mounts (the README's \"The same-host path\")"),
         );
     };
     let dir = std::path::PathBuf::from(dir);
     let served = Connector::new().ok().and_then(|c| {
-        let stem = c.name().rsplit_once(".nxc1-").map(|(_, fp)| format!("nxc1-{fp}.sock"))?;
-        // SAFETY: getuid cannot fail.
-        let uid = unsafe { libc::getuid() };
+        let stem = c
+            .name()
+            .rsplit_once(".nxc1-")
+            .map(|(_, fp)| format!("nxc1-{fp}.sock"))?;
+        // This process's uid: /proc/self belongs to it.
+        let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").ok()?);
         let path = dir.join(format!("nixl-connect.{uid}")).join(stem);
         Some((path.exists(), path))
     });

@@ -187,7 +187,10 @@ impl Engine {
         // namespaces (it needs the identity its name is made from).
         let dir_listener = match (&opts.socket_dir, &listener) {
             (Some(dir), Some((_, id))) => match same_host::listen_in(dir, &id.stem()) {
-                Ok(l) => Some(l),
+                Ok(l) => {
+                    tracing::debug!(path = %l.path().display(), "serving same-host peers through the socket directory");
+                    Some(l)
+                }
                 Err(e) => {
                     tracing::warn!(dir = %dir.display(), error = %e, "cannot serve same-host peers through the socket directory");
                     None

@@ -33,7 +33,11 @@ fn through(owner: &mut Peer, other: &mut Peer, expose: &str, op: &str) -> String
     let got = other.expect(if op.starts_with("read") { "READ:" } else { "WRITE:" });
     if got.starts_with("ok") {
         owner.say("wait 5000");
-        assert_eq!(owner.expect("WAIT:"), "ok", "{expose}: the operation reached the owner");
+        assert_eq!(
+            owner.expect("WAIT:"),
+            "ok",
+            "{expose}: the operation reached the owner"
+        );
     }
     owner.say("drop");
     owner.expect("DROPPED");
@@ -70,22 +74,51 @@ fn pods_socket_dir_reaches_a_peer_in_another_network_namespace() {
                 got.starts_with("ok first=90") && got.contains(path) && got.ends_with("same=true"),
                 "dir={with_dir} {len} {kind}: {got}"
             );
-            let got = through(&mut owner, &mut other, &format!("expose writable {len} {kind}"), "write local");
+            let got = through(
+                &mut owner,
+                &mut other,
+                &format!("expose writable {len} {kind}"),
+                "write local",
+            );
             if with_dir {
                 assert_eq!(got, "ok", "{len} {kind}: a same-host write across namespaces");
             } else {
-                assert!(got.starts_with("err"), "{len} {kind}: no same-host path without the directory: {got}");
+                assert!(
+                    got.starts_with("err"),
+                    "{len} {kind}: no same-host path without the directory: {got}"
+                );
             }
         }
     }
-    // Every socket and lock file went with its connector.
+    // The peers were killed (their files left behind, as a crashed pod's): the next connector to
+    // start removes them, and its own go with it.
     drop(ns);
     // SAFETY: getuid cannot fail.
     let uid = unsafe { libc::getuid() };
-    let left: Vec<_> = std::fs::read_dir(dir.join(format!("nixl-connect.{uid}")))
-        .map(|r| r.flatten().map(|e| e.file_name()).collect())
-        .unwrap_or_default();
-    assert!(left.is_empty(), "left behind: {left:?}");
+    let files = || -> Vec<String> {
+        std::fs::read_dir(dir.join(format!("nixl-connect.{uid}")))
+            .map(|r| {
+                r.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert!(!files().is_empty(), "the killed peers' sockets");
+    let c = nixl_connect::Connector::builder()
+        .socket_dir(&dir)
+        .build()
+        .unwrap();
+    let (_, fp) = c.name().rsplit_once(".nxc1-").expect("an advertised name");
+    let mut mine = files();
+    mine.sort();
+    assert_eq!(
+        mine,
+        [format!("nxc1-{fp}.lock"), format!("nxc1-{fp}.sock")],
+        "only the live connector's"
+    );
+    drop(c);
+    assert!(files().is_empty(), "left behind: {:?}", files());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -106,20 +139,38 @@ fn pods_peer_in_another_pid_namespace_takes_nixl_with_the_reason() {
     let mut owner = Peer::from_command(ns.command_for(&ns.a, PEER, &env_a));
     // The other side in network namespace b and a PID namespace of its own (with its own /proc).
     let mut cmd = Command::new("ip");
-    cmd.args(["netns", "exec", &ns.b, "unshare", "--pid", "--fork", "--mount-proc"])
-        .arg(std::env::current_exe().unwrap())
-        .args([PEER, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-        .env(PEER_ENV, "peer")
-        .env("UCX_TLS", tls)
-        .env("UCX_NET_DEVICES", &ns.dev_b)
-        .env("NIXL_CONNECT_SOCKET_DIR", &d);
+    cmd.args([
+        "netns",
+        "exec",
+        &ns.b,
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+    ])
+    .arg(std::env::current_exe().unwrap())
+    .args([PEER, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+    .env(PEER_ENV, "peer")
+    .env("UCX_TLS", tls)
+    .env("UCX_NET_DEVICES", &ns.dev_b)
+    .env("NIXL_CONNECT_SOCKET_DIR", &d);
     let mut other = Peer::from_command(cmd);
-    let got = through(&mut owner, &mut other, "expose readable 1048576 host", "read auto fresh");
+    let got = through(
+        &mut owner,
+        &mut other,
+        "expose readable 1048576 host",
+        "read auto fresh",
+    );
     assert!(
         got.starts_with("ok first=90") && got.contains("path=nixl"),
         "auto across PID namespaces: {got}"
     );
-    let got = through(&mut owner, &mut other, "expose readable 4096 vec", "read local fresh");
+    let got = through(
+        &mut owner,
+        &mut other,
+        "expose readable 4096 vec",
+        "read local fresh",
+    );
     assert!(
         got.starts_with("err") && got.contains("another PID namespace"),
         "local across PID namespaces: {got}"

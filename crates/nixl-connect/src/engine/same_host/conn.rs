@@ -11,9 +11,9 @@ use super::auth;
 use super::identity;
 use super::link::Link;
 use super::records::{Conn, ConnId, Phase};
+use super::sys::dir::{connect_path, socket_path};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
-use super::sys::dir::{connect_path, socket_path};
 use super::sys::{
     accept, close_refused, connect, peer_cred, pidfd, refuse_passed_descriptors, self_pid, socket_name,
     unix_socket, Tracked,
@@ -152,9 +152,11 @@ impl SameHostTransport {
         if pid <= 0 {
             // Found through the shared directory, from another PID namespace: its pid is not
             // ours to see, so nothing can be copied from or to it by process.
-            return Err("the peer's process is in another PID namespace (its pid is not visible from \
+            return Err(
+                "the peer's process is in another PID namespace (its pid is not visible from \
                         here): the same-host path cannot copy across it yet"
-                .into());
+                    .into(),
+            );
         }
         // The process that made the listening socket (what SO_PEERCRED names) must still live:
         // a child that kept the socket without running its engine (a raw `clone()` skips the
@@ -200,7 +202,10 @@ impl SameHostTransport {
             Err(e) => e,
         };
         let Some(dir) = &self.socket_dir else {
-            return Err(Decline::because("no same-host socket for this peer", abstract_err));
+            return Err(Decline::because(
+                "no same-host socket for this peer",
+                abstract_err,
+            ));
         };
         let fd = open()?;
         match connect_path(fd.as_raw_fd(), &socket_path(dir, &identity::stem(expect))) {

@@ -59,7 +59,12 @@ pub(super) struct Sockets {
 impl Sockets {
     /// The sockets of a transport serving on `listener` (none: it serves nothing) and on `dir`
     /// (in a shared directory), watched through `reg`, with `caps` on served connections.
-    pub(super) fn new(listener: Option<Tracked>, dir: Option<DirListener>, reg: Registrar, caps: Caps) -> Self {
+    pub(super) fn new(
+        listener: Option<Tracked>,
+        dir: Option<DirListener>,
+        reg: Registrar,
+        caps: Caps,
+    ) -> Self {
         if let Some(l) = &listener {
             if let Err(e) = reg.add(l.as_raw_fd(), LISTENER, true, false) {
                 tracing::warn!(error = %e, "cannot watch the same-host socket");
@@ -100,7 +105,10 @@ impl Sockets {
 
     /// Every listening socket: the abstract one and the one in the shared directory.
     pub(super) fn listeners(&self) -> Vec<RawFd> {
-        self.listener().into_iter().chain(self.dir.as_ref().map(DirListener::fd)).collect()
+        self.listener()
+            .into_iter()
+            .chain(self.dir.as_ref().map(DirListener::fd))
+            .collect()
     }
 
     /// This process's uid.

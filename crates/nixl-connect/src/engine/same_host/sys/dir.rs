@@ -13,7 +13,7 @@
 //! lock is held. Whoever binds a name proves nothing by it: the handshake still checks the
 //! identity's signature.
 
-use std::fs::{self, File, OpenOptions, TryLockError};
+use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
@@ -36,9 +36,11 @@ pub(crate) fn socket_path(base: &Path, stem: &str) -> PathBuf {
     user_dir(base).join(format!("{stem}.sock"))
 }
 
-/// Makes (or checks) this user's folder in `base`: a real directory (not a link), of this user,
-/// mode 0700.
+/// Makes (or checks) this user's folder in `base` (made too if missing): a real directory (not a
+/// link), of this user, mode 0700.
 fn own_dir(base: &Path) -> io::Result<PathBuf> {
+    // The shared directory itself is usually a mounted volume; made (as `mkdir -p`) if missing.
+    fs::create_dir_all(base)?;
     let d = user_dir(base);
     match fs::DirBuilder::new().mode(0o700).create(&d) {
         Ok(()) => {}
@@ -54,7 +56,11 @@ fn own_dir(base: &Path) -> io::Result<PathBuf> {
                  and let the connector make it",
                 d.display(),
                 uid(),
-                if m.file_type().is_dir() { "a directory" } else { "not a directory" },
+                if m.file_type().is_dir() {
+                    "a directory"
+                } else {
+                    "not a directory"
+                },
                 m.uid(),
                 m.mode() & 0o7777
             ),
@@ -108,10 +114,8 @@ pub(crate) fn listen_in(base: &Path, stem: &str) -> io::Result<DirListener> {
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&lock_path)?;
-    match lock.try_lock() {
-        Ok(()) => {}
-        Err(TryLockError::WouldBlock) => return Err(io::Error::from_raw_os_error(libc::EADDRINUSE)),
-        Err(TryLockError::Error(e)) => return Err(e),
+    if !try_lock(&lock)? {
+        return Err(io::Error::from_raw_os_error(libc::EADDRINUSE));
     }
     // A socket file of this name is a dead process's (its lock was free): ours now.
     match fs::remove_file(&sock_path) {
@@ -156,11 +160,26 @@ fn sweep(d: &Path) {
         else {
             continue;
         };
-        if lock.try_lock().is_ok() {
+        if try_lock(&lock).unwrap_or(false) {
             tracing::debug!(path = %path.display(), "removing a same-host socket its process left behind");
             let _ = fs::remove_file(path.with_extension("sock"));
             let _ = fs::remove_file(&path);
         }
+    }
+}
+
+/// Takes an exclusive `flock` on `f` without waiting: false when another open file holds one
+/// (it is released when that file's last descriptor closes, so when its process dies).
+fn try_lock(f: &File) -> io::Result<bool> {
+    // SAFETY: flock on a descriptor `f` owns; no memory is passed.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
     }
 }
 
@@ -235,7 +254,9 @@ mod tests {
     fn dir_live_names_are_kept_and_dead_ones_swept() {
         let base = scratch("sweep");
         let live = listen_in(&base, "nxc1-live").unwrap();
-        let again = listen_in(&base, "nxc1-live").err().expect("a held name");
+        let Err(again) = listen_in(&base, "nxc1-live") else {
+            panic!("a held name was taken again")
+        };
         assert_eq!(again.raw_os_error(), Some(libc::EADDRINUSE));
         let d = user_dir(&base);
         fs::write(d.join("nxc1-dead.lock"), b"").unwrap();
@@ -254,11 +275,15 @@ mod tests {
         let base = scratch("open");
         fs::create_dir(user_dir(&base)).unwrap();
         fs::set_permissions(user_dir(&base), fs::Permissions::from_mode(0o755)).unwrap();
-        let e = listen_in(&base, "nxc1-x").err().expect("refused");
+        let Err(e) = listen_in(&base, "nxc1-x") else {
+            panic!("an open folder was used")
+        };
         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
         fs::remove_dir(user_dir(&base)).unwrap();
         std::os::unix::fs::symlink("/tmp", user_dir(&base)).unwrap();
-        let e = listen_in(&base, "nxc1-x").err().expect("refused");
+        let Err(e) = listen_in(&base, "nxc1-x") else {
+            panic!("a link was followed")
+        };
         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
         fs::remove_dir_all(&base).unwrap();
     }
@@ -267,7 +292,9 @@ mod tests {
     #[test]
     fn dir_too_long_a_path_is_refused() {
         let base = PathBuf::from(format!("/tmp/{}", "d".repeat(120)));
-        let e = path_addr(&base.join("x.sock")).err().expect("too long");
+        let Err(e) = path_addr(&base.join("x.sock")) else {
+            panic!("a path too long was taken")
+        };
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
         assert!(e.to_string().contains("shorter socket directory"), "{e}");
     }
