@@ -204,25 +204,31 @@ fn stall_of_one_peer_leaves_copies_from_others_running() {
     });
 }
 
+/// A reader whose same-host read of a stalled range hangs, its operation dropped: `end` ends the
+/// reader (on a blocking thread) and must return within `bound`, or the test fails.
+async fn end_stalled_reader(end: impl FnOnce(Connector) + Send + 'static, bound: Duration) {
+    let owner = Connector::new().unwrap();
+    let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
+    let mut stalled = Stalled::new(64 << 10);
+    let (bad, stuck) = read_stalled(&owner, &reader, &stalled).await;
+    assert!(stalled.wait_for_a_stall(Duration::from_secs(10)));
+    // The read's memory is owned: dropping it does not wait.
+    drop(stuck);
+    let t0 = Instant::now();
+    let ended = tokio::time::timeout(bound, tokio::task::spawn_blocking(move || end(reader))).await;
+    let took = t0.elapsed();
+    stalled.release();
+    ended
+        .unwrap_or_else(|_| panic!("the reader's end waited past {bound:?} for the stalled copy ({took:?})"))
+        .unwrap();
+    drop(bad);
+}
+
+/// Dropping the connector waits a bounded time (`STOP_WAIT`, 10 s) for the stuck copy, then
+/// leaks the memory that copy may still write.
 #[test]
 fn stall_never_holds_the_drop_of_a_connector() {
-    runtime().block_on(async {
-        let owner = Connector::new().unwrap();
-        let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
-        let mut stalled = Stalled::new(64 << 10);
-        let (bad, stuck) = read_stalled(&owner, &reader, &stalled).await;
-        assert!(stalled.wait_for_a_stall(Duration::from_secs(10)));
-        // The read's memory is owned: dropping it does not wait; dropping the connector waits a
-        // bounded time for the stuck copy, then leaks the memory that copy may still write.
-        drop(stuck);
-        let dropped = tokio::task::spawn_blocking(move || drop(reader));
-        let dropped = tokio::time::timeout(Duration::from_secs(30), dropped).await;
-        stalled.release();
-        dropped
-            .expect("dropping the connector waited for the stalled copy")
-            .unwrap();
-        drop(bad);
-    });
+    runtime().block_on(end_stalled_reader(drop, Duration::from_secs(30)));
 }
 
 /// The end of a connector whose copy a peer stalls is bounded by the caller's deadline
@@ -230,24 +236,11 @@ fn stall_never_holds_the_drop_of_a_connector() {
 /// owner exited after 15 s (found from outside on 2f059c9). The copy's memory is leaked instead.
 #[test]
 fn stall_shutdown_timeout_bounds_the_end_by_the_callers_deadline() {
-    runtime().block_on(async {
-        let owner = Connector::new().unwrap();
-        let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
-        let mut stalled = Stalled::new(64 << 10);
-        let (bad, stuck) = read_stalled(&owner, &reader, &stalled).await;
-        assert!(stalled.wait_for_a_stall(Duration::from_secs(10)));
-        drop(stuck);
-        let t0 = Instant::now();
-        let ended = tokio::task::spawn_blocking(move || reader.shutdown_timeout(Duration::from_millis(200)));
-        // Well under the 10 s a plain drop waits, and far over the 200 ms asked for.
-        let ended = tokio::time::timeout(Duration::from_secs(5), ended).await;
-        let took = t0.elapsed();
-        stalled.release();
-        ended
-            .unwrap_or_else(|_| panic!("the end waited past the caller's deadline ({took:?})"))
-            .unwrap();
-        drop(bad);
-    });
+    // Well under the 10 s a plain drop waits, and far over the 200 ms asked for.
+    runtime().block_on(end_stalled_reader(
+        |c| c.shutdown_timeout(Duration::from_millis(200)),
+        Duration::from_secs(5),
+    ));
 }
 
 /// A peer whose address swallows every packet (its metadata names an address that answers

@@ -1,18 +1,9 @@
 //! Device memory (feature `cuda`): CUDA IPC exports and the device path's refusals.
 
-#[cfg(feature = "cuda")]
-use std::sync::atomic::AtomicBool;
-#[cfg(feature = "cuda")]
-use std::sync::Arc;
-
 use super::link::Answer;
 #[cfg(feature = "cuda")]
-use super::records::{AnyCopy, CopyOwner};
+use super::records::AnyCopy;
 use super::records::{ExportDone, Phase, RequestId};
-#[cfg(feature = "cuda")]
-use super::server_book::Writer;
-#[cfg(feature = "cuda")]
-use super::sys::cma::SlotRef;
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
 use super::transport::SameHostTransport;
@@ -95,43 +86,22 @@ impl SameHostTransport {
                 );
                 return None;
             }
-            let s = self.server.scope_mut(&key).expect("decided on it");
-            if !s.state.try_mark_in_use() {
-                return Some(Answer::Refuse(
-                    RefuseCode::NotLive,
-                    "the operation has ended (completed, cancelled or dropped)".into(),
-                ));
-            }
-            let cancel = Arc::new(AtomicBool::new(false));
-            s.writer = Some(Writer {
-                id,
-                cancel: cancel.clone(),
-            });
-            let state = s.state.clone();
-            let c = self.sockets.get(id.conn).expect("live");
-            let (table, peer_pid, pidfd) = (c.slots.clone().expect("ready"), c.peer_pid, c.pidfd.clone());
+            let w = match self.claim_writable(id, &key) {
+                Ok(w) => w,
+                Err(a) => return Some(a),
+            };
             let copy = AnyCopy::Device(ipc::Copy {
                 conn: id.conn,
-                pid: peer_pid,
+                pid: w.pid,
                 pieces: remote
                     .iter()
                     .zip(sources)
                     .map(|(&(dst, _), src)| ipc::Piece { dst, src })
                     .collect(),
-                slot: SlotRef {
-                    table,
-                    idx: id.slot,
-                    gen: id.gen,
-                },
-                cancel,
+                slot: w.slot,
+                cancel: w.cancel,
             });
-            let owner = CopyOwner::Write {
-                key,
-                id,
-                state,
-                pidfd,
-            };
-            self.in_flight.start(copy, owner);
+            self.in_flight.start(copy, w.owner);
             None
         }
     }

@@ -130,22 +130,13 @@ impl SameHostTransport {
         remote: &[(u64, u64)],
         local: &[(u64, u64)],
     ) -> Option<Answer> {
-        let c = self.sockets.get(id.conn).expect("decided on it");
-        let (peer_pid, peer_pidfd, table) = (c.peer_pid, c.pidfd.clone(), c.slots.clone().expect("ready"));
-        let key = self.server.key(key).expect("decided on it");
-        let s = self.server.scope_mut(&key).expect("decided on it");
-        if !s.state.try_mark_in_use() {
-            return Some(answer_of(policy::ended()));
-        }
-        let cancel = Arc::new(AtomicBool::new(false));
-        s.writer = Some(Writer {
-            id,
-            cancel: cancel.clone(),
-        });
-        let (state, dst_device) = (s.state.clone(), s.device);
+        let w = match self.claim_writable(id, key) {
+            Ok(w) => w,
+            Err(a) => return Some(a),
+        };
         let copy = AnyCopy::pulled_into(
             Copy {
-                pid: peer_pid,
+                pid: w.pid,
                 pieces: remote
                     .iter()
                     .zip(local)
@@ -155,23 +146,47 @@ impl SameHostTransport {
                         len: len as usize,
                     })
                     .collect(),
-                slot: SlotRef {
-                    table,
-                    idx: id.slot,
-                    gen: id.gen,
-                },
-                cancel,
+                slot: w.slot,
+                cancel: w.cancel,
             },
-            Some(dst_device),
+            Some(w.device),
         );
-        let owner = CopyOwner::Write {
-            key,
-            id,
-            state,
-            pidfd: peer_pidfd,
-        };
-        self.in_flight.start(copy, owner);
+        self.in_flight.start(copy, w.owner);
         None
+    }
+
+    /// Claims the writable keyed `key` for the write `id` the policy let through: marks it in
+    /// use (its owner may have ended it an instant ago: then the answer is "not live") and makes
+    /// `id` its writer. What the copy into it needs.
+    pub(super) fn claim_writable(&mut self, id: RequestId, key: &str) -> Result<Claim, Answer> {
+        let c = self.sockets.get(id.conn).expect("decided on it");
+        let (pid, pidfd, table) = (c.peer_pid, c.pidfd.clone(), c.slots.clone().expect("ready"));
+        let key = self.server.key(key).expect("decided on it");
+        let s = self.server.scope_mut(&key).expect("decided on it");
+        if !s.state.try_mark_in_use() {
+            return Err(answer_of(policy::ended()));
+        }
+        let cancel = Arc::new(AtomicBool::new(false));
+        s.writer = Some(Writer {
+            id,
+            cancel: cancel.clone(),
+        });
+        Ok(Claim {
+            device: s.device,
+            pid,
+            slot: SlotRef {
+                table,
+                idx: id.slot,
+                gen: id.gen,
+            },
+            cancel,
+            owner: CopyOwner::Write {
+                state: s.state.clone(),
+                key,
+                id,
+                pidfd,
+            },
+        })
     }
 
     /// A read grant of connection `i` ended.
@@ -204,6 +219,20 @@ impl SameHostTransport {
             s.cancel_writer();
         }
     }
+}
+
+/// A writable claimed for one write: what the copy into it needs.
+pub(super) struct Claim {
+    /// Where the writable's memory is.
+    pub(super) device: Device,
+    /// The writer's pid (its memory is read by it).
+    pub(super) pid: i32,
+    /// The writer's slot for this request (the copy checks and ends it).
+    pub(super) slot: SlotRef,
+    /// Set to stop the copy.
+    pub(super) cancel: Arc<AtomicBool>,
+    /// Who learns of the copy's end.
+    pub(super) owner: CopyOwner,
 }
 
 /// The answer that carries a refusal or a fallback decided by the policy.
