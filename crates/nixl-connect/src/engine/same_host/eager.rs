@@ -13,7 +13,6 @@
 use super::records::{Act, Phase};
 use super::server_book::Scope;
 use super::sys::mem;
-use crate::reg::Range;
 
 /// The owner of a readable: the bytes of `remote` (ranges of its memory), in order; `None`, with
 /// nothing read, unless the operation is live host memory and every range lies inside one of its
@@ -48,8 +47,7 @@ pub(super) fn read_act(act: &Act) -> Vec<u8> {
     }
     // An active operation's local memory is held from before its command left the caller until
     // the engine reports it ended (or abandons it), and this one is neither.
-    let (own, picks) = own(&act.spec.local);
-    mem::gather(&own, &picks).unwrap_or_default()
+    mem::gather_all(&act.spec.local).unwrap_or_default()
 }
 
 /// A reader: copies an eager answer's `data` into its local ranges; false, with nothing written,
@@ -60,15 +58,5 @@ pub(super) fn write_act(act: &Act, data: &[u8]) -> bool {
         return false;
     }
     // Held and lent to this operation alone until the engine reports it ended or abandons it.
-    let (own, picks) = own(&act.spec.local);
-    mem::scatter(&own, &picks, data)
-}
-
-/// An active operation's local ranges as the memory it owns (sorted) and as what it copies (in
-/// its order).
-fn own(local: &[Range]) -> (Vec<Range>, Vec<(u64, u64)>) {
-    let picks = local.iter().map(|r| (r.addr as u64, r.len as u64)).collect();
-    let mut own = local.to_vec();
-    own.sort_by_key(|r| r.addr);
-    (own, picks)
+    mem::scatter_all(&act.spec.local, data)
 }

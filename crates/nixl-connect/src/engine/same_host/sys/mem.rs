@@ -37,40 +37,77 @@ pub(in crate::engine::same_host) fn gather(own: &[Range], picks: &[(u64, u64)]) 
     if !owned(own, picks) {
         return None;
     }
-    let total = picks.iter().map(|r| r.1 as usize).sum();
-    let mut out = Vec::with_capacity(total);
-    for &(addr, len) in picks {
-        // SAFETY: `addr..addr + len` lies inside one of `own`'s host ranges (checked above),
-        // memory of this process that the caller holds allocated for the call (module doc);
-        // `out` is a fresh allocation, so the two cannot overlap.
-        let src = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) };
-        out.extend_from_slice(src);
-    }
-    Some(out)
+    // SAFETY: every pick lies inside one of `own`'s host ranges (checked above).
+    Some(unsafe { copy_out(picks.iter().map(|&(a, l)| (a as usize, l as usize))) })
 }
 
 /// Copies `data` into `picks` (address, length) in order; false, with nothing written, unless
 /// `own` (sorted by address) is host memory, every pick (not none) lies inside it, and their
-/// lengths add up to `data.len()`. The caller makes sure nothing else writes or reads them meanwhile (one
-/// writer per writable; an active operation's memory is lent to it alone).
+/// lengths add up to `data.len()`. The caller makes sure nothing else writes or reads them
+/// meanwhile (one writer per writable; an active operation's memory is lent to it alone).
 pub(in crate::engine::same_host) fn scatter(own: &[Range], picks: &[(u64, u64)], data: &[u8]) -> bool {
     let total = picks.iter().try_fold(0u64, |t, r| t.checked_add(r.1));
     if total != Some(data.len() as u64) || !owned(own, picks) {
         return false;
     }
+    // SAFETY: every pick lies inside one of `own`'s host ranges, and they add up to `data.len()`
+    // (checked above).
+    unsafe { copy_in(data, picks.iter().map(|&(a, l)| (a as usize, l as usize))) };
+    true
+}
+
+/// The bytes of all of `own`, in its order (an active operation's source: the memory it copies is
+/// exactly what it owns, so nothing is checked or allocated but the answer); `None` unless it is
+/// host memory, and some.
+pub(in crate::engine::same_host) fn gather_all(own: &[Range]) -> Option<Vec<u8>> {
+    if own.is_empty() || own.iter().any(|r| r.device != Device::Host) {
+        return None;
+    }
+    // SAFETY: each range is one of `own`'s, host memory.
+    Some(unsafe { copy_out(own.iter().map(|r| (r.addr, r.len))) })
+}
+
+/// Copies `data` into all of `own`, in its order; false, with nothing written, unless it is host
+/// memory, and its lengths add up to `data.len()`.
+pub(in crate::engine::same_host) fn scatter_all(own: &[Range], data: &[u8]) -> bool {
+    let total = own.iter().try_fold(0usize, |t, r| t.checked_add(r.len));
+    if total != Some(data.len()) || own.is_empty() || own.iter().any(|r| r.device != Device::Host) {
+        return false;
+    }
+    // SAFETY: each range is one of `own`'s, host memory; they add up to `data.len()`.
+    unsafe { copy_in(data, own.iter().map(|r| (r.addr, r.len))) };
+    true
+}
+
+/// The bytes of `ranges` (address, length), in order.
+///
+/// # Safety
+/// Each range lies inside a host range of an operation of this process, held allocated for the
+/// call (module doc).
+unsafe fn copy_out(ranges: impl Iterator<Item = (usize, usize)> + Clone) -> Vec<u8> {
+    let mut out = Vec::with_capacity(ranges.clone().map(|r| r.1).sum());
+    for (addr, len) in ranges {
+        // SAFETY: readable memory of this process for the call (the caller's contract); `out` is
+        // a fresh allocation, so the two cannot overlap.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+    }
+    out
+}
+
+/// Copies `data` into `ranges` (address, length) in order.
+///
+/// # Safety
+/// Each range lies inside a host range of an operation of this process, held allocated and
+/// touched by nothing else for the call (module doc); the lengths add up to `data.len()`.
+unsafe fn copy_in(data: &[u8], ranges: impl Iterator<Item = (usize, usize)>) {
     let mut at = 0usize;
-    for &(addr, len) in picks {
-        let len = len as usize;
-        // SAFETY: `addr..addr + len` lies inside one of `own`'s host ranges (checked above),
-        // memory of this process the caller holds allocated and untouched by anything else for
-        // the call (module doc); `data` is a distinct allocation (a frame buffer); the lengths
-        // add up to `data.len()` (checked above), so `at + len <= data.len()`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr().add(at), addr as usize as *mut u8, len);
-        }
+    for (addr, len) in ranges {
+        // SAFETY: writable memory of this process nothing else touches (the caller's contract);
+        // `data` is a distinct allocation (a frame buffer); `at + len <= data.len()` since the
+        // lengths add up to it.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr().add(at), addr as *mut u8, len) };
         at += len;
     }
-    true
 }
 
 #[cfg(test)]
@@ -96,6 +133,38 @@ mod tests {
         let base = dst.as_mut_ptr() as u64;
         assert!(scatter(&own, &[(base + 1, 3), (base + 8, 5)], &got));
         assert_eq!(dst, [0, 10, 11, 12, 0, 0, 0, 0, 13, 14, 50, 51, 52, 0, 0, 0]);
+    }
+
+    /// An active operation's own ranges, copied whole: out in order, and in only when the bytes
+    /// are exactly as long.
+    #[test]
+    fn mem_all_of_an_operations_memory_moves_in_order() {
+        let src: Vec<u8> = (0..16u8).collect();
+        let own = [
+            Range {
+                addr: src.as_ptr() as usize + 8,
+                len: 4,
+                device: Device::Host,
+            },
+            Range {
+                addr: src.as_ptr() as usize,
+                len: 2,
+                device: Device::Host,
+            },
+        ];
+        assert_eq!(gather_all(&own).unwrap(), [8, 9, 10, 11, 0, 1]);
+        let mut dst = [0u8; 6];
+        let base = dst.as_mut_ptr() as usize;
+        let at = |addr, len| Range {
+            addr,
+            len,
+            device: Device::Host,
+        };
+        let into = [at(base + 3, 3), at(base, 3)];
+        assert!(!scatter_all(&into, &[7; 5]));
+        assert!(scatter_all(&into, &[1, 2, 3, 4, 5, 6]));
+        assert_eq!(dst, [4, 5, 6, 1, 2, 3]);
+        assert!(gather_all(&[]).is_none());
     }
 
     /// A pick outside the memory the operation owns, or lengths that do not add up, touch nothing.
