@@ -120,8 +120,8 @@ pub use error::{
 };
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor};
 pub use operation::{
-    OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath, WritableOperation,
-    WriteOperation,
+    Mechanism, OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath,
+    WritableOperation, WriteOperation,
 };
 pub use registration::Registration;
 

@@ -47,6 +47,52 @@ impl std::fmt::Display for TransferPath {
     }
 }
 
+/// How the same-host path ([`TransferPath::Local`]) moves an operation's bytes, as the active
+/// side saw it decided ([`ReadOperation::mechanism`](crate::ReadOperation::mechanism)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[repr(u8)]
+pub enum Mechanism {
+    /// In the protocol's frames (a small host operation): each side copies only its own memory.
+    Frames = 1,
+    /// Cross-memory attach (`process_vm_readv`): the side whose memory is written pulls from the
+    /// other's.
+    CrossMemoryAttach = 2,
+    /// Pipes the source's owner feeds with its pages (`vmsplice`) and the destination's owner
+    /// reads: peers that cannot read each other's memory (another PID namespace: pods; ptrace
+    /// refused).
+    Pipes = 3,
+    /// CUDA IPC: the source's device memory opened and copied by the destination's owner.
+    CudaIpc = 4,
+    /// Host memory pulled through pinned staging buffers into device memory.
+    PinnedStaging = 5,
+}
+
+impl Mechanism {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::Frames,
+            2 => Self::CrossMemoryAttach,
+            3 => Self::Pipes,
+            4 => Self::CudaIpc,
+            5 => Self::PinnedStaging,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for Mechanism {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Frames => "frames",
+            Self::CrossMemoryAttach => "cma",
+            Self::Pipes => "pipes",
+            Self::CudaIpc => "cuda-ipc",
+            Self::PinnedStaging => "pinned-staging",
+        })
+    }
+}
+
 /// Which paths a connector's active operations may take
 /// ([`ConnectorBuilder::path`](crate::ConnectorBuilder::path)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -135,6 +181,7 @@ impl std::fmt::Display for OperationStatus {
 pub(crate) struct OpState {
     status: AtomicU8,
     path: AtomicU8,
+    mechanism: AtomicU8,
     error: Mutex<Option<Error>>,
     notify: Notify,
     released: Watched<bool>,
@@ -147,6 +194,7 @@ impl OpState {
         Arc::new(Self {
             status: AtomicU8::new(status as u8),
             path: AtomicU8::new(0),
+            mechanism: AtomicU8::new(0),
             error: Mutex::new(None),
             notify: Notify::new(),
             released: Watched::new(true),
@@ -198,6 +246,19 @@ impl OpState {
 
     pub(crate) fn path(&self) -> Option<TransferPath> {
         TransferPath::from_u8(self.path.load(Ordering::Acquire))
+    }
+
+    /// Records how the same-host path moves the bytes.
+    pub(crate) fn set_mechanism(&self, m: Mechanism) {
+        self.mechanism.store(m as u8, Ordering::Release);
+    }
+
+    /// How the same-host path moves (or moved) the bytes, while it is the path.
+    pub(crate) fn mechanism(&self) -> Option<Mechanism> {
+        match self.path() {
+            Some(TransferPath::Local) => Mechanism::from_u8(self.mechanism.load(Ordering::Acquire)),
+            _ => None,
+        }
     }
 
     /// Keeps registrations for the operation's memory until the operation takes them.

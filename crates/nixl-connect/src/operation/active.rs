@@ -224,6 +224,13 @@ macro_rules! active_op {
                 self.inner.state.path()
             }
 
+            /// How the same-host path moves the bytes, once it decided (`None` on another path,
+            /// or before the peer answered): in its frames, by cross-memory attach, through
+            /// pipes (a peer in another PID namespace), CUDA IPC or pinned staging.
+            pub fn mechanism(&self) -> Option<crate::state::Mechanism> {
+                self.inner.state.mechanism()
+            }
+
             /// Waits until the transfer has completed.
             ///
             /// # Errors

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub(crate) use crate::state::OpState;
-pub use crate::state::{OperationStatus, PathPolicy, TransferPath};
+pub use crate::state::{Mechanism, OperationStatus, PathPolicy, TransferPath};
 pub use active::{ReadOperation, WriteOperation};
 pub use passive::{ReadableOperation, WritableOperation};
 

@@ -30,7 +30,7 @@ use super::support::{pattern, read_frame, Peer, PEER_ENV, T};
 
 type HmacSha256 = hmac::Hmac<Sha256>;
 
-const VERSION: u32 = 7;
+const VERSION: u32 = 8;
 
 fn key_id(key: &str) -> [u8; 16] {
     let mut h = Sha256::new();
@@ -39,10 +39,10 @@ fn key_id(key: &str) -> [u8; 16] {
     h.finalize()[..16].try_into().unwrap()
 }
 
-fn welcome_proof(key: &str, nonce: &[u8], client_pid: i32, server_pid: i32) -> Vec<u8> {
+fn welcome_proof(key: &str, nonce: &[u8], client_id: u64, server_id: u64) -> Vec<u8> {
     let mut m = HmacSha256::new_from_slice(key.as_bytes()).unwrap();
     m.update(b"nixl-connect/welcome");
-    for p in [nonce, &client_pid.to_le_bytes(), &server_pid.to_le_bytes()] {
+    for p in [nonce, &client_id.to_le_bytes(), &server_id.to_le_bytes()] {
         m.update(&(p.len() as u32).to_le_bytes());
         m.update(p);
     }
@@ -50,12 +50,12 @@ fn welcome_proof(key: &str, nonce: &[u8], client_pid: i32, server_pid: i32) -> V
 }
 
 /// A frame about an operation, signed under `key` as the server (`from` = 1).
-fn signed(key: &str, nonce: &[u8], pid: i32, body: &[u8]) -> Vec<u8> {
+fn signed(key: &str, nonce: &[u8], id: u64, body: &[u8]) -> Vec<u8> {
     let mut m = HmacSha256::new_from_slice(key.as_bytes()).unwrap();
     m.update(b"nixl-connect/frame");
     m.update(nonce);
-    m.update(&pid.to_le_bytes());
-    m.update(&pid.to_le_bytes());
+    m.update(&id.to_le_bytes());
+    m.update(&id.to_le_bytes());
     m.update(&[1]);
     m.update(&(body.len() as u32).to_le_bytes());
     m.update(body);
@@ -160,7 +160,7 @@ async fn hostile_impostor_proving_its_own_key_cannot_answer_for_another_operatio
     let granted = grants.clone();
     let k = own_key.clone();
     squat(&victim, move |mut s| {
-        let pid = std::process::id() as i32; // reader and squatter share this test process
+        let pid = self_id(); // reader and squatter share this test process
         let Some(hello) = read_frame(&mut s) else { return };
         if hello[0] != 1 || hello.len() != 37 {
             return;
@@ -277,7 +277,7 @@ fn support_squatter() {
                         }
                         let nonce = hello[21..37].to_vec();
                         let k = key.lock().unwrap().clone();
-                        let (client, me) = (peer_pid(&s), std::process::id() as i32);
+                        let (client, me) = (peer_id(&s), self_id());
                         // What the owner would send: the proof of the key the metadata holds,
                         // signed by an identity (not the one the owner's name advertises).
                         let proof =
@@ -322,6 +322,52 @@ fn support_squatter() {
         println!("BOUND");
         std::io::stdout().flush().unwrap();
     }
+}
+
+/// A pidfd's process id as the library names processes in its proofs: its pidfs inode number
+/// where the kernel has pidfs, else `pid`.
+fn id_of(pidfd: libc::c_int, pid: i32) -> u64 {
+    // SAFETY: statfs and stat are plain old data written by the kernel for a live descriptor,
+    // closed here.
+    #[allow(unsafe_code)]
+    unsafe {
+        let mut fs: libc::statfs = std::mem::zeroed();
+        let mut st: libc::stat = std::mem::zeroed();
+        let pidfs = libc::fstatfs(pidfd, &mut fs) == 0 && fs.f_type as i64 == 0x5049_4446;
+        let ok = libc::fstat(pidfd, &mut st) == 0;
+        libc::close(pidfd);
+        if pidfs && ok {
+            st.st_ino
+        } else {
+            pid as u64
+        }
+    }
+}
+
+/// This process's id, as the library names it in its proofs.
+fn self_id() -> u64 {
+    // SAFETY: pidfd_open returns a new descriptor (closed by `id_of`).
+    #[allow(unsafe_code)]
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id(), 0) } as libc::c_int;
+    id_of(fd, std::process::id() as i32)
+}
+
+/// The id of the process at the other end of `s` (`SO_PEERPIDFD`), as the library names it.
+fn peer_id(s: &UnixStream) -> u64 {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes one c_int into a live local.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            77, // SO_PEERPIDFD
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    id_of(fd, peer_pid(s))
 }
 
 /// The pid of the process at the other end of `s` (`SO_PEERCRED`).

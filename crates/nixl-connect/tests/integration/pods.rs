@@ -69,9 +69,13 @@ fn pods_socket_dir_reaches_a_peer_in_another_network_namespace() {
                 &format!("expose readable {len} {kind}"),
                 "read auto fresh",
             );
-            let path = if with_dir { "path=local" } else { "path=nixl" };
+            let path = match (with_dir, len <= 8192) {
+                (true, true) => "path=local mechanism=frames ",
+                (true, false) => "path=local mechanism=cma ",
+                (false, _) => "path=nixl mechanism=none ",
+            };
             assert!(
-                got.starts_with("ok first=90") && got.contains(path) && got.ends_with("same=true"),
+                got.starts_with("ok first=90") && got.contains(path) && got.contains("same=true"),
                 "dir={with_dir} {len} {kind}: {got}"
             );
             let got = through(
@@ -122,59 +126,80 @@ fn pods_socket_dir_reaches_a_peer_in_another_network_namespace() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A peer found through the directory from another PID namespace (its pid is not visible): the
-/// same-host path cannot copy across it yet, so `auto` takes NIXL and `local` fails with that
-/// reason, at once.
-#[test]
-fn pods_peer_in_another_pid_namespace_takes_nixl_with_the_reason() {
-    let Some(ns) = Netns::make() else { return };
-    let dir = shared_dir("pidns");
-    let d = dir.to_str().unwrap().to_string();
-    let tls = tcp_tls();
-    let env_a = [
-        ("UCX_TLS", tls),
-        ("UCX_NET_DEVICES", ns.dev_a.as_str()),
-        ("NIXL_CONNECT_SOCKET_DIR", d.as_str()),
-    ];
-    let mut owner = Peer::from_command(ns.command_for(&ns.a, PEER, &env_a));
-    // The other side in network namespace b and a PID namespace of its own (with its own /proc).
+/// A peer process in its own network, PID, mount and IPC namespaces, with its own /proc, as a pod.
+fn pod(ns: &Netns, netns: &str, dev: &str, dir: &str) -> Peer {
     let mut cmd = Command::new("ip");
     cmd.args([
         "netns",
         "exec",
-        &ns.b,
+        netns,
         "unshare",
         "--pid",
+        "--ipc",
+        "--mount",
         "--fork",
+        "--kill-child",
         "--mount-proc",
     ])
     .arg(std::env::current_exe().unwrap())
     .args([PEER, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
     .env(PEER_ENV, "peer")
-    .env("UCX_TLS", tls)
-    .env("UCX_NET_DEVICES", &ns.dev_b)
-    .env("NIXL_CONNECT_SOCKET_DIR", &d);
-    let mut other = Peer::from_command(cmd);
-    let got = through(
-        &mut owner,
-        &mut other,
-        "expose readable 1048576 host",
-        "read auto fresh",
-    );
-    assert!(
-        got.starts_with("ok first=90") && got.contains("path=nixl"),
-        "auto across PID namespaces: {got}"
-    );
-    let got = through(
-        &mut owner,
-        &mut other,
-        "expose readable 4096 vec",
-        "read local fresh",
-    );
-    assert!(
-        got.starts_with("err") && got.contains("another PID namespace"),
-        "local across PID namespaces: {got}"
-    );
+    .env("UCX_TLS", tcp_tls())
+    .env("UCX_NET_DEVICES", dev)
+    .env("NIXL_CONNECT_SOCKET_DIR", dir);
+    let _ = ns;
+    Peer::from_command(cmd)
+}
+
+/// Two pods that share only the socket directory (separate network, PID, mount and IPC
+/// namespaces: neither sees the other's pid, so no cross-memory attach): host memory moves
+/// through pipes the source's owner feeds, on the same-host path (`local` only, no NIXL), reads
+/// and writes, the library's buffers and plain vectors, small (in the frames) and large (through
+/// 1 to 4 lanes), every byte checked against a pattern that differs with its position.
+#[test]
+fn pods_peer_in_another_pid_namespace_moves_host_memory_through_pipes() {
+    let Some(ns) = Netns::make() else { return };
+    let dir = shared_dir("pidns");
+    let d = dir.to_str().unwrap().to_string();
+    let mut owner = pod(&ns, &ns.a, &ns.dev_a, &d);
+    let mut other = pod(&ns, &ns.b, &ns.dev_b, &d);
+    for (len, kind) in [
+        (4096usize, "vecpat"),
+        (1 << 20, "hostpat"),
+        ((8 << 20) + 12345, "vecpat"),
+        (64 << 20, "hostpat"),
+    ] {
+        let got = through(
+            &mut owner,
+            &mut other,
+            &format!("expose readable {len} {kind}"),
+            "read local fresh",
+        );
+        let how = if len <= 8192 { "frames" } else { "pipes" };
+        assert!(
+            got.starts_with("ok")
+                && got.contains(&format!("path=local mechanism={how} "))
+                && got.ends_with("pattern=true"),
+            "a read of {len} {kind} across PID namespaces: {got}"
+        );
+        owner.say(&format!("expose writable {len} {}", kind.trim_end_matches("pat")));
+        let md = owner.expect("MD:");
+        other.say("write local pat");
+        other.say(&md);
+        other.expect("STARTED");
+        assert_eq!(other.expect("MECHANISM:"), how, "a write of {len} {kind}");
+        assert_eq!(
+            other.expect("WRITE:"),
+            "ok",
+            "a write of {len} {kind} across PID namespaces"
+        );
+        owner.say("wait 5000");
+        assert_eq!(owner.expect("WAIT:"), "ok");
+        owner.say("check pat");
+        assert_eq!(owner.expect("CHECK:"), "true", "the write's bytes, {len} {kind}");
+        owner.say("drop");
+        owner.expect("DROPPED");
+    }
     drop((owner, other, ns));
     std::fs::remove_dir_all(&dir).unwrap();
 }

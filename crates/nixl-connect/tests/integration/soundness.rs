@@ -579,16 +579,23 @@ fn support_deadline_killed() {
     });
 }
 
+/// The seed of the peer's patterned memory (`hostpat`, `vecpat`, `write ... pat`, `check pat`).
+const PAT: u64 = 41;
+
 /// The peer process: one command per stdin line.
 ///
-/// - `expose readable|writable LEN host|vec`: prints `MD:<json>`, keeps the operation;
+/// - `expose readable|writable LEN host|vec|hostpat|vecpat`: prints `MD:<json>`, keeps the
+///   operation (`*pat`: filled with [`pattern`] (seed [`PAT`]), else 0x5A);
+/// - `check pat|77`: prints `CHECK:true` when the writable's memory is [`pattern`] (or all 0x77);
 /// - `wait MS`: waits for it, prints `WAIT:ok` or `WAIT:<error>`;
 /// - `drop`: drops it and its memory, prints `DROPPED`;
 /// - `read auto|nixl|local [fresh]` then a metadata line: reads it (with a fresh connector when
 ///   `fresh`), prints `STARTED` once the transfer is under way, then
-///   `READ:ok first=<byte> path=<path> same=<every byte as the first>` or `READ:err <error>`;
-/// - `write auto|nixl|local` then a metadata line: writes 0x77 bytes into it, prints
-///   `STARTED`, then `WRITE:ok` or `WRITE:err <error>`.
+///   `READ:ok first=<byte> path=<path> mechanism=<m> same=<every byte as the first> pattern=<it is
+///   [`pattern`]>` or `READ:err <error>`;
+/// - `write auto|nixl|local [pat]` then a metadata line: writes 0x77 bytes ([`pattern`]) into it, prints
+///   `STARTED`, then `MECHANISM:<how the same-host path moved it, or none>` and `WRITE:ok` or
+///   `WRITE:err <error>`.
 #[test]
 #[ignore = "run by the soundness tests as their peer"]
 fn support_sound_peer() {
@@ -606,12 +613,18 @@ fn support_sound_peer() {
             match w.first().copied() {
                 Some("expose") => {
                     let len: usize = w[2].parse().unwrap();
-                    let d = if w[3] == "host" {
-                        let mut b = HostBuffer::new(len).unwrap();
-                        b.fill(0x5A);
-                        Descriptor::from(b)
-                    } else {
-                        Descriptor::from(vec![0x5Au8; len])
+                    let d = match w[3] {
+                        "host" | "hostpat" => {
+                            let mut b = HostBuffer::new(len).unwrap();
+                            if w[3] == "host" {
+                                b.fill(0x5A);
+                            } else {
+                                b.copy_from_slice(&pattern(len, PAT));
+                            }
+                            Descriptor::from(b)
+                        }
+                        "vecpat" => Descriptor::from(pattern(len, PAT)),
+                        _ => Descriptor::from(vec![0x5Au8; len]),
                     };
                     let md = if w[1] == "readable" {
                         let r = conn.create_readable(d).await.unwrap();
@@ -634,6 +647,17 @@ fn support_sound_peer() {
                         _ => Ok(()),
                     };
                     println!("WAIT:{}", r.map_or_else(|e| e.to_string(), |()| "ok".into()));
+                }
+                Some("check") => {
+                    let d = writable.take().map(|w| w.into_descriptors());
+                    let ok = d.as_ref().and_then(|d| d[0].as_slice()).is_some_and(|b| {
+                        if w[1] == "pat" {
+                            b == pattern(b.len(), PAT).as_slice()
+                        } else {
+                            b.iter().all(|&x| x == 0x77)
+                        }
+                    });
+                    println!("CHECK:{ok}");
                 }
                 Some("drop") => {
                     readable = None;
@@ -669,10 +693,15 @@ fn support_sound_peer() {
                             match op.wait_for_completion(Some(Duration::from_secs(20))).await {
                                 Ok(()) => {
                                     let path = op.path().map_or("?".into(), |p| p.to_string());
+                                    let m = op.mechanism().map_or("none".into(), |m| m.to_string());
                                     let back = op.into_descriptors().unwrap();
                                     let bytes = back[0].as_slice().unwrap();
                                     let same = bytes.iter().all(|&b| b == bytes[0]);
-                                    Ok((bytes[0], format!("{path} same={same}")))
+                                    let pat = bytes == pattern(bytes.len(), PAT).as_slice();
+                                    Ok((
+                                        bytes[0],
+                                        format!("{path} mechanism={m} same={same} pattern={pat}"),
+                                    ))
                                 }
                                 Err(e) => Err(e),
                             }
@@ -692,15 +721,24 @@ fn support_sound_peer() {
                     let md: RdmaMetadata = lines.next().unwrap().unwrap().parse().unwrap();
                     let c = Connector::builder().path(policy).build().unwrap();
                     let len: usize = md.descriptors.iter().map(|d| d.size as usize).sum();
-                    let r = match c.begin_write(Descriptor::from(vec![0x77u8; len]), &md).await {
+                    let src = if w.get(2) == Some(&"pat") {
+                        pattern(len, PAT)
+                    } else {
+                        vec![0x77u8; len]
+                    };
+                    let r = match c.begin_write(Descriptor::from(src), &md).await {
                         Ok(op) => {
                             println!("STARTED");
                             use std::io::Write;
                             std::io::stdout().flush().unwrap();
-                            op.wait_for_completion(Some(Duration::from_secs(20))).await
+                            let r = op.wait_for_completion(Some(Duration::from_secs(20))).await;
+                            let m = op.mechanism().map_or("none".into(), |m| m.to_string());
+                            println!("MECHANISM:{m}");
+                            r
                         }
                         Err(e) => {
                             println!("STARTED");
+                            println!("MECHANISM:none");
                             Err(e)
                         }
                     };

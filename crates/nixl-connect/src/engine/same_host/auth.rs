@@ -7,14 +7,16 @@
 //! - the client's `Hello` names the operation by [`key_id`] (a hash: learning it reveals nothing
 //!   usable) and carries a fresh [`nonce`];
 //! - the server's `Welcome` carries [`welcome_proof`], an HMAC keyed by the notification key over
-//!   the nonce and both processes' pids (so a relaying impostor, whose pid differs, cannot pass a
-//!   real server's proof on). The client reveals nothing else (no ranges, no
+//!   the nonce and both processes' ids (so a relaying impostor, whose id differs, cannot pass a
+//!   real server's proof on). A process's id is its pidfs inode number where the kernel has
+//!   pidfs (Linux 6.9: one number per process on the host, the same from every PID namespace, so
+//!   it binds pods too), else its pid ([`sys::self_id`](super::sys::self_id)). The client reveals nothing else (no ranges, no
 //!   device export) and trusts no answer until the proof checks;
 //! - every frame about one operation, in either direction (`Req`, `Grant`, `GrantIpc`, `Refuse`,
 //!   `Fallback`, `Done`), ends with [`frame_mac`] under *that operation's* key, over the frame's
-//!   type and fields, the nonce, both pids and the direction. A process that proved one key on a
+//!   type and fields, the nonce, both ids and the direction. A process that proved one key on a
 //!   connection cannot answer for another operation on it, nor replay a frame onto another
-//!   connection (the nonce and pids differ), nor reflect a frame back (the direction differs).
+//!   connection (the nonce and ids differ), nor reflect a frame back (the direction differs).
 
 use hmac::{KeyInit, Mac};
 use sha2::{Digest, Sha256};
@@ -52,12 +54,12 @@ fn tag(key: &str, label: &[u8], parts: &[&[u8]]) -> Tag {
     m.finalize().into_bytes().into()
 }
 
-/// The server's proof that it holds `key`, for the client's `nonce`, bound to both pids.
-pub(crate) fn welcome_proof(key: &str, nonce: &Nonce, client_pid: i32, server_pid: i32) -> Tag {
+/// The server's proof that it holds `key`, for the client's `nonce`, bound to both processes' ids.
+pub(crate) fn welcome_proof(key: &str, nonce: &Nonce, client_id: u64, server_id: u64) -> Tag {
     tag(
         key,
         b"nixl-connect/welcome",
-        &[nonce, &client_pid.to_le_bytes(), &server_pid.to_le_bytes()],
+        &[nonce, &client_id.to_le_bytes(), &server_id.to_le_bytes()],
     )
 }
 
@@ -84,20 +86,20 @@ pub(crate) enum Side {
 }
 
 /// The MAC of one frame about an operation: under that operation's `key`, over the connection's
-/// `nonce`, both pids, the sender's role and the frame's `signed` bytes (type and fields).
+/// `nonce`, both processes' ids, the sender's role and the frame's `signed` bytes (type and fields).
 pub(crate) fn frame_mac(
     key: &Keyed,
     nonce: &Nonce,
-    client_pid: i32,
-    server_pid: i32,
+    client_id: u64,
+    server_id: u64,
     from: Side,
     signed: &[u8],
 ) -> Tag {
     let mut m = key.0.clone();
     m.update(b"nixl-connect/frame");
     m.update(nonce);
-    m.update(&client_pid.to_le_bytes());
-    m.update(&server_pid.to_le_bytes());
+    m.update(&client_id.to_le_bytes());
+    m.update(&server_id.to_le_bytes());
     m.update(&[from as u8]);
     m.update(&(signed.len() as u32).to_le_bytes());
     m.update(signed);

@@ -3,18 +3,22 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use super::auth;
 use super::eager;
+use super::feeds::{Feed, FeedFor};
+use super::limits::{MAX_PIPES, MAX_PIPES_PER_CONN};
 use super::link::grant_ipc_len;
 #[cfg(feature = "cuda")]
 use super::records::ExportDone;
 use super::records::{Act, AnyCopy, ConnId, CopyOwner, Phase, RequestId};
 use super::sys;
-use super::sys::cma::{self, Copy, Piece, SlotRef};
+use super::sys::cma::{Copy, Piece, SlotRef};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
+use super::sys::pipe;
 use super::sys::slots::SlotTable;
 use super::transport::SameHostTransport;
 use super::violation::Violation;
@@ -23,6 +27,7 @@ use crate::device::Device;
 use crate::engine::transport::{Event, OpId};
 use crate::error::Error;
 use crate::reg::Range;
+use crate::state::Mechanism;
 
 /// Requests open on a connection below which a small host operation carries its bytes in its
 /// frames (see [`EAGER_MAX`]); at or above it, it takes a grant and the copy pool.
@@ -36,7 +41,7 @@ impl SameHostTransport {
         // Nothing about this process but the key's hash and a nonce: the server proves it holds
         // the key before anything else is sent.
         let buf = c.link.out();
-        let n = sys::send_with_fd(c.fd.as_raw_fd(), buf, table.fd().as_raw_fd())?;
+        let n = sys::send_with_fds(c.fd.as_raw_fd(), buf, &[table.fd().as_raw_fd()])?;
         if n != buf.len() {
             // A fresh connection's buffer always takes a few dozen bytes; anything else is broken.
             return Err(io::Error::other("the hello did not fit the socket"));
@@ -49,7 +54,6 @@ impl SameHostTransport {
     /// Client: the server proved it holds the opening operation's key; the queued requests go.
     pub(super) fn on_ready(&mut self, i: ConnId, out: &mut Vec<Event>) {
         let Some(c) = self.sockets.get_mut(i) else { return };
-        c.can_pull = c.pidfd.as_deref().is_some_and(cma::may_pull);
         let queued = std::mem::take(&mut c.queued);
         for id in queued {
             self.request(id, out);
@@ -141,14 +145,46 @@ impl SameHostTransport {
             Vec::new()
         };
         let c = self.sockets.get_mut(a.conn).expect("live");
-        if !a.spec.write && !a.device && !eager && !c.can_pull {
+        // Host memory of a peer this side cannot read (another PID namespace, ptrace rules)
+        // moves through pipes: a read's fed by the server, a write's by this side.
+        let piped = !c.can_pull && !small && host(&a.spec.local) && host(&a.spec.remote);
+        if !a.spec.write && !a.device && !eager && !c.can_pull && !piped {
             self.decline_act(
                 id,
-                "the kernel does not let this process read the peer's memory (ptrace rules)",
+                "the kernel does not let this process read the peer's memory (ptrace rules), and \
+                 pipes carry only host memory",
                 out,
             );
             return;
         }
+        let lanes = if piped { pipe::lanes_for(total) } else { 0 };
+        if piped
+            && (self.feeds.lanes_of(a.conn) + lanes > MAX_PIPES_PER_CONN
+                || self.feeds.lanes() + lanes > MAX_PIPES)
+        {
+            self.decline_act(id, "too many same-host pipes are open now", out);
+            return;
+        }
+        let feeding = if piped && a.spec.write {
+            match pipe::lanes(lanes).and_then(|l| {
+                let ends = l
+                    .iter()
+                    .map(pipe::Lane::read_end)
+                    .collect::<io::Result<Vec<_>>>()?;
+                Ok((l, ends, Arc::new(pipe::Wake::new()?)))
+            }) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    self.decline_act(id, &format!("cannot make pipes for a same-host write: {e}"), out);
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        let a = self.client.get_mut(id).expect("present");
+        let c = self.sockets.get_mut(a.conn).expect("live");
+        let req_sources_empty = a.sources.is_empty();
         let req = Msg::Req {
             slot: a.slot,
             gen: a.gen,
@@ -162,7 +198,7 @@ impl SameHostTransport {
                 .iter()
                 .map(|r| (r.addr as u64, r.len as u64))
                 .collect(),
-            local: if a.spec.write && data.is_empty() {
+            local: if a.spec.write && data.is_empty() && !piped {
                 a.spec
                     .local
                     .iter()
@@ -174,6 +210,7 @@ impl SameHostTransport {
             sources: std::mem::take(&mut a.sources),
             eager,
             data,
+            pipes: lanes as u8,
         };
         // A request the server could not accept, or whose answer could not come back in one frame
         // (too many ranges), takes NIXL rather than breaking the connection others use.
@@ -187,11 +224,104 @@ impl SameHostTransport {
             return;
         }
         a.phase = Phase::Requested;
+        // How the bytes move, as far as the request decides it (a read's grant says the rest).
+        let mechanism = if small {
+            Some(Mechanism::Frames)
+        } else if piped {
+            Some(Mechanism::Pipes)
+        } else if a.spec.write && !req_sources_empty {
+            Some(Mechanism::CudaIpc)
+        } else if a.spec.write {
+            Some(Mechanism::CrossMemoryAttach)
+        } else {
+            None
+        };
+        if let Some(m) = mechanism {
+            a.spec.state.set_mechanism(m);
+        }
         // Queued in the core; sent with everything else queued this turn, at the end of the
-        // transport's progress.
+        // transport's progress (a write's pipes with it).
+        let at = c.link.queued_end();
         if !c.link.request(&a.spec.key, &req) {
             self.decline_act(id, "the same-host connection cannot take the request", out);
+            return;
         }
+        if let Some((lanes, ends, wake)) = feeding {
+            let (conn, pid) = (a.conn, c.pool_key());
+            let pieces = a.spec.local.iter().map(|r| (r.addr, r.len)).collect();
+            let ended = Arc::new(AtomicBool::new(false));
+            self.sockets.attach(conn, at, ends);
+            self.feeds.start(
+                FeedFor::Write(id),
+                Feed::new(conn, lanes.len(), ended.clone(), wake.clone()),
+            );
+            self.in_flight.feed(
+                pipe::Feeding {
+                    pid,
+                    lanes,
+                    pieces,
+                    ended,
+                    wake,
+                },
+                CopyOwner::Fed(FeedFor::Write(id)),
+            );
+        }
+    }
+
+    /// Client: a host read may copy from `lanes` pipes the server feeds, whose read ends came
+    /// with the grant (taken here first, whatever became of the read, so the next frame's are
+    /// the next ones).
+    pub(super) fn on_grant_pipe(&mut self, i: ConnId, slot: u32, gen: u64, lanes: u8, out: &mut Vec<Event>) {
+        let Some(fds) = self.sockets.take_pipes(i, lanes as usize) else {
+            return; // not pipes: the connection is killed; its operations end with it
+        };
+        let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
+            fds.into_iter().for_each(sys::close_elsewhere);
+            return;
+        };
+        let a = self.client.get_mut(id).expect("found");
+        if matches!(a.phase, Phase::Abandoned) {
+            fds.into_iter().for_each(sys::close_elsewhere);
+            let a = self.client.remove(id).expect("present");
+            if let Some(c) = self.sockets.get_mut(i) {
+                c.link.read_done(slot, gen, false, "cancelled");
+            }
+            self.free_slot(i, a.slot, a.gen);
+            return;
+        }
+        let wake = match pipe::Wake::new() {
+            Ok(w) => Arc::new(w),
+            Err(e) => {
+                fds.into_iter().for_each(sys::close_elsewhere);
+                let a = self.client.remove(id).expect("present");
+                if let Some(c) = self.sockets.get_mut(i) {
+                    c.link.read_done(slot, gen, false, "no eventfd");
+                }
+                self.free_slot(i, a.slot, a.gen);
+                out.push(Event::ActiveEnded {
+                    id,
+                    result: Err(Error::os("an eventfd for a same-host read", e)),
+                });
+                return;
+            }
+        };
+        a.phase = Phase::Copying;
+        a.wake = Some(wake.clone());
+        let c = self.sockets.get(i).expect("live");
+        a.pidfd = c.pidfd.clone();
+        let copy = AnyCopy::Filled(pipe::Fill {
+            pid: c.pool_key(),
+            lanes: fds,
+            pieces: a.spec.local.iter().map(|r| (r.addr, r.len)).collect(),
+            slot: SlotRef {
+                table: c.slots.clone().expect("ready"),
+                idx: slot,
+                gen,
+            },
+            cancel: a.cancel.clone(),
+            wake,
+        });
+        self.in_flight.start(copy, CopyOwner::Read(id));
     }
 
     /// Client: an eager read's bytes came (proven, exactly as many as requested): copied into
@@ -255,6 +385,13 @@ impl SameHostTransport {
         a.phase = Phase::Copying;
         let c = self.sockets.get(i).expect("live");
         a.pidfd = c.pidfd.clone();
+        a.spec
+            .state
+            .set_mechanism(match (&sources, a.spec.local.first().map(|r| r.device)) {
+                (Some(_), _) => Mechanism::CudaIpc,
+                (None, Some(Device::Cuda(_))) => Mechanism::PinnedStaging,
+                (None, _) => Mechanism::CrossMemoryAttach,
+            });
         #[cfg(feature = "cuda")]
         if let Some(sources) = sources {
             let copy = AnyCopy::Device(ipc::Copy {

@@ -10,13 +10,14 @@ use std::time::Instant;
 use super::auth;
 use super::identity;
 use super::link::Link;
-use super::records::{Conn, ConnId, Phase};
+use super::records::{Conn, ConnId, FeedFor, Phase};
+use super::sys::cma;
 use super::sys::dir::{connect_path, socket_path};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
 use super::sys::{
-    accept, close_refused, connect, peer_cred, pidfd, refuse_passed_descriptors, self_pid, socket_name,
-    unix_socket, Tracked,
+    accept, accept_passed_descriptors, alive_fd, close_refused, connect, peer_cred, peer_process,
+    refuse_passed_descriptors, self_id, socket_name, unix_socket, Tracked,
 };
 use super::transport::SameHostTransport;
 use crate::engine::transport::{Decline, Event};
@@ -79,14 +80,27 @@ impl SameHostTransport {
                 close_refused(fd);
                 continue;
             };
-            let refusal = self.sockets.admission(pid);
-            let link = Link::server(identity, pid, self_pid(), Instant::now());
             // The pidfd is taken now, so that the process a later copy checks is the one that
             // connected (a pid freed meanwhile could name another process by the `Hello`).
-            let peer = if refusal.is_none() { pidfd(pid) } else { None };
+            let peer = peer_process(fd.as_raw_fd(), pid);
+            let peer_id = peer.as_ref().map_or(0, |p| p.0);
+            let refusal = match &peer {
+                Some(_) => self.sockets.admission(peer_id),
+                None => Some(
+                    "the peer's process cannot be named from here (another PID namespace, on a \
+                     kernel without pidfs), or is gone; use NIXL"
+                        .into(),
+                ),
+            };
+            let link = Link::server(identity, peer_id, self_id(), Instant::now());
+            let peer = if refusal.is_none() {
+                peer.map(|p| p.1)
+            } else {
+                None
+            };
             let i = self
                 .sockets
-                .insert(Conn::new(Tracked::new(fd), link, pid, peer, "".into()));
+                .insert(Conn::new(Tracked::new(fd), link, pid, peer_id, peer, "".into()));
             if let Some(reason) = refusal {
                 self.refused_peers += 1;
                 let c = self.sockets.get_mut(i).expect("just inserted");
@@ -149,36 +163,48 @@ impl SameHostTransport {
         if peer_uid != uid {
             return Err(format!("the peer runs as uid {peer_uid} (this process: {uid})").into());
         }
-        if pid <= 0 {
-            // Found through the shared directory, from another PID namespace: its pid is not
-            // ours to see, so nothing can be copied from or to it by process.
+        // The process that made the listening socket (what SO_PEERCRED names) must still live:
+        // a child that kept the socket without running its engine (a raw `clone()` skips the
+        // fork handlers) would leave the hello unanswered until its deadline. A peer found
+        // through the shared directory may be in another PID namespace (its pid is 0 from here):
+        // it is named by its pidfs id, on kernels that have pidfs.
+        let Some((server_id, server)) = peer_process(fd.as_raw_fd(), pid) else {
+            return Err(if pid <= 0 {
+                "the peer's process is in another PID namespace and this kernel cannot name it \
+                 (no pidfs: Linux 6.9 or later)"
+            } else {
+                "the process that made the peer's same-host socket is gone (a child of it holds \
+                 the socket)"
+            }
+            .into());
+        };
+        if !alive_fd(&server) {
             return Err(
-                "the peer's process is in another PID namespace (its pid is not visible from \
-                        here): the same-host path cannot copy across it yet"
+                "the process that made the peer's same-host socket is gone (a child of it holds \
+                 the socket)"
                     .into(),
             );
         }
-        // The process that made the listening socket (what SO_PEERCRED names) must still live:
-        // a child that kept the socket without running its engine (a raw `clone()` skips the
-        // fork handlers) would leave the hello unanswered until its deadline.
-        let Some(server) = pidfd(pid) else {
-            return Err(
-                "the process that made the peer's same-host socket is gone (a child of \
-                        it holds the socket)"
-                    .into(),
-            );
-        };
+        // A peer this side cannot read (another PID namespace, ptrace rules) serves its reads
+        // through pipes; this side's writes go to it through pipes too (what keeps us from its
+        // memory keeps it from ours, in the case this path is for: sibling pods).
+        let can_pull = pid > 0 && cma::may_pull(&server);
+        if !can_pull {
+            accept_passed_descriptors(fd.as_raw_fd());
+        }
         let link = Link::client(
             key.clone(),
             expect,
             auth::nonce(),
-            self_pid(),
-            pid,
+            self_id(),
+            server_id,
+            !can_pull,
             Instant::now(),
         );
         let i = self
             .sockets
-            .insert(Conn::new(fd, link, pid, Some(server), peer.clone()));
+            .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
+        self.sockets.get_mut(i).expect("just inserted").can_pull = can_pull;
         if let Err(e) = self.send_hello(i) {
             self.close(i, &mut Vec::new());
             return Err(Decline::because("the same-host handshake failed", e));
@@ -242,6 +268,16 @@ impl SameHostTransport {
                         if let Some(t) = &c.slots {
                             t.revoke(a.slot, a.gen);
                         }
+                        if let Some(f) = self.feeds.end(FeedFor::Write(id)) {
+                            // A write through pipes: it ends once they are emptied (an abandoned
+                            // one as cancelled).
+                            f.result.get_or_insert(Err(Error::RemoteGone {
+                                agent: c.peer.to_string(),
+                                reason: "the same-host connection closed during the write".into(),
+                                source: None,
+                            }));
+                            continue;
+                        }
                         if matches!(a.phase, Phase::Abandoned) {
                             continue;
                         }
@@ -275,6 +311,10 @@ impl SameHostTransport {
                 }
             }
         } else {
+            // Reads it was served through pipes end: their pipes are emptied, and no reader's
+            // answer completes them.
+            self.feeds
+                .end_where(|w, f| matches!(w, FeedFor::Grant(_)) && f.conn == i);
             // Revoke this connection's read grants before forgetting them (its table stays mapped
             // while a copy holds it), so a peer still copying cannot complete against memory the
             // owner may since have given up.

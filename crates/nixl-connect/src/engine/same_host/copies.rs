@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::link::Answer;
-use super::records::{refused, CopyOwner};
+use super::records::{refused, CopyOwner, FeedFor};
 use super::sys::alive;
 use super::sys::cma::CopyError;
 use super::transport::SameHostTransport;
@@ -21,12 +21,46 @@ impl SameHostTransport {
     pub(crate) fn stop_copies(&mut self, within: Option<Duration>) -> bool {
         self.stopped = true;
         for (_, a) in self.client.acts() {
-            a.cancel.store(true, Ordering::Relaxed);
+            a.stop();
         }
+        self.feeds.end_all();
         for s in self.server.scopes() {
             s.cancel_writer();
         }
         self.in_flight.wait(within)
+    }
+
+    /// Pipes this side fed are empty (their job reported): what waited for it goes on. A served
+    /// read completes if its reader said so; a write reports the result its answer gave; an
+    /// ended operation's memory is released once no pipe of it is left.
+    fn fed(&mut self, which: FeedFor, r: Result<(), CopyError>, out: &mut Vec<Event>) {
+        let Some(f) = self.feeds.finished(which) else {
+            return;
+        };
+        if let Err(e) = &r {
+            tracing::debug!(?which, error = ?e, "feeding same-host pipes failed");
+        }
+        match which {
+            FeedFor::Grant(_) => {
+                let Some(key) = f.key else { return };
+                if f.answered == Some(true) {
+                    out.push(Event::PassiveCompleted { key: key.clone() });
+                }
+                if self.server.scope(&key).is_none() && !self.feeds.feeds_key(&key) {
+                    // Unexposed while its pipes were fed (`seam.rs` held the release back).
+                    if let Some(state) = f.state {
+                        state.mark_released();
+                    }
+                }
+            }
+            FeedFor::Write(id) => {
+                // No result yet: the feed failed before the server answered; the answer (or the
+                // connection's end) reports the write.
+                if let Some(result) = f.result {
+                    out.push(Event::ActiveEnded { id, result });
+                }
+            }
+        }
     }
 
     /// Handles finished copies and exports.
@@ -36,6 +70,7 @@ impl SameHostTransport {
         let any = exported || !done.is_empty();
         for (owner, r) in done {
             match owner {
+                CopyOwner::Fed(which) => self.fed(which, r, out),
                 CopyOwner::Read(id) => {
                     let Some(a) = self.client.remove(id) else { continue };
                     let i = a.conn;

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::link::{Answer, Heard};
-use super::records::{refused, ConnId, Phase, RequestId};
+use super::records::{refused, ConnId, FeedFor, Phase, RequestId};
 use super::transport::SameHostTransport;
 use super::wire::{RefuseCode, NOT_LIVE};
 use crate::engine::transport::Event;
@@ -16,6 +16,13 @@ impl SameHostTransport {
     pub(super) fn handle(&mut self, i: ConnId, h: Heard, out: &mut Vec<Event>) {
         match h {
             Heard::Hello => self.on_hello(i),
+            Heard::Trusted { pipes } => {
+                if !pipes {
+                    self.sockets.refuse_descriptors(i);
+                }
+            }
+            Heard::Unused { fds } => self.sockets.drop_passed(i, fds),
+            Heard::GrantPipe { slot, gen, lanes } => self.on_grant_pipe(i, slot, gen, lanes, out),
             Heard::Req(r) => {
                 if self.server.knows(r.ident) {
                     self.on_req(i, r, out)
@@ -83,6 +90,9 @@ impl SameHostTransport {
                 reason,
             } => {
                 // The passive side finished copying our write.
+                if self.piped_write_answered(i, slot, gen, ok, &reason) {
+                    return;
+                }
                 self.end_answered(i, slot, gen, out, |peer| {
                     if ok {
                         Ok(())
@@ -96,6 +106,33 @@ impl SameHostTransport {
                 });
             }
         }
+    }
+
+    /// Client: the answer to a write whose bytes went through pipes this side feeds: the write
+    /// ends, and its result is reported once the pipes are empty (`copies.rs`), since they may
+    /// still hold its source's pages. False when the write took no pipes.
+    fn piped_write_answered(&mut self, i: ConnId, slot: u32, gen: u64, ok: bool, reason: &str) -> bool {
+        let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
+            return false;
+        };
+        if self.feeds.end(FeedFor::Write(id)).is_none() {
+            return false;
+        }
+        let (_, a) = self.take_act(i, slot, gen).expect("found above");
+        self.free_slot(i, slot, gen);
+        let result = if ok {
+            Ok(())
+        } else {
+            Err(Error::Transfer {
+                agent: a.spec.peer.name.to_string(),
+                reason: reason.into(),
+                source: None,
+            })
+        };
+        let f = self.feeds.end(FeedFor::Write(id)).expect("found above");
+        // An abandoned write was answered "cancelled" already.
+        f.result.get_or_insert(result);
+        true
     }
 
     /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or

@@ -11,10 +11,10 @@
 //!   Python Dynamo peer (whose agent name has none) goes to NIXL at once, no `Hello` names it, and
 //!   whoever binds its name learns nothing;
 //! - the server's `Welcome` carries its public key and a signature over the client's nonce, both
-//!   processes' pids and the Welcome's own proof (or its absence: "no live operation"): the client
+//!   processes' ids (see `auth`) and the Welcome's own proof (or its absence: "no live operation"): the client
 //!   believes the connection only when the key matches the fingerprint its metadata named and the
 //!   signature checks ([`verify_welcome`]). A metadata holder knows the fingerprint, never the
-//!   private key, so it cannot answer as the owner; a relay's pid differs, so a real owner's
+//!   private key, so it cannot answer as the owner; a relay's id differs, so a real owner's
 //!   signature cannot be passed on.
 //!
 //! Everything later on that connection comes from the process that proved the identity (a Unix
@@ -88,15 +88,15 @@ impl Identity {
     }
 
     /// The server's signed `Welcome`: its public key and a signature over the client's nonce, both
-    /// pids and the Welcome's proof (or its absence).
+    /// processes' ids and the Welcome's proof (or its absence).
     pub(crate) fn sign_welcome(
         &self,
         nonce: &Nonce,
-        client_pid: i32,
-        server_pid: i32,
+        client_id: u64,
+        server_id: u64,
         proof: Option<&Tag>,
     ) -> (PublicKey, Sig) {
-        let m = welcome_message(nonce, client_pid, server_pid, proof);
+        let m = welcome_message(nonce, client_id, server_id, proof);
         (self.public, self.key.sign(&m).to_bytes())
     }
 }
@@ -142,8 +142,8 @@ pub(crate) fn verify_welcome(
     public: &PublicKey,
     sig: &Sig,
     nonce: &Nonce,
-    client_pid: i32,
-    server_pid: i32,
+    client_id: u64,
+    server_id: u64,
     proof: Option<&Tag>,
 ) -> bool {
     if fingerprint(public) != *expected {
@@ -152,16 +152,16 @@ pub(crate) fn verify_welcome(
     let Ok(key) = VerifyingKey::from_bytes(public) else {
         return false;
     };
-    let m = welcome_message(nonce, client_pid, server_pid, proof);
+    let m = welcome_message(nonce, client_id, server_id, proof);
     key.verify_strict(&m, &Signature::from_bytes(sig)).is_ok()
 }
 
-fn welcome_message(nonce: &Nonce, client_pid: i32, server_pid: i32, proof: Option<&Tag>) -> Vec<u8> {
+fn welcome_message(nonce: &Nonce, client_id: u64, server_id: u64, proof: Option<&Tag>) -> Vec<u8> {
     let mut m = Vec::with_capacity(64 + 16 + 8 + 33);
     m.extend_from_slice(b"nixl-connect/welcome-identity\0");
     m.extend_from_slice(nonce);
-    m.extend_from_slice(&client_pid.to_le_bytes());
-    m.extend_from_slice(&server_pid.to_le_bytes());
+    m.extend_from_slice(&client_id.to_le_bytes());
+    m.extend_from_slice(&server_id.to_le_bytes());
     match proof {
         Some(p) => {
             m.push(1);

@@ -10,6 +10,7 @@ use super::records::{AnyCopy, CopyOwner, ExportDone, Exports, Finished, Outstand
 use super::sys::cma::{self, CopyError};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
+use super::sys::pipe;
 #[cfg(feature = "cuda")]
 use super::sys::staged;
 use crate::engine::poller::Waker;
@@ -47,6 +48,7 @@ impl InFlight {
         let (done, owner) = self.on_end(owner);
         let started = match copy {
             AnyCopy::Host(c) => cma::spawn_into(&mut self.batch, c, done),
+            AnyCopy::Filled(c) => pipe::spawn_fill(c, done),
             #[cfg(feature = "cuda")]
             AnyCopy::Device(c) => ipc::spawn(c, done),
             #[cfg(feature = "cuda")]
@@ -59,6 +61,13 @@ impl InFlight {
                 self.finished.push((o, Err(e)));
             }
         }
+    }
+
+    /// Starts feeding pipes for `owner` (a [`CopyOwner::Fed`]): its end is reported like a
+    /// copy's, once the pipes are empty.
+    pub(super) fn feed(&mut self, f: pipe::Feeding, owner: CopyOwner) {
+        let (done, _) = self.on_end(owner);
+        pipe::spawn_feed(f, done);
     }
 
     /// A copy's completion callback (run on the thread that ends the copy), counted as

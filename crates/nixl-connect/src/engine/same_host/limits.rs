@@ -49,6 +49,13 @@ pub(super) const MAX_GRANTS_PER_CONN: usize = SLOTS;
 pub(super) const MAX_EXPORTING_PER_CONN: usize = 1 << 18;
 /// Device ranges queued for export at once in the process, over every connection.
 pub(super) const MAX_EXPORTING: usize = 1 << 20;
+/// The most pipes one copy through pipes uses (`sys::pipe`).
+pub(crate) const MAX_LANES: usize = 4;
+/// Pipes one connection's copies through pipes hold at once (two descriptors each on the side
+/// that feeds them); past it, such copies take NIXL until some end.
+pub(super) const MAX_PIPES_PER_CONN: usize = 64;
+/// Pipes held at once in the process, over every connection.
+pub(super) const MAX_PIPES: usize = 512;
 /// How long a peer with no same-host socket is not asked again.
 pub(super) const NEGATIVE_TTL: Duration = Duration::from_secs(2);
 /// Negative answers remembered.

@@ -17,7 +17,10 @@
 //! - nothing but `Hello` before `Hello` (server), nothing but `Welcome`/`Reject` before
 //!   `Welcome` (client), each at most once; handshake frames are small
 //!   ([`MAX_HANDSHAKE_FRAME`]), so a peer that has not shaken hands holds a few KiB at most;
-//! - descriptors arrive only with the `Hello`, one in all (the slot table); any other dies;
+//! - descriptors arrive only with the `Hello`, one (the slot table), and, on a connection whose
+//!   client said it uses pipes (`Trusted`), with the frames that pass pipes' read ends (a
+//!   `GrantPipe`, a write's `Req`), exactly as many as each frame says and never more than
+//!   [`MAX_PENDING_DESCRIPTORS`] waiting for their frame; any other dies;
 //! - a handshake not done within [`HANDSHAKE_TIMEOUT`], or a frame not whole within
 //!   [`PARTIAL_FRAME_TIMEOUT`] of its first byte, kills the connection;
 //! - an answer must match an open request of this connection (slot, generation, direction, kind
@@ -38,7 +41,8 @@ use super::identity::{self, Fingerprint, Identity};
 use super::limits::SLOTS;
 use super::violation::Violation;
 use super::wire::{
-    Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FRAME, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
+    Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FRAME, MAX_LANES, MAX_PENDING_DESCRIPTORS, MAX_REASON, NOT_LIVE,
+    SOURCE_BYTES, VERSION,
 };
 use crate::device::Device;
 
@@ -92,6 +96,9 @@ struct Open {
     eager: bool,
     /// Bytes requested (the ranges' lengths added up, saturating).
     total: u64,
+    /// Host memory through pipes: the lanes a read asked for (its grant is a `GrantPipe` of at
+    /// most as many), or the read ends a write passed.
+    pipes: u8,
 }
 
 /// The protocol state of one connection.
@@ -105,16 +112,23 @@ pub(crate) struct Link {
     /// Server: the identity it signs its `Welcome` with.
     identity: Option<Arc<Identity>>,
     nonce: Nonce,
-    client_pid: i32,
-    server_pid: i32,
+    client_id: u64,
+    server_id: u64,
     rbuf: Vec<u8>,
     /// Bytes of `rbuf` already handled.
     rpos: usize,
     out: Vec<u8>,
     /// How much of `out` was sent already (compacted once it passes half).
     wpos: usize,
-    /// Descriptors received so far.
+    /// Bytes sent over the connection's life (the stream offset of `out`'s first unsent byte).
+    sent_total: u64,
+    /// Descriptors received with the `Hello`.
     fds: usize,
+    /// The client uses pipes (client: it decided so; server: its `Trusted` said so).
+    pipes: bool,
+    /// Pipes' read ends received and not yet taken by their frame (the owner holds them, in
+    /// order).
+    pending: usize,
     handshake_by: Option<Instant>,
     /// When the first byte of the frame still incomplete arrived.
     partial_since: Option<Instant>,
@@ -135,19 +149,21 @@ impl Link {
         opening: Arc<str>,
         expect: Fingerprint,
         nonce: Nonce,
-        client_pid: i32,
-        server_pid: i32,
+        client_id: u64,
+        server_id: u64,
+        pipes: bool,
         now: Instant,
     ) -> Self {
         let mut l = Self::new(
             Side::Client,
             State::AwaitWelcome,
             nonce,
-            client_pid,
-            server_pid,
+            client_id,
+            server_id,
             now,
         );
         l.expect = Some(expect);
+        l.pipes = pipes;
         l.push(&Msg::Hello {
             version: VERSION,
             key_id: auth::key_id(&opening),
@@ -158,20 +174,20 @@ impl Link {
     }
 
     /// The serving side of an accepted connection, proving `identity` in its `Welcome`.
-    pub(crate) fn server(identity: Arc<Identity>, client_pid: i32, server_pid: i32, now: Instant) -> Self {
+    pub(crate) fn server(identity: Arc<Identity>, client_id: u64, server_id: u64, now: Instant) -> Self {
         let mut l = Self::new(
             Side::Server,
             State::AwaitHello,
             [0; 16],
-            client_pid,
-            server_pid,
+            client_id,
+            server_id,
             now,
         );
         l.identity = Some(identity);
         l
     }
 
-    fn new(side: Side, state: State, nonce: Nonce, client_pid: i32, server_pid: i32, now: Instant) -> Self {
+    fn new(side: Side, state: State, nonce: Nonce, client_id: u64, server_id: u64, now: Instant) -> Self {
         Self {
             side,
             state,
@@ -179,13 +195,16 @@ impl Link {
             expect: None,
             identity: None,
             nonce,
-            client_pid,
-            server_pid,
+            client_id,
+            server_id,
             rbuf: Vec::new(),
             rpos: 0,
             out: Vec::new(),
             wpos: 0,
+            sent_total: 0,
             fds: 0,
+            pipes: false,
+            pending: 0,
             handshake_by: Some(now + HANDSHAKE_TIMEOUT),
             partial_since: None,
             open: HashMap::new(),
@@ -276,7 +295,9 @@ impl Link {
     /// from the buffer only once it is half of it, so a peer that reads a byte at a time cannot
     /// make each send move everything queued behind it.
     pub(crate) fn sent(&mut self, n: usize) {
-        self.wpos = self.wpos.saturating_add(n).min(self.out.len());
+        let n = n.min(self.out.len() - self.wpos);
+        self.sent_total += n as u64;
+        self.wpos += n;
         if self.wpos == self.out.len() {
             self.out.clear();
             self.wpos = 0;
@@ -287,6 +308,16 @@ impl Link {
             self.out.drain(..self.wpos);
             self.wpos = 0;
         }
+    }
+
+    /// The stream offset of the first unsent byte of [`Self::out`].
+    pub(crate) fn sent_total(&self) -> u64 {
+        self.sent_total
+    }
+
+    /// The stream offset the next frame queued will start at.
+    pub(crate) fn queued_end(&self) -> u64 {
+        self.sent_total + (self.out.len() - self.wpos) as u64
     }
 
     /// When [`Self::on_timeout`] must run next, if ever.
@@ -330,10 +361,22 @@ impl Link {
             return;
         }
         if fds > 0 {
-            if !self.takes_descriptors() || fds > 1 {
-                return self.kill(Violation::PassedOutsideHello);
+            if self.takes_descriptors() {
+                if fds > 1 {
+                    return self.kill(Violation::PassedOutsideHello);
+                }
+                self.fds += fds;
+            } else {
+                // Pipes' read ends, for a frame in these bytes or the next; checked against the
+                // frames once they are handled (below), and bounded now.
+                self.pending += fds;
+                // Only where pipes are used, or may be from a `Trusted` in these same bytes.
+                let may = (self.state == State::Ready && self.pipes)
+                    || (self.side == Side::Server && self.state == State::AwaitTrusted);
+                if !may || self.pending > MAX_PENDING_DESCRIPTORS {
+                    return self.kill(Violation::PassedOutsideHello);
+                }
             }
-            self.fds += fds;
         }
         let max = self.max_frame();
         if self.rbuf.len() - self.rpos + data.len() > max + 4 + MAX_FRAME.min(64 << 10) {
@@ -353,6 +396,9 @@ impl Link {
             }
         }
         self.rbuf = buf;
+        if self.pending > 0 && !(self.state == State::Ready && self.pipes) {
+            self.kill(Violation::PassedOutsideHello);
+        }
         if self.state == State::Dead {
             self.rbuf = Vec::new();
             self.rpos = 0;
@@ -383,7 +429,7 @@ impl Link {
     }
 
     fn mac(&self, key: &Keyed, from: Side, signed: &[u8]) -> Tag {
-        auth::frame_mac(key, &self.nonce, self.client_pid, self.server_pid, from, signed)
+        auth::frame_mac(key, &self.nonce, self.client_id, self.server_id, from, signed)
     }
 
     fn proven(&self, key: &Keyed, from: Side, signed: &[u8], mac: Option<Tag>) -> bool {
@@ -405,7 +451,7 @@ impl Link {
 
     fn push_signed(&mut self, m: &Msg, key: &Keyed) {
         let from = self.side;
-        let (nonce, cp, sp) = (self.nonce, self.client_pid, self.server_pid);
+        let (nonce, cp, sp) = (self.nonce, self.client_id, self.server_id);
         m.encode_signed(&mut self.out, |b| auth::frame_mac(key, &nonce, cp, sp, from, b));
         self.check_unsent();
     }
@@ -443,12 +489,12 @@ impl Link {
                 // no such live operation: the client then refuses that operation as a replay).
                 let proof = keys
                     .get(&key_id)
-                    .map(|k| auth::welcome_proof(k, &nonce, self.client_pid, self.server_pid));
+                    .map(|k| auth::welcome_proof(k, &nonce, self.client_id, self.server_id));
                 let live = proof.is_some();
                 let Some(id) = &self.identity else {
                     return self.kill(Violation::NoIdentity);
                 };
-                let (public, sig) = id.sign_welcome(&nonce, self.client_pid, self.server_pid, proof.as_ref());
+                let (public, sig) = id.sign_welcome(&nonce, self.client_id, self.server_id, proof.as_ref());
                 self.state = State::AwaitTrusted;
                 heard.push(Heard::Hello);
                 self.push(&Msg::Welcome { proof, public, sig });
@@ -458,10 +504,12 @@ impl Link {
                     self.kill(Violation::HelloNotLive);
                 }
             }
-            (Side::Server, State::AwaitTrusted, Msg::Trusted) => {
+            (Side::Server, State::AwaitTrusted, Msg::Trusted { pipes }) => {
                 self.state = State::Ready;
                 self.shaken = true;
                 self.handshake_by = None;
+                self.pipes = pipes;
+                heard.push(Heard::Trusted { pipes });
             }
             (
                 Side::Server,
@@ -478,11 +526,28 @@ impl Link {
                     sources,
                     eager,
                     data,
+                    pipes,
                 },
             ) => {
                 if slot as usize >= SLOTS || self.open.contains_key(&(slot, gen)) {
                     return self.kill(Violation::BadSlot);
                 }
+                // A write's pipes come with it; pipes only on a connection that said it uses
+                // them, for host memory, and never beside an eager request's bytes or a write's
+                // addresses.
+                let passed = if write { pipes as usize } else { 0 };
+                if pipes > 0
+                    && (!self.pipes
+                        || device != Device::Host
+                        || eager
+                        || !data.is_empty()
+                        || !local.is_empty()
+                        || !sources.is_empty()
+                        || passed > self.pending)
+                {
+                    return self.kill(Violation::MissingDescriptors);
+                }
+                self.pending -= passed;
                 let total = remote.iter().try_fold(0u64, |t, r| t.checked_add(r.1));
                 let host = device == Device::Host;
                 if eager
@@ -506,6 +571,9 @@ impl Link {
                 }
                 let Some(name) = keys.get(&key_id).cloned() else {
                     // No live operation has this key: a replay. Nothing to prove it with.
+                    if passed > 0 {
+                        heard.push(Heard::Unused { fds: passed });
+                    }
                     self.push(&Msg::Refuse {
                         slot,
                         gen,
@@ -519,6 +587,9 @@ impl Link {
                     return self.kill(Violation::UnprovenRequest);
                 }
                 if self.open.len() >= MAX_OPEN {
+                    if passed > 0 {
+                        heard.push(Heard::Unused { fds: passed });
+                    }
                     let m = Msg::Fallback {
                         slot,
                         gen,
@@ -537,6 +608,7 @@ impl Link {
                         granted: false,
                         eager,
                         total: total.unwrap_or(u64::MAX),
+                        pipes,
                     },
                 );
                 heard.push(Heard::Req(Request {
@@ -551,6 +623,7 @@ impl Link {
                     sources,
                     eager,
                     data,
+                    pipes,
                 }));
             }
             (Side::Server, State::Ready, Msg::Done { slot, gen, ok, .. }) => {
@@ -581,8 +654,8 @@ impl Link {
                     &public,
                     &sig,
                     &self.nonce,
-                    self.client_pid,
-                    self.server_pid,
+                    self.client_id,
+                    self.server_id,
                     proof.as_ref(),
                 ) {
                     heard.push(Heard::Impostor);
@@ -596,13 +669,13 @@ impl Link {
                     Some(p)
                         if auth::same(
                             &p,
-                            &auth::welcome_proof(&opening, &self.nonce, self.client_pid, self.server_pid),
+                            &auth::welcome_proof(&opening, &self.nonce, self.client_id, self.server_id),
                         ) =>
                     {
                         self.state = State::Ready;
                         self.shaken = true;
                         self.handshake_by = None;
-                        self.push(&Msg::Trusted);
+                        self.push(&Msg::Trusted { pipes: self.pipes });
                         heard.push(Heard::Ready);
                     }
                     Some(_) => {

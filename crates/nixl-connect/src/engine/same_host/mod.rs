@@ -53,6 +53,8 @@ mod dispatch;
 #[forbid(unsafe_code)]
 mod eager;
 #[forbid(unsafe_code)]
+mod feeds;
+#[forbid(unsafe_code)]
 mod identity;
 #[forbid(unsafe_code)]
 mod in_flight;

@@ -6,7 +6,9 @@
 //! (`link.rs`), and whether the operation has ended is its [`OpState`](crate::state::OpState)'s
 //! status, read here.
 
-use super::limits::{MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MAX_GRANTS_PER_CONN};
+use super::limits::{
+    MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MAX_GRANTS_PER_CONN, MAX_PIPES, MAX_PIPES_PER_CONN,
+};
 use super::link::grant_ipc_len;
 use super::server_book::Scope;
 use super::wire::{IpcSource, RefuseCode, MAX_FRAME, NOT_LIVE};
@@ -30,6 +32,9 @@ pub(super) struct Asked<'a> {
     pub(super) eager: bool,
     /// A small write carrying its bytes (how many).
     pub(super) data: usize,
+    /// Host memory through pipes (the link checked it is host memory, not eager): a read's
+    /// lanes asked for, a write's pipes passed.
+    pub(super) pipes: usize,
 }
 
 /// The asking connection and the process's load, as the policy sees them.
@@ -43,6 +48,10 @@ pub(super) struct Load {
     pub(super) exporting_all: usize,
     /// The kernel lets this side read the peer's memory (ptrace rules).
     pub(super) can_pull: bool,
+    /// Pipes the connection's copies through pipes hold.
+    pub(super) pipes: usize,
+    /// Pipes held in the process, over every connection.
+    pub(super) pipes_all: usize,
 }
 
 /// What is done with a request.
@@ -64,6 +73,10 @@ pub(super) enum Decision {
     DeviceWrite,
     /// A write from host memory: pull it from the writer into this side's memory.
     PullWrite,
+    /// A host read by a peer that cannot read this side's memory: feed pipes it reads.
+    PipeRead,
+    /// A host write from a peer this side cannot read: read the pipes it feeds.
+    PipeWrite,
 }
 
 fn refuse(code: RefuseCode, reason: &str) -> Decision {
@@ -129,6 +142,27 @@ pub(super) fn decide(
         return Decision::EagerWrite;
     }
     let device = s.device != Device::Host;
+    if asked.pipes > 0 {
+        // Host memory both sides (the link checked the request's; the scope's device matches it).
+        if !write
+            && (load.pipes + asked.pipes > MAX_PIPES_PER_CONN || load.pipes_all + asked.pipes > MAX_PIPES)
+        {
+            return Decision::Fallback("too many same-host pipes are open now".into());
+        }
+        if !write && load.granted >= MAX_GRANTS_PER_CONN {
+            return Decision::Fallback(format!(
+                "this connection holds {MAX_GRANTS_PER_CONN} same-host read grants already"
+            ));
+        }
+        if write && s.writer.is_some() {
+            return refuse(RefuseCode::Busy, BUSY);
+        }
+        return if write {
+            Decision::PipeWrite
+        } else {
+            Decision::PipeRead
+        };
+    }
     if write && !matches_sources(asked) {
         return refuse(
             RefuseCode::OutOfRange,

@@ -3,6 +3,7 @@
 //! sits below the files that act on these records and below the transport (`transport.rs`) and
 //! the server book (`server_book.rs`), so none of them imports its way back up.
 
+use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,6 +12,7 @@ use super::link::Link;
 use super::sys::cma::{Copy, CopyError};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
+use super::sys::pipe;
 use super::sys::slots::{SlotTable, SLOTS};
 use super::sys::Tracked;
 use super::wire::{IpcSource, RefuseCode};
@@ -43,12 +45,24 @@ pub(super) struct Act {
     pub(super) gen: u64,
     pub(super) phase: Phase,
     pub(super) cancel: Arc<AtomicBool>,
+    /// Wakes a copy from pipes waiting for its peer, once `cancel` is set.
+    pub(super) wake: Option<Arc<pipe::Wake>>,
     /// The peer's pidfd while copying (to tell afterwards that it is still the same process).
     pub(super) pidfd: Option<Arc<OwnedFd>>,
     /// The source's memory is device memory: reads get `GrantIpc`, writes send their export.
     pub(super) device: bool,
     /// A device write's exported source, once the CUDA thread has it.
     pub(super) sources: Vec<IpcSource>,
+}
+
+impl Act {
+    /// Stops its copy (a copy from pipes waiting for its peer wakes at once).
+    pub(super) fn stop(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+        if let Some(w) = &self.wake {
+            w.wake();
+        }
+    }
 }
 
 pub(super) fn refused(agent: String, code: RefuseCode, reason: String) -> Error {
@@ -72,6 +86,8 @@ pub(super) type Outstanding = crate::sync::Watched<usize>;
 pub(super) enum CopyOwner {
     /// A read of this side (client).
     Read(OpId),
+    /// Pipes this side fed, now empty (`feeds`).
+    Fed(FeedFor),
     /// A write into this side's passive operation (server).
     Write {
         key: Arc<str>,
@@ -123,9 +139,20 @@ impl<T> Inbox<T> {
 
 pub(super) type Finished = Arc<Inbox<(CopyOwner, std::result::Result<(), CopyError>)>>;
 
+/// Which operation a feed of pipes carries (`feeds`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) enum FeedFor {
+    /// A read this side serves (server).
+    Grant(RequestId),
+    /// A write of this side (client).
+    Write(OpId),
+}
+
 /// A copy for the host path or the device path.
 pub(super) enum AnyCopy {
     Host(Copy),
+    /// Host memory read from pipes the peer feeds (it cannot be pulled: another PID namespace).
+    Filled(pipe::Fill),
     #[cfg(feature = "cuda")]
     Device(ipc::Copy),
     /// Host memory of the peer into device memory here (pulled through pinned staging).
@@ -186,7 +213,10 @@ pub(super) struct RequestId {
 pub(super) struct Conn {
     pub(super) fd: Tracked,
     pub(super) client: bool,
+    /// The peer's pid from here (0: another PID namespace; nothing can be pulled from it).
     pub(super) peer_pid: libc::pid_t,
+    /// The peer's process id as the connection's proofs name it (`sys::self_id`).
+    pub(super) peer_id: u64,
     pub(super) pidfd: Option<Arc<OwnedFd>>,
     /// The protocol core: framing, handshake, deadlines, proofs.
     pub(super) link: Link,
@@ -205,9 +235,34 @@ pub(super) struct Conn {
     pub(super) queued: Vec<OpId>,
     pub(super) free_slots: Vec<u32>,
     pub(super) gens: Vec<u64>,
+    /// Pipes' read ends the peer passed, in order, not yet taken by the frame they came with
+    /// (the core counts them; closed off the engine thread if never taken).
+    pub(super) passed: VecDeque<OwnedFd>,
+    /// Descriptors to pass with the byte at this offset of the stream sent (the first byte of
+    /// the frame that says it passes them), in order.
+    pub(super) attach: VecDeque<(u64, Vec<OwnedFd>)>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        // A peer's descriptors are never closed on the engine thread (a FUSE file's close can
+        // block).
+        self.passed.drain(..).for_each(super::sys::close_elsewhere);
+    }
 }
 
 impl Conn {
+    /// Whose share of the copy pool this connection's copies run under: the peer's pid, or, for a
+    /// peer in another PID namespace (pid 0 from here), a stand-in of its own from its id, so
+    /// that no two such peers share one.
+    pub(super) fn pool_key(&self) -> libc::pid_t {
+        if self.peer_pid > 0 {
+            self.peer_pid
+        } else {
+            -1 - (self.peer_id % i32::MAX as u64) as libc::pid_t
+        }
+    }
+
     /// A connection record, with the pidfd of the peer's process the caller took (the client's
     /// server, checked alive; the server's client, at accept: the handshake caps bound how many
     /// connections without a `Hello` hold one).
@@ -215,6 +270,7 @@ impl Conn {
         fd: Tracked,
         link: Link,
         peer_pid: libc::pid_t,
+        peer_id: u64,
         pidfd: Option<OwnedFd>,
         peer: Arc<str>,
     ) -> Self {
@@ -223,6 +279,7 @@ impl Conn {
             fd,
             client,
             peer_pid,
+            peer_id,
             pidfd: pidfd.map(Arc::new),
             link,
             writing: false,
@@ -238,6 +295,8 @@ impl Conn {
                 Vec::new()
             },
             gens: if client { vec![0; SLOTS] } else { Vec::new() },
+            passed: VecDeque::new(),
+            attach: VecDeque::new(),
         }
     }
 }

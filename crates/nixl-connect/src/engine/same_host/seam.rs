@@ -1,11 +1,11 @@
 //! The same-host transport behind the engine's seam ([`Transport`]).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::device::{device_path_refusal, uniform};
-use super::records::{Act, ConnId, Phase};
+use super::records::{Act, ConnId, FeedFor, Phase};
 use super::server_book::Scope;
 use super::sockets::{ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
 use super::transport::SameHostTransport;
@@ -37,7 +37,9 @@ impl Transport for SameHostTransport {
             }
             self.ungrant(g.conn);
         }
-        if s.writer.is_none() {
+        // Pipes fed from it hold its pages until they are emptied: released then (`copies.rs`).
+        self.feeds.end_where(|_, f| f.key.as_deref() == Some(key));
+        if s.writer.is_none() && !self.feeds.feeds_key(key) {
             s.state.mark_released();
         }
     }
@@ -112,6 +114,7 @@ impl Transport for SameHostTransport {
                 gen,
                 phase: Phase::Queued,
                 cancel: Arc::new(AtomicBool::new(false)),
+                wake: None,
                 pidfd: None,
                 device,
                 sources: Vec::new(),
@@ -130,7 +133,7 @@ impl Transport for SameHostTransport {
         match a.phase {
             Phase::Copying => {
                 // Our own copy thread writes our memory: stop it; its end releases the memory.
-                a.cancel.store(true, Ordering::Relaxed);
+                a.stop();
             }
             Phase::Abandoned => {}
             Phase::Queued | Phase::Exporting | Phase::Requested => {
@@ -144,6 +147,11 @@ impl Transport for SameHostTransport {
                 }
                 let was_queued = matches!(a.phase, Phase::Queued);
                 a.phase = Phase::Abandoned;
+                if let Some(f) = self.feeds.end(FeedFor::Write(id)) {
+                    // Its pipes may hold its source's pages: it ends once they are emptied.
+                    f.result.get_or_insert(Err(Error::Cancelled));
+                    return;
+                }
                 let conn = a.conn;
                 if was_queued {
                     if let Some(c) = self.sockets.get_mut(conn) {

@@ -1,16 +1,19 @@
 //! The passive side's actions: the handshake as a server, and what is done with a proven request
 //! once the policy (`policy.rs`) has decided it: an answer, a grant, a copy.
 
+use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use super::device::device_path_refusal;
 use super::eager;
+use super::feeds::{Feed, FeedFor};
 use super::link::{Answer, Request};
 use super::policy::{self, Asked, Decision, Load};
 use super::records::{AnyCopy, ConnId, CopyOwner, RequestId};
 use super::server_book::Writer;
 use super::sys::cma::{self, Copy, Piece, SlotRef};
+use super::sys::{close_elsewhere, pipe};
 use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::transport::Event;
@@ -20,7 +23,9 @@ impl SameHostTransport {
     /// whether this side may pull from the client (ptrace rules) is known now.
     pub(super) fn on_hello(&mut self, i: ConnId) {
         let Some(c) = self.sockets.get_mut(i) else { return };
-        c.can_pull = c.pidfd.as_deref().is_some_and(cma::may_pull);
+        // A peer in another PID namespace (pid 0 from here) cannot be pulled from, whatever its
+        // pidfd allows.
+        c.can_pull = c.peer_pid > 0 && c.pidfd.as_deref().is_some_and(cma::may_pull);
     }
 
     /// Server side: a proven request, decided by the policy (`policy.rs`) and acted on here:
@@ -37,8 +42,19 @@ impl SameHostTransport {
             sources,
             eager,
             data,
+            pipes,
             ..
         } = r;
+        // A write's pipes are taken first, whatever is decided, so the next frame's are the next
+        // ones (a descriptor that is no pipe's read end kills the connection).
+        let mut passed = if write && pipes > 0 {
+            match self.sockets.take_pipes(i, pipes as usize) {
+                Some(fds) => fds,
+                None => return,
+            }
+        } else {
+            Vec::new()
+        };
         let Some(c) = self.sockets.get(i) else { return };
         if !c.link.is_ready() {
             // The connection died after the request was heard (the peer went away, or broke a
@@ -51,6 +67,8 @@ impl SameHostTransport {
             exporting: c.exporting,
             exporting_all: self.server.exporting(),
             can_pull: c.can_pull,
+            pipes: self.feeds.lanes_of(i),
+            pipes_all: self.feeds.lanes(),
         };
         let asked = Asked {
             write,
@@ -60,6 +78,7 @@ impl SameHostTransport {
             sources: &sources,
             eager,
             data: data.len(),
+            pipes: pipes as usize,
         };
         let refusal = |s: Device, d: Device| device_path_refusal(s, d).map(|r| r.to_string());
         let decision = policy::decide(self.server.scope(&key), &asked, &load, &refusal);
@@ -99,7 +118,10 @@ impl SameHostTransport {
             }
             Decision::DeviceRead | Decision::DeviceWrite => self.device_req(id, write, &key, remote, sources),
             Decision::PullWrite => self.pull_write(id, &key, &remote, &local),
+            Decision::PipeRead => self.pipe_read(id, &key, &remote, pipes as usize),
+            Decision::PipeWrite => self.pipe_write(id, &key, &remote, std::mem::take(&mut passed)),
         };
+        passed.into_iter().for_each(close_elsewhere);
         let sent = match answer {
             Some(a) => self
                 .sockets
@@ -155,6 +177,107 @@ impl SameHostTransport {
         None
     }
 
+    /// A host read the policy let through for a peer that cannot read this side's memory: makes
+    /// `lanes` pipes, answers with their read ends and feeds them from the readable's `remote`
+    /// ranges on the copy pool. The grant lasts until the reader's `Done`; the pipes are emptied
+    /// when it ends, and only then is the read complete (`copies.rs`). `None`: answered here.
+    fn pipe_read(&mut self, id: RequestId, key: &str, remote: &[(u64, u64)], lanes: usize) -> Option<Answer> {
+        let made = pipe::lanes(lanes).and_then(|l| {
+            let ends = l
+                .iter()
+                .map(pipe::Lane::read_end)
+                .collect::<std::io::Result<Vec<_>>>()?;
+            Ok((l, ends, Arc::new(pipe::Wake::new()?)))
+        });
+        let (lanes, ends, wake) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                return Some(Answer::Fallback(format!(
+                    "the passive side cannot make pipes: {e}"
+                )))
+            }
+        };
+        let key = self.server.key(key).expect("decided on it");
+        let s = self.server.scope_mut(&key).expect("decided on it");
+        let state = s.state.clone();
+        s.grants.insert(id);
+        let c = self.sockets.get_mut(id.conn).expect("decided on it");
+        c.granted += 1;
+        let pid = c.pool_key();
+        let at = c.link.queued_end();
+        if !c
+            .link
+            .answer(id.slot, id.gen, Answer::GrantPipe(lanes.len() as u8))
+        {
+            self.server
+                .scope_mut(&key)
+                .expect("decided on it")
+                .grants
+                .remove(&id);
+            self.ungrant(id.conn);
+            return None;
+        }
+        self.sockets.attach(id.conn, at, ends);
+        let ended = Arc::new(AtomicBool::new(false));
+        let mut feed = Feed::new(id.conn, lanes.len(), ended.clone(), wake.clone());
+        feed.key = Some(key);
+        feed.state = Some(state);
+        self.feeds.start(FeedFor::Grant(id), feed);
+        let pieces = remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect();
+        self.in_flight.feed(
+            pipe::Feeding {
+                pid,
+                lanes,
+                pieces,
+                ended,
+                wake,
+            },
+            CopyOwner::Fed(FeedFor::Grant(id)),
+        );
+        None
+    }
+
+    /// A host write the policy let through from a peer this side cannot read: reads the pipes it
+    /// passed (`fds`, checked) into the writable's `remote` ranges, in order, on the copy pool.
+    fn pipe_write(
+        &mut self,
+        id: RequestId,
+        key: &str,
+        remote: &[(u64, u64)],
+        fds: Vec<OwnedFd>,
+    ) -> Option<Answer> {
+        let wake = match pipe::Wake::new() {
+            Ok(w) => Arc::new(w),
+            Err(e) => {
+                fds.into_iter().for_each(close_elsewhere);
+                return Some(Answer::Fallback(format!("the passive side has no eventfd: {e}")));
+            }
+        };
+        let w = match self.claim_writable(id, key) {
+            Ok(w) => w,
+            Err(a) => {
+                fds.into_iter().for_each(close_elsewhere);
+                return Some(a);
+            }
+        };
+        if let Some(s) = self.server.scope_mut(key) {
+            if let Some(writer) = &mut s.writer {
+                writer.wake = Some(wake.clone());
+            }
+        }
+        let pid = self.sockets.get(id.conn).map_or(w.pid, |c| c.pool_key());
+        let copy = AnyCopy::Filled(pipe::Fill {
+            pid,
+            lanes: fds,
+            pieces: remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect(),
+            slot: w.slot,
+            cancel: w.cancel,
+            wake,
+        });
+        self.in_flight.start(copy, w.owner);
+        None
+    }
+
     /// Claims the writable keyed `key` for the write `id` the policy let through: marks it in
     /// use (its owner may have ended it an instant ago: then the answer is "not live") and makes
     /// `id` its writer. What the copy into it needs.
@@ -170,6 +293,7 @@ impl SameHostTransport {
         s.writer = Some(Writer {
             id,
             cancel: cancel.clone(),
+            wake: None,
         });
         Ok(Claim {
             device: s.device,
@@ -208,6 +332,11 @@ impl SameHostTransport {
             s.done = true;
         }
         self.ungrant(id.conn);
+        if let Some(f) = self.feeds.end(FeedFor::Grant(id)) {
+            // Complete once its pipes are empty (`copies.rs`).
+            f.answered = Some(ok);
+            return;
+        }
         if ok {
             out.push(Event::PassiveCompleted { key });
         }

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use super::auth::{self, KeyId};
 use super::records::RequestId;
 use super::sys::mem;
+use super::sys::pipe::Wake;
 use crate::device::Device;
 use crate::metadata::OperationKind;
 use crate::reg::Range;
@@ -23,6 +24,8 @@ pub(super) struct Writer {
     pub(super) id: RequestId,
     /// Set to stop its copy (the owner unexposed, the connector stops).
     pub(super) cancel: Arc<AtomicBool>,
+    /// Wakes its copy if it waits on pipes, once `cancel` is set.
+    pub(super) wake: Option<Arc<Wake>>,
 }
 
 /// A passive operation's scope on the serving side.
@@ -71,6 +74,9 @@ impl Scope {
     pub(super) fn cancel_writer(&self) {
         if let Some(w) = &self.writer {
             w.cancel.store(true, Ordering::Relaxed);
+            if let Some(wake) = &w.wake {
+                wake.wake();
+            }
         }
     }
 }

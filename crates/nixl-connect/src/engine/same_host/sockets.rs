@@ -17,8 +17,8 @@ use super::records::{Conn, ConnId};
 use super::sys::dir::DirListener;
 use super::sys::slots::SlotTable;
 use super::sys::{
-    clear_timer, close_elsewhere, recv_with_fds, refuse_passed_descriptors, send, set_timer, timerfd, uid,
-    Control, Tracked,
+    clear_timer, close_elsewhere, pipe, recv_with_fds, refuse_passed_descriptors, send, send_with_fds,
+    set_timer, timerfd, uid, Control, Tracked,
 };
 use super::violation::Violation;
 use crate::engine::poller::{Registrar, MAX_TOKEN};
@@ -158,24 +158,21 @@ impl Sockets {
         Some(c)
     }
 
-    /// Why a connection from `pid` (of our user) is not served, if it is not: another PID
-    /// namespace, the served caps (in all, per process), the handshake places (in all, per
-    /// process: the handshake window is charged to the process that holds it).
-    pub(super) fn admission(&self, pid: libc::pid_t) -> Option<String> {
+    /// Why a connection from the process named `id` (of our user; see `sys::self_id`) is not
+    /// served, if it is not: the served caps (in all, per process), the handshake places (in
+    /// all, per process: the handshake window is charged to the process that holds it). A
+    /// process in another PID namespace is counted by its id like any other.
+    pub(super) fn admission(&self, id: u64) -> Option<String> {
         let (mut served, mut from_pid, mut shaking, mut shaking_pid) = (0, 0, 0, 0);
         for c in self.conns.values().filter(|c| !c.client) {
-            let mine = c.peer_pid == pid;
+            let mine = c.peer_id == id;
             let unshaken = !c.link.is_ready();
             served += 1;
             from_pid += usize::from(mine);
             shaking += usize::from(unshaken);
             shaking_pid += usize::from(mine && unshaken);
         }
-        if pid <= 0 {
-            // Our user in another PID namespace: its pid is not ours to see, so nothing can be
-            // copied from it or checked; told so, it takes NIXL.
-            Some("the peer's process is not visible from here (another PID namespace); use NIXL".into())
-        } else if served >= self.caps.served || from_pid >= self.caps.per_pid {
+        if served >= self.caps.served || from_pid >= self.caps.per_pid {
             Some(format!(
                 "this process serves {served} same-host connections ({from_pid} from yours) \
                  already; use NIXL"
@@ -241,12 +238,71 @@ impl Sockets {
         }
     }
 
+    /// Connection `i`'s peer passes no descriptor again (the kernel refuses them where it can).
+    pub(super) fn refuse_descriptors(&mut self, i: ConnId) {
+        if let Some(c) = self.conns.get(&i) {
+            refuse_passed_descriptors(c.fd.as_raw_fd());
+        }
+    }
+
+    /// Takes the next `n` descriptors connection `i`'s peer passed (its core counted them for the
+    /// frame just heard), each checked to be a pipe's read end. `None` (the connection killed,
+    /// and what was taken closed off this thread) when one is not.
+    pub(super) fn take_pipes(&mut self, i: ConnId, n: usize) -> Option<Vec<OwnedFd>> {
+        let c = self.conns.get_mut(&i)?;
+        let fds: Vec<OwnedFd> = c.passed.drain(..n.min(c.passed.len())).collect();
+        if fds.len() == n && fds.iter().all(pipe::is_read_end) {
+            return Some(fds);
+        }
+        fds.into_iter().for_each(close_elsewhere);
+        c.link.kill(Violation::NotAPipe);
+        None
+    }
+
+    /// Closes the next `n` descriptors connection `i`'s peer passed (off this thread).
+    pub(super) fn drop_passed(&mut self, i: ConnId, n: usize) {
+        if let Some(c) = self.conns.get_mut(&i) {
+            let k = n.min(c.passed.len());
+            c.passed.drain(..k).for_each(close_elsewhere);
+        }
+    }
+
+    /// Queues `fds` to go with the next frame connection `i`'s core queues (at stream offset
+    /// `at`, [`Link::queued_end`](super::link::Link::queued_end) before it was queued).
+    pub(super) fn attach(&mut self, i: ConnId, at: u64, fds: Vec<OwnedFd>) {
+        if let Some(c) = self.conns.get_mut(&i) {
+            c.attach.push_back((at, fds));
+        }
+    }
+
     /// Sends what connection `i`'s core has queued; watches for writability if the socket is
     /// full.
     pub(super) fn flush(&mut self, i: ConnId) {
         let Some(c) = self.conns.get_mut(&i) else { return };
         while !c.link.out().is_empty() {
-            let sent = send(c.fd.as_raw_fd(), c.link.out());
+            // Descriptors go with the first byte of the frame that passes them: the bytes before
+            // it are sent on their own, then that frame's with them.
+            let base = c.link.sent_total();
+            while c.attach.front().is_some_and(|(at, _)| *at < base) {
+                c.attach.pop_front(); // its frame is gone (never the case on a live link)
+            }
+            let out = c.link.out();
+            let sent = match c.attach.front() {
+                Some((at, fds)) if *at == base => {
+                    let upto = c
+                        .attach
+                        .get(1)
+                        .map_or(out.len(), |(next, _)| (next - base) as usize);
+                    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+                    let r = send_with_fds(c.fd.as_raw_fd(), &out[..upto.min(out.len())], &raw);
+                    if matches!(r, Ok(1..)) {
+                        c.attach.pop_front(); // ours are closed: the peer holds its own now
+                    }
+                    r
+                }
+                Some((at, _)) => send(c.fd.as_raw_fd(), &out[..((at - base) as usize).min(out.len())]),
+                None => send(c.fd.as_raw_fd(), out),
+            };
             if let Ok(n @ 1..) = sent {
                 c.link.sent(n);
             } else {
@@ -303,8 +359,8 @@ impl Sockets {
             if passed > 0 {
                 if passed == 1 && c.link.takes_descriptors() {
                     // The slot table: checked (sealed memfd first, without touching any other
-                    // kind of file) before anything else; from now on no descriptor is taken.
-                    refuse_passed_descriptors(c.fd.as_raw_fd());
+                    // kind of file) before anything else. Whether descriptors are taken again
+                    // (pipes) the client says in its `Trusted`.
                     let fd = fds.pop().expect("one");
                     if SlotTable::check(&fd).is_err() {
                         close_elsewhere(fd);
@@ -319,7 +375,9 @@ impl Sockets {
                         }
                     }
                 } else {
-                    fds.into_iter().for_each(close_elsewhere);
+                    // Pipes' read ends (the core checks that frames take them, and bounds how
+                    // many wait); held in order until their frame is handled.
+                    c.passed.extend(fds);
                 }
             }
             c.link.recv(&chunk[..n], passed, Instant::now(), key_ids, heard);

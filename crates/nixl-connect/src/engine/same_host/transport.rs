@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::client_book::ClientBook;
+use super::feeds::Feeds;
 use super::identity::Identity;
 use super::in_flight::InFlight;
 use super::limits::Caps;
@@ -36,6 +37,8 @@ pub(crate) struct SameHostTransport {
     pub(super) client: ClientBook,
     /// Copies and exports in flight off the engine thread.
     pub(super) in_flight: InFlight,
+    /// Pipes this side feeds (reads it serves, writes it makes, to peers that cannot read it).
+    pub(super) feeds: Feeds,
     /// Peers refused (another user, over a cap, an impostor), for the engine's counters.
     pub(super) refused_peers: u64,
     /// [`Self::stop_copies`] ran (the drop does not wait again).
@@ -73,6 +76,7 @@ impl SameHostTransport {
             server: ServerBook::default(),
             client: ClientBook::default(),
             in_flight: InFlight::new(waker),
+            feeds: Feeds::default(),
             refused_peers: 0,
             stopped: false,
         }
@@ -103,6 +107,7 @@ impl SameHostTransport {
         let i = t.sockets.insert(super::records::Conn::new(
             Tracked::new(std::os::fd::OwnedFd::from(ours)),
             link,
+            4100,
             4100,
             None,
             "".into(),

@@ -8,8 +8,15 @@ use std::fmt;
 /// Why a connection was closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Violation {
-    /// Descriptors passed with anything but the server's first frame, or more than one.
+    /// Descriptors passed with anything but the server's first frame (one) or the frames that
+    /// take pipes on a connection that uses them (at most
+    /// [`MAX_PENDING_DESCRIPTORS`](super::wire::MAX_PENDING_DESCRIPTORS) waiting).
     PassedOutsideHello,
+    /// A frame that takes pipes' read ends without as many passed before it, or pipes on a
+    /// connection that did not say it uses them, or for memory other than host memory.
+    MissingDescriptors,
+    /// A passed descriptor that is not a pipe's read end.
+    NotAPipe,
     /// More unread bytes than the largest frame allows.
     Flood,
     /// A peer that leaves more than the unsent bound queued.
@@ -86,7 +93,9 @@ impl Violation {
     /// What happened, in words.
     pub(crate) fn reason(self) -> &'static str {
         match self {
-            Violation::PassedOutsideHello => "descriptors passed outside the hello",
+            Violation::PassedOutsideHello => "descriptors passed outside the hello and the pipes' frames",
+            Violation::MissingDescriptors => "pipes asked for or granted without their descriptors",
+            Violation::NotAPipe => "a passed descriptor that is not a pipe's read end",
             Violation::Flood => "a peer that floods the connection",
             Violation::NotReading => "a peer that does not read what it is sent",
             Violation::HandshakeTimedOut => "the handshake did not finish in time",

@@ -30,7 +30,7 @@ use crate::device::Device;
 /// (5: every frame about an operation carries a MAC under that operation's key; 6: small host
 /// operations carry their bytes in the request or the answer; 7: the `Welcome` is signed by the
 /// identity the agent name advertises.)
-pub(crate) const VERSION: u32 = 7;
+pub(crate) const VERSION: u32 = 8;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
 /// The longest reason string a frame carries, in bytes (longer ones are cut at a character
@@ -43,6 +43,11 @@ pub(crate) const MAC_LEN: usize = 32;
 /// copy thread, no slot word and no `Done` (one round trip). Larger operations copy with
 /// `process_vm_readv`. A decoder refuses a longer field.
 pub(crate) const EAGER_MAX: usize = 8 << 10;
+/// The most pipes one copy uses.
+pub(crate) use super::limits::MAX_LANES;
+/// The most passed descriptors a connection holds before the frames that take them are read:
+/// those of two frames (one frame's tail and the next frame's start can come in one read).
+pub(crate) const MAX_PENDING_DESCRIPTORS: usize = 2 * MAX_LANES;
 /// Encoded size of one [`IpcSource`].
 pub(crate) const SOURCE_BYTES: usize = 16 + 64 + 5 * 8;
 
@@ -114,7 +119,13 @@ pub(crate) enum Msg {
         sig: Sig,
     },
     /// The client checked the server's proof; its requests follow.
-    Trusted,
+    Trusted {
+        /// Its writes will pass pipes' read ends with their requests (it cannot read the
+        /// server's memory, so it supposes the server cannot read its own: another PID
+        /// namespace); the server takes descriptors from then on, at most
+        /// [`MAX_PENDING_DESCRIPTORS`] at once.
+        pipes: bool,
+    },
     Reject {
         reason: String,
     },
@@ -138,6 +149,10 @@ pub(crate) enum Msg {
         /// A host write of at most [`EAGER_MAX`] bytes: its bytes, the remote ranges' in order
         /// (`local` is then empty; the server copies them into its memory and answers `Done`).
         data: Vec<u8>,
+        /// Host memory through pipes (at most [`MAX_LANES`]; 0: not): for a read, the lanes the
+        /// reader asks for (the server answers [`Msg::GrantPipe`]); for a write, the read ends
+        /// passed with this frame, fed by the writer.
+        pipes: u8,
     },
     Grant {
         slot: u32,
@@ -148,6 +163,12 @@ pub(crate) enum Msg {
         gen: u64,
         /// One per requested range, in the request's order.
         sources: Vec<IpcSource>,
+    },
+    /// A host read through pipes: `lanes` read ends passed with this frame, fed by the server.
+    GrantPipe {
+        slot: u32,
+        gen: u64,
+        lanes: u8,
     },
     /// The answer to an eager read: the requested ranges' bytes, in order.
     Data {
@@ -335,7 +356,7 @@ impl Msg {
     pub(crate) fn signed(&self) -> bool {
         !matches!(
             self,
-            Msg::Hello { .. } | Msg::Welcome { .. } | Msg::Trusted | Msg::Reject { .. }
+            Msg::Hello { .. } | Msg::Welcome { .. } | Msg::Trusted { .. } | Msg::Reject { .. }
         )
     }
 
@@ -345,7 +366,7 @@ impl Msg {
         let body = 1 + match self {
             Msg::Hello { .. } => 4 + 16 + 16,
             Msg::Welcome { proof, .. } => 1 + proof.map_or(0, |p| p.len()) + 32 + 64,
-            Msg::Trusted => 0,
+            Msg::Trusted { .. } => 1,
             Msg::Reject { reason } => str_len(reason),
             Msg::Req {
                 remote,
@@ -369,8 +390,10 @@ impl Msg {
                     + 1
                     + 4
                     + data.len()
+                    + 1
             }
             Msg::Grant { .. } => 12,
+            Msg::GrantPipe { .. } => 13,
             Msg::Data { data, .. } => 12 + 4 + data.len(),
             Msg::GrantIpc { sources, .. } => 12 + 4 + SOURCE_BYTES * sources.len(),
             Msg::Refuse { reason, .. } => 12 + 1 + str_len(reason),
@@ -427,7 +450,10 @@ impl Msg {
                 w.bytes(public);
                 w.bytes(sig);
             }
-            Msg::Trusted => w.u8(10),
+            Msg::Trusted { pipes } => {
+                w.u8(10);
+                w.u8(u8::from(*pipes));
+            }
             Msg::Reject { reason } => {
                 w.u8(3);
                 w.str(reason);
@@ -444,6 +470,7 @@ impl Msg {
                 sources,
                 eager,
                 data,
+                pipes,
             } => {
                 w.u8(4);
                 w.u32(*slot);
@@ -459,11 +486,18 @@ impl Msg {
                 w.sources(sources);
                 w.u8(u8::from(*eager));
                 w.data(data);
+                w.u8(*pipes);
             }
             Msg::Grant { slot, gen } => {
                 w.u8(5);
                 w.u32(*slot);
                 w.u64(*gen);
+            }
+            Msg::GrantPipe { slot, gen, lanes } => {
+                w.u8(12);
+                w.u32(*slot);
+                w.u64(*gen);
+                w.u8(*lanes);
             }
             Msg::GrantIpc { slot, gen, sources } => {
                 w.u8(9);
@@ -557,7 +591,7 @@ impl Msg {
                 public: r.array()?,
                 sig: r.array()?,
             },
-            10 => Msg::Trusted,
+            10 => Msg::Trusted { pipes: r.bool()? },
             3 => Msg::Reject {
                 reason: r.str(MAX_REASON)?,
             },
@@ -573,6 +607,10 @@ impl Msg {
                 let sources = r.sources()?;
                 let eager = r.bool()?;
                 let data = r.data()?;
+                let pipes = r.u8()?;
+                if pipes as usize > MAX_LANES {
+                    return None;
+                }
                 Msg::Req {
                     slot,
                     gen,
@@ -585,6 +623,7 @@ impl Msg {
                     sources,
                     eager,
                     data,
+                    pipes,
                 }
             }
             5 => Msg::Grant {
@@ -612,6 +651,14 @@ impl Msg {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 sources: r.sources()?,
+            },
+            12 => Msg::GrantPipe {
+                slot: r.u32()?,
+                gen: r.u64()?,
+                lanes: match r.u8()? {
+                    n @ 1.. if n as usize <= MAX_LANES => n,
+                    _ => return None,
+                },
             },
             11 => Msg::Data {
                 slot: r.u32()?,

@@ -8,6 +8,7 @@ impl Link {
         let (slot, gen) = match &m {
             Msg::Grant { slot, gen }
             | Msg::GrantIpc { slot, gen, .. }
+            | Msg::GrantPipe { slot, gen, .. }
             | Msg::Data { slot, gen, .. }
             | Msg::Refuse { slot, gen, .. }
             | Msg::Fallback { slot, gen, .. }
@@ -33,7 +34,8 @@ impl Link {
             return self.kill(Violation::UnprovenAnswer);
         }
         let fits = match &m {
-            Msg::Grant { .. } => !o.write && !o.device,
+            Msg::Grant { .. } => !o.write && !o.device && o.pipes == 0,
+            Msg::GrantPipe { lanes, .. } => !o.write && !o.device && *lanes <= o.pipes,
             Msg::GrantIpc { sources, .. } => !o.write && o.device && sources.len() == o.ranges,
             Msg::Data { data, .. } => !o.write && !o.device && o.eager && data.len() as u64 == o.total,
             Msg::Done { .. } => o.write,
@@ -50,6 +52,14 @@ impl Link {
                     gen,
                     sources: None,
                 });
+            }
+            Msg::GrantPipe { lanes, .. } => {
+                if lanes as usize > self.pending {
+                    return self.kill(Violation::MissingDescriptors);
+                }
+                self.pending -= lanes as usize;
+                self.open.get_mut(&(slot, gen)).expect("checked").granted = true;
+                heard.push(Heard::GrantPipe { slot, gen, lanes });
             }
             Msg::GrantIpc { sources, .. } => {
                 self.open.get_mut(&(slot, gen)).expect("checked").granted = true;
@@ -99,6 +109,7 @@ impl Link {
             device,
             remote,
             eager,
+            pipes,
             ..
         } = req
         else {
@@ -120,6 +131,7 @@ impl Link {
                 granted: false,
                 eager: *eager,
                 total: remote.iter().fold(0u64, |t, r| t.saturating_add(r.1)),
+                pipes: *pipes,
             },
         );
         true
@@ -157,7 +169,16 @@ impl Link {
             return false;
         };
         let m = match a {
-            Answer::Grant | Answer::GrantIpc(_) if o.write || o.granted => return false,
+            Answer::Grant | Answer::GrantIpc(_) | Answer::GrantPipe(_) if o.write || o.granted => {
+                return false
+            }
+            Answer::GrantPipe(n) if o.device || n == 0 || n > o.pipes || n as usize > MAX_LANES => {
+                return false
+            }
+            Answer::GrantPipe(lanes) => {
+                o.granted = true;
+                Msg::GrantPipe { slot, gen, lanes }
+            }
             Answer::Grant => {
                 o.granted = true;
                 Msg::Grant { slot, gen }
@@ -190,7 +211,10 @@ impl Link {
                 reason,
             },
         };
-        let key = if matches!(m, Msg::Grant { .. } | Msg::GrantIpc { .. }) {
+        let key = if matches!(
+            m,
+            Msg::Grant { .. } | Msg::GrantIpc { .. } | Msg::GrantPipe { .. }
+        ) {
             o.key.clone()
         } else {
             self.open.remove(&(slot, gen)).expect("present").key

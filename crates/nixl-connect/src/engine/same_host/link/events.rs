@@ -12,8 +12,14 @@ pub(crate) enum Heard {
     /// Server: the client's `Hello` (the descriptor passed with it is its slot table; `Welcome`
     /// is queued behind whatever the owner does with it).
     Hello,
+    /// Server: the client trusts this side; it uses pipes (then its writes' requests pass
+    /// descriptors) or not (then no descriptor is taken again).
+    Trusted { pipes: bool },
     /// Server: a request proven under its operation's key.
     Req(Request),
+    /// Server: the next `fds` passed descriptors came with a request that is not served (no
+    /// live operation has its key, too many open): they are closed.
+    Unused { fds: usize },
     /// Server: the reader finished copying a granted read.
     ReadDone {
         slot: u32,
@@ -39,6 +45,9 @@ pub(crate) enum Heard {
         gen: u64,
         sources: Option<Vec<IpcSource>>,
     },
+    /// Client: a host read may copy now from the `lanes` pipes whose read ends came with it
+    /// (the next `lanes` passed descriptors).
+    GrantPipe { slot: u32, gen: u64, lanes: u8 },
     /// Client: the request was refused.
     Refused {
         slot: u32,
@@ -79,6 +88,9 @@ pub(crate) struct Request {
     /// An eager host write's bytes (exactly the remote ranges' total, at most [`EAGER_MAX`](crate::engine::same_host::wire::EAGER_MAX));
     /// empty for every other request.
     pub(crate) data: Vec<u8>,
+    /// Host memory through pipes: a read's lanes asked for, or a write's read ends passed with
+    /// it (the next as many passed descriptors); 0: not through pipes.
+    pub(crate) pipes: u8,
 }
 
 /// The server's answer to an open request.
@@ -88,6 +100,8 @@ pub(crate) enum Answer {
     Grant,
     /// A device read may copy now, through these exports (one per requested range).
     GrantIpc(Vec<IpcSource>),
+    /// A host read may copy now from this many pipes (their read ends go with the answer).
+    GrantPipe(u8),
     /// An eager read's bytes (ends the request; anything but exactly the bytes requested, for an
     /// eager read, is sent as a `Fallback` instead).
     Data(Vec<u8>),

@@ -20,8 +20,8 @@ pub(crate) const KEYS: [&str; 3] = [
     "5b1e2f3a-7d6c-4e9b-8a2f-3c4d5e6f7a02",
     "9f8e7d6c-5b4a-4392-8170-6f5e4d3c2b03",
 ];
-const CLIENT_PID: i32 = 4100;
-const SERVER_PID: i32 = 4200;
+const CLIENT_PID: u64 = 4100;
+const SERVER_PID: u64 = 4200;
 /// The seed of the identity the client's metadata advertises (the owner's).
 pub(crate) const SERVER_SEED: [u8; 32] = [42; 32];
 /// The seed of another process's identity (a metadata holder squatting on the owner's name).
@@ -76,6 +76,7 @@ impl Pair {
                 nonce,
                 CLIENT_PID,
                 SERVER_PID,
+                false,
                 now,
             ),
             server: Link::server(identity_of(seed), CLIENT_PID, SERVER_PID, now),
@@ -85,6 +86,31 @@ impl Pair {
             at_client: Vec::new(),
             at_server: Vec::new(),
         }
+    }
+
+    /// As [`Self::new`], with a client that uses pipes (it cannot read the server's memory).
+    #[cfg(test)]
+    pub(crate) fn piped(opening: usize) -> Self {
+        let mut p = Self::new(opening);
+        p.client = Link::client(
+            KEYS[opening].into(),
+            identity_of(SERVER_SEED).fingerprint(),
+            p.nonce,
+            CLIENT_PID,
+            SERVER_PID,
+            true,
+            p.now,
+        );
+        p
+    }
+
+    /// Delivers what the server queued to the client, with `fds` descriptors.
+    #[cfg(test)]
+    pub(crate) fn deliver_to_client_with(&mut self, fds: usize) {
+        let bytes = self.server.out().to_vec();
+        self.server.sent(bytes.len());
+        self.client
+            .recv(&bytes, fds, self.now, &HashMap::new(), &mut self.at_client);
     }
 
     /// Delivers what the client queued to the server (`fds` descriptors with it).
@@ -150,6 +176,7 @@ impl Pair {
             sources: Vec::new(),
             eager: false,
             data: Vec::new(),
+            pipes: 0,
         }
     }
 
@@ -371,7 +398,7 @@ pub(crate) fn run(data: &[u8]) {
                         key_id: auth::key_id(KEYS[key.unwrap_or(2)]),
                         nonce: p.nonce,
                     },
-                    1 => Msg::Trusted,
+                    1 => Msg::Trusted { pipes: k & 16 == 16 },
                     2 => Pair::req(slot, gen, key.unwrap_or(2), k & 16 == 16, Device::Host, 1),
                     3 => Msg::Done {
                         slot,

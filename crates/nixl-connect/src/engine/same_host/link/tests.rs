@@ -25,7 +25,7 @@ impl Pair {
 fn link_handshake_then_read_round_trip() {
     let mut p = Pair::new(0);
     p.shake();
-    assert_eq!(p.at_server, vec![Heard::Hello]);
+    assert_eq!(p.at_server, vec![Heard::Hello, Heard::Trusted { pipes: false }]);
     assert_eq!(p.at_client, vec![Heard::Ready]);
     assert!(p.client.is_ready() && p.server.is_ready());
     read(&mut p, 3, 1, 1);
@@ -184,6 +184,7 @@ fn link_frames_replayed_onto_another_connection_are_refused() {
         b.nonce,
         4100,
         4200,
+        false,
         b.now,
     );
     b.shake();
@@ -219,7 +220,7 @@ fn link_nothing_but_hello_before_hello() {
             reason: String::new(),
         },
         Pair::req(1, 1, 0, false, Device::Host, 1),
-        Msg::Trusted,
+        Msg::Trusted { pipes: false },
         Msg::Grant { slot: 1, gen: 1 },
     ] {
         let mut p = Pair::new(0);
@@ -408,6 +409,7 @@ fn link_core_imports_nothing_of_the_edge() {
         "super::wire",
         "crate::engine::same_host::wire",
         "super::limits::SLOTS",
+        "super::limits::MAX_LANES",
         "crate::device::Device",
         "super::*",
     ];
@@ -445,7 +447,7 @@ fn link_hello_naming_no_live_operation_is_not_served() {
     p.deliver_to_client();
     assert!(p.client.is_dead());
     assert!(p.at_client.iter().any(|h| matches!(h, Heard::NotLive { .. })));
-    let trusted = p.forge(&Msg::Trusted, None, true);
+    let trusted = p.forge(&Msg::Trusted { pipes: false }, None, true);
     p.server
         .recv(&trusted, 0, p.now, &p.keys.clone(), &mut p.at_server);
     assert!(p.server.is_dead() && !p.server.is_ready());
@@ -625,6 +627,7 @@ fn link_eager_requests_must_be_small_host_operations() {
         sources: Vec::new(),
         eager,
         data: vec![9; data],
+        pipes: 0,
     };
     for m in [
         req(true, false, Device::Host, 4096, 0, 4095),
@@ -707,6 +710,7 @@ fn link_unproven_not_live_welcome_is_an_impostor() {
         p.nonce,
         4100,
         4200,
+        false,
         p.now,
     );
     let w = p.forge(&old, None, false);
@@ -727,5 +731,178 @@ fn link_owner_proven_connection_serves_later_operations() {
     assert_eq!(p.at_client, vec![Heard::Ready]);
     assert!(p.client.request(KEYS[1], &Pair::eager_req(3, 1, 1, true, 4096)));
     p.deliver_to_server(0);
-    assert!(matches!(&p.at_server[1], Heard::Req(r) if &*r.key == KEYS[1] && r.data.len() == 4096));
+    assert!(matches!(&p.at_server[2], Heard::Req(r) if &*r.key == KEYS[1] && r.data.len() == 4096));
+}
+
+/// A host request through pipes, as a client that cannot read the server's memory sends it: a
+/// read asking for `pipes` lanes, or a write passing `pipes` read ends (and no addresses).
+fn piped_req(slot: u32, write: bool, pipes: u8) -> Msg {
+    let mut m = Pair::req(slot, 1, 1, write, Device::Host, 1);
+    if let Msg::Req { local, pipes: p, .. } = &mut m {
+        local.clear();
+        *p = pipes;
+    }
+    m
+}
+
+/// Pipes' read ends pass only where the client said it uses pipes (its `Trusted`), exactly as
+/// many as the frame that takes them says, never more than a bound waiting; a frame that names
+/// more than came, a grant of pipes for a request that asked none or more lanes than asked, and
+/// pipes for device memory close the connection before anything reaches the owner.
+#[test]
+fn link_pipes_pass_only_as_many_as_their_frames_say() {
+    // A piped write: its two read ends come with it and are counted off.
+    let mut p = Pair::piped(0);
+    p.shake();
+    assert_eq!(p.at_server, vec![Heard::Hello, Heard::Trusted { pipes: true }]);
+    assert!(p.client.request(KEYS[1], &piped_req(1, true, 2)));
+    p.deliver_to_server(2);
+    assert!(!p.server.is_dead(), "{:?}", p.server.death());
+    assert!(matches!(&p.at_server[2], Heard::Req(r) if r.pipes == 2 && r.write));
+    // One fewer than the frame says.
+    let mut p = Pair::piped(0);
+    p.shake();
+    assert!(p.client.request(KEYS[1], &piped_req(1, true, 2)));
+    p.deliver_to_server(1);
+    assert_eq!(p.server.death(), Some(Violation::MissingDescriptors));
+    assert_eq!(p.at_server.len(), 2, "nothing reached the owner");
+    // Pipes on a connection whose client did not say it uses them.
+    let mut p = Pair::new(0);
+    p.shake();
+    let forged = p.forge(&piped_req(1, true, 1), Some(1), true);
+    p.server
+        .recv(&forged, 1, p.now, &p.keys.clone(), &mut p.at_server);
+    assert_eq!(p.server.death(), Some(Violation::PassedOutsideHello));
+    // More descriptors waiting than two frames take.
+    let mut p = Pair::piped(0);
+    p.shake();
+    p.server.recv(
+        &[],
+        MAX_PENDING_DESCRIPTORS + 1,
+        p.now,
+        &p.keys.clone(),
+        &mut p.at_server,
+    );
+    assert_eq!(p.server.death(), Some(Violation::PassedOutsideHello));
+    // Descriptors left over once the bytes are handled (no frame took them).
+    let mut p = Pair::piped(0);
+    p.shake();
+    assert!(p.client.request(KEYS[1], &piped_req(1, true, 1)));
+    p.deliver_to_server(2);
+    assert_eq!(p.server.death(), None, "one may belong to the next frame");
+    let mut p = Pair::new(0);
+    p.shake();
+    p.server.recv(&[], 1, p.now, &p.keys.clone(), &mut p.at_server);
+    assert_eq!(p.server.death(), Some(Violation::PassedOutsideHello));
+    // Pipes for device memory.
+    let mut p = Pair::piped(0);
+    p.shake();
+    let mut m = piped_req(1, false, 1);
+    if let Msg::Req { device, .. } = &mut m {
+        *device = Device::Cuda(0);
+    }
+    let forged = p.forge(&m, Some(1), true);
+    p.server
+        .recv(&forged, 0, p.now, &p.keys.clone(), &mut p.at_server);
+    assert_eq!(p.server.death(), Some(Violation::MissingDescriptors));
+}
+
+/// A read through pipes: the server's `GrantPipe` carries at most the lanes asked, with as many
+/// read ends; the client takes exactly those, and nothing else.
+#[test]
+fn link_pipe_grants_fit_their_reads() {
+    let grant = |p: &mut Pair, lanes: u8, fds: usize| {
+        assert!(p.client.request(KEYS[1], &piped_req(1, false, 2)));
+        p.deliver_to_server(0);
+        assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if r.pipes == 2 && !r.write));
+        let bytes = p.forge(
+            &Msg::GrantPipe {
+                slot: 1,
+                gen: 1,
+                lanes,
+            },
+            Some(1),
+            false,
+        );
+        p.client
+            .recv(&bytes, fds, p.now, &HashMap::new(), &mut p.at_client);
+    };
+    let mut p = Pair::piped(0);
+    p.shake();
+    grant(&mut p, 2, 2);
+    assert_eq!(
+        p.at_client.last(),
+        Some(&Heard::GrantPipe {
+            slot: 1,
+            gen: 1,
+            lanes: 2
+        })
+    );
+    assert!(!p.client.is_dead());
+    // Through the server's own answer.
+    let mut p = Pair::piped(0);
+    p.shake();
+    assert!(p.client.request(KEYS[1], &piped_req(1, false, 2)));
+    p.deliver_to_server(0);
+    assert!(
+        !p.server.answer(1, 1, Answer::GrantPipe(3)),
+        "more lanes than asked"
+    );
+    assert!(p.server.answer(1, 1, Answer::GrantPipe(1)));
+    p.deliver_to_client_with(1);
+    assert_eq!(
+        p.at_client.last(),
+        Some(&Heard::GrantPipe {
+            slot: 1,
+            gen: 1,
+            lanes: 1
+        })
+    );
+    // More lanes than asked, fewer read ends than lanes, unproven.
+    let mut p = Pair::piped(0);
+    p.shake();
+    grant(&mut p, 3, 3);
+    assert_eq!(p.client.death(), Some(Violation::WrongAnswer));
+    let mut p = Pair::piped(0);
+    p.shake();
+    grant(&mut p, 2, 1);
+    assert_eq!(p.client.death(), Some(Violation::MissingDescriptors));
+    let mut p = Pair::piped(0);
+    p.shake();
+    assert!(p.client.request(KEYS[1], &piped_req(1, false, 2)));
+    let bytes = p.forge(
+        &Msg::GrantPipe {
+            slot: 1,
+            gen: 1,
+            lanes: 1,
+        },
+        None,
+        false,
+    );
+    p.client.recv(&bytes, 1, p.now, &HashMap::new(), &mut p.at_client);
+    assert_eq!(p.client.death(), Some(Violation::UnprovenAnswer));
+    // A pipe grant for a read that asked none; descriptors to a client that uses no pipes.
+    let mut p = Pair::piped(0);
+    p.shake();
+    assert!(p
+        .client
+        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
+    let bytes = p.forge(
+        &Msg::GrantPipe {
+            slot: 1,
+            gen: 1,
+            lanes: 1,
+        },
+        Some(1),
+        false,
+    );
+    p.client.recv(&bytes, 1, p.now, &HashMap::new(), &mut p.at_client);
+    assert_eq!(p.client.death(), Some(Violation::WrongAnswer));
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(p
+        .client
+        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
+    p.client.recv(&[], 1, p.now, &HashMap::new(), &mut p.at_client);
+    assert_eq!(p.client.death(), Some(Violation::PassedOutsideHello));
 }

@@ -41,6 +41,7 @@ fn asked<'a>(write: bool, device: Device, remote: &'a [(u64, u64)], local: &'a [
         sources: &[],
         eager: false,
         data: 0,
+        pipes: 0,
     }
 }
 
@@ -49,6 +50,8 @@ const IDLE: Load = Load {
     exporting: 0,
     exporting_all: 0,
     can_pull: true,
+    pipes: 0,
+    pipes_all: 0,
 };
 
 /// Every device pair is possible (a process with CUDA IPC).
@@ -69,6 +72,7 @@ fn busy(s: &mut Scope) {
             gen: 1,
         },
         cancel: Arc::new(AtomicBool::new(false)),
+        wake: None,
     });
 }
 

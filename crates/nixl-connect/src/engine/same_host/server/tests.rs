@@ -188,6 +188,7 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
             sv.t.server.scope_mut(&key).unwrap().writer = Some(Writer {
                 id,
                 cancel: Arc::new(AtomicBool::new(false)),
+                wake: None,
             });
             let result = match case {
                 "written" => Ok(()),

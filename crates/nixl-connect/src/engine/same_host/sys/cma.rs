@@ -198,7 +198,6 @@ type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 enum Work {
     /// Pulls these pieces.
     Pull(Vec<Piece>),
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// Runs a part of a copy that does more than pull (a staged copy's lane: pull into pinned
     /// memory, then DMA to the device).
     Task(Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>),
@@ -225,7 +224,9 @@ struct Part {
 struct Group {
     left: AtomicUsize,
     error: Mutex<Option<CopyError>>,
-    slot: SlotRef,
+    /// The grant it ends (`COPYING -> DONE`) when every part succeeded; none for a job that
+    /// copies into no memory of ours (a pipe's feed).
+    slot: Option<SlotRef>,
     done: Mutex<Option<Done>>,
 }
 
@@ -556,7 +557,7 @@ fn end_part(part: Part, r: Result<(), CopyError>) {
         let err = lock(&g.error).take();
         let result = match err {
             Some(e) => Err(e),
-            None => finish(&g.slot),
+            None => g.slot.as_ref().map_or(Ok(()), finish),
         };
         if let Some(done) = lock(&g.done).take() {
             done(result);
@@ -687,7 +688,7 @@ pub(crate) fn spawn_into(batch: &mut Batch, c: Copy, done: Done) -> Result<(), C
     let group = Arc::new(Group {
         left: AtomicUsize::new(jobs.len()),
         error: Mutex::new(None),
-        slot: c.slot,
+        slot: Some(c.slot),
         done: Mutex::new(Some(done)),
     });
     for pieces in jobs {
@@ -706,7 +707,6 @@ pub(crate) fn spawn_into(batch: &mut Batch, c: Copy, done: Done) -> Result<(), C
 /// share of the pool, as pulls are); `done` runs once every part has ended (the first error,
 /// else the slot's `COPYING -> DONE`). Returns the revocation error at once (without calling
 /// `done`) when the grant was revoked before the copy began.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn spawn_tasks(
     pid: libc::pid_t,
     slot: SlotRef,
@@ -718,6 +718,29 @@ pub(crate) fn spawn_tasks(
     if !slot.table.advance(slot.idx, slot.gen, ARMED, COPYING) {
         return Err(CopyError::NotStarted);
     }
+    submit_tasks(pid, Some(slot), cancel, parts, task, done);
+    Ok(())
+}
+
+/// Runs `task` once on the copy pool under `pid`'s share of it, guarded by no slot (it writes no
+/// memory of this process: a pipe's feed); `done` runs with its result.
+pub(crate) fn spawn_job(
+    pid: libc::pid_t,
+    cancel: Arc<AtomicBool>,
+    task: Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>,
+    done: Done,
+) {
+    submit_tasks(pid, None, cancel, 1, task, done);
+}
+
+fn submit_tasks(
+    pid: libc::pid_t,
+    slot: Option<SlotRef>,
+    cancel: Arc<AtomicBool>,
+    parts: usize,
+    task: Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>,
+    done: Done,
+) {
     let parts = parts.max(1);
     let group = Arc::new(Group {
         left: AtomicUsize::new(parts),
@@ -738,7 +761,6 @@ pub(crate) fn spawn_tasks(
         })
         .collect();
     pool().submit(jobs);
-    Ok(())
 }
 
 /// True when this process may read the memory of the process behind `pidfd` with

@@ -7,6 +7,8 @@
 //! - [`slots`]: the slot table, a sealed memfd both processes map;
 //! - [`cma`]: copies with `process_vm_readv`, the copy pool;
 //! - [`dir`]: the rendezvous in a directory both sides mount (sockets as files, locks);
+//! - [`pipe`]: pipes fed with `vmsplice` where the peer's memory cannot be read (another PID
+//!   namespace, ptrace refused);
 //! - `ipc` and `staged` (feature `cuda`): CUDA IPC exports and copies, pinned staging.
 
 pub(crate) mod cma;
@@ -14,6 +16,7 @@ pub(crate) mod dir;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc;
 pub(super) mod mem;
+pub(crate) mod pipe;
 pub(crate) mod slots;
 #[cfg(feature = "cuda")]
 pub(super) mod staged;
@@ -24,19 +27,24 @@ use std::sync::Arc;
 
 use crate::sync::fnv1a;
 
-/// Sends `buf` on the socket `fd` with the descriptor `pass` attached (`SCM_RIGHTS`), without
-/// blocking and without `SIGPIPE`: the bytes sent.
-pub(super) fn send_with_fd(fd: RawFd, buf: &[u8], pass: RawFd) -> io::Result<usize> {
+/// Sends `buf` on the socket `fd` with the descriptors `pass` attached (`SCM_RIGHTS`, at most
+/// [`MAX_PASSED`]), without blocking and without `SIGPIPE`: the bytes sent (the descriptors went
+/// with them when any byte did).
+pub(super) fn send_with_fds(fd: RawFd, buf: &[u8], pass: &[RawFd]) -> io::Result<usize> {
+    if pass.is_empty() || pass.len() > MAX_PASSED || buf.is_empty() {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
     let mut iov = libc::iovec {
         iov_base: buf.as_ptr() as *mut libc::c_void,
         iov_len: buf.len(),
     };
+    let bytes = std::mem::size_of_val(pass) as u32;
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(bytes) } as usize;
     let mut cbuf = vec![0u64; space.div_ceil(8)];
     // SAFETY: msghdr is plain old data; the pointers set below outlive the sendmsg call (the
-    // kernel only reads through iov_base), and the control buffer is large enough for one
-    // SCM_RIGHTS descriptor (CMSG_SPACE).
+    // kernel only reads through iov_base), and the control buffer is large enough for
+    // `pass.len()` SCM_RIGHTS descriptors (CMSG_SPACE).
     let n = unsafe {
         let mut msg: libc::msghdr = std::mem::zeroed();
         msg.msg_iov = &mut iov;
@@ -46,8 +54,10 @@ pub(super) fn send_with_fd(fd: RawFd, buf: &[u8], pass: RawFd) -> io::Result<usi
         let cm = libc::CMSG_FIRSTHDR(&msg);
         (*cm).cmsg_level = libc::SOL_SOCKET;
         (*cm).cmsg_type = libc::SCM_RIGHTS;
-        (*cm).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<RawFd>(), pass);
+        (*cm).cmsg_len = libc::CMSG_LEN(bytes) as _;
+        for (k, &p) in pass.iter().enumerate() {
+            std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<RawFd>().add(k), p);
+        }
         libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
     };
     if n < 0 {
@@ -92,9 +102,82 @@ pub(super) fn clear_timer(t: &OwnedFd) {
     unsafe { libc::read(t.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
 }
 
-/// This process's pid, as the kernel reports it to peers (`SO_PEERCRED`).
-pub(super) fn self_pid() -> libc::pid_t {
-    std::process::id() as libc::pid_t
+/// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the process at the other end of a Unix socket (the one
+/// `SO_PEERCRED` names), from any PID namespace.
+const SO_PEERPIDFD: libc::c_int = 77;
+/// `PID_FS_MAGIC`: the file system of pidfds on kernels with pidfs (Linux 6.9).
+const PID_FS_MAGIC: i64 = 0x5049_4446;
+
+/// True when processes are named by their pidfs inode numbers: one number per process on the
+/// host, never reused while the kernel runs, the same from every PID namespace (Linux 6.9's pidfs).
+/// Both ends of a same-host connection run on one kernel, so they agree on it.
+pub(super) fn pidfs() -> bool {
+    static PIDFS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PIDFS.get_or_init(|| {
+        let Some(fd) = pidfd(std::process::id() as libc::pid_t) else {
+            return false;
+        };
+        // SAFETY: statfs is plain old data; fstatfs writes it for a descriptor we own.
+        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let r = unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) };
+        r == 0 && st.f_type as i64 == PID_FS_MAGIC
+    })
+}
+
+/// The inode number of the process behind `pidfd` (its pidfs id).
+fn inode(pidfd: &OwnedFd) -> Option<u64> {
+    // SAFETY: stat is plain old data; fstat writes it for a descriptor we own (a pidfd: no file
+    // system a peer controls).
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    (unsafe { libc::fstat(pidfd.as_raw_fd(), &mut st) } == 0).then_some(st.st_ino)
+}
+
+/// The id that names this process in a connection's proofs (see `auth`): its pidfs inode number
+/// where the kernel has pidfs ([`pidfs`]), else its pid.
+pub(super) fn self_id() -> u64 {
+    let pid = std::process::id();
+    if pidfs() {
+        if let Some(id) = pidfd(pid as libc::pid_t).as_ref().and_then(inode) {
+            return id;
+        }
+    }
+    u64::from(pid)
+}
+
+/// The process at the other end of the Unix socket `sock`, whose pid from here is `pid` (0: not
+/// visible, another PID namespace): its id (as [`self_id`] names it) and a pidfd of it, taken
+/// from the socket (`SO_PEERPIDFD`) where the kernel can, else from the pid. `None` when it is
+/// gone, or cannot be named from here (not visible, and no pidfs).
+pub(super) fn peer_process(sock: RawFd, pid: libc::pid_t) -> Option<(u64, OwnedFd)> {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes one c_int (a new descriptor) into a live local.
+    let r = unsafe {
+        libc::getsockopt(
+            sock,
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    let pidfd = if r == 0 && fd >= 0 {
+        // SAFETY: a fresh descriptor nothing else owns.
+        Some(unsafe { OwnedFd::from_raw_fd(fd) })
+    } else if pid > 0 {
+        pidfd(pid)
+    } else {
+        None
+    }?;
+    if pidfs() {
+        Some((inode(&pidfd)?, pidfd))
+    } else if pid > 0 {
+        Some((pid as u64, pidfd))
+    } else {
+        None
+    }
 }
 
 /// The abstract socket name of the connector whose NIXL agent is `agent` (a rotated exposer's
@@ -215,20 +298,22 @@ pub(super) fn pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
     (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// True while the process behind `pidfd` (if any) lives.
 pub(super) fn alive(pidfd: &Option<Arc<OwnedFd>>) -> bool {
-    match pidfd {
-        // SAFETY: signal 0 only checks that the process behind the pidfd still exists.
-        Some(fd) => unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                fd.as_raw_fd(),
-                0,
-                std::ptr::null::<libc::siginfo_t>(),
-                0,
-            ) == 0
-        },
-        None => true,
-    }
+    pidfd.as_deref().is_none_or(alive_fd)
+}
+
+/// True while the process behind `fd` lives: its pidfd is not readable yet (it becomes readable
+/// when the process exits). Unlike a signal, this answers for a process in any PID namespace.
+pub(super) fn alive_fd(fd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll reads and writes one live local pollfd, without waiting.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r == 0
 }
 
 pub(super) fn uid() -> libc::uid_t {
@@ -251,6 +336,22 @@ pub(super) fn refuse_passed_descriptors(fd: RawFd) {
             libc::SOL_SOCKET,
             SO_PASSRIGHTS,
             (&off as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+}
+
+/// Makes the kernel deliver descriptors passed to `fd` again (a connection that takes pipes'
+/// read ends; see [`refuse_passed_descriptors`]).
+pub(super) fn accept_passed_descriptors(fd: RawFd) {
+    let on: libc::c_int = 1;
+    // SAFETY: setsockopt reads one c_int from a live local.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_PASSRIGHTS,
+            (&on as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };

@@ -32,7 +32,7 @@ fn all() -> Vec<Msg> {
             public: [6; 32],
             sig: [7; 64],
         },
-        Msg::Trusted,
+        Msg::Trusted { pipes: true },
         Msg::Reject { reason: "uid".into() },
         Msg::Req {
             slot: 9,
@@ -46,6 +46,7 @@ fn all() -> Vec<Msg> {
             sources: vec![source(1), source(2)],
             eager: false,
             data: Vec::new(),
+            pipes: 0,
         },
         Msg::Req {
             slot: 12,
@@ -59,8 +60,28 @@ fn all() -> Vec<Msg> {
             sources: vec![],
             eager: true,
             data: vec![1, 2, 3, 4, 5],
+            pipes: 0,
+        },
+        Msg::Req {
+            slot: 14,
+            gen: 15,
+            write: true,
+            ident: 16,
+            key_id: [8; 16],
+            device: Device::Host,
+            remote: vec![(1, 3), (9, 2)],
+            local: vec![],
+            sources: vec![],
+            eager: false,
+            data: vec![],
+            pipes: MAX_LANES as u8,
         },
         Msg::Grant { slot: 1, gen: 2 },
+        Msg::GrantPipe {
+            slot: 1,
+            gen: 2,
+            lanes: 1,
+        },
         Msg::Data {
             slot: 5,
             gen: 6,
@@ -198,6 +219,32 @@ fn wire_rejects_malformed_frames_without_panicking() {
             sources: vec![],
             eager: false,
             data: vec![0; EAGER_MAX + 1],
+            pipes: 0,
+        },
+        // More pipes than a copy uses, or a grant of none.
+        Msg::Req {
+            slot: 1,
+            gen: 1,
+            write: true,
+            ident: 0,
+            key_id: [0; 16],
+            device: Device::Host,
+            remote: vec![(0, 1 << 20)],
+            local: vec![],
+            sources: vec![],
+            eager: false,
+            data: vec![],
+            pipes: MAX_LANES as u8 + 1,
+        },
+        Msg::GrantPipe {
+            slot: 1,
+            gen: 1,
+            lanes: 0,
+        },
+        Msg::GrantPipe {
+            slot: 1,
+            gen: 1,
+            lanes: MAX_LANES as u8 + 1,
         },
     ] {
         let mut buf = Vec::new();

@@ -1,0 +1,119 @@
+//! The pipes this side feeds (`sys::pipe`): a read it serves to a peer that cannot read its
+//! memory, a write of its own to a peer that cannot read it. It owns them from the moment their
+//! read ends go out until their job has emptied them; the transport ends them (the reader's
+//! answer, a revocation, the connection's end) and learns of their job's end (`copies.rs`).
+//!
+//! What a feed holds back: a served read's completion and a write's result are reported, and an
+//! ended operation's memory released, only once its pipes are empty (no page of it left for a
+//! read end the peer holds).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::records::ConnId;
+pub(super) use super::records::FeedFor;
+use super::sys::pipe::Wake;
+use crate::state::OpState;
+
+/// One feed: its pipes are being fed, or wait for the operation's end to be emptied.
+pub(super) struct Feed {
+    /// The connection its read ends went over.
+    pub(super) conn: ConnId,
+    /// Its pipes.
+    pub(super) lanes: usize,
+    ended: Arc<AtomicBool>,
+    wake: Arc<Wake>,
+    /// A served read: the operation's key and state (released once emptied, if it ended).
+    pub(super) key: Option<Arc<str>>,
+    pub(super) state: Option<Arc<OpState>>,
+    /// A served read: the reader's answer (`Done`), once it came.
+    pub(super) answered: Option<bool>,
+    /// A write: its result, once the server's answer (or its end) gave it.
+    pub(super) result: Option<crate::error::Result<()>>,
+}
+
+impl Feed {
+    /// A feed over connection `conn`'s `lanes` pipes, ended through `ended` and `wake` (what its
+    /// job waits on).
+    pub(super) fn new(conn: ConnId, lanes: usize, ended: Arc<AtomicBool>, wake: Arc<Wake>) -> Self {
+        Self {
+            conn,
+            lanes,
+            ended,
+            wake,
+            key: None,
+            state: None,
+            answered: None,
+            result: None,
+        }
+    }
+
+    fn end(&self) {
+        self.ended.store(true, Ordering::Release);
+        self.wake.wake();
+    }
+}
+
+/// Every feed of this side.
+#[derive(Default)]
+pub(super) struct Feeds {
+    by: HashMap<FeedFor, Feed>,
+    /// Pipes held, over every feed.
+    lanes: usize,
+}
+
+impl Feeds {
+    /// Records `feed`, started for `id`.
+    pub(super) fn start(&mut self, id: FeedFor, feed: Feed) {
+        self.lanes += feed.lanes;
+        if let Some(old) = self.by.insert(id, feed) {
+            // Never: a request id or an operation id is fed once.
+            old.end();
+            self.lanes -= old.lanes;
+        }
+    }
+
+    /// Ends `id`'s feed (its job empties the pipes and reports); the feed, to record why.
+    pub(super) fn end(&mut self, id: FeedFor) -> Option<&mut Feed> {
+        let f = self.by.get_mut(&id)?;
+        f.end();
+        Some(f)
+    }
+
+    /// Ends every feed for which `which` holds.
+    pub(super) fn end_where(&mut self, which: impl Fn(&FeedFor, &Feed) -> bool) {
+        for (id, f) in &self.by {
+            if which(id, f) {
+                f.end();
+            }
+        }
+    }
+
+    /// Ends every feed (the transport stops).
+    pub(super) fn end_all(&mut self) {
+        self.end_where(|_, _| true);
+    }
+
+    /// `id`'s job reported: its pipes are empty and closed. The feed, forgotten.
+    pub(super) fn finished(&mut self, id: FeedFor) -> Option<Feed> {
+        let f = self.by.remove(&id)?;
+        self.lanes -= f.lanes;
+        Some(f)
+    }
+
+    /// Pipes held, over every feed.
+    pub(super) fn lanes(&self) -> usize {
+        self.lanes
+    }
+
+    /// Pipes held for connection `conn`.
+    pub(super) fn lanes_of(&self, conn: ConnId) -> usize {
+        self.by.values().filter(|f| f.conn == conn).map(|f| f.lanes).sum()
+    }
+
+    /// True while a served read of the operation keyed `key` is fed or not yet emptied.
+    pub(super) fn feeds_key(&self, key: &str) -> bool {
+        self.by.values().any(|f| f.key.as_deref() == Some(key))
+    }
+}
