@@ -77,6 +77,13 @@ pub(crate) struct Args {
     /// one writable waiting for a writer.
     #[arg(long)]
     idle_cpu: bool,
+    /// Talk to a benchmark peer started elsewhere instead of starting one: these two FIFOs are its
+    /// stdin and its stdout (`scripts/bench-pods.sh` starts it in a PID namespace of its own and
+    /// this side in another, as two pods; both name the shared socket directory in
+    /// `NIXL_CONNECT_SOCKET_DIR`). The copy limit is not measured then: the peer's pid is not
+    /// ours to see.
+    #[arg(long, value_delimiter = ',', num_args = 1, value_name = "IN,OUT")]
+    pub(crate) peer_fifos: Option<Vec<std::path::PathBuf>>,
     /// Both connectors' progress delay in microseconds (`ConnectorBuilder::progress_delay`;
     /// default 1000): the active side's and the passive peer's.
     #[arg(long)]
@@ -390,6 +397,8 @@ mod gpu {
 struct Row {
     block: Block,
     path: String,
+    /// How the same-host path moved the bytes (`-` on another path).
+    mechanism: String,
     iters: usize,
     lat: Stats,
     passive: Stats,
@@ -421,6 +430,7 @@ impl Row {
             "impl": "nixl-connect",
             "op": a.op,
             "path": self.path,
+            "mechanism": self.mechanism,
             "device": a.device.to_string(),
             "peer_device": a.peer_device.unwrap_or(a.device).to_string(),
             "buffers": a.buffers,
@@ -514,7 +524,11 @@ fn table_row(r: &Row) {
         r.passive.p50,
         r.passive_from_begin.p50,
         r.limit_gbps.map_or("-".into(), |l| format!("{l:.2}")),
-        r.path,
+        if r.mechanism == "-" {
+            r.path.clone()
+        } else {
+            format!("{}/{}", r.path, r.mechanism)
+        },
         if r.ok { "yes" } else { "NO" },
     );
 }
@@ -531,18 +545,47 @@ impl Args {
 
 pub(crate) async fn run(a: Args) -> Result<()> {
     let json = a.json || !std::io::stdout().is_terminal();
-    let exe = std::env::current_exe().context("locating this executable")?;
-    let mut child = tokio::process::Command::new(exe)
-        .arg("bench-peer")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting the benchmark peer")?;
-    let peer_pid = child.id().context("the benchmark peer's pid")? as i32;
-    let mut to_peer = child.stdin.take().context("peer stdin")?;
-    let mut from_peer = BufReader::new(child.stdout.take().context("peer stdout")?).lines();
+    type Out = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
+    type In = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+    let (mut child, peer_pid, mut to_peer, mut from_peer): (_, _, Out, _) = match &a.peer_fifos {
+        Some(f) if f.len() == 2 => {
+            // Both opened read-write, so neither open waits for the peer, and both are polled by
+            // the runtime's reactor as the pipes to a spawned peer are (no blocking thread between
+            // the peer and the timed part).
+            let open = || {
+                let mut o = tokio::net::unix::pipe::OpenOptions::new();
+                o.read_write(true);
+                o
+            };
+            let to: Out = Box::new(
+                open()
+                    .open_sender(&f[0])
+                    .with_context(|| format!("opening the peer's input FIFO {}", f[0].display()))?,
+            );
+            let from: In = Box::new(
+                open()
+                    .open_receiver(&f[1])
+                    .with_context(|| format!("opening the peer's output FIFO {}", f[1].display()))?,
+            );
+            (None, None, to, BufReader::new(from).lines())
+        }
+        Some(_) => bail!("--peer-fifos takes two paths: the peer's stdin and its stdout"),
+        None => {
+            let exe = std::env::current_exe().context("locating this executable")?;
+            let mut child = tokio::process::Command::new(exe)
+                .arg("bench-peer")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .kill_on_drop(true)
+                .spawn()
+                .context("starting the benchmark peer")?;
+            let pid = child.id().context("the benchmark peer's pid")? as i32;
+            let to: Out = Box::new(child.stdin.take().context("peer stdin")?);
+            let from: In = Box::new(child.stdout.take().context("peer stdout")?);
+            (Some(child), Some(pid), to, BufReader::new(from).lines())
+        }
+    };
     let mut builder = Connector::builder().path(a.path);
     for (k, v) in &a.ucx_params {
         builder = builder.ucx_param(k, v);
@@ -591,6 +634,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         let (mut times, mut waits, mut from_begin) = (Vec::new(), Vec::new(), Vec::new());
         let mut ok = true;
         let mut path = String::from("-");
+        let mut mechanism = String::from("-");
         let mut last_md: Option<RdmaMetadata> = None;
         for i in 0..n {
             if a.fresh && i > 0 {
@@ -606,12 +650,13 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             for l in &lines {
                 mds.push(l.parse::<RdmaMetadata>()?);
             }
-            let (p, backs) = active_round(&conn, &mds, &mut mem, per, write).await?;
+            let ((p, m), backs) = active_round(&conn, &mds, &mut mem, per, write).await?;
             let dt = t0.elapsed();
             for (k, back) in backs.into_iter().enumerate() {
                 mem.recycle(k * per, back);
             }
             path = p;
+            mechanism = m;
             // Verified on the first iteration, and with fresh memory on the last one as well.
             if !write && (i == 0 || (a.fresh && i + 1 == n)) {
                 ok &= (0..per * conc).all(|k| mem.holds(k, size as u64));
@@ -633,8 +678,10 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         }
         // The copy limit, in the same run: one thread's process_vm_readv of the peer's memory
         // (still mapped: the peer keeps it until the next block).
-        let (limit_gbps, one_range_gbps) = match (&last_md, a.device) {
-            (Some(md), Device::Host) if a.limit && a.peer_device.unwrap_or(a.device) == Device::Host => {
+        let (limit_gbps, one_range_gbps) = match (&last_md, a.device, peer_pid) {
+            (Some(md), Device::Host, Some(peer_pid))
+                if a.limit && a.peer_device.unwrap_or(a.device) == Device::Host =>
+            {
                 let (l, one) = vm_readv_limit(peer_pid, md, size, &a.buffers, &a.layout)?;
                 (Some(l), one.filter(|_| per > 1))
             }
@@ -643,6 +690,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         let row = Row {
             block,
             path,
+            mechanism,
             iters: times.len(),
             lat: stats(&mut times),
             passive: stats(&mut waits),
@@ -698,9 +746,11 @@ pub(crate) async fn run(a: Args) -> Result<()> {
     }
     drop(conn);
     drop(to_peer);
-    let st = tokio::time::timeout(Duration::from_secs(10), child.wait()).await??;
-    if !st.success() {
-        bail!("benchmark peer exited with {st}");
+    if let Some(child) = &mut child {
+        let st = tokio::time::timeout(Duration::from_secs(10), child.wait()).await??;
+        if !st.success() {
+            bail!("benchmark peer exited with {st}");
+        }
     }
     Ok(())
 }
@@ -808,7 +858,7 @@ async fn active_round(
     mem: &mut Mem,
     per: usize,
     write: bool,
-) -> Result<(String, Vec<Vec<Descriptor<'static>>>)> {
+) -> Result<((String, String), Vec<Vec<Descriptor<'static>>>)> {
     let t = Some(Duration::from_secs(60));
     let mut all = mem.descriptors(0, per * mds.len(), !write)?;
     let mut reads = Vec::new();
@@ -823,10 +873,12 @@ async fn active_round(
         }
     }
     let mut path = String::from("-");
+    let mut mechanism = String::from("-");
     let mut backs = Vec::with_capacity(mds.len());
     for op in reads {
         op.wait_for_completion(t).await?;
         path = op.path().map_or("-".into(), |p| p.to_string());
+        mechanism = op.mechanism().map_or("-".into(), |m| m.to_string());
         backs.push(
             op.into_descriptors()
                 .map_err(|_| anyhow::anyhow!("the read was not released"))?,
@@ -835,13 +887,14 @@ async fn active_round(
     for op in writes {
         op.wait_for_completion(t).await?;
         path = op.path().map_or("-".into(), |p| p.to_string());
+        mechanism = op.mechanism().map_or("-".into(), |m| m.to_string());
         backs.push(
             op.into_descriptors()
                 .map_err(|_| anyhow::anyhow!("the write was not released"))?,
         );
     }
     Ok((
-        path,
+        (path, mechanism),
         backs
             .into_iter()
             .map(|b| b.into_iter().filter_map(|d| d.try_into_static().ok()).collect())
