@@ -221,7 +221,8 @@ async fn hostile_impostor_proving_its_own_key_cannot_answer_for_another_operatio
 
 /// The support process of [`hostile_metadata_holder_cannot_answer_as_an_advertising_owner`]: a
 /// process that holds an owner's metadata (each line on stdin is one) and squats on the owner's
-/// socket name in its own network namespace. It proves each operation's key (it holds the
+/// socket name in its own network namespace (or, with `SQUAT_DIR`, replaces the owner's socket
+/// file in that shared directory). It proves each operation's key (it holds the
 /// metadata) and signs its `Welcome` with an Ed25519 identity of its own, then listens. `report`
 /// prints what it heard: `HEARD:hellos=N trusted=T requests=R`.
 #[test]
@@ -258,8 +259,27 @@ fn support_squatter() {
         *key.lock().unwrap() = md.notification_key.clone();
         let name = RdmaMetadata::agent_name_in(&md.nixl_metadata).unwrap();
         if bound.as_ref() != Some(&name) {
-            let addr = SocketAddr::from_abstract_name(format!("nixl-connect.v1/{name}").as_bytes()).unwrap();
-            let listener = UnixListener::bind_addr(&addr).expect("the squatter binds the owner's name");
+            let listener = match std::env::var("SQUAT_DIR") {
+                // In the shared socket directory: the owner's socket file is replaced by the
+                // squatter's (any process of the user may unlink it; the owner's lock stays).
+                Ok(dir) => {
+                    let base = name.split_once('~').map_or(name.as_str(), |(b, _)| b);
+                    let (_, fp) = base.rsplit_once(".nxc1-").expect("an advertising owner");
+                    // SAFETY: getuid cannot fail.
+                    #[allow(unsafe_code)]
+                    let uid = unsafe { libc::getuid() };
+                    let path = std::path::Path::new(&dir)
+                        .join(format!("nixl-connect.{uid}"))
+                        .join(format!("nxc1-{fp}.sock"));
+                    let _ = std::fs::remove_file(&path);
+                    UnixListener::bind(&path).expect("the squatter binds the owner's socket file")
+                }
+                Err(_) => {
+                    let addr =
+                        SocketAddr::from_abstract_name(format!("nixl-connect.v1/{name}").as_bytes()).unwrap();
+                    UnixListener::bind_addr(&addr).expect("the squatter binds the owner's name")
+                }
+            };
             let (key, heard, identity, mute) = (key.clone(), heard.clone(), identity.clone(), mute.clone());
             std::thread::spawn(move || {
                 for s in listener.incoming() {

@@ -128,6 +128,11 @@ fn pods_socket_dir_reaches_a_peer_in_another_network_namespace() {
 
 /// A peer process in its own network, PID, mount and IPC namespaces, with its own /proc, as a pod.
 fn pod(ns: &Netns, netns: &str, dev: &str, dir: &str) -> Peer {
+    pod_running(ns, netns, dev, dir, PEER, &[])
+}
+
+/// As [`pod`], running the support test `test` with `env` added.
+fn pod_running(ns: &Netns, netns: &str, dev: &str, dir: &str, test: &str, env: &[(&str, &str)]) -> Peer {
     let mut cmd = Command::new("ip");
     cmd.args([
         "netns",
@@ -142,11 +147,14 @@ fn pod(ns: &Netns, netns: &str, dev: &str, dir: &str) -> Peer {
         "--mount-proc",
     ])
     .arg(std::env::current_exe().unwrap())
-    .args([PEER, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+    .args([test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
     .env(PEER_ENV, "peer")
     .env("UCX_TLS", tcp_tls())
     .env("UCX_NET_DEVICES", dev)
     .env("NIXL_CONNECT_SOCKET_DIR", dir);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     let _ = ns;
     Peer::from_command(cmd)
 }
@@ -201,5 +209,184 @@ fn pods_peer_in_another_pid_namespace_moves_host_memory_through_pipes() {
         owner.expect("DROPPED");
     }
     drop((owner, other, ns));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Round 4's metadata holder, against the directory rendezvous: a process of the same user in
+/// another pod holds the owner's metadata and replaces the owner's socket file in the shared
+/// directory with its own (the directory is the user's, so it may), proving every key it learnt
+/// and signing its `Welcome` with an identity of its own. The reader in its pod dials the file and
+/// meets the squatter: its `Welcome` is not signed by the identity the owner's name advertises,
+/// so the reader sends it nothing after the hello (no `Trusted`, no request, no bytes), and the
+/// reads and writes reach the real owner through NIXL, bytes checked.
+#[test]
+fn pods_metadata_holder_in_the_socket_directory_cannot_answer_as_the_owner() {
+    let Some(ns) = Netns::make() else { return };
+    let dir = shared_dir("squat");
+    let d = dir.to_str().unwrap().to_string();
+    let mut owner = pod(&ns, &ns.a, &ns.dev_a, &d);
+    let mut squatter = pod_running(
+        &ns,
+        &ns.b,
+        &ns.dev_b,
+        &d,
+        "hostile::support_squatter",
+        &[("SQUAT_DIR", d.as_str())],
+    );
+    let mut reader = pod(&ns, &ns.b, &ns.dev_b, &d);
+    for (len, kind) in [(4096usize, "vecpat"), (2usize << 20, "hostpat")] {
+        owner.say(&format!("expose readable {len} {kind}"));
+        let md = owner.expect("MD:");
+        squatter.say(&md);
+        squatter.expect("BOUND");
+        reader.say("read auto fresh");
+        reader.say(&md);
+        reader.expect("STARTED");
+        let got = reader.expect("READ:");
+        assert!(
+            got.starts_with("ok") && got.contains("path=nixl") && got.ends_with("pattern=true"),
+            "{len}: the owner's bytes through NIXL: {got}"
+        );
+        owner.say("wait 5000");
+        assert_eq!(owner.expect("WAIT:"), "ok");
+        owner.say("drop");
+        owner.expect("DROPPED");
+        owner.say(&format!("expose writable {len} vec"));
+        let md = owner.expect("MD:");
+        squatter.say(&md);
+        squatter.expect("BOUND");
+        reader.say("write auto pat");
+        reader.say(&md);
+        reader.expect("STARTED");
+        assert_eq!(
+            reader.expect("MECHANISM:"),
+            "none",
+            "{len}: not the same-host path"
+        );
+        assert_eq!(reader.expect("WRITE:"), "ok", "{len}");
+        owner.say("wait 5000");
+        assert_eq!(owner.expect("WAIT:"), "ok");
+        owner.say("check pat");
+        assert_eq!(
+            owner.expect("CHECK:"),
+            "true",
+            "{len}: the write's bytes reached the owner"
+        );
+        owner.say("drop");
+        owner.expect("DROPPED");
+    }
+    squatter.say("report");
+    let heard = squatter.expect("HEARD:");
+    println!("pods_metadata_holder_in_the_socket_directory_cannot_answer_as_the_owner: {heard}");
+    assert!(
+        !heard.starts_with("hellos=0 "),
+        "the reader met the squatter: {heard}"
+    );
+    assert!(heard.ends_with("trusted=0 requests=0"), "{heard}");
+    drop((owner, squatter, reader, ns));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Round 4's other user, against the directory rendezvous: the user's folder in the shared
+/// directory is 0700, so another user's process cannot even reach a socket file in it (it gets
+/// `EACCES` where the abstract socket would have had it refused on its uid after connecting); the
+/// folder's listing is closed to it too.
+#[test]
+fn pods_another_user_cannot_reach_the_socket_directory() {
+    // SAFETY: getuid cannot fail.
+    #[allow(unsafe_code)]
+    if unsafe { libc::getuid() } != 0 {
+        panic!("this test runs as root (it becomes uid 65534 to play the other user)");
+    }
+    use std::os::unix::process::CommandExt;
+    let dir = shared_dir("otheruser");
+    let c = nixl_connect::Connector::builder()
+        .socket_dir(&dir)
+        .build()
+        .unwrap();
+    let (_, fp) = c.name().rsplit_once(".nxc1-").expect("an advertised name");
+    let folder = dir.join("nixl-connect.0");
+    let sock = folder.join(format!("nxc1-{fp}.sock"));
+    assert!(sock.exists(), "the connector's socket file");
+    let probe = format!(
+        "import os, socket\n\
+         s = socket.socket(socket.AF_UNIX)\n\
+         try:\n    s.connect({sock:?}); print('CONNECT:ok')\n\
+         except OSError as e: print('CONNECT:' + os.strerror(e.errno))\n\
+         try:\n    os.listdir({folder:?}); print('LIST:ok')\n\
+         except OSError as e: print('LIST:' + os.strerror(e.errno))\n",
+        sock = sock.to_str().unwrap(),
+        folder = folder.to_str().unwrap(),
+    );
+    let out = Command::new("python3")
+        .args(["-c", &probe])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("CONNECT:Permission denied"), "{text}");
+    assert!(text.contains("LIST:Permission denied"), "{text}");
+    drop(c);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Round 4's bare-connection flood, against the directory rendezvous: a process of the same user
+/// in another pod opens 200 connections to the owner's socket file and never says a word. The
+/// handshake places are charged to that process (named across PID namespaces by its pidfs id), so
+/// a reader in a third pod still takes the same-host path.
+#[test]
+fn pods_bare_connection_flood_through_the_directory_leaves_readers_served() {
+    let Some(ns) = Netns::make() else { return };
+    let dir = shared_dir("flood");
+    let d = dir.to_str().unwrap().to_string();
+    let mut owner = pod(&ns, &ns.a, &ns.dev_a, &d);
+    owner.say("expose readable 1048576 hostpat");
+    let md = owner.expect("MD:");
+    let name = nixl_connect::RdmaMetadata::agent_name_in(
+        &md.parse::<nixl_connect::RdmaMetadata>().unwrap().nixl_metadata,
+    )
+    .unwrap();
+    let (_, fp) = name.rsplit_once(".nxc1-").expect("an advertising owner");
+    let sock = dir.join("nixl-connect.0").join(format!("nxc1-{fp}.sock"));
+    let flood = format!(
+        "import socket, sys, time\n\
+         held = []\n\
+         for _ in range(200):\n    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect({sock:?}); held.append(s)\n    except OSError: pass\n\
+         print('FLOODING', len(held), flush=True)\n\
+         sys.stdin.read()\n",
+        sock = sock.to_str().unwrap()
+    );
+    let mut cmd = Command::new("ip");
+    cmd.args([
+        "netns",
+        "exec",
+        &ns.b,
+        "unshare",
+        "--pid",
+        "--ipc",
+        "--mount",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "python3",
+        "-c",
+        &flood,
+    ]);
+    let mut flooder = Peer::from_command(cmd);
+    let held = flooder.expect("FLOODING");
+    assert!(held.trim().parse::<usize>().unwrap() > 0, "{held}");
+    let mut reader = pod(&ns, &ns.b, &ns.dev_b, &d);
+    reader.say("read local fresh");
+    reader.say(&md);
+    reader.expect("STARTED");
+    let got = reader.expect("READ:");
+    assert!(
+        got.starts_with("ok") && got.contains("path=local mechanism=pipes ") && got.ends_with("pattern=true"),
+        "a read under the flood: {got}"
+    );
+    owner.say("wait 5000");
+    assert_eq!(owner.expect("WAIT:"), "ok");
+    drop((owner, flooder, reader, ns));
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -8,7 +8,9 @@ use crate::engine::same_host::link::fuzz::{Pair, KEYS};
 use crate::engine::same_host::link::Heard;
 use crate::engine::same_host::server_book::Scope;
 use crate::engine::same_host::sys::slots::SLOTS;
+use crate::engine::same_host::violation::Violation;
 use crate::engine::same_host::wire::{Msg, RefuseCode, MAX_FRAME};
+use crate::engine::transport::Transport;
 use crate::metadata::OperationKind;
 use crate::reg::Range;
 use crate::state::OpState;
@@ -372,4 +374,135 @@ fn server_read_grants_per_connection_are_capped() {
         assert!(matches!(msgs.last(), Some(Msg::Grant { .. })), "{msgs:?}");
         drop(mem);
     }
+}
+
+/// A served connection whose client said it uses pipes, and its writable of `len` bytes.
+fn piped_writable(mem: &mut [u8]) -> (Pair, Served) {
+    let mut p = Pair::piped(0);
+    p.shake();
+    let mut sv = served(&mut p, OperationKind::Write, host_range(mem));
+    // The client's slot table, its request's slot armed (as its `begin` does).
+    let table = crate::engine::same_host::sys::slots::SlotTable::create().unwrap();
+    table.arm(1, 1);
+    sv.t.sockets.get_mut(sv.i).unwrap().slots = Some(Arc::new(table));
+    (p, sv)
+}
+
+impl Served {
+    /// Sends `bytes` from the peer's end with `fds` attached, then reads them as one turn would
+    /// (the descriptors through the kernel, as a peer passes them) and acts on what was heard.
+    fn hear_passed(&mut self, bytes: &[u8], fds: &[std::os::fd::RawFd], out: &mut Vec<Event>) {
+        use std::os::fd::AsRawFd;
+        let n = crate::engine::same_host::sys::send_with_fds(self._theirs.as_raw_fd(), bytes, fds).unwrap();
+        assert_eq!(n, bytes.len());
+        let mut heard = Vec::new();
+        self.t.sockets.read(self.i, self.t.server.key_ids(), &mut heard);
+        for h in heard {
+            self.t.handle(self.i, h, out);
+        }
+    }
+
+    /// Waits for the copies in flight and handles their ends.
+    fn settle(&mut self, out: &mut Vec<Event>) {
+        assert!(self.t.in_flight.wait(Some(std::time::Duration::from_secs(10))));
+        self.t.reap(out);
+    }
+}
+
+/// A piped write request of `len` bytes at `addr` passing one read end, signed as the client.
+fn piped_write(p: &Pair, addr: usize, len: usize) -> Vec<u8> {
+    let mut m = Pair::req(1, 1, 1, true, Device::Host, 1);
+    if let Msg::Req {
+        remote, local, pipes, ..
+    } = &mut m
+    {
+        *remote = vec![(addr as u64, len as u64)];
+        local.clear();
+        *pipes = 1;
+    }
+    p.forge(&m, Some(1), true)
+}
+
+/// A client's write passes one read end with its request: anything else (a socket, a pipe's
+/// write end, a file) closes the connection before a byte is copied, and the writable is
+/// untouched; a genuine read end is read into the writable, which completes with its bytes.
+#[test]
+fn server_piped_write_takes_only_a_pipes_read_end() {
+    use std::os::fd::AsRawFd;
+    let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let file = std::fs::File::open("/proc/self/stat").unwrap();
+    let lanes = crate::engine::same_host::sys::pipe::lanes(1).unwrap();
+    let write_end_of = |l: &crate::engine::same_host::sys::pipe::Lane| l.write_end_for_tests();
+    for (what, fd) in [
+        ("a socket", a.as_raw_fd()),
+        ("a file", file.as_raw_fd()),
+        ("a pipe's write end", write_end_of(&lanes[0])),
+    ] {
+        let mut mem = vec![0u8; 64 << 10];
+        let (p, mut sv) = piped_writable(&mut mem);
+        let mut out = Vec::new();
+        sv.hear_passed(
+            &piped_write(&p, mem.as_ptr() as usize, mem.len()),
+            &[fd],
+            &mut out,
+        );
+        let c = sv.t.sockets.get(sv.i).unwrap();
+        assert_eq!(c.link.death(), Some(Violation::NotAPipe), "{what}");
+        assert!(c.passed.is_empty(), "{what}: nothing held");
+        sv.settle(&mut out);
+        assert!(out.is_empty(), "{what}: {} events", out.len());
+        assert!(mem.iter().all(|&b| b == 0), "{what}: the writable was touched");
+    }
+    // The genuine article: a read end the test feeds.
+    let mut mem = vec![0u8; 3 << 20];
+    let (p, mut sv) = piped_writable(&mut mem);
+    let src: Vec<u8> = (0..mem.len()).map(|i| (i % 251) as u8).collect();
+    let r = lanes[0].read_end().unwrap();
+    let mut out = Vec::new();
+    sv.hear_passed(
+        &piped_write(&p, mem.as_ptr() as usize, mem.len()),
+        &[r.as_raw_fd()],
+        &mut out,
+    );
+    drop(r);
+    assert!(sv.t.sockets.get(sv.i).unwrap().link.death().is_none());
+    let ended = std::sync::atomic::AtomicBool::new(false);
+    let wake = crate::engine::same_host::sys::pipe::Wake::new().unwrap();
+    crate::engine::same_host::sys::pipe::feed(&lanes, &[(src.as_ptr() as usize, src.len())], &ended, &wake)
+        .unwrap();
+    sv.settle(&mut out);
+    assert_eq!(
+        out.iter()
+            .filter(|e| matches!(e, Event::PassiveCompleted { key } if *key == sv.key))
+            .count(),
+        1,
+        "one completion"
+    );
+    assert!(mem == src, "the writable holds the fed bytes");
+    assert!(matches!(sv.answers().last(), Some(Msg::Done { ok: true, .. })));
+}
+
+/// A writer that passes a read end and never feeds it: the owner's unexpose (a drop) wakes the
+/// copy waiting on the pipe at once, and the writable is released; nothing is left running.
+#[test]
+fn server_piped_write_from_a_silent_writer_ends_with_the_writable() {
+    use std::os::fd::AsRawFd;
+    let mut mem = vec![0u8; 1 << 20];
+    let (p, mut sv) = piped_writable(&mut mem);
+    let lanes = crate::engine::same_host::sys::pipe::lanes(1).unwrap();
+    let r = lanes[0].read_end().unwrap();
+    let mut out = Vec::new();
+    sv.hear_passed(
+        &piped_write(&p, mem.as_ptr() as usize, mem.len()),
+        &[r.as_raw_fd()],
+        &mut out,
+    );
+    drop(r);
+    assert!(!sv.state.is_released(), "the copy holds the writable");
+    let t = std::time::Instant::now();
+    sv.t.unexpose(&sv.key.clone());
+    sv.settle(&mut out);
+    assert!(sv.state.is_released(), "released once the copy ended");
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    drop(lanes);
 }

@@ -50,6 +50,12 @@ impl Lane {
     pub(crate) fn read_end(&self) -> io::Result<OwnedFd> {
         self.r.try_clone()
     }
+
+    /// Its write end (tests: a descriptor a hostile peer could pass instead of a read end).
+    #[cfg(test)]
+    pub(crate) fn write_end_for_tests(&self) -> RawFd {
+        self.w.as_raw_fd()
+    }
 }
 
 /// `n` new pipes (non-blocking, closed on exec), each asked for [`PIPE_BYTES`] (a kernel that
