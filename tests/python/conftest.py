@@ -179,14 +179,16 @@ class Peer:
 
 
 async def start_peer(module: str, role: str, sizes=None, seed: int = 1, style: str = "bytearray",
-                     timeout: float = 15.0) -> Peer:
-    args = [sys.executable, PEER, module, role, "--seed", str(seed), "--timeout", str(timeout),
-            "--style", style]
+                     timeout: float = 15.0, prefix=(), env=None) -> Peer:
+    """Starts peer.py; `prefix` runs it under another command (`ip netns exec ...`, `unshare
+    ...`), `env` replaces its environment."""
+    args = [*prefix, sys.executable, PEER, module, role, "--seed", str(seed), "--timeout",
+            str(timeout), "--style", style]
     if sizes is not None:
         args += ["--sizes", ",".join(str(s) for s in sizes)]
     errfile = tempfile.TemporaryFile()
     proc = await asyncio.create_subprocess_exec(
-        *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=errfile)
+        *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=errfile, env=env)
     return Peer(proc, errfile, module, role)
 
 

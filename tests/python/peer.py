@@ -8,7 +8,8 @@ from the test's own. Roles:
 
   readable   expose pattern(sizes, seed) readable; print "MD <json>"; wait; print "RESULT {...}"
   writable   expose zeroed buffers of sizes;        print "MD <json>"; wait; print "RESULT {sha256}"
-  read       read "<json>" (one line) from stdin; read into fresh buffers; print "RESULT {sha256}"
+  read       read "<json>" (one line) from stdin; read into fresh buffers; print
+             "RESULT {sha256, path, mechanism}"
   write      read "<json>" from stdin; write pattern(md sizes, seed) into it; print "RESULT {...}"
   emit       print "MD <json>" for a readable over 8 unequal buffers, then "MDW <json>" for a
              writable and "MDHEX <json>" (hex_encode=True), then exit without waiting
@@ -72,11 +73,15 @@ async def main(a) -> None:
         bufs = [bytearray(s) for s in sizes]
         with await conn.begin_read(md, nc_common.descriptors(nc, bufs, a.style)) as op:
             await asyncio.wait_for(op.wait_for_completion(), a.timeout)
+            how = (getattr(op, "path", None), getattr(op, "mechanism", None))
     else:
         bufs = nc_common.patterns(sizes, a.seed)
         with await conn.begin_write(nc_common.descriptors(nc, bufs, a.style), md) as op:
             await asyncio.wait_for(op.wait_for_completion(), a.timeout)
-    say("RESULT", json.dumps({"ok": True, "sha256": nc_common.sha256_of(bufs)}))
+            how = (getattr(op, "path", None), getattr(op, "mechanism", None))
+    # `path` and `mechanism` are nixl_connect's extras (None with Dynamo's module).
+    say("RESULT", json.dumps({"ok": True, "sha256": nc_common.sha256_of(bufs), "path": how[0],
+                              "mechanism": how[1]}))
 
 
 if __name__ == "__main__":

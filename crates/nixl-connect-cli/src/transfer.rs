@@ -195,23 +195,26 @@ fn report(
     bytes: usize,
     took: Duration,
     path: Option<nixl_connect::TransferPath>,
+    mechanism: Option<nixl_connect::Mechanism>,
     file: Option<&Path>,
 ) {
     let gbps = bytes as f64 / took.as_secs_f64().max(1e-9) / 1e9;
     let path = path.map_or("-".to_string(), |p| p.to_string());
+    let mechanism = mechanism.map(|m| m.to_string());
     if json {
         println!(
             "{}",
             serde_json::json!({
                 "op": what, "bytes": bytes, "seconds": took.as_secs_f64(), "GBps": gbps, "path": path,
-                "file": file.map(|f| f.display().to_string()),
+                "mechanism": mechanism, "file": file.map(|f| f.display().to_string()),
             })
         );
     } else {
         eprintln!(
-            "nixl-connect: {what} {} in {:.1} ms ({gbps:.2} GB/s, {path} path){}",
+            "nixl-connect: {what} {} in {:.1} ms ({gbps:.2} GB/s, {path} path{}){}",
             crate::human_bytes(bytes),
             took.as_secs_f64() * 1e3,
+            mechanism.map_or(String::new(), |m| format!(" through {m}")),
             file.map_or(String::new(), |f| format!(", {}", f.display())),
         );
     }
@@ -299,7 +302,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
     } else {
         "served a readable of"
     };
-    report(a.json, what, bytes, t0.elapsed(), path, a.out.as_deref());
+    report(a.json, what, bytes, t0.elapsed(), path, None, a.out.as_deref());
     Ok(())
 }
 
@@ -324,13 +327,13 @@ pub(crate) async fn read(a: ReadArgs) -> Result<()> {
             e => anyhow::Error::new(e).context("reading"),
         })?;
         let took = t1.elapsed();
-        let path = op.path();
+        let (path, mechanism) = (op.path(), op.mechanism());
         let back = op
             .into_descriptors()
             .map_err(|_| anyhow::anyhow!("the read was not released"))?;
         let parts: Vec<&[u8]> = back.iter().filter_map(|d| d.as_slice()).collect();
         write_atomic(&a.out, &parts)?;
-        report(a.json, "read", total, took, path, Some(&a.out));
+        report(a.json, "read", total, took, path, mechanism, Some(&a.out));
         Ok(())
     }
     .await;
@@ -372,7 +375,15 @@ pub(crate) async fn write(a: WriteArgs) -> Result<()> {
             )),
             e => anyhow::Error::new(e).context(format!("writing {}", a.file.display())),
         })?;
-        report(a.json, "wrote", total, t1.elapsed(), op.path(), Some(&a.file));
+        report(
+            a.json,
+            "wrote",
+            total,
+            t1.elapsed(),
+            op.path(),
+            op.mechanism(),
+            Some(&a.file),
+        );
         Ok(())
     }
     .await;

@@ -483,6 +483,14 @@ impl ActiveOp {
         self.path_taken().map(|p| p.to_string())
     }
 
+    fn mechanism(&self) -> Option<String> {
+        match self {
+            ActiveOp::Read(o) => o.mechanism(),
+            ActiveOp::Write(o) => o.mechanism(),
+        }
+        .map(|m| m.to_string())
+    }
+
     fn cancel(&self) {
         match self {
             ActiveOp::Read(o) => o.cancel(),
@@ -514,7 +522,7 @@ fn is_quick(descs: &[Descriptor<'_>]) -> bool {
 #[pyclass(frozen, module = "nixl_connect._core")]
 struct Active {
     op: Owned<Mutex<Option<Arc<ActiveOp>>>>,
-    last: Mutex<(u8, Option<String>)>,
+    last: Mutex<(u8, Option<String>, Option<String>)>,
     /// Small and over host memory: a wait may wait briefly at the call (see [`Active::wait`]).
     quick: bool,
 }
@@ -522,7 +530,7 @@ struct Active {
 impl Active {
     fn new(op: ActiveOp, quick: bool) -> Self {
         Self {
-            last: Mutex::new((op.status(), None)),
+            last: Mutex::new((op.status(), None, None)),
             op: Owned::new(Mutex::new(Some(Arc::new(op)))),
             quick,
         }
@@ -547,6 +555,16 @@ impl Active {
         Ok(match self.get()? {
             Some(op) => op.path(),
             None => self.last.lock().unwrap_or_else(|p| p.into_inner()).1.clone(),
+        })
+    }
+
+    /// How the same-host path moved the bytes (`"frames"`, `"cma"`, `"pipes"`, `"cuda-ipc"`,
+    /// `"pinned-staging"`), once it decided; `None` on NIXL (an extension: Dynamo's module has
+    /// no such property).
+    fn mechanism(&self) -> PyResult<Option<String>> {
+        Ok(match self.get()? {
+            Some(op) => op.mechanism(),
+            None => self.last.lock().unwrap_or_else(|p| p.into_inner()).2.clone(),
         })
     }
 
@@ -588,7 +606,7 @@ impl Active {
     fn release(&self, py: Python<'_>) -> PyResult<()> {
         let op = lock(self.op.get()?).take();
         if let Some(op) = op {
-            *self.last.lock().unwrap_or_else(|p| p.into_inner()) = (op.status(), op.path());
+            *self.last.lock().unwrap_or_else(|p| p.into_inner()) = (op.status(), op.path(), op.mechanism());
             py.detach(move || drop(op));
         }
         Ok(())

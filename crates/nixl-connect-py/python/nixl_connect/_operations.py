@@ -431,6 +431,19 @@ class AbstractOperation(ABC):
         except CoreError:
             return None
 
+    @property
+    def mechanism(self) -> Optional[str]:
+        """Extra: how the same-host path moved the bytes ("frames", "cma", "pipes" between pods,
+        "cuda-ipc", "pinned-staging"); None on NIXL, until known, and for passive operations."""
+        core = self._core
+        fn = getattr(core, "mechanism", None) if core is not None else None
+        if not callable(fn):
+            return None
+        try:
+            return fn()
+        except CoreError:
+            return None
+
     @abstractmethod
     async def wait_for_completion(self, timeout: Optional[float] = None) -> None:
         """Wait until the operation completes."""
