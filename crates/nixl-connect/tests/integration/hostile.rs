@@ -324,8 +324,14 @@ fn support_squatter() {
                         let version = u32::from_le_bytes(hello[1..5].try_into().unwrap());
                         if version >= 7 {
                             use ed25519_dalek::Signer;
+                            if version >= 8 {
+                                signed.push(0); // no piped writes asked
+                            }
                             w.extend_from_slice(&identity.verifying_key().to_bytes());
                             w.extend_from_slice(&identity.sign(&signed).to_bytes());
+                            if version >= 8 {
+                                w.push(0);
+                            }
                         }
                         let _ = s.write_all(&framed(&w));
                         while let Some(f) = read_frame(&mut s) {

@@ -390,3 +390,44 @@ fn pods_bare_connection_flood_through_the_directory_leaves_readers_served() {
     drop((owner, flooder, reader, ns));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Nested namespaces: a writer in the node's PID namespace (it sees the owner's pid, so it could
+/// be read by cross-memory attach) writing into a pod that cannot see it. The owner asks, in its
+/// signed `Welcome`, for writes through pipes, and the write takes them, bytes checked.
+#[test]
+fn pods_owner_that_cannot_see_its_writer_asks_for_pipes() {
+    let Some(ns) = Netns::make() else { return };
+    let dir = shared_dir("nested");
+    let d = dir.to_str().unwrap().to_string();
+    let mut owner = pod(&ns, &ns.a, &ns.dev_a, &d);
+    let env_b = [
+        ("UCX_TLS", tcp_tls()),
+        ("UCX_NET_DEVICES", ns.dev_b.as_str()),
+        ("NIXL_CONNECT_SOCKET_DIR", d.as_str()),
+    ];
+    let mut writer = Peer::from_command(ns.command_for(&ns.b, PEER, &env_b));
+    owner.say(&format!("expose writable {} vec", 3 << 20));
+    let md = owner.expect("MD:");
+    writer.say("write local pat");
+    writer.say(&md);
+    writer.expect("STARTED");
+    assert_eq!(writer.expect("MECHANISM:"), "pipes");
+    assert_eq!(writer.expect("WRITE:"), "ok");
+    owner.say("wait 5000");
+    assert_eq!(owner.expect("WAIT:"), "ok");
+    owner.say("check pat");
+    assert_eq!(owner.expect("CHECK:"), "true");
+    // The other way, the writer reads the owner's memory by cross-memory attach (it sees it).
+    owner.say(&format!("expose readable {} hostpat", 3 << 20));
+    let md = owner.expect("MD:");
+    writer.say("read local fresh");
+    writer.say(&md);
+    writer.expect("STARTED");
+    let got = writer.expect("READ:");
+    assert!(
+        got.starts_with("ok") && got.contains("mechanism=cma ") && got.ends_with("pattern=true"),
+        "{got}"
+    );
+    drop((owner, writer, ns));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

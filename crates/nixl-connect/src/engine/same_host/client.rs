@@ -147,7 +147,14 @@ impl SameHostTransport {
         let c = self.sockets.get_mut(a.conn).expect("live");
         // Host memory of a peer this side cannot read (another PID namespace, ptrace rules)
         // moves through pipes: a read's fed by the server, a write's by this side.
-        let piped = !c.can_pull && !small && host(&a.spec.local) && host(&a.spec.remote);
+        let piped = !small
+            && host(&a.spec.local)
+            && host(&a.spec.remote)
+            && if a.spec.write {
+                c.link.writes_piped()
+            } else {
+                !c.can_pull
+            };
         if !a.spec.write && !a.device && !eager && !c.can_pull && !piped {
             self.decline_act(
                 id,

@@ -92,7 +92,13 @@ impl SameHostTransport {
                         .into(),
                 ),
             };
-            let link = Link::server(identity, peer_id, self_id(), Instant::now());
+            let mut link = Link::server(identity, peer_id, self_id(), Instant::now());
+            // A client this side cannot read (another PID namespace, ptrace rules) is asked, in
+            // the signed `Welcome`, to write through pipes.
+            let pulls = pid > 0 && peer.as_ref().is_some_and(|p| cma::may_pull(&p.1));
+            if !pulls {
+                link.ask_piped_writes();
+            }
             let peer = if refusal.is_none() {
                 peer.map(|p| p.1)
             } else {

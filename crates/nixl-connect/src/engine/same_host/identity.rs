@@ -95,8 +95,9 @@ impl Identity {
         client_id: u64,
         server_id: u64,
         proof: Option<&Tag>,
+        pipes: bool,
     ) -> (PublicKey, Sig) {
-        let m = welcome_message(nonce, client_id, server_id, proof);
+        let m = welcome_message(nonce, client_id, server_id, proof, pipes);
         (self.public, self.key.sign(&m).to_bytes())
     }
 }
@@ -145,6 +146,7 @@ pub(crate) fn verify_welcome(
     client_id: u64,
     server_id: u64,
     proof: Option<&Tag>,
+    pipes: bool,
 ) -> bool {
     if fingerprint(public) != *expected {
         return false;
@@ -152,11 +154,17 @@ pub(crate) fn verify_welcome(
     let Ok(key) = VerifyingKey::from_bytes(public) else {
         return false;
     };
-    let m = welcome_message(nonce, client_id, server_id, proof);
+    let m = welcome_message(nonce, client_id, server_id, proof, pipes);
     key.verify_strict(&m, &Signature::from_bytes(sig)).is_ok()
 }
 
-fn welcome_message(nonce: &Nonce, client_id: u64, server_id: u64, proof: Option<&Tag>) -> Vec<u8> {
+fn welcome_message(
+    nonce: &Nonce,
+    client_id: u64,
+    server_id: u64,
+    proof: Option<&Tag>,
+    pipes: bool,
+) -> Vec<u8> {
     let mut m = Vec::with_capacity(64 + 16 + 8 + 33);
     m.extend_from_slice(b"nixl-connect/welcome-identity\0");
     m.extend_from_slice(nonce);
@@ -169,6 +177,7 @@ fn welcome_message(nonce: &Nonce, client_id: u64, server_id: u64, proof: Option<
         }
         None => m.push(0),
     }
+    m.push(u8::from(pipes));
     m
 }
 
@@ -210,9 +219,18 @@ mod tests {
         let other = Identity::from_seed([2; 32]);
         let n = [3u8; 16];
         let proof = [9u8; 32];
-        let (public, sig) = id.sign_welcome(&n, 10, 20, Some(&proof));
+        let (public, sig) = id.sign_welcome(&n, 10, 20, Some(&proof), false);
         let fp = id.fingerprint();
-        assert!(verify_welcome(&fp, &public, &sig, &n, 10, 20, Some(&proof)));
+        assert!(verify_welcome(
+            &fp,
+            &public,
+            &sig,
+            &n,
+            10,
+            20,
+            Some(&proof),
+            false
+        ));
         assert!(!verify_welcome(
             &other.fingerprint(),
             &public,
@@ -220,29 +238,43 @@ mod tests {
             &n,
             10,
             20,
-            Some(&proof)
+            Some(&proof),
+            false
         ));
         assert!(
-            !verify_welcome(&fp, &public, &sig, &[4; 16], 10, 20, Some(&proof)),
+            !verify_welcome(&fp, &public, &sig, &[4; 16], 10, 20, Some(&proof), false),
             "nonce"
         );
         assert!(
-            !verify_welcome(&fp, &public, &sig, &n, 11, 20, Some(&proof)),
+            !verify_welcome(&fp, &public, &sig, &n, 11, 20, Some(&proof), false),
             "a relay's pid"
         );
         assert!(
-            !verify_welcome(&fp, &public, &sig, &n, 10, 20, None),
+            !verify_welcome(&fp, &public, &sig, &n, 10, 20, None, false),
             "proof dropped"
         );
         assert!(
-            !verify_welcome(&fp, &public, &sig, &n, 10, 20, Some(&[8; 32])),
+            !verify_welcome(&fp, &public, &sig, &n, 10, 20, Some(&proof), true),
+            "the pipes flag changed"
+        );
+        assert!(
+            !verify_welcome(&fp, &public, &sig, &n, 10, 20, Some(&[8; 32]), false),
             "proof changed"
         );
         // Another key that signs correctly, but is not the advertised one.
-        let (p2, s2) = other.sign_welcome(&n, 10, 20, Some(&proof));
-        assert!(!verify_welcome(&fp, &p2, &s2, &n, 10, 20, Some(&proof)));
+        let (p2, s2) = other.sign_welcome(&n, 10, 20, Some(&proof), false);
+        assert!(!verify_welcome(&fp, &p2, &s2, &n, 10, 20, Some(&proof), false));
         // The advertised key with a signature that is not its own.
-        assert!(!verify_welcome(&fp, &public, &s2, &n, 10, 20, Some(&proof)));
+        assert!(!verify_welcome(
+            &fp,
+            &public,
+            &s2,
+            &n,
+            10,
+            20,
+            Some(&proof),
+            false
+        ));
         assert!(
             !format!("{id:?}").contains(&hex(&[1; 32])),
             "no private key in Debug"

@@ -124,8 +124,12 @@ pub(crate) struct Link {
     sent_total: u64,
     /// Descriptors received with the `Hello`.
     fds: usize,
-    /// The client uses pipes (client: it decided so; server: its `Trusted` said so).
+    /// Client: its reads take pipes (it cannot read the server's memory), so it takes read ends.
+    /// Server: before `Trusted`, it cannot read the client's memory (its `Welcome` asks for
+    /// piped writes); after, the client said its requests pass read ends (it takes them).
     pipes: bool,
+    /// Client: its writes pass pipes (it or the server cannot read the other's memory).
+    writes_piped: bool,
     /// Pipes' read ends received and not yet taken by their frame (the owner holds them, in
     /// order).
     pending: usize,
@@ -204,6 +208,7 @@ impl Link {
             sent_total: 0,
             fds: 0,
             pipes: false,
+            writes_piped: false,
             pending: 0,
             handshake_by: Some(now + HANDSHAKE_TIMEOUT),
             partial_since: None,
@@ -308,6 +313,20 @@ impl Link {
             self.out.drain(..self.wpos);
             self.wpos = 0;
         }
+    }
+
+    /// Server, before `Hello`: this side cannot read the client's memory (another PID namespace,
+    /// ptrace rules), so its `Welcome` asks the client to write through pipes.
+    pub(crate) fn ask_piped_writes(&mut self) {
+        if self.side == Side::Server && self.state == State::AwaitHello {
+            self.pipes = true;
+        }
+    }
+
+    /// Client, once ready: its writes pass pipes (it cannot read the server's memory, or the
+    /// server's `Welcome` said it cannot read this side's).
+    pub(crate) fn writes_piped(&self) -> bool {
+        self.writes_piped
     }
 
     /// The stream offset of the first unsent byte of [`Self::out`].
@@ -494,10 +513,17 @@ impl Link {
                 let Some(id) = &self.identity else {
                     return self.kill(Violation::NoIdentity);
                 };
-                let (public, sig) = id.sign_welcome(&nonce, self.client_id, self.server_id, proof.as_ref());
+                let pipes = self.pipes;
+                let (public, sig) =
+                    id.sign_welcome(&nonce, self.client_id, self.server_id, proof.as_ref(), pipes);
                 self.state = State::AwaitTrusted;
                 heard.push(Heard::Hello);
-                self.push(&Msg::Welcome { proof, public, sig });
+                self.push(&Msg::Welcome {
+                    proof,
+                    public,
+                    sig,
+                    pipes,
+                });
                 if !live {
                     // The client refuses its opening operation as a replay and closes; nothing
                     // more of this connection is served (no `Trusted` can make it ready).
@@ -643,7 +669,16 @@ impl Link {
                 });
             }
             // The client's handshake.
-            (Side::Client, State::AwaitWelcome, Msg::Welcome { proof, public, sig }) => {
+            (
+                Side::Client,
+                State::AwaitWelcome,
+                Msg::Welcome {
+                    proof,
+                    public,
+                    sig,
+                    pipes,
+                },
+            ) => {
                 let (Some(opening), Some(expect)) = (self.opening.take(), self.expect) else {
                     return self.kill(Violation::NoOpeningKey);
                 };
@@ -657,6 +692,7 @@ impl Link {
                     self.client_id,
                     self.server_id,
                     proof.as_ref(),
+                    pipes,
                 ) {
                     heard.push(Heard::Impostor);
                     return self.kill(Violation::NotTheOwner);
@@ -675,7 +711,11 @@ impl Link {
                         self.state = State::Ready;
                         self.shaken = true;
                         self.handshake_by = None;
-                        self.push(&Msg::Trusted { pipes: self.pipes });
+                        // Writes pass pipes where either side cannot read the other.
+                        self.writes_piped = self.pipes || pipes;
+                        self.push(&Msg::Trusted {
+                            pipes: self.writes_piped,
+                        });
                         heard.push(Heard::Ready);
                     }
                     Some(_) => {

@@ -29,7 +29,7 @@ use crate::device::Device;
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
 /// (5: every frame about an operation carries a MAC under that operation's key; 6: small host
 /// operations carry their bytes in the request or the answer; 7: the `Welcome` is signed by the
-/// identity the agent name advertises.)
+/// identity the agent name advertises; 8: processes named by pidfs ids, host memory through pipes.)
 pub(crate) const VERSION: u32 = 8;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
@@ -117,6 +117,9 @@ pub(crate) enum Msg {
         /// Its signature over the client's nonce, both pids and `proof`
         /// ([`super::identity::verify_welcome`]).
         sig: Sig,
+        /// This side cannot read the client's memory (another PID namespace, ptrace): its writes
+        /// should pass pipes (signed with the rest).
+        pipes: bool,
     },
     /// The client checked the server's proof; its requests follow.
     Trusted {
@@ -365,7 +368,7 @@ impl Msg {
         let str_len = |s: &str| 2 + clip(s).len();
         let body = 1 + match self {
             Msg::Hello { .. } => 4 + 16 + 16,
-            Msg::Welcome { proof, .. } => 1 + proof.map_or(0, |p| p.len()) + 32 + 64,
+            Msg::Welcome { proof, .. } => 1 + proof.map_or(0, |p| p.len()) + 32 + 64 + 1,
             Msg::Trusted { .. } => 1,
             Msg::Reject { reason } => str_len(reason),
             Msg::Req {
@@ -438,7 +441,12 @@ impl Msg {
                 w.bytes(key_id);
                 w.bytes(nonce);
             }
-            Msg::Welcome { proof, public, sig } => {
+            Msg::Welcome {
+                proof,
+                public,
+                sig,
+                pipes,
+            } => {
                 w.u8(2);
                 match proof {
                     Some(p) => {
@@ -449,6 +457,7 @@ impl Msg {
                 }
                 w.bytes(public);
                 w.bytes(sig);
+                w.u8(u8::from(*pipes));
             }
             Msg::Trusted { pipes } => {
                 w.u8(10);
@@ -590,6 +599,7 @@ impl Msg {
                 },
                 public: r.array()?,
                 sig: r.array()?,
+                pipes: r.bool()?,
             },
             10 => Msg::Trusted { pipes: r.bool()? },
             3 => Msg::Reject {

@@ -154,8 +154,13 @@ impl Pair {
     pub(crate) fn welcome(&self, proof_key: Option<usize>, seed: [u8; 32]) -> Msg {
         let proof = proof_key.map(|k| auth::welcome_proof(KEYS[k], &self.nonce, CLIENT_PID, SERVER_PID));
         let (public, sig) =
-            identity_of(seed).sign_welcome(&self.nonce, CLIENT_PID, SERVER_PID, proof.as_ref());
-        Msg::Welcome { proof, public, sig }
+            identity_of(seed).sign_welcome(&self.nonce, CLIENT_PID, SERVER_PID, proof.as_ref(), false);
+        Msg::Welcome {
+            proof,
+            public,
+            sig,
+            pipes: false,
+        }
     }
 
     /// A request for a read (or write) of `ranges` host ranges, as the client would send it.

@@ -906,3 +906,22 @@ fn link_pipe_grants_fit_their_reads() {
     p.client.recv(&[], 1, p.now, &HashMap::new(), &mut p.at_client);
     assert_eq!(p.client.death(), Some(Violation::PassedOutsideHello));
 }
+
+/// A server that cannot read its client's memory (a client in another PID namespace, ptrace
+/// rules) asks in its signed `Welcome` for piped writes: the client's `Trusted` then says it
+/// passes read ends, and its writes take pipes even where it could read the server.
+#[test]
+fn link_server_that_cannot_pull_asks_for_piped_writes() {
+    let mut p = Pair::new(0);
+    p.server.ask_piped_writes();
+    p.shake();
+    assert!(p.client.is_ready() && p.client.writes_piped());
+    assert_eq!(p.at_server, vec![Heard::Hello, Heard::Trusted { pipes: true }]);
+    assert!(p.client.request(KEYS[1], &piped_req(1, true, 1)));
+    p.deliver_to_server(1);
+    assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if r.pipes == 1 && r.write));
+    // Not asked: a client that can read the server writes by cross-memory attach.
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(!p.client.writes_piped());
+}

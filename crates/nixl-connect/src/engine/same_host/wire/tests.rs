@@ -26,11 +26,13 @@ fn all() -> Vec<Msg> {
             proof: Some([5; 32]),
             public: [6; 32],
             sig: [7; 64],
+            pipes: true,
         },
         Msg::Welcome {
             proof: None,
             public: [6; 32],
             sig: [7; 64],
+            pipes: false,
         },
         Msg::Trusted { pipes: true },
         Msg::Reject { reason: "uid".into() },
