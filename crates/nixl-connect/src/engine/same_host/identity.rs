@@ -87,17 +87,10 @@ impl Identity {
         stem(&self.fingerprint)
     }
 
-    /// The server's signed `Welcome`: its public key and a signature over the client's nonce, both
-    /// processes' ids and the Welcome's proof (or its absence).
-    pub(crate) fn sign_welcome(
-        &self,
-        nonce: &Nonce,
-        client_id: u64,
-        server_id: u64,
-        proof: Option<&Tag>,
-        pipes: bool,
-    ) -> (PublicKey, Sig) {
-        let m = welcome_message(nonce, client_id, server_id, proof, pipes);
+    /// The server's signed `Welcome`: its public key and a signature over `w` (the client's nonce,
+    /// both processes' ids, the Welcome's proof or its absence, the pipes flag).
+    pub(crate) fn sign_welcome(&self, w: &Welcome<'_>) -> (PublicKey, Sig) {
+        let m = welcome_message(w);
         (self.public, self.key.sign(&m).to_bytes())
     }
 }
@@ -137,47 +130,46 @@ pub(crate) fn advertised(agent: &str) -> Option<Fingerprint> {
     Some(f)
 }
 
-/// True when `public` is the key `expected` names and `sig` is its signature of this `Welcome`.
-pub(crate) fn verify_welcome(
-    expected: &Fingerprint,
-    public: &PublicKey,
-    sig: &Sig,
-    nonce: &Nonce,
-    client_id: u64,
-    server_id: u64,
-    proof: Option<&Tag>,
-    pipes: bool,
-) -> bool {
+/// What a `Welcome`'s signature covers besides the key that makes it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Welcome<'a> {
+    /// The client's nonce.
+    pub(crate) nonce: &'a Nonce,
+    /// Both processes' ids (see `auth`).
+    pub(crate) client_id: u64,
+    pub(crate) server_id: u64,
+    /// The proof of the opening key, or none (no live operation).
+    pub(crate) proof: Option<&'a Tag>,
+    /// The server asks for piped writes.
+    pub(crate) pipes: bool,
+}
+
+/// True when `public` is the key `expected` names and `sig` is its signature of `w`.
+pub(crate) fn verify_welcome(expected: &Fingerprint, public: &PublicKey, sig: &Sig, w: &Welcome<'_>) -> bool {
     if fingerprint(public) != *expected {
         return false;
     }
     let Ok(key) = VerifyingKey::from_bytes(public) else {
         return false;
     };
-    let m = welcome_message(nonce, client_id, server_id, proof, pipes);
+    let m = welcome_message(w);
     key.verify_strict(&m, &Signature::from_bytes(sig)).is_ok()
 }
 
-fn welcome_message(
-    nonce: &Nonce,
-    client_id: u64,
-    server_id: u64,
-    proof: Option<&Tag>,
-    pipes: bool,
-) -> Vec<u8> {
+fn welcome_message(w: &Welcome<'_>) -> Vec<u8> {
     let mut m = Vec::with_capacity(64 + 16 + 8 + 33);
     m.extend_from_slice(b"nixl-connect/welcome-identity\0");
-    m.extend_from_slice(nonce);
-    m.extend_from_slice(&client_id.to_le_bytes());
-    m.extend_from_slice(&server_id.to_le_bytes());
-    match proof {
+    m.extend_from_slice(w.nonce);
+    m.extend_from_slice(&w.client_id.to_le_bytes());
+    m.extend_from_slice(&w.server_id.to_le_bytes());
+    match w.proof {
         Some(p) => {
             m.push(1);
             m.extend_from_slice(p);
         }
         None => m.push(0),
     }
-    m.push(u8::from(pipes));
+    m.push(u8::from(w.pipes));
     m
 }
 
@@ -188,6 +180,22 @@ fn hex(b: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn welcome<'a>(
+        nonce: &'a Nonce,
+        client_id: u64,
+        server_id: u64,
+        proof: Option<&'a Tag>,
+        pipes: bool,
+    ) -> Welcome<'a> {
+        Welcome {
+            nonce,
+            client_id,
+            server_id,
+            proof,
+            pipes,
+        }
+    }
 
     #[test]
     fn identity_advertisement_round_trips_and_python_names_advertise_nothing() {
@@ -214,66 +222,64 @@ mod tests {
     }
 
     #[test]
-    fn identity_welcome_checks_key_fingerprint_nonce_pids_and_proof() {
+    fn identity_welcome_checks_key_fingerprint_nonce_ids_proof_and_pipes() {
         let id = Identity::from_seed([1; 32]);
         let other = Identity::from_seed([2; 32]);
         let n = [3u8; 16];
         let proof = [9u8; 32];
-        let (public, sig) = id.sign_welcome(&n, 10, 20, Some(&proof), false);
+        let (public, sig) = id.sign_welcome(&welcome(&n, 10, 20, Some(&proof), false));
         let fp = id.fingerprint();
         assert!(verify_welcome(
             &fp,
             &public,
             &sig,
-            &n,
-            10,
-            20,
-            Some(&proof),
-            false
+            &welcome(&n, 10, 20, Some(&proof), false)
         ));
         assert!(!verify_welcome(
             &other.fingerprint(),
             &public,
             &sig,
-            &n,
-            10,
-            20,
-            Some(&proof),
-            false
+            &welcome(&n, 10, 20, Some(&proof), false)
         ));
         assert!(
-            !verify_welcome(&fp, &public, &sig, &[4; 16], 10, 20, Some(&proof), false),
+            !verify_welcome(
+                &fp,
+                &public,
+                &sig,
+                &welcome(&[4; 16], 10, 20, Some(&proof), false)
+            ),
             "nonce"
         );
         assert!(
-            !verify_welcome(&fp, &public, &sig, &n, 11, 20, Some(&proof), false),
+            !verify_welcome(&fp, &public, &sig, &welcome(&n, 11, 20, Some(&proof), false)),
             "a relay's pid"
         );
         assert!(
-            !verify_welcome(&fp, &public, &sig, &n, 10, 20, None, false),
+            !verify_welcome(&fp, &public, &sig, &welcome(&n, 10, 20, None, false)),
             "proof dropped"
         );
         assert!(
-            !verify_welcome(&fp, &public, &sig, &n, 10, 20, Some(&proof), true),
+            !verify_welcome(&fp, &public, &sig, &welcome(&n, 10, 20, Some(&proof), true)),
             "the pipes flag changed"
         );
         assert!(
-            !verify_welcome(&fp, &public, &sig, &n, 10, 20, Some(&[8; 32]), false),
+            !verify_welcome(&fp, &public, &sig, &welcome(&n, 10, 20, Some(&[8; 32]), false)),
             "proof changed"
         );
         // Another key that signs correctly, but is not the advertised one.
-        let (p2, s2) = other.sign_welcome(&n, 10, 20, Some(&proof), false);
-        assert!(!verify_welcome(&fp, &p2, &s2, &n, 10, 20, Some(&proof), false));
+        let (p2, s2) = other.sign_welcome(&welcome(&n, 10, 20, Some(&proof), false));
+        assert!(!verify_welcome(
+            &fp,
+            &p2,
+            &s2,
+            &welcome(&n, 10, 20, Some(&proof), false)
+        ));
         // The advertised key with a signature that is not its own.
         assert!(!verify_welcome(
             &fp,
             &public,
             &s2,
-            &n,
-            10,
-            20,
-            Some(&proof),
-            false
+            &welcome(&n, 10, 20, Some(&proof), false)
         ));
         assert!(
             !format!("{id:?}").contains(&hex(&[1; 32])),

@@ -514,8 +514,13 @@ impl Link {
                     return self.kill(Violation::NoIdentity);
                 };
                 let pipes = self.pipes;
-                let (public, sig) =
-                    id.sign_welcome(&nonce, self.client_id, self.server_id, proof.as_ref(), pipes);
+                let (public, sig) = id.sign_welcome(&identity::Welcome {
+                    nonce: &nonce,
+                    client_id: self.client_id,
+                    server_id: self.server_id,
+                    proof: proof.as_ref(),
+                    pipes,
+                });
                 self.state = State::AwaitTrusted;
                 heard.push(Heard::Hello);
                 self.push(&Msg::Welcome {
@@ -684,16 +689,14 @@ impl Link {
                 };
                 // First who answers: only the owner of the advertised identity is believed,
                 // whatever it says (a live operation's proof, or none).
-                if !identity::verify_welcome(
-                    &expect,
-                    &public,
-                    &sig,
-                    &self.nonce,
-                    self.client_id,
-                    self.server_id,
-                    proof.as_ref(),
+                let signed = identity::Welcome {
+                    nonce: &self.nonce,
+                    client_id: self.client_id,
+                    server_id: self.server_id,
+                    proof: proof.as_ref(),
                     pipes,
-                ) {
+                };
+                if !identity::verify_welcome(&expect, &public, &sig, &signed) {
                     heard.push(Heard::Impostor);
                     return self.kill(Violation::NotTheOwner);
                 }

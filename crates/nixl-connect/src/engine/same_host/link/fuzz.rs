@@ -153,8 +153,13 @@ impl Pair {
     /// operation), as a server would send it on this pair's connection.
     pub(crate) fn welcome(&self, proof_key: Option<usize>, seed: [u8; 32]) -> Msg {
         let proof = proof_key.map(|k| auth::welcome_proof(KEYS[k], &self.nonce, CLIENT_PID, SERVER_PID));
-        let (public, sig) =
-            identity_of(seed).sign_welcome(&self.nonce, CLIENT_PID, SERVER_PID, proof.as_ref(), false);
+        let (public, sig) = identity_of(seed).sign_welcome(&crate::engine::same_host::identity::Welcome {
+            nonce: &self.nonce,
+            client_id: CLIENT_PID,
+            server_id: SERVER_PID,
+            proof: proof.as_ref(),
+            pipes: false,
+        });
         Msg::Welcome {
             proof,
             public,
