@@ -101,16 +101,30 @@ fn socket_dir() -> Check {
         Some((path.exists(), path))
     });
     match served {
-        Some((true, path)) => check(
-            "socket directory",
-            "ok",
-            format!(
-                "{}: a connector serves at {} (peers sharing the directory reach it across network namespaces)",
-                dir.display(),
-                path.display()
+        Some((true, path)) => match nixl_connect::same_host_across_pid_namespaces() {
+            Ok(()) => check(
+                "socket directory",
+                "ok",
+                format!(
+                    "{}: a connector serves at {} (peers sharing the directory reach it across network \
+                     namespaces; from another PID namespace, as another pod, host memory moves through pipes)",
+                    dir.display(),
+                    path.display()
+                ),
+                None,
             ),
-            None,
-        ),
+            Err(why) => check(
+                "socket directory",
+                "warn",
+                format!(
+                    "{}: a connector serves at {} (peers sharing the directory reach it across network \
+                     namespaces), but {why}: pods that do not share this one's PID namespace take NIXL",
+                    dir.display(),
+                    path.display()
+                ),
+                Some("run a kernel with pidfs (Linux 6.9+), or share the PID namespace (hostPID)"),
+            ),
+        },
         _ => check(
             "socket directory",
             "warn",
@@ -228,7 +242,10 @@ fn device_paths() -> Check {
         for &dst in &kinds {
             let path = match nixl_connect::same_host_path(src, dst) {
                 Ok(()) if src == Device::Host && dst == Device::Host => {
-                    "same-host (process_vm_readv)".to_string()
+                    match nixl_connect::same_host_across_pid_namespaces() {
+                        Ok(()) => "same-host (process_vm_readv; between pods, pipes)".to_string(),
+                        Err(_) => "same-host (process_vm_readv; between pods, NIXL: no pidfs)".to_string(),
+                    }
                 }
                 Ok(()) if src == Device::Host => {
                     "same-host (process_vm_readv into pinned staging, then DMA)".to_string()

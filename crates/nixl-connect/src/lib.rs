@@ -142,6 +142,23 @@ pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), PathR
     }
 }
 
+/// Whether the same-host path reaches Rust peers in another PID namespace of this host (pods on
+/// one node that share only a socket directory, `NIXL_CONNECT_SOCKET_DIR`): `Ok` where the kernel
+/// names processes by their pidfs ids (Linux 6.9 or later), which bind a connection to its two
+/// processes from any namespace; host memory then moves through pipes. `Err` says why not: such
+/// peers take NIXL.
+pub fn same_host_across_pid_namespaces() -> std::result::Result<(), String> {
+    if engine::same_host::pidfs() {
+        Ok(())
+    } else {
+        Err(
+            "this kernel has no pidfs (Linux 6.9 or later), so a peer in another PID namespace \
+             cannot be named"
+                .into(),
+        )
+    }
+}
+
 /// For users' own tests (feature `testing`): connectors over an in-process loopback transport
 /// that need no NIXL library and no socket.
 ///

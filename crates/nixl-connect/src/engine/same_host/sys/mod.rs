@@ -111,7 +111,7 @@ const PID_FS_MAGIC: i64 = 0x5049_4446;
 /// True when processes are named by their pidfs inode numbers: one number per process on the
 /// host, never reused while the kernel runs, the same from every PID namespace (Linux 6.9's pidfs).
 /// Both ends of a same-host connection run on one kernel, so they agree on it.
-pub(super) fn pidfs() -> bool {
+pub(crate) fn pidfs() -> bool {
     static PIDFS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PIDFS.get_or_init(|| {
         let Some(fd) = pidfd(std::process::id() as libc::pid_t) else {
