@@ -89,7 +89,6 @@ impl Pair {
     }
 
     /// As [`Self::new`], with a client that uses pipes (it cannot read the server's memory).
-    #[cfg(test)]
     pub(crate) fn piped(opening: usize) -> Self {
         let mut p = Self::new(opening);
         p.client = Link::client(
@@ -105,7 +104,6 @@ impl Pair {
     }
 
     /// Delivers what the server queued to the client, with `fds` descriptors.
-    #[cfg(test)]
     pub(crate) fn deliver_to_client_with(&mut self, fds: usize) {
         let bytes = self.server.out().to_vec();
         self.server.sent(bytes.len());
@@ -122,6 +120,7 @@ impl Pair {
     }
 
     /// Delivers what the server queued to the client.
+    #[cfg(test)]
     pub(crate) fn deliver_to_client(&mut self) {
         let bytes = self.server.out().to_vec();
         self.server.sent(bytes.len());
@@ -261,7 +260,12 @@ const EAGER_SIZES: [usize; 4] = [16, 4096, EAGER_MAX, EAGER_MAX + 1];
 
 /// One answer frame of kind `k` for (`slot`, `gen`).
 fn answer_frame(k: u8, slot: u32, gen: u64, n: usize) -> Msg {
-    match k % 7 {
+    match k % 8 {
+        7 => Msg::GrantPipe {
+            slot,
+            gen,
+            lanes: 1 + (n % 4) as u8,
+        },
         6 => Msg::Data {
             slot,
             gen,
@@ -303,8 +307,17 @@ fn answer_frame(k: u8, slot: u32, gen: u64, n: usize) -> Msg {
 /// Panics only when an invariant breaks.
 pub(crate) fn run(data: &[u8]) {
     let mut input = Input(data);
-    let opening = usize::from(input.u8().unwrap_or(0) % 3);
-    let mut p = Pair::new(opening);
+    let first = input.u8().unwrap_or(0);
+    let opening = usize::from(first % 3);
+    // A client that reads through pipes, a server that asks for piped writes, both or neither.
+    let mut p = if first & 0x10 == 0x10 {
+        Pair::piped(opening)
+    } else {
+        Pair::new(opening)
+    };
+    if first & 0x20 == 0x20 {
+        p.server.ask_piped_writes();
+    }
     // What the client asked, by (slot, gen): the key it used, whether it was a write, whether it
     // was an eager read, and how many bytes.
     let mut asked: HashMap<(u32, u64), (usize, bool, bool, usize)> = HashMap::new();
@@ -322,7 +335,10 @@ pub(crate) fn run(data: &[u8]) {
                 let fds = usize::from(input.u8().unwrap_or(0) % 3);
                 p.deliver_to_server(fds);
             }
-            1 => p.deliver_to_client(),
+            1 => {
+                let fds = usize::from(input.u8().unwrap_or(0) % 3);
+                p.deliver_to_client_with(fds);
+            }
             2 => {
                 let key = usize::from(input.u8().unwrap_or(0) % 3);
                 let b = input.u8().unwrap_or(0);
@@ -330,20 +346,28 @@ pub(crate) fn run(data: &[u8]) {
                     b & 1 == 1,
                     if b & 2 == 2 { Device::Cuda(0) } else { Device::Host },
                 );
-                let (m, eager, total) = if b & 4 == 4 {
+                let (mut m, eager, total) = if b & 4 == 4 {
                     let len = EAGER_SIZES[usize::from(b >> 6)];
                     (Pair::eager_req(slot, gen, key, write, len), !write, len)
                 } else {
                     let n = 1 + usize::from(b >> 6);
                     (Pair::req(slot, gen, key, write, device, n), false, 4096 * n)
                 };
+                if b & 8 == 8 {
+                    // Through pipes: lanes asked (a read) or read ends passed (a write).
+                    if let Msg::Req { local, pipes, .. } = &mut m {
+                        local.clear();
+                        *pipes = 1 + (b >> 4) % 4;
+                    }
+                }
                 if p.client.request(KEYS[key], &m) {
                     asked.insert((slot, gen), (key, write, eager, total));
                 }
             }
             3 => {
                 let k = input.u8().unwrap_or(0);
-                let a = match k % 6 {
+                let a = match k % 7 {
+                    6 => Answer::GrantPipe(k >> 5),
                     5 => Answer::Data(vec![0xa5; EAGER_SIZES[usize::from(k >> 6)]]),
                     0 => Answer::Grant,
                     1 => Answer::GrantIpc(vec![source(4096)]),
@@ -384,8 +408,10 @@ pub(crate) fn run(data: &[u8]) {
                     },
                     _ => answer_frame(k, slot, gen, 1 + usize::from(input.small() as u8)),
                 };
+                let fds = usize::from(input.u8().unwrap_or(0) % 5);
                 let bytes = p.forge(&m, key, false).repeat(input.times());
-                p.client.recv(&bytes, 0, p.now, &HashMap::new(), &mut p.at_client);
+                p.client
+                    .recv(&bytes, fds, p.now, &HashMap::new(), &mut p.at_client);
                 forged_client = Some(key);
             }
             6 => {
@@ -478,6 +504,7 @@ pub(crate) fn run(data: &[u8]) {
         for h in &p.at_client[nc..] {
             let (slot, gen) = match h {
                 Heard::Grant { slot, gen, .. }
+                | Heard::GrantPipe { slot, gen, .. }
                 | Heard::WriteDone { slot, gen, .. }
                 | Heard::Data { slot, gen, .. } => (*slot, *gen),
                 Heard::Refused {
@@ -499,7 +526,7 @@ pub(crate) fn run(data: &[u8]) {
             if let Some(forged) = forged_client {
                 assert_eq!(forged, Some(key), "{h:?} believed under another key");
             }
-            if matches!(h, Heard::Grant { .. }) {
+            if matches!(h, Heard::Grant { .. } | Heard::GrantPipe { .. }) {
                 assert!(!write, "a write granted as a read");
             }
             if let Heard::Data { data, .. } = h {
@@ -523,6 +550,12 @@ pub(crate) fn run(data: &[u8]) {
                 }
                 if !r.data.is_empty() {
                     assert!(r.write && r.local.is_empty() && total == r.data.len() as u64);
+                }
+                if r.pipes > 0 {
+                    assert!(
+                        r.device == Device::Host && !r.eager && r.data.is_empty() && r.local.is_empty(),
+                        "pipes for something else than a host copy: {r:?}"
+                    );
                 }
             }
             if let (Some(forged), Heard::Req(r)) = (forged_server, h) {
