@@ -3,12 +3,11 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use super::auth;
 use super::eager;
-use super::feeds::{Feed, FeedFor};
+use super::feeds::FeedFor;
 use super::limits::{MAX_PIPES, MAX_PIPES_PER_CONN};
 use super::link::grant_ipc_len;
 #[cfg(feature = "cuda")]
@@ -173,13 +172,7 @@ impl SameHostTransport {
             return;
         }
         let feeding = if piped && a.spec.write {
-            match pipe::lanes(lanes).and_then(|l| {
-                let ends = l
-                    .iter()
-                    .map(pipe::Lane::read_end)
-                    .collect::<io::Result<Vec<_>>>()?;
-                Ok((l, ends, Arc::new(pipe::Wake::new()?)))
-            }) {
+            match pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?)))) {
                 Ok(f) => Some(f),
                 Err(e) => {
                     self.decline_act(id, &format!("cannot make pipes for a same-host write: {e}"), out);
@@ -253,24 +246,21 @@ impl SameHostTransport {
             self.decline_act(id, "the same-host connection cannot take the request", out);
             return;
         }
-        if let Some((lanes, ends, wake)) = feeding {
-            let (conn, pid) = (a.conn, c.pool_key());
+        if let Some((mut lanes, wake)) = feeding {
+            let (conn, pid) = (a.conn, c.feed_key());
             let pieces = a.spec.local.iter().map(|r| (r.addr, r.len)).collect();
-            let ended = Arc::new(AtomicBool::new(false));
-            self.sockets.attach(conn, at, ends);
-            self.feeds.start(
+            self.sockets.attach(conn, at, lanes.take_read_ends());
+            self.start_feed(
                 FeedFor::Write(id),
-                Feed::new(conn, lanes.len(), ended.clone(), wake.clone()),
-            );
-            self.in_flight.feed(
+                conn,
+                None,
                 pipe::Feeding {
                     pid,
                     lanes,
                     pieces,
-                    ended,
+                    ended: Arc::default(),
                     wake,
                 },
-                CopyOwner::Fed(FeedFor::Write(id)),
             );
         }
     }
@@ -282,13 +272,12 @@ impl SameHostTransport {
         let Some(fds) = self.sockets.take_pipes(i, lanes as usize) else {
             return; // not pipes: the connection is killed; its operations end with it
         };
+        // (`fds` dropped on a return below are closed on the pipes' closer.)
         let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
-            fds.into_iter().for_each(sys::close_elsewhere);
             return;
         };
         let a = self.client.get_mut(id).expect("found");
         if matches!(a.phase, Phase::Abandoned) {
-            fds.into_iter().for_each(sys::close_elsewhere);
             let a = self.client.remove(id).expect("present");
             if let Some(c) = self.sockets.get_mut(i) {
                 c.link.read_done(slot, gen, false, "cancelled");
@@ -299,7 +288,6 @@ impl SameHostTransport {
         let wake = match pipe::Wake::new() {
             Ok(w) => Arc::new(w),
             Err(e) => {
-                fds.into_iter().for_each(sys::close_elsewhere);
                 let a = self.client.remove(id).expect("present");
                 if let Some(c) = self.sockets.get_mut(i) {
                     c.link.read_done(slot, gen, false, "no eventfd");

@@ -92,7 +92,11 @@ impl SameHostTransport {
                         .into(),
                 ),
             };
-            let mut link = Link::server(identity, peer_id, self_id(), Instant::now());
+            let Some(me) = self_id() else {
+                close_refused(fd);
+                continue;
+            };
+            let mut link = Link::server(identity, peer_id, me, Instant::now());
             // A client this side cannot read (another PID namespace, ptrace rules) is asked, in
             // the signed `Welcome`, to write through pipes.
             let pulls = pid > 0 && peer.as_ref().is_some_and(|p| cma::may_pull(&p.1));
@@ -198,11 +202,14 @@ impl SameHostTransport {
         if !can_pull {
             accept_passed_descriptors(fd.as_raw_fd());
         }
+        let Some(me) = self_id() else {
+            return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
+        };
         let link = Link::client(
             key.clone(),
             expect,
             auth::nonce(),
-            self_id(),
+            me,
             server_id,
             !can_pull,
             Instant::now(),
@@ -274,16 +281,6 @@ impl SameHostTransport {
                         if let Some(t) = &c.slots {
                             t.revoke(a.slot, a.gen);
                         }
-                        if let Some(f) = self.feeds.end(FeedFor::Write(id)) {
-                            // A write through pipes: it ends once they are emptied (an abandoned
-                            // one as cancelled).
-                            f.result.get_or_insert(Err(Error::RemoteGone {
-                                agent: c.peer.to_string(),
-                                reason: "the same-host connection closed during the write".into(),
-                                source: None,
-                            }));
-                            continue;
-                        }
                         if matches!(a.phase, Phase::Abandoned) {
                             continue;
                         }
@@ -293,16 +290,18 @@ impl SameHostTransport {
                             // word, a squatter, a peer that died): nothing of this operation was
                             // copied, and the peer the metadata names may well be reachable
                             // through NIXL.
-                            out.push(Event::Declined {
+                            let ev = Event::Declined {
                                 spec: a.spec,
                                 reason: format!(
                                     "the same-host connection was closed: {}",
                                     c.link.death().map_or("a protocol error", |v| v.reason())
                                 )
                                 .into(),
-                            });
+                            };
+                            // A write's pipes may still be fed from its memory.
+                            self.end_act_after_feed(id, ev, out);
                         } else {
-                            out.push(Event::ActiveEnded {
+                            let ev = Event::ActiveEnded {
                                 id,
                                 result: Err(Error::RemoteGone {
                                     agent: c.peer.to_string(),
@@ -311,7 +310,8 @@ impl SameHostTransport {
                                         .into(),
                                     source: None,
                                 }),
-                            });
+                            };
+                            self.end_act_after_feed(id, ev, out);
                         }
                     }
                 }

@@ -2,16 +2,21 @@
 //! memory they write may go.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
+use super::feeds::Feed;
 use super::link::Answer;
-use super::records::{refused, CopyOwner, FeedFor};
+use super::records::{refused, ConnId, CopyOwner, FeedFor};
 use super::sys::alive;
 use super::sys::cma::CopyError;
+use super::sys::pipe;
 use super::transport::SameHostTransport;
 use super::wire::RefuseCode;
+use crate::engine::transport::OpId;
 use crate::engine::transport::{Decline, Event};
 use crate::error::Error;
+use crate::state::OpState;
 
 impl SameHostTransport {
     /// Stops every copy and waits (up to `within`; `None`: for as long as it takes) for the ones
@@ -30,9 +35,41 @@ impl SameHostTransport {
         self.in_flight.wait(within)
     }
 
-    /// Pipes this side fed are empty (their job reported): what waited for it goes on. A served
-    /// read completes if its reader said so; a write reports the result its answer gave; an
-    /// ended operation's memory is released once no pipe of it is left.
+    /// Records and starts the feed `which` over connection `conn` (its lanes' read ends go, or
+    /// went, there): `f` on the copy pool. A served read names its operation (`grant`).
+    pub(super) fn start_feed(
+        &mut self,
+        which: FeedFor,
+        conn: ConnId,
+        grant: Option<(Arc<str>, Arc<OpState>)>,
+        f: pipe::Feeding,
+    ) {
+        let mut feed = Feed::new(conn, f.lanes.len(), f.ended.clone(), f.wake.clone());
+        if let Some((key, state)) = grant {
+            feed.key = Some(key);
+            feed.state = Some(state);
+        }
+        self.feeds.start(which, feed);
+        self.in_flight.feed(f, CopyOwner::Fed(which));
+    }
+
+    /// Client: `ev` ends the active operation `id`; if its write's pipes are still fed, the feed is
+    /// ended and `ev` waits for its job (which reads the operation's memory) to stop
+    /// ([`Self::fed`]); else it goes out now. The first event held wins (an abandoned write stays
+    /// cancelled).
+    pub(super) fn end_act_after_feed(&mut self, id: OpId, ev: Event, out: &mut Vec<Event>) {
+        match self.feeds.end(FeedFor::Write(id)) {
+            Some(f) => {
+                f.held.get_or_insert(ev);
+            }
+            None => out.push(ev),
+        }
+    }
+
+    /// Pipes this side fed are done (their job reported: it reads the operation's memory no
+    /// more): what waited for it goes on. A served read completes if its reader said so; a write
+    /// reports what its answer or its end gave; an ended operation's memory is released once no
+    /// feed of it runs.
     fn fed(&mut self, which: FeedFor, r: Result<(), CopyError>, out: &mut Vec<Event>) {
         let Some(f) = self.feeds.finished(which) else {
             return;
@@ -53,11 +90,11 @@ impl SameHostTransport {
                     }
                 }
             }
-            FeedFor::Write(id) => {
-                // No result yet: the feed failed before the server answered; the answer (or the
-                // connection's end) reports the write.
-                if let Some(result) = f.result {
-                    out.push(Event::ActiveEnded { id, result });
+            FeedFor::Write(_) => {
+                // Nothing held: the feed ended before the operation did (all fed, or it failed);
+                // the server's answer (or the connection's end) reports the write.
+                if let Some(ev) = f.held {
+                    out.push(ev);
                 }
             }
         }

@@ -5,7 +5,8 @@
 use std::time::Instant;
 
 use super::link::{Answer, Heard};
-use super::records::{refused, ConnId, FeedFor, Phase, RequestId};
+use super::records::{refused, ConnId, Phase, RequestId};
+use super::sys::close_elsewhere;
 use super::transport::SameHostTransport;
 use super::wire::{RefuseCode, NOT_LIVE};
 use crate::engine::transport::Event;
@@ -28,7 +29,12 @@ impl SameHostTransport {
                     self.on_req(i, r, out)
                 } else if let Some(c) = self.sockets.get_mut(i) {
                     // Metadata of an agent of the same name elsewhere (another host, an earlier
-                    // process): not this connector's to refuse; NIXL will sort it out.
+                    // process): not this connector's to refuse; NIXL will sort it out. A write's
+                    // pipes came with it: closed, so the next frame's are the next ones.
+                    if r.write && r.pipes > 0 {
+                        let n = usize::from(r.pipes);
+                        c.passed.drain(..n.min(c.passed.len())).for_each(close_elsewhere);
+                    }
                     c.link.answer(
                         r.slot,
                         r.gen,
@@ -73,13 +79,15 @@ impl SameHostTransport {
                 reason,
             } => self.end_answered(i, slot, gen, out, |peer| Err(refused(peer, code, reason))),
             Heard::Fallback { slot, gen, reason } => {
-                if let Some((_, a)) = self.take_act(i, slot, gen) {
+                if let Some((id, a)) = self.take_act(i, slot, gen) {
                     self.free_slot(i, slot, gen);
                     if !matches!(a.phase, Phase::Abandoned) {
-                        out.push(Event::Declined {
+                        let ev = Event::Declined {
                             spec: a.spec,
                             reason: reason.into(),
-                        });
+                        };
+                        // A write's pipes may still be fed from its memory.
+                        self.end_act_after_feed(id, ev, out);
                     }
                 }
             }
@@ -90,9 +98,6 @@ impl SameHostTransport {
                 reason,
             } => {
                 // The passive side finished copying our write.
-                if self.piped_write_answered(i, slot, gen, ok, &reason) {
-                    return;
-                }
                 self.end_answered(i, slot, gen, out, |peer| {
                     if ok {
                         Ok(())
@@ -106,33 +111,6 @@ impl SameHostTransport {
                 });
             }
         }
-    }
-
-    /// Client: the answer to a write whose bytes went through pipes this side feeds: the write
-    /// ends, and its result is reported once the pipes are empty (`copies.rs`), since they may
-    /// still hold its source's pages. False when the write took no pipes.
-    fn piped_write_answered(&mut self, i: ConnId, slot: u32, gen: u64, ok: bool, reason: &str) -> bool {
-        let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
-            return false;
-        };
-        if self.feeds.end(FeedFor::Write(id)).is_none() {
-            return false;
-        }
-        let (_, a) = self.take_act(i, slot, gen).expect("found above");
-        self.free_slot(i, slot, gen);
-        let result = if ok {
-            Ok(())
-        } else {
-            Err(Error::Transfer {
-                agent: a.spec.peer.name.to_string(),
-                reason: reason.into(),
-                source: None,
-            })
-        };
-        let f = self.feeds.end(FeedFor::Write(id)).expect("found above");
-        // An abandoned write was answered "cancelled" already.
-        f.result.get_or_insert(result);
-        true
     }
 
     /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
@@ -184,10 +162,13 @@ impl SameHostTransport {
         if let Some((id, a)) = self.take_act(i, slot, gen) {
             self.free_slot(i, slot, gen);
             if !matches!(a.phase, Phase::Abandoned) {
-                out.push(Event::ActiveEnded {
+                let ev = Event::ActiveEnded {
                     id,
                     result: result(a.spec.peer.name.to_string()),
-                });
+                };
+                // A write's pipes may still be fed from its memory (an answer before the last
+                // byte: a refusal, a server that lies).
+                self.end_act_after_feed(id, ev, out);
             }
         }
     }

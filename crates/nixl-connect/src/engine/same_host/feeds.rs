@@ -1,11 +1,11 @@
 //! The pipes this side feeds (`sys::pipe`): a read it serves to a peer that cannot read its
-//! memory, a write of its own to a peer that cannot read it. It owns them from the moment their
-//! read ends go out until their job has emptied them; the transport ends them (the reader's
-//! answer, a revocation, the connection's end) and learns of their job's end (`copies.rs`).
+//! memory, a write of its own to a peer that cannot read it. It owns them from the moment they
+//! are made until their job has stopped; the transport ends them (the reader's answer, a
+//! revocation, the connection's end) and learns of their job's end (`copies.rs`).
 //!
-//! What a feed holds back: a served read's completion and a write's result are reported, and an
-//! ended operation's memory released, only once its pipes are empty (no page of it left for a
-//! read end the peer holds).
+//! What a feed holds back: a served read's completion and a write's end are reported, and an
+//! ended operation's memory released, only once its job stopped reading that memory (what is
+//! already in a pipe is a copy).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,6 +14,7 @@ use std::sync::Arc;
 use super::records::ConnId;
 pub(super) use super::records::FeedFor;
 use super::sys::pipe::Wake;
+use crate::engine::transport::Event;
 use crate::state::OpState;
 
 /// One feed: its pipes are being fed, or wait for the operation's end to be emptied.
@@ -29,8 +30,8 @@ pub(super) struct Feed {
     pub(super) state: Option<Arc<OpState>>,
     /// A served read: the reader's answer (`Done`), once it came.
     pub(super) answered: Option<bool>,
-    /// A write: its result, once the server's answer (or its end) gave it.
-    pub(super) result: Option<crate::error::Result<()>>,
+    /// A write: what ends it (its result, or a decline to NIXL), held until the feed stops.
+    pub(super) held: Option<Event>,
 }
 
 impl Feed {
@@ -45,7 +46,7 @@ impl Feed {
             key: None,
             state: None,
             answered: None,
-            result: None,
+            held: None,
         }
     }
 
@@ -64,14 +65,17 @@ pub(super) struct Feeds {
 }
 
 impl Feeds {
-    /// Records `feed`, started for `id`.
+    /// True while `id` is fed (its job has not reported).
+    pub(super) fn has(&self, id: FeedFor) -> bool {
+        self.by.contains_key(&id)
+    }
+
+    /// Records `feed`, started for `id`, which the caller checked is not fed ([`Self::has`]: a
+    /// request id is the peer's to choose, and a feed replaced would run on unseen).
     pub(super) fn start(&mut self, id: FeedFor, feed: Feed) {
+        debug_assert!(!self.by.contains_key(&id), "{id:?} fed twice");
         self.lanes += feed.lanes;
-        if let Some(old) = self.by.insert(id, feed) {
-            // Never: a request id or an operation id is fed once.
-            old.end();
-            self.lanes -= old.lanes;
-        }
+        self.by.entry(id).or_insert(feed);
     }
 
     /// Ends `id`'s feed (its job empties the pipes and reports); the feed, to record why.

@@ -206,6 +206,10 @@ pub(super) struct RequestId {
     pub(super) gen: u64,
 }
 
+/// Stand-in pool keys: pids are positive, peers of another PID namespace take -1 ..= -2^30, feeds
+/// of pipes -2^31 ..= -2^30 - 1 (a collision between two peers only shares a share).
+const STAND_INS: u64 = 1 << 30;
+
 /// One socket: a connection this side made (client, the active side) or accepted (server).
 /// What the peer says is read, checked and authenticated by its protocol core ([`Link`]); this
 /// record keeps what lives at the edge (the socket, the peer's process, the slot table) and the
@@ -238,9 +242,9 @@ pub(super) struct Conn {
     /// Pipes' read ends the peer passed, in order, not yet taken by the frame they came with
     /// (the core counts them; closed off the engine thread if never taken).
     pub(super) passed: VecDeque<OwnedFd>,
-    /// Descriptors to pass with the byte at this offset of the stream sent (the first byte of
-    /// the frame that says it passes them), in order.
-    pub(super) attach: VecDeque<(u64, Vec<OwnedFd>)>,
+    /// Pipes' read ends to pass with the byte at this offset of the stream sent (the first byte
+    /// of the frame that says it passes them), in order.
+    pub(super) attach: VecDeque<(u64, pipe::Ends)>,
 }
 
 impl Drop for Conn {
@@ -259,8 +263,21 @@ impl Conn {
         if self.peer_pid > 0 {
             self.peer_pid
         } else {
-            -1 - (self.peer_id % i32::MAX as u64) as libc::pid_t
+            -1 - (self.peer_id % STAND_INS) as libc::pid_t
         }
+    }
+
+    /// Whose share of the copy pool this connection's feeds of pipes run under: one apart from
+    /// [`Self::pool_key`]'s, so that feeds waiting for the peer to read never hold up the fills
+    /// (reads of the peer's pipes) this side owes it: two processes piping to each other at once
+    /// would each wait for the other's queued fills.
+    pub(super) fn feed_key(&self) -> libc::pid_t {
+        let k = if self.peer_pid > 0 {
+            self.peer_pid as u64
+        } else {
+            self.peer_id
+        };
+        i32::MIN + (k % STAND_INS) as libc::pid_t
     }
 
     /// A connection record, with the pidfd of the peer's process the caller took (the client's

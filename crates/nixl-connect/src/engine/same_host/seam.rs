@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::device::{device_path_refusal, uniform};
-use super::records::{Act, ConnId, FeedFor, Phase};
+use super::records::{Act, ConnId, Phase};
 use super::server_book::Scope;
 use super::sockets::{ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
 use super::transport::SameHostTransport;
@@ -147,11 +147,6 @@ impl Transport for SameHostTransport {
                 }
                 let was_queued = matches!(a.phase, Phase::Queued);
                 a.phase = Phase::Abandoned;
-                if let Some(f) = self.feeds.end(FeedFor::Write(id)) {
-                    // Its pipes may hold its source's pages: it ends once they are emptied.
-                    f.result.get_or_insert(Err(Error::Cancelled));
-                    return;
-                }
                 let conn = a.conn;
                 if was_queued {
                     if let Some(c) = self.sockets.get_mut(conn) {
@@ -160,10 +155,15 @@ impl Transport for SameHostTransport {
                     let a = self.client.remove(id).expect("present");
                     self.free_slot(conn, a.slot, a.gen);
                 }
-                out.push(Event::ActiveEnded {
+                // A write's pipes may still be fed from its memory: released once they are not.
+                self.end_act_after_feed(
                     id,
-                    result: Err(Error::Cancelled),
-                });
+                    Event::ActiveEnded {
+                        id,
+                        result: Err(Error::Cancelled),
+                    },
+                    out,
+                );
             }
         }
     }

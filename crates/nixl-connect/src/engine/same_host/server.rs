@@ -1,19 +1,18 @@
 //! The passive side's actions: the handshake as a server, and what is done with a proven request
 //! once the policy (`policy.rs`) has decided it: an answer, a grant, a copy.
 
-use std::os::fd::OwnedFd;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use super::device::device_path_refusal;
 use super::eager;
-use super::feeds::{Feed, FeedFor};
+use super::feeds::FeedFor;
 use super::link::{Answer, Request};
 use super::policy::{self, Asked, Decision, Load};
 use super::records::{AnyCopy, ConnId, CopyOwner, RequestId};
 use super::server_book::Writer;
 use super::sys::cma::{self, Copy, Piece, SlotRef};
-use super::sys::{close_elsewhere, pipe};
+use super::sys::pipe;
 use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::transport::Event;
@@ -47,13 +46,14 @@ impl SameHostTransport {
         } = r;
         // A write's pipes are taken first, whatever is decided, so the next frame's are the next
         // ones (a descriptor that is no pipe's read end kills the connection).
+        // (Dropped anywhere below, they are closed on the pipes' closer, never here.)
         let mut passed = if write && pipes > 0 {
             match self.sockets.take_pipes(i, pipes as usize) {
                 Some(fds) => fds,
                 None => return,
             }
         } else {
-            Vec::new()
+            pipe::Ends::new(Vec::new())
         };
         let Some(c) = self.sockets.get(i) else { return };
         if !c.link.is_ready() {
@@ -119,9 +119,14 @@ impl SameHostTransport {
             Decision::DeviceRead | Decision::DeviceWrite => self.device_req(id, write, &key, remote, sources),
             Decision::PullWrite => self.pull_write(id, &key, &remote, &local),
             Decision::PipeRead => self.pipe_read(id, &key, &remote, pipes as usize),
-            Decision::PipeWrite => self.pipe_write(id, &key, &remote, std::mem::take(&mut passed)),
+            Decision::PipeWrite => self.pipe_write(
+                id,
+                &key,
+                &remote,
+                std::mem::replace(&mut passed, pipe::Ends::new(Vec::new())),
+            ),
         };
-        passed.into_iter().for_each(close_elsewhere);
+        drop(passed);
         let sent = match answer {
             Some(a) => self
                 .sockets
@@ -178,18 +183,16 @@ impl SameHostTransport {
     }
 
     /// A host read the policy let through for a peer that cannot read this side's memory: makes
-    /// `lanes` pipes, answers with their read ends and feeds them from the readable's `remote`
-    /// ranges on the copy pool. The grant lasts until the reader's `Done`; the pipes are emptied
-    /// when it ends, and only then is the read complete (`copies.rs`). `None`: answered here.
+    /// `lanes` pipes, answers with their read ends and copies the readable's `remote` ranges into
+    /// them on the copy pool. The grant lasts until the reader's `Done`; if the feed still runs
+    /// then, the read completes once it stopped (`copies.rs`). `None`: answered here.
     fn pipe_read(&mut self, id: RequestId, key: &str, remote: &[(u64, u64)], lanes: usize) -> Option<Answer> {
-        let made = pipe::lanes(lanes).and_then(|l| {
-            let ends = l
-                .iter()
-                .map(pipe::Lane::read_end)
-                .collect::<std::io::Result<Vec<_>>>()?;
-            Ok((l, ends, Arc::new(pipe::Wake::new()?)))
-        });
-        let (lanes, ends, wake) = match made {
+        if self.feeds.has(FeedFor::Grant(id)) {
+            // A request id reused while its feed runs: never an honest client's (generations).
+            return Some(Answer::Fallback("this request's id is still in use".into()));
+        }
+        let made = pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?))));
+        let (mut lanes, wake) = match made {
             Ok(m) => m,
             Err(e) => {
                 return Some(Answer::Fallback(format!(
@@ -197,13 +200,14 @@ impl SameHostTransport {
                 )))
             }
         };
+        let ends = lanes.take_read_ends();
         let key = self.server.key(key).expect("decided on it");
         let s = self.server.scope_mut(&key).expect("decided on it");
         let state = s.state.clone();
         s.grants.insert(id);
         let c = self.sockets.get_mut(id.conn).expect("decided on it");
         c.granted += 1;
-        let pid = c.pool_key();
+        let pid = c.feed_key();
         let at = c.link.queued_end();
         if !c
             .link
@@ -218,21 +222,18 @@ impl SameHostTransport {
             return None;
         }
         self.sockets.attach(id.conn, at, ends);
-        let ended = Arc::new(AtomicBool::new(false));
-        let mut feed = Feed::new(id.conn, lanes.len(), ended.clone(), wake.clone());
-        feed.key = Some(key);
-        feed.state = Some(state);
-        self.feeds.start(FeedFor::Grant(id), feed);
         let pieces = remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect();
-        self.in_flight.feed(
+        self.start_feed(
+            FeedFor::Grant(id),
+            id.conn,
+            Some((key, state)),
             pipe::Feeding {
                 pid,
                 lanes,
                 pieces,
-                ended,
+                ended: Arc::default(),
                 wake,
             },
-            CopyOwner::Fed(FeedFor::Grant(id)),
         );
         None
     }
@@ -244,21 +245,16 @@ impl SameHostTransport {
         id: RequestId,
         key: &str,
         remote: &[(u64, u64)],
-        fds: Vec<OwnedFd>,
+        fds: pipe::Ends,
     ) -> Option<Answer> {
+        // (`fds` dropped on a return below are closed on the pipes' closer.)
         let wake = match pipe::Wake::new() {
             Ok(w) => Arc::new(w),
-            Err(e) => {
-                fds.into_iter().for_each(close_elsewhere);
-                return Some(Answer::Fallback(format!("the passive side has no eventfd: {e}")));
-            }
+            Err(e) => return Some(Answer::Fallback(format!("the passive side has no eventfd: {e}"))),
         };
         let w = match self.claim_writable(id, key) {
             Ok(w) => w,
-            Err(a) => {
-                fds.into_iter().for_each(close_elsewhere);
-                return Some(a);
-            }
+            Err(a) => return Some(a),
         };
         if let Some(s) = self.server.scope_mut(key) {
             if let Some(writer) = &mut s.writer {

@@ -248,11 +248,11 @@ impl Sockets {
     /// Takes the next `n` descriptors connection `i`'s peer passed (its core counted them for the
     /// frame just heard), each checked to be a pipe's read end. `None` (the connection killed,
     /// and what was taken closed off this thread) when one is not.
-    pub(super) fn take_pipes(&mut self, i: ConnId, n: usize) -> Option<Vec<OwnedFd>> {
+    pub(super) fn take_pipes(&mut self, i: ConnId, n: usize) -> Option<pipe::Ends> {
         let c = self.conns.get_mut(&i)?;
         let fds: Vec<OwnedFd> = c.passed.drain(..n.min(c.passed.len())).collect();
         if fds.len() == n && fds.iter().all(pipe::is_read_end) {
-            return Some(fds);
+            return Some(pipe::Ends::new(fds));
         }
         fds.into_iter().for_each(close_elsewhere);
         c.link.kill(Violation::NotAPipe);
@@ -269,7 +269,7 @@ impl Sockets {
 
     /// Queues `fds` to go with the next frame connection `i`'s core queues (at stream offset
     /// `at`, [`Link::queued_end`](super::link::Link::queued_end) before it was queued).
-    pub(super) fn attach(&mut self, i: ConnId, at: u64, fds: Vec<OwnedFd>) {
+    pub(super) fn attach(&mut self, i: ConnId, at: u64, fds: pipe::Ends) {
         if let Some(c) = self.conns.get_mut(&i) {
             c.attach.push_back((at, fds));
         }
@@ -293,10 +293,11 @@ impl Sockets {
                         .attach
                         .get(1)
                         .map_or(out.len(), |(next, _)| (next - base) as usize);
-                    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+                    let raw: Vec<RawFd> = fds.raw();
                     let r = send_with_fds(c.fd.as_raw_fd(), &out[..upto.min(out.len())], &raw);
                     if matches!(r, Ok(1..)) {
-                        c.attach.pop_front(); // ours are closed: the peer holds its own now
+                        // Ours are closed (on the pipes' closer): the peer holds its own now.
+                        c.attach.pop_front();
                     }
                     r
                 }

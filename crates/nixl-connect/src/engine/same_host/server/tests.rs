@@ -431,12 +431,12 @@ fn server_piped_write_takes_only_a_pipes_read_end() {
     use std::os::fd::AsRawFd;
     let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
     let file = std::fs::File::open("/proc/self/stat").unwrap();
-    let lanes = crate::engine::same_host::sys::pipe::lanes(1).unwrap();
-    let write_end_of = |l: &crate::engine::same_host::sys::pipe::Lane| l.write_end_for_tests();
+    let mut lanes = crate::engine::same_host::sys::pipe::Lanes::new(1).unwrap();
+    let ends = lanes.take_read_ends();
     for (what, fd) in [
         ("a socket", a.as_raw_fd()),
         ("a file", file.as_raw_fd()),
-        ("a pipe's write end", write_end_of(&lanes[0])),
+        ("a pipe's write end", lanes.write_end(0).as_raw_fd()),
     ] {
         let mut mem = vec![0u8; 64 << 10];
         let (p, mut sv) = piped_writable(&mut mem);
@@ -457,19 +457,23 @@ fn server_piped_write_takes_only_a_pipes_read_end() {
     let mut mem = vec![0u8; 3 << 20];
     let (p, mut sv) = piped_writable(&mut mem);
     let src: Vec<u8> = (0..mem.len()).map(|i| (i % 251) as u8).collect();
-    let r = lanes[0].read_end().unwrap();
     let mut out = Vec::new();
     sv.hear_passed(
         &piped_write(&p, mem.as_ptr() as usize, mem.len()),
-        &[r.as_raw_fd()],
+        &ends.raw(),
         &mut out,
     );
-    drop(r);
+    drop(ends);
     assert!(sv.t.sockets.get(sv.i).unwrap().link.death().is_none());
     let ended = std::sync::atomic::AtomicBool::new(false);
     let wake = crate::engine::same_host::sys::pipe::Wake::new().unwrap();
-    crate::engine::same_host::sys::pipe::feed(&lanes, &[(src.as_ptr() as usize, src.len())], &ended, &wake)
-        .unwrap();
+    crate::engine::same_host::sys::pipe::feed(
+        lanes.write_end(0),
+        &[(src.as_ptr() as usize, src.len())],
+        &ended,
+        &wake,
+    )
+    .unwrap();
     sv.settle(&mut out);
     assert_eq!(
         out.iter()
@@ -486,18 +490,17 @@ fn server_piped_write_takes_only_a_pipes_read_end() {
 /// copy waiting on the pipe at once, and the writable is released; nothing is left running.
 #[test]
 fn server_piped_write_from_a_silent_writer_ends_with_the_writable() {
-    use std::os::fd::AsRawFd;
     let mut mem = vec![0u8; 1 << 20];
     let (p, mut sv) = piped_writable(&mut mem);
-    let lanes = crate::engine::same_host::sys::pipe::lanes(1).unwrap();
-    let r = lanes[0].read_end().unwrap();
+    let mut lanes = crate::engine::same_host::sys::pipe::Lanes::new(1).unwrap();
+    let ends = lanes.take_read_ends();
     let mut out = Vec::new();
     sv.hear_passed(
         &piped_write(&p, mem.as_ptr() as usize, mem.len()),
-        &[r.as_raw_fd()],
+        &ends.raw(),
         &mut out,
     );
-    drop(r);
+    drop(ends);
     assert!(!sv.state.is_released(), "the copy holds the writable");
     let t = std::time::Instant::now();
     sv.t.unexpose(&sv.key.clone());
@@ -505,4 +508,46 @@ fn server_piped_write_from_a_silent_writer_ends_with_the_writable() {
     assert!(sv.state.is_released(), "released once the copy ended");
     assert!(t.elapsed() < std::time::Duration::from_secs(5));
     drop(lanes);
+}
+
+/// Review finding (H1): a reader that ends its piped read (`Done`) and asks again under the same
+/// request id at once, while the first feed still runs, must not make the two feeds one (the
+/// second would run on unseen, reading the readable after its release): the second request takes
+/// NIXL, one feed is left, and it ends with the readable.
+#[test]
+fn server_piped_read_request_id_reused_while_feeding_is_refused() {
+    let mut mem = vec![7u8; 4 << 20];
+    let mut p = Pair::piped(0);
+    p.shake();
+    let mut sv = served(&mut p, OperationKind::Read, host_range(&mut mem));
+    let mut m = Pair::req(1, 1, 1, false, Device::Host, 1);
+    if let Msg::Req { remote, pipes, .. } = &mut m {
+        *remote = vec![(mem.as_ptr() as u64, mem.len() as u64)];
+        *pipes = 1;
+    }
+    let req = p.forge(&m, Some(1), true);
+    let mut out = Vec::new();
+    sv.hear(&p, &req, &mut out);
+    assert!(matches!(sv.answers()[..], [Msg::GrantPipe { lanes: 1, .. }]));
+    assert_eq!(sv.t.feeds.lanes(), 1);
+    let done = p.forge(
+        &Msg::Done {
+            slot: 1,
+            gen: 1,
+            ok: false,
+            reason: String::new(),
+        },
+        Some(1),
+        true,
+    );
+    sv.hear(&p, &[done, req].concat(), &mut out);
+    assert!(
+        matches!(&sv.answers()[..], [Msg::Fallback { reason, .. }] if reason.contains("still in use")),
+        "the reused id is refused"
+    );
+    assert_eq!(sv.t.feeds.lanes(), 1, "one feed, still the first");
+    sv.t.unexpose(&sv.key.clone());
+    sv.settle(&mut out);
+    assert!(sv.state.is_released(), "released once the feed stopped");
+    assert_eq!(sv.t.feeds.lanes(), 0);
 }

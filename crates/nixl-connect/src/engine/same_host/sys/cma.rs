@@ -722,15 +722,16 @@ pub(crate) fn spawn_tasks(
     Ok(())
 }
 
-/// Runs `task` once on the copy pool under `pid`'s share of it, guarded by no slot (it writes no
-/// memory of this process: a pipe's feed); `done` runs with its result.
+/// Runs `task` `parts` times on the copy pool under `pid`'s share of it, guarded by no slot (it
+/// writes no memory of this process: a pipe's feed); `done` runs once every part has ended.
 pub(crate) fn spawn_job(
     pid: libc::pid_t,
     cancel: Arc<AtomicBool>,
+    parts: usize,
     task: Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>,
     done: Done,
 ) {
-    submit_tasks(pid, None, cancel, 1, task, done);
+    submit_tasks(pid, None, cancel, parts, task, done);
 }
 
 fn submit_tasks(

@@ -135,15 +135,25 @@ fn inode(pidfd: &OwnedFd) -> Option<u64> {
 }
 
 /// The id that names this process in a connection's proofs (see `auth`): its pidfs inode number
-/// where the kernel has pidfs ([`pidfs`]), else its pid.
-pub(super) fn self_id() -> u64 {
+/// where the kernel has pidfs ([`pidfs`]), else its pid. Found once per process (a child of
+/// `fork()` finds its own: the cache is keyed by pid); `None` only if the kernel has pidfs and
+/// this process's pidfd cannot be had (no descriptor left): the connection is then not made.
+pub(super) fn self_id() -> Option<u64> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // The id, then the pid it is for (written in that order, read in the other).
+    static CACHED: AtomicU64 = AtomicU64::new(0);
+    static CACHED_PID: AtomicU64 = AtomicU64::new(0);
     let pid = std::process::id();
-    if pidfs() {
-        if let Some(id) = pidfd(pid as libc::pid_t).as_ref().and_then(inode) {
-            return id;
-        }
+    if !pidfs() {
+        return Some(u64::from(pid));
     }
-    u64::from(pid)
+    if CACHED_PID.load(Ordering::Acquire) == u64::from(pid) {
+        return Some(CACHED.load(Ordering::Acquire));
+    }
+    let id = pidfd(pid as libc::pid_t).as_ref().and_then(inode)?;
+    CACHED.store(id, Ordering::Release);
+    CACHED_PID.store(u64::from(pid), Ordering::Release);
+    Some(id)
 }
 
 /// The process at the other end of the Unix socket `sock`, whose pid from here is `pid` (0: not
@@ -166,7 +176,14 @@ pub(super) fn peer_process(sock: RawFd, pid: libc::pid_t) -> Option<(u64, OwnedF
     let pidfd = if r == 0 && fd >= 0 {
         // SAFETY: a fresh descriptor nothing else owns.
         Some(unsafe { OwnedFd::from_raw_fd(fd) })
-    } else if pid > 0 {
+    } else if pid > 0
+        && matches!(
+            io::Error::last_os_error().raw_os_error(),
+            Some(libc::ENOPROTOOPT | libc::EINVAL)
+        )
+    {
+        // A kernel without SO_PEERPIDFD. Any other failure means the process is gone: its pid
+        // may name another process by now.
         pidfd(pid)
     } else {
         None
@@ -503,6 +520,9 @@ enum Closer {
     Own,
     /// Descriptors peers passed us: whatever they are, they wait only for each other.
     Passed,
+    /// Pipe ends, ours and peers' (checked to be pipes): closing one takes the pipe's lock, which
+    /// a peer holding the other end can hold; they wait only for each other.
+    Pipes,
 }
 
 /// Hands `fd` to `closer`'s thread, which untracks it first if `tracked` (so a child of `fork()`
@@ -512,10 +532,12 @@ fn to_closer(closer: Closer, fd: OwnedFd, tracked: bool) {
     use std::sync::{Mutex, OnceLock};
     /// A descriptor to close, and whether it is tracked.
     type Closing = (OwnedFd, bool);
-    static CLOSERS: [OnceLock<Mutex<Option<Sender<Closing>>>>; 2] = [OnceLock::new(), OnceLock::new()];
+    static CLOSERS: [OnceLock<Mutex<Option<Sender<Closing>>>>; 3] =
+        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
     let (which, name) = match closer {
         Closer::Own => (0, "nixl-connect-closer"),
         Closer::Passed => (1, "nixl-connect-closer-passed"),
+        Closer::Pipes => (2, "nixl-connect-closer-pipes"),
     };
     let tx = CLOSERS[which].get_or_init(|| {
         let (tx, rx) = channel::<Closing>();
@@ -525,7 +547,7 @@ fn to_closer(closer: Closer, fd: OwnedFd, tracked: bool) {
                 for (fd, tracked) in rx {
                     if which == 0 {
                         drain_passed(fd.as_raw_fd());
-                    } else {
+                    } else if which == 1 {
                         defuse(fd.as_raw_fd());
                     }
                     if tracked {
@@ -543,6 +565,13 @@ fn to_closer(closer: Closer, fd: OwnedFd, tracked: bool) {
         _ => return, // no closer thread could be started: leak it rather than block here
     };
     std::mem::forget(fd);
+}
+
+/// Closes a pipe end (ours, or a peer's checked to be a pipe's) off the engine thread and off
+/// the copy threads: its close takes the pipe's lock, which the process at the other end can hold
+/// (a copy of its own stalled on a page, a splice from a socket that never sends).
+pub(crate) fn close_pipe_end(fd: OwnedFd) {
+    to_closer(Closer::Pipes, fd, false);
 }
 
 /// Closes `fd`, a socket of ours that was never tracked (an accepted connection refused at

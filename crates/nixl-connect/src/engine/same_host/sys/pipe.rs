@@ -1,31 +1,34 @@
 //! Host memory between processes that cannot read each other's (another PID namespace: the peer's
-//! pid is not ours to see; ptrace refused): pipes, fed by the owner of the source and emptied by
+//! pid is not ours to see; ptrace refused): pipes, written by the owner of the source and read by
 //! the owner of the destination.
 //!
 //! The source's owner makes the pipes (one per lane, [`MAX_LANES`] at most) and passes their read
-//! ends over the connection. It splices its own pages into the write ends (`vmsplice`: the pipe
-//! references the pages, nothing is copied) from one job on the copy pool ([`feed`]); the
-//! destination's owner reads each lane into its own memory from one job per lane ([`fill`]): the
-//! one copy, by the side whose memory is written, as on every same-host path. Neither side ever
-//! touches the other's memory; each writes only its own.
+//! ends over the connection. It copies its own memory into the write ends (`writev`) from one job
+//! per lane on the copy pool ([`spawn_feed`]); the destination's owner reads each lane into its own
+//! memory from one job per lane ([`spawn_fill`]). Neither side touches the other's memory; each
+//! reads or writes only its own.
 //!
-//! A pipe holds references to the source's pages until they are read, so what is still in it
-//! when the operation ends would show the memory's later contents to whoever holds a read end.
-//! The source's owner therefore keeps a read end of every pipe it made and empties them
-//! ([`drain`]) when the operation ends (completed, revoked, its peer gone) before the memory may
-//! be reused; the job that fed them waits for that end ([`wait_end`]) and drains before it
-//! reports. Emptying takes the pipe's lock, which a reader holds while its copy runs: a peer whose
-//! destination page never comes (a FUSE mapping) can hold it, and with it the drain, as a stalled
-//! page holds a `process_vm_readv` (never on the engine thread).
+//! Copied, not spliced: `vmsplice` would put references to the source's own pages in the pipe, and
+//! whoever holds a read end can keep such references beyond any drain (`tee` duplicates them into
+//! a pipe of its own without consuming them), reading the memory's later contents after its owner
+//! reused it. A copy in the pipe is what the operation granted, taken while it was live: nothing
+//! needs emptying when it ends. What the source's owner waits for before the memory may be reused
+//! is only the end of its own jobs (they read that memory). The price is a second copy: the
+//! fourteenth session's figures in docs/FIGURES.md.
 //!
 //! Every wait is a `poll` on the pipe and on the job's [`Wake`] (an eventfd the engine writes when
-//! the operation ends or is cancelled): nothing sleeps to poll.
+//! the operation ends or is cancelled): nothing sleeps to poll. The destination reads with
+//! `RWF_NOWAIT` (the peer shares the read end's open file and could clear `O_NONBLOCK` on it); the
+//! write ends are ours alone. A peer can still hold a pipe's lock (a copy of its own stalled on a
+//! page): that holds the job waiting on it, never the engine thread; every pipe end is closed on a
+//! closer thread of its own ([`close_pipe_end`]), since a close takes that lock too.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
+use super::close_pipe_end;
 use super::cma::{self, CopyError, SlotRef};
 
 type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
@@ -34,65 +37,110 @@ pub(crate) use crate::engine::same_host::limits::MAX_LANES;
 /// The size a pipe is asked to have (the unprivileged maximum, `/proc/sys/fs/pipe-max-size`'s
 /// default): how much of the source one lane holds at once.
 pub(crate) const PIPE_BYTES: usize = 1 << 20;
-/// The most bytes one `vmsplice` or `readv` moves (a cancelled copy stops within this).
+/// The most bytes one `writev` or read moves (a cancelled copy stops within this).
 const STEP: usize = 1 << 20;
 const IOV_MAX: usize = 1024;
 
-/// One pipe of the source's side: the write end it feeds, and a read end it keeps to empty the
-/// pipe when the operation ends (another read end goes to the peer).
-pub(crate) struct Lane {
-    r: OwnedFd,
-    w: OwnedFd,
-}
+/// Pipe ends this process holds, closed on the pipes' closer thread whenever the last owner drops
+/// them (an engine turn, a copy thread: never a close that a peer can stall there).
+pub(crate) struct Ends(Vec<OwnedFd>);
 
-impl Lane {
-    /// A read end to pass to the peer (a new descriptor of the same pipe).
-    pub(crate) fn read_end(&self) -> io::Result<OwnedFd> {
-        self.r.try_clone()
+impl Ends {
+    /// `fds`, from now on closed off this thread.
+    pub(crate) fn new(fds: Vec<OwnedFd>) -> Self {
+        Self(fds)
     }
 
-    /// Its write end (tests: a descriptor a hostile peer could pass instead of a read end).
-    #[cfg(test)]
-    pub(crate) fn write_end_for_tests(&self) -> RawFd {
-        self.w.as_raw_fd()
+    /// How many.
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// End `k`.
+    fn get(&self, k: usize) -> Option<&OwnedFd> {
+        self.0.get(k)
+    }
+
+    /// Their numbers (to pass them).
+    pub(crate) fn raw(&self) -> Vec<RawFd> {
+        self.0.iter().map(AsRawFd::as_raw_fd).collect()
     }
 }
 
-/// `n` new pipes (non-blocking, closed on exec), each asked for [`PIPE_BYTES`] (a kernel that
-/// allows less keeps its default: only the depth of the lane changes).
-pub(crate) fn lanes(n: usize) -> io::Result<Vec<Lane>> {
-    (0..n.clamp(1, MAX_LANES))
-        .map(|_| {
+impl Drop for Ends {
+    fn drop(&mut self) {
+        self.0.drain(..).for_each(close_pipe_end);
+    }
+}
+
+/// The pipes of one copy, on the source's side: their write ends (ours alone), read ends to pass
+/// to the peer, and one read end of each this side keeps and never reads: with it the pipe always
+/// has a reader, so a peer that closes its end never makes a write raise `SIGPIPE` (a host
+/// program may not ignore it); the feed then waits, and ends with the operation.
+pub(crate) struct Lanes {
+    w: Ends,
+    r: Ends,
+    _keep: Ends,
+}
+
+impl Lanes {
+    /// `n` new pipes (at most [`MAX_LANES`]), each asked for [`PIPE_BYTES`] (a kernel that allows
+    /// less keeps its default: only the depth of the lane changes), write ends non-blocking.
+    pub(crate) fn new(n: usize) -> io::Result<Self> {
+        let (mut w, mut r, mut keep) = (Ends(Vec::new()), Ends(Vec::new()), Ends(Vec::new()));
+        for _ in 0..n.clamp(1, MAX_LANES) {
             let mut p = [0 as RawFd; 2];
             // SAFETY: pipe2 writes two descriptors into the array on success.
-            if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+            if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
                 return Err(io::Error::last_os_error());
             }
             // SAFETY: two fresh descriptors nothing else owns.
-            let (r, w) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
-            // SAFETY: fcntl on a descriptor this function owns.
-            unsafe { libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_BYTES as libc::c_int) };
-            Ok(Lane { r, w })
-        })
-        .collect()
+            let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+            // SAFETY: fcntl on descriptors this function owns (the write end's file is ours alone:
+            // the peer gets only read ends, which are other open files).
+            unsafe {
+                libc::fcntl(wr.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_BYTES as libc::c_int);
+                libc::fcntl(wr.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK);
+            }
+            w.0.push(wr);
+            keep.0.push(rd.try_clone()?);
+            r.0.push(rd);
+        }
+        Ok(Self { w, r, _keep: keep })
+    }
+
+    /// How many.
+    pub(crate) fn len(&self) -> usize {
+        self.w.len()
+    }
+
+    /// The read ends, to pass to the peer.
+    pub(crate) fn take_read_ends(&mut self) -> Ends {
+        std::mem::replace(&mut self.r, Ends(Vec::new()))
+    }
+
+    /// Write end `k` (tests: to feed by hand, or to pass where a read end is due).
+    #[cfg(test)]
+    pub(crate) fn write_end(&self, k: usize) -> &OwnedFd {
+        &self.w.0[k]
+    }
 }
 
-/// True when `fd`, passed by a peer, is the read end of a pipe (`F_GETPIPE_SZ` answers only for
-/// pipes, and touches no file system: a FUSE file cannot stall it), opened for reading only. It is
-/// made non-blocking (its reads wait in `poll`, never in the kernel's pipe wait).
+/// True when `fd`, passed by a peer, is the read end of an anonymous pipe opened for reading only:
+/// its `/proc/self/fd` link reads `pipe:[...]` (a named FIFO on some file system does not) and its
+/// access mode is read-only. Neither check takes the pipe's lock or touches a file system, so a
+/// peer can stall neither.
 pub(crate) fn is_read_end(fd: &OwnedFd) -> bool {
-    let raw = fd.as_raw_fd();
-    // SAFETY: fcntl queries on a descriptor this process owns; they touch no memory.
-    unsafe {
-        if libc::fcntl(raw, libc::F_GETPIPE_SZ) <= 0 {
-            return false;
-        }
-        let fl = libc::fcntl(raw, libc::F_GETFL);
-        if fl < 0 || fl & libc::O_ACCMODE != libc::O_RDONLY {
-            return false;
-        }
-        libc::fcntl(raw, libc::F_SETFL, fl | libc::O_NONBLOCK) == 0
+    let link = match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
+        Ok(l) => l,
+        Err(_) => return false,
+    };
+    if !link.to_string_lossy().starts_with("pipe:[") {
+        return false;
     }
+    // SAFETY: F_GETFL reads the open file's flags; it touches no memory.
+    let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    fl >= 0 && fl & libc::O_ACCMODE == libc::O_RDONLY
 }
 
 /// What wakes a job waiting on pipes: an eventfd, written when its operation ends or is
@@ -112,7 +160,7 @@ impl Wake {
         Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
-    /// Wakes the job (it then reads its flags).
+    /// Wakes the jobs waiting on it (they then read their flags); it stays readable.
     pub(crate) fn wake(&self) {
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a live local to an eventfd this process owns; a full
@@ -121,9 +169,8 @@ impl Wake {
     }
 }
 
-/// Waits until `fd` is ready for `events` or `wake` was written; true when `fd` is ready (or in
-/// error: the next call on it says which).
-fn wait(fd: RawFd, events: libc::c_short, wake: &Wake) -> bool {
+/// Waits until `fd` is ready for `events` or `wake` was written.
+fn wait(fd: RawFd, events: libc::c_short, wake: &Wake) {
     let mut p = [
         libc::pollfd {
             fd,
@@ -137,8 +184,7 @@ fn wait(fd: RawFd, events: libc::c_short, wake: &Wake) -> bool {
         },
     ];
     // SAFETY: poll reads and writes the two pollfds of a live local array.
-    let r = unsafe { libc::poll(p.as_mut_ptr(), 2, -1) };
-    r > 0 && p[0].revents != 0
+    unsafe { libc::poll(p.as_mut_ptr(), 2, -1) };
 }
 
 /// The part of a stream of `total` bytes that lane `k` of `lanes` carries: `[start, end)`.
@@ -206,149 +252,50 @@ fn iovecs(pieces: &[(usize, usize)], i: usize, off: usize) -> Vec<libc::iovec> {
     v
 }
 
-/// The source's side: splices `pieces` (this process's memory, in stream order) into `lanes`,
-/// lane `k` carrying [`span`] `k` of the stream, until every byte is in a pipe, or `ended` is set
-/// (then [`CopyError::Revoked`]). Waits in `poll` while the pipes are full (the reader copies at
-/// its own pace); copies nothing.
+/// The source's side of one lane: copies `pieces` (this process's memory, in stream order) into
+/// the write end `w` until every byte is in the pipe, or `ended` is set (then
+/// [`CopyError::Revoked`]). Waits in `poll` while the pipe is full (the reader copies at its own
+/// pace).
 ///
-/// The caller keeps `pieces` mapped and keeps the memory from reuse until the lanes are drained.
+/// The caller keeps `pieces` mapped and unchanged until it returns.
 pub(crate) fn feed(
-    lanes: &[Lane],
+    w: &OwnedFd,
     pieces: &[(usize, usize)],
     ended: &AtomicBool,
     wake: &Wake,
 ) -> Result<(), CopyError> {
-    let total: usize = pieces.iter().map(|p| p.1).sum();
-    let n = lanes.len();
-    // Each lane's pieces, the one it is at, and how far into it.
-    type Left = (Vec<(usize, usize)>, usize, usize);
-    let mut left: Vec<Left> = (0..n)
-        .map(|k| {
-            let (s, e) = span(total, n, k);
-            (cut(pieces, s, e), 0, 0)
-        })
-        .collect();
-    let mut polls = Vec::with_capacity(n + 1);
-    loop {
+    let (mut i, mut off) = (0usize, 0usize);
+    advance(pieces, &mut i, &mut off, 0);
+    while i < pieces.len() {
         if ended.load(Ordering::Acquire) {
             return Err(CopyError::Revoked);
         }
-        let mut progressed = false;
-        for (k, (p, i, off)) in left.iter_mut().enumerate() {
-            while *i < p.len() {
-                let v = iovecs(p, *i, *off);
-                // SAFETY: the iovecs lie in this process's memory that the caller keeps mapped
-                // (see above); vmsplice only takes references to those pages.
-                let r = unsafe {
-                    libc::vmsplice(
-                        lanes[k].w.as_raw_fd(),
-                        v.as_ptr(),
-                        v.len(),
-                        libc::SPLICE_F_NONBLOCK,
-                    )
-                };
-                if r > 0 {
-                    advance(p, i, off, r as usize);
-                    progressed = true;
-                    continue;
-                }
-                let e = io::Error::last_os_error();
-                if r < 0 && e.kind() == io::ErrorKind::WouldBlock {
-                    break;
-                }
-                return Err(CopyError::Os(std::sync::Arc::new(e)));
-            }
-        }
-        if left.iter().all(|(p, i, _)| *i >= p.len()) {
-            return Ok(());
-        }
-        if progressed {
+        let v = iovecs(pieces, i, off);
+        // SAFETY: the iovecs lie in this process's memory, which the caller keeps mapped (see
+        // above); writev only reads them.
+        let n = unsafe { libc::writev(w.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int) };
+        if n > 0 {
+            advance(pieces, &mut i, &mut off, n as usize);
             continue;
         }
-        polls.clear();
-        for (k, (p, i, _)) in left.iter().enumerate() {
-            if *i < p.len() {
-                polls.push(libc::pollfd {
-                    fd: lanes[k].w.as_raw_fd(),
-                    events: libc::POLLOUT,
-                    revents: 0,
-                });
-            }
-        }
-        polls.push(libc::pollfd {
-            fd: wake.0.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
-        // SAFETY: poll reads and writes the pollfds of a live local vector.
-        unsafe { libc::poll(polls.as_mut_ptr(), polls.len() as libc::nfds_t, -1) };
-    }
-}
-
-/// The source's side, once everything is fed: waits until `ended` is set (the operation ended:
-/// the reader's answer, a revocation, the peer gone), woken through `wake`.
-pub(crate) fn wait_end(ended: &AtomicBool, wake: &Wake) {
-    while !ended.load(Ordering::Acquire) {
-        let mut p = libc::pollfd {
-            fd: wake.0.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll reads and writes one live local pollfd.
-        unsafe { libc::poll(&mut p, 1, -1) };
-        let mut v = 0u64;
-        // SAFETY: reads 8 bytes into a live local (the counter, reset).
-        unsafe { libc::read(wake.0.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-    }
-}
-
-fn dev_null() -> Option<RawFd> {
-    static NULL: OnceLock<Option<OwnedFd>> = OnceLock::new();
-    NULL.get_or_init(|| {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open("/dev/null")
-            .ok()
-            .map(OwnedFd::from)
-    })
-    .as_ref()
-    .map(AsRawFd::as_raw_fd)
-}
-
-/// The source's side: empties every lane through the read end it kept, so that no reference to
-/// its pages is left for a peer's read end. Returns once each pipe is empty.
-pub(crate) fn drain(lanes: &[Lane]) {
-    let null = dev_null();
-    let mut scratch = [0u8; 4096];
-    for l in lanes {
-        loop {
-            let r = match null {
-                // SAFETY: splice between two descriptors this process owns; no memory of ours.
-                Some(n) => unsafe {
-                    libc::splice(
-                        l.r.as_raw_fd(),
-                        std::ptr::null_mut(),
-                        n,
-                        std::ptr::null_mut(),
-                        PIPE_BYTES,
-                        libc::SPLICE_F_NONBLOCK,
-                    )
-                },
-                // SAFETY: reads into a live local buffer of its length.
-                None => unsafe { libc::read(l.r.as_raw_fd(), scratch.as_mut_ptr().cast(), scratch.len()) },
-            };
-            if r <= 0 {
-                break;
-            }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::WouldBlock => wait(w.as_raw_fd(), libc::POLLOUT, wake),
+            io::ErrorKind::Interrupted => {}
+            _ => return Err(CopyError::Os(Arc::new(e))),
         }
     }
+    Ok(())
 }
 
-/// The destination's side: reads one lane (the read end `r` a peer passed, checked by
+/// The destination's side of one lane: reads the read end `r` a peer passed (checked by
 /// [`is_read_end`]) into `pieces` (this process's memory, in stream order) until they are full.
 /// `cancel` (then [`CopyError::Revoked`], or [`CopyError::NotStarted`] if no byte came) stops it
 /// within [`STEP`] bytes, woken through `wake`; the end of the stream before the last byte (the
-/// source revoked, or its process is gone) is [`CopyError::Revoked`].
+/// source stopped, or its process is gone) is [`CopyError::Revoked`].
+///
+/// Each read is `preadv2(RWF_NOWAIT)`: the peer shares the read end's open file, so its
+/// `O_NONBLOCK` flag is the peer's to change; this call never waits in the kernel for data.
 ///
 /// The caller keeps `pieces` mapped and owned by this copy until it returns.
 pub(crate) fn fill(
@@ -370,8 +317,17 @@ pub(crate) fn fill(
         }
         let v = iovecs(pieces, i, off);
         // SAFETY: the iovecs lie in this process's memory that the caller keeps mapped and owned
-        // by this copy (see above); readv writes at most their lengths.
-        let n = unsafe { libc::readv(r.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int) };
+        // by this copy (see above); preadv2 writes at most their lengths. Offset -1: the file's
+        // own position (a pipe has none).
+        let n = unsafe {
+            libc::preadv2(
+                r.as_raw_fd(),
+                v.as_ptr(),
+                v.len() as libc::c_int,
+                -1,
+                libc::RWF_NOWAIT,
+            )
+        };
         if n > 0 {
             moved = true;
             advance(pieces, &mut i, &mut off, n as usize);
@@ -380,11 +336,9 @@ pub(crate) fn fill(
         } else {
             let e = io::Error::last_os_error();
             match e.kind() {
-                io::ErrorKind::WouldBlock => {
-                    wait(r.as_raw_fd(), libc::POLLIN, wake);
-                }
+                io::ErrorKind::WouldBlock => wait(r.as_raw_fd(), libc::POLLIN, wake),
                 io::ErrorKind::Interrupted => {}
-                _ => return Err(CopyError::Os(std::sync::Arc::new(e))),
+                _ => return Err(CopyError::Os(Arc::new(e))),
             }
         }
     }
@@ -404,16 +358,16 @@ pub(crate) struct Fill {
     /// Whose share of the copy pool it runs under (the peer's pid, or a stand-in for a peer in
     /// another PID namespace).
     pub(crate) pid: libc::pid_t,
-    pub(crate) lanes: Vec<OwnedFd>,
+    pub(crate) lanes: Ends,
     pub(crate) pieces: Vec<(usize, usize)>,
     pub(crate) slot: SlotRef,
     pub(crate) cancel: Arc<AtomicBool>,
     pub(crate) wake: Arc<Wake>,
 }
 
-/// Starts `c` on the copy pool, one part per lane; `done` runs once every lane has ended.
-/// Returns the revocation error at once (without calling `done`) when the grant was revoked
-/// before the copy began.
+/// Starts `c` on the copy pool, one part per lane; `done` runs once every lane has ended (a lane
+/// that fails wakes the others, which then stop). Returns the revocation error at once (without
+/// calling `done`) when the grant was revoked before the copy began.
 pub(crate) fn spawn_fill(c: Fill, done: Done) -> Result<(), CopyError> {
     let n = c.lanes.len();
     let total: usize = c.pieces.iter().map(|p| p.1).sum();
@@ -425,41 +379,57 @@ pub(crate) fn spawn_fill(c: Fill, done: Done) -> Result<(), CopyError> {
             return Ok(());
         };
         let (a, b) = span(total, n, k);
-        fill(r, &cut(&pieces, a, b), &cancel, &wake)
+        let res = fill(r, &cut(&pieces, a, b), &cancel, &wake);
+        if res.is_err() {
+            // The pool sets `cancel` for the other lanes; they may be waiting in poll.
+            cancel.store(true, Ordering::Release);
+            wake.wake();
+        }
+        res
     });
     cma::spawn_tasks(c.pid, c.slot, c.cancel, n, task, done)
 }
 
-/// The source's side of a copy through pipes: its lanes, fed from `pieces` (this process's
-/// memory in stream order) until the operation ends.
+/// The source's side of a copy through pipes: its lanes' write ends, fed from `pieces` (this
+/// process's memory in stream order) until every byte is in a pipe or the operation ends.
 pub(crate) struct Feeding {
-    /// Whose share of the copy pool it runs under.
+    /// Whose share of the copy pool it runs under: not the one its peer's reads of this side's
+    /// pipes (fills) use, so that feeds waiting for a peer never hold up the fills that peer
+    /// waits for (two processes piping to each other would deadlock).
     pub(crate) pid: libc::pid_t,
-    pub(crate) lanes: Vec<Lane>,
+    pub(crate) lanes: Lanes,
     pub(crate) pieces: Vec<(usize, usize)>,
     pub(crate) ended: Arc<AtomicBool>,
     pub(crate) wake: Arc<Wake>,
 }
 
-/// Starts `f` on the copy pool: feeds every lane, waits for the operation's end (set `ended`,
-/// then wake), empties the pipes and reports (the feed's own error if it failed; it then ends
-/// without waiting). Once `done` ran, no pipe of it holds a page of `pieces`.
+/// Starts `f` on the copy pool, one part per lane; `done` runs once every lane has stopped
+/// reading `pieces` (all fed, ended, or failed: a failed lane ends the others).
 pub(crate) fn spawn_feed(f: Feeding, done: Done) {
+    let n = f.lanes.len();
+    let total: usize = f.pieces.iter().map(|p| p.1).sum();
+    let next = AtomicUsize::new(0);
+    let (w, pieces, ended, wake) = (f.lanes.w, f.pieces, f.ended, f.wake);
     let cancel = Arc::new(AtomicBool::new(false));
-    let (lanes, pieces, ended, wake) = (f.lanes, f.pieces, f.ended, f.wake);
     let task = Arc::new(move || {
-        let r = feed(&lanes, &pieces, &ended, &wake);
-        if r.is_ok() {
-            wait_end(&ended, &wake);
-        }
-        drain(&lanes);
-        // Ending is not failing: fed in full, the reader's answer says how the copy went.
+        let k = next.fetch_add(1, Ordering::Relaxed);
+        let Some(end) = w.get(k) else {
+            return Ok(());
+        };
+        let (a, b) = span(total, n, k);
+        let r = feed(end, &cut(&pieces, a, b), &ended, &wake);
         match r {
+            // Ending is not failing: the reader's answer says how the copy went.
             Err(CopyError::Revoked) => Ok(()),
-            r => r,
+            Err(e) => {
+                ended.store(true, Ordering::Release);
+                wake.wake();
+                Err(e)
+            }
+            Ok(()) => Ok(()),
         }
     });
-    cma::spawn_job(f.pid, cancel, task, done);
+    cma::spawn_job(f.pid, cancel, n, task, done);
 }
 
 #[cfg(test)]

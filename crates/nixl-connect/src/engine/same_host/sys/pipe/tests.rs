@@ -10,38 +10,31 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
-/// Feeds `src` through `n` lanes into a zeroed buffer of the same size (one thread per lane
-/// reading, one feeding); the destination must equal the source.
+/// Feeds `src` through `n` lanes (one thread per lane each side) into a zeroed buffer of the same
+/// size, laid out as `pieces` says on both sides; returns the destination.
 fn through(src: &[u8], n: usize, pieces: impl Fn(usize) -> Vec<(usize, usize)>) -> Vec<u8> {
-    let lanes = Arc::new(lanes(n).unwrap());
+    let mut lanes = Lanes::new(n).unwrap();
+    let ends = lanes.take_read_ends();
     let mut dst = vec![0u8; src.len()];
-    let ended = Arc::new(AtomicBool::new(false));
-    let wake = Arc::new(Wake::new().unwrap());
+    let ended = AtomicBool::new(false);
+    let wake = Wake::new().unwrap();
     let (s, d) = (src.as_ptr() as usize, dst.as_mut_ptr() as usize);
-    let total = src.len();
+    let (total, n) = (src.len(), lanes.len());
     std::thread::scope(|sc| {
-        let feeder = {
-            let (lanes, ended, wake) = (lanes.clone(), ended.clone(), wake.clone());
-            let p = pieces(s);
-            sc.spawn(move || feed(&lanes, &p, &ended, &wake))
-        };
-        let readers: Vec<_> = (0..lanes.len())
-            .map(|k| {
-                let r = lanes[k].read_end().unwrap();
-                assert!(is_read_end(&r));
-                let (a, b) = span(total, lanes.len(), k);
-                let mine = cut(&pieces(d), a, b);
-                let wake = wake.clone();
-                sc.spawn(move || fill(&r, &mine, &AtomicBool::new(false), &wake))
-            })
-            .collect();
-        for r in readers {
-            r.join().unwrap().unwrap();
+        let mut hs = Vec::new();
+        for k in 0..n {
+            let (a, b) = span(total, n, k);
+            let (from, to) = (cut(&pieces(s), a, b), cut(&pieces(d), a, b));
+            let (w, r) = (&lanes.w.0[k], &ends.0[k]);
+            assert!(is_read_end(r));
+            let (ended, wake) = (&ended, &wake);
+            hs.push(sc.spawn(move || feed(w, &from, ended, wake)));
+            hs.push(sc.spawn(move || fill(r, &to, &AtomicBool::new(false), wake)));
         }
-        feeder.join().unwrap().unwrap();
+        for h in hs {
+            h.join().unwrap().unwrap();
+        }
     });
-    ended.store(true, Ordering::Release);
-    drain(&lanes);
     dst
 }
 
@@ -88,11 +81,14 @@ fn pipe_span_and_cut_cover_the_stream_once() {
     assert_eq!(cut(&pieces, 34, 35), vec![(5019, 1)]);
 }
 
+/// Only an anonymous pipe's read end, opened for reading only, is taken: not its write end, a
+/// socket, a file, a memfd, nor a named FIFO (which lives on a file system a peer may control).
 #[test]
 fn pipe_read_end_check_refuses_other_descriptors() {
-    let l = lanes(1).unwrap();
-    assert!(is_read_end(&l[0].read_end().unwrap()));
-    assert!(!is_read_end(&l[0].w.try_clone().unwrap()), "a write end");
+    let mut l = Lanes::new(1).unwrap();
+    let ends = l.take_read_ends();
+    assert!(is_read_end(&ends.0[0]));
+    assert!(!is_read_end(&l.w.0[0].try_clone().unwrap()), "a write end");
     let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
     assert!(!is_read_end(&OwnedFd::from(a)), "a socket");
     let f = std::fs::File::open("/proc/self/stat").unwrap();
@@ -101,56 +97,86 @@ fn pipe_read_end_check_refuses_other_descriptors() {
     let m = unsafe { libc::memfd_create(c"x".as_ptr(), libc::MFD_CLOEXEC) };
     // SAFETY: fresh.
     assert!(!is_read_end(&unsafe { OwnedFd::from_raw_fd(m) }), "a memfd");
+    let dir = std::env::temp_dir().join(format!("nxc-fifo-{}", std::process::id()));
+    let _ = std::fs::remove_file(&dir);
+    let path = std::ffi::CString::new(dir.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo and open with a live NUL-terminated path; the descriptor is owned at once.
+    let fifo = unsafe {
+        assert_eq!(libc::mkfifo(path.as_ptr(), 0o600), 0);
+        OwnedFd::from_raw_fd(libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_NONBLOCK))
+    };
+    assert!(!is_read_end(&fifo), "a named FIFO");
+    let _ = std::fs::remove_file(&dir);
 }
 
 /// A reader whose source never feeds waits in `poll`, and its cancellation wakes it at once: it
-/// reports that nothing moved.
+/// reports that nothing moved. So does one whose peer cleared `O_NONBLOCK` on the read end's
+/// shared open file (the reads are `RWF_NOWAIT`, never a wait in the kernel).
 #[test]
 fn pipe_fill_cancelled_while_waiting_ends_not_started() {
-    let l = lanes(1).unwrap();
-    let r = l[0].read_end().unwrap();
-    assert!(is_read_end(&r));
-    let mut dst = vec![0u8; 1 << 16];
-    let p = vec![(dst.as_mut_ptr() as usize, dst.len())];
-    let cancel = Arc::new(AtomicBool::new(false));
-    let wake = Arc::new(Wake::new().unwrap());
-    let (c2, w2) = (cancel.clone(), wake.clone());
-    let t = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        c2.store(true, Ordering::Release);
-        w2.wake();
-    });
-    assert_eq!(fill(&r, &p, &cancel, &wake), Err(CopyError::NotStarted));
-    t.join().unwrap();
+    for clear_nonblock in [false, true] {
+        let mut l = Lanes::new(1).unwrap();
+        let ends = l.take_read_ends();
+        let r = &ends.0[0];
+        if clear_nonblock {
+            // SAFETY: fcntl on a descriptor this test owns, as the peer would on its own.
+            unsafe { libc::fcntl(r.as_raw_fd(), libc::F_SETFL, 0) };
+        }
+        let mut dst = vec![0u8; 1 << 16];
+        let p = vec![(dst.as_mut_ptr() as usize, dst.len())];
+        let cancel = Arc::new(AtomicBool::new(false));
+        let wake = Arc::new(Wake::new().unwrap());
+        let (c2, w2) = (cancel.clone(), wake.clone());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            c2.store(true, Ordering::Release);
+            w2.wake();
+        });
+        assert_eq!(fill(r, &p, &cancel, &wake), Err(CopyError::NotStarted));
+        t.join().unwrap();
+    }
 }
 
-/// The source ends the operation after feeding part of the stream and drains: the reader finds
-/// no more of the source's pages in the pipe (it reads only what it took before), and the end of
-/// the stream (the source closed its ends) reports the copy revoked.
+/// What a pipe holds is a copy of the source taken while the operation was live, never a reference
+/// to its pages: the source's owner overwrites its memory once the feed is done, and the reader
+/// still reads what was granted (round 4's rule: nothing of the memory's later contents reaches a
+/// peer, whatever it does with its read end).
 #[test]
-fn pipe_drain_leaves_no_page_of_the_source_for_the_reader() {
-    let src = pattern(4 << 20, 3);
-    let l = lanes(1).unwrap();
-    let r = l[0].read_end().unwrap();
-    assert!(is_read_end(&r));
+fn pipe_reader_gets_a_copy_not_the_source_pages() {
+    let mut src = pattern(256 << 10, 5);
+    let want = src.clone();
+    let mut l = Lanes::new(1).unwrap();
+    let ends = l.take_read_ends();
+    let (ended, wake) = (AtomicBool::new(false), Wake::new().unwrap());
+    feed(&l.w.0[0], &[(src.as_ptr() as usize, src.len())], &ended, &wake).unwrap();
+    src.fill(0xEE);
+    let mut dst = vec![0u8; want.len()];
+    fill(
+        &ends.0[0],
+        &[(dst.as_mut_ptr() as usize, dst.len())],
+        &AtomicBool::new(false),
+        &wake,
+    )
+    .unwrap();
+    assert!(dst == want, "the reader saw the source's later contents");
+}
+
+/// A feed whose reader stopped reading (its pipe full) ends at once when its operation ends; one
+/// whose reader closed its end does not raise `SIGPIPE` (this side keeps a reader).
+#[test]
+fn pipe_feed_ends_with_its_operation_and_never_raises_sigpipe() {
+    let src = pattern(8 << 20, 9);
+    let mut l = Lanes::new(1).unwrap();
+    let ends = l.take_read_ends();
+    drop(ends); // the reader went away
     let ended = AtomicBool::new(false);
     let wake = Wake::new().unwrap();
-    // Fill the pipe (it takes at most PIPE_BYTES), then end before the rest is fed.
-    let fed = std::thread::scope(|sc| {
-        let h = sc.spawn(|| feed(&l, &[(src.as_ptr() as usize, src.len())], &ended, &wake));
+    let r = std::thread::scope(|sc| {
+        let h = sc.spawn(|| feed(&l.w.0[0], &[(src.as_ptr() as usize, src.len())], &ended, &wake));
         std::thread::sleep(std::time::Duration::from_millis(50));
         ended.store(true, Ordering::Release);
         wake.wake();
         h.join().unwrap()
     });
-    assert_eq!(fed, Err(CopyError::Revoked));
-    drain(&l);
-    drop(l);
-    let mut b = [0u8; 64];
-    // SAFETY: reads into a live local buffer of its length.
-    let n = unsafe { libc::read(r.as_raw_fd(), b.as_mut_ptr().cast(), b.len()) };
-    assert_eq!(
-        n, 0,
-        "the pipe is empty and closed: nothing of the source is left"
-    );
+    assert_eq!(r, Err(CopyError::Revoked));
 }
