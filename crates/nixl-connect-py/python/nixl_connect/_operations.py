@@ -422,21 +422,18 @@ class AbstractOperation(ABC):
     def path(self) -> Optional[str]:
         """Extra: how the data moves, "local" (same host, kernel copy) or "nixl"; None until known
         (and for passive operations when the core does not report it)."""
-        core = self._core
-        fn = getattr(core, "path", None) if core is not None else None
-        if not callable(fn):
-            return None
-        try:
-            return fn()
-        except CoreError:
-            return None
+        return self._core_says("path")
 
     @property
     def mechanism(self) -> Optional[str]:
         """Extra: how the same-host path moved the bytes ("frames", "cma", "pipes" between pods,
         "cuda-ipc", "pinned-staging"); None on NIXL, until known, and for passive operations."""
+        return self._core_says("mechanism")
+
+    def _core_says(self, what: str) -> Optional[str]:
+        """What the core's `what()` answers, or None where it has no such method or is gone."""
         core = self._core
-        fn = getattr(core, "mechanism", None) if core is not None else None
+        fn = getattr(core, what, None) if core is not None else None
         if not callable(fn):
             return None
         try:

@@ -126,6 +126,34 @@ fn pods_socket_dir_reaches_a_peer_in_another_network_namespace() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The owner exposes a writable of `len` bytes (`kind`: `host` or `vec`), `on_md` sees its
+/// metadata, the writer writes the pattern into it (`mode`: `local` or `auto`), and the owner
+/// checks every byte; returns how the same-host path moved it (`none`: another path).
+fn write_checked(
+    owner: &mut Peer,
+    writer: &mut Peer,
+    len: usize,
+    kind: &str,
+    mode: &str,
+    on_md: &mut dyn FnMut(&str),
+) -> String {
+    owner.say(&format!("expose writable {len} {kind}"));
+    let md = owner.expect("MD:");
+    on_md(&md);
+    writer.say(&format!("write {mode} pat"));
+    writer.say(&md);
+    writer.expect("STARTED");
+    let how = writer.expect("MECHANISM:");
+    assert_eq!(writer.expect("WRITE:"), "ok", "a write of {len} {kind}");
+    owner.say("wait 5000");
+    assert_eq!(owner.expect("WAIT:"), "ok");
+    owner.say("check pat");
+    assert_eq!(owner.expect("CHECK:"), "true", "the write's bytes, {len} {kind}");
+    owner.say("drop");
+    owner.expect("DROPPED");
+    how
+}
+
 /// A peer process in its own network, PID, mount and IPC namespaces, with its own /proc, as a pod.
 fn pod(ns: &Netns, netns: &str, dev: &str, dir: &str) -> Peer {
     pod_running(ns, netns, dev, dir, PEER, &[])
@@ -190,23 +218,9 @@ fn pods_peer_in_another_pid_namespace_moves_host_memory_through_pipes() {
                 && got.ends_with("pattern=true"),
             "a read of {len} {kind} across PID namespaces: {got}"
         );
-        owner.say(&format!("expose writable {len} {}", kind.trim_end_matches("pat")));
-        let md = owner.expect("MD:");
-        other.say("write local pat");
-        other.say(&md);
-        other.expect("STARTED");
-        assert_eq!(other.expect("MECHANISM:"), how, "a write of {len} {kind}");
-        assert_eq!(
-            other.expect("WRITE:"),
-            "ok",
-            "a write of {len} {kind} across PID namespaces"
-        );
-        owner.say("wait 5000");
-        assert_eq!(owner.expect("WAIT:"), "ok");
-        owner.say("check pat");
-        assert_eq!(owner.expect("CHECK:"), "true", "the write's bytes, {len} {kind}");
-        owner.say("drop");
-        owner.expect("DROPPED");
+        let plain = kind.trim_end_matches("pat");
+        let got = write_checked(&mut owner, &mut other, len, plain, "local", &mut |_| {});
+        assert_eq!(got, how, "a write of {len} {kind} across PID namespaces");
     }
     drop((owner, other, ns));
     std::fs::remove_dir_all(&dir).unwrap();
@@ -251,29 +265,12 @@ fn pods_metadata_holder_in_the_socket_directory_cannot_answer_as_the_owner() {
         assert_eq!(owner.expect("WAIT:"), "ok");
         owner.say("drop");
         owner.expect("DROPPED");
-        owner.say(&format!("expose writable {len} vec"));
-        let md = owner.expect("MD:");
-        squatter.say(&md);
-        squatter.expect("BOUND");
-        reader.say("write auto pat");
-        reader.say(&md);
-        reader.expect("STARTED");
-        assert_eq!(
-            reader.expect("MECHANISM:"),
-            "none",
-            "{len}: not the same-host path"
-        );
-        assert_eq!(reader.expect("WRITE:"), "ok", "{len}");
-        owner.say("wait 5000");
-        assert_eq!(owner.expect("WAIT:"), "ok");
-        owner.say("check pat");
-        assert_eq!(
-            owner.expect("CHECK:"),
-            "true",
-            "{len}: the write's bytes reached the owner"
-        );
-        owner.say("drop");
-        owner.expect("DROPPED");
+        let mut squat = |md: &str| {
+            squatter.say(md);
+            squatter.expect("BOUND");
+        };
+        let how = write_checked(&mut owner, &mut reader, len, "vec", "auto", &mut squat);
+        assert_eq!(how, "none", "{len}: not the same-host path");
     }
     squatter.say("report");
     let heard = squatter.expect("HEARD:");
@@ -406,17 +403,8 @@ fn pods_owner_that_cannot_see_its_writer_asks_for_pipes() {
         ("NIXL_CONNECT_SOCKET_DIR", d.as_str()),
     ];
     let mut writer = Peer::from_command(ns.command_for(&ns.b, PEER, &env_b));
-    owner.say(&format!("expose writable {} vec", 3 << 20));
-    let md = owner.expect("MD:");
-    writer.say("write local pat");
-    writer.say(&md);
-    writer.expect("STARTED");
-    assert_eq!(writer.expect("MECHANISM:"), "pipes");
-    assert_eq!(writer.expect("WRITE:"), "ok");
-    owner.say("wait 5000");
-    assert_eq!(owner.expect("WAIT:"), "ok");
-    owner.say("check pat");
-    assert_eq!(owner.expect("CHECK:"), "true");
+    let how = write_checked(&mut owner, &mut writer, 3 << 20, "vec", "local", &mut |_| {});
+    assert_eq!(how, "pipes");
     // The other way, the writer reads the owner's memory by cross-memory attach (it sees it).
     owner.say(&format!("expose readable {} hostpat", 3 << 20));
     let md = owner.expect("MD:");

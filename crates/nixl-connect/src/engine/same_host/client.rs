@@ -265,6 +265,16 @@ impl SameHostTransport {
         }
     }
 
+    /// Client: a grant came for a read abandoned meanwhile: it ends (the server is told, so its
+    /// grant ends too) and its slot is free.
+    fn end_abandoned_grant(&mut self, i: ConnId, id: OpId, slot: u32, gen: u64) {
+        let a = self.client.remove(id).expect("present");
+        if let Some(c) = self.sockets.get_mut(i) {
+            c.link.read_done(slot, gen, false, "cancelled");
+        }
+        self.free_slot(i, a.slot, a.gen);
+    }
+
     /// Client: a host read may copy from `lanes` pipes the server feeds, whose read ends came
     /// with the grant (taken here first, whatever became of the read, so the next frame's are
     /// the next ones).
@@ -278,11 +288,7 @@ impl SameHostTransport {
         };
         let a = self.client.get_mut(id).expect("found");
         if matches!(a.phase, Phase::Abandoned) {
-            let a = self.client.remove(id).expect("present");
-            if let Some(c) = self.sockets.get_mut(i) {
-                c.link.read_done(slot, gen, false, "cancelled");
-            }
-            self.free_slot(i, a.slot, a.gen);
+            self.end_abandoned_grant(i, id, slot, gen);
             return;
         }
         let wake = match pipe::Wake::new() {
@@ -370,11 +376,7 @@ impl SameHostTransport {
             return;
         }
         if matches!(a.phase, Phase::Abandoned) {
-            let a = self.client.remove(id).expect("present");
-            if let Some(c) = self.sockets.get_mut(i) {
-                c.link.read_done(slot, gen, false, "cancelled");
-            }
-            self.free_slot(i, a.slot, a.gen);
+            self.end_abandoned_grant(i, id, slot, gen);
             return;
         }
         a.phase = Phase::Copying;
