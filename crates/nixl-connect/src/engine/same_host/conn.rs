@@ -97,20 +97,22 @@ impl SameHostTransport {
                 continue;
             };
             let mut link = Link::server(identity, peer_id, me, Instant::now());
-            // A client this side cannot read (another PID namespace, ptrace rules) is asked, in
-            // the signed `Welcome`, to write through pipes.
-            let pulls = pid > 0 && peer.as_ref().is_some_and(|p| cma::may_pull(&p.1));
-            if !pulls {
-                link.ask_piped_writes();
-            }
             let peer = if refusal.is_none() {
                 peer.map(|p| p.1)
             } else {
                 None
             };
+            // Whether this side may pull from the client (ptrace rules; never a peer of another
+            // PID namespace, whatever its pidfd allows), found once. One it cannot read is asked,
+            // in the signed `Welcome`, to write through pipes.
+            let can_pull = pid > 0 && peer.as_ref().is_some_and(cma::may_pull);
+            if !can_pull {
+                link.ask_piped_writes();
+            }
             let i = self
                 .sockets
                 .insert(Conn::new(Tracked::new(fd), link, pid, peer_id, peer, "".into()));
+            self.sockets.get_mut(i).expect("just inserted").can_pull = can_pull;
             if let Some(reason) = refusal {
                 self.refused_peers += 1;
                 let c = self.sockets.get_mut(i).expect("just inserted");

@@ -16,7 +16,9 @@ impl SameHostTransport {
     /// Acts on what connection `i`'s core heard.
     pub(super) fn handle(&mut self, i: ConnId, h: Heard, out: &mut Vec<Event>) {
         match h {
-            Heard::Hello => self.on_hello(i),
+            // The slot table was checked on receipt, and whether this side may pull from the
+            // client was found at accept (`conn.rs`): nothing left to do.
+            Heard::Hello => {}
             Heard::Trusted { pipes } => {
                 if !pipes {
                     self.sockets.refuse_descriptors(i);

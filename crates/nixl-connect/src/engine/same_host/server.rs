@@ -11,22 +11,13 @@ use super::link::{Answer, Request};
 use super::policy::{self, Asked, Decision, Load};
 use super::records::{AnyCopy, ConnId, CopyOwner, RequestId};
 use super::server_book::Writer;
-use super::sys::cma::{self, Copy, Piece, SlotRef};
+use super::sys::cma::{Copy, Piece, SlotRef};
 use super::sys::pipe;
 use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::transport::Event;
 
 impl SameHostTransport {
-    /// Server side: the client's `Hello` came with a sealed slot table (checked on receipt);
-    /// whether this side may pull from the client (ptrace rules) is known now.
-    pub(super) fn on_hello(&mut self, i: ConnId) {
-        let Some(c) = self.sockets.get_mut(i) else { return };
-        // A peer in another PID namespace (pid 0 from here) cannot be pulled from, whatever its
-        // pidfd allows.
-        c.can_pull = c.peer_pid > 0 && c.pidfd.as_deref().is_some_and(cma::may_pull);
-    }
-
     /// Server side: a proven request, decided by the policy (`policy.rs`) and acted on here:
     /// answered, granted, or handed to a copy.
     pub(super) fn on_req(&mut self, i: ConnId, r: Request, out: &mut Vec<Event>) {

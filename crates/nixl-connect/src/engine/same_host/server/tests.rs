@@ -7,6 +7,7 @@ use crate::engine::same_host::limits::{MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MA
 use crate::engine::same_host::link::fuzz::{Pair, KEYS};
 use crate::engine::same_host::link::Heard;
 use crate::engine::same_host::server_book::Scope;
+use crate::engine::same_host::sys::cma;
 use crate::engine::same_host::sys::slots::SLOTS;
 use crate::engine::same_host::violation::Violation;
 use crate::engine::same_host::wire::{Msg, RefuseCode, MAX_FRAME};
