@@ -559,8 +559,8 @@ impl Active {
     }
 
     /// How the same-host path moved the bytes (`"frames"`, `"cma"`, `"pipes"`, `"cuda-ipc"`,
-    /// `"pinned-staging"`), once it decided; `None` on NIXL (an extension: Dynamo's module has
-    /// no such property).
+    /// `"cuda-vmm"`, `"pinned-staging"`), once it decided; `None` on NIXL (an extension:
+    /// Dynamo's module has no such property).
     fn mechanism(&self) -> PyResult<Option<String>> {
         Ok(match self.get()? {
             Some(op) => op.mechanism(),

@@ -10,6 +10,9 @@
 //! `descriptor/cuda.rs`, above this module. Every one is checked against the pointer's own
 //! attributes (`cuPointerGetAttribute`, in this module): memory on `cuda:0` claimed as `cuda:1`,
 //! or device memory claimed as `cpu`, is [`Error::DeviceMismatch`].
+//!
+//! [`DeviceBuffer`] is device memory this crate allocates (a VMM allocation with a POSIX
+//! descriptor handle): the one kind of device memory the same-host path moves between pods.
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
@@ -21,7 +24,10 @@ use crate::error::{Error, Result};
 
 pub use cudarc::driver::{CudaContext, CudaStream};
 
+mod buffer;
 mod order;
+pub use buffer::DeviceBuffer;
+pub(crate) use buffer::{is_device_buffer, on_drop as on_device_buffer_drop};
 pub(crate) use order::{after, primary, Producer};
 
 /// True when the CUDA driver library (`libcuda.so.1`) can be loaded (looked for once: a failed
@@ -33,7 +39,7 @@ pub fn driver_available() -> bool {
 }
 
 /// True when this process has loaded the CUDA driver library already (somebody uses CUDA here).
-fn driver_loaded() -> bool {
+pub(crate) fn driver_loaded() -> bool {
     static DRIVER: LoadWatch = LoadWatch::new(b"libcuda.so");
     DRIVER.loaded()
 }

@@ -58,14 +58,18 @@ pub enum Mechanism {
     /// Cross-memory attach (`process_vm_readv`): the side whose memory is written pulls from the
     /// other's.
     CrossMemoryAttach = 2,
-    /// Pipes the source's owner feeds with its pages (`vmsplice`) and the destination's owner
-    /// reads: peers that cannot read each other's memory (another PID namespace: pods; ptrace
-    /// refused).
+    /// Pipes the source's owner writes its memory into and the destination's owner reads
+    /// (two copies): peers that cannot read each other's memory (another PID namespace: pods;
+    /// ptrace refused).
     Pipes = 3,
     /// CUDA IPC: the source's device memory opened and copied by the destination's owner.
     CudaIpc = 4,
     /// Host memory pulled through pinned staging buffers into device memory.
     PinnedStaging = 5,
+    /// A VMM allocation's POSIX descriptor passed over the socket, mapped and copied by the
+    /// destination's owner: device memory between PID namespaces (pods), where legacy CUDA IPC
+    /// handles do not open.
+    CudaVmm = 6,
 }
 
 impl Mechanism {
@@ -76,6 +80,7 @@ impl Mechanism {
             3 => Self::Pipes,
             4 => Self::CudaIpc,
             5 => Self::PinnedStaging,
+            6 => Self::CudaVmm,
             _ => return None,
         })
     }
@@ -89,6 +94,7 @@ impl std::fmt::Display for Mechanism {
             Self::Pipes => "pipes",
             Self::CudaIpc => "cuda-ipc",
             Self::PinnedStaging => "pinned-staging",
+            Self::CudaVmm => "cuda-vmm",
         })
     }
 }

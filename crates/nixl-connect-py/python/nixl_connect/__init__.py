@@ -68,7 +68,7 @@ Extras (never needed by code written for Dynamo):
   `DescriptorMismatchError(NixlConnectError, ValueError)`. Table in `nixl_connect._errors`.
 * `op.path`: "local" (same-host copy) or "nixl", None until known.
 * `op.mechanism`: how the same-host path moved the bytes ("frames", "cma", "pipes" between pods,
-  "cuda-ipc", "pinned-staging"), None on NIXL or until known.
+  "cuda-ipc", "cuda-vmm", "pinned-staging"), None on NIXL or until known.
 * `Descriptor(memoryview | array.array | numpy array | any C-contiguous buffer)` as host memory.
 * `nixl_connect.__version__`.
 """

@@ -427,7 +427,7 @@ class AbstractOperation(ABC):
     @property
     def mechanism(self) -> Optional[str]:
         """Extra: how the same-host path moved the bytes ("frames", "cma", "pipes" between pods,
-        "cuda-ipc", "pinned-staging"); None on NIXL, until known, and for passive operations."""
+        "cuda-ipc", "cuda-vmm", "pinned-staging"); None on NIXL, until known, and for passive operations."""
         return self._core_says("mechanism")
 
     def _core_says(self, what: str) -> Optional[str]:

@@ -21,7 +21,7 @@ use super::sys::pipe;
 use super::sys::slots::SlotTable;
 use super::transport::SameHostTransport;
 use super::violation::Violation;
-use super::wire::{IpcSource, Msg, EAGER_MAX, MAX_FRAME};
+use super::wire::{passed_fds, IpcSource, Msg, EAGER_MAX, MAX_FRAME};
 use crate::device::Device;
 use crate::engine::transport::{Event, OpId};
 use crate::error::Error;
@@ -111,6 +111,16 @@ impl SameHostTransport {
         #[cfg(feature = "cuda")]
         if a.spec.write && a.device && a.sources.is_empty() {
             a.phase = Phase::Exporting;
+            // A server that takes descriptors gets VMM descriptors for memory without a legacy
+            // handle, and for all memory in another PID namespace (legacy handles do not open
+            // there).
+            let how = match self.sockets.get(a.conn) {
+                Some(c) if c.link.passes_descriptors() => ipc::ExportAs::Descriptors {
+                    other_namespace: c.other_pid_ns,
+                },
+                _ => ipc::ExportAs::Handles,
+            };
+            let conn = a.conn;
             let ranges = a
                 .spec
                 .local
@@ -118,7 +128,13 @@ impl SameHostTransport {
                 .map(|r| (r.addr as u64, r.len as u64))
                 .collect();
             let done = self.in_flight.export_done();
+            let to = ipc::ExportTo {
+                conn,
+                how,
+                tell: self.teller(),
+            };
             ipc::export(
+                to,
                 ranges,
                 Box::new(move |result| done(ExportDone::Write { id, result })),
             );
@@ -185,6 +201,10 @@ impl SameHostTransport {
         let a = self.client.get_mut(id).expect("present");
         let c = self.sockets.get_mut(a.conn).expect("live");
         let req_sources_empty = a.sources.is_empty();
+        let source_fds = std::mem::take(&mut a.source_fds);
+        // A device read by a side that takes VMM descriptors asks for them (`pipes: 1` on a
+        // device read): the server then passes them where legacy handles cannot serve.
+        let vmm_read = a.device && !a.spec.write && c.link.takes_exports();
         let req = Msg::Req {
             slot: a.slot,
             gen: a.gen,
@@ -210,7 +230,7 @@ impl SameHostTransport {
             sources: std::mem::take(&mut a.sources),
             eager,
             data,
-            pipes: lanes as u8,
+            pipes: if vmm_read { 1 } else { lanes as u8 },
         };
         // A request the server could not accept, or whose answer could not come back in one frame
         // (too many ranges), takes NIXL rather than breaking the connection others use.
@@ -229,6 +249,8 @@ impl SameHostTransport {
             Some(Mechanism::Frames)
         } else if piped {
             Some(Mechanism::Pipes)
+        } else if a.spec.write && !source_fds.is_empty() {
+            Some(Mechanism::CudaVmm)
         } else if a.spec.write && !req_sources_empty {
             Some(Mechanism::CudaIpc)
         } else if a.spec.write {
@@ -246,8 +268,12 @@ impl SameHostTransport {
             self.decline_act(id, "the same-host connection cannot take the request", out);
             return;
         }
+        let feed_key = c.feed_key();
+        if !source_fds.is_empty() {
+            self.sockets.attach(a.conn, at, pipe::Ends::new(source_fds));
+        }
         if let Some((mut lanes, wake)) = feeding {
-            let (conn, pid) = (a.conn, c.feed_key());
+            let (conn, pid) = (a.conn, feed_key);
             let pieces = a.spec.local.iter().map(|r| (r.addr, r.len)).collect();
             self.sockets.attach(conn, at, lanes.take_read_ends());
             self.start_feed(
@@ -355,6 +381,22 @@ impl SameHostTransport {
         sources: Option<Vec<IpcSource>>,
         out: &mut Vec<Event>,
     ) {
+        // VMM descriptors passed with the grant are taken first, whatever follows, so the next
+        // frame's are the next ones (one that is no NVIDIA device's kills the connection); any
+        // dropped below are closed on the closer.
+        let n = sources.as_deref().and_then(passed_fds).unwrap_or(0);
+        let fds = if n > 0 {
+            match self.sockets.take_cuda_exports(i, n) {
+                Some(f) => {
+                    self.sockets
+                        .name_exports(i, sources.as_deref().unwrap_or_default());
+                    pipe::Ends::new(f)
+                }
+                None => return,
+            }
+        } else {
+            pipe::Ends::new(Vec::new())
+        };
         let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
             return;
         };
@@ -385,6 +427,7 @@ impl SameHostTransport {
         a.spec
             .state
             .set_mechanism(match (&sources, a.spec.local.first().map(|r| r.device)) {
+                (Some(_), _) if n > 0 => Mechanism::CudaVmm,
                 (Some(_), _) => Mechanism::CudaIpc,
                 (None, Some(Device::Cuda(_))) => Mechanism::PinnedStaging,
                 (None, _) => Mechanism::CrossMemoryAttach,
@@ -404,6 +447,7 @@ impl SameHostTransport {
                         src,
                     })
                     .collect(),
+                fds: fds.into_vec(),
                 slot: SlotRef {
                     table: c.slots.clone().expect("ready"),
                     idx: slot,
@@ -414,7 +458,7 @@ impl SameHostTransport {
             self.in_flight.start(copy, CopyOwner::Read(id));
             return;
         }
-        let _ = sources;
+        let _ = (sources, fds);
         let copy = Copy {
             pid: c.peer_pid,
             pieces: a

@@ -17,11 +17,20 @@ use super::sys::dir::{connect_path, socket_path};
 use super::sys::ipc;
 use super::sys::{
     accept, accept_passed_descriptors, alive_fd, close_refused, connect, peer_cred, peer_process,
-    refuse_passed_descriptors, self_id, socket_name, unix_socket, Tracked,
+    refuse_passed_descriptors, same_pid_namespace, self_id, socket_name, unix_socket, Tracked,
 };
 use super::transport::SameHostTransport;
 use crate::engine::transport::{Decline, Event};
 use crate::error::Error;
+
+/// True when this process uses CUDA (its driver library is loaded): its device operations may
+/// meet memory without a legacy IPC handle, which moves as VMM descriptors.
+fn cuda_in_use() -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::driver_loaded();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
 
 impl SameHostTransport {
     /// The deadline timer fired: every core past its deadline dies (and is closed), and the
@@ -109,10 +118,13 @@ impl SameHostTransport {
             if !can_pull {
                 link.ask_piped_writes();
             }
+            let other_pid_ns = !same_pid_namespace(pid);
             let i = self
                 .sockets
                 .insert(Conn::new(Tracked::new(fd), link, pid, peer_id, peer, "".into()));
-            self.sockets.get_mut(i).expect("just inserted").can_pull = can_pull;
+            let c = self.sockets.get_mut(i).expect("just inserted");
+            c.can_pull = can_pull;
+            c.other_pid_ns = other_pid_ns;
             if let Some(reason) = refusal {
                 self.refused_peers += 1;
                 let c = self.sockets.get_mut(i).expect("just inserted");
@@ -201,13 +213,18 @@ impl SameHostTransport {
         // through pipes; this side's writes go to it through pipes too (what keeps us from its
         // memory keeps it from ours, in the case this path is for: sibling pods).
         let can_pull = pid > 0 && cma::may_pull(&server);
-        if !can_pull {
+        // Device exports come as VMM descriptors from a server in another PID namespace (even
+        // one whose memory this side can pull: a namespace below this one's), and from any
+        // server for memory without a legacy handle, where this process uses CUDA.
+        let other_pid_ns = !same_pid_namespace(pid);
+        let exports = other_pid_ns || cuda_in_use();
+        if !can_pull || exports {
             accept_passed_descriptors(fd.as_raw_fd());
         }
         let Some(me) = self_id() else {
             return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
         };
-        let link = Link::client(
+        let mut link = Link::client(
             key.clone(),
             expect,
             auth::nonce(),
@@ -216,10 +233,15 @@ impl SameHostTransport {
             !can_pull,
             Instant::now(),
         );
+        if exports {
+            link.take_exports();
+        }
         let i = self
             .sockets
             .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
-        self.sockets.get_mut(i).expect("just inserted").can_pull = can_pull;
+        let c = self.sockets.get_mut(i).expect("just inserted");
+        c.can_pull = can_pull;
+        c.other_pid_ns = other_pid_ns;
         if let Err(e) = self.send_hello(i) {
             self.close(i, &mut Vec::new());
             return Err(Decline::because("the same-host handshake failed", e));

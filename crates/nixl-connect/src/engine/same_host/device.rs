@@ -3,9 +3,10 @@
 use super::link::Answer;
 #[cfg(feature = "cuda")]
 use super::records::AnyCopy;
-use super::records::{ExportDone, Phase, RequestId};
+use super::records::{ConnId, ExportDone, Phase, RequestId};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
+use super::sys::pipe;
 use super::transport::SameHostTransport;
 use super::wire::{IpcSource, RefuseCode};
 use crate::device::Device;
@@ -44,18 +45,34 @@ pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusa
     }
 }
 
+/// A device request the policy let through, as the device path takes it.
+pub(super) struct DeviceAsk {
+    pub(super) write: bool,
+    /// Ranges in this side's memory.
+    pub(super) remote: Vec<(u64, u64)>,
+    /// A write's exported sources (one per range).
+    pub(super) sources: Vec<IpcSource>,
+    /// A read whose reader takes the exports as VMM descriptors (it asked for them).
+    pub(super) vmm: bool,
+    /// A write's VMM descriptors, passed with its request (checked).
+    pub(super) fds: Vec<std::os::fd::OwnedFd>,
+}
+
 impl SameHostTransport {
     /// The device path of a request the policy let through: a read is granted once its source
     /// is exported (the answer comes later); a write is copied here from its export.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    pub(super) fn device_req(
-        &mut self,
-        id: RequestId,
-        write: bool,
-        key: &str,
-        remote: Vec<(u64, u64)>,
-        sources: Vec<IpcSource>,
-    ) -> Option<Answer> {
+    pub(super) fn device_req(&mut self, id: RequestId, key: &str, ask: DeviceAsk) -> Option<Answer> {
+        let DeviceAsk {
+            write,
+            remote,
+            sources,
+            vmm,
+            fds,
+        } = ask;
+        // A peer's descriptors are closed off the engine thread wherever they are dropped here
+        // (a refused write); a copy takes them out.
+        let fds = pipe::Ends::new(fds);
         #[cfg(not(feature = "cuda"))]
         return Some(Answer::Fallback(
             "this build has no CUDA support (feature `cuda`)".into(),
@@ -73,7 +90,19 @@ impl SameHostTransport {
                     c.granted += usize::from(fresh);
                     c.exporting += ranges;
                 }
+                let how = match self.sockets.get(id.conn) {
+                    Some(c) if vmm => ipc::ExportAs::Descriptors {
+                        other_namespace: c.other_pid_ns,
+                    },
+                    _ => ipc::ExportAs::Handles,
+                };
+                let to = ipc::ExportTo {
+                    conn: id.conn,
+                    how,
+                    tell: self.teller(),
+                };
                 ipc::export(
+                    to,
                     remote,
                     Box::new(move |result| {
                         done(ExportDone::Grant {
@@ -98,12 +127,34 @@ impl SameHostTransport {
                     .zip(sources)
                     .map(|(&(dst, _), src)| ipc::Piece { dst, src })
                     .collect(),
+                fds: fds.into_vec(),
                 slot: w.slot,
                 cancel: w.cancel,
             });
             self.in_flight.start(copy, w.owner);
             None
         }
+    }
+
+    /// The peer gave back VMM exports it had passed on connection `i`: this side's mappings of
+    /// them go. Only ids it passed here count, each once: a flood of `Forgot` frames makes no
+    /// work on the CUDA thread beyond what the exports themselves did.
+    pub(super) fn on_forgot(&mut self, i: ConnId, ids: Vec<u64>) {
+        let ids = self.sockets.unname_exports(i, &ids);
+        #[cfg(feature = "cuda")]
+        if !ids.is_empty() {
+            ipc::forget_imports(i, ids);
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = ids;
+    }
+
+    /// What tells this transport, from the CUDA thread, of VMM exports given back on one of its
+    /// connections (it then tells the peer).
+    #[cfg(feature = "cuda")]
+    pub(super) fn teller(&self) -> ipc::Teller {
+        let done = self.in_flight.export_done();
+        std::sync::Arc::new(move |conn, ids| done(ExportDone::Forgotten { conn, ids }))
     }
 
     /// Handles finished CUDA IPC exports.
@@ -128,8 +179,12 @@ impl SameHostTransport {
                         .server
                         .scope(&key)
                         .is_some_and(|s| !s.done && s.grants.contains(&id));
+                    let mut fds = Vec::new();
                     let answer = match result {
-                        Ok(sources) if granted => Answer::GrantIpc(sources),
+                        Ok((sources, f)) if granted => {
+                            fds = f;
+                            Answer::GrantIpc(sources)
+                        }
                         _ if !granted => Answer::Refuse(
                             RefuseCode::NotLive,
                             "the operation ended before its memory could be shared".into(),
@@ -145,7 +200,16 @@ impl SameHostTransport {
                         }
                     };
                     if let Some(c) = self.sockets.get_mut(id.conn) {
-                        c.link.answer(id.slot, id.gen, answer);
+                        // The descriptors go with the grant's first byte.
+                        let at = c.link.queued_end();
+                        if c.link.answer(id.slot, id.gen, answer) && !fds.is_empty() {
+                            self.sockets.attach(id.conn, at, pipe::Ends::new(fds));
+                        }
+                    }
+                }
+                ExportDone::Forgotten { conn, ids } => {
+                    if let Some(c) = self.sockets.get_mut(conn) {
+                        c.link.forgot(&ids);
                     }
                 }
                 ExportDone::Write { id, result } => {
@@ -153,8 +217,9 @@ impl SameHostTransport {
                         continue;
                     };
                     match (&a.phase, result) {
-                        (Phase::Exporting, Ok(sources)) => {
+                        (Phase::Exporting, Ok((sources, fds))) => {
                             a.sources = sources;
+                            a.source_fds = fds;
                             a.phase = Phase::Requested;
                             self.request(id, out);
                         }

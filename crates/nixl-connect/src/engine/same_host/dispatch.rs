@@ -25,6 +25,7 @@ impl SameHostTransport {
                 }
             }
             Heard::Unused { fds } => self.sockets.drop_passed(i, fds),
+            Heard::Forgot { ids } => self.on_forgot(i, ids),
             Heard::GrantPipe { slot, gen, lanes } => self.on_grant_pipe(i, slot, gen, lanes, out),
             Heard::Req(r) => {
                 if self.server.knows(r.ident) {
@@ -32,11 +33,10 @@ impl SameHostTransport {
                 } else if let Some(c) = self.sockets.get_mut(i) {
                     // Metadata of an agent of the same name elsewhere (another host, an earlier
                     // process): not this connector's to refuse; NIXL will sort it out. A write's
-                    // pipes came with it: closed, so the next frame's are the next ones.
-                    if r.write && r.pipes > 0 {
-                        let n = usize::from(r.pipes);
-                        c.passed.drain(..n.min(c.passed.len())).for_each(close_elsewhere);
-                    }
+                    // pipes or VMM descriptors came with it (its core counted them off): closed,
+                    // so the next frame's are the next ones.
+                    let n = r.passed;
+                    c.passed.drain(..n.min(c.passed.len())).for_each(close_elsewhere);
                     c.link.answer(
                         r.slot,
                         r.gen,

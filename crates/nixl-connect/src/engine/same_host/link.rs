@@ -18,8 +18,9 @@
 //!   `Welcome` (client), each at most once; handshake frames are small
 //!   ([`MAX_HANDSHAKE_FRAME`]), so a peer that has not shaken hands holds a few KiB at most;
 //! - descriptors arrive only with the `Hello`, one (the slot table), and, on a connection whose
-//!   client said it uses pipes (`Trusted`), with the frames that pass pipes' read ends (a
-//!   `GrantPipe`, a write's `Req`), exactly as many as each frame says and never more than
+//!   client said it uses pipes (`Trusted`), with the frames that pass pipes' read ends or VMM
+//!   allocations' descriptors (a `GrantPipe`, a `GrantIpc` a reader asked descriptors for, a
+//!   write's `Req`), exactly as many as each frame says and never more than
 //!   [`MAX_PENDING_DESCRIPTORS`] waiting for their frame; any other dies;
 //! - a handshake not done within [`HANDSHAKE_TIMEOUT`], or a frame not whole within
 //!   [`PARTIAL_FRAME_TIMEOUT`] of its first byte, kills the connection;
@@ -41,8 +42,8 @@ use super::identity::{self, Fingerprint, Identity};
 use super::limits::SLOTS;
 use super::violation::Violation;
 use super::wire::{
-    Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FRAME, MAX_LANES, MAX_PENDING_DESCRIPTORS, MAX_REASON, NOT_LIVE,
-    SOURCE_BYTES, VERSION,
+    passed_fds, Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FORGOT, MAX_FRAME, MAX_LANES,
+    MAX_PENDING_DESCRIPTORS, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
 };
 use crate::device::Device;
 
@@ -124,12 +125,17 @@ pub(crate) struct Link {
     sent_total: u64,
     /// Descriptors received with the `Hello`.
     fds: usize,
-    /// Client: its reads take pipes (it cannot read the server's memory), so it takes read ends.
+    /// Client: it takes descriptors (pipes' read ends: it cannot read the server's memory; VMM
+    /// exports: the server is in another PID namespace).
     /// Server: before `Trusted`, it cannot read the client's memory (its `Welcome` asks for
-    /// piped writes); after, the client said its requests pass read ends (it takes them).
+    /// piped writes); after, the client said its requests pass descriptors (it takes them).
     pipes: bool,
     /// Client: its writes pass pipes (it or the server cannot read the other's memory).
     writes_piped: bool,
+    /// Client: it takes device exports as VMM descriptors (with a `GrantIpc` its device read
+    /// asked them for), and its device writes may pass them (its `Trusted` says it passes
+    /// descriptors): the server is in another PID namespace, or this process uses CUDA.
+    exports: bool,
     /// Pipes' read ends received and not yet taken by their frame (the owner holds them, in
     /// order).
     pending: usize,
@@ -209,6 +215,7 @@ impl Link {
             fds: 0,
             pipes: false,
             writes_piped: false,
+            exports: false,
             pending: 0,
             handshake_by: Some(now + HANDSHAKE_TIMEOUT),
             partial_since: None,
@@ -329,6 +336,42 @@ impl Link {
         self.writes_piped
     }
 
+    /// Client, before `Hello`: this side takes device exports as VMM descriptors and may pass
+    /// its own (see [`Link::takes_exports`]).
+    pub(crate) fn take_exports(&mut self) {
+        if self.side == Side::Client && self.state == State::AwaitWelcome && !self.shaken {
+            self.exports = true;
+        }
+    }
+
+    /// Client: its device reads ask for VMM descriptors, which it takes.
+    pub(crate) fn takes_exports(&self) -> bool {
+        self.exports
+    }
+
+    /// Client, once ready: the server takes descriptors with this side's requests (its
+    /// `Trusted` said so: piped writes, or device exports).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn passes_descriptors(&self) -> bool {
+        self.state == State::Ready && (self.writes_piped || self.exports)
+    }
+
+    /// Tells the peer this side gave back the VMM exports `ids` (in frames of at most
+    /// [`MAX_FORGOT`] ids), once ready.
+    pub(crate) fn forgot(&mut self, ids: &[u64]) {
+        if self.state != State::Ready {
+            return;
+        }
+        for chunk in ids.chunks(MAX_FORGOT) {
+            self.push(&Msg::Forgot { ids: chunk.to_vec() });
+        }
+    }
+
+    /// This side takes descriptors now (beside the `Hello`'s).
+    fn takes_passed(&self) -> bool {
+        self.state == State::Ready && (self.pipes || self.exports)
+    }
+
     /// The stream offset of the first unsent byte of [`Self::out`].
     pub(crate) fn sent_total(&self) -> u64 {
         self.sent_total
@@ -390,8 +433,8 @@ impl Link {
                 // frames once they are handled (below), and bounded now.
                 self.pending += fds;
                 // Only where pipes are used, or may be from a `Trusted` in these same bytes.
-                let may = (self.state == State::Ready && self.pipes)
-                    || (self.side == Side::Server && self.state == State::AwaitTrusted);
+                let may =
+                    self.takes_passed() || (self.side == Side::Server && self.state == State::AwaitTrusted);
                 if !may || self.pending > MAX_PENDING_DESCRIPTORS {
                     return self.kill(Violation::PassedOutsideHello);
                 }
@@ -415,7 +458,7 @@ impl Link {
             }
         }
         self.rbuf = buf;
-        if self.pending > 0 && !(self.state == State::Ready && self.pipes) {
+        if self.pending > 0 && !self.takes_passed() {
             self.kill(Violation::PassedOutsideHello);
         }
         if self.state == State::Dead {
@@ -563,18 +606,30 @@ impl Link {
                 if slot as usize >= SLOTS || self.open.contains_key(&(slot, gen)) {
                     return self.kill(Violation::BadSlot);
                 }
-                // A write's pipes come with it; pipes only on a connection that said it uses
-                // them, for host memory, and never beside an eager request's bytes or a write's
-                // addresses.
-                let passed = if write { pipes as usize } else { 0 };
-                if pipes > 0
-                    && (!self.pipes
-                        || device != Device::Host
-                        || eager
-                        || !data.is_empty()
-                        || !local.is_empty()
-                        || !sources.is_empty()
-                        || passed > self.pending)
+                // A write's pipes or VMM descriptors come with it, only on a connection that said
+                // it passes descriptors. Pipes carry host memory, never beside an eager request's
+                // bytes or a write's addresses; on a device read, `pipes` is 1 where the reader
+                // takes the exports as passed VMM descriptors (legacy handles cannot cross PID
+                // namespaces), and nothing is passed with the request itself.
+                let Some(vmm) = passed_fds(&sources) else {
+                    return self.kill(Violation::MissingDescriptors);
+                };
+                let passed = if write { pipes as usize + vmm } else { 0 };
+                let device_read = !write && device != Device::Host;
+                if device_read && pipes > 1 {
+                    return self.kill(Violation::MissingDescriptors);
+                }
+                if (pipes > 0 || vmm > 0) && passed > 0 && (!self.pipes || passed > self.pending) {
+                    return self.kill(Violation::MissingDescriptors);
+                }
+                if (vmm > 0 && (!write || pipes > 0))
+                    || (pipes > 0
+                        && !device_read
+                        && (device != Device::Host
+                            || eager
+                            || !data.is_empty()
+                            || !local.is_empty()
+                            || !sources.is_empty()))
                 {
                     return self.kill(Violation::MissingDescriptors);
                 }
@@ -655,6 +710,7 @@ impl Link {
                     eager,
                     data,
                     pipes,
+                    passed,
                 }));
             }
             (Side::Server, State::Ready, Msg::Done { slot, gen, ok, .. }) => {
@@ -716,8 +772,9 @@ impl Link {
                         self.handshake_by = None;
                         // Writes pass pipes where either side cannot read the other.
                         self.writes_piped = self.pipes || pipes;
+                        // The server takes descriptors from here on where this side passes any.
                         self.push(&Msg::Trusted {
-                            pipes: self.writes_piped,
+                            pipes: self.writes_piped || self.exports,
                         });
                         heard.push(Heard::Ready);
                     }
@@ -731,6 +788,7 @@ impl Link {
                 heard.push(Heard::Rejected { reason });
                 self.kill(Violation::ServerRejected);
             }
+            (_, State::Ready, Msg::Forgot { ids }) => heard.push(Heard::Forgot { ids }),
             (Side::Client, State::Ready, m) => self.on_answer(m, signed, mac, heard),
             _ => self.kill(Violation::OutOfOrder),
         }

@@ -53,6 +53,9 @@ pub(super) struct Act {
     pub(super) device: bool,
     /// A device write's exported source, once the CUDA thread has it.
     pub(super) sources: Vec<IpcSource>,
+    /// The VMM descriptors `sources` name (a peer in another PID namespace), passed with the
+    /// request.
+    pub(super) source_fds: Vec<OwnedFd>,
 }
 
 impl Act {
@@ -172,6 +175,10 @@ impl AnyCopy {
     }
 }
 
+/// An export's sources and the VMM descriptors they name (passed with the frame that carries
+/// them).
+pub(super) type Exported = (Vec<IpcSource>, Vec<OwnedFd>);
+
 /// A finished CUDA IPC export.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) enum ExportDone {
@@ -181,18 +188,21 @@ pub(super) enum ExportDone {
         id: RequestId,
         /// Ranges it exported (counted against the bounds while queued).
         ranges: usize,
-        result: std::result::Result<Vec<IpcSource>, ErrorSource>,
+        result: std::result::Result<Exported, ErrorSource>,
     },
     /// A write's source (this side writes).
     Write {
         id: OpId,
-        result: std::result::Result<Vec<IpcSource>, ErrorSource>,
+        result: std::result::Result<Exported, ErrorSource>,
     },
+    /// VMM exports this side gave back on connection `conn` (evicted, or their `DeviceBuffer`
+    /// dropped): told to the peer at once, so its mappings of them go.
+    Forgotten { conn: ConnId, ids: Vec<u64> },
 }
 
 pub(super) type Exports = Arc<Inbox<ExportDone>>;
 
-/// A connection's id (also its token in the engine's poller); never reused.
+/// A connection's id (also its token in the engine's poller); unique in the process, never reused.
 pub(super) type ConnId = u64;
 
 /// One request on one connection: the name a grant or a writer goes by.
@@ -205,6 +215,10 @@ pub(super) struct RequestId {
     /// The slot's generation for this request.
     pub(super) gen: u64,
 }
+
+/// Export ids kept per connection for its `Forgot` frames (the importer keeps at most 256
+/// mappings: older ids are long unmapped).
+pub(super) const MAX_NAMED: usize = 1024;
 
 /// Stand-in pool keys: pids are positive, peers of another PID namespace take -1 ..= -2^30, feeds
 /// of pipes -2^31 ..= -2^30 - 1 (a collision between two peers only shares a share).
@@ -234,11 +248,19 @@ pub(super) struct Conn {
     pub(super) exporting: usize,
     /// This side may pull from the peer's memory.
     pub(super) can_pull: bool,
+    /// The peer lives in another PID namespace than this process (a pod), visible from here or
+    /// not: legacy CUDA IPC handles do not open across, so device memory moves as VMM
+    /// descriptors.
+    pub(super) other_pid_ns: bool,
     /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
     pub(super) peer: Arc<str>,
     pub(super) queued: Vec<OpId>,
     pub(super) free_slots: Vec<u32>,
     pub(super) gens: Vec<u64>,
+    /// The export ids of the VMM descriptors the peer passed on this connection (the most
+    /// recent [`MAX_NAMED`] of them): its `Forgot` frames release this side's mappings of these
+    /// alone, each once, so they cost this side no more work than the exports did.
+    pub(super) named: VecDeque<u64>,
     /// Pipes' read ends the peer passed, in order, not yet taken by the frame they came with
     /// (the core counts them; closed off the engine thread if never taken).
     pub(super) passed: VecDeque<OwnedFd>,
@@ -304,6 +326,8 @@ impl Conn {
             granted: 0,
             exporting: 0,
             can_pull: false,
+            other_pid_ns: false,
+            named: VecDeque::new(),
             peer,
             queued: Vec::new(),
             free_slots: if client {

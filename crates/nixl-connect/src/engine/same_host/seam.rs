@@ -118,6 +118,7 @@ impl Transport for SameHostTransport {
                 pidfd: None,
                 device,
                 sources: Vec::new(),
+                source_fds: Vec::new(),
             },
         );
         if ready {

@@ -4,7 +4,7 @@
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use super::device::device_path_refusal;
+use super::device::{device_path_refusal, DeviceAsk};
 use super::eager;
 use super::feeds::FeedFor;
 use super::link::{Answer, Request};
@@ -33,6 +33,7 @@ impl SameHostTransport {
             eager,
             data,
             pipes,
+            passed: descriptors,
             ..
         } = r;
         // A write's pipes are taken first, whatever is decided, so the next frame's are the next
@@ -45,6 +46,20 @@ impl SameHostTransport {
             }
         } else {
             pipe::Ends::new(Vec::new())
+        };
+        // A device write's VMM descriptors likewise (each an NVIDIA device's, or the connection
+        // dies); the link checked their count against the sources.
+        let vmm = descriptors - if write && pipes > 0 { usize::from(pipes) } else { 0 };
+        let mut vmm_fds = if vmm > 0 {
+            match self.sockets.take_cuda_exports(i, vmm) {
+                Some(fds) => {
+                    self.sockets.name_exports(i, &sources);
+                    fds
+                }
+                None => return,
+            }
+        } else {
+            Vec::new()
         };
         let Some(c) = self.sockets.get(i) else { return };
         if !c.link.is_ready() {
@@ -69,7 +84,8 @@ impl SameHostTransport {
             sources: &sources,
             eager,
             data: data.len(),
-            pipes: pipes as usize,
+            // (On a device read, `pipes` asks for VMM descriptors, not pipes.)
+            pipes: if device == Device::Host { pipes as usize } else { 0 },
         };
         let refusal = |s: Device, d: Device| device_path_refusal(s, d).map(|r| r.to_string());
         let decision = policy::decide(self.server.scope(&key), &asked, &load, &refusal);
@@ -107,7 +123,17 @@ impl SameHostTransport {
                 }
                 Some(Answer::Grant)
             }
-            Decision::DeviceRead | Decision::DeviceWrite => self.device_req(id, write, &key, remote, sources),
+            Decision::DeviceRead | Decision::DeviceWrite => self.device_req(
+                id,
+                &key,
+                DeviceAsk {
+                    write,
+                    remote,
+                    sources,
+                    vmm: !write && pipes > 0,
+                    fds: std::mem::take(&mut vmm_fds),
+                },
+            ),
             Decision::PullWrite => self.pull_write(id, &key, &remote, &local),
             Decision::PipeRead => self.pipe_read(id, &key, &remote, pipes as usize),
             Decision::PipeWrite => self.pipe_write(
@@ -118,6 +144,10 @@ impl SameHostTransport {
             ),
         };
         drop(passed);
+        // (Unused VMM descriptors, of a write refused or sent to NIXL, are closed on the closer.)
+        if !vmm_fds.is_empty() {
+            drop(pipe::Ends::new(vmm_fds));
+        }
         let sent = match answer {
             Some(a) => self
                 .sockets

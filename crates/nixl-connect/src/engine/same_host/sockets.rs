@@ -13,7 +13,7 @@ use std::time::Instant;
 use super::auth::KeyId;
 use super::limits::{Caps, ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID};
 use super::link::Heard;
-use super::records::{Conn, ConnId};
+use super::records::{Conn, ConnId, MAX_NAMED};
 use super::sys::dir::DirListener;
 use super::sys::slots::SlotTable;
 use super::sys::{
@@ -21,6 +21,7 @@ use super::sys::{
     set_timer, timerfd, uid, Control, Tracked,
 };
 use super::violation::Violation;
+use super::wire::IpcSource;
 use crate::engine::poller::{Registrar, MAX_TOKEN};
 
 /// The token of the listening socket in the engine's poller.
@@ -46,7 +47,6 @@ pub(super) struct Sockets {
     /// This process's uid (peers of another are closed at once).
     uid: libc::uid_t,
     conns: HashMap<ConnId, Conn>,
-    next: ConnId,
     /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
     /// the listener after `accept` ran out of descriptors, instead of spinning on it.
     accept_timer: Option<OwnedFd>,
@@ -91,7 +91,6 @@ impl Sockets {
             caps,
             uid: uid(),
             conns: HashMap::new(),
-            next: 1,
             accept_timer,
             deadline_timer,
             deadline_armed: None,
@@ -143,8 +142,10 @@ impl Sockets {
     /// Takes `c` in and watches it; its id (never reused, so a late copy or answer can never
     /// reach another connection).
     pub(super) fn insert(&mut self, c: Conn) -> ConnId {
-        let id = self.next;
-        self.next += 1;
+        // Unique in the process, not only in this connector: the CUDA thread, which all
+        // connectors share, keeps peers' mappings and this side's exports per connection.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let _ = self.reg.add(c.fd.as_raw_fd(), id, true, false);
         self.conns.insert(id, c);
         self.watch_deadline(id);
@@ -257,6 +258,49 @@ impl Sockets {
         fds.into_iter().for_each(close_elsewhere);
         c.link.kill(Violation::NotAPipe);
         None
+    }
+
+    /// Takes the next `n` descriptors connection `i`'s peer passed with a device write's sources
+    /// (its core counted them), each checked to be an NVIDIA device's (what a VMM export is).
+    /// `None` (the connection killed, and what was taken closed off this thread) when one is not.
+    pub(super) fn take_cuda_exports(&mut self, i: ConnId, n: usize) -> Option<Vec<OwnedFd>> {
+        let c = self.conns.get_mut(&i)?;
+        let fds: Vec<OwnedFd> = c.passed.drain(..n.min(c.passed.len())).collect();
+        if fds.len() == n && fds.iter().all(super::sys::is_cuda_export) {
+            return Some(fds);
+        }
+        fds.into_iter().for_each(close_elsewhere);
+        c.link.kill(Violation::NotACudaExport);
+        None
+    }
+
+    /// Notes the export ids of VMM `sources` connection `i`'s peer passed (see `Conn::named`).
+    pub(super) fn name_exports(&mut self, i: ConnId, sources: &[IpcSource]) {
+        let Some(c) = self.conns.get_mut(&i) else { return };
+        for s in sources.iter().filter(|s| s.fd > 0) {
+            if !c.named.contains(&s.buffer_id) {
+                if c.named.len() == MAX_NAMED {
+                    c.named.pop_front();
+                }
+                c.named.push_back(s.buffer_id);
+            }
+        }
+    }
+
+    /// Of `ids` the peer of connection `i` says it gave back, those it had passed here (each
+    /// answered once).
+    pub(super) fn unname_exports(&mut self, i: ConnId, ids: &[u64]) -> Vec<u64> {
+        let Some(c) = self.conns.get_mut(&i) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for id in ids {
+            if let Some(k) = c.named.iter().position(|n| n == id) {
+                c.named.remove(k);
+                out.push(*id);
+            }
+        }
+        out
     }
 
     /// Closes the next `n` descriptors connection `i`'s peer passed (off this thread).

@@ -20,6 +20,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("sys/mem", 1),
     ("sys/dir", 1),
     ("sys/pipe", 3),
+    ("sys/vmm", 2),
     ("sys/ipc", 3),
     ("sys/staged", 4),
     ("records", 5),

@@ -17,6 +17,8 @@ pub(crate) enum Violation {
     MissingDescriptors,
     /// A passed descriptor that is not a pipe's read end.
     NotAPipe,
+    /// A descriptor passed with device sources that is not an NVIDIA device's (a VMM export).
+    NotACudaExport,
     /// More unread bytes than the largest frame allows.
     Flood,
     /// A peer that leaves more than the unsent bound queued.
@@ -94,8 +96,11 @@ impl Violation {
     pub(crate) fn reason(self) -> &'static str {
         match self {
             Violation::PassedOutsideHello => "descriptors passed outside the hello and the pipes' frames",
-            Violation::MissingDescriptors => "pipes asked for or granted without their descriptors",
+            Violation::MissingDescriptors => {
+                "pipes or device exports asked for or granted without their descriptors"
+            }
             Violation::NotAPipe => "a passed descriptor that is not a pipe's read end",
+            Violation::NotACudaExport => "a descriptor passed with device sources that is not a CUDA export",
             Violation::Flood => "a peer that floods the connection",
             Violation::NotReading => "a peer that does not read what it is sent",
             Violation::HandshakeTimedOut => "the handshake did not finish in time",

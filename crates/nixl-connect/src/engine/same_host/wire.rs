@@ -20,6 +20,7 @@
 //! | `Refuse` | passive | the request breaks the operation's scope (ended, range, direction, busy) |
 //! | `Fallback` | passive | this operation cannot take the same-host path: use NIXL |
 //! | `Done` | both | the copier finished (reads: the active side; writes: the passive side) |
+//! | `Forgot` | both | the sender gave back these VMM exports: the peer's mappings of them may go |
 
 use super::auth::{KeyId, Nonce, Tag};
 use super::identity::{PublicKey, Sig};
@@ -29,8 +30,9 @@ use crate::device::Device;
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
 /// (5: every frame about an operation carries a MAC under that operation's key; 6: small host
 /// operations carry their bytes in the request or the answer; 7: the `Welcome` is signed by the
-/// identity the agent name advertises; 8: processes named by pidfs ids, host memory through pipes.)
-pub(crate) const VERSION: u32 = 8;
+/// identity the agent name advertises; 8: processes named by pidfs ids, host memory through pipes;
+/// 9: device memory exported as VMM allocations' POSIX descriptors, passed with the frame.)
+pub(crate) const VERSION: u32 = 9;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
 /// The longest reason string a frame carries, in bytes (longer ones are cut at a character
@@ -48,8 +50,10 @@ pub(crate) use super::limits::MAX_LANES;
 /// The most passed descriptors a connection holds before the frames that take them are read:
 /// those of two frames (one frame's tail and the next frame's start can come in one read).
 pub(crate) const MAX_PENDING_DESCRIPTORS: usize = 2 * MAX_LANES;
+/// The most export ids one [`Msg::Forgot`] names.
+pub(crate) const MAX_FORGOT: usize = 64;
 /// Encoded size of one [`IpcSource`].
-pub(crate) const SOURCE_BYTES: usize = 16 + 64 + 5 * 8;
+pub(crate) const SOURCE_BYTES: usize = 16 + 64 + 5 * 8 + 1;
 
 /// Why a request for a key this side has no live operation for is refused.
 pub(crate) const NOT_LIVE: &str = "no live operation has this notification key: it completed, was cancelled \
@@ -97,6 +101,22 @@ pub(crate) struct IpcSource {
     /// The range, as an offset into the allocation.
     pub(crate) offset: u64,
     pub(crate) len: u64,
+    /// 0: `handle` is a legacy CUDA IPC handle. `k` (1 ..= [`MAX_LANES`]): the allocation is a
+    /// VMM allocation whose POSIX descriptor is the `k`-th passed with this frame (`handle` is
+    /// zero; `base`/`alloc_len` are where the exporter maps that one allocation); several
+    /// ranges of one allocation share one descriptor.
+    pub(crate) fd: u8,
+}
+
+/// How many descriptors a frame carrying `sources` passes: the highest `fd` index, when the
+/// indices used are exactly `1..=n` (`None` when one is skipped: such a frame is malformed).
+pub(crate) fn passed_fds(sources: &[IpcSource]) -> Option<usize> {
+    let n = sources.iter().map(|s| s.fd as usize).max().unwrap_or(0);
+    let mut seen = [false; MAX_LANES + 1];
+    for s in sources {
+        *seen.get_mut(s.fd as usize)? = true;
+    }
+    seen[1..=n].iter().all(|&b| b).then_some(n)
 }
 
 /// One frame.
@@ -196,6 +216,12 @@ pub(crate) enum Msg {
         ok: bool,
         reason: String,
     },
+    /// The sender gave back the VMM exports it named by these ids on this connection (at most
+    /// [`MAX_FORGOT`]): the receiver's mappings of them may go. Unsigned (about no operation):
+    /// it only ever makes the receiver drop what this same peer gave it.
+    Forgot {
+        ids: Vec<u64>,
+    },
 }
 
 /// One decoded frame: the message, the bytes its MAC covers (type and payload), and the MAC
@@ -246,6 +272,7 @@ impl W<'_> {
             for x in [s.base, s.alloc_len, s.buffer_id, s.offset, s.len] {
                 self.u64(x);
             }
+            self.u8(s.fd);
         }
     }
 }
@@ -328,9 +355,13 @@ impl<'a> R<'a> {
                     buffer_id: self.u64()?,
                     offset: self.u64()?,
                     len: self.u64()?,
+                    fd: self.u8()?,
                 };
-                // The range must lie inside the allocation it names.
-                (s.offset.checked_add(s.len)? <= s.alloc_len && s.base.checked_add(s.alloc_len).is_some())
+                // The range must lie inside the allocation it names; a descriptor's index within
+                // what one frame may pass.
+                (s.offset.checked_add(s.len)? <= s.alloc_len
+                    && s.base.checked_add(s.alloc_len).is_some()
+                    && s.fd as usize <= MAX_LANES)
                     .then_some(s)
             })
             .collect()
@@ -359,7 +390,11 @@ impl Msg {
     pub(crate) fn signed(&self) -> bool {
         !matches!(
             self,
-            Msg::Hello { .. } | Msg::Welcome { .. } | Msg::Trusted { .. } | Msg::Reject { .. }
+            Msg::Hello { .. }
+                | Msg::Welcome { .. }
+                | Msg::Trusted { .. }
+                | Msg::Reject { .. }
+                | Msg::Forgot { .. }
         )
     }
 
@@ -402,6 +437,7 @@ impl Msg {
             Msg::Refuse { reason, .. } => 12 + 1 + str_len(reason),
             Msg::Fallback { reason, .. } => 12 + str_len(reason),
             Msg::Done { reason, .. } => 12 + 1 + str_len(reason),
+            Msg::Forgot { ids } => 4 + 8 * ids.len(),
         };
         4 + body + if self.signed() { MAC_LEN } else { 0 }
     }
@@ -501,6 +537,13 @@ impl Msg {
                 w.u8(5);
                 w.u32(*slot);
                 w.u64(*gen);
+            }
+            Msg::Forgot { ids } => {
+                w.u8(13);
+                w.u32(ids.len() as u32);
+                for id in ids {
+                    w.u64(*id);
+                }
             }
             Msg::GrantPipe { slot, gen, lanes } => {
                 w.u8(12);
@@ -675,6 +718,15 @@ impl Msg {
                 gen: r.u64()?,
                 data: r.data()?,
             },
+            13 => {
+                let n = r.u32()? as usize;
+                if n > MAX_FORGOT {
+                    return None;
+                }
+                Msg::Forgot {
+                    ids: (0..n).map(|_| r.u64()).collect::<Option<_>>()?,
+                }
+            }
             _ => return None,
         })
     }

@@ -62,6 +62,14 @@ impl Link {
                 heard.push(Heard::GrantPipe { slot, gen, lanes });
             }
             Msg::GrantIpc { sources, .. } => {
+                // Exports as passed descriptors only where the reader asked for them (then
+                // legacy handles too, for memory that has one), exactly as many as named.
+                let asked = self.open.get(&(slot, gen)).expect("checked").pipes > 0;
+                let n = passed_fds(&sources).unwrap_or(usize::MAX);
+                if (asked && n > self.pending) || (!asked && n != 0) {
+                    return self.kill(Violation::MissingDescriptors);
+                }
+                self.pending -= n;
                 self.open.get_mut(&(slot, gen)).expect("checked").granted = true;
                 heard.push(Heard::Grant {
                     slot,

@@ -20,6 +20,8 @@ pub(crate) enum Heard {
     /// Server: the next `fds` passed descriptors came with a request that is not served (no
     /// live operation has its key, too many open): they are closed.
     Unused { fds: usize },
+    /// Either side: the peer gave back these VMM exports; this side's mappings of them may go.
+    Forgot { ids: Vec<u64> },
     /// Server: the reader finished copying a granted read.
     ReadDone {
         slot: u32,
@@ -89,8 +91,12 @@ pub(crate) struct Request {
     /// empty for every other request.
     pub(crate) data: Vec<u8>,
     /// Host memory through pipes: a read's lanes asked for, or a write's read ends passed with
-    /// it (the next as many passed descriptors); 0: not through pipes.
+    /// it (the next as many passed descriptors); 0: not through pipes. On a device read, 1:
+    /// the reader takes VMM descriptors.
     pub(crate) pipes: u8,
+    /// The descriptors that came with this request (a write's pipes' read ends or VMM
+    /// descriptors), counted off by the core: the owner takes or closes exactly these.
+    pub(crate) passed: usize,
 }
 
 /// The server's answer to an open request.

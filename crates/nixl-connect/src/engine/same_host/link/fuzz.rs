@@ -11,7 +11,7 @@ use super::{Answer, Heard, Link, MAX_OPEN, MAX_UNSENT};
 use crate::device::Device;
 use crate::engine::same_host::auth::{self, KeyId, Keyed, Nonce, Side};
 use crate::engine::same_host::identity::Identity;
-use crate::engine::same_host::wire::{IpcSource, Msg, RefuseCode, EAGER_MAX, MAX_FRAME, VERSION};
+use crate::engine::same_host::wire::{passed_fds, IpcSource, Msg, RefuseCode, EAGER_MAX, MAX_FRAME, VERSION};
 
 /// The operation keys a pair knows: the server holds the first two live; the third is held by
 /// the client only (a replayed or foreign operation).
@@ -100,6 +100,15 @@ impl Pair {
             true,
             p.now,
         );
+        p
+    }
+
+    /// A pair whose client takes device exports as VMM descriptors (it uses CUDA) but can read
+    /// the server's memory (no pipes).
+    #[cfg(test)]
+    pub(crate) fn exporting(opening: usize) -> Self {
+        let mut p = Self::new(opening);
+        p.client.take_exports();
         p
     }
 
@@ -251,6 +260,7 @@ fn source(len: u64) -> IpcSource {
         buffer_id: 3,
         offset: 0,
         len,
+        fd: 0,
     }
 }
 
@@ -275,7 +285,13 @@ fn answer_frame(k: u8, slot: u32, gen: u64, n: usize) -> Msg {
         1 => Msg::GrantIpc {
             slot,
             gen,
-            sources: vec![source(4096); n],
+            // Legacy handles and VMM descriptors (some indices skipped, some past what came).
+            sources: (0..n)
+                .map(|i| IpcSource {
+                    fd: ((n + i) % 3) as u8,
+                    ..source(4096)
+                })
+                .collect(),
         },
         2 => Msg::Refuse {
             slot,
@@ -435,12 +451,32 @@ pub(crate) fn run(data: &[u8]) {
                         nonce: p.nonce,
                     },
                     1 => Msg::Trusted { pipes: k & 16 == 16 },
+                    2 if k & 32 == 32 => {
+                        // A device request: a write with a VMM source (its descriptor passed or
+                        // not), or a read asking for descriptors.
+                        let write = k & 16 == 16;
+                        let mut m = Pair::req(slot, gen, key.unwrap_or(2), write, Device::Cuda(0), 1);
+                        if let Msg::Req { sources, pipes, .. } = &mut m {
+                            if write {
+                                sources.push(IpcSource {
+                                    fd: 1,
+                                    ..source(4096)
+                                });
+                            } else {
+                                *pipes = 1;
+                            }
+                        }
+                        m
+                    }
                     2 => Pair::req(slot, gen, key.unwrap_or(2), k & 16 == 16, Device::Host, 1),
                     3 => Msg::Done {
                         slot,
                         gen,
                         ok: true,
                         reason: String::new(),
+                    },
+                    _ if k & 32 == 32 => Msg::Forgot {
+                        ids: vec![u64::from(slot); usize::from(input.u8().unwrap_or(0) % 70)],
                     },
                     _ => Msg::Grant { slot, gen },
                 };
@@ -551,10 +587,33 @@ pub(crate) fn run(data: &[u8]) {
                 if !r.data.is_empty() {
                     assert!(r.write && r.local.is_empty() && total == r.data.len() as u64);
                 }
-                if r.pipes > 0 {
+                if r.pipes > 0 && r.device != Device::Host {
                     assert!(
-                        r.device == Device::Host && !r.eager && r.data.is_empty() && r.local.is_empty(),
+                        !r.write && r.pipes == 1 && r.sources.is_empty(),
+                        "a device request asking for more than VMM descriptors: {r:?}"
+                    );
+                } else if r.pipes > 0 {
+                    assert!(
+                        !r.eager && r.data.is_empty() && r.local.is_empty(),
                         "pipes for something else than a host copy: {r:?}"
+                    );
+                }
+                let expect = if r.write {
+                    usize::from(r.pipes) + passed_fds(&r.sources).unwrap_or(usize::MAX)
+                } else {
+                    0
+                };
+                assert_eq!(
+                    r.passed, expect,
+                    "descriptors counted off for another frame: {r:?}"
+                );
+                if r.sources.iter().any(|s| s.fd > 0) {
+                    assert!(
+                        r.write
+                            && r.device != Device::Host
+                            && r.pipes == 0
+                            && passed_fds(&r.sources).is_some(),
+                        "VMM descriptors with something else than a device write: {r:?}"
                     );
                 }
             }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::fuzz::{Pair, IMPOSTOR_SEED, KEYS, SERVER_SEED};
 use super::*;
+use crate::engine::same_host::wire::IpcSource;
 
 /// The reader's side of a read of `KEYS[key]` on a shaken pair: request, grant, done.
 fn read(p: &mut Pair, slot: u32, gen: u64, key: usize) {
@@ -758,7 +759,7 @@ fn link_pipes_pass_only_as_many_as_their_frames_say() {
     assert!(p.client.request(KEYS[1], &piped_req(1, true, 2)));
     p.deliver_to_server(2);
     assert!(!p.server.is_dead(), "{:?}", p.server.death());
-    assert!(matches!(&p.at_server[2], Heard::Req(r) if r.pipes == 2 && r.write));
+    assert!(matches!(&p.at_server[2], Heard::Req(r) if r.pipes == 2 && r.write && r.passed == 2));
     // One fewer than the frame says.
     let mut p = Pair::piped(0);
     p.shake();
@@ -794,17 +795,200 @@ fn link_pipes_pass_only_as_many_as_their_frames_say() {
     p.shake();
     p.server.recv(&[], 1, p.now, &p.keys.clone(), &mut p.at_server);
     assert_eq!(p.server.death(), Some(Violation::PassedOutsideHello));
-    // Pipes for device memory.
+    // Pipes for device memory: a device write's (it passes VMM descriptors with its sources,
+    // not pipes), or more than the one a device read asks VMM exports with.
+    for (write, pipes) in [(true, 1), (false, 2)] {
+        let mut p = Pair::piped(0);
+        p.shake();
+        let mut m = piped_req(1, write, pipes);
+        if let Msg::Req { device, .. } = &mut m {
+            *device = Device::Cuda(0);
+        }
+        let forged = p.forge(&m, Some(1), true);
+        p.server.recv(
+            &forged,
+            usize::from(pipes),
+            p.now,
+            &p.keys.clone(),
+            &mut p.at_server,
+        );
+        assert_eq!(
+            p.server.death(),
+            Some(Violation::MissingDescriptors),
+            "{write} {pipes}"
+        );
+    }
+}
+
+/// `Forgot` (exports given back) passes either way once the handshake is done, never before.
+#[test]
+fn link_forgot_passes_both_ways_once_ready() {
+    let mut p = Pair::new(0);
+    p.shake();
+    p.client.forgot(&(0..70).collect::<Vec<u64>>());
+    p.deliver_to_server(0);
+    let told: Vec<u64> = p
+        .at_server
+        .iter()
+        .filter_map(|h| match h {
+            Heard::Forgot { ids } => Some(ids.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(told, (0..70).collect::<Vec<u64>>(), "in two frames");
+    p.server.forgot(&[5]);
+    p.deliver_to_client();
+    assert_eq!(p.at_client.last(), Some(&Heard::Forgot { ids: vec![5] }));
+    assert!(!p.client.is_dead() && !p.server.is_dead());
+    // Before the handshake: out of order.
+    let mut p = Pair::new(0);
+    let bytes = p.forge(&Msg::Forgot { ids: vec![1] }, None, true);
+    p.server.recv(&bytes, 0, p.now, &p.keys.clone(), &mut p.at_server);
+    assert_eq!(p.server.death(), Some(Violation::OutOfOrder));
+}
+
+/// A device source exported as a VMM descriptor (`fd` k: the k-th passed with the frame).
+fn vmm_source(fd: u8) -> IpcSource {
+    IpcSource {
+        uuid: [1; 16],
+        handle: [0; 64],
+        base: 0x7000_0000,
+        alloc_len: 2 << 20,
+        buffer_id: 3,
+        offset: 0,
+        len: 16,
+        fd,
+    }
+}
+
+/// Device memory as VMM descriptors: a write's come with it, as many as its sources name, only
+/// where the client said it passes descriptors; a device read asks for them (`pipes: 1`) and its
+/// `GrantIpc` then passes one per allocation (legacy handles beside them for memory that has
+/// one); a grant passing descriptors nobody asked for, or fewer than its sources name, closes the
+/// connection before anything reaches the owner.
+#[test]
+fn link_vmm_descriptors_pass_only_with_the_sources_that_name_them() {
+    let write_req = |sources: Vec<IpcSource>| {
+        let mut m = Pair::req(1, 1, 1, true, Device::Cuda(0), sources.len());
+        if let Msg::Req { sources: s, .. } = &mut m {
+            *s = sources;
+        }
+        m
+    };
+    // Two ranges of one allocation and one of another: two descriptors.
     let mut p = Pair::piped(0);
     p.shake();
-    let mut m = piped_req(1, false, 1);
-    if let Msg::Req { device, .. } = &mut m {
-        *device = Device::Cuda(0);
-    }
-    let forged = p.forge(&m, Some(1), true);
-    p.server
-        .recv(&forged, 0, p.now, &p.keys.clone(), &mut p.at_server);
+    assert!(p.client.request(
+        KEYS[1],
+        &write_req(vec![vmm_source(1), vmm_source(2), vmm_source(1)])
+    ));
+    p.deliver_to_server(2);
+    assert!(!p.server.is_dead(), "{:?}", p.server.death());
+    assert!(matches!(&p.at_server[2], Heard::Req(r) if r.sources.len() == 3 && r.write && r.passed == 2));
+    // One fewer than the sources name.
+    let mut p = Pair::piped(0);
+    p.shake();
+    assert!(p
+        .client
+        .request(KEYS[1], &write_req(vec![vmm_source(1), vmm_source(2)])));
+    p.deliver_to_server(1);
     assert_eq!(p.server.death(), Some(Violation::MissingDescriptors));
+    assert_eq!(p.at_server.len(), 2, "nothing reached the owner");
+    // An index skipped (descriptor 2 named, 1 never).
+    let mut p = Pair::piped(0);
+    p.shake();
+    assert!(p.client.request(KEYS[1], &write_req(vec![vmm_source(2)])));
+    p.deliver_to_server(2);
+    assert_eq!(p.server.death(), Some(Violation::MissingDescriptors));
+    // On a connection whose client did not say it passes descriptors.
+    let mut p = Pair::new(0);
+    p.shake();
+    let forged = p.forge(&write_req(vec![vmm_source(1)]), Some(1), true);
+    p.server
+        .recv(&forged, 1, p.now, &p.keys.clone(), &mut p.at_server);
+    assert_eq!(p.server.death(), Some(Violation::PassedOutsideHello));
+
+    // Reads: asked with `pipes: 1`, granted with one descriptor per allocation.
+    let read_req = || {
+        let mut m = Pair::req(1, 1, 1, false, Device::Cuda(0), 2);
+        if let Msg::Req { pipes, .. } = &mut m {
+            *pipes = 1;
+        }
+        m
+    };
+    let grant = |p: &mut Pair, asked: bool, sources: Vec<IpcSource>, fds: usize| {
+        let m = if asked {
+            read_req()
+        } else {
+            Pair::req(1, 1, 1, false, Device::Cuda(0), 2)
+        };
+        assert!(p.client.request(KEYS[1], &m));
+        p.deliver_to_server(0);
+        assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if !r.write && r.pipes == u8::from(asked)));
+        let bytes = p.forge(
+            &Msg::GrantIpc {
+                slot: 1,
+                gen: 1,
+                sources,
+            },
+            Some(1),
+            false,
+        );
+        p.client
+            .recv(&bytes, fds, p.now, &HashMap::new(), &mut p.at_client);
+    };
+    let mut p = Pair::piped(0);
+    p.shake();
+    grant(&mut p, true, vec![vmm_source(1), vmm_source(1)], 1);
+    assert!(!p.client.is_dead(), "{:?}", p.client.death());
+    assert!(matches!(p.at_client.last(), Some(Heard::Grant { sources: Some(s), .. }) if s.len() == 2));
+    // Through the server's own answer: the descriptors' count is the frame's.
+    let mut p = Pair::piped(0);
+    p.shake();
+    assert!(p.client.request(KEYS[1], &read_req()));
+    p.deliver_to_server(0);
+    assert!(p
+        .server
+        .answer(1, 1, Answer::GrantIpc(vec![vmm_source(1), vmm_source(2)])));
+    p.deliver_to_client_with(2);
+    assert!(!p.client.is_dead(), "{:?}", p.client.death());
+    // A client that takes exports without pipes (it uses CUDA, in one PID namespace): its
+    // `Trusted` lets it pass descriptors, its host writes are not piped, its grants take them.
+    let mut p = Pair::exporting(0);
+    p.shake();
+    assert_eq!(p.at_server[1], Heard::Trusted { pipes: true });
+    assert!(p.client.passes_descriptors() && !p.client.writes_piped() && p.client.takes_exports());
+    grant(&mut p, true, vec![vmm_source(1), vmm_source(1)], 1);
+    assert!(!p.client.is_dead(), "{:?}", p.client.death());
+    // Neither pipes nor exports: no descriptor is taken with a grant.
+    let mut p = Pair::new(0);
+    p.shake();
+    assert!(!p.client.passes_descriptors() && !p.client.takes_exports());
+    grant(&mut p, false, vec![vmm_source(1), vmm_source(1)], 1);
+    assert_eq!(p.client.death(), Some(Violation::PassedOutsideHello));
+    // A legacy handle beside a descriptor, where they were asked for (memory that has one).
+    let mut p = Pair::piped(0);
+    p.shake();
+    grant(&mut p, true, vec![vmm_source(1), vmm_source(0)], 1);
+    assert!(!p.client.is_dead(), "{:?}", p.client.death());
+    // Fewer descriptors than named; an index skipped; descriptors where legacy handles were
+    // asked for.
+    for (asked, sources, fds) in [
+        (true, vec![vmm_source(1), vmm_source(2)], 1),
+        (true, vec![vmm_source(2), vmm_source(2)], 2),
+        (false, vec![vmm_source(1), vmm_source(1)], 1),
+    ] {
+        let mut p = Pair::piped(0);
+        p.shake();
+        grant(&mut p, asked, sources, fds);
+        assert_eq!(
+            p.client.death(),
+            Some(Violation::MissingDescriptors),
+            "{asked} {fds}"
+        );
+        assert!(!p.at_client.iter().any(|h| matches!(h, Heard::Grant { .. })));
+    }
 }
 
 /// A read through pipes: the server's `GrantPipe` carries at most the lanes asked, with as many

@@ -339,6 +339,7 @@ fn policy_writes_take_one_writer_and_the_right_copy() {
         buffer_id: 1,
         offset: 0,
         len: 16,
+        fd: 0,
     }];
     let a = Asked {
         sources: &sources,

@@ -18,11 +18,23 @@
 //! Mappings stay open after an operation (opening costs far more than a small copy) until the same
 //! address shows another buffer id, the cache is full, or the peer's connection closes.
 //!
+//! VMM allocations (this crate's `DeviceBuffer`, PyTorch's expandable segments) have no legacy
+//! handle, and between PID namespaces (pods) a legacy handle does not open: there the export is
+//! the allocation's POSIX descriptor ([`super::vmm`]), passed with the frame, to a peer that said
+//! it takes descriptors. The exporter keeps each allocation it shared on a connection retained,
+//! under an id never reused (the handle's value names that allocation while it is retained, so a
+//! later allocation at the same address gets a new id), and passes a copy of its descriptor with
+//! every operation; the copier keeps its mapping per (connection, id), so an allocation is
+//! imported and mapped once, not per operation. Both sides bound what they keep (count and
+//! bytes, least recently used first) and drop it when the connection closes; a `DeviceBuffer`
+//! dropped is forgotten at once.
+//!
 //! All CUDA calls of this path run on one thread per process, `nixl-connect-cuda`, so the engine
 //! thread never blocks on the device.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -31,12 +43,25 @@ use cudarc::driver::sys::{self, CUresult};
 
 use super::cma::{CopyError, SlotRef};
 use super::slots::{ARMED, COPYING, DONE};
+use super::vmm;
 use crate::engine::same_host::wire::IpcSource;
 use crate::error::ErrorSource;
 use crate::sync::Recover;
 
 /// Mappings kept open per process before the least recently used is closed.
 const MAX_MAPPINGS: usize = 1024;
+/// Allocations kept shared (retained) per connection as VMM descriptors, and their bytes, before
+/// the least recently used is given back: memory the owner has freed stays allocated while kept.
+const MAX_SHARED_PER_CONN: usize = 32;
+const MAX_SHARED_BYTES_PER_CONN: u64 = 8 << 30;
+/// Allocations kept shared in the process, over every connection: each keeps its exported
+/// descriptor (exporting one per operation costs about 1 ms on the H200, dup-ing it
+/// microseconds), so this bounds the descriptors the exporter holds.
+const MAX_SHARED: usize = 64;
+/// Peers' VMM allocations kept mapped per process, and their bytes, before the least recently
+/// used is unmapped.
+const MAX_IMPORTS: usize = 256;
+const MAX_IMPORTED_BYTES: u64 = 32 << 30;
 
 /// One piece of a device copy: `src` (the peer's export) into `dst`, an address of this process
 /// (device memory, or host memory the driver copies into).
@@ -53,6 +78,9 @@ pub(crate) struct Copy {
     /// The owner of the sources.
     pub(crate) pid: libc::pid_t,
     pub(crate) pieces: Vec<Piece>,
+    /// The VMM allocations' descriptors passed with the sources (a source's `fd` is its index
+    /// plus one), each checked with [`vmm::is_export`].
+    pub(crate) fds: Vec<OwnedFd>,
     pub(crate) slot: SlotRef,
     pub(crate) cancel: Arc<AtomicBool>,
 }
@@ -92,9 +120,51 @@ pub(crate) enum IpcError {
     /// ([`MAX_STAGING`](super::staged::MAX_STAGING)): the copy takes NIXL.
     #[error("this process holds its whole allowance of pinned staging memory")]
     NoStaging,
+    /// The memory is not a VMM allocation with a POSIX-descriptor handle type, the only device
+    /// memory that crosses PID namespaces.
+    #[error(
+        "the device memory cannot be exported as a descriptor (it is not a VMM allocation with a \
+         POSIX-descriptor handle type: cuMemAlloc and PyTorch's default allocator make none; \
+         allocate with nixl_connect::cuda::DeviceBuffer, or run PyTorch with \
+         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
+    )]
+    NotExportable,
+    /// One operation's ranges lie in more VMM allocations than one frame may pass descriptors
+    /// for.
+    #[error("the ranges lie in more than {0} device allocations, more than one frame may pass")]
+    TooManyAllocations(usize),
+    /// A range's descriptor is not among those passed, or names allocations of different sizes.
+    #[error("a device range names a descriptor that was not passed with it")]
+    MissingDescriptor,
+    /// VMM memory this crate did not allocate, for a peer in another PID namespace: its
+    /// descriptor would give the peer the whole allocation for as long as it keeps it (a
+    /// PyTorch segment's piece holds other tensors), which nothing else there could reach.
+    #[error(
+        "the device memory is not a nixl_connect DeviceBuffer: to a peer in another PID namespace \
+         only those are shared as descriptors (the peer could keep the whole allocation, which may \
+         hold other tensors); allocate with DeviceBuffer, or set NIXL_CONNECT_SHARE_VMM=1 to share \
+         other VMM memory (PyTorch's expandable segments) anyway"
+    )]
+    NotOwned,
+    /// A size this process cannot map.
+    #[error("a device allocation too large to map here")]
+    TooLarge,
+    /// No descriptor left to copy an export's into (the process's limit).
+    #[error("no file descriptor left to pass a device export (raise the open-files limit)")]
+    NoDescriptor,
     /// A driver call panicked (the step is abandoned; the thread goes on).
     #[error("the CUDA {0} panicked")]
     Panicked(&'static str),
+}
+
+impl From<vmm::VmmError> for IpcError {
+    fn from(e: vmm::VmmError) -> Self {
+        match e {
+            vmm::VmmError::Driver { call, result } => IpcError::Driver { call, result },
+            vmm::VmmError::NotExportable => IpcError::NotExportable,
+            vmm::VmmError::TooLarge => IpcError::TooLarge,
+        }
+    }
 }
 
 impl From<IpcError> for ErrorSource {
@@ -103,13 +173,44 @@ impl From<IpcError> for ErrorSource {
     }
 }
 
-type Exported = Box<dyn FnOnce(Result<Vec<IpcSource>, ErrorSource>) + Send>;
+/// An export: one source per range, and the descriptors they name (none for legacy handles).
+pub(crate) type Export = (Vec<IpcSource>, Vec<OwnedFd>);
+/// Told, on the CUDA thread, the ids of VMM exports this side gave back on a connection
+/// (evicted, or their `DeviceBuffer` dropped), so that its peer is told at once.
+pub(crate) type Teller = Arc<dyn Fn(u64, Vec<u64>) + Send + Sync>;
+
+/// Where an export goes.
+pub(crate) struct ExportTo {
+    /// The connection (its id is unique in the process).
+    pub(crate) conn: u64,
+    /// How its peer takes exports.
+    pub(crate) how: ExportAs,
+    /// Who is told of the exports given back on it.
+    pub(crate) tell: Teller,
+}
+type Exported = Box<dyn FnOnce(Result<Export, ErrorSource>) + Send>;
 type Copied = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
 enum Job {
-    Export(Vec<(u64, u64)>, Exported),
+    Export(ExportTo, Vec<(u64, u64)>, Exported),
     Copy(Copy, Copied),
     Forget(u64),
+    ForgetAt(u64),
+    Unmap(u64, Vec<u64>),
+}
+
+/// How the peer of a connection takes this side's device exports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExportAs {
+    /// Legacy CUDA IPC handles only (the peer takes no descriptors).
+    Handles,
+    /// The peer takes VMM descriptors: in the same PID namespace, legacy handles where the memory
+    /// has one and descriptors otherwise; in another (`other_namespace`), descriptors always
+    /// (legacy handles do not open there).
+    Descriptors {
+        /// The peer is in another PID namespace.
+        other_namespace: bool,
+    },
 }
 
 /// True when this process can take part in CUDA IPC: a driver, initialised, with a device.
@@ -122,6 +223,8 @@ fn worker() -> Option<&'static Mutex<Sender<Job>>> {
     static TX: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
     TX.get_or_init(|| {
         let (tx, rx) = channel::<Job>();
+        // A `DeviceBuffer` dropped is forgotten by every connection it was shared on.
+        crate::cuda::on_device_buffer_drop(forget_at);
         std::thread::Builder::new()
             .name("nixl-connect-cuda".into())
             .spawn(move || {
@@ -143,12 +246,13 @@ fn submit(job: Job) -> Result<(), Job> {
     }
 }
 
-/// Exports `ranges` of this process's device memory; `done` runs on the CUDA thread.
-pub(crate) fn export(ranges: Vec<(u64, u64)>, done: Exported) {
+/// Exports `ranges` of this process's device memory to the peer of a connection, as `to` says;
+/// `done` runs on the CUDA thread.
+pub(crate) fn export(to: ExportTo, ranges: Vec<(u64, u64)>, done: Exported) {
     if !available() {
         return done(Err(IpcError::NoDevice.into()));
     }
-    if let Err(Job::Export(_, done)) = submit(Job::Export(ranges, done)) {
+    if let Err(Job::Export(_, _, done)) = submit(Job::Export(to, ranges, done)) {
         done(Err(IpcError::NoThread.into()));
     }
 }
@@ -158,12 +262,15 @@ pub(crate) fn export(ranges: Vec<(u64, u64)>, done: Exported) {
 /// before the copy began.
 pub(crate) fn spawn(c: Copy, done: Copied) -> Result<(), CopyError> {
     if !c.slot.table.advance(c.slot.idx, c.slot.gen, ARMED, COPYING) {
+        // A peer's descriptors are never closed on the engine thread.
+        c.fds.into_iter().for_each(super::close_elsewhere);
         return Err(CopyError::NotStarted);
     }
     match submit(Job::Copy(c, done)) {
         Ok(()) => Ok(()),
         Err(Job::Copy(c, done)) => {
             let _ = c.slot.table.advance(c.slot.idx, c.slot.gen, COPYING, DONE);
+            c.fds.into_iter().for_each(super::close_elsewhere);
             done(Err(CopyError::Unsupported(IpcError::NoThread.into())));
             Ok(())
         }
@@ -171,10 +278,41 @@ pub(crate) fn spawn(c: Copy, done: Copied) -> Result<(), CopyError> {
     }
 }
 
-/// Closes the mappings opened for connection `conn` (it closed), once copies before it are done.
+/// Closes the mappings opened for connection `conn` (it closed), once copies before it are done,
+/// and gives back the allocations shared on it.
 pub(crate) fn forget(conn: u64) {
     if available() {
         let _ = submit(Job::Forget(conn));
+    }
+}
+
+/// Unmaps the peer's VMM exports `ids` on connection `conn` (it gave them back).
+pub(crate) fn forget_imports(conn: u64, ids: Vec<u64>) {
+    if available() {
+        let _ = submit(Job::Unmap(conn, ids));
+    }
+}
+
+/// Gives back the allocations shared with any peer that are mapped at `base` (a `DeviceBuffer`
+/// being dropped): the memory goes once the peers' mappings go.
+fn forget_at(base: u64) {
+    let _ = submit(Job::ForgetAt(base));
+}
+
+/// True where `NIXL_CONNECT_SHARE_VMM=1`: VMM memory this crate did not allocate is shared with
+/// peers in other PID namespaces too (read once).
+fn share_foreign_vmm() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("NIXL_CONNECT_SHARE_VMM").is_ok_and(|v| v == "1"))
+}
+
+/// Closes a legacy mapping no copy uses any more.
+fn close_mapping(m: Mapping) {
+    // SAFETY: closes a mapping this thread opened and no copy uses (copies run on this thread and
+    // are synchronised before their replaced mappings are closed, and before the next job).
+    unsafe {
+        let _ = sys::cuCtxSetCurrent(m.ctx);
+        let _ = sys::cuIpcCloseMemHandle(m.ptr);
     }
 }
 
@@ -213,14 +351,50 @@ struct Cuda {
     /// needs none), so that finding a peer's device makes a context on that device alone.
     uuids: Option<Vec<[u8; 16]>>,
     tick: u64,
+    /// Allocations shared as VMM descriptors: (connection, handle value) -> what was shared.
+    shared: HashMap<(u64, u64), Shared>,
+    /// The last export id given (ids are never reused).
+    last_id: u64,
+    /// Peers' VMM allocations mapped here: (connection, export id, ordinal) -> mapping.
+    imports: HashMap<(u64, u64, i32), Import>,
+    /// Who is told of the exports given back, per connection that has any.
+    tellers: HashMap<u64, Teller>,
+    /// Mappings replaced or evicted during the copy in progress: unmapped only once its streams
+    /// are synchronised (a copy enqueued earlier in the same job may still read them).
+    retired: Vec<Import>,
+    retired_legacy: Vec<Mapping>,
+}
+
+/// An allocation this process shares with one peer as a VMM descriptor, retained (so that its
+/// handle's value names it alone) while the peer may keep a mapping of it by `id`.
+struct Shared {
+    id: u64,
+    handle: sys::CUmemGenericAllocationHandle,
+    base: u64,
+    size: u64,
+    /// The exported descriptor: a copy (`dup`) of it goes with each operation.
+    fd: OwnedFd,
+    used: u64,
+}
+
+/// A peer's VMM allocation mapped here.
+struct Import {
+    map: vmm::Imported,
+    len: u64,
+    used: u64,
 }
 
 impl Cuda {
     fn run(&mut self, job: Job) {
         match job {
-            Job::Export(ranges, done) => {
-                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.export(&ranges)))
-                    .unwrap_or(Err(IpcError::Panicked("export")));
+            Job::Export(to, ranges, done) => {
+                if matches!(to.how, ExportAs::Descriptors { .. }) {
+                    self.tellers.insert(to.conn, to.tell.clone());
+                }
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.export_as(to.conn, &ranges, to.how)
+                }))
+                .unwrap_or(Err(IpcError::Panicked("export")));
                 done(r.map_err(ErrorSource::from));
             }
             Job::Copy(c, done) => {
@@ -242,7 +416,13 @@ impl Cuda {
                     self.close(k);
                 }
                 self.ids.retain(|k, _| k.0 != conn);
+                self.imports.retain(|k, _| k.0 != conn);
+                // The peer's mappings go with its end of the connection: nobody to tell.
+                self.tellers.remove(&conn);
+                self.unshare(|k, _| k.0 == conn);
             }
+            Job::ForgetAt(base) => self.unshare(|_, s| s.base == base),
+            Job::Unmap(conn, ids) => self.imports.retain(|k, _| k.0 != conn || !ids.contains(&k.1)),
         }
     }
 
@@ -352,9 +532,215 @@ impl Cuda {
                 buffer_id,
                 offset,
                 len,
+                fd: 0,
             });
         }
         Ok(out)
+    }
+
+    /// Exports `ranges` as `how` says: each as a legacy handle (`fd` 0) or as its allocation's
+    /// VMM descriptor (`fd` k: the k-th passed, one per allocation, at most
+    /// [`MAX_LANES`](crate::engine::same_host::wire::MAX_LANES) per operation; `buffer_id` is the
+    /// export's id).
+    fn export_as(&mut self, conn: u64, ranges: &[(u64, u64)], how: ExportAs) -> Result<Export, IpcError> {
+        use crate::engine::same_host::wire::MAX_LANES;
+        let other = match how {
+            ExportAs::Handles => return self.export(ranges).map(|s| (s, Vec::new())),
+            ExportAs::Descriptors { other_namespace } => other_namespace,
+        };
+        let mut out = Vec::with_capacity(ranges.len());
+        let mut fds: Vec<OwnedFd> = Vec::new();
+        let mut ids: Vec<u64> = Vec::new();
+        for &(addr, len) in ranges {
+            let ordinal = self.ordinal_of_ptr(addr)?;
+            let d = self.dev(ordinal)?;
+            // SAFETY: makes a retained primary context current on this thread.
+            check(unsafe { sys::cuCtxSetCurrent(d.ctx) }, "cuCtxSetCurrent")?;
+            let legacy = !other
+                && self
+                    .attr::<i32>(
+                        addr,
+                        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                    )
+                    .is_ok_and(|v| v != 0);
+            if legacy {
+                out.extend(self.export(&[(addr, len)])?);
+                continue;
+            }
+            let (id, base, size, fd) = self.share(conn, addr)?;
+            // Between PID namespaces, only memory this crate allocated goes (or all VMM memory
+            // where the process says so): a descriptor gives the whole allocation, kept.
+            if other && !crate::cuda::is_device_buffer(base, size) && !share_foreign_vmm() {
+                self.unshare(|k, s| k.0 == conn && s.id == id);
+                return Err(IpcError::NotOwned);
+            }
+            let offset = addr - base;
+            if offset.checked_add(len).is_none_or(|e| e > size) {
+                // A range running from one allocation into the next (PyTorch's expandable
+                // segments map 20 MiB pieces side by side): not one allocation's.
+                return Err(IpcError::PastAllocation);
+            }
+            let k = match ids.iter().position(|&i| i == id) {
+                Some(k) => k, // `fd` (another copy of the same descriptor) is closed here
+                None => {
+                    if fds.len() == MAX_LANES {
+                        return Err(IpcError::TooManyAllocations(MAX_LANES));
+                    }
+                    ids.push(id);
+                    fds.push(fd);
+                    fds.len() - 1
+                }
+            };
+            out.push(IpcSource {
+                uuid: d.uuid,
+                handle: [0; 64],
+                base,
+                alloc_len: size,
+                buffer_id: id,
+                offset,
+                len,
+                fd: (k + 1) as u8,
+            });
+        }
+        Ok((out, fds))
+    }
+
+    /// The allocation around `addr` shared with the peer of `conn`: its export id, where it is
+    /// mapped here, and a copy of its descriptor. Shared (retained, exported) on first use, kept
+    /// within this connection's bounds.
+    fn share(&mut self, conn: u64, addr: u64) -> Result<(u64, u64, u64, OwnedFd), IpcError> {
+        let (h, base, size) = vmm::retain(addr)?;
+        self.tick += 1;
+        if let Some(s) = self.shared.get_mut(&(conn, h)) {
+            vmm::release(h); // the entry holds a reference of its own
+            s.used = self.tick;
+            s.base = base;
+            let fd = s.fd.try_clone().map_err(|_| IpcError::NoDescriptor)?;
+            return Ok((s.id, base, size, fd));
+        }
+        let fd = match vmm::export(h) {
+            Ok(fd) => fd,
+            Err(e) => {
+                vmm::release(h);
+                return Err(e.into());
+            }
+        };
+        let Ok(copy) = fd.try_clone() else {
+            vmm::release(h);
+            return Err(IpcError::NoDescriptor);
+        };
+        // Room within the connection's bounds and the process's, least recently used first.
+        loop {
+            let mine = self.shared.iter().filter(|(k, _)| k.0 == conn);
+            let (n, bytes) = mine.fold((0usize, 0u64), |(n, b), (_, s)| (n + 1, b + s.size));
+            let conn_full = n > 0 && (n >= MAX_SHARED_PER_CONN || bytes + size > MAX_SHARED_BYTES_PER_CONN);
+            let all_full = self.shared.len() >= MAX_SHARED;
+            if !conn_full && !all_full {
+                break;
+            }
+            let oldest = self
+                .shared
+                .iter()
+                .filter(|(k, _)| !conn_full || k.0 == conn)
+                .min_by_key(|(_, s)| s.used)
+                .map(|(k, _)| *k);
+            match oldest {
+                Some(k) => self.unshare(|key, _| *key == k),
+                None => break,
+            }
+        }
+        self.last_id += 1;
+        let id = self.last_id;
+        self.shared.insert(
+            (conn, h),
+            Shared {
+                id,
+                handle: h,
+                base,
+                size,
+                fd,
+                used: self.tick,
+            },
+        );
+        Ok((id, base, size, copy))
+    }
+
+    /// Gives back the shared allocations `which` selects.
+    fn unshare(&mut self, which: impl Fn(&(u64, u64), &Shared) -> bool) {
+        let keys: Vec<_> = self
+            .shared
+            .iter()
+            .filter(|(k, s)| which(k, s))
+            .map(|(k, _)| *k)
+            .collect();
+        let mut told: HashMap<u64, Vec<u64>> = HashMap::new();
+        for k in keys {
+            if let Some(s) = self.shared.remove(&k) {
+                vmm::release(s.handle);
+                told.entry(k.0).or_default().push(s.id);
+            }
+        }
+        for (conn, ids) in told {
+            if let Some(tell) = self.tellers.get(&conn) {
+                tell(conn, ids);
+            }
+        }
+    }
+
+    /// The mapping of the peer's VMM allocation `src` names, from connection `conn`, for device
+    /// `ordinal`: kept from an earlier operation under the same export id, else imported from
+    /// `fd` (passed with this operation) and kept.
+    fn vmm_map(
+        &mut self,
+        conn: u64,
+        src: &IpcSource,
+        fd: &OwnedFd,
+        ordinal: i32,
+        ctx: sys::CUcontext,
+    ) -> Result<u64, CopyError> {
+        let key = (conn, src.buffer_id, ordinal);
+        self.tick += 1;
+        match self.imports.get_mut(&key) {
+            Some(m) if m.len == src.alloc_len => {
+                m.used = self.tick;
+                return Ok(m.map.ptr());
+            }
+            Some(_) => {
+                // The peer names this id with another size: not the allocation mapped. (Retired:
+                // a copy enqueued earlier in this job may still read it.)
+                let old = self.imports.remove(&key).expect("present");
+                self.retired.push(old);
+            }
+            None => {}
+        }
+        loop {
+            let bytes: u64 = self.imports.values().map(|m| m.len).sum();
+            if self.imports.is_empty()
+                || (self.imports.len() < MAX_IMPORTS
+                    && bytes.saturating_add(src.alloc_len) <= MAX_IMPORTED_BYTES)
+            {
+                break;
+            }
+            if let Some(k) = self.imports.iter().min_by_key(|(_, m)| m.used).map(|(k, _)| *k) {
+                let old = self.imports.remove(&k).expect("present");
+                self.retired.push(old);
+            }
+        }
+        // SAFETY: makes a retained context current (the mapping is made for its device).
+        check(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")
+            .map_err(|e| CopyError::Os(e.into()))?;
+        let map = vmm::Imported::map(fd, src.alloc_len, ordinal)
+            .map_err(|e| CopyError::Unsupported(IpcError::from(e).into()))?;
+        let ptr = map.ptr();
+        self.imports.insert(
+            key,
+            Import {
+                map,
+                len: src.alloc_len,
+                used: self.tick,
+            },
+        );
+        Ok(ptr)
     }
 
     /// The mapping of `src` from connection `conn`, opened in device `ordinal`'s context if not
@@ -379,12 +765,12 @@ impl Cuda {
                 .copied()
                 .collect();
             for k in stale {
-                self.close(k);
+                self.retire(k);
             }
         }
         if self.maps.len() >= MAX_MAPPINGS {
             if let Some(&old) = self.maps.iter().min_by_key(|(_, m)| m.used).map(|(k, _)| k) {
-                self.close(old);
+                self.retire(old);
             }
         }
         let d = self.dev(ordinal).map_err(|e| CopyError::Unsupported(e.into()))?;
@@ -420,12 +806,15 @@ impl Cuda {
 
     fn close(&mut self, key: (u64, u64, u64, i32)) {
         if let Some(m) = self.maps.remove(&key) {
-            // SAFETY: closes a mapping this thread opened and no copy uses (copies run on this
-            // thread and are synchronised before the next job).
-            unsafe {
-                let _ = sys::cuCtxSetCurrent(m.ctx);
-                let _ = sys::cuIpcCloseMemHandle(m.ptr);
-            }
+            close_mapping(m);
+        }
+    }
+
+    /// Takes mapping `key` out of use during a copy; it is closed once the copy's streams are
+    /// synchronised (a copy enqueued earlier in the same job may still read it).
+    fn retire(&mut self, key: (u64, u64, u64, i32)) {
+        if let Some(m) = self.maps.remove(&key) {
+            self.retired_legacy.push(m);
         }
     }
 
@@ -479,13 +868,21 @@ impl Cuda {
                     .ordinal_of(&p.src.uuid)
                     .map_err(|e| CopyError::Unsupported(e.into()))?;
                 let ordinal = dst_ordinal.unwrap_or(src_ordinal);
+                let d = self.dev(ordinal).map_err(|e| CopyError::Os(e.into()))?;
                 let src = if own {
                     // Two connectors of one process: the exporter's address is ours.
                     p.src.base
+                } else if p.src.fd > 0 {
+                    // A VMM allocation's descriptor (another PID namespace, or memory without a
+                    // legacy handle): mapped once per export id.
+                    let fd = c
+                        .fds
+                        .get(p.src.fd as usize - 1)
+                        .ok_or_else(|| CopyError::Unsupported(IpcError::MissingDescriptor.into()))?;
+                    self.vmm_map(c.conn, &p.src, fd, ordinal, d.ctx)?
                 } else {
                     self.map(c.conn, &p.src, ordinal)?
                 };
-                let d = self.dev(ordinal).map_err(|e| CopyError::Os(e.into()))?;
                 // The peer's word on the allocation's size is checked against the mapping itself:
                 // a peer claiming more than it exported never makes this process read past it.
                 self.within_mapping(d.ctx, src, &p.src)
@@ -528,6 +925,11 @@ impl Cuda {
             if let (Err(e), true) = (check(r, "cuStreamSynchronize"), synced.is_ok()) {
                 synced = Err(CopyError::Os(e.into()));
             }
+        }
+        // Only now may what was replaced or evicted during this copy go.
+        self.retired.clear();
+        for m in std::mem::take(&mut self.retired_legacy) {
+            close_mapping(m);
         }
         result.and(synced)
     }
@@ -580,6 +982,125 @@ mod tests {
             Err(IpcError::PeerGpuNotVisible)
         ));
         assert!(cuda.devs.is_empty());
+    }
+
+    /// VMM exports: one descriptor per allocation (ranges in one share it) under an id kept per
+    /// connection while the allocation is shared (a new id once it is given back), mapped by an
+    /// importer once per id and at the allocation's true size only, the bytes the exporter's;
+    /// legacy memory goes as a legacy handle in one PID namespace and cannot go to another;
+    /// what a connection keeps shared is bounded.
+    #[test]
+    fn ipc_vmm_exports_are_kept_per_connection_and_mapped_once() {
+        let Some(ctx) = gpu("ipc_vmm_exports_are_kept_per_connection_and_mapped_once") else {
+            return;
+        };
+        use crate::cuda::DeviceBuffer;
+        use crate::device::Device;
+        let pods = ExportAs::Descriptors {
+            other_namespace: true,
+        };
+        let same = ExportAs::Descriptors {
+            other_namespace: false,
+        };
+        let mut a = DeviceBuffer::new(Device::Cuda(0), 4 << 20).unwrap();
+        let b = DeviceBuffer::new(Device::Cuda(0), 4096).unwrap();
+        let bytes: Vec<u8> = (0..4 << 20)
+            .map(|i: usize| (i as u8).wrapping_mul(7) ^ (i >> 12) as u8)
+            .collect();
+        a.copy_from_host(&bytes).unwrap();
+        let mut cuda = Cuda::default();
+        let ranges = [
+            (a.ptr(), 1 << 20),
+            (a.ptr() + (2 << 20), 1 << 20),
+            (b.ptr(), 4096),
+        ];
+        let (sources, fds) = cuda.export_as(1, &ranges, pods).unwrap();
+        assert_eq!(fds.len(), 2, "two allocations");
+        assert_eq!(sources.iter().map(|s| s.fd).collect::<Vec<_>>(), [1, 1, 2]);
+        assert!(fds.iter().all(crate::engine::same_host::sys::is_cuda_export));
+        assert_eq!((sources[1].offset, sources[0].alloc_len), (2 << 20, 4 << 20));
+        let id_a = sources[0].buffer_id;
+        // Again on the same connection: the same ids; on another: ids of its own.
+        let (again, _) = cuda.export_as(1, &ranges[..1], pods).unwrap();
+        assert_eq!(again[0].buffer_id, id_a);
+        let (other, _) = cuda.export_as(2, &ranges[..1], pods).unwrap();
+        assert_ne!(other[0].buffer_id, id_a);
+        // One PID namespace: memory without a legacy handle still goes as a descriptor.
+        let (s1, f1) = cuda.export_as(3, &ranges[..1], same).unwrap();
+        assert_eq!((s1[0].fd, f1.len()), (1, 1));
+        // Imported once per id, at its true size: the exporter's bytes.
+        let d = cuda.dev(0).unwrap();
+        let p1 = cuda.vmm_map(9, &sources[1], &fds[0], 0, d.ctx).unwrap();
+        let p2 = cuda.vmm_map(9, &sources[0], &fds[0], 0, d.ctx).unwrap();
+        assert_eq!((p1, cuda.imports.len()), (p2, 1), "one mapping per export id");
+        cuda.run(Job::Unmap(9, vec![id_a + 1000]));
+        assert_eq!(cuda.imports.len(), 1, "another id's");
+        cuda.run(Job::Unmap(9, vec![id_a]));
+        assert!(cuda.imports.is_empty(), "given back by its exporter");
+        let p1 = cuda.vmm_map(9, &sources[1], &fds[0], 0, d.ctx).unwrap();
+        cuda.within_mapping(d.ctx, p1, &sources[1]).unwrap();
+        let mut back = vec![0u8; 1 << 20];
+        ctx.bind_to_thread().unwrap();
+        // SAFETY: copies 1 MiB out of the mapping (inside the allocation) into `back`.
+        let r = unsafe { sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), p1 + (2 << 20), 1 << 20) };
+        assert_eq!(r, CUresult::CUDA_SUCCESS);
+        assert!(back == bytes[2 << 20..3 << 20], "the exporter's bytes");
+        // The same id claimed with another size: that mapping goes, and none of that size maps.
+        let mut lie = sources[0].clone();
+        lie.alloc_len = 8 << 20;
+        assert!(cuda.vmm_map(9, &lie, &fds[0], 0, d.ctx).is_err());
+        assert!(cuda.imports.is_empty());
+        assert!(
+            vmm::Imported::map(&fds[1], 4 << 20, 0).is_err(),
+            "4 KiB's allocation is 2 MiB"
+        );
+        // Given back (a dropped buffer): the next export of the address is a new allocation's.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx = Mutex::new(tx);
+        cuda.tellers.insert(
+            1,
+            Arc::new(move |c, ids| tx.lock().recover().send((c, ids)).unwrap()),
+        );
+        cuda.unshare(|_, s| s.base == a.ptr());
+        assert_eq!(
+            rx.try_recv().unwrap(),
+            (1, vec![id_a]),
+            "the peer is told at once"
+        );
+        let (fresh, _) = cuda.export_as(1, &ranges[..1], pods).unwrap();
+        assert!(fresh[0].buffer_id > id_a);
+        assert!(rx.try_recv().is_err(), "once");
+        // Legacy memory: a handle in one namespace, nothing to another.
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: allocates 1 MiB with cuMemAlloc; freed below.
+        let r = unsafe { sys::cuMemAlloc_v2(&mut ptr, 1 << 20) };
+        assert_eq!(r, CUresult::CUDA_SUCCESS);
+        let (legacy, lf) = cuda.export_as(1, &[(ptr, 4096)], same).unwrap();
+        assert_eq!((legacy[0].fd, lf.len()), (0, 0));
+        let e = cuda.export_as(1, &[(ptr, 4096)], pods).unwrap_err();
+        assert!(matches!(e, IpcError::NotExportable), "{e}");
+        // More allocations than one frame passes; more than a connection keeps.
+        let many: Vec<DeviceBuffer> = (0..MAX_SHARED_PER_CONN + 2)
+            .map(|_| DeviceBuffer::new(Device::Cuda(0), 4096).unwrap())
+            .collect();
+        let five: Vec<(u64, u64)> = many[..5].iter().map(|m| (m.ptr(), 4096)).collect();
+        assert!(matches!(
+            cuda.export_as(4, &five, pods),
+            Err(IpcError::TooManyAllocations(4))
+        ));
+        for m in &many {
+            cuda.export_as(4, &[(m.ptr(), 4096)], pods).unwrap();
+        }
+        assert_eq!(
+            cuda.shared.keys().filter(|k| k.0 == 4).count(),
+            MAX_SHARED_PER_CONN
+        );
+        // A connection closed gives back all it kept.
+        cuda.run(Job::Forget(4));
+        assert_eq!(cuda.shared.keys().filter(|k| k.0 == 4).count(), 0);
+        ctx.bind_to_thread().unwrap();
+        // SAFETY: frees the allocation made above.
+        unsafe { sys::cuMemFree_v2(ptr) };
     }
 
     #[test]

@@ -7,9 +7,10 @@
 //! - [`slots`]: the slot table, a sealed memfd both processes map;
 //! - [`cma`]: copies with `process_vm_readv`, the copy pool;
 //! - [`dir`]: the rendezvous in a directory both sides mount (sockets as files, locks);
-//! - [`pipe`]: pipes fed with `vmsplice` where the peer's memory cannot be read (another PID
+//! - [`pipe`]: pipes carrying copies where the peer's memory cannot be read (another PID
 //!   namespace, ptrace refused);
-//! - `ipc` and `staged` (feature `cuda`): CUDA IPC exports and copies, pinned staging.
+//! - `ipc`, `vmm` and `staged` (feature `cuda`): CUDA IPC exports and copies, VMM allocations'
+//!   descriptors between PID namespaces, pinned staging.
 
 pub(crate) mod cma;
 pub(crate) mod dir;
@@ -20,6 +21,8 @@ pub(crate) mod pipe;
 pub(crate) mod slots;
 #[cfg(feature = "cuda")]
 pub(super) mod staged;
+#[cfg(feature = "cuda")]
+pub(crate) mod vmm;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -356,6 +359,27 @@ pub(super) fn refuse_passed_descriptors(fd: RawFd) {
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
+}
+
+/// True when process `pid` (as seen from here; 0: not visible) lives in this process's PID
+/// namespace (their `/proc/<pid>/ns/pid` are one inode). A peer whose namespace cannot be read
+/// counts as in another: that only makes device memory move as VMM descriptors, which work in
+/// either case (memory that cannot be exported so takes NIXL).
+pub(crate) fn same_pid_namespace(pid: libc::pid_t) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    if pid <= 0 {
+        return false;
+    }
+    static MINE: std::sync::OnceLock<Option<(u64, u64)>> = std::sync::OnceLock::new();
+    let mine = *MINE.get_or_init(|| {
+        std::fs::metadata("/proc/self/ns/pid")
+            .ok()
+            .map(|m| (m.dev(), m.ino()))
+    });
+    let theirs = std::fs::metadata(format!("/proc/{pid}/ns/pid"))
+        .ok()
+        .map(|m| (m.dev(), m.ino()));
+    mine.is_some() && mine == theirs
 }
 
 /// Makes the kernel deliver descriptors passed to `fd` again (a connection that takes pipes'
@@ -695,5 +719,47 @@ impl Drop for Tracked {
         if let Some(fd) = self.0.take() {
             to_closer(Closer::Own, fd, true);
         }
+    }
+}
+
+/// The character devices' major number NVIDIA's driver registers (`/dev/nvidiactl` is 195:255).
+const NVIDIA_MAJOR: u32 = 195;
+
+/// True when `fd` is a descriptor of an NVIDIA character device (what an export is), found with
+/// `statx(AT_STATX_DONT_SYNC)`: no filesystem is asked (a FUSE server could answer slowly), and a
+/// file can only present itself as such a device by being one.
+pub(crate) fn is_cuda_export(fd: &OwnedFd) -> bool {
+    // SAFETY: statx of an open descriptor (empty path, AT_EMPTY_PATH) into a zeroed local.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; the path is a valid empty C string, `st` is writable.
+    let r = unsafe {
+        libc::statx(
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
+            libc::STATX_TYPE,
+            &mut st,
+        )
+    };
+    r == 0 && u32::from(st.stx_mode) & libc::S_IFMT == libc::S_IFCHR && st.stx_rdev_major == NVIDIA_MAJOR
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sys_cuda_export_check_refuses_what_is_no_nvidia_device() {
+        let mut p = [0; 2];
+        // SAFETY: makes a pipe whose two descriptors become owned just below.
+        assert_eq!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: the two descriptors pipe2 just made, owned once each.
+        let (r, w) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+        assert!(!is_cuda_export(&r));
+        assert!(!is_cuda_export(&w));
+        let null = OwnedFd::from(std::fs::File::open("/dev/null").unwrap()); // a character device, 1:3
+        assert!(!is_cuda_export(&null));
+        let dir = OwnedFd::from(std::fs::File::open("/").unwrap());
+        assert!(!is_cuda_export(&dir));
     }
 }

@@ -65,6 +65,13 @@ impl Ends {
     pub(crate) fn raw(&self) -> Vec<RawFd> {
         self.0.iter().map(AsRawFd::as_raw_fd).collect()
     }
+
+    /// The descriptors themselves, for a holder that closes them where it may block (the CUDA
+    /// thread, with NVIDIA devices' descriptors only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn into_vec(mut self) -> Vec<OwnedFd> {
+        std::mem::take(&mut self.0)
+    }
 }
 
 impl Drop for Ends {

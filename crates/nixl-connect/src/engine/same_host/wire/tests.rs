@@ -12,6 +12,7 @@ fn source(seed: u8) -> IpcSource {
         buffer_id: u64::from(seed) + 40,
         offset: 4096,
         len: 1 << 20,
+        fd: seed % 3,
     }
 }
 
@@ -36,6 +37,10 @@ fn all() -> Vec<Msg> {
         },
         Msg::Trusted { pipes: true },
         Msg::Reject { reason: "uid".into() },
+        Msg::Forgot {
+            ids: vec![7, 1 << 40],
+        },
+        Msg::Forgot { ids: Vec::new() },
         Msg::Req {
             slot: 9,
             gen: 10,
@@ -265,4 +270,45 @@ fn wire_rejects_malformed_frames_without_panicking() {
     let n = (evil.len() - 4) as u32;
     evil[..4].copy_from_slice(&n.to_le_bytes());
     assert!(Msg::decode(&evil, MAX_FRAME).is_err());
+}
+
+/// `Forgot` is unsigned and names at most `MAX_FORGOT` ids.
+#[test]
+fn wire_forgot_is_bounded() {
+    let m = Msg::Forgot {
+        ids: vec![1; MAX_FORGOT],
+    };
+    assert!(!m.signed());
+    let mut b = Vec::new();
+    m.encode(&mut b);
+    assert_eq!(b.len(), m.encoded_len());
+    assert!(matches!(Msg::decode(&b, MAX_FRAME), Ok(Some((f, _))) if f.msg == m));
+    let mut b = Vec::new();
+    Msg::Forgot {
+        ids: vec![1; MAX_FORGOT + 1],
+    }
+    .encode(&mut b);
+    assert!(Msg::decode(&b, MAX_FRAME).is_err());
+}
+
+/// A frame passes as many descriptors as its sources' highest index, every index from 1 used;
+/// an index skipped or past what a frame may pass is malformed.
+#[test]
+fn wire_vmm_descriptor_indices_are_counted_and_bounded() {
+    let with =
+        |fds: &[u8]| -> Vec<IpcSource> { fds.iter().map(|&fd| IpcSource { fd, ..source(1) }).collect() };
+    assert_eq!(passed_fds(&[]), Some(0));
+    assert_eq!(passed_fds(&with(&[0, 0])), Some(0));
+    assert_eq!(passed_fds(&with(&[1, 2, 1])), Some(2));
+    assert_eq!(passed_fds(&with(&[2])), None, "index 1 skipped");
+    assert_eq!(passed_fds(&with(&[MAX_LANES as u8 + 1])), None);
+    // The decoder refuses an index past the bound.
+    let m = Msg::GrantIpc {
+        slot: 1,
+        gen: 1,
+        sources: with(&[MAX_LANES as u8 + 1]),
+    };
+    let mut b = Vec::new();
+    m.encode_signed(&mut b, |_| [0; MAC_LEN]);
+    assert!(Msg::decode(&b, MAX_FRAME).is_err());
 }
