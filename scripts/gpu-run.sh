@@ -72,6 +72,8 @@ sec "device limits (torch, same run)"
 for a in gpu_copy.py gpu_ipc.py gpu_ipc_small.py; do
   [ -f "$B/anchors/$a" ] && (cd "$B/anchors" && timeout 90 python3 "$a" 2>&1 | tee -a "$res")
 done
+sec "device memory between pods (gpu-pods.sh)"
+OUT="$OUTDIR" bash "$B/gpu-pods.sh" || status=1
 sec "doctor"
 "$B/bin/nixl-connect" doctor 2>&1 | tee -a "$log"
 if [ -f "$B/anchors/gpu_pair.py" ] && python3 -c "import nixl, torch" 2>/dev/null; then

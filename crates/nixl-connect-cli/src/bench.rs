@@ -34,8 +34,11 @@ pub(crate) struct Args {
     /// `read` (readable -> read) or `write` (writable -> write).
     #[arg(long, default_value = "read", value_parser = ["read", "write"])]
     op: String,
-    /// `huge`: the library's page-aligned huge-page `HostBuffer`; `vec`: plain `Vec<u8>`.
-    #[arg(long, default_value = "huge", value_parser = ["huge", "vec"])]
+    /// `huge`: the library's page-aligned huge-page `HostBuffer`; `vec`: plain `Vec<u8>`. With
+    /// `--device cuda:N`: `huge` and `vec` are `cuMemAlloc` memory (legacy CUDA IPC), `vmm` the
+    /// library's `DeviceBuffer` (a VMM allocation: the device memory that crosses PID namespaces;
+    /// a host side of the same run takes `huge`).
+    #[arg(long, default_value = "huge", value_parser = ["huge", "vec", "vmm"])]
     buffers: String,
     /// Which path moves the bytes: `auto` (same-host to a Rust peer on this host), `nixl`, `local`.
     #[arg(long, default_value = "auto")]
@@ -206,11 +209,17 @@ impl Mem {
             }
             return Ok(Mem::Parts { buf, size, stride });
         }
+        // `vmm` names device memory; a host side of the same run takes `huge`.
+        let kind = if kind == "vmm" && device == Device::Host {
+            "huge"
+        } else {
+            kind
+        };
         if device != Device::Host {
             #[cfg(feature = "cuda")]
             return Ok(Mem::Gpu(
                 (0..count)
-                    .map(|_| gpu::Gpu::new(device, size, seed))
+                    .map(|_| gpu::Gpu::new(device, size, seed, kind == "vmm"))
                     .collect::<Result<_>>()?,
             ));
             #[cfg(not(feature = "cuda"))]
@@ -331,6 +340,8 @@ mod gpu {
         ptr: u64,
         size: usize,
         device: Device,
+        /// The memory, when it is the library's VMM `DeviceBuffer` (else `cuMemAlloc`'s).
+        vmm: Option<nixl_connect::cuda::DeviceBuffer>,
     }
 
     fn ok(r: sys::CUresult, what: &str) -> Result<()> {
@@ -341,13 +352,24 @@ mod gpu {
     }
 
     impl Gpu {
-        pub(super) fn new(device: Device, size: usize, seed: Option<u64>) -> Result<Self> {
+        pub(super) fn new(device: Device, size: usize, seed: Option<u64>, vmm: bool) -> Result<Self> {
             nixl_connect::cuda::device_count()?;
             let ctx = CudaContext::new(device.id() as usize)?;
             ctx.bind_to_thread()?;
             let mut host = vec![0u8; size];
             if let Some(s) = seed {
                 crate::pattern::fill(&mut host, s, 0);
+            }
+            if vmm {
+                let mut b = nixl_connect::cuda::DeviceBuffer::new(device, size)?;
+                b.copy_from_host(&host)?;
+                return Ok(Self {
+                    ctx,
+                    ptr: b.ptr(),
+                    size,
+                    device,
+                    vmm: Some(b),
+                });
             }
             let mut ptr: sys::CUdeviceptr = 0;
             // SAFETY: allocates `size` bytes in the bound context, then fills them from `host`
@@ -364,6 +386,7 @@ mod gpu {
                 ptr,
                 size,
                 device,
+                vmm: None,
             })
         }
 
@@ -386,6 +409,9 @@ mod gpu {
 
     impl Drop for Gpu {
         fn drop(&mut self) {
+            if self.vmm.is_some() {
+                return; // the DeviceBuffer frees itself
+            }
             let _ = self.ctx.bind_to_thread();
             // SAFETY: frees the allocation made in `new`, which no operation uses any more.
             unsafe { sys::cuMemFree_v2(self.ptr) };

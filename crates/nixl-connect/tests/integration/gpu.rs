@@ -43,7 +43,10 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 #[derive(Clone, Copy, Debug)]
 enum Mem {
     Host,
+    /// `cuMemAlloc` memory (legacy CUDA IPC).
     Vram,
+    /// The library's `DeviceBuffer` (a VMM allocation: crosses PID namespaces).
+    Vmm,
 }
 
 /// Passive memory of `len` bytes in `n` descriptors holding `data` (or zeros), as descriptors.
@@ -55,6 +58,7 @@ fn alloc(s: &Arc<CudaStream>, kind: Mem, data: &[u8], n: usize) -> Vec<Descripto
             match kind {
                 Mem::Host => Descriptor::from(chunk.to_vec()),
                 Mem::Vram => vram(s, chunk),
+                Mem::Vmm => vmm(chunk),
             }
         })
         .collect()
@@ -99,6 +103,15 @@ fn vram(s: &Arc<CudaStream>, data: &[u8]) -> Descriptor<'static> {
     };
     // SAFETY: `owner` keeps the allocation alive as long as the descriptor needs it.
     unsafe { Descriptor::from_raw_parts_with_owner(ptr as *mut u8, data.len(), Device::Cuda(0), true, owner) }
+}
+
+/// A descriptor owning a fresh `DeviceBuffer` holding `data`.
+fn vmm(data: &[u8]) -> Descriptor<'static> {
+    let mut b = cuda::DeviceBuffer::new(Device::Cuda(0), data.len()).unwrap();
+    b.copy_from_host(data).unwrap();
+    let ptr = b.ptr();
+    // SAFETY: the buffer, owned by the descriptor, keeps the memory alive as long as it needs it.
+    unsafe { Descriptor::from_raw_parts_with_owner(ptr as *mut u8, data.len(), Device::Cuda(0), true, b) }
 }
 
 /// Copies the descriptors' bytes back to the host (device memory through cudarc).
@@ -232,6 +245,36 @@ impl Peer {
         Self { child, out }
     }
 
+    /// The peer in a pod: its own PID (with its own /proc), IPC and mount namespaces, finding
+    /// this process's socket through the directory `dir` too.
+    fn start_in_pod(spec: &str, dir: &std::path::Path) -> Self {
+        let mut child = std::process::Command::new("unshare")
+            .args([
+                "--pid",
+                "--ipc",
+                "--mount",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+            ])
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "gpu::support_gpu_peer",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("NIXL_CONNECT_TEST_PEER", spec)
+            .env("NIXL_CONNECT_SOCKET_DIR", dir)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        Self { child, out }
+    }
+
     fn metadata(&mut self) -> RdmaMetadata {
         read_tagged(&mut self.out, "MD:").parse().unwrap()
     }
@@ -252,6 +295,7 @@ fn mem_name(m: Mem) -> &'static str {
     match m {
         Mem::Host => "host",
         Mem::Vram => "vram",
+        Mem::Vmm => "vmm",
     }
 }
 
@@ -425,6 +469,96 @@ async fn gpu_ipc_copier_killed_mid_copy_leaves_the_owner_sound() {
     drop(r);
 }
 
+/// Device memory between pods (issue 41): the peer in its own PID, IPC and mount namespaces
+/// (legacy CUDA IPC handles do not open there). The library's `DeviceBuffer` moves on the
+/// same-host path as a VMM allocation's descriptor (`cuda-vmm`), read and written, one and
+/// several allocations per operation, into device and host memory, bytes checked on the side
+/// that receives them; `cuMemAlloc` memory as the source takes NIXL, bytes still right. In one
+/// namespace VMM memory goes as a descriptor too, legacy memory as a handle; a buffer freed and
+/// allocated again in the pod is never read through the old mapping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_vmm_device_memory_crosses_pid_and_ipc_namespaces() {
+    let Some(s) = gpu("gpu_vmm_device_memory_crosses_pid_and_ipc_namespaces") else {
+        return;
+    };
+    use nixl_connect::Mechanism;
+    let dir = std::env::temp_dir().join(format!("nxc-gpu-pods-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let conn = Connector::builder().socket_dir(&dir).build().unwrap();
+    let (vmm, ipc) = (Some(Mechanism::CudaVmm), Some(Mechanism::CudaIpc));
+    for (pod, role, passive, active, len, n, want) in [
+        (true, "readable", Mem::Vmm, Mem::Vmm, 64 << 20, 1, vmm),
+        (true, "readable", Mem::Vmm, Mem::Vmm, 1 << 20, 3, vmm),
+        (true, "readable", Mem::Vmm, Mem::Host, 8 << 20, 1, vmm),
+        (true, "writable", Mem::Vmm, Mem::Vmm, 64 << 20, 1, vmm),
+        (true, "writable", Mem::Vram, Mem::Vmm, 1 << 20, 2, vmm),
+        // Legacy memory as the source: NIXL, with the reason in the logs.
+        (true, "readable", Mem::Vram, Mem::Vmm, 1 << 20, 1, None),
+        // One namespace: VMM memory has no legacy handle; it goes as a descriptor there too,
+        // legacy memory as a handle.
+        (false, "readable", Mem::Vmm, Mem::Vram, 8 << 20, 1, vmm),
+        (false, "writable", Mem::Vram, Mem::Vmm, 8 << 20, 1, vmm),
+        (false, "readable", Mem::Vram, Mem::Vmm, 8 << 20, 1, ipc),
+    ] {
+        let at = if pod { "in a pod" } else { "in this namespace" };
+        let what = format!("{role} on {passive:?} {at}, the active side on {active:?}, {len} x{n}");
+        let spec = format!("{role} {len} {n} {}", mem_name(passive));
+        let mut peer = if pod {
+            Peer::start_in_pod(&spec, &dir)
+        } else {
+            Peer::start(&spec)
+        };
+        let md = peer.metadata();
+        let data = pattern(len, n as u8);
+        let (path, mechanism) = if role == "readable" {
+            let op = conn
+                .begin_read(&md, alloc(&s, active, &vec![0u8; len], n))
+                .await
+                .unwrap();
+            op.wait_for_completion(T).await.unwrap();
+            assert!(bytes_of(&s, op.results()) == data, "{what}: bytes differ");
+            (op.path(), op.mechanism())
+        } else {
+            let op = conn.begin_write(alloc(&s, active, &data, n), &md).await.unwrap();
+            op.wait_for_completion(T).await.unwrap();
+            (op.path(), op.mechanism())
+        };
+        let want_path = if want.is_some() {
+            TransferPath::Local
+        } else {
+            TransferPath::Nixl
+        };
+        assert_eq!(path, Some(want_path), "{what}");
+        assert_eq!(mechanism, want, "{what}");
+        peer.finish(&what); // a writable's owner checks every byte
+    }
+    // The owner in a pod frees its buffer after each read and allocates another (a new
+    // allocation, often at the same address): every read sees the new bytes, never a mapping
+    // kept of the old one.
+    let len = 1 << 20;
+    let mut peer = Peer::start_in_pod(&format!("realloc {len} 6 vmm"), &dir);
+    for round in 0..6u8 {
+        let md = peer.metadata();
+        let op = conn
+            .begin_read(&md, alloc(&s, Mem::Vmm, &vec![0u8; len], 1))
+            .await
+            .unwrap();
+        op.wait_for_completion(T).await.unwrap();
+        assert_eq!(op.mechanism(), vmm, "round {round}");
+        assert!(
+            bytes_of(&s, op.results()) == pattern(len, 100 + round),
+            "round {round}: stale bytes"
+        );
+    }
+    peer.finish("realloc in a pod");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn read_tagged(out: &mut impl std::io::BufRead, tag: &str) -> String {
     let mut line = String::new();
     loop {
@@ -447,10 +581,10 @@ fn support_gpu_peer() {
     };
     let w: Vec<&str> = spec.split_whitespace().collect();
     let (len, n): (usize, usize) = (w[1].parse().unwrap(), w[2].parse().unwrap());
-    let mem = if w.get(3) == Some(&"host") {
-        Mem::Host
-    } else {
-        Mem::Vram
+    let mem = match w.get(3) {
+        Some(&"host") => Mem::Host,
+        Some(&"vmm") => Mem::Vmm,
+        _ => Mem::Vram,
     };
     let s = CudaContext::new(0).unwrap().default_stream();
     let rt = tokio::runtime::Builder::new_multi_thread()
