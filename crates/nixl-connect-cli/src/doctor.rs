@@ -250,7 +250,11 @@ fn device_paths() -> Check {
                 Ok(()) if src == Device::Host => {
                     "same-host (process_vm_readv into pinned staging, then DMA)".to_string()
                 }
-                Ok(()) => "same-host (CUDA IPC)".to_string(),
+                // Device sources: legacy handles (cuMemAlloc memory), VMM descriptors for memory
+                // without one; between pods, a DeviceBuffer's descriptor (docs/GPU.md).
+                Ok(()) => "same-host (CUDA IPC, or a VMM descriptor; between pods, DeviceBuffers as VMM \
+                           descriptors, cuMemAlloc memory through NIXL)"
+                    .to_string(),
                 Err(why) => format!("NIXL ({why})"),
             };
             lines.push(format!("{src}->{dst}: {path}"));
