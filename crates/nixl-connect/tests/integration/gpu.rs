@@ -13,6 +13,8 @@ use std::time::Duration;
 use nixl_connect::cuda::{self, CudaContext, CudaStream};
 use nixl_connect::{Connector, Descriptor, Device, Error, RdmaMetadata, TransferPath};
 
+use super::support::POD;
+
 const T: Option<Duration> = Some(Duration::from_secs(60));
 
 /// The first GPU's default stream, or `None` after printing why the test is skipped.
@@ -228,36 +230,22 @@ struct Peer {
 
 impl Peer {
     fn start(spec: &str) -> Self {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "gpu::support_gpu_peer",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("NIXL_CONNECT_TEST_PEER", spec)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let out = std::io::BufReader::new(child.stdout.take().unwrap());
-        Self { child, out }
+        Self::spawn(std::process::Command::new(std::env::current_exe().unwrap()), spec)
     }
 
     /// The peer in a pod: its own PID (with its own /proc), IPC and mount namespaces, finding
     /// this process's socket through the directory `dir` too.
     fn start_in_pod(spec: &str, dir: &std::path::Path) -> Self {
-        let mut child = std::process::Command::new("unshare")
-            .args([
-                "--pid",
-                "--ipc",
-                "--mount",
-                "--fork",
-                "--kill-child",
-                "--mount-proc",
-            ])
+        let mut cmd = std::process::Command::new(POD[0]);
+        cmd.args(&POD[1..])
             .arg(std::env::current_exe().unwrap())
+            .env("NIXL_CONNECT_SOCKET_DIR", dir);
+        Self::spawn(cmd, spec)
+    }
+
+    /// `cmd` (this test binary, or a command that runs it) as the peer `spec` names.
+    fn spawn(mut cmd: std::process::Command, spec: &str) -> Self {
+        let mut child = cmd
             .args([
                 "gpu::support_gpu_peer",
                 "--exact",
@@ -266,7 +254,6 @@ impl Peer {
                 "--test-threads=1",
             ])
             .env("NIXL_CONNECT_TEST_PEER", spec)
-            .env("NIXL_CONNECT_SOCKET_DIR", dir)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .spawn()

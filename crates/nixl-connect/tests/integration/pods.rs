@@ -10,7 +10,7 @@ use std::process::Command;
 
 use super::local::Netns;
 use super::soundness::PEER;
-use super::support::{tcp_tls, Peer, PEER_ENV};
+use super::support::{tcp_tls, Peer, PEER_ENV, POD};
 
 /// A fresh directory both namespaces see, open to all as a shared volume (Kubernetes' `emptyDir`)
 /// is.
@@ -162,24 +162,14 @@ fn pod(ns: &Netns, netns: &str, dev: &str, dir: &str) -> Peer {
 /// As [`pod`], running the support test `test` with `env` added.
 fn pod_running(ns: &Netns, netns: &str, dev: &str, dir: &str, test: &str, env: &[(&str, &str)]) -> Peer {
     let mut cmd = Command::new("ip");
-    cmd.args([
-        "netns",
-        "exec",
-        netns,
-        "unshare",
-        "--pid",
-        "--ipc",
-        "--mount",
-        "--fork",
-        "--kill-child",
-        "--mount-proc",
-    ])
-    .arg(std::env::current_exe().unwrap())
-    .args([test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-    .env(PEER_ENV, "peer")
-    .env("UCX_TLS", tcp_tls())
-    .env("UCX_NET_DEVICES", dev)
-    .env("NIXL_CONNECT_SOCKET_DIR", dir);
+    cmd.args(["netns", "exec", netns])
+        .args(POD)
+        .arg(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env(PEER_ENV, "peer")
+        .env("UCX_TLS", tcp_tls())
+        .env("UCX_NET_DEVICES", dev)
+        .env("NIXL_CONNECT_SOCKET_DIR", dir);
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -355,21 +345,9 @@ fn pods_bare_connection_flood_through_the_directory_leaves_readers_served() {
         sock = sock.to_str().unwrap()
     );
     let mut cmd = Command::new("ip");
-    cmd.args([
-        "netns",
-        "exec",
-        &ns.b,
-        "unshare",
-        "--pid",
-        "--ipc",
-        "--mount",
-        "--fork",
-        "--kill-child",
-        "--mount-proc",
-        "python3",
-        "-c",
-        &flood,
-    ]);
+    cmd.args(["netns", "exec", &ns.b])
+        .args(POD)
+        .args(["python3", "-c", &flood]);
     let mut flooder = Peer::from_command(cmd);
     let held = flooder.expect("FLOODING");
     assert!(held.trim().parse::<usize>().unwrap() > 0, "{held}");

@@ -13,6 +13,18 @@ pub(crate) const T: Option<Duration> = Some(Duration::from_secs(30));
 /// Set in a support process (to its role); support tests return at once without it.
 pub(crate) const PEER_ENV: &str = "NIXL_CONNECT_TEST_PEER";
 
+/// The command prefix that starts a process as a pod does: its own PID namespace (with its own
+/// /proc), IPC and mount namespaces, killed with its parent.
+pub(crate) const POD: [&str; 7] = [
+    "unshare",
+    "--pid",
+    "--ipc",
+    "--mount",
+    "--fork",
+    "--kill-child",
+    "--mount-proc",
+];
+
 /// The `UCX_TLS` value that makes NIXL move host memory over TCP (asynchronous, so a transfer can
 /// be caught in flight): `tcp`, plus `cuda_copy` on a machine with an NVIDIA driver, where NIXL
 /// refuses a transport list without it ("Add cuda_copy").

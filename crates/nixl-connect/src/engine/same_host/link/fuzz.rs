@@ -251,7 +251,7 @@ impl Input<'_> {
     }
 }
 
-fn source(len: u64) -> IpcSource {
+pub(crate) fn source(len: u64) -> IpcSource {
     IpcSource {
         uuid: [1; 16],
         handle: [2; 64],

@@ -851,15 +851,17 @@ fn link_forgot_passes_both_ways_once_ready() {
 /// A device source exported as a VMM descriptor (`fd` k: the k-th passed with the frame).
 fn vmm_source(fd: u8) -> IpcSource {
     IpcSource {
-        uuid: [1; 16],
         handle: [0; 64],
-        base: 0x7000_0000,
-        alloc_len: 2 << 20,
-        buffer_id: 3,
-        offset: 0,
-        len: 16,
         fd,
+        ..super::fuzz::source(16)
     }
+}
+
+/// Delivers a grant frame `m`, proven under `KEYS[1]`, with `fds` descriptors, to the client.
+fn deliver_grant(p: &mut Pair, m: &Msg, fds: usize) {
+    let bytes = p.forge(m, Some(1), false);
+    p.client
+        .recv(&bytes, fds, p.now, &HashMap::new(), &mut p.at_client);
 }
 
 /// Device memory as VMM descriptors: a write's come with it, as many as its sources name, only
@@ -926,17 +928,15 @@ fn link_vmm_descriptors_pass_only_with_the_sources_that_name_them() {
         assert!(p.client.request(KEYS[1], &m));
         p.deliver_to_server(0);
         assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if !r.write && r.pipes == u8::from(asked)));
-        let bytes = p.forge(
+        deliver_grant(
+            p,
             &Msg::GrantIpc {
                 slot: 1,
                 gen: 1,
                 sources,
             },
-            Some(1),
-            false,
+            fds,
         );
-        p.client
-            .recv(&bytes, fds, p.now, &HashMap::new(), &mut p.at_client);
     };
     let mut p = Pair::piped(0);
     p.shake();
@@ -999,17 +999,15 @@ fn link_pipe_grants_fit_their_reads() {
         assert!(p.client.request(KEYS[1], &piped_req(1, false, 2)));
         p.deliver_to_server(0);
         assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if r.pipes == 2 && !r.write));
-        let bytes = p.forge(
+        deliver_grant(
+            p,
             &Msg::GrantPipe {
                 slot: 1,
                 gen: 1,
                 lanes,
             },
-            Some(1),
-            false,
+            fds,
         );
-        p.client
-            .recv(&bytes, fds, p.now, &HashMap::new(), &mut p.at_client);
     };
     let mut p = Pair::piped(0);
     p.shake();
