@@ -79,7 +79,7 @@ pub(crate) struct Copy {
     pub(crate) pid: libc::pid_t,
     pub(crate) pieces: Vec<Piece>,
     /// The VMM allocations' descriptors passed with the sources (a source's `fd` is its index
-    /// plus one), each checked with [`vmm::is_export`].
+    /// plus one), each checked with [`is_cuda_export`](super::is_cuda_export).
     pub(crate) fds: Vec<OwnedFd>,
     pub(crate) slot: SlotRef,
     pub(crate) cancel: Arc<AtomicBool>,
