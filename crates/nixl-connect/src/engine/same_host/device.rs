@@ -54,8 +54,9 @@ pub(super) struct DeviceAsk {
     pub(super) sources: Vec<IpcSource>,
     /// A read whose reader takes the exports as VMM descriptors (it asked for them).
     pub(super) vmm: bool,
-    /// A write's VMM descriptors, passed with its request (checked).
-    pub(super) fds: Vec<std::os::fd::OwnedFd>,
+    /// A write's VMM descriptors, passed with its request (checked; closed off the engine
+    /// thread wherever they are dropped, a copy takes them out).
+    pub(super) fds: pipe::Ends,
 }
 
 impl SameHostTransport {
@@ -70,9 +71,6 @@ impl SameHostTransport {
             vmm,
             fds,
         } = ask;
-        // A peer's descriptors are closed off the engine thread wherever they are dropped here
-        // (a refused write); a copy takes them out.
-        let fds = pipe::Ends::new(fds);
         #[cfg(not(feature = "cuda"))]
         return Some(Answer::Fallback(
             "this build has no CUDA support (feature `cuda`)".into(),

@@ -48,18 +48,19 @@ impl SameHostTransport {
             pipe::Ends::new(Vec::new())
         };
         // A device write's VMM descriptors likewise (each an NVIDIA device's, or the connection
-        // dies); the link checked their count against the sources.
+        // dies); the link checked their count against the sources. (Dropped anywhere below,
+        // they are closed on the closer, never here.)
         let vmm = descriptors - if write && pipes > 0 { usize::from(pipes) } else { 0 };
         let mut vmm_fds = if vmm > 0 {
             match self.sockets.take_cuda_exports(i, vmm) {
                 Some(fds) => {
                     self.sockets.name_exports(i, &sources);
-                    fds
+                    pipe::Ends::new(fds)
                 }
                 None => return,
             }
         } else {
-            Vec::new()
+            pipe::Ends::new(Vec::new())
         };
         let Some(c) = self.sockets.get(i) else { return };
         if !c.link.is_ready() {
@@ -131,7 +132,7 @@ impl SameHostTransport {
                     remote,
                     sources,
                     vmm: !write && pipes > 0,
-                    fds: std::mem::take(&mut vmm_fds),
+                    fds: std::mem::replace(&mut vmm_fds, pipe::Ends::new(Vec::new())),
                 },
             ),
             Decision::PullWrite => self.pull_write(id, &key, &remote, &local),
@@ -143,11 +144,7 @@ impl SameHostTransport {
                 std::mem::replace(&mut passed, pipe::Ends::new(Vec::new())),
             ),
         };
-        drop(passed);
-        // (Unused VMM descriptors, of a write refused or sent to NIXL, are closed on the closer.)
-        if !vmm_fds.is_empty() {
-            drop(pipe::Ends::new(vmm_fds));
-        }
+        drop((passed, vmm_fds));
         let sent = match answer {
             Some(a) => self
                 .sockets
