@@ -7,11 +7,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::descriptor::{Descriptor, Descriptors};
-use crate::engine::{Engine, EngineOptions, EngineStats};
+use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, Result};
 use crate::metadata::RdmaMetadata;
+use crate::metrics::families::Metrics;
 use crate::operation::{PathPolicy, ReadOperation, ReadableOperation, WritableOperation, WriteOperation};
 use crate::registration::Registration;
+use crate::stats::EngineStats;
 
 /// How long, by default, a dropped operation with borrowed memory waits for its NIXL transfer to
 /// end before the connector cuts the transfer off.
@@ -58,6 +60,7 @@ pub struct ConnectorBuilder {
     deregister_on_completion: bool,
     quarantine_limit: usize,
     socket_dir: Option<PathBuf>,
+    metrics: Option<Metrics>,
 }
 
 /// How much given-up exposed memory a connector holds back, by default, before it replaces its
@@ -85,6 +88,7 @@ impl Default for ConnectorBuilder {
             deregister_on_completion: false,
             quarantine_limit: DEFAULT_QUARANTINE_LIMIT,
             socket_dir: None,
+            metrics: None,
         }
     }
 }
@@ -147,6 +151,14 @@ impl ConnectorBuilder {
     /// enough for a Unix socket address (about 60 bytes with the names added).
     pub fn socket_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.socket_dir = Some(dir.into());
+        self
+    }
+
+    /// Records the connector's operations and counters into `metrics` (registered once in the
+    /// user's Prometheus registry: [`Metrics::register`]); connectors sharing one [`Metrics`] add
+    /// up. Default: nothing is recorded. Names, types and labels: `docs/METRICS.md`.
+    pub fn metrics(mut self, metrics: &Metrics) -> Self {
+        self.metrics = Some(metrics.clone());
         self
     }
 
@@ -256,6 +268,7 @@ impl ConnectorBuilder {
                         .filter(|v| !v.is_empty())
                         .map(PathBuf::from)
                 }),
+                metrics: self.metrics,
             },
         )?;
         Ok(Connector {
@@ -279,7 +292,7 @@ impl ConnectorBuilder {
     pub fn build_loopback(self) -> Result<Connector> {
         let worker_id = self.worker_id.unwrap_or_else(|| "loopback".into());
         let name = format!("{worker_id}-{}", CONNECTIONS.fetch_add(1, Ordering::Relaxed));
-        let engine = Engine::start_loopback(name, self.cancel_grace)?;
+        let engine = Engine::start_loopback(name, self.cancel_grace, self.metrics)?;
         Ok(Connector {
             inner: Arc::new(Inner {
                 engine,

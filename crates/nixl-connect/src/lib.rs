@@ -44,10 +44,12 @@ mod device;
 mod engine;
 mod error;
 mod metadata;
+pub mod metrics;
 mod operation;
 mod reg;
 mod registration;
 mod state;
+mod stats;
 mod sync;
 
 /// Entry points for the coverage-guided fuzz targets under `fuzz/`: each takes untrusted bytes
@@ -113,7 +115,6 @@ pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};
 pub use engine::nixl::encoding::MAX_NIXL_METADATA;
 pub use engine::nixl::MAX_RETIRED_EXPOSERS;
-pub use engine::EngineStats;
 pub use error::{
     ChannelError, Error, ErrorKind, ErrorSource, MetadataProblem, Mismatch, PathRefusal, Refusal, Report,
     Result,
@@ -124,6 +125,7 @@ pub use operation::{
     WritableOperation, WriteOperation,
 };
 pub use registration::Registration;
+pub use stats::EngineStats;
 
 /// Whether the same-host path can move bytes from memory on `src` into memory on `dst` in this
 /// build and process (the peer must agree too: same user, same host, and for device memory CUDA

@@ -4,12 +4,12 @@
 //! operations and the engine, so neither imports the other for it.
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::reg::RegToken;
 use crate::sync::{Recover, Watched};
 
@@ -179,6 +179,23 @@ impl std::fmt::Display for OperationStatus {
     }
 }
 
+/// How an operation ended, as an [`Observe`]r is told.
+pub(crate) struct Ended {
+    pub(crate) status: OperationStatus,
+    pub(crate) path: Option<TransferPath>,
+    pub(crate) mechanism: Option<Mechanism>,
+    pub(crate) error: Option<ErrorKind>,
+}
+
+/// Told when an operation's transfer starts and when the operation ends (once each), on the
+/// thread that made the change: the connector's metrics.
+pub(crate) trait Observe: Send + Sync {
+    /// The first path recorded for the operation.
+    fn started(&self, path: TransferPath);
+    /// The operation ended.
+    fn ended(&self, e: Ended);
+}
+
 /// Shared by an operation's handle, the engine, and the transport moving its bytes.
 ///
 /// `released` is true while no transport may touch the operation's memory: before the engine has
@@ -193,6 +210,10 @@ pub(crate) struct OpState {
     released: Watched<bool>,
     /// Registrations the engine made for the operation's memory, to keep with it.
     tokens: Mutex<Vec<RegToken>>,
+    /// Told when the operation starts and ends: the connector's metrics (none without them).
+    observer: OnceLock<Box<dyn Observe>>,
+    /// The operation's `tracing` span, when a subscriber wants it (closed when the state goes).
+    span: OnceLock<tracing::Span>,
 }
 
 impl OpState {
@@ -205,7 +226,27 @@ impl OpState {
             notify: Notify::new(),
             released: Watched::new(true),
             tokens: Mutex::new(Vec::new()),
+            observer: OnceLock::new(),
+            span: OnceLock::new(),
         })
+    }
+
+    /// Keeps the operation's span: its path and its end are recorded in it.
+    pub(crate) fn trace(&self, span: tracing::Span) {
+        if !span.is_disabled() {
+            let _ = self.span.set(span);
+        }
+    }
+
+    /// The operation's span, if a subscriber wants it (entered where a transport works on it).
+    pub(crate) fn span(&self) -> Option<&tracing::Span> {
+        self.span.get()
+    }
+
+    /// Tells `observer` of the operation's start and end from now on (set once, before any
+    /// transport has the operation).
+    pub(crate) fn observe(&self, observer: Box<dyn Observe>) {
+        let _ = self.observer.set(observer);
     }
 
     pub(crate) fn status(&self) -> OperationStatus {
@@ -214,23 +255,37 @@ impl OpState {
 
     /// Moves to a terminal status unless already in one; wakes every waiter. Returns whether this
     /// call made the move (so exactly one caller wins).
+    ///
+    /// The status changes here only, under the error's lock: a call that finds it not terminal
+    /// under the lock is the one that ends the operation. It tells the observer and the span
+    /// before the status changes, so whoever sees the operation ended sees it counted.
     pub(crate) fn finish(&self, status: OperationStatus, error: Option<Error>) -> bool {
         // The error is stored under its lock in the same critical section as the status change, so
         // a waiter that sees `Errored` and then takes the lock always finds the error.
         let mut slot = self.error.lock().recover();
-        let mut cur = self.status.load(Ordering::Acquire);
-        loop {
-            if OperationStatus::from_u8(cur).is_terminal() {
-                return false;
-            }
-            match self
-                .status
-                .compare_exchange(cur, status as u8, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => break,
-                Err(now) => cur = now,
-            }
+        if self.status().is_terminal() {
+            return false;
         }
+        let kind = error.as_ref().map(Error::kind);
+        if let Some(t) = self.observer.get() {
+            t.ended(Ended {
+                status,
+                path: self.path(),
+                mechanism: self.mechanism(),
+                error: kind,
+            });
+        }
+        if let Some(sp) = self.span.get() {
+            sp.record("status", tracing::field::display(status));
+            if let Some(m) = self.mechanism() {
+                sp.record("mechanism", tracing::field::display(m));
+            }
+            sp.in_scope(|| match kind {
+                Some(k) => tracing::debug!(status = %status, error = k.as_str(), "operation ended"),
+                None => tracing::debug!(status = %status, "operation ended"),
+            });
+        }
+        self.status.store(status as u8, Ordering::Release);
         *slot = error;
         drop(slot);
         self.notify.notify_waiters();
@@ -245,9 +300,18 @@ impl OpState {
         self.notify.notified()
     }
 
-    /// Records which path moves (or moved) the bytes.
+    /// Records which path moves (or moved) the bytes; the first path recorded marks the
+    /// transfer's start in the metrics.
     pub(crate) fn set_path(&self, p: TransferPath) {
-        self.path.store(p as u8, Ordering::Release);
+        if self.path.swap(p as u8, Ordering::AcqRel) == 0 {
+            if let Some(t) = self.observer.get() {
+                t.started(p);
+            }
+        }
+        if let Some(sp) = self.span.get() {
+            sp.record("path", tracing::field::display(p));
+            sp.in_scope(|| tracing::debug!(path = %p, "path taken"));
+        }
     }
 
     pub(crate) fn path(&self) -> Option<TransferPath> {
@@ -345,6 +409,40 @@ mod tests {
             assert!(
                 !s.finish(OperationStatus::Complete, None),
                 "terminal states are final"
+            );
+        }
+    }
+
+    /// Counts what it is told.
+    struct Counting(Arc<std::sync::atomic::AtomicUsize>, Arc<AtomicU8>);
+
+    impl Observe for Counting {
+        fn started(&self, _: TransferPath) {}
+        fn ended(&self, e: Ended) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            self.1.store(e.status as u8, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn state_observer_told_once_when_cancel_races_completion() {
+        for _ in 0..200 {
+            let s = OpState::new(OperationStatus::InProgress);
+            let (n, last) = (
+                Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+                Arc::new(AtomicU8::new(0)),
+            );
+            s.observe(Box::new(Counting(n.clone(), last.clone())));
+            let s2 = s.clone();
+            let t = std::thread::spawn(move || s2.finish(OperationStatus::Cancelled, None));
+            let won = s.finish(OperationStatus::Complete, None);
+            let other = t.join().unwrap();
+            assert!(won ^ other, "exactly one finish wins");
+            assert_eq!(n.load(Ordering::SeqCst), 1, "the observer is told once");
+            assert_eq!(
+                last.load(Ordering::SeqCst),
+                s.status() as u8,
+                "of the status that won"
             );
         }
     }

@@ -297,7 +297,7 @@ fn hostname() -> Option<String> {
     (!h.is_empty()).then(|| h.to_string())
 }
 
-async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
+pub(crate) async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
     let uri: hyper::Uri = url
         .parse()
         .map_err(|e| Error::channel_from(format!("{url:?} is not a URL"), e))?;

@@ -10,10 +10,10 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use super::poller::Waker;
-use super::stats::EngineStats;
 use super::transport::{ActiveSpec, Exposure, OpId, PassiveSpec, TransportId};
 use crate::error::Result;
 use crate::reg::{Hold, Range, RegToken};
+use crate::stats::EngineStats;
 
 /// Commands to the engine thread.
 pub(crate) enum Cmd {

@@ -15,11 +15,13 @@ use tokio::sync::oneshot;
 
 use super::cmd::Cmd;
 use super::poller::Ready;
-use super::stats::EngineStats;
 use super::transport::{ActiveSpec, Decline, Event, Exposure, OpId, Polling, Transport, TransportId};
 use crate::error::{Error, Result};
+use crate::metrics::engine::EngineCell;
+use crate::metrics::families::Metrics;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::{OpState, OperationStatus};
+use crate::stats::EngineStats;
 
 /// How long a dropped connector waits for its transports' work on memory (same-host copies end
 /// within a chunk unless a peer stalls its pages) before it leaks the memory they may still write.
@@ -34,6 +36,9 @@ pub(crate) const DEFAULT_PROGRESS_DELAY: Duration = Duration::from_millis(1);
 const WATCH_GAP: Duration = Duration::from_micros(5);
 /// Completed operations' keys remembered, to refuse replaying their metadata.
 const MAX_COMPLETED: usize = 65_536;
+/// How often, at most, a busy engine publishes its counters to the metrics (an idle one
+/// publishes before it sleeps).
+const PUBLISH_GAP: Duration = Duration::from_millis(200);
 
 /// When a transport is progressed next, when its [`Polling`] asks for a schedule.
 struct Schedule {
@@ -75,6 +80,16 @@ pub(crate) struct EngineCore {
     copying: Vec<(Arc<OpState>, u64, Hold, usize)>,
     /// [`Cmd::Settle`] replies, sent at the end of the turn that took them.
     settles: Vec<oneshot::Sender<()>>,
+    /// Where figures go, if anywhere: the metrics, this engine's cell in them, and when the
+    /// counters were last published there.
+    recording: Option<Recording>,
+}
+
+/// An engine's part of a connector's metrics.
+struct Recording {
+    metrics: Metrics,
+    cell: Arc<EngineCell>,
+    published: Option<Instant>,
 }
 
 impl EngineCore {
@@ -106,6 +121,45 @@ impl EngineCore {
             completed_order: VecDeque::new(),
             copying: Vec::new(),
             settles: Vec::new(),
+            recording: None,
+        }
+    }
+
+    /// Records this engine's counters and fallbacks into `metrics` from now on.
+    pub(crate) fn record_into(&mut self, metrics: Metrics) {
+        self.recording = Some(Recording {
+            cell: metrics.engine_cell(),
+            metrics,
+            published: None,
+        });
+    }
+
+    /// The counters every transport keeps, summed.
+    fn stats(&self) -> EngineStats {
+        let mut s = EngineStats::default();
+        for (t, n) in self.transports.iter().zip(&self.completions) {
+            t.add_stats(&mut s, *n);
+        }
+        s
+    }
+
+    /// Publishes the counters to the metrics when `now` is [`PUBLISH_GAP`] past the last time,
+    /// or always when `force` (before the engine sleeps, and at its end).
+    pub(crate) fn publish(&mut self, now: Instant, force: bool) {
+        let due = match &self.recording {
+            None => return,
+            Some(r) => {
+                force
+                    || r.published
+                        .is_none_or(|t| now.saturating_duration_since(t) >= PUBLISH_GAP)
+            }
+        };
+        if due {
+            let s = self.stats();
+            if let Some(r) = &mut self.recording {
+                r.cell.publish(&s);
+                r.published = Some(now);
+            }
         }
     }
 
@@ -208,6 +262,13 @@ impl EngineCore {
     /// Copies still running (a peer stalls the pages they read) are waited for up to `within`;
     /// past it their memory is leaked, never freed under them.
     pub(crate) fn shutdown(mut self, within: Duration) {
+        // The counters as they end (the transports are gone below); the gauges leave with the
+        // engine.
+        let last = self.stats();
+        let cell = self.recording.take().map(|r| r.cell);
+        if let Some(c) = &cell {
+            c.publish(&last);
+        }
         for (_, st) in self.passives.drain() {
             st.finish(OperationStatus::Errored, Some(Error::EngineStopped));
         }
@@ -249,6 +310,9 @@ impl EngineCore {
         for a in actives {
             drop(a.keep);
             a.state.mark_released();
+        }
+        if let Some(c) = cell {
+            c.end();
         }
     }
 
@@ -348,11 +412,7 @@ impl EngineCore {
             #[cfg(any(test, feature = "testing"))]
             Cmd::Settle { reply } => self.settles.push(reply),
             Cmd::Stats { reply } => {
-                let mut s = EngineStats::default();
-                for (t, n) in self.transports.iter().zip(&self.completions) {
-                    t.add_stats(&mut s, *n);
-                }
-                let _ = reply.send(s);
+                let _ = reply.send(self.stats());
             }
             Cmd::Shutdown { .. } => {}
         }
@@ -437,6 +497,11 @@ impl EngineCore {
             .iter()
             .position(|&t| t == on)
             .and_then(|p| self.chain.get(p + 1).copied());
+        if let Some(r) = &self.recording {
+            let from = self.transports[on.index()].path();
+            r.metrics
+                .fallback(Some(from), next.map(|n| self.transports[n.index()].path()));
+        }
         match next {
             Some(next) => self.offer(spec, next, Some(reason)),
             None => self.events.push(Event::ActiveEnded {
@@ -461,9 +526,16 @@ impl EngineCore {
             a.on = i;
         }
         if let Some(why) = why {
-            tracing::trace!(op = id, %why, "offered to the next transport");
+            let to = self.transports[i.index()].path();
+            match spec.state.span() {
+                Some(sp) => sp.in_scope(|| tracing::debug!(%why, %to, "declined; offered to the next path")),
+                None => tracing::trace!(op = id, %why, %to, "offered to the next transport"),
+            }
         }
         let mut out = std::mem::take(&mut self.events);
+        // The transport's own events about the operation go in its span.
+        let span = spec.state.span().cloned();
+        let _entered = span.as_ref().map(tracing::Span::enter);
         self.transports[i.index()].begin(spec, &mut out);
         self.events = out;
     }
@@ -496,9 +568,10 @@ impl EngineCore {
                     // Every transport forgets the key before the status is final: a waiter woken
                     // by it (or its peer, told at once) may replay the metadata, which must find
                     // nothing exposed (core_passive_end_unexposes_before_any_waiter_sees_it).
-                    Event::PassiveCompleted { key } => {
+                    Event::PassiveCompleted { key, path } => {
                         if let Some(st) = self.passives.get(&key).cloned() {
                             self.end_passive(&key);
+                            st.set_path(path);
                             st.finish(OperationStatus::Complete, None);
                         }
                     }

@@ -63,6 +63,9 @@ impl EngineLoop {
             event |= self.core.turn(now, hot, &self.ready);
             self.ready.clear();
             if event {
+                self.core.publish(now, false);
+            }
+            if event {
                 last_event = Instant::now();
                 self.poller.wait(Some(Duration::ZERO), &mut self.ready);
                 continue;
@@ -74,7 +77,9 @@ impl EngineLoop {
                 self.poller.wait(Some(Duration::ZERO), &mut self.ready);
                 continue;
             }
-            let timeout = self.core.sleep_for(Instant::now());
+            let now = Instant::now();
+            self.core.publish(now, true);
+            let timeout = self.core.sleep_for(now);
             self.poller.prepare_sleep();
             if self.core.has_pending() {
                 self.poller.awake();

@@ -15,12 +15,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::poller::Waker;
-use super::stats::EngineStats;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, PeerInfo, Polling, Transport};
 use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::OperationKind;
 use crate::reg::Range;
 use crate::state::TransferPath;
+use crate::stats::EngineStats;
 use crate::sync::lock;
 
 /// What a loopback connector's published metadata starts with; its agent name follows.
@@ -221,7 +221,10 @@ impl Transport for LoopbackTransport {
     fn progress(&mut self, _ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
         let mut any = false;
         for key in std::mem::take(&mut *lock(&self.node.completed)) {
-            out.push(Event::PassiveCompleted { key });
+            out.push(Event::PassiveCompleted {
+                key,
+                path: TransferPath::Loopback,
+            });
             any = true;
         }
         if !self.node.stalled.load(Ordering::SeqCst) {
@@ -242,6 +245,10 @@ impl Transport for LoopbackTransport {
     fn has_pending(&self) -> bool {
         !lock(&self.node.completed).is_empty()
             || (!self.inflight.is_empty() && !self.node.stalled.load(Ordering::SeqCst))
+    }
+
+    fn path(&self) -> TransferPath {
+        TransferPath::Loopback
     }
 
     fn add_stats(&self, stats: &mut EngineStats, _completed: u64) {

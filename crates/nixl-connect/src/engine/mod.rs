@@ -21,7 +21,6 @@ pub(crate) mod loopback;
 pub(crate) mod nixl;
 mod poller;
 pub(crate) mod same_host;
-mod stats;
 pub(crate) mod transport;
 
 use std::collections::HashMap;
@@ -40,11 +39,12 @@ use self::driver::EngineLoop;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
 use self::same_host::SameHostTransport;
-pub use self::stats::EngineStats;
 use self::transport::{DecodePeer, OpId, PeerInfo, Transport, TransportId};
 use crate::error::{Error, Result};
+use crate::metrics::families::Metrics;
 pub(crate) use crate::reg::Range;
 use crate::state::PathPolicy;
+use crate::stats::EngineStats;
 use crate::sync::Recover;
 
 /// Decoded peer metadata kept by string: at most this many strings...
@@ -126,6 +126,14 @@ impl Seats<'_> {
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
+/// How an engine's thread runs: how long a dropped operation's transfer is waited for, the
+/// longest a transport with work waits between progress calls once idle, and where figures go.
+struct Tuning {
+    cancel_grace: Duration,
+    progress_delay: Duration,
+    metrics: Option<Metrics>,
+}
+
 /// Options the engine starts with.
 #[derive(Debug, Clone)]
 pub(crate) struct EngineOptions {
@@ -138,6 +146,8 @@ pub(crate) struct EngineOptions {
     pub(crate) quarantine_limit: usize,
     /// A directory shared with same-host peers in other network namespaces, if any.
     pub(crate) socket_dir: Option<std::path::PathBuf>,
+    /// Where the connector's figures are recorded, if anywhere.
+    pub(crate) metrics: Option<Metrics>,
 }
 
 /// A handle to a connector's engine thread.
@@ -158,6 +168,8 @@ struct Shared {
     decoded: Mutex<DecodedCache>,
     /// The publishing transport's decoder of peers' metadata.
     decode: DecodePeer,
+    /// Where operations are recorded, if anywhere.
+    metrics: Option<Metrics>,
 }
 
 impl Engine {
@@ -201,8 +213,11 @@ impl Engine {
         let o = opts.clone();
         Self::launch(
             name,
-            opts.cancel_grace,
-            opts.progress_delay,
+            Tuning {
+                cancel_grace: opts.cancel_grace,
+                progress_delay: opts.progress_delay,
+                metrics: opts.metrics.clone(),
+            },
             nixl::encoding::decode_peer,
             move |name, seats| {
                 // Every transport exposes passive operations, in the order they are made: NIXL
@@ -244,11 +259,18 @@ impl Engine {
 
     /// Starts an engine over the in-process [`loopback`] transport only (no NIXL, no socket).
     #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn start_loopback(name: String, cancel_grace: Duration) -> Result<Self> {
+    pub(crate) fn start_loopback(
+        name: String,
+        cancel_grace: Duration,
+        metrics: Option<Metrics>,
+    ) -> Result<Self> {
         Self::launch(
             name,
-            cancel_grace,
-            self::core::DEFAULT_PROGRESS_DELAY,
+            Tuning {
+                cancel_grace,
+                progress_delay: self::core::DEFAULT_PROGRESS_DELAY,
+                metrics,
+            },
             loopback::decode_peer,
             |name, seats| {
                 let seat = seats.take()?;
@@ -260,12 +282,10 @@ impl Engine {
 
     /// Starts the engine thread named for `name`, whose transports (and the chain active
     /// operations try) `make` builds on that thread; returns once they exist, or with the error
-    /// that kept them from existing. `progress_delay` is the longest a transport with work waits
-    /// between progress calls once the engine has gone idle.
+    /// that kept them from existing.
     fn launch(
         name: String,
-        cancel_grace: Duration,
-        progress_delay: Duration,
+        tuning: Tuning,
         decode: DecodePeer,
         make: impl FnOnce(&str, &mut Seats<'_>) -> Result<Transports> + Send + 'static,
     ) -> Result<Self> {
@@ -274,6 +294,12 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let (agent_name, self_tx, w2) = (name.clone(), tx.clone(), waker.clone());
+        let Tuning {
+            cancel_grace,
+            progress_delay,
+            metrics,
+        } = tuning;
+        let for_core = metrics.clone();
         let join = std::thread::Builder::new()
             .name(format!(
                 "nixl-engine-{}",
@@ -307,7 +333,10 @@ impl Engine {
                         return;
                     }
                 };
-                let core = EngineCore::new(transports, chain, progress_delay, Instant::now());
+                let mut core = EngineCore::new(transports, chain, progress_delay, Instant::now());
+                if let Some(m) = for_core {
+                    core.record_into(m);
+                }
                 let engine = EngineLoop::new(core, rx, poller);
                 // A panic here would leave transfers, copies and peers' access to memory that the
                 // unwinding would free: there is no sound way back, so the process stops instead.
@@ -333,11 +362,17 @@ impl Engine {
             stop_wait: Mutex::new(STOP_WAIT),
             decoded: Mutex::new(DecodedCache::default()),
             decode,
+            metrics,
         })))
     }
 
     pub(crate) fn name(&self) -> &str {
         &self.0.name
+    }
+
+    /// Where operations are recorded, if anywhere.
+    pub(crate) fn metrics(&self) -> Option<&Metrics> {
+        self.0.metrics.as_ref()
     }
 
     pub(crate) fn next_op(&self) -> OpId {

@@ -13,11 +13,11 @@ use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::stats::EngineStats;
 use crate::error::{Error, ErrorSource, PathRefusal, Result};
 use crate::metadata::OperationKind;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::{OpState, TransferPath};
+use crate::stats::EngineStats;
 
 /// An active operation's id within its engine.
 pub(crate) type OpId = u64;
@@ -108,8 +108,8 @@ pub(crate) enum Event {
     /// Registrations made for an active operation, to keep with its memory (so that reusing the
     /// memory does not register it again).
     Registered { id: OpId, tokens: Vec<RegToken> },
-    /// A peer completed the passive operation with this key (its data is in place).
-    PassiveCompleted { key: Arc<str> },
+    /// A peer completed the passive operation with this key (its data is in place), over `path`.
+    PassiveCompleted { key: Arc<str>, path: TransferPath },
     /// A passive operation's memory was torn (a writer died mid-write).
     PassiveFailed { key: Arc<str>, error: Error },
     /// This transport cannot move the operation; the engine offers it to the next one.
@@ -276,6 +276,9 @@ pub(crate) trait Transport {
     /// Adds this transport's counters to `stats`; `completed` is how many active operations the
     /// engine saw it complete.
     fn add_stats(&self, stats: &mut EngineStats, completed: u64);
+
+    /// The path this transport is (what its operations report).
+    fn path(&self) -> TransferPath;
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@ use crate::engine::transport::OpId;
 use crate::engine::{Cmd, Engine, Range};
 use crate::error::{Error, Mismatch, Result};
 use crate::metadata::{OperationKind, RdmaMetadata};
+use crate::metrics::families::{Op, Side};
 
 pub(crate) struct Active<'a> {
     engine: Engine,
@@ -67,7 +68,25 @@ pub(crate) fn check_pairing(
 }
 
 impl<'a> Active<'a> {
+    /// Begins the operation; an error is counted in the connector's metrics (an operation that
+    /// began is counted when it ends).
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it returns drops the operation (as dropping it would).
     pub(crate) async fn begin(
+        engine: &Engine,
+        remote: &RdmaMetadata,
+        descs: Vec<Descriptor<'a>>,
+        kind: OperationKind,
+    ) -> Result<Self> {
+        let r = Self::start(engine, remote, descs, kind).await;
+        if let (Err(e), Some(m)) = (&r, engine.metrics()) {
+            m.error(Op::of(kind), Side::Active, e);
+        }
+        r
+    }
+
+    async fn start(
         engine: &Engine,
         remote: &RdmaMetadata,
         descs: Vec<Descriptor<'a>>,
@@ -87,8 +106,13 @@ impl<'a> Active<'a> {
             .collect();
         let peer = engine.decode(&remote.nixl_metadata)?;
         let state = OpState::new(OperationStatus::InProgress);
+        let bytes: u64 = descs.iter().map(|d| d.size() as u64).sum();
+        if let Some(m) = engine.metrics() {
+            state.observe(m.begin(Op::of(kind), Side::Active, bytes));
+        }
         let key: Arc<str> = remote.notification_key.as_str().into();
         let id = engine.next_op();
+        state.trace(super::span(kind, "active", Some(id), bytes, descs.len()));
         // From here on, dropping `op` is the operation's own drop: owned memory goes to the
         // engine, borrowed memory waits until no transport touches it.
         let op = Active {

@@ -50,6 +50,33 @@ async fn wait(state: &Arc<OpState>, timeout: Option<Duration>, peer: Option<&str
 ///
 /// # Cancel safety
 /// Cancel safe: nothing has started yet.
+/// An operation's `tracing` span (`nixl_connect.operation`, at DEBUG): the operation, side, id
+/// (active side), bytes and descriptors at its start; the path, mechanism and status recorded
+/// as they are known. Never the notification key (it is the capability to complete).
+fn span(
+    kind: crate::metadata::OperationKind,
+    side: &'static str,
+    id: Option<u64>,
+    bytes: u64,
+    descriptors: usize,
+) -> tracing::Span {
+    let op = match kind {
+        crate::metadata::OperationKind::Read => "read",
+        crate::metadata::OperationKind::Write => "write",
+    };
+    tracing::debug_span!(
+        "nixl_connect.operation",
+        op,
+        side,
+        id,
+        bytes,
+        descriptors,
+        path = tracing::field::Empty,
+        mechanism = tracing::field::Empty,
+        status = tracing::field::Empty,
+    )
+}
+
 async fn producers_done(descs: &[crate::descriptor::Descriptor<'_>]) -> Result<()> {
     #[cfg(feature = "cuda")]
     crate::cuda::after(descs.iter().filter_map(|d| d.producer())).await?;

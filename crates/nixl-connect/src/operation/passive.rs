@@ -11,6 +11,7 @@ use crate::engine::transport::PassiveSpec;
 use crate::engine::{Cmd, Engine, Range};
 use crate::error::{Error, Result};
 use crate::metadata::{OperationKind, RdmaMetadata};
+use crate::metrics::families::{Op, Side};
 
 pub(crate) struct Passive<'a> {
     engine: Engine,
@@ -27,11 +28,24 @@ pub(crate) struct Passive<'a> {
 }
 
 impl<'a> Passive<'a> {
+    /// Exposes the memory; an error is counted in the connector's metrics (an operation that
+    /// was created is counted when it ends).
+    ///
+    /// # Cancel safety
+    /// Dropping the future before it returns ends the exposure (as dropping the operation would).
     pub(crate) async fn create(
         engine: &Engine,
         descs: Vec<Descriptor<'a>>,
         kind: OperationKind,
     ) -> Result<Self> {
+        let r = Self::expose(engine, descs, kind).await;
+        if let (Err(e), Some(m)) = (&r, engine.metrics()) {
+            m.error(Op::of(kind), Side::Passive, e);
+        }
+        r
+    }
+
+    async fn expose(engine: &Engine, descs: Vec<Descriptor<'a>>, kind: OperationKind) -> Result<Self> {
         check_local(&descs, kind == OperationKind::Write)?;
         super::producers_done(&descs).await?;
         // Borrowed slices go through a HostBuffer of the library's: one copy in for a readable,
@@ -50,6 +64,11 @@ impl<'a> Passive<'a> {
         let ranges: Vec<Range> = descs.iter().map(Descriptor::range).collect();
         let key: Arc<str> = uuid::Uuid::new_v4().to_string().into();
         let state = OpState::new(OperationStatus::Initialized);
+        let bytes: u64 = descs.iter().map(|d| d.size() as u64).sum();
+        if let Some(m) = engine.metrics() {
+            state.observe(m.begin(Op::of(kind), Side::Passive, bytes));
+        }
+        state.trace(super::span(kind, "passive", None, bytes, descs.len()));
         // From here on, dropping `op` (with this future) ends the exposure and hands owned memory
         // to the engine: the memory is never freed while a transport may reach it.
         let mut op = Passive {

@@ -13,7 +13,6 @@ use super::{EngineCore, MIN_PARK, WATCH_GAP};
 use crate::device::Device;
 use crate::engine::cmd::Cmd;
 use crate::engine::poller::Ready;
-use crate::engine::stats::EngineStats;
 use crate::engine::transport::{
     ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, PeerInfo, Polling, Transport, TransportId,
 };
@@ -21,6 +20,7 @@ use crate::error::{Error, ErrorKind, Refusal, Result};
 use crate::metadata::OperationKind;
 use crate::reg::{Hold, Range};
 use crate::state::{OpState, OperationStatus, TransferPath};
+use crate::stats::EngineStats;
 
 /// What a probe records and how it behaves, shared with the test that scripted it.
 #[derive(Default)]
@@ -167,6 +167,10 @@ impl Transport for Probe {
             return None;
         }
         Some(keep)
+    }
+
+    fn path(&self) -> TransferPath {
+        TransferPath::Nixl
     }
 
     fn add_stats(&self, stats: &mut EngineStats, completed: u64) {
@@ -537,7 +541,10 @@ fn core_passive_end_unexposes_before_any_waiter_sees_it() {
                 error: Error::Cancelled,
             }
         } else {
-            Event::PassiveCompleted { key: "k".into() }
+            Event::PassiveCompleted {
+                key: "k".into(),
+                path: TransferPath::Nixl,
+            }
         };
         sa.lock().unwrap().emit.push(end);
         core.turn(t0, false, &[]);

@@ -30,12 +30,12 @@ use self::encoding::encode as encode_agent_metadata;
 use self::ffi::{NixlAgent, PostError, Prepared, Transfer};
 use self::registry::{key_of, Mail, RegInner, Registry, Side};
 use super::cmd::Mailbox;
-use super::stats::EngineStats;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
 use crate::error::{Error, ErrorSource, Result};
 use crate::metadata::OperationKind;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::TransferPath;
+use crate::stats::EngineStats;
 
 /// Peers kept loaded in the initiator with no transfer using them.
 pub(crate) const MAX_IDLE_PEERS: usize = 64;
@@ -817,7 +817,10 @@ impl Transport for NixlTransport {
                     event = true;
                     let key = String::from_utf8_lossy(&msg);
                     match e.live.get_key_value(&*key) {
-                        Some((k, _)) => out.push(Event::PassiveCompleted { key: k.clone() }),
+                        Some((k, _)) => out.push(Event::PassiveCompleted {
+                            key: k.clone(),
+                            path: TransferPath::Nixl,
+                        }),
                         None => {
                             tracing::debug!(from = %from, key = %key, "notification for no live operation")
                         }
@@ -856,6 +859,10 @@ impl Transport for NixlTransport {
 
     fn preregister(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
         self.register_ahead(ranges)
+    }
+
+    fn path(&self) -> TransferPath {
+        TransferPath::Nixl
     }
 
     fn add_stats(&self, stats: &mut EngineStats, _completed: u64) {

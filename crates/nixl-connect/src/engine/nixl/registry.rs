@@ -7,9 +7,9 @@ use std::sync::{Arc, Weak};
 
 use super::ffi::{AgentRegistration, NixlAgent};
 use crate::engine::cmd::Mailbox;
-use crate::engine::stats::EngineStats;
 use crate::error::Result;
 use crate::reg::{self, Hold, Range};
+use crate::stats::EngineStats;
 
 /// Registrations of one agent, by address range.
 pub(super) struct Registry {

@@ -16,7 +16,7 @@ use super::wire::RefuseCode;
 use crate::engine::transport::OpId;
 use crate::engine::transport::{Decline, Event};
 use crate::error::Error;
-use crate::state::OpState;
+use crate::state::{OpState, TransferPath};
 
 impl SameHostTransport {
     /// Stops every copy and waits (up to `within`; `None`: for as long as it takes) for the ones
@@ -81,7 +81,10 @@ impl SameHostTransport {
             FeedFor::Grant(_) => {
                 let Some(key) = f.key else { return };
                 if f.answered == Some(true) {
-                    out.push(Event::PassiveCompleted { key: key.clone() });
+                    out.push(Event::PassiveCompleted {
+                        key: key.clone(),
+                        path: TransferPath::Local,
+                    });
                 }
                 if self.server.scope(&key).is_none() && !self.feeds.feeds_key(&key) {
                     // Unexposed while its pipes were fed (`seam.rs` held the release back).
@@ -207,7 +210,10 @@ impl SameHostTransport {
                                 s.done = true;
                             }
                             match &r {
-                                Ok(()) if same => out.push(Event::PassiveCompleted { key: key.clone() }),
+                                Ok(()) if same => out.push(Event::PassiveCompleted {
+                                    key: key.clone(),
+                                    path: TransferPath::Local,
+                                }),
                                 // The writer cancelled before the copy began: nothing was touched.
                                 Err(CopyError::NotStarted) => {}
                                 _ => out.push(Event::PassiveFailed {

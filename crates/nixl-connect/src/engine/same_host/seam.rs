@@ -11,10 +11,10 @@ use super::sockets::{ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
 use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::poller::hung_up;
-use crate::engine::stats::EngineStats;
 use crate::engine::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
 use crate::error::{Error, Result};
 use crate::state::TransferPath;
+use crate::stats::EngineStats;
 
 impl Transport for SameHostTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
@@ -235,8 +235,13 @@ impl Transport for SameHostTransport {
         self.stop_copies(within)
     }
 
+    fn path(&self) -> TransferPath {
+        TransferPath::Local
+    }
+
     fn add_stats(&self, stats: &mut EngineStats, completed: u64) {
         stats.local_transfers += completed;
         stats.local_refused_peers += self.refused_peers;
+        stats.copy_pool_queued = super::sys::cma::queued();
     }
 }

@@ -16,6 +16,7 @@ use super::sys::pipe;
 use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::transport::Event;
+use crate::state::TransferPath;
 
 impl SameHostTransport {
     /// Server side: a proven request, decided by the policy (`policy.rs`) and acted on here:
@@ -158,7 +159,10 @@ impl SameHostTransport {
         // write's bytes are in place, and a retry writes them again).
         if let Some(key) = completed {
             if sent {
-                out.push(Event::PassiveCompleted { key });
+                out.push(Event::PassiveCompleted {
+                    key,
+                    path: TransferPath::Local,
+                });
             } else if let Some(s) = self.server.scope_mut(&key) {
                 s.done = false;
             }
@@ -352,7 +356,10 @@ impl SameHostTransport {
             return;
         }
         if ok {
-            out.push(Event::PassiveCompleted { key });
+            out.push(Event::PassiveCompleted {
+                key,
+                path: TransferPath::Local,
+            });
         }
     }
 

@@ -478,7 +478,7 @@ fn server_piped_write_takes_only_a_pipes_read_end() {
     sv.settle(&mut out);
     assert_eq!(
         out.iter()
-            .filter(|e| matches!(e, Event::PassiveCompleted { key } if *key == sv.key))
+            .filter(|e| matches!(e, Event::PassiveCompleted { key, .. } if *key == sv.key))
             .count(),
         1,
         "one completion"

@@ -338,10 +338,21 @@ pub(crate) const POOL_SPIN: Duration = Duration::from_millis(2);
 /// How long an added thread waits for work before it leaves.
 pub(crate) const SPARE_IDLE: Duration = Duration::from_secs(10);
 
+/// This process's pool (null until the first copy).
+static POOL: AtomicPtr<Pool> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Copies queued for this process's copy threads (0 before the first copy), for the metrics.
+pub(crate) fn queued() -> usize {
+    // SAFETY: a non-null pointer in POOL is a leaked, never freed Pool.
+    match unsafe { POOL.load(Ordering::Acquire).as_ref() } {
+        Some(p) if p.pid == std::process::id() => p.queued.load(Ordering::Relaxed),
+        _ => 0,
+    }
+}
+
 /// This process's pool. A child made by `fork` inherits the parent's pool without its threads
 /// (and perhaps with its lock held), so the pool is per process id: a child starts its own.
 fn pool() -> &'static Pool {
-    static POOL: AtomicPtr<Pool> = AtomicPtr::new(std::ptr::null_mut());
     let pid = std::process::id();
     let cur = POOL.load(Ordering::Acquire);
     // SAFETY: a non-null pointer in POOL is a leaked, never freed Pool.

@@ -1,4 +1,6 @@
-//! The engine's counters.
+//! The engines' counters ([`EngineStats`]): kept by each engine's transports, read by
+//! `Connector::stats()` and published to the metrics. In the floor, so that the engine and the
+//! metrics both name it.
 
 #[allow(unused_imports)] // doc links
 use crate::error::Error;
@@ -29,4 +31,7 @@ pub struct EngineStats {
     /// exposed them was destroyed to bound held memory (see
     /// [`MAX_RETIRED_EXPOSERS`](crate::MAX_RETIRED_EXPOSERS)).
     pub evicted_operations: u64,
+    /// Same-host copies queued for this process's copy threads (process-wide, shared by every
+    /// connector of the process).
+    pub copy_pool_queued: usize,
 }

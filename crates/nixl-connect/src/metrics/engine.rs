@@ -1,0 +1,218 @@
+//! The engines' own counters ([`EngineStats`]) as metrics: each engine publishes them into its
+//! [`EngineCell`] from its thread (the engine owns them; nothing else writes them), and the
+//! [`EngineCollector`] reads every cell at a scrape. An ended engine's counters are kept in the
+//! totals, so counters never go down when a connector is dropped; its gauges leave with it.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+
+use crate::stats::EngineStats;
+use crate::sync::Recover;
+
+/// One engine's published counters (what [`EngineStats`] holds), written by its thread alone.
+#[derive(Debug, Default)]
+pub(crate) struct EngineCell {
+    registrations: AtomicU64,
+    live_registrations: AtomicU64,
+    remote_loads: AtomicU64,
+    transfers: AtomicU64,
+    local_transfers: AtomicU64,
+    local_refused_peers: AtomicU64,
+    resets: AtomicU64,
+    rotations: AtomicU64,
+    quarantined_bytes: AtomicU64,
+    evicted_operations: AtomicU64,
+    copy_pool_queued: AtomicU64,
+    /// The engine has ended: its counters move into the collector's totals at the next scrape.
+    ended: AtomicBool,
+}
+
+impl EngineCell {
+    /// Publishes the engine's counters (its thread only).
+    pub(crate) fn publish(&self, s: &EngineStats) {
+        let put = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
+        put(&self.registrations, s.registrations);
+        put(&self.live_registrations, s.live_registrations as u64);
+        put(&self.remote_loads, s.remote_loads);
+        put(&self.transfers, s.transfers);
+        put(&self.local_transfers, s.local_transfers);
+        put(&self.local_refused_peers, s.local_refused_peers);
+        put(&self.resets, s.resets);
+        put(&self.rotations, s.rotations);
+        put(&self.quarantined_bytes, s.quarantined_bytes);
+        put(&self.evicted_operations, s.evicted_operations);
+        put(&self.copy_pool_queued, s.copy_pool_queued as u64);
+    }
+
+    /// The engine has ended (after its last [`publish`](Self::publish)).
+    pub(crate) fn end(&self) {
+        self.ended.store(true, Ordering::Release);
+    }
+
+    fn read(&self) -> EngineStats {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineStats {
+            registrations: get(&self.registrations),
+            live_registrations: get(&self.live_registrations) as usize,
+            remote_loads: get(&self.remote_loads),
+            transfers: get(&self.transfers),
+            local_transfers: get(&self.local_transfers),
+            local_refused_peers: get(&self.local_refused_peers),
+            resets: get(&self.resets),
+            rotations: get(&self.rotations),
+            quarantined_bytes: get(&self.quarantined_bytes),
+            evicted_operations: get(&self.evicted_operations),
+            copy_pool_queued: get(&self.copy_pool_queued) as usize,
+        }
+    }
+}
+
+/// Reads every engine's cell at a scrape.
+#[derive(Debug, Default)]
+pub(crate) struct EngineCollector {
+    state: Mutex<Cells>,
+}
+
+#[derive(Debug, Default)]
+struct Cells {
+    live: Vec<Arc<EngineCell>>,
+    /// The counters of ended engines (gauges are not kept).
+    ended: EngineStats,
+}
+
+fn add_counters(to: &mut EngineStats, s: &EngineStats) {
+    to.registrations += s.registrations;
+    to.remote_loads += s.remote_loads;
+    to.transfers += s.transfers;
+    to.local_transfers += s.local_transfers;
+    to.local_refused_peers += s.local_refused_peers;
+    to.resets += s.resets;
+    to.rotations += s.rotations;
+    to.evicted_operations += s.evicted_operations;
+}
+
+impl EngineCollector {
+    pub(crate) fn add(&self) -> Arc<EngineCell> {
+        let cell = Arc::new(EngineCell::default());
+        self.state.lock().recover().live.push(cell.clone());
+        cell
+    }
+
+    /// Counters of every engine, live or ended; gauges of the live ones; and how many are live.
+    pub(crate) fn totals(&self) -> EngineStats {
+        self.totals_and_count().0
+    }
+
+    fn totals_and_count(&self) -> (EngineStats, usize) {
+        let mut st = self.state.lock().recover();
+        let Cells { live, ended } = &mut *st;
+        live.retain(|c| {
+            if c.ended.load(Ordering::Acquire) {
+                add_counters(ended, &c.read());
+                false
+            } else {
+                true
+            }
+        });
+        let mut t = ended.clone();
+        for c in live.iter() {
+            let s = c.read();
+            add_counters(&mut t, &s);
+            t.live_registrations += s.live_registrations;
+            t.quarantined_bytes += s.quarantined_bytes;
+            // One pool per process: every engine sees the same queue.
+            t.copy_pool_queued = t.copy_pool_queued.max(s.copy_pool_queued);
+        }
+        (t, live.len())
+    }
+}
+
+fn counter(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> Result<(), std::fmt::Error> {
+    let c = ConstCounter::new(v);
+    c.encode(e.encode_descriptor(name, help, None, c.metric_type())?)
+}
+
+fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: i64) -> Result<(), std::fmt::Error> {
+    let g = ConstGauge::new(v);
+    g.encode(e.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+impl Collector for EngineCollector {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let (t, live) = self.totals_and_count();
+        let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        gauge(
+            &mut e,
+            "connectors",
+            "Connectors (engines) recording here, alive now",
+            live as i64,
+        )?;
+        counter(
+            &mut e,
+            "registrations",
+            "NIXL memory registrations made",
+            t.registrations,
+        )?;
+        gauge(
+            &mut e,
+            "registrations_live",
+            "NIXL memory registrations live",
+            i(t.live_registrations as u64),
+        )?;
+        counter(
+            &mut e,
+            "peer_loads",
+            "Peers' agent metadata loaded into NIXL",
+            t.remote_loads,
+        )?;
+        counter(&mut e, "nixl_posts", "Transfers posted through NIXL", t.transfers)?;
+        counter(
+            &mut e,
+            "local_transfers",
+            "Active operations the same-host path completed",
+            t.local_transfers,
+        )?;
+        counter(
+            &mut e,
+            "local_peers_refused",
+            "Same-host connections refused (another user, or a peer that cannot be named)",
+            t.local_refused_peers,
+        )?;
+        counter(
+            &mut e,
+            "nixl_resets",
+            "NIXL initiators destroyed to cut off an unresponsive peer",
+            t.resets,
+        )?;
+        counter(
+            &mut e,
+            "nixl_rotations",
+            "NIXL exposers replaced to release quarantined memory",
+            t.rotations,
+        )?;
+        gauge(
+            &mut e,
+            "quarantined_bytes",
+            "Exposed memory held back from the allocator until no peer can reach it",
+            i(t.quarantined_bytes),
+        )?;
+        counter(
+            &mut e,
+            "evicted_operations",
+            "Passive operations failed because the retired NIXL agent exposing them was destroyed",
+            t.evicted_operations,
+        )?;
+        gauge(
+            &mut e,
+            "copy_pool_queued",
+            "Same-host copies queued for this process's copy threads",
+            i(t.copy_pool_queued as u64),
+        )?;
+        Ok(())
+    }
+}

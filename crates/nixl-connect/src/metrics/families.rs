@@ -1,0 +1,371 @@
+//! The families and the handle connectors record into ([`Metrics`]), and the text encoders.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+use super::engine::{EngineCell, EngineCollector};
+use crate::error::{Error, ErrorKind};
+use crate::state::{Ended, Mechanism, Observe, OperationStatus, TransferPath};
+
+/// The prefix of every family's name.
+pub const PREFIX: &str = "nixl_connect";
+
+/// Operation labels, in index order.
+const OPS: [&str; 2] = ["read", "write"];
+/// Side labels, in index order: the side that began the operation, and the side that exposed
+/// the memory.
+const SIDES: [&str; 2] = ["active", "passive"];
+/// Path labels, in index order (`none`: ended before any transport took it).
+const PATHS: [&str; 4] = ["none", "nixl", "local", "loopback"];
+/// Status labels of ended operations, in index order.
+const STATUSES: [&str; 3] = ["complete", "errored", "cancelled"];
+/// Same-host mechanism labels, in index order (as [`Mechanism`]'s `Display`).
+const MECHANISMS: [&str; 6] = ["frames", "cma", "pipes", "cuda-ipc", "pinned-staging", "cuda-vmm"];
+
+/// Latency buckets: 5 µs doubling to 10.5 s (22 bounds and `+Inf`), NIXL telemetry's range.
+fn latency_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(5e-6, 2.0, 22))
+}
+
+/// Which operation (`op` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    Read = 0,
+    Write = 1,
+}
+
+impl Op {
+    pub(crate) fn of(kind: crate::metadata::OperationKind) -> Self {
+        match kind {
+            crate::metadata::OperationKind::Read => Op::Read,
+            crate::metadata::OperationKind::Write => Op::Write,
+        }
+    }
+}
+
+/// Which side (`side` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    Active = 0,
+    Passive = 1,
+}
+
+fn path_ix(p: Option<TransferPath>) -> usize {
+    match p {
+        None => 0,
+        Some(TransferPath::Nixl) => 1,
+        Some(TransferPath::Local) => 2,
+        Some(TransferPath::Loopback) => 3,
+    }
+}
+
+fn mechanism_ix(m: Mechanism) -> usize {
+    match m {
+        Mechanism::Frames => 0,
+        Mechanism::CrossMemoryAttach => 1,
+        Mechanism::Pipes => 2,
+        Mechanism::CudaIpc => 3,
+        Mechanism::PinnedStaging => 4,
+        Mechanism::CudaVmm => 5,
+    }
+}
+
+type Labels = Vec<(&'static str, &'static str)>;
+type Per<T, const N: usize> = [T; N];
+
+/// The families, with every bounded series taken once (the hot path looks nothing up).
+struct Families {
+    /// `[op][side][path][status]`
+    operations: Per<Per<Per<Per<Counter, 3>, 4>, 2>, 2>,
+    /// `[op][side][path]`
+    bytes: Per<Per<Per<Counter, 4>, 2>, 2>,
+    /// `[op][side][path]`
+    duration: Per<Per<Per<Histogram, 4>, 2>, 2>,
+    /// `[op][path]` (active side)
+    start: Per<Per<Histogram, 4>, 2>,
+    /// `[op][side]`
+    in_flight: Per<Per<Gauge, 2>, 2>,
+    /// `[op][mechanism]` (active side, same-host path)
+    local: Per<Per<Counter, 6>, 2>,
+    /// `[op][side][kind]` (kinds in [`ErrorKind::ALL`]'s order)
+    errors: Per<Per<Vec<Counter>, 2>, 2>,
+    /// `[from][to]` by path index
+    fallbacks: Per<Per<Counter, 4>, 4>,
+}
+
+/// A connector's metrics: register once per registry ([`Metrics::register`]), then hand to
+/// every [`ConnectorBuilder`](crate::ConnectorBuilder::metrics) whose figures it should hold.
+/// Cloning is cheap (the clones share the series).
+#[derive(Clone)]
+pub struct Metrics {
+    families: Arc<Families>,
+    engines: Arc<EngineCollector>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+fn series<M: Clone, C: prometheus_client::metrics::family::MetricConstructor<M>>(
+    family: &Family<Labels, M, C>,
+    labels: &[(&'static str, &'static str)],
+) -> M {
+    family.get_or_create_owned(&labels.to_vec())
+}
+
+impl Metrics {
+    /// Registers every family under [`PREFIX`] in `registry` (a sub-registry of it) and returns
+    /// the handle connectors record into. Register once per registry: a second registration
+    /// would give the registry two families of each name, which Prometheus rejects.
+    pub fn register(registry: &mut Registry) -> Self {
+        let reg = registry.sub_registry_with_prefix(PREFIX);
+        let operations = Family::<Labels, Counter>::default();
+        reg.register(
+            "operations",
+            "Operations ended, by operation, side, path and status",
+            operations.clone(),
+        );
+        let bytes = Family::<Labels, Counter>::default();
+        reg.register(
+            "bytes",
+            "Bytes moved by completed operations (the descriptors' sizes), by operation, side and path",
+            bytes.clone(),
+        );
+        let new_hist: fn() -> Histogram = latency_buckets;
+        let duration = Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(new_hist);
+        reg.register_with_unit(
+            "operation_duration",
+            "From begin (active) or create (passive) to the operation's end, by operation, side and path",
+            Unit::Seconds,
+            duration.clone(),
+        );
+        let start = Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(new_hist);
+        reg.register_with_unit(
+            "operation_start",
+            "Active side: from begin to the transport starting the transfer (NIXL: posted; \
+             same-host: requested), by operation and path",
+            Unit::Seconds,
+            start.clone(),
+        );
+        let in_flight = Family::<Labels, Gauge>::default();
+        reg.register(
+            "operations_in_flight",
+            "Operations begun or created and not yet ended, by operation and side",
+            in_flight.clone(),
+        );
+        let local = Family::<Labels, Counter>::default();
+        reg.register(
+            "local_operations",
+            "Active operations the same-host path completed, by operation and mechanism",
+            local.clone(),
+        );
+        let errors = Family::<Labels, Counter>::default();
+        reg.register(
+            "errors",
+            "Errors returned to callers (from begin, create or the wait), by operation, side and ErrorKind",
+            errors.clone(),
+        );
+        let fallbacks = Family::<Labels, Counter>::default();
+        reg.register(
+            "path_fallbacks",
+            "Active operations a transport declined and handed to the next path, by path from and to",
+            fallbacks.clone(),
+        );
+        let engines = Arc::new(EngineCollector::default());
+        reg.register_collector(Box::new(engines.clone()));
+
+        let families = Families {
+            operations: std::array::from_fn(|o| {
+                std::array::from_fn(|s| {
+                    std::array::from_fn(|p| {
+                        std::array::from_fn(|t| {
+                            series(
+                                &operations,
+                                &[
+                                    ("op", OPS[o]),
+                                    ("side", SIDES[s]),
+                                    ("path", PATHS[p]),
+                                    ("status", STATUSES[t]),
+                                ],
+                            )
+                        })
+                    })
+                })
+            }),
+            bytes: std::array::from_fn(|o| {
+                std::array::from_fn(|s| {
+                    std::array::from_fn(|p| {
+                        series(&bytes, &[("op", OPS[o]), ("side", SIDES[s]), ("path", PATHS[p])])
+                    })
+                })
+            }),
+            duration: std::array::from_fn(|o| {
+                std::array::from_fn(|s| {
+                    std::array::from_fn(|p| {
+                        series(
+                            &duration,
+                            &[("op", OPS[o]), ("side", SIDES[s]), ("path", PATHS[p])],
+                        )
+                    })
+                })
+            }),
+            start: std::array::from_fn(|o| {
+                std::array::from_fn(|p| series(&start, &[("op", OPS[o]), ("path", PATHS[p])]))
+            }),
+            in_flight: std::array::from_fn(|o| {
+                std::array::from_fn(|s| series(&in_flight, &[("op", OPS[o]), ("side", SIDES[s])]))
+            }),
+            local: std::array::from_fn(|o| {
+                std::array::from_fn(|m| series(&local, &[("op", OPS[o]), ("mechanism", MECHANISMS[m])]))
+            }),
+            errors: std::array::from_fn(|o| {
+                std::array::from_fn(|s| {
+                    ErrorKind::ALL
+                        .iter()
+                        .map(|k| {
+                            series(
+                                &errors,
+                                &[("op", OPS[o]), ("side", SIDES[s]), ("kind", k.as_str())],
+                            )
+                        })
+                        .collect()
+                })
+            }),
+            fallbacks: std::array::from_fn(|f| {
+                std::array::from_fn(|t| series(&fallbacks, &[("from", PATHS[f]), ("to", PATHS[t])]))
+            }),
+        };
+        Metrics {
+            families: Arc::new(families),
+            engines,
+        }
+    }
+
+    /// A registry holding only these metrics, and the handle (for a process that serves nothing
+    /// else, as the CLI and the Python module do).
+    pub fn standalone() -> (Registry, Self) {
+        let mut registry = Registry::default();
+        let m = Self::register(&mut registry);
+        (registry, m)
+    }
+
+    /// A cell an engine publishes its counters into, read at each scrape.
+    pub(crate) fn engine_cell(&self) -> Arc<EngineCell> {
+        self.engines.add()
+    }
+
+    /// An operation begun (active) or created (passive): in flight until its state tells the
+    /// returned observer it ended.
+    pub(crate) fn begin(&self, op: Op, side: Side, bytes: u64) -> Box<dyn Observe> {
+        self.families.in_flight[op as usize][side as usize].inc();
+        Box::new(Tally {
+            metrics: self.clone(),
+            begun: Instant::now(),
+            bytes,
+            op,
+            side,
+        })
+    }
+
+    /// An error returned to the caller before the operation had a state (pairing, sizes,
+    /// metadata, the engine gone).
+    pub(crate) fn error(&self, op: Op, side: Side, error: &Error) {
+        self.error_kind(op, side, error.kind());
+    }
+
+    fn error_kind(&self, op: Op, side: Side, kind: ErrorKind) {
+        if let Some(i) = ErrorKind::ALL.iter().position(|k| *k == kind) {
+            self.families.errors[op as usize][side as usize][i].inc();
+        }
+    }
+
+    /// A transport on `from` declined an active operation, offered next to `to`.
+    pub(crate) fn fallback(&self, from: Option<TransferPath>, to: Option<TransferPath>) {
+        self.families.fallbacks[path_ix(from)][path_ix(to)].inc();
+    }
+}
+
+/// What an operation's state tells when its transfer starts and when it ends (once each).
+pub(crate) struct Tally {
+    metrics: Metrics,
+    begun: Instant,
+    bytes: u64,
+    op: Op,
+    side: Side,
+}
+
+impl Observe for Tally {
+    /// The transport started the active operation's transfer on `path`.
+    fn started(&self, path: TransferPath) {
+        if self.side == Side::Active {
+            self.metrics.families.start[self.op as usize][path_ix(Some(path))]
+                .observe(self.begun.elapsed().as_secs_f64());
+        }
+    }
+
+    /// The operation ended.
+    fn ended(&self, e: Ended) {
+        let f = &self.metrics.families;
+        let (o, s, p) = (self.op as usize, self.side as usize, path_ix(e.path));
+        f.in_flight[o][s].dec();
+        let t = match e.status {
+            OperationStatus::Complete => 0,
+            OperationStatus::Errored => 1,
+            _ => 2,
+        };
+        f.operations[o][s][p][t].inc();
+        f.duration[o][s][p].observe(self.begun.elapsed().as_secs_f64());
+        if t == 0 {
+            f.bytes[o][s][p].inc_by(self.bytes);
+            if let (Side::Active, Some(m)) = (self.side, e.mechanism) {
+                f.local[o][mechanism_ix(m)].inc();
+            }
+        }
+        if let Some(k) = e.error {
+            self.metrics.error_kind(self.op, self.side, k);
+        }
+    }
+}
+
+/// Encodes `registry` in the OpenMetrics text format (what Prometheus asks for first; the
+/// content type is [`OPENMETRICS_CONTENT_TYPE`]).
+///
+/// # Errors
+/// Only what the registry's own collectors return (none of this crate's fail).
+pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
+    let mut s = String::new();
+    prometheus_client::encoding::text::encode(&mut s, registry)?;
+    Ok(s)
+}
+
+/// Encodes `registry` in the Prometheus text format 0.0.4 (for scrapers that do not ask for
+/// OpenMetrics; the content type is [`PROMETHEUS_CONTENT_TYPE`]).
+///
+/// # Errors
+/// As [`encode`].
+pub fn encode_prometheus(registry: &Registry) -> Result<String, std::fmt::Error> {
+    let mut s = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut s, registry)?;
+    Ok(s)
+}
+
+/// The content type of [`encode`]'s text.
+pub const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// The content type of [`encode_prometheus`]'s text.
+pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Every connector's counters (what [`EngineStats`](crate::EngineStats) holds) summed over
+/// the connectors of `metrics` alive now and ended before, as a scrape shows them: for tests
+/// and tools that compare the two views.
+#[doc(hidden)]
+pub fn engine_totals(metrics: &Metrics) -> crate::EngineStats {
+    metrics.engines.totals()
+}
