@@ -10,7 +10,9 @@
 #     .venv's) in .dynamo-next/, whose tests run on nixl_connect beside 1.6.1's
 #   - with --nats: Debian's nats-server for the NATS channel tests
 #   - with --etcd: Debian's etcd-server for the etcd channel tests (the tests start their own etcd)
-# Usage: bash scripts/setup.sh [--interop] [--nats] [--etcd]
+#   - with --prometheus: Debian's prometheus (and promtool) for the metrics scrape tests (the tests
+#     start their own server; the package's daemon is not needed)
+# Usage: bash scripts/setup.sh [--interop] [--nats] [--etcd] [--prometheus]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NIXL_VERSION=${NIXL_VERSION:-1.5.1}   # the pinned nixl-sys (=1.5.1); scripts/test-nixl-versions.sh sets others
@@ -19,12 +21,13 @@ NIXL_WHEEL=${NIXL_WHEEL:-nixl-cu13}
 DYNAMO_VERSION=1.6.1
 DYNAMO_NEXT=1.7.0.dev20261026   # Dynamo's next release (PyPI pre-release), tested beside 1.6.1
 TORCH_VERSION=2.15.0
-want_interop=0; want_nats=0; want_etcd=0
+want_interop=0; want_nats=0; want_etcd=0; want_prometheus=0
 for a in "$@"; do
   case "$a" in
     --interop) want_interop=1 ;;
     --nats) want_nats=1 ;;
     --etcd) want_etcd=1 ;;
+    --prometheus) want_prometheus=1 ;;
     *) echo "setup: unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -42,6 +45,13 @@ if [ ${#apt_pkgs[@]} -gt 0 ]; then
   say "installing ${apt_pkgs[*]} with apt-get"
   $SUDO apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
+fi
+if [ "$want_prometheus" = 1 ] && ! command -v prometheus >/dev/null 2>&1; then
+  say "installing prometheus with apt-get"
+  $SUDO apt-get update -qq >/dev/null
+  # (no recommends: it recommends its node exporter, which nothing here needs; the package's own
+  # daemon is not used, the tests start their own server)
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 
 PY=${PYTHON:-python3}

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Runs every test of nixl-connect on a fresh machine: installs what is missing (libclang, the NIXL
-# wheel, the Python Dynamo module for interop, nats-server, etcd), checks formatting and lints, then runs
+# wheel, the Python Dynamo module for interop, nats-server, etcd, prometheus), checks formatting and lints, then runs
 # the whole test suite against the real NIXL library (Rust, then the Python module against Dynamo's).
 # Usage: bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --interop --nats --etcd
+bash scripts/setup.sh --interop --nats --etcd --prometheus
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 echo "== cargo fmt --check" >&2
 cargo fmt --all -- --check

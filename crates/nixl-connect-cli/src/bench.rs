@@ -91,6 +91,9 @@ pub(crate) struct Args {
     /// default 1000): the active side's and the passive peer's.
     #[arg(long)]
     progress_delay_us: Option<u64>,
+    /// Metrics of this (active) side's connector (the peer records none).
+    #[command(flatten)]
+    metrics: crate::metrics::MetricsArgs,
 }
 
 fn parse_kv(s: &str) -> std::result::Result<(String, String), String> {
@@ -570,6 +573,13 @@ impl Args {
 }
 
 pub(crate) async fn run(a: Args) -> Result<()> {
+    let ex = a.metrics.start().await?;
+    let r = run_with(a, &ex).await;
+    ex.finish().await;
+    r
+}
+
+async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
     let json = a.json || !std::io::stdout().is_terminal();
     type Out = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
     type In = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
@@ -612,7 +622,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
             (Some(child), Some(pid), to, BufReader::new(from).lines())
         }
     };
-    let mut builder = Connector::builder().path(a.path);
+    let mut builder = ex.apply(Connector::builder().path(a.path));
     for (k, v) in &a.ucx_params {
         builder = builder.ucx_param(k, v);
     }

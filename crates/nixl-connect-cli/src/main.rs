@@ -8,6 +8,7 @@ mod bench;
 mod demo;
 mod doctor;
 mod etcd;
+mod metrics;
 mod pattern;
 mod sendrecv;
 mod transfer;
@@ -53,6 +54,9 @@ enum Cmd {
     Recv(sendrecv::RecvArgs),
     /// Show what this host offers (NIXL, UCX, CUDA, huge pages, NATS) and whether it works.
     Doctor(doctor::Args),
+    /// Print the rates of one or more `--metrics` endpoints every second: bytes in (rx) and
+    /// out (tx), operations, operations in flight, errors.
+    Top(metrics::TopArgs),
     /// Internal: the benchmark's peer process.
     #[command(hide = true)]
     BenchPeer,
@@ -82,6 +86,8 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("off")),
         )
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: logs kept in a file or read by a tool stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -99,6 +105,7 @@ fn main() {
             Cmd::Send(a) => sendrecv::send(a).await,
             Cmd::Recv(a) => sendrecv::recv(a).await,
             Cmd::Doctor(a) => doctor::run(a).await,
+            Cmd::Top(a) => metrics::top(a).await,
             Cmd::BenchPeer => bench::peer().await,
             Cmd::DemoPeer => demo::peer().await,
         }

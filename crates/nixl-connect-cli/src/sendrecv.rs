@@ -36,6 +36,8 @@ pub(crate) struct SendArgs {
     /// Seconds to wait for the receiver to read and confirm.
     #[arg(long, default_value_t = 300.0)]
     timeout: f64,
+    #[command(flatten)]
+    metrics: crate::metrics::MetricsArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -52,6 +54,8 @@ pub(crate) struct RecvArgs {
     /// Seconds for the whole transfer.
     #[arg(long, default_value_t = 300.0)]
     timeout: f64,
+    #[command(flatten)]
+    metrics: crate::metrics::MetricsArgs,
 }
 
 fn secs(s: f64) -> Result<Duration> {
@@ -126,6 +130,13 @@ fn map(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
 }
 
 pub(crate) async fn send(a: SendArgs) -> Result<()> {
+    let ex = a.metrics.start().await?;
+    let r = send_with(a, &ex).await;
+    ex.finish().await;
+    r
+}
+
+async fn send_with(a: SendArgs, ex: &crate::metrics::Exporter) -> Result<()> {
     let timeout = secs(a.timeout)?;
     let t0 = Instant::now();
     let path = &a.file;
@@ -151,7 +162,7 @@ pub(crate) async fn send(a: SendArgs) -> Result<()> {
         .and_then(|n| n.to_str())
         .unwrap_or("received.bin")
         .to_string();
-    let conn = Connector::new()?;
+    let conn = ex.apply(Connector::builder()).build()?;
     // One readable per chunk, each keeping the mapping alive for as long as a transfer may use it.
     let mut readables = Vec::new();
     for off in (0..size).step_by(CHUNK) {
@@ -392,6 +403,13 @@ fn destination(out: Option<PathBuf>, name: &str, force: bool) -> Result<PathBuf>
 }
 
 pub(crate) async fn recv(a: RecvArgs) -> Result<()> {
+    let ex = a.metrics.start().await?;
+    let r = recv_with(a, &ex).await;
+    ex.finish().await;
+    r
+}
+
+async fn recv_with(a: RecvArgs, ex: &crate::metrics::Exporter) -> Result<()> {
     // The handlers go in before anything is created on disk: a signal that lands first ends the
     // process by default, with nothing to clean up.
     let signals = Signals::install();
@@ -401,7 +419,7 @@ pub(crate) async fn recv(a: RecvArgs) -> Result<()> {
     let md = http::fetch(&a.url, fetch_limit).await?;
     let extra = http::fetch_extra(&a.url, fetch_limit).await?;
     let url = a.url.clone();
-    let work = receive(a, md, extra, t0, timeout);
+    let work = receive(a, md, extra, (t0, timeout), ex);
     let outcome = tokio::select! {
         biased;
         s = signals.received() => Err(Exit::interrupted(format!("interrupted by {s}; nothing was saved"))),
@@ -459,8 +477,8 @@ async fn receive(
     a: RecvArgs,
     md: RdmaMetadata,
     extra: serde_json::Value,
-    t0: Instant,
-    timeout: Duration,
+    (t0, timeout): (Instant, Duration),
+    ex: &crate::metrics::Exporter,
 ) -> Result<(PathBuf, String)> {
     let want = extra["sha256"]
         .as_str()
@@ -496,7 +514,7 @@ async fn receive(
     // Everything about the destination is settled before any byte moves.
     let dest = destination(a.out, &name, a.force)?;
     let mut partial = Partial::create(&dest, size)?;
-    let conn = Connector::new()?;
+    let conn = ex.apply(Connector::builder()).build()?;
     let progress = bar(size as u64, "received");
     let deadline = t0 + timeout;
     let mut off = 0;

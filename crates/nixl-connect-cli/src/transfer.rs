@@ -43,6 +43,8 @@ pub(crate) struct ServeArgs {
     /// printed on stderr).
     #[arg(long)]
     publish: Option<String>,
+    #[command(flatten)]
+    pub(crate) metrics: crate::metrics::MetricsArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -64,6 +66,8 @@ pub(crate) struct ReadArgs {
     /// Print the result as a JSON line on stdout (instead of a line on stderr).
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    pub(crate) metrics: crate::metrics::MetricsArgs,
 }
 
 #[derive(clap::Args, Debug)]
@@ -83,6 +87,8 @@ pub(crate) struct WriteArgs {
     /// Print the result as a JSON line on stdout (instead of a line on stderr).
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    pub(crate) metrics: crate::metrics::MetricsArgs,
 }
 
 /// Sizes of `n` unequal parts of `total` (weights 1, 2, ..., n), each at least one byte.
@@ -234,6 +240,13 @@ async fn published(
 }
 
 pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
+    let ex = a.metrics.start().await?;
+    let r = serve_with(a, &ex).await;
+    ex.finish().await;
+    r
+}
+
+async fn serve_with(a: ServeArgs, ex: &crate::metrics::Exporter) -> Result<()> {
     if a.device != Device::Host {
         bail!("--device {}: only cpu memory is served by this command", a.device);
     }
@@ -271,7 +284,7 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| Err(anyhow::anyhow!("--publish {p:?}: write etcd://HOST:PORT/KEY")))
     });
     let publish_at = publish_at.transpose()?;
-    let conn = Connector::new()?;
+    let conn = ex.apply(Connector::builder()).build()?;
     let bytes = buf.len();
     let t0;
     let path;
@@ -307,13 +320,20 @@ pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
 }
 
 pub(crate) async fn read(a: ReadArgs) -> Result<()> {
+    let ex = a.metrics.start().await?;
+    let r = read_with(a, &ex).await;
+    ex.finish().await;
+    r
+}
+
+async fn read_with(a: ReadArgs, ex: &crate::metrics::Exporter) -> Result<()> {
     let timeout = timeout_of(a.timeout)?;
     let t0 = Instant::now();
     let md = read_metadata(&a.metadata, timeout).await?;
     let (sizes, total) = sizes_of(&md)?;
     // Owned memory: if the deadline passes, dropping the operation never blocks on the peer.
     let descs = buffers(&sizes)?;
-    let conn = Connector::builder().path(a.path).build()?;
+    let conn = ex.apply(Connector::builder().path(a.path)).build()?;
     let done = async {
         let t1 = Instant::now();
         let op = conn.begin_read(&md, descs).await?;
@@ -342,6 +362,13 @@ pub(crate) async fn read(a: ReadArgs) -> Result<()> {
 }
 
 pub(crate) async fn write(a: WriteArgs) -> Result<()> {
+    let ex = a.metrics.start().await?;
+    let r = write_with(a, &ex).await;
+    ex.finish().await;
+    r
+}
+
+async fn write_with(a: WriteArgs, ex: &crate::metrics::Exporter) -> Result<()> {
     let timeout = timeout_of(a.timeout)?;
     let t0 = Instant::now();
     let data = std::fs::read(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
@@ -362,7 +389,7 @@ pub(crate) async fn write(a: WriteArgs) -> Result<()> {
         descs.push(Descriptor::from(HostBuffer::from_slice(&data[off..off + s])?));
         off += s;
     }
-    let conn = Connector::builder().path(a.path).build()?;
+    let conn = ex.apply(Connector::builder().path(a.path)).build()?;
     let done = async {
         let t1 = Instant::now();
         let op = conn.begin_write(descs, &md).await?;

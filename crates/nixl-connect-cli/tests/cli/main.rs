@@ -3,6 +3,7 @@
 
 mod commands;
 mod interop;
+mod metrics;
 mod sendrecv;
 #[path = "../../../nixl-connect/tests/integration/stop.rs"]
 pub(crate) mod stop;
