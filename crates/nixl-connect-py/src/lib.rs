@@ -252,7 +252,12 @@ impl Connector {
     #[new]
     fn new(py: Python<'_>, worker_id: String) -> PyResult<Self> {
         let inner = py
-            .detach(|| nixl_connect::Connector::builder().worker_id(worker_id).build())
+            .detach(|| {
+                nixl_connect::Connector::builder()
+                    .worker_id(worker_id)
+                    .metrics(&metrics().1)
+                    .build()
+            })
             .map_err(err)?;
         Ok(Self {
             inner: Owned::new(inner),
@@ -942,6 +947,27 @@ fn agent_metadata_hex(nixl_metadata: &str) -> PyResult<String> {
     RdmaMetadata::agent_metadata_as_hex(nixl_metadata).map_err(err)
 }
 
+/// The process's metrics: one registry every connector of the module records into (a registry
+/// holds each family once; `nixl_connect.metrics` hands its text to `prometheus_client`).
+fn metrics() -> &'static (
+    nixl_connect::metrics::prometheus_client::registry::Registry,
+    nixl_connect::metrics::Metrics,
+) {
+    static METRICS: std::sync::OnceLock<(
+        nixl_connect::metrics::prometheus_client::registry::Registry,
+        nixl_connect::metrics::Metrics,
+    )> = std::sync::OnceLock::new();
+    METRICS.get_or_init(nixl_connect::metrics::Metrics::standalone)
+}
+
+/// Every connector's metrics in the OpenMetrics text format (ending in `# EOF`), for
+/// `nixl_connect.metrics.collector`.
+#[pyfunction]
+fn metrics_text(py: Python<'_>) -> PyResult<String> {
+    py.detach(|| nixl_connect::metrics::encode(&metrics().0))
+        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(format!("encoding the metrics failed: {e}")))
+}
+
 /// The NIXL agent name inside a `nixl_metadata` string, or `""` when it is not NIXL metadata.
 #[pyfunction]
 fn agent_name(nixl_metadata: &str) -> String {
@@ -987,5 +1013,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(agent_name, m)?)?;
     m.add_function(wrap_pyfunction!(error_classes, m)?)?;
     m.add_function(wrap_pyfunction!(agent_metadata_hex, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
     Ok(())
 }
