@@ -128,11 +128,13 @@ pub(crate) fn totals(text: &str) -> Totals {
     t
 }
 
+/// The `/metrics` URL of an endpoint given as `HOST:PORT`, `http://HOST:PORT` or a full URL.
 fn url_of(endpoint: &str) -> String {
-    if endpoint.starts_with("http://") {
-        endpoint.to_string()
-    } else {
-        format!("http://{endpoint}/metrics")
+    let rest = endpoint.strip_prefix("http://").unwrap_or(endpoint);
+    match rest.split_once('/') {
+        Some((_, path)) if !path.is_empty() => format!("http://{rest}"),
+        Some((host, _)) => format!("http://{host}/metrics"),
+        None => format!("http://{rest}/metrics"),
     }
 }
 
@@ -152,9 +154,23 @@ pub(crate) async fn top(a: TopArgs) -> Result<()> {
     let mut lines = 0u64;
     loop {
         tick.tick().await;
+        // Every endpoint at once: a dead one costs its timeout, not every line's.
+        let timeout = every.max(Duration::from_millis(500));
+        let mut scrapes = tokio::task::JoinSet::new();
         for (i, url) in urls.iter().enumerate() {
-            let now = Instant::now();
-            let t = match nixl_connect::metrics::scrape(url, every.max(Duration::from_millis(500))).await {
+            let url = url.clone();
+            scrapes.spawn(async move {
+                (
+                    i,
+                    nixl_connect::metrics::scrape(&url, timeout).await,
+                    Instant::now(),
+                )
+            });
+        }
+        let mut got: Vec<_> = scrapes.join_all().await;
+        got.sort_by_key(|(i, _, _)| *i);
+        for (i, scraped, now) in got {
+            let t = match scraped {
                 Ok(text) => totals(&text),
                 Err(e) => {
                     println!("{:<32} unreachable: {e}", a.endpoints[i]);
@@ -200,5 +216,13 @@ mod tests {
             # EOF\n";
         let t = totals(text);
         assert_eq!((t.rx, t.tx, t.ops, t.in_flight), (105.0, 10.0, 2.0, 4.0));
+    }
+
+    #[test]
+    fn top_endpoint_urls_name_the_metrics_page() {
+        assert_eq!(url_of("h:9"), "http://h:9/metrics");
+        assert_eq!(url_of("http://h:9"), "http://h:9/metrics");
+        assert_eq!(url_of("http://h:9/"), "http://h:9/metrics");
+        assert_eq!(url_of("http://h:9/custom"), "http://h:9/custom");
     }
 }

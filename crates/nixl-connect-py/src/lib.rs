@@ -948,16 +948,29 @@ fn agent_metadata_hex(nixl_metadata: &str) -> PyResult<String> {
 }
 
 /// The process's metrics: one registry every connector of the module records into (a registry
-/// holds each family once; `nixl_connect.metrics` hands its text to `prometheus_client`).
+/// holds each family once; `nixl_connect.metrics` hands its text to `prometheus_client`). Per
+/// process image, as the runtime is: a forked child starts from zero (its parent's counters are
+/// the parent's, and a lock held by a parent's thread at the fork is never taken here).
 fn metrics() -> &'static (
     nixl_connect::metrics::prometheus_client::registry::Registry,
     nixl_connect::metrics::Metrics,
 ) {
-    static METRICS: std::sync::OnceLock<(
+    type Held = &'static (
         nixl_connect::metrics::prometheus_client::registry::Registry,
         nixl_connect::metrics::Metrics,
-    )> = std::sync::OnceLock::new();
-    METRICS.get_or_init(nixl_connect::metrics::Metrics::standalone)
+    );
+    static METRICS: Mutex<Option<(u64, Held)>> = Mutex::new(None);
+    let image = FORKS.load(Ordering::Relaxed);
+    let mut slot = lock(&METRICS);
+    if let Some((p, m)) = *slot {
+        if p == image {
+            return m;
+        }
+    }
+    // Leaked once per process image, as the runtime (a fork's parent keeps its own).
+    let m: Held = Box::leak(Box::new(nixl_connect::metrics::Metrics::standalone()));
+    *slot = Some((image, m));
+    m
 }
 
 /// Every connector's metrics in the OpenMetrics text format (ending in `# EOF`), for

@@ -190,8 +190,10 @@ pub(crate) struct Ended {
 /// Told when an operation's transfer starts and when the operation ends (once each), on the
 /// thread that made the change: the connector's metrics.
 pub(crate) trait Observe: Send + Sync {
-    /// The first path recorded for the operation.
+    /// A transport took the operation on `path` (again, when the previous one declined it).
     fn started(&self, path: TransferPath);
+    /// A wait for the operation timed out (the operation stays live).
+    fn timed_out(&self);
     /// The operation ended.
     fn ended(&self, e: Ended);
 }
@@ -292,6 +294,14 @@ impl OpState {
         true
     }
 
+    /// A wait for the operation timed out: tells the observer (the error is the caller's; the
+    /// operation goes on).
+    pub(crate) fn timed_out(&self) {
+        if let Some(t) = self.observer.get() {
+            t.timed_out();
+        }
+    }
+
     pub(crate) fn error(&self) -> Option<Error> {
         self.error.lock().recover().clone()
     }
@@ -300,13 +310,12 @@ impl OpState {
         self.notify.notified()
     }
 
-    /// Records which path moves (or moved) the bytes; the first path recorded marks the
-    /// transfer's start in the metrics.
+    /// Records which path moves (or moved) the bytes, and tells the observer the transport
+    /// took the operation.
     pub(crate) fn set_path(&self, p: TransferPath) {
-        if self.path.swap(p as u8, Ordering::AcqRel) == 0 {
-            if let Some(t) = self.observer.get() {
-                t.started(p);
-            }
+        self.path.store(p as u8, Ordering::Release);
+        if let Some(t) = self.observer.get() {
+            t.started(p);
         }
         if let Some(sp) = self.span.get() {
             sp.record("path", tracing::field::display(p));
@@ -418,6 +427,7 @@ mod tests {
 
     impl Observe for Counting {
         fn started(&self, _: TransferPath) {}
+        fn timed_out(&self) {}
         fn ended(&self, e: Ended) {
             self.0.fetch_add(1, Ordering::SeqCst);
             self.1.store(e.status as u8, Ordering::SeqCst);

@@ -303,7 +303,8 @@ fn cli_metrics_scraped_by_prometheus() {
 fn cli_operation_span_has_the_path_and_end_never_the_key() {
     let dir = scratch("span");
     let mut c = cli();
-    c.args(["serve", "--size", "4096"]).env("NIXL_CONNECT_LOG", "nixl_connect=debug");
+    c.args(["serve", "--size", "4096"])
+        .env("NIXL_CONNECT_LOG", "nixl_connect=debug");
     let peer = Passive::start(c);
     let key = serde_json::from_str::<serde_json::Value>(&peer.metadata).unwrap()["notification_key"]
         .as_str()
@@ -327,7 +328,12 @@ fn cli_operation_span_has_the_path_and_end_never_the_key() {
             .lines()
             .find(|l| l.contains("nixl_connect.operation{") && l.contains("operation ended"))
             .unwrap_or_else(|| panic!("no span ended on the {side} side:\n{log}"));
-        for field in [format!("side=\"{side}\""), "op=\"read\"".into(), "bytes=4096".into(), "descriptors=1".into()] {
+        for field in [
+            format!("side=\"{side}\""),
+            "op=\"read\"".into(),
+            "bytes=4096".into(),
+            "descriptors=1".into(),
+        ] {
             assert!(ended.contains(&field), "{field} missing: {ended}");
         }
         assert!(ended.contains("status=DONE"), "{ended}");

@@ -40,6 +40,8 @@ impl EngineLoop {
     pub(crate) fn run(mut self) {
         let mut last_event = Instant::now();
         let mut shutdown = None;
+        // Something happened since the counters were last published with force.
+        let mut unpublished = true;
         loop {
             let mut event = false;
             while let Some(cmd) = self.pending.take().or_else(|| self.next_cmd()) {
@@ -64,6 +66,7 @@ impl EngineLoop {
             self.ready.clear();
             if event {
                 self.core.publish(now, false);
+                unpublished = true;
             }
             if event {
                 last_event = Instant::now();
@@ -78,7 +81,10 @@ impl EngineLoop {
                 continue;
             }
             let now = Instant::now();
-            self.core.publish(now, true);
+            if std::mem::take(&mut unpublished) {
+                // Going idle: the counters as they stand.
+                self.core.publish(now, true);
+            }
             let timeout = self.core.sleep_for(now);
             self.poller.prepare_sleep();
             if self.core.has_pending() {

@@ -85,6 +85,21 @@ struct Cells {
     ended: EngineStats,
 }
 
+impl Cells {
+    /// Moves ended engines' counters into the totals.
+    fn fold_ended(&mut self) {
+        let Cells { live, ended } = self;
+        live.retain(|c| {
+            if c.ended.load(Ordering::Acquire) {
+                add_counters(ended, &c.read());
+                false
+            } else {
+                true
+            }
+        });
+    }
+}
+
 fn add_counters(to: &mut EngineStats, s: &EngineStats) {
     to.registrations += s.registrations;
     to.remote_loads += s.remote_loads;
@@ -99,7 +114,11 @@ fn add_counters(to: &mut EngineStats, s: &EngineStats) {
 impl EngineCollector {
     pub(crate) fn add(&self) -> Arc<EngineCell> {
         let cell = Arc::new(EngineCell::default());
-        self.state.lock().recover().live.push(cell.clone());
+        let mut st = self.state.lock().recover();
+        // Ended engines are folded in here too, not only at scrapes: connectors that come and go
+        // in a process nobody scrapes keep nothing.
+        st.fold_ended();
+        st.live.push(cell.clone());
         cell
     }
 
@@ -110,17 +129,9 @@ impl EngineCollector {
 
     fn totals_and_count(&self) -> (EngineStats, usize) {
         let mut st = self.state.lock().recover();
-        let Cells { live, ended } = &mut *st;
-        live.retain(|c| {
-            if c.ended.load(Ordering::Acquire) {
-                add_counters(ended, &c.read());
-                false
-            } else {
-                true
-            }
-        });
-        let mut t = ended.clone();
-        for c in live.iter() {
+        st.fold_ended();
+        let mut t = st.ended.clone();
+        for c in st.live.iter() {
             let s = c.read();
             add_counters(&mut t, &s);
             t.live_registrations += s.live_registrations;
@@ -128,7 +139,7 @@ impl EngineCollector {
             // One pool per process: every engine sees the same queue.
             t.copy_pool_queued = t.copy_pool_queued.max(s.copy_pool_queued);
         }
-        (t, live.len())
+        (t, st.live.len())
     }
 }
 

@@ -1,5 +1,6 @@
 //! The families and the handle connectors record into ([`Metrics`]), and the text encoders.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -150,8 +151,8 @@ impl Metrics {
         let start = Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(new_hist);
         reg.register_with_unit(
             "operation_start",
-            "Active side: from begin to the transport starting the transfer (NIXL: posted; \
-             same-host: requested), by operation and path",
+            "Completed active operations: from begin to the path that completed them taking them \
+             (NIXL: posted; same-host: a slot taken, the request sent or queued), by operation and path",
             Unit::Seconds,
             start.clone(),
         );
@@ -265,13 +266,19 @@ impl Metrics {
     /// An operation begun (active) or created (passive): in flight until its state tells the
     /// returned observer it ended.
     pub(crate) fn begin(&self, op: Op, side: Side, bytes: u64) -> Box<dyn Observe> {
+        self.begin_at(op, side, bytes, Instant::now())
+    }
+
+    /// As [`begin`](Self::begin), for an operation that began at `begun`.
+    pub(crate) fn begin_at(&self, op: Op, side: Side, bytes: u64, begun: Instant) -> Box<dyn Observe> {
         self.families.in_flight[op as usize][side as usize].inc();
         Box::new(Tally {
             metrics: self.clone(),
-            begun: Instant::now(),
+            begun,
             bytes,
             op,
             side,
+            started: AtomicU64::new(0),
         })
     }
 
@@ -300,15 +307,19 @@ pub(crate) struct Tally {
     bytes: u64,
     op: Op,
     side: Side,
+    /// Nanoseconds from `begun` to the last transport taking the operation, plus one (0: none
+    /// took it yet).
+    started: AtomicU64,
 }
 
 impl Observe for Tally {
-    /// The transport started the active operation's transfer on `path`.
-    fn started(&self, path: TransferPath) {
-        if self.side == Side::Active {
-            self.metrics.families.start[self.op as usize][path_ix(Some(path))]
-                .observe(self.begun.elapsed().as_secs_f64());
-        }
+    fn started(&self, _path: TransferPath) {
+        let ns = u64::try_from(self.begun.elapsed().as_nanos()).unwrap_or(u64::MAX - 1);
+        self.started.store(ns + 1, Ordering::Relaxed);
+    }
+
+    fn timed_out(&self) {
+        self.metrics.error_kind(self.op, self.side, ErrorKind::TimedOut);
     }
 
     /// The operation ended.
@@ -325,8 +336,15 @@ impl Observe for Tally {
         f.duration[o][s][p].observe(self.begun.elapsed().as_secs_f64());
         if t == 0 {
             f.bytes[o][s][p].inc_by(self.bytes);
-            if let (Side::Active, Some(m)) = (self.side, e.mechanism) {
-                f.local[o][mechanism_ix(m)].inc();
+            if self.side == Side::Active {
+                if let Some(m) = e.mechanism {
+                    f.local[o][mechanism_ix(m)].inc();
+                }
+                // The start on the path that completed it (the last one to take it).
+                match self.started.load(Ordering::Relaxed) {
+                    0 => {}
+                    ns => f.start[o][p].observe((ns - 1) as f64 * 1e-9),
+                }
             }
         }
         if let Some(k) = e.error {
@@ -366,6 +384,6 @@ pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=ut
 /// the connectors of `metrics` alive now and ended before, as a scrape shows them: for tests
 /// and tools that compare the two views.
 #[doc(hidden)]
-pub fn engine_totals(metrics: &Metrics) -> crate::EngineStats {
+pub fn engine_totals(metrics: &Metrics) -> crate::stats::EngineStats {
     metrics.engines.totals()
 }

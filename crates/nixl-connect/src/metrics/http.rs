@@ -64,19 +64,31 @@ pub async fn serve(addr: SocketAddr, registry: Arc<Registry>) -> Result<MetricsS
     Ok(MetricsServer { addr, _stop: tx })
 }
 
+/// Whether one media range of an `Accept` header asks for OpenMetrics (with a q-value above 0).
+fn accepts_openmetrics(range: &str) -> bool {
+    let mut parts = range.split(';').map(str::trim);
+    if parts.next() != Some("application/openmetrics-text") {
+        return false;
+    }
+    parts
+        .filter_map(|p| p.strip_prefix("q="))
+        .all(|q| q.parse::<f32>().is_ok_and(|q| q > 0.0))
+}
+
 async fn metrics(State(registry): State<Arc<Registry>>, headers: HeaderMap) -> Response {
     let open = headers
         .get_all(header::ACCEPT)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("application/openmetrics-text"));
+        .flat_map(|v| v.split(','))
+        .any(accepts_openmetrics);
     let (text, kind) = if open {
         (encode(&registry), OPENMETRICS_CONTENT_TYPE)
     } else {
         (encode_prometheus(&registry), PROMETHEUS_CONTENT_TYPE)
     };
     match text {
-        Ok(t) => ([(header::CONTENT_TYPE, kind)], t).into_response(),
+        Ok(t) => ([(header::CONTENT_TYPE, kind), (header::VARY, "Accept")], t).into_response(),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "encoding the metrics failed\n").into_response(),
     }
 }
@@ -93,4 +105,19 @@ async fn metrics(State(registry): State<Arc<Registry>>, headers: HeaderMap) -> R
 pub async fn scrape(url: &str, timeout: std::time::Duration) -> Result<String> {
     let body = crate::channel::http::get_bytes(url, timeout).await?;
     String::from_utf8(body.to_vec()).map_err(|e| Error::channel_from(format!("{url} is not UTF-8 text"), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::accepts_openmetrics;
+
+    #[test]
+    fn metrics_http_accept_honours_q_values() {
+        assert!(accepts_openmetrics(
+            "application/openmetrics-text;version=1.0.0;q=0.75"
+        ));
+        assert!(accepts_openmetrics(" application/openmetrics-text"));
+        assert!(!accepts_openmetrics("application/openmetrics-text;q=0"));
+        assert!(!accepts_openmetrics("text/plain;version=0.0.4;q=0.5"));
+    }
 }

@@ -112,8 +112,21 @@ async fn metrics_count_errors_by_kind_and_cancels() {
         .err()
         .unwrap();
     assert_eq!(err.kind(), crate::ErrorKind::DescriptorMismatch);
+    // A wait that times out is an error returned to the caller; the operation stays live.
+    let waited = readable
+        .wait_for_completion(Some(std::time::Duration::from_millis(1)))
+        .await;
+    assert_eq!(waited.unwrap_err().kind(), crate::ErrorKind::TimedOut);
     drop(readable); // cancelled, never read
     let text = encode(&registry).unwrap();
+    assert_eq!(
+        sample(
+            &text,
+            "nixl_connect_errors_total",
+            &[("op", "read"), ("side", "passive"), ("kind", "TimedOut")]
+        ),
+        Some(1.0)
+    );
     assert_eq!(
         sample(
             &text,

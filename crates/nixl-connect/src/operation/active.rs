@@ -135,7 +135,9 @@ impl<'a> Active<'a> {
             state: state.clone(),
         };
         if let Err(e) = engine.send(Cmd::Begin { spec }) {
-            // No engine, no transport: nothing can touch the memory.
+            // No engine, no transport: nothing can touch the memory. Ended here (the error is
+            // counted once, by `begin`), so the drop below finds nothing to cancel.
+            state.finish(OperationStatus::Errored, None);
             state.mark_released();
             return Err(e);
         }

@@ -38,18 +38,16 @@ async fn wait(state: &Arc<OpState>, timeout: Option<Duration>, peer: Option<&str
     };
     match timeout {
         None => fut.await,
-        Some(t) => tokio::time::timeout(t, fut).await.map_err(|_| Error::TimedOut {
-            after: t,
-            peer: peer.map(str::to_owned),
+        Some(t) => tokio::time::timeout(t, fut).await.map_err(|_| {
+            state.timed_out();
+            Error::TimedOut {
+                after: t,
+                peer: peer.map(str::to_owned),
+            }
         })?,
     }
 }
 
-/// Waits until the work queued so far on the descriptors' producer streams is done (stream order;
-/// nothing else on the device is waited for). Without the `cuda` feature there is none.
-///
-/// # Cancel safety
-/// Cancel safe: nothing has started yet.
 /// An operation's `tracing` span (`nixl_connect.operation`, at DEBUG): the operation, side, id
 /// (active side), bytes and descriptors at its start; the path, mechanism and status recorded
 /// as they are known. Never the notification key (it is the capability to complete).
@@ -77,6 +75,11 @@ fn span(
     )
 }
 
+/// Waits until the work queued so far on the descriptors' producer streams is done (stream order;
+/// nothing else on the device is waited for). Without the `cuda` feature there is none.
+///
+/// # Cancel safety
+/// Cancel safe: nothing has started yet.
 async fn producers_done(descs: &[crate::descriptor::Descriptor<'_>]) -> Result<()> {
     #[cfg(feature = "cuda")]
     crate::cuda::after(descs.iter().filter_map(|d| d.producer())).await?;

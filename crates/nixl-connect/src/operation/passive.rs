@@ -65,9 +65,7 @@ impl<'a> Passive<'a> {
         let key: Arc<str> = uuid::Uuid::new_v4().to_string().into();
         let state = OpState::new(OperationStatus::Initialized);
         let bytes: u64 = descs.iter().map(|d| d.size() as u64).sum();
-        if let Some(m) = engine.metrics() {
-            state.observe(m.begin(Op::of(kind), Side::Passive, bytes));
-        }
+        let begun = std::time::Instant::now();
         state.trace(super::span(kind, "passive", None, bytes, descs.len()));
         // From here on, dropping `op` (with this future) ends the exposure and hands owned memory
         // to the engine: the memory is never freed while a transport may reach it.
@@ -104,6 +102,12 @@ impl<'a> Passive<'a> {
             notification_key: key.to_string(),
             operation_kind: kind.as_u8(),
         });
+        // Counted from here (timed from the start): no peer can end it before it has the
+        // metadata, and a create that failed above is an error, not an operation cancelled.
+        if let Some(m) = engine.metrics() {
+            op.state
+                .observe(m.begin_at(Op::of(kind), Side::Passive, bytes, begun));
+        }
         Ok(op)
     }
 
