@@ -573,7 +573,15 @@ impl std::fmt::Display for ErrorKind {
 }
 
 impl Error {
-    /// The error's [`ErrorKind`] (its variant, for bindings and logs).
+    /// Why the peer refused the operation, for [`Error::Refused`].
+    pub fn refusal(&self) -> Option<Refusal> {
+        match self {
+            Error::Refused { refusal, .. } => Some(*refusal),
+            _ => None,
+        }
+    }
+
+    /// The error's [`ErrorKind`] (its variant, for bindings, logs and metrics).
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::InvalidArgument(_) | Error::InvalidDevice(_) => ErrorKind::InvalidArgument,

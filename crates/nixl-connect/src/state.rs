@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Refusal, Result};
 use crate::reg::RegToken;
 use crate::sync::{Recover, Watched};
 
@@ -185,6 +185,8 @@ pub(crate) struct Ended {
     pub(crate) path: Option<TransferPath>,
     pub(crate) mechanism: Option<Mechanism>,
     pub(crate) error: Option<ErrorKind>,
+    /// Why the peer refused it, when it did.
+    pub(crate) refusal: Option<Refusal>,
 }
 
 /// Told when an operation's transfer starts and when the operation ends (once each), on the
@@ -275,6 +277,7 @@ impl OpState {
                 path: self.path(),
                 mechanism: self.mechanism(),
                 error: kind,
+                refusal: error.as_ref().and_then(Error::refusal),
             });
         }
         if let Some(sp) = self.span.get() {

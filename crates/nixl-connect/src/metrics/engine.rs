@@ -19,7 +19,11 @@ use crate::sync::Recover;
 pub(crate) struct EngineCell {
     registrations: AtomicU64,
     live_registrations: AtomicU64,
+    registered_bytes: AtomicU64,
+    registration_hits: AtomicU64,
     remote_loads: AtomicU64,
+    peers_loaded: AtomicU64,
+    local_connections: AtomicU64,
     transfers: AtomicU64,
     local_transfers: AtomicU64,
     local_refused_peers: AtomicU64,
@@ -38,6 +42,10 @@ impl EngineCell {
         let put = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
         put(&self.registrations, s.registrations);
         put(&self.live_registrations, s.live_registrations as u64);
+        put(&self.registered_bytes, s.registered_bytes);
+        put(&self.registration_hits, s.registration_hits);
+        put(&self.peers_loaded, s.peers_loaded as u64);
+        put(&self.local_connections, s.local_connections as u64);
         put(&self.remote_loads, s.remote_loads);
         put(&self.transfers, s.transfers);
         put(&self.local_transfers, s.local_transfers);
@@ -59,6 +67,10 @@ impl EngineCell {
         EngineStats {
             registrations: get(&self.registrations),
             live_registrations: get(&self.live_registrations) as usize,
+            registered_bytes: get(&self.registered_bytes),
+            registration_hits: get(&self.registration_hits),
+            peers_loaded: get(&self.peers_loaded) as usize,
+            local_connections: get(&self.local_connections) as usize,
             remote_loads: get(&self.remote_loads),
             transfers: get(&self.transfers),
             local_transfers: get(&self.local_transfers),
@@ -102,6 +114,7 @@ impl Cells {
 
 fn add_counters(to: &mut EngineStats, s: &EngineStats) {
     to.registrations += s.registrations;
+    to.registration_hits += s.registration_hits;
     to.remote_loads += s.remote_loads;
     to.transfers += s.transfers;
     to.local_transfers += s.local_transfers;
@@ -135,6 +148,9 @@ impl EngineCollector {
             let s = c.read();
             add_counters(&mut t, &s);
             t.live_registrations += s.live_registrations;
+            t.registered_bytes += s.registered_bytes;
+            t.peers_loaded += s.peers_loaded;
+            t.local_connections += s.local_connections;
             t.quarantined_bytes += s.quarantined_bytes;
             // One pool per process: every engine sees the same queue.
             t.copy_pool_queued = t.copy_pool_queued.max(s.copy_pool_queued);
@@ -175,11 +191,35 @@ impl Collector for EngineCollector {
             "NIXL memory registrations live",
             i(t.live_registrations as u64),
         )?;
+        gauge(
+            &mut e,
+            "registered_bytes",
+            "Bytes of memory the live NIXL registrations cover",
+            i(t.registered_bytes),
+        )?;
+        counter(
+            &mut e,
+            "registration_cache_hits",
+            "Registrations asked for that a live one already covered (none made)",
+            t.registration_hits,
+        )?;
         counter(
             &mut e,
             "peer_loads",
             "Peers' agent metadata loaded into NIXL",
             t.remote_loads,
+        )?;
+        gauge(
+            &mut e,
+            "peers_loaded",
+            "Peers' agent metadata loaded into NIXL now",
+            i(t.peers_loaded as u64),
+        )?;
+        gauge(
+            &mut e,
+            "local_connections",
+            "Same-host connections open now (to peers and from them)",
+            i(t.local_connections as u64),
         )?;
         counter(&mut e, "nixl_posts", "Transfers posted through NIXL", t.transfers)?;
         counter(

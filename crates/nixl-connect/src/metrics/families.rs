@@ -11,7 +11,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
 use super::engine::{EngineCell, EngineCollector};
-use crate::error::{Error, ErrorKind};
+use crate::error::{Error, ErrorKind, Refusal};
 use crate::state::{Ended, Mechanism, Observe, OperationStatus, TransferPath};
 
 /// The prefix of every family's name.
@@ -26,6 +26,25 @@ const SIDES: [&str; 2] = ["active", "passive"];
 const PATHS: [&str; 4] = ["none", "nixl", "local", "loopback"];
 /// Status labels of ended operations, in index order.
 const STATUSES: [&str; 3] = ["complete", "errored", "cancelled"];
+/// Refusal labels, in index order (as [`refusal_ix`] maps them).
+const REFUSALS: [&str; 5] = [
+    "not_live",
+    "already_completed",
+    "out_of_range",
+    "wrong_direction",
+    "busy",
+];
+
+fn refusal_ix(r: Refusal) -> usize {
+    match r {
+        Refusal::NotLive => 0,
+        Refusal::AlreadyCompleted => 1,
+        Refusal::OutOfRange => 2,
+        Refusal::WrongDirection => 3,
+        Refusal::Busy => 4,
+    }
+}
+
 /// Same-host mechanism labels, in index order (as [`Mechanism`]'s `Display`).
 const MECHANISMS: [&str; 6] = ["frames", "cma", "pipes", "cuda-ipc", "pinned-staging", "cuda-vmm"];
 
@@ -98,6 +117,8 @@ struct Families {
     errors: Per<Per<Vec<Counter>, 2>, 2>,
     /// `[from][to]` by path index
     fallbacks: Per<Per<Counter, 4>, 4>,
+    /// `[op][reason]` (the active side: refusals are returned to the side that asked)
+    refusals: Per<Per<Counter, 5>, 2>,
 }
 
 /// A connector's metrics: register once per registry ([`Metrics::register`]), then hand to
@@ -180,6 +201,13 @@ impl Metrics {
             "Active operations a transport declined and handed to the next path, by path from and to",
             fallbacks.clone(),
         );
+        let refusals = Family::<Labels, Counter>::default();
+        reg.register(
+            "refusals",
+            "Active operations the peer refused, by operation and reason (not_live and \
+             already_completed: replayed metadata)",
+            refusals.clone(),
+        );
         let engines = Arc::new(EngineCollector::default());
         reg.register_collector(Box::new(engines.clone()));
 
@@ -240,6 +268,9 @@ impl Metrics {
                         .collect()
                 })
             }),
+            refusals: std::array::from_fn(|o| {
+                std::array::from_fn(|r| series(&refusals, &[("op", OPS[o]), ("reason", REFUSALS[r])]))
+            }),
             fallbacks: std::array::from_fn(|f| {
                 std::array::from_fn(|t| series(&fallbacks, &[("from", PATHS[f]), ("to", PATHS[t])]))
             }),
@@ -286,6 +317,9 @@ impl Metrics {
     /// metadata, the engine gone).
     pub(crate) fn error(&self, op: Op, side: Side, error: &Error) {
         self.error_kind(op, side, error.kind());
+        if let Some(r) = error.refusal() {
+            self.families.refusals[op as usize][refusal_ix(r)].inc();
+        }
     }
 
     fn error_kind(&self, op: Op, side: Side, kind: ErrorKind) {
@@ -349,6 +383,9 @@ impl Observe for Tally {
         }
         if let Some(k) = e.error {
             self.metrics.error_kind(self.op, self.side, k);
+        }
+        if let Some(r) = e.refusal {
+            f.refusals[o][refusal_ix(r)].inc();
         }
     }
 }

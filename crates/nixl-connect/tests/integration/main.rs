@@ -14,6 +14,7 @@ mod hostile;
 mod impostor;
 mod limits;
 mod local;
+mod metrics;
 mod pods;
 mod soak;
 mod soundness;

@@ -473,6 +473,13 @@ impl NixlTransport {
             + self.initiator.as_ref().map_or(0, |i| i.regs.map.len())
     }
 
+    /// Bytes the live registrations cover.
+    fn registered_bytes(&self) -> u64 {
+        self.exposer.regs.bytes()
+            + self.retired.values().map(|e| e.regs.bytes()).sum::<u64>()
+            + self.initiator.as_ref().map_or(0, |i| i.regs.bytes())
+    }
+
     fn initiator(&mut self) -> Result<&mut Initiator> {
         if self.initiator.is_none() {
             self.initiator_gen += 1;
@@ -869,6 +876,9 @@ impl Transport for NixlTransport {
         let s = &self.stats;
         stats.registrations += s.registrations;
         stats.live_registrations += self.live_registrations();
+        stats.registered_bytes += self.registered_bytes();
+        stats.registration_hits += s.registration_hits;
+        stats.peers_loaded += self.initiator.as_ref().map_or(0, |i| i.loaded.len());
         stats.remote_loads += s.remote_loads;
         stats.transfers += s.transfers;
         stats.resets += s.resets;

@@ -38,6 +38,11 @@ pub(super) fn key_of(r: &Range) -> (u8, u32, usize, usize) {
 }
 
 impl Registry {
+    /// Bytes the registrations cover (each counted whole).
+    pub(super) fn bytes(&self) -> u64 {
+        self.map.values().map(|e| e.range.len as u64).sum()
+    }
+
     pub(super) fn new(side: Side, gen: u64) -> Self {
         Self {
             side,
@@ -62,6 +67,7 @@ impl Registry {
         let k = key_of(&r);
         if self.side == Side::Exposer {
             if let Some(t) = self.map.get(&k).and_then(|e| e.token.upgrade()) {
+                stats.registration_hits += 1;
                 return Ok((t, r));
             }
         } else {
@@ -71,6 +77,7 @@ impl Registry {
             for (_, e) in self.map.range(lo..=hi).rev().take(32) {
                 if e.range.addr + e.range.len >= r.addr + r.len {
                     if let Some(t) = e.token.upgrade() {
+                        stats.registration_hits += 1;
                         return Ok((t, e.range));
                     }
                 }

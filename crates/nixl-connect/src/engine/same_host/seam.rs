@@ -243,5 +243,6 @@ impl Transport for SameHostTransport {
         stats.local_transfers += completed;
         stats.local_refused_peers += self.refused_peers;
         stats.copy_pool_queued = super::sys::cma::queued();
+        stats.local_connections += self.sockets.open();
     }
 }

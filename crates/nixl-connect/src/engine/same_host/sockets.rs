@@ -57,6 +57,11 @@ pub(super) struct Sockets {
 }
 
 impl Sockets {
+    /// Connections open now (to peers and from them).
+    pub(super) fn open(&self) -> usize {
+        self.conns.len()
+    }
+
     /// The sockets of a transport serving on `listener` (none: it serves nothing) and on `dir`
     /// (in a shared directory), watched through `reg`, with `caps` on served connections.
     pub(super) fn new(
