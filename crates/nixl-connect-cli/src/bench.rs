@@ -116,6 +116,10 @@ struct Block {
     ucx_params: Vec<(String, String)>,
     /// The passive peer's progress delay (the active side's too).
     progress_delay_us: Option<u64>,
+    /// The peer records metrics too (the active side was given `--metrics`): both sides pay
+    /// what recording costs.
+    #[serde(default)]
+    metrics: bool,
 }
 
 #[derive(Serialize, Deserialize, Debug)]
@@ -650,6 +654,7 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
             device: a.peer_device.unwrap_or(a.device),
             ucx_params: a.ucx_params.clone(),
             progress_delay_us: a.progress_delay_us,
+            metrics: ex.recording(),
         };
         to_peer
             .write_all(format!("{}\n", serde_json::to_string(&block)?).as_bytes())
@@ -951,6 +956,8 @@ async fn next_line(lines: &mut tokio::io::Lines<impl tokio::io::AsyncBufRead + U
 pub(crate) async fn peer() -> Result<()> {
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     let mut conn: Option<Connector> = None;
+    // What the connector records into when asked (nothing scrapes the peer; kept for the run).
+    let mut _registry = None;
     // The previous block's memory stays mapped until the next block starts (the active side
     // measures the copy limit from it).
     let mut _prev: Option<Mem> = None;
@@ -965,6 +972,11 @@ pub(crate) async fn peer() -> Result<()> {
                 }
                 if let Some(us) = b.progress_delay_us {
                     builder = builder.progress_delay(Duration::from_micros(us));
+                }
+                if b.metrics {
+                    let (registry, m) = nixl_connect::metrics::Metrics::standalone();
+                    builder = builder.metrics(&m);
+                    _registry = Some(registry);
                 }
                 conn.insert(builder.build()?).clone()
             }

@@ -56,6 +56,11 @@ impl MetricsArgs {
 }
 
 impl Exporter {
+    /// Whether the command records metrics.
+    pub(crate) fn recording(&self) -> bool {
+        self.metrics.is_some()
+    }
+
     /// `b`, recording into the endpoint's metrics when there is one.
     pub(crate) fn apply(&self, b: ConnectorBuilder) -> ConnectorBuilder {
         match &self.metrics {
