@@ -91,7 +91,7 @@ pub(crate) struct Args {
     /// default 1000): the active side's and the passive peer's.
     #[arg(long)]
     progress_delay_us: Option<u64>,
-    /// Metrics of this (active) side's connector (the peer records none).
+    /// Metrics of this (active) side's connector (the peer records too, unserved).
     #[command(flatten)]
     metrics: crate::metrics::MetricsArgs,
 }

@@ -253,6 +253,16 @@ impl OpState {
         let _ = self.observer.set(observer);
     }
 
+    /// As [`observe`](Self::observe) for an operation a transport may already have: the
+    /// observer is made (by `make`) and set under the lock every end takes, unless the operation
+    /// has ended already (then it is never made: an end it would not be told of).
+    pub(crate) fn observe_unless_ended(&self, make: impl FnOnce() -> Box<dyn Observe>) {
+        let _slot = self.error.lock().recover();
+        if !self.status().is_terminal() {
+            let _ = self.observer.set(make());
+        }
+    }
+
     pub(crate) fn status(&self) -> OperationStatus {
         OperationStatus::from_u8(self.status.load(Ordering::Acquire))
     }

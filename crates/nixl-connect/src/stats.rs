@@ -2,8 +2,24 @@
 //! `Connector::stats()` and published to the metrics. In the floor, so that the engine and the
 //! metrics both name it.
 
+use std::sync::OnceLock;
+
 #[allow(unused_imports)] // doc links
 use crate::error::Error;
+
+/// Reads the same-host copy pool's queue (process-wide): set by the engine, which knows the
+/// pool, read by the metrics at a scrape (they sit below the engine and cannot name it).
+static COPY_POOL_PROBE: OnceLock<fn() -> usize> = OnceLock::new();
+
+/// Names the function that reads the copy pool's queue (the first call wins).
+pub(crate) fn set_copy_pool_probe(probe: fn() -> usize) {
+    let _ = COPY_POOL_PROBE.set(probe);
+}
+
+/// Copies queued for this process's copy threads now (0 before any engine started).
+pub(crate) fn copy_pool_queued() -> usize {
+    COPY_POOL_PROBE.get().map_or(0, |f| f())
+}
 
 /// Counters for tests, `bench` and `doctor`.
 #[derive(Debug, Clone, Default)]
@@ -13,10 +29,11 @@ pub struct EngineStats {
     pub registrations: u64,
     /// NIXL registrations currently live.
     pub live_registrations: usize,
-    /// Bytes of memory those live registrations cover.
+    /// The lengths of those live registrations, summed (memory in two registrations, as an
+    /// exposed range also read from, counts twice).
     pub registered_bytes: u64,
-    /// Registrations an operation asked for that a live one already covered (no new one made;
-    /// memory that carries its registration, as a reused `HostBuffer`, does not even ask).
+    /// Registrations an operation asked for that a live one already covered (no new one made):
+    /// memory that carries its registration (a reused `HostBuffer`, a `Registration`) is one.
     pub registration_hits: u64,
     /// Peer agent metadata loads into NIXL made so far.
     pub remote_loads: u64,

@@ -289,6 +289,7 @@ impl Engine {
         decode: DecodePeer,
         make: impl FnOnce(&str, &mut Seats<'_>) -> Result<Transports> + Send + 'static,
     ) -> Result<Self> {
+        crate::stats::set_copy_pool_probe(same_host::copy_pool_queued);
         let poller = Poller::new().map_err(|e| Error::os("creating the engine's poller", e))?;
         let waker = poller.waker();
         let (tx, rx) = mpsc::channel();

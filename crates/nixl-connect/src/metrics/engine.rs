@@ -31,7 +31,6 @@ pub(crate) struct EngineCell {
     rotations: AtomicU64,
     quarantined_bytes: AtomicU64,
     evicted_operations: AtomicU64,
-    copy_pool_queued: AtomicU64,
     /// The engine has ended: its counters move into the collector's totals at the next scrape.
     ended: AtomicBool,
 }
@@ -54,7 +53,6 @@ impl EngineCell {
         put(&self.rotations, s.rotations);
         put(&self.quarantined_bytes, s.quarantined_bytes);
         put(&self.evicted_operations, s.evicted_operations);
-        put(&self.copy_pool_queued, s.copy_pool_queued as u64);
     }
 
     /// The engine has ended (after its last [`publish`](Self::publish)).
@@ -79,7 +77,8 @@ impl EngineCell {
             rotations: get(&self.rotations),
             quarantined_bytes: get(&self.quarantined_bytes),
             evicted_operations: get(&self.evicted_operations),
-            copy_pool_queued: get(&self.copy_pool_queued) as usize,
+            // Process-wide, read at the scrape (not kept per engine).
+            copy_pool_queued: 0,
         }
     }
 }
@@ -152,9 +151,9 @@ impl EngineCollector {
             t.peers_loaded += s.peers_loaded;
             t.local_connections += s.local_connections;
             t.quarantined_bytes += s.quarantined_bytes;
-            // One pool per process: every engine sees the same queue.
-            t.copy_pool_queued = t.copy_pool_queued.max(s.copy_pool_queued);
         }
+        // One pool per process, read now (an idle engine's last figure would be stale).
+        t.copy_pool_queued = crate::stats::copy_pool_queued();
         (t, st.live.len())
     }
 }

@@ -4,10 +4,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::engine::{EngineCell, EngineCollector};
@@ -109,8 +111,9 @@ struct Families {
     duration: Per<Per<Per<Histogram, 4>, 2>, 2>,
     /// `[op][path]` (active side)
     start: Per<Per<Histogram, 4>, 2>,
-    /// `[op][side]`
-    in_flight: Per<Per<Gauge, 2>, 2>,
+    /// `[op][side]`: operations begun, counted on the thread that begins them (in flight: these
+    /// less the operations ended, at a scrape, so no line is shared between the two threads)
+    begun: Per<Per<Counter, 2>, 2>,
     /// `[op][mechanism]` (active side, same-host path)
     local: Per<Per<Counter, 6>, 2>,
     /// `[op][side][kind]` (kinds in [`ErrorKind::ALL`]'s order)
@@ -177,12 +180,6 @@ impl Metrics {
             Unit::Seconds,
             start.clone(),
         );
-        let in_flight = Family::<Labels, Gauge>::default();
-        reg.register(
-            "operations_in_flight",
-            "Operations begun or created and not yet ended, by operation and side",
-            in_flight.clone(),
-        );
         let local = Family::<Labels, Counter>::default();
         reg.register(
             "local_operations",
@@ -204,8 +201,8 @@ impl Metrics {
         let refusals = Family::<Labels, Counter>::default();
         reg.register(
             "refusals",
-            "Active operations the peer refused, by operation and reason (not_live and \
-             already_completed: replayed metadata)",
+            "Active operations refused, by operation and reason: by the peer, or as a replay here \
+             (already_completed: this connector completed that metadata)",
             refusals.clone(),
         );
         let engines = Arc::new(EngineCollector::default());
@@ -249,9 +246,7 @@ impl Metrics {
             start: std::array::from_fn(|o| {
                 std::array::from_fn(|p| series(&start, &[("op", OPS[o]), ("path", PATHS[p])]))
             }),
-            in_flight: std::array::from_fn(|o| {
-                std::array::from_fn(|s| series(&in_flight, &[("op", OPS[o]), ("side", SIDES[s])]))
-            }),
+            begun: Default::default(),
             local: std::array::from_fn(|o| {
                 std::array::from_fn(|m| series(&local, &[("op", OPS[o]), ("mechanism", MECHANISMS[m])]))
             }),
@@ -275,10 +270,9 @@ impl Metrics {
                 std::array::from_fn(|t| series(&fallbacks, &[("from", PATHS[f]), ("to", PATHS[t])]))
             }),
         };
-        Metrics {
-            families: Arc::new(families),
-            engines,
-        }
+        let families = Arc::new(families);
+        reg.register_collector(Box::new(InFlight(families.clone())));
+        Metrics { families, engines }
     }
 
     /// A registry holding only these metrics, and the handle (for a process that serves nothing
@@ -302,9 +296,9 @@ impl Metrics {
 
     /// As [`begin`](Self::begin), for an operation that began at `begun`.
     pub(crate) fn begin_at(&self, op: Op, side: Side, bytes: u64, begun: Instant) -> Box<dyn Observe> {
-        self.families.in_flight[op as usize][side as usize].inc();
+        self.families.begun[op as usize][side as usize].inc();
         Box::new(Tally {
-            metrics: self.clone(),
+            families: self.families.clone(),
             begun,
             bytes,
             op,
@@ -316,16 +310,7 @@ impl Metrics {
     /// An error returned to the caller before the operation had a state (pairing, sizes,
     /// metadata, the engine gone).
     pub(crate) fn error(&self, op: Op, side: Side, error: &Error) {
-        self.error_kind(op, side, error.kind());
-        if let Some(r) = error.refusal() {
-            self.families.refusals[op as usize][refusal_ix(r)].inc();
-        }
-    }
-
-    fn error_kind(&self, op: Op, side: Side, kind: ErrorKind) {
-        if let Some(i) = ErrorKind::ALL.iter().position(|k| *k == kind) {
-            self.families.errors[op as usize][side as usize][i].inc();
-        }
+        self.families.error(op, side, error.kind(), error.refusal());
     }
 
     /// A transport on `from` declined an active operation, offered next to `to`.
@@ -334,9 +319,54 @@ impl Metrics {
     }
 }
 
+impl Families {
+    fn error(&self, op: Op, side: Side, kind: ErrorKind, refusal: Option<Refusal>) {
+        if let Some(i) = ErrorKind::ALL.iter().position(|k| *k == kind) {
+            self.errors[op as usize][side as usize][i].inc();
+        }
+        if let Some(r) = refusal {
+            self.refusals[op as usize][refusal_ix(r)].inc();
+        }
+    }
+}
+
+/// `operations_in_flight`, derived at a scrape: operations begun less those ended.
+#[derive(Debug)]
+struct InFlight(Arc<Families>);
+
+impl Collector for InFlight {
+    fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let f = &self.0;
+        let mut m = e.encode_descriptor(
+            "operations_in_flight",
+            "Operations begun or created and not yet ended, by operation and side",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (o, op) in OPS.iter().enumerate() {
+            for (s, side) in SIDES.iter().enumerate() {
+                // Ended first: an operation ends after it begins, so this never goes below 0
+                // (and is clamped if the two loads disagree).
+                let ended: u64 = f.operations[o][s].iter().flatten().map(Counter::get).sum();
+                let begun = f.begun[o][s].get();
+                let labels = [("op", *op), ("side", *side)];
+                let v = i64::try_from(begun.saturating_sub(ended)).unwrap_or(i64::MAX);
+                m.encode_family(&labels)?.encode_gauge(&v)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for Families {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Families").finish_non_exhaustive()
+    }
+}
+
 /// What an operation's state tells when its transfer starts and when it ends (once each).
 pub(crate) struct Tally {
-    metrics: Metrics,
+    families: Arc<Families>,
     begun: Instant,
     bytes: u64,
     op: Op,
@@ -353,14 +383,13 @@ impl Observe for Tally {
     }
 
     fn timed_out(&self) {
-        self.metrics.error_kind(self.op, self.side, ErrorKind::TimedOut);
+        self.families.error(self.op, self.side, ErrorKind::TimedOut, None);
     }
 
     /// The operation ended.
     fn ended(&self, e: Ended) {
-        let f = &self.metrics.families;
+        let f = &self.families;
         let (o, s, p) = (self.op as usize, self.side as usize, path_ix(e.path));
-        f.in_flight[o][s].dec();
         let t = match e.status {
             OperationStatus::Complete => 0,
             OperationStatus::Errored => 1,
@@ -382,10 +411,7 @@ impl Observe for Tally {
             }
         }
         if let Some(k) = e.error {
-            self.metrics.error_kind(self.op, self.side, k);
-        }
-        if let Some(r) = e.refusal {
-            f.refusals[o][refusal_ix(r)].inc();
+            f.error(self.op, self.side, k, e.refusal);
         }
     }
 }

@@ -102,11 +102,12 @@ impl<'a> Passive<'a> {
             notification_key: key.to_string(),
             operation_kind: kind.as_u8(),
         });
-        // Counted from here (timed from the start): no peer can end it before it has the
-        // metadata, and a create that failed above is an error, not an operation cancelled.
+        // Counted from here (timed from the start): a create that failed above is an error, not
+        // an operation cancelled. No peer can end it before it has the metadata, but the engine
+        // can (an evicted exposer): then it is not counted at all.
         if let Some(m) = engine.metrics() {
             op.state
-                .observe(m.begin_at(Op::of(kind), Side::Passive, bytes, begun));
+                .observe_unless_ended(|| m.begin_at(Op::of(kind), Side::Passive, bytes, begun));
         }
         Ok(op)
     }

@@ -126,6 +126,11 @@ async fn metrics_scrape_matches_stats_over_nixl_and_the_same_host_path() {
         "{want:?}"
     );
     assert!(want.registered_bytes >= N as u64, "{want:?}");
+    // The NIXL reader loaded the owner; both readers hold a same-host connection to it (and it
+    // theirs); the one HostBuffer, exposed four times, was registered once and found again.
+    assert!(want.peers_loaded >= 1, "{want:?}");
+    assert!(want.local_connections >= 1, "{want:?}");
+    assert!(want.registration_hits >= 3, "{want:?}");
     let bytes = |side, path| {
         sample(
             &text,

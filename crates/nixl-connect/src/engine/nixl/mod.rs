@@ -878,7 +878,7 @@ impl Transport for NixlTransport {
         stats.live_registrations += self.live_registrations();
         stats.registered_bytes += self.registered_bytes();
         stats.registration_hits += s.registration_hits;
-        stats.peers_loaded += self.initiator.as_ref().map_or(0, |i| i.loaded.len());
+        stats.peers_loaded += self.initiator.as_ref().map_or(0, |i| i.peers.len());
         stats.remote_loads += s.remote_loads;
         stats.transfers += s.transfers;
         stats.resets += s.resets;

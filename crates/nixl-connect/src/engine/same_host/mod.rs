@@ -86,6 +86,7 @@ pub(crate) mod wire;
 
 pub(crate) use self::device::device_path_refusal;
 pub(crate) use self::identity::Identity;
+pub(crate) use self::sys::cma::queued as copy_pool_queued;
 pub(crate) use self::sys::dir::listen_in;
 pub(crate) use self::sys::{listen, pidfs, Tracked};
 pub(crate) use self::transport::SameHostTransport;
