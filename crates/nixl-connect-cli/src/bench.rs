@@ -577,10 +577,7 @@ impl Args {
 }
 
 pub(crate) async fn run(a: Args) -> Result<()> {
-    let ex = a.metrics.start().await?;
-    let r = run_with(a, &ex).await;
-    ex.finish().await;
-    r
+    a.metrics.clone().around(async |ex| run_with(a, ex).await).await
 }
 
 async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {

@@ -29,8 +29,17 @@ pub(crate) struct Exporter {
 }
 
 impl MetricsArgs {
+    /// Runs `work` with the endpoint (started when asked), then keeps serving for the linger,
+    /// whatever `work` returned.
+    pub(crate) async fn around<T>(&self, work: impl AsyncFnOnce(&Exporter) -> Result<T>) -> Result<T> {
+        let ex = self.start().await?;
+        let r = work(&ex).await;
+        ex.finish().await;
+        r
+    }
+
     /// Starts the endpoint when asked.
-    pub(crate) async fn start(&self) -> Result<Exporter> {
+    async fn start(&self) -> Result<Exporter> {
         if !(self.metrics_linger.is_finite() && self.metrics_linger >= 0.0) {
             bail!("--metrics-linger must be a number of seconds, 0 or more");
         }
@@ -70,7 +79,7 @@ impl Exporter {
     }
 
     /// Keeps serving for the linger, then stops.
-    pub(crate) async fn finish(self) {
+    async fn finish(self) {
         if self.server.is_some() && !self.linger.is_zero() {
             tokio::time::sleep(self.linger).await;
         }

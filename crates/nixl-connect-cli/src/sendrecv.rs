@@ -130,10 +130,7 @@ fn map(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
 }
 
 pub(crate) async fn send(a: SendArgs) -> Result<()> {
-    let ex = a.metrics.start().await?;
-    let r = send_with(a, &ex).await;
-    ex.finish().await;
-    r
+    a.metrics.clone().around(async |ex| send_with(a, ex).await).await
 }
 
 async fn send_with(a: SendArgs, ex: &crate::metrics::Exporter) -> Result<()> {
@@ -403,10 +400,7 @@ fn destination(out: Option<PathBuf>, name: &str, force: bool) -> Result<PathBuf>
 }
 
 pub(crate) async fn recv(a: RecvArgs) -> Result<()> {
-    let ex = a.metrics.start().await?;
-    let r = recv_with(a, &ex).await;
-    ex.finish().await;
-    r
+    a.metrics.clone().around(async |ex| recv_with(a, ex).await).await
 }
 
 async fn recv_with(a: RecvArgs, ex: &crate::metrics::Exporter) -> Result<()> {

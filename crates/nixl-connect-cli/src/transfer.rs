@@ -240,10 +240,7 @@ async fn published(
 }
 
 pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
-    let ex = a.metrics.start().await?;
-    let r = serve_with(a, &ex).await;
-    ex.finish().await;
-    r
+    a.metrics.clone().around(async |ex| serve_with(a, ex).await).await
 }
 
 async fn serve_with(a: ServeArgs, ex: &crate::metrics::Exporter) -> Result<()> {
@@ -320,10 +317,7 @@ async fn serve_with(a: ServeArgs, ex: &crate::metrics::Exporter) -> Result<()> {
 }
 
 pub(crate) async fn read(a: ReadArgs) -> Result<()> {
-    let ex = a.metrics.start().await?;
-    let r = read_with(a, &ex).await;
-    ex.finish().await;
-    r
+    a.metrics.clone().around(async |ex| read_with(a, ex).await).await
 }
 
 async fn read_with(a: ReadArgs, ex: &crate::metrics::Exporter) -> Result<()> {
@@ -362,10 +356,7 @@ async fn read_with(a: ReadArgs, ex: &crate::metrics::Exporter) -> Result<()> {
 }
 
 pub(crate) async fn write(a: WriteArgs) -> Result<()> {
-    let ex = a.metrics.start().await?;
-    let r = write_with(a, &ex).await;
-    ex.finish().await;
-    r
+    a.metrics.clone().around(async |ex| write_with(a, ex).await).await
 }
 
 async fn write_with(a: WriteArgs, ex: &crate::metrics::Exporter) -> Result<()> {

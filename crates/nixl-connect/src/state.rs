@@ -37,13 +37,20 @@ impl TransferPath {
     }
 }
 
-impl std::fmt::Display for TransferPath {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+impl TransferPath {
+    /// The path's name, as logs, reports and metrics' labels print it.
+    pub(crate) const fn as_str(self) -> &'static str {
+        match self {
             Self::Nixl => "nixl",
             Self::Local => "local",
             Self::Loopback => "loopback",
-        })
+        }
+    }
+}
+
+impl std::fmt::Display for TransferPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -73,6 +80,28 @@ pub enum Mechanism {
 }
 
 impl Mechanism {
+    /// Every mechanism, in the order of their codes.
+    pub(crate) const ALL: [Mechanism; 6] = [
+        Self::Frames,
+        Self::CrossMemoryAttach,
+        Self::Pipes,
+        Self::CudaIpc,
+        Self::PinnedStaging,
+        Self::CudaVmm,
+    ];
+
+    /// The mechanism's name, as logs, reports and metrics' labels print it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Frames => "frames",
+            Self::CrossMemoryAttach => "cma",
+            Self::Pipes => "pipes",
+            Self::CudaIpc => "cuda-ipc",
+            Self::PinnedStaging => "pinned-staging",
+            Self::CudaVmm => "cuda-vmm",
+        }
+    }
+
     fn from_u8(v: u8) -> Option<Self> {
         Some(match v {
             1 => Self::Frames,
@@ -88,14 +117,7 @@ impl Mechanism {
 
 impl std::fmt::Display for Mechanism {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Frames => "frames",
-            Self::CrossMemoryAttach => "cma",
-            Self::Pipes => "pipes",
-            Self::CudaIpc => "cuda-ipc",
-            Self::PinnedStaging => "pinned-staging",
-            Self::CudaVmm => "cuda-vmm",
-        })
+        f.write_str(self.as_str())
     }
 }
 
@@ -432,6 +454,13 @@ mod tests {
                 !s.finish(OperationStatus::Complete, None),
                 "terminal states are final"
             );
+        }
+    }
+
+    #[test]
+    fn state_mechanisms_listed_in_code_order() {
+        for (i, m) in Mechanism::ALL.iter().enumerate() {
+            assert_eq!(Mechanism::from_u8(i as u8 + 1), Some(*m), "{m}");
         }
     }
 

@@ -67,8 +67,6 @@ impl EngineLoop {
             if event {
                 self.core.publish(now, false);
                 unpublished = true;
-            }
-            if event {
                 last_event = Instant::now();
                 self.poller.wait(Some(Duration::ZERO), &mut self.ready);
                 continue;

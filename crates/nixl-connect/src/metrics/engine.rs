@@ -3,7 +3,6 @@
 //! [`EngineCollector`] reads every cell at a scrape. An ended engine's counters are kept in the
 //! totals, so counters never go down when a connector is dropped; its gauges leave with it.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use prometheus_client::collector::Collector;
@@ -14,72 +13,33 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use crate::stats::EngineStats;
 use crate::sync::Recover;
 
-/// One engine's published counters (what [`EngineStats`] holds), written by its thread alone.
+/// One engine's published counters (what [`EngineStats`] holds), written by its thread alone
+/// (when it goes idle, at most every 200 ms while busy) and read at a scrape.
 #[derive(Debug, Default)]
-pub(crate) struct EngineCell {
-    registrations: AtomicU64,
-    live_registrations: AtomicU64,
-    registered_bytes: AtomicU64,
-    registration_hits: AtomicU64,
-    remote_loads: AtomicU64,
-    peers_loaded: AtomicU64,
-    local_connections: AtomicU64,
-    transfers: AtomicU64,
-    local_transfers: AtomicU64,
-    local_refused_peers: AtomicU64,
-    resets: AtomicU64,
-    rotations: AtomicU64,
-    quarantined_bytes: AtomicU64,
-    evicted_operations: AtomicU64,
-    /// The engine has ended: its counters move into the collector's totals at the next scrape.
-    ended: AtomicBool,
+pub(crate) struct EngineCell(Mutex<Published>);
+
+#[derive(Debug, Default)]
+struct Published {
+    stats: EngineStats,
+    /// The engine has ended: its counters move into the collector's totals.
+    ended: bool,
 }
 
 impl EngineCell {
     /// Publishes the engine's counters (its thread only).
     pub(crate) fn publish(&self, s: &EngineStats) {
-        let put = |a: &AtomicU64, v: u64| a.store(v, Ordering::Relaxed);
-        put(&self.registrations, s.registrations);
-        put(&self.live_registrations, s.live_registrations as u64);
-        put(&self.registered_bytes, s.registered_bytes);
-        put(&self.registration_hits, s.registration_hits);
-        put(&self.peers_loaded, s.peers_loaded as u64);
-        put(&self.local_connections, s.local_connections as u64);
-        put(&self.remote_loads, s.remote_loads);
-        put(&self.transfers, s.transfers);
-        put(&self.local_transfers, s.local_transfers);
-        put(&self.local_refused_peers, s.local_refused_peers);
-        put(&self.resets, s.resets);
-        put(&self.rotations, s.rotations);
-        put(&self.quarantined_bytes, s.quarantined_bytes);
-        put(&self.evicted_operations, s.evicted_operations);
+        self.0.lock().recover().stats = s.clone();
     }
 
     /// The engine has ended (after its last [`publish`](Self::publish)).
     pub(crate) fn end(&self) {
-        self.ended.store(true, Ordering::Release);
+        self.0.lock().recover().ended = true;
     }
 
-    fn read(&self) -> EngineStats {
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        EngineStats {
-            registrations: get(&self.registrations),
-            live_registrations: get(&self.live_registrations) as usize,
-            registered_bytes: get(&self.registered_bytes),
-            registration_hits: get(&self.registration_hits),
-            peers_loaded: get(&self.peers_loaded) as usize,
-            local_connections: get(&self.local_connections) as usize,
-            remote_loads: get(&self.remote_loads),
-            transfers: get(&self.transfers),
-            local_transfers: get(&self.local_transfers),
-            local_refused_peers: get(&self.local_refused_peers),
-            resets: get(&self.resets),
-            rotations: get(&self.rotations),
-            quarantined_bytes: get(&self.quarantined_bytes),
-            evicted_operations: get(&self.evicted_operations),
-            // Process-wide, read at the scrape (not kept per engine).
-            copy_pool_queued: 0,
-        }
+    /// The counters, and whether the engine has ended.
+    fn read(&self) -> (EngineStats, bool) {
+        let p = self.0.lock().recover();
+        (p.stats.clone(), p.ended)
     }
 }
 
@@ -100,13 +60,12 @@ impl Cells {
     /// Moves ended engines' counters into the totals.
     fn fold_ended(&mut self) {
         let Cells { live, ended } = self;
-        live.retain(|c| {
-            if c.ended.load(Ordering::Acquire) {
-                add_counters(ended, &c.read());
+        live.retain(|c| match c.read() {
+            (s, true) => {
+                add_counters(ended, &s);
                 false
-            } else {
-                true
             }
+            (_, false) => true,
         });
     }
 }
@@ -144,7 +103,7 @@ impl EngineCollector {
         st.fold_ended();
         let mut t = st.ended.clone();
         for c in st.live.iter() {
-            let s = c.read();
+            let (s, _) = c.read();
             add_counters(&mut t, &s);
             t.live_registrations += s.live_registrations;
             t.registered_bytes += s.registered_bytes;

@@ -24,8 +24,13 @@ const OPS: [&str; 2] = ["read", "write"];
 /// Side labels, in index order: the side that began the operation, and the side that exposed
 /// the memory.
 const SIDES: [&str; 2] = ["active", "passive"];
-/// Path labels, in index order (`none`: ended before any transport took it).
-const PATHS: [&str; 4] = ["none", "nixl", "local", "loopback"];
+/// Path labels, in [`path_ix`]'s order (`none`: ended before any transport took it).
+const PATHS: [&str; 4] = [
+    "none",
+    TransferPath::Nixl.as_str(),
+    TransferPath::Local.as_str(),
+    TransferPath::Loopback.as_str(),
+];
 /// Status labels of ended operations, in index order.
 const STATUSES: [&str; 3] = ["complete", "errored", "cancelled"];
 /// Refusal labels, in index order (as [`refusal_ix`] maps them).
@@ -46,9 +51,6 @@ fn refusal_ix(r: Refusal) -> usize {
         Refusal::Busy => 4,
     }
 }
-
-/// Same-host mechanism labels, in index order (as [`Mechanism`]'s `Display`).
-const MECHANISMS: [&str; 6] = ["frames", "cma", "pipes", "cuda-ipc", "pinned-staging", "cuda-vmm"];
 
 /// Latency buckets: 5 µs doubling to 10.5 s (22 bounds and `+Inf`), NIXL telemetry's range.
 fn latency_buckets() -> Histogram {
@@ -87,15 +89,9 @@ fn path_ix(p: Option<TransferPath>) -> usize {
     }
 }
 
+/// A mechanism's place in [`Mechanism::ALL`] (its code less one).
 fn mechanism_ix(m: Mechanism) -> usize {
-    match m {
-        Mechanism::Frames => 0,
-        Mechanism::CrossMemoryAttach => 1,
-        Mechanism::Pipes => 2,
-        Mechanism::CudaIpc => 3,
-        Mechanism::PinnedStaging => 4,
-        Mechanism::CudaVmm => 5,
-    }
+    m as usize - 1
 }
 
 type Labels = Vec<(&'static str, &'static str)>;
@@ -248,7 +244,12 @@ impl Metrics {
             }),
             begun: Default::default(),
             local: std::array::from_fn(|o| {
-                std::array::from_fn(|m| series(&local, &[("op", OPS[o]), ("mechanism", MECHANISMS[m])]))
+                std::array::from_fn(|m| {
+                    series(
+                        &local,
+                        &[("op", OPS[o]), ("mechanism", Mechanism::ALL[m].as_str())],
+                    )
+                })
             }),
             errors: std::array::from_fn(|o| {
                 std::array::from_fn(|s| {
