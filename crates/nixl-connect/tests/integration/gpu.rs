@@ -194,6 +194,65 @@ async fn gpu_host_and_vram_mixes_in_process() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_vram_into_pageable_host_is_staged_byte_exact() {
+    let Some(s) = gpu("gpu_vram_into_pageable_host_is_staged_byte_exact") else {
+        return;
+    };
+    // Pieces of 4 MiB and more from device memory into pageable host memory go through pinned
+    // staging lanes (4 MiB chunks): a last chunk shorter than the rest, several pieces of one
+    // operation, one piece under the threshold beside staged ones; reads and writes, in one
+    // process and across two.
+    let (a, b) = (Connector::new().unwrap(), Connector::new().unwrap());
+    for (len, n) in [
+        ((9 << 20) + 4097, 1),
+        (3 * ((5 << 20) + 13), 3),
+        ((64 << 20) + 1, 2),
+        ((12 << 20) + 2, 4),
+    ] {
+        let data = pattern(len, n as u8 + 40);
+        let what = format!("{len} x{n}");
+        let r = a.create_readable(alloc(&s, Mem::Vram, &data, n)).await.unwrap();
+        let op = b
+            .begin_read(r.metadata(), alloc(&s, Mem::Host, &vec![0u8; len], n))
+            .await
+            .unwrap();
+        op.wait_for_completion(T).await.unwrap();
+        r.wait_for_completion(T).await.unwrap();
+        assert_eq!(op.path(), Some(TransferPath::Local), "read {what}");
+        assert!(bytes_of(&s, op.results()) == data, "read {what}: bytes differ");
+        let w = a
+            .create_writable(alloc(&s, Mem::Host, &vec![0u8; len], n))
+            .await
+            .unwrap();
+        let op = b
+            .begin_write(alloc(&s, Mem::Vram, &data, n), w.metadata())
+            .await
+            .unwrap();
+        op.wait_for_completion(T).await.unwrap();
+        w.wait_for_completion(T).await.unwrap();
+        assert_eq!(op.path(), Some(TransferPath::Local), "write {what}");
+        assert!(
+            bytes_of(&s, w.descriptors()) == data,
+            "write {what}: bytes differ"
+        );
+    }
+    let len = (40 << 20) + 333;
+    let mut peer = Peer::start(&format!("readable {len} 1 vram"));
+    let md = peer.metadata();
+    let op = b
+        .begin_read(&md, alloc(&s, Mem::Host, &vec![0u8; len], 1))
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    assert_eq!(op.path(), Some(TransferPath::Local), "across two processes");
+    assert!(
+        bytes_of(&s, op.results()) == pattern(len, 1),
+        "across two processes: bytes differ"
+    );
+    peer.finish("staged read across two processes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_device_claims_are_checked() {
     let Some(s) = gpu("gpu_device_claims_are_checked") else {
         return;

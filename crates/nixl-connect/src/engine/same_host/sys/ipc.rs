@@ -41,9 +41,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cma::{CopyError, SlotRef};
+use super::cma::{self, CopyError, SlotRef};
 use super::slots::{ARMED, COPYING, DONE};
-use super::vmm;
+use super::{staged, vmm};
 use crate::engine::same_host::wire::IpcSource;
 use crate::error::ErrorSource;
 use crate::sync::Recover;
@@ -314,6 +314,15 @@ fn close_mapping(m: Mapping) {
         let _ = sys::cuCtxSetCurrent(m.ctx);
         let _ = sys::cuIpcCloseMemHandle(m.ptr);
     }
+}
+
+/// True when `ptr` is page-locked host memory (`cuMemHostAlloc`, `cuMemHostRegister`): a DMA
+/// into it runs at the PCIe rate, with no staging.
+fn pinned(ptr: u64) -> bool {
+    let mut flags = 0u32;
+    // SAFETY: asks the driver about an address (never dereferenced); writes one u32.
+    let r = unsafe { sys::cuMemHostGetFlags(&mut flags, ptr as *mut c_void) };
+    r == CUresult::CUDA_SUCCESS
 }
 
 fn check(result: CUresult, call: &'static str) -> Result<(), IpcError> {
@@ -843,6 +852,9 @@ impl Cuda {
         let own = c.pid == std::process::id() as libc::pid_t;
         let mut started = false;
         let mut used: Vec<Dev> = Vec::new();
+        // Large pieces into pageable host memory, copied through pinned staging once every
+        // other piece is queued.
+        let mut to_host: Vec<(Dev, cma::Piece)> = Vec::new();
         let result = (|| {
             for p in &c.pieces {
                 if c.cancel.load(Ordering::Relaxed) {
@@ -887,6 +899,17 @@ impl Cuda {
                 // a peer claiming more than it exported never makes this process read past it.
                 self.within_mapping(d.ctx, src, &p.src)
                     .map_err(|e| CopyError::Unsupported(e.into()))?;
+                if dst_ordinal.is_none() && p.src.len as usize >= staged::TO_HOST_MIN && !pinned(p.dst) {
+                    to_host.push((
+                        d,
+                        cma::Piece {
+                            local: p.dst as usize,
+                            remote: (src + p.src.offset) as usize,
+                            len: p.src.len as usize,
+                        },
+                    ));
+                    continue;
+                }
                 // SAFETY: `dst` is memory of this process the copy's owner keeps valid until the
                 // copy ends (the transport waits for it before freeing); `src` is a mapping of a
                 // live grant's allocation, read only, and `offset + len` lies inside it (checked
@@ -909,6 +932,43 @@ impl Cuda {
                 started = true;
                 if !used.iter().any(|u| u.stream == d.stream) {
                     used.push(d);
+                }
+            }
+            // One staged copy per source device (almost always one).
+            while let Some(&(d, _)) = to_host.first() {
+                let (these, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut to_host)
+                    .into_iter()
+                    .partition(|(e, _)| e.ctx == d.ctx);
+                to_host = rest;
+                let pieces: Vec<cma::Piece> = these.into_iter().map(|(_, p)| p).collect();
+                if staged::to_host(d.ctx, pieces.clone(), &c.cancel)? {
+                    started = true;
+                    continue;
+                }
+                // No staging memory left: the driver's own (slower) staging.
+                for p in pieces {
+                    // SAFETY: as for the direct copy above: `p.local` is host memory of this
+                    // process kept valid until the copy ends, `p.remote` lies inside a checked
+                    // mapping of a live grant.
+                    let r = unsafe {
+                        check(sys::cuCtxSetCurrent(d.ctx), "cuCtxSetCurrent").and_then(|()| {
+                            check(
+                                sys::cuMemcpyAsync(p.local as u64, p.remote as u64, p.len, d.stream),
+                                "cuMemcpyAsync",
+                            )
+                        })
+                    };
+                    r.map_err(|e| {
+                        if started {
+                            CopyError::Os(e.into())
+                        } else {
+                            CopyError::Unsupported(e.into())
+                        }
+                    })?;
+                    started = true;
+                    if !used.iter().any(|u| u.stream == d.stream) {
+                        used.push(d);
+                    }
                 }
             }
             Ok(())

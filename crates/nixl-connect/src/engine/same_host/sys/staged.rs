@@ -11,6 +11,16 @@
 //! overlaps the DMA of the one before. Pinned memory is bounded per process ([`MAX_STAGING`]): a
 //! lane that finds none left does not start, and a copy none of whose lanes can start takes NIXL.
 //! Every stream is synchronised before the copy counts as done.
+//!
+//! The other way, device memory into pageable host memory of this process ([`to_host`], on the
+//! CUDA thread's copy of a peer's export): a DMA into pageable memory runs at a fraction of the
+//! PCIe rate (the driver stages it itself, one piece at a time: 14.7 GB/s against 55 GB/s on the
+//! H200 host). Large pieces are cut in [`TO_HOST_CHUNK`]-byte chunks shared by up to
+//! [`MAX_WORKERS`] lanes (threads of this copy, which the CUDA thread waits for, as it waits for
+//! its stream); each lane queues `cuMemcpyDtoHAsync` into one of its two pinned buffers while it
+//! copies the other, filled by the DMA before, to the destination. Pinned destinations (from
+//! `cuMemHostAlloc` or `cuMemHostRegister`) and pieces under [`TO_HOST_MIN`] bytes take one
+//! `cuMemcpyAsync` as before, and so does a copy when no staging memory is left.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -81,11 +91,8 @@ fn check(r: CUresult, call: &'static str) -> Result<(), IpcError> {
 /// revocation error at once (without calling `done`) when the grant was revoked before the copy
 /// began.
 pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
-    let chunks = Chunks::new(c.pieces);
-    let lanes = std::thread::available_parallelism()
-        .map_or(1, |n| n.get() / 2)
-        .clamp(1, MAX_WORKERS)
-        .min(chunks.total.max(1));
+    let chunks = Chunks::new(c.pieces, CHUNK);
+    let lanes = lanes_for(chunks.total);
     let shared = Arc::new(Shared {
         pid: c.pid,
         chunks,
@@ -99,27 +106,40 @@ pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
     cma::spawn_tasks(c.pid, c.slot, c.cancel, lanes, task, done)
 }
 
-/// A copy's pieces, cut at [`CHUNK`] bytes as they are taken: one entry per piece (the ranges
+/// Lanes for a copy of `chunks` chunks: half the cores (the other half fill or drain them), at
+/// most [`MAX_WORKERS`], at most one per chunk.
+fn lanes_for(chunks: usize) -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get() / 2)
+        .clamp(1, MAX_WORKERS)
+        .min(chunks.max(1))
+}
+
+/// A copy's pieces, cut at `chunk` bytes as they are taken: one entry per piece (the ranges
 /// a request named), never one per chunk.
 struct Chunks {
     pieces: Vec<Piece>,
     /// `starts[i]`: the index of piece `i`'s first chunk.
     starts: Vec<usize>,
     total: usize,
+    /// Bytes per chunk (at most [`CHUNK`], a staging buffer's size).
+    chunk: usize,
 }
 
 impl Chunks {
-    fn new(pieces: Vec<Piece>) -> Self {
+    fn new(pieces: Vec<Piece>, chunk: usize) -> Self {
+        debug_assert!(chunk > 0 && chunk <= CHUNK);
         let mut starts = Vec::with_capacity(pieces.len());
         let mut total = 0usize;
         for p in &pieces {
             starts.push(total);
-            total += p.len.div_ceil(CHUNK);
+            total += p.len.div_ceil(chunk);
         }
         Self {
             pieces,
             starts,
             total,
+            chunk,
         }
     }
 
@@ -130,11 +150,11 @@ impl Chunks {
         }
         let i = self.starts.partition_point(|&s| s <= k) - 1;
         let p = self.pieces[i];
-        let off = (k - self.starts[i]) * CHUNK;
+        let off = (k - self.starts[i]) * self.chunk;
         Some(Piece {
             local: p.local + off,
             remote: p.remote + off,
-            len: (p.len - off).min(CHUNK),
+            len: (p.len - off).min(self.chunk),
         })
     }
 }
@@ -305,6 +325,156 @@ impl Shared {
     }
 }
 
+/// Pieces of a device-to-host copy at least this long are staged (shorter ones take one
+/// `cuMemcpyAsync`: starting lanes costs more than the driver's own staging saves).
+pub(crate) const TO_HOST_MIN: usize = 4 << 20;
+/// The bytes a staged device-to-host lane moves at a time (half a staging buffer: small enough
+/// that a 64 MiB copy keeps eight lanes busy, large enough that one event wait per chunk is
+/// noise).
+const TO_HOST_CHUNK: usize = 4 << 20;
+
+/// Copies `pieces` (`remote`: device memory readable in context `ctx`; `local`: pageable host
+/// memory of this process that the caller keeps valid until this returns) through pinned
+/// staging buffers, on lanes of this copy's own, and returns once every byte is in place (or
+/// the copy failed: no lane runs after this returns). `Ok(false)`: no lane could start (no
+/// staging memory left, no thread): nothing moved, and the caller copies directly.
+pub(crate) fn to_host(
+    ctx: sys::CUcontext,
+    pieces: Vec<Piece>,
+    cancel: &AtomicBool,
+) -> Result<bool, CopyError> {
+    let chunks = Chunks::new(pieces, TO_HOST_CHUNK);
+    let lanes = lanes_for(chunks.total);
+    let shared = ToHost {
+        ctx: ctx as usize,
+        chunks,
+        next: AtomicUsize::new(0),
+        started: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
+        cancel,
+    };
+    let results: Vec<Result<(), CopyError>> = std::thread::scope(|s| {
+        let running: Vec<_> = (0..lanes)
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .name("nixl-connect-d2h".into())
+                    .spawn_scoped(s, || shared.lane())
+                    .ok()
+            })
+            .collect();
+        running
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(CopyError::Os(IpcError::Panicked("staged copy").into())))
+            })
+            .collect()
+    });
+    if shared.started.load(Ordering::Acquire) == 0 {
+        return Ok(false);
+    }
+    results.into_iter().collect::<Result<(), _>>().map(|()| true)
+}
+
+/// What the lanes of one device-to-host copy share.
+struct ToHost<'a> {
+    /// The source device's context (as an address: lanes are other threads).
+    ctx: usize,
+    chunks: Chunks,
+    next: AtomicUsize,
+    /// Lanes that got their stream and buffers.
+    started: AtomicUsize,
+    /// Set by a lane that failed: the others stop taking chunks.
+    stop: AtomicBool,
+    cancel: &'a AtomicBool,
+}
+
+impl ToHost<'_> {
+    /// One lane: a stream and two buffers in the source's context, then chunks until none is
+    /// left. A lane that cannot start returns at once (the copy goes on with the others, or, if
+    /// none started, directly).
+    fn lane(&self) -> Result<(), CopyError> {
+        // SAFETY: makes the source device's retained primary context current on this lane's
+        // thread (the CUDA thread holds it retained for the life of the process).
+        let set = unsafe { sys::cuCtxSetCurrent(self.ctx as sys::CUcontext) };
+        if check(set, "cuCtxSetCurrent").is_err() {
+            return Ok(());
+        }
+        let Ok(mut lane) = Lane::new() else {
+            return Ok(());
+        };
+        self.started.fetch_add(1, Ordering::AcqRel);
+        let r = self.run(&mut lane);
+        if r.is_err() {
+            self.stop.store(true, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// Queues the DMA of each chunk into one buffer while the other's (the chunk before) is
+    /// copied out, then lands the last two.
+    fn run(&self, lane: &mut Lane) -> Result<(), CopyError> {
+        let mut pending: [Option<Piece>; 2] = [None, None];
+        let mut k = 0usize;
+        loop {
+            if self.cancel.load(Ordering::Relaxed) {
+                return Err(CopyError::Revoked);
+            }
+            if self.stop.load(Ordering::Relaxed) {
+                return Ok(()); // another lane failed and reports it
+            }
+            let Some(p) = self.chunks.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
+                break;
+            };
+            let b = k % 2;
+            k += 1;
+            if let Some(q) = pending[b].take() {
+                lane.land(b, q)?;
+            }
+            // SAFETY: `p.remote` is device memory readable in the current context for `p.len`
+            // bytes (a mapping the CUDA thread keeps open, and checked against, until this copy
+            // returns); the buffer holds CHUNK >= `p.len` bytes and is not read or refilled
+            // before the event recorded after this copy has completed (land()).
+            let r = unsafe {
+                check(
+                    sys::cuMemcpyDtoHAsync_v2(
+                        lane.bufs[b] as *mut c_void,
+                        p.remote as u64,
+                        p.len,
+                        lane.stream,
+                    ),
+                    "cuMemcpyDtoHAsync",
+                )
+                .and_then(|()| check(sys::cuEventRecord(lane.events[b], lane.stream), "cuEventRecord"))
+            };
+            r.map_err(|e| CopyError::Os(e.into()))?;
+            pending[b] = Some(p);
+        }
+        // The older of the two first.
+        for b in [k % 2, (k + 1) % 2] {
+            if let Some(q) = pending[b].take() {
+                lane.land(b, q)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Lane {
+    /// Waits for the DMA into buffer `b`, then copies its `q.len` bytes to `q.local`.
+    fn land(&mut self, b: usize, q: Piece) -> Result<(), CopyError> {
+        // SAFETY: waits for this lane's event recorded after the DMA into buffer `b`.
+        let r = unsafe { sys::cuEventSynchronize(self.events[b]) };
+        check(r, "cuEventSynchronize").map_err(|e| CopyError::Os(e.into()))?;
+        // SAFETY: the buffer holds `q.len` bytes the completed DMA wrote; `q.local` is host
+        // memory of this process, `q.len` bytes long, that the copy's owner keeps valid until
+        // the copy returns and nothing else writes meanwhile; the two never overlap (one is
+        // this lane's pinned buffer).
+        unsafe { std::ptr::copy_nonoverlapping(self.bufs[b] as *const u8, q.local as *mut u8, q.len) };
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,11 +485,14 @@ mod tests {
     #[test]
     fn staged_chunks_are_computed_not_listed() {
         let piece = |local, remote, len| Piece { local, remote, len };
-        let c = Chunks::new(vec![
-            piece(0x1000, 0x9000, 0),
-            piece(0x10_0000, 0x90_0000, 2 * CHUNK + 5),
-            piece(0x7000_0000, 0x8000_0000, 1),
-        ]);
+        let c = Chunks::new(
+            vec![
+                piece(0x1000, 0x9000, 0),
+                piece(0x10_0000, 0x90_0000, 2 * CHUNK + 5),
+                piece(0x7000_0000, 0x8000_0000, 1),
+            ],
+            CHUNK,
+        );
         assert_eq!(c.total, 4);
         assert_eq!(c.get(0), Some(piece(0x10_0000, 0x90_0000, CHUNK)));
         assert_eq!(c.get(1), Some(piece(0x10_0000 + CHUNK, 0x90_0000 + CHUNK, CHUNK)));
@@ -333,11 +506,11 @@ mod tests {
         let many: Vec<Piece> = (0..524_288usize)
             .map(|i| piece(i << 15, i << 15, 32 << 10))
             .collect();
-        let c = Chunks::new(many);
+        let c = Chunks::new(many, CHUNK);
         assert_eq!(c.total, 524_288);
         assert_eq!(c.starts.len(), 524_288);
         assert_eq!(c.get(524_287).map(|p| p.local), Some(524_287 << 15));
-        let huge = Chunks::new(vec![piece(0, 0, 16 << 30)]);
+        let huge = Chunks::new(vec![piece(0, 0, 16 << 30)], CHUNK);
         assert_eq!((huge.total, huge.starts.len()), ((16 << 30) / CHUNK, 1));
     }
 }

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The short device run (one lease of a few minutes, where scripts/gpu-run.sh takes longer): the
+# GPU tests, then the rows the seventeenth session changed or left to measure on a many-core host,
+# each beside its anchor in the same run:
+#   - device -> pageable host at 64 MiB and 1 GiB, reads and writes, and host -> device beside
+#     them (issue 46 item 1), with torch's copy limits (D2H, H2D) from anchors/gpu_copy.py;
+#   - tensors from PyTorch's allocator per operation against reused ones (gpu_torch_alloc.py),
+#     beside raw cuMemAlloc per operation (`bench --fresh`) and reused (issue 46 item 2);
+#   - 4 KiB VRAM -> VRAM (issue 46 item 3's row, unchanged code);
+#   - recording metrics on and off, interleaved, 4 KiB host memory: latency and 64 outstanding,
+#     reads and writes (issue 42's A/B on 16 cores).
+# Results: $OUT/gpu-rows.jsonl (bench lines carry "label" and "run"), the log $OUT/gpu-rows.log.
+# Usage: bash nixl-connect-gpu/gpu-rows.sh     (RUNS, default 3; AB_ROUNDS, default 6)
+set -uo pipefail
+B=$(cd "$(dirname "$0")" && pwd)
+OUTDIR=${OUT:-$B}
+res="$OUTDIR/gpu-rows.jsonl"; log="$OUTDIR/gpu-rows.log"
+: > "$res"; : > "$log"
+export NIXL_CONNECT_LIB="$B/nixl/lib" NIXL_CONNECT_REQUIRE_GPU=1
+RUNS=${RUNS:-3}
+AB_ROUNDS=${AB_ROUNDS:-6}
+status=0
+sec() { echo "== $* (t=${SECONDS}s)" | tee -a "$log"; }
+# bench LABEL ARGS...: RUNS runs, one JSON line each, labelled.
+bench() {
+  local label=$1; shift
+  for r in $(seq "$RUNS"); do
+    "$B/bin/nixl-connect" bench --json "$@" | sed "s/^{/{\"run\":$r,\"label\":\"$label\",/" >> "$res" || status=1
+  done
+}
+{ nvidia-smi -L; echo "cores: $(nproc)"; } 2>&1 | tee -a "$log"
+
+sec "GPU tests"
+timeout 240 "$B/bin/integration" --test-threads=1 gpu >> "$log" 2>&1 || status=1
+grep -E "^test |test result" "$log" | tail -14
+
+sec "device -> pageable host (staged), host -> device beside it"
+SZ=64M,1G
+bench d2h-read --sizes $SZ --device cpu --peer-device cuda:0 --op read
+bench d2h-write --sizes $SZ --device cuda:0 --peer-device cpu --op write
+bench h2d-read --sizes $SZ --device cuda:0 --peer-device cpu --op read
+bench h2d-write --sizes $SZ --device cpu --peer-device cuda:0 --op write
+[ -f "$B/anchors/gpu_copy.py" ] && (cd "$B/anchors" && timeout 60 python3 gpu_copy.py >> "$res" 2>>"$log")
+
+sec "metrics on/off, 4 KiB host memory, interleaved"
+for round in $(seq "$AB_ROUNDS"); do
+  for arm in off on; do
+    m=(); [ "$arm" = on ] && m=(--metrics 127.0.0.1:0)
+    RUNS=1 bench "ab-$arm-c64-write" --path local --device cpu --sizes 4K --op write --concurrency 64 --iters 1000 "${m[@]}"
+    RUNS=1 bench "ab-$arm-c64-read" --path local --device cpu --sizes 4K --op read --concurrency 64 --iters 1000 "${m[@]}"
+    RUNS=1 bench "ab-$arm-lat-read" --path local --device cpu --sizes 4K --op read --iters 3000 "${m[@]}"
+    RUNS=1 bench "ab-$arm-lat-write" --path local --device cpu --sizes 4K --op write --iters 3000 "${m[@]}"
+  done
+done
+
+sec "4 KiB VRAM -> VRAM; 8 MiB fresh cuMemAlloc per operation and reused"
+bench vram-4k-read --sizes 4K --device cuda:0 --op read --iters 2000
+bench vram-4k-write --sizes 4K --device cuda:0 --op write --iters 2000
+bench fresh-8m --sizes 8M --device cuda:0 --op read --iters 100 --fresh
+bench reused-8m --sizes 8M --device cuda:0 --op read --iters 100
+
+sec "tensors from PyTorch's allocator per operation"
+PY=${PYTHON:-python3}
+if "$PY" -c "import torch, pydantic; assert torch.cuda.is_available()" 2>/dev/null || \
+   "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  site="/tmp/nixl-connect-site"
+  rm -rf "$site" && "$PY" -m pip install -q --no-deps --no-index --no-compile --target "$site" \
+      $(ls "$B"/python/wheels/*.whl 2>/dev/null) "$B"/python/nixl_connect-*.whl >> "$log" 2>&1 || status=1
+  PYTHONPATH="$site" timeout 180 "$PY" "$B/gpu_torch_alloc.py" --iters 150 --runs "$RUNS" 2>>"$log" | tee -a "$res" || status=1
+else
+  echo "skipped: no python with torch (CUDA) here" | tee -a "$log"
+fi
+sec "done"
+# A summary of medians per label and size (the raw lines are in $res).
+python3 - "$res" <<'PY' | tee -a "$log"
+import json, statistics, sys, collections
+rows = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    if "label" in r:
+        v = r["ops_per_s"] if r.get("concurrency", 1) > 1 else (r["GBps"] if r["size"] >= 1 << 20 else r["read_median_us"])
+        unit = "ops/s" if r.get("concurrency", 1) > 1 else ("GB/s" if r["size"] >= 1 << 20 else "us reader")
+        rows[(r["label"], r["size"], unit)].append(v)
+        if r["size"] < 1 << 20 and r.get("concurrency", 1) == 1:
+            rows[(r["label"], r["size"], "us passive")].append(r["passive_p50_us"])
+    elif "copy" in r:
+        rows[("torch " + r["copy"], r["size"], "GB/s")].append(r["GBps_one_way"])
+    elif r.get("bench") == "torch_alloc":
+        rows[("torch-alloc " + r["mode"], r["size"], "us reader")].append(r["median_us"])
+for (label, size, unit), v in sorted(rows.items()):
+    print(f"{label:24} {size:>11} {statistics.median(v):12.2f} {unit:10} n={len(v)} {[round(x, 2) for x in v]}")
+PY
+exit $status
