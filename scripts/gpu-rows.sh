@@ -10,7 +10,11 @@
 #   - recording metrics on and off, interleaved, 4 KiB host memory: latency and 64 outstanding,
 #     reads and writes (issue 42's A/B on 16 cores).
 # Results: $OUT/gpu-rows.jsonl (bench lines carry "label" and "run"), the log $OUT/gpu-rows.log.
-# Usage: bash nixl-connect-gpu/gpu-rows.sh     (RUNS, default 3; AB_ROUNDS, default 6)
+# Usage: bash nixl-connect-gpu/gpu-rows.sh
+#   RUNS (default 3), AB_ROUNDS (default 6), ONLY (sections, default "tests d2h ab small torch"),
+#   LANES (staged lanes to compare in d2h, e.g. "8 12 16"; default: the library's own choice),
+#   TORCH_MODES (default reused,fresh), AB_OPS (default "c64-write c64-read lat-read lat-write"),
+#   D2H_SIZES (default 64M,1G), TESTS (the integration tests' filter, default gpu).
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUTDIR=${OUT:-$B}
@@ -19,6 +23,9 @@ res="$OUTDIR/gpu-rows.jsonl"; log="$OUTDIR/gpu-rows.log"
 export NIXL_CONNECT_LIB="$B/nixl/lib" NIXL_CONNECT_REQUIRE_GPU=1
 RUNS=${RUNS:-3}
 AB_ROUNDS=${AB_ROUNDS:-6}
+ONLY=${ONLY:-tests d2h ab small torch}
+LANES=${LANES:-default}
+on() { case " $ONLY " in *" $1 "*) return 0;; *) return 1;; esac; }
 status=0
 sec() { echo "== $* (t=${SECONDS}s)" | tee -a "$log"; }
 # bench LABEL ARGS...: RUNS runs, one JSON line each, labelled.
@@ -30,35 +37,53 @@ bench() {
 }
 { nvidia-smi -L; echo "cores: $(nproc)"; } 2>&1 | tee -a "$log"
 
+if on tests; then
 sec "GPU tests"
-timeout 240 "$B/bin/integration" --test-threads=1 gpu >> "$log" 2>&1 || status=1
+timeout 240 "$B/bin/integration" --test-threads=1 "${TESTS:-gpu}" >> "$log" 2>&1 || status=1
 grep -E "^test |test result" "$log" | tail -14
+fi
 
-sec "device -> pageable host (staged), host -> device beside it"
-SZ=64M,1G
-bench d2h-read --sizes $SZ --device cpu --peer-device cuda:0 --op read
-bench d2h-write --sizes $SZ --device cuda:0 --peer-device cpu --op write
-bench h2d-read --sizes $SZ --device cuda:0 --peer-device cpu --op read
-bench h2d-write --sizes $SZ --device cpu --peer-device cuda:0 --op write
+if on d2h; then
+sec "device -> pageable host (staged), host -> device beside it (lanes: $LANES)"
+SZ=${D2H_SIZES:-64M,1G}
+for r in $(seq "$RUNS"); do
+  for l in $LANES; do
+    if [ "$l" = default ]; then unset NIXL_CONNECT_STAGING_LANES; t=""; else export NIXL_CONNECT_STAGING_LANES=$l; t="-l$l"; fi
+    RUNS=1 bench "d2h-read$t" --sizes "$SZ" --device cpu --peer-device cuda:0 --op read
+    RUNS=1 bench "d2h-write$t" --sizes "$SZ" --device cuda:0 --peer-device cpu --op write
+    RUNS=1 bench "h2d-read$t" --sizes "$SZ" --device cuda:0 --peer-device cpu --op read
+    RUNS=1 bench "h2d-write$t" --sizes "$SZ" --device cpu --peer-device cuda:0 --op write
+  done
+done
+unset NIXL_CONNECT_STAGING_LANES
 [ -f "$B/anchors/gpu_copy.py" ] && (cd "$B/anchors" && timeout 60 python3 gpu_copy.py >> "$res" 2>>"$log")
+fi
 
+if on ab; then
 sec "metrics on/off, 4 KiB host memory, interleaved"
 for round in $(seq "$AB_ROUNDS"); do
   for arm in off on; do
     m=(); [ "$arm" = on ] && m=(--metrics 127.0.0.1:0)
-    RUNS=1 bench "ab-$arm-c64-write" --path local --device cpu --sizes 4K --op write --concurrency 64 --iters 1000 "${m[@]}"
-    RUNS=1 bench "ab-$arm-c64-read" --path local --device cpu --sizes 4K --op read --concurrency 64 --iters 1000 "${m[@]}"
-    RUNS=1 bench "ab-$arm-lat-read" --path local --device cpu --sizes 4K --op read --iters 3000 "${m[@]}"
-    RUNS=1 bench "ab-$arm-lat-write" --path local --device cpu --sizes 4K --op write --iters 3000 "${m[@]}"
+    for o in ${AB_OPS:-c64-write c64-read lat-read lat-write}; do
+      case $o in
+        c64-*) x=(--concurrency 64 --iters 1000) ;;
+        *) x=(--iters 3000) ;;
+      esac
+      RUNS=1 bench "ab-$arm-$o" --path local --device cpu --sizes 4K --op "${o#*-}" "${x[@]}" "${m[@]}"
+    done
   done
 done
+fi
 
+if on small; then
 sec "4 KiB VRAM -> VRAM; 8 MiB fresh cuMemAlloc per operation and reused"
 bench vram-4k-read --sizes 4K --device cuda:0 --op read --iters 2000
 bench vram-4k-write --sizes 4K --device cuda:0 --op write --iters 2000
 bench fresh-8m --sizes 8M --device cuda:0 --op read --iters 100 --fresh
 bench reused-8m --sizes 8M --device cuda:0 --op read --iters 100
+fi
 
+if on torch; then
 sec "tensors from PyTorch's allocator per operation"
 PY=${PYTHON:-python3}
 if "$PY" -c "import torch, pydantic; assert torch.cuda.is_available()" 2>/dev/null || \
@@ -66,9 +91,11 @@ if "$PY" -c "import torch, pydantic; assert torch.cuda.is_available()" 2>/dev/nu
   site="/tmp/nixl-connect-site"
   rm -rf "$site" && "$PY" -m pip install -q --no-deps --no-index --no-compile --target "$site" \
       $(ls "$B"/python/wheels/*.whl 2>/dev/null) "$B"/python/nixl_connect-*.whl >> "$log" 2>&1 || status=1
-  PYTHONPATH="$site" timeout 180 "$PY" "$B/gpu_torch_alloc.py" --iters 150 --runs "$RUNS" 2>>"$log" | tee -a "$res" || status=1
+  PYTHONPATH="$site" timeout 180 "$PY" "$B/gpu_torch_alloc.py" --iters 150 --runs "$RUNS" \
+    --modes "${TORCH_MODES:-reused,fresh}" 2>>"$log" | tee -a "$res" || status=1
 else
   echo "skipped: no python with torch (CUDA) here" | tee -a "$log"
+fi
 fi
 sec "done"
 # A summary of medians per label and size (the raw lines are in $res).

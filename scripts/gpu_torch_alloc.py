@@ -8,13 +8,15 @@ reader reads it into a CUDA tensor of its own. Two cases, each timed on the read
   - reused: each side allocates its tensor once and uses it for every operation;
   - fresh:  each side allocates a new tensor per operation from PyTorch's caching allocator
             (`torch.empty`), keeping the last three alive so that addresses move inside the
-            allocator's segments, the pattern of a worker allocating per request.
+            allocator's segments, the pattern of a worker allocating per request;
+  - fresh-owner, fresh-reader: only that side allocates per operation (where the cost lies).
 Every operation's bytes are checked (the owner fills its tensor with the operation's number).
 Prints one JSON line per case: median and p90 microseconds per read, GB/s, and the path and
 mechanism the reader's operations report. The Rust figure for raw `cuMemAlloc` per operation
 is `nixl-connect bench --fresh` (scripts/gpu-run.sh prints it beside).
 
 Usage: gpu_torch_alloc.py [--device cuda:0] [--size 8388608] [--iters 200] [--runs 3]
+                          [--modes reused,fresh,fresh-owner,fresh-reader]
        (internal roles: owner MODE SIZE ITERS DEVICE | reader MODE ITERS DEVICE)
 """
 import argparse
@@ -35,7 +37,7 @@ async def owner(mode, size, iters, device):
     live = collections.deque(maxlen=3)
     t = torch.empty(size, dtype=torch.uint8, device=device)
     for i in range(iters):
-        if mode == "fresh":
+        if mode in ("fresh", "fresh-owner"):
             t = torch.empty(size, dtype=torch.uint8, device=device)
             live.append(t)
         t.fill_(i % 251)
@@ -59,7 +61,7 @@ async def reader(mode, iters, device):
         line = await loop.run_in_executor(None, sys.stdin.readline)
         md = nc.RdmaMetadata.model_validate_json(line)
         size = sum(d.size for d in md.descriptors)
-        if dst is None or mode == "fresh":
+        if dst is None or mode in ("fresh", "fresh-reader"):
             dst = torch.empty(size, dtype=torch.uint8, device=device)
             live.append(dst)
         start = time.perf_counter()
@@ -119,9 +121,10 @@ def main():
     p.add_argument("--size", type=int, default=8 << 20)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--modes", default="reused,fresh")
     a = p.parse_args()
     for run in range(1, a.runs + 1):
-        for mode in ("reused", "fresh"):  # interleaved
+        for mode in a.modes.split(","):  # interleaved
             r = run_case(mode, a.size, a.iters, a.device)
             print(json.dumps({"bench": "torch_alloc", "run": run, "mode": mode, "device": a.device,
                               "iters": a.iters, **(r or {"error": "no result"})}), flush=True)

@@ -32,12 +32,17 @@ use super::cma::{self, Copy, CopyError, Piece, CHUNK};
 use super::ipc::IpcError;
 use crate::sync::Recover;
 
-/// The most lanes one staged copy uses.
+/// The most lanes one staged copy uses by default (half the cores up to this).
 const MAX_WORKERS: usize = 8;
+/// The most lanes `NIXL_CONNECT_STAGING_LANES` may ask for.
+const MAX_LANES: usize = 16;
 /// Pinned buffers the pool keeps between copies (each [`CHUNK`] bytes).
 const KEPT_BUFFERS: usize = 2 * MAX_WORKERS;
-/// The most pinned staging memory this process holds at once, in bytes (32 buffers).
+/// The most pinned staging memory this process holds at once, in bytes (32 buffers, 256 MiB:
+/// two for each of [`MAX_LANES`] lanes).
 pub(crate) const MAX_STAGING: usize = 32 * CHUNK;
+// Two buffers for each lane fit the process's allowance.
+const _: () = assert!(2 * MAX_LANES * CHUNK <= MAX_STAGING);
 
 type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
@@ -106,13 +111,26 @@ pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
     cma::spawn_tasks(c.pid, c.slot, c.cancel, lanes, task, done)
 }
 
-/// Lanes for a copy of `chunks` chunks: half the cores (the other half fill or drain them), at
-/// most [`MAX_WORKERS`], at most one per chunk.
+/// Lanes for a copy of `chunks` chunks: at most one per chunk, and at most
+/// `NIXL_CONNECT_STAGING_LANES` (1 to [`MAX_LANES`]) where set, else half the cores (the other
+/// half are the peer's and the callers'), at most [`MAX_WORKERS`].
 fn lanes_for(chunks: usize) -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get() / 2)
-        .clamp(1, MAX_WORKERS)
-        .min(chunks.max(1))
+    static MAX: OnceLock<usize> = OnceLock::new();
+    let max = *MAX.get_or_init(|| {
+        lanes_from(
+            std::env::var("NIXL_CONNECT_STAGING_LANES").ok().as_deref(),
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+        )
+    });
+    max.min(chunks.max(1))
+}
+
+/// The most lanes a staged copy uses, from the variable's value (if set) and the core count.
+fn lanes_from(var: Option<&str>, cores: usize) -> usize {
+    match var.and_then(|v| v.trim().parse::<usize>().ok()) {
+        Some(n) if n > 0 => n.min(MAX_LANES),
+        _ => (cores / 2).clamp(1, MAX_WORKERS),
+    }
 }
 
 /// A copy's pieces, cut at `chunk` bytes as they are taken: one entry per piece (the ranges
@@ -478,6 +496,17 @@ impl Lane {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn staged_lanes_follow_the_cores_or_the_variable() {
+        assert_eq!(lanes_from(None, 2), 1);
+        assert_eq!(lanes_from(None, 16), 8);
+        assert_eq!(lanes_from(None, 64), MAX_WORKERS);
+        assert_eq!(lanes_from(Some("12"), 2), 12);
+        assert_eq!(lanes_from(Some("99"), 16), MAX_LANES);
+        assert_eq!(lanes_from(Some("0"), 16), 8);
+        assert_eq!(lanes_from(Some("many"), 16), 8);
+    }
 
     /// Issue 27: `chunks()` built one entry per 8 MiB of every range (524K ranges over a
     /// 16 GiB writable: ~10^9 entries). Chunks are now computed as they are taken, from one
