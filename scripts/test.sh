@@ -27,5 +27,7 @@ echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect side by side,
 echo "== pytest: the tests the ai-dynamo wheel ships for its nixl_connect callers, on nixl_connect" >&2
 bash scripts/test-dynamo.sh
 bash scripts/test-dynamo.sh --next
+echo "== one nixl-sys with Dynamo's crates: interop/dynamo-memory, and the integration tests on nixl-sys 1.3.2" >&2
+bash scripts/test-interop.sh
 echo "== the NIXL tests on the other NIXL releases Dynamo's extras pin (1.4.1, 1.5.0)" >&2
 bash scripts/test-nixl-versions.sh

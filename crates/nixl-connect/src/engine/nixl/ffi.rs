@@ -24,7 +24,10 @@ use crate::sync::Recover;
 /// Environment variable naming the NIXL library (a `libnixl_capi.so` file or a folder holding it).
 pub const NIXL_LIB_ENV: &str = "NIXL_CONNECT_LIB";
 
-/// The NIXL version the library was built against (the pinned nixl-sys release).
+/// The NIXL release this crate is tested against first and suggests installing (what
+/// `scripts/setup.sh` installs). The crate builds against every nixl-sys from 1.3.2 to 1.5.x (their
+/// C API headers differ only by additions it does not call) and serves the NIXL libraries of
+/// [`SUPPORTED_RELEASES`] whichever compiled it.
 pub const NIXL_SYS_VERSION: &str = "1.5.1";
 
 /// The NIXL releases (major.minor) this build serves: the ones Dynamo's extras pin (1.4.1 for
