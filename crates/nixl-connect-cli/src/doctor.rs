@@ -44,6 +44,103 @@ fn optional(mut c: Check) -> Check {
     c
 }
 
+/// The node's RDMA devices, GPU <-> NIC affinity and UCX settings, as checks (all optional: NIXL
+/// works over TCP without any RDMA device).
+fn node_checks(t: &crate::topology::Topology) -> Vec<Check> {
+    let mut out = Vec::new();
+    if t.nics.is_empty() {
+        out.push(check(
+            "RDMA devices",
+            "info",
+            "none (/sys/class/infiniband is empty or absent): NIXL between hosts goes over TCP \
+             (UCX's tcp transport); the same-host path (CMA, CUDA IPC) does not need one",
+            None,
+        ));
+    } else {
+        let list: Vec<String> = t
+            .nics
+            .iter()
+            .map(|n| {
+                let ports: Vec<String> = n
+                    .ports
+                    .iter()
+                    .map(|p| {
+                        let rate = p.rate_gbps.map_or(String::new(), |r| format!(" {r} Gb/s"));
+                        format!("port {} {} {}{rate}", p.port, p.state, p.link_layer)
+                    })
+                    .collect();
+                let flag = if n.bluefield {
+                    " [BlueField DPU]"
+                } else if n.management {
+                    " [management link?]"
+                } else {
+                    ""
+                };
+                format!(
+                    "{} ({}, NUMA {}): {}{flag}",
+                    n.name,
+                    n.pci.as_deref().unwrap_or("no PCI function"),
+                    n.numa.map_or("?".into(), |x| x.to_string()),
+                    ports.join(", ")
+                )
+            })
+            .collect();
+        let down = t.down_ports();
+        out.push(check(
+            "RDMA devices",
+            if down.is_empty() { "ok" } else { "warn" },
+            list.join("; "),
+            (!down.is_empty()).then_some(
+                "a data port is not ACTIVE: check its cable and subnet manager (ibstat); UCX skips it",
+            ),
+        ));
+        if !down.is_empty() {
+            out.last_mut().expect("pushed").detail += &format!("; not active: {}", down.join(", "));
+        }
+    }
+    if !t.gpus.is_empty() && !t.nics.is_empty() {
+        let lines: Vec<String> = t
+            .gpus
+            .iter()
+            .map(|g| match t.choices.iter().find(|c| c.gpu == g.pci) {
+                Some(c) => format!("GPU {} -> {}:{} ({:?})", g.pci, c.nic, c.port, c.relation),
+                None => format!("GPU {} -> no NIC with an active data port", g.pci),
+            })
+            .collect();
+        let fix = t.net_devices(&[]).map(|d| {
+            format!(
+                "a process using one GPU sets UCX_NET_DEVICES to that GPU's NIC above (all: UCX_NET_DEVICES={d})"
+            )
+        });
+        let mut c = check("GPU <-> NIC", "info", lines.join("; "), None);
+        c.fix = fix;
+        out.push(c);
+    } else {
+        out.push(check(
+            "GPU <-> NIC",
+            "info",
+            format!(
+                "{} GPU(s), {} RDMA device(s): no pairing to suggest",
+                t.gpus.len(),
+                t.nics.len()
+            ),
+            None,
+        ));
+    }
+    let ucx: Vec<String> = t.ucx.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    out.push(check(
+        "UCX settings",
+        "info",
+        if ucx.is_empty() {
+            "none set (UCX chooses its transports and devices)".to_string()
+        } else {
+            ucx.join(" ")
+        },
+        None,
+    ));
+    out.into_iter().map(optional).collect()
+}
+
 /// Whether the kernel lets unrelated processes of one user read each other's memory
 /// (cross-memory attach, which the same-host path uses).
 fn same_host_path() -> Check {
@@ -322,11 +419,16 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         Err(e) => checks.push(check("NIXL library", "fail", e.to_string(), Some(setup_fix))),
     }
     if lib.is_ok() {
+        let start = Instant::now();
         match Connector::new() {
             Ok(c) => checks.push(check(
                 "UCX backend",
                 "ok",
-                format!("agent {} created", c.name()),
+                format!(
+                    "agent {} created, started in {:.1} ms",
+                    c.name(),
+                    start.elapsed().as_secs_f64() * 1e3
+                ),
                 None,
             )),
             Err(e) => checks.push(check(
@@ -359,6 +461,11 @@ pub(crate) async fn run(a: Args) -> Result<()> {
     checks.push(optional(cuda()));
     checks.push(device_paths());
     checks.push(optional(huge_pages()));
+    let topo = crate::topology::read_tree(
+        &crate::topology::root(),
+        std::env::vars().filter(|(k, _)| k.starts_with("UCX_")).collect(),
+    );
+    checks.extend(node_checks(&topo));
     if let Some(url) = &a.nats {
         match nixl_connect::channel::nats::NatsChannel::connect(url, Duration::from_secs(3)).await {
             Ok(_) => checks.push(check("NATS", "ok", format!("{url} answers"), None)),
@@ -380,7 +487,7 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         println!(
             "{}",
             serde_json::to_string_pretty(
-                &serde_json::json!({"usable": !failed, "optional_failed": optional_failed, "checks": checks})
+                &serde_json::json!({"usable": !failed, "optional_failed": optional_failed, "checks": checks, "topology": topo})
             )?
         );
     } else {
@@ -412,4 +519,58 @@ pub(crate) async fn run(a: Args) -> Result<()> {
         std::process::exit(1);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology::{fake, read_tree};
+
+    #[test]
+    fn doctor_prints_each_gpus_nic_and_the_ucx_net_devices_line() {
+        let t = fake::eight_by_four("doctor", Some("mlx5_3"));
+        let topo = read_tree(&t.root, vec![("UCX_TLS".into(), "rc,cuda_copy".into())]);
+        let checks = node_checks(&topo);
+        let by = |name: &str| checks.iter().find(|c| c.check == name).expect(name);
+        let rdma = by("RDMA devices");
+        assert_eq!(rdma.status, "warn");
+        assert!(
+            rdma.detail.contains("not active: mlx5_3:1 DOWN"),
+            "{}",
+            rdma.detail
+        );
+        let pairs = by("GPU <-> NIC");
+        assert!(
+            pairs.detail.contains("GPU 0000:03:00.0 -> mlx5_0:1 (Switch)"),
+            "{}",
+            pairs.detail
+        );
+        assert!(
+            pairs.detail.contains("GPU 0000:85:01.0 -> mlx5_2:1 (Switch)"),
+            "{}",
+            pairs.detail
+        );
+        let fix = pairs.fix.as_deref().unwrap();
+        assert!(
+            fix.ends_with("UCX_NET_DEVICES=mlx5_0:1,mlx5_1:1,mlx5_2:1)"),
+            "{fix}"
+        );
+        assert_eq!(by("UCX settings").detail, "UCX_TLS=rc,cuda_copy");
+        assert!(checks.iter().all(|c| c.optional));
+    }
+
+    #[test]
+    fn doctor_says_plainly_when_there_is_no_rdma_device() {
+        let t = fake::Tree::new("doctor-none");
+        let checks = node_checks(&read_tree(&t.root, Vec::new()));
+        let rdma = checks.iter().find(|c| c.check == "RDMA devices").unwrap();
+        assert_eq!(rdma.status, "info");
+        assert!(
+            rdma.detail.starts_with("none") && rdma.detail.contains("over TCP"),
+            "{}",
+            rdma.detail
+        );
+        let ucx = checks.iter().find(|c| c.check == "UCX settings").unwrap();
+        assert!(ucx.detail.starts_with("none set"));
+    }
 }

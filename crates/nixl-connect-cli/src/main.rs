@@ -11,6 +11,7 @@ mod etcd;
 mod metrics;
 mod pattern;
 mod sendrecv;
+mod topology;
 mod transfer;
 
 use std::time::Duration;
