@@ -10,16 +10,27 @@
 //! The key is written only if absent (one transaction): a name already taken is an error, never
 //! a silent overwrite of another worker's metadata. Nothing is ever written half: one put of the
 //! whole document, or none.
+//!
+//! A publication survives its etcd: when a renewal fails (etcd restarted, unreachable), the next
+//! renewal opens a new keep-alive stream; when etcd answers that the lease is gone (restarted
+//! without its data, or the lease ran out meanwhile), the publisher grants a new lease and writes
+//! the key again, still only if absent. Each such gap is logged and kept with its cause
+//! ([`EtcdPublication::outages`]). Readers need nothing: each fetch is a fresh request, on a
+//! client that reconnects by itself.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
 };
 
+use super::outage::{self, Outage};
 use super::MAX_DOCUMENT;
 use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::RdmaMetadata;
+use crate::sync::Recover;
 
 /// The key prefix of published metadata, under Dynamo's etcd as under any other.
 pub const DEFAULT_PREFIX: &str = "nixl-connect/md/";
@@ -178,31 +189,22 @@ impl EtcdChannel {
                  choose another name"
             )));
         }
-        let (mut keeper, mut stream) = within(t, "lease keep-alive", c.lease_keep_alive(lease)).await?;
-        let task = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(LEASE_TTL / 3);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                let renewed = async {
-                    keeper.keep_alive().await?;
-                    stream.message().await
-                };
-                match tokio::time::timeout(LEASE_TTL / 3, renewed).await {
-                    Ok(Ok(Some(r))) if r.ttl() > 0 => {}
-                    Ok(Ok(_)) => {
-                        tracing::warn!(lease, "etcd ended the lease: the metadata key is gone");
-                        return;
-                    }
-                    Ok(Err(e)) => tracing::warn!(lease, error = %e, "renewing the etcd lease failed"),
-                    Err(_) => tracing::warn!(lease, "etcd did not answer a lease renewal in time"),
-                }
-            }
+        let stream = within(t, "lease keep-alive", c.lease_keep_alive(lease)).await?;
+        let keeping = Arc::new(Keeping {
+            lease: AtomicI64::new(lease),
+            outages: Mutex::new(Vec::new()),
         });
+        let task = tokio::spawn(keep(
+            c.clone(),
+            key.clone(),
+            md.to_json(),
+            stream,
+            keeping.clone(),
+        ));
         let client = guard.0.take().map(|(c, _)| c);
         Ok(EtcdPublication {
             key,
-            lease,
+            keeping,
             task,
             client,
         })
@@ -257,6 +259,153 @@ impl EtcdChannel {
     }
 }
 
+/// What a publication's renewal task shares with the publication.
+struct Keeping {
+    /// The lease holding the key now (another after a re-publication).
+    lease: AtomicI64,
+    outages: Mutex<Vec<Outage>>,
+}
+
+type Stream = (etcd_client::LeaseKeeper, etcd_client::LeaseKeepAliveStream);
+
+/// Keeps the key `key` (holding `doc`) published: renews its lease every third of
+/// [`LEASE_TTL`]; after a failed renewal opens a new keep-alive stream; when etcd no longer knows
+/// the lease, writes the key again under a new one (only if absent: a name another worker took
+/// meanwhile is left to it, and this task ends). Ends when the publication is dropped (aborted).
+async fn keep(mut c: Client, key: String, doc: String, stream: Stream, keeping: Arc<Keeping>) {
+    let mut stream = Some(stream);
+    // The first failure of the outage in progress: when (monotonic, wall) and why.
+    let mut down: Option<(Instant, SystemTime, String)> = None;
+    let mut tick = tokio::time::interval(LEASE_TTL / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tick.tick().await;
+        let lease = keeping.lease.load(Ordering::Relaxed);
+        let (republished, result) = match renew(&mut c, lease, &mut stream).await {
+            Ok(true) => (false, Ok(())),
+            Ok(false) => match republish(&mut c, &key, &doc).await {
+                Ok(Some((new, s))) => {
+                    keeping.lease.store(new, Ordering::Relaxed);
+                    stream = Some(s);
+                    down.get_or_insert_with(|| {
+                        (
+                            Instant::now(),
+                            SystemTime::now(),
+                            format!("etcd no longer knew lease {lease}"),
+                        )
+                    });
+                    (true, Ok(()))
+                }
+                Ok(None) => {
+                    tracing::warn!(key, "the etcd key was taken by another publisher while this one's lease was lost: it is no longer published here");
+                    return;
+                }
+                Err(e) => (false, Err(e)),
+            },
+            Err(e) => (false, Err(e)),
+        };
+        match result {
+            Ok(()) => {
+                if let Some((t0, began, cause)) = down.take() {
+                    let lasted = t0.elapsed();
+                    tracing::warn!(
+                        key,
+                        ?lasted,
+                        cause,
+                        republished,
+                        "the etcd publication is held again"
+                    );
+                    let o = Outage {
+                        began,
+                        lasted,
+                        cause,
+                        republished,
+                    };
+                    outage::record(&mut keeping.outages.lock().recover(), o);
+                }
+            }
+            Err(e) => {
+                stream = None;
+                if down.is_none() {
+                    tracing::warn!(
+                        key,
+                        lease,
+                        error = e,
+                        "renewing the etcd lease failed: retrying every {:?}",
+                        LEASE_TTL / 3
+                    );
+                    down = Some((Instant::now(), SystemTime::now(), e));
+                }
+            }
+        }
+    }
+}
+
+/// One renewal of `lease` on `stream` (opened first when there is none): `Ok(false)` when etcd
+/// answers that the lease is gone.
+async fn renew(c: &mut Client, lease: i64, stream: &mut Option<Stream>) -> std::result::Result<bool, String> {
+    let limit = LEASE_TTL / 3;
+    if stream.is_none() {
+        let opened = tokio::time::timeout(limit, c.lease_keep_alive(lease))
+            .await
+            .map_err(|_| format!("etcd did not open a lease keep-alive stream within {limit:?}"))?;
+        match opened {
+            Ok(o) => *stream = Some(o),
+            // What etcd-client says when the stream's first answer has no TTL: the lease is gone.
+            Err(etcd_client::Error::LeaseKeepAliveError(m)) if m == "lease not found" => return Ok(false),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    let (keeper, s) = stream.as_mut().expect("opened above");
+    let renewed = async {
+        keeper.keep_alive().await?;
+        s.message().await
+    };
+    match tokio::time::timeout(limit, renewed).await {
+        Ok(Ok(Some(r))) => Ok(r.ttl() > 0),
+        Ok(Ok(None)) => Err("etcd closed the lease keep-alive stream".into()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("etcd did not answer a lease renewal within {limit:?}")),
+    }
+}
+
+/// Writes `key` again under a new lease, only if absent: the new lease and its keep-alive stream,
+/// or `None` when the key is another publisher's now (its lease is then revoked).
+async fn republish(
+    c: &mut Client,
+    key: &str,
+    doc: &str,
+) -> std::result::Result<Option<(i64, Stream)>, String> {
+    let limit = LEASE_TTL / 3;
+    let e = |what: &str, r: std::result::Result<etcd_client::Error, tokio::time::error::Elapsed>| match r {
+        Ok(e) => format!("etcd {what}: {e}"),
+        Err(_) => format!("etcd did not answer a {what} within {limit:?}"),
+    };
+    let lease = match tokio::time::timeout(limit, c.lease_grant(LEASE_TTL.as_secs() as i64, None)).await {
+        Ok(Ok(g)) => g.id(),
+        Ok(Err(x)) => return Err(e("lease grant", Ok(x))),
+        Err(x) => return Err(e("lease grant", Err(x))),
+    };
+    let mut guard = Revoke(Some((c.clone(), lease)));
+    let txn = Txn::new()
+        .when([Compare::create_revision(key, CompareOp::Equal, 0)])
+        .and_then([TxnOp::put(key, doc, Some(PutOptions::new().with_lease(lease)))]);
+    match tokio::time::timeout(limit, c.txn(txn)).await {
+        Ok(Ok(r)) if r.succeeded() => {}
+        Ok(Ok(_)) => return Ok(None),
+        Ok(Err(x)) => return Err(e("put", Ok(x))),
+        Err(x) => return Err(e("put", Err(x))),
+    }
+    let s = match tokio::time::timeout(limit, c.lease_keep_alive(lease)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(x)) => return Err(e("lease keep-alive", Ok(x))),
+        Err(x) => return Err(e("lease keep-alive", Err(x))),
+    };
+    guard.0 = None; // the publication's now
+    Ok(Some((lease, s)))
+}
+
 fn parse(key: &str, value: &[u8]) -> Result<RdmaMetadata> {
     if value.len() > MAX_DOCUMENT {
         return Err(Error::channel(format!(
@@ -293,7 +442,7 @@ fn revoke_later(mut c: Client, lease: i64) {
 /// deleted at once, or by etcd within [`LEASE_TTL`] if the revocation cannot reach it).
 pub struct EtcdPublication {
     key: String,
-    lease: i64,
+    keeping: Arc<Keeping>,
     task: tokio::task::JoinHandle<()>,
     client: Option<Client>,
 }
@@ -302,7 +451,7 @@ impl std::fmt::Debug for EtcdPublication {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EtcdPublication")
             .field("key", &self.key)
-            .field("lease", &self.lease)
+            .field("lease", &self.lease())
             .finish()
     }
 }
@@ -313,9 +462,15 @@ impl EtcdPublication {
         &self.key
     }
 
-    /// The lease that holds the key.
+    /// The lease that holds the key now (another after a re-publication).
     pub fn lease(&self) -> i64 {
-        self.lease
+        self.keeping.lease.load(Ordering::Relaxed)
+    }
+
+    /// The times etcd could not be reached or had forgotten the lease, and how each ended (the
+    /// last 16).
+    pub fn outages(&self) -> Vec<Outage> {
+        self.keeping.outages.lock().recover().clone()
     }
 
     /// Unpublishes now and waits for etcd to confirm (up to [`LEASE_TTL`]).
@@ -329,7 +484,7 @@ impl EtcdPublication {
     pub async fn unpublish(mut self) -> Result<()> {
         self.task.abort();
         match self.client.take() {
-            Some(mut c) => within(LEASE_TTL, "lease revoke", c.lease_revoke(self.lease))
+            Some(mut c) => within(LEASE_TTL, "lease revoke", c.lease_revoke(self.lease()))
                 .await
                 .map(drop),
             None => Ok(()),
@@ -341,7 +496,7 @@ impl Drop for EtcdPublication {
     fn drop(&mut self) {
         self.task.abort();
         if let Some(c) = self.client.take() {
-            revoke_later(c, self.lease);
+            revoke_later(c, self.lease());
         }
     }
 }

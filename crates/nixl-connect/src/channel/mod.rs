@@ -19,6 +19,11 @@ pub mod etcd;
 pub mod http;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(any(feature = "nats", feature = "etcd"))]
+mod outage;
+
+#[cfg(any(feature = "nats", feature = "etcd"))]
+pub use outage::Outage;
 
 /// The largest metadata document a channel accepts (16 MiB): agent metadata is a few KiB; the cap
 /// keeps a hostile endpoint from exhausting memory.

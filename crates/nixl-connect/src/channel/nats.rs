@@ -6,14 +6,21 @@
 //! plain `nats-server` (no JetStream, no bucket to create or clean up), and a publication can never
 //! outlive its worker: when the worker exits, its subscription goes with its connection and
 //! requests fail fast with "no responders" instead of returning stale metadata.
+//!
+//! A restarted or briefly unreachable server costs nothing but the gap: the client reconnects by
+//! itself (forever, backing off), subscriptions are made again on the server it reaches, and
+//! requests fail typed meanwhile. Each gap is logged and kept ([`NatsChannel::outages`]).
 
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::StreamExt;
 
+use super::outage::{self, Outage};
 use super::MAX_DOCUMENT;
 use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::RdmaMetadata;
+use crate::sync::Recover;
 
 /// How long [`NatsChannel::publish`] waits for its own subscription to answer when the client has
 /// no request timeout.
@@ -26,6 +33,48 @@ pub const SUBJECT_PREFIX: &str = "nixl-connect.md.";
 #[derive(Clone, Debug)]
 pub struct NatsChannel {
     client: async_nats::Client,
+    outages: Arc<Mutex<Outages>>,
+}
+
+/// The connection's gaps: the one in progress and those that ended.
+#[derive(Debug, Default)]
+struct Outages {
+    down: Option<(Instant, SystemTime, String)>,
+    ended: Vec<Outage>,
+}
+
+impl Outages {
+    /// What the client's event callback is told.
+    fn event(&mut self, event: &async_nats::Event) {
+        match event {
+            async_nats::Event::Disconnected if self.down.is_none() => {
+                tracing::warn!("the connection to the NATS server was lost: reconnecting");
+                let cause = "the connection to the NATS server was lost".to_string();
+                self.down = Some((Instant::now(), SystemTime::now(), cause));
+            }
+            async_nats::Event::ClientError(e) => {
+                if let Some((_, _, cause)) = &mut self.down {
+                    if !cause.contains(": ") {
+                        *cause = format!("{cause}: {e}");
+                    }
+                }
+            }
+            async_nats::Event::Connected => {
+                if let Some((t0, began, cause)) = self.down.take() {
+                    let lasted = t0.elapsed();
+                    tracing::warn!(?lasted, cause, "the connection to the NATS server is back");
+                    let o = Outage {
+                        began,
+                        lasted,
+                        cause,
+                        republished: false,
+                    };
+                    outage::record(&mut self.ended, o);
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 fn chan(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
@@ -41,9 +90,15 @@ impl NatsChannel {
     /// # Cancel safety
     /// Cancel safe.
     pub async fn connect(url: &str, timeout: Duration) -> Result<Self> {
+        let outages = Arc::new(Mutex::new(Outages::default()));
+        let told = outages.clone();
         let opts = async_nats::ConnectOptions::new()
             .connection_timeout(timeout)
-            .request_timeout(Some(timeout));
+            .request_timeout(Some(timeout))
+            .event_callback(move |event| {
+                told.lock().recover().event(&event);
+                std::future::ready(())
+            });
         let client = tokio::time::timeout(timeout, opts.connect(url))
             .await
             .map_err(|_| Error::TimedOut {
@@ -51,7 +106,13 @@ impl NatsChannel {
                 peer: None,
             })?
             .map_err(|e| chan(&format!("connect to {url}"), e))?;
-        Ok(Self { client })
+        Ok(Self { client, outages })
+    }
+
+    /// The times the connection to the server was lost, each with how long it lasted and why
+    /// (the last 16; the one in progress is not among them until it ends).
+    pub fn outages(&self) -> Vec<Outage> {
+        self.outages.lock().recover().ended.clone()
     }
 
     /// Publishes `md` on a fresh subject; answered until the returned guard is dropped.

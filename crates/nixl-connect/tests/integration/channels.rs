@@ -130,7 +130,20 @@ mod nats {
 
     impl NatsServer {
         fn start() -> Self {
-            let port = free_port();
+            Self::start_on(free_port())
+        }
+
+        /// Kills the server and starts another on the same port (a restarted pod).
+        fn restart(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let port: u16 = self.url.rsplit(':').next().unwrap().parse().unwrap();
+            let again = Self::start_on(port);
+            let old = std::mem::replace(self, again);
+            std::mem::forget(old); // already reaped
+        }
+
+        fn start_on(port: u16) -> Self {
             let child = Command::new("nats-server")
                 .args(["-a", "127.0.0.1", "-p", &port.to_string()])
                 .stdout(Stdio::null())
@@ -181,6 +194,51 @@ mod nats {
             matches!(e, Error::NotPublished { .. } | Error::TimedOut { .. }),
             "{e}"
         );
+    }
+
+    /// nats-server killed and started again on its address under a running publication and a
+    /// reader: both clients reconnect by themselves, the publisher's subscription is made again
+    /// on the new server, the reader's next fetch is answered, and each channel reports the gap
+    /// (`NatsChannel::outages`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn channel_nats_restarted_server_publications_answer_again() {
+        let mut server = NatsServer::start();
+        let (a, b) = (Connector::new().unwrap(), Connector::new().unwrap());
+        let publisher = NatsChannel::connect(&server.url, T).await.unwrap();
+        let fetcher = NatsChannel::connect(&server.url, T).await.unwrap();
+        let (r, md) = readable_and_reader(&a).await;
+        let publication = publisher.publish(&md).await.unwrap();
+        assert_eq!(fetcher.fetch(publication.subject(), T).await.unwrap(), md);
+        for round in 0..2 {
+            server.restart();
+            let t0 = Instant::now();
+            let fetched = loop {
+                match fetcher.fetch(publication.subject(), Duration::from_secs(1)).await {
+                    Ok(m) => break m,
+                    Err(e) => assert!(
+                        t0.elapsed() < Duration::from_secs(20),
+                        "round {round}: not answered {:?} after the restart: {e}",
+                        t0.elapsed()
+                    ),
+                }
+            };
+            println!("round {round}: answered again after {:?}", t0.elapsed());
+            assert_eq!(fetched, md);
+            // The reconnection is reported once the client is back (its callback runs on it).
+            let t0 = Instant::now();
+            while publisher.outages().len() < round + 1 || fetcher.outages().len() < round + 1 {
+                assert!(t0.elapsed() < T, "round {round}: outages not reported");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let o = publisher.outages().last().cloned().unwrap();
+            println!("round {round}: publisher's outage {o:?}");
+            assert!(
+                !o.cause.is_empty() && o.lasted < Duration::from_secs(20) && !o.republished,
+                "{o:?}"
+            );
+        }
+        read_it(&b, &fetcher.fetch(publication.subject(), T).await.unwrap()).await;
+        r.wait_for_completion(Some(T)).await.unwrap();
     }
 
     /// The race CI met: a peer's fetch that starts the moment `publish` returns, on another

@@ -23,6 +23,10 @@ struct Etcd {
     child: Child,
     endpoint: String,
     dir: std::path::PathBuf,
+    /// What started it (for a restart on the same addresses).
+    prefix: Vec<String>,
+    ip: String,
+    ports: (u16, u16),
 }
 
 impl Etcd {
@@ -32,6 +36,25 @@ impl Etcd {
         let (cp, pp) = (free_port(), free_port());
         let dir = std::env::temp_dir().join(format!("nxc-etcd-{}-{cp}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
+        Self::spawn(prefix, ip, (cp, pp), dir, probe)
+    }
+
+    /// Kills etcd and starts it again on the same addresses, with its data (`keep_data`: as a
+    /// restarted pod with a volume) or without (as a pod whose data was on its own disk).
+    fn restart(&mut self, keep_data: bool) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if !keep_data {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+        let prefix: Vec<&str> = self.prefix.iter().map(String::as_str).collect();
+        let again = Self::spawn(&prefix, &self.ip, self.ports, self.dir.clone(), true);
+        let old = std::mem::replace(self, again);
+        // The old value's process is already reaped; its folder is the new one's.
+        std::mem::forget(old);
+    }
+
+    fn spawn(prefix: &[&str], ip: &str, (cp, pp): (u16, u16), dir: std::path::PathBuf, probe: bool) -> Self {
         let client = format!("http://{ip}:{cp}");
         let peer = format!("http://{ip}:{pp}");
         let mut cmd = match prefix.split_first() {
@@ -66,6 +89,9 @@ impl Etcd {
             child,
             endpoint: client,
             dir,
+            prefix: prefix.iter().map(|s| s.to_string()).collect(),
+            ip: ip.to_string(),
+            ports: (cp, pp),
         };
         if probe {
             let addr: SocketAddr = format!("{ip}:{cp}").parse().unwrap();
@@ -215,6 +241,56 @@ fn etcd_killed_publisher_key_expires_with_its_lease() {
             "gone only when the lease ran out"
         );
     });
+}
+
+/// etcd killed and started again under a running publication and a reader's channel, with its
+/// data kept (a pod restarted with its volume): the publisher's lease renewals resume on a new
+/// stream, so the key outlives several lease periods after the restart, and the reader, on the
+/// connection it had, resolves it again. Without its data (a fresh etcd): the publisher grants a
+/// new lease and puts the key again, and says so (`EtcdPublication::outages`: the gap and its
+/// cause).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_restarted_server_publications_resolve_again() {
+    let mut etcd = Etcd::start();
+    let a = Connector::new().unwrap();
+    let b = Connector::new().unwrap();
+    let publisher = EtcdChannel::connect(&[&etcd.endpoint], T).await.unwrap();
+    let reader = EtcdChannel::connect(&[&etcd.endpoint], T).await.unwrap();
+    let r = readable(&a).await;
+    let publication = publisher.publish(r.metadata()).await.unwrap();
+    let key = publication.key().to_string();
+    reader.fetch(&key, T).await.unwrap();
+    for keep_data in [true, false] {
+        etcd.restart(keep_data);
+        let t0 = Instant::now();
+        // Resolvable again within a lease period, and still so after two more.
+        let md = loop {
+            match reader.fetch(&key, Duration::from_secs(1)).await {
+                Ok(md) => break md,
+                Err(e) => assert!(
+                    t0.elapsed() < LEASE_TTL + T,
+                    "keep_data {keep_data}: not resolvable {:?} after the restart: {e}",
+                    t0.elapsed()
+                ),
+            }
+        };
+        println!("keep_data {keep_data}: resolvable again after {:?}", t0.elapsed());
+        assert_eq!(&md, r.metadata());
+        tokio::time::sleep(LEASE_TTL * 2).await;
+        let md = reader.fetch(&key, T).await.unwrap_or_else(|e| {
+            panic!("keep_data {keep_data}: gone two lease periods after the restart: {e}")
+        });
+        assert_eq!(&md, r.metadata());
+        let outages = publication.outages();
+        println!("keep_data {keep_data}: outages {outages:?}");
+        if !keep_data {
+            let last = outages.last().expect("a re-publication is reported");
+            assert!(last.republished, "{last:?}");
+            assert!(!last.cause.is_empty() && last.lasted < LEASE_TTL + T, "{last:?}");
+        }
+    }
+    read_and_check(&b, &reader.fetch(&key, T).await.unwrap()).await;
+    r.wait_for_completion(Some(T)).await.unwrap();
 }
 
 /// etcd frozen (SIGSTOP) or gone: each call is a typed error within its deadline, and a
