@@ -6,6 +6,7 @@ mod channels;
 mod core;
 #[cfg(feature = "etcd")]
 mod etcd;
+mod faults;
 mod flood;
 mod freed;
 #[cfg(feature = "cuda")]
