@@ -868,9 +868,21 @@ impl Cuda {
                     continue;
                 }
                 // The stream of the destination's device, or of the source's for host memory.
-                let dst_ordinal = match self
-                    .attr::<u32>(p.dst, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
-                {
+                let dst_type =
+                    self.attr::<u32>(p.dst, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE);
+                // Pageable host memory is staged by the CPU below: memory CUDA does not know at
+                // all, or host memory it names (as with HMM) that is not page-locked. Device,
+                // managed or pinned memory, or an attribute that fails otherwise, is copied by
+                // the driver.
+                let pageable = match &dst_type {
+                    Err(IpcError::Driver {
+                        result: CUresult::CUDA_ERROR_INVALID_VALUE,
+                        ..
+                    }) => true,
+                    Ok(t) if *t == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => !pinned(p.dst),
+                    _ => false,
+                };
+                let dst_ordinal = match dst_type {
                     Ok(t) if t == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => {
                         Some(self.ordinal_of_ptr(p.dst).map_err(|e| CopyError::Os(e.into()))?)
                     }
@@ -899,7 +911,7 @@ impl Cuda {
                 // a peer claiming more than it exported never makes this process read past it.
                 self.within_mapping(d.ctx, src, &p.src)
                     .map_err(|e| CopyError::Unsupported(e.into()))?;
-                if dst_ordinal.is_none() && p.src.len as usize >= staged::TO_HOST_MIN && !pinned(p.dst) {
+                if pageable && p.src.len as usize >= staged::TO_HOST_MIN {
                     to_host.push((
                         d,
                         cma::Piece {
@@ -941,7 +953,14 @@ impl Cuda {
                     .partition(|(e, _)| e.ctx == d.ctx);
                 to_host = rest;
                 let pieces: Vec<cma::Piece> = these.into_iter().map(|(_, p)| p).collect();
-                if staged::to_host(d.ctx, pieces.clone(), &c.cancel)? {
+                // A staged copy that moved nothing says so (`NotStarted`, `Unsupported`); after
+                // direct copies of this operation were queued, that is a copy that began.
+                let staged = staged::to_host(d.ctx, pieces.clone(), &c.cancel).map_err(|e| match e {
+                    CopyError::NotStarted if started => CopyError::Revoked,
+                    CopyError::Unsupported(x) if started => CopyError::Os(x),
+                    e => e,
+                })?;
+                if staged {
                     started = true;
                     continue;
                 }

@@ -18,9 +18,12 @@
 //! H200 host). Large pieces are cut in [`TO_HOST_CHUNK`]-byte chunks shared by up to
 //! [`MAX_WORKERS`] lanes (threads of this copy, which the CUDA thread waits for, as it waits for
 //! its stream); each lane queues `cuMemcpyDtoHAsync` into one of its two pinned buffers while it
-//! copies the other, filled by the DMA before, to the destination. Pinned destinations (from
-//! `cuMemHostAlloc` or `cuMemHostRegister`) and pieces under [`TO_HOST_MIN`] bytes take one
-//! `cuMemcpyAsync` as before, and so does a copy when no staging memory is left.
+//! copies the other, filled by the DMA before, to the destination. Only pageable host memory is
+//! staged (memory CUDA does not know, or host memory it names that is not page-locked): device,
+//! managed or pinned memory, and pieces under [`TO_HOST_MIN`] bytes, take one
+//! `cuMemcpyAsync` as before, and so does a copy when no staging memory is left. A staged copy
+//! that wrote nothing reports itself as not started (`NotStarted`, `Unsupported`), as the direct
+//! path does, so that it may still take NIXL.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -368,6 +371,7 @@ pub(crate) fn to_host(
         chunks,
         next: AtomicUsize::new(0),
         started: AtomicUsize::new(0),
+        landed: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
         cancel,
     };
@@ -391,7 +395,16 @@ pub(crate) fn to_host(
     if shared.started.load(Ordering::Acquire) == 0 {
         return Ok(false);
     }
-    results.into_iter().collect::<Result<(), _>>().map(|()| true)
+    let r = results.into_iter().collect::<Result<(), _>>().map(|()| true);
+    if shared.landed.load(Ordering::Acquire) > 0 {
+        return r;
+    }
+    // Nothing reached the destination: as the direct path says it.
+    r.map_err(|e| match e {
+        CopyError::Revoked => CopyError::NotStarted,
+        CopyError::Os(x) => CopyError::Unsupported(x),
+        e => e,
+    })
 }
 
 /// What the lanes of one device-to-host copy share.
@@ -402,6 +415,8 @@ struct ToHost<'a> {
     next: AtomicUsize,
     /// Lanes that got their stream and buffers.
     started: AtomicUsize,
+    /// Chunks copied to the destination (any byte of it written).
+    landed: AtomicUsize,
     /// Set by a lane that failed: the others stop taking chunks.
     stop: AtomicBool,
     cancel: &'a AtomicBool,
@@ -448,6 +463,7 @@ impl ToHost<'_> {
             k += 1;
             if let Some(q) = pending[b].take() {
                 lane.land(b, q)?;
+                self.landed.fetch_add(1, Ordering::Release);
             }
             // SAFETY: `p.remote` is device memory readable in the current context for `p.len`
             // bytes (a mapping the CUDA thread keeps open, and checked against, until this copy
@@ -472,6 +488,7 @@ impl ToHost<'_> {
         for b in [k % 2, (k + 1) % 2] {
             if let Some(q) = pending[b].take() {
                 lane.land(b, q)?;
+                self.landed.fetch_add(1, Ordering::Release);
             }
         }
         Ok(())
