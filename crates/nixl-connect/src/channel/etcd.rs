@@ -370,8 +370,11 @@ async fn renew(c: &mut Client, lease: i64, stream: &mut Option<Stream>) -> std::
     }
 }
 
-/// Writes `key` again under a new lease, only if absent: the new lease and its keep-alive stream,
-/// or `None` when the key is another publisher's now (its lease is then revoked).
+/// Writes `key` again under a new lease, only if absent: the lease now holding it and its
+/// keep-alive stream, or `None` when the key is another publisher's (a document other than
+/// `doc`). A key that already holds `doc` is this publisher's own (a put whose answer was lost):
+/// its lease is adopted. A put whose outcome is unknown (no answer in time) leaves its lease to
+/// expire, never revoked, so that a put that did land is found and adopted at the next renewal.
 async fn republish(
     c: &mut Client,
     key: &str,
@@ -390,20 +393,39 @@ async fn republish(
     let mut guard = Revoke(Some((c.clone(), lease)));
     let txn = Txn::new()
         .when([Compare::create_revision(key, CompareOp::Equal, 0)])
-        .and_then([TxnOp::put(key, doc, Some(PutOptions::new().with_lease(lease)))]);
-    match tokio::time::timeout(limit, c.txn(txn)).await {
-        Ok(Ok(r)) if r.succeeded() => {}
-        Ok(Ok(_)) => return Ok(None),
+        .and_then([TxnOp::put(key, doc, Some(PutOptions::new().with_lease(lease)))])
+        .or_else([TxnOp::get(key, None)]);
+    let held = match tokio::time::timeout(limit, c.txn(txn)).await {
+        Ok(Ok(r)) if r.succeeded() => lease,
+        Ok(Ok(r)) => {
+            let ours = r.op_responses().into_iter().find_map(|o| match o {
+                etcd_client::TxnOpResponse::Get(g) => g
+                    .kvs()
+                    .first()
+                    .filter(|kv| kv.value() == doc.as_bytes() && kv.lease() != 0)
+                    .map(|kv| kv.lease()),
+                _ => None,
+            });
+            match ours {
+                Some(l) => l, // the new lease is revoked by the guard
+                None => return Ok(None),
+            }
+        }
         Ok(Err(x)) => return Err(e("put", Ok(x))),
-        Err(x) => return Err(e("put", Err(x))),
-    }
-    let s = match tokio::time::timeout(limit, c.lease_keep_alive(lease)).await {
+        Err(x) => {
+            guard.0 = None; // the put may have landed under it: left to expire, or adopted
+            return Err(e("put", Err(x)));
+        }
+    };
+    let s = match tokio::time::timeout(limit, c.lease_keep_alive(held)).await {
         Ok(Ok(s)) => s,
         Ok(Err(x)) => return Err(e("lease keep-alive", Ok(x))),
         Err(x) => return Err(e("lease keep-alive", Err(x))),
     };
-    guard.0 = None; // the publication's now
-    Ok(Some((lease, s)))
+    if held == lease {
+        guard.0 = None; // the publication's now
+    }
+    Ok(Some((held, s)))
 }
 
 fn parse(key: &str, value: &[u8]) -> Result<RdmaMetadata> {
@@ -483,6 +505,9 @@ impl EtcdPublication {
     /// Cancel safe: the lease then expires within [`LEASE_TTL`].
     pub async fn unpublish(mut self) -> Result<()> {
         self.task.abort();
+        // Once the task has stopped, `lease()` is the last lease it will ever hold (a
+        // re-publication cut off half-way has its new lease revoked by its own guard).
+        let _ = (&mut self.task).await;
         match self.client.take() {
             Some(mut c) => within(LEASE_TTL, "lease revoke", c.lease_revoke(self.lease()))
                 .await
