@@ -69,10 +69,12 @@ fn node_checks(t: &crate::topology::Topology) -> Vec<Check> {
                         format!("port {} {} {}{rate}", p.port, p.state, p.link_layer)
                     })
                     .collect();
-                let flag = if n.bluefield {
-                    " [BlueField DPU]"
-                } else if n.management {
+                let flag = if n.management {
                     " [management link?]"
+                } else if n.virtual_function {
+                    " [virtual function]"
+                } else if n.bluefield {
+                    " [BlueField]"
                 } else {
                     ""
                 };

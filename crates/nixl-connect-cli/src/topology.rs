@@ -46,10 +46,13 @@ pub(crate) struct Nic {
     pub(crate) pci: Option<String>,
     pub(crate) numa: Option<i32>,
     pub(crate) ports: Vec<Port>,
-    /// A BlueField DPU's function (its own Arm cores sit behind it).
+    /// A BlueField DPU's or SuperNIC's function (flagged; still chosen as a data NIC).
     pub(crate) bluefield: bool,
-    /// Every port is under [`DATA_RATE_GBPS`]: likely a management link, not a data NIC.
+    /// Every active port is under [`DATA_RATE_GBPS`]: likely a management link, never chosen.
+    /// (A port that is down reports the slowest rate: only active ports are judged.)
     pub(crate) management: bool,
+    /// An SR-IOV virtual function (`device/physfn`): its physical function is chosen instead.
+    pub(crate) virtual_function: bool,
     #[serde(skip)]
     path: Vec<String>,
 }
@@ -99,8 +102,38 @@ pub(crate) struct Topology {
     pub(crate) ucx: Vec<(String, String)>,
 }
 
+/// A sysfs attribute: at most 4 KiB of a regular file (a root given by the user may hold FIFOs
+/// or links to devices; real sysfs attributes are small regular files).
 fn read(p: &Path) -> Option<String> {
-    std::fs::read_to_string(p).ok().map(|s| s.trim().to_string())
+    use std::io::Read;
+    if !std::fs::metadata(p).ok()?.is_file() {
+        return None;
+    }
+    let mut s = String::new();
+    std::fs::File::open(p)
+        .ok()?
+        .take(4096)
+        .read_to_string(&mut s)
+        .ok()?;
+    Some(s.trim().to_string())
+}
+
+/// A root complex's folder name, `pci0000:00` (`pci` + domain + `:` + bus, in hex).
+fn is_root_complex(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("pci") else {
+        return false;
+    };
+    let b = rest.as_bytes();
+    b.len() == 7 && b[4] == b':' && b.iter().enumerate().all(|(i, c)| i == 4 || c.is_ascii_hexdigit())
+}
+
+/// Names in natural order (`mlx5_2` before `mlx5_10`).
+fn natural(a: &str, b: &str) -> std::cmp::Ordering {
+    let split = |s: &str| {
+        let d = s.trim_end_matches(|c: char| c.is_ascii_digit());
+        (d.to_string(), s[d.len()..].parse::<u64>().ok())
+    };
+    split(a).cmp(&split(b))
 }
 
 /// The PCIe path of a device folder: its canonical path's components from the root complex
@@ -113,7 +146,7 @@ fn pci_path(dev: &Path) -> Vec<String> {
         .components()
         .map(|c| c.as_os_str().to_string_lossy().into_owned())
         .collect();
-    match parts.iter().position(|p| p.starts_with("pci")) {
+    match parts.iter().position(|p| is_root_complex(p)) {
         Some(i) => parts[i..].to_vec(),
         None => Vec::new(),
     }
@@ -165,10 +198,12 @@ pub(crate) fn read_tree(root: &Path, ucx: Vec<(String, String)>) -> Topology {
         let vendor = read(&dev.join("vendor")).unwrap_or_default();
         let device = read(&dev.join("device")).unwrap_or_default();
         let bluefield = vendor == MELLANOX && BLUEFIELD.contains(&device.as_str());
-        let management = !ports.is_empty()
-            && ports
+        let active: Vec<&Port> = ports.iter().filter(|p| p.active()).collect();
+        let management = !active.is_empty()
+            && active
                 .iter()
                 .all(|p| p.rate_gbps.is_some_and(|r| r < DATA_RATE_GBPS));
+        let virtual_function = dev.join("physfn").exists();
         nics.push(Nic {
             name,
             pci,
@@ -176,10 +211,11 @@ pub(crate) fn read_tree(root: &Path, ucx: Vec<(String, String)>) -> Topology {
             ports,
             bluefield,
             management,
+            virtual_function,
             path,
         });
     }
-    nics.sort_by(|a, b| a.name.cmp(&b.name));
+    nics.sort_by(|a, b| natural(&a.name, &b.name));
     let mut gpus = Vec::new();
     for e in std::fs::read_dir(root.join("sys/bus/pci/devices"))
         .into_iter()
@@ -223,17 +259,21 @@ fn relation(gpu: &Gpu, nic: &Nic) -> (Relation, usize) {
 }
 
 /// The NIC (and port) `gpu` should use: an RDMA device with an active data port (not a
-/// BlueField's, not a management link) closest to it, ties to the deeper shared path, then the
-/// name. `None` when no NIC has an active port.
+/// management link, not a virtual function) closest to it, ties to the deeper shared path, then
+/// the name in natural order. `None` when no NIC has an active port.
 fn choose(gpu: &Gpu, nics: &[Nic]) -> Option<Choice> {
     nics.iter()
-        .filter(|n| !n.bluefield && !n.management)
+        .filter(|n| !n.management && !n.virtual_function)
         .filter_map(|n| n.ports.iter().find(|p| p.active()).map(|p| (n, p)))
         .map(|(n, p)| {
             let (r, depth) = relation(gpu, n);
             (r, std::cmp::Reverse(depth), n, p)
         })
-        .min_by(|a, b| (a.0, a.1, &a.2.name).cmp(&(b.0, b.1, &b.2.name)))
+        .min_by(|a, b| {
+            (a.0, a.1)
+                .cmp(&(b.0, b.1))
+                .then_with(|| natural(&a.2.name, &b.2.name))
+        })
         .map(|(relation, _, n, p)| Choice {
             gpu: gpu.pci.clone(),
             nic: n.name.clone(),
@@ -258,11 +298,11 @@ impl Topology {
         (!out.is_empty()).then(|| out.join(","))
     }
 
-    /// Ports not active on NICs that are neither BlueField nor management links.
+    /// Ports not active on NICs that are neither management links nor virtual functions.
     pub(crate) fn down_ports(&self) -> Vec<String> {
         self.nics
             .iter()
-            .filter(|n| !n.bluefield && !n.management)
+            .filter(|n| !n.management && !n.virtual_function)
             .flat_map(|n| {
                 n.ports.iter().filter(|p| !p.active()).map(move |p| {
                     format!(
@@ -466,7 +506,47 @@ mod tests {
     }
 
     #[test]
-    fn topology_bluefield_and_management_links_are_flagged_and_never_chosen() {
+    fn topology_a_down_port_is_down_not_a_management_link() {
+        // The kernel reports a down port at the slowest rate ("10 Gb/sec (4X SDR)").
+        let t = Tree::new("sdr");
+        t.gpu(
+            &[
+                "pci0000:00",
+                "0000:00:01.0",
+                "0000:01:00.0",
+                "0000:02:00.0",
+                "0000:03:00.0",
+            ],
+            0,
+        );
+        t.nic(
+            "mlx5_0",
+            &[
+                "pci0000:00",
+                "0000:00:01.0",
+                "0000:01:00.0",
+                "0000:02:01.0",
+                "0000:04:00.0",
+            ],
+            "0x1021",
+            0,
+            &[("1: DOWN", "10 Gb/sec (4X SDR)")],
+        );
+        let topo = read_tree(&t.root, Vec::new());
+        assert!(!topo.nics[0].management);
+        assert_eq!(topo.down_ports(), ["mlx5_0:1 DOWN"]);
+        assert!(topo.choices.is_empty());
+    }
+
+    #[test]
+    fn topology_names_sort_naturally_and_roots_are_pci_domains() {
+        assert_eq!(natural("mlx5_2", "mlx5_10"), std::cmp::Ordering::Less);
+        assert!(is_root_complex("pci0000:00") && is_root_complex("pci10de:8a"));
+        assert!(!is_root_complex("pci-dump") && !is_root_complex("pci0000:000"));
+    }
+
+    #[test]
+    fn topology_bluefield_flagged_and_chosen_management_links_never() {
         let t = Tree::new("bf");
         t.gpu(
             &[
@@ -526,7 +606,8 @@ mod tests {
             ]
         );
         let c = &topo.choices[0];
-        assert_eq!((c.nic.as_str(), c.relation), ("mlx5_far", Relation::System));
+        // The BlueField under the GPU's switch is chosen; the management link never is.
+        assert_eq!((c.nic.as_str(), c.relation), ("mlx5_bf", Relation::Switch));
     }
 
     #[test]
@@ -543,6 +624,7 @@ mod tests {
             ports: Vec::new(),
             bluefield: false,
             management: false,
+            virtual_function: false,
             path: path.iter().map(|s| s.to_string()).collect(),
         };
         let g = gpu(&["pci0000:00", "0000:00:01.0", "0000:01:00.0", "0000:02:00.0"], 0);
