@@ -15,7 +15,7 @@ use std::error::Error;
 use std::io::{BufRead, Write};
 
 use dynamo_memory::nixl::{register_with_nixl, NixlAgent, RegisteredView};
-use dynamo_memory::{Buffer, MemoryDescriptor, SystemStorage};
+use dynamo_memory::SystemStorage;
 use nixl_connect::{Connector, RdmaMetadata};
 use nixl_connect_dynamo_memory::{descriptor, media};
 
@@ -67,13 +67,13 @@ async fn read() -> Result<(), Box<dyn Error>> {
     let md = media::metadata(&published, &format!("media-read-{}", std::process::id()))?;
     let size = md.descriptors[0].size as usize;
     let conn = Connector::new()?;
-    let dst = Buffer::new(SystemStorage::new(size)?);
-    let op = conn.begin_read(&md, vec![descriptor(&dst)?]).await?;
+    let op = conn
+        .begin_read(&md, vec![descriptor(SystemStorage::new(size)?)])
+        .await?;
     op.wait_for_completion(Some(std::time::Duration::from_secs(60)))
         .await?;
-    drop(op);
-    // SAFETY: host storage of `size` bytes, alive while `dst` is, no transfer in flight.
-    let bytes = unsafe { std::slice::from_raw_parts(dst.addr() as *const u8, size) };
+    let got = op.into_descriptors().map_err(|_| "the read has not ended")?;
+    let bytes = got[0].as_slice().ok_or("not host memory")?;
     println!(
         "read shape {} ({size} bytes), checksum {:016x}",
         published["shape"],

@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use dynamo_memory::nixl::{register_with_nixl, NixlAgent, RegisteredView};
-use dynamo_memory::{Buffer, MemoryDescriptor, SystemStorage};
+use dynamo_memory::SystemStorage;
 use nixl_connect::{Connector, RdmaMetadata, TransferPath};
 use nixl_connect_dynamo_memory::{descriptor, media};
 
@@ -50,19 +50,17 @@ async fn media_publication_of_dynamo_memory_is_read_byte_exact() {
         let got: serde_json::Value = serde_json::from_str(&wire).unwrap();
         assert_eq!(got["nixl_descriptor"]["mem_type"], "Dram", "{wire:.200}");
         let md = media::metadata(&got, &format!("media-read-{i}")).unwrap();
-        let dst = Buffer::new(SystemStorage::new(h * w * 3).unwrap());
-        let op = conn
-            .begin_read(&md, vec![descriptor(&dst).unwrap()])
-            .await
-            .unwrap();
+        let dst = descriptor(SystemStorage::new(h * w * 3).unwrap());
+        let op = conn.begin_read(&md, vec![dst]).await.unwrap();
         op.wait_for_completion(Some(Duration::from_secs(60)))
             .await
             .unwrap();
         assert_eq!(op.path(), Some(TransferPath::Nixl));
-        drop(op);
-        // SAFETY: host storage of h*w*3 bytes, alive while `dst` is, no transfer in flight.
-        let bytes = unsafe { std::slice::from_raw_parts(dst.addr() as *const u8, dst.size()) };
-        assert!(bytes == pixels(h, w).as_slice(), "{h}x{w}: bytes differ");
+        let got = op.into_descriptors().ok().unwrap();
+        assert!(
+            got[0].as_slice().unwrap() == pixels(h, w).as_slice(),
+            "{h}x{w}: bytes differ"
+        );
     }
 }
 

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use dynamo_memory::{Buffer, DeviceStorage, MemoryDescriptor, StorageKind, SystemStorage};
-use nixl_connect::{Connector, Device, PathPolicy, TransferPath};
-use nixl_connect_dynamo_memory::{descriptor, device_of, Unsupported};
+use dynamo_memory::{Buffer, DeviceStorage, StorageKind, SystemStorage};
+use nixl_connect::{Connector, Descriptor, Device, PathPolicy, TransferPath};
+use nixl_connect_dynamo_memory::{descriptor, descriptor_of, device_of, Unsupported};
 
 const T: Option<Duration> = Some(Duration::from_secs(60));
 
@@ -17,18 +17,15 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 /// Host storage holding `data`.
-fn system(data: &[u8]) -> Buffer {
+fn system(data: &[u8]) -> SystemStorage {
     let mut s = SystemStorage::new(data.len()).unwrap();
     // SAFETY: the storage is data.len() bytes, owned here, with no other reference yet.
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), s.as_mut_ptr(), data.len()) };
-    Buffer::new(s)
+    s
 }
 
-/// The bytes of host storage.
-fn bytes(b: &Buffer) -> Vec<u8> {
-    assert_eq!(b.storage_kind(), StorageKind::System);
-    // SAFETY: host storage of b.size() bytes, alive while `b` is, no transfer in flight.
-    unsafe { std::slice::from_raw_parts(b.addr() as *const u8, b.size()) }.to_vec()
+fn bytes(d: &[Descriptor<'_>]) -> Vec<u8> {
+    d[0].as_slice().expect("host storage").to_vec()
 }
 
 fn pair(path: PathPolicy) -> (Connector, Connector) {
@@ -45,63 +42,55 @@ async fn storage_system_memory_read_and_written_over_both_paths() {
         let (owner, peer) = pair(path);
         let len = (1 << 20) + 123;
         // Read: the owner exposes its storage, the peer reads into its own.
-        let src = system(&pattern(len, 1));
-        let dst = system(&vec![0; len]);
         let r = owner
-            .create_readable(vec![descriptor(&src).unwrap()])
+            .create_readable(vec![descriptor(system(&pattern(len, 1)))])
             .await
             .unwrap();
         let op = peer
-            .begin_read(r.metadata(), vec![descriptor(&dst).unwrap()])
+            .begin_read(r.metadata(), vec![descriptor(system(&vec![0; len]))])
             .await
             .unwrap();
         op.wait_for_completion(T).await.unwrap();
         r.wait_for_completion(T).await.unwrap();
         assert_eq!(op.path(), Some(expect), "{path:?}");
-        drop(op);
-        assert!(bytes(&dst) == pattern(len, 1), "read over {path:?}: bytes differ");
+        let got = op.into_descriptors().ok().unwrap();
+        assert!(bytes(&got) == pattern(len, 1), "read over {path:?}: bytes differ");
         // Write: the peer writes its storage into the owner's.
-        let target = system(&vec![0; len]);
         let w = owner
-            .create_writable(vec![descriptor(&target).unwrap()])
+            .create_writable(vec![descriptor(system(&vec![0; len]))])
             .await
             .unwrap();
-        let from = system(&pattern(len, 2));
         let op = peer
-            .begin_write(vec![descriptor(&from).unwrap()], w.metadata())
+            .begin_write(vec![descriptor(system(&pattern(len, 2)))], w.metadata())
             .await
             .unwrap();
         op.wait_for_completion(T).await.unwrap();
         w.wait_for_completion(T).await.unwrap();
         assert_eq!(op.path(), Some(expect), "{path:?}");
-        drop(w);
         assert!(
-            bytes(&target) == pattern(len, 2),
+            bytes(&w.into_descriptors()) == pattern(len, 2),
             "write over {path:?}: bytes differ"
         );
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn storage_descriptor_keeps_the_storage_alive() {
+async fn storage_buffer_descriptor_keeps_the_storage_alive() {
     // The only Buffer handle is dropped while an operation holds its descriptor: the memory stays
     // valid (the descriptor owns a clone) and the read completes with the right bytes.
     let (owner, peer) = pair(PathPolicy::Auto);
     let len = 64 << 10;
-    let src = system(&pattern(len, 3));
-    let r = owner
-        .create_readable(vec![descriptor(&src).unwrap()])
-        .await
-        .unwrap();
+    let src = Buffer::new(system(&pattern(len, 3)));
+    // SAFETY: dynamo-memory's own storage, in no other operation.
+    let d = unsafe { descriptor_of(&src) }.unwrap();
+    let r = owner.create_readable(vec![d]).await.unwrap();
     drop(src);
-    let dst = system(&vec![0; len]);
     let op = peer
-        .begin_read(r.metadata(), vec![descriptor(&dst).unwrap()])
+        .begin_read(r.metadata(), vec![descriptor(system(&vec![0; len]))])
         .await
         .unwrap();
     op.wait_for_completion(T).await.unwrap();
-    drop(op);
-    assert!(bytes(&dst) == pattern(len, 3));
+    assert!(bytes(&op.into_descriptors().ok().unwrap()) == pattern(len, 3));
 }
 
 #[test]
@@ -112,6 +101,8 @@ fn storage_kinds_map_to_devices() {
     let e = device_of(StorageKind::Disk(7)).unwrap_err();
     assert_eq!(e, Unsupported::Disk(7));
     assert!(e.to_string().contains("read it into"), "{e}");
+    let d = descriptor(system(&[1, 2, 3]));
+    assert_eq!((d.size(), d.device()), (3, Device::Host));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -138,28 +129,30 @@ async fn storage_device_memory_read_from_host_storage() {
         }
     };
     let (owner, peer) = pair(PathPolicy::Auto);
-    let src = system(&pattern(len, 4));
     let r = owner
-        .create_readable(vec![descriptor(&src).unwrap()])
+        .create_readable(vec![descriptor(system(&pattern(len, 4)))])
         .await
         .unwrap();
+    // SAFETY: dynamo-memory's own device storage, in one operation at a time.
     let op = peer
-        .begin_read(r.metadata(), vec![descriptor(&dev).unwrap()])
+        .begin_read(r.metadata(), vec![unsafe { descriptor_of(&dev) }.unwrap()])
         .await
         .unwrap();
     op.wait_for_completion(T).await.unwrap();
     drop(op);
     // Back to host storage through the same path, and compared.
-    let back = system(&vec![0; len]);
+    // SAFETY: as above; the read into it has ended.
     let r = peer
-        .create_readable(vec![descriptor(&dev).unwrap()])
+        .create_readable(vec![unsafe { descriptor_of(&dev) }.unwrap()])
         .await
         .unwrap();
     let op = owner
-        .begin_read(r.metadata(), vec![descriptor(&back).unwrap()])
+        .begin_read(r.metadata(), vec![descriptor(system(&vec![0; len]))])
         .await
         .unwrap();
     op.wait_for_completion(T).await.unwrap();
-    drop(op);
-    assert!(bytes(&back) == pattern(len, 4), "device round trip: bytes differ");
+    assert!(
+        bytes(&op.into_descriptors().ok().unwrap()) == pattern(len, 4),
+        "device round trip: bytes differ"
+    );
 }
