@@ -27,6 +27,11 @@ echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect side by side,
 echo "== pytest: the tests the ai-dynamo wheel ships for its nixl_connect callers, on nixl_connect" >&2
 bash scripts/test-dynamo.sh
 bash scripts/test-dynamo.sh --next
+echo "== the churn soak, 60 s (owners come and go, link flaps; 0 lost, nothing held after)" >&2
+# (scripts/soak.sh --churn 60, in the debug build `cargo test` already made; NIXL's own error
+# lines about the killed owners are filtered out; the pipeline fails if the soak does.)
+NIXL_CONNECT_SOAK_SECS=60 cargo test -p nixl-connect --all-features --test integration -- --ignored --exact \
+  soak::soak_churn_owners_come_and_go --nocapture --test-threads=1 2>&1 | grep -v '^[EWI][0-9]\{4\} \|UCX  ERROR'
 echo "== one nixl-sys with Dynamo's crates: interop/dynamo-memory, and the integration tests on nixl-sys 1.3.2" >&2
 bash scripts/test-interop.sh
 echo "== the NIXL tests on the other NIXL releases Dynamo's extras pin (1.4.1, 1.5.0)" >&2
