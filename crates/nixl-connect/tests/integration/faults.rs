@@ -26,10 +26,9 @@ fn tc(ns: &str, args: &[&str]) {
     );
 }
 
-#[test]
-fn faults_link_down_mid_transfer_ends_typed_and_the_next_read_works() {
-    let Some(ns) = Netns::make() else { return };
-    // 1 Gbit/s each way: a 1 GiB read takes about 9 s.
+/// The link between the namespaces limited to 1 Gbit/s each way (a 1 GiB read takes about 9 s),
+/// an owner in `b` and a reader in `a` (soundness peers), NIXL over TCP on that link.
+fn linked_peers(ns: &Netns) -> (Peer, Peer) {
     for (n, dev) in [(&ns.a, &ns.dev_a), (&ns.b, &ns.dev_b)] {
         tc(
             n,
@@ -40,8 +39,15 @@ fn faults_link_down_mid_transfer_ends_typed_and_the_next_read_works() {
     }
     let env_a = [("UCX_TLS", tcp_tls()), ("UCX_NET_DEVICES", ns.dev_a.as_str())];
     let env_b = [("UCX_TLS", tcp_tls()), ("UCX_NET_DEVICES", ns.dev_b.as_str())];
-    let mut owner = Peer::from_command(ns.command_for(&ns.b, PEER, &env_b));
-    let mut reader = Peer::from_command(ns.command_for(&ns.a, PEER, &env_a));
+    let owner = Peer::from_command(ns.command_for(&ns.b, PEER, &env_b));
+    let reader = Peer::from_command(ns.command_for(&ns.a, PEER, &env_a));
+    (owner, reader)
+}
+
+#[test]
+fn faults_link_down_mid_transfer_ends_typed_and_the_next_read_works() {
+    let Some(ns) = Netns::make() else { return };
+    let (mut owner, mut reader) = linked_peers(&ns);
     owner.say("expose readable 1073741824 hostpat");
     let md = owner.expect("MD:");
     reader.say("read nixl");
@@ -79,18 +85,7 @@ fn faults_link_down_mid_transfer_ends_typed_and_the_next_read_works() {
 #[test]
 fn faults_link_flap_mid_transfer_completes_byte_exact() {
     let Some(ns) = Netns::make() else { return };
-    for (n, dev) in [(&ns.a, &ns.dev_a), (&ns.b, &ns.dev_b)] {
-        tc(
-            n,
-            &[
-                "qdisc", "add", "dev", dev, "root", "tbf", "rate", "1gbit", "burst", "1mb", "latency", "50ms",
-            ],
-        );
-    }
-    let env_a = [("UCX_TLS", tcp_tls()), ("UCX_NET_DEVICES", ns.dev_a.as_str())];
-    let env_b = [("UCX_TLS", tcp_tls()), ("UCX_NET_DEVICES", ns.dev_b.as_str())];
-    let mut owner = Peer::from_command(ns.command_for(&ns.b, PEER, &env_b));
-    let mut reader = Peer::from_command(ns.command_for(&ns.a, PEER, &env_a));
+    let (mut owner, mut reader) = linked_peers(&ns);
     // 256 MiB: about 2.2 s at the link's rate, with 1 s of it down (TCP retransmits meanwhile).
     owner.say("expose readable 268435456 hostpat");
     let md = owner.expect("MD:");
