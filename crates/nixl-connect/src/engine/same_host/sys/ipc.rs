@@ -316,13 +316,38 @@ fn close_mapping(m: Mapping) {
     }
 }
 
-/// True when `ptr` is page-locked host memory (`cuMemHostAlloc`, `cuMemHostRegister`): a DMA
-/// into it runs at the PCIe rate, with no staging.
-fn pinned(ptr: u64) -> bool {
-    let mut flags = 0u32;
-    // SAFETY: asks the driver about an address (never dereferenced); writes one u32.
-    let r = unsafe { sys::cuMemHostGetFlags(&mut flags, ptr as *mut c_void) };
-    r == CUresult::CUDA_SUCCESS
+/// Queues `len` bytes from `src` to `dst` on `d`'s stream, noting the stream as used and the copy
+/// as started; a failure is `Unsupported` while nothing was queued yet (the operation may take
+/// NIXL), `Os` after.
+///
+/// # Safety
+/// `dst` must be memory of this process kept valid until the copy's streams are synchronised,
+/// and `src..src+len` lie inside a live mapping (or memory) readable in `d`'s context.
+unsafe fn queue(
+    d: Dev,
+    dst: u64,
+    src: u64,
+    len: usize,
+    started: &mut bool,
+    used: &mut Vec<Dev>,
+) -> Result<(), CopyError> {
+    // SAFETY: the caller's contract; a retained context made current on this thread.
+    let r = unsafe {
+        check(sys::cuCtxSetCurrent(d.ctx), "cuCtxSetCurrent")
+            .and_then(|()| check(sys::cuMemcpyAsync(dst, src, len, d.stream), "cuMemcpyAsync"))
+    };
+    if let Err(e) = r {
+        return Err(if *started {
+            CopyError::Os(e.into())
+        } else {
+            CopyError::Unsupported(e.into())
+        });
+    }
+    *started = true;
+    if !used.iter().any(|u| u.stream == d.stream) {
+        used.push(d);
+    }
+    Ok(())
 }
 
 fn check(result: CUresult, call: &'static str) -> Result<(), IpcError> {
@@ -870,18 +895,7 @@ impl Cuda {
                 // The stream of the destination's device, or of the source's for host memory.
                 let dst_type =
                     self.attr::<u32>(p.dst, sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE);
-                // Pageable host memory is staged by the CPU below: memory CUDA does not know at
-                // all, or host memory it names (as with HMM) that is not page-locked. Device,
-                // managed or pinned memory, or an attribute that fails otherwise, is copied by
-                // the driver.
-                let pageable = match &dst_type {
-                    Err(IpcError::Driver {
-                        result: CUresult::CUDA_ERROR_INVALID_VALUE,
-                        ..
-                    }) => true,
-                    Ok(t) if *t == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => !pinned(p.dst),
-                    _ => false,
-                };
+                let pageable = staged::pageable(&dst_type, p.dst);
                 let dst_ordinal = match dst_type {
                     Ok(t) if t == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 => {
                         Some(self.ordinal_of_ptr(p.dst).map_err(|e| CopyError::Os(e.into()))?)
@@ -925,42 +939,23 @@ impl Cuda {
                 // SAFETY: `dst` is memory of this process the copy's owner keeps valid until the
                 // copy ends (the transport waits for it before freeing); `src` is a mapping of a
                 // live grant's allocation, read only, and `offset + len` lies inside it (checked
-                // on decode).
-                let r = unsafe {
-                    check(sys::cuCtxSetCurrent(d.ctx), "cuCtxSetCurrent").and_then(|()| {
-                        check(
-                            sys::cuMemcpyAsync(p.dst, src + p.src.offset, p.src.len as usize, d.stream),
-                            "cuMemcpyAsync",
-                        )
-                    })
+                // against the mapping above).
+                unsafe {
+                    queue(
+                        d,
+                        p.dst,
+                        src + p.src.offset,
+                        p.src.len as usize,
+                        &mut started,
+                        &mut used,
+                    )?
                 };
-                if let Err(e) = r {
-                    return Err(if started {
-                        CopyError::Os(e.into())
-                    } else {
-                        CopyError::Unsupported(e.into())
-                    });
-                }
-                started = true;
-                if !used.iter().any(|u| u.stream == d.stream) {
-                    used.push(d);
-                }
             }
             // One staged copy per source device (almost always one).
-            while let Some(&(d, _)) = to_host.first() {
-                let (these, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut to_host)
-                    .into_iter()
-                    .partition(|(e, _)| e.ctx == d.ctx);
-                to_host = rest;
-                let pieces: Vec<cma::Piece> = these.into_iter().map(|(_, p)| p).collect();
-                // A staged copy that moved nothing says so (`NotStarted`, `Unsupported`); after
-                // direct copies of this operation were queued, that is a copy that began.
-                let staged = staged::to_host(d.ctx, pieces.clone(), &c.cancel).map_err(|e| match e {
-                    CopyError::NotStarted if started => CopyError::Revoked,
-                    CopyError::Unsupported(x) if started => CopyError::Os(x),
-                    e => e,
-                })?;
-                if staged {
+            to_host.sort_by_key(|(d, _)| d.ctx as usize);
+            for group in to_host.chunk_by(|a, b| a.0.ctx == b.0.ctx) {
+                let (d, pieces) = (group[0].0, group.iter().map(|(_, p)| *p).collect::<Vec<_>>());
+                if staged::to_host(d.ctx, pieces.clone(), &c.cancel, started)? {
                     started = true;
                     continue;
                 }
@@ -969,25 +964,7 @@ impl Cuda {
                     // SAFETY: as for the direct copy above: `p.local` is host memory of this
                     // process kept valid until the copy ends, `p.remote` lies inside a checked
                     // mapping of a live grant.
-                    let r = unsafe {
-                        check(sys::cuCtxSetCurrent(d.ctx), "cuCtxSetCurrent").and_then(|()| {
-                            check(
-                                sys::cuMemcpyAsync(p.local as u64, p.remote as u64, p.len, d.stream),
-                                "cuMemcpyAsync",
-                            )
-                        })
-                    };
-                    r.map_err(|e| {
-                        if started {
-                            CopyError::Os(e.into())
-                        } else {
-                            CopyError::Unsupported(e.into())
-                        }
-                    })?;
-                    started = true;
-                    if !used.iter().any(|u| u.stream == d.stream) {
-                        used.push(d);
-                    }
+                    unsafe { queue(d, p.local as u64, p.remote as u64, p.len, &mut started, &mut used)? };
                 }
             }
             Ok(())

@@ -346,6 +346,27 @@ impl Shared {
     }
 }
 
+/// Whether a copy's destination is pageable host memory, staged by the CPU (`memory_type`: its
+/// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE`): memory CUDA does not know at all, or host memory it names
+/// (as with HMM) that is not page-locked. Device, managed or pinned memory, or an attribute that
+/// fails otherwise, is copied by the driver.
+pub(crate) fn pageable(memory_type: &Result<u32, IpcError>, ptr: u64) -> bool {
+    match memory_type {
+        Err(IpcError::Driver {
+            result: CUresult::CUDA_ERROR_INVALID_VALUE,
+            ..
+        }) => true,
+        Ok(t) if *t == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => {
+            let mut flags = 0u32;
+            // SAFETY: asks the driver whether `ptr` is page-locked (never dereferenced); writes
+            // one u32.
+            let r = unsafe { sys::cuMemHostGetFlags(&mut flags, ptr as *mut c_void) };
+            r != CUresult::CUDA_SUCCESS
+        }
+        _ => false,
+    }
+}
+
 /// Pieces of a device-to-host copy at least this long are staged (shorter ones take one
 /// `cuMemcpyAsync`: starting lanes costs more than the driver's own staging saves).
 pub(crate) const TO_HOST_MIN: usize = 4 << 20;
@@ -358,11 +379,14 @@ const TO_HOST_CHUNK: usize = 4 << 20;
 /// memory of this process that the caller keeps valid until this returns) through pinned
 /// staging buffers, on lanes of this copy's own, and returns once every byte is in place (or
 /// the copy failed: no lane runs after this returns). `Ok(false)`: no lane could start (no
-/// staging memory left, no thread): nothing moved, and the caller copies directly.
+/// staging memory left, no thread): nothing moved, and the caller copies directly. A failure
+/// before any byte reached the destination, when the operation has `begun` no other copy, is
+/// `NotStarted` or `Unsupported` (the operation may still take NIXL), as the direct path says it.
 pub(crate) fn to_host(
     ctx: sys::CUcontext,
     pieces: Vec<Piece>,
     cancel: &AtomicBool,
+    begun: bool,
 ) -> Result<bool, CopyError> {
     let chunks = Chunks::new(pieces, TO_HOST_CHUNK);
     let lanes = lanes_for(chunks.total);
@@ -396,7 +420,7 @@ pub(crate) fn to_host(
         return Ok(false);
     }
     let r = results.into_iter().collect::<Result<(), _>>().map(|()| true);
-    if shared.landed.load(Ordering::Acquire) > 0 {
+    if begun || shared.landed.load(Ordering::Acquire) > 0 {
         return r;
     }
     // Nothing reached the destination: as the direct path says it.
