@@ -41,6 +41,8 @@ if ! command -v protoc >/dev/null 2>&1; then apt_pkgs+=(protobuf-compiler); fi
 if [ "$want_nats" = 1 ] && ! command -v nats-server >/dev/null 2>&1; then apt_pkgs+=(nats-server); fi
 if [ "$want_etcd" = 1 ] && ! command -v etcd >/dev/null 2>&1; then apt_pkgs+=(etcd-server); fi
 if ! command -v unzip >/dev/null 2>&1; then apt_pkgs+=(unzip); fi
+# ip (network namespaces) and tc (the link tests' rate limit): iproute2.
+if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then apt_pkgs+=(iproute2); fi
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   say "installing ${apt_pkgs[*]} with apt-get"
   $SUDO apt-get update -qq >/dev/null
