@@ -20,9 +20,13 @@ after the first 10, which connect):
     python scripts/bench_python_ops.py [RUNS] [ITERS]   -> JSON lines, then a table on stderr
 
 `dynamo.nixl_connect` (Dynamo's module, milliseconds an operation here) runs ITERS // 10
-iterations. The Rust anchor, the `plain` pattern without Python
-(`crates/nixl-connect/examples/in_process_pair.rs`, built by scripts/bench.sh), runs in each run
-beside them when its binary is there.
+iterations. The Rust anchors run in each run beside them when their binary is there
+(`crates/nixl-connect/examples/in_process_pair.rs`, built by scripts/bench.sh): the `plain`
+pattern without Python (memory reused), and with `fresh` memory per operation, as the `dynamo`
+pattern's tensors are (each readable then registers its memory and makes new metadata, which
+the reader decodes): the Rust floor under the `dynamo` pattern. The table's last lines give each
+pattern's cost above its floor (`plain` over the Rust anchor; `dynamo` over `caller` plus the
+fresh Rust anchor).
 """
 import json
 import os
@@ -125,10 +129,11 @@ def one(module, loop_kind, pattern, iters):
     return json.loads(r.stdout.strip().splitlines()[-1])["median_us"]
 
 
-def rust(iters):
+def rust(iters, fresh=False):
     env = dict(os.environ)
     env.setdefault("NIXL_CONNECT_LIB", os.path.join(ROOT, ".nixl", "lib"))
-    r = subprocess.run([RUST, str(iters)], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([RUST, str(iters)] + (["fresh"] if fresh else []), capture_output=True,
+                       text=True, env=env, timeout=600)
     if r.returncode != 0:
         raise SystemExit(f"the Rust anchor failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])["median_us"]
@@ -155,6 +160,10 @@ def main():
             rows.setdefault(("rust",), []).append(us)
             print(json.dumps({"run": run, "bench": "rust_4KiB_in_process", "iters": iters,
                               "median_us": us}), flush=True)
+            us = rust(iters, fresh=True)
+            rows.setdefault(("rust-fresh",), []).append(us)
+            print(json.dumps({"run": run, "bench": "rust_4KiB_in_process", "memory": "fresh",
+                              "iters": iters, "median_us": us}), flush=True)
         for pattern in PATTERNS:
             for loop_kind in LOOPS:
                 for module in modules:
@@ -172,6 +181,8 @@ def main():
     if ("rust",) in rows:
         print(f"  plain   Rust     in_process_pair {statistics.median(rows[('rust',)]):8.1f} "
               f"{sorted(rows[('rust',)])}", file=sys.stderr)
+        print(f"  fresh   Rust     in_process_pair {statistics.median(rows[('rust-fresh',)]):8.1f} "
+              f"{sorted(rows[('rust-fresh',)])}", file=sys.stderr)
     for pattern in PATTERNS:
         for loop_kind in LOOPS:
             ours = rows[(pattern, loop_kind, "nixl_connect")]
@@ -183,6 +194,15 @@ def main():
             theirs = f"   dynamo.nixl_connect {statistics.median(dyn):8.1f}" if dyn else ""
             print(f"  {pattern:7s} {loop_kind:8s} nixl_connect {statistics.median(ours):8.1f} {sorted(ours)}"
                   + theirs, file=sys.stderr)
+    if ("rust",) in rows:
+        med = lambda k: statistics.median(rows[k])
+        print("Above the floor (medians), us:", file=sys.stderr)
+        for loop_kind in LOOPS:
+            plain = med(("plain", loop_kind, "nixl_connect")) - med(("rust",))
+            dyn = (med(("dynamo", loop_kind, "nixl_connect")) - med(("caller", loop_kind, "nixl_connect"))
+                   - med(("rust-fresh",)))
+            print(f"  {loop_kind:8s} plain - Rust {plain:7.1f}   dynamo - (caller + Rust fresh) {dyn:7.1f}",
+                  file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,13 @@
 //! dropped: Dynamo's `plain` pattern without Python. Prints one JSON line of medians (µs) over
 //! the iterations after the first 10, which connect.
 //!
-//! Run: `cargo run --release --example in_process_pair [ITERS]` (default 2,000).
+//! With `fresh`, the readable's memory is a new `Vec` every iteration (allocated, filled, freed
+//! after the operation), as Dynamo's multimodal caller wraps every payload in a new tensor: each
+//! readable then registers its memory with NIXL and makes its metadata, and the reader decodes
+//! metadata it has not seen. That is the Rust floor for the `dynamo` pattern of
+//! `scripts/bench_python_ops.py`.
+//!
+//! Run: `cargo run --release --example in_process_pair [ITERS] [fresh]` (default 2,000).
 
 use std::time::Instant;
 
@@ -21,6 +27,7 @@ fn main() -> nixl_connect::Result<()> {
         .and_then(|s| s.parse().ok())
         .unwrap_or(2000)
         .max(11);
+    let fresh = std::env::args().nth(2).as_deref() == Some("fresh");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -32,7 +39,12 @@ fn main() -> nixl_connect::Result<()> {
         let (mut expose, mut begin, mut wait, mut total) = (vec![], vec![], vec![], vec![]);
         for _ in 0..iters {
             let t0 = Instant::now();
-            let readable = a.create_readable(Descriptor::from(&mut src)).await?;
+            let mut payload = fresh.then(|| vec![7u8; 4096]);
+            let exposed = match payload.as_deref_mut() {
+                Some(p) => Descriptor::from(p),
+                None => Descriptor::from(&mut src),
+            };
+            let readable = a.create_readable(exposed).await?;
             let t1 = Instant::now();
             let read = b.begin_read(readable.metadata(), Descriptor::from(&mut dst)).await?;
             let t2 = Instant::now();
@@ -42,6 +54,7 @@ fn main() -> nixl_connect::Result<()> {
             let t3 = Instant::now();
             drop(read);
             drop(readable);
+            drop(payload);
             let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
             expose.push(us(t0, t1));
             begin.push(us(t1, t2));
