@@ -82,7 +82,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   || echo "gpu-bundle: could not download the Python test dependencies; the GPU host must have them" >&2
 rm -rf "$B/python/tests/__pycache__"
 cp scripts/gpu-run.sh scripts/gpu-rows.sh scripts/gpu-pods.sh scripts/gpu_torch_pods.py scripts/gpu_torch_alloc.py "$B/"
-for a in gpu_pair.py gpu_copy.py gpu_ipc.py gpu_ipc_small.py dyn_pair.py; do
+for a in gpu_pair.py gpu_copy.py gpu_ipc.py gpu_ipc_small.py dyn_pair.py nixl_raw_pair.py; do
   [ -f "../shared/anchors/$a" ] && mkdir -p "$B/anchors" && cp "../shared/anchors/$a" "$B/anchors/"
 done
 tar -C .bundle -czf .bundle/nixl-connect-gpu.tar.gz nixl-connect-gpu

@@ -8,10 +8,14 @@
 #     beside raw cuMemAlloc per operation (`bench --fresh`) and reused (issue 46 item 2);
 #   - 4 KiB VRAM -> VRAM (issue 46 item 3's row, unchanged code);
 #   - recording metrics on and off, interleaved, 4 KiB host memory: latency and 64 outstanding,
-#     reads and writes (issue 42's A/B on 16 cores).
+#     reads and writes (issue 42's A/B on 16 cores);
+#   - `spin` (not in the default ONLY): waits that stay awake (`--wait-spin-us`, SPINS, default
+#     "0 30 100"), 4 KiB reads and writes on the same-host path and on NIXL over TCP, with raw
+#     NIXL over TCP each round (issue 45: whether a default spin pays on many cores).
 # Results: $OUT/gpu-rows.jsonl (bench lines carry "label" and "run"), the log $OUT/gpu-rows.log.
 # Usage: bash nixl-connect-gpu/gpu-rows.sh
-#   RUNS (default 3), AB_ROUNDS (default 6), ONLY (sections, default "tests d2h ab small torch"),
+#   RUNS (default 3), AB_ROUNDS (default 6), ONLY (sections, default "tests d2h ab small torch";
+#   "spin" too),
 #   LANES (staged lanes to compare in d2h, e.g. "8 12 16"; default: the library's own choice),
 #   TORCH_MODES (default reused,fresh), AB_OPS (default "c64-write c64-read lat-read lat-write"),
 #   D2H_SIZES (default 64M,1G), TESTS (the integration tests' filter, default gpu).
@@ -72,6 +76,22 @@ for round in $(seq "$AB_ROUNDS"); do
       RUNS=1 bench "ab-$arm-$o" --path local --device cpu --sizes 4K --op "${o#*-}" "${x[@]}" "${m[@]}"
     done
   done
+done
+fi
+
+if on spin; then
+sec "waits that stay awake (--wait-spin-us), 4 KiB host memory, interleaved; NIXL over TCP beside raw NIXL"
+for round in $(seq "$AB_ROUNDS"); do
+  for us in ${SPINS:-0 30 100}; do
+    for o in read write; do
+      RUNS=1 bench "spin$us-local-$o" --path local --device cpu --sizes 4K --op "$o" --iters 3000 --wait-spin-us "$us"
+      UCX_TLS=tcp RUNS=1 bench "spin$us-nixl-$o" --path nixl --device cpu --sizes 4K --op "$o" --iters 2000 --wait-spin-us "$us"
+    done
+  done
+  if [ -f "$B/anchors/nixl_raw_pair.py" ] && python3 -c "import nixl" 2>/dev/null; then
+    (cd "$B/anchors" && timeout 120 python3 nixl_raw_pair.py --ops READ,WRITE --runs 1 --sizes 4K --tls tcp \
+      --json "$OUTDIR/raw-tcp-$round.json" >> "$log" 2>&1) || echo "raw NIXL anchor failed" | tee -a "$log"
+  fi
 done
 fi
 

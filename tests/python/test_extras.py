@@ -396,3 +396,46 @@ async def test_exposures_and_small_reads_resolve_once_whichever_way(nc):
     assert not heard, heard[:3]
     # Which way each went depends on the machine's load: reported, not asserted.
     print(f"resolved at the call, of 300: {at_call}")
+
+
+# --------------------------------------------------------------------------- waits that stay awake
+
+WAIT_SPIN_CODE = r"""
+import asyncio, sys
+import {module} as nc
+
+async def main():
+    a, b = nc.Connector(), nc.Connector()
+    src, dst = bytearray(range(256)) * 16, bytearray(4096)
+    for _ in range(20):
+        with await a.create_readable(nc.Descriptor(src)) as r:
+            with await b.begin_read(r.metadata(), nc.Descriptor(dst)) as op:
+                await asyncio.gather(op.wait_for_completion(), r.wait_for_completion())
+        assert dst == src
+    # A readable nobody reads: its wait spins, then parks, then times out as without a spin.
+    with await a.create_readable(nc.Descriptor(src)) as r:
+        try:
+            await r.wait_for_completion(timeout=0.05)
+        except TimeoutError:
+            print("timed out")
+
+try:
+    asyncio.run(main())
+except nc.InvalidArgumentError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.parametrize("value, says", [("300", "timed out"), ("lots", "refused: "),
+                                         ("20000", "refused: ")])
+def test_wait_spin_env_is_honoured_or_refused(nc, value, says):
+    """NIXL_CONNECT_WAIT_SPIN_US keeps waits awake (reads still move the bytes, a wait's timeout
+    still ends it), and a value that is not microseconds up to 10,000 is refused when the
+    connection is made, as InvalidArgumentError naming the variable."""
+    env = dict(os.environ, NIXL_CONNECT_WAIT_SPIN_US=value)
+    r = subprocess.run([sys.executable, "-c", WAIT_SPIN_CODE.replace("{module}", nc.__name__)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert says in r.stdout, (r.stdout, r.stderr[-2000:])
+    if says.startswith("refused"):
+        assert "wait spin" in r.stdout or "NIXL_CONNECT_WAIT_SPIN_US" in r.stdout, r.stdout

@@ -91,6 +91,11 @@ pub(crate) struct Args {
     /// default 1000): the active side's and the passive peer's.
     #[arg(long)]
     progress_delay_us: Option<u64>,
+    /// Both connectors' wait spin in microseconds (`ConnectorBuilder::wait_spin`; default
+    /// `NIXL_CONNECT_WAIT_SPIN_US`, else 0): how long each `wait_for_completion` stays awake
+    /// before it parks, on the active side and on the passive peer.
+    #[arg(long)]
+    wait_spin_us: Option<u64>,
     /// Metrics of this (active) side's connector (the peer records too, unserved).
     #[command(flatten)]
     metrics: crate::metrics::MetricsArgs,
@@ -116,6 +121,9 @@ struct Block {
     ucx_params: Vec<(String, String)>,
     /// The passive peer's progress delay (the active side's too).
     progress_delay_us: Option<u64>,
+    /// The passive peer's wait spin (the active side's too).
+    #[serde(default)]
+    wait_spin_us: Option<u64>,
     /// The peer records metrics too (the active side was given `--metrics`): both sides pay
     /// what recording costs.
     #[serde(default)]
@@ -485,6 +493,7 @@ impl Row {
             "GBps": self.gbps(),
             "ops_per_s": self.ops_per_s(),
             "ok": self.ok,
+            "wait_spin_us": a.wait_spin_us,
             // DESIGN.md's keys, kept for existing scripts (they name the read for any op).
             "read_median_us": self.lat.p50,
             "read_min_us": self.lat.min,
@@ -630,6 +639,9 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
     if let Some(us) = a.progress_delay_us {
         builder = builder.progress_delay(Duration::from_micros(us));
     }
+    if let Some(us) = a.wait_spin_us {
+        builder = builder.wait_spin(Duration::from_micros(us));
+    }
     let conn = builder.build()?;
     let write = a.op == "write";
     let (per, conc) = (a.descriptors as usize, a.concurrency as usize);
@@ -651,6 +663,7 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
             device: a.peer_device.unwrap_or(a.device),
             ucx_params: a.ucx_params.clone(),
             progress_delay_us: a.progress_delay_us,
+            wait_spin_us: a.wait_spin_us,
             metrics: ex.recording(),
         };
         to_peer
@@ -969,6 +982,9 @@ pub(crate) async fn peer() -> Result<()> {
                 }
                 if let Some(us) = b.progress_delay_us {
                     builder = builder.progress_delay(Duration::from_micros(us));
+                }
+                if let Some(us) = b.wait_spin_us {
+                    builder = builder.wait_spin(Duration::from_micros(us));
                 }
                 if b.metrics {
                     let (registry, m) = nixl_connect::metrics::Metrics::standalone();

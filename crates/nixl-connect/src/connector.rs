@@ -61,7 +61,16 @@ pub struct ConnectorBuilder {
     quarantine_limit: usize,
     socket_dir: Option<PathBuf>,
     metrics: Option<Metrics>,
+    wait_spin: Option<Duration>,
 }
+
+/// The longest time an operation's wait may stay awake before it parks
+/// ([`ConnectorBuilder::wait_spin`]).
+pub const MAX_WAIT_SPIN: Duration = Duration::from_millis(10);
+
+/// The environment variable that sets [`ConnectorBuilder::wait_spin`] (microseconds) where the
+/// builder does not: for Python workers and the CLI.
+pub const WAIT_SPIN_ENV: &str = "NIXL_CONNECT_WAIT_SPIN_US";
 
 /// How much given-up exposed memory a connector holds back, by default, before it replaces its
 /// NIXL agent to release it.
@@ -89,6 +98,7 @@ impl Default for ConnectorBuilder {
             quarantine_limit: DEFAULT_QUARANTINE_LIMIT,
             socket_dir: None,
             metrics: None,
+            wait_spin: None,
         }
     }
 }
@@ -162,6 +172,23 @@ impl ConnectorBuilder {
         self
     }
 
+    /// How long `wait_for_completion` stays awake, at most, before it parks its thread until the
+    /// engine wakes it (default: [`WAIT_SPIN_ENV`] in microseconds where set, else zero: it
+    /// parks at once; at most [`MAX_WAIT_SPIN`]).
+    ///
+    /// The engine ends an operation on its own thread; a waiter that parked is then woken, which
+    /// costs a wake-up of its thread (about 6 us on a 16-core host, 20 to 50 us on a small VM)
+    /// on every small operation. A waiter that spins sees the end at once: on each turn it looks
+    /// at the status, gives its core away once (`sched_yield`, so an engine sharing the core
+    /// runs) and yields to the async runtime (so the runtime's other tasks run; no poll blocks),
+    /// keeping its thread busy for up to `spin` a wait. Worth it where cores are spare and
+    /// small operations' latency counts; the figures are in docs/FIGURES.md (eighteenth
+    /// session). In Python the wait's turns are turns of the asyncio loop.
+    pub fn wait_spin(mut self, spin: Duration) -> Self {
+        self.wait_spin = Some(spin);
+        self
+    }
+
     /// Which paths active operations may take (default [`PathPolicy::Auto`]: the same-host path
     /// to Rust peers on this host, NIXL otherwise). [`PathPolicy::Nixl`] also stops this
     /// connector from listening for same-host peers.
@@ -217,7 +244,8 @@ impl ConnectorBuilder {
     /// in the message), [`Error::NixlBackend`] when a backend cannot start,
     /// [`Error::InvalidArgument`] for an empty worker id, an unknown UCX parameter, a backend list
     /// that is empty, repeats a name or names a plugin NIXL lacks, UCX parameters without UCX
-    /// among the backends, or a progress delay above [`MAX_PROGRESS_DELAY`].
+    /// among the backends, a progress delay above [`MAX_PROGRESS_DELAY`], a wait spin above
+    /// [`MAX_WAIT_SPIN`] or a [`WAIT_SPIN_ENV`] that is not a number of microseconds.
     pub fn build(self) -> Result<Connector> {
         if self.backends.is_empty() {
             return Err(Error::InvalidArgument(
@@ -243,6 +271,7 @@ impl ConnectorBuilder {
                 self.progress_delay
             )));
         }
+        let wait_spin = self.checked_wait_spin()?;
         let worker_id = self
             .worker_id
             .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
@@ -269,6 +298,7 @@ impl ConnectorBuilder {
                         .map(PathBuf::from)
                 }),
                 metrics: self.metrics,
+                wait_spin,
             },
         )?;
         Ok(Connector {
@@ -280,19 +310,36 @@ impl ConnectorBuilder {
         })
     }
 
+    /// The wait spin set, else [`WAIT_SPIN_ENV`]'s, else zero; refused above [`MAX_WAIT_SPIN`].
+    fn checked_wait_spin(&self) -> Result<Duration> {
+        let spin = match self.wait_spin {
+            Some(s) => s,
+            None => wait_spin_from_env(std::env::var(WAIT_SPIN_ENV).ok().as_deref())?,
+        };
+        if spin > MAX_WAIT_SPIN {
+            return Err(Error::InvalidArgument(format!(
+                "a wait spin of {spin:?} is above the {MAX_WAIT_SPIN:?} a connector takes"
+            )));
+        }
+        Ok(spin)
+    }
+
     /// A connector over the in-process loopback transport only (no NIXL, no same-host socket;
     /// feature `testing`): it pairs with the other loopback connectors of this process, so tests
     /// of code that uses connectors run without the NIXL library. See [`crate::testing`].
     ///
-    /// The builder's worker id and cancel grace apply; its NIXL and same-host settings do not.
+    /// The builder's worker id, cancel grace and wait spin apply; its NIXL and same-host settings
+    /// do not.
     ///
     /// # Errors
-    /// [`Error::Os`] when the engine's thread or poller cannot be made.
+    /// [`Error::Os`] when the engine's thread or poller cannot be made; [`Error::InvalidArgument`]
+    /// for a wait spin as [`build`](Self::build) refuses it.
     #[cfg(any(test, feature = "testing"))]
     pub fn build_loopback(self) -> Result<Connector> {
+        let wait_spin = self.checked_wait_spin()?;
         let worker_id = self.worker_id.unwrap_or_else(|| "loopback".into());
         let name = format!("{worker_id}-{}", CONNECTIONS.fetch_add(1, Ordering::Relaxed));
-        let engine = Engine::start_loopback(name, self.cancel_grace, self.metrics)?;
+        let engine = Engine::start_loopback(name, self.cancel_grace, wait_spin, self.metrics)?;
         Ok(Connector {
             inner: Arc::new(Inner {
                 engine,
@@ -300,6 +347,18 @@ impl ConnectorBuilder {
                 path: self.path,
             }),
         })
+    }
+}
+
+/// The wait spin [`WAIT_SPIN_ENV`]'s value says: zero when unset or blank.
+fn wait_spin_from_env(value: Option<&str>) -> Result<Duration> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(Duration::ZERO),
+        Some(v) => v.parse::<u64>().map(Duration::from_micros).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "{WAIT_SPIN_ENV}={v:?} is not a number of microseconds (unset it, or set 0 to 10000)"
+            ))
+        }),
     }
 }
 
@@ -484,5 +543,25 @@ impl std::fmt::Debug for Connector {
             .field("worker_id", &self.inner.worker_id)
             .field("name", &self.name())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connector_wait_spin_env_reads_microseconds() {
+        assert_eq!(wait_spin_from_env(None).unwrap(), Duration::ZERO);
+        assert_eq!(wait_spin_from_env(Some(" ")).unwrap(), Duration::ZERO);
+        assert_eq!(
+            wait_spin_from_env(Some("150")).unwrap(),
+            Duration::from_micros(150)
+        );
+        for bad in ["-1", "1.5", "100us", "lots"] {
+            let e = wait_spin_from_env(Some(bad)).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
+            assert!(e.to_string().contains(WAIT_SPIN_ENV), "{e}");
+        }
     }
 }

@@ -109,7 +109,7 @@ pub mod fuzzing {
 pub use buffer::{HostBuffer, HUGE_PAGE};
 pub use connector::{
     Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_PROGRESS_DELAY, DEFAULT_QUARANTINE_LIMIT,
-    MAX_PROGRESS_DELAY,
+    MAX_PROGRESS_DELAY, MAX_WAIT_SPIN, WAIT_SPIN_ENV,
 };
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};

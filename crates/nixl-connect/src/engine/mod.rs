@@ -131,6 +131,7 @@ static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 struct Tuning {
     cancel_grace: Duration,
     progress_delay: Duration,
+    wait_spin: Duration,
     metrics: Option<Metrics>,
 }
 
@@ -148,6 +149,8 @@ pub(crate) struct EngineOptions {
     pub(crate) socket_dir: Option<std::path::PathBuf>,
     /// Where the connector's figures are recorded, if anywhere.
     pub(crate) metrics: Option<Metrics>,
+    /// How long an operation's wait stays awake before it parks.
+    pub(crate) wait_spin: Duration,
 }
 
 /// A handle to a connector's engine thread.
@@ -162,6 +165,8 @@ struct Shared {
     name: String,
     next_op: AtomicU64,
     cancel_grace: Duration,
+    /// How long an operation's wait stays awake before it parks (see `operation::wait`).
+    wait_spin: Duration,
     /// How long the engine's end waits for copies still running ([`STOP_WAIT`] unless the
     /// connector was shut down with a deadline).
     stop_wait: Mutex<Duration>,
@@ -216,6 +221,7 @@ impl Engine {
             Tuning {
                 cancel_grace: opts.cancel_grace,
                 progress_delay: opts.progress_delay,
+                wait_spin: opts.wait_spin,
                 metrics: opts.metrics.clone(),
             },
             nixl::encoding::decode_peer,
@@ -262,6 +268,7 @@ impl Engine {
     pub(crate) fn start_loopback(
         name: String,
         cancel_grace: Duration,
+        wait_spin: Duration,
         metrics: Option<Metrics>,
     ) -> Result<Self> {
         Self::launch(
@@ -269,6 +276,7 @@ impl Engine {
             Tuning {
                 cancel_grace,
                 progress_delay: self::core::DEFAULT_PROGRESS_DELAY,
+                wait_spin,
                 metrics,
             },
             loopback::decode_peer,
@@ -298,6 +306,7 @@ impl Engine {
         let Tuning {
             cancel_grace,
             progress_delay,
+            wait_spin,
             metrics,
         } = tuning;
         let for_core = metrics.clone();
@@ -360,6 +369,7 @@ impl Engine {
             name,
             next_op: AtomicU64::new(1),
             cancel_grace,
+            wait_spin,
             stop_wait: Mutex::new(STOP_WAIT),
             decoded: Mutex::new(DecodedCache::default()),
             decode,
@@ -389,6 +399,11 @@ impl Engine {
 
     pub(crate) fn cancel_grace(&self) -> Duration {
         self.0.cancel_grace
+    }
+
+    /// How long an operation's wait stays awake before it parks.
+    pub(crate) fn wait_spin(&self) -> Duration {
+        self.0.wait_spin
     }
 
     /// Decodes a peer's published metadata (`nixl_metadata`) with the publishing transport's

@@ -268,10 +268,19 @@ macro_rules! active_op {
             /// [`Error::Interrupted`] when the connector cut off NIXL transfers for another
             /// operation's sake; [`Error::Cancelled`] after `cancel()`.
             ///
+            /// With a wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)),
+            /// the wait stays awake up to that long before it parks, yielding between its turns.
+            ///
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the transfer running.
             pub async fn wait_for_completion(&self, timeout: Option<Duration>) -> Result<()> {
-                wait(&self.inner.state, timeout, Some(&self.inner.peer)).await
+                wait(
+                    &self.inner.state,
+                    timeout,
+                    Some(&self.inner.peer),
+                    self.inner.engine.wait_spin(),
+                )
+                .await
             }
 
             /// Marks the operation cancelled and wakes its waiters; the same-host path stops its

@@ -22,8 +22,25 @@ pub use passive::{ReadableOperation, WritableOperation};
 use crate::error::{Error, Result};
 
 /// Waits for `state` to end, or for `timeout` (then [`Error::TimedOut`] naming `peer`).
-async fn wait(state: &Arc<OpState>, timeout: Option<Duration>, peer: Option<&str>) -> Result<()> {
+///
+/// For up to `spin` first ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)),
+/// the wait stays awake: each turn looks at the status, gives the thread's core away once
+/// (`sched_yield`, so an engine thread sharing the core runs) and yields to the runtime (so its
+/// other tasks run), instead of parking until the engine wakes the thread. No poll blocks.
+async fn wait(
+    state: &Arc<OpState>,
+    timeout: Option<Duration>,
+    peer: Option<&str>,
+    spin: Duration,
+) -> Result<()> {
     let fut = async {
+        if !spin.is_zero() && !state.status().is_terminal() {
+            let until = std::time::Instant::now() + spin;
+            while !state.status().is_terminal() && std::time::Instant::now() < until {
+                std::thread::yield_now();
+                tokio::task::yield_now().await;
+            }
+        }
         loop {
             let notified = state.notified();
             tokio::pin!(notified);

@@ -266,10 +266,13 @@ macro_rules! passive_op {
             /// writer died in the middle of writing (the memory is torn);
             /// [`Error::EngineStopped`](crate::Error::EngineStopped) if the connector's engine died.
             ///
+            /// With a wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)),
+            /// the wait stays awake up to that long before it parks, yielding between its turns.
+            ///
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the operation as it was.
             pub async fn wait_for_completion(&self, timeout: Option<Duration>) -> Result<()> {
-                wait(&self.inner.state, timeout, None).await
+                wait(&self.inner.state, timeout, None, self.inner.engine.wait_spin()).await
             }
 
             /// Ends the exposure: the status becomes `Cancelled` unless already terminal, and

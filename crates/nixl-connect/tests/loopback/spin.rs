@@ -1,0 +1,165 @@
+//! Waits that stay awake before they park (`ConnectorBuilder::wait_spin`): the spin is
+//! cooperative (the runtime's other tasks run between its turns), a deadline shorter than the
+//! spin still ends the wait, and a wait dropped in the middle of its spin leaves the operation as
+//! it was. Over the loopback transport, stepped by stalling and releasing the reader's node; no
+//! assertion on time.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use nixl_connect::{testing, Connector, Descriptor, Error, OperationStatus, MAX_WAIT_SPIN};
+
+const T: Option<Duration> = Some(Duration::from_secs(5));
+
+fn spinning_pair() -> (Connector, Connector) {
+    let a = Connector::builder().build_loopback().unwrap();
+    let b = Connector::builder()
+        .wait_spin(MAX_WAIT_SPIN)
+        .build_loopback()
+        .unwrap();
+    (a, b)
+}
+
+/// Counts the polls of the future it wraps.
+struct Polls<F> {
+    inner: Pin<Box<F>>,
+    polls: Arc<AtomicUsize>,
+}
+
+impl<F: Future> Future for Polls<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        self.polls.fetch_add(1, Ordering::Relaxed);
+        self.inner.as_mut().poll(cx)
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn loopback_wait_spin_lets_other_tasks_run() {
+    let (a, b) = spinning_pair();
+    let r = a
+        .create_readable(Descriptor::from(vec![5u8; 4096]))
+        .await
+        .unwrap();
+    assert!(testing::stall(&b, true));
+    let op = b
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    // On this one thread, another task takes 100 turns, then releases the reader's node: the
+    // read can end only after that task has run.
+    let turns = Arc::new(AtomicUsize::new(0));
+    let (t, b2) = (turns.clone(), b.clone());
+    let other = tokio::spawn(async move {
+        while t.fetch_add(1, Ordering::Relaxed) < 100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(testing::stall(&b2, false));
+    });
+    let polls = Arc::new(AtomicUsize::new(0));
+    Polls {
+        inner: Box::pin(op.wait_for_completion(T)),
+        polls: polls.clone(),
+    }
+    .await
+    .unwrap();
+    other.await.unwrap();
+    // A spin that held the thread would be polled twice (the spin, then the wake-up after it
+    // parked); a cooperative one is polled on each of its turns, which the other task's turns
+    // came between.
+    assert!(
+        polls.load(Ordering::Relaxed) > 2,
+        "the wait was polled {} times: its spin did not yield to the runtime",
+        polls.load(Ordering::Relaxed)
+    );
+    assert_eq!(op.status(), OperationStatus::Complete);
+    r.wait_for_completion(T).await.unwrap();
+    // Already ended: the wait returns without spinning.
+    op.wait_for_completion(Some(Duration::ZERO)).await.unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn loopback_wait_spin_deadline_shorter_than_the_spin_times_out() {
+    let (a, b) = spinning_pair();
+    let r = a
+        .create_readable(Descriptor::from(vec![6u8; 4096]))
+        .await
+        .unwrap();
+    assert!(testing::stall(&b, true));
+    let op = b
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    let e = op
+        .wait_for_completion(Some(Duration::from_millis(1)))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::TimedOut { peer: Some(_), .. }), "{e}");
+    assert_eq!(
+        op.status(),
+        OperationStatus::InProgress,
+        "a deadline leaves the transfer live"
+    );
+    assert!(testing::stall(&b, false));
+    op.wait_for_completion(T).await.unwrap();
+    r.wait_for_completion(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn loopback_wait_spin_dropped_mid_spin_leaves_the_operation() {
+    let (a, b) = spinning_pair();
+    let r = a
+        .create_readable(Descriptor::from(vec![7u8; 4096]))
+        .await
+        .unwrap();
+    assert!(testing::stall(&b, true));
+    let op = b
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    // Ten turns of the runtime into the read's spin (10 ms), the wait is dropped.
+    let polls = Arc::new(AtomicUsize::new(0));
+    let mut wait = Polls {
+        inner: Box::pin(op.wait_for_completion(T)),
+        polls: polls.clone(),
+    };
+    for _ in 0..10 {
+        tokio::select! {
+            biased;
+            res = &mut wait => panic!("a stalled read ended: {res:?}"),
+            () = tokio::task::yield_now() => {}
+        }
+    }
+    assert!(
+        polls.load(Ordering::Relaxed) >= 10,
+        "the wait was polled between the turns"
+    );
+    drop(wait);
+    assert_eq!(
+        op.status(),
+        OperationStatus::InProgress,
+        "dropping the wait changes nothing"
+    );
+    assert_eq!(r.status(), OperationStatus::Initialized);
+    assert!(testing::stall(&b, false));
+    op.wait_for_completion(T).await.unwrap();
+    r.wait_for_completion(T).await.unwrap();
+    let mut got = op.into_descriptors().unwrap();
+    assert_eq!(got[0].as_slice().unwrap(), &[7u8; 4096][..], "the bytes arrived");
+    got.clear();
+}
+
+#[test]
+fn loopback_wait_spin_above_the_limit_is_refused() {
+    let e = Connector::builder()
+        .wait_spin(MAX_WAIT_SPIN + Duration::from_micros(1))
+        .build_loopback()
+        .expect_err("a spin above the limit is refused");
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert!(e.to_string().contains("wait spin"), "{e}");
+}
