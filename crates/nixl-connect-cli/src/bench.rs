@@ -92,8 +92,9 @@ pub(crate) struct Args {
     #[arg(long)]
     progress_delay_us: Option<u64>,
     /// Both connectors' wait spin in microseconds (`ConnectorBuilder::wait_spin`; default
-    /// `NIXL_CONNECT_WAIT_SPIN_US`, else 0): how long each `wait_for_completion` stays awake
-    /// before it parks, on the active side and on the passive peer.
+    /// `NIXL_CONNECT_WAIT_SPIN_US`, else the library's 100): how long the wait of a small
+    /// operation stays awake before it parks, on the active side and on the passive peer (which
+    /// is given the active side's, whatever its own environment says).
     #[arg(long)]
     wait_spin_us: Option<u64>,
     /// Metrics of this (active) side's connector (the peer records too, unserved).
@@ -493,7 +494,7 @@ impl Row {
             "GBps": self.gbps(),
             "ops_per_s": self.ops_per_s(),
             "ok": self.ok,
-            "wait_spin_us": a.wait_spin_us,
+            "wait_spin_us": self.block.wait_spin_us,
             // DESIGN.md's keys, kept for existing scripts (they name the read for any op).
             "read_median_us": self.lat.p50,
             "read_min_us": self.lat.min,
@@ -643,6 +644,9 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
         builder = builder.wait_spin(Duration::from_micros(us));
     }
     let conn = builder.build()?;
+    // What the active side runs with (the flag, its environment or the default), recorded in
+    // each row and handed to the peer.
+    let wait_spin_us = conn.wait_spin().as_micros() as u64;
     let write = a.op == "write";
     let (per, conc) = (a.descriptors as usize, a.concurrency as usize);
     if !json {
@@ -663,7 +667,7 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
             device: a.peer_device.unwrap_or(a.device),
             ucx_params: a.ucx_params.clone(),
             progress_delay_us: a.progress_delay_us,
-            wait_spin_us: a.wait_spin_us,
+            wait_spin_us: Some(wait_spin_us),
             metrics: ex.recording(),
         };
         to_peer

@@ -253,10 +253,17 @@ impl Connector {
     fn new(py: Python<'_>, worker_id: String) -> PyResult<Self> {
         let inner = py
             .detach(|| {
-                nixl_connect::Connector::builder()
+                let builder = nixl_connect::Connector::builder()
                     .worker_id(worker_id)
-                    .metrics(&metrics().1)
-                    .build()
+                    .metrics(&metrics().1);
+                // Waits here spin only when asked (`NIXL_CONNECT_WAIT_SPIN_US`): a spin's turns
+                // are turns of the asyncio loop, and small same-host waits already wait at the
+                // call (`LOCAL_WAIT`), which a spin would cut short.
+                let builder = match std::env::var_os(nixl_connect::WAIT_SPIN_ENV) {
+                    Some(_) => builder,
+                    None => builder.wait_spin(Duration::ZERO),
+                };
+                builder.build()
             })
             .map_err(err)?;
         Ok(Self {
@@ -700,9 +707,13 @@ impl Task {
     }
 
     /// Polls the future (on the loop's thread, GIL held; polls never block); resolves the asyncio
-    /// future once it is ready.
-    fn run(self: &Arc<Self>, py: Python<'_>, rt: &tokio::runtime::Runtime) {
-        self.queued.store(false, Ordering::Release);
+    /// future once it is ready. `dequeued`: the loop took the task from its queue, so a wake-up
+    /// from now on queues it again; a poll at the call leaves `queued` as it is (a task woken
+    /// meanwhile is in the queue already, and queueing it twice would poll it twice a turn).
+    fn run(self: &Arc<Self>, py: Python<'_>, rt: &tokio::runtime::Runtime, dequeued: bool) {
+        if dequeued {
+            self.queued.store(false, Ordering::Release);
+        }
         let mut slot = lock(&self.work);
         let Some(work) = slot.as_mut() else { return };
         let waker = Waker::from(self.clone());
@@ -768,7 +779,7 @@ impl Completions {
         let rt = runtime()?;
         let ready = std::mem::take(&mut *lock(&self.queue.ready));
         for task in ready {
-            task.run(py, rt);
+            task.run(py, rt, true);
         }
         Ok(())
     }
@@ -914,12 +925,12 @@ where
         queued: AtomicBool::new(false),
         queue,
     });
-    task.run(py, rt);
+    task.run(py, rt, false);
     if let Some((limit, keep)) = local {
         // The GIL stays held: no thread of the module takes it, and releasing it could hand it to
         // another Python thread for a whole switch interval (5 ms) before this one got it back.
         if !future.call_method0("done")?.is_truthy()? && task.woken_within(limit, keep) {
-            task.run(py, rt);
+            task.run(py, rt, false);
         }
     }
     if !future.call_method0("done")?.is_truthy()? {

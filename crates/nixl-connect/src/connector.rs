@@ -68,8 +68,13 @@ pub struct ConnectorBuilder {
 /// ([`ConnectorBuilder::wait_spin`]).
 pub const MAX_WAIT_SPIN: Duration = Duration::from_millis(10);
 
-/// The environment variable that sets [`ConnectorBuilder::wait_spin`] (microseconds) where the
-/// builder does not: for Python workers and the CLI.
+/// How long, by default, the wait of a small operation stays awake before it parks
+/// ([`ConnectorBuilder::wait_spin`]): 100 us.
+pub const DEFAULT_WAIT_SPIN: Duration = Duration::from_micros(100);
+
+/// The environment variable that sets [`ConnectorBuilder::wait_spin`] (microseconds; `0` turns
+/// the spin off) for every connector whose builder does not set it: Python workers, the CLI, and
+/// Rust programs that leave it to the deployment.
 pub const WAIT_SPIN_ENV: &str = "NIXL_CONNECT_WAIT_SPIN_US";
 
 /// How much given-up exposed memory a connector holds back, by default, before it replaces its
@@ -172,18 +177,22 @@ impl ConnectorBuilder {
         self
     }
 
-    /// How long `wait_for_completion` stays awake, at most, before it parks its thread until the
-    /// engine wakes it (default: [`WAIT_SPIN_ENV`] in microseconds where set, else zero: it
-    /// parks at once; at most [`MAX_WAIT_SPIN`]).
+    /// How long `wait_for_completion` of a small operation (at most
+    /// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) in all) stays awake, at most, before
+    /// its task parks until the engine wakes it (default: [`WAIT_SPIN_ENV`] in microseconds where
+    /// set, else [`DEFAULT_WAIT_SPIN`]; zero turns it off; at most [`MAX_WAIT_SPIN`]).
     ///
-    /// The engine ends an operation on its own thread; a waiter that parked is then woken, which
-    /// costs a wake-up of its thread (about 6 us on a 16-core host, 20 to 50 us on a small VM)
-    /// on every small operation. A waiter that spins sees the end at once: on each turn it looks
-    /// at the status, gives its core away once (`sched_yield`, so an engine sharing the core
-    /// runs) and yields to the async runtime (so the runtime's other tasks run; no poll blocks),
-    /// keeping its thread busy for up to `spin` a wait. Worth it where cores are spare and
-    /// small operations' latency counts; the figures are in docs/FIGURES.md (eighteenth
-    /// session). In Python the wait's turns are turns of the asyncio loop.
+    /// The engine ends an operation on its own thread; a task that parked is then woken, which
+    /// costs a wake-up of its runtime's thread (about 6 us on a 16-core host, 20 to 50 us on a
+    /// small VM) on every small operation. A waiter that spins sees the end at once: on each
+    /// turn it looks at the status, gives its core away once (`sched_yield`, so an engine
+    /// sharing the core runs; on a loaded host that may take a time slice) and yields to the
+    /// async runtime (so the runtime's other tasks run), keeping its thread busy for up to
+    /// `spin` a wait. On the 2-core VM, 100 us took 64 outstanding 4 KiB reads from 107K to 134K
+    /// a second and writes from 78K to 132K, and the passive side of the NIXL path over TCP from
+    /// 1.36x to 1.07x raw NIXL's; one 4 KiB same-host operation's latency did not change
+    /// (docs/FIGURES.md, eighteenth session). Larger operations never spin: their copy
+    /// dwarfs a wake-up, and a spinning waiter would take a core from it.
     pub fn wait_spin(mut self, spin: Duration) -> Self {
         self.wait_spin = Some(spin);
         self
@@ -310,15 +319,19 @@ impl ConnectorBuilder {
         })
     }
 
-    /// The wait spin set, else [`WAIT_SPIN_ENV`]'s, else zero; refused above [`MAX_WAIT_SPIN`].
+    /// The wait spin set, else [`WAIT_SPIN_ENV`]'s, else [`DEFAULT_WAIT_SPIN`]; refused above
+    /// [`MAX_WAIT_SPIN`].
     fn checked_wait_spin(&self) -> Result<Duration> {
-        let spin = match self.wait_spin {
-            Some(s) => s,
-            None => wait_spin_from_env(std::env::var(WAIT_SPIN_ENV).ok().as_deref())?,
+        let (spin, from) = match self.wait_spin {
+            Some(s) => (s, "ConnectorBuilder::wait_spin"),
+            None => match wait_spin_from_env(std::env::var(WAIT_SPIN_ENV).ok().as_deref())? {
+                Some(s) => (s, WAIT_SPIN_ENV),
+                None => (DEFAULT_WAIT_SPIN, "the default"),
+            },
         };
         if spin > MAX_WAIT_SPIN {
             return Err(Error::InvalidArgument(format!(
-                "a wait spin of {spin:?} is above the {MAX_WAIT_SPIN:?} a connector takes"
+                "a wait spin of {spin:?} ({from}) is above the {MAX_WAIT_SPIN:?} a connector takes"
             )));
         }
         Ok(spin)
@@ -350,16 +363,21 @@ impl ConnectorBuilder {
     }
 }
 
-/// The wait spin [`WAIT_SPIN_ENV`]'s value says: zero when unset or blank.
-fn wait_spin_from_env(value: Option<&str>) -> Result<Duration> {
-    match value.map(str::trim) {
-        None | Some("") => Ok(Duration::ZERO),
-        Some(v) => v.parse::<u64>().map(Duration::from_micros).map_err(|_| {
+/// The wait spin [`WAIT_SPIN_ENV`]'s value says: none when unset or blank.
+fn wait_spin_from_env(value: Option<&str>) -> Result<Option<Duration>> {
+    let Some(v) = value.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    v.bytes()
+        .all(|b| b.is_ascii_digit())
+        .then(|| v.parse::<u64>().ok())
+        .flatten()
+        .map(|us| Some(Duration::from_micros(us)))
+        .ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "{WAIT_SPIN_ENV}={v:?} is not a number of microseconds (unset it, or set 0 to 10000)"
             ))
-        }),
-    }
+        })
 }
 
 impl Connector {
@@ -379,6 +397,12 @@ impl Connector {
     /// The worker id.
     pub fn worker_id(&self) -> &str {
         &self.inner.worker_id
+    }
+
+    /// How long the wait of a small operation stays awake before it parks
+    /// ([`ConnectorBuilder::wait_spin`]; zero: it parks at once).
+    pub fn wait_spin(&self) -> Duration {
+        self.inner.engine.wait_spin()
     }
 
     /// Which paths this connector's active operations may take.
@@ -552,13 +576,14 @@ mod tests {
 
     #[test]
     fn connector_wait_spin_env_reads_microseconds() {
-        assert_eq!(wait_spin_from_env(None).unwrap(), Duration::ZERO);
-        assert_eq!(wait_spin_from_env(Some(" ")).unwrap(), Duration::ZERO);
+        assert_eq!(wait_spin_from_env(None).unwrap(), None);
+        assert_eq!(wait_spin_from_env(Some(" ")).unwrap(), None);
+        assert_eq!(wait_spin_from_env(Some("0")).unwrap(), Some(Duration::ZERO));
         assert_eq!(
-            wait_spin_from_env(Some("150")).unwrap(),
+            wait_spin_from_env(Some("150")).unwrap().unwrap(),
             Duration::from_micros(150)
         );
-        for bad in ["-1", "1.5", "100us", "lots"] {
+        for bad in ["-1", "+100", "1.5", "100us", "lots", "99999999999999999999999"] {
             let e = wait_spin_from_env(Some(bad)).unwrap_err();
             assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
             assert!(e.to_string().contains(WAIT_SPIN_ENV), "{e}");

@@ -109,7 +109,7 @@ pub mod fuzzing {
 pub use buffer::{HostBuffer, HUGE_PAGE};
 pub use connector::{
     Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_PROGRESS_DELAY, DEFAULT_QUARANTINE_LIMIT,
-    MAX_PROGRESS_DELAY, MAX_WAIT_SPIN, WAIT_SPIN_ENV,
+    DEFAULT_WAIT_SPIN, MAX_PROGRESS_DELAY, MAX_WAIT_SPIN, WAIT_SPIN_ENV,
 };
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};
@@ -122,7 +122,7 @@ pub use error::{
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor};
 pub use operation::{
     Mechanism, OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath,
-    WritableOperation, WriteOperation,
+    WritableOperation, WriteOperation, WAIT_SPIN_MAX_BYTES,
 };
 pub use registration::Registration;
 pub use stats::EngineStats;

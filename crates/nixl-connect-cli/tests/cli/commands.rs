@@ -548,3 +548,48 @@ fn cli_bench_prints_design_keys_for_every_mode() {
         );
     }
 }
+
+/// The wait spin a run uses (the flag, else `NIXL_CONNECT_WAIT_SPIN_US`, else the library's
+/// default) is what its rows record; a value the library refuses fails the run, naming where it
+/// came from.
+#[test]
+fn cli_bench_wait_spin_from_flag_env_or_default() {
+    let row = |env: Option<&str>, flag: Option<&str>| {
+        let mut c = cli();
+        c.args(["bench", "--path", "local", "--sizes", "4K", "--iters", "20"]);
+        if let Some(f) = flag {
+            c.args(["--wait-spin-us", f]);
+        }
+        match env {
+            Some(v) => c.env("NIXL_CONNECT_WAIT_SPIN_US", v),
+            None => c.env_remove("NIXL_CONNECT_WAIT_SPIN_US"),
+        };
+        run(c, LIMIT).0
+    };
+    for (env, flag, want) in [
+        (None, None, 100),
+        (Some("0"), None, 0),
+        (Some("250"), None, 250),
+        (Some("250"), Some("30"), 30),
+    ] {
+        let o = row(env, flag);
+        ok(&o, "bench");
+        let v: serde_json::Value = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .find(|v: &serde_json::Value| v.get("size").is_some())
+            .expect("a row");
+        assert_eq!(v["wait_spin_us"], want, "env {env:?}, flag {flag:?}: {v}");
+        assert_eq!(v["ok"], true, "{v}");
+    }
+    for (env, flag, says) in [
+        (Some("lots"), None, "NIXL_CONNECT_WAIT_SPIN_US"),
+        (Some("20000"), None, "NIXL_CONNECT_WAIT_SPIN_US"),
+        (None, Some("20000"), "wait_spin"),
+    ] {
+        let o = row(env, flag);
+        assert_eq!(o.status.code(), Some(1), "refused: {o:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(says), "{says}: {err}");
+    }
+}

@@ -274,13 +274,8 @@ macro_rules! active_op {
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the transfer running.
             pub async fn wait_for_completion(&self, timeout: Option<Duration>) -> Result<()> {
-                wait(
-                    &self.inner.state,
-                    timeout,
-                    Some(&self.inner.peer),
-                    self.inner.engine.wait_spin(),
-                )
-                .await
+                let spin = super::spin_for(&self.inner.engine, &self.inner.descs);
+                wait(&self.inner.state, timeout, Some(&self.inner.peer), spin).await
             }
 
             /// Marks the operation cancelled and wakes its waiters; the same-host path stops its

@@ -272,7 +272,8 @@ macro_rules! passive_op {
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the operation as it was.
             pub async fn wait_for_completion(&self, timeout: Option<Duration>) -> Result<()> {
-                wait(&self.inner.state, timeout, None, self.inner.engine.wait_spin()).await
+                let spin = super::spin_for(&self.inner.engine, &self.inner.descs);
+                wait(&self.inner.state, timeout, None, spin).await
             }
 
             /// Ends the exposure: the status becomes `Cancelled` unless already terminal, and

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use nixl_connect::{testing, Connector, Descriptor, Error, OperationStatus, MAX_WAIT_SPIN};
+use nixl_connect::{
+    testing, Connector, Descriptor, Error, OperationStatus, MAX_WAIT_SPIN, WAIT_SPIN_MAX_BYTES,
+};
 
 const T: Option<Duration> = Some(Duration::from_secs(5));
 
@@ -162,4 +164,85 @@ fn loopback_wait_spin_above_the_limit_is_refused() {
         .expect_err("a spin above the limit is refused");
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     assert!(e.to_string().contains("wait spin"), "{e}");
+}
+
+/// A stalled read of `len` bytes from `a` into `b`, and its wait polled on its own task; returns
+/// the poll counter, the readable and the task (which ends with the wait's outcome).
+async fn stalled_wait(
+    a: &Connector,
+    b: &Connector,
+    len: usize,
+) -> (
+    Arc<AtomicUsize>,
+    nixl_connect::ReadableOperation<'static>,
+    tokio::task::JoinHandle<nixl_connect::Result<()>>,
+) {
+    let r = a.create_readable(Descriptor::from(vec![8u8; len])).await.unwrap();
+    assert!(testing::stall(b, true));
+    let op = b
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; len]))
+        .await
+        .unwrap();
+    let polls = Arc::new(AtomicUsize::new(0));
+    let p = polls.clone();
+    let task = tokio::spawn(async move {
+        Polls {
+            inner: Box::pin(op.wait_for_completion(T)),
+            polls: p,
+        }
+        .await
+    });
+    (polls, r, task)
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn loopback_wait_spin_parks_once_its_spin_is_over() {
+    let a = Connector::builder().build_loopback().unwrap();
+    let b = Connector::builder()
+        .wait_spin(Duration::from_millis(1))
+        .build_loopback()
+        .unwrap();
+    let (polls, r, task) = stalled_wait(&a, &b, 4096).await;
+    // Far past the 1 ms spin the wait has parked: nothing polls it while the read is stalled.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let parked = polls.load(Ordering::Relaxed);
+    assert!(parked > 1, "the wait spun ({parked} polls)");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        polls.load(Ordering::Relaxed),
+        parked,
+        "a wait whose spin is over is polled only when the engine wakes it"
+    );
+    assert!(testing::stall(&b, false));
+    task.await.unwrap().unwrap();
+    r.wait_for_completion(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn loopback_wait_spin_skips_large_operations() {
+    let (a, b) = spinning_pair();
+    let (polls, r, task) = stalled_wait(&a, &b, WAIT_SPIN_MAX_BYTES + 4096).await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        polls.load(Ordering::Relaxed),
+        1,
+        "a wait of more than WAIT_SPIN_MAX_BYTES parks at its first poll"
+    );
+    assert!(testing::stall(&b, false));
+    task.await.unwrap().unwrap();
+    r.wait_for_completion(T).await.unwrap();
+    // At the limit, it spins.
+    let (polls, r, task) = stalled_wait(&a, &b, WAIT_SPIN_MAX_BYTES).await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        polls.load(Ordering::Relaxed) > 1,
+        "a wait of WAIT_SPIN_MAX_BYTES spins"
+    );
+    assert!(testing::stall(&b, false));
+    task.await.unwrap().unwrap();
+    r.wait_for_completion(T).await.unwrap();
 }
