@@ -18,7 +18,8 @@
 #   "spin" too),
 #   LANES (staged lanes to compare in d2h, e.g. "8 12 16"; default: the library's own choice),
 #   TORCH_MODES (default reused,fresh), AB_OPS (default "c64-write c64-read lat-read lat-write"),
-#   D2H_SIZES (default 64M,1G), TESTS (the integration tests' filter, default gpu).
+#   D2H_SIZES (default 64M,1G), TESTS (the integration tests' filter, default gpu), SPINS (the
+#   wait spins the "spin" section compares, us, default "0 30 100").
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUTDIR=${OUT:-$B}
@@ -91,6 +92,13 @@ for round in $(seq "$AB_ROUNDS"); do
   if [ -f "$B/anchors/nixl_raw_pair.py" ] && python3 -c "import nixl" 2>/dev/null; then
     (cd "$B/anchors" && timeout 120 python3 nixl_raw_pair.py --ops READ,WRITE --runs 1 --sizes 4K --tls tcp \
       --json "$OUTDIR/raw-tcp-$round.json" >> "$log" 2>&1) || echo "raw NIXL anchor failed" | tee -a "$log"
+    # Its rows beside ours in the summary: reader latency and the owner's notification, us.
+    python3 -c "
+import json, sys
+for x in json.load(open(sys.argv[1]))['rows']:
+    print(json.dumps({'label': 'raw-nixl-tcp-' + x['op'].lower(), 'run': $round, 'size': x['size'],
+                      'read_median_us': x['lat_B']['med'] * 1e6, 'passive_p50_us': x['notif_A']['med'] * 1e6}))
+" "$OUTDIR/raw-tcp-$round.json" >> "$res" 2>>"$log"
   fi
 done
 fi
@@ -133,6 +141,8 @@ for line in open(sys.argv[1]):
         rows[(r["label"], r["size"], unit)].append(v)
         if r["size"] < 1 << 20 and r.get("concurrency", 1) == 1:
             rows[(r["label"], r["size"], "us passive")].append(r["passive_p50_us"])
+            if "passive_from_begin_p50_us" in r:
+                rows[(r["label"], r["size"], "us passive from begin")].append(r["passive_from_begin_p50_us"])
     elif "copy" in r:
         rows[("torch " + r["copy"], r["size"], "GB/s")].append(r["GBps_one_way"])
     elif r.get("bench") == "torch_alloc":
