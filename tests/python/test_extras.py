@@ -439,3 +439,22 @@ def test_wait_spin_env_is_honoured_or_refused(nc, value, says):
     assert says in r.stdout, (r.stdout, r.stderr[-2000:])
     if says.startswith("refused"):
         assert "wait spin" in r.stdout or "NIXL_CONNECT_WAIT_SPIN_US" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("value, want", [(None, 0), ("", 0), ("  ", 0), ("0", 0), ("300", 300)])
+def test_wait_spin_is_off_unless_the_env_sets_it(nc, value, want):
+    """Python waits do not take the Rust default spin: 0 unless NIXL_CONNECT_WAIT_SPIN_US is set to
+    something other than blanks, then what it says (read from the connection the core made)."""
+    env = dict(os.environ)
+    env.pop("NIXL_CONNECT_WAIT_SPIN_US", None)
+    if value is not None:
+        env["NIXL_CONNECT_WAIT_SPIN_US"] = value
+    code = (f"import asyncio, {nc.__name__} as nc\n"
+            "async def main():\n"
+            "    c = await nc.Connector()._create_connection()\n"
+            "    print('spin', c._core.wait_spin_us)\n"
+            "asyncio.run(main())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"spin {want}" in r.stdout, (r.stdout, r.stderr[-2000:])

@@ -94,8 +94,8 @@ pub(crate) struct Args {
     /// Both connectors' wait spin in microseconds (`ConnectorBuilder::wait_spin`; default
     /// `NIXL_CONNECT_WAIT_SPIN_US`, else the library's 100): how long the wait of a small
     /// operation stays awake before it parks, on the active side and on the passive peer (which
-    /// is given the active side's, whatever its own environment says).
-    #[arg(long)]
+    /// is given the active side's, whatever its own environment says). At most 10000.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     wait_spin_us: Option<u64>,
     /// Metrics of this (active) side's connector (the peer records too, unserved).
     #[command(flatten)]
@@ -137,6 +137,9 @@ struct PeerIter {
     ok: bool,
     /// When the passive side saw its operation complete ([`monotonic_ns`]).
     done_ns: u64,
+    /// The passive side's wait spin, microseconds.
+    #[serde(default)]
+    spin_us: u64,
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine, so the passive
@@ -451,6 +454,8 @@ struct Row {
     limit_gbps: Option<f64>,
     /// The same bytes as one range, for consecutive descriptors.
     one_range_gbps: Option<f64>,
+    /// The passive peer's wait spin, as it reported it (microseconds).
+    peer_spin_us: Option<u64>,
     ok: bool,
 }
 
@@ -495,6 +500,7 @@ impl Row {
             "ops_per_s": self.ops_per_s(),
             "ok": self.ok,
             "wait_spin_us": self.block.wait_spin_us,
+            "peer_wait_spin_us": self.peer_spin_us,
             // DESIGN.md's keys, kept for existing scripts (they name the read for any op).
             "read_median_us": self.lat.p50,
             "read_min_us": self.lat.min,
@@ -691,6 +697,7 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
         let mut path = String::from("-");
         let mut mechanism = String::from("-");
         let mut last_md: Option<RdmaMetadata> = None;
+        let mut peer_spin_us = None;
         for i in 0..n {
             if a.fresh && i > 0 {
                 drop(mem);
@@ -719,6 +726,7 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
             for _ in 0..conc {
                 let peer: PeerIter = serde_json::from_str(&next_line(&mut from_peer).await?)?;
                 ok &= peer.ok;
+                peer_spin_us = Some(peer.spin_us);
                 if i >= a.warmup as usize {
                     waits.push(peer.wait_us);
                     from_begin.push(peer.done_ns.saturating_sub(begin_ns) as f64 / 1e3);
@@ -752,6 +760,7 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
             passive_from_begin: stats(&mut from_begin),
             limit_gbps,
             one_range_gbps,
+            peer_spin_us,
             ok,
         };
         if json {
@@ -1020,7 +1029,16 @@ pub(crate) async fn peer() -> Result<()> {
             let check = write && (i == 0 || (b.fresh && i + 1 == b.n));
             let ok = !check || (0..count).all(|k| mem.holds(k, b.size as u64));
             for (wait_us, done_ns) in done {
-                println!("{}", serde_json::to_string(&PeerIter { wait_us, ok, done_ns })?);
+                let spin_us = conn.wait_spin().as_micros() as u64;
+                println!(
+                    "{}",
+                    serde_json::to_string(&PeerIter {
+                        wait_us,
+                        ok,
+                        done_ns,
+                        spin_us
+                    })?
+                );
             }
         }
         _prev = Some(mem);

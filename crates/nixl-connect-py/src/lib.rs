@@ -259,9 +259,12 @@ impl Connector {
                 // Waits here spin only when asked (`NIXL_CONNECT_WAIT_SPIN_US`): a spin's turns
                 // are turns of the asyncio loop, and small same-host waits already wait at the
                 // call (`LOCAL_WAIT`), which a spin would cut short.
-                let builder = match std::env::var_os(nixl_connect::WAIT_SPIN_ENV) {
-                    Some(_) => builder,
-                    None => builder.wait_spin(Duration::ZERO),
+                let set = std::env::var_os(nixl_connect::WAIT_SPIN_ENV)
+                    .is_some_and(|v| !v.to_string_lossy().trim().is_empty());
+                let builder = if set {
+                    builder
+                } else {
+                    builder.wait_spin(Duration::ZERO)
                 };
                 builder.build()
             })
@@ -269,6 +272,13 @@ impl Connector {
         Ok(Self {
             inner: Owned::new(inner),
         })
+    }
+
+    /// How long the wait of a small operation stays awake before it parks, in microseconds
+    /// (0 unless `NIXL_CONNECT_WAIT_SPIN_US` says otherwise).
+    #[getter]
+    fn wait_spin_us(&self) -> PyResult<u64> {
+        Ok(self.inner.get()?.wait_spin().as_micros() as u64)
     }
 
     /// The NIXL agent name peers see.

@@ -188,11 +188,14 @@ impl ConnectorBuilder {
     /// turn it looks at the status, gives its core away once (`sched_yield`, so an engine
     /// sharing the core runs; on a loaded host that may take a time slice) and yields to the
     /// async runtime (so the runtime's other tasks run), keeping its thread busy for up to
-    /// `spin` a wait. On the 2-core VM, 100 us took 64 outstanding 4 KiB reads from 107K to 134K
-    /// a second and writes from 78K to 132K, and the passive side of the NIXL path over TCP from
-    /// 1.36x to 1.07x raw NIXL's; one 4 KiB same-host operation's latency did not change
+    /// `spin` a wait. On the 2-core VM (one interleaved run against no spin), 100 us took 64
+    /// outstanding 4 KiB writes from 110K to 143K a second (reads 130K to 136K, within the
+    /// noise), and the NIXL path over TCP at 4 KiB from 1.24x / 1.37x raw NIXL's (reader /
+    /// passive side) to 1.04x / 1.09x; one 4 KiB same-host operation stayed within the noise
     /// (docs/FIGURES.md, eighteenth session). Larger operations never spin: their copy
-    /// dwarfs a wake-up, and a spinning waiter would take a core from it.
+    /// dwarfs a wake-up, and a spinning waiter would take a core from it. At most half the
+    /// cores' worth of this connector's waits spin at once (at least one); the others park at
+    /// once.
     pub fn wait_spin(mut self, spin: Duration) -> Self {
         self.wait_spin = Some(spin);
         self
@@ -324,7 +327,7 @@ impl ConnectorBuilder {
     fn checked_wait_spin(&self) -> Result<Duration> {
         let (spin, from) = match self.wait_spin {
             Some(s) => (s, "ConnectorBuilder::wait_spin"),
-            None => match wait_spin_from_env(std::env::var(WAIT_SPIN_ENV).ok().as_deref())? {
+            None => match wait_spin_from_env(env_text(WAIT_SPIN_ENV)?.as_deref())? {
                 Some(s) => (s, WAIT_SPIN_ENV),
                 None => (DEFAULT_WAIT_SPIN, "the default"),
             },
@@ -360,6 +363,17 @@ impl ConnectorBuilder {
                 path: self.path,
             }),
         })
+    }
+}
+
+/// The environment's `name` as text: none when unset; refused when it is not UTF-8.
+fn env_text(name: &str) -> Result<Option<String>> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidArgument(format!(
+            "{name}={v:?} is not UTF-8 text (unset it, or set a number)"
+        ))),
     }
 }
 

@@ -580,15 +580,19 @@ fn cli_bench_wait_spin_from_flag_env_or_default() {
             .find(|v: &serde_json::Value| v.get("size").is_some())
             .expect("a row");
         assert_eq!(v["wait_spin_us"], want, "env {env:?}, flag {flag:?}: {v}");
+        assert_eq!(
+            v["peer_wait_spin_us"], want,
+            "the peer runs with the active side's: {v}"
+        );
         assert_eq!(v["ok"], true, "{v}");
     }
-    for (env, flag, says) in [
-        (Some("lots"), None, "NIXL_CONNECT_WAIT_SPIN_US"),
-        (Some("20000"), None, "NIXL_CONNECT_WAIT_SPIN_US"),
-        (None, Some("20000"), "wait_spin"),
+    for (env, flag, says, code) in [
+        (Some("lots"), None, "NIXL_CONNECT_WAIT_SPIN_US", 1),
+        (Some("20000"), None, "NIXL_CONNECT_WAIT_SPIN_US", 1),
+        (None, Some("20000"), "--wait-spin-us", 2),
     ] {
         let o = row(env, flag);
-        assert_eq!(o.status.code(), Some(1), "refused: {o:?}");
+        assert_eq!(o.status.code(), Some(code), "refused: {o:?}");
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains(says), "{says}: {err}");
     }

@@ -24,7 +24,7 @@ pub(crate) mod same_host;
 pub(crate) mod transport;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -153,6 +153,23 @@ pub(crate) struct EngineOptions {
     pub(crate) wait_spin: Duration,
 }
 
+/// How many of a connector's waits may spin at once: half the cores this process may use, at
+/// least one.
+pub(crate) fn max_spinning() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)))
+}
+
+/// A wait's place among the waits that spin ([`Engine::spin_slot`]); dropping it gives the
+/// place back.
+pub(crate) struct SpinSlot(Arc<AtomicUsize>);
+
+impl Drop for SpinSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// A handle to a connector's engine thread.
 #[derive(Clone)]
 pub(crate) struct Engine(Arc<Shared>);
@@ -167,6 +184,8 @@ struct Shared {
     cancel_grace: Duration,
     /// How long an operation's wait stays awake before it parks (see `operation::wait`).
     wait_spin: Duration,
+    /// Waits spinning now, at most [`max_spinning`] at once (see [`Engine::spin_slot`]).
+    spinning: Arc<AtomicUsize>,
     /// How long the engine's end waits for copies still running ([`STOP_WAIT`] unless the
     /// connector was shut down with a deadline).
     stop_wait: Mutex<Duration>,
@@ -370,6 +389,7 @@ impl Engine {
             next_op: AtomicU64::new(1),
             cancel_grace,
             wait_spin,
+            spinning: Arc::new(AtomicUsize::new(0)),
             stop_wait: Mutex::new(STOP_WAIT),
             decoded: Mutex::new(DecodedCache::default()),
             decode,
@@ -404,6 +424,19 @@ impl Engine {
     /// How long an operation's wait stays awake before it parks.
     pub(crate) fn wait_spin(&self) -> Duration {
         self.0.wait_spin
+    }
+
+    /// A place among this connector's waits that spin, if one is free: at most
+    /// [`max_spinning`] spin at once, so that many waits at once (a thousand outstanding
+    /// operations) cost one runtime turn a round each, not a `sched_yield` each, and leave the
+    /// engines their cores. The place is given back when the slot drops.
+    pub(crate) fn spin_slot(&self) -> Option<SpinSlot> {
+        let n = &self.0.spinning;
+        n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |k| {
+            (k < max_spinning()).then_some(k + 1)
+        })
+        .ok()?;
+        Some(SpinSlot(n.clone()))
     }
 
     /// Decodes a peer's published metadata (`nixl_metadata`) with the publishing transport's

@@ -19,6 +19,7 @@ pub use crate::state::{Mechanism, OperationStatus, PathPolicy, TransferPath};
 pub use active::{ReadOperation, WriteOperation};
 pub use passive::{ReadableOperation, WritableOperation};
 
+use crate::engine::Engine;
 use crate::error::{Error, Result};
 
 /// The most bytes an operation moves, in all, for its wait to spin before it parks
@@ -27,21 +28,19 @@ use crate::error::{Error, Result};
 /// reads went 4% slower with a 100 us spin on the 2-core VM).
 pub const WAIT_SPIN_MAX_BYTES: usize = 64 << 10;
 
-/// How long the wait of an operation over `descs` spins: the engine's wait spin for a small
-/// operation, none for a large one.
-fn spin_for(engine: &crate::engine::Engine, descs: &[crate::Descriptor<'_>]) -> Duration {
+/// How a wait over `descs` may spin: the engine (whose waits spinning at once are bounded) and
+/// its wait spin for a small operation; none for a large one.
+fn spin_for<'e>(engine: &'e Engine, descs: &[crate::Descriptor<'_>]) -> Option<(&'e Engine, Duration)> {
     let bytes: usize = descs.iter().map(crate::Descriptor::size).sum();
-    if bytes <= WAIT_SPIN_MAX_BYTES {
-        engine.wait_spin()
-    } else {
-        Duration::ZERO
-    }
+    let spin = engine.wait_spin();
+    (bytes <= WAIT_SPIN_MAX_BYTES && !spin.is_zero()).then_some((engine, spin))
 }
 
 /// Waits for `state` to end, or for `timeout` (then [`Error::TimedOut`] naming `peer`).
 ///
-/// For up to `spin` first ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)),
-/// the wait stays awake: each turn looks at the status, gives the thread's core away once
+/// With `spin` (the engine and how long), and a place among the engine's waits that spin free
+/// ([`Engine::spin_slot`]), the wait first stays awake for up to that long
+/// ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)): each turn looks at the status, gives the thread's core away once
 /// (`sched_yield`, so an engine thread sharing the core runs; on a loaded host that may take a
 /// time slice) and yields to the runtime (so its other tasks run), instead of parking the task
 /// until the engine wakes it. The engine's wake-up is registered on every turn too, so an
@@ -51,10 +50,15 @@ async fn wait(
     state: &Arc<OpState>,
     timeout: Option<Duration>,
     peer: Option<&str>,
-    spin: Duration,
+    spin: Option<(&Engine, Duration)>,
 ) -> Result<()> {
     let fut = async {
-        let until = (!spin.is_zero()).then(|| std::time::Instant::now() + spin);
+        let mut spinning = match spin {
+            Some((engine, d)) if !state.status().is_terminal() => engine
+                .spin_slot()
+                .map(|slot| (slot, std::time::Instant::now() + d)),
+            _ => None,
+        };
         loop {
             let notified = state.notified();
             tokio::pin!(notified);
@@ -65,8 +69,8 @@ async fn wait(
                 OperationStatus::Errored => return Err(state.error().unwrap_or(Error::EngineStopped)),
                 _ => {}
             }
-            match until {
-                Some(u) if std::time::Instant::now() < u => {
+            match &spinning {
+                Some((_, until)) if std::time::Instant::now() < *until => {
                     std::thread::yield_now();
                     tokio::select! {
                         biased;
@@ -74,7 +78,11 @@ async fn wait(
                         () = tokio::task::yield_now() => {}
                     }
                 }
-                _ => notified.await,
+                _ => {
+                    // Spun out (or never spun): the place goes back before the task parks.
+                    spinning = None;
+                    notified.await
+                }
             }
         }
     };

@@ -1,8 +1,10 @@
 //! Waits that stay awake before they park (`ConnectorBuilder::wait_spin`): the spin is
 //! cooperative (the runtime's other tasks run between its turns), a deadline shorter than the
 //! spin still ends the wait, and a wait dropped in the middle of its spin leaves the operation as
-//! it was. Over the loopback transport, stepped by stalling and releasing the reader's node; no
-//! assertion on time.
+//! it was; a spin ends and the wait parks; large operations and waits beyond the connector's
+//! bound on spinning waits park at once. Over the loopback transport, stepped by stalling and
+//! releasing the reader's node; no assertion on how long anything takes (one test sleeps 100 ms
+//! twice past a 1 ms spin and checks that nothing polled the parked wait meanwhile).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -242,6 +244,43 @@ async fn loopback_wait_spin_skips_large_operations() {
         polls.load(Ordering::Relaxed) > 1,
         "a wait of WAIT_SPIN_MAX_BYTES spins"
     );
+    assert!(testing::stall(&b, false));
+    task.await.unwrap().unwrap();
+    r.wait_for_completion(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn loopback_wait_spin_bounds_the_waits_spinning_at_once() {
+    let (a, b) = spinning_pair();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let bound = (cores / 2).max(1);
+    let n = bound + 3;
+    let mut waits = Vec::new();
+    for _ in 0..n {
+        waits.push(stalled_wait(&a, &b, 4096).await);
+    }
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    let spinning = waits
+        .iter()
+        .filter(|(polls, _, _)| polls.load(Ordering::Relaxed) > 1)
+        .count();
+    assert!(
+        (1..=bound).contains(&spinning),
+        "{spinning} of {n} waits spin; at most {bound} may ({cores} cores)"
+    );
+    assert!(testing::stall(&b, false));
+    for (_, r, task) in waits {
+        task.await.unwrap().unwrap();
+        r.wait_for_completion(T).await.unwrap();
+    }
+    // Every place was given back: a new wait spins again.
+    let (polls, r, task) = stalled_wait(&a, &b, 4096).await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert!(polls.load(Ordering::Relaxed) > 1, "the places came back");
     assert!(testing::stall(&b, false));
     task.await.unwrap().unwrap();
     r.wait_for_completion(T).await.unwrap();
