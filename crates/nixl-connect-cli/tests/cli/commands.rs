@@ -418,6 +418,15 @@ fn cli_bad_numbers_are_errors_not_panics() {
     let _ = peer.child.kill();
 }
 
+/// The first row (a line with a size) that a `bench --json` run printed.
+fn bench_row(o: &std::process::Output) -> serde_json::Value {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .find(|v: &serde_json::Value| v.get("size").is_some())
+        .expect("a row")
+}
+
 /// Many descriptors in each layout, read and written: the bytes are verified, and each row carries
 /// the copy limit of its own ranges (contiguous ones also as one range; no timing asserted).
 #[test]
@@ -444,11 +453,7 @@ fn cli_bench_layouts_verify_bytes_and_measure_their_own_limit() {
             ]);
             let (o, _) = run(c, LIMIT);
             ok(&o, "bench");
-            let v: serde_json::Value = String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .map(|l| serde_json::from_str(l).unwrap())
-                .find(|v: &serde_json::Value| v.get("size").is_some())
-                .expect("a row");
+            let v = bench_row(&o);
             assert_eq!(v["ok"], true, "{layout}/{op}: bytes verified: {v}");
             assert_eq!(v["layout"], layout);
             assert_eq!(v["descriptors"], 300);
@@ -574,11 +579,7 @@ fn cli_bench_wait_spin_from_flag_env_or_default() {
     ] {
         let o = row(env, flag);
         ok(&o, "bench");
-        let v: serde_json::Value = String::from_utf8_lossy(&o.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .find(|v: &serde_json::Value| v.get("size").is_some())
-            .expect("a row");
+        let v = bench_row(&o);
         assert_eq!(v["wait_spin_us"], want, "env {env:?}, flag {flag:?}: {v}");
         assert_eq!(
             v["peer_wait_spin_us"], want,

@@ -14,7 +14,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use nixl_connect::{
-    testing, Connector, Descriptor, Error, OperationStatus, MAX_WAIT_SPIN, WAIT_SPIN_MAX_BYTES,
+    testing, Connector, Descriptor, Error, OperationStatus, ReadOperation, ReadableOperation, MAX_WAIT_SPIN,
+    WAIT_SPIN_MAX_BYTES,
 };
 
 const T: Option<Duration> = Some(Duration::from_secs(5));
@@ -43,18 +44,29 @@ impl<F: Future> Future for Polls<F> {
     }
 }
 
+/// A readable of `len` bytes of `seed` on `a`, and `b`'s read of it held in flight (`b` stalled).
+async fn stalled_read(
+    a: &Connector,
+    b: &Connector,
+    len: usize,
+    seed: u8,
+) -> (ReadableOperation<'static>, ReadOperation<'static>) {
+    let r = a
+        .create_readable(Descriptor::from(vec![seed; len]))
+        .await
+        .unwrap();
+    assert!(testing::stall(b, true));
+    let op = b
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; len]))
+        .await
+        .unwrap();
+    (r, op)
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn loopback_wait_spin_lets_other_tasks_run() {
     let (a, b) = spinning_pair();
-    let r = a
-        .create_readable(Descriptor::from(vec![5u8; 4096]))
-        .await
-        .unwrap();
-    assert!(testing::stall(&b, true));
-    let op = b
-        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
-        .await
-        .unwrap();
+    let (r, op) = stalled_read(&a, &b, 4096, 5).await;
     // On this one thread, another task takes 100 turns, then releases the reader's node: the
     // read can end only after that task has run.
     let turns = Arc::new(AtomicUsize::new(0));
@@ -90,15 +102,7 @@ async fn loopback_wait_spin_lets_other_tasks_run() {
 #[tokio::test(flavor = "current_thread")]
 async fn loopback_wait_spin_deadline_shorter_than_the_spin_times_out() {
     let (a, b) = spinning_pair();
-    let r = a
-        .create_readable(Descriptor::from(vec![6u8; 4096]))
-        .await
-        .unwrap();
-    assert!(testing::stall(&b, true));
-    let op = b
-        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
-        .await
-        .unwrap();
+    let (r, op) = stalled_read(&a, &b, 4096, 6).await;
     let e = op
         .wait_for_completion(Some(Duration::from_millis(1)))
         .await
@@ -117,15 +121,7 @@ async fn loopback_wait_spin_deadline_shorter_than_the_spin_times_out() {
 #[tokio::test(flavor = "current_thread")]
 async fn loopback_wait_spin_dropped_mid_spin_leaves_the_operation() {
     let (a, b) = spinning_pair();
-    let r = a
-        .create_readable(Descriptor::from(vec![7u8; 4096]))
-        .await
-        .unwrap();
-    assert!(testing::stall(&b, true));
-    let op = b
-        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
-        .await
-        .unwrap();
+    let (r, op) = stalled_read(&a, &b, 4096, 7).await;
     // Ten turns of the runtime into the read's spin (10 ms), the wait is dropped.
     let polls = Arc::new(AtomicUsize::new(0));
     let mut wait = Polls {
@@ -176,15 +172,10 @@ async fn stalled_wait(
     len: usize,
 ) -> (
     Arc<AtomicUsize>,
-    nixl_connect::ReadableOperation<'static>,
+    ReadableOperation<'static>,
     tokio::task::JoinHandle<nixl_connect::Result<()>>,
 ) {
-    let r = a.create_readable(Descriptor::from(vec![8u8; len])).await.unwrap();
-    assert!(testing::stall(b, true));
-    let op = b
-        .begin_read(r.metadata(), Descriptor::from(vec![0u8; len]))
-        .await
-        .unwrap();
+    let (r, op) = stalled_read(a, b, len, 8).await;
     let polls = Arc::new(AtomicUsize::new(0));
     let p = polls.clone();
     let task = tokio::spawn(async move {
