@@ -176,6 +176,18 @@ async fn stalled_wait(
     tokio::task::JoinHandle<nixl_connect::Result<()>>,
 ) {
     let (r, op) = stalled_read(a, b, len, 8).await;
+    let (polls, task) = spawn_wait(op);
+    (polls, r, task)
+}
+
+/// `op`'s wait, polled on its own task (from the caller's next await on); returns its poll
+/// counter and the task.
+fn spawn_wait(
+    op: ReadOperation<'static>,
+) -> (
+    Arc<AtomicUsize>,
+    tokio::task::JoinHandle<nixl_connect::Result<()>>,
+) {
     let polls = Arc::new(AtomicUsize::new(0));
     let p = polls.clone();
     let task = tokio::spawn(async move {
@@ -185,7 +197,7 @@ async fn stalled_wait(
         }
         .await
     });
-    (polls, r, task)
+    (polls, task)
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -246,10 +258,20 @@ async fn loopback_wait_spin_bounds_the_waits_spinning_at_once() {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let bound = (cores / 2).max(1);
     let n = bound + 3;
-    let mut waits = Vec::new();
+    // Every read first, then every wait at once: their first polls come in one turn of the
+    // runtime, well inside the first one's 10 ms spin (on a loaded host, making a read can take
+    // longer than that, and a spin that ran out would hand its place to the next wait).
+    let mut reads = Vec::new();
     for _ in 0..n {
-        waits.push(stalled_wait(&a, &b, 4096).await);
+        reads.push(stalled_read(&a, &b, 4096, 9).await);
     }
+    let waits: Vec<_> = reads
+        .into_iter()
+        .map(|(r, op)| {
+            let (polls, task) = spawn_wait(op);
+            (polls, r, task)
+        })
+        .collect();
     for _ in 0..100 {
         tokio::task::yield_now().await;
     }
