@@ -398,6 +398,165 @@ async def test_exposures_and_small_reads_resolve_once_whichever_way(nc):
     print(f"resolved at the call, of 300: {at_call}")
 
 
+async def test_core_now_returns_the_outcome_or_an_awaitable(nc):
+    """With `now=True` a core call returns what is known at the call (the operation, None for a
+    finished wait, its error raised there), and an awaitable only for what is still pending: the
+    layer awaits only those. Each way gives the outcome the awaitable form gives."""
+    core = sys.modules[nc.__name__ + "._core"]
+    a, b = nc.Connector(), nc.Connector()
+    core_a = (await a._create_connection())._core
+    core_b = (await b._create_connection())._core
+    ways = {"exposure": [0, 0], "begin": [0, 0], "read wait": [0, 0], "readable wait": [0, 0]}
+
+    async def outcome(name, got, kind):
+        at_call = got is None or isinstance(got, kind)
+        ways[name][0 if at_call else 1] += 1
+        return got if at_call else await waited(got)
+
+    for i in range(200):
+        src = bytearray(pattern(4096, i))
+        dst = bytearray(4096)
+        readable = await outcome("exposure", core_a.create_readable([nc.Descriptor(src)._core_desc()], True),
+                                 core.Passive)
+        assert isinstance(readable, core.Passive)
+        op = await outcome("begin", core_b.begin_read(readable.metadata_json(),
+                                                      [nc.Descriptor(dst)._core_desc()], True), core.Active)
+        assert isinstance(op, core.Active)
+        assert await outcome("read wait", op.wait(30.0, True), type(None)) is None
+        assert await outcome("readable wait", readable.wait(30.0, True), type(None)) is None
+        assert dst == src, f"operation {i} moved other bytes"
+        readable.release()
+        op.release()
+    # An outcome known at the call that is an error is raised there, not handed over as a future.
+    with pytest.raises(core.CoreError) as e:
+        op.wait(1.0, True)
+    assert e.value.args[0] == "Cancelled"
+    readable = await waited(core_a.create_readable([nc.Descriptor(bytearray(4096))._core_desc()]))
+    try:
+        got = None
+        with pytest.raises(core.CoreError) as e:
+            got = core_b.begin_read(readable.metadata_json(), [nc.Descriptor(bytearray(100))._core_desc()], True)
+            await waited(got)  # only if the refusal came later than the call
+        assert e.value.args[0] == "DescriptorMismatch", e.value.args
+    finally:
+        readable.release()
+    # Which way each went depends on the machine's load: reported, not asserted.
+    print(f"(at the call, pending) of 200: {ways}")
+
+
+def _bent(md, nc, **change):
+    """`md` with fields changed past its model's validators (as a caller's own model could be)."""
+    sd = md.descriptors[0]
+    fields = dict(device=sd.device, ptr=sd.ptr, size=sd.size)
+    for k in ("device", "ptr", "size"):
+        if k in change:
+            fields[k] = change.pop(k)
+    descriptors = change.pop("descriptors", [nc.SerializedDescriptor.model_construct(**fields)])
+    return md.model_copy(update=dict(descriptors=descriptors, **change))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # pydantic's serializer warns of bent fields
+@pytest.mark.parametrize("change", [
+    {}, {"ptr": 0}, {"ptr": -5}, {"ptr": 2**70}, {"size": -1}, {"size": 2**64}, {"device": "cuda:x"},
+    {"device": "tpu"}, {"device": " CPU "}, {"operation_kind": 9}, {"operation_kind": 2},
+    {"operation_kind": 300}, {"nixl_metadata": ""}, {"nixl_metadata": "b64:!!"},
+    {"notification_key": ""}, {"descriptors": []},
+], ids=lambda c: ",".join(f"{k}={v!r}" for k, v in c.items()) or "unchanged")
+async def test_core_reads_metadata_models_as_their_json(nc, change):
+    """The layer hands the core the peer's `RdmaMetadata` model itself, whose fields the core
+    reads (no JSON per operation): a model that breaks any rule is refused exactly as its JSON is
+    (the same kind and message), and one that keeps them reads the same memory."""
+    core = sys.modules[nc.__name__ + "._core"]
+    a, b = nc.Connector(), nc.Connector()
+    core_b = (await b._create_connection())._core
+    results = []
+    for as_json in (False, True):
+        src = bytearray(pattern(4096, len(results)))
+        dst = bytearray(4096)
+        with await a.create_readable(nc.Descriptor(src)) as readable:
+            real = readable.metadata()
+            md = _bent(real, nc, **change)
+            given = md.model_dump_json() if as_json else md
+
+            def said(e):  # what differs between the two readables is not what is compared
+                text = e.args[1].replace(real.notification_key, "<key>")
+                return ("refused", e.args[0], text.replace(str(real.descriptors[0].ptr), "<ptr>"))
+
+            try:
+                op = core_b.begin_read(given, [nc.Descriptor(dst)._core_desc()], True)
+                if not isinstance(op, core.Active):
+                    op = await waited(op)
+            except core.CoreError as e:
+                results.append(said(e))
+                continue
+            try:
+                await waited(op.wait(30.0))
+                results.append(("read", dst == src))
+            except core.CoreError as e:
+                results.append(said(e))
+            finally:
+                op.release()
+    assert results[0] == results[1], results
+    if not change or change == {"device": " CPU "}:
+        assert results[0] == ("read", True), results
+    else:
+        assert results[0][0] == "refused", results
+
+
+def test_each_loop_of_a_thread_gets_its_own_completions(nc):
+    """The core remembers each thread's last event loop to find its completions quickly: a loop
+    that ends and a new one on the same thread (asyncio, then uvloop, and back), with the same
+    connectors, each get their own, so a wait that is pending (a reader that comes 50 ms later)
+    is woken through the loop that awaits it. A stale entry would wake a closed loop: a hang."""
+    import threading
+
+    a, b = nc.Connector(), nc.Connector()
+    done, failures = [], []
+
+    async def late_reader(i):
+        src, dst = bytearray(pattern(4096, i)), bytearray(4096)
+        with await a.create_readable(nc.Descriptor(src)) as readable:
+            async def read():
+                await asyncio.sleep(0.05)
+                with await b.begin_read(readable.metadata(), nc.Descriptor(dst)) as op:
+                    await op.wait_for_completion()
+            reader = asyncio.ensure_future(read())
+            await asyncio.wait_for(readable.wait_for_completion(), 10)
+            await asyncio.wait_for(reader, 10)
+        assert dst == src, f"loop {i} moved other bytes"
+        done.append(i)
+
+    def loops():
+        try:
+            import uvloop
+        except ImportError:
+            uvloop = None
+        kept = []  # ended loops stay alive (closed), so a stale entry would still point at one
+        try:
+            for i in range(6):
+                loop = (uvloop.new_event_loop() if i % 2 and uvloop is not None
+                        else asyncio.new_event_loop())
+                kept.append(loop)
+                asyncio.set_event_loop(loop)
+                try:
+                    loop.run_until_complete(late_reader(i))
+                finally:
+                    loop.close()
+        except BaseException as e:  # noqa: BLE001 - reported by the test's thread
+            failures.append(e)
+        finally:
+            asyncio.set_event_loop(None)
+
+    threads = [threading.Thread(target=loops) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a loop hung"
+    assert not failures, failures
+    assert sorted(done) == sorted(list(range(6)) * 2)
+
+
 # --------------------------------------------------------------------------- waits that stay awake
 
 WAIT_SPIN_CODE = r"""

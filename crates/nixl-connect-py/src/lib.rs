@@ -13,14 +13,16 @@
 //! # How coroutines complete
 //!
 //! The Rust futures are polled on their asyncio loop's own thread, with the GIL held (a poll never
-//! blocks): twice when the coroutine is called, before and after its asyncio future is made (a
-//! future that is ready by then, like waiting for a finished transfer or an exposure a hot engine
-//! answered meanwhile, costs no trip through the loop), then whenever it is woken. A waker, called
+//! blocks): twice when the coroutine is called, before an asyncio future is made (a future that
+//! is ready by then, like waiting for a finished transfer or an exposure a hot engine answered
+//! meanwhile, costs no trip through the loop; the Python layer then takes the outcome itself, with
+//! no future at all), then whenever it is woken. A waker, called
 //! by the engine thread or a timer without the GIL, queues the task on its loop's `Completions`
 //! and writes one byte to a socket the loop watches (`loop.add_reader`). So no thread of ours ever
 //! takes the GIL (a thread that does while Python finalizes crashes the process), and a completion
 //! costs one wake-up of the loop. Timers run on a one-thread tokio runtime of this module's own.
 //! Cancelling the awaiting Python task drops the Rust future (each operation is cancel safe).
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io::{Read, Write};
@@ -33,13 +35,15 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use nixl_connect::{
-    Descriptor, Device, Error, ErrorKind, RdmaMetadata, ReadOperation, ReadableOperation, TransferPath,
-    WritableOperation, WriteOperation,
+    Descriptor, Device, Error, ErrorKind, RdmaMetadata, ReadOperation, ReadableOperation,
+    SerializedDescriptor, TransferPath, WritableOperation, WriteOperation,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyList, PyString, PyWeakrefMethods, PyWeakrefReference};
 
 create_exception!(
     _core,
@@ -317,55 +321,134 @@ impl Connector {
         Ok(d)
     }
 
-    fn create_readable<'py>(&self, py: Python<'py>, descs: Vec<PyDesc>) -> PyResult<Bound<'py, PyAny>> {
+    /// Exposes `descs` for a peer to read: an awaitable of a `Passive` (see [`Now`] for `now`).
+    #[pyo3(signature = (descs, now=false))]
+    fn create_readable<'py>(
+        &self,
+        py: Python<'py>,
+        descs: Vec<PyDesc>,
+        now: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let descs = descriptors(descs)?;
         let conn = self.inner.get()?.clone();
-        spawn_local(py, async move {
-            let op = conn.create_readable(descs).await?;
-            Ok(Outcome::Passive(Passive::new(PassiveOp::Readable(op))))
-        })
+        spawn_local(
+            py,
+            async move {
+                let op = conn.create_readable(descs).await?;
+                Ok(Outcome::Passive(Passive::new(PassiveOp::Readable(op))))
+            },
+            Now(now),
+        )
     }
 
-    fn create_writable<'py>(&self, py: Python<'py>, descs: Vec<PyDesc>) -> PyResult<Bound<'py, PyAny>> {
+    /// Exposes `descs` for a peer to write: an awaitable of a `Passive` (see [`Now`] for `now`).
+    #[pyo3(signature = (descs, now=false))]
+    fn create_writable<'py>(
+        &self,
+        py: Python<'py>,
+        descs: Vec<PyDesc>,
+        now: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let descs = descriptors(descs)?;
         let conn = self.inner.get()?.clone();
-        spawn_local(py, async move {
-            let op = conn.create_writable(descs).await?;
-            Ok(Outcome::Passive(Passive::new(PassiveOp::Writable(op))))
-        })
+        spawn_local(
+            py,
+            async move {
+                let op = conn.create_writable(descs).await?;
+                Ok(Outcome::Passive(Passive::new(PassiveOp::Writable(op))))
+            },
+            Now(now),
+        )
     }
 
+    /// Reads the peer's memory that `metadata` (its JSON, or the Python layer's `RdmaMetadata`:
+    /// see [`peer_metadata`]) describes into `descs`: an awaitable of an `Active` (see [`Now`]).
+    #[pyo3(signature = (metadata, descs, now=false))]
     fn begin_read<'py>(
         &self,
         py: Python<'py>,
-        metadata_json: &str,
+        metadata: &Bound<'py, PyAny>,
         descs: Vec<PyDesc>,
+        now: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let md: RdmaMetadata = metadata_json.parse().map_err(err)?;
+        let md = peer_metadata(metadata)?;
         let descs = descriptors(descs)?;
         let quick = is_quick(&descs);
         let conn = self.inner.get()?.clone();
-        spawn(py, async move {
-            let op = conn.begin_read(&md, descs).await?;
-            Ok(Outcome::Active(Active::new(ActiveOp::Read(op), quick)))
-        })
+        spawn(
+            py,
+            async move {
+                let op = conn.begin_read(&md, descs).await?;
+                Ok(Outcome::Active(Active::new(ActiveOp::Read(op), quick)))
+            },
+            Now(now),
+        )
     }
 
+    /// Writes `descs` into the peer's memory that `metadata` describes (as in `begin_read`).
+    #[pyo3(signature = (descs, metadata, now=false))]
     fn begin_write<'py>(
         &self,
         py: Python<'py>,
         descs: Vec<PyDesc>,
-        metadata_json: &str,
+        metadata: &Bound<'py, PyAny>,
+        now: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let md: RdmaMetadata = metadata_json.parse().map_err(err)?;
+        let md = peer_metadata(metadata)?;
         let descs = descriptors(descs)?;
         let quick = is_quick(&descs);
         let conn = self.inner.get()?.clone();
-        spawn(py, async move {
-            let op = conn.begin_write(descs, &md).await?;
-            Ok(Outcome::Active(Active::new(ActiveOp::Write(op), quick)))
-        })
+        spawn(
+            py,
+            async move {
+                let op = conn.begin_write(descs, &md).await?;
+                Ok(Outcome::Active(Active::new(ActiveOp::Write(op), quick)))
+            },
+            Now(now),
+        )
     }
+}
+
+/// A peer's metadata as the Python layer hands it: its JSON text, or its pydantic `RdmaMetadata`,
+/// whose fields are read here one by one (sparing a `model_dump_json()` and a parse per
+/// operation). A model whose fields do not read as the core's types, or break a rule, takes the
+/// JSON path after all, so that every refusal is the one its JSON would get (the same kind,
+/// field and message).
+fn peer_metadata(metadata: &Bound<'_, PyAny>) -> PyResult<RdmaMetadata> {
+    if let Ok(text) = metadata.cast::<PyString>() {
+        return text.to_cow()?.parse().map_err(err);
+    }
+    if let Some(md) = metadata_fields(metadata).filter(|md| md.validate().is_ok()) {
+        return Ok(md);
+    }
+    let json: String = metadata
+        .call_method0(intern!(metadata.py(), "model_dump_json"))?
+        .extract()?;
+    json.parse().map_err(err)
+}
+
+/// The model's fields as the core's types, or `None` at the first that does not read as one.
+fn metadata_fields(md: &Bound<'_, PyAny>) -> Option<RdmaMetadata> {
+    let py = md.py();
+    let list = md.getattr(intern!(py, "descriptors")).ok()?;
+    let list = list.cast::<PyList>().ok()?;
+    let mut descriptors = Vec::with_capacity(list.len());
+    for d in list.iter() {
+        let device = d.getattr(intern!(py, "device")).ok()?;
+        let device: Device = device.cast::<PyString>().ok()?.to_cow().ok()?.parse().ok()?;
+        let ptr: u64 = d.getattr(intern!(py, "ptr")).ok()?.extract().ok()?;
+        let size: u64 = d.getattr(intern!(py, "size")).ok()?.extract().ok()?;
+        if ptr == 0 {
+            return None;
+        }
+        descriptors.push(SerializedDescriptor { device, ptr, size });
+    }
+    Some(RdmaMetadata {
+        descriptors,
+        nixl_metadata: md.getattr(intern!(py, "nixl_metadata")).ok()?.extract().ok()?,
+        notification_key: md.getattr(intern!(py, "notification_key")).ok()?.extract().ok()?,
+        operation_kind: md.getattr(intern!(py, "operation_kind")).ok()?.extract().ok()?,
+    })
 }
 
 enum PassiveOp {
@@ -448,17 +531,22 @@ impl Passive {
         })
     }
 
-    /// Waits for the peer (`timeout` in seconds, None: no limit); cancel safe.
-    #[pyo3(signature = (timeout=None))]
-    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
+    /// Waits for the peer (`timeout` in seconds, None: no limit); cancel safe. See [`Now`] for
+    /// `now`.
+    #[pyo3(signature = (timeout=None, now=false))]
+    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>, now: bool) -> PyResult<Bound<'py, PyAny>> {
         let t = self::timeout(timeout)?;
         let op = self.get()?;
-        spawn(py, async move {
-            match op {
-                Some(op) => op.wait(t).await.map(|()| Outcome::Done),
-                None => Err(Error::Cancelled),
-            }
-        })
+        spawn(
+            py,
+            async move {
+                match op {
+                    Some(op) => op.wait(t).await.map(|()| Outcome::Done),
+                    None => Err(Error::Cancelled),
+                }
+            },
+            Now(now),
+        )
     }
 
     fn cancel(&self) -> PyResult<()> {
@@ -595,8 +683,9 @@ impl Active {
     /// A small operation over host memory that has not taken the NIXL path ([`QUICK_BYTES`]: one
     /// round trip on the same-host path) is waited for at the call for up to [`LOCAL_WAIT`] (or
     /// `timeout`, if shorter), the GIL held, for as long as it does not turn out to take NIXL.
-    #[pyo3(signature = (timeout=None))]
-    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyAny>> {
+    /// See [`Now`] for `now`.
+    #[pyo3(signature = (timeout=None, now=false))]
+    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>, now: bool) -> PyResult<Bound<'py, PyAny>> {
         let t = self::timeout(timeout)?;
         let op = self.get()?;
         let watched = op.clone().filter(|_| self.quick);
@@ -610,9 +699,9 @@ impl Active {
             Some(op) => {
                 let limit = t.map_or(LOCAL_WAIT, |t| t.min(LOCAL_WAIT));
                 let quick = move || op.path_taken() != Some(TransferPath::Nixl);
-                spawn_within(py, work, Some((limit, &quick)))
+                spawn_within(py, work, Some((limit, &quick)), Now(now))
             }
-            None => spawn(py, work),
+            None => spawn(py, work, Now(now)),
         }
     }
 
@@ -716,24 +805,32 @@ impl Task {
         }
     }
 
-    /// Polls the future (on the loop's thread, GIL held; polls never block); resolves the asyncio
-    /// future once it is ready. `dequeued`: the loop took the task from its queue, so a wake-up
-    /// from now on queues it again; a poll at the call leaves `queued` as it is (a task woken
-    /// meanwhile is in the queue already, and queueing it twice would poll it twice a turn).
-    fn run(self: &Arc<Self>, py: Python<'_>, rt: &tokio::runtime::Runtime, dequeued: bool) {
-        if dequeued {
-            self.queued.store(false, Ordering::Release);
-        }
+    /// Polls the future once with this task as its waker (on the loop's thread, GIL held; polls
+    /// never block): its result once it is ready (the future is then dropped), else `None`. It
+    /// leaves `queued` as it is: a task woken meanwhile is in the queue already, and queueing it
+    /// twice would poll it twice a turn.
+    fn poll_here(self: &Arc<Self>, rt: &tokio::runtime::Runtime) -> Option<Result<Outcome, Error>> {
         let mut slot = lock(&self.work);
-        let Some(work) = slot.as_mut() else { return };
+        let work = slot.as_mut()?;
         let waker = Waker::from(self.clone());
         let poll = {
             let _timers = rt.enter();
             work.as_mut().poll(&mut Context::from_waker(&waker))
         };
-        if let Poll::Ready(result) = poll {
-            *slot = None;
-            drop(slot);
+        match poll {
+            Poll::Ready(result) => {
+                *slot = None;
+                Some(result)
+            }
+            Poll::Pending => None,
+        }
+    }
+
+    /// The loop's poll of a task it took from its queue (so a wake-up from now on queues it
+    /// again): resolves the asyncio future once the work is ready.
+    fn run(self: &Arc<Self>, py: Python<'_>, rt: &tokio::runtime::Runtime) {
+        self.queued.store(false, Ordering::Release);
+        if let Some(result) = self.poll_here(rt) {
             if let Some(target) = lock(&self.target).take() {
                 resolve(target.bind(py), result.unwrap_or_else(Outcome::Failed));
             }
@@ -789,7 +886,7 @@ impl Completions {
         let rt = runtime()?;
         let ready = std::mem::take(&mut *lock(&self.queue.ready));
         for task in ready {
-            task.run(py, rt, true);
+            task.run(py, rt);
         }
         Ok(())
     }
@@ -831,8 +928,32 @@ impl Abort {
     }
 }
 
+thread_local! {
+    /// This thread's last event loop (weakly: a closed loop is not kept alive) and its
+    /// `Completions`. A thread runs one loop at a time, so this answers nearly every lookup with a
+    /// comparison, where the loops' `WeakKeyDictionary` makes a weak reference per call.
+    static LAST_LOOP: RefCell<Option<(Py<PyWeakrefReference>, Py<Completions>)>> = const { RefCell::new(None) };
+}
+
 /// The running loop's `Completions`, created and registered with the loop the first time.
 fn completions<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Completions>> {
+    let last = LAST_LOOP.with(|last| {
+        let last = last.borrow();
+        let (weak, c) = last.as_ref()?;
+        let target = weak.bind(py).upgrade()?;
+        target.is(event_loop).then(|| c.bind(py).clone())
+    });
+    if let Some(c) = last {
+        return Ok(c);
+    }
+    let c = completions_of(py, event_loop)?;
+    let weak = PyWeakrefReference::new(event_loop)?.unbind();
+    LAST_LOOP.with(|last| *last.borrow_mut() = Some((weak, c.clone().unbind())));
+    Ok(c)
+}
+
+/// [`completions`] found in (or added to) the table of every loop's.
+fn completions_of<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Completions>> {
     static LOOPS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let loops = LOOPS
         .get_or_try_init(py, || {
@@ -867,19 +988,48 @@ fn completions<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult
     Ok(c)
 }
 
-/// Returns an asyncio future of the running loop that `work` resolves.
+/// Whether a coroutine-like call of this module may return its outcome itself when it is known
+/// before an asyncio future is needed: the operation (`Passive`, `Active`), `None` for a finished
+/// wait, or its error raised at the call. The Python layer asks for it on every call and awaits
+/// only what is not an outcome, which spares a small operation's calls the making, resolving and
+/// awaiting of a future each (about 2 us a call here). Without it every call returns an awaitable,
+/// as a coroutine would.
+#[derive(Clone, Copy)]
+struct Now(bool);
+
+/// What an outcome known at the call becomes: itself under [`Now`], else a resolved future.
+fn known<'py>(
+    event_loop: &Bound<'py, PyAny>,
+    result: Result<Outcome, Error>,
+    now: Now,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = event_loop.py();
+    if !now.0 {
+        let future = event_loop.call_method0(intern!(py, "create_future"))?;
+        resolve(&future, result.unwrap_or_else(Outcome::Failed));
+        return Ok(future);
+    }
+    match result {
+        Ok(Outcome::Done) => Ok(py.None().into_bound(py)),
+        Ok(Outcome::Passive(p)) => Ok(Bound::new(py, p)?.into_any()),
+        Ok(Outcome::Active(a)) => Ok(Bound::new(py, a)?.into_any()),
+        Ok(Outcome::Failed(e)) | Err(e) => Err(err(e)),
+    }
+}
+
+/// Returns an asyncio future of the running loop that `work` resolves (or, under [`Now`], the
+/// outcome itself when it is known before a future is needed).
 ///
 /// `work` is polled once before anything else (which starts it: an operation's command reaches
-/// its engine), then again once the loop's future is made. A future that is ready at once, like
-/// waiting for a finished transfer, resolves without a trip through the loop; so does one that
-/// became ready meanwhile, like an exposure a hot engine answered while the future was being made
-/// (a trip through the loop costs a wake-up of its thread and two turns of the loop). After that
+/// its engine), then again with its waker. A future that is ready by then, like waiting for a
+/// finished transfer, or an exposure a hot engine answered meanwhile, resolves without a trip
+/// through the loop (a trip costs a wake-up of its thread and two turns of the loop). After that
 /// it is polled on the loop's thread whenever it is woken.
-fn spawn<'py, F>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
+fn spawn<'py, F>(py: Python<'py>, work: F, now: Now) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,
 {
-    spawn_within(py, work, None)
+    spawn_within(py, work, None, now)
 }
 
 /// The longest the loop's thread waits at the call for an answer that takes no more than one turn
@@ -888,21 +1038,26 @@ where
 /// pending future instead.
 const LOCAL_WAIT: Duration = Duration::from_micros(50);
 
-/// [`spawn`] for work that no peer takes part in: when the engine has not answered by the time the
-/// asyncio future is made, the loop's thread waits up to [`LOCAL_WAIT`] for it (yielding its core
-/// to the engine), which spares the loop the wake-up of its thread and two of its turns.
-fn spawn_local<'py, F>(py: Python<'py>, work: F) -> PyResult<Bound<'py, PyAny>>
+/// [`spawn`] for work that no peer takes part in: when the engine has not answered after the
+/// first polls, the loop's thread waits up to [`LOCAL_WAIT`] for it (yielding its core to the
+/// engine), which spares the loop the wake-up of its thread and two of its turns.
+fn spawn_local<'py, F>(py: Python<'py>, work: F, now: Now) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,
 {
-    spawn_within(py, work, Some((LOCAL_WAIT, &|| true)))
+    spawn_within(py, work, Some((LOCAL_WAIT, &|| true)), now)
 }
 
 /// How long the loop's thread may wait at the call, and while what holds.
 type LocalWait<'a> = Option<(Duration, &'a dyn Fn() -> bool)>;
 
 /// [`spawn`], waiting at the call as `local` says (see [`spawn_local`]).
-fn spawn_within<'py, F>(py: Python<'py>, work: F, local: LocalWait<'_>) -> PyResult<Bound<'py, PyAny>>
+fn spawn_within<'py, F>(
+    py: Python<'py>,
+    work: F,
+    local: LocalWait<'_>,
+    now: Now,
+) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,
 {
@@ -916,36 +1071,42 @@ where
         .call0()?;
     let rt = runtime()?;
     let mut work: Work = Box::pin(work);
-    // The first poll only starts the work: the second, below, registers the waker that counts.
-    // Should making the future fail in between, dropping `work` ends what it started (every
+    // The first poll only starts the work: the next, with the task's waker, is the one whose
+    // wake-ups count. Should anything fail after it, dropping `work` ends what it started (every
     // operation is cancel safe).
     let first = {
         let _timers = rt.enter();
         work.as_mut().poll(&mut Context::from_waker(Waker::noop()))
     };
-    let future = event_loop.call_method0("create_future")?;
     if let Poll::Ready(result) = first {
-        resolve(&future, result.unwrap_or_else(Outcome::Failed));
-        return Ok(future);
+        return known(&event_loop, result, now);
     }
     let queue = completions(py, &event_loop)?.get().queue.clone();
     let task = Arc::new(Task {
         work: Mutex::new(Some(work)),
-        target: Mutex::new(Some(future.clone().unbind())),
+        target: Mutex::new(None),
         queued: AtomicBool::new(false),
         queue,
     });
-    task.run(py, rt, false);
+    // Until the asyncio future exists only this thread polls the task: the loop's `drain`, which
+    // runs on this thread, cannot run before this call returns.
+    if let Some(result) = task.poll_here(rt) {
+        return known(&event_loop, result, now);
+    }
     if let Some((limit, keep)) = local {
         // The GIL stays held: no thread of the module takes it, and releasing it could hand it to
         // another Python thread for a whole switch interval (5 ms) before this one got it back.
-        if !future.call_method0("done")?.is_truthy()? && task.woken_within(limit, keep) {
-            task.run(py, rt, false);
+        if task.woken_within(limit, keep) {
+            if let Some(result) = task.poll_here(rt) {
+                return known(&event_loop, result, now);
+            }
         }
     }
-    if !future.call_method0("done")?.is_truthy()? {
-        future.call_method1("add_done_callback", (Abort(task),))?;
-    }
+    // Pending: from here on the loop polls the task when it is woken (a wake-up since the last
+    // poll has queued it already) and resolves this future.
+    let future = event_loop.call_method0(intern!(py, "create_future"))?;
+    *lock(&task.target) = Some(future.clone().unbind());
+    future.call_method1(intern!(py, "add_done_callback"), (Abort(task),))?;
     Ok(future)
 }
 

@@ -46,6 +46,10 @@ from ._types import (
 )
 
 CoreError = _core.CoreError
+# The core's operations, as its calls return them when they are known at the call (`now=True`:
+# the operation itself, or None for a finished wait, instead of an awaitable to await).
+_CoreActive = _core.Active
+_CorePassive = _core.Passive
 
 _LOCAL_TYPE_MESSAGE = ("Argument `local_descriptors` must be `nixl_connect.Descriptor` or "
                        "`list[nixl_connect.Descriptor]`.")
@@ -369,7 +373,8 @@ class AbstractOperation(ABC):
             raise TypeError("Argument `connection` must be `nixl_connect.Connection`.")
         local = _checked if _checked is not None else _local_list(local_descriptors)
         self._connection = connection
-        self._operation_kind = OperationKind(operation_kind)
+        self._operation_kind = (operation_kind if type(operation_kind) is OperationKind
+                                else OperationKind(operation_kind))
         self._local = local
         if self._local_is_destination():
             for d in local:
@@ -515,13 +520,16 @@ class ActiveOperation(AbstractOperation):
         if self._released:
             raise RuntimeError("The operation has been released.")
         descs = self._descs()
-        md_json = self._remote_metadata.model_dump_json()
+        # The model itself: the core reads its fields (no JSON round trip per operation).
+        md = self._remote_metadata
         conn = self._connection._core
         try:
             if self._operation_kind == OperationKind.READ:
-                core = await conn.begin_read(md_json, descs)
+                core = conn.begin_read(md, descs, True)
             else:
-                core = await conn.begin_write(descs, md_json)
+                core = conn.begin_write(descs, md, True)
+            if type(core) is not _CoreActive:
+                core = await core
         except CoreError as e:
             raise from_core(e) from None
         self._core = core
@@ -578,9 +586,12 @@ class ActiveOperation(AbstractOperation):
             await self._start()
         core = self._core
         try:
-            # Already complete (a small read often is by now): no future, no trip through the loop.
+            # Already complete (a small read often is by now): no future, no trip through the loop;
+            # nor when the core sees it complete at the call (None).
             if core.status() != _COMPLETE:
-                await core.wait(timeout)
+                pending = core.wait(timeout, True)
+                if pending is not None:
+                    await pending
         except CoreError as e:
             err = from_core(e)
             if err.kind == "Cancelled":
@@ -659,9 +670,11 @@ class PassiveOperation(AbstractOperation):
         conn = self._connection._core
         try:
             if self._operation_kind == OperationKind.READ:
-                core = await conn.create_readable(descs)
+                core = conn.create_readable(descs, True)
             else:
-                core = await conn.create_writable(descs)
+                core = conn.create_writable(descs, True)
+            if type(core) is not _CorePassive:
+                core = await core
         except CoreError as e:
             raise from_core(e) from None
         self._core = core
@@ -728,9 +741,11 @@ class PassiveOperation(AbstractOperation):
         core = self._core
         try:
             # Already complete (the owner of a small read completes when its answer leaves): no
-            # future, no trip through the loop.
+            # future, no trip through the loop; nor when the core sees it complete at the call.
             if core.status() != _COMPLETE:
-                await core.wait(timeout)
+                pending = core.wait(timeout, True)
+                if pending is not None:
+                    await pending
         except CoreError as e:
             err = from_core(e)
             if err.kind == "Cancelled" and self._released:
