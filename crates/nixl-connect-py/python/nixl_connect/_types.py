@@ -115,9 +115,12 @@ class Device:
         return f"Device(kind={self._kind}, id={self._id})"
 
     def __str__(self) -> str:
-        if self._kind in (DeviceKind.CUDA, DeviceKind.XPU):
-            return f"{self._kind}:{self._id}"
-        return str(self._kind)
+        kind = self._kind
+        if kind is DeviceKind.HOST:  # every host descriptor of every operation asks: no formatting
+            return "cpu"
+        if kind in (DeviceKind.CUDA, DeviceKind.XPU):
+            return f"{kind}:{self._id}"
+        return str(kind)
 
     @property
     def id(self) -> int:
