@@ -1,0 +1,423 @@
+//! How the core's Rust futures complete Python's awaits: polled on their asyncio loop's own
+//! thread with the GIL held, woken by the engines through a socket the loop watches (see the
+//! crate's docs), or answered at the call.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::future::Future;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use nixl_connect::Error;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::pyclass_init::PyClassInitializer;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyWeakrefMethods, PyWeakrefReference};
+use pyo3::PyClass;
+
+use crate::errors::{err, CoreError};
+use crate::forks::FORKS;
+
+/// What a finished Rust future hands its asyncio future.
+pub(crate) enum Outcome {
+    /// A wait that ended: `None` in Python.
+    Done,
+    /// A Python object, made on the loop's thread with the GIL held (an operation's handle).
+    Object(MakeObject),
+    /// An error: raised in Python as `CoreError`.
+    Failed(Error),
+}
+
+/// Makes an outcome's Python object once the GIL is held.
+pub(crate) type MakeObject = Box<dyn for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, PyAny>> + Send>;
+
+impl Outcome {
+    /// `value`, a `#[pyclass]` value, as the object the await returns.
+    pub(crate) fn object<T>(value: T) -> Self
+    where
+        T: PyClass + Into<PyClassInitializer<T>> + Send + 'static,
+    {
+        Outcome::Object(Box::new(move |py| Ok(Bound::new(py, value)?.into_any())))
+    }
+}
+
+type Work = Pin<Box<dyn Future<Output = Result<Outcome, Error>> + Send>>;
+
+/// The runtime whose driver serves the futures' timers (and any task they spawn); the futures
+/// themselves are polled on their event loop's thread.
+///
+/// One per process: a child of `fork()` has none of its parent's threads, so it starts its own
+/// (the parent's is leaked there, never dropped).
+pub(crate) fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    static RT: Mutex<Option<(u64, &'static tokio::runtime::Runtime)>> = Mutex::new(None);
+    let image = FORKS.load(Ordering::Relaxed);
+    let mut slot = lock(&RT);
+    if let Some((p, rt)) = *slot {
+        if p == image {
+            return Ok(rt);
+        }
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("nixl-connect-py")
+        .enable_all()
+        .build()
+        .map_err(|e| CoreError::new_err(("Io", format!("cannot start the tokio runtime: {e}"))))?;
+    let rt: &'static tokio::runtime::Runtime = Box::leak(Box::new(rt));
+    *slot = Some((image, rt));
+    Ok(rt)
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One Rust future and the asyncio future it resolves.
+struct Task {
+    work: Mutex<Option<Work>>,
+    /// Touched only on the loop's thread with the GIL held (moved, never cloned, elsewhere).
+    target: Mutex<Option<Py<PyAny>>>,
+    queued: AtomicBool,
+    queue: Arc<Queue>,
+}
+
+impl Wake for Task {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    /// Called from any thread (the engine's, a timer's), never with the GIL: queues the task for
+    /// its loop's thread.
+    fn wake_by_ref(self: &Arc<Self>) {
+        if !self.queued.swap(true, Ordering::AcqRel) {
+            self.queue.push(self.clone());
+        }
+    }
+}
+
+impl Task {
+    /// Whether the task is woken within `limit`, while `keep` holds (both checked between yields
+    /// of this thread's core, so an engine thread that shares it runs; on a busy host one yield
+    /// may take a time slice).
+    fn woken_within(&self, limit: Duration, keep: &dyn Fn() -> bool) -> bool {
+        let until = Instant::now() + limit;
+        loop {
+            if self.queued.load(Ordering::Acquire) {
+                return true;
+            }
+            if Instant::now() >= until || !keep() {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Polls the future once with this task as its waker (on the loop's thread, GIL held; polls
+    /// never block): its result once it is ready (the future is then dropped), else `None`. It
+    /// leaves `queued` as it is: a task woken meanwhile is in the queue already, and queueing it
+    /// twice would poll it twice a turn.
+    fn poll_here(self: &Arc<Self>, rt: &tokio::runtime::Runtime) -> Option<Result<Outcome, Error>> {
+        let mut slot = lock(&self.work);
+        let work = slot.as_mut()?;
+        let waker = Waker::from(self.clone());
+        let poll = {
+            let _timers = rt.enter();
+            work.as_mut().poll(&mut Context::from_waker(&waker))
+        };
+        match poll {
+            Poll::Ready(result) => {
+                *slot = None;
+                Some(result)
+            }
+            Poll::Pending => None,
+        }
+    }
+
+    /// The loop's poll of a task it took from its queue (so a wake-up from now on queues it
+    /// again): resolves the asyncio future once the work is ready.
+    fn run(self: &Arc<Self>, py: Python<'_>, rt: &tokio::runtime::Runtime) {
+        self.queued.store(false, Ordering::Release);
+        if let Some(result) = self.poll_here(rt) {
+            if let Some(target) = lock(&self.target).take() {
+                resolve(target.bind(py), result.unwrap_or_else(Outcome::Failed));
+            }
+        }
+    }
+}
+
+/// Tasks woken since the loop last drained them, and the socket that wakes the loop.
+struct Queue {
+    ready: Mutex<VecDeque<Arc<Task>>>,
+    signal: UnixStream,
+}
+
+impl Queue {
+    fn push(&self, task: Arc<Task>) {
+        let mut ready = lock(&self.ready);
+        let was_empty = ready.is_empty();
+        ready.push_back(task);
+        drop(ready);
+        if was_empty {
+            // One byte per batch: the loop empties the socket before it takes the queue, so a task
+            // queued after that finds the queue empty and writes again. WouldBlock means unread
+            // bytes are there already; any other error leaves the task queued for the next wake.
+            let _ = (&self.signal).write(&[1]);
+        }
+    }
+}
+
+/// One asyncio loop's executor (internal; created on the loop's first coroutine).
+#[pyclass(frozen, module = "nixl_connect._core")]
+pub(crate) struct Completions {
+    queue: Arc<Queue>,
+    wake: UnixStream,
+}
+
+#[pymethods]
+impl Completions {
+    /// The socket the loop watches.
+    fn fileno(&self) -> i32 {
+        self.wake.as_raw_fd()
+    }
+
+    /// Polls every woken task (the loop's reader callback).
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        let mut buf = [0u8; 256];
+        loop {
+            match (&self.wake).read(&mut buf) {
+                Ok(n) if n == buf.len() => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                _ => break,
+            }
+        }
+        let rt = runtime()?;
+        let ready = std::mem::take(&mut *lock(&self.queue.ready));
+        for task in ready {
+            task.run(py, rt);
+        }
+        Ok(())
+    }
+}
+
+/// Sets an asyncio future's result or exception (skipped if it was cancelled meanwhile: the
+/// outcome, an operation for instance, is then dropped, which releases it).
+fn resolve(future: &Bound<'_, PyAny>, outcome: Outcome) {
+    let py = future.py();
+    if future
+        .call_method0("done")
+        .and_then(|d| d.is_truthy())
+        .unwrap_or(true)
+    {
+        return;
+    }
+    let set = match outcome {
+        Outcome::Done => future.call_method1("set_result", (py.None(),)),
+        Outcome::Object(make) => make(py).and_then(|o| future.call_method1("set_result", (o,))),
+        Outcome::Failed(e) => future.call_method1("set_exception", (err(e).into_value(py),)),
+    };
+    if let Err(e) = set {
+        e.write_unraisable(py, Some(future));
+    }
+}
+
+/// Drops the Rust future when its asyncio future is done (a no-op unless it was cancelled:
+/// a resolved task has dropped its future already).
+#[pyclass(frozen, module = "nixl_connect._core")]
+struct Abort(Arc<Task>);
+
+#[pymethods]
+impl Abort {
+    fn __call__(&self, _future: &Bound<'_, PyAny>) {
+        let work = lock(&self.0.work).take();
+        drop(work);
+        drop(lock(&self.0.target).take());
+    }
+}
+
+thread_local! {
+    /// This thread's last event loop (weakly: a closed loop is not kept alive) and its
+    /// `Completions`. A thread runs one loop at a time, so this answers nearly every lookup with a
+    /// comparison, where the loops' `WeakKeyDictionary` makes a weak reference per call.
+    static LAST_LOOP: RefCell<Option<(Py<PyWeakrefReference>, Py<Completions>)>> = const { RefCell::new(None) };
+}
+
+/// The running loop's `Completions`, created and registered with the loop the first time.
+fn completions<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Completions>> {
+    let last = LAST_LOOP.with(|last| {
+        let last = last.borrow();
+        let (weak, c) = last.as_ref()?;
+        let target = weak.bind(py).upgrade()?;
+        target.is(event_loop).then(|| c.bind(py).clone())
+    });
+    if let Some(c) = last {
+        return Ok(c);
+    }
+    let c = completions_of(py, event_loop)?;
+    let weak = PyWeakrefReference::new(event_loop)?.unbind();
+    LAST_LOOP.with(|last| *last.borrow_mut() = Some((weak, c.clone().unbind())));
+    Ok(c)
+}
+
+/// [`completions`] found in (or added to) the table of every loop's.
+fn completions_of<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Completions>> {
+    static LOOPS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let loops = LOOPS
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(
+                py.import("weakref")?
+                    .getattr("WeakKeyDictionary")?
+                    .call0()?
+                    .unbind(),
+            )
+        })?
+        .bind(py);
+    if let Ok(c) = loops
+        .call_method1("get", (event_loop,))?
+        .cast_into::<Completions>()
+    {
+        return Ok(c);
+    }
+    let (wake, signal) = UnixStream::pair()
+        .and_then(|(a, b)| {
+            a.set_nonblocking(true)?;
+            b.set_nonblocking(true)?;
+            Ok((a, b))
+        })
+        .map_err(|e| CoreError::new_err(("Io", format!("cannot create the completion socket: {e}"))))?;
+    let queue = Arc::new(Queue {
+        ready: Mutex::new(VecDeque::new()),
+        signal,
+    });
+    let c = Bound::new(py, Completions { queue, wake })?;
+    event_loop.call_method1("add_reader", (c.get().fileno(), c.getattr("drain")?))?;
+    loops.set_item(event_loop, &c)?;
+    Ok(c)
+}
+
+/// Whether a coroutine-like call of this module may return its outcome itself when it is known
+/// before an asyncio future is needed: the operation (`Passive`, `Active`), `None` for a finished
+/// wait, or its error raised at the call. The Python layer asks for it on every call and awaits
+/// only what is not an outcome, which spares a small operation's calls the making, resolving and
+/// awaiting of a future each (about 2 us a call here). Without it every call returns an awaitable,
+/// as a coroutine would.
+#[derive(Clone, Copy)]
+pub(crate) struct Now(pub(crate) bool);
+
+/// What an outcome known at the call becomes: itself under [`Now`], else a resolved future.
+fn known<'py>(
+    event_loop: &Bound<'py, PyAny>,
+    result: Result<Outcome, Error>,
+    now: Now,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = event_loop.py();
+    if !now.0 {
+        let future = event_loop.call_method0(intern!(py, "create_future"))?;
+        resolve(&future, result.unwrap_or_else(Outcome::Failed));
+        return Ok(future);
+    }
+    match result {
+        Ok(Outcome::Done) => Ok(py.None().into_bound(py)),
+        Ok(Outcome::Object(make)) => make(py),
+        Ok(Outcome::Failed(e)) | Err(e) => Err(err(e)),
+    }
+}
+
+/// Returns an asyncio future of the running loop that `work` resolves (or, under [`Now`], the
+/// outcome itself when it is known before a future is needed).
+///
+/// `work` is polled once before anything else (which starts it: an operation's command reaches
+/// its engine), then again with its waker. A future that is ready by then, like waiting for a
+/// finished transfer, or an exposure a hot engine answered meanwhile, resolves without a trip
+/// through the loop (a trip costs a wake-up of its thread and two turns of the loop). After that
+/// it is polled on the loop's thread whenever it is woken.
+pub(crate) fn spawn<'py, F>(py: Python<'py>, work: F, now: Now) -> PyResult<Bound<'py, PyAny>>
+where
+    F: Future<Output = Result<Outcome, Error>> + Send + 'static,
+{
+    spawn_within(py, work, None, now)
+}
+
+/// The longest the loop's thread waits at the call for an answer that takes no more than one turn
+/// of this process's engine (an exposure: registering the memory and making its metadata) or one
+/// round trip between two engines (a small same-host operation), before it hands the loop a
+/// pending future instead.
+pub(crate) const LOCAL_WAIT: Duration = Duration::from_micros(50);
+
+/// [`spawn`] for work that no peer takes part in: when the engine has not answered after the
+/// first polls, the loop's thread waits up to [`LOCAL_WAIT`] for it (yielding its core to the
+/// engine), which spares the loop the wake-up of its thread and two of its turns.
+pub(crate) fn spawn_local<'py, F>(py: Python<'py>, work: F, now: Now) -> PyResult<Bound<'py, PyAny>>
+where
+    F: Future<Output = Result<Outcome, Error>> + Send + 'static,
+{
+    spawn_within(py, work, Some((LOCAL_WAIT, &|| true)), now)
+}
+
+/// How long the loop's thread may wait at the call, and while what holds.
+type LocalWait<'a> = Option<(Duration, &'a dyn Fn() -> bool)>;
+
+/// [`spawn`], waiting at the call as `local` says (see [`spawn_local`]).
+pub(crate) fn spawn_within<'py, F>(
+    py: Python<'py>,
+    work: F,
+    local: LocalWait<'_>,
+    now: Now,
+) -> PyResult<Bound<'py, PyAny>>
+where
+    F: Future<Output = Result<Outcome, Error>> + Send + 'static,
+{
+    static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    // No running loop (a call outside a coroutine) raises here, before anything has started.
+    let event_loop = GET_RUNNING_LOOP
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("asyncio")?.getattr("get_running_loop")?.unbind())
+        })?
+        .bind(py)
+        .call0()?;
+    let rt = runtime()?;
+    let mut work: Work = Box::pin(work);
+    // The first poll only starts the work: the next, with the task's waker, is the one whose
+    // wake-ups count. Should anything fail after it, dropping `work` ends what it started (every
+    // operation is cancel safe).
+    let first = {
+        let _timers = rt.enter();
+        work.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+    };
+    if let Poll::Ready(result) = first {
+        return known(&event_loop, result, now);
+    }
+    let queue = completions(py, &event_loop)?.get().queue.clone();
+    let task = Arc::new(Task {
+        work: Mutex::new(Some(work)),
+        target: Mutex::new(None),
+        queued: AtomicBool::new(false),
+        queue,
+    });
+    // Until the asyncio future exists only this thread polls the task: the loop's `drain`, which
+    // runs on this thread, cannot run before this call returns.
+    if let Some(result) = task.poll_here(rt) {
+        return known(&event_loop, result, now);
+    }
+    if let Some((limit, keep)) = local {
+        // The GIL stays held: no thread of the module takes it, and releasing it could hand it to
+        // another Python thread for a whole switch interval (5 ms) before this one got it back.
+        if task.woken_within(limit, keep) {
+            if let Some(result) = task.poll_here(rt) {
+                return known(&event_loop, result, now);
+            }
+        }
+    }
+    // Pending: from here on the loop polls the task when it is woken (a wake-up since the last
+    // poll has queued it already) and resolves this future.
+    let future = event_loop.call_method0(intern!(py, "create_future"))?;
+    *lock(&task.target) = Some(future.clone().unbind());
+    future.call_method1(intern!(py, "add_done_callback"), (Abort(task),))?;
+    Ok(future)
+}
