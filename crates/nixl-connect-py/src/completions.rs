@@ -82,7 +82,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// One Rust future and the asyncio future it resolves.
 struct Task {
     work: Mutex<Option<Work>>,
-    /// Touched only on the loop's thread with the GIL held (moved, never cloned, elsewhere).
+    /// Touched only on the loop's thread with the GIL held (never dropped elsewhere).
     target: Mutex<Option<Py<PyAny>>>,
     queued: AtomicBool,
     queue: Arc<Queue>,
@@ -174,7 +174,7 @@ impl Queue {
 }
 
 /// One asyncio loop's executor (internal; created on the loop's first coroutine).
-#[pyclass(frozen, module = "nixl_connect._core")]
+#[pyclass(frozen, weakref, module = "nixl_connect._core")]
 pub(crate) struct Completions {
     queue: Arc<Queue>,
     wake: UnixStream,
@@ -242,26 +242,37 @@ impl Abort {
 }
 
 thread_local! {
-    /// This thread's last event loop (weakly: a closed loop is not kept alive) and its
-    /// `Completions`. A thread runs one loop at a time, so this answers nearly every lookup with a
-    /// comparison, where the loops' `WeakKeyDictionary` makes a weak reference per call.
-    static LAST_LOOP: RefCell<Option<(Py<PyWeakrefReference>, Py<Completions>)>> = const { RefCell::new(None) };
+    /// This thread's last event loop and its `Completions`, both held weakly (a closed loop and
+    /// its socket pair go when the loop does: the loop's reader callback is what keeps a
+    /// `Completions` alive). A thread runs one loop at a time, so this answers nearly every lookup
+    /// with a comparison, where the loops' `WeakKeyDictionary` makes a weak reference per call.
+    /// (Weak references dropped at the thread's exit are released through pyo3's reference pool,
+    /// its default, when no GIL is held there.)
+    static LAST_LOOP: RefCell<Option<(Py<PyWeakrefReference>, Py<PyWeakrefReference>)>> = const { RefCell::new(None) };
 }
 
 /// The running loop's `Completions`, created and registered with the loop the first time.
 fn completions<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Completions>> {
     let last = LAST_LOOP.with(|last| {
         let last = last.borrow();
-        let (weak, c) = last.as_ref()?;
-        let target = weak.bind(py).upgrade()?;
-        target.is(event_loop).then(|| c.bind(py).clone())
+        let (weak_loop, weak_c) = last.as_ref()?;
+        let target = weak_loop.bind(py).upgrade()?;
+        if !target.is(event_loop) {
+            return None;
+        }
+        weak_c.bind(py).upgrade()?.cast_into::<Completions>().ok()
     });
     if let Some(c) = last {
         return Ok(c);
     }
     let c = completions_of(py, event_loop)?;
-    let weak = PyWeakrefReference::new(event_loop)?.unbind();
-    LAST_LOOP.with(|last| *last.borrow_mut() = Some((weak, c.clone().unbind())));
+    let entry = (
+        PyWeakrefReference::new(event_loop)?.unbind(),
+        PyWeakrefReference::new(&c)?.unbind(),
+    );
+    // The entry it replaces is dropped after the borrow ends (dropping runs Python code).
+    let old = LAST_LOOP.with(|last| last.replace(Some(entry)));
+    drop(old);
     Ok(c)
 }
 
@@ -384,8 +395,8 @@ where
     let rt = runtime()?;
     let mut work: Work = Box::pin(work);
     // The first poll only starts the work: the next, with the task's waker, is the one whose
-    // wake-ups count. Should anything fail after it, dropping `work` ends what it started (every
-    // operation is cancel safe).
+    // wake-ups count. Should anything fail after it, the work is dropped (below, once the task
+    // holds it), which ends what it started (every operation is cancel safe).
     let first = {
         let _timers = rt.enter();
         work.as_mut().poll(&mut Context::from_waker(Waker::noop()))
@@ -416,8 +427,17 @@ where
     }
     // Pending: from here on the loop polls the task when it is woken (a wake-up since the last
     // poll has queued it already) and resolves this future.
-    let future = event_loop.call_method0(intern!(py, "create_future"))?;
-    *lock(&task.target) = Some(future.clone().unbind());
-    future.call_method1(intern!(py, "add_done_callback"), (Abort(task),))?;
-    Ok(future)
+    let pending = (|| {
+        let future = event_loop.call_method0(intern!(py, "create_future"))?;
+        *lock(&task.target) = Some(future.clone().unbind());
+        future.call_method1(intern!(py, "add_done_callback"), (Abort(task.clone()),))?;
+        Ok(future)
+    })();
+    if pending.is_err() {
+        // No one will await it (a KeyboardInterrupt inside `create_future`, say): the engine's
+        // wakers still hold the task, so its work is ended here, not left running unseen.
+        drop(lock(&task.work).take());
+        drop(lock(&task.target).take());
+    }
+    pending
 }

@@ -1,22 +1,24 @@
 //! `nixl_connect._core`: the Rust core of the Python package `nixl_connect`.
 //!
 //! The package (`python/nixl_connect/`) gives Python the classes of Dynamo's
-//! `dynamo.nixl_connect`; this module is what they call: a `Connector` whose four coroutines
-//! return `Passive` (readable / writable) and `Active` (read / write) operations, and one
-//! exception type, `CoreError(kind, message)`, carrying the Rust error's variant name.
+//! `dynamo.nixl_connect`; this module is what they call: a `Connector` whose four operation calls
+//! return awaitables of `Passive` (readable / writable) and `Active` (read / write) operations (or,
+//! asked with `now=True`, the operation itself when it is made at the call), and one exception
+//! type, `CoreError(kind, message, class)`, carrying the Rust error's kind and the `nixl_connect`
+//! exception class to raise for it.
 //!
 //! Memory comes from Python as `(ptr, size, device, keepalive)` tuples; the keepalive object (the
 //! tensor, array or bytes the pointer belongs to) is held by the Rust operation, and after it by
 //! the engine, for as long as any transfer may touch the memory, even if Python code drops every
 //! reference to it.
 //!
-//! # How coroutines complete
+//! # How calls complete
 //!
 //! The Rust futures are polled on their asyncio loop's own thread, with the GIL held (a poll never
-//! blocks): twice when the coroutine is called, before an asyncio future is made (a future that
-//! is ready by then, like waiting for a finished transfer or an exposure a hot engine answered
-//! meanwhile, costs no trip through the loop; the Python layer then takes the outcome itself, with
-//! no future at all), then whenever it is woken. A waker, called
+//! blocks): at the call, before any asyncio future is made (twice, or three times for a call that
+//! waits briefly at the call), so a future that is ready by then, like waiting for a finished
+//! transfer or an exposure a hot engine answered meanwhile, costs no trip through the loop (and,
+//! with `now=True`, no future at all); then whenever it is woken. A waker, called
 //! by the engine thread or a timer without the GIL, queues the task on its loop's `Completions`
 //! and writes one byte to a socket the loop watches (`loop.add_reader`). So no thread of ours ever
 //! takes the GIL (a thread that does while Python finalizes crashes the process), and a completion
@@ -38,9 +40,10 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use nixl_connect::{Descriptor, Device, RdmaMetadata, SerializedDescriptor};
+use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString};
+use pyo3::types::{PyDict, PyInt, PyList, PyString, PyType};
 
 use crate::completions::{lock, runtime, spawn, spawn_local, Completions, Now, Outcome};
 use crate::errors::{err, error_classes, invalid, CoreError};
@@ -270,9 +273,10 @@ impl Connector {
 
 /// A peer's metadata as the Python layer hands it: its JSON text, or its pydantic `RdmaMetadata`,
 /// whose fields are read here one by one (sparing a `model_dump_json()` and a parse per
-/// operation). A model whose fields do not read as the core's types, or break a rule, takes the
-/// JSON path after all, so that every refusal is the one its JSON would get (the same kind,
-/// field and message).
+/// operation). A model whose fields do not read exactly as the core's types (a `bool` or a
+/// `numpy` integer where an `int` belongs, a model with fields of its own), or that breaks a
+/// rule, takes the JSON path after all, so that every refusal is the one its JSON would get (the
+/// same kind, field and message).
 fn peer_metadata(metadata: &Bound<'_, PyAny>) -> PyResult<RdmaMetadata> {
     if let Ok(text) = metadata.cast::<PyString>() {
         return text.to_cow()?.parse().map_err(err);
@@ -280,33 +284,72 @@ fn peer_metadata(metadata: &Bound<'_, PyAny>) -> PyResult<RdmaMetadata> {
     if let Some(md) = metadata_fields(metadata).filter(|md| md.validate().is_ok()) {
         return Ok(md);
     }
-    let json: String = metadata
-        .call_method0(intern!(metadata.py(), "model_dump_json"))?
-        .extract()?;
+    let py = metadata.py();
+    let Ok(dump) = metadata.getattr(intern!(py, "model_dump_json")) else {
+        return Err(PyTypeError::new_err(
+            "the peer's metadata must be its RdmaMetadata JSON (str) or an RdmaMetadata model",
+        ));
+    };
+    let json: String = dump.call0()?.extract()?;
     json.parse().map_err(err)
 }
 
-/// The model's fields as the core's types, or `None` at the first that does not read as one.
+/// The model's four fields as the core's types, or `None` at the first that does not read as one.
 fn metadata_fields(md: &Bound<'_, PyAny>) -> Option<RdmaMetadata> {
     let py = md.py();
-    let list = md.getattr(intern!(py, "descriptors")).ok()?;
-    let list = list.cast::<PyList>().ok()?;
+    let fields = md.get_type().getattr(intern!(py, "model_fields")).ok()?;
+    let fields = fields.cast::<PyDict>().ok()?;
+    let four = [
+        intern!(py, "descriptors"),
+        intern!(py, "nixl_metadata"),
+        intern!(py, "notification_key"),
+        intern!(py, "operation_kind"),
+    ];
+    if fields.len() != four.len() || !four.iter().all(|f| fields.contains(f).unwrap_or(false)) {
+        return None;
+    }
+    // Exactly `int`: bool and numpy's integers convert, but their JSON is not what they convert to.
+    fn int<T: for<'a> FromPyObject<'a, 'a>>(v: Bound<'_, PyAny>) -> Option<T> {
+        v.cast_exact::<PyInt>().ok()?.extract().ok()
+    }
+    let list = md.getattr(four[0]).ok()?;
+    let list = list.cast_exact::<PyList>().ok()?;
     let mut descriptors = Vec::with_capacity(list.len());
+    let mut checked = None; // the descriptors' model, once its three fields were seen
     for d in list.iter() {
+        let kind = d.get_type();
+        if checked.as_ref().is_none_or(|c: &Bound<'_, PyType>| !c.is(&kind)) {
+            let fields = kind.getattr(intern!(py, "model_fields")).ok()?;
+            let fields = fields.cast::<PyDict>().ok()?;
+            let three = [intern!(py, "device"), intern!(py, "ptr"), intern!(py, "size")];
+            if fields.len() != three.len() || !three.iter().all(|f| fields.contains(f).unwrap_or(false)) {
+                return None;
+            }
+            checked = Some(kind);
+        }
         let device = d.getattr(intern!(py, "device")).ok()?;
         let device: Device = device.cast::<PyString>().ok()?.to_cow().ok()?.parse().ok()?;
-        let ptr: u64 = d.getattr(intern!(py, "ptr")).ok()?.extract().ok()?;
-        let size: u64 = d.getattr(intern!(py, "size")).ok()?.extract().ok()?;
+        let ptr: u64 = int(d.getattr(intern!(py, "ptr")).ok()?)?;
+        let size: u64 = int(d.getattr(intern!(py, "size")).ok()?)?;
         if ptr == 0 {
             return None;
         }
         descriptors.push(SerializedDescriptor { device, ptr, size });
     }
+    let text = |name| -> Option<String> {
+        md.getattr(name)
+            .ok()?
+            .cast::<PyString>()
+            .ok()?
+            .to_cow()
+            .ok()
+            .map(Into::into)
+    };
     Some(RdmaMetadata {
         descriptors,
-        nixl_metadata: md.getattr(intern!(py, "nixl_metadata")).ok()?.extract().ok()?,
-        notification_key: md.getattr(intern!(py, "notification_key")).ok()?.extract().ok()?,
-        operation_kind: md.getattr(intern!(py, "operation_kind")).ok()?.extract().ok()?,
+        nixl_metadata: text(four[1])?,
+        notification_key: text(four[2])?,
+        operation_kind: int(md.getattr(four[3]).ok()?)?,
     })
 }
 

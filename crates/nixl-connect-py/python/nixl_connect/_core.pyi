@@ -1,6 +1,7 @@
-# Type stub for the Rust extension module nixl_connect._core (crates/nixl-connect-py/src/lib.rs).
+# Type stub for the Rust extension module nixl_connect._core (crates/nixl-connect-py/src/: lib.rs,
+# operations.rs, completions.rs, errors.rs).
 # Internal: the public API is the pure-Python package around it.
-from typing import Any, Awaitable, List, Optional, Tuple, Union
+from typing import Any, Awaitable, Dict, List, Optional, Tuple, Union
 
 __version__: str
 
@@ -30,10 +31,17 @@ class Active:
     def cancel(self) -> None: ...
     def release(self) -> None: ...
 
+class Registration:
+    """Memory registered ahead of operations (Connector.register); dropping it deregisters."""
+
 class Connector:
     def __init__(self, worker_id: str) -> None: ...
     @property
     def name(self) -> str: ...
+    @property
+    def wait_spin_us(self) -> int: ...
+    def register(self, descs: List[_Desc]) -> Registration: ...
+    def stats(self) -> Dict[str, int]: ...
     # now=True: the operation itself when it is made at the call (its error raised there), else an
     # awaitable of it. `metadata` is the peer's RdmaMetadata JSON, or the RdmaMetadata model itself
     # (its fields read by the core; a model that breaks a rule is refused as its JSON would be).
