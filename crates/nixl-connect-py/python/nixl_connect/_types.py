@@ -133,6 +133,14 @@ class Device:
         return self._kind
 
 
+def _host_device() -> Device:
+    """A new `Device("cpu")`, made without parsing (Devices compare by identity: one each)."""
+    device = Device.__new__(Device)
+    device._kind = DeviceKind.HOST
+    device._id = 0
+    return device
+
+
 # --------------------------------------------------------------------------- pydantic models
 
 
@@ -374,6 +382,17 @@ class Descriptor:
     # -- constructors by kind
 
     def _init_tensor(self, tensor: Any) -> None:
+        if tensor.is_contiguous() and getattr(tensor, "is_cpu", False) is True:
+            # torch's own host tensor (every request's in Dynamo's callers): its flag and byte
+            # count in one attribute each, no device object to parse.
+            nbytes = getattr(tensor, "nbytes", None)
+            if type(nbytes) is int:
+                self._data_device = _host_device()
+                self._data_ptr = int(tensor.data_ptr())
+                self._data_size = nbytes
+                self._data_ref = tensor
+                self._kind = _KIND_TENSOR
+                return
         if not tensor.is_contiguous():
             # Dynamo does the same (tensor.contiguous()); a destination then receives data in a copy.
             logger.warning("Descriptor: a non-contiguous tensor was copied with .contiguous(); data "
