@@ -207,7 +207,8 @@ impl Completions {
 }
 
 /// Sets an asyncio future's result or exception (skipped if it was cancelled meanwhile: the
-/// outcome, an operation for instance, is then dropped, which releases it).
+/// outcome, an operation for instance, is then dropped, which releases it, without the GIL: an
+/// exposure's drop may wait for this process's own same-host copy into its memory to stop).
 fn resolve(future: &Bound<'_, PyAny>, outcome: Outcome) {
     let py = future.py();
     if future
@@ -215,6 +216,7 @@ fn resolve(future: &Bound<'_, PyAny>, outcome: Outcome) {
         .and_then(|d| d.is_truthy())
         .unwrap_or(true)
     {
+        py.detach(move || drop(outcome));
         return;
     }
     let set = match outcome {
@@ -228,15 +230,17 @@ fn resolve(future: &Bound<'_, PyAny>, outcome: Outcome) {
 }
 
 /// Drops the Rust future when its asyncio future is done (a no-op unless it was cancelled:
-/// a resolved task has dropped its future already).
+/// a resolved task has dropped its future already), without the GIL, as `release()` does.
 #[pyclass(frozen, module = "nixl_connect._core")]
 struct Abort(Arc<Task>);
 
 #[pymethods]
 impl Abort {
-    fn __call__(&self, _future: &Bound<'_, PyAny>) {
+    fn __call__(&self, future: &Bound<'_, PyAny>) {
         let work = lock(&self.0.work).take();
-        drop(work);
+        if work.is_some() {
+            future.py().detach(move || drop(work));
+        }
         drop(lock(&self.0.target).take());
     }
 }
