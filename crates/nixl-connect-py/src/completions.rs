@@ -25,14 +25,13 @@ use pyo3::PyClass;
 use crate::errors::{err, CoreError};
 use crate::forks::FORKS;
 
-/// What a finished Rust future hands its asyncio future.
+/// What a Rust future that succeeded hands its asyncio future (an error is raised in Python as
+/// `CoreError`).
 pub(crate) enum Outcome {
     /// A wait that ended: `None` in Python.
     Done,
     /// A Python object, made on the loop's thread with the GIL held (an operation's handle).
     Object(MakeObject),
-    /// An error: raised in Python as `CoreError`.
-    Failed(Error),
 }
 
 /// Makes an outcome's Python object once the GIL is held.
@@ -146,7 +145,7 @@ impl Task {
         self.queued.store(false, Ordering::Release);
         if let Some(result) = self.poll_here(rt) {
             if let Some(target) = lock(&self.target).take() {
-                resolve(target.bind(py), result.unwrap_or_else(Outcome::Failed));
+                resolve(target.bind(py), result);
             }
         }
     }
@@ -209,7 +208,7 @@ impl Completions {
 /// Sets an asyncio future's result or exception (skipped if it was cancelled meanwhile: the
 /// outcome, an operation for instance, is then dropped, which releases it, without the GIL: an
 /// exposure's drop may wait for this process's own same-host copy into its memory to stop).
-fn resolve(future: &Bound<'_, PyAny>, outcome: Outcome) {
+fn resolve(future: &Bound<'_, PyAny>, outcome: Result<Outcome, Error>) {
     let py = future.py();
     if future
         .call_method0("done")
@@ -220,9 +219,9 @@ fn resolve(future: &Bound<'_, PyAny>, outcome: Outcome) {
         return;
     }
     let set = match outcome {
-        Outcome::Done => future.call_method1("set_result", (py.None(),)),
-        Outcome::Object(make) => make(py).and_then(|o| future.call_method1("set_result", (o,))),
-        Outcome::Failed(e) => future.call_method1("set_exception", (err(e).into_value(py),)),
+        Ok(Outcome::Done) => future.call_method1("set_result", (py.None(),)),
+        Ok(Outcome::Object(make)) => make(py).and_then(|o| future.call_method1("set_result", (o,))),
+        Err(e) => future.call_method1("set_exception", (err(e).into_value(py),)),
     };
     if let Err(e) = set {
         e.write_unraisable(py, Some(future));
@@ -334,13 +333,13 @@ fn known<'py>(
     let py = event_loop.py();
     if !now.0 {
         let future = event_loop.call_method0(intern!(py, "create_future"))?;
-        resolve(&future, result.unwrap_or_else(Outcome::Failed));
+        resolve(&future, result);
         return Ok(future);
     }
     match result {
         Ok(Outcome::Done) => Ok(py.None().into_bound(py)),
         Ok(Outcome::Object(make)) => make(py),
-        Ok(Outcome::Failed(e)) | Err(e) => Err(err(e)),
+        Err(e) => Err(err(e)),
     }
 }
 

@@ -294,18 +294,28 @@ fn peer_metadata(metadata: &Bound<'_, PyAny>) -> PyResult<RdmaMetadata> {
     json.parse().map_err(err)
 }
 
+/// Whether the pydantic model `kind` has exactly the fields `names` (a subclass with a field of its
+/// own writes a key the wire format refuses).
+fn has_exactly(kind: &Bound<'_, PyType>, names: &[&Bound<'_, PyString>]) -> bool {
+    let Ok(fields) = kind.getattr(intern!(kind.py(), "model_fields")) else {
+        return false;
+    };
+    let Ok(fields) = fields.cast::<PyDict>() else {
+        return false;
+    };
+    fields.len() == names.len() && names.iter().all(|f| fields.contains(f).unwrap_or(false))
+}
+
 /// The model's four fields as the core's types, or `None` at the first that does not read as one.
 fn metadata_fields(md: &Bound<'_, PyAny>) -> Option<RdmaMetadata> {
     let py = md.py();
-    let fields = md.get_type().getattr(intern!(py, "model_fields")).ok()?;
-    let fields = fields.cast::<PyDict>().ok()?;
     let four = [
         intern!(py, "descriptors"),
         intern!(py, "nixl_metadata"),
         intern!(py, "notification_key"),
         intern!(py, "operation_kind"),
     ];
-    if fields.len() != four.len() || !four.iter().all(|f| fields.contains(f).unwrap_or(false)) {
+    if !has_exactly(&md.get_type(), &four) {
         return None;
     }
     // Exactly `int`: bool and numpy's integers convert, but their JSON is not what they convert to.
@@ -319,10 +329,8 @@ fn metadata_fields(md: &Bound<'_, PyAny>) -> Option<RdmaMetadata> {
     for d in list.iter() {
         let kind = d.get_type();
         if checked.as_ref().is_none_or(|c: &Bound<'_, PyType>| !c.is(&kind)) {
-            let fields = kind.getattr(intern!(py, "model_fields")).ok()?;
-            let fields = fields.cast::<PyDict>().ok()?;
             let three = [intern!(py, "device"), intern!(py, "ptr"), intern!(py, "size")];
-            if fields.len() != three.len() || !three.iter().all(|f| fields.contains(f).unwrap_or(false)) {
+            if !has_exactly(&kind, &three) {
                 return None;
             }
             checked = Some(kind);
