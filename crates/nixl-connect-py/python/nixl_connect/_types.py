@@ -382,7 +382,8 @@ class Descriptor:
     # -- constructors by kind
 
     def _init_tensor(self, tensor: Any) -> None:
-        if tensor.is_contiguous() and getattr(tensor, "is_cpu", False) is True:
+        contiguous = tensor.is_contiguous()
+        if contiguous and getattr(tensor, "is_cpu", False) is True:
             # torch's own host tensor (every request's in Dynamo's callers): its flag and byte
             # count in one attribute each, no device object to parse.
             nbytes = getattr(tensor, "nbytes", None)
@@ -393,7 +394,7 @@ class Descriptor:
                 self._data_ref = tensor
                 self._kind = _KIND_TENSOR
                 return
-        if not tensor.is_contiguous():
+        if not contiguous:
             # Dynamo does the same (tensor.contiguous()); a destination then receives data in a copy.
             logger.warning("Descriptor: a non-contiguous tensor was copied with .contiguous(); data "
                            "written into this Descriptor lands in the copy, not in the original")
