@@ -73,12 +73,12 @@ cp target/wheels/nixl_connect-*.whl "$B/python/"
 cp -r tests/python "$B/python/tests"
 cp scripts/bench_python_ops.py "$B/python/"
 # What the Python tests import beyond the GPU host's image (torch, numpy and pytest are there;
-# pydantic and pytest-asyncio are not), as wheels for its Python 3.12, installed with --no-index.
+# pydantic, pytest-asyncio and uvloop, on which Dynamo runs its workers, are not), as wheels for its Python 3.12, installed with --no-index.
 mkdir -p "$B/python/wheels"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$B/python/wheels" "pydantic==2.13.5" "pydantic-core==2.46.5" "annotated-types==0.8.0" \
-  "typing-inspection==0.4.5" "pytest-asyncio==1.5.0" \
+  "typing-inspection==0.4.5" "pytest-asyncio==1.5.0" "uvloop==0.23.0" \
   || echo "gpu-bundle: could not download the Python test dependencies; the GPU host must have them" >&2
 rm -rf "$B/python/tests/__pycache__"
 cp scripts/gpu-run.sh scripts/gpu-rows.sh scripts/gpu-pods.sh scripts/gpu_torch_pods.py scripts/gpu_torch_alloc.py "$B/"
