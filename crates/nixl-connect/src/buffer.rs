@@ -152,6 +152,9 @@ struct Quarantined {
     len: usize,
 }
 
+// Its registrations were dropped with the buffer's (see `HostBuffer`'s drop).
+impl crate::reg::Held for Arc<Quarantined> {}
+
 impl Drop for Quarantined {
     fn drop(&mut self) {
         // SAFETY: base/len are a mapping HostBuffer made and gave up; the last engine that could

@@ -445,6 +445,12 @@ impl<'a> Descriptor<'a> {
         }
     }
 
+    /// Drops the registrations this descriptor keeps (not a [`HostBuffer`]'s, which live as long
+    /// as the buffer).
+    pub(crate) fn release_registrations(&mut self) {
+        self.regs.clear();
+    }
+
     /// True if the descriptor owns its memory (its drop frees it, and the library decides when);
     /// false for borrowed and raw memory, which goes back to its owner when the descriptor is
     /// dropped, so an operation over it must not let go while a transport may touch it.
@@ -491,6 +497,13 @@ impl<'a> Descriptor<'a> {
 fn unsafe_slice<'s>(p: usize, l: usize) -> &'s [u8] {
     // SAFETY: callers pass the byte view of memory that outlives 's.
     unsafe { std::slice::from_raw_parts(p as *const u8, l) }
+}
+
+/// A dropped operation's owned memory, held by an engine (see [`Held`](crate::reg::Held)).
+impl crate::reg::Held for Vec<Descriptor<'static>> {
+    fn release_registrations(&mut self) {
+        self.iter_mut().for_each(Descriptor::release_registrations);
+    }
 }
 
 impl fmt::Debug for Descriptor<'_> {

@@ -114,7 +114,7 @@ pub use connector::{
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};
 pub use engine::nixl::encoding::MAX_NIXL_METADATA;
-pub use engine::nixl::MAX_RETIRED_EXPOSERS;
+pub use engine::nixl::{MAX_RETIRED_EXPOSERS, REGISTERED_QUARANTINE};
 pub use error::{
     ChannelError, Error, ErrorKind, ErrorSource, MetadataProblem, Mismatch, PathRefusal, Refusal, Report,
     Result,

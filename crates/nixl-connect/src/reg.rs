@@ -20,7 +20,15 @@ pub(crate) struct Range {
 }
 
 /// Memory (or anything) kept alive on an operation's behalf until a transport lets go of it.
-pub(crate) type Hold = Box<dyn Send>;
+pub(crate) type Hold = Box<dyn Held>;
+
+/// What a [`Hold`] keeps: memory, and the registrations it may carry.
+pub(crate) trait Held: Send {
+    /// Ends the registrations the held memory keeps alive (their tokens are dropped), while the
+    /// memory itself stays held. A transport that holds given-up memory for a long time calls it
+    /// so that memory nobody will expose again does not stay registered.
+    fn release_registrations(&mut self) {}
+}
 
 /// A transport's registration of memory, as the memory's owner sees it.
 pub(crate) trait Registered: Send + Sync + Any {

@@ -17,6 +17,7 @@ mod limits;
 mod local;
 mod metrics;
 mod pods;
+mod quarantine;
 mod soak;
 mod soundness;
 mod stall;

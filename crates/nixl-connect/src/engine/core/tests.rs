@@ -210,6 +210,8 @@ fn active(id: OpId, key: &str) -> (ActiveSpec, Arc<OpState>) {
 /// Memory whose drop the test can see.
 struct Canary(Arc<AtomicBool>);
 
+impl crate::reg::Held for Canary {}
+
 impl Drop for Canary {
     fn drop(&mut self) {
         self.0.store(true, Ordering::SeqCst);

@@ -55,6 +55,13 @@ const MAX_LOADED_BYTES: usize = 64 << 20;
 const MAX_PREPARED: usize = 1024;
 /// Per-operation metadata strings kept for reuse.
 const MAX_MD_CACHE: usize = 4096;
+/// Given-up memory in an exposer's quarantine that keeps its NIXL registrations (the most recent
+/// entries): memory exposed again soon (a buffer reused per operation) finds its registration;
+/// older entries are deregistered and only held. NIXL keeps an agent's registrations in an
+/// address-sorted vector, so each registration costs time in proportion to those it must move:
+/// without this bound, fresh small buffers exposed once each kept up to 65,536 registrations
+/// (256 MiB of quarantine at 4 KiB) and a registration took hundreds of microseconds.
+pub const REGISTERED_QUARANTINE: usize = 1024;
 /// How often an exposer with memory registered but no operation live is progressed.
 pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
 /// A progress call longer than this did work in UCX (an idle one takes a few microseconds), if
@@ -83,8 +90,9 @@ struct Exposer {
     regs: Registry,
     /// The connection part of this agent's metadata (`getLocalPartialMD` of no descriptors).
     conn_md: Vec<u8>,
-    /// Encoded metadata by the exact registrations it describes.
-    md_cache: HashMap<Vec<Range>, Arc<str>>,
+    /// Encoded metadata by the exact registrations it describes (their ids, unique in this
+    /// agent's registry: a range registered again gets a new id, so no entry is ever stale).
+    md_cache: HashMap<Vec<u64>, Arc<str>>,
     /// Live passive operations: their keys and registrations.
     live: HashMap<Arc<str>, Vec<Arc<RegInner>>>,
     /// The keys of the live operations that are writables: peers may be moving bytes into this
@@ -95,6 +103,8 @@ struct Exposer {
     /// reach the memory) is gone before the memory is freed.
     quarantine: Vec<Hold>,
     quarantined: usize,
+    /// The quarantine's entries before this one have released their registrations.
+    deregistered: usize,
     /// The fingerprint of `conn_md`.
     identity: u64,
 }
@@ -118,6 +128,7 @@ impl Exposer {
             writables: HashSet::new(),
             quarantine: Vec::new(),
             quarantined: 0,
+            deregistered: 0,
         })
     }
 }
@@ -427,9 +438,7 @@ impl NixlTransport {
         match side {
             Side::Exposer => {
                 if let Some(e) = self.exposer_of(gen) {
-                    if e.regs.deregister(gen, range, id) {
-                        e.md_cache.retain(|k, _| !k.contains(&range));
-                    }
+                    e.regs.deregister(gen, range, id);
                 }
             }
             Side::Initiator => {
@@ -449,6 +458,12 @@ impl NixlTransport {
             Some(e) => {
                 e.quarantine.push(keep);
                 e.quarantined += bytes;
+                // The memory stays held until the agent is gone (a peer's late access still
+                // reaches only it), but its registration ends: see REGISTERED_QUARANTINE.
+                while e.quarantine.len() - e.deregistered > REGISTERED_QUARANTINE {
+                    e.quarantine[e.deregistered].release_registrations();
+                    e.deregistered += 1;
+                }
             }
             None => drop(keep),
         }
@@ -522,17 +537,17 @@ impl NixlTransport {
     }
 
     /// Metadata for the registrations `regs` (sorted, deduplicated): cached, or made now.
-    fn metadata_for(&mut self, regs: Vec<Range>) -> Result<Arc<str>> {
-        if let Some(md) = self.exposer.md_cache.get(&regs) {
+    fn metadata_for(&mut self, regs: &[Range], ids: Vec<u64>) -> Result<Arc<str>> {
+        if let Some(md) = self.exposer.md_cache.get(&ids) {
             return Ok(md.clone());
         }
-        let sections = self.exposer.agent.partial_metadata(&regs)?;
+        let sections = self.exposer.agent.partial_metadata(regs)?;
         let raw = md::splice(&self.exposer.conn_md, &sections)?;
         let md: Arc<str> = encode_agent_metadata(&raw).into();
         if self.exposer.md_cache.len() >= MAX_MD_CACHE {
             self.exposer.md_cache.clear();
         }
-        self.exposer.md_cache.insert(regs, md.clone());
+        self.exposer.md_cache.insert(ids, md.clone());
         Ok(md)
     }
 
@@ -662,6 +677,7 @@ impl Transport for NixlTransport {
         let mut regs = Vec::with_capacity(spec.ranges.len());
         let mut tokens = Vec::with_capacity(spec.ranges.len());
         for r in &spec.ranges {
+            // A replaced dead registration needs no cache purge: metadata is cached by ids.
             let mut replaced = None;
             let (t, reg) = self.exposer.regs.get(
                 &self.exposer.agent,
@@ -670,17 +686,14 @@ impl Transport for NixlTransport {
                 &mut self.stats,
                 &mut replaced,
             )?;
-            if let Some(old) = replaced {
-                self.exposer
-                    .md_cache
-                    .retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
-            }
+            regs.push((key_of(&reg), t.id, reg));
             tokens.push(t);
-            regs.push(reg);
         }
-        regs.sort_by_key(key_of);
-        regs.dedup();
-        let md = self.metadata_for(regs)?;
+        regs.sort_by_key(|&(k, id, _)| (k, id));
+        regs.dedup_by_key(|&mut (k, id, _)| (k, id));
+        let ids = regs.iter().map(|&(_, id, _)| id).collect();
+        let ranges: Vec<Range> = regs.into_iter().map(|(_, _, r)| r).collect();
+        let md = self.metadata_for(&ranges, ids)?;
         out.tokens.extend(tokens.iter().map(|t| RegToken::new(t.clone())));
         self.exposer.live.insert(spec.key.clone(), tokens);
         if spec.kind == OperationKind::Write {
