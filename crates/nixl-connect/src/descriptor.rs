@@ -501,6 +501,10 @@ fn unsafe_slice<'s>(p: usize, l: usize) -> &'s [u8] {
 
 /// A dropped operation's owned memory, held by an engine (see [`Held`](crate::reg::Held)).
 impl crate::reg::Held for Vec<Descriptor<'static>> {
+    fn registrations(&self) -> usize {
+        self.iter().map(|d| d.regs.len()).sum()
+    }
+
     fn release_registrations(&mut self) {
         self.iter_mut().for_each(Descriptor::release_registrations);
     }

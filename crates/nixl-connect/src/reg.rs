@@ -24,6 +24,12 @@ pub(crate) type Hold = Box<dyn Held>;
 
 /// What a [`Hold`] keeps: memory, and the registrations it may carry.
 pub(crate) trait Held: Send {
+    /// The registration tokens the held memory keeps (a registration kept by several holds is
+    /// counted by each).
+    fn registrations(&self) -> usize {
+        0
+    }
+
     /// Ends the registrations the held memory keeps alive (their tokens are dropped), while the
     /// memory itself stays held. A transport that holds given-up memory for a long time calls it
     /// so that memory nobody will expose again does not stay registered.

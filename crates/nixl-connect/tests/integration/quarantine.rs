@@ -1,6 +1,6 @@
 //! The NIXL exposer's quarantine: memory given up after NIXL exposed it stays held until the
-//! exposing agent is gone, but only the most recent entries keep their NIXL registrations
-//! (`REGISTERED_QUARANTINE`), so that exposing fresh small buffers one after another does not
+//! exposing agent is gone, but only the most recent entries keep their NIXL registrations (up to
+//! `REGISTERED_QUARANTINE`), so that exposing fresh small buffers one after another does not
 //! grow NIXL's address-sorted registration list (whose every insert moves what lies above it:
 //! the nineteenth session measured a 4 KiB exposure slowing from ~110 us to ~425 us as 64,000
 //! given-up exposures stayed registered).
@@ -115,6 +115,31 @@ fn quarantine_reused_memory_keeps_its_registration() {
         assert!(
             stats.registration_hits - before.registration_hits >= n as u64 - 1,
             "{stats:?}"
+        );
+    });
+}
+
+/// The bound counts registrations, not operations: operations of many fresh descriptors each
+/// (Dynamo's callers pass one descriptor per tensor) given up one after another keep at most the
+/// bound (and one operation's) registered.
+#[test]
+fn quarantine_bounds_registrations_not_operations() {
+    runtime().block_on(async {
+        let conn = Connector::builder().path(PathPolicy::Nixl).build().unwrap();
+        const PER_OP: usize = 64;
+        let ops = 2 * REGISTERED_QUARANTINE / PER_OP;
+        for i in 0..ops {
+            let descs: Vec<Descriptor> = (0..PER_OP).map(|_| Descriptor::from(vec![i as u8; 4096])).collect();
+            drop(conn.create_readable(descs).await.unwrap());
+        }
+        let stats = conn.stats().await.unwrap();
+        assert_eq!(stats.rotations, 0, "{stats:?}");
+        assert!(stats.registrations >= (ops * PER_OP) as u64, "{stats:?}");
+        assert!(
+            stats.live_registrations <= REGISTERED_QUARANTINE + PER_OP,
+            "{} registrations live for {} given-up operations of {PER_OP} descriptors (bound {REGISTERED_QUARANTINE}): {stats:?}",
+            stats.live_registrations,
+            ops
         );
     });
 }

@@ -55,13 +55,15 @@ const MAX_LOADED_BYTES: usize = 64 << 20;
 const MAX_PREPARED: usize = 1024;
 /// Per-operation metadata strings kept for reuse.
 const MAX_MD_CACHE: usize = 4096;
-/// Given-up memory in an exposer's quarantine that keeps its NIXL registrations (the most recent
-/// entries): memory exposed again soon (a buffer reused per operation) finds its registration;
-/// older entries are deregistered and only held. NIXL keeps an agent's registrations in an
-/// address-sorted vector, so each registration costs time in proportion to those it must move:
-/// without this bound, fresh small buffers exposed once each kept up to 65,536 registrations
-/// (256 MiB of quarantine at 4 KiB) and a registration took hundreds of microseconds.
-pub const REGISTERED_QUARANTINE: usize = 1024;
+/// Registrations that memory given up after NIXL exposed it keeps, per exposing agent: the
+/// quarantine's most recent entries keep theirs, up to this many in all, so memory exposed again
+/// soon (a buffer, or a pool of up to about this many, reused per operation) finds its
+/// registration; older entries are deregistered and only held (the memory stays held until the
+/// agent is gone). NIXL keeps an agent's registrations in an address-sorted vector, so each
+/// registration costs time in proportion to those it must move: without this bound, fresh small
+/// buffers exposed once each kept up to 65,536 registrations (256 MiB of quarantine at 4 KiB) and
+/// a registration took up to ~425 us on a 2-core VM instead of ~110 (docs/FIGURES.md).
+pub const REGISTERED_QUARANTINE: usize = 4096;
 /// How often an exposer with memory registered but no operation live is progressed.
 pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
 /// A progress call longer than this did work in UCX (an idle one takes a few microseconds), if
@@ -105,6 +107,8 @@ struct Exposer {
     quarantined: usize,
     /// The quarantine's entries before this one have released their registrations.
     deregistered: usize,
+    /// Registration tokens the entries from `deregistered` on keep.
+    registered_held: usize,
     /// The fingerprint of `conn_md`.
     identity: u64,
 }
@@ -129,6 +133,7 @@ impl Exposer {
             quarantine: Vec::new(),
             quarantined: 0,
             deregistered: 0,
+            registered_held: 0,
         })
     }
 }
@@ -456,12 +461,16 @@ impl NixlTransport {
     fn quarantine(&mut self, gen: u64, keep: Hold, bytes: usize) {
         match self.exposer_of(gen) {
             Some(e) => {
+                e.registered_held += keep.registrations();
                 e.quarantine.push(keep);
                 e.quarantined += bytes;
                 // The memory stays held until the agent is gone (a peer's late access still
-                // reaches only it), but its registration ends: see REGISTERED_QUARANTINE.
-                while e.quarantine.len() - e.deregistered > REGISTERED_QUARANTINE {
-                    e.quarantine[e.deregistered].release_registrations();
+                // reaches only it), but the oldest entries' registrations end: see
+                // REGISTERED_QUARANTINE.
+                while e.registered_held > REGISTERED_QUARANTINE && e.deregistered < e.quarantine.len() {
+                    let oldest = &mut e.quarantine[e.deregistered];
+                    e.registered_held -= oldest.registrations();
+                    oldest.release_registrations();
                     e.deregistered += 1;
                 }
             }

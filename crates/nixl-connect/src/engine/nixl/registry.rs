@@ -84,8 +84,8 @@ impl Registry {
             }
         }
         // A dead entry of exactly this range may still have its deregistration queued: replace it
-        // now (the queued command then finds another id and does nothing); what was cached for
-        // it goes with it.
+        // now (the queued command then finds another id and does nothing); the initiator drops
+        // what it prepared over it (`replaced`; the exposer's metadata is cached by ids).
         if self.map.remove(&k).is_some() {
             *replaced = Some(r);
         }
