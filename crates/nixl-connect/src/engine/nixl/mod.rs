@@ -443,7 +443,12 @@ impl NixlTransport {
         match side {
             Side::Exposer => {
                 if let Some(e) = self.exposer_of(gen) {
-                    e.regs.deregister(gen, range, id);
+                    if e.regs.deregister(gen, range, id) {
+                        // Metadata of this registration alone can never be asked for again (ids
+                        // are not reused); entries of several registrations age out with the
+                        // cache's bound.
+                        e.md_cache.remove(&[id][..]);
+                    }
                 }
             }
             Side::Initiator => {
