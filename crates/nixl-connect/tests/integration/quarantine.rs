@@ -129,7 +129,7 @@ fn quarantine_bounds_registrations_not_operations() {
         const PER_OP: usize = 64;
         let ops = 2 * REGISTERED_QUARANTINE / PER_OP;
         for i in 0..ops {
-            let descs: Vec<Descriptor> = (0..PER_OP).map(|_| Descriptor::from(vec![i as u8; 4096])).collect();
+            let descs: Vec<Descriptor<'static>> = (0..PER_OP).map(|_| Descriptor::from(vec![i as u8; 4096])).collect();
             drop(conn.create_readable(descs).await.unwrap());
         }
         let stats = conn.stats().await.unwrap();
