@@ -19,7 +19,8 @@ pub(crate) struct Range {
     pub(crate) device: Device,
 }
 
-/// Memory (or anything) kept alive on an operation's behalf until a transport lets go of it.
+/// Memory (anything that is [`Held`]) kept alive on an operation's behalf until a transport lets
+/// go of it.
 pub(crate) type Hold = Box<dyn Held>;
 
 /// What a [`Hold`] keeps: memory, and the registrations it may carry.
@@ -30,8 +31,8 @@ pub(crate) trait Held: Send {
         0
     }
 
-    /// Ends the registrations the held memory keeps alive (their tokens are dropped), while the
-    /// memory itself stays held. A transport that holds given-up memory for a long time calls it
+    /// Drops the registration tokens the held memory keeps, while the memory itself stays held; a
+    /// registration ends with its last token (one that newer memory shares stays). A transport that holds given-up memory for a long time calls it
     /// so that memory nobody will expose again does not stay registered.
     fn release_registrations(&mut self) {}
 }

@@ -55,14 +55,15 @@ const MAX_LOADED_BYTES: usize = 64 << 20;
 const MAX_PREPARED: usize = 1024;
 /// Per-operation metadata strings kept for reuse.
 const MAX_MD_CACHE: usize = 4096;
-/// Registrations that memory given up after NIXL exposed it keeps, per exposing agent: the
+/// Registration tokens that memory given up after NIXL exposed it keeps, per exposing agent: the
 /// quarantine's most recent entries keep theirs, up to this many in all, so memory exposed again
 /// soon (a buffer, or a pool of up to about this many, reused per operation) finds its
-/// registration; older entries are deregistered and only held (the memory stays held until the
-/// agent is gone). NIXL keeps an agent's registrations in an address-sorted vector, so each
-/// registration costs time in proportion to those it must move: without this bound, fresh small
-/// buffers exposed once each kept up to 65,536 registrations (256 MiB of quarantine at 4 KiB) and
-/// a registration took up to ~425 us on a 2-core VM instead of ~110 (docs/FIGURES.md).
+/// registration; older entries drop their tokens (a registration ends with its last token) and
+/// their memory stays held until the agent is gone. NIXL keeps an agent's registrations in an
+/// address-sorted vector, so a registration costs time in proportion to those it must move:
+/// without this bound, fresh small buffers exposed once each kept up to 65,536 registrations
+/// (256 MiB of quarantine at 4 KiB), and once a rotation had freed lower addresses for new
+/// buffers, a whole 4 KiB Python operation slowed from ~110 to ~425 us (docs/FIGURES.md).
 pub const REGISTERED_QUARANTINE: usize = 4096;
 /// How often an exposer with memory registered but no operation live is progressed.
 pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
