@@ -73,7 +73,8 @@ cp target/wheels/nixl_connect-*.whl "$B/python/"
 cp -r tests/python "$B/python/tests"
 cp scripts/bench_python_ops.py "$B/python/"
 # What the Python tests import beyond the GPU host's image (torch, numpy and pytest are there;
-# pydantic, pytest-asyncio and uvloop, on which Dynamo runs its workers, are not), as wheels for its Python 3.12, installed with --no-index.
+# pydantic, pytest-asyncio and uvloop, on which Dynamo runs its workers, are not), as wheels for
+# its Python 3.12, installed with --no-index.
 mkdir -p "$B/python/wheels"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

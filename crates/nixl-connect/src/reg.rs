@@ -32,8 +32,9 @@ pub(crate) trait Held: Send {
     }
 
     /// Drops the registration tokens the held memory keeps, while the memory itself stays held; a
-    /// registration ends with its last token (one that newer memory shares stays). A transport that holds given-up memory for a long time calls it
-    /// so that memory nobody will expose again does not stay registered.
+    /// registration ends with its last token (one that newer memory shares stays). A transport
+    /// that holds given-up memory for a long time calls it so that memory nobody will expose again
+    /// does not stay registered.
     fn release_registrations(&mut self) {}
 }
 

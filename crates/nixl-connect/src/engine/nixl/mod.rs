@@ -551,12 +551,15 @@ impl NixlTransport {
         Ok(tokens)
     }
 
-    /// Metadata for the registrations `regs` (sorted, deduplicated): cached, or made now.
-    fn metadata_for(&mut self, regs: &[Range], ids: Vec<u64>) -> Result<Arc<str>> {
+    /// Metadata for the registrations `regs` (their ranges and ids, sorted, deduplicated): cached
+    /// by their ids, or made now.
+    fn metadata_for(&mut self, regs: &[(Range, u64)]) -> Result<Arc<str>> {
+        let ids: Vec<u64> = regs.iter().map(|&(_, id)| id).collect();
         if let Some(md) = self.exposer.md_cache.get(&ids) {
             return Ok(md.clone());
         }
-        let sections = self.exposer.agent.partial_metadata(regs)?;
+        let ranges: Vec<Range> = regs.iter().map(|&(r, _)| r).collect();
+        let sections = self.exposer.agent.partial_metadata(&ranges)?;
         let raw = md::splice(&self.exposer.conn_md, &sections)?;
         let md: Arc<str> = encode_agent_metadata(&raw).into();
         if self.exposer.md_cache.len() >= MAX_MD_CACHE {
@@ -701,14 +704,12 @@ impl Transport for NixlTransport {
                 &mut self.stats,
                 &mut replaced,
             )?;
-            regs.push((key_of(&reg), t.id, reg));
+            regs.push((reg, t.id));
             tokens.push(t);
         }
-        regs.sort_by_key(|&(k, id, _)| (k, id));
-        regs.dedup_by_key(|&mut (k, id, _)| (k, id));
-        let ids = regs.iter().map(|&(_, id, _)| id).collect();
-        let ranges: Vec<Range> = regs.into_iter().map(|(_, _, r)| r).collect();
-        let md = self.metadata_for(&ranges, ids)?;
+        regs.sort_by_key(|(r, id)| (key_of(r), *id));
+        regs.dedup();
+        let md = self.metadata_for(&regs)?;
         out.tokens.extend(tokens.iter().map(|t| RegToken::new(t.clone())));
         self.exposer.live.insert(spec.key.clone(), tokens);
         if spec.kind == OperationKind::Write {
