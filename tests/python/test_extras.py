@@ -194,7 +194,7 @@ async def test_given_up_exposures_keep_a_bounded_number_of_registrations(nc):
     assert stats["live_registrations"] <= bound + 1, stats
     reused = bytearray(4096)
     before = core.stats()["registrations"]
-    for _ in range(n):
+    for _ in range(500):
         with await a.create_readable(nc.Descriptor(reused)):
             pass
     assert core.stats()["registrations"] - before == 1, core.stats()
