@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use nixl_connect::Error;
+use nixl_connect::{spin, Error};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::pyclass_init::PyClassInitializer;
@@ -103,9 +103,12 @@ impl Wake for Task {
 
 impl Task {
     /// Whether the task is woken within `limit`, while `keep` holds (both checked between yields
-    /// of this thread's core, so an engine thread that shares it runs; on a busy host one yield
-    /// may take a time slice).
+    /// of this thread's core, so an engine thread that shares it runs). On an oversubscribed host,
+    /// where one yield takes a time slice, it does not wait (see `nixl_connect::spin`).
     fn woken_within(&self, limit: Duration, keep: &dyn Fn() -> bool) -> bool {
+        if !spin::worthwhile() {
+            return self.queued.load(Ordering::Acquire);
+        }
         let until = Instant::now() + limit;
         loop {
             if self.queued.load(Ordering::Acquire) {
@@ -114,7 +117,9 @@ impl Task {
             if Instant::now() >= until || !keep() {
                 return false;
             }
-            std::thread::yield_now();
+            if !spin::yield_core() {
+                return self.queued.load(Ordering::Acquire);
+            }
         }
     }
 
@@ -366,7 +371,8 @@ pub(crate) const LOCAL_WAIT: Duration = Duration::from_micros(50);
 
 /// [`spawn`] for work that no peer takes part in: when the engine has not answered after the
 /// first polls, the loop's thread waits up to [`LOCAL_WAIT`] for it (yielding its core to the
-/// engine), which spares the loop the wake-up of its thread and two of its turns.
+/// engine; not on an oversubscribed host), which spares the loop the wake-up of its thread and
+/// two of its turns.
 pub(crate) fn spawn_local<'py, F>(py: Python<'py>, work: F, now: Now) -> PyResult<Bound<'py, PyAny>>
 where
     F: Future<Output = Result<Outcome, Error>> + Send + 'static,

@@ -48,6 +48,7 @@ pub mod metrics;
 mod operation;
 mod reg;
 mod registration;
+pub mod spin;
 mod state;
 mod stats;
 mod sync;

@@ -2,7 +2,8 @@
 //! the clock, sleeps in `epoll` on the transports' descriptors and its wake-up `eventfd`, and
 //! wakes for a command, a ready descriptor or a transport's deadline; every decision is the
 //! core's. After any event it keeps spinning for [`SPIN`] so that back-to-back operations pay no
-//! wake-up; an idle connector costs no CPU.
+//! wake-up (unless the host is oversubscribed: see [`crate::spin`]); an idle connector costs no
+//! CPU.
 
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::{Duration, Instant};
@@ -71,10 +72,11 @@ impl EngineLoop {
                 self.poller.wait(Some(Duration::ZERO), &mut self.ready);
                 continue;
             }
-            if last_event.elapsed() < SPIN {
+            if last_event.elapsed() < SPIN && crate::spin::worthwhile() {
                 // Recently active: stay hot (yielding the core) so the next command, socket
-                // message or completion is picked up without a wake-up.
-                std::thread::yield_now();
+                // message or completion is picked up without a wake-up; not while the host is
+                // oversubscribed (a yield then costs a time slice, see `spin`).
+                crate::spin::yield_core();
                 self.poller.wait(Some(Duration::ZERO), &mut self.ready);
                 continue;
             }

@@ -41,8 +41,8 @@ fn spin_for<'e>(engine: &'e Engine, descs: &[crate::Descriptor<'_>]) -> Option<(
 /// With `spin` (the engine and how long), and a place among the engine's waits that spin free
 /// ([`Engine::spin_slot`]), the wait first stays awake for up to that long
 /// ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)): each turn looks at the status, gives the thread's core away once
-/// (`sched_yield`, so an engine thread sharing the core runs; on a loaded host that may take a
-/// time slice) and yields to the runtime (so its other tasks run), instead of parking the task
+/// (`sched_yield`, so an engine thread sharing the core runs; on an oversubscribed host, where a
+/// yield takes a time slice, no wait spins: see [`crate::spin`]) and yields to the runtime (so its other tasks run), instead of parking the task
 /// until the engine wakes it. The engine's wake-up is registered on every turn too, so an
 /// executor that never runs the runtime's deferred wake-ups (a `block_on` inside a tokio task)
 /// still sees the end.
@@ -54,7 +54,7 @@ async fn wait(
 ) -> Result<()> {
     let fut = async {
         let mut spinning = match spin {
-            Some((engine, d)) if !state.status().is_terminal() => engine
+            Some((engine, d)) if !state.status().is_terminal() && crate::spin::worthwhile() => engine
                 .spin_slot()
                 .map(|slot| (slot, std::time::Instant::now() + d)),
             _ => None,
@@ -71,7 +71,10 @@ async fn wait(
             }
             match &spinning {
                 Some((_, until)) if std::time::Instant::now() < *until => {
-                    std::thread::yield_now();
+                    if !crate::spin::yield_core() {
+                        // The host is oversubscribed: the place goes back; the next turn parks.
+                        spinning = None;
+                    }
                     tokio::select! {
                         biased;
                         () = &mut notified => {}

@@ -442,18 +442,19 @@ impl Pool {
     fn worker(&'static self, kept: bool) {
         // A kept thread that just ran a job stays hot for [`POOL_SPIN`] (yielding its core), as
         // the engine does, so that back-to-back copies pay no wake-up (on the machines measured,
-        // waking a sleeping thread costs tens of microseconds; a 4 KiB copy, under one).
+        // waking a sleeping thread costs tens of microseconds; a 4 KiB copy, under one); not
+        // while the host is oversubscribed (see `crate::spin`).
         let mut hot_until: Option<Instant> = None;
         let mut st = lock(&self.state);
         loop {
             let Some(job) = st.take(self.per_peer) else {
                 if let Some(t) = hot_until.take() {
-                    if Instant::now() < t {
+                    if Instant::now() < t && crate::spin::worthwhile() {
                         st.hot += 1;
                         drop(st);
                         loop {
-                            std::thread::yield_now();
-                            if self.queued.load(Ordering::Acquire) > 0 || Instant::now() >= t {
+                            let cheap = crate::spin::yield_core();
+                            if self.queued.load(Ordering::Acquire) > 0 || Instant::now() >= t || !cheap {
                                 break;
                             }
                         }
