@@ -201,6 +201,13 @@ pub mod testing {
         }
     }
 
+    /// Makes every spin of this process (see [`crate::spin`]) go on as if no yield ever overran,
+    /// for as long as the process lives: for tests that check how spins behave, which must not
+    /// depend on how loaded the machine running them is (a loaded one would turn the spins off).
+    pub fn keep_spinning() {
+        crate::spin::keep_spinning();
+    }
+
     /// Returns once `connector`'s engine has acted on everything sent to it before this call
     /// (an operation begun, dropped or cancelled, a stall released) and run its transports once
     /// more: a deterministic step for tests, in place of sleeping. Over the loopback transport, a

@@ -62,7 +62,7 @@ impl EngineLoop {
             }
             // While the engine is hot: transfers in flight are progressed on every turn,
             // operations waiting for a completion every WATCH_GAP; otherwise by the schedule.
-            let hot = now.saturating_duration_since(last_event) < SPIN;
+            let hot = now.saturating_duration_since(last_event) < SPIN && crate::spin::worthwhile();
             event |= self.core.turn(now, hot, &self.ready);
             self.ready.clear();
             if event {

@@ -21,6 +21,8 @@ use nixl_connect::{
 const T: Option<Duration> = Some(Duration::from_secs(5));
 
 fn spinning_pair() -> (Connector, Connector) {
+    // What these tests check must not depend on how loaded the machine is.
+    testing::keep_spinning();
     let a = Connector::builder().build_loopback().unwrap();
     let b = Connector::builder()
         .wait_spin(MAX_WAIT_SPIN)
@@ -202,6 +204,7 @@ fn spawn_wait(
 
 #[tokio::test(flavor = "current_thread")]
 async fn loopback_wait_spin_parks_once_its_spin_is_over() {
+    testing::keep_spinning();
     let a = Connector::builder().build_loopback().unwrap();
     let b = Connector::builder()
         .wait_spin(Duration::from_millis(1))
