@@ -200,6 +200,43 @@ async def test_given_up_exposures_keep_a_bounded_number_of_registrations(nc):
     assert core.stats()["registrations"] - before == 1, core.stats()
 
 
+def test_wait_left_pending_on_a_closed_loop_is_collected(nc):
+    # A loop closed without cancelling the coroutines that await operations (a caller's own
+    # `run_until_complete`, then `close()`): the coroutines are garbage, as they would be with
+    # Dynamo's pure-Python module, and the collector must free them and end their exposures. The
+    # Rust task holds the asyncio future its wait resolves, so without the collector seeing that
+    # reference each one kept its operation, its memory and its registration for good.
+    import gc
+    import time
+    import weakref
+
+    a = nc.Connector()
+
+    async def start():
+        op = await a.create_writable(nc.Descriptor(bytearray(4096)))
+        task = asyncio.ensure_future(op.wait_for_completion())  # waits for a writer never sent
+        task._log_destroy_pending = False  # the loop closes under it on purpose
+        await asyncio.sleep(0.01)
+        core = (await a._create_connection())._core
+        return op, core
+
+    ops, n = [], 3
+    for _ in range(n):
+        loop = asyncio.new_event_loop()
+        op, core = loop.run_until_complete(start())
+        ops.append(weakref.ref(op))
+        del op
+        loop.close()
+        del loop
+    gc.collect()
+    assert all(op() is None for op in ops), "an operation left waiting on a closed loop was kept"
+    # Each exposure was given up (its memory stays held until the agent goes, as after a cancel).
+    deadline = time.monotonic() + 15
+    while core.stats()["quarantined_bytes"] < n * 4096 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.stats()["quarantined_bytes"] >= n * 4096, core.stats()
+
+
 async def test_descriptor_on_two_connectors_is_typed(nc):
     a, b = nc.Connector(), nc.Connector()
     d = nc.Descriptor(bytearray(16))

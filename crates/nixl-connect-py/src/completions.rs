@@ -15,12 +15,13 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use nixl_connect::{spin, Error};
+use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::pyclass_init::PyClassInitializer;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyWeakrefMethods, PyWeakrefReference};
-use pyo3::PyClass;
+use pyo3::{PyClass, PyTraverseError};
 
 use crate::errors::{err, CoreError};
 use crate::forks::FORKS;
@@ -235,6 +236,12 @@ fn resolve(future: &Bound<'_, PyAny>, outcome: Result<Outcome, Error>) {
 
 /// Drops the Rust future when its asyncio future is done (a no-op unless it was cancelled:
 /// a resolved task has dropped its future already), without the GIL, as `release()` does.
+///
+/// It is also what lets Python's garbage collector see the one reference the task holds: the
+/// asyncio future it resolves. That future holds this callback, so a future that is never done
+/// (its loop closed without cancelling the coroutine awaiting it) forms a cycle through the task
+/// that only this object can show the collector. Once the collector clears the cycle (this object,
+/// or the future, which drops this object with its callbacks), the work ends as on a cancel.
 #[pyclass(frozen, module = "nixl_connect._core")]
 struct Abort(Arc<Task>);
 
@@ -246,6 +253,50 @@ impl Abort {
             future.py().detach(move || drop(work));
         }
         drop(lock(&self.0.target).take());
+    }
+
+    /// The task's asyncio future. Skipped while its lock is held (this thread may hold it while
+    /// it resolves the future, and a collection may start then): the collector then takes the
+    /// future for reachable, which is safe.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Ok(target) = self.0.target.try_lock() {
+            visit.call(target.as_ref())?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&self) {
+        self.end();
+    }
+}
+
+impl Abort {
+    /// Ends a task whose future will never call this callback: drops the future and the work.
+    /// The work is dropped on the runtime's blocking pool, not here: ending an exposure may wait
+    /// for this process's own copy into it to stop, and the collector holds the GIL. A lock held
+    /// meanwhile (by this thread, resolving the future) leaves that part to its holder.
+    fn end(&self) {
+        let work = match self.0.work.try_lock() {
+            Ok(mut work) => work.take(),
+            Err(_) => None,
+        };
+        if let Some(work) = work {
+            match runtime() {
+                Ok(rt) => drop(rt.spawn_blocking(move || drop(work))),
+                Err(_) => drop(work),
+            }
+        }
+        if let Ok(mut target) = self.0.target.try_lock() {
+            drop(target.take());
+        }
+    }
+}
+
+impl Drop for Abort {
+    /// Only a future that is going away drops its callbacks uncalled (it is being collected or
+    /// cleared): its task then ends (a called one has ended already, and this does nothing).
+    fn drop(&mut self) {
+        self.end();
     }
 }
 
