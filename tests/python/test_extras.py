@@ -200,6 +200,36 @@ async def test_given_up_exposures_keep_a_bounded_number_of_registrations(nc):
     assert core.stats()["registrations"] - before == 1, core.stats()
 
 
+async def test_wait_of_a_task_nobody_holds_completes(nc):
+    # asyncio holds tasks only weakly: a task nobody keeps, awaiting an operation, lives on what
+    # the loop holds for it (Dynamo's module waits on the loop's timers). The futures this module's
+    # waits resolve are the running loop's to hold, so a collection meanwhile must not end them.
+    import gc
+
+    a, b = nc.Connector(), nc.Connector()
+    dst = bytearray(4096)
+    done = []
+
+    async def waiter(op):
+        with op:
+            await op.wait_for_completion()
+        done.append(bytes(dst[:4]))
+
+    writable = await a.create_writable(nc.Descriptor(dst))
+    md = writable.metadata()
+    asyncio.ensure_future(waiter(writable))  # no reference kept
+    del writable
+    await asyncio.sleep(0.05)  # the wait is pending now
+    gc.collect()
+    with await b.begin_write(nc.Descriptor(bytearray(b"abcd" * 1024)), md) as w:
+        await waited(w.wait_for_completion())
+    for _ in range(1500):
+        if done:
+            break
+        await asyncio.sleep(0.01)
+    assert done == [b"abcd"], "the unreferenced task's wait did not complete"
+
+
 def test_wait_left_pending_on_a_closed_loop_is_collected(nc):
     # A loop closed without cancelling the coroutines that await operations (a caller's own
     # `run_until_complete`, then `close()`): the coroutines are garbage, as they would be with

@@ -3,14 +3,14 @@
 //! crate's docs), or answered at the call.
 
 use std::cell::RefCell;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
@@ -79,11 +79,11 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// One Rust future and the asyncio future it resolves.
+/// One Rust future, resolving an asyncio future that its loop's [`Completions`] holds (under the
+/// task's `id`) while it is pending.
 struct Task {
+    id: u64,
     work: Mutex<Option<Work>>,
-    /// Touched only on the loop's thread with the GIL held (never dropped elsewhere).
-    target: Mutex<Option<Py<PyAny>>>,
     queued: AtomicBool,
     queue: Arc<Queue>,
 }
@@ -150,20 +150,37 @@ impl Task {
     fn run(self: &Arc<Self>, py: Python<'_>, rt: &tokio::runtime::Runtime) {
         self.queued.store(false, Ordering::Release);
         if let Some(result) = self.poll_here(rt) {
-            if let Some(target) = lock(&self.target).take() {
-                resolve(target.bind(py), result);
+            // The lock is let go before `resolve` runs Python code.
+            let target = self.queue.take(self.id);
+            match target {
+                Some(target) => resolve(target.bind(py), result),
+                None => py.detach(move || drop(result)),
             }
         }
     }
 }
 
-/// Tasks woken since the loop last drained them, and the socket that wakes the loop.
+/// Tasks woken since the loop last drained them, the socket that wakes the loop, and the asyncio
+/// futures of the loop's pending tasks.
 struct Queue {
     ready: Mutex<VecDeque<Arc<Task>>>,
     signal: UnixStream,
+    /// The futures pending tasks resolve, by task id. They are the loop's: held here (and shown
+    /// to Python's collector by [`Completions`]), a task nobody holds that awaits one lives on as
+    /// long as the loop does (asyncio holds tasks only weakly), and they go with the loop's
+    /// `Completions` when the loop closes.
+    pending: Mutex<HashMap<u64, Pending>>,
 }
 
+/// A pending task's asyncio future, and the task (which the engine's wakers hold).
+type Pending = (Py<PyAny>, Weak<Task>);
+
 impl Queue {
+    /// The pending future of task `id`, no longer held here.
+    fn take(&self, id: u64) -> Option<Py<PyAny>> {
+        lock(&self.pending).remove(&id).map(|(future, _)| future)
+    }
+
     fn push(&self, task: Arc<Task>) {
         let mut ready = lock(&self.ready);
         let was_empty = ready.is_empty();
@@ -178,11 +195,49 @@ impl Queue {
     }
 }
 
-/// One asyncio loop's executor (internal; created on the loop's first coroutine).
+/// One asyncio loop's executor (internal; created on the loop's first coroutine). The loop's
+/// reader callback is its one strong reference, so it lives as long as the loop watches its
+/// socket: until the loop closes (or is collected), when it ends every task still pending.
 #[pyclass(frozen, weakref, module = "nixl_connect._core")]
 pub(crate) struct Completions {
     queue: Arc<Queue>,
     wake: UnixStream,
+    /// [`FORKS`] when it was made: a child of `fork()` must not end its parent's work (see
+    /// `forks.rs`), only forget it.
+    image: u64,
+}
+
+impl Completions {
+    /// Ends every pending task: drops its future and its work (the work on the runtime's
+    /// blocking pool: ending an exposure may wait for this process's own copy into it to stop,
+    /// and the GIL is held here). A work this thread is polling right now is left to that poll.
+    fn end_all(&self) {
+        let pending = std::mem::take(&mut *lock(&self.queue.pending));
+        let forked = FORKS.load(Ordering::Relaxed) != self.image;
+        for (_, (future, task)) in pending {
+            drop(future);
+            let Some(task) = task.upgrade() else { continue };
+            let work = match task.work.try_lock() {
+                Ok(mut work) => work.take(),
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().take(),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
+            match work {
+                None => {}
+                Some(work) if forked => std::mem::forget(work),
+                Some(work) => match runtime() {
+                    Ok(rt) => drop(rt.spawn_blocking(move || drop(work))),
+                    Err(_) => drop(work),
+                },
+            }
+        }
+    }
+}
+
+impl Drop for Completions {
+    fn drop(&mut self) {
+        self.end_all();
+    }
 }
 
 #[pymethods]
@@ -190,6 +245,22 @@ impl Completions {
     /// The socket the loop watches.
     fn fileno(&self) -> i32 {
         self.wake.as_raw_fd()
+    }
+
+    /// The pending futures (skipped while their table is locked, which no Python code runs under:
+    /// the collector then takes them for reachable, which is safe).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Ok(pending) = self.queue.pending.try_lock() {
+            for (future, _) in pending.values() {
+                visit.call(future)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A loop collected without being closed: its pending tasks end.
+    fn __clear__(&self) {
+        self.end_all();
     }
 
     /// Polls every woken task (the loop's reader callback).
@@ -236,12 +307,6 @@ fn resolve(future: &Bound<'_, PyAny>, outcome: Result<Outcome, Error>) {
 
 /// Drops the Rust future when its asyncio future is done (a no-op unless it was cancelled:
 /// a resolved task has dropped its future already), without the GIL, as `release()` does.
-///
-/// It is also what lets Python's garbage collector see the one reference the task holds: the
-/// asyncio future it resolves. That future holds this callback, so a future that is never done
-/// (its loop closed without cancelling the coroutine awaiting it) forms a cycle through the task
-/// that only this object can show the collector. Once the collector clears the cycle (this object,
-/// or the future, which drops this object with its callbacks), the work ends as on a cancel.
 #[pyclass(frozen, module = "nixl_connect._core")]
 struct Abort(Arc<Task>);
 
@@ -252,51 +317,7 @@ impl Abort {
         if work.is_some() {
             future.py().detach(move || drop(work));
         }
-        drop(lock(&self.0.target).take());
-    }
-
-    /// The task's asyncio future. Skipped while its lock is held (this thread may hold it while
-    /// it resolves the future, and a collection may start then): the collector then takes the
-    /// future for reachable, which is safe.
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        if let Ok(target) = self.0.target.try_lock() {
-            visit.call(target.as_ref())?;
-        }
-        Ok(())
-    }
-
-    fn __clear__(&self) {
-        self.end();
-    }
-}
-
-impl Abort {
-    /// Ends a task whose future will never call this callback: drops the future and the work.
-    /// The work is dropped on the runtime's blocking pool, not here: ending an exposure may wait
-    /// for this process's own copy into it to stop, and the collector holds the GIL. A lock held
-    /// meanwhile (by this thread, resolving the future) leaves that part to its holder.
-    fn end(&self) {
-        let work = match self.0.work.try_lock() {
-            Ok(mut work) => work.take(),
-            Err(_) => None,
-        };
-        if let Some(work) = work {
-            match runtime() {
-                Ok(rt) => drop(rt.spawn_blocking(move || drop(work))),
-                Err(_) => drop(work),
-            }
-        }
-        if let Ok(mut target) = self.0.target.try_lock() {
-            drop(target.take());
-        }
-    }
-}
-
-impl Drop for Abort {
-    /// Only a future that is going away drops its callbacks uncalled (it is being collected or
-    /// cleared): its task then ends (a called one has ended already, and this does nothing).
-    fn drop(&mut self) {
-        self.end();
+        drop(self.0.queue.take(self.0.id));
     }
 }
 
@@ -348,11 +369,15 @@ fn completions_of<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyRes
             )
         })?
         .bind(py);
-    if let Ok(c) = loops
+    // The table holds each loop's `Completions` weakly too: held strongly, it would keep its
+    // pending futures, and through them their loop, alive for good.
+    if let Ok(weak) = loops
         .call_method1("get", (event_loop,))?
-        .cast_into::<Completions>()
+        .cast_into::<PyWeakrefReference>()
     {
-        return Ok(c);
+        if let Some(c) = weak.upgrade().and_then(|c| c.cast_into::<Completions>().ok()) {
+            return Ok(c);
+        }
     }
     let (wake, signal) = UnixStream::pair()
         .and_then(|(a, b)| {
@@ -364,10 +389,12 @@ fn completions_of<'py>(py: Python<'py>, event_loop: &Bound<'py, PyAny>) -> PyRes
     let queue = Arc::new(Queue {
         ready: Mutex::new(VecDeque::new()),
         signal,
+        pending: Mutex::new(HashMap::new()),
     });
-    let c = Bound::new(py, Completions { queue, wake })?;
+    let image = FORKS.load(Ordering::Relaxed);
+    let c = Bound::new(py, Completions { queue, wake, image })?;
     event_loop.call_method1("add_reader", (c.get().fileno(), c.getattr("drain")?))?;
-    loops.set_item(event_loop, &c)?;
+    loops.set_item(event_loop, PyWeakrefReference::new(&c)?)?;
     Ok(c)
 }
 
@@ -465,9 +492,10 @@ where
         return known(&event_loop, result, now);
     }
     let queue = completions(py, &event_loop)?.get().queue.clone();
+    static IDS: AtomicU64 = AtomicU64::new(0);
     let task = Arc::new(Task {
+        id: IDS.fetch_add(1, Ordering::Relaxed),
         work: Mutex::new(Some(work)),
-        target: Mutex::new(None),
         queued: AtomicBool::new(false),
         queue,
     });
@@ -489,7 +517,7 @@ where
     // poll has queued it already) and resolves this future.
     let pending = (|| {
         let future = event_loop.call_method0(intern!(py, "create_future"))?;
-        *lock(&task.target) = Some(future.clone().unbind());
+        lock(&task.queue.pending).insert(task.id, (future.clone().unbind(), Arc::downgrade(&task)));
         future.call_method1(intern!(py, "add_done_callback"), (Abort(task.clone()),))?;
         Ok(future)
     })();
@@ -497,7 +525,7 @@ where
         // No one will await it (a KeyboardInterrupt inside `create_future`, say): the engine's
         // wakers still hold the task, so its work is ended here, not left running unseen.
         drop(lock(&task.work).take());
-        drop(lock(&task.target).take());
+        drop(task.queue.take(task.id));
     }
     pending
 }
