@@ -25,6 +25,13 @@
 //! costs one wake-up of the loop. Timers run on a one-thread tokio runtime of this module's own.
 //! Cancelling the awaiting Python task drops the Rust future (each operation is cancel safe).
 //!
+//! The asyncio futures of pending calls belong to their loop: its `Completions` (which the loop's
+//! reader callback keeps, and nothing else strongly) holds them and shows them to Python's
+//! collector. A task nobody holds that awaits one lives as long as the loop (asyncio holds tasks
+//! only weakly; Dynamo's module waits on the loop's timers, which the loop holds too), and when
+//! the loop closes or is collected with calls still pending, `Completions` goes with it and ends
+//! them, as a cancel would, instead of keeping their operations and memory for good.
+//!
 //! # Layout
 //!
 //! `errors` (the exception and the class for each kind) <- `forks` (state of one process image)
