@@ -35,7 +35,7 @@
 //! time off) ended more than [`FORGET_AFTER`] ago starts again from nothing.
 //!
 //! The state is per thread: a core is what a yield finds busy, and a thread mostly stays on its
-//! core, while another thread of the process may have one to itself. [`Seen`] is the rule with no
+//! core, while another thread of the process may have one to itself. `Seen` is the rule with no
 //! clock or thread of its own, tested with made-up times.
 
 use std::cell::Cell;
