@@ -25,9 +25,10 @@
 //! time it took, and a balance of [`LOST_TO_STOP`] turns that thread's spins off ([`worthwhile`]
 //! says no there) for [`CONTENDED_FOR`]. Its spins then sleep (or hand their wait to the event
 //! loop) at once and are woken as after a spin that ran out. When the time is over, the next spin
-//! is a probe: the balance stands 2 ms under the bound, so one more slice lost turns spins off again,
-//! for twice as long each time (up to [`MAX_OFF`]), while quick yields that pay the balance back
-//! to nothing mean the core is free again, and the time off starts from [`CONTENDED_FOR`] anew.
+//! is a probe: the balance stands 2 ms under the bound, so one more slice lost turns spins off
+//! again, for twice as long each time (up to [`MAX_OFF`]), while quick yields that pay the
+//! balance back to nothing mean the core is free again, and the time off starts from
+//! [`CONTENDED_FOR`] anew.
 //! Beside a CPU-bound process, where each yield loses a whole slice, five slices turn spins off,
 //! whether the thread runs a thousand operations a second or ten: a balance kept over a window
 //! of time would have let an operation now and then pay its slice every time, and a fixed time

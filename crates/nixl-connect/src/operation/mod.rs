@@ -44,9 +44,9 @@ fn spin_for<'e>(engine: &'e Engine, descs: &[crate::Descriptor<'_>]) -> Option<(
 /// the status, gives the thread's core away once (`sched_yield`, so an engine thread sharing
 /// the core runs; on an oversubscribed core, where a yield takes a time slice, the thread's
 /// waits stop spinning: see [`crate::spin`]) and yields to the runtime (so its other tasks
-/// run), instead of parking the task until the engine wakes it. The engine's wake-up is registered on every turn too, so an
-/// executor that never runs the runtime's deferred wake-ups (a `block_on` inside a tokio task)
-/// still sees the end.
+/// run), instead of parking the task until the engine wakes it. The engine's wake-up is
+/// registered on every turn too, so an executor that never runs the runtime's deferred wake-ups
+/// (a `block_on` inside a tokio task) still sees the end.
 async fn wait(
     state: &Arc<OpState>,
     timeout: Option<Duration>,
