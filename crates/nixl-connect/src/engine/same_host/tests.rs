@@ -151,7 +151,7 @@ fn same_host_owners_import_only_downward() {
 
 /// The wing may move to the thread of a caller that waits: the step issue 45 leaves next (a
 /// small operation's waiter driving the same-host wing itself, docs/ARCHITECTURE.md, "Next: the
-/// waiter drives the same-host wing") needs the transport `Send`; the NIXL transport's raw
+/// waiter drives the engine") needs the transport `Send`; the NIXL transport's raw
 /// handles are what keep the whole engine core on its thread. A field that is not `Send` fails
 /// to compile here, where the reason is written down.
 #[test]
