@@ -250,6 +250,11 @@ impl EngineCore {
         event
     }
 
+    /// Operations in flight: active ones begun and not yet released, passive ones exposed.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.actives.len() + self.passives.len()
+    }
+
     /// True when a transport has work that its next progress would pick up: the driver must not
     /// sleep.
     pub(crate) fn has_pending(&self) -> bool {

@@ -199,8 +199,9 @@ pub(crate) enum Polling {
     EveryTurn,
 }
 
-/// One way of moving bytes (NIXL, same-host), owned by the engine thread.
-pub(crate) trait Transport {
+/// One way of moving bytes (NIXL, same-host), owned by the engine: used by one thread at a time,
+/// its own or a caller's that drives it (`driver`), so `Send`.
+pub(crate) trait Transport: Send {
     /// Exposes a passive operation's memory under its key, adding to `out`.
     ///
     /// # Errors

@@ -72,6 +72,10 @@ async fn wait(
             }
             match &spinning {
                 Some((_, until)) if std::time::Instant::now() < *until => {
+                    if let Some((engine, _)) = spin {
+                        // The engine stands down while this wait spins: its turns are taken here.
+                        engine.drive();
+                    }
                     if !crate::spin::yield_core() {
                         // The host is oversubscribed: the place goes back; the next turn parks.
                         spinning = None;

@@ -305,8 +305,17 @@ pub(crate) struct Prepared {
     len: usize,
 }
 
+// SAFETY: a prepared list is a handle into its agent's state, used (and dropped) only through its
+// agent's owner, the engine, which one thread at a time holds (its own, or a caller's that drives
+// it: `engine::driver`), behind a lock that orders each use after the last. The agent is created
+// with `ThreadSync::None` and no progress thread, for which NIXL makes its UCX worker
+// `UCS_THREAD_MODE_SERIALIZED` (any thread, one at a time): exactly this use. `nixl_sys` already
+// has the agent itself `Send`.
+unsafe impl Send for Prepared {}
+
 /// One NIXL agent with its backends (UCX, and any others the connector's builder named), NIXL's
-/// own threads off. Not thread-safe: the engine thread owns it. Dropping it destroys the UCX
+/// own threads off. Not thread-safe: the engine owns it, and one thread at a time uses it (see
+/// `Prepared`'s `Send`). Dropping it destroys the UCX
 /// worker, which cuts every peer off from this agent's memory and ends every transfer it posted.
 pub(crate) struct NixlAgent {
     agent: Agent,

@@ -1,0 +1,141 @@
+//! A small operation's waiter drives its engine (the engine stands down meanwhile, and its sleep
+//! stops seeing the sockets): each race its own test, on the same-host path with the real NIXL
+//! library beside it.
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Waker};
+use std::time::{Duration, Instant};
+
+use nixl_connect::{testing, Connector, Descriptor, TransferPath, MAX_WAIT_SPIN};
+
+use super::support::{pattern, T};
+
+/// Two connectors whose small waits spin (and so drive) however loaded the machine is.
+fn driving_pair() -> (Connector, Connector) {
+    testing::keep_spinning();
+    let owner = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let reader = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    (owner, reader)
+}
+
+/// One 4 KiB same-host read of `seed`'s pattern, both sides waiting (and so driving).
+async fn driven_read(owner: &Connector, reader: &Connector, seed: u64) {
+    let src = pattern(4096, seed);
+    let r = owner
+        .create_readable(Descriptor::from(src.clone()))
+        .await
+        .unwrap();
+    let op = reader
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+    a.unwrap();
+    b.unwrap();
+    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+}
+
+/// A read nobody on the owner's side waits for: the owner's engine alone must see the reader's
+/// frames, so its sleep must see the sockets again.
+async fn read_served_by_the_engine_alone(owner: &Connector, reader: &Connector, seed: u64) {
+    let src = pattern(4096, seed);
+    let r = owner
+        .create_readable(Descriptor::from(src.clone()))
+        .await
+        .unwrap();
+    // Long enough for the owner's engine to have gone to sleep.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let op = reader
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+    r.wait_for_completion(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_command_sent_while_a_waiter_drives_is_handled() {
+    let (owner, reader) = driving_pair();
+    let stop = Arc::new(AtomicBool::new(false));
+    let handled = Arc::new(AtomicUsize::new(0));
+    // Another task sends the reader's engine commands (an exposure, its counters) over and over,
+    // while this one's reads drive that engine.
+    let other = {
+        let (reader, stop, handled) = (reader.clone(), stop.clone(), handled.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let w = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    reader.create_writable(Descriptor::from(vec![0u8; 4096])),
+                )
+                .await
+                .expect("an exposure sent while a waiter drives was left unhandled")
+                .unwrap();
+                drop(w);
+                tokio::time::timeout(Duration::from_secs(10), reader.stats())
+                    .await
+                    .expect("a command sent while a waiter drives was left unhandled")
+                    .unwrap();
+                handled.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut reads = 0u64;
+    while (reads < 300 || handled.load(Ordering::Relaxed) < 20) && Instant::now() < deadline {
+        driven_read(&owner, &reader, reads).await;
+        reads += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    other.await.unwrap();
+    assert!(
+        handled.load(Ordering::Relaxed) >= 20,
+        "only {} rounds of the other task's commands in 60 s beside {reads} reads",
+        handled.load(Ordering::Relaxed)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_sockets_go_back_to_the_engine_when_the_waiter_leaves() {
+    let (owner, reader) = driving_pair();
+    for seed in 0..50 {
+        driven_read(&owner, &reader, seed).await;
+    }
+    for seed in 50..55 {
+        read_served_by_the_engine_alone(&owner, &reader, seed).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_wait_dropped_while_it_drives_gives_the_sockets_back() {
+    let (owner, reader) = driving_pair();
+    for seed in 0..20 {
+        driven_read(&owner, &reader, seed).await;
+    }
+    // A wait polled once (it takes its place among the spinning waits and stands the engine
+    // down), then dropped before its operation ends.
+    let src = pattern(4096, 99);
+    let r = owner
+        .create_readable(Descriptor::from(src.clone()))
+        .await
+        .unwrap();
+    {
+        let mut wait = pin!(r.wait_for_completion(T));
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(wait.as_mut().poll(&mut cx).is_pending());
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let op = reader
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+    r.wait_for_completion(T).await.unwrap();
+    read_served_by_the_engine_alone(&owner, &reader, 100).await;
+}
