@@ -208,6 +208,14 @@ pub mod testing {
         crate::spin::keep_spinning();
     }
 
+    /// How many turns callers have taken of their connectors' engines in this process, all
+    /// connectors together (a small operation's waiter drives its engine: see
+    /// docs/ARCHITECTURE.md, "A small operation's waiter drives the engine"): for tests that
+    /// check that callers drive.
+    pub fn driven_turns() -> u64 {
+        crate::engine::driven_turns()
+    }
+
     /// Returns once `connector`'s engine has acted on everything sent to it before this call
     /// (an operation begun, dropped or cancelled, a stall released) and run its transports once
     /// more: a deterministic step for tests, in place of sleeping. Over the loopback transport, a

@@ -74,6 +74,24 @@ impl Cmd {
             _ => true,
         }
     }
+
+    /// True for a command a driving caller may handle on its own thread (see `driver`): over
+    /// host memory, and small (an operation of at most
+    /// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES), whose wait will drive what it
+    /// starts). Registrations, larger operations and the end stay the engine thread's.
+    pub(crate) fn for_a_caller(&self) -> bool {
+        let small = |rs: &[Range]| {
+            rs.iter().map(|r| r.len).fold(0usize, usize::saturating_add)
+                <= crate::operation::WAIT_SPIN_MAX_BYTES
+        };
+        self.host_only()
+            && match self {
+                Cmd::Expose { spec, .. } => small(&spec.ranges),
+                Cmd::Begin { spec } => small(&spec.local),
+                Cmd::Register { .. } | Cmd::Shutdown { .. } => false,
+                _ => true,
+            }
+    }
 }
 
 /// The way back to one transport on the engine thread: a message posted here reaches its
@@ -153,6 +171,10 @@ mod tests {
         };
         assert!(register(crate::Device::Host).host_only());
         assert!(!register(crate::Device::Cuda(0)).host_only());
+        assert!(
+            !register(crate::Device::Host).for_a_caller(),
+            "registration is the engine's"
+        );
         assert!(Cmd::Shutdown {
             within: Duration::ZERO
         }

@@ -17,8 +17,9 @@
 //! that takes each process from two spinning threads to one (docs/ARCHITECTURE.md, "A small
 //! operation's waiter drives the engine").
 //!
-//! A driving caller handles only commands over host memory ([`Cmd::host_only`]), and never
-//! [`Cmd::Register`] or [`Cmd::Shutdown`]: it leaves them to the engine thread and wakes it. Once
+//! A driving caller handles only small commands over host memory ([`Cmd::for_a_caller`]), and
+//! never [`Cmd::Register`] or [`Cmd::Shutdown`]: it leaves the rest to the engine thread and
+//! wakes it. Once
 //! a connector has seen device memory, nobody but its engine thread drives it again: CUDA's
 //! current context is a thread's, and a caller's thread must keep its own.
 
@@ -76,9 +77,19 @@ pub(crate) struct Drive {
     /// before something wakes it). Written under the lock, by the engine before it sleeps and by
     /// a driving caller that brings it forward with the `alarm`.
     planned: AtomicU64,
+    /// When a caller last took a turn (or a wait that will drive began), in nanoseconds from
+    /// `epoch`: the engine stands down only while callers actually drive.
+    last_driven: AtomicU64,
     epoch: Instant,
     alarm: Alarm,
 }
+
+/// The most commands a caller handles in one turn: the rest are the engine thread's.
+const CALLER_COMMANDS_MAX: usize = 8;
+
+/// Caller turns taken in this process (for tests that check callers drive).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) static DRIVEN_TURNS: AtomicU64 = AtomicU64::new(0);
 
 impl Drive {
     /// The engine's state, before its thread runs.
@@ -98,6 +109,7 @@ impl Drive {
             busy: AtomicUsize::new(0),
             host_only: AtomicBool::new(true),
             planned: AtomicU64::new(u64::MAX),
+            last_driven: AtomicU64::new(0),
             epoch: Instant::now(),
             alarm: poller.alarm(),
         }
@@ -115,10 +127,21 @@ impl Drive {
     fn keep_the_engine_due(&self, d: &Driven, now: Instant) {
         let due = if self.gate.driven() {
             Some(STAND_DOWN_MAX)
-        } else if d.core.has_pending() || d.pending.is_some() {
+        } else if d.pending.is_some() || d.core.has_pending() {
             Some(Duration::ZERO)
+        } else if d.unpublished {
+            // The counters are published when the engine goes idle: it must wake to do so.
+            Some(
+                d.core
+                    .sleep_for(now)
+                    .map_or(STAND_DOWN_MAX, |t| t.max(STAND_DOWN_MAX)),
+            )
         } else {
-            d.core.sleep_for(now)
+            // A small operation this turn started is driven by its wait, which comes next, and a
+            // frame for it wakes the engine through the sockets anyway: what is left is the
+            // transports' schedules (NIXL's polls of exposed memory, timers), which may wait
+            // `STAND_DOWN_MAX`. Sooner, the engine would take a core from that wait for nothing.
+            d.core.sleep_for(now).map(|t| t.max(STAND_DOWN_MAX))
         };
         let Some(after) = due else { return };
         let at = self.nanos(now + after);
@@ -143,6 +166,9 @@ impl Drive {
             return false;
         }
         self.gate.enter();
+        // A wait that enters is about to drive: it counts as driving from now.
+        self.last_driven
+            .store(self.nanos(Instant::now()), Ordering::Release);
         true
     }
 
@@ -168,7 +194,12 @@ impl Drive {
             Err(TryLockError::WouldBlock | TryLockError::Poisoned(_)) => return false,
         };
         let Some(d) = g.as_mut() else { return false };
-        if d.stop.is_some() {
+        // Again under the lock, which orders them: the engine may have handled device memory, or
+        // taken more work, since the look above.
+        if d.stop.is_some()
+            || !self.host_only.load(Ordering::Acquire)
+            || self.busy.load(Ordering::Acquire) > max
+        {
             return false;
         }
         // A panic here would leave transfers, copies and peers' access to memory that the
@@ -188,18 +219,24 @@ impl Drive {
 
     /// A caller's turn: the commands it may handle, one look at the sockets, one turn.
     fn driven_turn(&self, d: &mut Driven) {
+        #[cfg(any(test, feature = "testing"))]
+        DRIVEN_TURNS.fetch_add(1, Ordering::Relaxed);
         let mut event = false;
+        let mut handled = 0;
         while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
-            if !cmd.host_only() || matches!(cmd, Cmd::Register { .. } | Cmd::Shutdown { .. }) {
-                // The engine thread's: it is asleep (or about to be), so this wakes it.
+            if !cmd.for_a_caller() || handled == CALLER_COMMANDS_MAX {
+                // The engine thread's: it is asleep (or about to be), so this wakes it, and the
+                // lock goes back to it at once (no turn here).
                 d.pending = Some(cmd);
                 self.waker.wake();
-                break;
+                return;
             }
             d.core.handle(cmd);
+            handled += 1;
             event = true;
         }
         let now = Instant::now();
+        self.last_driven.store(self.nanos(now), Ordering::Release);
         if event {
             d.core.wake_all(now);
         }
@@ -259,7 +296,15 @@ impl Drive {
             }
             // A caller drives while it waits: the engine stands down instead of spinning beside
             // it (each process then has one spinning thread, not two).
-            let stand_down = self.gate.driven() && d.core.in_flight() <= DRIVEN_MAX;
+            // Only while callers actually drive (a wait that entered the gate but is no longer
+            // polled drives nothing), and only where they may.
+            let stand_down = self.gate.driven()
+                && d.core.in_flight() <= DRIVEN_MAX
+                && self.host_only.load(Ordering::Acquire)
+                && self
+                    .nanos(now)
+                    .saturating_sub(self.last_driven.load(Ordering::Acquire))
+                    < STAND_DOWN_MAX.as_nanos() as u64;
             if !stand_down && last_event.elapsed() < SPIN && crate::spin::worthwhile() {
                 // Recently active: stay hot (yielding the core) so the next command, socket
                 // message or completion is picked up without a wake-up; not while the host is

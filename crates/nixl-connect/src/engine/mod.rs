@@ -155,6 +155,12 @@ pub(crate) struct EngineOptions {
     pub(crate) wait_spin: Duration,
 }
 
+/// Caller turns taken of engines in this process (see `driver`).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn driven_turns() -> u64 {
+    driver::DRIVEN_TURNS.load(Ordering::Relaxed)
+}
+
 /// How many of a connector's waits may spin at once: half the cores this process may use, at
 /// least one.
 pub(crate) fn max_spinning() -> usize {
@@ -473,11 +479,13 @@ impl Engine {
         Ok(d)
     }
 
-    /// Sends a command, and handles it on this thread if a caller may drive now (see `driver`:
-    /// the engine sleeps, few operations are in flight); otherwise wakes the engine.
+    /// Sends a command, and handles it on this thread if a caller may (see `driver`: a small
+    /// command over host memory, the engine asleep, few operations in flight); otherwise wakes
+    /// the engine.
     pub(crate) fn send(&self, cmd: Cmd) -> Result<()> {
+        let mine = cmd.for_a_caller() && std::thread::current().id() != self.0.thread;
         self.0.tx.send(cmd).map_err(|_| Error::EngineStopped)?;
-        if std::thread::current().id() == self.0.thread || !self.0.drive.drive(driver::SENT_DRIVEN_MAX) {
+        if !mine || !self.0.drive.drive(driver::SENT_DRIVEN_MAX) {
             self.0.waker.wake();
         }
         Ok(())

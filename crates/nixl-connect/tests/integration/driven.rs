@@ -39,6 +39,18 @@ async fn driven_read(owner: &Connector, reader: &Connector, seed: u64) {
     assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
 }
 
+/// `n` small reads both sides wait for: callers must have taken turns of the engines.
+async fn driven_reads(owner: &Connector, reader: &Connector, n: u64) {
+    let before = testing::driven_turns();
+    for seed in 0..n {
+        driven_read(owner, reader, seed).await;
+    }
+    assert!(
+        testing::driven_turns() > before,
+        "no caller took a turn of an engine in {n} small reads both sides waited for"
+    );
+}
+
 /// A read nobody on the owner's side waits for: the owner's engine alone must see the reader's
 /// frames, so its sleep must see the sockets again.
 async fn read_served_by_the_engine_alone(owner: &Connector, reader: &Connector, seed: u64) {
@@ -86,6 +98,7 @@ async fn driven_a_command_sent_while_a_waiter_drives_is_handled() {
         })
     };
     let deadline = Instant::now() + Duration::from_secs(60);
+    let before = testing::driven_turns();
     let mut reads = 0u64;
     while (reads < 300 || handled.load(Ordering::Relaxed) < 20) && Instant::now() < deadline {
         driven_read(&owner, &reader, reads).await;
@@ -93,6 +106,10 @@ async fn driven_a_command_sent_while_a_waiter_drives_is_handled() {
     }
     stop.store(true, Ordering::Relaxed);
     other.await.unwrap();
+    assert!(
+        testing::driven_turns() > before,
+        "no caller drove in {reads} reads"
+    );
     assert!(
         handled.load(Ordering::Relaxed) >= 20,
         "only {} rounds of the other task's commands in 60 s beside {reads} reads",
@@ -103,9 +120,7 @@ async fn driven_a_command_sent_while_a_waiter_drives_is_handled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn driven_sockets_go_back_to_the_engine_when_the_waiter_leaves() {
     let (owner, reader) = driving_pair();
-    for seed in 0..50 {
-        driven_read(&owner, &reader, seed).await;
-    }
+    driven_reads(&owner, &reader, 50).await;
     for seed in 50..55 {
         read_served_by_the_engine_alone(&owner, &reader, seed).await;
     }
@@ -114,9 +129,7 @@ async fn driven_sockets_go_back_to_the_engine_when_the_waiter_leaves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn driven_a_wait_dropped_while_it_drives_gives_the_sockets_back() {
     let (owner, reader) = driving_pair();
-    for seed in 0..20 {
-        driven_read(&owner, &reader, seed).await;
-    }
+    driven_reads(&owner, &reader, 20).await;
     // A wait polled once (it takes its place among the spinning waits and stands the engine
     // down), then dropped before its operation ends.
     let src = pattern(4096, 99);
@@ -138,4 +151,28 @@ async fn driven_a_wait_dropped_while_it_drives_gives_the_sockets_back() {
     assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
     r.wait_for_completion(T).await.unwrap();
     read_served_by_the_engine_alone(&owner, &reader, 100).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_wait_left_unpolled_does_not_blind_the_engine() {
+    let (owner, reader) = driving_pair();
+    driven_reads(&owner, &reader, 20).await;
+    // A wait polled once (it stands the engine down and takes the sockets out of its sleep), then
+    // kept, never polled again, while a peer reads: the owner's engine alone must serve it.
+    let src = pattern(4096, 7);
+    let r = owner
+        .create_readable(Descriptor::from(src.clone()))
+        .await
+        .unwrap();
+    let mut wait = Box::pin(r.wait_for_completion(T));
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(wait.as_mut().poll(&mut cx).is_pending());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let op = reader
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+    wait.await.unwrap();
 }
