@@ -208,12 +208,11 @@ pub mod testing {
         crate::spin::keep_spinning();
     }
 
-    /// How many turns callers have taken of their connectors' engines in this process, all
-    /// connectors together (a small operation's waiter drives its engine: see
-    /// docs/ARCHITECTURE.md, "A small operation's waiter drives the engine"): for tests that
-    /// check that callers drive.
-    pub fn driven_turns() -> u64 {
-        crate::engine::driven_turns()
+    /// How many turns callers have taken of `connector`'s engine (a small operation's waiter
+    /// drives its engine: see docs/ARCHITECTURE.md, "A small operation's waiter drives the
+    /// engine"): for tests that check that callers drive.
+    pub fn driven_turns(connector: &Connector) -> u64 {
+        connector.driven_turns()
     }
 
     /// Returns once `connector`'s engine has acted on everything sent to it before this call

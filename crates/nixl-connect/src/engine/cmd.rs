@@ -75,22 +75,25 @@ impl Cmd {
         }
     }
 
-    /// True for a command a driving caller may handle on its own thread (see `driver`): over
-    /// host memory, and small (an operation of at most
+    /// True for the one command a driving caller may handle on its own thread (see `driver`):
+    /// a small operation's [`Cmd::Begin`] over host memory (at most
     /// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES), whose wait will drive what it
-    /// starts). Registrations, larger operations and the end stay the engine thread's.
+    /// starts). Everything else stays the engine thread's: exposures and registrations (NIXL
+    /// registers memory), cancels and adoptions (they may free memory a Python object owns),
+    /// mail, larger operations and the end.
     pub(crate) fn for_a_caller(&self) -> bool {
-        let small = |rs: &[Range]| {
-            rs.iter().map(|r| r.len).fold(0usize, usize::saturating_add)
-                <= crate::operation::WAIT_SPIN_MAX_BYTES
-        };
-        self.host_only()
-            && match self {
-                Cmd::Expose { spec, .. } => small(&spec.ranges),
-                Cmd::Begin { spec } => small(&spec.local),
-                Cmd::Register { .. } | Cmd::Shutdown { .. } => false,
-                _ => true,
+        match self {
+            Cmd::Begin { spec } => {
+                self.host_only()
+                    && spec
+                        .local
+                        .iter()
+                        .map(|r| r.len)
+                        .fold(0usize, usize::saturating_add)
+                        <= crate::operation::WAIT_SPIN_MAX_BYTES
             }
+            _ => false,
+        }
     }
 }
 

@@ -17,11 +17,18 @@
 //! that takes each process from two spinning threads to one (docs/ARCHITECTURE.md, "A small
 //! operation's waiter drives the engine").
 //!
-//! A driving caller handles only small commands over host memory ([`Cmd::for_a_caller`]), and
-//! never [`Cmd::Register`] or [`Cmd::Shutdown`]: it leaves the rest to the engine thread and
-//! wakes it. Once
-//! a connector has seen device memory, nobody but its engine thread drives it again: CUDA's
-//! current context is a thread's, and a caller's thread must keep its own.
+//! A caller's turn is the core's caller turn ([`EngineCore::turn_as_caller`]): it touches only
+//! the transports a caller may drive (same-host, loopback; never NIXL), and what it would hand
+//! another (a declined operation's fallback to NIXL, NIXL's end of an exposure, the drop of
+//! memory whose owner may be a Python object) it leaves to the engine thread, which it wakes. The
+//! only command a caller handles is a small operation's [`Cmd::Begin`] over host memory
+//! ([`Cmd::for_a_caller`]); the rest are the engine thread's. Callers never drive:
+//! - a connector that has seen device memory (CUDA's current context is a thread's, and a
+//!   caller's thread must keep its own);
+//! - one whose operations do not start on a transport a caller may drive (`--path nixl`);
+//! - one that deregisters memory from NIXL on completion (the revocation must come before the
+//!   status is final, on the engine thread);
+//! - a child of `fork()` (the epoll instances are the parent's too).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -30,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use super::cmd::Cmd;
 use super::core::{EngineCore, STOP_WAIT};
-use super::poller::{Alarm, DriverPoll, Gate, Poller, Ready, Waker};
+use super::poller::{self, Alarm, DriverPoll, Gate, Poller, Ready, Waker};
 
 /// How long the engine keeps spinning after the last event before it sleeps.
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
@@ -71,8 +78,13 @@ pub(crate) struct Drive {
     gate: Gate,
     /// Operations in flight at the last turn, whoever took it.
     busy: AtomicUsize,
-    /// False once the connector has handled a command over device memory.
+    /// False once the connector has handled a command over device memory, and from the start
+    /// where callers never drive (see the module's docs).
     host_only: AtomicBool,
+    /// [`poller::forks`] when the engine started: a child of `fork()` does not drive.
+    image: u64,
+    /// Turns callers have taken (for tests that check that callers drive).
+    turns: AtomicU64,
     /// When the sleeping engine wakes on its own, in nanoseconds from `epoch` (`u64::MAX`: not
     /// before something wakes it). Written under the lock, by the engine before it sleeps and by
     /// a driving caller that brings it forward with the `alarm`.
@@ -87,13 +99,11 @@ pub(crate) struct Drive {
 /// The most commands a caller handles in one turn: the rest are the engine thread's.
 const CALLER_COMMANDS_MAX: usize = 8;
 
-/// Caller turns taken in this process (for tests that check callers drive).
-#[cfg(any(test, feature = "testing"))]
-pub(crate) static DRIVEN_TURNS: AtomicU64 = AtomicU64::new(0);
-
 impl Drive {
-    /// The engine's state, before its thread runs.
-    pub(crate) fn new(core: EngineCore, rx: Receiver<Cmd>, poller: &Poller) -> Self {
+    /// The engine's state, before its thread runs; `callers`: whether callers may drive it at
+    /// all (false where the connector deregisters memory on completion).
+    pub(crate) fn new(core: EngineCore, rx: Receiver<Cmd>, poller: &Poller, callers: bool) -> Self {
+        let callers = callers && core.callers_may_begin();
         Self {
             state: Mutex::new(Some(Driven {
                 core,
@@ -107,7 +117,9 @@ impl Drive {
             waker: poller.waker(),
             gate: poller.gate(),
             busy: AtomicUsize::new(0),
-            host_only: AtomicBool::new(true),
+            host_only: AtomicBool::new(callers),
+            image: poller::forks(),
+            turns: AtomicU64::new(0),
             planned: AtomicU64::new(u64::MAX),
             last_driven: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -159,22 +171,44 @@ impl Drive {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// True when callers may drive this connector now: host memory only, in the process that
+    /// started it.
+    fn callers_may(&self) -> bool {
+        self.host_only.load(Ordering::Acquire) && poller::forks() == self.image
+    }
+
+    /// Turns callers have taken of this engine.
+    pub(crate) fn turns(&self) -> u64 {
+        self.turns.load(Ordering::Relaxed)
+    }
+
     /// A wait that will drive begins: the engine's sleep stops seeing the sockets. False (and
     /// nothing changed) when callers may not drive this connector.
     pub(crate) fn enter(&self) -> bool {
-        if !self.host_only.load(Ordering::Acquire) || self.busy.load(Ordering::Acquire) > DRIVEN_MAX {
+        if !self.callers_may() || self.busy.load(Ordering::Acquire) > DRIVEN_MAX {
             return false;
         }
         self.gate.enter();
         // A wait that enters is about to drive: it counts as driving from now.
-        self.last_driven
-            .store(self.nanos(Instant::now()), Ordering::Release);
+        let now = Instant::now();
+        self.last_driven.store(self.nanos(now), Ordering::Release);
+        // The engine may already sleep without a deadline, and from now without the sockets: it
+        // must look at them within `STAND_DOWN_MAX` even if this wait is never polled again.
+        let at = self.nanos(now + STAND_DOWN_MAX);
+        if self.planned.fetch_min(at, Ordering::AcqRel) > at {
+            self.alarm.set(STAND_DOWN_MAX);
+        }
         true
     }
 
-    /// A wait that [`enter`](Self::enter)ed ends.
-    pub(crate) fn leave(&self) {
+    /// A wait that [`enter`](Self::enter)ed ends; `unfinished`: its operation goes on (the wait
+    /// was dropped, or stopped spinning), and the engine is woken to take it over at once (it
+    /// may sleep a whole `STAND_DOWN_MAX` else).
+    pub(crate) fn leave(&self, unfinished: bool) {
         self.gate.leave();
+        if unfinished {
+            self.waker.wake();
+        }
     }
 
     /// One turn on the caller's thread, if the engine sleeps, at most `max` operations are in
@@ -183,10 +217,7 @@ impl Drive {
     ///
     /// Never blocks: the lock is only tried, and the turn polls without waiting.
     pub(crate) fn drive(&self, max: usize) -> bool {
-        if !self.host_only.load(Ordering::Acquire)
-            || self.busy.load(Ordering::Acquire) > max
-            || !self.waker.is_sleeping()
-        {
+        if !self.callers_may() || self.busy.load(Ordering::Acquire) > max || !self.waker.is_sleeping() {
             return false;
         }
         let mut g = match self.state.try_lock() {
@@ -217,10 +248,10 @@ impl Drive {
         true
     }
 
-    /// A caller's turn: the commands it may handle, one look at the sockets, one turn.
+    /// A caller's turn: the commands it may handle, one look at the sockets, one caller turn of
+    /// the core (see the module's docs).
     fn driven_turn(&self, d: &mut Driven) {
-        #[cfg(any(test, feature = "testing"))]
-        DRIVEN_TURNS.fetch_add(1, Ordering::Relaxed);
+        self.turns.fetch_add(1, Ordering::Relaxed);
         let mut event = false;
         let mut handled = 0;
         while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
@@ -231,7 +262,7 @@ impl Drive {
                 self.waker.wake();
                 return;
             }
-            d.core.handle(cmd);
+            d.core.handle_as_caller(cmd);
             handled += 1;
             event = true;
         }
@@ -242,13 +273,19 @@ impl Drive {
         }
         d.poll.poll(&mut d.ready);
         let ready = std::mem::take(&mut d.ready);
-        event |= d.core.turn(now, true, &ready);
+        event |= d.core.turn_as_caller(now, &ready);
         d.ready = ready;
         d.ready.clear();
         self.busy.store(d.core.in_flight(), Ordering::Release);
         if event {
             d.core.publish(now, false);
             d.unpublished = true;
+        }
+        if d.core.has_pending() {
+            // The turn left the engine thread work (a hand-over to NIXL, say): now, not at its
+            // next deadline.
+            self.waker.wake();
+            return;
         }
         self.keep_the_engine_due(d, now);
     }
@@ -261,6 +298,9 @@ impl Drive {
         loop {
             let mut g = self.lock();
             let Some(d) = g.as_mut() else { return };
+            // What callers' turns left to this thread comes before the commands sent after it
+            // (an operation's cancel, say).
+            d.core.run_deferred();
             let mut event = false;
             while let Some(cmd) = d.pending.take().or_else(|| next_cmd(&d.rx)) {
                 if let Cmd::Shutdown { within } = cmd {
@@ -301,6 +341,7 @@ impl Drive {
             let stand_down = self.gate.driven()
                 && d.core.in_flight() <= DRIVEN_MAX
                 && self.host_only.load(Ordering::Acquire)
+                && !d.core.engine_bound()
                 && self
                     .nanos(now)
                     .saturating_sub(self.last_driven.load(Ordering::Acquire))

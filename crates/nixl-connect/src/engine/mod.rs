@@ -135,6 +135,8 @@ struct Tuning {
     progress_delay: Duration,
     wait_spin: Duration,
     metrics: Option<Metrics>,
+    /// Whether waiting callers may drive the engine at all (see `driver`).
+    callers_drive: bool,
 }
 
 /// Options the engine starts with.
@@ -155,12 +157,6 @@ pub(crate) struct EngineOptions {
     pub(crate) wait_spin: Duration,
 }
 
-/// Caller turns taken of engines in this process (see `driver`).
-#[cfg(any(test, feature = "testing"))]
-pub(crate) fn driven_turns() -> u64 {
-    driver::DRIVEN_TURNS.load(Ordering::Relaxed)
-}
-
 /// How many of a connector's waits may spin at once: half the cores this process may use, at
 /// least one.
 pub(crate) fn max_spinning() -> usize {
@@ -169,17 +165,27 @@ pub(crate) fn max_spinning() -> usize {
 }
 
 /// A wait's place among the waits that spin ([`Engine::spin_slot`]); dropping it gives the
-/// place back, and ends the wait's driving if it drove.
+/// place back, and ends the wait's driving if it drove: unless the wait saw its operation end
+/// ([`SpinSlot::finished`]), the engine is woken to take the operation over at once.
 pub(crate) struct SpinSlot {
     spinning: Arc<AtomicUsize>,
     /// The engine it drives, if it may.
     drives: Option<Arc<Drive>>,
+    /// The wait saw its operation end: nothing of it is left for the engine.
+    finished: bool,
+}
+
+impl SpinSlot {
+    /// The wait saw its operation end.
+    pub(crate) fn finished(&mut self) {
+        self.finished = true;
+    }
 }
 
 impl Drop for SpinSlot {
     fn drop(&mut self) {
         if let Some(d) = self.drives.take() {
-            d.leave();
+            d.leave(!self.finished);
         }
         self.spinning.fetch_sub(1, Ordering::AcqRel);
     }
@@ -259,6 +265,9 @@ impl Engine {
                 progress_delay: opts.progress_delay,
                 wait_spin: opts.wait_spin,
                 metrics: opts.metrics.clone(),
+                // Deregistration on completion must come before the status is final, and it is
+                // NIXL's work: the engine thread's (see `driver`).
+                callers_drive: !opts.deregister_on_completion,
             },
             nixl::encoding::decode_peer,
             move |name, seats| {
@@ -314,6 +323,7 @@ impl Engine {
                 progress_delay: self::core::DEFAULT_PROGRESS_DELAY,
                 wait_spin,
                 metrics,
+                callers_drive: true,
             },
             loopback::decode_peer,
             |name, seats| {
@@ -344,6 +354,7 @@ impl Engine {
             progress_delay,
             wait_spin,
             metrics,
+            callers_drive,
         } = tuning;
         let for_core = metrics.clone();
         let join = std::thread::Builder::new()
@@ -380,7 +391,7 @@ impl Engine {
                 if let Some(m) = for_core {
                     core.record_into(m);
                 }
-                let drive = Arc::new(Drive::new(core, rx, &poller));
+                let drive = Arc::new(Drive::new(core, rx, &poller, callers_drive));
                 let _ = ready_tx.send(Ok(drive.clone()));
                 // A panic here would leave transfers, copies and peers' access to memory that the
                 // unwinding would free: there is no sound way back, so the process stops instead.
@@ -456,6 +467,7 @@ impl Engine {
         Some(SpinSlot {
             spinning: n.clone(),
             drives: drive.enter().then(|| drive.clone()),
+            finished: false,
         })
     }
 
@@ -463,6 +475,12 @@ impl Engine {
     /// a small operation's wait calls it on each turn of its spin.
     pub(crate) fn drive(&self) {
         self.0.drive.drive(driver::DRIVEN_MAX);
+    }
+
+    /// Turns callers have taken of this engine (see `driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn driven_turns(&self) -> u64 {
+        self.0.drive.turns()
     }
 
     /// Decodes a peer's published metadata (`nixl_metadata`) with the publishing transport's

@@ -14,7 +14,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,6 +31,19 @@ const WAKE: u64 = 0;
 const INNER: u64 = 1;
 /// The token of the alarm's timerfd in the outer one.
 const ALARM: u64 = 2;
+
+/// `fork()`s made since the first poller (a `pthread_atfork` handler counts them in the child):
+/// a child shares its parent's epoll instances, so it must not change what the parent's engine
+/// sleeps on (a caller's [`Gate`]).
+pub(crate) fn forks() -> u64 {
+    FORKS.load(Ordering::Relaxed)
+}
+
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn forked() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
 
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
@@ -134,6 +147,11 @@ impl Registrar {
 
 impl Poller {
     pub(crate) fn new() -> io::Result<Self> {
+        static AT_FORK: std::sync::Once = std::sync::Once::new();
+        AT_FORK.call_once(|| {
+            // SAFETY: registers a child handler that only increments an atomic.
+            unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+        });
         // SAFETY: plain syscalls creating new descriptors; each is owned right after.
         let (outer, alarm, ep, ev) = unsafe {
             let outer = OwnedFd::from_raw_fd(cvt(libc::epoll_create1(libc::EPOLL_CLOEXEC))?);

@@ -280,6 +280,16 @@ pub(crate) trait Transport: Send {
 
     /// The path this transport is (what its operations report).
     fn path(&self) -> TransferPath;
+
+    /// True when a caller's thread may drive this transport (`driver`: a small operation's
+    /// waiter takes the engine's turns): its calls are short, touch no library that keeps state
+    /// per thread, create nothing that takes long to make, and drop no memory's owner (which may
+    /// be a Python object). False, the default, keeps every call to it on the engine thread: a
+    /// caller's turn leaves it alone, and defers to the engine what it would hand it (see
+    /// `EngineCore`'s caller turns).
+    fn callers_may_drive(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

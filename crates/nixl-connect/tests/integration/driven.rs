@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Waker};
 use std::time::{Duration, Instant};
 
-use nixl_connect::{testing, Connector, Descriptor, TransferPath, MAX_WAIT_SPIN};
+use nixl_connect::{testing, Connector, Descriptor, PathPolicy, TransferPath, MAX_WAIT_SPIN};
 
 use super::support::{pattern, T};
 
@@ -23,13 +23,18 @@ fn driving_pair() -> (Connector, Connector) {
 
 /// One 4 KiB same-host read of `seed`'s pattern, both sides waiting (and so driving).
 async fn driven_read(owner: &Connector, reader: &Connector, seed: u64) {
-    let src = pattern(4096, seed);
+    driven_read_of(owner, reader, 4096, seed).await;
+}
+
+/// One same-host read of `len` bytes of `seed`'s pattern, both sides waiting (and so driving).
+async fn driven_read_of(owner: &Connector, reader: &Connector, len: usize, seed: u64) {
+    let src = pattern(len, seed);
     let r = owner
         .create_readable(Descriptor::from(src.clone()))
         .await
         .unwrap();
     let op = reader
-        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; len]))
         .await
         .unwrap();
     let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
@@ -39,14 +44,33 @@ async fn driven_read(owner: &Connector, reader: &Connector, seed: u64) {
     assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
 }
 
+/// One same-host write of `len` bytes of `seed`'s pattern, both sides waiting (and so driving).
+async fn driven_write_of(owner: &Connector, writer: &Connector, len: usize, seed: u64) {
+    let src = pattern(len, seed);
+    let w = owner
+        .create_writable(Descriptor::from(vec![0u8; len]))
+        .await
+        .unwrap();
+    let op = writer
+        .begin_write(Descriptor::from(src.clone()), w.metadata())
+        .await
+        .unwrap();
+    let (a, b) = tokio::join!(op.wait_for_completion(T), w.wait_for_completion(T));
+    a.unwrap();
+    b.unwrap();
+    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(w.into_descriptors()[0].as_slice().unwrap(), &src[..]);
+}
+
 /// `n` small reads both sides wait for: callers must have taken turns of the engines.
 async fn driven_reads(owner: &Connector, reader: &Connector, n: u64) {
-    let before = testing::driven_turns();
+    let turns = || testing::driven_turns(owner) + testing::driven_turns(reader);
+    let before = turns();
     for seed in 0..n {
         driven_read(owner, reader, seed).await;
     }
     assert!(
-        testing::driven_turns() > before,
+        turns() > before,
         "no caller took a turn of an engine in {n} small reads both sides waited for"
     );
 }
@@ -98,7 +122,8 @@ async fn driven_a_command_sent_while_a_waiter_drives_is_handled() {
         })
     };
     let deadline = Instant::now() + Duration::from_secs(60);
-    let before = testing::driven_turns();
+    let turns = || testing::driven_turns(&owner) + testing::driven_turns(&reader);
+    let before = turns();
     let mut reads = 0u64;
     while (reads < 300 || handled.load(Ordering::Relaxed) < 20) && Instant::now() < deadline {
         driven_read(&owner, &reader, reads).await;
@@ -106,10 +131,7 @@ async fn driven_a_command_sent_while_a_waiter_drives_is_handled() {
     }
     stop.store(true, Ordering::Relaxed);
     other.await.unwrap();
-    assert!(
-        testing::driven_turns() > before,
-        "no caller drove in {reads} reads"
-    );
+    assert!(turns() > before, "no caller drove in {reads} reads");
     assert!(
         handled.load(Ordering::Relaxed) >= 20,
         "only {} rounds of the other task's commands in 60 s beside {reads} reads",
@@ -175,4 +197,92 @@ async fn driven_a_wait_left_unpolled_does_not_blind_the_engine() {
     op.wait_for_completion(T).await.unwrap();
     assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
     wait.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_copy_that_ends_while_the_engine_stands_down_completes() {
+    // 32 KiB: small enough for the waits to drive, above the size that travels in frames, so
+    // the bytes move by `process_vm_readv` on the copy pool, whose end the driving caller (or
+    // the engine it wakes) must see while the engine stands down.
+    let (owner, other) = driving_pair();
+    let turns = || testing::driven_turns(&owner) + testing::driven_turns(&other);
+    let before = turns();
+    for seed in 0..100 {
+        driven_read_of(&owner, &other, 32 << 10, seed).await;
+        driven_write_of(&owner, &other, 32 << 10, seed).await;
+    }
+    assert!(turns() > before, "no caller drove in 200 copies");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_small_read_the_same_host_path_declines_goes_to_nixl() {
+    // The owner publishes no same-host endpoint (a Python peer, or another host, looks the
+    // same): the reader's caller, taking the turn for its own `Begin`, sees the same-host path
+    // decline it, and leaves the fallback to NIXL (which creates the initiator agent) to the
+    // engine thread.
+    testing::keep_spinning();
+    let owner = Connector::builder()
+        .path(PathPolicy::Nixl)
+        .wait_spin(MAX_WAIT_SPIN)
+        .build()
+        .unwrap();
+    let reader = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    for seed in 0..5 {
+        let src = pattern(4096, seed);
+        let r = owner
+            .create_readable(Descriptor::from(src.clone()))
+            .await
+            .unwrap();
+        // The reader's engine is asleep: its caller takes the turn for the `Begin`.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let before = testing::driven_turns(&reader);
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        assert!(
+            testing::driven_turns(&reader) > before,
+            "the caller took no turn for its Begin"
+        );
+        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+        a.unwrap();
+        b.unwrap();
+        assert_eq!(op.path(), Some(TransferPath::Nixl));
+        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_the_last_handle_dropped_after_driven_waits_ends_the_engine() {
+    // Right after waits that drove, every handle goes (the operations', then the connectors'):
+    // each engine thread must get its lock back and end, within the test's deadline.
+    for round in 0..10u64 {
+        let (owner, reader) = driving_pair();
+        driven_reads(&owner, &reader, 5).await;
+        let src = pattern(4096, round);
+        let r = owner
+            .create_readable(Descriptor::from(src.clone()))
+            .await
+            .unwrap();
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+        a.unwrap();
+        b.unwrap();
+        let ended = tokio::time::timeout(
+            Duration::from_secs(20),
+            tokio::task::spawn_blocking(move || {
+                drop((op, r));
+                drop(reader);
+                drop(owner);
+            }),
+        )
+        .await;
+        assert!(
+            ended.is_ok(),
+            "round {round}: the engines did not end after driven waits"
+        );
+    }
 }

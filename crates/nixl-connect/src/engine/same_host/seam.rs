@@ -239,6 +239,12 @@ impl Transport for SameHostTransport {
         TransferPath::Local
     }
 
+    /// Its calls are socket reads and writes, MACs, and hand-offs to its copy pool; it holds no
+    /// memory's owner (the core does) and device memory stays the engine thread's (`driver`).
+    fn callers_may_drive(&self) -> bool {
+        true
+    }
+
     fn add_stats(&self, stats: &mut EngineStats, completed: u64) {
         stats.local_transfers += completed;
         stats.local_refused_peers += self.refused_peers;
