@@ -215,6 +215,12 @@ pub mod testing {
         connector.driven_turns()
     }
 
+    /// How many waits drive `connector`'s engine now: while any does, the engine's sleep does
+    /// not see its sockets (see [`driven_turns`]). For tests that check the sockets go back.
+    pub fn driving_waits(connector: &Connector) -> usize {
+        connector.driving_waits()
+    }
+
     /// Returns once `connector`'s engine has acted on everything sent to it before this call
     /// (an operation begun, dropped or cancelled, a stall released) and run its transports once
     /// more: a deterministic step for tests, in place of sleeping. Over the loopback transport, a

@@ -346,6 +346,17 @@ impl EngineCore {
         }
     }
 
+    /// True when an ended exposure's memory waits only for the engine's turn to go on to the
+    /// holds (its copy stopped during a caller's turn).
+    pub(crate) fn copies_released(&self) -> bool {
+        self.copying.iter().any(|(st, ..)| st.is_released())
+    }
+
+    /// True when the engine records figures ([`record_into`](Self::record_into)).
+    pub(crate) fn records(&self) -> bool {
+        self.recording.is_some()
+    }
+
     /// Operations in flight: active ones begun and not yet released, passive ones exposed.
     pub(crate) fn in_flight(&self) -> usize {
         self.actives.len() + self.passives.len()
@@ -417,8 +428,14 @@ impl EngineCore {
         }
     }
 
-    /// Acts on one command ([`Cmd::Shutdown`] is the driver's: nothing here).
+    /// Acts on one command ([`Cmd::Shutdown`] is the driver's: nothing here). On the engine
+    /// thread, what callers' turns left must have run first ([`run_deferred`](Self::run_deferred)):
+    /// an operation's cancel must find it where its deferred hand-over put it.
     pub(crate) fn handle(&mut self, cmd: Cmd) {
+        debug_assert!(
+            self.by_caller || self.deferred.is_empty(),
+            "a command handled before the work callers' turns left"
+        );
         match cmd {
             Cmd::Expose { spec, reply } => {
                 let mut out = Exposure::default();
@@ -685,7 +702,12 @@ impl EngineCore {
                     }
                     // Every transport forgets the key before the status is final: a waiter woken
                     // by it (or its peer, told at once) may replay the metadata, which must find
-                    // nothing exposed (core_passive_end_unexposes_before_any_waiter_sees_it).
+                    // nothing exposed (core_passive_end_unexposes_before_any_waiter_sees_it). On
+                    // a caller's turn, those a caller may not drive (NIXL) forget it on the
+                    // engine's next turn, before they are progressed again: a late notification
+                    // then finds no passive operation, and NIXL's registration outlives the
+                    // exposure anyway unless the connector deregisters on completion, where
+                    // callers never drive.
                     Event::PassiveCompleted { key, path } => {
                         if let Some(st) = self.passives.get(&key).cloned() {
                             self.end_passive(&key);

@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 use super::cmd::Cmd;
 use super::core::{EngineCore, STOP_WAIT};
 use super::poller::{self, Alarm, DriverPoll, Gate, Poller, Ready, Waker};
+use super::transport::CallerTurn;
 
 /// How long the engine keeps spinning after the last event before it sleeps.
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
@@ -133,9 +134,9 @@ impl Drive {
     }
 
     /// After a caller's turn: the engine sleeps, so if the turn left work due before the engine
-    /// would wake (an exposure NIXL must now poll, a transport's deadline), the alarm brings its
-    /// wake forward; while callers drive, the engine must wake within [`STAND_DOWN_MAX`]
-    /// whatever is due (the sockets are out of its sleep).
+    /// would wake (a transport's deadline, counters to publish), the alarm brings its wake
+    /// forward; while callers drive, the engine must wake within [`STAND_DOWN_MAX`] whatever is
+    /// due (the sockets are out of its sleep).
     fn keep_the_engine_due(&self, d: &Driven, now: Instant) {
         let due = if self.gate.driven() {
             Some(STAND_DOWN_MAX)
@@ -156,9 +157,14 @@ impl Drive {
             d.core.sleep_for(now).map(|t| t.max(STAND_DOWN_MAX))
         };
         let Some(after) = due else { return };
+        self.bring_forward(now, after);
+    }
+
+    /// Makes the sleeping engine wake `after` from `now` at the latest: sets the alarm if that is
+    /// sooner than it would wake.
+    fn bring_forward(&self, now: Instant, after: Duration) {
         let at = self.nanos(now + after);
-        if at < self.planned.load(Ordering::Acquire) {
-            self.planned.store(at, Ordering::Release);
+        if self.planned.fetch_min(at, Ordering::SeqCst) > at {
             self.alarm.set(after);
         }
     }
@@ -182,6 +188,11 @@ impl Drive {
         self.turns.load(Ordering::Relaxed)
     }
 
+    /// Waits that drive this engine now (that took the sockets out of its sleep).
+    pub(crate) fn driving_waits(&self) -> usize {
+        self.gate.drivers()
+    }
+
     /// A wait that will drive begins: the engine's sleep stops seeing the sockets. False (and
     /// nothing changed) when callers may not drive this connector.
     pub(crate) fn enter(&self) -> bool {
@@ -193,11 +204,10 @@ impl Drive {
         let now = Instant::now();
         self.last_driven.store(self.nanos(now), Ordering::Release);
         // The engine may already sleep without a deadline, and from now without the sockets: it
-        // must look at them within `STAND_DOWN_MAX` even if this wait is never polled again.
-        let at = self.nanos(now + STAND_DOWN_MAX);
-        if self.planned.fetch_min(at, Ordering::AcqRel) > at {
-            self.alarm.set(STAND_DOWN_MAX);
-        }
+        // must look at them within `STAND_DOWN_MAX` even if this wait is never polled again. (The
+        // engine writes `planned` before it reads the gate, and both sides take the gate's lock:
+        // either it saw this wait enter, or this sees when it will wake.)
+        self.bring_forward(now, STAND_DOWN_MAX);
         true
     }
 
@@ -205,6 +215,11 @@ impl Drive {
     /// was dropped, or stopped spinning), and the engine is woken to take it over at once (it
     /// may sleep a whole `STAND_DOWN_MAX` else).
     pub(crate) fn leave(&self, unfinished: bool) {
+        if poller::forks() != self.image {
+            // A child of `fork()` dropping a wait it inherited: the gate and the waker are the
+            // parent's too.
+            return;
+        }
         self.gate.leave();
         if unfinished {
             self.waker.wake();
@@ -235,9 +250,9 @@ impl Drive {
         }
         // A panic here would leave transfers, copies and peers' access to memory that the
         // unwinding would free, as on the engine thread: the process stops instead.
-        DRIVING.set(true);
+        let turn = CallerTurn::start();
         let turned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.driven_turn(d)));
-        DRIVING.set(false);
+        drop(turn);
         if turned.is_err() {
             eprintln!(
                 "nixl-connect: a caller driving the engine panicked; aborting, since transfers may \
@@ -251,7 +266,6 @@ impl Drive {
     /// A caller's turn: the commands it may handle, one look at the sockets, one caller turn of
     /// the core (see the module's docs).
     fn driven_turn(&self, d: &mut Driven) {
-        self.turns.fetch_add(1, Ordering::Relaxed);
         let mut event = false;
         let mut handled = 0;
         while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
@@ -266,6 +280,7 @@ impl Drive {
             handled += 1;
             event = true;
         }
+        self.turns.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         self.last_driven.store(self.nanos(now), Ordering::Release);
         if event {
@@ -277,13 +292,13 @@ impl Drive {
         d.ready = ready;
         d.ready.clear();
         self.busy.store(d.core.in_flight(), Ordering::Release);
-        if event {
+        if event && d.core.records() {
             d.core.publish(now, false);
             d.unpublished = true;
         }
-        if d.core.has_pending() {
-            // The turn left the engine thread work (a hand-over to NIXL, say): now, not at its
-            // next deadline.
+        if d.core.has_pending() || d.core.copies_released() {
+            // The turn left the engine thread work (a hand-over to NIXL, memory to hand on): now,
+            // not at its next deadline.
             self.waker.wake();
             return;
         }
@@ -379,21 +394,31 @@ impl Drive {
                 }
                 Err(TryRecvError::Empty) => {}
             }
+            // Written before the gate is read: a wait that enters the gate after that read sees
+            // when this sleep ends, and brings it forward (`enter`).
+            self.planned.store(
+                timeout.map_or(u64::MAX, |t| self.nanos(now + t)),
+                Ordering::SeqCst,
+            );
             if self.gate.driven() {
-                // Callers drive: their turns serve the transports' deadlines too (a driven turn
-                // is a hot one), and the sleep does not see the sockets. The engine wakes to take
-                // a turn itself now and then, in case a driving wait is no longer polled; waking
-                // for each deadline instead would take the core from the caller that drives.
-                timeout = Some(STAND_DOWN_MAX);
+                // The sleep does not see the sockets: the engine wakes within `STAND_DOWN_MAX`
+                // to look at them itself, in case a driving wait is no longer polled. While
+                // callers drive, their turns serve the same-host path's deadlines too (a driven
+                // turn is a hot one), and the others (NIXL's schedule for exposed memory) wait
+                // for that wake: waking for each would take the core from the caller that
+                // drives, and a wait that stops spinning wakes the engine anyway.
+                let cap = if stand_down {
+                    STAND_DOWN_MAX
+                } else {
+                    timeout.map_or(STAND_DOWN_MAX, |t| t.min(STAND_DOWN_MAX))
+                };
+                timeout = Some(cap);
+                self.planned.fetch_min(self.nanos(now + cap), Ordering::SeqCst);
             }
             if stand_down {
                 // Back from standing down, the engine does not spin: the callers drove.
                 last_event = now.checked_sub(SPIN).unwrap_or(now);
             }
-            self.planned.store(
-                timeout.map_or(u64::MAX, |t| self.nanos(now + t)),
-                Ordering::Release,
-            );
             drop(g);
             poller.wait(timeout, &mut ready);
         }
@@ -402,17 +427,6 @@ impl Drive {
             d.core.shutdown(d.stop.unwrap_or(STOP_WAIT));
         }
     }
-}
-
-thread_local! {
-    /// Set while this thread takes a caller's turn (it holds the engine's lock).
-    static DRIVING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// True while this thread takes a caller's turn: the last handle dropped here must not wait for
-/// the engine thread, which waits for the lock this thread holds.
-pub(crate) fn driving_here() -> bool {
-    DRIVING.get()
 }
 
 /// The next command; a disconnected channel (every handle gone) reads as `Shutdown`.

@@ -41,6 +41,7 @@ use self::driver::Drive;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
 use self::same_host::SameHostTransport;
+pub(crate) use self::transport::on_a_callers_turn;
 use self::transport::{DecodePeer, OpId, PeerInfo, Transport, TransportId};
 use crate::error::{Error, Result};
 use crate::metrics::families::Metrics;
@@ -483,6 +484,12 @@ impl Engine {
         self.0.drive.turns()
     }
 
+    /// Waits that drive this engine now (see `driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn driving_waits(&self) -> usize {
+        self.0.drive.driving_waits()
+    }
+
     /// Decodes a peer's published metadata (`nixl_metadata`) with the publishing transport's
     /// decoder; cached by string, so a peer's repeated metadata costs a lookup.
     ///
@@ -531,7 +538,7 @@ impl Drop for Shared {
         self.waker.wake();
         // Not on the engine thread, nor on a caller's thread in the middle of driving it (the
         // engine thread would wait for the lock this one holds): the engine then ends on its own.
-        if std::thread::current().id() != self.thread && !driver::driving_here() {
+        if std::thread::current().id() != self.thread && !transport::on_a_callers_turn() {
             if let Some(j) = self.join.lock().recover().take() {
                 let _ = j.join();
             }

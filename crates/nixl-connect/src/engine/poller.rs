@@ -292,10 +292,9 @@ impl Poller {
             }
         };
         self.awake();
-        let mut inner = false;
         for ev in &self.events[..n.max(0) as usize] {
             if ev.u64 == INNER {
-                inner = true;
+                // The descriptors themselves are looked at below.
             } else if ev.u64 == ALARM {
                 let mut buf = 0u64;
                 // SAFETY: reads 8 bytes into a live u64 from the alarm's own nonblocking timerfd.
@@ -309,7 +308,6 @@ impl Poller {
         // The descriptors are looked at after every sleep, whatever woke it: while callers drive,
         // the sleep does not see them, and a wake for a deadline or a command must not be blind
         // to a frame a caller has not read.
-        let _ = inner;
         let n = poll_now(&self.epoll.epoll, &mut self.events);
         report(&self.events[..n], out);
     }
@@ -418,11 +416,15 @@ impl Gate {
 
     /// True while a caller drives: the engine's sleep does not see the sockets.
     pub(crate) fn driven(&self) -> bool {
+        self.drivers() > 0
+    }
+
+    /// Callers driving now.
+    pub(crate) fn drivers(&self) -> usize {
         *self
             .drivers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            > 0
     }
 }
 

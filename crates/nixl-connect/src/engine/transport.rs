@@ -199,6 +199,35 @@ pub(crate) enum Polling {
     EveryTurn,
 }
 
+thread_local! {
+    /// Set while this thread takes a caller's turn of an engine (see `driver`).
+    static CALLER_TURN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// True while this thread takes a caller's turn of an engine (see `driver`): a transport that
+/// callers may drive asks this before work that must stay on an engine thread (the first call
+/// into CUDA, say), and NIXL's transport checks it never runs on one.
+pub(crate) fn on_a_callers_turn() -> bool {
+    CALLER_TURN.get()
+}
+
+/// Marks this thread as taking a caller's turn until dropped.
+pub(crate) struct CallerTurn(());
+
+impl CallerTurn {
+    /// Starts a caller's turn on this thread.
+    pub(crate) fn start() -> Self {
+        CALLER_TURN.set(true);
+        CallerTurn(())
+    }
+}
+
+impl Drop for CallerTurn {
+    fn drop(&mut self) {
+        CALLER_TURN.set(false);
+    }
+}
+
 /// One way of moving bytes (NIXL, same-host), owned by the engine: used by one thread at a time,
 /// its own or a caller's that drives it (`driver`), so `Send`.
 pub(crate) trait Transport: Send {

@@ -73,6 +73,16 @@ async fn driven_reads(owner: &Connector, reader: &Connector, n: u64) {
         turns() > before,
         "no caller took a turn of an engine in {n} small reads both sides waited for"
     );
+    sockets_back(owner, reader);
+}
+
+/// Every wait is over: no wait drives either engine, so their sleeps see the sockets again.
+fn sockets_back(owner: &Connector, reader: &Connector) {
+    assert_eq!(
+        (testing::driving_waits(owner), testing::driving_waits(reader)),
+        (0, 0),
+        "a wait that ended left its engine's sleep without the sockets"
+    );
 }
 
 /// A read nobody on the owner's side waits for: the owner's engine alone must see the reader's
@@ -163,7 +173,14 @@ async fn driven_a_wait_dropped_while_it_drives_gives_the_sockets_back() {
         let mut wait = pin!(r.wait_for_completion(T));
         let mut cx = Context::from_waker(Waker::noop());
         assert!(wait.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(
+            testing::driving_waits(&owner),
+            1,
+            "the wait did not enter the gate"
+        );
     }
+    // Dropped: the sockets are back in the engine's sleep at once.
+    assert_eq!(testing::driving_waits(&owner), 0);
     tokio::time::sleep(Duration::from_millis(20)).await;
     let op = reader
         .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
@@ -189,7 +206,14 @@ async fn driven_a_wait_left_unpolled_does_not_blind_the_engine() {
     let mut wait = Box::pin(r.wait_for_completion(T));
     let mut cx = Context::from_waker(Waker::noop());
     assert!(wait.as_mut().poll(&mut cx).is_pending());
+    assert_eq!(
+        testing::driving_waits(&owner),
+        1,
+        "the wait did not enter the gate"
+    );
     tokio::time::sleep(Duration::from_millis(20)).await;
+    // Still entered (never polled since): the engine alone serves the read below.
+    assert_eq!(testing::driving_waits(&owner), 1);
     let op = reader
         .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
         .await
@@ -197,6 +221,7 @@ async fn driven_a_wait_left_unpolled_does_not_blind_the_engine() {
     op.wait_for_completion(T).await.unwrap();
     assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
     wait.await.unwrap();
+    sockets_back(&owner, &reader);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

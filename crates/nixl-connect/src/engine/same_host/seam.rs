@@ -8,6 +8,8 @@ use super::device::{device_path_refusal, uniform};
 use super::records::{Act, ConnId, Phase};
 use super::server_book::Scope;
 use super::sockets::{ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
+#[cfg(feature = "cuda")]
+use super::sys::ipc;
 use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::poller::hung_up;
@@ -170,6 +172,11 @@ impl Transport for SameHostTransport {
     }
 
     fn progress(&mut self, ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
+        #[cfg(feature = "cuda")]
+        if ipc::probe_wanted() && !crate::engine::on_a_callers_turn() {
+            // A caller's turn could not find out whether CUDA works here: the engine thread does.
+            ipc::available();
+        }
         let mut event = self.reap(out);
         for &(token, ev) in ready {
             if token == LISTENER || token == DIR_LISTENER {
@@ -228,6 +235,10 @@ impl Transport for SameHostTransport {
     fn has_pending(&self) -> bool {
         // Copies are submitted at the end of the turn that started them; one left in the batch
         // (started outside a turn) is submitted by the next.
+        #[cfg(feature = "cuda")]
+        if ipc::probe_wanted() {
+            return true;
+        }
         self.in_flight.has_finished() || self.in_flight.unsubmitted()
     }
 

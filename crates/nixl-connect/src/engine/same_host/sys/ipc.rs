@@ -213,30 +213,66 @@ pub(crate) enum ExportAs {
     },
 }
 
-/// True when this process can take part in CUDA IPC: a driver, initialised, with a device.
+/// Whether this process can take part in CUDA IPC, once asked ([`available`]).
+static AVAILABLE: OnceLock<bool> = OnceLock::new();
+
+/// Set when a caller's turn needed [`available`] before anything had asked: the engine thread
+/// asks on its next turn ([`probe_wanted`]).
+static PROBE_WANTED: AtomicBool = AtomicBool::new(false);
+
+/// True when this process can take part in CUDA IPC: a driver, initialised, with a device. The
+/// first call loads the driver and initialises CUDA (100 ms or more where there is a driver):
+/// never on a caller's turn (see [`known`]).
 pub(crate) fn available() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| crate::cuda::device_count().is_ok_and(|n| n > 0))
+    debug_assert!(
+        AVAILABLE.get().is_some() || !crate::engine::on_a_callers_turn(),
+        "CUDA initialised on a caller's turn"
+    );
+    *AVAILABLE.get_or_init(|| crate::cuda::device_count().is_ok_and(|n| n > 0))
+}
+
+/// [`available`] if something has asked it already; otherwise `None`, and the engine thread is
+/// asked to find out on its next turn (for a caller's turn, which must not start CUDA).
+pub(crate) fn known() -> Option<bool> {
+    let k = AVAILABLE.get().copied();
+    if k.is_none() {
+        PROBE_WANTED.store(true, Ordering::Release);
+    }
+    k
+}
+
+/// True when a caller's turn asked [`known`] before anything had asked [`available`]: the
+/// engine thread's next turn should ask.
+pub(crate) fn probe_wanted() -> bool {
+    PROBE_WANTED.load(Ordering::Acquire) && AVAILABLE.get().is_none()
+}
+
+/// The CUDA thread, once something was shared or mapped through it.
+static WORKER: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
+
+/// True once the CUDA thread runs: before, nothing was shared or mapped on any connection.
+fn worker_started() -> bool {
+    WORKER.get().is_some_and(Option::is_some)
 }
 
 fn worker() -> Option<&'static Mutex<Sender<Job>>> {
-    static TX: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
-    TX.get_or_init(|| {
-        let (tx, rx) = channel::<Job>();
-        // A `DeviceBuffer` dropped is forgotten by every connection it was shared on.
-        crate::cuda::on_device_buffer_drop(forget_at);
-        std::thread::Builder::new()
-            .name("nixl-connect-cuda".into())
-            .spawn(move || {
-                let mut dev = Cuda::default();
-                for job in rx {
-                    dev.run(job);
-                }
-            })
-            .ok()?;
-        Some(Mutex::new(tx))
-    })
-    .as_ref()
+    WORKER
+        .get_or_init(|| {
+            let (tx, rx) = channel::<Job>();
+            // A `DeviceBuffer` dropped is forgotten by every connection it was shared on.
+            crate::cuda::on_device_buffer_drop(forget_at);
+            std::thread::Builder::new()
+                .name("nixl-connect-cuda".into())
+                .spawn(move || {
+                    let mut dev = Cuda::default();
+                    for job in rx {
+                        dev.run(job);
+                    }
+                })
+                .ok()?;
+            Some(Mutex::new(tx))
+        })
+        .as_ref()
 }
 
 fn submit(job: Job) -> Result<(), Job> {
@@ -281,14 +317,16 @@ pub(crate) fn spawn(c: Copy, done: Copied) -> Result<(), CopyError> {
 /// Closes the mappings opened for connection `conn` (it closed), once copies before it are done,
 /// and gives back the allocations shared on it.
 pub(crate) fn forget(conn: u64) {
-    if available() {
+    // Nothing was mapped or shared without the CUDA thread; asking `available` here would start
+    // CUDA (on a caller's turn, or in a process that never used it) for nothing.
+    if worker_started() {
         let _ = submit(Job::Forget(conn));
     }
 }
 
 /// Unmaps the peer's VMM exports `ids` on connection `conn` (it gave them back).
 pub(crate) fn forget_imports(conn: u64, ids: Vec<u64>) {
-    if available() {
+    if worker_started() {
         let _ = submit(Job::Unmap(conn, ids));
     }
 }
