@@ -184,11 +184,13 @@ impl Drive {
     }
 
     /// Turns callers have taken of this engine.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn turns(&self) -> u64 {
         self.turns.load(Ordering::Relaxed)
     }
 
     /// Waits that drive this engine now (that took the sockets out of its sleep).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn driving_waits(&self) -> usize {
         self.gate.drivers()
     }

@@ -416,10 +416,15 @@ impl Gate {
 
     /// True while a caller drives: the engine's sleep does not see the sockets.
     pub(crate) fn driven(&self) -> bool {
-        self.drivers() > 0
+        *self
+            .drivers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            > 0
     }
 
     /// Callers driving now.
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) fn drivers(&self) -> usize {
         *self
             .drivers
