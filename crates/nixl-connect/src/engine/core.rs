@@ -352,6 +352,23 @@ impl EngineCore {
         self.copying.iter().any(|(st, ..)| st.is_released())
     }
 
+    /// True when callers' turns left the engine thread an operation to hand over: it waits for
+    /// the engine, which should run now. (What else they leave, an exposure for NIXL to forget
+    /// or memory to free, waits for the engine's next turn, before NIXL is progressed again.)
+    pub(crate) fn hand_over_deferred(&self) -> bool {
+        self.deferred.iter().any(|d| matches!(d, Deferred::HandOver(..)))
+    }
+
+    /// True when callers' turns left the engine thread work ([`run_deferred`](Self::run_deferred)).
+    pub(crate) fn has_deferred(&self) -> bool {
+        !self.deferred.is_empty()
+    }
+
+    /// True when a transport has work that its next progress would pick up.
+    pub(crate) fn transports_pending(&self) -> bool {
+        self.transports.iter().any(|t| t.has_pending())
+    }
+
     /// True when the engine records figures ([`record_into`](Self::record_into)).
     pub(crate) fn records(&self) -> bool {
         self.recording.is_some()
@@ -365,7 +382,7 @@ impl EngineCore {
     /// True when a transport has work that its next progress would pick up, or a caller's turn
     /// left work to the engine thread: the driver must not sleep.
     pub(crate) fn has_pending(&self) -> bool {
-        !self.deferred.is_empty() || self.transports.iter().any(|t| t.has_pending())
+        self.has_deferred() || self.transports_pending()
     }
 
     /// Ends everything: operations still waiting learn the engine is gone; the transports (and

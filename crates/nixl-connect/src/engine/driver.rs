@@ -140,8 +140,13 @@ impl Drive {
     fn keep_the_engine_due(&self, d: &Driven, now: Instant) {
         let due = if self.gate.driven() {
             Some(STAND_DOWN_MAX)
-        } else if d.pending.is_some() || d.core.has_pending() {
+        } else if d.pending.is_some() || d.core.transports_pending() {
             Some(Duration::ZERO)
+        } else if d.core.has_deferred() || d.core.copies_released() {
+            // An exposure for NIXL to forget, memory to free or hand on: within
+            // `STAND_DOWN_MAX`, not now (a wake-up now would take the core from the caller
+            // that is about to see its operation's end).
+            Some(STAND_DOWN_MAX)
         } else if d.unpublished {
             // The counters are published when the engine goes idle: it must wake to do so.
             Some(
@@ -298,9 +303,8 @@ impl Drive {
             d.core.publish(now, false);
             d.unpublished = true;
         }
-        if d.core.has_pending() || d.core.copies_released() {
-            // The turn left the engine thread work (a hand-over to NIXL, memory to hand on): now,
-            // not at its next deadline.
+        if d.core.hand_over_deferred() {
+            // An operation waits for the engine thread (its fallback to NIXL): now.
             self.waker.wake();
             return;
         }
