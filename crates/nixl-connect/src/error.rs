@@ -467,12 +467,7 @@ pub enum PathRefusal {
     /// Device memory, but this process has no usable CUDA driver or GPU.
     #[error("{}", self.message())]
     NoCudaDevice,
-    /// Device memory, asked while a waiting caller's thread drove the engine in a process where
-    /// CUDA had not been started yet: that thread may not start it (100 ms or more, and with
-    /// Python's lock held), so this operation takes NIXL; the engine thread starts CUDA for the
-    /// next.
-    #[error("{}", self.message())]
-    CudaNotStarted,
+
     /// Memory the same-host path does not move (XPU memory).
     #[error("{}", self.message())]
     UnsupportedMemory,
@@ -487,11 +482,6 @@ impl PathRefusal {
             }
             PathRefusal::NoCudaSupport => "this build has no CUDA support (feature `cuda`)",
             PathRefusal::NoCudaDevice => "no usable CUDA driver or GPU in this process",
-            PathRefusal::CudaNotStarted => {
-                "CUDA was not started yet in this process, and a waiting caller's thread serving \
-                 the request may not start it: this operation takes NIXL, the next finds CUDA \
-                 started"
-            }
             PathRefusal::UnsupportedMemory => {
                 "the same-host path moves host and CUDA memory only; other memory takes the NIXL path"
             }

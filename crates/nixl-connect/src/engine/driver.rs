@@ -20,7 +20,8 @@
 //! A caller's turn is the core's caller turn ([`EngineCore::turn_as_caller`]): it touches only
 //! the transports a caller may drive (same-host, loopback; never NIXL), and what it would hand
 //! another (a declined operation's fallback to NIXL, NIXL's end of an exposure, the drop of
-//! memory whose owner may be a Python object) it leaves to the engine thread, which it wakes. The
+//! memory whose owner may be a Python object) it leaves to the engine thread: at once for a
+//! hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The
 //! only command a caller handles is a small operation's [`Cmd::Begin`] over host memory
 //! ([`Cmd::for_a_caller`]); the rest are the engine thread's. Callers never drive:
 //! - a connector that has seen device memory (CUDA's current context is a thread's, and a
@@ -95,6 +96,9 @@ pub(crate) struct Drive {
     last_driven: AtomicU64,
     epoch: Instant,
     alarm: Alarm,
+    /// When the alarm rings, in nanoseconds from `epoch` (`u64::MAX`: not armed since the engine
+    /// last woke). Its lock orders the settings, which only ever bring the alarm forward.
+    alarm_at: Mutex<u64>,
 }
 
 /// The most commands a caller handles in one turn: the rest are the engine thread's.
@@ -125,6 +129,7 @@ impl Drive {
             last_driven: AtomicU64::new(0),
             epoch: Instant::now(),
             alarm: poller.alarm(),
+            alarm_at: Mutex::new(u64::MAX),
         }
     }
 
@@ -166,10 +171,15 @@ impl Drive {
     }
 
     /// Makes the sleeping engine wake `after` from `now` at the latest: sets the alarm if that is
-    /// sooner than it would wake.
+    /// sooner than it would wake on its own and than the alarm rings already.
     fn bring_forward(&self, now: Instant, after: Duration) {
         let at = self.nanos(now + after);
-        if self.planned.fetch_min(at, Ordering::SeqCst) > at {
+        let mut armed = self
+            .alarm_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if at < self.planned.load(Ordering::SeqCst) && at < *armed {
+            *armed = at;
             self.alarm.set(after);
         }
     }
@@ -401,7 +411,8 @@ impl Drive {
                 Err(TryRecvError::Empty) => {}
             }
             // Written before the gate is read: a wait that enters the gate after that read sees
-            // when this sleep ends, and brings it forward (`enter`).
+            // when this sleep ends, and brings it forward (`enter`). (Behind the gate the sleep
+            // is at most `STAND_DOWN_MAX`, so such a wait's need is met either way.)
             self.planned.store(
                 timeout.map_or(u64::MAX, |t| self.nanos(now + t)),
                 Ordering::SeqCst,
@@ -419,7 +430,8 @@ impl Drive {
                     timeout.map_or(STAND_DOWN_MAX, |t| t.min(STAND_DOWN_MAX))
                 };
                 timeout = Some(cap);
-                self.planned.fetch_min(self.nanos(now + cap), Ordering::SeqCst);
+                // When it wakes, exactly: a caller's turn compares its deadlines with it.
+                self.planned.store(self.nanos(now + cap), Ordering::SeqCst);
             }
             if stand_down {
                 // Back from standing down, the engine does not spin: the callers drove.
@@ -427,6 +439,11 @@ impl Drive {
             }
             drop(g);
             poller.wait(timeout, &mut ready);
+            // Awake: what the alarm was set for is served by this turn.
+            *self
+                .alarm_at
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = u64::MAX;
         }
         let ended = self.lock().take();
         if let Some(d) = ended {

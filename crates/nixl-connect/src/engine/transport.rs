@@ -211,20 +211,20 @@ pub(crate) fn on_a_callers_turn() -> bool {
     CALLER_TURN.get()
 }
 
-/// Marks this thread as taking a caller's turn until dropped.
-pub(crate) struct CallerTurn(());
+/// Marks this thread as taking a caller's turn until dropped (then as it was before: a turn
+/// that drives another connector's engine inside one keeps the outer mark).
+pub(crate) struct CallerTurn(bool);
 
 impl CallerTurn {
     /// Starts a caller's turn on this thread.
     pub(crate) fn start() -> Self {
-        CALLER_TURN.set(true);
-        CallerTurn(())
+        CallerTurn(CALLER_TURN.replace(true))
     }
 }
 
 impl Drop for CallerTurn {
     fn drop(&mut self) {
-        CALLER_TURN.set(false);
+        CALLER_TURN.set(self.0);
     }
 }
 

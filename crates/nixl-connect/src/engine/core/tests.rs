@@ -618,6 +618,10 @@ fn core_caller_turn_leaves_a_hand_over_to_nixl_to_the_engine() {
         "NIXL was called on a caller's turn"
     );
     assert!(core.has_pending() && core.engine_bound());
+    assert!(
+        core.hand_over_deferred(),
+        "the operation waits: the engine must wake now"
+    );
     // More caller turns neither hand it over nor progress NIXL.
     for k in 0..3 {
         core.turn_as_caller(t0 + k * MS, &[]);
@@ -709,7 +713,11 @@ fn core_caller_turn_ends_an_exposure_on_its_transports_and_leaves_nixl_to_the_en
             sn.lock().unwrap().unexposed.is_empty(),
             "NIXL unexposed on a caller's turn"
         );
-        assert!(core.has_pending());
+        assert!(core.has_pending() && core.has_deferred());
+        assert!(
+            !core.hand_over_deferred(),
+            "nothing waits for this: no wake-up now"
+        );
         core.run_deferred();
         assert_eq!(sn.lock().unwrap().unexposed.len(), 1);
         assert!(!core.has_pending());
@@ -734,7 +742,7 @@ fn core_caller_turn_frees_adopted_memory_on_the_engines_turn_only() {
         !freed.load(Ordering::SeqCst),
         "adopted memory freed on a caller's turn"
     );
-    assert!(core.has_pending());
+    assert!(core.has_pending() && !core.hand_over_deferred());
     core.run_deferred();
     assert!(freed.load(Ordering::SeqCst));
 }
@@ -760,6 +768,7 @@ fn core_caller_turn_leaves_an_ended_exposures_memory_to_the_engine() {
         !sn.lock().unwrap().log.iter().any(|l| l.contains("hold")),
         "memory handed to NIXL's hold on a caller's turn"
     );
+    assert!(core.copies_released(), "the engine must be kept due for it");
     core.turn(t0 + MS, false, &[]);
     assert!(sn.lock().unwrap().log.iter().any(|l| l.contains("hold")));
     assert!(!freed.load(Ordering::SeqCst), "NIXL's hold keeps it");

@@ -14,22 +14,6 @@ use crate::engine::transport::{Decline, Event};
 use crate::error::PathRefusal;
 use crate::reg::Range;
 
-/// Why CUDA IPC cannot serve a transfer in this process, if it cannot; never starts CUDA on a
-/// caller's turn (`engine::driver`): there, in a process where nothing has asked yet, the
-/// operation takes NIXL and the engine thread finds out on its next turn.
-#[cfg(feature = "cuda")]
-fn cuda_refusal() -> Option<PathRefusal> {
-    let usable = if crate::engine::on_a_callers_turn() {
-        match ipc::known() {
-            Some(ok) => ok,
-            None => return Some(PathRefusal::CudaNotStarted),
-        }
-    } else {
-        ipc::available()
-    };
-    (!usable).then_some(PathRefusal::NoCudaDevice)
-}
-
 /// The one device all `ranges` are on, or `None` for none or several.
 pub(super) fn uniform(ranges: &[Range]) -> Option<Device> {
     let d = ranges.first()?.device;
@@ -43,16 +27,16 @@ pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusa
     match (src, dst) {
         (Device::Cuda(_), Device::Cuda(_) | Device::Host) if cfg!(feature = "cuda") => {
             #[cfg(feature = "cuda")]
-            if let Some(refusal) = cuda_refusal() {
-                return Some(refusal);
+            if !ipc::available() {
+                return Some(PathRefusal::NoCudaDevice);
             }
             None
         }
         (Device::Cuda(_), Device::Cuda(_) | Device::Host) => Some(PathRefusal::NoCudaSupport),
         (Device::Host, Device::Cuda(_)) if cfg!(feature = "cuda") => {
             #[cfg(feature = "cuda")]
-            if let Some(refusal) = cuda_refusal() {
-                return Some(refusal);
+            if !ipc::available() {
+                return Some(PathRefusal::NoCudaDevice);
             }
             None
         }

@@ -172,11 +172,6 @@ impl Transport for SameHostTransport {
     }
 
     fn progress(&mut self, ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
-        #[cfg(feature = "cuda")]
-        if ipc::probe_wanted() && !crate::engine::on_a_callers_turn() {
-            // A caller's turn could not find out whether CUDA works here: the engine thread does.
-            ipc::available();
-        }
         let mut event = self.reap(out);
         for &(token, ev) in ready {
             if token == LISTENER || token == DIR_LISTENER {
@@ -235,10 +230,6 @@ impl Transport for SameHostTransport {
     fn has_pending(&self) -> bool {
         // Copies are submitted at the end of the turn that started them; one left in the batch
         // (started outside a turn) is submitted by the next.
-        #[cfg(feature = "cuda")]
-        if ipc::probe_wanted() {
-            return true;
-        }
         self.in_flight.has_finished() || self.in_flight.unsubmitted()
     }
 
@@ -252,7 +243,12 @@ impl Transport for SameHostTransport {
 
     /// Its calls are socket reads and writes, MACs, and hand-offs to its copy pool; it holds no
     /// memory's owner (the core does) and device memory stays the engine thread's (`driver`).
+    /// With the `cuda` feature, only where a peer's device request cannot make a caller's turn
+    /// start CUDA (`ipc::settled_for_callers`, asked when the engine starts).
     fn callers_may_drive(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return ipc::settled_for_callers();
+        #[cfg(not(feature = "cuda"))]
         true
     }
 

@@ -216,13 +216,10 @@ pub(crate) enum ExportAs {
 /// Whether this process can take part in CUDA IPC, once asked ([`available`]).
 static AVAILABLE: OnceLock<bool> = OnceLock::new();
 
-/// Set when a caller's turn needed [`available`] before anything had asked: the engine thread
-/// asks on its next turn ([`probe_wanted`]).
-static PROBE_WANTED: AtomicBool = AtomicBool::new(false);
-
 /// True when this process can take part in CUDA IPC: a driver, initialised, with a device. The
 /// first call loads the driver and initialises CUDA (100 ms or more where there is a driver):
-/// never on a caller's turn (see [`known`]).
+/// never on a caller's turn, where callers drive only once the answer is known
+/// ([`settled_for_callers`]).
 pub(crate) fn available() -> bool {
     debug_assert!(
         AVAILABLE.get().is_some() || !crate::engine::on_a_callers_turn(),
@@ -231,20 +228,28 @@ pub(crate) fn available() -> bool {
     *AVAILABLE.get_or_init(|| crate::cuda::device_count().is_ok_and(|n| n > 0))
 }
 
-/// [`available`] if something has asked it already; otherwise `None`, and the engine thread is
-/// asked to find out on its next turn (for a caller's turn, which must not start CUDA).
-pub(crate) fn known() -> Option<bool> {
-    let k = AVAILABLE.get().copied();
-    if k.is_none() {
-        PROBE_WANTED.store(true, Ordering::Release);
+/// True when a caller's thread may drive a connector's same-host path (`engine::driver`)
+/// without ever starting CUDA or the CUDA thread: whether CUDA IPC works here is known, because
+/// this host has no NVIDIA driver at all (two `stat`s, no library loaded) or something in this
+/// process has asked already; where it works, the CUDA thread is started here (on the engine
+/// thread, which asks this when it starts). Elsewhere (a GPU host where nothing has used CUDA
+/// through this crate yet) callers do not drive: the first device request must be decided by
+/// the engine thread, which may start CUDA.
+pub(crate) fn settled_for_callers() -> bool {
+    let known = match AVAILABLE.get() {
+        Some(&k) => Some(k),
+        None if !std::path::Path::new("/dev/nvidiactl").exists()
+            && !std::path::Path::new("/proc/driver/nvidia/version").exists() =>
+        {
+            Some(*AVAILABLE.get_or_init(|| false))
+        }
+        None => None,
+    };
+    match known {
+        Some(true) => worker().is_some(),
+        Some(false) => true,
+        None => false,
     }
-    k
-}
-
-/// True when a caller's turn asked [`known`] before anything had asked [`available`]: the
-/// engine thread's next turn should ask.
-pub(crate) fn probe_wanted() -> bool {
-    PROBE_WANTED.load(Ordering::Acquire) && AVAILABLE.get().is_none()
 }
 
 /// The CUDA thread, once something was shared or mapped through it.
