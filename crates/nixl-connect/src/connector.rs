@@ -574,6 +574,18 @@ impl Connector {
             .call(|reply| crate::engine::Cmd::Settle { reply })
             .await
     }
+
+    /// Turns callers have taken of this connector's engine (see `engine::driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn driven_turns(&self) -> u64 {
+        self.inner.engine.driven_turns()
+    }
+
+    /// Waits that drive this connector's engine now (see `engine::driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn driving_waits(&self) -> usize {
+        self.inner.engine.driving_waits()
+    }
 }
 
 impl std::fmt::Debug for Connector {

@@ -208,6 +208,19 @@ pub mod testing {
         crate::spin::keep_spinning();
     }
 
+    /// How many turns callers have taken of `connector`'s engine (a small operation's waiter
+    /// drives its engine: see docs/ARCHITECTURE.md, "A small operation's waiter drives the
+    /// engine"): for tests that check that callers drive.
+    pub fn driven_turns(connector: &Connector) -> u64 {
+        connector.driven_turns()
+    }
+
+    /// How many waits drive `connector`'s engine now: while any does, the engine's sleep does
+    /// not see its sockets (see [`driven_turns`]). For tests that check the sockets go back.
+    pub fn driving_waits(connector: &Connector) -> usize {
+        connector.driving_waits()
+    }
+
     /// Returns once `connector`'s engine has acted on everything sent to it before this call
     /// (an operation begun, dropped or cancelled, a stall released) and run its transports once
     /// more: a deterministic step for tests, in place of sleeping. Over the loopback transport, a

@@ -62,6 +62,41 @@ pub(crate) enum Cmd {
     Shutdown { within: Duration },
 }
 
+impl Cmd {
+    /// False for a command over device memory: only the engine thread handles those (see
+    /// `driver`), and a connector that has handled one is not driven by callers again.
+    pub(crate) fn host_only(&self) -> bool {
+        let host = |r: &Range| r.device == crate::Device::Host;
+        match self {
+            Cmd::Expose { spec, .. } => spec.ranges.iter().all(host),
+            Cmd::Begin { spec } => spec.local.iter().chain(&spec.remote).all(host),
+            Cmd::Register { ranges, .. } => ranges.iter().all(host),
+            _ => true,
+        }
+    }
+
+    /// True for the one command a driving caller may handle on its own thread (see `driver`):
+    /// a small operation's [`Cmd::Begin`] over host memory (at most
+    /// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES), whose wait will drive what it
+    /// starts). Everything else stays the engine thread's: exposures and registrations (NIXL
+    /// registers memory), cancels and adoptions (they may free memory a Python object owns),
+    /// mail, larger operations and the end.
+    pub(crate) fn for_a_caller(&self) -> bool {
+        match self {
+            Cmd::Begin { spec } => {
+                self.host_only()
+                    && spec
+                        .local
+                        .iter()
+                        .map(|r| r.len)
+                        .fold(0usize, usize::saturating_add)
+                        <= crate::operation::WAIT_SPIN_MAX_BYTES
+            }
+            _ => false,
+        }
+    }
+}
+
 /// The way back to one transport on the engine thread: a message posted here reaches its
 /// [`Transport::on_mail`](super::transport::Transport::on_mail), in order with the engine's other
 /// commands; nothing happens once the engine is gone.
@@ -110,5 +145,42 @@ impl<M: Send + 'static> Mailbox<M> {
             self.waker.wake();
         }
         sent
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_commands_over_device_memory_stay_on_the_engine_thread() {
+        let register = |device| {
+            let (reply, _) = oneshot::channel();
+            Cmd::Register {
+                ranges: vec![
+                    Range {
+                        addr: 4096,
+                        len: 4096,
+                        device: crate::Device::Host,
+                    },
+                    Range {
+                        addr: 8192,
+                        len: 4096,
+                        device,
+                    },
+                ],
+                reply,
+            }
+        };
+        assert!(register(crate::Device::Host).host_only());
+        assert!(!register(crate::Device::Cuda(0)).host_only());
+        assert!(
+            !register(crate::Device::Host).for_a_caller(),
+            "registration is the engine's"
+        );
+        assert!(Cmd::Shutdown {
+            within: Duration::ZERO
+        }
+        .host_only());
     }
 }

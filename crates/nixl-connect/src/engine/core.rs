@@ -6,6 +6,19 @@
 //! It knows the transports only through the seam ([`Transport`]): an ordered list (the publisher
 //! of metadata first), a chain of positions in it that active operations try in turn, and a
 //! schedule per transport derived from what it asks for ([`Polling`]).
+//!
+//! **Caller turns.** A caller waiting for a small operation may drive the core on its own thread
+//! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
+//! Such a turn touches only the transports that say a caller may drive them
+//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), and leaves to the engine
+//! thread's next turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or
+//! free memory a caller must not: a hand-over to NIXL (which may create an agent), another
+//! transport's forgetting of an ended exposure (NIXL's may rotate an exposer or deregister
+//! memory), and the drop of an ended operation's adopted memory (whose owner may be a Python
+//! object). The driver wakes the engine at once when a caller's turn leaves a hand-over
+//! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), and within a millisecond for the
+//! rest ([`has_deferred`](EngineCore::has_deferred)); the engine does not sleep while any is left
+//! ([`has_pending`](EngineCore::has_pending)).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -55,10 +68,26 @@ struct Active {
     on: TransportId,
 }
 
+/// What a caller's turn left to the engine thread (see the module's docs).
+enum Deferred {
+    /// A declined operation, for the next transport of the chain (one a caller may not drive).
+    HandOver(ActiveSpec, Decline),
+    /// An ended exposure's key, for the transports a caller may not drive to forget.
+    Unexpose(Arc<str>),
+    /// An ended operation's adopted memory, to free.
+    Free(Hold),
+}
+
 /// The engine's state and decisions (the thread, the poller and the channel are the driver's).
 pub(crate) struct EngineCore {
     /// Every transport, the publisher of metadata first; exposures go to all of them in order.
     transports: Vec<Box<dyn Transport>>,
+    /// Whether a caller may drive each transport ([`Transport::callers_may_drive`]).
+    drivable: Vec<bool>,
+    /// True during a caller's turn.
+    by_caller: bool,
+    /// What callers' turns left to the engine thread, in order.
+    deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
     /// The longest back-off of a transport with work once the engine is idle (the connector's
     /// progress delay).
@@ -103,6 +132,9 @@ impl EngineCore {
     ) -> Self {
         Self {
             max_park,
+            drivable: transports.iter().map(|t| t.callers_may_drive()).collect(),
+            by_caller: false,
+            deferred: Vec::new(),
             schedules: transports
                 .iter()
                 .map(|_| Schedule {
@@ -174,6 +206,10 @@ impl EngineCore {
         // a scheduled poll of another transport adds its time to this turn.
         for driven_pass in [true, false] {
             for (i, (t, s)) in self.transports.iter_mut().zip(&mut self.schedules).enumerate() {
+                if self.by_caller && !self.drivable[i] {
+                    // The engine thread's (its schedule stands; the driver keeps the engine due).
+                    continue;
+                }
                 let polling = t.polling();
                 if (polling == Polling::EveryTurn) != driven_pass {
                     continue;
@@ -236,11 +272,14 @@ impl EngineCore {
     /// descriptors), applies what they reported and answers the turn's settles. Returns whether
     /// anything happened.
     pub(crate) fn turn(&mut self, now: Instant, hot: bool, ready: &[Ready]) -> bool {
-        if !self.copying.is_empty() {
+        // Memory of ended exposures goes on to the holds (NIXL's among them) on the engine's
+        // turns only.
+        let releases = !self.by_caller && !self.copying.is_empty();
+        if releases {
             self.release_copied();
         }
         let mut event = self.progress(now, hot, ready);
-        if !self.copying.is_empty() {
+        if releases {
             self.release_copied();
         }
         event |= self.apply();
@@ -250,10 +289,102 @@ impl EngineCore {
         event
     }
 
-    /// True when a transport has work that its next progress would pick up: the driver must not
-    /// sleep.
-    pub(crate) fn has_pending(&self) -> bool {
+    /// A caller's turn (see the module's docs): [`turn`](Self::turn), hot, over the transports
+    /// a caller may drive.
+    pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready]) -> bool {
+        self.by_caller = true;
+        let event = self.turn(now, true, ready);
+        self.by_caller = false;
+        event
+    }
+
+    /// Handles `cmd` on a caller's thread (see the module's docs): only a [`Cmd::Begin`], and
+    /// only when [`callers_may_begin`](Self::callers_may_begin).
+    pub(crate) fn handle_as_caller(&mut self, cmd: Cmd) {
+        debug_assert!(matches!(cmd, Cmd::Begin { .. }) && self.callers_may_begin());
+        self.by_caller = true;
+        self.handle(cmd);
+        self.by_caller = false;
+    }
+
+    /// True when a caller may begin an operation: the chain's first transport is one a caller
+    /// may drive.
+    pub(crate) fn callers_may_begin(&self) -> bool {
+        self.drivable[self.chain[0].index()]
+    }
+
+    /// True when what is in flight needs the engine thread: work a caller's turn left to it, or
+    /// an active operation on a transport a caller may not drive (the engine must not stand down
+    /// for callers then). Looks at every active operation: for few in flight.
+    pub(crate) fn engine_bound(&self) -> bool {
+        !self.deferred.is_empty() || self.actives.values().any(|a| !self.drivable[a.on.index()])
+    }
+
+    /// The engine thread's part of what callers' turns left (see the module's docs), in the
+    /// order they left it: hand-overs, exposures forgotten, memory freed.
+    pub(crate) fn run_deferred(&mut self) {
+        debug_assert!(!self.by_caller);
+        for d in std::mem::take(&mut self.deferred) {
+            match d {
+                Deferred::HandOver(spec, reason) => {
+                    let id = spec.id;
+                    self.hand_over(spec, reason);
+                    let tokens = self.settle(id);
+                    if !tokens.is_empty() {
+                        if let Some(a) = self.actives.get(&id) {
+                            a.state.keep_tokens(tokens);
+                        }
+                    }
+                }
+                Deferred::Unexpose(key) => {
+                    for (t, drivable) in self.transports.iter_mut().zip(&self.drivable) {
+                        if !drivable {
+                            t.unexpose(&key);
+                        }
+                    }
+                }
+                Deferred::Free(keep) => drop(keep),
+            }
+        }
+    }
+
+    /// True when an ended exposure's memory waits only for the engine's turn to go on to the
+    /// holds (its copy stopped during a caller's turn).
+    pub(crate) fn copies_released(&self) -> bool {
+        self.copying.iter().any(|(st, ..)| st.is_released())
+    }
+
+    /// True when callers' turns left the engine thread an operation to hand over: it waits for
+    /// the engine, which should run now. (What else they leave, an exposure for NIXL to forget
+    /// or memory to free, waits for the engine's next turn, before NIXL is progressed again.)
+    pub(crate) fn hand_over_deferred(&self) -> bool {
+        self.deferred.iter().any(|d| matches!(d, Deferred::HandOver(..)))
+    }
+
+    /// True when callers' turns left the engine thread work ([`run_deferred`](Self::run_deferred)).
+    pub(crate) fn has_deferred(&self) -> bool {
+        !self.deferred.is_empty()
+    }
+
+    /// True when a transport has work that its next progress would pick up.
+    pub(crate) fn transports_pending(&self) -> bool {
         self.transports.iter().any(|t| t.has_pending())
+    }
+
+    /// True when the engine records figures ([`record_into`](Self::record_into)).
+    pub(crate) fn records(&self) -> bool {
+        self.recording.is_some()
+    }
+
+    /// Operations in flight: active ones begun and not yet released, passive ones exposed.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.actives.len() + self.passives.len()
+    }
+
+    /// True when a transport has work that its next progress would pick up, or a caller's turn
+    /// left work to the engine thread: the driver must not sleep.
+    pub(crate) fn has_pending(&self) -> bool {
+        self.has_deferred() || self.transports_pending()
     }
 
     /// Ends everything: operations still waiting learn the engine is gone; the transports (and
@@ -316,8 +447,14 @@ impl EngineCore {
         }
     }
 
-    /// Acts on one command ([`Cmd::Shutdown`] is the driver's: nothing here).
+    /// Acts on one command ([`Cmd::Shutdown`] is the driver's: nothing here). On the engine
+    /// thread, what callers' turns left must have run first ([`run_deferred`](Self::run_deferred)):
+    /// an operation's cancel must find it where its deferred hand-over put it.
     pub(crate) fn handle(&mut self, cmd: Cmd) {
+        debug_assert!(
+            self.by_caller || self.deferred.is_empty(),
+            "a command handled before the work callers' turns left"
+        );
         match cmd {
             Cmd::Expose { spec, reply } => {
                 let mut out = Exposure::default();
@@ -444,8 +581,16 @@ impl EngineCore {
 
     fn end_passive(&mut self, key: &Arc<str>) {
         self.passives.remove(key);
-        for t in &mut self.transports {
-            t.unexpose(key);
+        let mut deferred = false;
+        for (t, &drivable) in self.transports.iter_mut().zip(&self.drivable) {
+            if self.by_caller && !drivable {
+                deferred = true;
+            } else {
+                t.unexpose(key);
+            }
+        }
+        if deferred {
+            self.deferred.push(Deferred::Unexpose(key.clone()));
         }
     }
 
@@ -497,6 +642,11 @@ impl EngineCore {
             .iter()
             .position(|&t| t == on)
             .and_then(|p| self.chain.get(p + 1).copied());
+        if self.by_caller && next.is_some_and(|n| !self.drivable[n.index()]) {
+            // The next transport is the engine thread's to call.
+            self.deferred.push(Deferred::HandOver(spec, reason));
+            return;
+        }
         if let Some(r) = &self.recording {
             let from = self.transports[on.index()].path();
             r.metrics
@@ -556,8 +706,12 @@ impl EngineCore {
                             self.remember_completed(a.key.clone());
                         }
                         // Released before the status is final: a waiter woken by the status may
-                        // take the memory back at once.
-                        drop(a.keep);
+                        // take the memory back at once. Adopted memory (its owner may be a
+                        // Python object) is freed on the engine's turn, never a caller's.
+                        match a.keep {
+                            Some(keep) if self.by_caller => self.deferred.push(Deferred::Free(keep)),
+                            keep => drop(keep),
+                        }
                         a.state.mark_released();
                         match result {
                             Ok(()) => a.state.finish(OperationStatus::Complete, None),
@@ -567,7 +721,12 @@ impl EngineCore {
                     }
                     // Every transport forgets the key before the status is final: a waiter woken
                     // by it (or its peer, told at once) may replay the metadata, which must find
-                    // nothing exposed (core_passive_end_unexposes_before_any_waiter_sees_it).
+                    // nothing exposed (core_passive_end_unexposes_before_any_waiter_sees_it). On
+                    // a caller's turn, those a caller may not drive (NIXL) forget it on the
+                    // engine's next turn, before they are progressed again: a late notification
+                    // then finds no passive operation, and NIXL's registration outlives the
+                    // exposure anyway unless the connector deregisters on completion, where
+                    // callers never drive.
                     Event::PassiveCompleted { key, path } => {
                         if let Some(st) = self.passives.get(&key).cloned() {
                             self.end_passive(&key);

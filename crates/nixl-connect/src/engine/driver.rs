@@ -1,116 +1,462 @@
-//! The engine thread: the edge around [`EngineCore`]. It receives the callers' commands, reads
-//! the clock, sleeps in `epoll` on the transports' descriptors and its wake-up `eventfd`, and
-//! wakes for a command, a ready descriptor or a transport's deadline; every decision is the
-//! core's. After any event it keeps spinning for [`SPIN`] so that back-to-back operations pay no
-//! wake-up (unless the host is oversubscribed: see [`crate::spin`]); an idle connector costs no
-//! CPU.
+//! Who drives the engine: its own thread, or a caller waiting for a small operation.
+//!
+//! The engine's state ([`Driven`]: the core, the command channel, what is left to do) sits behind
+//! one lock, and whoever holds it drives; every decision is still the core's. The engine thread
+//! receives the callers' commands, reads the clock, sleeps in `epoll` on the transports'
+//! descriptors and its wake-up `eventfd`, and wakes for a command, a ready descriptor or a
+//! transport's deadline. After any event it keeps spinning for [`SPIN`] so that back-to-back
+//! operations pay no wake-up (unless the host is oversubscribed: see [`crate::spin`]); an idle
+//! connector costs no CPU.
+//!
+//! A caller drives in two places ([`Drive::drive`]), only while the engine sleeps and few
+//! operations are in flight ([`DRIVEN_MAX`]): right after it sends a command (so a small
+//! operation starts on the caller's thread, with no wake-up), and on each turn of a small
+//! operation's wait spin (so its frames are read where the answer is awaited). While a wait
+//! spins, the engine stands down: it does not spin beside the caller, and its sleep no longer
+//! sees the sockets ([`Gate`]), so a frame the caller will read wakes nobody. On a 2-core host
+//! that takes each process from two spinning threads to one (docs/ARCHITECTURE.md, "A small
+//! operation's waiter drives the engine").
+//!
+//! A caller's turn is the core's caller turn ([`EngineCore::turn_as_caller`]): it touches only
+//! the transports a caller may drive (same-host, loopback; never NIXL), and what it would hand
+//! another (a declined operation's fallback to NIXL, NIXL's end of an exposure, the drop of
+//! memory whose owner may be a Python object) it leaves to the engine thread: at once for a
+//! hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The
+//! only command a caller handles is a small operation's [`Cmd::Begin`] over host memory
+//! ([`Cmd::for_a_caller`]); the rest are the engine thread's. Callers never drive:
+//! - a connector that has seen device memory (CUDA's current context is a thread's, and a
+//!   caller's thread must keep its own);
+//! - one whose operations do not start on a transport a caller may drive (`--path nixl`);
+//! - one that deregisters memory from NIXL on completion (the revocation must come before the
+//!   status is final, on the engine thread);
+//! - a child of `fork()` (the epoll instances are the parent's too).
 
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use super::cmd::Cmd;
 use super::core::{EngineCore, STOP_WAIT};
-use super::poller::{Poller, Ready};
+use super::poller::{self, Alarm, DriverPoll, Gate, Poller, Ready, Waker};
+use super::transport::CallerTurn;
 
 /// How long the engine keeps spinning after the last event before it sleeps.
 pub(crate) const SPIN: Duration = Duration::from_millis(2);
 
-/// The engine thread's loop: a core, the channel its commands arrive on, and the poller it sleeps
-/// in.
-pub(crate) struct EngineLoop {
+/// The most operations in flight for a waiting caller to drive (and the engine to stand down):
+/// past it the engine's own thread batches the work.
+pub(crate) const DRIVEN_MAX: usize = 4;
+
+/// The most operations in flight for a caller to handle its own command: past it the engine's
+/// thread takes a burst of commands in one turn (64 outstanding operations ran at 0.6x of their
+/// rate when each caller took a turn for its command).
+pub(crate) const SENT_DRIVEN_MAX: usize = 2;
+
+/// The longest the engine sleeps while callers drive: it wakes to take a turn itself at least
+/// this often, so a driving wait that its runtime stops polling delays nothing for longer.
+pub(crate) const STAND_DOWN_MAX: Duration = Duration::from_millis(1);
+
+/// The engine's state, held by whoever drives.
+pub(crate) struct Driven {
     core: EngineCore,
     rx: Receiver<Cmd>,
-    poller: Poller,
-    ready: Vec<Ready>,
+    /// A command taken from the channel that must be handled before the rest.
     pending: Option<Cmd>,
+    /// Set once [`Cmd::Shutdown`] (or the last handle's drop) was seen: how long copies may take.
+    stop: Option<Duration>,
+    /// A driving caller's look at the sockets.
+    poll: DriverPoll,
+    ready: Vec<Ready>,
+    /// Something happened since the counters were last published with force.
+    unpublished: bool,
 }
 
-impl EngineLoop {
-    /// A loop driving `core` with the commands of `rx`, sleeping in `poller`.
-    pub(crate) fn new(core: EngineCore, rx: Receiver<Cmd>, poller: Poller) -> Self {
+/// What the engine thread and driving callers share.
+pub(crate) struct Drive {
+    /// `None` once the engine thread has ended.
+    state: Mutex<Option<Driven>>,
+    waker: Waker,
+    gate: Gate,
+    /// Operations in flight at the last turn, whoever took it.
+    busy: AtomicUsize,
+    /// False once the connector has handled a command over device memory, and from the start
+    /// where callers never drive (see the module's docs).
+    host_only: AtomicBool,
+    /// [`poller::forks`] when the engine started: a child of `fork()` does not drive.
+    image: u64,
+    /// Turns callers have taken (for tests that check that callers drive).
+    turns: AtomicU64,
+    /// When the sleeping engine wakes on its own, in nanoseconds from `epoch` (`u64::MAX`: not
+    /// before something wakes it). Written under the lock, by the engine before it sleeps and by
+    /// a driving caller that brings it forward with the `alarm`.
+    planned: AtomicU64,
+    /// When a caller last took a turn (or a wait that will drive began), in nanoseconds from
+    /// `epoch`: the engine stands down only while callers actually drive.
+    last_driven: AtomicU64,
+    epoch: Instant,
+    alarm: Alarm,
+    /// When the alarm rings, in nanoseconds from `epoch` (`u64::MAX`: not armed since the engine
+    /// last woke). Its lock orders the settings, which only ever bring the alarm forward.
+    alarm_at: Mutex<u64>,
+}
+
+/// The most commands a caller handles in one turn: the rest are the engine thread's.
+const CALLER_COMMANDS_MAX: usize = 8;
+
+impl Drive {
+    /// The engine's state, before its thread runs; `callers`: whether callers may drive it at
+    /// all (false where the connector deregisters memory on completion).
+    pub(crate) fn new(core: EngineCore, rx: Receiver<Cmd>, poller: &Poller, callers: bool) -> Self {
+        let callers = callers && core.callers_may_begin();
         Self {
-            core,
-            rx,
-            poller,
-            ready: Vec::new(),
-            pending: None,
+            state: Mutex::new(Some(Driven {
+                core,
+                rx,
+                pending: None,
+                stop: None,
+                poll: poller.driver_poll(),
+                ready: Vec::new(),
+                unpublished: true,
+            })),
+            waker: poller.waker(),
+            gate: poller.gate(),
+            busy: AtomicUsize::new(0),
+            host_only: AtomicBool::new(callers),
+            image: poller::forks(),
+            turns: AtomicU64::new(0),
+            planned: AtomicU64::new(u64::MAX),
+            last_driven: AtomicU64::new(0),
+            epoch: Instant::now(),
+            alarm: poller.alarm(),
+            alarm_at: Mutex::new(u64::MAX),
         }
     }
 
-    /// Runs until every handle is gone or [`Cmd::Shutdown`], then ends everything.
-    pub(crate) fn run(mut self) {
+    /// `at` in nanoseconds from the epoch.
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX - 1)
+    }
+
+    /// After a caller's turn: the engine sleeps, so if the turn left work due before the engine
+    /// would wake (a transport's deadline, counters to publish), the alarm brings its wake
+    /// forward; while callers drive, the engine must wake within [`STAND_DOWN_MAX`] whatever is
+    /// due (the sockets are out of its sleep).
+    fn keep_the_engine_due(&self, d: &Driven, now: Instant) {
+        let due = if self.gate.driven() {
+            Some(STAND_DOWN_MAX)
+        } else if d.pending.is_some() || d.core.transports_pending() {
+            Some(Duration::ZERO)
+        } else if d.core.has_deferred() || d.core.copies_released() {
+            // An exposure for NIXL to forget, memory to free or hand on: within
+            // `STAND_DOWN_MAX`, not now (a wake-up now would take the core from the caller
+            // that is about to see its operation's end).
+            Some(STAND_DOWN_MAX)
+        } else if d.unpublished {
+            // The counters are published when the engine goes idle: it must wake to do so.
+            Some(
+                d.core
+                    .sleep_for(now)
+                    .map_or(STAND_DOWN_MAX, |t| t.max(STAND_DOWN_MAX)),
+            )
+        } else {
+            // A small operation this turn started is driven by its wait, which comes next, and a
+            // frame for it wakes the engine through the sockets anyway: what is left is the
+            // transports' schedules (NIXL's polls of exposed memory, timers), which may wait
+            // `STAND_DOWN_MAX`. Sooner, the engine would take a core from that wait for nothing.
+            d.core.sleep_for(now).map(|t| t.max(STAND_DOWN_MAX))
+        };
+        let Some(after) = due else { return };
+        self.bring_forward(now, after);
+    }
+
+    /// Makes the sleeping engine wake `after` from `now` at the latest: sets the alarm if that is
+    /// sooner than it would wake on its own and than the alarm rings already.
+    fn bring_forward(&self, now: Instant, after: Duration) {
+        let at = self.nanos(now + after);
+        let mut armed = self
+            .alarm_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if at < self.planned.load(Ordering::SeqCst) && at < *armed {
+            *armed = at;
+            self.alarm.set(after);
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Driven>> {
+        // A panic while driving aborts the process (see `drive`), so a poisoned lock is never
+        // seen by anyone who could go on.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// True when callers may drive this connector now: host memory only, in the process that
+    /// started it.
+    fn callers_may(&self) -> bool {
+        self.host_only.load(Ordering::Acquire) && poller::forks() == self.image
+    }
+
+    /// Turns callers have taken of this engine.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn turns(&self) -> u64 {
+        self.turns.load(Ordering::Relaxed)
+    }
+
+    /// Waits that drive this engine now (that took the sockets out of its sleep).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn driving_waits(&self) -> usize {
+        self.gate.drivers()
+    }
+
+    /// A wait that will drive begins: the engine's sleep stops seeing the sockets. False (and
+    /// nothing changed) when callers may not drive this connector.
+    pub(crate) fn enter(&self) -> bool {
+        if !self.callers_may() || self.busy.load(Ordering::Acquire) > DRIVEN_MAX {
+            return false;
+        }
+        self.gate.enter();
+        // A wait that enters is about to drive: it counts as driving from now.
+        let now = Instant::now();
+        self.last_driven.store(self.nanos(now), Ordering::Release);
+        // The engine may already sleep without a deadline, and from now without the sockets: it
+        // must look at them within `STAND_DOWN_MAX` even if this wait is never polled again. (The
+        // engine writes `planned` before it reads the gate, and both sides take the gate's lock:
+        // either it saw this wait enter, or this sees when it will wake.)
+        self.bring_forward(now, STAND_DOWN_MAX);
+        true
+    }
+
+    /// A wait that [`enter`](Self::enter)ed ends; `unfinished`: its operation goes on (the wait
+    /// was dropped, or stopped spinning), and the engine is woken to take it over at once (it
+    /// may sleep a whole `STAND_DOWN_MAX` else).
+    pub(crate) fn leave(&self, unfinished: bool) {
+        if poller::forks() != self.image {
+            // A child of `fork()` dropping a wait it inherited: the gate and the waker are the
+            // parent's too.
+            return;
+        }
+        self.gate.leave();
+        if unfinished {
+            self.waker.wake();
+        }
+    }
+
+    /// One turn on the caller's thread, if the engine sleeps, at most `max` operations are in
+    /// flight ([`DRIVEN_MAX`] for a wait, [`SENT_DRIVEN_MAX`] after a command), the connector has
+    /// seen only host memory and nobody else drives. True if it took the turn.
+    ///
+    /// Never blocks: the lock is only tried, and the turn polls without waiting.
+    pub(crate) fn drive(&self, max: usize) -> bool {
+        if !self.callers_may() || self.busy.load(Ordering::Acquire) > max || !self.waker.is_sleeping() {
+            return false;
+        }
+        let mut g = match self.state.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::WouldBlock | TryLockError::Poisoned(_)) => return false,
+        };
+        let Some(d) = g.as_mut() else { return false };
+        // Again under the lock, which orders them: the engine may have handled device memory, or
+        // taken more work, since the look above.
+        if d.stop.is_some()
+            || !self.host_only.load(Ordering::Acquire)
+            || self.busy.load(Ordering::Acquire) > max
+        {
+            return false;
+        }
+        // A panic here would leave transfers, copies and peers' access to memory that the
+        // unwinding would free, as on the engine thread: the process stops instead.
+        let turn = CallerTurn::start();
+        let turned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.driven_turn(d)));
+        drop(turn);
+        if turned.is_err() {
+            eprintln!(
+                "nixl-connect: a caller driving the engine panicked; aborting, since transfers may \
+                 still be using memory that unwinding would free"
+            );
+            std::process::abort();
+        }
+        true
+    }
+
+    /// A caller's turn: the commands it may handle, one look at the sockets, one caller turn of
+    /// the core (see the module's docs).
+    fn driven_turn(&self, d: &mut Driven) {
+        let mut event = false;
+        let mut handled = 0;
+        while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
+            if !cmd.for_a_caller() || handled == CALLER_COMMANDS_MAX {
+                // The engine thread's: it is asleep (or about to be), so this wakes it, and the
+                // lock goes back to it at once (no turn here).
+                d.pending = Some(cmd);
+                self.waker.wake();
+                return;
+            }
+            d.core.handle_as_caller(cmd);
+            handled += 1;
+            event = true;
+        }
+        self.turns.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        self.last_driven.store(self.nanos(now), Ordering::Release);
+        if event {
+            d.core.wake_all(now);
+        }
+        d.poll.poll(&mut d.ready);
+        let ready = std::mem::take(&mut d.ready);
+        event |= d.core.turn_as_caller(now, &ready);
+        d.ready = ready;
+        d.ready.clear();
+        self.busy.store(d.core.in_flight(), Ordering::Release);
+        if event && d.core.records() {
+            d.core.publish(now, false);
+            d.unpublished = true;
+        }
+        if d.core.hand_over_deferred() {
+            // An operation waits for the engine thread (its fallback to NIXL): now.
+            self.waker.wake();
+            return;
+        }
+        self.keep_the_engine_due(d, now);
+    }
+
+    /// The engine thread: runs until every handle is gone or [`Cmd::Shutdown`], then ends
+    /// everything.
+    pub(crate) fn run(&self, mut poller: Poller) {
         let mut last_event = Instant::now();
-        let mut shutdown = None;
-        // Something happened since the counters were last published with force.
-        let mut unpublished = true;
+        let mut ready = Vec::new();
         loop {
+            let mut g = self.lock();
+            let Some(d) = g.as_mut() else { return };
+            // What callers' turns left to this thread comes before the commands sent after it
+            // (an operation's cancel, say).
+            d.core.run_deferred();
             let mut event = false;
-            while let Some(cmd) = self.pending.take().or_else(|| self.next_cmd()) {
+            while let Some(cmd) = d.pending.take().or_else(|| next_cmd(&d.rx)) {
                 if let Cmd::Shutdown { within } = cmd {
-                    shutdown = Some(within);
+                    d.stop = Some(within);
                     break;
                 }
-                self.core.handle(cmd);
+                if !cmd.host_only() {
+                    self.host_only.store(false, Ordering::Release);
+                }
+                d.core.handle(cmd);
                 event = true;
             }
-            if shutdown.is_some() {
+            if d.stop.is_some() {
                 break;
             }
             let now = Instant::now();
             if event {
-                self.core.wake_all(now);
+                d.core.wake_all(now);
             }
             // While the engine is hot: transfers in flight are progressed on every turn,
             // operations waiting for a completion every WATCH_GAP; otherwise by the schedule.
             let hot = now.saturating_duration_since(last_event) < SPIN && crate::spin::worthwhile();
-            event |= self.core.turn(now, hot, &self.ready);
-            self.ready.clear();
+            event |= d.core.turn(now, hot, &ready);
+            ready.clear();
+            self.busy.store(d.core.in_flight(), Ordering::Release);
             if event {
-                self.core.publish(now, false);
-                unpublished = true;
+                d.core.publish(now, false);
+                d.unpublished = true;
                 last_event = Instant::now();
-                self.poller.wait(Some(Duration::ZERO), &mut self.ready);
+                drop(g);
+                poller.wait(Some(Duration::ZERO), &mut ready);
                 continue;
             }
-            if last_event.elapsed() < SPIN && crate::spin::worthwhile() {
+            // A caller drives while it waits: the engine stands down instead of spinning beside
+            // it (each process then has one spinning thread, not two).
+            // Only while callers actually drive (a wait that entered the gate but is no longer
+            // polled drives nothing), and only where they may.
+            let stand_down = self.gate.driven()
+                && d.core.in_flight() <= DRIVEN_MAX
+                && self.host_only.load(Ordering::Acquire)
+                && !d.core.engine_bound()
+                && self
+                    .nanos(now)
+                    .saturating_sub(self.last_driven.load(Ordering::Acquire))
+                    < STAND_DOWN_MAX.as_nanos() as u64;
+            if !stand_down && last_event.elapsed() < SPIN && crate::spin::worthwhile() {
                 // Recently active: stay hot (yielding the core) so the next command, socket
                 // message or completion is picked up without a wake-up; not while the host is
                 // oversubscribed (a yield then costs a time slice, see `spin`).
+                drop(g);
                 crate::spin::yield_core();
-                self.poller.wait(Some(Duration::ZERO), &mut self.ready);
+                poller.wait(Some(Duration::ZERO), &mut ready);
                 continue;
             }
             let now = Instant::now();
-            if std::mem::take(&mut unpublished) {
+            if std::mem::take(&mut d.unpublished) {
                 // Going idle: the counters as they stand.
-                self.core.publish(now, true);
+                d.core.publish(now, true);
             }
-            let timeout = self.core.sleep_for(now);
-            self.poller.prepare_sleep();
-            if self.core.has_pending() {
-                self.poller.awake();
+            let mut timeout = d.core.sleep_for(now);
+            poller.prepare_sleep();
+            if d.core.has_pending() || d.pending.is_some() {
+                poller.awake();
                 continue;
             }
-            match self.rx.try_recv() {
+            match d.rx.try_recv() {
                 Ok(cmd) => {
-                    self.poller.awake();
-                    self.pending = Some(cmd);
+                    poller.awake();
+                    d.pending = Some(cmd);
                     continue;
                 }
-                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Disconnected) => {
+                    poller.awake();
+                    d.pending = Some(Cmd::Shutdown { within: STOP_WAIT });
+                    continue;
+                }
                 Err(TryRecvError::Empty) => {}
             }
-            self.poller.wait(timeout, &mut self.ready);
+            // Written before the gate is read: a wait that enters the gate after that read sees
+            // when this sleep ends, and brings it forward (`enter`). (Behind the gate the sleep
+            // is at most `STAND_DOWN_MAX`, so such a wait's need is met either way.)
+            self.planned.store(
+                timeout.map_or(u64::MAX, |t| self.nanos(now + t)),
+                Ordering::SeqCst,
+            );
+            if self.gate.driven() {
+                // The sleep does not see the sockets: the engine wakes within `STAND_DOWN_MAX`
+                // to look at them itself, in case a driving wait is no longer polled. While
+                // callers drive, their turns serve the same-host path's deadlines too (a driven
+                // turn is a hot one), and the others (NIXL's schedule for exposed memory) wait
+                // for that wake: waking for each would take the core from the caller that
+                // drives, and a wait that stops spinning wakes the engine anyway.
+                let cap = if stand_down {
+                    STAND_DOWN_MAX
+                } else {
+                    timeout.map_or(STAND_DOWN_MAX, |t| t.min(STAND_DOWN_MAX))
+                };
+                timeout = Some(cap);
+                // When it wakes, exactly: a caller's turn compares its deadlines with it.
+                self.planned.store(self.nanos(now + cap), Ordering::SeqCst);
+            }
+            if stand_down {
+                // Back from standing down, the engine does not spin: the callers drove.
+                last_event = now.checked_sub(SPIN).unwrap_or(now);
+            }
+            drop(g);
+            poller.wait(timeout, &mut ready);
+            // Awake: what the alarm was set for is served by this turn.
+            *self
+                .alarm_at
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = u64::MAX;
         }
-        self.core.shutdown(shutdown.unwrap_or(STOP_WAIT));
+        let ended = self.lock().take();
+        if let Some(d) = ended {
+            d.core.shutdown(d.stop.unwrap_or(STOP_WAIT));
+        }
     }
+}
 
-    /// The next command; a disconnected channel (every handle gone) reads as `Shutdown`.
-    fn next_cmd(&mut self) -> Option<Cmd> {
-        match self.rx.try_recv() {
-            Ok(c) => Some(c),
-            Err(TryRecvError::Empty) => None,
-            Err(TryRecvError::Disconnected) => Some(Cmd::Shutdown { within: STOP_WAIT }),
-        }
+/// The next command; a disconnected channel (every handle gone) reads as `Shutdown`.
+fn next_cmd(rx: &Receiver<Cmd>) -> Option<Cmd> {
+    match rx.try_recv() {
+        Ok(c) => Some(c),
+        Err(TryRecvError::Empty) => None,
+        Err(TryRecvError::Disconnected) => Some(Cmd::Shutdown { within: STOP_WAIT }),
     }
 }

@@ -5,7 +5,9 @@
 //! only when NIXL needs it ([`Polling`](transport::Polling)): often while transfers are in flight, every
 //! [`nixl::EXPOSED_POLL`] while memory is exposed (a peer may need this side to act, for example to
 //! serve a read over TCP), never otherwise. After any event it keeps spinning for [`SPIN`](driver::SPIN) so that
-//! back-to-back operations pay no wake-up; an idle connector costs no CPU.
+//! back-to-back operations pay no wake-up; an idle connector costs no CPU. A caller waiting for a
+//! small operation over host memory may take the engine's turns itself while the engine stands
+//! down (`driver`).
 //!
 //! Ownership: from the moment a command leaves the caller, the memory a transport may touch is
 //! owned by the engine's side of the operation. Registration tokens live in the transports'
@@ -35,10 +37,11 @@ use tokio::sync::oneshot;
 pub(crate) use self::cmd::{Cmd, Mailbox};
 pub(crate) use self::core::DEFAULT_PROGRESS_DELAY;
 use self::core::{EngineCore, STOP_WAIT};
-use self::driver::EngineLoop;
+use self::driver::Drive;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
 use self::same_host::SameHostTransport;
+pub(crate) use self::transport::on_a_callers_turn;
 use self::transport::{DecodePeer, OpId, PeerInfo, Transport, TransportId};
 use crate::error::{Error, Result};
 use crate::metrics::families::Metrics;
@@ -133,6 +136,8 @@ struct Tuning {
     progress_delay: Duration,
     wait_spin: Duration,
     metrics: Option<Metrics>,
+    /// Whether waiting callers may drive the engine at all (see `driver`).
+    callers_drive: bool,
 }
 
 /// Options the engine starts with.
@@ -161,12 +166,29 @@ pub(crate) fn max_spinning() -> usize {
 }
 
 /// A wait's place among the waits that spin ([`Engine::spin_slot`]); dropping it gives the
-/// place back.
-pub(crate) struct SpinSlot(Arc<AtomicUsize>);
+/// place back, and ends the wait's driving if it drove: unless the wait saw its operation end
+/// ([`SpinSlot::finished`]), the engine is woken to take the operation over at once.
+pub(crate) struct SpinSlot {
+    spinning: Arc<AtomicUsize>,
+    /// The engine it drives, if it may.
+    drives: Option<Arc<Drive>>,
+    /// The wait saw its operation end: nothing of it is left for the engine.
+    finished: bool,
+}
+
+impl SpinSlot {
+    /// The wait saw its operation end.
+    pub(crate) fn finished(&mut self) {
+        self.finished = true;
+    }
+}
 
 impl Drop for SpinSlot {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        if let Some(d) = self.drives.take() {
+            d.leave(!self.finished);
+        }
+        self.spinning.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -186,6 +208,8 @@ struct Shared {
     wait_spin: Duration,
     /// Waits spinning now, at most [`max_spinning`] at once (see [`Engine::spin_slot`]).
     spinning: Arc<AtomicUsize>,
+    /// The engine's state, for callers that drive it (see `driver`).
+    drive: Arc<Drive>,
     /// How long the engine's end waits for copies still running ([`STOP_WAIT`] unless the
     /// connector was shut down with a deadline).
     stop_wait: Mutex<Duration>,
@@ -242,6 +266,9 @@ impl Engine {
                 progress_delay: opts.progress_delay,
                 wait_spin: opts.wait_spin,
                 metrics: opts.metrics.clone(),
+                // Deregistration on completion must come before the status is final, and it is
+                // NIXL's work: the engine thread's (see `driver`).
+                callers_drive: !opts.deregister_on_completion,
             },
             nixl::encoding::decode_peer,
             move |name, seats| {
@@ -297,6 +324,7 @@ impl Engine {
                 progress_delay: self::core::DEFAULT_PROGRESS_DELAY,
                 wait_spin,
                 metrics,
+                callers_drive: true,
             },
             loopback::decode_peer,
             |name, seats| {
@@ -320,13 +348,14 @@ impl Engine {
         let poller = Poller::new().map_err(|e| Error::os("creating the engine's poller", e))?;
         let waker = poller.waker();
         let (tx, rx) = mpsc::channel();
-        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<Arc<Drive>>>(1);
         let (agent_name, self_tx, w2) = (name.clone(), tx.clone(), waker.clone());
         let Tuning {
             cancel_grace,
             progress_delay,
             wait_spin,
             metrics,
+            callers_drive,
         } = tuning;
         let for_core = metrics.clone();
         let join = std::thread::Builder::new()
@@ -353,10 +382,7 @@ impl Engine {
                     Ok((made.into_iter().map(|(_, t)| t).collect(), chain))
                 });
                 let (transports, chain) = match made {
-                    Ok(t) => {
-                        let _ = ready_tx.send(Ok(()));
-                        t
-                    }
+                    Ok(t) => t,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));
                         return;
@@ -366,10 +392,11 @@ impl Engine {
                 if let Some(m) = for_core {
                     core.record_into(m);
                 }
-                let engine = EngineLoop::new(core, rx, poller);
+                let drive = Arc::new(Drive::new(core, rx, &poller, callers_drive));
+                let _ = ready_tx.send(Ok(drive.clone()));
                 // A panic here would leave transfers, copies and peers' access to memory that the
                 // unwinding would free: there is no sound way back, so the process stops instead.
-                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run())).is_err() {
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drive.run(poller))).is_err() {
                     eprintln!(
                         "nixl-connect: the engine thread panicked; aborting, since transfers may \
                          still be using memory that unwinding would free"
@@ -379,7 +406,7 @@ impl Engine {
             })
             .map_err(|e| Error::os("spawning the engine thread", e))?;
         let thread = join.thread().id();
-        ready_rx.recv().map_err(|_| Error::EngineStopped)??;
+        let drive = ready_rx.recv().map_err(|_| Error::EngineStopped)??;
         Ok(Engine(Arc::new(Shared {
             tx,
             waker,
@@ -390,6 +417,7 @@ impl Engine {
             cancel_grace,
             wait_spin,
             spinning: Arc::new(AtomicUsize::new(0)),
+            drive,
             stop_wait: Mutex::new(STOP_WAIT),
             decoded: Mutex::new(DecodedCache::default()),
             decode,
@@ -436,7 +464,30 @@ impl Engine {
             (k < max_spinning()).then_some(k + 1)
         })
         .ok()?;
-        Some(SpinSlot(n.clone()))
+        let drive = &self.0.drive;
+        Some(SpinSlot {
+            spinning: n.clone(),
+            drives: drive.enter().then(|| drive.clone()),
+            finished: false,
+        })
+    }
+
+    /// One turn of the engine on this thread, if a caller may take one now (see `driver`):
+    /// a small operation's wait calls it on each turn of its spin.
+    pub(crate) fn drive(&self) {
+        self.0.drive.drive(driver::DRIVEN_MAX);
+    }
+
+    /// Turns callers have taken of this engine (see `driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn driven_turns(&self) -> u64 {
+        self.0.drive.turns()
+    }
+
+    /// Waits that drive this engine now (see `driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn driving_waits(&self) -> usize {
+        self.0.drive.driving_waits()
     }
 
     /// Decodes a peer's published metadata (`nixl_metadata`) with the publishing transport's
@@ -453,9 +504,15 @@ impl Engine {
         Ok(d)
     }
 
+    /// Sends a command, and handles it on this thread if a caller may (see `driver`: a small
+    /// command over host memory, the engine asleep, few operations in flight); otherwise wakes
+    /// the engine.
     pub(crate) fn send(&self, cmd: Cmd) -> Result<()> {
+        let mine = cmd.for_a_caller() && std::thread::current().id() != self.0.thread;
         self.0.tx.send(cmd).map_err(|_| Error::EngineStopped)?;
-        self.0.waker.wake();
+        if !mine || !self.0.drive.drive(driver::SENT_DRIVEN_MAX) {
+            self.0.waker.wake();
+        }
         Ok(())
     }
 
@@ -479,7 +536,9 @@ impl Drop for Shared {
         let within = *self.stop_wait.lock().recover();
         let _ = self.tx.send(Cmd::Shutdown { within });
         self.waker.wake();
-        if std::thread::current().id() != self.thread {
+        // Not on the engine thread, nor on a caller's thread in the middle of driving it (the
+        // engine thread would wait for the lock this one holds): the engine then ends on its own.
+        if std::thread::current().id() != self.thread && !transport::on_a_callers_turn() {
             if let Some(j) = self.join.lock().recover().take() {
                 let _ = j.join();
             }

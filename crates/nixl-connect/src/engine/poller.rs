@@ -4,12 +4,18 @@
 //! A waker only makes the syscall when the engine may be asleep: the engine announces it is about
 //! to sleep by setting a flag, then checks its queues once more before it does, so a wake-up is
 //! never lost and a busy engine is never interrupted.
+//!
+//! Two epoll instances: the transports' descriptors sit in an inner one, and the engine sleeps in
+//! an outer one that holds the `eventfd` and, normally, the inner one. While a waiting caller
+//! drives the engine (`driver`), the inner one is taken out of the outer one ([`Gate`]): the
+//! caller's own polls ([`DriverPoll`]) see the sockets, and a frame that the caller will read
+//! wakes no sleeping engine thread.
 #![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::transport::TransportId;
@@ -19,8 +25,25 @@ use super::transport::TransportId;
 const OWNER_SHIFT: u32 = 56;
 /// The largest token a transport may register.
 pub(crate) const MAX_TOKEN: u64 = (1 << OWNER_SHIFT) - 1;
-/// The token of the waker's eventfd (owner 0, the poller's own).
+/// The token of the waker's eventfd (owner 0, the poller's own), in the outer instance.
 const WAKE: u64 = 0;
+/// The token of the inner instance in the outer one.
+const INNER: u64 = 1;
+/// The token of the alarm's timerfd in the outer one.
+const ALARM: u64 = 2;
+
+/// `fork()`s made since the first poller (a `pthread_atfork` handler counts them in the child):
+/// a child shares its parent's epoll instances, so it must not change what the parent's engine
+/// sleeps on (a caller's [`Gate`]).
+pub(crate) fn forks() -> u64 {
+    FORKS.load(Ordering::Relaxed)
+}
+
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn forked() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
 
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
@@ -40,6 +63,11 @@ struct WakerInner {
 }
 
 impl Waker {
+    /// True while the engine sleeps (or is about to): the moment a caller may drive it.
+    pub(crate) fn is_sleeping(&self) -> bool {
+        self.0.sleeping.load(Ordering::SeqCst)
+    }
+
     /// Wakes the engine if it sleeps (or is about to).
     pub(crate) fn wake(&self) {
         // Pairs with the fence in `prepare_sleep`: either the engine sees what was queued before
@@ -53,8 +81,14 @@ impl Waker {
     }
 }
 
-/// An epoll instance plus the engine's waker.
+/// The engine's epoll instances plus its waker.
 pub(crate) struct Poller {
+    /// What the engine sleeps in: the waker's eventfd, the alarm's timerfd and (unless a caller
+    /// drives) `epoll`.
+    outer: Arc<OwnedFd>,
+    /// A timer a driving caller sets when its turn left work due before the engine's own wake.
+    alarm: Arc<OwnedFd>,
+    /// The transports' descriptors.
     epoll: Registrar,
     waker: Waker,
     events: Vec<libc::epoll_event>,
@@ -113,14 +147,26 @@ impl Registrar {
 
 impl Poller {
     pub(crate) fn new() -> io::Result<Self> {
+        static AT_FORK: std::sync::Once = std::sync::Once::new();
+        AT_FORK.call_once(|| {
+            // SAFETY: registers a child handler that only increments an atomic.
+            unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+        });
         // SAFETY: plain syscalls creating new descriptors; each is owned right after.
-        let (ep, ev) = unsafe {
+        let (outer, alarm, ep, ev) = unsafe {
+            let outer = OwnedFd::from_raw_fd(cvt(libc::epoll_create1(libc::EPOLL_CLOEXEC))?);
+            let alarm = OwnedFd::from_raw_fd(cvt(libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_CLOEXEC | libc::TFD_NONBLOCK,
+            ))?);
             let ep = cvt(libc::epoll_create1(libc::EPOLL_CLOEXEC))?;
             let ep = OwnedFd::from_raw_fd(ep);
             let ev = cvt(libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK))?;
-            (ep, OwnedFd::from_raw_fd(ev))
+            (outer, alarm, ep, OwnedFd::from_raw_fd(ev))
         };
         let p = Self {
+            outer: Arc::new(outer),
+            alarm: Arc::new(alarm),
             epoll: Registrar {
                 epoll: Arc::new(ep),
                 owner: 0,
@@ -131,8 +177,41 @@ impl Poller {
             })),
             events: vec![libc::epoll_event { events: 0, u64: 0 }; 64],
         };
-        p.epoll.add(p.waker.0.fd.as_raw_fd(), WAKE, true, false)?;
+        let outer = p.outer_registrar();
+        outer.add(p.waker.0.fd.as_raw_fd(), WAKE, true, false)?;
+        outer.add(p.epoll.epoll.as_raw_fd(), INNER, true, false)?;
+        outer.add(p.alarm.as_raw_fd(), ALARM, true, false)?;
         Ok(p)
+    }
+
+    fn outer_registrar(&self) -> Registrar {
+        Registrar {
+            epoll: self.outer.clone(),
+            owner: 0,
+        }
+    }
+
+    /// A driving caller's polls of the transports' descriptors.
+    pub(crate) fn driver_poll(&self) -> DriverPoll {
+        DriverPoll {
+            inner: self.epoll.epoll.clone(),
+            events: vec![libc::epoll_event { events: 0, u64: 0 }; 64],
+        }
+    }
+
+    /// The engine's alarm, for a driving caller whose turn left work due before the engine wakes.
+    pub(crate) fn alarm(&self) -> Alarm {
+        Alarm(self.alarm.clone())
+    }
+
+    /// The switch that takes the transports' descriptors out of the engine's sleep while callers
+    /// drive.
+    pub(crate) fn gate(&self) -> Gate {
+        Gate {
+            outer: self.outer_registrar(),
+            inner: self.epoll.epoll.clone(),
+            drivers: Mutex::new(0),
+        }
     }
 
     pub(crate) fn waker(&self) -> Waker {
@@ -162,8 +241,15 @@ impl Poller {
     /// Waits up to `timeout` (`None`: until woken) and adds the ready descriptors to `out`, as
     /// their owner, its token and the epoll events.
     pub(crate) fn wait(&mut self, timeout: Option<Duration>, out: &mut Vec<Ready>) {
+        if timeout == Some(Duration::ZERO) {
+            // A hot engine's look: the descriptors themselves, whether or not a caller drives.
+            let n = poll_now(&self.epoll.epoll, &mut self.events);
+            self.awake();
+            report(&self.events[..n], out);
+            return;
+        }
         let (ep, evs, len) = (
-            self.epoll.epoll.as_raw_fd(),
+            self.outer.as_raw_fd(),
             self.events.as_mut_ptr(),
             self.events.len() as i32,
         );
@@ -207,21 +293,143 @@ impl Poller {
         };
         self.awake();
         for ev in &self.events[..n.max(0) as usize] {
-            let (owner, token) = (ev.u64 >> OWNER_SHIFT, ev.u64 & MAX_TOKEN);
-            match TransportId::nth((owner as usize).wrapping_sub(1)) {
-                Some(owner) => out.push(Ready {
-                    owner,
-                    token,
-                    events: ev.events,
-                }),
-                None => {
-                    let mut buf = 0u64;
-                    // SAFETY: reads 8 bytes into a live u64 from the waker's own nonblocking
-                    // eventfd.
-                    unsafe { libc::read(self.waker.0.fd.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
-                }
+            if ev.u64 == INNER {
+                // The descriptors themselves are looked at below.
+            } else if ev.u64 == ALARM {
+                let mut buf = 0u64;
+                // SAFETY: reads 8 bytes into a live u64 from the alarm's own nonblocking timerfd.
+                unsafe { libc::read(self.alarm.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
+            } else {
+                let mut buf = 0u64;
+                // SAFETY: reads 8 bytes into a live u64 from the waker's own nonblocking eventfd.
+                unsafe { libc::read(self.waker.0.fd.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
             }
         }
+        // The descriptors are looked at after every sleep, whatever woke it: while callers drive,
+        // the sleep does not see them, and a wake for a deadline or a command must not be blind
+        // to a frame a caller has not read.
+        let n = poll_now(&self.epoll.epoll, &mut self.events);
+        report(&self.events[..n], out);
+    }
+}
+
+/// The ready descriptors of `inner`, without waiting: how many of `events` it filled.
+fn poll_now(inner: &OwnedFd, events: &mut [libc::epoll_event]) -> usize {
+    // SAFETY: `events` is a live buffer of as many epoll_events as its length says.
+    let n = unsafe { libc::epoll_wait(inner.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, 0) };
+    n.max(0) as usize
+}
+
+/// Each of `events` (the inner instance's: transports' tokens only) to its owner.
+fn report(events: &[libc::epoll_event], out: &mut Vec<Ready>) {
+    for ev in events {
+        let (owner, token) = (ev.u64 >> OWNER_SHIFT, ev.u64 & MAX_TOKEN);
+        if let Some(owner) = TransportId::nth((owner as usize).wrapping_sub(1)) {
+            out.push(Ready {
+                owner,
+                token,
+                events: ev.events,
+            });
+        }
+    }
+}
+
+/// Wakes the sleeping engine at a time a driving caller sets (a one-shot `timerfd` in the
+/// engine's sleep): what a caller's turn left due is not missed, and waits for no wake-up now.
+pub(crate) struct Alarm(Arc<OwnedFd>);
+
+impl Alarm {
+    /// Rings `after` from now (a zero `after` rings at once), replacing any earlier setting.
+    pub(crate) fn set(&self, after: Duration) {
+        let after = after.max(Duration::from_nanos(1));
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            },
+            it_value: libc::timespec {
+                tv_sec: after.as_secs().min(i32::MAX as u64) as libc::time_t,
+                tv_nsec: after.subsec_nanos() as libc::c_long,
+            },
+        };
+        // SAFETY: `spec` is a valid itimerspec that outlives the call; the old value is not
+        // asked for (null).
+        let r = unsafe { libc::timerfd_settime(self.0.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+        if r != 0 {
+            tracing::error!("setting the engine's alarm: {}", io::Error::last_os_error());
+        }
+    }
+}
+
+/// A driving caller's look at the transports' descriptors: never waits, and leaves the engine's
+/// sleep flag alone (the engine still sleeps while a caller drives).
+pub(crate) struct DriverPoll {
+    inner: Arc<OwnedFd>,
+    events: Vec<libc::epoll_event>,
+}
+
+impl DriverPoll {
+    /// Adds the ready descriptors to `out`.
+    pub(crate) fn poll(&mut self, out: &mut Vec<Ready>) {
+        let n = poll_now(&self.inner, &mut self.events);
+        report(&self.events[..n], out);
+    }
+}
+
+/// Takes the transports' descriptors out of the engine's sleep while at least one caller drives,
+/// and puts them back when the last one leaves (a descriptor ready by then wakes the engine at
+/// once: `epoll_ctl` reports it to a sleeper).
+pub(crate) struct Gate {
+    outer: Registrar,
+    inner: Arc<OwnedFd>,
+    /// Callers driving now.
+    drivers: Mutex<usize>,
+}
+
+impl Gate {
+    /// A caller starts driving.
+    pub(crate) fn enter(&self) {
+        let mut n = self
+            .drivers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *n == 0 {
+            self.outer.remove(self.inner.as_raw_fd());
+        }
+        *n += 1;
+    }
+
+    /// A caller stops driving.
+    pub(crate) fn leave(&self) {
+        let mut n = self
+            .drivers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            // It cannot fail short of the kernel's memory: the instance is live and was in it.
+            if let Err(e) = self.outer.add(self.inner.as_raw_fd(), INNER, true, false) {
+                tracing::error!("putting the sockets back in the engine's sleep: {e}");
+            }
+        }
+    }
+
+    /// True while a caller drives: the engine's sleep does not see the sockets.
+    pub(crate) fn driven(&self) -> bool {
+        *self
+            .drivers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            > 0
+    }
+
+    /// Callers driving now.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn drivers(&self) -> usize {
+        *self
+            .drivers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -257,6 +465,55 @@ mod tests {
         let t0 = std::time::Instant::now();
         p.wait(Some(Duration::from_secs(5)), &mut out);
         assert!(t0.elapsed() < Duration::from_secs(4), "the wake-up was not lost");
+    }
+
+    /// Whether the engine's sleep (the outer instance) would be woken by the descriptors now.
+    fn sleep_sees_descriptors(p: &Poller) -> bool {
+        let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 8];
+        let n = poll_now(&p.outer, &mut evs);
+        evs[..n].iter().any(|e| e.u64 == INNER)
+    }
+
+    #[test]
+    fn poller_a_gate_hides_the_sockets_from_the_sleep_until_the_last_driver_leaves() {
+        let mut p = Poller::new().unwrap();
+        let owner = TransportId::nth(0).unwrap();
+        let r = p.registrar_for(owner);
+        let (x, mut y) = std::os::unix::net::UnixStream::pair().unwrap();
+        r.add(x.as_raw_fd(), 7, true, false).unwrap();
+        std::io::Write::write_all(&mut y, b"frame").unwrap();
+        let (gate, mut driver) = (p.gate(), p.driver_poll());
+        let mut out = Vec::new();
+        assert!(sleep_sees_descriptors(&p));
+        gate.enter();
+        gate.enter();
+        // Two callers drive: a ready socket does not wake the engine's sleep; a driver's poll
+        // sees it, and so does a hot engine's look (no wait).
+        assert!(!sleep_sees_descriptors(&p), "a ready socket would wake the sleep");
+        driver.poll(&mut out);
+        assert_eq!(
+            out.iter().map(|r| (r.owner, r.token)).collect::<Vec<_>>(),
+            [(owner, 7)]
+        );
+        out.clear();
+        p.wait(Some(Duration::ZERO), &mut out);
+        assert_eq!(out.len(), 1);
+        out.clear();
+        // Whatever ends a sleep (here its timeout), the engine then looks at the descriptors.
+        p.wait(Some(Duration::from_millis(1)), &mut out);
+        assert_eq!(out.len(), 1, "the engine woke blind to a ready socket");
+        out.clear();
+        gate.leave();
+        assert!(!sleep_sees_descriptors(&p), "one caller still drives");
+        // The last one leaves: the ready socket wakes the sleep at once.
+        gate.leave();
+        assert!(!gate.driven());
+        assert!(sleep_sees_descriptors(&p));
+        p.wait(Some(Duration::from_secs(30)), &mut out);
+        assert_eq!(
+            out.iter().map(|r| (r.owner, r.token)).collect::<Vec<_>>(),
+            [(owner, 7)]
+        );
     }
 
     #[test]

@@ -199,8 +199,38 @@ pub(crate) enum Polling {
     EveryTurn,
 }
 
-/// One way of moving bytes (NIXL, same-host), owned by the engine thread.
-pub(crate) trait Transport {
+thread_local! {
+    /// Set while this thread takes a caller's turn of an engine (see `driver`).
+    static CALLER_TURN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// True while this thread takes a caller's turn of an engine (see `driver`): a transport that
+/// callers may drive asks this before work that must stay on an engine thread (the first call
+/// into CUDA, say), and NIXL's transport checks it never runs on one.
+pub(crate) fn on_a_callers_turn() -> bool {
+    CALLER_TURN.get()
+}
+
+/// Marks this thread as taking a caller's turn until dropped (then as it was before: a turn
+/// that drives another connector's engine inside one keeps the outer mark).
+pub(crate) struct CallerTurn(bool);
+
+impl CallerTurn {
+    /// Starts a caller's turn on this thread.
+    pub(crate) fn start() -> Self {
+        CallerTurn(CALLER_TURN.replace(true))
+    }
+}
+
+impl Drop for CallerTurn {
+    fn drop(&mut self) {
+        CALLER_TURN.set(self.0);
+    }
+}
+
+/// One way of moving bytes (NIXL, same-host), owned by the engine: used by one thread at a time,
+/// its own or a caller's that drives it (`driver`), so `Send`.
+pub(crate) trait Transport: Send {
     /// Exposes a passive operation's memory under its key, adding to `out`.
     ///
     /// # Errors
@@ -279,6 +309,16 @@ pub(crate) trait Transport {
 
     /// The path this transport is (what its operations report).
     fn path(&self) -> TransferPath;
+
+    /// True when a caller's thread may drive this transport (`driver`: a small operation's
+    /// waiter takes the engine's turns): its calls are short, touch no library that keeps state
+    /// per thread, create nothing that takes long to make, and drop no memory's owner (which may
+    /// be a Python object). False, the default, keeps every call to it on the engine thread: a
+    /// caller's turn leaves it alone, and defers to the engine what it would hand it (see
+    /// `EngineCore`'s caller turns).
+    fn callers_may_drive(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

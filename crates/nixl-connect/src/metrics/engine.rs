@@ -26,7 +26,8 @@ struct Published {
 }
 
 impl EngineCell {
-    /// Publishes the engine's counters (its thread only).
+    /// Publishes the engine's counters (whoever drives the engine: its thread, or a caller's
+    /// that holds its lock; one at a time).
     pub(crate) fn publish(&self, s: &EngineStats) {
         self.0.lock().recover().stats = s.clone();
     }

@@ -64,7 +64,14 @@ async fn wait(
             let notified = state.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            match state.status() {
+            let status = state.status();
+            if status.is_terminal() {
+                if let Some((slot, _)) = &mut spinning {
+                    // Nothing of the operation is left for the engine to take over.
+                    slot.finished();
+                }
+            }
+            match status {
                 OperationStatus::Complete => return Ok(()),
                 OperationStatus::Cancelled => return Err(Error::Cancelled),
                 OperationStatus::Errored => return Err(state.error().unwrap_or(Error::EngineStopped)),
@@ -72,6 +79,10 @@ async fn wait(
             }
             match &spinning {
                 Some((_, until)) if std::time::Instant::now() < *until => {
+                    if let Some((engine, _)) = spin {
+                        // The engine stands down while this wait spins: its turns are taken here.
+                        engine.drive();
+                    }
                     if !crate::spin::yield_core() {
                         // The host is oversubscribed: the place goes back; the next turn parks.
                         spinning = None;

@@ -4,6 +4,7 @@
 #[cfg(any(feature = "http", feature = "nats"))]
 mod channels;
 mod core;
+mod driven;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod faults;

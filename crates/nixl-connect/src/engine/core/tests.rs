@@ -46,6 +46,8 @@ struct Script {
     exposed: Vec<(Arc<str>, Arc<OpState>)>,
     /// Each key it was told to unexpose, with its operation's status at that moment.
     unexposed: Vec<(String, OperationStatus)>,
+    /// Says a caller may drive it ([`Transport::callers_may_drive`]; read when the core is made).
+    drivable: bool,
 }
 
 struct Probe {
@@ -175,6 +177,10 @@ impl Transport for Probe {
 
     fn add_stats(&self, stats: &mut EngineStats, completed: u64) {
         stats.transfers += completed;
+    }
+
+    fn callers_may_drive(&self) -> bool {
+        self.script.lock().unwrap().drivable
     }
 }
 
@@ -562,4 +568,208 @@ fn core_passive_end_unexposes_before_any_waiter_sees_it() {
             "the key was still exposed when the operation's end became visible (failed: {failed})"
         );
     }
+}
+
+/// A core over a transport a caller may drive ("local", first in the chain) and one it may not
+/// ("nixl"), both progressed on every turn.
+fn caller_pair(t0: Instant) -> (EngineCore, Arc<Mutex<Script>>, Arc<Mutex<Script>>) {
+    let (local, sl) = probe("local", TransferPath::Local);
+    let (nixl, sn) = probe("nixl", TransferPath::Nixl);
+    for s in [&sl, &sn] {
+        s.lock().unwrap().polling = Some(Polling::EveryTurn);
+    }
+    sl.lock().unwrap().drivable = true;
+    // NIXL publishes first; active operations try the same-host path first.
+    let core = EngineCore::new(vec![nixl, local], ids(&[1, 0]), MS, t0);
+    (core, sl, sn)
+}
+
+/// Exposes `key` on every transport (an engine's command).
+fn expose(core: &mut EngineCore, key: &str) -> Arc<OpState> {
+    let state = OpState::new(OperationStatus::Initialized);
+    let (reply, mut exposed) = oneshot::channel();
+    core.handle(Cmd::Expose {
+        spec: PassiveSpec {
+            key: key.into(),
+            kind: OperationKind::Read,
+            ranges: Vec::new(),
+            state: state.clone(),
+        },
+        reply,
+    });
+    exposed.try_recv().unwrap().unwrap();
+    state
+}
+
+#[test]
+fn core_caller_turn_leaves_a_hand_over_to_nixl_to_the_engine() {
+    let t0 = Instant::now();
+    let (mut core, sl, sn) = caller_pair(t0);
+    sl.lock().unwrap().decline = Some("the peer is on another host");
+    sn.lock().unwrap().complete = true;
+    assert!(core.callers_may_begin());
+    let (spec, state) = active(1, "k1");
+    core.handle_as_caller(Cmd::Begin { spec });
+    // Declined by the same-host path on the caller's thread; NIXL (whose begin may create an
+    // agent) is not called there, and the engine has work to do now.
+    assert_eq!(sl.lock().unwrap().log, ["local:begin 1"]);
+    assert!(
+        sn.lock().unwrap().log.is_empty(),
+        "NIXL was called on a caller's turn"
+    );
+    assert!(core.has_pending() && core.engine_bound());
+    assert!(
+        core.hand_over_deferred(),
+        "the operation waits: the engine must wake now"
+    );
+    // More caller turns neither hand it over nor progress NIXL.
+    for k in 0..3 {
+        core.turn_as_caller(t0 + k * MS, &[]);
+    }
+    assert!(sn.lock().unwrap().log.is_empty());
+    assert_eq!(
+        sn.lock().unwrap().progressed,
+        0,
+        "NIXL progressed on a caller's turn"
+    );
+    assert_eq!(state.status(), OperationStatus::InProgress);
+    // The engine's turn hands it over and NIXL completes it.
+    core.run_deferred();
+    assert_eq!(sn.lock().unwrap().log, ["nixl:begin 1"]);
+    assert!(!core.has_pending());
+    assert!(
+        core.engine_bound(),
+        "an operation on NIXL needs the engine thread"
+    );
+    core.turn(t0 + 5 * MS, true, &[]);
+    assert_eq!(state.status(), OperationStatus::Complete);
+    assert_eq!(state.path(), Some(TransferPath::Nixl));
+    assert!(!core.engine_bound());
+}
+
+#[test]
+fn core_caller_turn_hands_a_cancelled_operation_to_nobody() {
+    let t0 = Instant::now();
+    let (mut core, sl, sn) = caller_pair(t0);
+    sl.lock().unwrap().decline = Some("the peer is on another host");
+    let (spec, state) = active(1, "k1");
+    core.handle_as_caller(Cmd::Begin { spec });
+    // Dropped before the engine took the hand-over: its cancel comes after the deferred work.
+    state.finish(OperationStatus::Cancelled, None);
+    let (keep, freed) = canary();
+    core.run_deferred();
+    core.handle(Cmd::Abandon { id: 1, hard: false });
+    core.handle(Cmd::Adopt { id: 1, keep });
+    core.turn(t0, false, &[]);
+    assert!(
+        sn.lock().unwrap().log.is_empty(),
+        "a cancelled operation was offered to NIXL"
+    );
+    assert!(state.is_released());
+    assert!(freed.load(Ordering::SeqCst));
+}
+
+#[test]
+fn core_caller_turn_progresses_only_the_transports_callers_may_drive() {
+    let t0 = Instant::now();
+    let (mut core, sl, sn) = caller_pair(t0);
+    for k in 0..4 {
+        core.turn_as_caller(t0 + k * MS, &[]);
+    }
+    assert_eq!(sl.lock().unwrap().progressed, 4);
+    assert_eq!(sn.lock().unwrap().progressed, 0);
+    core.turn(t0 + 5 * MS, false, &[]);
+    assert_eq!(sn.lock().unwrap().progressed, 1);
+}
+
+#[test]
+fn core_caller_turn_ends_an_exposure_on_its_transports_and_leaves_nixl_to_the_engine() {
+    let t0 = Instant::now();
+    for failed in [false, true] {
+        let (mut core, sl, sn) = caller_pair(t0);
+        let state = expose(&mut core, "k");
+        let end = if failed {
+            Event::PassiveFailed {
+                key: "k".into(),
+                error: Error::Cancelled,
+            }
+        } else {
+            Event::PassiveCompleted {
+                key: "k".into(),
+                path: TransferPath::Local,
+            }
+        };
+        sl.lock().unwrap().emit.push(end);
+        core.turn_as_caller(t0, &[]);
+        assert!(state.status().is_terminal());
+        // The transport the caller drove forgot the key before the end was visible; NIXL's end
+        // of the exposure (it may rotate an exposer) waits for the engine.
+        assert_eq!(
+            sl.lock().unwrap().unexposed,
+            [("k".to_string(), OperationStatus::Initialized)],
+            "failed: {failed}"
+        );
+        assert!(
+            sn.lock().unwrap().unexposed.is_empty(),
+            "NIXL unexposed on a caller's turn"
+        );
+        assert!(core.has_pending() && core.has_deferred());
+        assert!(
+            !core.hand_over_deferred(),
+            "nothing waits for this: no wake-up now"
+        );
+        core.run_deferred();
+        assert_eq!(sn.lock().unwrap().unexposed.len(), 1);
+        assert!(!core.has_pending());
+        assert_eq!(core.in_flight(), 0);
+    }
+}
+
+#[test]
+fn core_caller_turn_frees_adopted_memory_on_the_engines_turn_only() {
+    let t0 = Instant::now();
+    let (mut core, sl, _) = caller_pair(t0);
+    let (spec, state) = active(3, "k3");
+    core.handle(Cmd::Begin { spec });
+    let (keep, freed) = canary();
+    core.handle(Cmd::Adopt { id: 3, keep });
+    sl.lock().unwrap().complete = true;
+    core.turn_as_caller(t0, &[]);
+    assert_eq!(state.status(), OperationStatus::Complete);
+    assert!(state.is_released());
+    // Its owner may be a Python object: freed on the engine's turn, not the caller's.
+    assert!(
+        !freed.load(Ordering::SeqCst),
+        "adopted memory freed on a caller's turn"
+    );
+    assert!(core.has_pending() && !core.hand_over_deferred());
+    core.run_deferred();
+    assert!(freed.load(Ordering::SeqCst));
+}
+
+#[test]
+fn core_caller_turn_leaves_an_ended_exposures_memory_to_the_engine() {
+    let t0 = Instant::now();
+    let (mut core, _, sn) = caller_pair(t0);
+    sn.lock().unwrap().keeps = true;
+    let state = expose(&mut core, "k");
+    // A peer's copy holds the memory.
+    state.mark_in_use();
+    let (keep, freed) = canary();
+    // The exposure ends with owned memory a same-host copy may still be writing.
+    core.handle(Cmd::Unexpose {
+        key: "k".into(),
+        gen: 0,
+        keep: Some((keep, 64)),
+    });
+    state.mark_released();
+    core.turn_as_caller(t0, &[]);
+    assert!(
+        !sn.lock().unwrap().log.iter().any(|l| l.contains("hold")),
+        "memory handed to NIXL's hold on a caller's turn"
+    );
+    assert!(core.copies_released(), "the engine must be kept due for it");
+    core.turn(t0 + MS, false, &[]);
+    assert!(sn.lock().unwrap().log.iter().any(|l| l.contains("hold")));
+    assert!(!freed.load(Ordering::SeqCst), "NIXL's hold keeps it");
 }

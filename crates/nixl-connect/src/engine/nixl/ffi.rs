@@ -305,8 +305,19 @@ pub(crate) struct Prepared {
     len: usize,
 }
 
+// SAFETY: a prepared list is a handle into its agent's state, used (and dropped) only through its
+// agent's owner, the engine's NIXL transport. The engine's state sits behind a lock that callers
+// driving it take too (`engine::driver`), so it must be `Send`; but a caller's turn never calls
+// the NIXL transport (it says callers may not drive it; debug builds check), so in practice only
+// the engine thread uses the list. Were another thread to, the lock would order each use after
+// the last, and the agent is created with `ThreadSync::None` and no progress thread, for which
+// NIXL makes its UCX worker `UCS_THREAD_MODE_SERIALIZED` (any thread, one at a time). `nixl_sys`
+// already has the agent itself `Send`.
+unsafe impl Send for Prepared {}
+
 /// One NIXL agent with its backends (UCX, and any others the connector's builder named), NIXL's
-/// own threads off. Not thread-safe: the engine thread owns it. Dropping it destroys the UCX
+/// own threads off. Not thread-safe: the engine owns it, and one thread at a time uses it (see
+/// `Prepared`'s `Send`). Dropping it destroys the UCX
 /// worker, which cuts every peer off from this agent's memory and ends every transfer it posted.
 pub(crate) struct NixlAgent {
     agent: Agent,

@@ -690,8 +690,18 @@ fn transfer_failed(peer: &str, e: ErrorSource) -> Error {
     }
 }
 
+/// NIXL is the engine thread's: a caller's turn (`driver`) never calls this transport (it says
+/// callers may not drive it), which this checks in debug builds.
+fn engine_thread_only() {
+    debug_assert!(
+        !crate::engine::on_a_callers_turn(),
+        "the NIXL transport was called on a caller's turn"
+    );
+}
+
 impl Transport for NixlTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
+        engine_thread_only();
         let mut regs = Vec::with_capacity(spec.ranges.len());
         let mut tokens = Vec::with_capacity(spec.ranges.len());
         for r in &spec.ranges {
@@ -722,6 +732,7 @@ impl Transport for NixlTransport {
     }
 
     fn unexpose(&mut self, key: &str) {
+        engine_thread_only();
         let Some(gen) = self.exposer_gen_of(key) else {
             return;
         };
@@ -741,6 +752,7 @@ impl Transport for NixlTransport {
     }
 
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
+        engine_thread_only();
         out.push(Event::PathTaken {
             id: spec.id,
             path: TransferPath::Nixl,
@@ -782,6 +794,7 @@ impl Transport for NixlTransport {
     }
 
     fn abandon(&mut self, id: OpId, hard: bool, out: &mut Vec<Event>) {
+        engine_thread_only();
         let in_flight = self
             .initiator
             .as_ref()
@@ -792,6 +805,7 @@ impl Transport for NixlTransport {
     }
 
     fn progress(&mut self, _ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
+        engine_thread_only();
         // NIXL does not say whether UCX did any work in a progress call (serving a peer's read
         // over TCP, receiving fragments of a transfer): two slow calls in a row did, and count as
         // an event, so the engine keeps spinning while data flows instead of backing off.
@@ -881,6 +895,7 @@ impl Transport for NixlTransport {
     }
 
     fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
+        engine_thread_only();
         match msg.downcast::<Mail>().map(|m| *m) {
             Ok(Mail::Deregister { side, gen, range, id }) => self.deregister(side, gen, range, id),
             Ok(Mail::Quarantine { gen, memory, bytes }) => self.quarantine(gen, memory, bytes),
@@ -889,11 +904,13 @@ impl Transport for NixlTransport {
     }
 
     fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) -> Option<Hold> {
+        engine_thread_only();
         self.quarantine(gen, keep, bytes);
         None
     }
 
     fn preregister(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
+        engine_thread_only();
         self.register_ahead(ranges)
     }
 

@@ -8,6 +8,8 @@ use super::device::{device_path_refusal, uniform};
 use super::records::{Act, ConnId, Phase};
 use super::server_book::Scope;
 use super::sockets::{ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
+#[cfg(feature = "cuda")]
+use super::sys::ipc;
 use super::transport::SameHostTransport;
 use crate::device::Device;
 use crate::engine::poller::hung_up;
@@ -237,6 +239,17 @@ impl Transport for SameHostTransport {
 
     fn path(&self) -> TransferPath {
         TransferPath::Local
+    }
+
+    /// Its calls are socket reads and writes, MACs, and hand-offs to its copy pool; it holds no
+    /// memory's owner (the core does) and device memory stays the engine thread's (`driver`).
+    /// With the `cuda` feature, only where a peer's device request cannot make a caller's turn
+    /// start CUDA (`ipc::settled_for_callers`, asked when the engine starts).
+    fn callers_may_drive(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return ipc::settled_for_callers();
+        #[cfg(not(feature = "cuda"))]
+        true
     }
 
     fn add_stats(&self, stats: &mut EngineStats, completed: u64) {

@@ -213,30 +213,71 @@ pub(crate) enum ExportAs {
     },
 }
 
-/// True when this process can take part in CUDA IPC: a driver, initialised, with a device.
+/// Whether this process can take part in CUDA IPC, once asked ([`available`]).
+static AVAILABLE: OnceLock<bool> = OnceLock::new();
+
+/// True when this process can take part in CUDA IPC: a driver, initialised, with a device. The
+/// first call loads the driver and initialises CUDA (100 ms or more where there is a driver):
+/// never on a caller's turn, where callers drive only once the answer is known
+/// ([`settled_for_callers`]).
 pub(crate) fn available() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| crate::cuda::device_count().is_ok_and(|n| n > 0))
+    debug_assert!(
+        AVAILABLE.get().is_some() || !crate::engine::on_a_callers_turn(),
+        "CUDA initialised on a caller's turn"
+    );
+    *AVAILABLE.get_or_init(|| crate::cuda::device_count().is_ok_and(|n| n > 0))
+}
+
+/// True when a caller's thread may drive a connector's same-host path (`engine::driver`)
+/// without ever starting CUDA or the CUDA thread: whether CUDA IPC works here is known, because
+/// this host has no NVIDIA driver at all (two `stat`s, no library loaded) or something in this
+/// process has asked already; where it works, the CUDA thread is started here (on the engine
+/// thread, which asks this when it starts). Elsewhere (a GPU host where nothing has used CUDA
+/// through this crate yet) callers do not drive: the first device request must be decided by
+/// the engine thread, which may start CUDA.
+pub(crate) fn settled_for_callers() -> bool {
+    let known = match AVAILABLE.get() {
+        Some(&k) => Some(k),
+        None if !std::path::Path::new("/dev/nvidiactl").exists()
+            && !std::path::Path::new("/proc/driver/nvidia/version").exists() =>
+        {
+            Some(*AVAILABLE.get_or_init(|| false))
+        }
+        None => None,
+    };
+    match known {
+        Some(true) => worker().is_some(),
+        Some(false) => true,
+        None => false,
+    }
+}
+
+/// The CUDA thread, once something was shared or mapped through it.
+static WORKER: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
+
+/// True once the CUDA thread runs: before, nothing was shared or mapped on any connection.
+fn worker_started() -> bool {
+    WORKER.get().is_some_and(Option::is_some)
 }
 
 fn worker() -> Option<&'static Mutex<Sender<Job>>> {
-    static TX: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
-    TX.get_or_init(|| {
-        let (tx, rx) = channel::<Job>();
-        // A `DeviceBuffer` dropped is forgotten by every connection it was shared on.
-        crate::cuda::on_device_buffer_drop(forget_at);
-        std::thread::Builder::new()
-            .name("nixl-connect-cuda".into())
-            .spawn(move || {
-                let mut dev = Cuda::default();
-                for job in rx {
-                    dev.run(job);
-                }
-            })
-            .ok()?;
-        Some(Mutex::new(tx))
-    })
-    .as_ref()
+    WORKER
+        .get_or_init(|| {
+            let (tx, rx) = channel::<Job>();
+            // A `DeviceBuffer` dropped is forgotten by every connection it was shared on.
+            crate::cuda::on_device_buffer_drop(forget_at);
+            std::thread::Builder::new()
+                .name("nixl-connect-cuda".into())
+                .spawn(move || {
+                    let mut dev = Cuda::default();
+                    for job in rx {
+                        dev.run(job);
+                    }
+                })
+                .ok()?;
+            Some(Mutex::new(tx))
+        })
+        .as_ref()
 }
 
 fn submit(job: Job) -> Result<(), Job> {
@@ -281,14 +322,16 @@ pub(crate) fn spawn(c: Copy, done: Copied) -> Result<(), CopyError> {
 /// Closes the mappings opened for connection `conn` (it closed), once copies before it are done,
 /// and gives back the allocations shared on it.
 pub(crate) fn forget(conn: u64) {
-    if available() {
+    // Nothing was mapped or shared without the CUDA thread; asking `available` here would start
+    // CUDA (on a caller's turn, or in a process that never used it) for nothing.
+    if worker_started() {
         let _ = submit(Job::Forget(conn));
     }
 }
 
 /// Unmaps the peer's VMM exports `ids` on connection `conn` (it gave them back).
 pub(crate) fn forget_imports(conn: u64, ids: Vec<u64>) {
-    if available() {
+    if worker_started() {
         let _ = submit(Job::Unmap(conn, ids));
     }
 }

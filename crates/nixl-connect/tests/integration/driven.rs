@@ -1,0 +1,334 @@
+//! A small operation's waiter drives its engine (the engine stands down meanwhile, and its sleep
+//! stops seeing the sockets): each race its own test, on the same-host path with the real NIXL
+//! library beside it.
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Waker};
+use std::time::{Duration, Instant};
+
+use nixl_connect::{testing, Connector, Descriptor, PathPolicy, TransferPath, MAX_WAIT_SPIN};
+
+use super::support::{pattern, T};
+
+/// Two connectors whose small waits spin (and so drive) however loaded the machine is.
+fn driving_pair() -> (Connector, Connector) {
+    testing::keep_spinning();
+    let owner = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let reader = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    (owner, reader)
+}
+
+/// One 4 KiB same-host read of `seed`'s pattern, both sides waiting (and so driving).
+async fn driven_read(owner: &Connector, reader: &Connector, seed: u64) {
+    driven_read_of(owner, reader, 4096, seed).await;
+}
+
+/// One same-host read of `len` bytes of `seed`'s pattern, both sides waiting (and so driving).
+async fn driven_read_of(owner: &Connector, reader: &Connector, len: usize, seed: u64) {
+    let src = pattern(len, seed);
+    let r = owner
+        .create_readable(Descriptor::from(src.clone()))
+        .await
+        .unwrap();
+    let op = reader
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; len]))
+        .await
+        .unwrap();
+    let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+    a.unwrap();
+    b.unwrap();
+    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+}
+
+/// One same-host write of `len` bytes of `seed`'s pattern, both sides waiting (and so driving).
+async fn driven_write_of(owner: &Connector, writer: &Connector, len: usize, seed: u64) {
+    let src = pattern(len, seed);
+    let w = owner
+        .create_writable(Descriptor::from(vec![0u8; len]))
+        .await
+        .unwrap();
+    let op = writer
+        .begin_write(Descriptor::from(src.clone()), w.metadata())
+        .await
+        .unwrap();
+    let (a, b) = tokio::join!(op.wait_for_completion(T), w.wait_for_completion(T));
+    a.unwrap();
+    b.unwrap();
+    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(w.into_descriptors()[0].as_slice().unwrap(), &src[..]);
+}
+
+/// `n` small reads both sides wait for: callers must have taken turns of the engines.
+async fn driven_reads(owner: &Connector, reader: &Connector, n: u64) {
+    let turns = || testing::driven_turns(owner) + testing::driven_turns(reader);
+    let before = turns();
+    for seed in 0..n {
+        driven_read(owner, reader, seed).await;
+    }
+    assert!(
+        turns() > before,
+        "no caller took a turn of an engine in {n} small reads both sides waited for"
+    );
+    sockets_back(owner, reader);
+}
+
+/// Every wait is over: no wait drives either engine, so their sleeps see the sockets again.
+fn sockets_back(owner: &Connector, reader: &Connector) {
+    assert_eq!(
+        (testing::driving_waits(owner), testing::driving_waits(reader)),
+        (0, 0),
+        "a wait that ended left its engine's sleep without the sockets"
+    );
+}
+
+/// A read nobody on the owner's side waits for: the owner's engine alone must see the reader's
+/// frames, so its sleep must see the sockets again.
+async fn read_served_by_the_engine_alone(owner: &Connector, reader: &Connector, seed: u64) {
+    let src = pattern(4096, seed);
+    let r = owner
+        .create_readable(Descriptor::from(src.clone()))
+        .await
+        .unwrap();
+    // Long enough for the owner's engine to have gone to sleep.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let op = reader
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+    r.wait_for_completion(T).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_command_sent_while_a_waiter_drives_is_handled() {
+    let (owner, reader) = driving_pair();
+    let stop = Arc::new(AtomicBool::new(false));
+    let handled = Arc::new(AtomicUsize::new(0));
+    // Another task sends the reader's engine commands (an exposure, its counters) over and over,
+    // while this one's reads drive that engine.
+    let other = {
+        let (reader, stop, handled) = (reader.clone(), stop.clone(), handled.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let w = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    reader.create_writable(Descriptor::from(vec![0u8; 4096])),
+                )
+                .await
+                .expect("an exposure sent while a waiter drives was left unhandled")
+                .unwrap();
+                drop(w);
+                tokio::time::timeout(Duration::from_secs(10), reader.stats())
+                    .await
+                    .expect("a command sent while a waiter drives was left unhandled")
+                    .unwrap();
+                handled.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let turns = || testing::driven_turns(&owner) + testing::driven_turns(&reader);
+    let before = turns();
+    let mut reads = 0u64;
+    while (reads < 300 || handled.load(Ordering::Relaxed) < 20) && Instant::now() < deadline {
+        driven_read(&owner, &reader, reads).await;
+        reads += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    other.await.unwrap();
+    assert!(turns() > before, "no caller drove in {reads} reads");
+    assert!(
+        handled.load(Ordering::Relaxed) >= 20,
+        "only {} rounds of the other task's commands in 60 s beside {reads} reads",
+        handled.load(Ordering::Relaxed)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_sockets_go_back_to_the_engine_when_the_waiter_leaves() {
+    let (owner, reader) = driving_pair();
+    driven_reads(&owner, &reader, 50).await;
+    for seed in 50..55 {
+        read_served_by_the_engine_alone(&owner, &reader, seed).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_wait_dropped_while_it_drives_gives_the_sockets_back() {
+    let (owner, reader) = driving_pair();
+    driven_reads(&owner, &reader, 20).await;
+    // A wait polled once (it takes its place among the spinning waits and stands the engine
+    // down), then dropped before its operation ends.
+    let src = pattern(4096, 99);
+    let r = owner
+        .create_readable(Descriptor::from(src.clone()))
+        .await
+        .unwrap();
+    {
+        let mut wait = pin!(r.wait_for_completion(T));
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(wait.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(
+            testing::driving_waits(&owner),
+            1,
+            "the wait did not enter the gate"
+        );
+    }
+    // Dropped: the sockets are back in the engine's sleep at once.
+    assert_eq!(testing::driving_waits(&owner), 0);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let op = reader
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+    r.wait_for_completion(T).await.unwrap();
+    read_served_by_the_engine_alone(&owner, &reader, 100).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_wait_left_unpolled_does_not_blind_the_engine() {
+    // The owner's NIXL polls its exposures only every second here, so nothing but the gate's own
+    // rules (the alarm a wait sets when it enters, the capped sleep behind the gate) can wake its
+    // engine for a peer's frames.
+    testing::keep_spinning();
+    let owner = Connector::builder()
+        .wait_spin(MAX_WAIT_SPIN)
+        .progress_delay(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let reader = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    driven_reads(&owner, &reader, 20).await;
+    for seed in 0..2 {
+        // A wait polled once (it stands the engine down and takes the sockets out of its sleep),
+        // then kept, never polled again, while a peer reads: the owner's engine alone serves it.
+        let src = pattern(4096, seed);
+        let r = owner
+            .create_readable(Descriptor::from(src.clone()))
+            .await
+            .unwrap();
+        // Long enough for the owner's engine to back off to NIXL polls a second apart, and to
+        // sleep towards the next.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let mut wait = Box::pin(r.wait_for_completion(T));
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(wait.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(
+            testing::driving_waits(&owner),
+            1,
+            "the wait did not enter the gate"
+        );
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        // A deadline, not a figure: behind the gate the engine wakes within 1 ms; a blind one
+        // would serve the read at its next NIXL poll, up to a second away.
+        tokio::time::timeout(Duration::from_millis(250), op.wait_for_completion(T))
+            .await
+            .expect("the owner's engine slept blind to the reader's frames behind the gate")
+            .unwrap();
+        assert_eq!(
+            testing::driving_waits(&owner),
+            1,
+            "the unpolled wait is still entered"
+        );
+        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+        wait.await.unwrap();
+    }
+    sockets_back(&owner, &reader);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_copy_that_ends_while_the_engine_stands_down_completes() {
+    // 32 KiB: small enough for the waits to drive, above the size that travels in frames, so
+    // the bytes move by `process_vm_readv` on the copy pool, whose end the driving caller (or
+    // the engine it wakes) must see while the engine stands down.
+    let (owner, other) = driving_pair();
+    let turns = || testing::driven_turns(&owner) + testing::driven_turns(&other);
+    let before = turns();
+    for seed in 0..100 {
+        driven_read_of(&owner, &other, 32 << 10, seed).await;
+        driven_write_of(&owner, &other, 32 << 10, seed).await;
+    }
+    assert!(turns() > before, "no caller drove in 200 copies");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_small_read_the_same_host_path_declines_goes_to_nixl() {
+    // The owner publishes no same-host endpoint (a Python peer, or another host, looks the
+    // same): the reader's caller, taking the turn for its own `Begin`, sees the same-host path
+    // decline it, and leaves the fallback to NIXL (which creates the initiator agent) to the
+    // engine thread.
+    testing::keep_spinning();
+    let owner = Connector::builder()
+        .path(PathPolicy::Nixl)
+        .wait_spin(MAX_WAIT_SPIN)
+        .build()
+        .unwrap();
+    let reader = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    for seed in 0..5 {
+        let src = pattern(4096, seed);
+        let r = owner
+            .create_readable(Descriptor::from(src.clone()))
+            .await
+            .unwrap();
+        // The reader's engine is asleep: its caller takes the turn for the `Begin`.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let before = testing::driven_turns(&reader);
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        assert!(
+            testing::driven_turns(&reader) > before,
+            "the caller took no turn for its Begin"
+        );
+        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+        a.unwrap();
+        b.unwrap();
+        assert_eq!(op.path(), Some(TransferPath::Nixl));
+        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_the_last_handle_dropped_after_driven_waits_ends_the_engine() {
+    // Right after waits that drove, every handle goes (the operations', then the connectors'):
+    // each engine thread must get its lock back and end, within the test's deadline.
+    for round in 0..10u64 {
+        let (owner, reader) = driving_pair();
+        driven_reads(&owner, &reader, 5).await;
+        let src = pattern(4096, round);
+        let r = owner
+            .create_readable(Descriptor::from(src.clone()))
+            .await
+            .unwrap();
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+        a.unwrap();
+        b.unwrap();
+        let ended = tokio::time::timeout(
+            Duration::from_secs(20),
+            tokio::task::spawn_blocking(move || {
+                drop((op, r));
+                drop(reader);
+                drop(owner);
+            }),
+        )
+        .await;
+        assert!(
+            ended.is_ok(),
+            "round {round}: the engines did not end after driven waits"
+        );
+    }
+}
