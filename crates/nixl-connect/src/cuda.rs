@@ -157,6 +157,19 @@ pub fn device_count() -> Result<usize> {
         .map_err(|e| Error::cuda_unavailable("cuDeviceGetCount failed", Some(Arc::new(e))))
 }
 
+/// True when something in this process has initialised CUDA already (`cuInit`): never loads or
+/// initialises it itself.
+pub(crate) fn initialised() -> bool {
+    if !driver_loaded() {
+        return false;
+    }
+    let mut n: i32 = 0;
+    // SAFETY: cuDeviceGetCount writes one int; before `cuInit` it only answers
+    // CUDA_ERROR_NOT_INITIALIZED.
+    let r = unsafe { sys::cuDeviceGetCount(&mut n) };
+    r == sys::CUresult::CUDA_SUCCESS
+}
+
 /// Where the driver says `ptr` lives: `Some(ordinal)` for device memory, `None` for host memory.
 ///
 /// Never loads or initialises CUDA: in a process that has not loaded the driver, or has not

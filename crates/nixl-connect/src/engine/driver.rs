@@ -3,10 +3,10 @@
 //! The engine's state ([`Driven`]: the core, the command channel, what is left to do) sits behind
 //! one lock, and whoever holds it drives; every decision is still the core's. The engine thread
 //! receives the callers' commands, reads the clock, sleeps in `epoll` on the transports'
-//! descriptors and its wake-up `eventfd`, and wakes for a command, a ready descriptor or a
-//! transport's deadline. After any event it keeps spinning for [`SPIN`] so that back-to-back
-//! operations pay no wake-up (unless the host is oversubscribed: see [`crate::spin`]); an idle
-//! connector costs no CPU.
+//! descriptors, its wake-up `eventfd` and its alarm, and wakes for a command, a ready descriptor,
+//! a transport's deadline or the alarm. After any event it keeps spinning for [`SPIN`] so that
+//! back-to-back operations pay no wake-up (unless the host is oversubscribed: see
+//! [`crate::spin`], or callers drive: below); an idle connector costs no CPU.
 //!
 //! A caller drives in two places ([`Drive::drive`]), only while the engine sleeps and few
 //! operations are in flight ([`DRIVEN_MAX`]): right after it sends a command (so a small
@@ -29,7 +29,10 @@
 //! - one whose operations do not start on a transport a caller may drive (`--path nixl`);
 //! - one that deregisters memory from NIXL on completion (the revocation must come before the
 //!   status is final, on the engine thread);
-//! - a child of `fork()` (the epoll instances are the parent's too).
+//! - a child of `fork()` (the epoll instances are the parent's too);
+//! - with the `cuda` feature, one started where whether CUDA works is not yet known without
+//!   starting it (`Transport::callers_may_drive` of the same-host path, asked once when the
+//!   engine starts).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -88,8 +91,8 @@ pub(crate) struct Drive {
     /// Turns callers have taken (for tests that check that callers drive).
     turns: AtomicU64,
     /// When the sleeping engine wakes on its own, in nanoseconds from `epoch` (`u64::MAX`: not
-    /// before something wakes it). Written under the lock, by the engine before it sleeps and by
-    /// a driving caller that brings it forward with the `alarm`.
+    /// before something wakes it). Written by the engine, under the lock, before it sleeps; read
+    /// by whoever would bring its wake forward with the `alarm`.
     planned: AtomicU64,
     /// When a caller last took a turn (or a wait that will drive began), in nanoseconds from
     /// `epoch`: the engine stands down only while callers actually drive.
@@ -97,7 +100,8 @@ pub(crate) struct Drive {
     epoch: Instant,
     alarm: Alarm,
     /// When the alarm rings, in nanoseconds from `epoch` (`u64::MAX`: not armed since the engine
-    /// last woke). Its lock orders the settings, which only ever bring the alarm forward.
+    /// last woke). Its lock orders the settings: between two wakes of the engine they only ever
+    /// bring the alarm forward (after a wake, a later setting may replace one that wake served).
     alarm_at: Mutex<u64>,
 }
 
@@ -180,7 +184,9 @@ impl Drive {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if at < self.planned.load(Ordering::SeqCst) && at < *armed {
             *armed = at;
-            self.alarm.set(after);
+            // From now: the turn that asked may have taken a while since its `now`.
+            let left = at.saturating_sub(self.nanos(Instant::now()));
+            self.alarm.set(Duration::from_nanos(left));
         }
     }
 

@@ -6,7 +6,8 @@
 //! never lost and a busy engine is never interrupted.
 //!
 //! Two epoll instances: the transports' descriptors sit in an inner one, and the engine sleeps in
-//! an outer one that holds the `eventfd` and, normally, the inner one. While a waiting caller
+//! an outer one that holds the `eventfd`, the alarm's `timerfd` ([`Alarm`]) and, normally, the
+//! inner one. While a waiting caller
 //! drives the engine (`driver`), the inner one is taken out of the outer one ([`Gate`]): the
 //! caller's own polls ([`DriverPoll`]) see the sockets, and a frame that the caller will read
 //! wakes no sleeping engine thread.
@@ -334,8 +335,9 @@ fn report(events: &[libc::epoll_event], out: &mut Vec<Ready>) {
     }
 }
 
-/// Wakes the sleeping engine at a time a driving caller sets (a one-shot `timerfd` in the
-/// engine's sleep): what a caller's turn left due is not missed, and waits for no wake-up now.
+/// Wakes the sleeping engine at a time a driving caller (or a wait entering the gate) sets: a
+/// one-shot `timerfd` in the engine's sleep, so what a caller's turn left due is not missed and
+/// waits for no wake-up now.
 pub(crate) struct Alarm(Arc<OwnedFd>);
 
 impl Alarm {

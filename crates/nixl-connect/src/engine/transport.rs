@@ -204,9 +204,9 @@ thread_local! {
     static CALLER_TURN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// True while this thread takes a caller's turn of an engine (see `driver`): a transport that
-/// callers may drive asks this before work that must stay on an engine thread (the first call
-/// into CUDA, say), and NIXL's transport checks it never runs on one.
+/// True while this thread takes a caller's turn of an engine (see `driver`): NIXL's transport
+/// and the first call into CUDA check (in debug builds) that they never run on one, and a
+/// connector's last handle dropped on one does not wait for its engine thread.
 pub(crate) fn on_a_callers_turn() -> bool {
     CALLER_TURN.get()
 }

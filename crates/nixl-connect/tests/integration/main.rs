@@ -4,6 +4,8 @@
 #[cfg(any(feature = "http", feature = "nats"))]
 mod channels;
 mod core;
+// The waiter drives: these tests count callers' turns through `nixl_connect::testing`.
+#[cfg(feature = "testing")]
 mod driven;
 #[cfg(feature = "etcd")]
 mod etcd;

@@ -230,19 +230,18 @@ pub(crate) fn available() -> bool {
 
 /// True when a caller's thread may drive a connector's same-host path (`engine::driver`)
 /// without ever starting CUDA or the CUDA thread: whether CUDA IPC works here is known, because
-/// this host has no NVIDIA driver at all (two `stat`s, no library loaded) or something in this
-/// process has asked already; where it works, the CUDA thread is started here (on the engine
-/// thread, which asks this when it starts). Elsewhere (a GPU host where nothing has used CUDA
-/// through this crate yet) callers do not drive: the first device request must be decided by
-/// the engine thread, which may start CUDA.
+/// something in this process has started CUDA already (torch, a `DeviceBuffer`), or asked this
+/// module, or because there is no CUDA driver library to load. Where it works, the CUDA thread is
+/// started here (on the engine thread, which asks this when it starts). Elsewhere (a GPU host
+/// where nothing in the process has started CUDA yet) callers do not drive that connector: the
+/// first device request must be decided by the engine thread, which may start CUDA.
 pub(crate) fn settled_for_callers() -> bool {
     let known = match AVAILABLE.get() {
         Some(&k) => Some(k),
-        None if !std::path::Path::new("/dev/nvidiactl").exists()
-            && !std::path::Path::new("/proc/driver/nvidia/version").exists() =>
-        {
-            Some(*AVAILABLE.get_or_init(|| false))
-        }
+        // Something in this process has started CUDA already: asking starts nothing.
+        None if crate::cuda::initialised() => Some(available()),
+        // No driver library to load: CUDA IPC cannot work here.
+        None if !crate::cuda::driver_available() => Some(*AVAILABLE.get_or_init(|| false)),
         None => None,
     };
     match known {
@@ -252,7 +251,10 @@ pub(crate) fn settled_for_callers() -> bool {
     }
 }
 
-/// The CUDA thread, once something was shared or mapped through it.
+/// The CUDA thread, once something was shared or mapped through it, or a connector started where
+/// CUDA IPC works ([`settled_for_callers`]: then a device request on a caller's turn does not
+/// start a thread; an idle CUDA thread costs nothing, and every `DeviceBuffer` dropped then
+/// sends it a job).
 static WORKER: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
 
 /// True once the CUDA thread runs: before, nothing was shared or mapped on any connection.
