@@ -229,6 +229,21 @@ fn canary() -> (Hold, Arc<AtomicBool>) {
     (Box::new(Canary(freed.clone())), freed)
 }
 
+/// The end a transport reports of passive operation `key`: failed, or completed over `path`.
+fn passive_end(key: &str, failed: bool, path: TransferPath) -> Event {
+    if failed {
+        Event::PassiveFailed {
+            key: key.into(),
+            error: Error::Cancelled,
+        }
+    } else {
+        Event::PassiveCompleted {
+            key: key.into(),
+            path,
+        }
+    }
+}
+
 const MS: Duration = Duration::from_millis(1);
 
 /// A chain of transport ids, by their places.
@@ -543,18 +558,10 @@ fn core_passive_end_unexposes_before_any_waiter_sees_it() {
             reply,
         });
         exposed.try_recv().unwrap().unwrap();
-        let end = if failed {
-            Event::PassiveFailed {
-                key: "k".into(),
-                error: Error::Cancelled,
-            }
-        } else {
-            Event::PassiveCompleted {
-                key: "k".into(),
-                path: TransferPath::Nixl,
-            }
-        };
-        sa.lock().unwrap().emit.push(end);
+        sa.lock()
+            .unwrap()
+            .emit
+            .push(passive_end("k", failed, TransferPath::Nixl));
         core.turn(t0, false, &[]);
         let want = if failed {
             OperationStatus::Errored
@@ -688,18 +695,10 @@ fn core_caller_turn_ends_an_exposure_on_its_transports_and_leaves_nixl_to_the_en
     for failed in [false, true] {
         let (mut core, sl, sn) = caller_pair(t0);
         let state = expose(&mut core, "k");
-        let end = if failed {
-            Event::PassiveFailed {
-                key: "k".into(),
-                error: Error::Cancelled,
-            }
-        } else {
-            Event::PassiveCompleted {
-                key: "k".into(),
-                path: TransferPath::Local,
-            }
-        };
-        sl.lock().unwrap().emit.push(end);
+        sl.lock()
+            .unwrap()
+            .emit
+            .push(passive_end("k", failed, TransferPath::Local));
         core.turn_as_caller(t0, &[]);
         assert!(state.status().is_terminal());
         // The transport the caller drove forgot the key before the end was visible; NIXL's end
