@@ -215,6 +215,14 @@ pub mod testing {
         connector.driven_turns()
     }
 
+    /// How many commands callers have handled on their own threads, on their turns of
+    /// `connector`'s engine (see [`driven_turns`]): a small operation's begin, a small exposure
+    /// of memory NIXL has registered already, an exposure's end. For tests that check which
+    /// commands skip the engine thread.
+    pub fn caller_commands(connector: &Connector) -> u64 {
+        connector.caller_commands()
+    }
+
     /// How many waits drive `connector`'s engine now: while any does, the engine's sleep does
     /// not see its sockets (see [`driven_turns`]). For tests that check the sockets go back.
     pub fn driving_waits(connector: &Connector) -> usize {

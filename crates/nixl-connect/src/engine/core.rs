@@ -10,7 +10,10 @@
 //! **Caller turns.** A caller waiting for a small operation may drive the core on its own thread
 //! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
 //! Such a turn touches only the transports that say a caller may drive them
-//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), and leaves to the engine
+//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), except for an exposure,
+//! which the publisher may take on a caller's turn when it is only bookkeeping
+//! ([`Transport::expose_as_caller`]: NIXL's, for memory registered and described before) and
+//! otherwise hands back whole to the engine thread; and it leaves to the engine
 //! thread's next turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or
 //! free memory a caller must not: a hand-over to NIXL (which may create an agent), another
 //! transport's forgetting of an ended exposure (NIXL's may rotate an exposer or deregister
@@ -28,7 +31,9 @@ use tokio::sync::oneshot;
 
 use super::cmd::Cmd;
 use super::poller::Ready;
-use super::transport::{ActiveSpec, Decline, Event, Exposure, OpId, Polling, Transport, TransportId};
+use super::transport::{
+    ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, Polling, Transport, TransportId,
+};
 use crate::error::{Error, Result};
 use crate::metrics::engine::EngineCell;
 use crate::metrics::families::Metrics;
@@ -298,13 +303,65 @@ impl EngineCore {
         event
     }
 
-    /// Handles `cmd` on a caller's thread (see the module's docs): only a [`Cmd::Begin`], and
-    /// only when [`callers_may_begin`](Self::callers_may_begin).
-    pub(crate) fn handle_as_caller(&mut self, cmd: Cmd) {
-        debug_assert!(matches!(cmd, Cmd::Begin { .. }) && self.callers_may_begin());
+    /// Handles `cmd` on a caller's thread (see the module's docs): a command
+    /// [`Cmd::for_a_caller`] says a caller may handle, only when
+    /// [`callers_may_begin`](Self::callers_may_begin). Returns the command, with nothing done,
+    /// when it needs the engine thread after all: an exposure a transport a caller may not drive
+    /// cannot take on a caller's turn ([`Transport::expose_as_caller`]; NIXL, when the memory is
+    /// not registered yet or its metadata not made).
+    pub(crate) fn handle_as_caller(&mut self, cmd: Cmd) -> Option<Cmd> {
+        debug_assert!(cmd.for_a_caller() && self.callers_may_begin());
         self.by_caller = true;
-        self.handle(cmd);
+        let back = match cmd {
+            Cmd::Expose { spec, reply } => self.expose(spec, reply),
+            cmd => {
+                self.handle(cmd);
+                None
+            }
+        };
         self.by_caller = false;
+        back
+    }
+
+    /// Exposes a passive operation's memory on every transport, in order, and answers `reply`.
+    /// On a caller's turn, each through [`Transport::expose_as_caller`], and only where the
+    /// first (the publisher) is the one transport a caller may not drive: one that declines then
+    /// does so before any other did something, and the command is returned as it came.
+    fn expose(&mut self, spec: PassiveSpec, reply: oneshot::Sender<Result<Exposure>>) -> Option<Cmd> {
+        if self.by_caller && !self.drivable.iter().skip(1).all(|&d| d) {
+            return Some(Cmd::Expose { spec, reply });
+        }
+        let mut out = Exposure::default();
+        let mut r = Ok(());
+        for (i, t) in self.transports.iter_mut().enumerate() {
+            let done = if self.by_caller {
+                match t.expose_as_caller(&spec, &mut out) {
+                    Some(done) => done,
+                    None if i == 0 => return Some(Cmd::Expose { spec, reply }),
+                    None => unreachable!("a transport a caller may drive exposes on its turn"),
+                }
+            } else {
+                t.expose(&spec, &mut out)
+            };
+            if let Err(e) = done {
+                r = Err(e);
+                break;
+            }
+        }
+        match r {
+            Ok(()) => {
+                self.passives.insert(spec.key.clone(), spec.state.clone());
+                if let Err(Ok(_)) = reply.send(Ok(out)) {
+                    // The caller's future is gone: nobody has the metadata; end it here.
+                    self.end_passive(&spec.key);
+                }
+            }
+            Err(e) => {
+                self.end_passive(&spec.key);
+                let _ = reply.send(Err(e));
+            }
+        }
+        None
     }
 
     /// True when a caller may begin an operation: the chain's first transport is one a caller
@@ -457,26 +514,8 @@ impl EngineCore {
         );
         match cmd {
             Cmd::Expose { spec, reply } => {
-                let mut out = Exposure::default();
-                let r = self
-                    .transports
-                    .iter_mut()
-                    .try_for_each(|t| t.expose(&spec, &mut out));
-                match r {
-                    Ok(()) => {
-                        self.passives.insert(spec.key.clone(), spec.state.clone());
-                        if let Err(Ok(_)) = reply.send(Ok(out)) {
-                            // The caller's future is gone: nobody has the metadata; end it here.
-                            self.end_passive(&spec.key);
-                        }
-                    }
-                    Err(e) => {
-                        for t in &mut self.transports {
-                            t.unexpose(&spec.key);
-                        }
-                        let _ = reply.send(Err(e));
-                    }
-                }
+                let back = self.expose(spec, reply);
+                debug_assert!(back.is_none(), "the engine thread exposes whatever it takes");
             }
             Cmd::Unexpose { key, gen, keep } => {
                 let state = self.passives.get(&key).cloned();

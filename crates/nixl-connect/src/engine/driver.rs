@@ -21,9 +21,13 @@
 //! the transports a caller may drive (same-host, loopback; never NIXL), and what it would hand
 //! another (a declined operation's fallback to NIXL, NIXL's end of an exposure, the drop of
 //! memory whose owner may be a Python object) it leaves to the engine thread: at once for a
-//! hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The
-//! only command a caller handles is a small operation's [`Cmd::Begin`] over host memory
-//! ([`Cmd::for_a_caller`]); the rest are the engine thread's. Callers never drive:
+//! hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The commands a caller handles
+//! are a small operation's over host memory ([`Cmd::for_a_caller`]): its [`Cmd::Begin`], its
+//! [`Cmd::Expose`] when NIXL has registered the memory and made its metadata already (else the
+//! core hands the command back, and the engine thread takes it), and an exposure's end that hands
+//! no memory on; the rest are the engine thread's. So a passive side that exposes the same
+//! buffers again and again wakes its engine for none of its small operations. Callers never
+//! drive:
 //! - a connector that has seen device memory (CUDA's current context is a thread's, and a
 //!   caller's thread must keep its own);
 //! - one whose operations do not start on a transport a caller may drive (`--path nixl`);
@@ -90,6 +94,8 @@ pub(crate) struct Drive {
     image: u64,
     /// Turns callers have taken (for tests that check that callers drive).
     turns: AtomicU64,
+    /// Commands callers have handled on their turns (for tests that check which).
+    commands: AtomicU64,
     /// When the sleeping engine wakes on its own, in nanoseconds from `epoch` (`u64::MAX`: not
     /// before something wakes it). Written by the engine, under the lock, before it sleeps; read
     /// by whoever would bring its wake forward with the `alarm`.
@@ -129,6 +135,7 @@ impl Drive {
             host_only: AtomicBool::new(callers),
             image: poller::forks(),
             turns: AtomicU64::new(0),
+            commands: AtomicU64::new(0),
             planned: AtomicU64::new(u64::MAX),
             last_driven: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -208,6 +215,12 @@ impl Drive {
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn turns(&self) -> u64 {
         self.turns.load(Ordering::Relaxed)
+    }
+
+    /// Commands callers have handled on their turns of this engine.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn commands(&self) -> u64 {
+        self.commands.load(Ordering::Relaxed)
     }
 
     /// Waits that drive this engine now (that took the sockets out of its sleep).
@@ -299,8 +312,14 @@ impl Drive {
                 self.waker.wake();
                 return;
             }
-            d.core.handle_as_caller(cmd);
+            if let Some(cmd) = d.core.handle_as_caller(cmd) {
+                // An exposure NIXL must register or make metadata for: the engine thread's too.
+                d.pending = Some(cmd);
+                self.waker.wake();
+                return;
+            }
             handled += 1;
+            self.commands.fetch_add(1, Ordering::Relaxed);
             event = true;
         }
         self.turns.fetch_add(1, Ordering::Relaxed);

@@ -484,6 +484,12 @@ impl Engine {
         self.0.drive.turns()
     }
 
+    /// Commands callers have handled on their turns of this engine (see `driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_commands(&self) -> u64 {
+        self.0.drive.commands()
+    }
+
     /// Waits that drive this engine now (see `driver`).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn driving_waits(&self) -> usize {

@@ -237,6 +237,22 @@ pub(crate) trait Transport: Send {
     /// The transport's failure to expose (registration refused, ...).
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()>;
 
+    /// [`expose`](Self::expose) on a caller's turn: `None`, with nothing done, when this
+    /// transport needs the engine thread for it (the whole exposure is then left to that thread).
+    /// A transport a caller may drive ([`callers_may_drive`](Self::callers_may_drive)) exposes
+    /// as ever; one it may not can still take an exposure that is only bookkeeping (NIXL's, when
+    /// earlier exposures registered the memory and made its metadata).
+    ///
+    /// # Errors
+    /// As [`expose`](Self::expose).
+    fn expose_as_caller(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
+        if self.callers_may_drive() {
+            Some(self.expose(spec, out))
+        } else {
+            None
+        }
+    }
+
     /// Ends a passive operation: from now on nothing new may reach its memory through this
     /// transport, and any access that can be revoked is.
     fn unexpose(&mut self, key: &str);

@@ -332,3 +332,53 @@ async fn driven_the_last_handle_dropped_after_driven_waits_ends_the_engine() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_an_exposure_of_registered_memory_is_made_on_the_callers_turn() {
+    // The first readable of a buffer registers it with NIXL and makes its metadata (the engine
+    // thread's work); the next ones of the same buffer are bookkeeping, made on the caller's
+    // thread while the engine sleeps. Such an exposure serves a same-host reader and a NIXL one
+    // (a Python peer, or another host) alike: NIXL's part of it is complete.
+    testing::keep_spinning();
+    let owner = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let local = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let remote = Connector::builder()
+        .path(PathPolicy::Nixl)
+        .wait_spin(MAX_WAIT_SPIN)
+        .build()
+        .unwrap();
+    let src = pattern(4096, 7);
+    let mut buf = nixl_connect::HostBuffer::from_slice(&src).unwrap();
+    let mut by_callers = 0;
+    for round in 0..6 {
+        let reader = if round % 2 == 0 { &local } else { &remote };
+        // The owner's engine is asleep: its caller may take the turn for the exposure.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let before = testing::caller_commands(&owner);
+        let r = owner.create_readable(Descriptor::from(&mut buf)).await.unwrap();
+        if testing::caller_commands(&owner) > before {
+            by_callers += 1;
+        }
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+        a.unwrap();
+        b.unwrap();
+        let want = if round % 2 == 0 {
+            TransferPath::Local
+        } else {
+            TransferPath::Nixl
+        };
+        assert_eq!(op.path(), Some(want), "round {round}");
+        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+        drop(r);
+    }
+    // The first exposure registered the buffer on the engine thread; of the five after it, the
+    // owner's caller made at least four (one may meet an engine still awake from the first).
+    assert!(
+        by_callers >= 4,
+        "{by_callers} of 5 exposures of registered memory were made on the caller's turn"
+    );
+}

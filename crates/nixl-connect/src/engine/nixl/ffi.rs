@@ -308,8 +308,9 @@ pub(crate) struct Prepared {
 // SAFETY: a prepared list is a handle into its agent's state, used (and dropped) only through its
 // agent's owner, the engine's NIXL transport. The engine's state sits behind a lock that callers
 // driving it take too (`engine::driver`), so it must be `Send`; but a caller's turn never calls
-// the NIXL transport (it says callers may not drive it; debug builds check), so in practice only
-// the engine thread uses the list. Were another thread to, the lock would order each use after
+// into NIXL (the transport says callers may not drive it, and the one method of it a caller's
+// turn reaches, an exposure of memory already registered and described, only looks up its
+// caches; debug builds check the rest), so in practice only the engine thread uses the list. Were another thread to, the lock would order each use after
 // the last, and the agent is created with `ThreadSync::None` and no progress thread, for which
 // NIXL makes its UCX worker `UCS_THREAD_MODE_SERIALIZED` (any thread, one at a time). `nixl_sys`
 // already has the agent itself `Send`.

@@ -569,6 +569,25 @@ impl NixlTransport {
         Ok(md)
     }
 
+    /// What an exposure leaves: the registrations' tokens (one per range, in order) in `out`
+    /// and in the exposer's live operations, and the metadata to publish.
+    fn record_exposure(
+        &mut self,
+        spec: &PassiveSpec,
+        regs: Vec<Arc<RegInner>>,
+        md: Arc<str>,
+        out: &mut Exposure,
+    ) {
+        out.tokens.extend(regs.iter().map(|t| RegToken::new(t.clone())));
+        self.exposer.live.insert(spec.key.clone(), regs);
+        if spec.kind == OperationKind::Write {
+            self.exposer.writables.insert(spec.key.clone());
+        }
+        out.published = Some(md);
+        out.exposer_gen = self.exposer_gen;
+        out.identity = self.exposer.identity;
+    }
+
     fn start(
         &mut self,
         spec: &ActiveSpec,
@@ -690,8 +709,19 @@ fn transfer_failed(peer: &str, e: ErrorSource) -> Error {
     }
 }
 
-/// NIXL is the engine thread's: a caller's turn (`driver`) never calls this transport (it says
-/// callers may not drive it), which this checks in debug builds.
+/// The registrations' ranges and ids, sorted and deduplicated: what their metadata is made from
+/// and cached by.
+fn ranges_and_ids(regs: &[Arc<RegInner>]) -> Vec<(Range, u64)> {
+    let mut v: Vec<(Range, u64)> = regs.iter().map(|t| (t.range, t.id)).collect();
+    v.sort_by_key(|(r, id)| (key_of(r), *id));
+    v.dedup();
+    v
+}
+
+/// NIXL is the engine thread's: a caller's turn (`driver`) never calls into NIXL through this
+/// transport (it says callers may not drive it), which this checks in debug builds. The one
+/// method a caller's turn reaches, `expose_as_caller`, looks up the registry and the metadata
+/// cache and calls nothing of NIXL's.
 fn engine_thread_only() {
     debug_assert!(
         !crate::engine::on_a_callers_turn(),
@@ -703,32 +733,37 @@ impl Transport for NixlTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         engine_thread_only();
         let mut regs = Vec::with_capacity(spec.ranges.len());
-        let mut tokens = Vec::with_capacity(spec.ranges.len());
         for r in &spec.ranges {
             // A replaced dead registration needs no cache purge: metadata is cached by ids.
             let mut replaced = None;
-            let (t, reg) = self.exposer.regs.get(
+            let (t, _) = self.exposer.regs.get(
                 &self.exposer.agent,
                 *r,
                 &self.mailbox,
                 &mut self.stats,
                 &mut replaced,
             )?;
-            regs.push((reg, t.id));
-            tokens.push(t);
+            regs.push(t);
         }
-        regs.sort_by_key(|(r, id)| (key_of(r), *id));
-        regs.dedup();
-        let md = self.metadata_for(&regs)?;
-        out.tokens.extend(tokens.iter().map(|t| RegToken::new(t.clone())));
-        self.exposer.live.insert(spec.key.clone(), tokens);
-        if spec.kind == OperationKind::Write {
-            self.exposer.writables.insert(spec.key.clone());
-        }
-        out.published = Some(md);
-        out.exposer_gen = self.exposer_gen;
-        out.identity = self.exposer.identity;
+        let md = self.metadata_for(&ranges_and_ids(&regs))?;
+        self.record_exposure(spec, regs, md, out);
         Ok(())
+    }
+
+    /// On a caller's turn, an exposure of memory that earlier exposures registered and made
+    /// metadata for: lookups and bookkeeping, no call into NIXL. Otherwise `None`, nothing done.
+    fn expose_as_caller(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
+        let mut hits = EngineStats::default();
+        let regs = spec
+            .ranges
+            .iter()
+            .map(|r| self.exposer.regs.exposed(r, &mut hits))
+            .collect::<Option<Vec<_>>>()?;
+        let ids: Vec<u64> = ranges_and_ids(&regs).iter().map(|&(_, id)| id).collect();
+        let md = self.exposer.md_cache.get(&ids)?.clone();
+        self.stats.registration_hits += hits.registration_hits;
+        self.record_exposure(spec, regs, md, out);
+        Some(Ok(()))
     }
 
     fn unexpose(&mut self, key: &str) {
