@@ -188,4 +188,51 @@ mod tests {
         }
         .host_only());
     }
+
+    #[test]
+    fn engine_commands_callers_may_handle_are_a_small_host_operations_and_no_memory_handed_on() {
+        use crate::engine::transport::PassiveSpec;
+        use crate::metadata::OperationKind;
+        use crate::state::{OpState, OperationStatus};
+        let expose = |len: usize, device| {
+            let (reply, _) = oneshot::channel();
+            Cmd::Expose {
+                spec: PassiveSpec {
+                    key: "k".into(),
+                    kind: OperationKind::Read,
+                    ranges: vec![Range {
+                        addr: 4096,
+                        len,
+                        device,
+                    }],
+                    state: OpState::new(OperationStatus::Initialized),
+                },
+                reply,
+            }
+        };
+        let small = crate::operation::WAIT_SPIN_MAX_BYTES;
+        assert!(expose(small, crate::Device::Host).for_a_caller());
+        assert!(
+            !expose(small + 1, crate::Device::Host).for_a_caller(),
+            "a large exposure is the engine's"
+        );
+        assert!(
+            !expose(4096, crate::Device::Cuda(0)).for_a_caller(),
+            "device memory is the engine's"
+        );
+        let end = |keep: Option<(Hold, usize)>| Cmd::Unexpose {
+            key: "k".into(),
+            gen: 0,
+            keep,
+        };
+        assert!(end(None).for_a_caller());
+        assert!(
+            !end(Some((
+                Box::new(Vec::<crate::Descriptor<'static>>::new()) as Hold,
+                8
+            )))
+            .for_a_caller(),
+            "memory handed on (its owner may be a Python object) is the engine's"
+        );
+    }
 }

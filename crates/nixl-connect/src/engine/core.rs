@@ -333,12 +333,12 @@ impl EngineCore {
         }
         let mut out = Exposure::default();
         let mut r = Ok(());
-        for (i, t) in self.transports.iter_mut().enumerate() {
-            let done = if self.by_caller {
+        for (t, &drivable) in self.transports.iter_mut().zip(&self.drivable) {
+            let done = if self.by_caller && !drivable {
+                // The first transport (checked above): nothing was done yet.
                 match t.expose_as_caller(&spec, &mut out) {
                     Some(done) => done,
-                    None if i == 0 => return Some(Cmd::Expose { spec, reply }),
-                    None => unreachable!("a transport a caller may drive exposes on its turn"),
+                    None => return Some(Cmd::Expose { spec, reply }),
                 }
             } else {
                 t.expose(&spec, &mut out)
@@ -623,6 +623,7 @@ impl EngineCore {
         let mut deferred = false;
         for (t, &drivable) in self.transports.iter_mut().zip(&self.drivable) {
             if self.by_caller && !drivable {
+                t.unexpose_as_caller(key);
                 deferred = true;
             } else {
                 t.unexpose(key);

@@ -96,6 +96,12 @@ pub(crate) struct Drive {
     turns: AtomicU64,
     /// Commands callers have handled on their turns (for tests that check which).
     commands: AtomicU64,
+    /// Whether callers make small exposures ([`Cmd::for_a_caller`]): only where the connector's
+    /// small waits spin, and so drive. A waiter that drives serves a same-host peer, and its
+    /// spin's end hands NIXL's side to the engine thread (a NIXL peer, a Python worker or another
+    /// host, is served once NIXL is progressed); where waits do not spin (the Python module's,
+    /// by default) the engine thread makes the exposure, and spins after it.
+    callers_expose: bool,
     /// When the sleeping engine wakes on its own, in nanoseconds from `epoch` (`u64::MAX`: not
     /// before something wakes it). Written by the engine, under the lock, before it sleeps; read
     /// by whoever would bring its wake forward with the `alarm`.
@@ -117,7 +123,14 @@ const CALLER_COMMANDS_MAX: usize = 8;
 impl Drive {
     /// The engine's state, before its thread runs; `callers`: whether callers may drive it at
     /// all (false where the connector deregisters memory on completion).
-    pub(crate) fn new(core: EngineCore, rx: Receiver<Cmd>, poller: &Poller, callers: bool) -> Self {
+    /// `exposures`: whether callers make small exposures (the connector's waits spin).
+    pub(crate) fn new(
+        core: EngineCore,
+        rx: Receiver<Cmd>,
+        poller: &Poller,
+        callers: bool,
+        exposures: bool,
+    ) -> Self {
         let callers = callers && core.callers_may_begin();
         Self {
             state: Mutex::new(Some(Driven {
@@ -136,6 +149,7 @@ impl Drive {
             image: poller::forks(),
             turns: AtomicU64::new(0),
             commands: AtomicU64::new(0),
+            callers_expose: exposures,
             planned: AtomicU64::new(u64::MAX),
             last_driven: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -299,13 +313,19 @@ impl Drive {
         true
     }
 
+    /// Whether a caller's turn may handle `cmd`: [`Cmd::for_a_caller`], and an exposure only
+    /// where callers make them (see `callers_expose`).
+    pub(crate) fn takes(&self, cmd: &Cmd) -> bool {
+        cmd.for_a_caller() && (self.callers_expose || !matches!(cmd, Cmd::Expose { .. }))
+    }
+
     /// A caller's turn: the commands it may handle, one look at the sockets, one caller turn of
     /// the core (see the module's docs).
     fn driven_turn(&self, d: &mut Driven) {
         let mut event = false;
         let mut handled = 0;
         while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
-            if !cmd.for_a_caller() || handled == CALLER_COMMANDS_MAX {
+            if !self.takes(&cmd) || handled == CALLER_COMMANDS_MAX {
                 // The engine thread's: it is asleep (or about to be), so this wakes it, and the
                 // lock goes back to it at once (no turn here).
                 d.pending = Some(cmd);

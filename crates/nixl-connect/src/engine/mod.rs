@@ -392,7 +392,8 @@ impl Engine {
                 if let Some(m) = for_core {
                     core.record_into(m);
                 }
-                let drive = Arc::new(Drive::new(core, rx, &poller, callers_drive));
+                let exposures = !wait_spin.is_zero();
+                let drive = Arc::new(Drive::new(core, rx, &poller, callers_drive, exposures));
                 let _ = ready_tx.send(Ok(drive.clone()));
                 // A panic here would leave transfers, copies and peers' access to memory that the
                 // unwinding would free: there is no sound way back, so the process stops instead.
@@ -514,7 +515,7 @@ impl Engine {
     /// command over host memory, the engine asleep, few operations in flight); otherwise wakes
     /// the engine.
     pub(crate) fn send(&self, cmd: Cmd) -> Result<()> {
-        let mine = cmd.for_a_caller() && std::thread::current().id() != self.0.thread;
+        let mine = self.0.drive.takes(&cmd) && std::thread::current().id() != self.0.thread;
         self.0.tx.send(cmd).map_err(|_| Error::EngineStopped)?;
         if !mine || !self.0.drive.drive(driver::SENT_DRIVEN_MAX) {
             self.0.waker.wake();

@@ -231,26 +231,32 @@ impl Drop for CallerTurn {
 /// One way of moving bytes (NIXL, same-host), owned by the engine: used by one thread at a time,
 /// its own or a caller's that drives it (`driver`), so `Send`.
 pub(crate) trait Transport: Send {
+    /// The part of [`unexpose`](Self::unexpose) a caller's turn may do, for a transport a caller
+    /// may not drive: bookkeeping, no call into its library (NIXL lets the exposure's
+    /// registrations go). The engine thread calls `unexpose` after it all the same. Nothing, by
+    /// default.
+    fn unexpose_as_caller(&mut self, key: &str) {
+        let _ = key;
+    }
+
     /// Exposes a passive operation's memory under its key, adding to `out`.
     ///
     /// # Errors
     /// The transport's failure to expose (registration refused, ...).
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()>;
 
-    /// [`expose`](Self::expose) on a caller's turn: `None`, with nothing done, when this
-    /// transport needs the engine thread for it (the whole exposure is then left to that thread).
-    /// A transport a caller may drive ([`callers_may_drive`](Self::callers_may_drive)) exposes
-    /// as ever; one it may not can still take an exposure that is only bookkeeping (NIXL's, when
-    /// earlier exposures registered the memory and made its metadata).
+    /// [`expose`](Self::expose) on a caller's turn, for a transport a caller may not drive
+    /// ([`callers_may_drive`](Self::callers_may_drive); one it may drive is asked `expose`):
+    /// `None`, with nothing done, when this transport needs the engine thread for it (the whole
+    /// exposure is then left to that thread), as by default; an exposure that is only
+    /// bookkeeping otherwise (NIXL's, when earlier exposures registered the memory and made its
+    /// metadata).
     ///
     /// # Errors
     /// As [`expose`](Self::expose).
     fn expose_as_caller(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
-        if self.callers_may_drive() {
-            Some(self.expose(spec, out))
-        } else {
-            None
-        }
+        let _ = (spec, out);
+        None
     }
 
     /// Ends a passive operation: from now on nothing new may reach its memory through this

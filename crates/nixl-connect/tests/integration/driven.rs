@@ -382,3 +382,33 @@ async fn driven_an_exposure_of_registered_memory_is_made_on_the_callers_turn() {
         "{by_callers} of 5 exposures of registered memory were made on the caller's turn"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_exposures_stay_the_engines_where_waits_do_not_spin() {
+    // Waits that do not spin (the Python module's, by default) drive nothing, so nothing would
+    // hand NIXL's side of a caller's exposure to the engine thread before its alarm: such a
+    // connector's exposures are the engine's, which spins after them for a NIXL peer.
+    testing::keep_spinning();
+    let owner = Connector::builder().wait_spin(Duration::ZERO).build().unwrap();
+    let reader = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let src = pattern(4096, 11);
+    let mut buf = nixl_connect::HostBuffer::from_slice(&src).unwrap();
+    for round in 0..3 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let before = testing::caller_commands(&owner);
+        let r = owner.create_readable(Descriptor::from(&mut buf)).await.unwrap();
+        assert_eq!(
+            testing::caller_commands(&owner),
+            before,
+            "round {round}: a caller made an exposure where waits do not spin"
+        );
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+        a.unwrap();
+        b.unwrap();
+        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+    }
+}

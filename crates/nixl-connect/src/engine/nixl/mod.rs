@@ -497,6 +497,16 @@ impl NixlTransport {
             .map(|(g, _)| *g)
     }
 
+    /// Forgets an exposure (any exposer's): it no longer receives notifications, and its
+    /// registrations' tokens are returned. Bookkeeping only (a caller's turn may do it).
+    fn forget(&mut self, key: &str) -> Option<Vec<Arc<RegInner>>> {
+        let gen = self.exposer_gen_of(key)?;
+        self.exposer_of(gen).and_then(|e| {
+            e.writables.remove(key);
+            e.live.remove(key)
+        })
+    }
+
     fn live_registrations(&self) -> usize {
         self.exposer.regs.map.len()
             + self.retired.values().map(|e| e.regs.map.len()).sum::<usize>()
@@ -768,13 +778,7 @@ impl Transport for NixlTransport {
 
     fn unexpose(&mut self, key: &str) {
         engine_thread_only();
-        let Some(gen) = self.exposer_gen_of(key) else {
-            return;
-        };
-        let removed = self.exposer_of(gen).and_then(|e| {
-            e.writables.remove(key);
-            e.live.remove(key)
-        });
+        let removed = self.forget(key);
         self.rotate();
         if let Some(tokens) = removed {
             if self.deregister_on_completion {
@@ -783,6 +787,17 @@ impl Transport for NixlTransport {
                     self.deregister(Side::Exposer, t.gen, t.range, t.id);
                 }
             }
+        }
+    }
+
+    /// The exposure's registrations let go at once, so that memory the caller frees and
+    /// allocates again at the same address is never published under the old registration; the
+    /// rest (a rotation of the exposer) waits for [`unexpose`](Transport::unexpose) on the engine
+    /// thread. Where the connector deregisters on completion (callers never drive it), all of it.
+    fn unexpose_as_caller(&mut self, key: &str) {
+        if !self.deregister_on_completion {
+            // A last token's drop posts its deregistration to the engine thread.
+            drop(self.forget(key));
         }
     }
 
