@@ -91,6 +91,12 @@ pub(crate) struct EngineCore {
     drivable: Vec<bool>,
     /// True during a caller's turn.
     by_caller: bool,
+    /// When callers' turns last watched each transport a caller may not drive
+    /// ([`Transport::watch_as_caller`]).
+    watched: Vec<Option<Instant>>,
+    /// Callers' watches that saw something (for tests that check they do).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) watch_events: u64,
     /// What callers' turns left to the engine thread, in order.
     deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
@@ -139,6 +145,9 @@ impl EngineCore {
             max_park,
             drivable: transports.iter().map(|t| t.callers_may_drive()).collect(),
             by_caller: false,
+            watched: vec![None; transports.len()],
+            #[cfg(any(test, feature = "testing"))]
+            watch_events: 0,
             deferred: Vec::new(),
             schedules: transports
                 .iter()
@@ -212,7 +221,20 @@ impl EngineCore {
         for driven_pass in [true, false] {
             for (i, (t, s)) in self.transports.iter_mut().zip(&mut self.schedules).enumerate() {
                 if self.by_caller && !self.drivable[i] {
-                    // The engine thread's (its schedule stands; the driver keeps the engine due).
+                    // The engine thread's, but for watching its exposures (NIXL's notifications)
+                    // every WATCH_GAP: a waiter that drives while the engine stands down sees a
+                    // NIXL peer's completion, and serves its reads over TCP, itself. The schedule
+                    // stands otherwise; the driver keeps the engine due.
+                    let watched = &mut self.watched[i];
+                    if !driven_pass && watched.is_none_or(|w| now >= w + WATCH_GAP) {
+                        *watched = Some(now);
+                        let saw = t.watch_as_caller(&mut self.events);
+                        #[cfg(any(test, feature = "testing"))]
+                        {
+                            self.watch_events += u64::from(saw);
+                        }
+                        event |= saw;
+                    }
                     continue;
                 }
                 let polling = t.polling();

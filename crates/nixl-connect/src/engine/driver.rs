@@ -231,6 +231,13 @@ impl Drive {
         self.turns.load(Ordering::Relaxed)
     }
 
+    /// Callers' watches of transports they may not drive that saw something (a NIXL peer's
+    /// completion).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn watch_events(&self) -> u64 {
+        self.lock().as_ref().map_or(0, |d| d.core.watch_events)
+    }
+
     /// Commands callers have handled on their turns of this engine.
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn commands(&self) -> u64 {

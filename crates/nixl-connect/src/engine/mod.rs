@@ -485,6 +485,12 @@ impl Engine {
         self.0.drive.turns()
     }
 
+    /// Callers' watches of NIXL that saw a peer's completion (see `driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_watch_events(&self) -> u64 {
+        self.0.drive.watch_events()
+    }
+
     /// Commands callers have handled on their turns of this engine (see `driver`).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn caller_commands(&self) -> u64 {

@@ -231,6 +231,15 @@ impl Drop for CallerTurn {
 /// One way of moving bytes (NIXL, same-host), owned by the engine: used by one thread at a time,
 /// its own or a caller's that drives it (`driver`), so `Send`.
 pub(crate) trait Transport: Send {
+    /// What a caller's turn may do of [`progress`](Self::progress), for a transport a caller may
+    /// not drive: watch its exposed operations for their peers' completions, adding what ended
+    /// to `out`, with no call that makes, registers or frees anything (NIXL drains its
+    /// notifications). True if anything happened. Nothing, by default.
+    fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
+        let _ = out;
+        false
+    }
+
     /// The part of [`unexpose`](Self::unexpose) a caller's turn may do, for a transport a caller
     /// may not drive: bookkeeping, no call into its library (NIXL lets the exposure's
     /// registrations go). The engine thread calls `unexpose` after it all the same. Nothing, by

@@ -412,3 +412,36 @@ async fn driven_exposures_stay_the_engines_where_waits_do_not_spin() {
         assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_waiter_sees_a_nixl_peers_completion_itself() {
+    // A NIXL reader (a Python worker, another host) of a small exposure: the owner's waiter
+    // drives and its engine stands down, so the waiter's turns watch NIXL (its notifications,
+    // which progress UCX and so serve the read over TCP) instead of leaving the completion to
+    // the engine's next wake.
+    testing::keep_spinning();
+    let owner = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let reader = Connector::builder()
+        .path(PathPolicy::Nixl)
+        .wait_spin(MAX_WAIT_SPIN)
+        .build()
+        .unwrap();
+    let src = pattern(4096, 13);
+    let mut buf = nixl_connect::HostBuffer::from_slice(&src).unwrap();
+    for _ in 0..5 {
+        let r = owner.create_readable(Descriptor::from(&mut buf)).await.unwrap();
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+        a.unwrap();
+        b.unwrap();
+        assert_eq!(op.path(), Some(TransferPath::Nixl));
+        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+    }
+    assert!(
+        testing::caller_watch_events(&owner) > 0,
+        "in 5 NIXL reads of small exposures, the owner's driving waiter never saw a completion"
+    );
+}

@@ -50,6 +50,9 @@ struct Script {
     drivable: bool,
     /// Refuses every exposure ([`Transport::expose`] fails).
     refuse_exposure: bool,
+    /// Caller's turns that watched it ([`Transport::watch_as_caller`]; what `emit` holds is what
+    /// a watch sees).
+    watched: usize,
     /// Takes an exposure on a caller's turn though a caller may not drive it (as NIXL does for
     /// memory it registered before: [`Transport::expose_as_caller`]).
     cached: bool,
@@ -202,6 +205,14 @@ impl Transport for Probe {
 
     fn unexpose_as_caller(&mut self, key: &str) {
         self.log(format!("forget {key}"));
+    }
+
+    fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
+        let mut s = self.script.lock().unwrap();
+        s.watched += 1;
+        let saw = !s.emit.is_empty();
+        out.append(&mut s.emit);
+        saw
     }
 }
 
@@ -911,4 +922,39 @@ fn core_caller_turn_leaves_an_ended_exposures_memory_to_the_engine() {
     core.turn(t0 + MS, false, &[]);
     assert!(sn.lock().unwrap().log.iter().any(|l| l.contains("hold")));
     assert!(!freed.load(Ordering::SeqCst), "NIXL's hold keeps it");
+}
+
+#[test]
+fn core_caller_turn_watches_nixl_every_watch_gap_and_ends_what_it_sees() {
+    let t0 = Instant::now();
+    let (mut core, _sl, sn) = caller_pair(t0);
+    let state = expose(&mut core, "k1");
+    // Caller turns within WATCH_GAP of each other watch once; NIXL is never progressed there.
+    for k in 0..3 {
+        core.turn_as_caller(t0 + k * (WATCH_GAP / 4), &[]);
+    }
+    assert_eq!(sn.lock().unwrap().watched, 1);
+    assert_eq!(
+        sn.lock().unwrap().progressed,
+        0,
+        "NIXL progressed on a caller's turn"
+    );
+    // A NIXL peer's completion, seen by the next watch, ends the operation on that turn; NIXL
+    // lets its registrations go there, and is asked for the rest on the engine's turn.
+    sn.lock().unwrap().emit.push(Event::PassiveCompleted {
+        key: "k1".into(),
+        path: TransferPath::Nixl,
+    });
+    assert!(core.turn_as_caller(t0 + WATCH_GAP * 2, &[]));
+    assert_eq!(sn.lock().unwrap().watched, 2);
+    assert_eq!(state.status(), OperationStatus::Complete);
+    assert_eq!(state.path(), Some(TransferPath::Nixl));
+    assert!(sn.lock().unwrap().log.ends_with(&["nixl:forget k1".to_string()]));
+    assert!(core.has_deferred());
+    core.run_deferred();
+    assert!(sn
+        .lock()
+        .unwrap()
+        .log
+        .ends_with(&["nixl:unexpose k1".to_string()]));
 }

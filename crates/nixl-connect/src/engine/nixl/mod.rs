@@ -497,6 +497,32 @@ impl NixlTransport {
             .map(|(g, _)| *g)
     }
 
+    /// Drains every exposer's notifications: a live operation's completes it. True if any came.
+    fn drain_notifications(&mut self, out: &mut Vec<Event>) -> bool {
+        let mut event = false;
+        let mut buf = std::mem::take(&mut self.notif_buf);
+        for e in std::iter::once(&self.exposer).chain(self.retired.values()) {
+            if let Err(err) = e.agent.notifications(&mut buf) {
+                tracing::warn!(error = %err, "draining NIXL notifications failed");
+            }
+            for (from, msg) in buf.drain(..) {
+                event = true;
+                let key = String::from_utf8_lossy(&msg);
+                match e.live.get_key_value(&*key) {
+                    Some((k, _)) => out.push(Event::PassiveCompleted {
+                        key: k.clone(),
+                        path: TransferPath::Nixl,
+                    }),
+                    None => {
+                        tracing::debug!(from = %from, key = %key, "notification for no live operation")
+                    }
+                }
+            }
+        }
+        self.notif_buf = buf;
+        event
+    }
+
     /// Forgets an exposure (any exposer's): it no longer receives notifications, and its
     /// registrations' tokens are returned. Bookkeeping only (a caller's turn may do it).
     fn forget(&mut self, key: &str) -> Option<Vec<Arc<RegInner>>> {
@@ -908,32 +934,25 @@ impl Transport for NixlTransport {
             let receiving =
                 !self.exposer.writables.is_empty() || self.retired.values().any(|e| !e.writables.is_empty());
             let cpu0 = receiving.then(thread_cpu_time);
-            let mut buf = std::mem::take(&mut self.notif_buf);
-            for e in std::iter::once(&self.exposer).chain(self.retired.values()) {
-                if let Err(err) = e.agent.notifications(&mut buf) {
-                    tracing::warn!(error = %err, "draining NIXL notifications failed");
-                }
-                for (from, msg) in buf.drain(..) {
-                    event = true;
-                    let key = String::from_utf8_lossy(&msg);
-                    match e.live.get_key_value(&*key) {
-                        Some((k, _)) => out.push(Event::PassiveCompleted {
-                            key: k.clone(),
-                            path: TransferPath::Nixl,
-                        }),
-                        None => {
-                            tracing::debug!(from = %from, key = %key, "notification for no live operation")
-                        }
-                    }
-                }
-            }
-            self.notif_buf = buf;
+            event |= self.drain_notifications(out);
             self.slow_receiving = cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > RECEIVING);
         }
         let slow = t0.elapsed() > ACTIVITY;
         let busy = event || (slow && self.recheck);
         self.recheck = slow && !busy;
         busy
+    }
+
+    /// On a caller's turn, while operations are exposed: each exposer's notifications drained
+    /// (NIXL's `getNotifs`, which progresses its UCX worker: over TCP, that serves a peer's read
+    /// of the exposed memory). A call into NIXL, but no agent made, no memory registered or
+    /// freed, and short: the waiter that drives sees a NIXL peer's completion itself, and serves
+    /// its reads, while the engine stands down.
+    fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
+        if self.exposer.live.is_empty() && self.retired.is_empty() {
+            return false;
+        }
+        self.drain_notifications(out)
     }
 
     fn did_work(&self) -> bool {
