@@ -10,15 +10,17 @@
 //! **Caller turns.** A caller waiting for a small operation may drive the core on its own thread
 //! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
 //! Such a turn touches only the transports that say a caller may drive them
-//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), except for an exposure,
-//! which the publisher may take on a caller's turn when it is only bookkeeping
-//! ([`Transport::expose_as_caller`]: NIXL's, for memory registered and described before) and
-//! otherwise hands back whole to the engine thread; and it leaves to the engine
-//! thread's next turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or
-//! free memory a caller must not: a hand-over to NIXL (which may create an agent), another
-//! transport's forgetting of an ended exposure (NIXL's may rotate an exposer or deregister
-//! memory), and the drop of an ended operation's adopted memory (whose owner may be a Python
-//! object). The driver wakes the engine at once when a caller's turn leaves a hand-over
+//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), but for three things of
+//! another's that make, register and free nothing: an exposure the publisher takes when it is only
+//! bookkeeping ([`Transport::expose_as_caller`]: NIXL's, for memory registered and described
+//! before; otherwise the command goes back whole to the engine thread), the bookkeeping of an
+//! exposure's end ([`Transport::unexpose_as_caller`]: NIXL lets its registrations go), and, on
+//! the turns the driver allows, a watch of its exposed operations every [`WATCH_GAP`]
+//! ([`Transport::watch_as_caller`]: NIXL's notifications). It leaves to the engine thread's next
+//! turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or free memory a
+//! caller must not: a hand-over to NIXL (which may create an agent), the rest of another
+//! transport's end of an exposure (NIXL's may rotate an exposer or deregister memory), and the
+//! drop of an ended operation's adopted memory (whose owner may be a Python object). The driver wakes the engine at once when a caller's turn leaves a hand-over
 //! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), and within a millisecond for the
 //! rest ([`has_deferred`](EngineCore::has_deferred)); the engine does not sleep while any is left
 //! ([`has_pending`](EngineCore::has_pending)).
@@ -94,6 +96,8 @@ pub(crate) struct EngineCore {
     /// When callers' turns last watched each transport a caller may not drive
     /// ([`Transport::watch_as_caller`]).
     watched: Vec<Option<Instant>>,
+    /// True during a caller's turn that may watch (see [`turn_as_caller`](Self::turn_as_caller)).
+    watching: bool,
     /// Callers' watches that saw something (for tests that check they do).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) watch_events: u64,
@@ -146,6 +150,7 @@ impl EngineCore {
             drivable: transports.iter().map(|t| t.callers_may_drive()).collect(),
             by_caller: false,
             watched: vec![None; transports.len()],
+            watching: false,
             #[cfg(any(test, feature = "testing"))]
             watch_events: 0,
             deferred: Vec::new(),
@@ -226,7 +231,7 @@ impl EngineCore {
                     // NIXL peer's completion, and serves its reads over TCP, itself. The schedule
                     // stands otherwise; the driver keeps the engine due.
                     let watched = &mut self.watched[i];
-                    if !driven_pass && watched.is_none_or(|w| now >= w + WATCH_GAP) {
+                    if self.watching && !driven_pass && watched.is_none_or(|w| now >= w + WATCH_GAP) {
                         *watched = Some(now);
                         let saw = t.watch_as_caller(&mut self.events);
                         #[cfg(any(test, feature = "testing"))]
@@ -318,9 +323,15 @@ impl EngineCore {
 
     /// A caller's turn (see the module's docs): [`turn`](Self::turn), hot, over the transports
     /// a caller may drive.
-    pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready]) -> bool {
+    ///
+    /// `watch`: the turn may also watch the transports a caller may not drive (NIXL's
+    /// notifications, [`Transport::watch_as_caller`]) every [`WATCH_GAP`]; the driver allows it
+    /// only on the turns of waits that drive while the engine stands down.
+    pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready], watch: bool) -> bool {
         self.by_caller = true;
+        self.watching = watch;
         let event = self.turn(now, true, ready);
+        self.watching = false;
         self.by_caller = false;
         event
     }
@@ -434,8 +445,8 @@ impl EngineCore {
     }
 
     /// True when callers' turns left the engine thread an operation to hand over: it waits for
-    /// the engine, which should run now. (What else they leave, an exposure for NIXL to forget
-    /// or memory to free, waits for the engine's next turn, before NIXL is progressed again.)
+    /// the engine, which should run now. (What else they leave, the rest of NIXL's end of an
+    /// exposure or memory to free, waits for the engine's next turn.)
     pub(crate) fn hand_over_deferred(&self) -> bool {
         self.deferred.iter().any(|d| matches!(d, Deferred::HandOver(..)))
     }
@@ -784,10 +795,10 @@ impl EngineCore {
                     // Every transport forgets the key before the status is final: a waiter woken
                     // by it (or its peer, told at once) may replay the metadata, which must find
                     // nothing exposed (core_passive_end_unexposes_before_any_waiter_sees_it). On
-                    // a caller's turn, those a caller may not drive (NIXL) forget it on the
-                    // engine's next turn, before they are progressed again: a late notification
-                    // then finds no passive operation, and NIXL's registration outlives the
-                    // exposure anyway unless the connector deregisters on completion, where
+                    // a caller's turn, those a caller may not drive (NIXL) forget it there too
+                    // (`unexpose_as_caller`), and do the rest on the engine's next turn: a late
+                    // notification finds no passive operation, and NIXL's registration outlives
+                    // the exposure anyway unless the connector deregisters on completion, where
                     // callers never drive.
                     Event::PassiveCompleted { key, path } => {
                         if let Some(st) = self.passives.get(&key).cloned() {

@@ -18,16 +18,19 @@
 //! operation's waiter drives the engine").
 //!
 //! A caller's turn is the core's caller turn ([`EngineCore::turn_as_caller`]): it touches only
-//! the transports a caller may drive (same-host, loopback; never NIXL), and what it would hand
-//! another (a declined operation's fallback to NIXL, NIXL's end of an exposure, the drop of
-//! memory whose owner may be a Python object) it leaves to the engine thread: at once for a
-//! hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The commands a caller handles
-//! are a small operation's over host memory ([`Cmd::for_a_caller`]): its [`Cmd::Begin`], its
-//! [`Cmd::Expose`] when NIXL has registered the memory and made its metadata already (else the
-//! core hands the command back, and the engine thread takes it), and an exposure's end that hands
-//! no memory on; the rest are the engine thread's. So a passive side that exposes the same
-//! buffers again and again wakes its engine for none of its small operations. Callers never
-//! drive:
+//! the transports a caller may drive (same-host, loopback), but for NIXL's bookkeeping of an
+//! exposure and of its end, and a watch of NIXL's notifications on the turns of waits that drive
+//! while the engine stands down (so a NIXL peer is served and seen without the engine); what it
+//! would hand another (a declined operation's fallback to NIXL, the rest of NIXL's end of an
+//! exposure, the drop of memory whose owner may be a Python object) it leaves to the engine
+//! thread: at once for a hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The
+//! commands a caller handles ([`Drive::takes`]) are a small operation's over host memory
+//! ([`Cmd::for_a_caller`]): its [`Cmd::Begin`], its [`Cmd::Expose`] where the connector's waits
+//! spin and NIXL has registered the memory and made its metadata already (else the core hands
+//! the command back, and the engine thread takes it), and an exposure's end that hands no memory
+//! on; the rest are the engine thread's. So a Rust passive side that exposes the same buffers
+//! again and again wakes its engine on none of its small operations' paths (NIXL's deferred
+//! rest still wakes it within [`STAND_DOWN_MAX`]). Callers never drive:
 //! - a connector that has seen device memory (CUDA's current context is a thread's, and a
 //!   caller's thread must keep its own);
 //! - one whose operations do not start on a transport a caller may drive (`--path nixl`);
@@ -357,7 +360,11 @@ impl Drive {
         }
         d.poll.poll(&mut d.ready);
         let ready = std::mem::take(&mut d.ready);
-        event |= d.core.turn_as_caller(now, &ready);
+        // A turn watches NIXL only where the engine stands down for the waits that drive it (the
+        // Python module's waits do not spin: its engine progresses NIXL itself, and its turns,
+        // taken with the GIL held, call nothing of NIXL's).
+        let watch = self.callers_expose && self.gate.driven();
+        event |= d.core.turn_as_caller(now, &ready, watch);
         d.ready = ready;
         d.ready.clear();
         self.busy.store(d.core.in_flight(), Ordering::Release);
@@ -473,9 +480,9 @@ impl Drive {
                 // The sleep does not see the sockets: the engine wakes within `STAND_DOWN_MAX`
                 // to look at them itself, in case a driving wait is no longer polled. While
                 // callers drive, their turns serve the same-host path's deadlines too (a driven
-                // turn is a hot one), and the others (NIXL's schedule for exposed memory) wait
-                // for that wake: waking for each would take the core from the caller that
-                // drives, and a wait that stops spinning wakes the engine anyway.
+                // turn is a hot one, and watches NIXL's exposed memory), and the rest of NIXL's
+                // schedule waits for that wake: waking for each would take the core from the
+                // caller that drives, and a wait that stops spinning wakes the engine anyway.
                 let cap = if stand_down {
                     STAND_DOWN_MAX
                 } else {

@@ -205,7 +205,8 @@ thread_local! {
 }
 
 /// True while this thread takes a caller's turn of an engine (see `driver`): NIXL's transport
-/// and the first call into CUDA check (in debug builds) that they never run on one, and a
+/// (but for its `*_as_caller` methods) and the first call into CUDA check (in debug builds) that
+/// they never run on one, and a
 /// connector's last handle dropped on one does not wait for its engine thread.
 pub(crate) fn on_a_callers_turn() -> bool {
     CALLER_TURN.get()
@@ -344,9 +345,9 @@ pub(crate) trait Transport: Send {
     /// True when a caller's thread may drive this transport (`driver`: a small operation's
     /// waiter takes the engine's turns): its calls are short, touch no library that keeps state
     /// per thread, create nothing that takes long to make, and drop no memory's owner (which may
-    /// be a Python object). False, the default, keeps every call to it on the engine thread: a
-    /// caller's turn leaves it alone, and defers to the engine what it would hand it (see
-    /// `EngineCore`'s caller turns).
+    /// be a Python object). False, the default, keeps its calls on the engine thread but for the
+    /// `*_as_caller` methods: a caller's turn leaves it alone otherwise, and defers to the engine
+    /// what it would hand it (see `EngineCore`'s caller turns).
     fn callers_may_drive(&self) -> bool {
         false
     }

@@ -782,7 +782,7 @@ fn core_caller_turn_leaves_a_hand_over_to_nixl_to_the_engine() {
     );
     // More caller turns neither hand it over nor progress NIXL.
     for k in 0..3 {
-        core.turn_as_caller(t0 + k * MS, &[]);
+        core.turn_as_caller(t0 + k * MS, &[], false);
     }
     assert!(sn.lock().unwrap().log.is_empty());
     assert_eq!(
@@ -832,7 +832,7 @@ fn core_caller_turn_progresses_only_the_transports_callers_may_drive() {
     let t0 = Instant::now();
     let (mut core, sl, sn) = caller_pair(t0);
     for k in 0..4 {
-        core.turn_as_caller(t0 + k * MS, &[]);
+        core.turn_as_caller(t0 + k * MS, &[], false);
     }
     assert_eq!(sl.lock().unwrap().progressed, 4);
     assert_eq!(sn.lock().unwrap().progressed, 0);
@@ -850,7 +850,7 @@ fn core_caller_turn_ends_an_exposure_on_its_transports_and_leaves_nixl_to_the_en
             .unwrap()
             .emit
             .push(passive_end("k", failed, TransferPath::Local));
-        core.turn_as_caller(t0, &[]);
+        core.turn_as_caller(t0, &[], false);
         assert!(state.status().is_terminal());
         // The transport the caller drove forgot the key before the end was visible; NIXL's end
         // of the exposure (it may rotate an exposer) waits for the engine.
@@ -884,7 +884,7 @@ fn core_caller_turn_frees_adopted_memory_on_the_engines_turn_only() {
     let (keep, freed) = canary();
     core.handle(Cmd::Adopt { id: 3, keep });
     sl.lock().unwrap().complete = true;
-    core.turn_as_caller(t0, &[]);
+    core.turn_as_caller(t0, &[], false);
     assert_eq!(state.status(), OperationStatus::Complete);
     assert!(state.is_released());
     // Its owner may be a Python object: freed on the engine's turn, not the caller's.
@@ -913,7 +913,7 @@ fn core_caller_turn_leaves_an_ended_exposures_memory_to_the_engine() {
         keep: Some((keep, 64)),
     });
     state.mark_released();
-    core.turn_as_caller(t0, &[]);
+    core.turn_as_caller(t0, &[], false);
     assert!(
         !sn.lock().unwrap().log.iter().any(|l| l.contains("hold")),
         "memory handed to NIXL's hold on a caller's turn"
@@ -929,9 +929,12 @@ fn core_caller_turn_watches_nixl_every_watch_gap_and_ends_what_it_sees() {
     let t0 = Instant::now();
     let (mut core, _sl, sn) = caller_pair(t0);
     let state = expose(&mut core, "k1");
+    // A turn the driver does not let watch (no wait drives, or waits do not spin) does not.
+    core.turn_as_caller(t0, &[], false);
+    assert_eq!(sn.lock().unwrap().watched, 0);
     // Caller turns within WATCH_GAP of each other watch once; NIXL is never progressed there.
     for k in 0..3 {
-        core.turn_as_caller(t0 + k * (WATCH_GAP / 4), &[]);
+        core.turn_as_caller(t0 + k * (WATCH_GAP / 4), &[], true);
     }
     assert_eq!(sn.lock().unwrap().watched, 1);
     assert_eq!(
@@ -945,7 +948,7 @@ fn core_caller_turn_watches_nixl_every_watch_gap_and_ends_what_it_sees() {
         key: "k1".into(),
         path: TransferPath::Nixl,
     });
-    assert!(core.turn_as_caller(t0 + WATCH_GAP * 2, &[]));
+    assert!(core.turn_as_caller(t0 + WATCH_GAP * 2, &[], true));
     assert_eq!(sn.lock().unwrap().watched, 2);
     assert_eq!(state.status(), OperationStatus::Complete);
     assert_eq!(state.path(), Some(TransferPath::Nixl));

@@ -754,10 +754,11 @@ fn ranges_and_ids(regs: &[Arc<RegInner>]) -> Vec<(Range, u64)> {
     v
 }
 
-/// NIXL is the engine thread's: a caller's turn (`driver`) never calls into NIXL through this
-/// transport (it says callers may not drive it), which this checks in debug builds. The one
-/// method a caller's turn reaches, `expose_as_caller`, looks up the registry and the metadata
-/// cache and calls nothing of NIXL's.
+/// NIXL is the engine thread's: this transport says callers may not drive it, and its methods
+/// check in debug builds that they do not run on a caller's turn, but for the three a caller's
+/// turn reaches: `expose_as_caller` and `unexpose_as_caller` (lookups and bookkeeping, nothing of
+/// NIXL's called) and `watch_as_caller` (NIXL's `getNotifs` on the exposers, while exposures are
+/// small, with UCX alone: see `ffi::Prepared`'s `Send`).
 fn engine_thread_only() {
     debug_assert!(
         !crate::engine::on_a_callers_turn(),
@@ -948,11 +949,30 @@ impl Transport for NixlTransport {
     /// of the exposed memory). A call into NIXL, but no agent made, no memory registered or
     /// freed, and short: the waiter that drives sees a NIXL peer's completion itself, and serves
     /// its reads, while the engine stands down.
+    ///
+    /// Only while every live exposure is small (a UCX progress serves what is there to serve: a
+    /// large one's read over TCP would run on the caller's thread, under the lock), and only with
+    /// UCX alone (the one backend whose progress from any thread, one at a time, this relies on:
+    /// see `ffi::Prepared`'s `Send`). True if an operation completed.
     fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
-        if self.exposer.live.is_empty() && self.retired.is_empty() {
+        let small = |e: &Exposer| {
+            e.live.values().all(|regs| {
+                regs.iter()
+                    .map(|t| t.range.len)
+                    .fold(0usize, usize::saturating_add)
+                    <= crate::operation::WAIT_SPIN_MAX_BYTES
+            })
+        };
+        if self.backends.iter().any(|b| b != "UCX")
+            || (self.exposer.live.is_empty() && self.retired.is_empty())
+            || !small(&self.exposer)
+            || !self.retired.values().all(small)
+        {
             return false;
         }
-        self.drain_notifications(out)
+        let before = out.len();
+        self.drain_notifications(out);
+        out.len() > before
     }
 
     fn did_work(&self) -> bool {
