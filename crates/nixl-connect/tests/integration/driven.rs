@@ -21,6 +21,34 @@ fn driving_pair() -> (Connector, Connector) {
     (owner, reader)
 }
 
+/// A reader that takes NIXL only (as a Python worker, or another host, does), whose waits spin.
+fn nixl_reader() -> Connector {
+    Connector::builder()
+        .path(PathPolicy::Nixl)
+        .wait_spin(MAX_WAIT_SPIN)
+        .build()
+        .unwrap()
+}
+
+/// `reader` reads `r` (a readable of `src`) to completion, both sides waiting; the path it took
+/// and the bytes are checked.
+async fn read_all_of(
+    r: nixl_connect::ReadableOperation<'_>,
+    reader: &Connector,
+    src: &[u8],
+    path: TransferPath,
+) {
+    let op = reader
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; src.len()]))
+        .await
+        .unwrap();
+    let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+    a.unwrap();
+    b.unwrap();
+    assert_eq!(op.path(), Some(path));
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), src);
+}
+
 /// One 4 KiB same-host read of `seed`'s pattern, both sides waiting (and so driving).
 async fn driven_read(owner: &Connector, reader: &Connector, seed: u64) {
     driven_read_of(owner, reader, 4096, seed).await;
@@ -342,11 +370,7 @@ async fn driven_an_exposure_of_registered_memory_is_made_on_the_callers_turn() {
     testing::keep_spinning();
     let owner = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
     let local = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
-    let remote = Connector::builder()
-        .path(PathPolicy::Nixl)
-        .wait_spin(MAX_WAIT_SPIN)
-        .build()
-        .unwrap();
+    let remote = nixl_reader();
     let src = pattern(4096, 7);
     let mut buf = nixl_connect::HostBuffer::from_slice(&src).unwrap();
     let mut by_callers = 0;
@@ -359,21 +383,12 @@ async fn driven_an_exposure_of_registered_memory_is_made_on_the_callers_turn() {
         if testing::caller_commands(&owner) > before {
             by_callers += 1;
         }
-        let op = reader
-            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
-            .await
-            .unwrap();
-        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
-        a.unwrap();
-        b.unwrap();
         let want = if round % 2 == 0 {
             TransferPath::Local
         } else {
             TransferPath::Nixl
         };
-        assert_eq!(op.path(), Some(want), "round {round}");
-        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
-        drop(r);
+        read_all_of(r, reader, &src, want).await;
     }
     // The first exposure registered the buffer on the engine thread; of the five after it, the
     // owner's caller made at least four (one may meet an engine still awake from the first).
@@ -402,14 +417,7 @@ async fn driven_exposures_stay_the_engines_where_waits_do_not_spin() {
             before,
             "round {round}: a caller made an exposure where waits do not spin"
         );
-        let op = reader
-            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
-            .await
-            .unwrap();
-        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
-        a.unwrap();
-        b.unwrap();
-        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+        read_all_of(r, &reader, &src, TransferPath::Local).await;
     }
 }
 
@@ -421,24 +429,12 @@ async fn driven_a_waiter_sees_a_nixl_peers_completion_itself() {
     // the engine's next wake.
     testing::keep_spinning();
     let owner = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
-    let reader = Connector::builder()
-        .path(PathPolicy::Nixl)
-        .wait_spin(MAX_WAIT_SPIN)
-        .build()
-        .unwrap();
+    let reader = nixl_reader();
     let src = pattern(4096, 13);
     let mut buf = nixl_connect::HostBuffer::from_slice(&src).unwrap();
     for _ in 0..5 {
         let r = owner.create_readable(Descriptor::from(&mut buf)).await.unwrap();
-        let op = reader
-            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
-            .await
-            .unwrap();
-        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
-        a.unwrap();
-        b.unwrap();
-        assert_eq!(op.path(), Some(TransferPath::Nixl));
-        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
+        read_all_of(r, &reader, &src, TransferPath::Nixl).await;
     }
     assert!(
         testing::caller_watch_events(&owner) > 0,

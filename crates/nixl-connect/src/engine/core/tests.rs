@@ -643,6 +643,23 @@ fn exposure(key: &str) -> (Cmd, Arc<OpState>, oneshot::Receiver<Result<Exposure>
     (cmd, state, exposed)
 }
 
+/// `k1` was exposed on both transports of a [`caller_pair`], the publisher first, and answered
+/// with the publisher's metadata.
+fn exposed_on_both(
+    core: &EngineCore,
+    sl: &Mutex<Script>,
+    sn: &Mutex<Script>,
+    exposed: &mut oneshot::Receiver<Result<Exposure>>,
+) {
+    assert_eq!(sn.lock().unwrap().log, ["nixl:expose k1"]);
+    assert_eq!(sl.lock().unwrap().log, ["local:expose k1"]);
+    assert_eq!(
+        &*exposed.try_recv().unwrap().unwrap().published.unwrap(),
+        "probe:nixl"
+    );
+    assert_eq!(core.in_flight(), 1);
+}
+
 /// Exposes `key` on every transport (an engine's command).
 fn expose(core: &mut EngineCore, key: &str) -> Arc<OpState> {
     let (cmd, state, mut exposed) = exposure(key);
@@ -666,13 +683,7 @@ fn core_caller_exposure_is_left_whole_to_the_engine_when_nixl_cannot_take_it() {
     assert_eq!(core.in_flight(), 0);
     // The engine thread exposes it on both, the publisher first.
     core.handle(back);
-    assert_eq!(sn.lock().unwrap().log, ["nixl:expose k1"]);
-    assert_eq!(sl.lock().unwrap().log, ["local:expose k1"]);
-    assert_eq!(
-        &*exposed.try_recv().unwrap().unwrap().published.unwrap(),
-        "probe:nixl"
-    );
-    assert_eq!(core.in_flight(), 1);
+    exposed_on_both(&core, &sl, &sn, &mut exposed);
 }
 
 #[test]
@@ -682,13 +693,7 @@ fn core_caller_exposure_of_registered_memory_is_made_on_the_callers_turn() {
     sn.lock().unwrap().cached = true;
     let (cmd, state, mut exposed) = exposure("k1");
     assert!(core.handle_as_caller(cmd).is_none());
-    assert_eq!(sn.lock().unwrap().log, ["nixl:expose k1"]);
-    assert_eq!(sl.lock().unwrap().log, ["local:expose k1"]);
-    assert_eq!(
-        &*exposed.try_recv().unwrap().unwrap().published.unwrap(),
-        "probe:nixl"
-    );
-    assert_eq!(core.in_flight(), 1);
+    exposed_on_both(&core, &sl, &sn, &mut exposed);
     assert!(!core.has_deferred());
     // Its end, on a caller's turn too: the same-host path forgets it there, NIXL on the
     // engine's next turn (deferred), and only then is nothing left for the engine.
