@@ -581,6 +581,20 @@ impl Connector {
         self.inner.engine.driven_turns()
     }
 
+    /// Callers' watches of NIXL on this connector that saw a peer's completion (see
+    /// `engine::driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_watch_events(&self) -> u64 {
+        self.inner.engine.caller_watch_events()
+    }
+
+    /// Commands callers have handled on their turns of this connector's engine (see
+    /// `engine::driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_commands(&self) -> u64 {
+        self.inner.engine.caller_commands()
+    }
+
     /// Waits that drive this connector's engine now (see `engine::driver`).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn driving_waits(&self) -> usize {

@@ -215,6 +215,21 @@ pub mod testing {
         connector.driven_turns()
     }
 
+    /// How many times a caller's turn of `connector`'s engine, watching NIXL while the engine
+    /// stood down, saw a NIXL peer's completion of an exposed operation (see [`driven_turns`]).
+    /// For tests that check that a driving waiter sees such a peer itself.
+    pub fn caller_watch_events(connector: &Connector) -> u64 {
+        connector.caller_watch_events()
+    }
+
+    /// How many commands callers have handled on their own threads, on their turns of
+    /// `connector`'s engine (see [`driven_turns`]): a small operation's begin, a small exposure
+    /// of memory NIXL has registered already, an exposure's end. For tests that check which
+    /// commands skip the engine thread.
+    pub fn caller_commands(connector: &Connector) -> u64 {
+        connector.caller_commands()
+    }
+
     /// How many waits drive `connector`'s engine now: while any does, the engine's sleep does
     /// not see its sockets (see [`driven_turns`]). For tests that check the sockets go back.
     pub fn driving_waits(connector: &Connector) -> usize {

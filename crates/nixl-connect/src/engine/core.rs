@@ -10,12 +10,17 @@
 //! **Caller turns.** A caller waiting for a small operation may drive the core on its own thread
 //! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
 //! Such a turn touches only the transports that say a caller may drive them
-//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), and leaves to the engine
-//! thread's next turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or
-//! free memory a caller must not: a hand-over to NIXL (which may create an agent), another
-//! transport's forgetting of an ended exposure (NIXL's may rotate an exposer or deregister
-//! memory), and the drop of an ended operation's adopted memory (whose owner may be a Python
-//! object). The driver wakes the engine at once when a caller's turn leaves a hand-over
+//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), but for three things of
+//! another's that make, register and free nothing: an exposure the publisher takes when it is only
+//! bookkeeping ([`Transport::expose_as_caller`]: NIXL's, for memory registered and described
+//! before; otherwise the command goes back whole to the engine thread), the bookkeeping of an
+//! exposure's end ([`Transport::unexpose_as_caller`]: NIXL lets its registrations go), and, on
+//! the turns the driver allows, a watch of its exposed operations every [`WATCH_GAP`]
+//! ([`Transport::watch_as_caller`]: NIXL's notifications). It leaves to the engine thread's next
+//! turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or free memory a
+//! caller must not: a hand-over to NIXL (which may create an agent), the rest of another
+//! transport's end of an exposure (NIXL's may rotate an exposer or deregister memory), and the
+//! drop of an ended operation's adopted memory (whose owner may be a Python object). The driver wakes the engine at once when a caller's turn leaves a hand-over
 //! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), and within a millisecond for the
 //! rest ([`has_deferred`](EngineCore::has_deferred)); the engine does not sleep while any is left
 //! ([`has_pending`](EngineCore::has_pending)).
@@ -28,7 +33,9 @@ use tokio::sync::oneshot;
 
 use super::cmd::Cmd;
 use super::poller::Ready;
-use super::transport::{ActiveSpec, Decline, Event, Exposure, OpId, Polling, Transport, TransportId};
+use super::transport::{
+    ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, Polling, Transport, TransportId,
+};
 use crate::error::{Error, Result};
 use crate::metrics::engine::EngineCell;
 use crate::metrics::families::Metrics;
@@ -86,6 +93,14 @@ pub(crate) struct EngineCore {
     drivable: Vec<bool>,
     /// True during a caller's turn.
     by_caller: bool,
+    /// When callers' turns last watched each transport a caller may not drive
+    /// ([`Transport::watch_as_caller`]).
+    watched: Vec<Option<Instant>>,
+    /// True during a caller's turn that may watch (see [`turn_as_caller`](Self::turn_as_caller)).
+    watching: bool,
+    /// Callers' watches that saw something (for tests that check they do).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) watch_events: u64,
     /// What callers' turns left to the engine thread, in order.
     deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
@@ -134,6 +149,10 @@ impl EngineCore {
             max_park,
             drivable: transports.iter().map(|t| t.callers_may_drive()).collect(),
             by_caller: false,
+            watched: vec![None; transports.len()],
+            watching: false,
+            #[cfg(any(test, feature = "testing"))]
+            watch_events: 0,
             deferred: Vec::new(),
             schedules: transports
                 .iter()
@@ -207,7 +226,20 @@ impl EngineCore {
         for driven_pass in [true, false] {
             for (i, (t, s)) in self.transports.iter_mut().zip(&mut self.schedules).enumerate() {
                 if self.by_caller && !self.drivable[i] {
-                    // The engine thread's (its schedule stands; the driver keeps the engine due).
+                    // The engine thread's, but for watching its exposures (NIXL's notifications)
+                    // every WATCH_GAP: a waiter that drives while the engine stands down sees a
+                    // NIXL peer's completion, and serves its reads over TCP, itself. The schedule
+                    // stands otherwise; the driver keeps the engine due.
+                    let watched = &mut self.watched[i];
+                    if self.watching && !driven_pass && watched.is_none_or(|w| now >= w + WATCH_GAP) {
+                        *watched = Some(now);
+                        let saw = t.watch_as_caller(&mut self.events);
+                        #[cfg(any(test, feature = "testing"))]
+                        {
+                            self.watch_events += u64::from(saw);
+                        }
+                        event |= saw;
+                    }
                     continue;
                 }
                 let polling = t.polling();
@@ -291,20 +323,78 @@ impl EngineCore {
 
     /// A caller's turn (see the module's docs): [`turn`](Self::turn), hot, over the transports
     /// a caller may drive.
-    pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready]) -> bool {
+    ///
+    /// `watch`: the turn may also watch the transports a caller may not drive (NIXL's
+    /// notifications, [`Transport::watch_as_caller`]) every [`WATCH_GAP`]; the driver allows it
+    /// only on the turns of waits that drive while the engine stands down.
+    pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready], watch: bool) -> bool {
         self.by_caller = true;
+        self.watching = watch;
         let event = self.turn(now, true, ready);
+        self.watching = false;
         self.by_caller = false;
         event
     }
 
-    /// Handles `cmd` on a caller's thread (see the module's docs): only a [`Cmd::Begin`], and
-    /// only when [`callers_may_begin`](Self::callers_may_begin).
-    pub(crate) fn handle_as_caller(&mut self, cmd: Cmd) {
-        debug_assert!(matches!(cmd, Cmd::Begin { .. }) && self.callers_may_begin());
+    /// Handles `cmd` on a caller's thread (see the module's docs): a command
+    /// [`Cmd::for_a_caller`] says a caller may handle, only when
+    /// [`callers_may_begin`](Self::callers_may_begin). Returns the command, with nothing done,
+    /// when it needs the engine thread after all: an exposure a transport a caller may not drive
+    /// cannot take on a caller's turn ([`Transport::expose_as_caller`]; NIXL, when the memory is
+    /// not registered yet or its metadata not made).
+    pub(crate) fn handle_as_caller(&mut self, cmd: Cmd) -> Option<Cmd> {
+        debug_assert!(cmd.for_a_caller() && self.callers_may_begin());
         self.by_caller = true;
-        self.handle(cmd);
+        let back = match cmd {
+            Cmd::Expose { spec, reply } => self.expose(spec, reply),
+            cmd => {
+                self.handle(cmd);
+                None
+            }
+        };
         self.by_caller = false;
+        back
+    }
+
+    /// Exposes a passive operation's memory on every transport, in order, and answers `reply`.
+    /// On a caller's turn, each through [`Transport::expose_as_caller`], and only where the
+    /// first (the publisher) is the one transport a caller may not drive: one that declines then
+    /// does so before any other did something, and the command is returned as it came.
+    fn expose(&mut self, spec: PassiveSpec, reply: oneshot::Sender<Result<Exposure>>) -> Option<Cmd> {
+        if self.by_caller && !self.drivable.iter().skip(1).all(|&d| d) {
+            return Some(Cmd::Expose { spec, reply });
+        }
+        let mut out = Exposure::default();
+        let mut r = Ok(());
+        for (t, &drivable) in self.transports.iter_mut().zip(&self.drivable) {
+            let done = if self.by_caller && !drivable {
+                // The first transport (checked above): nothing was done yet.
+                match t.expose_as_caller(&spec, &mut out) {
+                    Some(done) => done,
+                    None => return Some(Cmd::Expose { spec, reply }),
+                }
+            } else {
+                t.expose(&spec, &mut out)
+            };
+            if let Err(e) = done {
+                r = Err(e);
+                break;
+            }
+        }
+        match r {
+            Ok(()) => {
+                self.passives.insert(spec.key.clone(), spec.state.clone());
+                if let Err(Ok(_)) = reply.send(Ok(out)) {
+                    // The caller's future is gone: nobody has the metadata; end it here.
+                    self.end_passive(&spec.key);
+                }
+            }
+            Err(e) => {
+                self.end_passive(&spec.key);
+                let _ = reply.send(Err(e));
+            }
+        }
+        None
     }
 
     /// True when a caller may begin an operation: the chain's first transport is one a caller
@@ -355,8 +445,8 @@ impl EngineCore {
     }
 
     /// True when callers' turns left the engine thread an operation to hand over: it waits for
-    /// the engine, which should run now. (What else they leave, an exposure for NIXL to forget
-    /// or memory to free, waits for the engine's next turn, before NIXL is progressed again.)
+    /// the engine, which should run now. (What else they leave, the rest of NIXL's end of an
+    /// exposure or memory to free, waits for the engine's next turn.)
     pub(crate) fn hand_over_deferred(&self) -> bool {
         self.deferred.iter().any(|d| matches!(d, Deferred::HandOver(..)))
     }
@@ -457,26 +547,8 @@ impl EngineCore {
         );
         match cmd {
             Cmd::Expose { spec, reply } => {
-                let mut out = Exposure::default();
-                let r = self
-                    .transports
-                    .iter_mut()
-                    .try_for_each(|t| t.expose(&spec, &mut out));
-                match r {
-                    Ok(()) => {
-                        self.passives.insert(spec.key.clone(), spec.state.clone());
-                        if let Err(Ok(_)) = reply.send(Ok(out)) {
-                            // The caller's future is gone: nobody has the metadata; end it here.
-                            self.end_passive(&spec.key);
-                        }
-                    }
-                    Err(e) => {
-                        for t in &mut self.transports {
-                            t.unexpose(&spec.key);
-                        }
-                        let _ = reply.send(Err(e));
-                    }
-                }
+                let back = self.expose(spec, reply);
+                debug_assert!(back.is_none(), "the engine thread exposes whatever it takes");
             }
             Cmd::Unexpose { key, gen, keep } => {
                 let state = self.passives.get(&key).cloned();
@@ -584,6 +656,7 @@ impl EngineCore {
         let mut deferred = false;
         for (t, &drivable) in self.transports.iter_mut().zip(&self.drivable) {
             if self.by_caller && !drivable {
+                t.unexpose_as_caller(key);
                 deferred = true;
             } else {
                 t.unexpose(key);
@@ -722,10 +795,10 @@ impl EngineCore {
                     // Every transport forgets the key before the status is final: a waiter woken
                     // by it (or its peer, told at once) may replay the metadata, which must find
                     // nothing exposed (core_passive_end_unexposes_before_any_waiter_sees_it). On
-                    // a caller's turn, those a caller may not drive (NIXL) forget it on the
-                    // engine's next turn, before they are progressed again: a late notification
-                    // then finds no passive operation, and NIXL's registration outlives the
-                    // exposure anyway unless the connector deregisters on completion, where
+                    // a caller's turn, those a caller may not drive (NIXL) forget it there too
+                    // (`unexpose_as_caller`), and do the rest on the engine's next turn: a late
+                    // notification finds no passive operation, and NIXL's registration outlives
+                    // the exposure anyway unless the connector deregisters on completion, where
                     // callers never drive.
                     Event::PassiveCompleted { key, path } => {
                         if let Some(st) = self.passives.get(&key).cloned() {

@@ -18,12 +18,19 @@
 //! operation's waiter drives the engine").
 //!
 //! A caller's turn is the core's caller turn ([`EngineCore::turn_as_caller`]): it touches only
-//! the transports a caller may drive (same-host, loopback; never NIXL), and what it would hand
-//! another (a declined operation's fallback to NIXL, NIXL's end of an exposure, the drop of
-//! memory whose owner may be a Python object) it leaves to the engine thread: at once for a
-//! hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The
-//! only command a caller handles is a small operation's [`Cmd::Begin`] over host memory
-//! ([`Cmd::for_a_caller`]); the rest are the engine thread's. Callers never drive:
+//! the transports a caller may drive (same-host, loopback), but for NIXL's bookkeeping of an
+//! exposure and of its end, and a watch of NIXL's notifications on the turns of waits that drive
+//! while the engine stands down (so a NIXL peer is served and seen without the engine); what it
+//! would hand another (a declined operation's fallback to NIXL, the rest of NIXL's end of an
+//! exposure, the drop of memory whose owner may be a Python object) it leaves to the engine
+//! thread: at once for a hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The
+//! commands a caller handles ([`Drive::takes`]) are a small operation's over host memory
+//! ([`Cmd::for_a_caller`]): its [`Cmd::Begin`], its [`Cmd::Expose`] where the connector's waits
+//! spin and NIXL has registered the memory and made its metadata already (else the core hands
+//! the command back, and the engine thread takes it), and an exposure's end that hands no memory
+//! on; the rest are the engine thread's. So a Rust passive side that exposes the same buffers
+//! again and again wakes its engine on none of its small operations' paths (NIXL's deferred
+//! rest still wakes it within [`STAND_DOWN_MAX`]). Callers never drive:
 //! - a connector that has seen device memory (CUDA's current context is a thread's, and a
 //!   caller's thread must keep its own);
 //! - one whose operations do not start on a transport a caller may drive (`--path nixl`);
@@ -90,6 +97,14 @@ pub(crate) struct Drive {
     image: u64,
     /// Turns callers have taken (for tests that check that callers drive).
     turns: AtomicU64,
+    /// Commands callers have handled on their turns (for tests that check which).
+    commands: AtomicU64,
+    /// Whether callers make small exposures ([`Cmd::for_a_caller`]): only where the connector's
+    /// small waits spin, and so drive. A waiter that drives serves a same-host peer, and its
+    /// spin's end hands NIXL's side to the engine thread (a NIXL peer, a Python worker or another
+    /// host, is served once NIXL is progressed); where waits do not spin (the Python module's,
+    /// by default) the engine thread makes the exposure, and spins after it.
+    callers_expose: bool,
     /// When the sleeping engine wakes on its own, in nanoseconds from `epoch` (`u64::MAX`: not
     /// before something wakes it). Written by the engine, under the lock, before it sleeps; read
     /// by whoever would bring its wake forward with the `alarm`.
@@ -111,7 +126,14 @@ const CALLER_COMMANDS_MAX: usize = 8;
 impl Drive {
     /// The engine's state, before its thread runs; `callers`: whether callers may drive it at
     /// all (false where the connector deregisters memory on completion).
-    pub(crate) fn new(core: EngineCore, rx: Receiver<Cmd>, poller: &Poller, callers: bool) -> Self {
+    /// `exposures`: whether callers make small exposures (the connector's waits spin).
+    pub(crate) fn new(
+        core: EngineCore,
+        rx: Receiver<Cmd>,
+        poller: &Poller,
+        callers: bool,
+        exposures: bool,
+    ) -> Self {
         let callers = callers && core.callers_may_begin();
         Self {
             state: Mutex::new(Some(Driven {
@@ -129,6 +151,8 @@ impl Drive {
             host_only: AtomicBool::new(callers),
             image: poller::forks(),
             turns: AtomicU64::new(0),
+            commands: AtomicU64::new(0),
+            callers_expose: exposures,
             planned: AtomicU64::new(u64::MAX),
             last_driven: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -210,6 +234,19 @@ impl Drive {
         self.turns.load(Ordering::Relaxed)
     }
 
+    /// Callers' watches of transports they may not drive that saw something (a NIXL peer's
+    /// completion).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn watch_events(&self) -> u64 {
+        self.lock().as_ref().map_or(0, |d| d.core.watch_events)
+    }
+
+    /// Commands callers have handled on their turns of this engine.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn commands(&self) -> u64 {
+        self.commands.load(Ordering::Relaxed)
+    }
+
     /// Waits that drive this engine now (that took the sockets out of its sleep).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn driving_waits(&self) -> usize {
@@ -286,21 +323,33 @@ impl Drive {
         true
     }
 
+    /// Whether a caller's turn may handle `cmd`: [`Cmd::for_a_caller`], and an exposure only
+    /// where callers make them (see `callers_expose`).
+    pub(crate) fn takes(&self, cmd: &Cmd) -> bool {
+        cmd.for_a_caller() && (self.callers_expose || !matches!(cmd, Cmd::Expose { .. }))
+    }
+
     /// A caller's turn: the commands it may handle, one look at the sockets, one caller turn of
     /// the core (see the module's docs).
     fn driven_turn(&self, d: &mut Driven) {
         let mut event = false;
         let mut handled = 0;
         while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
-            if !cmd.for_a_caller() || handled == CALLER_COMMANDS_MAX {
+            if !self.takes(&cmd) || handled == CALLER_COMMANDS_MAX {
                 // The engine thread's: it is asleep (or about to be), so this wakes it, and the
                 // lock goes back to it at once (no turn here).
                 d.pending = Some(cmd);
                 self.waker.wake();
                 return;
             }
-            d.core.handle_as_caller(cmd);
+            if let Some(cmd) = d.core.handle_as_caller(cmd) {
+                // An exposure NIXL must register or make metadata for: the engine thread's too.
+                d.pending = Some(cmd);
+                self.waker.wake();
+                return;
+            }
             handled += 1;
+            self.commands.fetch_add(1, Ordering::Relaxed);
             event = true;
         }
         self.turns.fetch_add(1, Ordering::Relaxed);
@@ -311,7 +360,11 @@ impl Drive {
         }
         d.poll.poll(&mut d.ready);
         let ready = std::mem::take(&mut d.ready);
-        event |= d.core.turn_as_caller(now, &ready);
+        // A turn watches NIXL only where the engine stands down for the waits that drive it (the
+        // Python module's waits do not spin: its engine progresses NIXL itself, and its turns,
+        // taken with the GIL held, call nothing of NIXL's).
+        let watch = self.callers_expose && self.gate.driven();
+        event |= d.core.turn_as_caller(now, &ready, watch);
         d.ready = ready;
         d.ready.clear();
         self.busy.store(d.core.in_flight(), Ordering::Release);
@@ -427,9 +480,9 @@ impl Drive {
                 // The sleep does not see the sockets: the engine wakes within `STAND_DOWN_MAX`
                 // to look at them itself, in case a driving wait is no longer polled. While
                 // callers drive, their turns serve the same-host path's deadlines too (a driven
-                // turn is a hot one), and the others (NIXL's schedule for exposed memory) wait
-                // for that wake: waking for each would take the core from the caller that
-                // drives, and a wait that stops spinning wakes the engine anyway.
+                // turn is a hot one, and watches NIXL's exposed memory), and the rest of NIXL's
+                // schedule waits for that wake: waking for each would take the core from the
+                // caller that drives, and a wait that stops spinning wakes the engine anyway.
                 let cap = if stand_down {
                     STAND_DOWN_MAX
                 } else {

@@ -392,7 +392,8 @@ impl Engine {
                 if let Some(m) = for_core {
                     core.record_into(m);
                 }
-                let drive = Arc::new(Drive::new(core, rx, &poller, callers_drive));
+                let exposures = !wait_spin.is_zero();
+                let drive = Arc::new(Drive::new(core, rx, &poller, callers_drive, exposures));
                 let _ = ready_tx.send(Ok(drive.clone()));
                 // A panic here would leave transfers, copies and peers' access to memory that the
                 // unwinding would free: there is no sound way back, so the process stops instead.
@@ -484,6 +485,18 @@ impl Engine {
         self.0.drive.turns()
     }
 
+    /// Callers' watches of NIXL that saw a peer's completion (see `driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_watch_events(&self) -> u64 {
+        self.0.drive.watch_events()
+    }
+
+    /// Commands callers have handled on their turns of this engine (see `driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_commands(&self) -> u64 {
+        self.0.drive.commands()
+    }
+
     /// Waits that drive this engine now (see `driver`).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn driving_waits(&self) -> usize {
@@ -508,7 +521,7 @@ impl Engine {
     /// command over host memory, the engine asleep, few operations in flight); otherwise wakes
     /// the engine.
     pub(crate) fn send(&self, cmd: Cmd) -> Result<()> {
-        let mine = cmd.for_a_caller() && std::thread::current().id() != self.0.thread;
+        let mine = self.0.drive.takes(&cmd) && std::thread::current().id() != self.0.thread;
         self.0.tx.send(cmd).map_err(|_| Error::EngineStopped)?;
         if !mine || !self.0.drive.drive(driver::SENT_DRIVEN_MAX) {
             self.0.waker.wake();

@@ -205,7 +205,8 @@ thread_local! {
 }
 
 /// True while this thread takes a caller's turn of an engine (see `driver`): NIXL's transport
-/// and the first call into CUDA check (in debug builds) that they never run on one, and a
+/// (but for its `*_as_caller` methods) and the first call into CUDA check (in debug builds) that
+/// they never run on one, and a
 /// connector's last handle dropped on one does not wait for its engine thread.
 pub(crate) fn on_a_callers_turn() -> bool {
     CALLER_TURN.get()
@@ -231,11 +232,42 @@ impl Drop for CallerTurn {
 /// One way of moving bytes (NIXL, same-host), owned by the engine: used by one thread at a time,
 /// its own or a caller's that drives it (`driver`), so `Send`.
 pub(crate) trait Transport: Send {
+    /// What a caller's turn may do of [`progress`](Self::progress), for a transport a caller may
+    /// not drive: watch its exposed operations for their peers' completions, adding what ended
+    /// to `out`, with no call that makes, registers or frees anything (NIXL drains its
+    /// notifications). True if anything happened. Nothing, by default.
+    fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
+        let _ = out;
+        false
+    }
+
+    /// The part of [`unexpose`](Self::unexpose) a caller's turn may do, for a transport a caller
+    /// may not drive: bookkeeping, no call into its library (NIXL lets the exposure's
+    /// registrations go). The engine thread calls `unexpose` after it all the same. Nothing, by
+    /// default.
+    fn unexpose_as_caller(&mut self, key: &str) {
+        let _ = key;
+    }
+
     /// Exposes a passive operation's memory under its key, adding to `out`.
     ///
     /// # Errors
     /// The transport's failure to expose (registration refused, ...).
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()>;
+
+    /// [`expose`](Self::expose) on a caller's turn, for a transport a caller may not drive
+    /// ([`callers_may_drive`](Self::callers_may_drive); one it may drive is asked `expose`):
+    /// `None`, with nothing done, when this transport needs the engine thread for it (the whole
+    /// exposure is then left to that thread), as by default; an exposure that is only
+    /// bookkeeping otherwise (NIXL's, when earlier exposures registered the memory and made its
+    /// metadata).
+    ///
+    /// # Errors
+    /// As [`expose`](Self::expose).
+    fn expose_as_caller(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
+        let _ = (spec, out);
+        None
+    }
 
     /// Ends a passive operation: from now on nothing new may reach its memory through this
     /// transport, and any access that can be revoked is.
@@ -313,9 +345,9 @@ pub(crate) trait Transport: Send {
     /// True when a caller's thread may drive this transport (`driver`: a small operation's
     /// waiter takes the engine's turns): its calls are short, touch no library that keeps state
     /// per thread, create nothing that takes long to make, and drop no memory's owner (which may
-    /// be a Python object). False, the default, keeps every call to it on the engine thread: a
-    /// caller's turn leaves it alone, and defers to the engine what it would hand it (see
-    /// `EngineCore`'s caller turns).
+    /// be a Python object). False, the default, keeps its calls on the engine thread but for the
+    /// `*_as_caller` methods: a caller's turn leaves it alone otherwise, and defers to the engine
+    /// what it would hand it (see `EngineCore`'s caller turns).
     fn callers_may_drive(&self) -> bool {
         false
     }

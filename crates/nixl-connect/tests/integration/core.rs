@@ -590,10 +590,19 @@ fn support_cancel_during() {
                 tokio::task::yield_now().await;
             }
             if op.status() == OperationStatus::InProgress {
-                in_flight += 1;
                 op.cancel();
-                assert_eq!(op.status(), OperationStatus::Cancelled);
-                assert!(matches!(op.wait_for_completion(T).await, Err(Error::Cancelled)));
+                // The transfer may end between the look and the cancel (seen once in a run of
+                // the suite): a cancel that loses that race leaves the completion standing.
+                match op.status() {
+                    OperationStatus::Cancelled => {
+                        in_flight += 1;
+                        assert!(matches!(op.wait_for_completion(T).await, Err(Error::Cancelled)));
+                    }
+                    s => {
+                        assert_eq!(s, OperationStatus::Complete, "a cancel that lost the race");
+                        op.wait_for_completion(T).await.unwrap();
+                    }
+                }
             }
             drop(op); // borrowed memory: blocks until NIXL has released the transfer
             dst.fill(1); // the borrow ended: NIXL has let go

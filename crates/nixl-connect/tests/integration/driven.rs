@@ -21,6 +21,34 @@ fn driving_pair() -> (Connector, Connector) {
     (owner, reader)
 }
 
+/// A reader that takes NIXL only (as a Python worker, or another host, does), whose waits spin.
+fn nixl_reader() -> Connector {
+    Connector::builder()
+        .path(PathPolicy::Nixl)
+        .wait_spin(MAX_WAIT_SPIN)
+        .build()
+        .unwrap()
+}
+
+/// `reader` reads `r` (a readable of `src`) to completion, both sides waiting; the path it took
+/// and the bytes are checked.
+async fn read_all_of(
+    r: nixl_connect::ReadableOperation<'_>,
+    reader: &Connector,
+    src: &[u8],
+    path: TransferPath,
+) {
+    let op = reader
+        .begin_read(r.metadata(), Descriptor::from(vec![0u8; src.len()]))
+        .await
+        .unwrap();
+    let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+    a.unwrap();
+    b.unwrap();
+    assert_eq!(op.path(), Some(path));
+    assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), src);
+}
+
 /// One 4 KiB same-host read of `seed`'s pattern, both sides waiting (and so driving).
 async fn driven_read(owner: &Connector, reader: &Connector, seed: u64) {
     driven_read_of(owner, reader, 4096, seed).await;
@@ -331,4 +359,85 @@ async fn driven_the_last_handle_dropped_after_driven_waits_ends_the_engine() {
             "round {round}: the engines did not end after driven waits"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_an_exposure_of_registered_memory_is_made_on_the_callers_turn() {
+    // The first readable of a buffer registers it with NIXL and makes its metadata (the engine
+    // thread's work); the next ones of the same buffer are bookkeeping, made on the caller's
+    // thread while the engine sleeps. Such an exposure serves a same-host reader and a NIXL one
+    // (a Python peer, or another host) alike: NIXL's part of it is complete.
+    testing::keep_spinning();
+    let owner = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let local = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let remote = nixl_reader();
+    let src = pattern(4096, 7);
+    let mut buf = nixl_connect::HostBuffer::from_slice(&src).unwrap();
+    let mut by_callers = 0;
+    for round in 0..6 {
+        let reader = if round % 2 == 0 { &local } else { &remote };
+        // The owner's engine is asleep: its caller may take the turn for the exposure.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let before = testing::caller_commands(&owner);
+        let r = owner.create_readable(Descriptor::from(&mut buf)).await.unwrap();
+        if testing::caller_commands(&owner) > before {
+            by_callers += 1;
+        }
+        let want = if round % 2 == 0 {
+            TransferPath::Local
+        } else {
+            TransferPath::Nixl
+        };
+        read_all_of(r, reader, &src, want).await;
+    }
+    // The first exposure registered the buffer on the engine thread; of the five after it, the
+    // owner's caller made at least four (one may meet an engine still awake from the first).
+    assert!(
+        by_callers >= 4,
+        "{by_callers} of 5 exposures of registered memory were made on the caller's turn"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_exposures_stay_the_engines_where_waits_do_not_spin() {
+    // Waits that do not spin (the Python module's, by default) drive nothing, so nothing would
+    // hand NIXL's side of a caller's exposure to the engine thread before its alarm: such a
+    // connector's exposures are the engine's, which spins after them for a NIXL peer.
+    testing::keep_spinning();
+    let owner = Connector::builder().wait_spin(Duration::ZERO).build().unwrap();
+    let reader = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let src = pattern(4096, 11);
+    let mut buf = nixl_connect::HostBuffer::from_slice(&src).unwrap();
+    for round in 0..3 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let before = testing::caller_commands(&owner);
+        let r = owner.create_readable(Descriptor::from(&mut buf)).await.unwrap();
+        assert_eq!(
+            testing::caller_commands(&owner),
+            before,
+            "round {round}: a caller made an exposure where waits do not spin"
+        );
+        read_all_of(r, &reader, &src, TransferPath::Local).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_waiter_sees_a_nixl_peers_completion_itself() {
+    // A NIXL reader (a Python worker, another host) of a small exposure: the owner's waiter
+    // drives and its engine stands down, so the waiter's turns watch NIXL (its notifications,
+    // which progress UCX and so serve the read over TCP) instead of leaving the completion to
+    // the engine's next wake.
+    testing::keep_spinning();
+    let owner = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let reader = nixl_reader();
+    let src = pattern(4096, 13);
+    let mut buf = nixl_connect::HostBuffer::from_slice(&src).unwrap();
+    for _ in 0..5 {
+        let r = owner.create_readable(Descriptor::from(&mut buf)).await.unwrap();
+        read_all_of(r, &reader, &src, TransferPath::Nixl).await;
+    }
+    assert!(
+        testing::caller_watch_events(&owner) > 0,
+        "in 5 NIXL reads of small exposures, the owner's driving waiter never saw a completion"
+    );
 }

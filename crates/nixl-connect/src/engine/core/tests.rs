@@ -48,6 +48,14 @@ struct Script {
     unexposed: Vec<(String, OperationStatus)>,
     /// Says a caller may drive it ([`Transport::callers_may_drive`]; read when the core is made).
     drivable: bool,
+    /// Refuses every exposure ([`Transport::expose`] fails).
+    refuse_exposure: bool,
+    /// Caller's turns that watched it ([`Transport::watch_as_caller`]; what `emit` holds is what
+    /// a watch sees).
+    watched: usize,
+    /// Takes an exposure on a caller's turn though a caller may not drive it (as NIXL does for
+    /// memory it registered before: [`Transport::expose_as_caller`]).
+    cached: bool,
 }
 
 struct Probe {
@@ -81,6 +89,13 @@ impl Probe {
 impl Transport for Probe {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         self.log(format!("expose {}", spec.key));
+        if self.script.lock().unwrap().refuse_exposure {
+            return Err(Error::Nixl {
+                op: "expose memory",
+                status: "refused by the test".into(),
+                source: None,
+            });
+        }
         let state = spec.state.clone();
         self.script
             .lock()
@@ -181,6 +196,23 @@ impl Transport for Probe {
 
     fn callers_may_drive(&self) -> bool {
         self.script.lock().unwrap().drivable
+    }
+
+    fn expose_as_caller(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
+        let cached = self.script.lock().unwrap().cached;
+        cached.then(|| self.expose(spec, out))
+    }
+
+    fn unexpose_as_caller(&mut self, key: &str) {
+        self.log(format!("forget {key}"));
+    }
+
+    fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
+        let mut s = self.script.lock().unwrap();
+        s.watched += 1;
+        let saw = !s.emit.is_empty();
+        out.append(&mut s.emit);
+        saw
     }
 }
 
@@ -591,21 +623,145 @@ fn caller_pair(t0: Instant) -> (EngineCore, Arc<Mutex<Script>>, Arc<Mutex<Script
     (core, sl, sn)
 }
 
-/// Exposes `key` on every transport (an engine's command).
-fn expose(core: &mut EngineCore, key: &str) -> Arc<OpState> {
+/// A small exposure's command for `key`, its state and where its answer comes.
+fn exposure(key: &str) -> (Cmd, Arc<OpState>, oneshot::Receiver<Result<Exposure>>) {
     let state = OpState::new(OperationStatus::Initialized);
-    let (reply, mut exposed) = oneshot::channel();
-    core.handle(Cmd::Expose {
+    let (reply, exposed) = oneshot::channel();
+    let cmd = Cmd::Expose {
         spec: PassiveSpec {
             key: key.into(),
             kind: OperationKind::Read,
-            ranges: Vec::new(),
+            ranges: vec![Range {
+                addr: 4096,
+                len: 4096,
+                device: Device::Host,
+            }],
             state: state.clone(),
         },
         reply,
-    });
+    };
+    (cmd, state, exposed)
+}
+
+/// `k1` was exposed on both transports of a [`caller_pair`], the publisher first, and answered
+/// with the publisher's metadata.
+fn exposed_on_both(
+    core: &EngineCore,
+    sl: &Mutex<Script>,
+    sn: &Mutex<Script>,
+    exposed: &mut oneshot::Receiver<Result<Exposure>>,
+) {
+    assert_eq!(sn.lock().unwrap().log, ["nixl:expose k1"]);
+    assert_eq!(sl.lock().unwrap().log, ["local:expose k1"]);
+    assert_eq!(
+        &*exposed.try_recv().unwrap().unwrap().published.unwrap(),
+        "probe:nixl"
+    );
+    assert_eq!(core.in_flight(), 1);
+}
+
+/// Exposes `key` on every transport (an engine's command).
+fn expose(core: &mut EngineCore, key: &str) -> Arc<OpState> {
+    let (cmd, state, mut exposed) = exposure(key);
+    core.handle(cmd);
     exposed.try_recv().unwrap().unwrap();
     state
+}
+
+#[test]
+fn core_caller_exposure_is_left_whole_to_the_engine_when_nixl_cannot_take_it() {
+    let t0 = Instant::now();
+    let (mut core, sl, sn) = caller_pair(t0);
+    let (cmd, _state, mut exposed) = exposure("k1");
+    assert!(cmd.for_a_caller());
+    let back = core
+        .handle_as_caller(cmd)
+        .expect("NIXL must register: the command comes back");
+    // Nothing was done on the caller's turn: no transport saw it, no answer, nothing in flight.
+    assert!(sl.lock().unwrap().log.is_empty() && sn.lock().unwrap().log.is_empty());
+    assert!(exposed.try_recv().is_err());
+    assert_eq!(core.in_flight(), 0);
+    // The engine thread exposes it on both, the publisher first.
+    core.handle(back);
+    exposed_on_both(&core, &sl, &sn, &mut exposed);
+}
+
+#[test]
+fn core_caller_exposure_of_registered_memory_is_made_on_the_callers_turn() {
+    let t0 = Instant::now();
+    let (mut core, sl, sn) = caller_pair(t0);
+    sn.lock().unwrap().cached = true;
+    let (cmd, state, mut exposed) = exposure("k1");
+    assert!(core.handle_as_caller(cmd).is_none());
+    exposed_on_both(&core, &sl, &sn, &mut exposed);
+    assert!(!core.has_deferred());
+    // Its end, on a caller's turn too: the same-host path forgets it there, NIXL on the
+    // engine's next turn (deferred), and only then is nothing left for the engine.
+    state.finish(OperationStatus::Cancelled, None);
+    let end = Cmd::Unexpose {
+        key: "k1".into(),
+        gen: 0,
+        keep: None,
+    };
+    assert!(end.for_a_caller());
+    assert!(core.handle_as_caller(end).is_none());
+    assert_eq!(sl.lock().unwrap().log, ["local:expose k1", "local:unexpose k1"]);
+    // NIXL lets the exposure's registrations go at once (memory freed and allocated again at the
+    // same address must not find them), and is called for the rest on the engine's turn only.
+    assert_eq!(sn.lock().unwrap().log, ["nixl:expose k1", "nixl:forget k1"]);
+    assert!(core.has_deferred() && core.engine_bound());
+    assert_eq!(core.in_flight(), 0);
+    core.run_deferred();
+    assert_eq!(
+        sn.lock().unwrap().log,
+        ["nixl:expose k1", "nixl:forget k1", "nixl:unexpose k1"]
+    );
+    assert!(!core.has_deferred());
+}
+
+#[test]
+fn core_caller_exposure_that_fails_ends_on_every_transport() {
+    let t0 = Instant::now();
+    let (local, sl) = probe("local", TransferPath::Local);
+    let (nixl, sn) = probe("nixl", TransferPath::Nixl);
+    sl.lock().unwrap().drivable = true;
+    sn.lock().unwrap().cached = true;
+    // A third transport a caller may drive, which refuses the exposure.
+    let (failing, sf) = probe("failing", TransferPath::Local);
+    sf.lock().unwrap().drivable = true;
+    sf.lock().unwrap().refuse_exposure = true;
+    let mut core = EngineCore::new(vec![nixl, local, failing], ids(&[1, 0]), MS, t0);
+    let (cmd, _state, mut exposed) = exposure("k1");
+    assert!(core.handle_as_caller(cmd).is_none());
+    assert!(exposed.try_recv().unwrap().is_err(), "the refusal is the answer");
+    assert_eq!(core.in_flight(), 0);
+    assert_eq!(sl.lock().unwrap().log, ["local:expose k1", "local:unexpose k1"]);
+    // NIXL's end of it waits for the engine thread (but for its bookkeeping).
+    assert_eq!(sn.lock().unwrap().log, ["nixl:expose k1", "nixl:forget k1"]);
+    core.run_deferred();
+    assert_eq!(
+        sn.lock().unwrap().log,
+        ["nixl:expose k1", "nixl:forget k1", "nixl:unexpose k1"]
+    );
+}
+
+#[test]
+fn core_caller_exposure_behind_a_second_transport_callers_may_not_drive_goes_to_the_engine() {
+    let t0 = Instant::now();
+    let (local, sl) = probe("local", TransferPath::Local);
+    let (nixl, sn) = probe("nixl", TransferPath::Nixl);
+    let (other, so) = probe("other", TransferPath::Nixl);
+    sl.lock().unwrap().drivable = true;
+    sn.lock().unwrap().cached = true;
+    let mut core = EngineCore::new(vec![nixl, local, other], ids(&[1, 0]), MS, t0);
+    let (cmd, _state, _exposed) = exposure("k1");
+    assert!(core.handle_as_caller(cmd).is_some());
+    for s in [&sl, &sn, &so] {
+        assert!(
+            s.lock().unwrap().log.is_empty(),
+            "a transport saw a returned exposure"
+        );
+    }
 }
 
 #[test]
@@ -616,7 +772,7 @@ fn core_caller_turn_leaves_a_hand_over_to_nixl_to_the_engine() {
     sn.lock().unwrap().complete = true;
     assert!(core.callers_may_begin());
     let (spec, state) = active(1, "k1");
-    core.handle_as_caller(Cmd::Begin { spec });
+    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
     // Declined by the same-host path on the caller's thread; NIXL (whose begin may create an
     // agent) is not called there, and the engine has work to do now.
     assert_eq!(sl.lock().unwrap().log, ["local:begin 1"]);
@@ -631,7 +787,7 @@ fn core_caller_turn_leaves_a_hand_over_to_nixl_to_the_engine() {
     );
     // More caller turns neither hand it over nor progress NIXL.
     for k in 0..3 {
-        core.turn_as_caller(t0 + k * MS, &[]);
+        core.turn_as_caller(t0 + k * MS, &[], false);
     }
     assert!(sn.lock().unwrap().log.is_empty());
     assert_eq!(
@@ -660,7 +816,7 @@ fn core_caller_turn_hands_a_cancelled_operation_to_nobody() {
     let (mut core, sl, sn) = caller_pair(t0);
     sl.lock().unwrap().decline = Some("the peer is on another host");
     let (spec, state) = active(1, "k1");
-    core.handle_as_caller(Cmd::Begin { spec });
+    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
     // Dropped before the engine took the hand-over: its cancel comes after the deferred work.
     state.finish(OperationStatus::Cancelled, None);
     let (keep, freed) = canary();
@@ -681,7 +837,7 @@ fn core_caller_turn_progresses_only_the_transports_callers_may_drive() {
     let t0 = Instant::now();
     let (mut core, sl, sn) = caller_pair(t0);
     for k in 0..4 {
-        core.turn_as_caller(t0 + k * MS, &[]);
+        core.turn_as_caller(t0 + k * MS, &[], false);
     }
     assert_eq!(sl.lock().unwrap().progressed, 4);
     assert_eq!(sn.lock().unwrap().progressed, 0);
@@ -699,7 +855,7 @@ fn core_caller_turn_ends_an_exposure_on_its_transports_and_leaves_nixl_to_the_en
             .unwrap()
             .emit
             .push(passive_end("k", failed, TransferPath::Local));
-        core.turn_as_caller(t0, &[]);
+        core.turn_as_caller(t0, &[], false);
         assert!(state.status().is_terminal());
         // The transport the caller drove forgot the key before the end was visible; NIXL's end
         // of the exposure (it may rotate an exposer) waits for the engine.
@@ -733,7 +889,7 @@ fn core_caller_turn_frees_adopted_memory_on_the_engines_turn_only() {
     let (keep, freed) = canary();
     core.handle(Cmd::Adopt { id: 3, keep });
     sl.lock().unwrap().complete = true;
-    core.turn_as_caller(t0, &[]);
+    core.turn_as_caller(t0, &[], false);
     assert_eq!(state.status(), OperationStatus::Complete);
     assert!(state.is_released());
     // Its owner may be a Python object: freed on the engine's turn, not the caller's.
@@ -762,7 +918,7 @@ fn core_caller_turn_leaves_an_ended_exposures_memory_to_the_engine() {
         keep: Some((keep, 64)),
     });
     state.mark_released();
-    core.turn_as_caller(t0, &[]);
+    core.turn_as_caller(t0, &[], false);
     assert!(
         !sn.lock().unwrap().log.iter().any(|l| l.contains("hold")),
         "memory handed to NIXL's hold on a caller's turn"
@@ -771,4 +927,42 @@ fn core_caller_turn_leaves_an_ended_exposures_memory_to_the_engine() {
     core.turn(t0 + MS, false, &[]);
     assert!(sn.lock().unwrap().log.iter().any(|l| l.contains("hold")));
     assert!(!freed.load(Ordering::SeqCst), "NIXL's hold keeps it");
+}
+
+#[test]
+fn core_caller_turn_watches_nixl_every_watch_gap_and_ends_what_it_sees() {
+    let t0 = Instant::now();
+    let (mut core, _sl, sn) = caller_pair(t0);
+    let state = expose(&mut core, "k1");
+    // A turn the driver does not let watch (no wait drives, or waits do not spin) does not.
+    core.turn_as_caller(t0, &[], false);
+    assert_eq!(sn.lock().unwrap().watched, 0);
+    // Caller turns within WATCH_GAP of each other watch once; NIXL is never progressed there.
+    for k in 0..3 {
+        core.turn_as_caller(t0 + k * (WATCH_GAP / 4), &[], true);
+    }
+    assert_eq!(sn.lock().unwrap().watched, 1);
+    assert_eq!(
+        sn.lock().unwrap().progressed,
+        0,
+        "NIXL progressed on a caller's turn"
+    );
+    // A NIXL peer's completion, seen by the next watch, ends the operation on that turn; NIXL
+    // lets its registrations go there, and is asked for the rest on the engine's turn.
+    sn.lock().unwrap().emit.push(Event::PassiveCompleted {
+        key: "k1".into(),
+        path: TransferPath::Nixl,
+    });
+    assert!(core.turn_as_caller(t0 + WATCH_GAP * 2, &[], true));
+    assert_eq!(sn.lock().unwrap().watched, 2);
+    assert_eq!(state.status(), OperationStatus::Complete);
+    assert_eq!(state.path(), Some(TransferPath::Nixl));
+    assert!(sn.lock().unwrap().log.ends_with(&["nixl:forget k1".to_string()]));
+    assert!(core.has_deferred());
+    core.run_deferred();
+    assert!(sn
+        .lock()
+        .unwrap()
+        .log
+        .ends_with(&["nixl:unexpose k1".to_string()]));
 }

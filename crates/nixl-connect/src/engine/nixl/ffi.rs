@@ -307,12 +307,14 @@ pub(crate) struct Prepared {
 
 // SAFETY: a prepared list is a handle into its agent's state, used (and dropped) only through its
 // agent's owner, the engine's NIXL transport. The engine's state sits behind a lock that callers
-// driving it take too (`engine::driver`), so it must be `Send`; but a caller's turn never calls
-// the NIXL transport (it says callers may not drive it; debug builds check), so in practice only
-// the engine thread uses the list. Were another thread to, the lock would order each use after
-// the last, and the agent is created with `ThreadSync::None` and no progress thread, for which
-// NIXL makes its UCX worker `UCS_THREAD_MODE_SERIALIZED` (any thread, one at a time). `nixl_sys`
-// already has the agent itself `Send`.
+// driving it take too (`engine::driver`), so it must be `Send`. A caller's turn uses no prepared
+// list: of the NIXL transport it reaches only an exposure's bookkeeping and a watch of the
+// exposers' notifications (`getNotifs`, which progresses the exposer's UCX worker), with UCX the
+// only backend. That an agent may be used from any thread, one at a time, holds there: the agent
+// is created with `ThreadSync::None` and no progress thread, for which NIXL's UCX backend makes
+// its context `mt_type` SINGLE and so its workers `UCS_THREAD_MODE_SERIALIZED` (any thread, one
+// at a time; NIXL's `ucx_utils`), and the lock orders each use after the last (nixl-sys also takes
+// its own lock around `getNotifs`). `nixl_sys` already has the agent itself `Send`.
 unsafe impl Send for Prepared {}
 
 /// One NIXL agent with its backends (UCX, and any others the connector's builder named), NIXL's

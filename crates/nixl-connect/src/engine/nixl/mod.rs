@@ -497,6 +497,42 @@ impl NixlTransport {
             .map(|(g, _)| *g)
     }
 
+    /// Drains every exposer's notifications: a live operation's completes it. True if any came.
+    fn drain_notifications(&mut self, out: &mut Vec<Event>) -> bool {
+        let mut event = false;
+        let mut buf = std::mem::take(&mut self.notif_buf);
+        for e in std::iter::once(&self.exposer).chain(self.retired.values()) {
+            if let Err(err) = e.agent.notifications(&mut buf) {
+                tracing::warn!(error = %err, "draining NIXL notifications failed");
+            }
+            for (from, msg) in buf.drain(..) {
+                event = true;
+                let key = String::from_utf8_lossy(&msg);
+                match e.live.get_key_value(&*key) {
+                    Some((k, _)) => out.push(Event::PassiveCompleted {
+                        key: k.clone(),
+                        path: TransferPath::Nixl,
+                    }),
+                    None => {
+                        tracing::debug!(from = %from, key = %key, "notification for no live operation")
+                    }
+                }
+            }
+        }
+        self.notif_buf = buf;
+        event
+    }
+
+    /// Forgets an exposure (any exposer's): it no longer receives notifications, and its
+    /// registrations' tokens are returned. Bookkeeping only (a caller's turn may do it).
+    fn forget(&mut self, key: &str) -> Option<Vec<Arc<RegInner>>> {
+        let gen = self.exposer_gen_of(key)?;
+        self.exposer_of(gen).and_then(|e| {
+            e.writables.remove(key);
+            e.live.remove(key)
+        })
+    }
+
     fn live_registrations(&self) -> usize {
         self.exposer.regs.map.len()
             + self.retired.values().map(|e| e.regs.map.len()).sum::<usize>()
@@ -567,6 +603,25 @@ impl NixlTransport {
         }
         self.exposer.md_cache.insert(ids, md.clone());
         Ok(md)
+    }
+
+    /// What an exposure leaves: the registrations' tokens (one per range, in order) in `out`
+    /// and in the exposer's live operations, and the metadata to publish.
+    fn record_exposure(
+        &mut self,
+        spec: &PassiveSpec,
+        regs: Vec<Arc<RegInner>>,
+        md: Arc<str>,
+        out: &mut Exposure,
+    ) {
+        out.tokens.extend(regs.iter().map(|t| RegToken::new(t.clone())));
+        self.exposer.live.insert(spec.key.clone(), regs);
+        if spec.kind == OperationKind::Write {
+            self.exposer.writables.insert(spec.key.clone());
+        }
+        out.published = Some(md);
+        out.exposer_gen = self.exposer_gen;
+        out.identity = self.exposer.identity;
     }
 
     fn start(
@@ -690,8 +745,20 @@ fn transfer_failed(peer: &str, e: ErrorSource) -> Error {
     }
 }
 
-/// NIXL is the engine thread's: a caller's turn (`driver`) never calls this transport (it says
-/// callers may not drive it), which this checks in debug builds.
+/// The registrations' ranges and ids, sorted and deduplicated: what their metadata is made from
+/// and cached by.
+fn ranges_and_ids(regs: &[Arc<RegInner>]) -> Vec<(Range, u64)> {
+    let mut v: Vec<(Range, u64)> = regs.iter().map(|t| (t.range, t.id)).collect();
+    v.sort_by_key(|(r, id)| (key_of(r), *id));
+    v.dedup();
+    v
+}
+
+/// NIXL is the engine thread's: this transport says callers may not drive it, and its methods
+/// check in debug builds that they do not run on a caller's turn, but for the three a caller's
+/// turn reaches: `expose_as_caller` and `unexpose_as_caller` (lookups and bookkeeping, nothing of
+/// NIXL's called) and `watch_as_caller` (NIXL's `getNotifs` on the exposers, while exposures are
+/// small, with UCX alone: see `ffi::Prepared`'s `Send`).
 fn engine_thread_only() {
     debug_assert!(
         !crate::engine::on_a_callers_turn(),
@@ -703,43 +770,42 @@ impl Transport for NixlTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         engine_thread_only();
         let mut regs = Vec::with_capacity(spec.ranges.len());
-        let mut tokens = Vec::with_capacity(spec.ranges.len());
         for r in &spec.ranges {
             // A replaced dead registration needs no cache purge: metadata is cached by ids.
             let mut replaced = None;
-            let (t, reg) = self.exposer.regs.get(
+            let (t, _) = self.exposer.regs.get(
                 &self.exposer.agent,
                 *r,
                 &self.mailbox,
                 &mut self.stats,
                 &mut replaced,
             )?;
-            regs.push((reg, t.id));
-            tokens.push(t);
+            regs.push(t);
         }
-        regs.sort_by_key(|(r, id)| (key_of(r), *id));
-        regs.dedup();
-        let md = self.metadata_for(&regs)?;
-        out.tokens.extend(tokens.iter().map(|t| RegToken::new(t.clone())));
-        self.exposer.live.insert(spec.key.clone(), tokens);
-        if spec.kind == OperationKind::Write {
-            self.exposer.writables.insert(spec.key.clone());
-        }
-        out.published = Some(md);
-        out.exposer_gen = self.exposer_gen;
-        out.identity = self.exposer.identity;
+        let md = self.metadata_for(&ranges_and_ids(&regs))?;
+        self.record_exposure(spec, regs, md, out);
         Ok(())
+    }
+
+    /// On a caller's turn, an exposure of memory that earlier exposures registered and made
+    /// metadata for: lookups and bookkeeping, no call into NIXL. Otherwise `None`, nothing done.
+    fn expose_as_caller(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
+        let mut hits = EngineStats::default();
+        let regs = spec
+            .ranges
+            .iter()
+            .map(|r| self.exposer.regs.exposed(r, &mut hits))
+            .collect::<Option<Vec<_>>>()?;
+        let ids: Vec<u64> = ranges_and_ids(&regs).iter().map(|&(_, id)| id).collect();
+        let md = self.exposer.md_cache.get(&ids)?.clone();
+        self.stats.registration_hits += hits.registration_hits;
+        self.record_exposure(spec, regs, md, out);
+        Some(Ok(()))
     }
 
     fn unexpose(&mut self, key: &str) {
         engine_thread_only();
-        let Some(gen) = self.exposer_gen_of(key) else {
-            return;
-        };
-        let removed = self.exposer_of(gen).and_then(|e| {
-            e.writables.remove(key);
-            e.live.remove(key)
-        });
+        let removed = self.forget(key);
         self.rotate();
         if let Some(tokens) = removed {
             if self.deregister_on_completion {
@@ -748,6 +814,17 @@ impl Transport for NixlTransport {
                     self.deregister(Side::Exposer, t.gen, t.range, t.id);
                 }
             }
+        }
+    }
+
+    /// The exposure's registrations let go at once, so that memory the caller frees and
+    /// allocates again at the same address is never published under the old registration; the
+    /// rest (a rotation of the exposer) waits for [`unexpose`](Transport::unexpose) on the engine
+    /// thread. Where the connector deregisters on completion (callers never drive it), all of it.
+    fn unexpose_as_caller(&mut self, key: &str) {
+        if !self.deregister_on_completion {
+            // A last token's drop posts its deregistration to the engine thread.
+            drop(self.forget(key));
         }
     }
 
@@ -858,32 +935,44 @@ impl Transport for NixlTransport {
             let receiving =
                 !self.exposer.writables.is_empty() || self.retired.values().any(|e| !e.writables.is_empty());
             let cpu0 = receiving.then(thread_cpu_time);
-            let mut buf = std::mem::take(&mut self.notif_buf);
-            for e in std::iter::once(&self.exposer).chain(self.retired.values()) {
-                if let Err(err) = e.agent.notifications(&mut buf) {
-                    tracing::warn!(error = %err, "draining NIXL notifications failed");
-                }
-                for (from, msg) in buf.drain(..) {
-                    event = true;
-                    let key = String::from_utf8_lossy(&msg);
-                    match e.live.get_key_value(&*key) {
-                        Some((k, _)) => out.push(Event::PassiveCompleted {
-                            key: k.clone(),
-                            path: TransferPath::Nixl,
-                        }),
-                        None => {
-                            tracing::debug!(from = %from, key = %key, "notification for no live operation")
-                        }
-                    }
-                }
-            }
-            self.notif_buf = buf;
+            event |= self.drain_notifications(out);
             self.slow_receiving = cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > RECEIVING);
         }
         let slow = t0.elapsed() > ACTIVITY;
         let busy = event || (slow && self.recheck);
         self.recheck = slow && !busy;
         busy
+    }
+
+    /// On a caller's turn, while operations are exposed: each exposer's notifications drained
+    /// (NIXL's `getNotifs`, which progresses its UCX worker: over TCP, that serves a peer's read
+    /// of the exposed memory). A call into NIXL, but no agent made, no memory registered or
+    /// freed, and short: the waiter that drives sees a NIXL peer's completion itself, and serves
+    /// its reads, while the engine stands down.
+    ///
+    /// Only while every live exposure is small (a UCX progress serves what is there to serve: a
+    /// large one's read over TCP would run on the caller's thread, under the lock), and only with
+    /// UCX alone (the one backend whose progress from any thread, one at a time, this relies on:
+    /// see `ffi::Prepared`'s `Send`). True if an operation completed.
+    fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
+        let small = |e: &Exposer| {
+            e.live.values().all(|regs| {
+                regs.iter()
+                    .map(|t| t.range.len)
+                    .fold(0usize, usize::saturating_add)
+                    <= crate::operation::WAIT_SPIN_MAX_BYTES
+            })
+        };
+        if self.backends.iter().any(|b| b != "UCX")
+            || (self.exposer.live.is_empty() && self.retired.is_empty())
+            || !small(&self.exposer)
+            || !self.retired.values().all(small)
+        {
+            return false;
+        }
+        let before = out.len();
+        self.drain_notifications(out);
+        out.len() > before
     }
 
     fn did_work(&self) -> bool {

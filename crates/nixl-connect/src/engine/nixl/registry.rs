@@ -52,6 +52,15 @@ impl Registry {
         }
     }
 
+    /// The exposer's live registration of exactly `r`, if an earlier exposure made it: no call
+    /// into NIXL (a caller's turn may look).
+    pub(super) fn exposed(&self, r: &Range, stats: &mut EngineStats) -> Option<Arc<RegInner>> {
+        debug_assert!(self.side == Side::Exposer);
+        let t = self.map.get(&key_of(r)).and_then(|e| e.token.upgrade())?;
+        stats.registration_hits += 1;
+        Some(t)
+    }
+
     /// A live registration containing `r` (exposer side: of exactly `r`, since per-operation
     /// metadata publishes the whole registration and its key reaches all of it), or a new one of
     /// exactly `r`.
