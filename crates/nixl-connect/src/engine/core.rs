@@ -20,7 +20,8 @@
 //! turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or free memory a
 //! caller must not: a hand-over to NIXL (which may create an agent), the rest of another
 //! transport's end of an exposure (NIXL's may rotate an exposer or deregister memory), and the
-//! drop of an ended operation's adopted memory (whose owner may be a Python object). The driver wakes the engine at once when a caller's turn leaves a hand-over
+//! drop of an ended operation's adopted memory (whose owner may be a Python object). The driver
+//! wakes the engine at once when a caller's turn leaves a hand-over
 //! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), and within a millisecond for the
 //! rest ([`has_deferred`](EngineCore::has_deferred)); the engine does not sleep while any is left
 //! ([`has_pending`](EngineCore::has_pending)).

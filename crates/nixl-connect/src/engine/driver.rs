@@ -335,15 +335,15 @@ impl Drive {
         let mut event = false;
         let mut handled = 0;
         while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
-            if !self.takes(&cmd) || handled == CALLER_COMMANDS_MAX {
+            let back = if !self.takes(&cmd) || handled == CALLER_COMMANDS_MAX {
+                Some(cmd)
+            } else {
+                // An exposure NIXL must register or make metadata for comes back.
+                d.core.handle_as_caller(cmd)
+            };
+            if let Some(cmd) = back {
                 // The engine thread's: it is asleep (or about to be), so this wakes it, and the
                 // lock goes back to it at once (no turn here).
-                d.pending = Some(cmd);
-                self.waker.wake();
-                return;
-            }
-            if let Some(cmd) = d.core.handle_as_caller(cmd) {
-                // An exposure NIXL must register or make metadata for: the engine thread's too.
                 d.pending = Some(cmd);
                 self.waker.wake();
                 return;

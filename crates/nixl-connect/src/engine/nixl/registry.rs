@@ -54,11 +54,9 @@ impl Registry {
 
     /// The exposer's live registration of exactly `r`, if an earlier exposure made it: no call
     /// into NIXL (a caller's turn may look).
-    pub(super) fn exposed(&self, r: &Range, stats: &mut EngineStats) -> Option<Arc<RegInner>> {
+    pub(super) fn exposed(&self, r: &Range) -> Option<Arc<RegInner>> {
         debug_assert!(self.side == Side::Exposer);
-        let t = self.map.get(&key_of(r)).and_then(|e| e.token.upgrade())?;
-        stats.registration_hits += 1;
-        Some(t)
+        self.map.get(&key_of(r)).and_then(|e| e.token.upgrade())
     }
 
     /// A live registration containing `r` (exposer side: of exactly `r`, since per-operation
@@ -75,7 +73,7 @@ impl Registry {
     ) -> Result<(Arc<RegInner>, Range)> {
         let k = key_of(&r);
         if self.side == Side::Exposer {
-            if let Some(t) = self.map.get(&k).and_then(|e| e.token.upgrade()) {
+            if let Some(t) = self.exposed(&r) {
                 stats.registration_hits += 1;
                 return Ok((t, r));
             }
