@@ -19,8 +19,11 @@
 //!
 //! A caller's turn is the core's caller turn ([`EngineCore::turn_as_caller`]): it touches only
 //! the transports a caller may drive (same-host, loopback), but for NIXL's bookkeeping of an
-//! exposure and of its end, and a watch of NIXL's notifications on the turns of waits that drive
-//! while the engine stands down (so a NIXL peer is served and seen without the engine); what it
+//! exposure and of its end, and, where the connector's waits spin: the post of a small transfer
+//! whose every part NIXL has ready (peer loaded, memory registered, lists prepared), and a watch
+//! of NIXL (its transfers in flight, on every turn, and its notifications) on the turns of waits
+//! that drive while the engine stands down (so a NIXL-only reader's small reads start and end
+//! on its waiter's thread, and a NIXL peer is served and seen without the engine); what it
 //! would hand another (a declined operation's fallback to NIXL, the rest of NIXL's end of an
 //! exposure, the drop of memory whose owner may be a Python object) it leaves to the engine
 //! thread: at once for a hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The
@@ -33,7 +36,8 @@
 //! rest still wakes it within [`STAND_DOWN_MAX`]). Callers never drive:
 //! - a connector that has seen device memory (CUDA's current context is a thread's, and a
 //!   caller's thread must keep its own);
-//! - one whose operations do not start on a transport a caller may drive (`--path nixl`);
+//! - one whose operations start on NIXL (`--path nixl`) where its waits do not spin (the Python
+//!   module's, by default);
 //! - one that deregisters memory from NIXL on completion (the revocation must come before the
 //!   status is final, on the engine thread);
 //! - a child of `fork()` (the epoll instances are the parent's too);
@@ -128,12 +132,15 @@ impl Drive {
     /// all (false where the connector deregisters memory on completion).
     /// `exposures`: whether callers make small exposures (the connector's waits spin).
     pub(crate) fn new(
-        core: EngineCore,
+        mut core: EngineCore,
         rx: Receiver<Cmd>,
         poller: &Poller,
         callers: bool,
         exposures: bool,
     ) -> Self {
+        // Where waits spin, callers' turns call into NIXL too: they watch it, and begin small
+        // transfers on it (a NIXL-only connector's waits then drive).
+        core.let_callers_reach(exposures);
         let callers = callers && core.callers_may_begin();
         Self {
             state: Mutex::new(Some(Driven {
