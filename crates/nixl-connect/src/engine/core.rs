@@ -11,7 +11,7 @@
 //! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
 //! Such a turn touches only the transports that say a caller may drive them
 //! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), but for four things of
-//! another's that make, register and free nothing: an exposure the publisher takes when it is only
+//! another's that create no agent and register, load, prepare and free no memory: an exposure the publisher takes when it is only
 //! bookkeeping ([`Transport::expose_as_caller`]: NIXL's, for memory registered and described
 //! before; otherwise the command goes back whole to the engine thread), the bookkeeping of an
 //! exposure's end ([`Transport::unexpose_as_caller`]: NIXL lets its registrations go), and,
@@ -109,6 +109,9 @@ pub(crate) struct EngineCore {
     callers_reach: bool,
     /// True during a caller's turn.
     by_caller: bool,
+    /// A caller's turn started an operation on a transport a caller may not drive since the
+    /// driver last asked ([`take_callers_started`](Self::take_callers_started)).
+    callers_started: bool,
     /// When callers' turns last watched each transport a caller may not drive
     /// ([`Transport::watch_as_caller`]).
     watched: Vec<Option<Instant>>,
@@ -117,6 +120,10 @@ pub(crate) struct EngineCore {
     /// Callers' watches that saw something (for tests that check they do).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) watch_events: u64,
+    /// Operations callers' turns started on a transport a caller may not drive (for tests that
+    /// check they do).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) caller_starts: u64,
     /// What callers' turns left to the engine thread, in order.
     deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
@@ -167,10 +174,13 @@ impl EngineCore {
             startable: transports.iter().map(|t| t.callers_may_start()).collect(),
             callers_reach: false,
             by_caller: false,
+            callers_started: false,
             watched: vec![None; transports.len()],
             watching: false,
             #[cfg(any(test, feature = "testing"))]
             watch_events: 0,
+            #[cfg(any(test, feature = "testing"))]
+            caller_starts: 0,
             deferred: Vec::new(),
             schedules: transports
                 .iter()
@@ -352,8 +362,9 @@ impl EngineCore {
     /// A caller's turn (see the module's docs): [`turn`](Self::turn), hot, over the transports
     /// a caller may drive.
     ///
-    /// `watch`: the turn may also watch the transports a caller may not drive (NIXL's
-    /// notifications, [`Transport::watch_as_caller`]) every [`WATCH_GAP`]; the driver allows it
+    /// `watch`: the turn may also watch the transports a caller may not drive
+    /// ([`Transport::watch_as_caller`]: NIXL's transfers and notifications), on every turn while
+    /// one's polling is [`Polling::Busy`] and every [`WATCH_GAP`] otherwise; the driver allows it
     /// only on the turns of waits that drive while the engine stands down.
     pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready], watch: bool) -> bool {
         self.by_caller = true;
@@ -487,6 +498,13 @@ impl EngineCore {
     /// free, waits for the engine's next turn.)
     pub(crate) fn hand_over_deferred(&self) -> bool {
         self.deferred.iter().any(|d| matches!(d, Deferred::Offer(..)))
+    }
+
+    /// True (once) when a caller's turn started an operation on a transport a caller may not
+    /// drive ([`Transport::begin_as_caller`]) since the last call: only a wait that drives, or
+    /// the engine thread, progresses it.
+    pub(crate) fn take_callers_started(&mut self) -> bool {
+        std::mem::take(&mut self.callers_started)
     }
 
     /// True when callers' turns left the engine thread work ([`run_deferred`](Self::run_deferred)).
@@ -803,6 +821,11 @@ impl EngineCore {
                     self.deferred.push(Deferred::Offer(spec, i, why));
                 }
                 None => {
+                    self.callers_started = true;
+                    #[cfg(any(test, feature = "testing"))]
+                    {
+                        self.caller_starts += 1;
+                    }
                     if let Some(why) = why {
                         log_offer(span.as_ref(), id, &why, self.transports[i.index()].path());
                     }

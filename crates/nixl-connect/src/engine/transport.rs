@@ -191,7 +191,8 @@ pub(crate) enum Polling {
     /// Every few tens of microseconds while the engine is hot: operations wait for a peer's
     /// completion message.
     Watching,
-    /// On every turn while the engine is hot: transfers are in flight.
+    /// On every turn while the engine is hot (and on every caller's turn that watches): transfers
+    /// are in flight, or (NIXL) peers complete small exposures now.
     Busy,
     /// On every turn of the engine, hot or not: it learns of its work from the descriptors it
     /// registered with the poller (the ready list) and from [`Transport::has_pending`], and it
@@ -235,8 +236,8 @@ pub(crate) trait Transport: Send {
     /// What a caller's turn may do of [`progress`](Self::progress), for a transport a caller may
     /// not drive: watch its exposed operations for their peers' completions, and its small
     /// transfers in flight for their ends, adding what ended to `out`, with no call that makes,
-    /// registers or frees anything (NIXL drains its notifications and polls its transfers). True
-    /// if anything happened. Nothing, by default.
+    /// registers or frees anything but the requests of transfers that ended (NIXL drains its
+    /// notifications and polls its transfers). True if anything happened. Nothing, by default.
     fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
         let _ = out;
         false

@@ -620,7 +620,7 @@ fn support_sound_peer() {
                     let len: usize = w[2].parse().unwrap();
                     again = w.get(4) == Some(&"again");
                     let d = match w[3] {
-                        _ if again && kept.is_some() => kept.take().unwrap(),
+                        _ if again && w[1] == "readable" && kept.is_some() => kept.take().unwrap(),
                         "host" | "hostpat" => {
                             let mut b = HostBuffer::new(len).unwrap();
                             if w[3] == "host" {

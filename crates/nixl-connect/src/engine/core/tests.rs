@@ -1035,6 +1035,10 @@ fn core_caller_begins_on_a_transport_that_starts_for_callers_only_where_they_rea
     assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
     assert_eq!(sn.lock().unwrap().log, ["nixl:start 1"]);
     assert!(!core.has_deferred() && !core.hand_over_deferred());
+    // The driver learns, once, that a caller started one: a wait that will not drive wakes the
+    // engine for it.
+    assert!(core.take_callers_started());
+    assert!(!core.take_callers_started());
     assert!(
         !core.engine_bound(),
         "an operation a caller's watch sees end needs no engine thread"
@@ -1060,8 +1064,8 @@ fn core_caller_start_handed_back_waits_for_the_engine_where_it_was() {
         core.hand_over_deferred(),
         "a start handed back must wake the engine at once"
     );
+    assert!(!core.take_callers_started(), "nothing was started by the caller");
     assert!(core.engine_bound());
-    // A cancel before the engine's turn finds the operation where it was: no transport had it.
     core.run_deferred();
     assert_eq!(sn.lock().unwrap().log, ["nixl:start 1", "nixl:begin 1"]);
     assert!(!core.has_deferred());

@@ -180,8 +180,9 @@ pub(crate) struct NixlTransport {
     /// writing into this process.
     slow_receiving: bool,
     /// Operations whose post failed in the transport on a caller's turn: part of each may have
-    /// been posted, so the engine thread resets the initiator (see `begin`) and fails them.
-    failed_posts: Vec<(OpId, Error)>,
+    /// been posted, so the engine thread resets the initiator (see `begin`) and fails them; their
+    /// registrations' tokens are kept until then (a transfer may still be using them).
+    failed_posts: Vec<(OpId, Error, Vec<RegToken>)>,
     /// When a peer's notification last completed one of this connector's passive operations.
     peer_notified: Option<Instant>,
     stats: EngineStats,
@@ -570,8 +571,10 @@ impl NixlTransport {
             }
         }
         if !self.failed_posts.is_empty() {
+            let failed = std::mem::take(&mut self.failed_posts);
             self.reset_initiator(None, out);
-            for (id, e) in std::mem::take(&mut self.failed_posts) {
+            for (id, e, tokens) in failed {
+                drop(tokens); // the transfer ended with the initiator
                 out.push(Event::ActiveEnded { id, result: Err(e) });
             }
         }
@@ -815,6 +818,10 @@ impl Transport for NixlTransport {
         let Some(init) = self.initiator.as_mut() else {
             return Some(spec);
         };
+        if !init.ended.is_empty() {
+            // A transfer's failure not yet settled may be this peer's.
+            return Some(spec);
+        }
         let Some(name) = init.loaded.get(&spec.peer.published).cloned() else {
             return Some(spec);
         };
@@ -872,7 +879,10 @@ impl Transport for NixlTransport {
                 id: spec.id,
                 result: Err(e),
             }),
-            Err(PostError::Transfer(e)) => self.failed_posts.push((spec.id, transfer_failed(&name, e))),
+            Err(PostError::Transfer(e)) => {
+                self.failed_posts
+                    .push((spec.id, transfer_failed(&name, e), tokens))
+            }
         }
         None
     }
@@ -882,10 +892,13 @@ impl Transport for NixlTransport {
         self.backends.iter().all(|b| b == "UCX")
     }
 
-    /// With UCX alone, while every transfer in flight is small and nothing waits for the engine
-    /// thread (an end a watch left it, a failed post, an evicted exposure).
+    /// With UCX alone, while every transfer in flight and every live exposure is small (a
+    /// large exposure's reader over TCP is served only by the engine's progress) and nothing
+    /// waits for the engine thread (an end a watch left it, a failed post, an evicted exposure).
     fn watched_by_callers(&self) -> bool {
         self.callers_may_start()
+            && self.exposer.large == 0
+            && self.retired.values().all(|e| e.large == 0)
             && self.failed_posts.is_empty()
             && self.evicted.is_empty()
             && self
