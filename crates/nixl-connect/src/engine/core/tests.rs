@@ -1052,14 +1052,26 @@ fn core_caller_begins_on_a_transport_that_starts_for_callers_only_where_they_rea
     assert_eq!(s.log, ["nixl:start 1"]);
 }
 
+/// A caller's `Begin` of operation 1 on [`starting_core`]'s probe, whose watches see nothing
+/// end: `taken` by the probe on the caller's turn, or handed back (NIXL, when something the
+/// transfer needs is not ready).
+fn caller_begun(t0: Instant, taken: bool) -> (EngineCore, Arc<Mutex<Script>>, Arc<OpState>) {
+    let (mut core, sn) = starting_core(t0);
+    core.let_callers_reach(true);
+    {
+        let mut s = sn.lock().unwrap();
+        s.starts_taken = taken;
+        s.watch_completes = false;
+    }
+    let (spec, state) = active(1, "k1");
+    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
+    (core, sn, state)
+}
+
 #[test]
 fn core_caller_start_handed_back_waits_for_the_engine_where_it_was() {
     let t0 = Instant::now();
-    let (mut core, sn) = starting_core(t0);
-    core.let_callers_reach(true);
-    sn.lock().unwrap().starts_taken = false;
-    let (spec, state) = active(1, "k1");
-    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
+    let (mut core, sn, state) = caller_begun(t0, false);
     assert!(
         core.hand_over_deferred(),
         "a start handed back must wake the engine at once"
@@ -1077,11 +1089,7 @@ fn core_caller_start_handed_back_waits_for_the_engine_where_it_was() {
 #[test]
 fn core_caller_start_handed_back_then_cancelled_is_offered_to_nobody() {
     let t0 = Instant::now();
-    let (mut core, sn) = starting_core(t0);
-    core.let_callers_reach(true);
-    sn.lock().unwrap().starts_taken = false;
-    let (spec, state) = active(1, "k1");
-    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
+    let (mut core, sn, state) = caller_begun(t0, false);
     state.finish(OperationStatus::Cancelled, None);
     core.run_deferred();
     core.handle(Cmd::Abandon { id: 1, hard: true });
@@ -1098,11 +1106,7 @@ fn core_caller_start_handed_back_then_cancelled_is_offered_to_nobody() {
 #[test]
 fn core_caller_watch_of_transfers_in_flight_runs_on_every_turn() {
     let t0 = Instant::now();
-    let (mut core, sn) = starting_core(t0);
-    core.let_callers_reach(true);
-    sn.lock().unwrap().watch_completes = false;
-    let (spec, _state) = active(1, "k1");
-    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
+    let (mut core, sn, _state) = caller_begun(t0, true);
     // In flight (`Busy`): each turn watches, however close together.
     for _ in 0..3 {
         core.turn_as_caller(t0, &[], true);
@@ -1121,11 +1125,7 @@ fn core_caller_watch_of_transfers_in_flight_runs_on_every_turn() {
 #[test]
 fn core_caller_started_operation_binds_the_engine_unless_callers_watch_it_whole() {
     let t0 = Instant::now();
-    let (mut core, sn) = starting_core(t0);
-    core.let_callers_reach(true);
-    sn.lock().unwrap().watch_completes = false;
-    let (spec, _state) = active(1, "k1");
-    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
+    let (mut core, sn, _state) = caller_begun(t0, true);
     assert!(!core.engine_bound());
     // A large transfer in flight beside it, say: callers' watches would not see it end.
     sn.lock().unwrap().watched_whole = false;
@@ -1136,4 +1136,41 @@ fn core_caller_started_operation_binds_the_engine_unless_callers_watch_it_whole(
         core.engine_bound(),
         "the engine stood down for an operation callers do not watch"
     );
+}
+
+#[test]
+fn core_caller_fallback_to_a_transport_that_starts_for_callers_is_posted_there() {
+    // The same-host path declines on the caller's turn (the peer is on another host); NIXL, which
+    // has everything ready, takes it on that turn, and from then on has it: its cancel reaches
+    // NIXL, and nothing waits for the engine thread.
+    let t0 = Instant::now();
+    let (local, sl) = probe("local", TransferPath::Local);
+    let (nixl, sn) = probe("nixl", TransferPath::Nixl);
+    {
+        let mut s = sl.lock().unwrap();
+        s.drivable = true;
+        s.decline = Some("the peer is on another host");
+    }
+    {
+        let mut s = sn.lock().unwrap();
+        s.starts = true;
+        s.starts_taken = true;
+    }
+    let mut core = EngineCore::new(vec![nixl, local], ids(&[1, 0]), MS, t0);
+    core.let_callers_reach(true);
+    let (spec, state) = active(1, "k1");
+    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
+    assert_eq!(sl.lock().unwrap().log, ["local:begin 1"]);
+    assert_eq!(sn.lock().unwrap().log, ["nixl:start 1"]);
+    assert!(
+        !core.has_deferred(),
+        "a fallback NIXL took was left to the engine"
+    );
+    assert!(core.take_callers_started());
+    core.turn_as_caller(t0, &[], false);
+    assert_eq!(state.path(), Some(TransferPath::Nixl));
+    core.handle(Cmd::Abandon { id: 1, hard: true });
+    core.turn(t0, false, &[]);
+    assert_eq!(sn.lock().unwrap().log, ["nixl:start 1", "nixl:abandon 1"]);
+    assert_eq!(state.status(), OperationStatus::Cancelled);
 }

@@ -635,6 +635,30 @@ fn small_host(ranges: &[Range]) -> bool {
             <= crate::operation::WAIT_SPIN_MAX_BYTES
 }
 
+/// Polls `init`'s transfers in flight and ends those that ended ([`finish`]), but on a caller's
+/// turn (`by_caller`) leaves to the engine thread an end that must forget or invalidate the peer
+/// (a failure, or a peer forgotten meanwhile: `Initiator::ended`). True if any ended.
+fn poll_inflight(init: &mut Initiator, by_caller: bool, out: &mut Vec<Event>) -> bool {
+    let mut any = false;
+    let mut i = 0;
+    while i < init.inflight.len() {
+        match init.agent.poll(&init.inflight[i].transfer) {
+            Ok(false) => i += 1,
+            done => {
+                let f = init.inflight.swap_remove(i);
+                any = true;
+                let callers_end = done.is_ok() && init.peers.get(&f.peer).is_some_and(|p| !p.stale);
+                if by_caller && !callers_end {
+                    init.ended.push((f, done));
+                } else {
+                    finish(init, f, done, out);
+                }
+            }
+        }
+    }
+    any
+}
+
 /// Ends transfer `f`, which a poll saw end (`done`): releases its request, and on a failure
 /// forgets its peer.
 fn finish(
@@ -943,17 +967,7 @@ impl Transport for NixlTransport {
         }
         event |= self.settle_callers(out);
         if let Some(init) = &mut self.initiator {
-            let mut i = 0;
-            while i < init.inflight.len() {
-                match init.agent.poll(&init.inflight[i].transfer) {
-                    Ok(false) => i += 1,
-                    done => {
-                        let f = init.inflight.swap_remove(i);
-                        finish(init, f, done, out);
-                        event = true;
-                    }
-                }
-            }
+            event |= poll_inflight(init, false, out);
         }
         self.slow_receiving = false;
         if self.polling() != Polling::Never {
@@ -991,30 +1005,16 @@ impl Transport for NixlTransport {
             return false;
         }
         let before = out.len();
-        let mut left = false;
+        let mut ended = false;
         if let Some(init) = self.initiator.as_mut() {
             if !init.inflight.is_empty() && init.inflight.iter().all(|f| f.small) {
-                let mut i = 0;
-                while i < init.inflight.len() {
-                    match init.agent.poll(&init.inflight[i].transfer) {
-                        Ok(false) => i += 1,
-                        done => {
-                            let f = init.inflight.swap_remove(i);
-                            if done.is_ok() && init.peers.get(&f.peer).is_some_and(|p| !p.stale) {
-                                finish(init, f, done, out);
-                            } else {
-                                init.ended.push((f, done));
-                                left = true;
-                            }
-                        }
-                    }
-                }
+                ended = poll_inflight(init, true, out);
             }
         }
         if self.exposures_watched() {
             self.drain_notifications(out);
         }
-        left || out.len() > before
+        ended || out.len() > before
     }
 
     fn did_work(&self) -> bool {
