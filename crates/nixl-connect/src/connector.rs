@@ -581,6 +581,13 @@ impl Connector {
         self.inner.engine.driven_turns()
     }
 
+    /// NIXL transfers callers posted on their turns of this connector's engine (see
+    /// `engine::driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_starts(&self) -> u64 {
+        self.inner.engine.caller_starts()
+    }
+
     /// Callers' watches of NIXL on this connector that saw a peer's completion (see
     /// `engine::driver`).
     #[cfg(any(test, feature = "testing"))]

@@ -216,10 +216,19 @@ pub mod testing {
     }
 
     /// How many times a caller's turn of `connector`'s engine, watching NIXL while the engine
-    /// stood down, saw a NIXL peer's completion of an exposed operation (see [`driven_turns`]).
-    /// For tests that check that a driving waiter sees such a peer itself.
+    /// stood down, saw something end: a NIXL peer's completion of an exposed operation, or a
+    /// transfer in flight (see [`driven_turns`]). For tests that check that a driving waiter
+    /// sees such ends itself.
     pub fn caller_watch_events(connector: &Connector) -> u64 {
         connector.caller_watch_events()
+    }
+
+    /// How many NIXL transfers callers have posted on their own threads, on their turns of
+    /// `connector`'s engine (see [`driven_turns`]): small ones whose peer NIXL had loaded, over
+    /// memory it had registered and lists it had prepared. For tests that check that a NIXL
+    /// reader's small reads skip the engine thread.
+    pub fn caller_starts(connector: &Connector) -> u64 {
+        connector.caller_starts()
     }
 
     /// How many commands callers have handled on their own threads, on their turns of

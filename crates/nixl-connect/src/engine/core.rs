@@ -10,15 +10,22 @@
 //! **Caller turns.** A caller waiting for a small operation may drive the core on its own thread
 //! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
 //! Such a turn touches only the transports that say a caller may drive them
-//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), but for three things of
-//! another's that make, register and free nothing: an exposure the publisher takes when it is only
+//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), but for four things of
+//! another's that create no agent and register, load, prepare and free no memory: an exposure the publisher takes when it is only
 //! bookkeeping ([`Transport::expose_as_caller`]: NIXL's, for memory registered and described
 //! before; otherwise the command goes back whole to the engine thread), the bookkeeping of an
-//! exposure's end ([`Transport::unexpose_as_caller`]: NIXL lets its registrations go), and, on
-//! the turns the driver allows, a watch of its exposed operations every [`WATCH_GAP`]
-//! ([`Transport::watch_as_caller`]: NIXL's notifications). It leaves to the engine thread's next
+//! exposure's end ([`Transport::unexpose_as_caller`]: NIXL lets its registrations go), and,
+//! where the driver lets callers reach such a transport ([`let_callers_reach`](EngineCore::let_callers_reach):
+//! where waits spin), an operation's start when everything it needs is ready
+//! ([`Transport::begin_as_caller`]: NIXL's post of a small transfer to a loaded peer over
+//! registered memory and prepared lists; otherwise the operation waits for the engine thread,
+//! where it was), and, on the turns the driver allows, a watch of its operations
+//! ([`Transport::watch_as_caller`]: NIXL's transfers in flight on every turn, its notifications
+//! every [`WATCH_GAP`] unless its polling asks for every turn). The engine stands down for an
+//! operation on such a transport only while callers' watches would see it end
+//! ([`Transport::watched_by_callers`], [`engine_bound`](EngineCore::engine_bound)). It leaves to the engine thread's next
 //! turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or free memory a
-//! caller must not: a hand-over to NIXL (which may create an agent), the rest of another
+//! caller must not: a start NIXL cannot make on a caller's turn (which may create an agent), the rest of another
 //! transport's end of an exposure (NIXL's may rotate an exposer or deregister memory), and the
 //! drop of an ended operation's adopted memory (whose owner may be a Python object). The driver
 //! wakes the engine at once when a caller's turn leaves a hand-over
@@ -78,8 +85,9 @@ struct Active {
 
 /// What a caller's turn left to the engine thread (see the module's docs).
 enum Deferred {
-    /// A declined operation, for the next transport of the chain (one a caller may not drive).
-    HandOver(ActiveSpec, Decline),
+    /// An operation for a transport a caller may not drive (and whose `begin_as_caller`, if
+    /// asked, handed it back): the chain's first, or the next after one declined it (why).
+    Offer(ActiveSpec, TransportId, Option<Decline>),
     /// An ended exposure's key, for the transports a caller may not drive to forget.
     Unexpose(Arc<str>),
     /// An ended operation's adopted memory, to free.
@@ -92,8 +100,18 @@ pub(crate) struct EngineCore {
     transports: Vec<Box<dyn Transport>>,
     /// Whether a caller may drive each transport ([`Transport::callers_may_drive`]).
     drivable: Vec<bool>,
+    /// Whether a caller's turn may begin operations on each transport it may not drive
+    /// ([`Transport::callers_may_start`]), where callers reach such transports at all.
+    startable: Vec<bool>,
+    /// Whether callers' turns may call into the transports they may not drive: begin there
+    /// ([`Transport::begin_as_caller`]) and watch them ([`Transport::watch_as_caller`]); only
+    /// where the connector's waits spin (see [`let_callers_reach`](Self::let_callers_reach)).
+    callers_reach: bool,
     /// True during a caller's turn.
     by_caller: bool,
+    /// A caller's turn started an operation on a transport a caller may not drive since the
+    /// driver last asked ([`take_callers_started`](Self::take_callers_started)).
+    callers_started: bool,
     /// When callers' turns last watched each transport a caller may not drive
     /// ([`Transport::watch_as_caller`]).
     watched: Vec<Option<Instant>>,
@@ -102,6 +120,10 @@ pub(crate) struct EngineCore {
     /// Callers' watches that saw something (for tests that check they do).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) watch_events: u64,
+    /// Operations callers' turns started on a transport a caller may not drive (for tests that
+    /// check they do).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) caller_starts: u64,
     /// What callers' turns left to the engine thread, in order.
     deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
@@ -149,11 +171,16 @@ impl EngineCore {
         Self {
             max_park,
             drivable: transports.iter().map(|t| t.callers_may_drive()).collect(),
+            startable: transports.iter().map(|t| t.callers_may_start()).collect(),
+            callers_reach: false,
             by_caller: false,
+            callers_started: false,
             watched: vec![None; transports.len()],
             watching: false,
             #[cfg(any(test, feature = "testing"))]
             watch_events: 0,
+            #[cfg(any(test, feature = "testing"))]
+            caller_starts: 0,
             deferred: Vec::new(),
             schedules: transports
                 .iter()
@@ -175,6 +202,14 @@ impl EngineCore {
             settles: Vec::new(),
             recording: None,
         }
+    }
+
+    /// Lets callers' turns call into the transports a caller may not drive (begin operations
+    /// there, and watch them), or not (the default): the driver's choice, where the connector's
+    /// waits spin and so drive while the engine stands down (the Python module's do not: its
+    /// turns, taken with the GIL held, call nothing of NIXL's).
+    pub(crate) fn let_callers_reach(&mut self, reach: bool) {
+        self.callers_reach = reach;
     }
 
     /// Records this engine's counters and fallbacks into `metrics` from now on.
@@ -231,8 +266,10 @@ impl EngineCore {
                     // every WATCH_GAP: a waiter that drives while the engine stands down sees a
                     // NIXL peer's completion, and serves its reads over TCP, itself. The schedule
                     // stands otherwise; the driver keeps the engine due.
+                    // Transfers in flight (`Busy`) on every turn, as a hot engine would.
                     let watched = &mut self.watched[i];
-                    if self.watching && !driven_pass && watched.is_none_or(|w| now >= w + WATCH_GAP) {
+                    let due = t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + WATCH_GAP);
+                    if self.watching && !driven_pass && due {
                         *watched = Some(now);
                         let saw = t.watch_as_caller(&mut self.events);
                         #[cfg(any(test, feature = "testing"))]
@@ -325,8 +362,9 @@ impl EngineCore {
     /// A caller's turn (see the module's docs): [`turn`](Self::turn), hot, over the transports
     /// a caller may drive.
     ///
-    /// `watch`: the turn may also watch the transports a caller may not drive (NIXL's
-    /// notifications, [`Transport::watch_as_caller`]) every [`WATCH_GAP`]; the driver allows it
+    /// `watch`: the turn may also watch the transports a caller may not drive
+    /// ([`Transport::watch_as_caller`]: NIXL's transfers and notifications), on every turn while
+    /// one's polling is [`Polling::Busy`] and every [`WATCH_GAP`] otherwise; the driver allows it
     /// only on the turns of waits that drive while the engine stands down.
     pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready], watch: bool) -> bool {
         self.by_caller = true;
@@ -399,16 +437,25 @@ impl EngineCore {
     }
 
     /// True when a caller may begin an operation: the chain's first transport is one a caller
-    /// may drive.
+    /// may drive, or one a caller's turn may begin on ([`Transport::callers_may_start`], where
+    /// callers reach it).
     pub(crate) fn callers_may_begin(&self) -> bool {
-        self.drivable[self.chain[0].index()]
+        let first = self.chain[0].index();
+        self.drivable[first] || (self.callers_reach && self.startable[first])
     }
 
     /// True when what is in flight needs the engine thread: work a caller's turn left to it, or
-    /// an active operation on a transport a caller may not drive (the engine must not stand down
-    /// for callers then). Looks at every active operation: for few in flight.
+    /// an active operation on a transport a caller may not drive and whose callers' watch would
+    /// not see it end ([`Transport::watched_by_callers`]; the engine must not stand down for
+    /// callers then). Looks at every active operation: for few in flight.
     pub(crate) fn engine_bound(&self) -> bool {
-        !self.deferred.is_empty() || self.actives.values().any(|a| !self.drivable[a.on.index()])
+        !self.deferred.is_empty()
+            || self.actives.values().any(|a| {
+                let i = a.on.index();
+                let callers_see_it_end =
+                    self.drivable[i] || (self.callers_reach && self.transports[i].watched_by_callers());
+                !callers_see_it_end
+            })
     }
 
     /// The engine thread's part of what callers' turns left (see the module's docs), in the
@@ -417,9 +464,9 @@ impl EngineCore {
         debug_assert!(!self.by_caller);
         for d in std::mem::take(&mut self.deferred) {
             match d {
-                Deferred::HandOver(spec, reason) => {
+                Deferred::Offer(spec, i, why) => {
                     let id = spec.id;
-                    self.hand_over(spec, reason);
+                    self.offer(spec, i, why);
                     let tokens = self.settle(id);
                     if !tokens.is_empty() {
                         if let Some(a) = self.actives.get(&id) {
@@ -445,11 +492,19 @@ impl EngineCore {
         self.copying.iter().any(|(st, ..)| st.is_released())
     }
 
-    /// True when callers' turns left the engine thread an operation to hand over: it waits for
-    /// the engine, which should run now. (What else they leave, the rest of NIXL's end of an
-    /// exposure or memory to free, waits for the engine's next turn.)
+    /// True when callers' turns left the engine thread an operation to begin (its fallback to
+    /// NIXL, or a start NIXL could not make on a caller's turn): it waits for the engine, which
+    /// should run now. (What else they leave, the rest of NIXL's end of an exposure or memory to
+    /// free, waits for the engine's next turn.)
     pub(crate) fn hand_over_deferred(&self) -> bool {
-        self.deferred.iter().any(|d| matches!(d, Deferred::HandOver(..)))
+        self.deferred.iter().any(|d| matches!(d, Deferred::Offer(..)))
+    }
+
+    /// True (once) when a caller's turn started an operation on a transport a caller may not
+    /// drive ([`Transport::begin_as_caller`]) since the last call: only a wait that drives, or
+    /// the engine thread, progresses it.
+    pub(crate) fn take_callers_started(&mut self) -> bool {
+        std::mem::take(&mut self.callers_started)
     }
 
     /// True when callers' turns left the engine thread work ([`run_deferred`](Self::run_deferred)).
@@ -716,11 +771,6 @@ impl EngineCore {
             .iter()
             .position(|&t| t == on)
             .and_then(|p| self.chain.get(p + 1).copied());
-        if self.by_caller && next.is_some_and(|n| !self.drivable[n.index()]) {
-            // The next transport is the engine thread's to call.
-            self.deferred.push(Deferred::HandOver(spec, reason));
-            return;
-        }
         if let Some(r) = &self.recording {
             let from = self.transports[on.index()].path();
             r.metrics
@@ -746,15 +796,48 @@ impl EngineCore {
             });
             return;
         }
+        if self.by_caller && !self.drivable[i.index()] {
+            // The engine thread's to call, but for a start the transport can make on a caller's
+            // turn (`begin_as_caller`); else the operation waits for the engine (which the
+            // driver wakes at once: `hand_over_deferred`).
+            if !(self.callers_reach && self.startable[i.index()]) {
+                self.deferred.push(Deferred::Offer(spec, i, why));
+                return;
+            }
+            let span = spec.state.span().cloned();
+            let was = self.actives.get_mut(&id).map(|a| std::mem::replace(&mut a.on, i));
+            let mut out = std::mem::take(&mut self.events);
+            let back = {
+                let _entered = span.as_ref().map(tracing::Span::enter);
+                self.transports[i.index()].begin_as_caller(spec, &mut out)
+            };
+            self.events = out;
+            match back {
+                Some(spec) => {
+                    // Not taken: the operation stays where it was until the engine offers it.
+                    if let (Some(a), Some(was)) = (self.actives.get_mut(&id), was) {
+                        a.on = was;
+                    }
+                    self.deferred.push(Deferred::Offer(spec, i, why));
+                }
+                None => {
+                    self.callers_started = true;
+                    #[cfg(any(test, feature = "testing"))]
+                    {
+                        self.caller_starts += 1;
+                    }
+                    if let Some(why) = why {
+                        log_offer(span.as_ref(), id, &why, self.transports[i.index()].path());
+                    }
+                }
+            }
+            return;
+        }
         if let Some(a) = self.actives.get_mut(&id) {
             a.on = i;
         }
-        if let Some(why) = why {
-            let to = self.transports[i.index()].path();
-            match spec.state.span() {
-                Some(sp) => sp.in_scope(|| tracing::debug!(%why, %to, "declined; offered to the next path")),
-                None => tracing::trace!(op = id, %why, %to, "offered to the next transport"),
-            }
+        if let Some(why) = &why {
+            log_offer(spec.state.span(), id, why, self.transports[i.index()].path());
         }
         let mut out = std::mem::take(&mut self.events);
         // The transport's own events about the operation go in its span.
@@ -827,6 +910,14 @@ impl EngineCore {
             }
         }
         any
+    }
+}
+
+/// Says that operation `id` went on to the path `to` after another declined it (`why`).
+fn log_offer(span: Option<&tracing::Span>, id: OpId, why: &Decline, to: crate::state::TransferPath) {
+    match span {
+        Some(sp) => sp.in_scope(|| tracing::debug!(%why, %to, "declined; offered to the next path")),
+        None => tracing::trace!(op = id, %why, %to, "offered to the next transport"),
     }
 }
 

@@ -19,11 +19,18 @@
 //!
 //! A caller's turn is the core's caller turn ([`EngineCore::turn_as_caller`]): it touches only
 //! the transports a caller may drive (same-host, loopback), but for NIXL's bookkeeping of an
-//! exposure and of its end, and a watch of NIXL's notifications on the turns of waits that drive
-//! while the engine stands down (so a NIXL peer is served and seen without the engine); what it
-//! would hand another (a declined operation's fallback to NIXL, the rest of NIXL's end of an
-//! exposure, the drop of memory whose owner may be a Python object) it leaves to the engine
-//! thread: at once for a hand-over, within [`STAND_DOWN_MAX`] (the alarm) for the rest. The
+//! exposure and of its end, and, where the connector's waits spin: the post of a small transfer
+//! whose every part NIXL has ready (peer loaded, memory registered, lists prepared), and a watch
+//! of NIXL (its transfers in flight, on every turn, and its notifications) on the turns of waits
+//! that drive while the engine stands down (so a NIXL-only reader's small reads start and end
+//! on its waiter's thread, and a NIXL peer is served and seen without the engine); what it
+//! would hand another (a start NIXL cannot make on a caller's turn, such as a fallback to a peer
+//! not yet loaded; the rest of NIXL's end of an exposure; the drop of memory whose owner may be
+//! a Python object) it leaves to the engine thread: at once for a start, within
+//! [`STAND_DOWN_MAX`] (the alarm) for the rest. A transfer a caller posted with no wait driving
+//! (on its send's turn) is progressed by the wait that follows, which drives it or, if it will
+//! not drive, wakes the engine ([`Drive::attend`]); one nobody waits for is progressed at the
+//! engine's alarm (within [`STAND_DOWN_MAX`]). The
 //! commands a caller handles ([`Drive::takes`]) are a small operation's over host memory
 //! ([`Cmd::for_a_caller`]): its [`Cmd::Begin`], its [`Cmd::Expose`] where the connector's waits
 //! spin and NIXL has registered the memory and made its metadata already (else the core hands
@@ -33,7 +40,8 @@
 //! rest still wakes it within [`STAND_DOWN_MAX`]). Callers never drive:
 //! - a connector that has seen device memory (CUDA's current context is a thread's, and a
 //!   caller's thread must keep its own);
-//! - one whose operations do not start on a transport a caller may drive (`--path nixl`);
+//! - one whose operations start on NIXL (`--path nixl`) where its waits do not spin (the Python
+//!   module's, by default), or where NIXL has a backend besides UCX;
 //! - one that deregisters memory from NIXL on completion (the revocation must come before the
 //!   status is final, on the engine thread);
 //! - a child of `fork()` (the epoll instances are the parent's too);
@@ -105,6 +113,10 @@ pub(crate) struct Drive {
     /// host, is served once NIXL is progressed); where waits do not spin (the Python module's,
     /// by default) the engine thread makes the exposure, and spins after it.
     callers_expose: bool,
+    /// A caller's turn, with no wait driving, started an operation on a transport a caller may not
+    /// drive (a NIXL transfer): until the engine's next turn, a wait that will not drive wakes
+    /// it ([`attend`](Self::attend)).
+    unattended: AtomicBool,
     /// When the sleeping engine wakes on its own, in nanoseconds from `epoch` (`u64::MAX`: not
     /// before something wakes it). Written by the engine, under the lock, before it sleeps; read
     /// by whoever would bring its wake forward with the `alarm`.
@@ -128,12 +140,15 @@ impl Drive {
     /// all (false where the connector deregisters memory on completion).
     /// `exposures`: whether callers make small exposures (the connector's waits spin).
     pub(crate) fn new(
-        core: EngineCore,
+        mut core: EngineCore,
         rx: Receiver<Cmd>,
         poller: &Poller,
         callers: bool,
         exposures: bool,
     ) -> Self {
+        // Where waits spin, callers' turns call into NIXL too: they watch it, and begin small
+        // transfers on it (a NIXL-only connector's waits then drive).
+        core.let_callers_reach(exposures);
         let callers = callers && core.callers_may_begin();
         Self {
             state: Mutex::new(Some(Driven {
@@ -153,6 +168,7 @@ impl Drive {
             turns: AtomicU64::new(0),
             commands: AtomicU64::new(0),
             callers_expose: exposures,
+            unattended: AtomicBool::new(false),
             planned: AtomicU64::new(u64::MAX),
             last_driven: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -241,6 +257,13 @@ impl Drive {
         self.lock().as_ref().map_or(0, |d| d.core.watch_events)
     }
 
+    /// Operations callers' turns started on a transport a caller may not drive (NIXL transfers
+    /// they posted).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_starts(&self) -> u64 {
+        self.lock().as_ref().map_or(0, |d| d.core.caller_starts)
+    }
+
     /// Commands callers have handled on their turns of this engine.
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn commands(&self) -> u64 {
@@ -269,6 +292,15 @@ impl Drive {
         // either it saw this wait enter, or this sees when it will wake.)
         self.bring_forward(now, STAND_DOWN_MAX);
         true
+    }
+
+    /// A wait that will not drive begins: if a caller's turn with no wait driving started an
+    /// operation that only a driving wait or the engine thread progresses (a NIXL transfer
+    /// posted on the send's turn), the engine is woken now rather than at its alarm.
+    pub(crate) fn attend(&self) {
+        if self.unattended.swap(false, Ordering::AcqRel) {
+            self.waker.wake();
+        }
     }
 
     /// A wait that [`enter`](Self::enter)ed ends; `unfinished`: its operation goes on (the wait
@@ -365,6 +397,11 @@ impl Drive {
         // taken with the GIL held, call nothing of NIXL's).
         let watch = self.callers_expose && self.gate.driven();
         event |= d.core.turn_as_caller(now, &ready, watch);
+        if d.core.take_callers_started() {
+            // Posted here (on a send's turn, say): the wait that follows drives it, or wakes the
+            // engine (`attend`).
+            self.unattended.store(true, Ordering::Release);
+        }
         d.ready = ready;
         d.ready.clear();
         self.busy.store(d.core.in_flight(), Ordering::Release);
@@ -391,6 +428,9 @@ impl Drive {
             // What callers' turns left to this thread comes before the commands sent after it
             // (an operation's cancel, say).
             d.core.run_deferred();
+            // This turn progresses what callers started.
+            self.unattended.store(false, Ordering::Release);
+            d.core.take_callers_started();
             let mut event = false;
             while let Some(cmd) = d.pending.take().or_else(|| next_cmd(&d.rx)) {
                 if let Cmd::Shutdown { within } = cmd {

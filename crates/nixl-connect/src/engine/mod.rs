@@ -181,6 +181,11 @@ impl SpinSlot {
     pub(crate) fn finished(&mut self) {
         self.finished = true;
     }
+
+    /// True when the wait drives the engine (it entered the gate).
+    pub(crate) fn drives(&self) -> bool {
+        self.drives.is_some()
+    }
 }
 
 impl Drop for SpinSlot {
@@ -479,10 +484,22 @@ impl Engine {
         self.0.drive.drive(driver::DRIVEN_MAX);
     }
 
+    /// A wait that will not drive begins: the engine is woken if a caller's turn started an
+    /// operation that only a driving wait or the engine progresses (a NIXL transfer).
+    pub(crate) fn attend(&self) {
+        self.0.drive.attend();
+    }
+
     /// Turns callers have taken of this engine (see `driver`).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn driven_turns(&self) -> u64 {
         self.0.drive.turns()
+    }
+
+    /// NIXL transfers callers' turns posted (see `driver`).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_starts(&self) -> u64 {
+        self.0.drive.caller_starts()
     }
 
     /// Callers' watches of NIXL that saw a peer's completion (see `driver`).

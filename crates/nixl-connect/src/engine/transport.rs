@@ -191,7 +191,8 @@ pub(crate) enum Polling {
     /// Every few tens of microseconds while the engine is hot: operations wait for a peer's
     /// completion message.
     Watching,
-    /// On every turn while the engine is hot: transfers are in flight.
+    /// On every turn while the engine is hot (and on every caller's turn that watches): transfers
+    /// are in flight, or (NIXL) peers complete small exposures now.
     Busy,
     /// On every turn of the engine, hot or not: it learns of its work from the descriptors it
     /// registered with the poller (the ready list) and from [`Transport::has_pending`], and it
@@ -233,9 +234,10 @@ impl Drop for CallerTurn {
 /// its own or a caller's that drives it (`driver`), so `Send`.
 pub(crate) trait Transport: Send {
     /// What a caller's turn may do of [`progress`](Self::progress), for a transport a caller may
-    /// not drive: watch its exposed operations for their peers' completions, adding what ended
-    /// to `out`, with no call that makes, registers or frees anything (NIXL drains its
-    /// notifications). True if anything happened. Nothing, by default.
+    /// not drive: watch its exposed operations for their peers' completions, and its small
+    /// transfers in flight for their ends, adding what ended to `out`, with no call that makes,
+    /// registers or frees anything but the requests of transfers that ended (NIXL drains its
+    /// notifications and polls its transfers). True if anything happened. Nothing, by default.
     fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
         let _ = out;
         false
@@ -276,6 +278,32 @@ pub(crate) trait Transport: Send {
     /// Starts an active operation. Its end (or its hand-over to the next transport) comes as an
     /// [`Event`] from this call or from a later [`progress`](Self::progress).
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>);
+
+    /// [`begin`](Self::begin) on a caller's turn, for a transport a caller may not drive that
+    /// [`callers_may_start`](Self::callers_may_start) on: the spec back, with nothing done, when
+    /// this transport needs the engine thread for it (as by default); otherwise the operation
+    /// begun (or ended) as by `begin`, with no call that makes, loads, registers or prepares
+    /// anything (NIXL's, when earlier transfers loaded the peer, registered the memory and
+    /// prepared both descriptor lists: a post). Its end then comes from a caller's
+    /// [`watch_as_caller`](Self::watch_as_caller) or the engine's [`progress`](Self::progress).
+    fn begin_as_caller(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec> {
+        let _ = out;
+        Some(spec)
+    }
+
+    /// True when a caller's turn may ask [`begin_as_caller`](Self::begin_as_caller) of this
+    /// transport, a caller may not drive (asked once, when the engine starts). False by default.
+    fn callers_may_start(&self) -> bool {
+        false
+    }
+
+    /// True when a caller's [`watch_as_caller`](Self::watch_as_caller) would see everything this
+    /// transport has in flight end (NIXL: every transfer in flight and every exposure small, UCX
+    /// alone): the engine may then stand down for the waits that drive while its operations are
+    /// in flight. False by default.
+    fn watched_by_callers(&self) -> bool {
+        false
+    }
 
     /// Stops touching `id`'s memory as soon as it can: `hard` when the owner cannot wait any
     /// longer, even at the cost of other operations of this transport. Ends (or will end) it with

@@ -60,6 +60,13 @@ async fn wait(
                 .map(|slot| (slot, std::time::Instant::now() + d)),
             _ => None,
         };
+        if let Some((engine, _)) = spin {
+            if !spinning.as_ref().is_some_and(|(slot, _)| slot.drives()) {
+                // This wait will not drive: a NIXL transfer its caller posted must not wait for
+                // the engine's alarm.
+                engine.attend();
+            }
+        }
         loop {
             let notified = state.notified();
             tokio::pin!(notified);

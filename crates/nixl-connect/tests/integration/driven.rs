@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use nixl_connect::{testing, Connector, Descriptor, PathPolicy, TransferPath, MAX_WAIT_SPIN};
 
-use super::support::{pattern, T};
+use super::support::{pattern, Peer, T};
 
 /// Two connectors whose small waits spin (and so drive) however loaded the machine is.
 fn driving_pair() -> (Connector, Connector) {
@@ -448,4 +448,127 @@ async fn driven_a_waiter_sees_a_nixl_peers_completion_itself() {
         testing::caller_watch_events(&owner) > 0,
         "in {rounds} NIXL reads of small exposures, the owner's driving waiter never saw a completion"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_nixl_readers_small_read_begins_and_ends_on_its_callers_turn() {
+    // A reader that takes NIXL only (a Rust worker reading from a Python one, or from another
+    // host): once its first read has loaded the peer, registered its buffer and prepared both
+    // descriptor lists on the engine thread, the next reads of the same buffers are posted on
+    // the caller's turn, and the waiter that drives sees them end itself (a poll of the
+    // transfer), while the reader's engine sleeps.
+    testing::keep_spinning();
+    let owner = Connector::builder().wait_spin(MAX_WAIT_SPIN).build().unwrap();
+    let reader = nixl_reader();
+    let mut src = nixl_connect::HostBuffer::from_slice(&pattern(4096, 17)).unwrap();
+    let mut dst = nixl_connect::HostBuffer::new(4096).unwrap();
+    let (mut begun, mut rounds) = (0, 0);
+    // Each round's caller may meet an engine still awake (its `Begin` then goes to the engine),
+    // and the engine's own wake (at most every millisecond behind the gate) may see a transfer
+    // end first: rounds go on until callers both began one and saw one end, up to 50.
+    while (begun == 0 || testing::caller_watch_events(&reader) == 0) && rounds < 50 {
+        for (i, b) in src.iter_mut().enumerate() {
+            *b = (i as u64 ^ rounds) as u8;
+        }
+        let want = src.to_vec();
+        let r = owner.create_readable(Descriptor::from(&mut src)).await.unwrap();
+        // The reader's engine goes to sleep: its caller takes the turn for the `Begin`.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let before = testing::caller_starts(&reader);
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(&mut dst))
+            .await
+            .unwrap();
+        if testing::caller_starts(&reader) > before {
+            begun += 1;
+        }
+        let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
+        a.unwrap();
+        b.unwrap();
+        assert_eq!(op.path(), Some(TransferPath::Nixl));
+        drop(op);
+        assert_eq!(&dst[..], &want[..], "round {rounds}: the bytes read");
+        rounds += 1;
+    }
+    assert!(
+        begun > 0,
+        "in {rounds} NIXL reads of the same buffers, no caller posted one"
+    );
+    assert!(
+        testing::caller_watch_events(&reader) > 0,
+        "in {rounds} NIXL reads of the same buffers, the reader's driving waiter never saw one end"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_a_nixl_readers_read_of_a_killed_peer_fails_typed_and_the_next_read_works() {
+    // The owner is another process, over TCP. Its exposures of one buffer publish the same agent
+    // metadata (but for the key), so after the first read the reader's next ones are posted on
+    // the caller's turn. The owner is then killed with a readable exposed: the reader's post (or
+    // its poll) fails on the caller's turn, and the engine thread must reset the initiator and
+    // fail the operation, typed, within the deadline; a new owner is then read as before.
+    testing::keep_spinning();
+    let tcp = [("UCX_TLS", super::support::tcp_tls())];
+    let reader = Connector::builder()
+        .path(PathPolicy::Nixl)
+        .wait_spin(MAX_WAIT_SPIN)
+        .ucx_param("engine_config", format!("TLS={}", super::support::tcp_tls()))
+        .build()
+        .unwrap();
+    let mut dst = nixl_connect::HostBuffer::new(4096).unwrap();
+    let want = pattern(4096, super::soundness::PAT);
+    let mut owner = Peer::spawn(super::soundness::PEER, "peer", &tcp);
+    let mut begun = 0;
+    for round in 0..4 {
+        owner.say("expose readable 4096 hostpat again");
+        let md: nixl_connect::RdmaMetadata = owner.expect("MD:").parse().unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let before = testing::caller_starts(&reader);
+        let op = reader.begin_read(&md, Descriptor::from(&mut dst)).await.unwrap();
+        begun += usize::from(testing::caller_starts(&reader) > before);
+        op.wait_for_completion(T).await.unwrap();
+        drop(op);
+        assert_eq!(&dst[..], &want[..], "round {round}");
+        owner.say("wait 5000");
+        assert_eq!(owner.expect("WAIT:"), "ok");
+    }
+    assert!(begun > 0, "no caller posted a read of the same buffers");
+    owner.say("expose readable 4096 hostpat again");
+    let md: nixl_connect::RdmaMetadata = owner.expect("MD:").parse().unwrap();
+    owner.signal(libc::SIGKILL);
+    let _ = owner.child.wait();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let t0 = Instant::now();
+    let before = testing::caller_starts(&reader);
+    let ended = match reader.begin_read(&md, Descriptor::from(&mut dst)).await {
+        Ok(op) => op.wait_for_completion(T).await,
+        Err(e) => Err(e),
+    };
+    let e = ended.expect_err("a read of a killed peer's memory completed");
+    println!("a read of a killed peer: {e} after {:?}", t0.elapsed());
+    // Its engine asleep (nothing of the reader's is exposed), the caller posted it: the failure
+    // came on the caller's path (a failed post, or a failed transfer its watch or the engine saw).
+    assert!(
+        testing::caller_starts(&reader) > before,
+        "the read of the killed peer was not posted on the caller's turn"
+    );
+    assert!(
+        matches!(
+            e.kind(),
+            nixl_connect::ErrorKind::RemoteGone | nixl_connect::ErrorKind::Interrupted
+        ),
+        "{e}"
+    );
+    // A new owner: the same reader, its connector kept, reads it.
+    let mut owner = Peer::spawn(super::soundness::PEER, "peer", &tcp);
+    owner.say("expose readable 4096 hostpat again");
+    let md: nixl_connect::RdmaMetadata = owner.expect("MD:").parse().unwrap();
+    let op = reader.begin_read(&md, Descriptor::from(&mut dst)).await.unwrap();
+    op.wait_for_completion(T).await.unwrap();
+    assert_eq!(op.path(), Some(TransferPath::Nixl));
+    drop(op);
+    assert_eq!(&dst[..], &want[..], "after the peer came back");
+    owner.say("wait 5000");
+    assert_eq!(owner.expect("WAIT:"), "ok");
+    owner.finish();
 }

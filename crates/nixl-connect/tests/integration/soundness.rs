@@ -580,14 +580,17 @@ fn support_deadline_killed() {
 }
 
 /// The seed of the peer's patterned memory (`hostpat`, `vecpat`, `write ... pat`, `check pat`).
-const PAT: u64 = 41;
+pub(crate) const PAT: u64 = 41;
 
 /// The peer process: one command per stdin line.
 ///
-/// - `expose readable|writable LEN host|vec|hostpat|vecpat`: prints `MD:<json>`, keeps the
-///   operation (`*pat`: filled with [`pattern`] (seed [`PAT`]), else 0x5A);
+/// - `expose readable|writable LEN host|vec|hostpat|vecpat [again]`: prints `MD:<json>`, keeps
+///   the operation (`*pat`: filled with [`pattern`] (seed [`PAT`]), else 0x5A; `again`: over the
+///   memory of the last `again` readable a `wait` saw complete, if any, so that its metadata is
+///   the same but for the key);
 /// - `check pat|77`: prints `CHECK:true` when the writable's memory is [`pattern`] (or all 0x77);
-/// - `wait MS`: waits for it, prints `WAIT:ok` or `WAIT:<error>`;
+/// - `wait MS`: waits for it, prints `WAIT:ok` or `WAIT:<error>` (an `again` readable that
+///   completed then gives its memory back for the next);
 /// - `drop`: drops it and its memory, prints `DROPPED`;
 /// - `read auto|nixl|local [fresh]` then a metadata line: reads it (with a fresh connector when
 ///   `fresh`), prints `STARTED` once the transfer is under way, then
@@ -608,12 +611,16 @@ fn support_sound_peer() {
         let mut lines = stdin.lock().lines();
         let mut readable = None;
         let mut writable = None;
+        let mut again = false;
+        let mut kept: Option<Descriptor<'static>> = None;
         while let Some(Ok(line)) = lines.next() {
             let w: Vec<&str> = line.split_whitespace().collect();
             match w.first().copied() {
                 Some("expose") => {
                     let len: usize = w[2].parse().unwrap();
+                    again = w.get(4) == Some(&"again");
                     let d = match w[3] {
+                        _ if again && w[1] == "readable" && kept.is_some() => kept.take().unwrap(),
                         "host" | "hostpat" => {
                             let mut b = HostBuffer::new(len).unwrap();
                             if w[3] == "host" {
@@ -646,6 +653,9 @@ fn support_sound_peer() {
                         (_, Some(w)) => w.wait_for_completion(t).await,
                         _ => Ok(()),
                     };
+                    if r.is_ok() && again {
+                        kept = readable.take().map(|r| r.into_descriptors().remove(0));
+                    }
                     println!("WAIT:{}", r.map_or_else(|e| e.to_string(), |()| "ok".into()));
                 }
                 Some("check") => {

@@ -56,6 +56,17 @@ struct Script {
     /// Takes an exposure on a caller's turn though a caller may not drive it (as NIXL does for
     /// memory it registered before: [`Transport::expose_as_caller`]).
     cached: bool,
+    /// Says a caller's turn may begin operations on it ([`Transport::callers_may_start`]; read
+    /// when the core is made).
+    starts: bool,
+    /// Takes the operations a caller's turn begins ([`Transport::begin_as_caller`]), rather
+    /// than handing them back.
+    starts_taken: bool,
+    /// A caller's watch completes the operations it took, as its progress would when `complete`.
+    watch_completes: bool,
+    /// Says a caller's watch would see everything it has in flight end
+    /// ([`Transport::watched_by_callers`]).
+    watched_whole: bool,
 }
 
 struct Probe {
@@ -210,9 +221,36 @@ impl Transport for Probe {
     fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
         let mut s = self.script.lock().unwrap();
         s.watched += 1;
-        let saw = !s.emit.is_empty();
+        let mut saw = !s.emit.is_empty();
         out.append(&mut s.emit);
+        if s.watch_completes {
+            for id in self.taken.drain(..) {
+                out.push(Event::ActiveEnded { id, result: Ok(()) });
+                saw = true;
+            }
+        }
         saw
+    }
+
+    fn begin_as_caller(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec> {
+        self.log(format!("start {}", spec.id));
+        if !self.script.lock().unwrap().starts_taken {
+            return Some(spec);
+        }
+        out.push(Event::PathTaken {
+            id: spec.id,
+            path: self.path,
+        });
+        self.taken.push(spec.id);
+        None
+    }
+
+    fn callers_may_start(&self) -> bool {
+        self.script.lock().unwrap().starts
+    }
+
+    fn watched_by_callers(&self) -> bool {
+        self.script.lock().unwrap().watched_whole
     }
 }
 
@@ -965,4 +1003,174 @@ fn core_caller_turn_watches_nixl_every_watch_gap_and_ends_what_it_sees() {
         .unwrap()
         .log
         .ends_with(&["nixl:unexpose k1".to_string()]));
+}
+
+/// A core over one NIXL-like probe that a caller may not drive but may begin on (as NIXL, when
+/// the peer is loaded, the memory registered and both lists prepared), with transfers in flight
+/// polled on every turn (`Busy`) and a caller's watch that sees them end.
+fn starting_core(t0: Instant) -> (EngineCore, Arc<Mutex<Script>>) {
+    let (nixl, sn) = probe("nixl", TransferPath::Nixl);
+    {
+        let mut s = sn.lock().unwrap();
+        s.polling = Some(Polling::Busy);
+        s.starts = true;
+        s.starts_taken = true;
+        s.watch_completes = true;
+        s.watched_whole = true;
+    }
+    (EngineCore::new(vec![nixl], ids(&[0]), MS, t0), sn)
+}
+
+#[test]
+fn core_caller_begins_on_a_transport_that_starts_for_callers_only_where_they_reach_it() {
+    let t0 = Instant::now();
+    let (mut core, sn) = starting_core(t0);
+    assert!(
+        !core.callers_may_begin(),
+        "callers may begin on NIXL where the driver did not let them reach it (waits that do not spin)"
+    );
+    core.let_callers_reach(true);
+    assert!(core.callers_may_begin());
+    let (spec, state) = active(1, "k1");
+    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
+    assert_eq!(sn.lock().unwrap().log, ["nixl:start 1"]);
+    assert!(!core.has_deferred() && !core.hand_over_deferred());
+    // The driver learns, once, that a caller started one: a wait that will not drive wakes the
+    // engine for it.
+    assert!(core.take_callers_started());
+    assert!(!core.take_callers_started());
+    assert!(
+        !core.engine_bound(),
+        "an operation a caller's watch sees end needs no engine thread"
+    );
+    // The caller's turn that may watch sees it end; NIXL's own progress is never called.
+    core.turn_as_caller(t0, &[], true);
+    assert_eq!(state.status(), OperationStatus::Complete);
+    assert_eq!(state.path(), Some(TransferPath::Nixl));
+    let s = sn.lock().unwrap();
+    assert_eq!((s.watched, s.progressed), (1, 0));
+    assert_eq!(s.log, ["nixl:start 1"]);
+}
+
+/// A caller's `Begin` of operation 1 on [`starting_core`]'s probe, whose watches see nothing
+/// end: `taken` by the probe on the caller's turn, or handed back (NIXL, when something the
+/// transfer needs is not ready).
+fn caller_begun(t0: Instant, taken: bool) -> (EngineCore, Arc<Mutex<Script>>, Arc<OpState>) {
+    let (mut core, sn) = starting_core(t0);
+    core.let_callers_reach(true);
+    {
+        let mut s = sn.lock().unwrap();
+        s.starts_taken = taken;
+        s.watch_completes = false;
+    }
+    let (spec, state) = active(1, "k1");
+    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
+    (core, sn, state)
+}
+
+#[test]
+fn core_caller_start_handed_back_waits_for_the_engine_where_it_was() {
+    let t0 = Instant::now();
+    let (mut core, sn, state) = caller_begun(t0, false);
+    assert!(
+        core.hand_over_deferred(),
+        "a start handed back must wake the engine at once"
+    );
+    assert!(!core.take_callers_started(), "nothing was started by the caller");
+    assert!(core.engine_bound());
+    core.run_deferred();
+    assert_eq!(sn.lock().unwrap().log, ["nixl:start 1", "nixl:begin 1"]);
+    assert!(!core.has_deferred());
+    sn.lock().unwrap().complete = true;
+    core.turn(t0, true, &[]);
+    assert_eq!(state.status(), OperationStatus::Complete);
+}
+
+#[test]
+fn core_caller_start_handed_back_then_cancelled_is_offered_to_nobody() {
+    let t0 = Instant::now();
+    let (mut core, sn, state) = caller_begun(t0, false);
+    state.finish(OperationStatus::Cancelled, None);
+    core.run_deferred();
+    core.handle(Cmd::Abandon { id: 1, hard: true });
+    core.turn(t0, false, &[]);
+    // (Its abandon reaches the chain's first transport, which never had it: nothing to stop.)
+    assert!(
+        !sn.lock().unwrap().log.iter().any(|l| l.starts_with("nixl:begin")),
+        "a cancelled operation the transport handed back was begun there: {:?}",
+        sn.lock().unwrap().log
+    );
+    assert!(state.is_released());
+}
+
+#[test]
+fn core_caller_watch_of_transfers_in_flight_runs_on_every_turn() {
+    let t0 = Instant::now();
+    let (mut core, sn, _state) = caller_begun(t0, true);
+    // In flight (`Busy`): each turn watches, however close together.
+    for _ in 0..3 {
+        core.turn_as_caller(t0, &[], true);
+    }
+    assert_eq!(sn.lock().unwrap().watched, 3);
+    // Only exposures waiting (`Watching`): once per WATCH_GAP.
+    sn.lock().unwrap().polling = Some(Polling::Watching);
+    for _ in 0..3 {
+        core.turn_as_caller(t0 + MS, &[], true);
+    }
+    assert_eq!(sn.lock().unwrap().watched, 4);
+    core.turn_as_caller(t0 + MS + WATCH_GAP, &[], true);
+    assert_eq!(sn.lock().unwrap().watched, 5);
+}
+
+#[test]
+fn core_caller_started_operation_binds_the_engine_unless_callers_watch_it_whole() {
+    let t0 = Instant::now();
+    let (mut core, sn, _state) = caller_begun(t0, true);
+    assert!(!core.engine_bound());
+    // A large transfer in flight beside it, say: callers' watches would not see it end.
+    sn.lock().unwrap().watched_whole = false;
+    assert!(core.engine_bound());
+    sn.lock().unwrap().watched_whole = true;
+    core.let_callers_reach(false);
+    assert!(
+        core.engine_bound(),
+        "the engine stood down for an operation callers do not watch"
+    );
+}
+
+#[test]
+fn core_caller_fallback_to_a_transport_that_starts_for_callers_is_posted_there() {
+    // The same-host path declines on the caller's turn (the peer is on another host); NIXL, which
+    // has everything ready, takes it on that turn, and from then on has it: its cancel reaches
+    // NIXL, and nothing waits for the engine thread.
+    let t0 = Instant::now();
+    let (local, sl) = probe("local", TransferPath::Local);
+    let (nixl, sn) = probe("nixl", TransferPath::Nixl);
+    {
+        let mut s = sl.lock().unwrap();
+        s.drivable = true;
+        s.decline = Some("the peer is on another host");
+    }
+    {
+        let mut s = sn.lock().unwrap();
+        s.starts = true;
+        s.starts_taken = true;
+    }
+    let mut core = EngineCore::new(vec![nixl, local], ids(&[1, 0]), MS, t0);
+    core.let_callers_reach(true);
+    let (spec, state) = active(1, "k1");
+    assert!(core.handle_as_caller(Cmd::Begin { spec }).is_none());
+    assert_eq!(sl.lock().unwrap().log, ["local:begin 1"]);
+    assert_eq!(sn.lock().unwrap().log, ["nixl:start 1"]);
+    assert!(
+        !core.has_deferred(),
+        "a fallback NIXL took was left to the engine"
+    );
+    assert!(core.take_callers_started());
+    core.turn_as_caller(t0, &[], false);
+    assert_eq!(state.path(), Some(TransferPath::Nixl));
+    core.handle(Cmd::Abandon { id: 1, hard: true });
+    core.turn(t0, false, &[]);
+    assert_eq!(sn.lock().unwrap().log, ["nixl:start 1", "nixl:abandon 1"]);
+    assert_eq!(state.status(), OperationStatus::Cancelled);
 }

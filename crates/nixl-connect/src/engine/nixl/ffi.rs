@@ -307,10 +307,13 @@ pub(crate) struct Prepared {
 
 // SAFETY: a prepared list is a handle into its agent's state, used (and dropped) only through its
 // agent's owner, the engine's NIXL transport. The engine's state sits behind a lock that callers
-// driving it take too (`engine::driver`), so it must be `Send`. A caller's turn uses no prepared
-// list: of the NIXL transport it reaches only an exposure's bookkeeping and a watch of the
-// exposers' notifications (`getNotifs`, which progresses the exposer's UCX worker), with UCX the
-// only backend. That an agent may be used from any thread, one at a time, holds there: the agent
+// driving it take too (`engine::driver`), so it must be `Send`. A caller's turn, with UCX the only
+// backend, uses the initiator's prepared lists to post a small transfer (`createXferReq` over
+// them, `postXferReq`), polls its transfers (`getXferStatus`, which progresses the initiator's
+// UCX worker), releases the requests of those that ended, and drains the exposers'
+// notifications (`getNotifs`, which progresses theirs); it never prepares, registers or
+// destroys anything else. That an agent may be used from any thread, one
+// at a time, holds there: the agent
 // is created with `ThreadSync::None` and no progress thread, for which NIXL's UCX backend makes
 // its context `mt_type` SINGLE and so its workers `UCS_THREAD_MODE_SERIALIZED` (any thread, one
 // at a time; NIXL's `ucx_utils`), and the lock orders each use after the last (nixl-sys also takes

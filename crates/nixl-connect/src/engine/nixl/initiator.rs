@@ -10,7 +10,7 @@ use super::ffi::{NixlAgent, Prepared, Transfer};
 use super::registry::Registry;
 use super::{MAX_IDLE_PEERS, MAX_LOADED, MAX_LOADED_BYTES};
 use crate::engine::transport::{ActiveSpec, OpId};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorSource, Result};
 use crate::reg::{Range, RegToken};
 use crate::stats::EngineStats;
 
@@ -28,6 +28,10 @@ pub(super) struct Inflight {
     pub(super) peer: Arc<str>,
     pub(super) transfer: Transfer,
     pub(super) _tokens: Vec<RegToken>,
+    /// Host memory of at most [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES): a caller's
+    /// watch may poll it (a poll progresses the initiator's UCX worker, which sends what there is
+    /// to send).
+    pub(super) small: bool,
 }
 
 pub(super) struct Initiator {
@@ -41,6 +45,10 @@ pub(super) struct Initiator {
     pub(super) local_prep: HashMap<Vec<Range>, Prepared>,
     pub(super) remote_prep: HashMap<(Arc<str>, Vec<Range>), Prepared>,
     pub(super) inflight: Vec<Inflight>,
+    /// Transfers a caller's watch saw end whose end the engine thread completes (a failure,
+    /// which forgets the peer; or a peer forgotten meanwhile, which NIXL must invalidate), with
+    /// what the poll said.
+    pub(super) ended: Vec<(Inflight, std::result::Result<bool, ErrorSource>)>,
 }
 
 impl Drop for Initiator {
@@ -48,6 +56,7 @@ impl Drop for Initiator {
         // Requests, then prepared lists, then registrations, then the agent: destroying the agent's
         // UCX worker ends every transfer still running, so nothing touches the memory afterwards.
         self.inflight.clear();
+        self.ended.clear();
         self.local_prep.clear();
         self.remote_prep.clear();
         self.regs.map.clear();

@@ -83,6 +83,13 @@ const ACTIVITY: Duration = Duration::from_micros(25);
 /// for work would keep an idle writable's engine waking every 20 us.
 const RECEIVING: Duration = Duration::from_micros(10);
 
+/// How long after a NIXL peer last completed one of this connector's operations its small
+/// exposures are watched on every hot turn, not every `WATCH_GAP`: peers that read or write
+/// through NIXL now are likely to go on, and each watch that comes late delays them (over TCP,
+/// a read is served only when this side progresses UCX). Past it, a connector whose peers take
+/// the same-host path pays no NIXL call on most turns.
+const PEERS_HOT: Duration = Duration::from_millis(10);
+
 /// The CPU time this thread has used so far (zero if the clock cannot be read).
 fn thread_cpu_time() -> Duration {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
@@ -100,6 +107,9 @@ struct Exposer {
     md_cache: HashMap<Vec<u64>, Arc<str>>,
     /// Live passive operations: their keys and registrations.
     live: HashMap<Arc<str>, Vec<Arc<RegInner>>>,
+    /// How many of the live operations expose more than
+    /// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) (a caller's turn does not watch them).
+    large: usize,
     /// The keys of the live operations that are writables: peers may be moving bytes into this
     /// process.
     writables: HashSet<Arc<str>>,
@@ -132,6 +142,7 @@ impl Exposer {
             conn_md,
             md_cache: HashMap::new(),
             live: HashMap::new(),
+            large: 0,
             writables: HashSet::new(),
             quarantine: Vec::new(),
             quarantined: 0,
@@ -168,6 +179,12 @@ pub(crate) struct NixlTransport {
     /// The last progress call's drain used CPU time (see [`RECEIVING`]) while a peer may have been
     /// writing into this process.
     slow_receiving: bool,
+    /// Operations whose post failed in the transport on a caller's turn: part of each may have
+    /// been posted, so the engine thread resets the initiator (see `begin`) and fails them; their
+    /// registrations' tokens are kept until then (a transfer may still be using them).
+    failed_posts: Vec<(OpId, Error, Vec<RegToken>)>,
+    /// When a peer's notification last completed one of this connector's passive operations.
+    peer_notified: Option<Instant>,
     stats: EngineStats,
 }
 
@@ -215,6 +232,8 @@ impl NixlTransport {
             evicted: Vec::new(),
             recheck: false,
             slow_receiving: false,
+            failed_posts: Vec::new(),
+            peer_notified: None,
             stats: EngineStats::default(),
         })
     }
@@ -341,10 +360,13 @@ impl NixlTransport {
                 event = true;
                 let key = String::from_utf8_lossy(&msg);
                 match e.live.get_key_value(&*key) {
-                    Some((k, _)) => out.push(Event::PassiveCompleted {
-                        key: k.clone(),
-                        path: TransferPath::Nixl,
-                    }),
+                    Some((k, _)) => {
+                        out.push(Event::PassiveCompleted {
+                            key: k.clone(),
+                            path: TransferPath::Nixl,
+                        });
+                        self.peer_notified = Some(Instant::now());
+                    }
                     None => {
                         tracing::debug!(from = %from, key = %key, "notification for no live operation")
                     }
@@ -361,7 +383,9 @@ impl NixlTransport {
         let gen = self.exposer_gen_of(key)?;
         self.exposer_of(gen).and_then(|e| {
             e.writables.remove(key);
-            e.live.remove(key)
+            let regs = e.live.remove(key)?;
+            e.large -= usize::from(large(&regs));
+            Some(regs)
         })
     }
 
@@ -392,6 +416,7 @@ impl NixlTransport {
                 local_prep: HashMap::new(),
                 remote_prep: HashMap::new(),
                 inflight: Vec::new(),
+                ended: Vec::new(),
             });
         }
         Ok(self.initiator.as_mut().expect("just made"))
@@ -447,7 +472,10 @@ impl NixlTransport {
         out: &mut Exposure,
     ) {
         out.tokens.extend(regs.iter().map(|t| RegToken::new(t.clone())));
-        self.exposer.live.insert(spec.key.clone(), regs);
+        self.exposer.large += usize::from(large(&regs));
+        if let Some(old) = self.exposer.live.insert(spec.key.clone(), regs) {
+            self.exposer.large -= usize::from(large(&old));
+        }
         if spec.kind == OperationKind::Write {
             self.exposer.writables.insert(spec.key.clone());
         }
@@ -512,6 +540,7 @@ impl NixlTransport {
                         peer: name,
                         transfer: t,
                         _tokens: tokens.clone(),
+                        small: small_host(&spec.local),
                     }),
                     tokens,
                 ))
@@ -523,10 +552,44 @@ impl NixlTransport {
         }
     }
 
+    /// True when operations are exposed and every live one is small: a caller's turn may watch
+    /// the exposers (see `watch_as_caller`).
+    fn exposures_watched(&self) -> bool {
+        !(self.exposer.live.is_empty() && self.retired.is_empty())
+            && self.exposer.large == 0
+            && self.retired.values().all(|e| e.large == 0)
+    }
+
+    /// The engine thread's part of what callers' turns left: the ends of transfers a watch saw
+    /// end that need it, then, if a post failed, the initiator's reset and those operations'
+    /// failures. True if anything ended.
+    fn settle_callers(&mut self, out: &mut Vec<Event>) -> bool {
+        let before = out.len();
+        if let Some(init) = &mut self.initiator {
+            for (f, done) in std::mem::take(&mut init.ended) {
+                finish(init, f, done, out);
+            }
+        }
+        if !self.failed_posts.is_empty() {
+            let failed = std::mem::take(&mut self.failed_posts);
+            self.reset_initiator(None, out);
+            for (id, e, tokens) in failed {
+                drop(tokens); // the transfer ended with the initiator
+                out.push(Event::ActiveEnded { id, result: Err(e) });
+            }
+        }
+        out.len() > before
+    }
+
     /// Destroys the initiator: every transfer it posted ends now (`id` as cancelled, the others
     /// as interrupted).
     fn reset_initiator(&mut self, id: Option<OpId>, out: &mut Vec<Event>) {
-        let Some(init) = self.initiator.take() else { return };
+        let Some(mut init) = self.initiator.take() else {
+            return;
+        };
+        for (f, done) in std::mem::take(&mut init.ended) {
+            finish(&mut init, f, done, out);
+        }
         tracing::warn!(
             agent = %init.agent.name(),
             in_flight = init.inflight.len(),
@@ -553,6 +616,68 @@ impl NixlTransport {
 
 fn overlap(a: &Range, b: &Range) -> bool {
     a.device == b.device && a.addr < b.addr + b.len && b.addr < a.addr + a.len
+}
+
+/// True when an exposure's registrations cover more than
+/// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) in all.
+fn large(regs: &[Arc<RegInner>]) -> bool {
+    regs.iter()
+        .map(|t| t.range.len)
+        .fold(0usize, usize::saturating_add)
+        > crate::operation::WAIT_SPIN_MAX_BYTES
+}
+
+/// Host memory of at most [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) in all: what a
+/// caller's turn may post and poll.
+fn small_host(ranges: &[Range]) -> bool {
+    ranges.iter().all(|r| r.device == crate::device::Device::Host)
+        && ranges.iter().map(|r| r.len).fold(0usize, usize::saturating_add)
+            <= crate::operation::WAIT_SPIN_MAX_BYTES
+}
+
+/// Polls `init`'s transfers in flight and ends those that ended ([`finish`]), but on a caller's
+/// turn (`by_caller`) leaves to the engine thread an end that must forget or invalidate the peer
+/// (a failure, or a peer forgotten meanwhile: `Initiator::ended`). True if any ended.
+fn poll_inflight(init: &mut Initiator, by_caller: bool, out: &mut Vec<Event>) -> bool {
+    let mut any = false;
+    let mut i = 0;
+    while i < init.inflight.len() {
+        match init.agent.poll(&init.inflight[i].transfer) {
+            Ok(false) => i += 1,
+            done => {
+                let f = init.inflight.swap_remove(i);
+                any = true;
+                let callers_end = done.is_ok() && init.peers.get(&f.peer).is_some_and(|p| !p.stale);
+                if by_caller && !callers_end {
+                    init.ended.push((f, done));
+                } else {
+                    finish(init, f, done, out);
+                }
+            }
+        }
+    }
+    any
+}
+
+/// Ends transfer `f`, which a poll saw end (`done`): releases its request, and on a failure
+/// forgets its peer.
+fn finish(
+    init: &mut Initiator,
+    f: Inflight,
+    done: std::result::Result<bool, ErrorSource>,
+    out: &mut Vec<Event>,
+) {
+    let (id, peer) = (f.id, f.peer.clone());
+    drop(f); // releases the request
+    init.unref(&peer);
+    let result = match done {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            init.forget_peer(&peer);
+            Err(transfer_failed(&peer, e))
+        }
+    };
+    out.push(Event::ActiveEnded { id, result });
 }
 
 /// Why a transfer did not start.
@@ -587,10 +712,11 @@ fn ranges_and_ids(regs: &[Arc<RegInner>]) -> Vec<(Range, u64)> {
 }
 
 /// NIXL is the engine thread's: this transport says callers may not drive it, and its methods
-/// check in debug builds that they do not run on a caller's turn, but for the three a caller's
-/// turn reaches: `expose_as_caller` and `unexpose_as_caller` (lookups and bookkeeping, nothing of
-/// NIXL's called) and `watch_as_caller` (NIXL's `getNotifs` on the exposers, while exposures are
-/// small, with UCX alone: see `ffi::Prepared`'s `Send`).
+/// check in debug builds that they do not run on a caller's turn, but for those a caller's turn
+/// reaches: `expose_as_caller` and `unexpose_as_caller` (lookups and bookkeeping, nothing of
+/// NIXL's called), and, with UCX alone, `begin_as_caller` (a post of a small transfer over what
+/// is loaded, registered and prepared already) and `watch_as_caller` (polls of small transfers
+/// and `getNotifs` on the exposers while exposures are small): see `ffi::Prepared`'s `Send`.
 fn engine_thread_only() {
     debug_assert!(
         !crate::engine::on_a_callers_turn(),
@@ -661,6 +787,8 @@ impl Transport for NixlTransport {
 
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
         engine_thread_only();
+        // A post that failed on a caller's turn resets the initiator before anything new uses it.
+        self.settle_callers(out);
         out.push(Event::PathTaken {
             id: spec.id,
             path: TransferPath::Nixl,
@@ -701,6 +829,108 @@ impl Transport for NixlTransport {
         }
     }
 
+    /// On a caller's turn, a small transfer of host memory whose every part is ready: the peer
+    /// loaded (and not forgotten), the local memory registered with the initiator, both
+    /// descriptor lists prepared. Then NIXL is called to post it (`createXferReq` over the
+    /// prepared lists, `postXferReq`), and nothing is made, loaded, registered or prepared; a
+    /// post that fails in the transport leaves the initiator's reset, and the operation's
+    /// failure, to the engine thread (`settle_callers`). Otherwise the spec back, nothing done.
+    fn begin_as_caller(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec> {
+        if !self.callers_may_start() || !self.failed_posts.is_empty() || !small_host(&spec.local) {
+            return Some(spec);
+        }
+        let Some(init) = self.initiator.as_mut() else {
+            return Some(spec);
+        };
+        if !init.ended.is_empty() {
+            // A transfer's failure not yet settled may be this peer's.
+            return Some(spec);
+        }
+        let Some(name) = init.loaded.get(&spec.peer.published).cloned() else {
+            return Some(spec);
+        };
+        if init.peers.get(&name).is_none_or(|p| p.stale) {
+            return Some(spec);
+        }
+        let rkey = (name.clone(), spec.remote.clone());
+        let (Some(lp), Some(rp)) = (init.local_prep.get(&spec.local), init.remote_prep.get(&rkey)) else {
+            return Some(spec);
+        };
+        let Some(tokens) = spec
+            .local
+            .iter()
+            .map(|r| init.regs.covering(r).map(|(t, _)| RegToken::new(t)))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return Some(spec);
+        };
+        out.push(Event::PathTaken {
+            id: spec.id,
+            path: TransferPath::Nixl,
+        });
+        self.stats.registration_hits += tokens.len() as u64;
+        // A panic inside the bindings fails this operation, as on the engine thread.
+        let posted = contain("start transfer", || {
+            Ok(init.agent.post_prepared(spec.write, lp, rp, spec.key.as_bytes()))
+        })
+        .unwrap_or_else(|e| Err(PostError::Local(e)));
+        if !matches!(posted, Err(PostError::Local(_))) {
+            self.stats.transfers += 1;
+        }
+        match posted {
+            Ok(None) => {
+                out.push(Event::Registered { id: spec.id, tokens });
+                out.push(Event::ActiveEnded {
+                    id: spec.id,
+                    result: Ok(()),
+                });
+            }
+            Ok(Some(t)) => {
+                if let Some(p) = init.peers.get_mut(&name) {
+                    p.refs += 1;
+                    p.last_used = Instant::now();
+                }
+                init.inflight.push(Inflight {
+                    id: spec.id,
+                    peer: name,
+                    transfer: t,
+                    _tokens: tokens.clone(),
+                    small: true,
+                });
+                out.push(Event::Registered { id: spec.id, tokens });
+            }
+            Err(PostError::Local(e)) => out.push(Event::ActiveEnded {
+                id: spec.id,
+                result: Err(e),
+            }),
+            Err(PostError::Transfer(e)) => {
+                self.failed_posts
+                    .push((spec.id, transfer_failed(&name, e), tokens))
+            }
+        }
+        None
+    }
+
+    /// With UCX as the one backend (see `watch_as_caller`).
+    fn callers_may_start(&self) -> bool {
+        self.backends.iter().all(|b| b == "UCX")
+    }
+
+    /// With UCX alone, while every transfer in flight and every live exposure is small (a
+    /// large exposure's reader over TCP is served only by the engine's progress) and nothing
+    /// waits for the engine thread (an end a watch left it, a failed post, an evicted exposure).
+    fn watched_by_callers(&self) -> bool {
+        self.callers_may_start()
+            && self.exposer.large == 0
+            && self.retired.values().all(|e| e.large == 0)
+            && self.failed_posts.is_empty()
+            && self.evicted.is_empty()
+            && self
+                .initiator
+                .as_ref()
+                .is_none_or(|i| i.ended.is_empty() && i.inflight.iter().all(|f| f.small))
+    }
+
     fn abandon(&mut self, id: OpId, hard: bool, out: &mut Vec<Event>) {
         engine_thread_only();
         let in_flight = self
@@ -735,28 +965,9 @@ impl Transport for NixlTransport {
             });
             event = true;
         }
+        event |= self.settle_callers(out);
         if let Some(init) = &mut self.initiator {
-            let mut i = 0;
-            while i < init.inflight.len() {
-                match init.agent.poll(&init.inflight[i].transfer) {
-                    Ok(false) => i += 1,
-                    done => {
-                        let f = init.inflight.swap_remove(i);
-                        let (id, peer) = (f.id, f.peer.clone());
-                        drop(f); // releases the request
-                        init.unref(&peer);
-                        let result = match done {
-                            Ok(_) => Ok(()),
-                            Err(e) => {
-                                init.forget_peer(&peer);
-                                Err(transfer_failed(&peer, e))
-                            }
-                        };
-                        out.push(Event::ActiveEnded { id, result });
-                        event = true;
-                    }
-                }
-            }
+            event |= poll_inflight(init, false, out);
         }
         self.slow_receiving = false;
         if self.polling() != Polling::Never {
@@ -775,35 +986,35 @@ impl Transport for NixlTransport {
         busy
     }
 
-    /// On a caller's turn, while operations are exposed: each exposer's notifications drained
+    /// On a caller's turn: the initiator's transfers in flight polled, while every one is small
+    /// (NIXL's `getXferStatus`, which progresses the initiator's UCX worker), and, while
+    /// operations are exposed and every one is small, each exposer's notifications drained
     /// (NIXL's `getNotifs`, which progresses its UCX worker: over TCP, that serves a peer's read
-    /// of the exposed memory). A call into NIXL, but no agent made, no memory registered or
-    /// freed, and short: the waiter that drives sees a NIXL peer's completion itself, and serves
-    /// its reads, while the engine stands down.
+    /// of the exposed memory). Calls into NIXL, but no agent made, no memory registered or
+    /// freed, and short: the waiter that drives sees its transfer's end, and a NIXL peer's
+    /// completion, itself, and serves a peer's reads, while the engine stands down. A transfer's
+    /// end that must forget or invalidate its peer (a failure, a peer forgotten meanwhile) is
+    /// left to the engine thread (`settle_callers`).
     ///
-    /// Only while every live exposure is small (a UCX progress serves what is there to serve: a
-    /// large one's read over TCP would run on the caller's thread, under the lock), and only with
-    /// UCX alone (the one backend whose progress from any thread, one at a time, this relies on:
-    /// see `ffi::Prepared`'s `Send`). True if an operation completed.
+    /// Only while what a progress would move is small (a UCX progress moves what there is to
+    /// move: a large transfer over TCP would run on the caller's thread, under the lock), and
+    /// only with UCX alone (the one backend whose progress from any thread, one at a time, this
+    /// relies on: see `ffi::Prepared`'s `Send`). True if anything ended.
     fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
-        let small = |e: &Exposer| {
-            e.live.values().all(|regs| {
-                regs.iter()
-                    .map(|t| t.range.len)
-                    .fold(0usize, usize::saturating_add)
-                    <= crate::operation::WAIT_SPIN_MAX_BYTES
-            })
-        };
-        if self.backends.iter().any(|b| b != "UCX")
-            || (self.exposer.live.is_empty() && self.retired.is_empty())
-            || !small(&self.exposer)
-            || !self.retired.values().all(small)
-        {
+        if !self.callers_may_start() {
             return false;
         }
         let before = out.len();
-        self.drain_notifications(out);
-        out.len() > before
+        let mut ended = false;
+        if let Some(init) = self.initiator.as_mut() {
+            if !init.inflight.is_empty() && init.inflight.iter().all(|f| f.small) {
+                ended = poll_inflight(init, true, out);
+            }
+        }
+        if self.exposures_watched() {
+            self.drain_notifications(out);
+        }
+        ended || out.len() > before
     }
 
     fn did_work(&self) -> bool {
@@ -811,7 +1022,10 @@ impl Transport for NixlTransport {
     }
 
     fn has_pending(&self) -> bool {
-        self.recheck || !self.evicted.is_empty()
+        self.recheck
+            || !self.evicted.is_empty()
+            || !self.failed_posts.is_empty()
+            || self.initiator.as_ref().is_some_and(|i| !i.ended.is_empty())
     }
 
     fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
@@ -854,7 +1068,18 @@ impl Transport for NixlTransport {
     }
 
     fn polling(&self) -> Polling {
-        if !self.evicted.is_empty() || self.initiator.as_ref().is_some_and(|i| !i.inflight.is_empty()) {
+        if !self.evicted.is_empty()
+            || !self.failed_posts.is_empty()
+            || self
+                .initiator
+                .as_ref()
+                .is_some_and(|i| !i.inflight.is_empty() || !i.ended.is_empty())
+        {
+            Polling::Busy
+        } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PEERS_HOT) {
+            // Small passive operations wait for their notification, and NIXL peers complete them
+            // now: on every hot turn (and every caller's turn that watches), as a peer spinning
+            // on NIXL would, since over TCP this side's progress also serves a peer's read.
             Polling::Busy
         } else if !self.exposer.live.is_empty() || !self.retired.is_empty() {
             // Passive operations wait for their notification.

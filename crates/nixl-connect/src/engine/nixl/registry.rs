@@ -59,6 +59,22 @@ impl Registry {
         self.map.get(&key_of(r)).and_then(|e| e.token.upgrade())
     }
 
+    /// The initiator's live registration containing `r`, and its range, if any: no call into
+    /// NIXL (a caller's turn may look).
+    pub(super) fn covering(&self, r: &Range) -> Option<(Arc<RegInner>, Range)> {
+        debug_assert!(self.side == Side::Initiator);
+        let k = key_of(r);
+        let (lo, hi) = ((k.0, k.1, 0, 0), (k.0, k.1, r.addr, usize::MAX));
+        // The registrations starting at or before r, nearest first: one of them contains r if
+        // any does (32 candidates is plenty for registrations that do not overlap much).
+        self.map
+            .range(lo..=hi)
+            .rev()
+            .take(32)
+            .filter(|(_, e)| e.range.addr + e.range.len >= r.addr + r.len)
+            .find_map(|(_, e)| e.token.upgrade().map(|t| (t, e.range)))
+    }
+
     /// A live registration containing `r` (exposer side: of exactly `r`, since per-operation
     /// metadata publishes the whole registration and its key reaches all of it), or a new one of
     /// exactly `r`.
@@ -77,18 +93,9 @@ impl Registry {
                 stats.registration_hits += 1;
                 return Ok((t, r));
             }
-        } else {
-            let (lo, hi) = ((k.0, k.1, 0, 0), (k.0, k.1, r.addr, usize::MAX));
-            // The registrations starting at or before r, nearest first: one of them contains r if
-            // any does (32 candidates is plenty for registrations that do not overlap much).
-            for (_, e) in self.map.range(lo..=hi).rev().take(32) {
-                if e.range.addr + e.range.len >= r.addr + r.len {
-                    if let Some(t) = e.token.upgrade() {
-                        stats.registration_hits += 1;
-                        return Ok((t, e.range));
-                    }
-                }
-            }
+        } else if let Some(hit) = self.covering(&r) {
+            stats.registration_hits += 1;
+            return Ok(hit);
         }
         // A dead entry of exactly this range may still have its deregistration queued: replace it
         // now (the queued command then finds another id and does nothing); the initiator drops
