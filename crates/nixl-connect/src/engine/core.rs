@@ -821,6 +821,13 @@ impl EngineCore {
                     self.deferred.push(Deferred::Offer(spec, i, why));
                 }
                 None => {
+                    debug_assert!(
+                        self.events.iter().any(|e| matches!(
+                            e,
+                            Event::PathTaken { id: i, .. } | Event::ActiveEnded { id: i, .. } if *i == id
+                        )),
+                        "a transport took an operation on a caller's turn and said nothing of it"
+                    );
                     self.callers_started = true;
                     #[cfg(any(test, feature = "testing"))]
                     {

@@ -6,12 +6,14 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::ffi::{NixlAgent, Prepared, Transfer};
-use super::registry::Registry;
-use super::{MAX_IDLE_PEERS, MAX_LOADED, MAX_LOADED_BYTES};
-use crate::engine::transport::{ActiveSpec, OpId};
+use super::ffi::{NixlAgent, PostError, Prepared, Transfer};
+use super::registry::{Mail, Registry};
+use super::{contain, overlap, MAX_IDLE_PEERS, MAX_LOADED, MAX_LOADED_BYTES, MAX_PREPARED};
+use crate::engine::cmd::Mailbox;
+use crate::engine::transport::{ActiveSpec, Event, OpId};
 use crate::error::{Error, ErrorSource, Result};
 use crate::reg::{Range, RegToken};
+use crate::state::TransferPath;
 use crate::stats::EngineStats;
 
 pub(super) struct Peer {
@@ -191,4 +193,220 @@ impl Initiator {
         self.evict_idle();
         Ok(name)
     }
+}
+
+impl Initiator {
+    /// Starts `spec`'s transfer on the engine thread: registers its memory, loads the peer and
+    /// prepares both descriptor lists where that was not done before, then posts. The transfer in
+    /// flight (none if it ended at once) and the registrations' tokens.
+    pub(super) fn start(
+        &mut self,
+        spec: &ActiveSpec,
+        mailbox: &Mailbox<Mail>,
+        stats: &mut EngineStats,
+    ) -> std::result::Result<(Option<Inflight>, Vec<RegToken>), StartError> {
+        let mut tokens = Vec::with_capacity(spec.local.len());
+        for r in &spec.local {
+            let mut replaced = None;
+            tokens.push(
+                self.regs
+                    .get(&self.agent, *r, mailbox, stats, &mut replaced)
+                    .map(|(t, _)| RegToken::new(t))?,
+            );
+            if let Some(old) = replaced {
+                self.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
+            }
+        }
+        let name = self.load(spec, stats)?;
+        if self.local_prep.len() > MAX_PREPARED {
+            self.local_prep.clear();
+        }
+        if self.remote_prep.len() > MAX_PREPARED {
+            self.remote_prep.clear();
+        }
+        if !self.local_prep.contains_key(&spec.local) {
+            let p = self.agent.prepare(None, &spec.local)?;
+            self.local_prep.insert(spec.local.clone(), p);
+        }
+        let rkey = (name.clone(), spec.remote.clone());
+        if !self.remote_prep.contains_key(&rkey) {
+            let p = self.agent.prepare(Some(&name), &rkey.1)?;
+            self.remote_prep.insert(rkey.clone(), p);
+        }
+        let (lp, rp) = (&self.local_prep[&spec.local], &self.remote_prep[&rkey]);
+        let posted = self.agent.post_prepared(spec.write, lp, rp, spec.key.as_bytes());
+        if !matches!(posted, Err(PostError::Local(_))) {
+            stats.transfers += 1;
+        }
+        match posted {
+            Ok(None) => Ok((None, tokens)),
+            Ok(Some(t)) => {
+                if let Some(p) = self.peers.get_mut(&name) {
+                    p.refs += 1;
+                    p.last_used = Instant::now();
+                }
+                Ok((
+                    Some(Inflight {
+                        id: spec.id,
+                        peer: name,
+                        transfer: t,
+                        _tokens: tokens.clone(),
+                        small: small_host(&spec.local),
+                    }),
+                    tokens,
+                ))
+            }
+            Err(PostError::Local(e)) => Err(StartError::Failed(e)),
+            // Part of the transfer may have been posted before the failure, and releasing the
+            // request does not stop it: only destroying the initiator does (see `begin`).
+            Err(PostError::Transfer(e)) => Err(StartError::Posted(transfer_failed(&name, e))),
+        }
+    }
+
+    /// On a caller's turn, posts `spec`'s small transfer of host memory if every part of it is
+    /// ready: the peer loaded (and not forgotten), the local memory inside a live registration,
+    /// both descriptor lists prepared, no transfer's end waiting for the engine thread. `None`,
+    /// with nothing done, otherwise. Its events go to `out`; a post that failed in the transport
+    /// comes back with its error and its registrations' tokens (part of it may have been posted:
+    /// the engine thread must reset the initiator before the tokens go).
+    pub(super) fn post_as_caller(
+        &mut self,
+        spec: &ActiveSpec,
+        stats: &mut EngineStats,
+        out: &mut Vec<Event>,
+    ) -> Option<std::result::Result<(), (Error, Vec<RegToken>)>> {
+        if !self.ended.is_empty() {
+            // A transfer's failure not yet settled may be this peer's.
+            return None;
+        }
+        let name = self.loaded.get(&spec.peer.published).cloned()?;
+        if self.peers.get(&name).is_none_or(|p| p.stale) {
+            return None;
+        }
+        let rkey = (name.clone(), spec.remote.clone());
+        let (lp, rp) = (self.local_prep.get(&spec.local)?, self.remote_prep.get(&rkey)?);
+        let tokens = spec
+            .local
+            .iter()
+            .map(|r| self.regs.covering(r).map(|(t, _)| RegToken::new(t)))
+            .collect::<Option<Vec<_>>>()?;
+        out.push(Event::PathTaken {
+            id: spec.id,
+            path: TransferPath::Nixl,
+        });
+        stats.registration_hits += tokens.len() as u64;
+        // A panic inside the bindings fails this operation, as on the engine thread.
+        let posted = contain("start transfer", || {
+            Ok(self.agent.post_prepared(spec.write, lp, rp, spec.key.as_bytes()))
+        })
+        .unwrap_or_else(|e| Err(PostError::Local(e)));
+        if !matches!(posted, Err(PostError::Local(_))) {
+            stats.transfers += 1;
+        }
+        match posted {
+            Ok(None) => {
+                out.push(Event::Registered { id: spec.id, tokens });
+                out.push(Event::ActiveEnded {
+                    id: spec.id,
+                    result: Ok(()),
+                });
+            }
+            Ok(Some(t)) => {
+                if let Some(p) = self.peers.get_mut(&name) {
+                    p.refs += 1;
+                    p.last_used = Instant::now();
+                }
+                self.inflight.push(Inflight {
+                    id: spec.id,
+                    peer: name,
+                    transfer: t,
+                    _tokens: tokens.clone(),
+                    small: true,
+                });
+                out.push(Event::Registered { id: spec.id, tokens });
+            }
+            Err(PostError::Local(e)) => out.push(Event::ActiveEnded {
+                id: spec.id,
+                result: Err(e),
+            }),
+            Err(PostError::Transfer(e)) => return Some(Err((transfer_failed(&name, e), tokens))),
+        }
+        Some(Ok(()))
+    }
+
+    /// Polls the transfers in flight and ends those that ended ([`finish`](Self::finish)), but
+    /// on a caller's turn (`by_caller`) leaves to the engine thread an end that must forget or
+    /// invalidate the peer (a failure, or a peer forgotten meanwhile: `ended`). True if any ended.
+    pub(super) fn poll_inflight(&mut self, by_caller: bool, out: &mut Vec<Event>) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.inflight.len() {
+            match self.agent.poll(&self.inflight[i].transfer) {
+                Ok(false) => i += 1,
+                done => {
+                    let f = self.inflight.swap_remove(i);
+                    any = true;
+                    let callers_end = done.is_ok() && self.peers.get(&f.peer).is_some_and(|p| !p.stale);
+                    if by_caller && !callers_end {
+                        self.ended.push((f, done));
+                    } else {
+                        self.finish(f, done, out);
+                    }
+                }
+            }
+        }
+        any
+    }
+
+    /// Ends transfer `f`, which a poll saw end (`done`): releases its request, and on a failure
+    /// forgets its peer.
+    pub(super) fn finish(
+        &mut self,
+        f: Inflight,
+        done: std::result::Result<bool, ErrorSource>,
+        out: &mut Vec<Event>,
+    ) {
+        let (id, peer) = (f.id, f.peer.clone());
+        drop(f); // releases the request
+        self.unref(&peer);
+        let result = match done {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                self.forget_peer(&peer);
+                Err(transfer_failed(&peer, e))
+            }
+        };
+        out.push(Event::ActiveEnded { id, result });
+    }
+}
+
+/// Why a transfer did not start.
+pub(super) enum StartError {
+    /// Nothing was posted.
+    Failed(Error),
+    /// The post failed in the transport: part of it may have been posted.
+    Posted(Error),
+}
+
+impl From<Error> for StartError {
+    fn from(e: Error) -> Self {
+        StartError::Failed(e)
+    }
+}
+
+/// A transfer's failure in UCX, as the operation's error.
+pub(super) fn transfer_failed(peer: &str, e: ErrorSource) -> Error {
+    Error::RemoteGone {
+        agent: peer.to_string(),
+        reason: "the transfer failed in UCX: the peer's process exited or its connection broke".into(),
+        source: Some(e),
+    }
+}
+
+/// Host memory of at most [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) in all: what a
+/// caller's turn may post and poll.
+pub(super) fn small_host(ranges: &[Range]) -> bool {
+    ranges.iter().all(|r| r.device == crate::device::Device::Host)
+        && ranges.iter().map(|r| r.len).fold(0usize, usize::saturating_add)
+            <= crate::operation::WAIT_SPIN_MAX_BYTES
 }

@@ -28,12 +28,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use self::encoding::encode as encode_agent_metadata;
-use self::ffi::{NixlAgent, PostError};
-use self::initiator::{Inflight, Initiator};
+use self::ffi::NixlAgent;
+use self::initiator::{small_host, Initiator, StartError};
 use self::registry::{key_of, Mail, RegInner, Registry, Side};
 use super::cmd::Mailbox;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
-use crate::error::{Error, ErrorSource, Result};
+use crate::error::{Error, Result};
 use crate::metadata::OperationKind;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::TransferPath;
@@ -54,7 +54,7 @@ const MAX_LOADED: usize = 4096;
 /// peer is forgotten: what peers send cannot pin more than about this much here.
 const MAX_LOADED_BYTES: usize = 64 << 20;
 /// Prepared descriptor lists kept per side before the cache is cleared.
-const MAX_PREPARED: usize = 1024;
+pub(super) const MAX_PREPARED: usize = 1024;
 /// Per-operation metadata strings kept for reuse.
 const MAX_MD_CACHE: usize = 4096;
 /// Registration tokens that memory given up after NIXL exposed it keeps, per exposing agent: the
@@ -89,6 +89,31 @@ const RECEIVING: Duration = Duration::from_micros(10);
 /// a read is served only when this side progresses UCX). Past it, a connector whose peers take
 /// the same-host path pays no NIXL call on most turns.
 const PEERS_HOT: Duration = Duration::from_millis(10);
+
+/// The least time between two warnings of one kind of repeated failure ([`Throttle`]).
+const WARN_GAP: Duration = Duration::from_secs(1);
+
+/// Counts a repeated failure and says when to warn of it: the first time, then at most once per
+/// [`WARN_GAP`], with the count so far.
+#[derive(Default)]
+struct Throttle {
+    count: u64,
+    warned: Option<Instant>,
+}
+
+impl Throttle {
+    /// One more failure at `now`: the count so far if a warning is due.
+    fn note(&mut self, now: Instant) -> Option<u64> {
+        self.count += 1;
+        let due = self
+            .warned
+            .is_none_or(|t| now.saturating_duration_since(t) >= WARN_GAP);
+        due.then(|| {
+            self.warned = Some(now);
+            self.count
+        })
+    }
+}
 
 /// The CPU time this thread has used so far (zero if the clock cannot be read).
 fn thread_cpu_time() -> Duration {
@@ -185,6 +210,9 @@ pub(crate) struct NixlTransport {
     failed_posts: Vec<(OpId, Error, Vec<RegToken>)>,
     /// When a peer's notification last completed one of this connector's passive operations.
     peer_notified: Option<Instant>,
+    /// Failed drains of the exposers' notifications, warned of at most once per [`WARN_GAP`]
+    /// (a caller's watch may drain on every turn).
+    drain_failures: Throttle,
     stats: EngineStats,
 }
 
@@ -234,6 +262,7 @@ impl NixlTransport {
             slow_receiving: false,
             failed_posts: Vec::new(),
             peer_notified: None,
+            drain_failures: Throttle::default(),
             stats: EngineStats::default(),
         })
     }
@@ -354,7 +383,14 @@ impl NixlTransport {
         let mut buf = std::mem::take(&mut self.notif_buf);
         for e in std::iter::once(&self.exposer).chain(self.retired.values()) {
             if let Err(err) = e.agent.notifications(&mut buf) {
-                tracing::warn!(error = %err, "draining NIXL notifications failed");
+                if let Some(failures) = self.drain_failures.note(Instant::now()) {
+                    tracing::warn!(
+                        error = %err,
+                        failures,
+                        "draining NIXL notifications failed (warned at most once a second; \
+                         `failures` counts every failure so far)"
+                    );
+                }
             }
             for (from, msg) in buf.drain(..) {
                 event = true;
@@ -484,74 +520,6 @@ impl NixlTransport {
         out.identity = self.exposer.identity;
     }
 
-    fn start(
-        &mut self,
-        spec: &ActiveSpec,
-    ) -> std::result::Result<(Option<Inflight>, Vec<RegToken>), StartError> {
-        let mailbox = self.mailbox.clone();
-        let stats = &mut self.stats;
-        let init = match self.initiator.as_mut() {
-            Some(i) => i,
-            None => return Err(StartError::Failed(Error::EngineStopped)),
-        };
-        let mut tokens = Vec::with_capacity(spec.local.len());
-        for r in &spec.local {
-            let mut replaced = None;
-            tokens.push(
-                init.regs
-                    .get(&init.agent, *r, &mailbox, stats, &mut replaced)
-                    .map(|(t, _)| RegToken::new(t))?,
-            );
-            if let Some(old) = replaced {
-                init.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
-            }
-        }
-        let name = init.load(spec, stats)?;
-        if init.local_prep.len() > MAX_PREPARED {
-            init.local_prep.clear();
-        }
-        if init.remote_prep.len() > MAX_PREPARED {
-            init.remote_prep.clear();
-        }
-        if !init.local_prep.contains_key(&spec.local) {
-            let p = init.agent.prepare(None, &spec.local)?;
-            init.local_prep.insert(spec.local.clone(), p);
-        }
-        let rkey = (name.clone(), spec.remote.clone());
-        if !init.remote_prep.contains_key(&rkey) {
-            let p = init.agent.prepare(Some(&name), &rkey.1)?;
-            init.remote_prep.insert(rkey.clone(), p);
-        }
-        let (lp, rp) = (&init.local_prep[&spec.local], &init.remote_prep[&rkey]);
-        let posted = init.agent.post_prepared(spec.write, lp, rp, spec.key.as_bytes());
-        if !matches!(posted, Err(PostError::Local(_))) {
-            stats.transfers += 1;
-        }
-        match posted {
-            Ok(None) => Ok((None, tokens)),
-            Ok(Some(t)) => {
-                if let Some(p) = init.peers.get_mut(&name) {
-                    p.refs += 1;
-                    p.last_used = Instant::now();
-                }
-                Ok((
-                    Some(Inflight {
-                        id: spec.id,
-                        peer: name,
-                        transfer: t,
-                        _tokens: tokens.clone(),
-                        small: small_host(&spec.local),
-                    }),
-                    tokens,
-                ))
-            }
-            Err(PostError::Local(e)) => Err(StartError::Failed(e)),
-            // Part of the transfer may have been posted before the failure, and releasing the
-            // request does not stop it: only destroying the initiator does (see `begin`).
-            Err(PostError::Transfer(e)) => Err(StartError::Posted(transfer_failed(&name, e))),
-        }
-    }
-
     /// True when operations are exposed and every live one is small: a caller's turn may watch
     /// the exposers (see `watch_as_caller`).
     fn exposures_watched(&self) -> bool {
@@ -567,7 +535,7 @@ impl NixlTransport {
         let before = out.len();
         if let Some(init) = &mut self.initiator {
             for (f, done) in std::mem::take(&mut init.ended) {
-                finish(init, f, done, out);
+                init.finish(f, done, out);
             }
         }
         if !self.failed_posts.is_empty() {
@@ -588,7 +556,7 @@ impl NixlTransport {
             return;
         };
         for (f, done) in std::mem::take(&mut init.ended) {
-            finish(&mut init, f, done, out);
+            init.finish(f, done, out);
         }
         tracing::warn!(
             agent = %init.agent.name(),
@@ -614,7 +582,7 @@ impl NixlTransport {
     }
 }
 
-fn overlap(a: &Range, b: &Range) -> bool {
+pub(super) fn overlap(a: &Range, b: &Range) -> bool {
     a.device == b.device && a.addr < b.addr + b.len && b.addr < a.addr + a.len
 }
 
@@ -625,81 +593,6 @@ fn large(regs: &[Arc<RegInner>]) -> bool {
         .map(|t| t.range.len)
         .fold(0usize, usize::saturating_add)
         > crate::operation::WAIT_SPIN_MAX_BYTES
-}
-
-/// Host memory of at most [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) in all: what a
-/// caller's turn may post and poll.
-fn small_host(ranges: &[Range]) -> bool {
-    ranges.iter().all(|r| r.device == crate::device::Device::Host)
-        && ranges.iter().map(|r| r.len).fold(0usize, usize::saturating_add)
-            <= crate::operation::WAIT_SPIN_MAX_BYTES
-}
-
-/// Polls `init`'s transfers in flight and ends those that ended ([`finish`]), but on a caller's
-/// turn (`by_caller`) leaves to the engine thread an end that must forget or invalidate the peer
-/// (a failure, or a peer forgotten meanwhile: `Initiator::ended`). True if any ended.
-fn poll_inflight(init: &mut Initiator, by_caller: bool, out: &mut Vec<Event>) -> bool {
-    let mut any = false;
-    let mut i = 0;
-    while i < init.inflight.len() {
-        match init.agent.poll(&init.inflight[i].transfer) {
-            Ok(false) => i += 1,
-            done => {
-                let f = init.inflight.swap_remove(i);
-                any = true;
-                let callers_end = done.is_ok() && init.peers.get(&f.peer).is_some_and(|p| !p.stale);
-                if by_caller && !callers_end {
-                    init.ended.push((f, done));
-                } else {
-                    finish(init, f, done, out);
-                }
-            }
-        }
-    }
-    any
-}
-
-/// Ends transfer `f`, which a poll saw end (`done`): releases its request, and on a failure
-/// forgets its peer.
-fn finish(
-    init: &mut Initiator,
-    f: Inflight,
-    done: std::result::Result<bool, ErrorSource>,
-    out: &mut Vec<Event>,
-) {
-    let (id, peer) = (f.id, f.peer.clone());
-    drop(f); // releases the request
-    init.unref(&peer);
-    let result = match done {
-        Ok(_) => Ok(()),
-        Err(e) => {
-            init.forget_peer(&peer);
-            Err(transfer_failed(&peer, e))
-        }
-    };
-    out.push(Event::ActiveEnded { id, result });
-}
-
-/// Why a transfer did not start.
-enum StartError {
-    /// Nothing was posted.
-    Failed(Error),
-    /// The post failed in the transport: part of it may have been posted.
-    Posted(Error),
-}
-
-impl From<Error> for StartError {
-    fn from(e: Error) -> Self {
-        StartError::Failed(e)
-    }
-}
-
-fn transfer_failed(peer: &str, e: ErrorSource) -> Error {
-    Error::RemoteGone {
-        agent: peer.to_string(),
-        reason: "the transfer failed in UCX: the peer's process exited or its connection broke".into(),
-        source: Some(e),
-    }
 }
 
 /// The registrations' ranges and ids, sorted and deduplicated: what their metadata is made from
@@ -801,7 +694,9 @@ impl Transport for NixlTransport {
             return;
         }
         // A panic inside the bindings fails this operation instead of the engine.
-        let r = contain("start transfer", || Ok(self.start(&spec)))
+        let (mailbox, stats) = (&self.mailbox, &mut self.stats);
+        let init = self.initiator.as_mut().expect("made above");
+        let r = contain("start transfer", || Ok(init.start(&spec, mailbox, stats)))
             .unwrap_or_else(|e| Err(StartError::Failed(e)));
         if let Ok((_, tokens)) = &r {
             out.push(Event::Registered {
@@ -842,71 +737,10 @@ impl Transport for NixlTransport {
         let Some(init) = self.initiator.as_mut() else {
             return Some(spec);
         };
-        if !init.ended.is_empty() {
-            // A transfer's failure not yet settled may be this peer's.
-            return Some(spec);
-        }
-        let Some(name) = init.loaded.get(&spec.peer.published).cloned() else {
-            return Some(spec);
-        };
-        if init.peers.get(&name).is_none_or(|p| p.stale) {
-            return Some(spec);
-        }
-        let rkey = (name.clone(), spec.remote.clone());
-        let (Some(lp), Some(rp)) = (init.local_prep.get(&spec.local), init.remote_prep.get(&rkey)) else {
-            return Some(spec);
-        };
-        let Some(tokens) = spec
-            .local
-            .iter()
-            .map(|r| init.regs.covering(r).map(|(t, _)| RegToken::new(t)))
-            .collect::<Option<Vec<_>>>()
-        else {
-            return Some(spec);
-        };
-        out.push(Event::PathTaken {
-            id: spec.id,
-            path: TransferPath::Nixl,
-        });
-        self.stats.registration_hits += tokens.len() as u64;
-        // A panic inside the bindings fails this operation, as on the engine thread.
-        let posted = contain("start transfer", || {
-            Ok(init.agent.post_prepared(spec.write, lp, rp, spec.key.as_bytes()))
-        })
-        .unwrap_or_else(|e| Err(PostError::Local(e)));
-        if !matches!(posted, Err(PostError::Local(_))) {
-            self.stats.transfers += 1;
-        }
-        match posted {
-            Ok(None) => {
-                out.push(Event::Registered { id: spec.id, tokens });
-                out.push(Event::ActiveEnded {
-                    id: spec.id,
-                    result: Ok(()),
-                });
-            }
-            Ok(Some(t)) => {
-                if let Some(p) = init.peers.get_mut(&name) {
-                    p.refs += 1;
-                    p.last_used = Instant::now();
-                }
-                init.inflight.push(Inflight {
-                    id: spec.id,
-                    peer: name,
-                    transfer: t,
-                    _tokens: tokens.clone(),
-                    small: true,
-                });
-                out.push(Event::Registered { id: spec.id, tokens });
-            }
-            Err(PostError::Local(e)) => out.push(Event::ActiveEnded {
-                id: spec.id,
-                result: Err(e),
-            }),
-            Err(PostError::Transfer(e)) => {
-                self.failed_posts
-                    .push((spec.id, transfer_failed(&name, e), tokens))
-            }
+        match init.post_as_caller(&spec, &mut self.stats, out) {
+            None => return Some(spec),
+            Some(Ok(())) => {}
+            Some(Err((e, tokens))) => self.failed_posts.push((spec.id, e, tokens)),
         }
         None
     }
@@ -967,7 +801,7 @@ impl Transport for NixlTransport {
         }
         event |= self.settle_callers(out);
         if let Some(init) = &mut self.initiator {
-            event |= poll_inflight(init, false, out);
+            event |= init.poll_inflight(false, out);
         }
         self.slow_receiving = false;
         if self.polling() != Polling::Never {
@@ -1008,7 +842,7 @@ impl Transport for NixlTransport {
         let mut ended = false;
         if let Some(init) = self.initiator.as_mut() {
             if !init.inflight.is_empty() && init.inflight.iter().all(|f| f.small) {
-                ended = poll_inflight(init, true, out);
+                ended = init.poll_inflight(true, out);
             }
         }
         if self.exposures_watched() {
@@ -1096,7 +930,7 @@ impl Transport for NixlTransport {
 
 /// Runs `f`, turning a panic inside it (nixl-sys unwraps, for example on a remote agent name that
 /// is not UTF-8) into an error for the one caller instead of a dead engine.
-fn contain<T>(op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+pub(super) fn contain<T>(op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
         let msg = p
             .downcast_ref::<&str>()
@@ -1109,4 +943,27 @@ fn contain<T>(op: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
             source: None,
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::{Throttle, WARN_GAP};
+
+    #[test]
+    fn nixl_repeated_failures_warn_once_per_gap_and_count_every_one() {
+        let t0 = Instant::now();
+        let mut th = Throttle::default();
+        assert_eq!(th.note(t0), Some(1), "the first failure warns");
+        for k in 1..1000u32 {
+            assert_eq!(th.note(t0 + Duration::from_micros(u64::from(k) * 5)), None);
+        }
+        assert_eq!(
+            th.note(t0 + WARN_GAP),
+            Some(1001),
+            "a gap later, with every failure counted"
+        );
+        assert_eq!(th.note(t0 + WARN_GAP), None);
+    }
 }
