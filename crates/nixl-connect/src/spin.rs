@@ -35,6 +35,18 @@
 //! off would have let a tenth of them pay it at ten a second. A balance whose last overrun (or
 //! time off) ended more than [`FORGET_AFTER`] ago starts again from nothing.
 //!
+//! A second rule ends one spin, not spinning: two spinning threads on one core. Each turn's yield
+//! then runs the other thread's turn (ten microseconds on the 2-core VM, where a yield with the
+//! core to itself takes 0.4), so each thread waits out the other's turn at every turn of its
+//! own, while another core may sit idle: a scheduler does not move a thread that ran within the
+//! last half millisecond ("cache hot"), and these two run every ten microseconds. Measured on the
+//! 2-core VM: a third of the same-host benchmark's runs had both processes' waiters on one core,
+//! alternating turn for turn, for the whole run, at 34-37 us a read where the others took 20-23
+//! (docs/FIGURES.md, twenty-sixth session). So a spin whose last [`SHARED_TURNS_TO_STOP`] yields
+//! each took longer than [`SHARED_TURN`] ends ([`yield_core`] says so): its thread parks, the
+//! thread left spins alone, and the parked one, woken, is placed on a free core if there is one.
+//! The next spin starts as usual. With that rule, 12 runs in 12 had no such mode.
+//!
 //! The state is per thread: a core is what a yield finds busy, and a thread mostly stays on its
 //! core, while another thread of the process may have one to itself. `Seen` is the rule with no
 //! clock or thread of its own, tested with made-up times.
@@ -63,6 +75,14 @@ const PROBE_ROOM: Duration = Duration::from_millis(2);
 /// A balance whose last overrun (or time off) ended longer ago than this is forgotten.
 pub const FORGET_AFTER: Duration = Duration::from_secs(5);
 
+/// A yield that took longer than this ran another thread's turn on this core (a yield with the
+/// core to itself takes under a microsecond: 0.4 us on the 2-core VM).
+pub const SHARED_TURN: Duration = Duration::from_micros(2);
+
+/// A spin whose last this many yields each ran another thread's turn ends (see the module's
+/// docs): two threads spinning on one core.
+pub const SHARED_TURNS_TO_STOP: u32 = 8;
+
 /// What one thread's yields have shown: the rule, without a clock (times are passed in).
 #[derive(Clone, Copy, Debug)]
 struct Seen {
@@ -74,6 +94,8 @@ struct Seen {
     off_until: Option<Instant>,
     /// How long the next time off lasts.
     off_for: Duration,
+    /// The last yields in a row that each ran another thread's turn.
+    shared: u32,
 }
 
 impl Seen {
@@ -82,6 +104,7 @@ impl Seen {
         last: None,
         off_until: None,
         off_for: CONTENDED_FOR,
+        shared: 0,
     };
 
     /// Whether spinning is on at `now` (clearing a time off that is over).
@@ -97,6 +120,11 @@ impl Seen {
 
     /// Counts a yield that took `took` and ended `at`.
     fn yielded(&mut self, took: Duration, at: Instant) {
+        self.shared = if took > SHARED_TURN {
+            self.shared.saturating_add(1)
+        } else {
+            0
+        };
         if took <= YIELD_OVERRUN {
             if !self.lost.is_zero() {
                 self.lost = self.lost.saturating_sub(took);
@@ -127,11 +155,23 @@ impl Seen {
     }
 }
 
+impl Seen {
+    /// Whether the spin that made the last yields should end because another thread spins on the
+    /// same core: [`SHARED_TURNS_TO_STOP`] yields in a row ran its turns. Counting starts anew.
+    fn shares_core(&mut self) -> bool {
+        let shared = self.shared >= SHARED_TURNS_TO_STOP;
+        if shared {
+            self.shared = 0;
+        }
+        shared
+    }
+}
+
 thread_local! {
     static SEEN: Cell<Seen> = const { Cell::new(Seen::NEW) };
 }
 
-/// Set by [`keep_spinning`]: spins never turn off.
+/// Set by [`keep_spinning`]: spins never turn off, nor end beside another spinning thread.
 static KEEP_SPINNING: AtomicBool = AtomicBool::new(false);
 
 /// Whether a spin of this thread should start (or go on) now: false for [`CONTENDED_FOR`] after
@@ -148,20 +188,24 @@ pub fn worthwhile() -> bool {
 }
 
 /// Gives this thread's core away once (`sched_yield`), as a spinning thread's turn does, and
-/// times it. Returns whether spinning is still [`worthwhile`]: false once this thread's yields
-/// have lost enough to turn its spins off, and the caller should stop spinning.
+/// times it. Returns whether this spin should go on: false once this thread's yields have lost
+/// enough to turn its spins off (and [`worthwhile`] says no), and false once its last
+/// [`SHARED_TURNS_TO_STOP`] yields each ran another thread's turn on this core (this spin
+/// ends; the next may start). Either way the caller stops spinning and parks.
 pub fn yield_core() -> bool {
     let start = Instant::now();
     std::thread::yield_now();
     let back = Instant::now();
     let mut seen = SEEN.get();
     seen.yielded(back.saturating_duration_since(start), back);
+    let shared = seen.shares_core() && !KEEP_SPINNING.load(Ordering::Relaxed);
     SEEN.set(seen);
-    worthwhile()
+    !shared && worthwhile()
 }
 
-/// Makes every spin of this process go on as if no yield ever overran, for tests that check how
-/// spins behave and must not depend on how loaded the machine running them is.
+/// Makes every spin of this process go on as if no yield ever overran or ran another thread's
+/// turn, for tests that check how spins behave and must not depend on how loaded the machine
+/// running them is.
 #[cfg(any(test, feature = "testing"))]
 pub(crate) fn keep_spinning() {
     KEEP_SPINNING.store(true, Ordering::Relaxed);
@@ -172,6 +216,9 @@ mod tests {
     use super::*;
 
     const SLICE: Duration = Duration::from_millis(4); // a CPU-bound process's slice at 250 Hz
+
+    /// Held by the tests that pin threads to this process's first core, one at a time.
+    static ONE_CORE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     #[test]
     fn spin_overruns_beside_a_hog_turn_spins_off_however_far_apart() {
@@ -283,6 +330,82 @@ mod tests {
     }
 
     #[test]
+    fn spin_turn_for_turn_with_another_thread_ends_the_spin_not_spinning() {
+        let t0 = Instant::now();
+        let mut seen = Seen::NEW;
+        // Another spinning thread's turn at each yield (ten microseconds on the 2-core VM).
+        let turn = Duration::from_micros(10);
+        for i in 1..SHARED_TURNS_TO_STOP {
+            seen.yielded(turn, t0);
+            assert!(!seen.shares_core(), "{i} shared turns");
+        }
+        seen.yielded(turn, t0);
+        assert!(
+            seen.shares_core(),
+            "{SHARED_TURNS_TO_STOP} shared turns end the spin"
+        );
+        assert!(seen.on(t0), "spinning itself stays on: the next spin starts");
+        assert!(!seen.shares_core(), "counting starts anew");
+        // One yield with the core to itself breaks the run.
+        for _ in 1..SHARED_TURNS_TO_STOP {
+            seen.yielded(turn, t0);
+        }
+        seen.yielded(Duration::from_nanos(400), t0);
+        seen.yielded(turn, t0);
+        assert!(!seen.shares_core());
+        // Yields as long as the bound are not shared turns; a burst of our own engine's work is.
+        let mut quick = Seen::NEW;
+        for _ in 0..1_000 {
+            quick.yielded(SHARED_TURN, t0);
+            assert!(!quick.shares_core());
+        }
+        assert_eq!(quick.lost, Duration::ZERO);
+    }
+
+    #[test]
+    fn spin_two_spinning_threads_on_one_core_end_a_spin() {
+        // Two threads held on one core, each spinning until its spin ends: one of them ends it
+        // by the shared-turn rule (its spins stay on), long before spins could turn off.
+        use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+        use nix::unistd::Pid;
+        use std::sync::Arc;
+
+        let _one = ONE_CORE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let cores = sched_getaffinity(Pid::from_raw(0)).unwrap();
+        let cpu = (0..CpuSet::count())
+            .find(|&c| cores.is_set(c).unwrap_or(false))
+            .unwrap();
+        let mut one = CpuSet::new();
+        one.set(cpu).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let spinner = |stop: Arc<AtomicBool>| {
+            std::thread::spawn(move || {
+                sched_setaffinity(Pid::from_raw(0), &one).unwrap();
+                let deadline = Instant::now() + Duration::from_secs(10);
+                let mut yields = 0u64;
+                while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                    yields += 1;
+                    if !yield_core() {
+                        stop.store(true, Ordering::Relaxed);
+                        return Some((yields, worthwhile()));
+                    }
+                }
+                None
+            })
+        };
+        let (a, b) = (spinner(stop.clone()), spinner(stop.clone()));
+        let ended: Vec<_> = [a.join().unwrap(), b.join().unwrap()]
+            .into_iter()
+            .flatten()
+            .collect();
+        assert!(!ended.is_empty(), "neither spin ended in 10 s beside the other");
+        assert!(
+            ended.iter().any(|&(_, on)| on),
+            "a spin ended with spins turned off, not by the shared-turn rule: {ended:?}"
+        );
+    }
+
+    #[test]
     fn spin_yields_beside_a_hog_on_one_core_turn_spinning_off() {
         // A thread that never yields, held on the same core as this one: it runs out its slice
         // before our yields come back.
@@ -306,6 +429,7 @@ mod tests {
             }
         }
 
+        let _one = ONE_CORE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         assert!(worthwhile(), "a new thread spins");
         let cores = sched_getaffinity(Pid::from_raw(0)).unwrap();
         let cpu = (0..CpuSet::count())

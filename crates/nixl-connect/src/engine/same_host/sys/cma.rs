@@ -452,15 +452,15 @@ impl Pool {
                     if Instant::now() < t && crate::spin::worthwhile() {
                         st.hot += 1;
                         drop(st);
-                        loop {
-                            let cheap = crate::spin::yield_core();
-                            if self.queued.load(Ordering::Acquire) > 0 || Instant::now() >= t || !cheap {
-                                break;
-                            }
+                        let mut go_on = true;
+                        while self.queued.load(Ordering::Acquire) == 0 && Instant::now() < t && go_on {
+                            // False on an oversubscribed host, or beside another spinning thread
+                            // on this core: the thread goes idle (see `crate::spin`).
+                            go_on = crate::spin::yield_core();
                         }
                         st = lock(&self.state);
                         st.hot -= 1;
-                        hot_until = Some(t);
+                        hot_until = go_on.then_some(t);
                         continue;
                     }
                 }
