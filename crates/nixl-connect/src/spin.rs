@@ -2,8 +2,9 @@
 //!
 //! Several threads of this crate spin for a short while instead of sleeping, so that a small
 //! operation pays no wake-up: the engine after an event, a kept copy thread after a copy, a wait
-//! for an operation's end, and the Python module's wait at the call. Each turn of such a spin
-//! gives its core away once (`sched_yield`), so that a thread of ours sharing the core runs.
+//! for an operation's end, and the Python module's wait at the call. Such a spin gives its core
+//! away (`sched_yield`) on each turn, or a wait's at most once per [`YIELD_GAP`], so that a
+//! thread of ours sharing the core runs.
 //!
 //! That is cheap while the host has a core to spare: a yield comes back within microseconds. On
 //! an oversubscribed host it is not. Linux's scheduler (EEVDF) moves a yielding thread's deadline
@@ -75,9 +76,26 @@ const PROBE_ROOM: Duration = Duration::from_millis(2);
 /// A balance whose last overrun (or time off) ended longer ago than this is forgotten.
 pub const FORGET_AFTER: Duration = Duration::from_secs(5);
 
+/// How often a wait's spin gives its core away at most ([`yield_core`] once per this long; the
+/// turns between call no `sched_yield`). A yield costs a system call (0.4 us on the 2-core VM,
+/// where a waiter's turn that drives the engine takes 1.5-2.5 us), and a waiter that drives a
+/// NIXL transfer turns to serve and see it: yielding on every turn left NIXL writes over TCP
+/// at 1.12-1.14x raw NIXL in the same runs, yielding every 5 us at 1.02-1.03x (reads 1.02 and
+/// 0.98x; docs/FIGURES.md, twenty-sixth session). A thread of ours that shares the core waits
+/// for that long more at most.
+pub const YIELD_GAP: Duration = Duration::from_micros(5);
+
 /// A yield that took longer than this ran another thread's turn on this core (a yield with the
-/// core to itself takes under a microsecond: 0.4 us on the 2-core VM).
+/// core to itself takes under a microsecond: 0.4-0.7 us on the 2-core VM). Where a bare yield
+/// costs more (a system call filter, nested virtualization), every spin ends after
+/// [`SHARED_TURNS_TO_STOP`] yields, some 40 us into a wait's spin: a shorter spin, nothing
+/// worse. A bar set from the thread's own quickest yield was not taken: a thread whose every
+/// yield so far ran another's turn would set it too high.
 pub const SHARED_TURN: Duration = Duration::from_micros(2);
+
+/// Yields further apart than this are not in a row: the count of shared turns starts anew (a
+/// spin's yields come every [`YIELD_GAP`] or so, and beside another spinner every 10-20 us).
+const SHARED_RUN_GAP: Duration = Duration::from_micros(200);
 
 /// A spin whose last this many yields each ran another thread's turn ends (see the module's
 /// docs): two threads spinning on one core.
@@ -96,6 +114,8 @@ struct Seen {
     off_for: Duration,
     /// The last yields in a row that each ran another thread's turn.
     shared: u32,
+    /// When the last yield ended (for [`SHARED_RUN_GAP`]).
+    last_yield: Option<Instant>,
 }
 
 impl Seen {
@@ -105,6 +125,7 @@ impl Seen {
         off_until: None,
         off_for: CONTENDED_FOR,
         shared: 0,
+        last_yield: None,
     };
 
     /// Whether spinning is on at `now` (clearing a time off that is over).
@@ -120,10 +141,14 @@ impl Seen {
 
     /// Counts a yield that took `took` and ended `at`.
     fn yielded(&mut self, took: Duration, at: Instant) {
-        self.shared = if took > SHARED_TURN {
-            self.shared.saturating_add(1)
-        } else {
-            0
+        let in_a_row = self
+            .last_yield
+            .is_some_and(|t| at.saturating_duration_since(t) <= SHARED_RUN_GAP + took);
+        self.last_yield = Some(at);
+        self.shared = match (took > SHARED_TURN, in_a_row) {
+            (true, true) => self.shared.saturating_add(1),
+            (true, false) => 1,
+            (false, _) => 0,
         };
         if took <= YIELD_OVERRUN {
             if !self.lost.is_zero() {
@@ -139,7 +164,12 @@ impl Seen {
             .last
             .is_some_and(|t| at.saturating_duration_since(t) > FORGET_AFTER)
         {
-            *self = Seen::NEW;
+            // The balance is forgotten; what the shared-turn rule keeps is not a balance.
+            *self = Seen {
+                shared: self.shared,
+                last_yield: self.last_yield,
+                ..Seen::NEW
+            };
         }
         self.lost += took;
         self.last = Some(at);
@@ -363,6 +393,24 @@ mod tests {
     }
 
     #[test]
+    fn spin_shared_turns_far_apart_are_not_in_a_row() {
+        // Long yields a millisecond apart (other spins, or a wait's other turns) are not two
+        // spinners alternating: the count starts anew each time.
+        let t0 = Instant::now();
+        let mut seen = Seen::NEW;
+        for i in 0..100u32 {
+            seen.yielded(Duration::from_micros(10), t0 + Duration::from_millis(1) * i);
+            assert!(!seen.shares_core(), "yield {i}");
+        }
+        // In a row again: 10 us turns every 20 us.
+        let t1 = t0 + Duration::from_secs(1);
+        for i in 0..SHARED_TURNS_TO_STOP {
+            seen.yielded(Duration::from_micros(10), t1 + Duration::from_micros(20) * i);
+        }
+        assert!(seen.shares_core());
+    }
+
+    #[test]
     fn spin_two_spinning_threads_on_one_core_end_a_spin() {
         // Two threads held on one core, each spinning until its spin ends: one of them ends it
         // by the shared-turn rule (its spins stay on), long before spins could turn off.
@@ -382,8 +430,15 @@ mod tests {
             std::thread::spawn(move || {
                 sched_setaffinity(Pid::from_raw(0), &one).unwrap();
                 let deadline = Instant::now() + Duration::from_secs(10);
-                let mut yields = 0u64;
+                let mut yields = 0u32;
                 while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                    // A turn's work between yields, as a waiter's (a turn that drives takes
+                    // 1.5-2.5 us on the 2-core VM, and a wait yields every `YIELD_GAP`): so a
+                    // yield that runs the other thread's turn takes more than two switches.
+                    let turn = Instant::now() + YIELD_GAP;
+                    while Instant::now() < turn {
+                        std::hint::spin_loop();
+                    }
                     yields += 1;
                     if !yield_core() {
                         stop.store(true, Ordering::Relaxed);
@@ -399,6 +454,10 @@ mod tests {
             .flatten()
             .collect();
         assert!(!ended.is_empty(), "neither spin ended in 10 s beside the other");
+        assert!(
+            ended.iter().all(|&(yields, _)| yields >= SHARED_TURNS_TO_STOP),
+            "a spin ended before {SHARED_TURNS_TO_STOP} yields: {ended:?}"
+        );
         assert!(
             ended.iter().any(|&(_, on)| on),
             "a spin ended with spins turned off, not by the shared-turn rule: {ended:?}"

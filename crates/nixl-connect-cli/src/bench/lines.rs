@@ -1,4 +1,5 @@
-//! The benchmark peer's lines, read on the thread that times the operations.
+//! The benchmark peer's lines, read on the thread that runs the benchmark (and times its
+//! operations), not through the runtime's reactor.
 //!
 //! The active side reads one line from its peer before each timed operation (the peer's
 //! metadata) and one after it (the peer's timings). Read through the runtime's reactor, each line
@@ -40,6 +41,9 @@ impl PeerLines {
                 let rest = self.buf.split_off(i + 1);
                 let mut line = std::mem::replace(&mut self.buf, rest);
                 line.pop();
+                if line.last() == Some(&b'\r') {
+                    line.pop();
+                }
                 return String::from_utf8(line).context("the benchmark peer wrote a line that is not UTF-8");
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -55,6 +59,12 @@ impl PeerLines {
                 Err(e) => return Err(e).context("waiting for the benchmark peer's output"),
             }
             match nix::unistd::read(&self.fd, &mut chunk) {
+                Ok(0) if !self.buf.is_empty() => {
+                    // The last line, with no newline after it.
+                    let line = std::mem::take(&mut self.buf);
+                    return String::from_utf8(line)
+                        .context("the benchmark peer wrote a line that is not UTF-8");
+                }
                 Ok(0) => bail!("the benchmark peer exited early (see its error above)"),
                 Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
                 Err(Errno::EAGAIN | Errno::EINTR) => {}
@@ -81,17 +91,19 @@ mod tests {
 
     #[test]
     fn bench_peer_lines_split_at_newlines_across_reads_and_time_out() {
-        let (r, w) = std::io::pipe().unwrap();
-        let mut w = std::fs::File::from(OwnedFd::from(w));
-        let mut lines = PeerLines::new(OwnedFd::from(r));
-        w.write_all(b"one\ntw").unwrap();
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let mut w = std::fs::File::from(w);
+        let mut lines = PeerLines::new(r);
+        w.write_all(b"one\r\ntw").unwrap();
         assert_eq!(lines.next_blocking(Duration::from_secs(5)).unwrap(), "one");
         let e = lines.next_blocking(Duration::from_millis(50)).unwrap_err();
         assert!(e.to_string().contains("said nothing"), "{e}");
         w.write_all(b"o\nthree\n").unwrap();
         assert_eq!(lines.next_blocking(Duration::from_secs(5)).unwrap(), "two");
         assert_eq!(lines.next_blocking(Duration::from_secs(5)).unwrap(), "three");
+        w.write_all(b"last").unwrap();
         drop(w);
+        assert_eq!(lines.next_blocking(Duration::from_secs(5)).unwrap(), "last");
         let e = lines.next_blocking(Duration::from_secs(5)).unwrap_err();
         assert!(e.to_string().contains("exited early"), "{e}");
     }

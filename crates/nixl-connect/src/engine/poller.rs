@@ -8,9 +8,9 @@
 //! Two epoll instances: the transports' descriptors sit in an inner one, and the engine sleeps in
 //! an outer one that holds the `eventfd`, the alarm's `timerfd` ([`Alarm`]) and, normally, the
 //! inner one. While a waiting caller
-//! drives the engine (`driver`), the inner one is taken out of the outer one ([`Gate`]): the
-//! caller's own polls ([`DriverPoll`]) see the sockets, and a frame that the caller will read
-//! wakes no sleeping engine thread.
+//! drives the engine (`driver`), the inner one's registration in the outer one is disarmed
+//! ([`Gate`]): the caller's own polls ([`DriverPoll`]) see the sockets, and a frame that the
+//! caller will read wakes no sleeping engine thread.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -378,9 +378,10 @@ impl DriverPoll {
     }
 }
 
-/// Takes the transports' descriptors out of the engine's sleep while at least one caller drives,
-/// and puts them back when the last one leaves (a descriptor ready by then wakes the engine at
-/// once: `epoll_ctl` reports it to a sleeper).
+/// Takes the transports' descriptors out of the engine's sleep while at least one caller drives
+/// (the inner instance's registration disarmed: no events), and puts them back when the last one
+/// leaves (re-armed: a descriptor ready by then wakes the engine at once, as `epoll_ctl` reports
+/// it to a sleeper).
 pub(crate) struct Gate {
     outer: Registrar,
     inner: Arc<OwnedFd>,

@@ -452,12 +452,16 @@ impl Pool {
                     if Instant::now() < t && crate::spin::worthwhile() {
                         st.hot += 1;
                         drop(st);
-                        let mut go_on = true;
-                        while self.queued.load(Ordering::Acquire) == 0 && Instant::now() < t && go_on {
+                        let go_on = loop {
                             // False on an oversubscribed host, or beside another spinning thread
-                            // on this core: the thread goes idle (see `crate::spin`).
-                            go_on = crate::spin::yield_core();
-                        }
+                            // on this core: the thread goes idle (see `crate::spin`). A yield
+                            // first, every round: jobs may be queued that no thread may take yet
+                            // (their peer at its limit).
+                            let go_on = crate::spin::yield_core();
+                            if self.queued.load(Ordering::Acquire) > 0 || Instant::now() >= t || !go_on {
+                                break go_on;
+                            }
+                        };
                         st = lock(&self.state);
                         st.hot -= 1;
                         hot_until = go_on.then_some(t);
