@@ -105,8 +105,7 @@ impl Wake for Task {
 impl Task {
     /// Whether the task is woken within `limit`, while `keep` holds (both checked between yields
     /// of this thread's core, so an engine thread that shares it runs). On an oversubscribed host,
-    /// where one yield takes a time slice, it does not wait, and it stops waiting beside another
-    /// thread that spins on the same core (see `nixl_connect::spin`).
+    /// where one yield takes a time slice, it does not wait (see `nixl_connect::spin`).
     fn woken_within(&self, limit: Duration, keep: &dyn Fn() -> bool) -> bool {
         if !spin::worthwhile() {
             return self.queued.load(Ordering::Acquire);

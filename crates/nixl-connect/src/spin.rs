@@ -43,10 +43,14 @@
 //! last half millisecond ("cache hot"), and these two run every ten microseconds. Measured on the
 //! 2-core VM: a third of the same-host benchmark's runs had both processes' waiters on one core,
 //! alternating turn for turn, for the whole run, at 34-37 us a read where the others took 20-23
-//! (docs/FIGURES.md, twenty-sixth session). So a spin whose last [`SHARED_TURNS_TO_STOP`] yields
-//! each took longer than [`SHARED_TURN`] ends ([`yield_core`] says so): its thread parks, the
+//! (docs/FIGURES.md, twenty-sixth session). So the spin of a wait that drives the engine (whose
+//! engine thread stands down meanwhile) ends once its last [`SHARED_TURNS_TO_STOP`] yields in a
+//! row each took longer than [`SHARED_TURN`] ([`yield_driving`] says so): its thread parks, the
 //! thread left spins alone, and the parked one, woken, is placed on a free core if there is one.
-//! The next spin starts as usual. With that rule, 12 runs in 12 had no such mode.
+//! The next spin starts as usual. With that rule, 12 runs in 12 had no such mode. Other spins
+//! ([`yield_core`]: the engine's, the copy pool's kept threads, a wait the engine thread works
+//! for, the Python module's wait at the call) do not end on it: they share cores with our own
+//! threads by design, and ending them cost 64 outstanding operations a fifth of their rate.
 //!
 //! The state is per thread: a core is what a yield finds busy, and a thread mostly stays on its
 //! core, while another thread of the process may have one to itself. `Seen` is the rule with no
@@ -218,19 +222,37 @@ pub fn worthwhile() -> bool {
 }
 
 /// Gives this thread's core away once (`sched_yield`), as a spinning thread's turn does, and
-/// times it. Returns whether this spin should go on: false once this thread's yields have lost
-/// enough to turn its spins off (and [`worthwhile`] says no), and false once its last
-/// [`SHARED_TURNS_TO_STOP`] yields each ran another thread's turn on this core (this spin
-/// ends; the next may start). Either way the caller stops spinning and parks.
+/// times it. Returns whether spinning is still [`worthwhile`]: false once this thread's yields
+/// have lost enough to turn its spins off, and the caller should stop spinning. For the spins of
+/// threads that do the work (the engine's, the copy pool's), which share cores with our other
+/// threads by design.
 pub fn yield_core() -> bool {
+    let mut seen = yield_timed();
+    // Not this spin's rule: the count starts anew.
+    seen.shared = 0;
+    SEEN.set(seen);
+    worthwhile()
+}
+
+/// [`yield_core`] for the spin of a wait that takes the engine's turns itself (the engine stands
+/// down meanwhile), with the shared-turn rule: false also once this thread's last
+/// [`SHARED_TURNS_TO_STOP`] yields each ran another thread's turn on this core (this spin ends;
+/// the next may start). Either way the caller stops spinning and parks.
+pub fn yield_driving() -> bool {
+    let mut seen = yield_timed();
+    let shared = seen.shares_core() && !KEEP_SPINNING.load(Ordering::Relaxed);
+    SEEN.set(seen);
+    !shared && worthwhile()
+}
+
+/// One timed `sched_yield`, counted: this thread's state after it (not yet stored).
+fn yield_timed() -> Seen {
     let start = Instant::now();
     std::thread::yield_now();
     let back = Instant::now();
     let mut seen = SEEN.get();
     seen.yielded(back.saturating_duration_since(start), back);
-    let shared = seen.shares_core() && !KEEP_SPINNING.load(Ordering::Relaxed);
-    SEEN.set(seen);
-    !shared && worthwhile()
+    seen
 }
 
 /// Makes every spin of this process go on as if no yield ever overran or ran another thread's
@@ -440,7 +462,7 @@ mod tests {
                         std::hint::spin_loop();
                     }
                     yields += 1;
-                    if !yield_core() {
+                    if !yield_driving() {
                         stop.store(true, Ordering::Relaxed);
                         return Some((yields, worthwhile()));
                     }

@@ -481,10 +481,7 @@ impl Drive {
                 // message or completion is picked up without a wake-up; not while the host is
                 // oversubscribed (a yield then costs a time slice, see `spin`).
                 drop(g);
-                if !crate::spin::yield_core() {
-                    // Spinning turn for turn with another thread on this core: this spin ends.
-                    last_event = Instant::now().checked_sub(SPIN).unwrap_or(last_event);
-                }
+                crate::spin::yield_core();
                 poller.wait(Some(Duration::ZERO), &mut ready);
                 continue;
             }

@@ -41,11 +41,12 @@ fn spin_for<'e>(engine: &'e Engine, descs: &[crate::Descriptor<'_>]) -> Option<(
 /// With `spin` (the engine and how long), and a place among the engine's waits that spin free
 /// ([`Engine::spin_slot`]), the wait first stays awake for up to that long
 /// ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)): each turn looks at
-/// the status, gives the thread's core away at most once per [`crate::spin::YIELD_GAP`]
-/// (`sched_yield`, so an engine thread sharing the core runs; on an oversubscribed core, where a
-/// yield takes a time slice, the thread's waits stop spinning, and beside another thread that
-/// spins on the same core this spin ends: see [`crate::spin`]) and yields to the runtime (so its
-/// other tasks run), instead of parking the task until the engine wakes it. The engine's wake-up is
+/// the status, gives the thread's core away (`sched_yield`, so an engine thread sharing the core
+/// runs: on every turn, or at most once per [`crate::spin::YIELD_GAP`] where the wait took the
+/// engine's turn itself; on an oversubscribed core, where a yield takes a time slice, the
+/// thread's waits stop spinning, and a wait that drives ends its spin beside another thread that
+/// spins on the same core: see [`crate::spin`]) and yields to the runtime (so its other tasks
+/// run), instead of parking the task until the engine wakes it. The engine's wake-up is
 /// registered on every turn too, so an executor that never runs the runtime's deferred wake-ups
 /// (a `block_on` inside a tokio task) still sees the end.
 async fn wait(
@@ -90,17 +91,24 @@ async fn wait(
             let now = std::time::Instant::now();
             match &spinning {
                 Some((_, until)) if now < *until => {
-                    if let Some((engine, _)) = spin {
-                        // The engine stands down while this wait spins: its turns are taken here.
-                        engine.drive();
-                    }
-                    if now.saturating_duration_since(last_yield) >= crate::spin::YIELD_GAP {
+                    // The engine stands down while this wait spins: its turns are taken here.
+                    let drove = spin.is_some_and(|(engine, _)| engine.drive());
+                    // A wait that drives yields at most once per `YIELD_GAP`, and ends its spin
+                    // beside another thread spinning on this core; one that does not (the
+                    // engine thread does the work) yields on every turn, so the engine runs.
+                    let go_on = if !drove {
                         last_yield = now;
-                        if !crate::spin::yield_core() {
-                            // The host is oversubscribed, or another thread spins on this core:
-                            // the place goes back; the next turn parks.
-                            spinning = None;
-                        }
+                        crate::spin::yield_core()
+                    } else if now.saturating_duration_since(last_yield) >= crate::spin::YIELD_GAP {
+                        last_yield = now;
+                        crate::spin::yield_driving()
+                    } else {
+                        true
+                    };
+                    if !go_on {
+                        // The host is oversubscribed, or another thread spins on this core: the
+                        // place goes back; the next turn parks.
+                        spinning = None;
                     }
                     tokio::select! {
                         biased;

@@ -452,19 +452,15 @@ impl Pool {
                     if Instant::now() < t && crate::spin::worthwhile() {
                         st.hot += 1;
                         drop(st);
-                        let go_on = loop {
-                            // False on an oversubscribed host, or beside another spinning thread
-                            // on this core: the thread goes idle (see `crate::spin`). A yield
-                            // first, every round: jobs may be queued that no thread may take yet
-                            // (their peer at its limit).
-                            let go_on = crate::spin::yield_core();
-                            if self.queued.load(Ordering::Acquire) > 0 || Instant::now() >= t || !go_on {
-                                break go_on;
+                        loop {
+                            let cheap = crate::spin::yield_core();
+                            if self.queued.load(Ordering::Acquire) > 0 || Instant::now() >= t || !cheap {
+                                break;
                             }
-                        };
+                        }
                         st = lock(&self.state);
                         st.hot -= 1;
-                        hot_until = go_on.then_some(t);
+                        hot_until = Some(t);
                         continue;
                     }
                 }
