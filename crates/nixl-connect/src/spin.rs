@@ -272,6 +272,18 @@ mod tests {
     /// Held by the tests that pin threads to this process's first core, one at a time.
     static ONE_CORE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+    /// The cores this thread may use, and the first of them alone.
+    fn first_core() -> (nix::sched::CpuSet, nix::sched::CpuSet) {
+        use nix::sched::{sched_getaffinity, CpuSet};
+        let cores = sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+        let cpu = (0..CpuSet::count())
+            .find(|&c| cores.is_set(c).unwrap_or(false))
+            .unwrap();
+        let mut one = CpuSet::new();
+        one.set(cpu).unwrap();
+        (cores, one)
+    }
+
     #[test]
     fn spin_overruns_beside_a_hog_turn_spins_off_however_far_apart() {
         let t0 = Instant::now();
@@ -436,17 +448,12 @@ mod tests {
     fn spin_two_spinning_threads_on_one_core_end_a_spin() {
         // Two threads held on one core, each spinning until its spin ends: one of them ends it
         // by the shared-turn rule (its spins stay on), long before spins could turn off.
-        use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+        use nix::sched::sched_setaffinity;
         use nix::unistd::Pid;
         use std::sync::Arc;
 
         let _one = ONE_CORE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let cores = sched_getaffinity(Pid::from_raw(0)).unwrap();
-        let cpu = (0..CpuSet::count())
-            .find(|&c| cores.is_set(c).unwrap_or(false))
-            .unwrap();
-        let mut one = CpuSet::new();
-        one.set(cpu).unwrap();
+        let (_, one) = first_core();
         let stop = Arc::new(AtomicBool::new(false));
         let spinner = |stop: Arc<AtomicBool>| {
             std::thread::spawn(move || {
@@ -490,7 +497,7 @@ mod tests {
     fn spin_yields_beside_a_hog_on_one_core_turn_spinning_off() {
         // A thread that never yields, held on the same core as this one: it runs out its slice
         // before our yields come back.
-        use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+        use nix::sched::{sched_setaffinity, CpuSet};
         use nix::unistd::Pid;
         use std::sync::Arc;
 
@@ -512,12 +519,7 @@ mod tests {
 
         let _one = ONE_CORE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         assert!(worthwhile(), "a new thread spins");
-        let cores = sched_getaffinity(Pid::from_raw(0)).unwrap();
-        let cpu = (0..CpuSet::count())
-            .find(|&c| cores.is_set(c).unwrap_or(false))
-            .unwrap();
-        let mut one = CpuSet::new();
-        one.set(cpu).unwrap();
+        let (cores, one) = first_core();
         let stop = Arc::new(AtomicBool::new(false));
         let mut hog = Hog {
             stop: stop.clone(),
