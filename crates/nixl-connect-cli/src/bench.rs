@@ -20,6 +20,9 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::pattern;
 
+mod lines;
+use lines::PeerLines;
+
 #[derive(clap::Args, Debug)]
 pub(crate) struct Args {
     /// Bytes per descriptor, comma-separated (4K, 64K, 1M, ...: binary units).
@@ -599,12 +602,11 @@ pub(crate) async fn run(a: Args) -> Result<()> {
 async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
     let json = a.json || !std::io::stdout().is_terminal();
     type Out = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
-    type In = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
     let (mut child, peer_pid, mut to_peer, mut from_peer): (_, _, Out, _) = match &a.peer_fifos {
         Some(f) if f.len() == 2 => {
-            // Both opened read-write, so neither open waits for the peer, and both are polled by
-            // the runtime's reactor as the pipes to a spawned peer are (no blocking thread between
-            // the peer and the timed part).
+            // Opened read-write, so that the open does not wait for the peer; the peer's input
+            // is written through the runtime's reactor, its output read on this thread (as a
+            // spawned peer's: see `lines`).
             let open = || {
                 let mut o = tokio::net::unix::pipe::OpenOptions::new();
                 o.read_write(true);
@@ -615,12 +617,13 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
                     .open_sender(&f[0])
                     .with_context(|| format!("opening the peer's input FIFO {}", f[0].display()))?,
             );
-            let from: In = Box::new(
-                open()
-                    .open_receiver(&f[1])
-                    .with_context(|| format!("opening the peer's output FIFO {}", f[1].display()))?,
-            );
-            (None, None, to, BufReader::new(from).lines())
+            // Opened read-write too, so that the open does not wait for the peer.
+            let from = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&f[1])
+                .with_context(|| format!("opening the peer's output FIFO {}", f[1].display()))?;
+            (None, None, to, PeerLines::new(from.into()))
         }
         Some(_) => bail!("--peer-fifos takes two paths: the peer's stdin and its stdout"),
         None => {
@@ -635,8 +638,13 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
                 .context("starting the benchmark peer")?;
             let pid = child.id().context("the benchmark peer's pid")? as i32;
             let to: Out = Box::new(child.stdin.take().context("peer stdin")?);
-            let from: In = Box::new(child.stdout.take().context("peer stdout")?);
-            (Some(child), Some(pid), to, BufReader::new(from).lines())
+            let from = child
+                .stdout
+                .take()
+                .context("peer stdout")?
+                .into_owned_fd()
+                .context("the peer's stdout")?;
+            (Some(child), Some(pid), to, PeerLines::new(from))
         }
     };
     let mut builder = ex.apply(Connector::builder().path(a.path));
@@ -705,7 +713,7 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
             }
             let mut lines = Vec::with_capacity(conc);
             for _ in 0..conc {
-                lines.push(next_line(&mut from_peer).await?);
+                lines.push(from_peer.next().await?);
             }
             let (t0, begin_ns) = (Instant::now(), monotonic_ns());
             let mut mds = Vec::with_capacity(conc);
@@ -724,7 +732,7 @@ async fn run_with(a: Args, ex: &crate::metrics::Exporter) -> Result<()> {
                 ok &= (0..per * conc).all(|k| mem.holds(k, size as u64));
             }
             for _ in 0..conc {
-                let peer: PeerIter = serde_json::from_str(&next_line(&mut from_peer).await?)?;
+                let peer: PeerIter = serde_json::from_str(&from_peer.next().await?)?;
                 ok &= peer.ok;
                 peer_spin_us = Some(peer.spin_us);
                 if i >= a.warmup as usize {
@@ -964,15 +972,6 @@ async fn active_round(
             .map(|b| b.into_iter().filter_map(|d| d.try_into_static().ok()).collect())
             .collect(),
     ))
-}
-
-async fn next_line(lines: &mut tokio::io::Lines<impl tokio::io::AsyncBufRead + Unpin>) -> Result<String> {
-    match tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await {
-        Ok(Ok(Some(l))) => Ok(l),
-        Ok(Ok(None)) => bail!("the benchmark peer exited early (see its error above)"),
-        Ok(Err(e)) => Err(e.into()),
-        Err(_) => bail!("the benchmark peer said nothing for 60 s"),
-    }
 }
 
 /// The passive side: for each block, `concurrency` readables (or writables) per iteration.

@@ -2,8 +2,9 @@
 //!
 //! Several threads of this crate spin for a short while instead of sleeping, so that a small
 //! operation pays no wake-up: the engine after an event, a kept copy thread after a copy, a wait
-//! for an operation's end, and the Python module's wait at the call. Each turn of such a spin
-//! gives its core away once (`sched_yield`), so that a thread of ours sharing the core runs.
+//! for an operation's end, and the Python module's wait at the call. Such a spin gives its core
+//! away (`sched_yield`) on each turn, or a wait's at most once per [`YIELD_GAP`], so that a
+//! thread of ours sharing the core runs.
 //!
 //! That is cheap while the host has a core to spare: a yield comes back within microseconds. On
 //! an oversubscribed host it is not. Linux's scheduler (EEVDF) moves a yielding thread's deadline
@@ -35,6 +36,22 @@
 //! off would have let a tenth of them pay it at ten a second. A balance whose last overrun (or
 //! time off) ended more than [`FORGET_AFTER`] ago starts again from nothing.
 //!
+//! A second rule ends one spin, not spinning: two spinning threads on one core. Each turn's yield
+//! then runs the other thread's turn (ten microseconds on the 2-core VM, where a yield with the
+//! core to itself takes 0.4), so each thread waits out the other's turn at every turn of its
+//! own, while another core may sit idle: a scheduler does not move a thread that ran within the
+//! last half millisecond ("cache hot"), and these two run every ten microseconds. Measured on the
+//! 2-core VM: a third of the same-host benchmark's runs had both processes' waiters on one core,
+//! alternating turn for turn, for the whole run, at 34-37 us a read where the others took 20-23
+//! (docs/FIGURES.md, twenty-sixth session). So the spin of a wait that drives the engine (whose
+//! engine thread stands down meanwhile) ends once its last [`SHARED_TURNS_TO_STOP`] yields in a
+//! row each took longer than [`SHARED_TURN`] ([`yield_driving`] says so): its thread parks, the
+//! thread left spins alone, and the parked one, woken, is placed on a free core if there is one.
+//! The next spin starts as usual. With that rule, 12 runs in 12 had no such mode. Other spins
+//! ([`yield_core`]: the engine's, the copy pool's kept threads, a wait the engine thread works
+//! for, the Python module's wait at the call) do not end on it: they share cores with our own
+//! threads by design, and ending them cost 64 outstanding operations a fifth of their rate.
+//!
 //! The state is per thread: a core is what a yield finds busy, and a thread mostly stays on its
 //! core, while another thread of the process may have one to itself. `Seen` is the rule with no
 //! clock or thread of its own, tested with made-up times.
@@ -63,6 +80,31 @@ const PROBE_ROOM: Duration = Duration::from_millis(2);
 /// A balance whose last overrun (or time off) ended longer ago than this is forgotten.
 pub const FORGET_AFTER: Duration = Duration::from_secs(5);
 
+/// How often a wait's spin gives its core away at most ([`yield_core`] once per this long; the
+/// turns between call no `sched_yield`). A yield costs a system call (0.4 us on the 2-core VM,
+/// where a waiter's turn that drives the engine takes 1.5-2.5 us), and a waiter that drives a
+/// NIXL transfer turns to serve and see it: yielding on every turn left NIXL writes over TCP
+/// at 1.12-1.14x raw NIXL in the same runs, yielding every 5 us at 1.02-1.03x (reads 1.02 and
+/// 0.98x; docs/FIGURES.md, twenty-sixth session). A thread of ours that shares the core waits
+/// for that long more at most.
+pub const YIELD_GAP: Duration = Duration::from_micros(5);
+
+/// A yield that took longer than this ran another thread's turn on this core (a yield with the
+/// core to itself takes under a microsecond: 0.4-0.7 us on the 2-core VM). Where a bare yield
+/// costs more (a system call filter, nested virtualization), every spin ends after
+/// [`SHARED_TURNS_TO_STOP`] yields, some 40 us into a wait's spin: a shorter spin, nothing
+/// worse. A bar set from the thread's own quickest yield was not taken: a thread whose every
+/// yield so far ran another's turn would set it too high.
+pub const SHARED_TURN: Duration = Duration::from_micros(2);
+
+/// Yields further apart than this are not in a row: the count of shared turns starts anew (a
+/// spin's yields come every [`YIELD_GAP`] or so, and beside another spinner every 10-20 us).
+const SHARED_RUN_GAP: Duration = Duration::from_micros(200);
+
+/// A spin whose last this many yields each ran another thread's turn ends (see the module's
+/// docs): two threads spinning on one core.
+pub const SHARED_TURNS_TO_STOP: u32 = 8;
+
 /// What one thread's yields have shown: the rule, without a clock (times are passed in).
 #[derive(Clone, Copy, Debug)]
 struct Seen {
@@ -74,6 +116,10 @@ struct Seen {
     off_until: Option<Instant>,
     /// How long the next time off lasts.
     off_for: Duration,
+    /// The last yields in a row that each ran another thread's turn.
+    shared: u32,
+    /// When the last yield ended (for [`SHARED_RUN_GAP`]).
+    last_yield: Option<Instant>,
 }
 
 impl Seen {
@@ -82,6 +128,8 @@ impl Seen {
         last: None,
         off_until: None,
         off_for: CONTENDED_FOR,
+        shared: 0,
+        last_yield: None,
     };
 
     /// Whether spinning is on at `now` (clearing a time off that is over).
@@ -97,6 +145,15 @@ impl Seen {
 
     /// Counts a yield that took `took` and ended `at`.
     fn yielded(&mut self, took: Duration, at: Instant) {
+        let in_a_row = self
+            .last_yield
+            .is_some_and(|t| at.saturating_duration_since(t) <= SHARED_RUN_GAP + took);
+        self.last_yield = Some(at);
+        self.shared = match (took > SHARED_TURN, in_a_row) {
+            (true, true) => self.shared.saturating_add(1),
+            (true, false) => 1,
+            (false, _) => 0,
+        };
         if took <= YIELD_OVERRUN {
             if !self.lost.is_zero() {
                 self.lost = self.lost.saturating_sub(took);
@@ -111,7 +168,12 @@ impl Seen {
             .last
             .is_some_and(|t| at.saturating_duration_since(t) > FORGET_AFTER)
         {
-            *self = Seen::NEW;
+            // The balance is forgotten; what the shared-turn rule keeps is not a balance.
+            *self = Seen {
+                shared: self.shared,
+                last_yield: self.last_yield,
+                ..Seen::NEW
+            };
         }
         self.lost += took;
         self.last = Some(at);
@@ -127,11 +189,23 @@ impl Seen {
     }
 }
 
+impl Seen {
+    /// Whether the spin that made the last yields should end because another thread spins on the
+    /// same core: [`SHARED_TURNS_TO_STOP`] yields in a row ran its turns. Counting starts anew.
+    fn shares_core(&mut self) -> bool {
+        let shared = self.shared >= SHARED_TURNS_TO_STOP;
+        if shared {
+            self.shared = 0;
+        }
+        shared
+    }
+}
+
 thread_local! {
     static SEEN: Cell<Seen> = const { Cell::new(Seen::NEW) };
 }
 
-/// Set by [`keep_spinning`]: spins never turn off.
+/// Set by [`keep_spinning`]: spins never turn off, nor end beside another spinning thread.
 static KEEP_SPINNING: AtomicBool = AtomicBool::new(false);
 
 /// Whether a spin of this thread should start (or go on) now: false for [`CONTENDED_FOR`] after
@@ -149,19 +223,41 @@ pub fn worthwhile() -> bool {
 
 /// Gives this thread's core away once (`sched_yield`), as a spinning thread's turn does, and
 /// times it. Returns whether spinning is still [`worthwhile`]: false once this thread's yields
-/// have lost enough to turn its spins off, and the caller should stop spinning.
+/// have lost enough to turn its spins off, and the caller should stop spinning. For the spins of
+/// threads that do the work (the engine's, the copy pool's), which share cores with our other
+/// threads by design.
 pub fn yield_core() -> bool {
+    let mut seen = yield_timed();
+    // Not this spin's rule: the count starts anew.
+    seen.shared = 0;
+    SEEN.set(seen);
+    worthwhile()
+}
+
+/// [`yield_core`] for the spin of a wait that takes the engine's turns itself (the engine stands
+/// down meanwhile), with the shared-turn rule: false also once this thread's last
+/// [`SHARED_TURNS_TO_STOP`] yields each ran another thread's turn on this core (this spin ends;
+/// the next may start). Either way the caller stops spinning and parks.
+pub fn yield_driving() -> bool {
+    let mut seen = yield_timed();
+    let shared = seen.shares_core() && !KEEP_SPINNING.load(Ordering::Relaxed);
+    SEEN.set(seen);
+    !shared && worthwhile()
+}
+
+/// One timed `sched_yield`, counted: this thread's state after it (not yet stored).
+fn yield_timed() -> Seen {
     let start = Instant::now();
     std::thread::yield_now();
     let back = Instant::now();
     let mut seen = SEEN.get();
     seen.yielded(back.saturating_duration_since(start), back);
-    SEEN.set(seen);
-    worthwhile()
+    seen
 }
 
-/// Makes every spin of this process go on as if no yield ever overran, for tests that check how
-/// spins behave and must not depend on how loaded the machine running them is.
+/// Makes every spin of this process go on as if no yield ever overran or ran another thread's
+/// turn, for tests that check how spins behave and must not depend on how loaded the machine
+/// running them is.
 #[cfg(any(test, feature = "testing"))]
 pub(crate) fn keep_spinning() {
     KEEP_SPINNING.store(true, Ordering::Relaxed);
@@ -172,6 +268,21 @@ mod tests {
     use super::*;
 
     const SLICE: Duration = Duration::from_millis(4); // a CPU-bound process's slice at 250 Hz
+
+    /// Held by the tests that pin threads to this process's first core, one at a time.
+    static ONE_CORE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// The cores this thread may use, and the first of them alone.
+    fn first_core() -> (nix::sched::CpuSet, nix::sched::CpuSet) {
+        use nix::sched::{sched_getaffinity, CpuSet};
+        let cores = sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+        let cpu = (0..CpuSet::count())
+            .find(|&c| cores.is_set(c).unwrap_or(false))
+            .unwrap();
+        let mut one = CpuSet::new();
+        one.set(cpu).unwrap();
+        (cores, one)
+    }
 
     #[test]
     fn spin_overruns_beside_a_hog_turn_spins_off_however_far_apart() {
@@ -283,10 +394,110 @@ mod tests {
     }
 
     #[test]
+    fn spin_turn_for_turn_with_another_thread_ends_the_spin_not_spinning() {
+        let t0 = Instant::now();
+        let mut seen = Seen::NEW;
+        // Another spinning thread's turn at each yield (ten microseconds on the 2-core VM).
+        let turn = Duration::from_micros(10);
+        for i in 1..SHARED_TURNS_TO_STOP {
+            seen.yielded(turn, t0);
+            assert!(!seen.shares_core(), "{i} shared turns");
+        }
+        seen.yielded(turn, t0);
+        assert!(
+            seen.shares_core(),
+            "{SHARED_TURNS_TO_STOP} shared turns end the spin"
+        );
+        assert!(seen.on(t0), "spinning itself stays on: the next spin starts");
+        assert!(!seen.shares_core(), "counting starts anew");
+        // One yield with the core to itself breaks the run.
+        for _ in 1..SHARED_TURNS_TO_STOP {
+            seen.yielded(turn, t0);
+        }
+        seen.yielded(Duration::from_nanos(400), t0);
+        seen.yielded(turn, t0);
+        assert!(!seen.shares_core());
+        // Yields as long as the bound are not shared turns; a burst of our own engine's work is.
+        let mut quick = Seen::NEW;
+        for _ in 0..1_000 {
+            quick.yielded(SHARED_TURN, t0);
+            assert!(!quick.shares_core());
+        }
+        assert_eq!(quick.lost, Duration::ZERO);
+    }
+
+    #[test]
+    fn spin_shared_turns_far_apart_are_not_in_a_row() {
+        // Long yields a millisecond apart (other spins, or a wait's other turns) are not two
+        // spinners alternating: the count starts anew each time.
+        let t0 = Instant::now();
+        let mut seen = Seen::NEW;
+        for i in 0..100u32 {
+            seen.yielded(Duration::from_micros(10), t0 + Duration::from_millis(1) * i);
+            assert!(!seen.shares_core(), "yield {i}");
+        }
+        // In a row again: 10 us turns every 20 us.
+        let t1 = t0 + Duration::from_secs(1);
+        for i in 0..SHARED_TURNS_TO_STOP {
+            seen.yielded(Duration::from_micros(10), t1 + Duration::from_micros(20) * i);
+        }
+        assert!(seen.shares_core());
+    }
+
+    #[test]
+    fn spin_two_spinning_threads_on_one_core_end_a_spin() {
+        // Two threads held on one core, each spinning until its spin ends: one of them ends it
+        // by the shared-turn rule (its spins stay on), long before spins could turn off.
+        use nix::sched::sched_setaffinity;
+        use nix::unistd::Pid;
+        use std::sync::Arc;
+
+        let _one = ONE_CORE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (_, one) = first_core();
+        let stop = Arc::new(AtomicBool::new(false));
+        let spinner = |stop: Arc<AtomicBool>| {
+            std::thread::spawn(move || {
+                sched_setaffinity(Pid::from_raw(0), &one).unwrap();
+                let deadline = Instant::now() + Duration::from_secs(10);
+                let mut yields = 0u32;
+                while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                    // A turn's work between yields, as a waiter's (a turn that drives takes
+                    // 1.5-2.5 us on the 2-core VM, and a wait yields every `YIELD_GAP`): so a
+                    // yield that runs the other thread's turn takes more than two switches.
+                    let turn = Instant::now() + YIELD_GAP;
+                    while Instant::now() < turn {
+                        std::hint::spin_loop();
+                    }
+                    yields += 1;
+                    if !yield_driving() {
+                        stop.store(true, Ordering::Relaxed);
+                        return Some((yields, worthwhile()));
+                    }
+                }
+                None
+            })
+        };
+        let (a, b) = (spinner(stop.clone()), spinner(stop.clone()));
+        let ended: Vec<_> = [a.join().unwrap(), b.join().unwrap()]
+            .into_iter()
+            .flatten()
+            .collect();
+        assert!(!ended.is_empty(), "neither spin ended in 10 s beside the other");
+        assert!(
+            ended.iter().all(|&(yields, _)| yields >= SHARED_TURNS_TO_STOP),
+            "a spin ended before {SHARED_TURNS_TO_STOP} yields: {ended:?}"
+        );
+        assert!(
+            ended.iter().any(|&(_, on)| on),
+            "a spin ended with spins turned off, not by the shared-turn rule: {ended:?}"
+        );
+    }
+
+    #[test]
     fn spin_yields_beside_a_hog_on_one_core_turn_spinning_off() {
         // A thread that never yields, held on the same core as this one: it runs out its slice
         // before our yields come back.
-        use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+        use nix::sched::{sched_setaffinity, CpuSet};
         use nix::unistd::Pid;
         use std::sync::Arc;
 
@@ -306,13 +517,9 @@ mod tests {
             }
         }
 
+        let _one = ONE_CORE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         assert!(worthwhile(), "a new thread spins");
-        let cores = sched_getaffinity(Pid::from_raw(0)).unwrap();
-        let cpu = (0..CpuSet::count())
-            .find(|&c| cores.is_set(c).unwrap_or(false))
-            .unwrap();
-        let mut one = CpuSet::new();
-        one.set(cpu).unwrap();
+        let (cores, one) = first_core();
         let stop = Arc::new(AtomicBool::new(false));
         let mut hog = Hog {
             stop: stop.clone(),

@@ -479,9 +479,9 @@ impl Engine {
     }
 
     /// One turn of the engine on this thread, if a caller may take one now (see `driver`):
-    /// a small operation's wait calls it on each turn of its spin.
-    pub(crate) fn drive(&self) {
-        self.0.drive.drive(driver::DRIVEN_MAX);
+    /// a small operation's wait calls it on each turn of its spin. True if it took one.
+    pub(crate) fn drive(&self) -> bool {
+        self.0.drive.drive(driver::DRIVEN_MAX)
     }
 
     /// A wait that will not drive begins: the engine is woken if a caller's turn started an

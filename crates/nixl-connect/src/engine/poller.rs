@@ -8,9 +8,9 @@
 //! Two epoll instances: the transports' descriptors sit in an inner one, and the engine sleeps in
 //! an outer one that holds the `eventfd`, the alarm's `timerfd` ([`Alarm`]) and, normally, the
 //! inner one. While a waiting caller
-//! drives the engine (`driver`), the inner one is taken out of the outer one ([`Gate`]): the
-//! caller's own polls ([`DriverPoll`]) see the sockets, and a frame that the caller will read
-//! wakes no sleeping engine thread.
+//! drives the engine (`driver`), the inner one's registration in the outer one is disarmed
+//! ([`Gate`]): the caller's own polls ([`DriverPoll`]) see the sockets, and a frame that the
+//! caller will read wakes no sleeping engine thread.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -378,9 +378,10 @@ impl DriverPoll {
     }
 }
 
-/// Takes the transports' descriptors out of the engine's sleep while at least one caller drives,
-/// and puts them back when the last one leaves (a descriptor ready by then wakes the engine at
-/// once: `epoll_ctl` reports it to a sleeper).
+/// Takes the transports' descriptors out of the engine's sleep while at least one caller drives
+/// (the inner instance's registration disarmed: no events), and puts them back when the last one
+/// leaves (re-armed: a descriptor ready by then wakes the engine at once, as `epoll_ctl` reports
+/// it to a sleeper).
 pub(crate) struct Gate {
     outer: Registrar,
     inner: Arc<OwnedFd>,
@@ -396,7 +397,12 @@ impl Gate {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if *n == 0 {
-            self.outer.remove(self.inner.as_raw_fd());
+            // Disarmed, not removed: a change of what is watched costs a third of a removal and
+            // the re-add's loop check (measured: 0.3 against 0.5 and 0.9 us on the 2-core VM),
+            // and the re-arm is on the path of every driving wait's end.
+            if let Err(e) = self.outer.modify(self.inner.as_raw_fd(), INNER, false, false) {
+                tracing::error!("taking the sockets out of the engine's sleep: {e}");
+            }
         }
         *n += 1;
     }
@@ -409,8 +415,9 @@ impl Gate {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         *n = n.saturating_sub(1);
         if *n == 0 {
-            // It cannot fail short of the kernel's memory: the instance is live and was in it.
-            if let Err(e) = self.outer.add(self.inner.as_raw_fd(), INNER, true, false) {
+            // It cannot fail: the instance is live and registered (re-armed, it is reported
+            // at once if a socket became ready meanwhile, as an add would).
+            if let Err(e) = self.outer.modify(self.inner.as_raw_fd(), INNER, true, false) {
                 tracing::error!("putting the sockets back in the engine's sleep: {e}");
             }
         }

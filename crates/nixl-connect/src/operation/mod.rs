@@ -41,9 +41,11 @@ fn spin_for<'e>(engine: &'e Engine, descs: &[crate::Descriptor<'_>]) -> Option<(
 /// With `spin` (the engine and how long), and a place among the engine's waits that spin free
 /// ([`Engine::spin_slot`]), the wait first stays awake for up to that long
 /// ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)): each turn looks at
-/// the status, gives the thread's core away once (`sched_yield`, so an engine thread sharing
-/// the core runs; on an oversubscribed core, where a yield takes a time slice, the thread's
-/// waits stop spinning: see [`crate::spin`]) and yields to the runtime (so its other tasks
+/// the status, gives the thread's core away (`sched_yield`, so an engine thread sharing the core
+/// runs: on every turn, or at most once per [`crate::spin::YIELD_GAP`] where the wait took the
+/// engine's turn itself; on an oversubscribed core, where a yield takes a time slice, the
+/// thread's waits stop spinning, and a wait that drives ends its spin beside another thread that
+/// spins on the same core: see [`crate::spin`]) and yields to the runtime (so its other tasks
 /// run), instead of parking the task until the engine wakes it. The engine's wake-up is
 /// registered on every turn too, so an executor that never runs the runtime's deferred wake-ups
 /// (a `block_on` inside a tokio task) still sees the end.
@@ -67,6 +69,8 @@ async fn wait(
                 engine.attend();
             }
         }
+        // The first turn does not yield: the operation has just been begun or exposed.
+        let mut last_yield = std::time::Instant::now();
         loop {
             let notified = state.notified();
             tokio::pin!(notified);
@@ -84,14 +88,26 @@ async fn wait(
                 OperationStatus::Errored => return Err(state.error().unwrap_or(Error::EngineStopped)),
                 _ => {}
             }
+            let now = std::time::Instant::now();
             match &spinning {
-                Some((_, until)) if std::time::Instant::now() < *until => {
-                    if let Some((engine, _)) = spin {
-                        // The engine stands down while this wait spins: its turns are taken here.
-                        engine.drive();
-                    }
-                    if !crate::spin::yield_core() {
-                        // The host is oversubscribed: the place goes back; the next turn parks.
+                Some((_, until)) if now < *until => {
+                    // The engine stands down while this wait spins: its turns are taken here.
+                    let drove = spin.is_some_and(|(engine, _)| engine.drive());
+                    // A wait that drives yields at most once per `YIELD_GAP`, and ends its spin
+                    // beside another thread spinning on this core; one that does not (the
+                    // engine thread does the work) yields on every turn, so the engine runs.
+                    let go_on = if !drove {
+                        last_yield = now;
+                        crate::spin::yield_core()
+                    } else if now.saturating_duration_since(last_yield) >= crate::spin::YIELD_GAP {
+                        last_yield = now;
+                        crate::spin::yield_driving()
+                    } else {
+                        true
+                    };
+                    if !go_on {
+                        // The host is oversubscribed, or another thread spins on this core: the
+                        // place goes back; the next turn parks.
                         spinning = None;
                     }
                     tokio::select! {
