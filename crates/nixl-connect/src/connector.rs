@@ -185,13 +185,14 @@ impl ConnectorBuilder {
     /// The engine ends an operation on its own thread; a task that parked is then woken, which
     /// costs a wake-up of its runtime's thread (about 6 us on a 16-core host, 20 to 50 us on a
     /// small VM) on every small operation. A waiter that spins sees the end at once: on each
-    /// turn it looks at the status, gives its core away at most once per
-    /// [`spin::YIELD_GAP`](crate::spin::YIELD_GAP) (`sched_yield`, so an engine sharing the core
-    /// runs; a thread whose yields keep losing time slices, on an oversubscribed core, stops
-    /// spinning for a while, and a spin beside another thread spinning on the same core ends:
-    /// see [`crate::spin`]) and yields to the async runtime (so the runtime's other tasks run),
-    /// keeping its thread busy for up to `spin` a wait. On the 2-core VM (one interleaved run against no spin), 100 us took 64
-    /// outstanding 4 KiB writes from 110K to 143K a second (reads 130K to 136K, within the
+    /// turn it looks at the status, gives its core away (`sched_yield`, so an engine sharing the
+    /// core runs: on every turn, or at most once per [`spin::YIELD_GAP`](crate::spin::YIELD_GAP)
+    /// where the wait takes the engine's turns itself; a thread whose yields keep losing time
+    /// slices, on an oversubscribed core, stops spinning for a while, and such a driving wait
+    /// beside another thread spinning on the same core ends its spin: see [`crate::spin`]) and
+    /// yields to the async runtime (so the runtime's other tasks run), keeping its thread busy
+    /// for up to `spin` a wait. On the 2-core VM (one interleaved run against no spin), 100 us
+    /// took 64 outstanding 4 KiB writes from 110K to 143K a second (reads 130K to 136K, within the
     /// noise), and the NIXL path over TCP at 4 KiB from 1.24x / 1.37x raw NIXL's (reader /
     /// passive side) to 1.04x / 1.09x; one 4 KiB same-host operation stayed within the noise
     /// (docs/FIGURES.md, eighteenth session). Larger operations never spin: their copy

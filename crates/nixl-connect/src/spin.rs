@@ -3,8 +3,8 @@
 //! Several threads of this crate spin for a short while instead of sleeping, so that a small
 //! operation pays no wake-up: the engine after an event, a kept copy thread after a copy, a wait
 //! for an operation's end, and the Python module's wait at the call. Such a spin gives its core
-//! away (`sched_yield`) on each turn, or a wait's at most once per [`YIELD_GAP`], so that a
-//! thread of ours sharing the core runs.
+//! away (`sched_yield`) on each turn, or, for a wait that takes the engine's turns itself, at most
+//! once per [`YIELD_GAP`], so that a thread of ours sharing the core runs.
 //!
 //! That is cheap while the host has a core to spare: a yield comes back within microseconds. On
 //! an oversubscribed host it is not. Linux's scheduler (EEVDF) moves a yielding thread's deadline
@@ -80,8 +80,8 @@ const PROBE_ROOM: Duration = Duration::from_millis(2);
 /// A balance whose last overrun (or time off) ended longer ago than this is forgotten.
 pub const FORGET_AFTER: Duration = Duration::from_secs(5);
 
-/// How often a wait's spin gives its core away at most ([`yield_core`] once per this long; the
-/// turns between call no `sched_yield`). A yield costs a system call (0.4 us on the 2-core VM,
+/// How often the spin of a wait that drives the engine gives its core away at most
+/// ([`yield_driving`] once per this long; the turns between call no `sched_yield`). A yield costs a system call (0.4 us on the 2-core VM,
 /// where a waiter's turn that drives the engine takes 1.5-2.5 us), and a waiter that drives a
 /// NIXL transfer turns to serve and see it: yielding on every turn left NIXL writes over TCP
 /// at 1.12-1.14x raw NIXL in the same runs, yielding every 5 us at 1.02-1.03x (reads 1.02 and
@@ -143,6 +143,16 @@ impl Seen {
         }
     }
 
+    /// Whether the spin that made the last yields should end because another thread spins on the
+    /// same core: [`SHARED_TURNS_TO_STOP`] yields in a row ran its turns. Counting starts anew.
+    fn shares_core(&mut self) -> bool {
+        let shared = self.shared >= SHARED_TURNS_TO_STOP;
+        if shared {
+            self.shared = 0;
+        }
+        shared
+    }
+
     /// Counts a yield that took `took` and ended `at`.
     fn yielded(&mut self, took: Duration, at: Instant) {
         let in_a_row = self
@@ -186,18 +196,6 @@ impl Seen {
             // our own work on the core (up to about 1.3 ms) does not.
             self.lost = LOST_TO_STOP - PROBE_ROOM;
         }
-    }
-}
-
-impl Seen {
-    /// Whether the spin that made the last yields should end because another thread spins on the
-    /// same core: [`SHARED_TURNS_TO_STOP`] yields in a row ran its turns. Counting starts anew.
-    fn shares_core(&mut self) -> bool {
-        let shared = self.shared >= SHARED_TURNS_TO_STOP;
-        if shared {
-            self.shared = 0;
-        }
-        shared
     }
 }
 
@@ -417,7 +415,7 @@ mod tests {
         seen.yielded(Duration::from_nanos(400), t0);
         seen.yielded(turn, t0);
         assert!(!seen.shares_core());
-        // Yields as long as the bound are not shared turns; a burst of our own engine's work is.
+        // Yields as long as the bound are not shared turns.
         let mut quick = Seen::NEW;
         for _ in 0..1_000 {
             quick.yielded(SHARED_TURN, t0);
