@@ -1,5 +1,5 @@
 """Whether a small fresh exposure gets slower as the exposing connector's registrations grow, across
-the exposer's rotations (docs/FIGURES.md, nineteenth session: flat for the first exposer, then
+the exposer's rotations (docs/FIGURES.md, "Fresh exposures over many operations": flat for the first exposer, then
 growing with the second's, NIXL inserting each registration into an address-sorted vector).
 
 Dynamo's multimodal caller without its gather: 4 KiB, a fresh torch tensor per operation, both

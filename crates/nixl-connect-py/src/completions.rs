@@ -12,9 +12,9 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use nixl_connect::{spin, Error};
+use nixl_connect::Error;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -105,23 +105,10 @@ impl Wake for Task {
 impl Task {
     /// Whether the task is woken within `limit`, while `keep` holds (both checked between yields
     /// of this thread's core, so an engine thread that shares it runs). On an oversubscribed host,
-    /// where one yield takes a time slice, it does not wait (see `nixl_connect::spin`).
+    /// where one yield takes a time slice, it does not wait.
     fn woken_within(&self, limit: Duration, keep: &dyn Fn() -> bool) -> bool {
-        if !spin::worthwhile() {
-            return self.queued.load(Ordering::Acquire);
-        }
-        let until = Instant::now() + limit;
-        loop {
-            if self.queued.load(Ordering::Acquire) {
-                return true;
-            }
-            if Instant::now() >= until || !keep() {
-                return false;
-            }
-            if !spin::yield_core() {
-                return self.queued.load(Ordering::Acquire);
-            }
-        }
+        nixl_connect::__spin_until(limit, || self.queued.load(Ordering::Acquire) || !keep());
+        self.queued.load(Ordering::Acquire)
     }
 
     /// Polls the future once with this task as its waker (on the loop's thread, GIL held; polls

@@ -13,6 +13,7 @@ use crate::metadata::RdmaMetadata;
 use crate::metrics::families::Metrics;
 use crate::operation::{PathPolicy, ReadOperation, ReadableOperation, WritableOperation, WriteOperation};
 use crate::registration::Registration;
+use crate::settings::{self, WAIT_SPIN_ENV};
 use crate::stats::EngineStats;
 
 /// How long, by default, a dropped operation with borrowed memory waits for its NIXL transfer to
@@ -71,11 +72,6 @@ pub const MAX_WAIT_SPIN: Duration = Duration::from_millis(10);
 /// How long, by default, the wait of a small operation stays awake before it parks
 /// ([`ConnectorBuilder::wait_spin`]): 100 us.
 pub const DEFAULT_WAIT_SPIN: Duration = Duration::from_micros(100);
-
-/// The environment variable that sets [`ConnectorBuilder::wait_spin`] (microseconds; `0` turns
-/// the spin off) for every connector whose builder does not set it: Python workers, the CLI, and
-/// Rust programs that leave it to the deployment.
-pub const WAIT_SPIN_ENV: &str = "NIXL_CONNECT_WAIT_SPIN_US";
 
 /// How much given-up exposed memory a connector holds back, by default, before it replaces its
 /// NIXL agent to release it.
@@ -183,22 +179,16 @@ impl ConnectorBuilder {
     /// set, else [`DEFAULT_WAIT_SPIN`]; zero turns it off; at most [`MAX_WAIT_SPIN`]).
     ///
     /// The engine ends an operation on its own thread; a task that parked is then woken, which
-    /// costs a wake-up of its runtime's thread (about 6 us on a 16-core host, 20 to 50 us on a
-    /// small VM) on every small operation. A waiter that spins sees the end at once: on each
-    /// turn it looks at the status, gives its core away (`sched_yield`, so an engine sharing the
-    /// core runs: on every turn, or at most once per [`spin::YIELD_GAP`](crate::spin::YIELD_GAP)
-    /// where the wait takes the engine's turns itself; a thread whose yields keep losing time
-    /// slices, on an oversubscribed core, stops spinning for a while, and such a driving wait
-    /// beside another thread spinning on the same core ends its spin: see [`crate::spin`]) and
-    /// yields to the async runtime (so the runtime's other tasks run), keeping its thread busy
-    /// for up to `spin` a wait. On the 2-core VM (one interleaved run against no spin), 100 us
-    /// took 64 outstanding 4 KiB writes from 110K to 143K a second (reads 130K to 136K, within the
-    /// noise), and the NIXL path over TCP at 4 KiB from 1.24x / 1.37x raw NIXL's (reader /
-    /// passive side) to 1.04x / 1.09x; one 4 KiB same-host operation stayed within the noise
-    /// (docs/FIGURES.md, eighteenth session). Larger operations never spin: their copy
-    /// dwarfs a wake-up, and a spinning waiter would take a core from it. At most half the
-    /// cores' worth of this connector's waits spin at once (at least one); the others park at
-    /// once.
+    /// costs a wake-up of its runtime's thread on every small operation. A waiter that spins sees
+    /// the end at once: each turn looks at the status, gives its core away now and then
+    /// (`sched_yield`, so a thread of ours sharing the core runs), may take the engine's turns
+    /// itself, and yields to the async runtime (so its other tasks run), keeping its thread busy
+    /// for up to `spin` a wait. A thread whose yields keep losing time slices (an oversubscribed
+    /// core) stops spinning for a while. Larger operations never spin: their copy dwarfs a
+    /// wake-up, and a spinning waiter would take a core from it. At most half the cores' worth of
+    /// this connector's waits spin at once (at least one); the others park at once. The rows that
+    /// carry the default: docs/FIGURES.md, "Unproven on 16 cores" (64 outstanding 4 KiB operations,
+    /// the NIXL path over TCP against raw NIXL, with and without a spin).
     pub fn wait_spin(mut self, spin: Duration) -> Self {
         self.wait_spin = Some(spin);
         self
@@ -307,11 +297,7 @@ impl ConnectorBuilder {
                 cancel_grace: self.cancel_grace,
                 deregister_on_completion: self.deregister_on_completion,
                 quarantine_limit: self.quarantine_limit,
-                socket_dir: self.socket_dir.or_else(|| {
-                    std::env::var_os("NIXL_CONNECT_SOCKET_DIR")
-                        .filter(|v| !v.is_empty())
-                        .map(PathBuf::from)
-                }),
+                socket_dir: self.socket_dir.or_else(settings::socket_dir),
                 metrics: self.metrics,
                 wait_spin,
             },
@@ -330,7 +316,7 @@ impl ConnectorBuilder {
     fn checked_wait_spin(&self) -> Result<Duration> {
         let (spin, from) = match self.wait_spin {
             Some(s) => (s, "ConnectorBuilder::wait_spin"),
-            None => match wait_spin_from_env(env_text(WAIT_SPIN_ENV)?.as_deref())? {
+            None => match wait_spin_from_env(settings::wait_spin()?.as_deref())? {
                 Some(s) => (s, WAIT_SPIN_ENV),
                 None => (DEFAULT_WAIT_SPIN, "the default"),
             },
@@ -366,17 +352,6 @@ impl ConnectorBuilder {
                 path: self.path,
             }),
         })
-    }
-}
-
-/// The environment's `name` as text: none when unset; refused when it is not UTF-8.
-fn env_text(name: &str) -> Result<Option<String>> {
-    match std::env::var(name) {
-        Ok(v) => Ok(Some(v)),
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(v)) => Err(Error::InvalidArgument(format!(
-            "{name}={v:?} is not UTF-8 text (unset it, or set a number)"
-        ))),
     }
 }
 

@@ -43,12 +43,15 @@ mod descriptor;
 mod device;
 mod engine;
 mod error;
+#[cfg(test)]
+mod layers;
 mod metadata;
 pub mod metrics;
 mod operation;
 mod reg;
 mod registration;
-pub mod spin;
+mod settings;
+mod spin;
 mod state;
 mod stats;
 mod sync;
@@ -110,12 +113,13 @@ pub mod fuzzing {
 pub use buffer::{HostBuffer, HUGE_PAGE};
 pub use connector::{
     Connector, ConnectorBuilder, DEFAULT_CANCEL_GRACE, DEFAULT_PROGRESS_DELAY, DEFAULT_QUARANTINE_LIMIT,
-    DEFAULT_WAIT_SPIN, MAX_PROGRESS_DELAY, MAX_WAIT_SPIN, WAIT_SPIN_ENV,
+    DEFAULT_WAIT_SPIN, MAX_PROGRESS_DELAY, MAX_WAIT_SPIN,
 };
 pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};
 pub use engine::nixl::encoding::MAX_NIXL_METADATA;
 pub use engine::nixl::{MAX_RETIRED_EXPOSERS, REGISTERED_QUARANTINE};
+pub use engine::transport::WAIT_SPIN_MAX_BYTES;
 pub use error::{
     ChannelError, Error, ErrorKind, ErrorSource, MetadataProblem, Mismatch, PathRefusal, Refusal, Report,
     Result,
@@ -123,9 +127,10 @@ pub use error::{
 pub use metadata::{OperationKind, RdmaMetadata, SerializedDescriptor};
 pub use operation::{
     Mechanism, OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath,
-    WritableOperation, WriteOperation, WAIT_SPIN_MAX_BYTES,
+    WritableOperation, WriteOperation,
 };
 pub use registration::Registration;
+pub use settings::WAIT_SPIN_ENV;
 pub use stats::EngineStats;
 
 /// Whether the same-host path can move bytes from memory on `src` into memory on `dst` in this
@@ -201,7 +206,8 @@ pub mod testing {
         }
     }
 
-    /// Makes every spin of this process (see [`crate::spin`]) go on as if no yield ever overran,
+    /// Makes every spin of this process (a small operation's wait, the engine's after an event,
+    /// the copy pool's, the Python module's at the call) go on as if no yield ever overran,
     /// for as long as the process lives: for tests that check how spins behave, which must not
     /// depend on how loaded the machine running them is (a loaded one would turn the spins off).
     pub fn keep_spinning() {
@@ -209,8 +215,8 @@ pub mod testing {
     }
 
     /// How many turns callers have taken of `connector`'s engine (a small operation's waiter
-    /// drives its engine: see docs/ARCHITECTURE.md, "A small operation's waiter drives the
-    /// engine"): for tests that check that callers drive.
+    /// drives its engine: see docs/decisions/0005-who-drives.md): for tests that check that
+    /// callers drive.
     pub fn driven_turns(connector: &Connector) -> u64 {
         connector.driven_turns()
     }
@@ -261,11 +267,29 @@ pub mod testing {
     }
 }
 
+/// The Python module's wait at the call (not a public API): yields this thread's core until
+/// `done` says so or `limit` passes, and returns at once where spinning does not pay on this
+/// core (an oversubscribed host). True when `done` said so.
+#[doc(hidden)]
+pub fn __spin_until(limit: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
+    if !spin::worthwhile() {
+        return done();
+    }
+    let until = std::time::Instant::now() + limit;
+    loop {
+        if done() {
+            return true;
+        }
+        if std::time::Instant::now() >= until || !spin::yield_core() {
+            return false;
+        }
+    }
+}
+
 /// Where NIXL is looked for, and what was loaded.
 pub mod nixl_library {
-    pub use crate::engine::nixl::ffi::{
-        NIXL_LIB_ENV, NIXL_SYS_VERSION, SKIP_VERSION_ENV, SUPPORTED_RELEASES,
-    };
+    pub use crate::engine::nixl::ffi::{NIXL_SYS_VERSION, SUPPORTED_RELEASES};
+    pub use crate::settings::{NIXL_LIB_ENV, SKIP_VERSION_ENV};
 
     /// Every path searched for `libnixl_capi.so`, in order (see [`NIXL_LIB_ENV`]).
     pub fn candidates() -> Vec<std::path::PathBuf> {

@@ -43,7 +43,7 @@
 //! last half millisecond ("cache hot"), and these two run every ten microseconds. Measured on the
 //! 2-core VM: a third of the same-host benchmark's runs had both processes' waiters on one core,
 //! alternating turn for turn, for the whole run, at 34-37 us a read where the others took 20-23
-//! (docs/FIGURES.md, twenty-sixth session). So the spin of a wait that drives the engine (whose
+//! (docs/FIGURES.md, "4 KiB", same-host reads). So the spin of a wait that drives the engine (whose
 //! engine thread stands down meanwhile) ends once its last [`SHARED_TURNS_TO_STOP`] yields in a
 //! row each took longer than [`SHARED_TURN`] ([`yield_driving`] says so): its thread parks, the
 //! thread left spins alone, and the parked one, woken, is placed on a free core if there is one.
@@ -62,32 +62,32 @@ use std::time::{Duration, Instant};
 
 /// A yield that takes longer than this gave the core to a thread that did not give it back soon
 /// (a yield to our own spinning threads, or with a core to spare, takes a few microseconds).
-pub const YIELD_OVERRUN: Duration = Duration::from_micros(200);
+const YIELD_OVERRUN: Duration = Duration::from_micros(200);
 
 /// The balance of a thread's overrun yields (less its quick ones) that turns its spins off.
-pub const LOST_TO_STOP: Duration = Duration::from_millis(20);
+const LOST_TO_STOP: Duration = Duration::from_millis(20);
 
 /// How long a thread's spins first stay off once its balance reached [`LOST_TO_STOP`].
-pub const CONTENDED_FOR: Duration = Duration::from_secs(1);
+const CONTENDED_FOR: Duration = Duration::from_secs(1);
 
 /// The longest a thread's spins stay off (the time off doubles each time a probe overruns).
-pub const MAX_OFF: Duration = Duration::from_secs(8);
+const MAX_OFF: Duration = Duration::from_secs(8);
 
 /// What a probe may lose before spins turn off again: above a burst of the engine's own work on
 /// the same core (0.2-1.3 ms measured), below a slice of a CPU-bound process (4 ms at 250 Hz).
 const PROBE_ROOM: Duration = Duration::from_millis(2);
 
 /// A balance whose last overrun (or time off) ended longer ago than this is forgotten.
-pub const FORGET_AFTER: Duration = Duration::from_secs(5);
+const FORGET_AFTER: Duration = Duration::from_secs(5);
 
 /// How often the spin of a wait that drives the engine gives its core away at most
 /// ([`yield_driving`] once per this long; the turns between call no `sched_yield`). A yield costs a system call (0.4 us on the 2-core VM,
 /// where a waiter's turn that drives the engine takes 1.5-2.5 us), and a waiter that drives a
 /// NIXL transfer turns to serve and see it: yielding on every turn left NIXL writes over TCP
 /// at 1.12-1.14x raw NIXL in the same runs, yielding every 5 us at 1.02-1.03x (reads 1.02 and
-/// 0.98x; docs/FIGURES.md, twenty-sixth session). A thread of ours that shares the core waits
+/// 0.98x; docs/FIGURES.md, "4 KiB over TCP"). A thread of ours that shares the core waits
 /// for that long more at most.
-pub const YIELD_GAP: Duration = Duration::from_micros(5);
+pub(crate) const YIELD_GAP: Duration = Duration::from_micros(5);
 
 /// A yield that took longer than this ran another thread's turn on this core (a yield with the
 /// core to itself takes under a microsecond: 0.4-0.7 us on the 2-core VM). Where a bare yield
@@ -95,7 +95,7 @@ pub const YIELD_GAP: Duration = Duration::from_micros(5);
 /// [`SHARED_TURNS_TO_STOP`] yields, some 40 us into a wait's spin: a shorter spin, nothing
 /// worse. A bar set from the thread's own quickest yield was not taken: a thread whose every
 /// yield so far ran another's turn would set it too high.
-pub const SHARED_TURN: Duration = Duration::from_micros(2);
+const SHARED_TURN: Duration = Duration::from_micros(2);
 
 /// Yields further apart than this are not in a row: the count of shared turns starts anew (a
 /// spin's yields come every [`YIELD_GAP`] or so, and beside another spinner every 10-20 us).
@@ -103,7 +103,7 @@ const SHARED_RUN_GAP: Duration = Duration::from_micros(200);
 
 /// A spin whose last this many yields each ran another thread's turn ends (see the module's
 /// docs): two threads spinning on one core.
-pub const SHARED_TURNS_TO_STOP: u32 = 8;
+const SHARED_TURNS_TO_STOP: u32 = 8;
 
 /// What one thread's yields have shown: the rule, without a clock (times are passed in).
 #[derive(Clone, Copy, Debug)]
@@ -209,7 +209,7 @@ static KEEP_SPINNING: AtomicBool = AtomicBool::new(false);
 /// Whether a spin of this thread should start (or go on) now: false for [`CONTENDED_FOR`] after
 /// its overrun yields lost [`LOST_TO_STOP`] more than its quick ones gave back. It reads the
 /// clock only while spins are off.
-pub fn worthwhile() -> bool {
+pub(crate) fn worthwhile() -> bool {
     let mut seen = SEEN.get();
     if seen.off_until.is_none() || KEEP_SPINNING.load(Ordering::Relaxed) {
         return true;
@@ -224,7 +224,7 @@ pub fn worthwhile() -> bool {
 /// have lost enough to turn its spins off, and the caller should stop spinning. For the spins of
 /// threads that do the work (the engine's, the copy pool's), which share cores with our other
 /// threads by design.
-pub fn yield_core() -> bool {
+pub(crate) fn yield_core() -> bool {
     let mut seen = yield_timed();
     // Not this spin's rule: the count starts anew.
     seen.shared = 0;
@@ -236,7 +236,7 @@ pub fn yield_core() -> bool {
 /// down meanwhile), with the shared-turn rule: false also once this thread's last
 /// [`SHARED_TURNS_TO_STOP`] yields each ran another thread's turn on this core (this spin ends;
 /// the next may start). Either way the caller stops spinning and parks.
-pub fn yield_driving() -> bool {
+pub(crate) fn yield_driving() -> bool {
     let mut seen = yield_timed();
     let shared = seen.shares_core() && !KEEP_SPINNING.load(Ordering::Relaxed);
     SEEN.set(seen);

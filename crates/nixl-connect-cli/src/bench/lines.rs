@@ -4,7 +4,7 @@
 //! The active side reads one line from its peer before each timed operation (the peer's
 //! metadata) and one after it (the peer's timings). Read through the runtime's reactor, each line
 //! woke a runtime worker, which woke the thread in `block_on`: a quarter of a core on a 2-core
-//! host, taken from the timed operations of both sides (docs/FIGURES.md, twenty-sixth session).
+//! host, taken from the timed operations of both sides (docs/FIGURES.md, "4 KiB").
 //! Raw NIXL's anchor reads its peer's lines with blocking reads on its one thread; so does this,
 //! out of the timed span, inside `block_in_place` (the runtime is told that the thread blocks).
 

@@ -40,8 +40,8 @@ use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::RdmaMetadata;
 use crate::sync::Recover;
 
-/// Environment variable with the address the process-wide listener binds (default `127.0.0.1:0`).
-pub const LISTEN_ENV: &str = "NIXL_CONNECT_HTTP_LISTEN";
+/// The address [`HttpChannel::global`] binds (default `127.0.0.1:0`).
+pub use crate::settings::LISTEN_ENV;
 
 struct Item {
     metadata: Bytes,
@@ -86,11 +86,11 @@ impl HttpChannel {
     pub async fn global() -> Result<Self> {
         GLOBAL
             .get_or_try_init(|| async {
-                let addr = match std::env::var(LISTEN_ENV) {
-                    Ok(s) => s.parse().map_err(|e| {
+                let addr = match crate::settings::http_listen() {
+                    Some(s) => s.parse().map_err(|e| {
                         Error::channel_from(format!("{LISTEN_ENV}={s:?} is not an address"), e)
                     })?,
-                    Err(_) => SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+                    None => SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
                 };
                 Self::bind(addr).await
             })

@@ -6,7 +6,6 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{sys, CudaContext};
 
-use crate::descriptor::Descriptor;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::sync::Recover;
@@ -25,7 +24,7 @@ use crate::sync::Recover;
 /// use nixl_connect::{cuda::DeviceBuffer, Device};
 /// let mut buf = DeviceBuffer::new(Device::Cuda(0), 64 << 20)?;
 /// buf.copy_from_host(&vec![7u8; 64 << 20])?;
-/// let descriptor = buf.descriptor()?; // expose it as readable, or read into it
+/// let descriptor = nixl_connect::Descriptor::try_from(&mut buf)?; // expose it, or read into it
 /// # drop(descriptor);
 /// # Ok(())
 /// # }
@@ -214,16 +213,6 @@ impl DeviceBuffer {
         // SAFETY: copies `dst.len()` bytes (within the buffer, checked above) into host memory.
         let r = unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr, dst.len()) };
         check(r, "cuMemcpyDtoH")
-    }
-
-    /// A descriptor over the whole buffer (borrowing it: the buffer outlives every operation).
-    ///
-    /// # Errors
-    /// [`Error::DeviceMismatch`] should the driver place the memory elsewhere (never expected).
-    pub fn descriptor(&mut self) -> Result<Descriptor<'_>> {
-        // SAFETY: the memory stays allocated and mapped while `self` is borrowed, which the
-        // descriptor's lifetime ties it to.
-        unsafe { Descriptor::from_raw_cuda(self.ptr, self.len, self.device) }
     }
 
     fn bind(&self) -> Result<()> {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 
 use super::{Descriptor, OwnedMemory};
-use crate::cuda::{verify, Producer};
+use crate::cuda::{verify, DeviceBuffer, Producer};
 use crate::device::Device;
 use crate::error::Result;
 
@@ -148,5 +148,21 @@ impl<'a> Descriptor<'a> {
             });
         }
         self
+    }
+}
+
+/// A descriptor over a whole [`DeviceBuffer`], borrowing it: the buffer outlives every operation
+/// over it.
+///
+/// # Errors
+/// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) should the driver place the memory
+/// elsewhere (never expected).
+impl<'a> TryFrom<&'a mut DeviceBuffer> for Descriptor<'a> {
+    type Error = crate::Error;
+
+    fn try_from(buf: &'a mut DeviceBuffer) -> Result<Self> {
+        // SAFETY: the memory stays allocated and mapped while `buf` is borrowed, which the
+        // descriptor's lifetime ties it to.
+        unsafe { Descriptor::from_raw_cuda(buf.ptr(), buf.len(), buf.device()) }
     }
 }

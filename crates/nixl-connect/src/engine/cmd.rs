@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use super::poller::Waker;
-use super::transport::{ActiveSpec, Exposure, OpId, PassiveSpec, TransportId};
+use super::transport::{small, ActiveSpec, Exposure, OpId, PassiveSpec, TransportId};
 use crate::error::Result;
 use crate::reg::{Hold, Range, RegToken};
 use crate::stats::EngineStats;
@@ -90,12 +90,9 @@ impl Cmd {
     /// free memory a Python object owns), an exposure's end that hands memory on, mail, larger
     /// operations and the end.
     pub(crate) fn for_a_caller(&self) -> bool {
-        let small = |ranges: &mut dyn Iterator<Item = &Range>| {
-            ranges.map(|r| r.len).fold(0usize, usize::saturating_add) <= crate::operation::WAIT_SPIN_MAX_BYTES
-        };
         match self {
-            Cmd::Begin { spec } => self.host_only() && small(&mut spec.local.iter()),
-            Cmd::Expose { spec, .. } => self.host_only() && small(&mut spec.ranges.iter()),
+            Cmd::Begin { spec } => self.host_only() && small(&spec.local),
+            Cmd::Expose { spec, .. } => self.host_only() && small(&spec.ranges),
             Cmd::Unexpose { keep, .. } => keep.is_none(),
             _ => false,
         }
@@ -210,7 +207,7 @@ mod tests {
                 reply,
             }
         };
-        let small = crate::operation::WAIT_SPIN_MAX_BYTES;
+        let small = crate::WAIT_SPIN_MAX_BYTES;
         assert!(expose(small, crate::Device::Host).for_a_caller());
         assert!(
             !expose(small + 1, crate::Device::Host).for_a_caller(),

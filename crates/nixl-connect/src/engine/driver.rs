@@ -14,8 +14,7 @@
 //! operation's wait spin (so its frames are read where the answer is awaited). While a wait
 //! spins, the engine stands down: it does not spin beside the caller, and its sleep no longer
 //! sees the sockets ([`Gate`]), so a frame the caller will read wakes nobody. On a 2-core host
-//! that takes each process from two spinning threads to one (docs/ARCHITECTURE.md, "A small
-//! operation's waiter drives the engine").
+//! that takes each process from two spinning threads to one (docs/decisions/0005-who-drives.md).
 //!
 //! A caller's turn is the core's caller turn ([`EngineCore::turn_as_caller`]): it touches only
 //! the transports a caller may drive (same-host, loopback), but for NIXL's bookkeeping of an

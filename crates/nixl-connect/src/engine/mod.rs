@@ -24,6 +24,7 @@ pub(crate) mod nixl;
 mod poller;
 pub(crate) mod same_host;
 pub(crate) mod transport;
+mod wait;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -41,7 +42,6 @@ use self::driver::Drive;
 use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
 use self::same_host::SameHostTransport;
-pub(crate) use self::transport::on_a_callers_turn;
 use self::transport::{DecodePeer, OpId, PeerInfo, Transport, TransportId};
 use crate::error::{Error, Result};
 use crate::metrics::families::Metrics;
@@ -209,7 +209,7 @@ struct Shared {
     name: String,
     next_op: AtomicU64,
     cancel_grace: Duration,
-    /// How long an operation's wait stays awake before it parks (see `operation::wait`).
+    /// How long an operation's wait stays awake before it parks (see `wait`).
     wait_spin: Duration,
     /// Waits spinning now, at most [`max_spinning`] at once (see [`Engine::spin_slot`]).
     spinning: Arc<AtomicUsize>,
@@ -458,6 +458,26 @@ impl Engine {
     /// How long an operation's wait stays awake before it parks.
     pub(crate) fn wait_spin(&self) -> Duration {
         self.0.wait_spin
+    }
+
+    /// Waits for `state`, an operation of this engine's moving `bytes` in all, to end, or for
+    /// `timeout` (then [`Error::TimedOut`] naming `peer`). Whether the thread spins, drives this
+    /// engine or parks meanwhile is decided in `wait` alone.
+    ///
+    /// # Errors
+    /// The operation's own error, [`Error::Cancelled`], or [`Error::TimedOut`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future gives back its place among the waits that spin (and the
+    /// engine's turns, if it drove) and leaves the operation as it was.
+    pub(crate) async fn wait(
+        &self,
+        state: &Arc<crate::state::OpState>,
+        timeout: Option<Duration>,
+        peer: Option<&str>,
+        bytes: usize,
+    ) -> Result<()> {
+        wait::wait(self, state, timeout, peer, bytes).await
     }
 
     /// A place among this connector's waits that spin, if one is free: at most

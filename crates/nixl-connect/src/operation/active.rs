@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{wait, OpState, OperationStatus};
+use super::{OpState, OperationStatus};
 use crate::descriptor::{check_local, Descriptor};
 use crate::engine::transport::ActiveSpec;
 use crate::engine::transport::OpId;
@@ -274,8 +274,10 @@ macro_rules! active_op {
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the transfer running.
             pub async fn wait_for_completion(&self, timeout: Option<Duration>) -> Result<()> {
-                let spin = super::spin_for(&self.inner.engine, &self.inner.descs);
-                wait(&self.inner.state, timeout, Some(&self.inner.peer), spin).await
+                let bytes = self.inner.descs.iter().map(Descriptor::size).sum();
+                self.inner
+                    .engine
+                    .wait(&self.inner.state, timeout, Some(&self.inner.peer), bytes).await
             }
 
             /// Marks the operation cancelled and wakes its waiters; the same-host path stops its

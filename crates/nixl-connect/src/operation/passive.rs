@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{wait, OpState, OperationStatus};
+use super::{OpState, OperationStatus};
 use crate::buffer::HostBuffer;
 use crate::descriptor::{check_local, Descriptor};
 use crate::engine::transport::PassiveSpec;
@@ -272,8 +272,10 @@ macro_rules! passive_op {
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the operation as it was.
             pub async fn wait_for_completion(&self, timeout: Option<Duration>) -> Result<()> {
-                let spin = super::spin_for(&self.inner.engine, &self.inner.descs);
-                wait(&self.inner.state, timeout, None, spin).await
+                let bytes = self.inner.descs.iter().map(Descriptor::size).sum();
+                self.inner
+                    .engine
+                    .wait(&self.inner.state, timeout, None, bytes).await
             }
 
             /// Ends the exposure: the status becomes `Cancelled` unless already terminal, and

@@ -19,10 +19,8 @@ use nixl_sys::{
 use crate::device::{Device, DeviceKind};
 use crate::error::{Error, ErrorSource, Result};
 use crate::reg::Range;
+use crate::settings::{NIXL_LIB_ENV, SKIP_VERSION_ENV};
 use crate::sync::Recover;
-
-/// Environment variable naming the NIXL library (a `libnixl_capi.so` file or a folder holding it).
-pub const NIXL_LIB_ENV: &str = "NIXL_CONNECT_LIB";
 
 /// The NIXL release this crate is tested against first and suggests installing (what
 /// `scripts/setup.sh` installs). The crate builds against every nixl-sys from 1.3.2 to 1.5.x (their
@@ -71,7 +69,7 @@ pub(crate) fn prefer(dirs: Vec<PathBuf>) {
 fn search(stop_at_first: bool) -> (Option<PathBuf>, Vec<PathBuf>) {
     let mut tried = Vec::new();
     let mut groups: Vec<Box<dyn FnOnce() -> Vec<PathBuf>>> = Vec::new();
-    if let Some(v) = std::env::var_os(NIXL_LIB_ENV) {
+    if let Some(v) = crate::settings::nixl_lib() {
         let p = PathBuf::from(v);
         let p = if p.is_dir() { p.join(CAPI) } else { p };
         let found = p.is_file().then(|| p.clone());
@@ -189,7 +187,7 @@ pub(crate) fn load() -> Result<Loaded> {
         return Err(Error::NixlNotFound { searched });
     };
     if let Some(found) = version_beside(&path) {
-        if !supported_release(&found) && std::env::var_os(SKIP_VERSION_ENV).is_none() {
+        if !supported_release(&found) && !crate::settings::skip_version_check() {
             return Err(Error::NixlLoad {
                 reason: format!(
                     "this is NIXL {found}, but nixl-connect serves NIXL {} (built against \
@@ -228,9 +226,6 @@ pub(crate) fn load() -> Result<Loaded> {
     *guard = Some(l.clone());
     Ok(l)
 }
-
-/// Environment variable that skips the check of the NIXL release found against [`NIXL_SYS_VERSION`].
-pub const SKIP_VERSION_ENV: &str = "NIXL_CONNECT_SKIP_VERSION_CHECK";
 
 /// The release of the NIXL library at `capi`, where its installation says it: the wheel's
 /// `dist-info` beside `.nixl_cu13.mesonpy.libs/`, or the `VERSION` file `scripts/setup.sh` writes

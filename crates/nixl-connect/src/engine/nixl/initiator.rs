@@ -10,7 +10,7 @@ use super::ffi::{NixlAgent, PostError, Prepared, Transfer};
 use super::registry::{Mail, Registry};
 use super::{contain, overlap, MAX_IDLE_PEERS, MAX_LOADED, MAX_LOADED_BYTES, MAX_PREPARED};
 use crate::engine::cmd::Mailbox;
-use crate::engine::transport::{ActiveSpec, Event, OpId};
+use crate::engine::transport::{small_host, ActiveSpec, Event, OpId};
 use crate::error::{Error, ErrorSource, Result};
 use crate::reg::{Range, RegToken};
 use crate::state::TransferPath;
@@ -401,12 +401,4 @@ pub(super) fn transfer_failed(peer: &str, e: ErrorSource) -> Error {
         reason: "the transfer failed in UCX: the peer's process exited or its connection broke".into(),
         source: Some(e),
     }
-}
-
-/// Host memory of at most [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) in all: what a
-/// caller's turn may post and poll.
-pub(super) fn small_host(ranges: &[Range]) -> bool {
-    ranges.iter().all(|r| r.device == crate::device::Device::Host)
-        && ranges.iter().map(|r| r.len).fold(0usize, usize::saturating_add)
-            <= crate::operation::WAIT_SPIN_MAX_BYTES
 }

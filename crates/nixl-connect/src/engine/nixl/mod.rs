@@ -29,10 +29,11 @@ use std::time::{Duration, Instant};
 
 use self::encoding::encode as encode_agent_metadata;
 use self::ffi::NixlAgent;
-use self::initiator::{small_host, Initiator, StartError};
+use self::initiator::{Initiator, StartError};
 use self::registry::{key_of, Mail, RegInner, Registry, Side};
 use super::cmd::Mailbox;
 use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
+use crate::engine::transport::small_host;
 use crate::error::{Error, Result};
 use crate::metadata::OperationKind;
 use crate::reg::{Hold, Range, RegToken};
@@ -65,7 +66,8 @@ const MAX_MD_CACHE: usize = 4096;
 /// address-sorted vector, so a registration costs time in proportion to those it must move:
 /// without this bound, fresh small buffers exposed once each kept up to 65,536 registrations
 /// (256 MiB of quarantine at 4 KiB), and once a rotation had freed lower addresses for new
-/// buffers, a whole 4 KiB Python operation slowed from ~110 to ~425 us (docs/FIGURES.md).
+/// buffers, a whole 4 KiB Python operation slowed about threefold (docs/FIGURES.md, "Fresh exposures
+/// over many operations").
 pub const REGISTERED_QUARANTINE: usize = 4096;
 /// How often an exposer with memory registered but no operation live is progressed.
 pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
@@ -592,7 +594,7 @@ fn large(regs: &[Arc<RegInner>]) -> bool {
     regs.iter()
         .map(|t| t.range.len)
         .fold(0usize, usize::saturating_add)
-        > crate::operation::WAIT_SPIN_MAX_BYTES
+        > crate::engine::transport::WAIT_SPIN_MAX_BYTES
 }
 
 /// The registrations' ranges and ids, sorted and deduplicated: what their metadata is made from
@@ -612,7 +614,7 @@ fn ranges_and_ids(regs: &[Arc<RegInner>]) -> Vec<(Range, u64)> {
 /// and `getNotifs` on the exposers while exposures are small): see `ffi::Prepared`'s `Send`.
 fn engine_thread_only() {
     debug_assert!(
-        !crate::engine::on_a_callers_turn(),
+        !crate::engine::transport::on_a_callers_turn(),
         "the NIXL transport was called on a caller's turn"
     );
 }

@@ -21,8 +21,9 @@ const LAYERS: &[(&str, u8)] = &[
     ("sys/dir", 1),
     ("sys/pipe", 3),
     ("sys/vmm", 2),
-    ("sys/ipc", 3),
-    ("sys/staged", 4),
+    ("sys/ipc_error", 1),
+    ("sys/ipc", 4),
+    ("sys/staged", 3),
     ("records", 5),
     ("server_book", 6),
     ("client_book", 6),
@@ -149,9 +150,8 @@ fn same_host_owners_import_only_downward() {
     );
 }
 
-/// The wing may move to the thread of a caller that waits: the step issue 45 leaves next (a
-/// small operation's waiter driving the same-host wing itself, docs/ARCHITECTURE.md, "Next: the
-/// waiter drives the engine") needs the transport `Send`; the NIXL transport's raw
+/// The wing may move to the thread of a caller that waits (a small operation's waiter drives the
+/// engine: docs/decisions/0005-who-drives.md), so the transport must be `Send`; the NIXL transport's raw
 /// handles are what keep the whole engine core on its thread. A field that is not `Send` fails
 /// to compile here, where the reason is written down.
 #[test]

@@ -39,9 +39,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::sys;
 
 use super::cma::{self, CopyError, SlotRef};
+use super::ipc_error::check;
+pub(crate) use super::ipc_error::IpcError;
 use super::slots::{ARMED, COPYING, DONE};
 use super::{staged, vmm};
 use crate::engine::same_host::wire::IpcSource;
@@ -83,94 +85,6 @@ pub(crate) struct Copy {
     pub(crate) fds: Vec<OwnedFd>,
     pub(crate) slot: SlotRef,
     pub(crate) cancel: Arc<AtomicBool>,
-}
-
-/// Why a step of the device path failed (shared as an [`ErrorSource`] beyond this file).
-#[derive(Debug, Clone, Copy, thiserror::Error)]
-pub(crate) enum IpcError {
-    /// A driver call returned an error.
-    #[error("{call} failed: {result:?}")]
-    Driver {
-        /// The driver call.
-        call: &'static str,
-        /// What it returned.
-        result: CUresult,
-    },
-    /// This process has no usable CUDA driver or device.
-    #[error("no usable CUDA driver or device in this process")]
-    NoDevice,
-    /// The CUDA thread could not be started.
-    #[error("cannot start the CUDA thread")]
-    NoThread,
-    /// The peer's GPU (by UUID) is not visible to this process.
-    #[error("the peer's GPU is not visible to this process")]
-    PeerGpuNotVisible,
-    /// A range runs past the end of the allocation around it.
-    #[error("a range runs past the end of its CUDA allocation")]
-    PastAllocation,
-    /// The peer claimed more memory than the allocation its handle maps.
-    #[error("the peer claims {claimed} bytes of an allocation whose mapping holds {mapped}")]
-    LargerThanMapping {
-        /// The bytes the peer's export claims (allocation size, or offset + length).
-        claimed: u64,
-        /// The bytes the mapping really holds.
-        mapped: u64,
-    },
-    /// The process holds as much pinned staging memory as it may
-    /// ([`MAX_STAGING`](super::staged::MAX_STAGING)): the copy takes NIXL.
-    #[error("this process holds its whole allowance of pinned staging memory")]
-    NoStaging,
-    /// The memory is not a VMM allocation with a POSIX-descriptor handle type, the only device
-    /// memory that crosses PID namespaces.
-    #[error(
-        "the device memory cannot be exported as a descriptor (it is not a VMM allocation with a \
-         POSIX-descriptor handle type: cuMemAlloc and PyTorch's default allocator make none; \
-         allocate with nixl_connect::cuda::DeviceBuffer, or run PyTorch with \
-         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
-    )]
-    NotExportable,
-    /// One operation's ranges lie in more VMM allocations than one frame may pass descriptors
-    /// for.
-    #[error("the ranges lie in more than {0} device allocations, more than one frame may pass")]
-    TooManyAllocations(usize),
-    /// A range's descriptor is not among those passed, or names allocations of different sizes.
-    #[error("a device range names a descriptor that was not passed with it")]
-    MissingDescriptor,
-    /// VMM memory this crate did not allocate, for a peer in another PID namespace: its
-    /// descriptor would give the peer the whole allocation for as long as it keeps it (a
-    /// PyTorch segment's piece holds other tensors), which nothing else there could reach.
-    #[error(
-        "the device memory is not a nixl_connect DeviceBuffer: to a peer in another PID namespace \
-         only those are shared as descriptors (the peer could keep the whole allocation, which may \
-         hold other tensors); allocate with DeviceBuffer, or set NIXL_CONNECT_SHARE_VMM=1 to share \
-         other VMM memory (PyTorch's expandable segments) anyway"
-    )]
-    NotOwned,
-    /// A size this process cannot map.
-    #[error("a device allocation too large to map here")]
-    TooLarge,
-    /// No descriptor left to copy an export's into (the process's limit).
-    #[error("no file descriptor left to pass a device export (raise the open-files limit)")]
-    NoDescriptor,
-    /// A driver call panicked (the step is abandoned; the thread goes on).
-    #[error("the CUDA {0} panicked")]
-    Panicked(&'static str),
-}
-
-impl From<vmm::VmmError> for IpcError {
-    fn from(e: vmm::VmmError) -> Self {
-        match e {
-            vmm::VmmError::Driver { call, result } => IpcError::Driver { call, result },
-            vmm::VmmError::NotExportable => IpcError::NotExportable,
-            vmm::VmmError::TooLarge => IpcError::TooLarge,
-        }
-    }
-}
-
-impl From<IpcError> for ErrorSource {
-    fn from(e: IpcError) -> Self {
-        Arc::new(e)
-    }
 }
 
 /// An export: one source per range, and the descriptors they name (none for legacy handles).
@@ -222,7 +136,7 @@ static AVAILABLE: OnceLock<bool> = OnceLock::new();
 /// ([`settled_for_callers`]).
 pub(crate) fn available() -> bool {
     debug_assert!(
-        AVAILABLE.get().is_some() || !crate::engine::on_a_callers_turn(),
+        AVAILABLE.get().is_some() || !crate::engine::transport::on_a_callers_turn(),
         "CUDA initialised on a caller's turn"
     );
     *AVAILABLE.get_or_init(|| crate::cuda::device_count().is_ok_and(|n| n > 0))
@@ -347,8 +261,7 @@ fn forget_at(base: u64) {
 /// True where `NIXL_CONNECT_SHARE_VMM=1`: VMM memory this crate did not allocate is shared with
 /// peers in other PID namespaces too (read once).
 fn share_foreign_vmm() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("NIXL_CONNECT_SHARE_VMM").is_ok_and(|v| v == "1"))
+    crate::settings::process().share_vmm
 }
 
 /// Closes a legacy mapping no copy uses any more.
@@ -393,14 +306,6 @@ unsafe fn queue(
         used.push(d);
     }
     Ok(())
-}
-
-fn check(result: CUresult, call: &'static str) -> Result<(), IpcError> {
-    if result == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(IpcError::Driver { call, result })
-    }
 }
 
 /// A device's primary context and this path's stream on it.

@@ -10,12 +10,14 @@
 //! - [`pipe`]: pipes carrying copies where the peer's memory cannot be read (another PID
 //!   namespace, ptrace refused);
 //! - `ipc`, `vmm` and `staged` (feature `cuda`): CUDA IPC exports and copies, VMM allocations'
-//!   descriptors between PID namespaces, pinned staging.
+//!   descriptors between PID namespaces, pinned staging; `ipc_error`: why a step of them failed.
 
 pub(crate) mod cma;
 pub(crate) mod dir;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc;
+#[cfg(feature = "cuda")]
+pub(crate) mod ipc_error;
 pub(super) mod mem;
 pub(crate) mod pipe;
 pub(crate) mod slots;

@@ -14,7 +14,7 @@
 //! reused it. A copy in the pipe is what the operation granted, taken while it was live: nothing
 //! needs emptying when it ends. What the source's owner waits for before the memory may be reused
 //! is only the end of its own jobs (they read that memory). The price is a second copy: the
-//! fourteenth session's figures in docs/FIGURES.md.
+//! figures in docs/FIGURES.md, "Between pods (PID namespaces), host memory".
 //!
 //! Every wait is a `poll` on the pipe and on the job's [`Wake`] (an eventfd the engine writes when
 //! the operation ends or is cancelled): nothing sleeps to poll. The destination reads with

@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cma::{self, Copy, CopyError, Piece, CHUNK};
-use super::ipc::IpcError;
+use super::ipc_error::{check, IpcError};
 use crate::sync::Recover;
 
 /// The most lanes one staged copy uses by default (half the cores up to this).
@@ -86,14 +86,6 @@ fn give_back(b: usize) {
     }
 }
 
-fn check(r: CUresult, call: &'static str) -> Result<(), IpcError> {
-    if r == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(IpcError::Driver { call, result: r })
-    }
-}
-
 /// Starts `c` (pieces whose `local` side is device memory of this process) as lanes on the copy
 /// pool; `done` runs on a copy thread once the bytes are on the device (or not). Returns the
 /// revocation error at once (without calling `done`) when the grant was revoked before the copy
@@ -121,7 +113,7 @@ fn lanes_for(chunks: usize) -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     let max = *MAX.get_or_init(|| {
         lanes_from(
-            std::env::var("NIXL_CONNECT_STAGING_LANES").ok().as_deref(),
+            crate::settings::process().staging_lanes.as_deref(),
             std::thread::available_parallelism().map_or(1, |n| n.get()),
         )
     });

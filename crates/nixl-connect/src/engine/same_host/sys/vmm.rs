@@ -23,7 +23,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use cudarc::driver::sys;
 
-/// Why a step failed (the device path's [`IpcError`](super::ipc::IpcError) takes it in).
+use super::ipc_error::IpcError;
+
+/// Why a step failed (the device path's [`IpcError`] takes it in).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum VmmError {
     /// A driver call returned an error.
@@ -185,6 +187,16 @@ impl Drop for Imported {
             if self.handle != 0 {
                 sys::cuMemRelease(self.handle);
             }
+        }
+    }
+}
+
+impl From<VmmError> for IpcError {
+    fn from(e: VmmError) -> Self {
+        match e {
+            VmmError::Driver { call, result } => IpcError::Driver { call, result },
+            VmmError::NotExportable => IpcError::NotExportable,
+            VmmError::TooLarge => IpcError::TooLarge,
         }
     }
 }

@@ -2,6 +2,7 @@
 //! `NIXL_CONNECT_REQUIRE_GPU` is set).
 
 use super::*;
+use cudarc::driver::sys::CUresult;
 
 /// The first GPU's context, or `None` after saying why the test is skipped (a failure where
 /// `NIXL_CONNECT_REQUIRE_GPU` is set).
