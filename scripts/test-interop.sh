@@ -6,8 +6,9 @@
 #      descriptors over Dynamo's storage read and written over NIXL and the same-host path.
 #      Its example media_read then reads, in one process, what another publishes the way Dynamo's
 #      Rust media path does (dynamo-memory's NixlAgent), checksums compared.
-#   2. The library's integration tests run on the lowest nixl-sys (1.3.2); `cargo test` in
-#      scripts/test.sh runs them on the lock's (the newest).
+#   2. The library's integration tests that move bytes through NIXL (scripts/nixl-modules.sh) run
+#      on the lowest nixl-sys (1.3.2); `cargo test` in scripts/test.sh runs them all on the lock's
+#      (the newest).
 # Usage: bash scripts/test-interop.sh   (after scripts/setup.sh; NIXL_CONNECT_LIB defaults to .nixl/lib)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,10 +33,11 @@ echo "media_read: published ${published:-nothing}; $read_out" >&2
   || { echo "test-interop: the media read did not return the published bytes" >&2; exit 1; }
 got=$(version_in interop/dynamo-memory/Cargo.lock)
 [ "$got" = "$lowest" ] || { echo "test-interop: the interop build has nixl-sys $got, not $lowest" >&2; exit 1; }
-echo "== the library's integration tests on nixl-sys $lowest (the workspace's lock has $(version_in Cargo.lock))" >&2
+echo "== the library's NIXL integration tests on nixl-sys $lowest (the workspace's lock has $(version_in Cargo.lock))" >&2
 saved=$(mktemp)
 cp Cargo.lock "$saved"
 trap 'cp "$saved" Cargo.lock; rm -f "$saved"' EXIT
 cargo update -q -p nixl-sys --precise "$lowest"
 [ "$(version_in Cargo.lock)" = "$lowest" ]
-CARGO_TARGET_DIR=target/nixl-sys-lowest cargo test -p nixl-connect --all-features --test integration 2>&1
+source scripts/nixl-modules.sh
+CARGO_TARGET_DIR=target/nixl-sys-lowest cargo test -p nixl-connect --all-features --test integration -- "${nixl_filters[@]}" 2>&1

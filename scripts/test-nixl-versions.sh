@@ -3,13 +3,15 @@
 # (1.5.1): 1.4.1 (ai-dynamo 1.6.1's vllm extra) and 1.5.0 (its sglang extra; both extras of
 # 1.7.0.dev). Each release is downloaded from PyPI (nixl-cu13) into .nixl-<version>/ and chosen with
 # NIXL_CONNECT_LIB, with no override: the version beside the library is checked as in production.
-# What runs on each: the library's integration tests (every one runs against real NIXL) and the
+# What runs on each: the library's integration tests whose bytes move through NIXL (the modules
+# scripts/nixl-modules.sh lists; scripts/test.sh runs them all on the pinned release) and the
 # tests the ai-dynamo wheel ships for its nixl_connect callers, on nixl_connect (test-dynamo.sh).
 # Usage: bash scripts/test-nixl-versions.sh [VERSION...]   (default: 1.4.1 1.5.0; needs setup.sh --interop)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 versions=("$@"); [ ${#versions[@]} -gt 0 ] || versions=(1.4.1 1.5.0)
 unset NIXL_CONNECT_SKIP_VERSION_CHECK
+source scripts/nixl-modules.sh
 cargo build -q --workspace --all-features   # what `cargo test --workspace --all-features` built
 for v in "${versions[@]}"; do
   NIXL_VERSION=$v NIXL_DIR=".nixl-$v" bash scripts/setup.sh
@@ -24,8 +26,8 @@ lib, st = checks["NIXL library"], checks["self-test"]
 ok = lib["status"] == "ok" and lib["detail"].endswith("==" + v + ")") and st["status"] == "ok"
 print("test-nixl-versions: NIXL library", lib["detail"], "; self-test", st["status"], file=sys.stderr)
 sys.exit(0 if ok else 1)' "$v" || { echo "test-nixl-versions: NIXL $v did not load and pass doctor's self-test" >&2; exit 1; }
-  echo "== NIXL $v: integration tests" >&2
-  cargo test --workspace --all-features --test integration 2>&1
+  echo "== NIXL $v: the integration tests that move bytes through NIXL (${nixl_modules[*]})" >&2
+  cargo test -p nixl-connect --all-features --test integration -- "${nixl_filters[@]}" 2>&1
   echo "== NIXL $v: Dynamo's multimodal tests on nixl_connect" >&2
   bash scripts/test-dynamo.sh
 done
