@@ -269,27 +269,31 @@ fn violations(files: &[(String, String)]) -> (Vec<String>, usize) {
     (found, checked)
 }
 
-fn walk(dir: &Path, base: &Path, files: &mut Vec<(String, String)>) {
-    for e in std::fs::read_dir(dir).expect("the source folder") {
-        let p = e.expect("an entry").path();
-        if p.is_dir() {
-            walk(&p, base, files);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            let rel = p
-                .strip_prefix(base)
-                .expect("inside")
-                .to_string_lossy()
-                .into_owned();
-            files.push((rel, std::fs::read_to_string(&p).expect("readable")));
+/// Every `.rs` file under `dir`, by its path relative to `dir`, with its text (the wing's own
+/// layout check reads its folder the same way).
+pub(crate) fn rust_files(dir: &Path) -> Vec<(String, String)> {
+    fn walk(dir: &Path, base: &Path, files: &mut Vec<(String, String)>) {
+        for e in std::fs::read_dir(dir).expect("a source folder") {
+            let p = e.expect("an entry").path();
+            if p.is_dir() {
+                walk(&p, base, files);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let rel = p
+                    .strip_prefix(base)
+                    .expect("inside")
+                    .to_string_lossy()
+                    .into_owned();
+                files.push((rel, std::fs::read_to_string(&p).expect("readable")));
+            }
         }
     }
+    let mut files = Vec::new();
+    walk(dir, dir, &mut files);
+    files
 }
 
 fn crate_files() -> Vec<(String, String)> {
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    walk(&base, &base, &mut files);
-    files
+    rust_files(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"))
 }
 
 #[test]

@@ -28,6 +28,7 @@ pub const WAIT_SPIN_ENV: &str = "NIXL_CONNECT_WAIT_SPIN_US";
 
 /// The address [`HttpChannel::global`](crate::channel::http::HttpChannel::global) binds (default
 /// `127.0.0.1:0`).
+#[cfg(feature = "http")]
 pub const LISTEN_ENV: &str = "NIXL_CONNECT_HTTP_LISTEN";
 
 /// A directory shared with same-host peers in other network namespaces (pods), where
@@ -69,6 +70,7 @@ pub(crate) fn wait_spin() -> Result<Option<String>> {
 }
 
 /// [`LISTEN_ENV`]'s value, if set and text.
+#[cfg(feature = "http")]
 pub(crate) fn http_listen() -> Option<String> {
     std::env::var(LISTEN_ENV).ok()
 }

@@ -20,17 +20,23 @@ use crate::sync::{Recover, Watched};
 pub enum TransferPath {
     /// NIXL (UCX): Python peers, other hosts, device memory.
     Nixl = 1,
-    /// The same-host path: a Rust peer on this host, host memory copied directly.
-    Local = 2,
+    /// The same-host path: a Rust (or `nixl_connect` Python) peer on this host, its memory
+    /// copied directly (printed `local`, as Python and the metrics' labels name it).
+    SameHost = 2,
     /// The in-process loopback transport of the `testing` feature.
     Loopback = 3,
 }
 
 impl TransferPath {
+    /// The same-host path's name before 0.2.
+    #[deprecated(note = "renamed `TransferPath::SameHost`")]
+    #[allow(non_upper_case_globals)]
+    pub const Local: TransferPath = TransferPath::SameHost;
+
     pub(crate) fn from_u8(v: u8) -> Option<Self> {
         match v {
             1 => Some(Self::Nixl),
-            2 => Some(Self::Local),
+            2 => Some(Self::SameHost),
             3 => Some(Self::Loopback),
             _ => None,
         }
@@ -42,7 +48,7 @@ impl TransferPath {
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
             Self::Nixl => "nixl",
-            Self::Local => "local",
+            Self::SameHost => "local",
             Self::Loopback => "loopback",
         }
     }
@@ -54,7 +60,7 @@ impl std::fmt::Display for TransferPath {
     }
 }
 
-/// How the same-host path ([`TransferPath::Local`]) moves an operation's bytes, as the active
+/// How the same-host path ([`TransferPath::SameHost`]) moves an operation's bytes, as the active
 /// side saw it decided ([`ReadOperation::mechanism`](crate::ReadOperation::mechanism)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -370,7 +376,7 @@ impl OpState {
     /// How the same-host path moves (or moved) the bytes, while it is the path.
     pub(crate) fn mechanism(&self) -> Option<Mechanism> {
         match self.path() {
-            Some(TransferPath::Local) => Mechanism::from_u8(self.mechanism.load(Ordering::Acquire)),
+            Some(TransferPath::SameHost) => Mechanism::from_u8(self.mechanism.load(Ordering::Acquire)),
             _ => None,
         }
     }
@@ -426,6 +432,17 @@ impl OpState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The same-host path's old name still compiles, names the same path, and prints as
+    /// Python and the metrics name it.
+    #[test]
+    #[allow(deprecated)]
+    fn state_transfer_path_local_is_same_host() {
+        assert_eq!(TransferPath::Local, TransferPath::SameHost);
+        assert!(matches!(TransferPath::SameHost, TransferPath::Local));
+        assert_eq!(TransferPath::SameHost.to_string(), "local");
+        assert_eq!(TransferPath::from_u8(2), Some(TransferPath::SameHost));
+    }
 
     #[test]
     fn state_error_is_visible_with_the_status() {

@@ -28,7 +28,7 @@ const SIDES: [&str; 2] = ["active", "passive"];
 const PATHS: [&str; 4] = [
     "none",
     TransferPath::Nixl.as_str(),
-    TransferPath::Local.as_str(),
+    TransferPath::SameHost.as_str(),
     TransferPath::Loopback.as_str(),
 ];
 /// Status labels of ended operations, in index order.
@@ -84,7 +84,7 @@ fn path_ix(p: Option<TransferPath>) -> usize {
     match p {
         None => 0,
         Some(TransferPath::Nixl) => 1,
-        Some(TransferPath::Local) => 2,
+        Some(TransferPath::SameHost) => 2,
         Some(TransferPath::Loopback) => 3,
     }
 }

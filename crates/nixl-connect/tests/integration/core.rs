@@ -32,7 +32,7 @@ fn pair_on(path: PathPolicy) -> (Connector, Connector) {
 
 /// Both paths, for the tests that must hold on each.
 const PATHS: [(PathPolicy, TransferPath); 2] = [
-    (PathPolicy::Auto, TransferPath::Local),
+    (PathPolicy::Auto, TransferPath::SameHost),
     (PathPolicy::Nixl, TransferPath::Nixl),
 ];
 
@@ -82,7 +82,7 @@ async fn write_pair(a: &Connector, b: &Connector, len: usize, ndesc: usize) {
 fn path_of(b: &Connector) -> TransferPath {
     match b.path_policy() {
         PathPolicy::Nixl => TransferPath::Nixl,
-        _ => TransferPath::Local,
+        _ => TransferPath::SameHost,
     }
 }
 

@@ -68,7 +68,7 @@ async fn driven_read_of(owner: &Connector, reader: &Connector, len: usize, seed:
     let (a, b) = tokio::join!(op.wait_for_completion(T), r.wait_for_completion(T));
     a.unwrap();
     b.unwrap();
-    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(op.path(), Some(TransferPath::SameHost));
     assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &src[..]);
 }
 
@@ -86,7 +86,7 @@ async fn driven_write_of(owner: &Connector, writer: &Connector, len: usize, seed
     let (a, b) = tokio::join!(op.wait_for_completion(T), w.wait_for_completion(T));
     a.unwrap();
     b.unwrap();
-    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(op.path(), Some(TransferPath::SameHost));
     assert_eq!(w.into_descriptors()[0].as_slice().unwrap(), &src[..]);
 }
 
@@ -384,7 +384,7 @@ async fn driven_an_exposure_of_registered_memory_is_made_on_the_callers_turn() {
             by_callers += 1;
         }
         let want = if round % 2 == 0 {
-            TransferPath::Local
+            TransferPath::SameHost
         } else {
             TransferPath::Nixl
         };
@@ -417,7 +417,7 @@ async fn driven_exposures_stay_the_engines_where_waits_do_not_spin() {
             before,
             "round {round}: a caller made an exposure where waits do not spin"
         );
-        read_all_of(r, &reader, &src, TransferPath::Local).await;
+        read_all_of(r, &reader, &src, TransferPath::SameHost).await;
     }
 }
 

@@ -167,7 +167,7 @@ async fn read_1mib(owner: &Connector, reader: &Connector, seed: u64) -> Duration
         .unwrap();
     op.wait_for_completion(T).await.unwrap();
     let took = t0.elapsed();
-    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(op.path(), Some(TransferPath::SameHost));
     assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &want[..]);
     r.wait_for_completion(T).await.unwrap();
     took

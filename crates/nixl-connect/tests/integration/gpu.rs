@@ -218,7 +218,7 @@ async fn gpu_vram_into_pageable_host_is_staged_byte_exact() {
             .unwrap();
         op.wait_for_completion(T).await.unwrap();
         r.wait_for_completion(T).await.unwrap();
-        assert_eq!(op.path(), Some(TransferPath::Local), "read {what}");
+        assert_eq!(op.path(), Some(TransferPath::SameHost), "read {what}");
         assert!(bytes_of(&s, op.results()) == data, "read {what}: bytes differ");
         let w = a
             .create_writable(alloc(&s, Mem::Host, &vec![0u8; len], n))
@@ -230,7 +230,7 @@ async fn gpu_vram_into_pageable_host_is_staged_byte_exact() {
             .unwrap();
         op.wait_for_completion(T).await.unwrap();
         w.wait_for_completion(T).await.unwrap();
-        assert_eq!(op.path(), Some(TransferPath::Local), "write {what}");
+        assert_eq!(op.path(), Some(TransferPath::SameHost), "write {what}");
         assert!(
             bytes_of(&s, w.descriptors()) == data,
             "write {what}: bytes differ"
@@ -244,7 +244,7 @@ async fn gpu_vram_into_pageable_host_is_staged_byte_exact() {
         .await
         .unwrap();
     op.wait_for_completion(T).await.unwrap();
-    assert_eq!(op.path(), Some(TransferPath::Local), "across two processes");
+    assert_eq!(op.path(), Some(TransferPath::SameHost), "across two processes");
     assert!(
         bytes_of(&s, op.results()) == pattern(len, 1),
         "across two processes: bytes differ"
@@ -334,7 +334,7 @@ impl Peer {
 /// The path a same-host pair takes: always the same-host path (CUDA IPC when the source is device
 /// memory, cross-memory attach through pinned staging for host memory into device memory).
 fn expected_path(_source: Mem, _destination: Mem) -> TransferPath {
-    TransferPath::Local
+    TransferPath::SameHost
 }
 
 fn mem_name(m: Mem) -> &'static str {
@@ -366,7 +366,7 @@ async fn gpu_vram_across_two_processes() {
                 .await
                 .unwrap();
             op.wait_for_completion(T).await.unwrap();
-            assert_eq!(op.path(), Some(TransferPath::Local), "{role}: CUDA IPC");
+            assert_eq!(op.path(), Some(TransferPath::SameHost), "{role}: CUDA IPC");
             assert!(bytes_of(&s, op.results()) == data, "{role} {len} x{n}");
         } else {
             let op = conn
@@ -374,7 +374,7 @@ async fn gpu_vram_across_two_processes() {
                 .await
                 .unwrap();
             op.wait_for_completion(T).await.unwrap();
-            assert_eq!(op.path(), Some(TransferPath::Local), "{role}: CUDA IPC");
+            assert_eq!(op.path(), Some(TransferPath::SameHost), "{role}: CUDA IPC");
         }
         peer.finish(&format!("{role} {len} x{n}"));
     }
@@ -575,7 +575,7 @@ async fn gpu_vmm_device_memory_crosses_pid_and_ipc_namespaces() {
             (op.path(), op.mechanism())
         };
         let want_path = if want.is_some() {
-            TransferPath::Local
+            TransferPath::SameHost
         } else {
             TransferPath::Nixl
         };

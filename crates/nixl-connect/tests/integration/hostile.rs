@@ -192,7 +192,7 @@ async fn hostile_impostor_proving_its_own_key_cannot_answer_for_another_operatio
     let own_read = op.wait_for_completion(T).await;
     assert_ne!(
         op.path(),
-        Some(TransferPath::Local),
+        Some(TransferPath::SameHost),
         "its own operation is not taken on the same-host path ({own_read:?})"
     );
     drop(op);
@@ -747,7 +747,7 @@ async fn legitimate_read_is_prompt(md: &RdmaMetadata, want: &[u8], r: ReadableOp
     op.wait_for_completion(Some(Duration::from_secs(10)))
         .await
         .unwrap();
-    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(op.path(), Some(TransferPath::SameHost));
     assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), want);
     r.wait_for_completion(T).await.unwrap();
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());

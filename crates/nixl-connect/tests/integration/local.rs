@@ -47,7 +47,7 @@ async fn local_negotiation_declined_falls_back_to_nixl() {
         .await
         .unwrap();
     op.wait_for_completion(T).await.unwrap();
-    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(op.path(), Some(TransferPath::SameHost));
     assert!(reader.stats().await.unwrap().local_transfers >= 1);
 }
 
@@ -145,7 +145,7 @@ async fn local_many_descriptors_and_concurrent_operations() {
     let locals: Vec<Descriptor<'_>> = dst.chunks_mut(4096).map(Descriptor::from).collect();
     let op = reader.begin_read(r.metadata(), locals).await.unwrap();
     op.wait_for_completion(T).await.unwrap();
-    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(op.path(), Some(TransferPath::SameHost));
     drop(op);
     assert!(dst[..] == src[..]);
     // 1,000 concurrent operations with a fresh buffer each: none lost, none duplicated.

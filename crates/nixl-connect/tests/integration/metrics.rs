@@ -78,7 +78,10 @@ async fn metrics_scrape_matches_stats_over_nixl_and_the_same_host_path() {
     let by_local = Connector::builder().metrics(&m).build().unwrap();
     let src = HostBuffer::from_slice(&[5u8; N]).unwrap();
     let mut last = None;
-    for (reader, path) in [(&by_nixl, TransferPath::Nixl), (&by_local, TransferPath::Local)] {
+    for (reader, path) in [
+        (&by_nixl, TransferPath::Nixl),
+        (&by_local, TransferPath::SameHost),
+    ] {
         for _ in 0..2 {
             let r = owner.create_readable(Descriptor::from(&src)).await.unwrap();
             let op = reader

@@ -216,7 +216,7 @@ async fn replay_after_completion_and_drop_is_refused_or_harmless() {
         .unwrap();
     op.wait_for_completion(T).await.unwrap();
     r.wait_for_completion(T).await.unwrap();
-    assert_eq!(op.path(), Some(TransferPath::Local));
+    assert_eq!(op.path(), Some(TransferPath::SameHost));
     for (who, conn) in [("another connector", &other), ("the same connector", &reader)] {
         let mut dst = vec![0u8; 4096];
         let op = conn

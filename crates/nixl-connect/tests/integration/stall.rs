@@ -144,7 +144,7 @@ fn stall_of_a_peer_page_leaves_the_engine_serving_others() {
         op.wait_for_completion(T).await.unwrap();
         assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &want[..]);
         got.unwrap();
-        assert_eq!(stuck.path(), Some(TransferPath::Local));
+        assert_eq!(stuck.path(), Some(TransferPath::SameHost));
         let back = stuck.into_descriptors().unwrap();
         assert!(back[0].as_slice().unwrap().iter().all(|&b| b == 0));
         bad.wait_for_completion(T).await.unwrap();
@@ -193,7 +193,7 @@ fn stall_of_one_peer_leaves_copies_from_others_running() {
         let served = served
             .expect("copies from another peer waited behind the stalled ones")
             .unwrap();
-        assert_eq!(served.path(), Some(TransferPath::Local));
+        assert_eq!(served.path(), Some(TransferPath::SameHost));
         let back = served.into_descriptors().unwrap();
         assert!(back[0].as_slice().unwrap().iter().all(|&b| b == 0x5A));
         drop(stuck);

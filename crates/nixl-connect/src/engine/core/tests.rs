@@ -405,7 +405,7 @@ fn core_schedule_leaves_an_idle_transport_alone() {
 #[test]
 fn core_hand_over_chain_offers_a_declined_operation_to_the_next_transport() {
     let t0 = Instant::now();
-    let (a, sa) = probe("local", TransferPath::Local);
+    let (a, sa) = probe("local", TransferPath::SameHost);
     let (b, sb) = probe("nixl", TransferPath::Nixl);
     sa.lock().unwrap().decline = Some("no same-host socket");
     sb.lock().unwrap().complete = true;
@@ -472,7 +472,7 @@ fn core_completed_metadata_is_refused_and_a_cancelled_operation_is_offered_nowhe
 #[test]
 fn core_abandon_reaches_the_transport_that_holds_the_operation() {
     let t0 = Instant::now();
-    let (a, sa) = probe("a", TransferPath::Local);
+    let (a, sa) = probe("a", TransferPath::SameHost);
     let (b, sb) = probe("b", TransferPath::Nixl);
     sa.lock().unwrap().decline = Some("declined");
     let mut core = EngineCore::new(vec![a, b], ids(&[0, 1]), MS, t0);
@@ -497,7 +497,7 @@ fn core_abandon_reaches_the_transport_that_holds_the_operation() {
 fn core_hold_chain_gives_memory_to_the_first_transport_that_keeps_it() {
     let t0 = Instant::now();
     let (a, sa) = probe("a", TransferPath::Nixl);
-    let (b, sb) = probe("b", TransferPath::Local);
+    let (b, sb) = probe("b", TransferPath::SameHost);
     sb.lock().unwrap().keeps = true;
     let mut core = EngineCore::new(vec![a, b], ids(&[0, 1]), MS, t0);
     let (keep, freed) = canary();
@@ -585,7 +585,7 @@ fn core_settle_answers_at_the_end_of_the_turn_that_took_it() {
 fn core_ready_descriptors_reach_only_the_transport_that_registered_them() {
     let t0 = Instant::now();
     let (a, sa) = probe("a", TransferPath::Nixl);
-    let (b, sb) = probe("b", TransferPath::Local);
+    let (b, sb) = probe("b", TransferPath::SameHost);
     // Neither asks to be polled: only its own ready descriptors make one due.
     let mut core = EngineCore::new(vec![a, b], ids(&[0, 1]), MS, t0);
     let ready = |owner: usize, token: u64| Ready {
@@ -650,7 +650,7 @@ fn core_passive_end_unexposes_before_any_waiter_sees_it() {
 /// A core over a transport a caller may drive ("local", first in the chain) and one it may not
 /// ("nixl"), both progressed on every turn.
 fn caller_pair(t0: Instant) -> (EngineCore, Arc<Mutex<Script>>, Arc<Mutex<Script>>) {
-    let (local, sl) = probe("local", TransferPath::Local);
+    let (local, sl) = probe("local", TransferPath::SameHost);
     let (nixl, sn) = probe("nixl", TransferPath::Nixl);
     for s in [&sl, &sn] {
         s.lock().unwrap().polling = Some(Polling::EveryTurn);
@@ -760,12 +760,12 @@ fn core_caller_exposure_of_registered_memory_is_made_on_the_callers_turn() {
 #[test]
 fn core_caller_exposure_that_fails_ends_on_every_transport() {
     let t0 = Instant::now();
-    let (local, sl) = probe("local", TransferPath::Local);
+    let (local, sl) = probe("local", TransferPath::SameHost);
     let (nixl, sn) = probe("nixl", TransferPath::Nixl);
     sl.lock().unwrap().drivable = true;
     sn.lock().unwrap().cached = true;
     // A third transport a caller may drive, which refuses the exposure.
-    let (failing, sf) = probe("failing", TransferPath::Local);
+    let (failing, sf) = probe("failing", TransferPath::SameHost);
     sf.lock().unwrap().drivable = true;
     sf.lock().unwrap().refuse_exposure = true;
     let mut core = EngineCore::new(vec![nixl, local, failing], ids(&[1, 0]), MS, t0);
@@ -786,7 +786,7 @@ fn core_caller_exposure_that_fails_ends_on_every_transport() {
 #[test]
 fn core_caller_exposure_behind_a_second_transport_callers_may_not_drive_goes_to_the_engine() {
     let t0 = Instant::now();
-    let (local, sl) = probe("local", TransferPath::Local);
+    let (local, sl) = probe("local", TransferPath::SameHost);
     let (nixl, sn) = probe("nixl", TransferPath::Nixl);
     let (other, so) = probe("other", TransferPath::Nixl);
     sl.lock().unwrap().drivable = true;
@@ -892,7 +892,7 @@ fn core_caller_turn_ends_an_exposure_on_its_transports_and_leaves_nixl_to_the_en
         sl.lock()
             .unwrap()
             .emit
-            .push(passive_end("k", failed, TransferPath::Local));
+            .push(passive_end("k", failed, TransferPath::SameHost));
         core.turn_as_caller(t0, &[], false);
         assert!(state.status().is_terminal());
         // The transport the caller drove forgot the key before the end was visible; NIXL's end
@@ -1144,7 +1144,7 @@ fn core_caller_fallback_to_a_transport_that_starts_for_callers_is_posted_there()
     // has everything ready, takes it on that turn, and from then on has it: its cancel reaches
     // NIXL, and nothing waits for the engine thread.
     let t0 = Instant::now();
-    let (local, sl) = probe("local", TransferPath::Local);
+    let (local, sl) = probe("local", TransferPath::SameHost);
     let (nixl, sn) = probe("nixl", TransferPath::Nixl);
     {
         let mut s = sl.lock().unwrap();

@@ -21,7 +21,7 @@ use super::sys::pipe;
 use super::sys::slots::SlotTable;
 use super::transport::SameHostTransport;
 use super::violation::Violation;
-use super::wire::{passed_fds, IpcSource, Msg, EAGER_MAX, MAX_FRAME};
+use super::wire::{passed_fds, IpcSource, Req, EAGER_MAX, MAX_FRAME};
 use crate::device::Device;
 use crate::engine::transport::{Event, OpId};
 use crate::error::Error;
@@ -205,7 +205,7 @@ impl SameHostTransport {
         // A device read by a side that takes VMM descriptors asks for them (`pipes: 1` on a
         // device read): the server then passes them where legacy handles cannot serve.
         let vmm_read = a.device && !a.spec.write && c.link.takes_exports();
-        let req = Msg::Req {
+        let req = Req {
             slot: a.slot,
             gen: a.gen,
             write: a.spec.write,
@@ -239,7 +239,7 @@ impl SameHostTransport {
         } else {
             0
         };
-        if req.encoded_len() > MAX_FRAME || reply > MAX_FRAME {
+        if req.frame_len() > MAX_FRAME || reply > MAX_FRAME {
             self.decline_act(id, "too many ranges for one same-host request", out);
             return;
         }
@@ -264,7 +264,7 @@ impl SameHostTransport {
         // Queued in the core; sent with everything else queued this turn, at the end of the
         // transport's progress (a write's pipes with it).
         let at = c.link.queued_end();
-        if !c.link.request(&a.spec.key, &req) {
+        if !c.link.request(&a.spec.key, req) {
             self.decline_act(id, "the same-host connection cannot take the request", out);
             return;
         }

@@ -83,7 +83,7 @@ impl SameHostTransport {
                 if f.answered == Some(true) {
                     out.push(Event::PassiveCompleted {
                         key: key.clone(),
-                        path: TransferPath::Local,
+                        path: TransferPath::SameHost,
                     });
                 }
                 if self.server.scope(&key).is_none() && !self.feeds.feeds_key(&key) {
@@ -212,7 +212,7 @@ impl SameHostTransport {
                             match &r {
                                 Ok(()) if same => out.push(Event::PassiveCompleted {
                                     key: key.clone(),
-                                    path: TransferPath::Local,
+                                    path: TransferPath::SameHost,
                                 }),
                                 // The writer cancelled before the copy began: nothing was touched.
                                 Err(CopyError::NotStarted) => {}

@@ -28,7 +28,7 @@ impl SameHostTransport {
             Heard::Forgot { ids } => self.on_forgot(i, ids),
             Heard::GrantPipe { slot, gen, lanes } => self.on_grant_pipe(i, slot, gen, lanes, out),
             Heard::Req(r) => {
-                if self.server.knows(r.ident) {
+                if self.server.knows(r.req.ident) {
                     self.on_req(i, r, out)
                 } else if let Some(c) = self.sockets.get_mut(i) {
                     // Metadata of an agent of the same name elsewhere (another host, an earlier
@@ -38,8 +38,8 @@ impl SameHostTransport {
                     let n = r.passed;
                     c.passed.drain(..n.min(c.passed.len())).for_each(close_elsewhere);
                     c.link.answer(
-                        r.slot,
-                        r.gen,
+                        r.req.slot,
+                        r.req.gen,
                         Answer::Fallback("the metadata names another agent of the same name".into()),
                     );
                 }

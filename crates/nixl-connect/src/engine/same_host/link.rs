@@ -42,7 +42,7 @@ use super::identity::{self, Fingerprint, Identity};
 use super::limits::SLOTS;
 use super::violation::Violation;
 use super::wire::{
-    passed_fds, Msg, RefuseCode, EAGER_MAX, MAC_LEN, MAX_FORGOT, MAX_FRAME, MAX_LANES,
+    passed_fds, Msg, RefuseCode, Req, EAGER_MAX, MAC_LEN, MAX_FORGOT, MAX_FRAME, MAX_LANES,
     MAX_PENDING_DESCRIPTORS, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
 };
 use crate::device::Device;
@@ -585,24 +585,21 @@ impl Link {
                 self.pipes = pipes;
                 heard.push(Heard::Trusted { pipes });
             }
-            (
-                Side::Server,
-                State::Ready,
-                Msg::Req {
+            (Side::Server, State::Ready, Msg::Req(req)) => {
+                let Req {
                     slot,
                     gen,
                     write,
-                    ident,
                     key_id,
                     device,
-                    remote,
-                    local,
-                    sources,
+                    ref remote,
+                    ref local,
+                    ref sources,
                     eager,
-                    data,
+                    ref data,
                     pipes,
-                },
-            ) => {
+                    ..
+                } = req;
                 if slot as usize >= SLOTS || self.open.contains_key(&(slot, gen)) {
                     return self.kill(Violation::BadSlot);
                 }
@@ -611,7 +608,7 @@ impl Link {
                 // bytes or a write's addresses; on a device read, `pipes` is 1 where the reader
                 // takes the exports as passed VMM descriptors (legacy handles cannot cross PID
                 // namespaces), and nothing is passed with the request itself.
-                let Some(vmm) = passed_fds(&sources) else {
+                let Some(vmm) = passed_fds(sources) else {
                     return self.kill(Violation::MissingDescriptors);
                 };
                 let passed = if write { pipes as usize + vmm } else { 0 };
@@ -698,18 +695,8 @@ impl Link {
                     },
                 );
                 heard.push(Heard::Req(Request {
-                    slot,
-                    gen,
-                    write,
-                    ident,
+                    req,
                     key: name,
-                    device,
-                    remote,
-                    local,
-                    sources,
-                    eager,
-                    data,
-                    pipes,
                     passed,
                 }));
             }

@@ -100,7 +100,7 @@ impl Transport for SameHostTransport {
         }
         out.push(Event::PathTaken {
             id: spec.id,
-            path: TransferPath::Local,
+            path: TransferPath::SameHost,
         });
         let id = spec.id;
         let ready = c.link.is_ready();
@@ -238,7 +238,7 @@ impl Transport for SameHostTransport {
     }
 
     fn path(&self) -> TransferPath {
-        TransferPath::Local
+        TransferPath::SameHost
     }
 
     /// Its calls are socket reads and writes, MACs, and hand-offs to its copy pool; it holds no

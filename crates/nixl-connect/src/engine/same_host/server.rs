@@ -14,6 +14,7 @@ use super::server_book::Writer;
 use super::sys::cma::{Copy, Piece, SlotRef};
 use super::sys::pipe;
 use super::transport::SameHostTransport;
+use super::wire::Req;
 use crate::device::Device;
 use crate::engine::transport::Event;
 use crate::state::TransferPath;
@@ -23,19 +24,22 @@ impl SameHostTransport {
     /// answered, granted, or handed to a copy.
     pub(super) fn on_req(&mut self, i: ConnId, r: Request, out: &mut Vec<Event>) {
         let Request {
-            slot,
-            gen,
-            write,
+            req:
+                Req {
+                    slot,
+                    gen,
+                    write,
+                    device,
+                    remote,
+                    local,
+                    sources,
+                    eager,
+                    data,
+                    pipes,
+                    ..
+                },
             key,
-            device,
-            remote,
-            local,
-            sources,
-            eager,
-            data,
-            pipes,
             passed: descriptors,
-            ..
         } = r;
         // A write's pipes are taken first, whatever is decided, so the next frame's are the next
         // ones (a descriptor that is no pipe's read end kills the connection).
@@ -161,7 +165,7 @@ impl SameHostTransport {
             if sent {
                 out.push(Event::PassiveCompleted {
                     key,
-                    path: TransferPath::Local,
+                    path: TransferPath::SameHost,
                 });
             } else if let Some(s) = self.server.scope_mut(&key) {
                 s.done = false;
@@ -358,7 +362,7 @@ impl SameHostTransport {
         if ok {
             out.push(Event::PassiveCompleted {
                 key,
-                path: TransferPath::Local,
+                path: TransferPath::SameHost,
             });
         }
     }

@@ -96,29 +96,12 @@ fn imports(code: &str, within_sys: bool) -> Vec<String> {
     out
 }
 
-fn walk(dir: &Path, base: &Path, files: &mut Vec<(String, String)>) {
-    for e in std::fs::read_dir(dir).expect("the wing's folder") {
-        let p = e.expect("an entry").path();
-        if p.is_dir() {
-            walk(&p, base, files);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            let rel = p
-                .strip_prefix(base)
-                .expect("inside")
-                .to_string_lossy()
-                .into_owned();
-            files.push((rel, std::fs::read_to_string(&p).expect("readable")));
-        }
-    }
-}
-
 /// Every import in the wing goes down a layer (job files may also use each other's helpers);
 /// the file a test lives in is not held to it.
 #[test]
 fn same_host_owners_import_only_downward() {
-    let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine/same_host");
-    let mut files = Vec::new();
-    walk(&base, &base, &mut files);
+    let files =
+        crate::layers::rust_files(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine/same_host"));
     let layer: BTreeMap<&str, u8> = LAYERS.iter().copied().collect();
     let mut checked = 0;
     for (rel, code) in &files {

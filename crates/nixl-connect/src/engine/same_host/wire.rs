@@ -27,6 +27,9 @@ use super::identity::{PublicKey, Sig};
 use super::violation::Violation;
 use crate::device::Device;
 
+mod req;
+pub(crate) use req::Req;
+
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
 /// (5: every frame about an operation carries a MAC under that operation's key; 6: small host
 /// operations carry their bytes in the request or the answer; 7: the `Welcome` is signed by the
@@ -152,31 +155,8 @@ pub(crate) enum Msg {
     Reject {
         reason: String,
     },
-    Req {
-        slot: u32,
-        gen: u64,
-        write: bool,
-        /// The fingerprint of the connection part of the metadata the request comes from.
-        ident: u64,
-        key_id: KeyId,
-        device: Device,
-        /// Ranges in the passive side's memory.
-        remote: Vec<(u64, u64)>,
-        /// For writes: the source ranges in the active side's memory (one per remote range).
-        local: Vec<(u64, u64)>,
-        /// For writes from device memory: the sources exported (one per remote range), else empty.
-        sources: Vec<IpcSource>,
-        /// A host read of at most [`EAGER_MAX`] bytes into host memory: the server may answer
-        /// with [`Msg::Data`] instead of a grant.
-        eager: bool,
-        /// A host write of at most [`EAGER_MAX`] bytes: its bytes, the remote ranges' in order
-        /// (`local` is then empty; the server copies them into its memory and answers `Done`).
-        data: Vec<u8>,
-        /// Host memory through pipes (at most [`MAX_LANES`]; 0: not): for a read, the lanes the
-        /// reader asks for (the server answers [`Msg::GrantPipe`]); for a write, the read ends
-        /// passed with this frame, fed by the writer.
-        pipes: u8,
-    },
+    /// Access to one operation's memory (see [`Req`]).
+    Req(Req),
     Grant {
         slot: u32,
         gen: u64,
@@ -222,6 +202,55 @@ pub(crate) enum Msg {
     Forgot {
         ids: Vec<u64>,
     },
+}
+
+/// The frames' types, as their first byte says: the one table encode and decode both read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Kind {
+    Hello = 1,
+    Welcome = 2,
+    Reject = 3,
+    Req = 4,
+    Grant = 5,
+    Refuse = 6,
+    Fallback = 7,
+    Done = 8,
+    GrantIpc = 9,
+    Trusted = 10,
+    Data = 11,
+    GrantPipe = 12,
+    Forgot = 13,
+}
+
+impl Kind {
+    const ALL: [Kind; 13] = [
+        Kind::Hello,
+        Kind::Welcome,
+        Kind::Reject,
+        Kind::Req,
+        Kind::Grant,
+        Kind::Refuse,
+        Kind::Fallback,
+        Kind::Done,
+        Kind::GrantIpc,
+        Kind::Trusted,
+        Kind::Data,
+        Kind::GrantPipe,
+        Kind::Forgot,
+    ];
+
+    fn from_u8(v: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| *k as u8 == v)
+    }
+
+    /// True for the frames that concern one operation and so carry its MAC.
+    pub(crate) fn signed(self) -> bool {
+        !matches!(
+            self,
+            Kind::Hello | Kind::Welcome | Kind::Trusted | Kind::Reject | Kind::Forgot
+        )
+    }
 }
 
 /// One decoded frame: the message, the bytes its MAC covers (type and payload), and the MAC
@@ -386,16 +415,28 @@ fn device_from(kind: u8, id: u32) -> Option<Device> {
 }
 
 impl Msg {
+    /// This frame's type.
+    pub(crate) fn kind(&self) -> Kind {
+        match self {
+            Msg::Hello { .. } => Kind::Hello,
+            Msg::Welcome { .. } => Kind::Welcome,
+            Msg::Trusted { .. } => Kind::Trusted,
+            Msg::Reject { .. } => Kind::Reject,
+            Msg::Req(_) => Kind::Req,
+            Msg::Grant { .. } => Kind::Grant,
+            Msg::GrantIpc { .. } => Kind::GrantIpc,
+            Msg::GrantPipe { .. } => Kind::GrantPipe,
+            Msg::Data { .. } => Kind::Data,
+            Msg::Refuse { .. } => Kind::Refuse,
+            Msg::Fallback { .. } => Kind::Fallback,
+            Msg::Done { .. } => Kind::Done,
+            Msg::Forgot { .. } => Kind::Forgot,
+        }
+    }
+
     /// True for the frames that concern one operation and so carry its MAC.
     pub(crate) fn signed(&self) -> bool {
-        !matches!(
-            self,
-            Msg::Hello { .. }
-                | Msg::Welcome { .. }
-                | Msg::Trusted { .. }
-                | Msg::Reject { .. }
-                | Msg::Forgot { .. }
-        )
+        self.kind().signed()
     }
 
     /// The exact encoded size of this frame, length prefix and MAC included.
@@ -406,30 +447,7 @@ impl Msg {
             Msg::Welcome { proof, .. } => 1 + proof.map_or(0, |p| p.len()) + 32 + 64 + 1,
             Msg::Trusted { .. } => 1,
             Msg::Reject { reason } => str_len(reason),
-            Msg::Req {
-                remote,
-                local,
-                sources,
-                data,
-                ..
-            } => {
-                4 + 8
-                    + 1
-                    + 8
-                    + 16
-                    + 1
-                    + 4
-                    + 4
-                    + 16 * remote.len()
-                    + 4
-                    + 16 * local.len()
-                    + 4
-                    + SOURCE_BYTES * sources.len()
-                    + 1
-                    + 4
-                    + data.len()
-                    + 1
-            }
+            Msg::Req(req) => req.encoded_len(),
             Msg::Grant { .. } => 12,
             Msg::GrantPipe { .. } => 13,
             Msg::Data { data, .. } => 12 + 4 + data.len(),
@@ -466,13 +484,13 @@ impl Msg {
         let at = out.len();
         out.extend_from_slice(&[0; 4]);
         let mut w = W(out);
+        w.u8(self.kind() as u8);
         match self {
             Msg::Hello {
                 version,
                 key_id,
                 nonce,
             } => {
-                w.u8(1);
                 w.u32(*version);
                 w.bytes(key_id);
                 w.bytes(nonce);
@@ -483,7 +501,6 @@ impl Msg {
                 sig,
                 pipes,
             } => {
-                w.u8(2);
                 match proof {
                     Some(p) => {
                         w.u8(1);
@@ -496,69 +513,33 @@ impl Msg {
                 w.u8(u8::from(*pipes));
             }
             Msg::Trusted { pipes } => {
-                w.u8(10);
                 w.u8(u8::from(*pipes));
             }
             Msg::Reject { reason } => {
-                w.u8(3);
                 w.str(reason);
             }
-            Msg::Req {
-                slot,
-                gen,
-                write,
-                ident,
-                key_id,
-                device,
-                remote,
-                local,
-                sources,
-                eager,
-                data,
-                pipes,
-            } => {
-                w.u8(4);
-                w.u32(*slot);
-                w.u64(*gen);
-                w.u8(u8::from(*write));
-                w.u64(*ident);
-                w.bytes(key_id);
-                let (k, id) = device_code(*device);
-                w.u8(k);
-                w.u32(id);
-                w.ranges(remote);
-                w.ranges(local);
-                w.sources(sources);
-                w.u8(u8::from(*eager));
-                w.data(data);
-                w.u8(*pipes);
-            }
+            Msg::Req(req) => req.encode(&mut w),
             Msg::Grant { slot, gen } => {
-                w.u8(5);
                 w.u32(*slot);
                 w.u64(*gen);
             }
             Msg::Forgot { ids } => {
-                w.u8(13);
                 w.u32(ids.len() as u32);
                 for id in ids {
                     w.u64(*id);
                 }
             }
             Msg::GrantPipe { slot, gen, lanes } => {
-                w.u8(12);
                 w.u32(*slot);
                 w.u64(*gen);
                 w.u8(*lanes);
             }
             Msg::GrantIpc { slot, gen, sources } => {
-                w.u8(9);
                 w.u32(*slot);
                 w.u64(*gen);
                 w.sources(sources);
             }
             Msg::Data { slot, gen, data } => {
-                w.u8(11);
                 w.u32(*slot);
                 w.u64(*gen);
                 w.data(data);
@@ -569,14 +550,12 @@ impl Msg {
                 code,
                 reason,
             } => {
-                w.u8(6);
                 w.u32(*slot);
                 w.u64(*gen);
                 w.u8(*code as u8);
                 w.str(reason);
             }
             Msg::Fallback { slot, gen, reason } => {
-                w.u8(7);
                 w.u32(*slot);
                 w.u64(*gen);
                 w.str(reason);
@@ -587,7 +566,6 @@ impl Msg {
                 ok,
                 reason,
             } => {
-                w.u8(8);
                 w.u32(*slot);
                 w.u64(*gen);
                 w.u8(u8::from(*ok));
@@ -628,13 +606,13 @@ impl Msg {
     }
 
     fn body(r: &mut R<'_>) -> Option<Msg> {
-        Some(match r.u8()? {
-            1 => Msg::Hello {
+        Some(match Kind::from_u8(r.u8()?)? {
+            Kind::Hello => Msg::Hello {
                 version: r.u32()?,
                 key_id: r.array()?,
                 nonce: r.array()?,
             },
-            2 => Msg::Welcome {
+            Kind::Welcome => Msg::Welcome {
                 proof: match r.u8()? {
                     0 => None,
                     1 => Some(r.array()?),
@@ -644,68 +622,38 @@ impl Msg {
                 sig: r.array()?,
                 pipes: r.bool()?,
             },
-            10 => Msg::Trusted { pipes: r.bool()? },
-            3 => Msg::Reject {
+            Kind::Trusted => Msg::Trusted { pipes: r.bool()? },
+            Kind::Reject => Msg::Reject {
                 reason: r.str(MAX_REASON)?,
             },
-            4 => {
-                let slot = r.u32()?;
-                let gen = r.u64()?;
-                let write = r.bool()?;
-                let ident = r.u64()?;
-                let key_id = r.array()?;
-                let device = device_from(r.u8()?, r.u32()?)?;
-                let remote = r.ranges()?;
-                let local = r.ranges()?;
-                let sources = r.sources()?;
-                let eager = r.bool()?;
-                let data = r.data()?;
-                let pipes = r.u8()?;
-                if pipes as usize > MAX_LANES {
-                    return None;
-                }
-                Msg::Req {
-                    slot,
-                    gen,
-                    write,
-                    ident,
-                    key_id,
-                    device,
-                    remote,
-                    local,
-                    sources,
-                    eager,
-                    data,
-                    pipes,
-                }
-            }
-            5 => Msg::Grant {
+            Kind::Req => Msg::Req(Req::decode(r)?),
+            Kind::Grant => Msg::Grant {
                 slot: r.u32()?,
                 gen: r.u64()?,
             },
-            6 => Msg::Refuse {
+            Kind::Refuse => Msg::Refuse {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 code: RefuseCode::from_u8(r.u8()?)?,
                 reason: r.str(MAX_REASON)?,
             },
-            7 => Msg::Fallback {
+            Kind::Fallback => Msg::Fallback {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 reason: r.str(MAX_REASON)?,
             },
-            8 => Msg::Done {
+            Kind::Done => Msg::Done {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 ok: r.bool()?,
                 reason: r.str(MAX_REASON)?,
             },
-            9 => Msg::GrantIpc {
+            Kind::GrantIpc => Msg::GrantIpc {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 sources: r.sources()?,
             },
-            12 => Msg::GrantPipe {
+            Kind::GrantPipe => Msg::GrantPipe {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 lanes: match r.u8()? {
@@ -713,12 +661,12 @@ impl Msg {
                     _ => return None,
                 },
             },
-            11 => Msg::Data {
+            Kind::Data => Msg::Data {
                 slot: r.u32()?,
                 gen: r.u64()?,
                 data: r.data()?,
             },
-            13 => {
+            Kind::Forgot => {
                 let n = r.u32()? as usize;
                 if n > MAX_FORGOT {
                     return None;
@@ -727,7 +675,6 @@ impl Msg {
                     ids: (0..n).map(|_| r.u64()).collect::<Option<_>>()?,
                 }
             }
-            _ => return None,
         })
     }
 }

@@ -107,42 +107,48 @@ impl Link {
         }
     }
 
-    /// Client: sends request `req` (a `Msg::Req`) for the operation keyed `key`. False (nothing
-    /// sent) when the connection is not ready, the slot is in use, or it is not a request.
-    pub(crate) fn request(&mut self, key: &str, req: &Msg) -> bool {
-        let Msg::Req {
-            slot,
-            gen,
-            write,
-            device,
-            remote,
-            eager,
-            pipes,
-            ..
-        } = req
-        else {
-            return false;
-        };
-        if self.side != Side::Client || self.state != State::Ready || self.open.contains_key(&(*slot, *gen)) {
+    /// Client: sends request `req` for the operation keyed `key`. False (nothing sent) when
+    /// the connection is not ready or the slot is in use.
+    pub(crate) fn request(&mut self, key: &str, req: Req) -> bool {
+        let (slot, gen) = (req.slot, req.gen);
+        if self.side != Side::Client || self.state != State::Ready || self.open.contains_key(&(slot, gen)) {
             return false;
         }
+        let (write, device, ranges, eager, pipes) = (
+            req.write,
+            req.device != Device::Host,
+            req.remote.len(),
+            req.eager,
+            req.pipes,
+        );
+        let total = req.remote.iter().fold(0u64, |t, r| t.saturating_add(r.1));
         let keyed = Keyed::new(key);
-        self.push_signed(req, &keyed);
+        self.push_signed(&Msg::Req(req), &keyed);
         self.open.insert(
-            (*slot, *gen),
+            (slot, gen),
             Open {
                 key: keyed,
                 name: key.into(),
-                write: *write,
-                device: *device != Device::Host,
-                ranges: remote.len(),
+                write,
+                device,
+                ranges,
                 granted: false,
-                eager: *eager,
-                total: remote.iter().fold(0u64, |t, r| t.saturating_add(r.1)),
-                pipes: *pipes,
+                eager,
+                total,
+                pipes,
             },
         );
         true
+    }
+
+    /// Client: sends `m` if it is a request (tests and the fuzz harness, which forge frames as
+    /// messages); false otherwise, or as [`request`](Self::request) says.
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn request_msg(&mut self, key: &str, m: &Msg) -> bool {
+        match m {
+            Msg::Req(r) => self.request(key, r.clone()),
+            _ => false,
+        }
     }
 
     /// Client: the copy of granted read (`slot`, `gen`) ended; tells the server.

@@ -3,8 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::device::Device;
-use crate::engine::same_host::wire::{IpcSource, RefuseCode};
+use crate::engine::same_host::wire::{IpcSource, RefuseCode, Req};
 
 /// What the peer said, checked: well-formed, expected in its state, proven where it must be.
 #[derive(Debug, PartialEq, Eq)]
@@ -74,26 +73,10 @@ pub(crate) enum Heard {
 /// A proven request, as the server's scope policy receives it.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Request {
-    pub(crate) slot: u32,
-    pub(crate) gen: u64,
-    pub(crate) write: bool,
-    /// The fingerprint of the metadata's connection part the request comes from.
-    pub(crate) ident: u64,
-    /// The operation's notification key.
+    /// What the frame asked.
+    pub(crate) req: Req,
+    /// The operation's notification key (the frame named its key id).
     pub(crate) key: Arc<str>,
-    pub(crate) device: Device,
-    pub(crate) remote: Vec<(u64, u64)>,
-    pub(crate) local: Vec<(u64, u64)>,
-    pub(crate) sources: Vec<IpcSource>,
-    /// A host read of at most [`EAGER_MAX`](crate::engine::same_host::wire::EAGER_MAX) bytes: it may be answered with [`Answer::Data`].
-    pub(crate) eager: bool,
-    /// An eager host write's bytes (exactly the remote ranges' total, at most [`EAGER_MAX`](crate::engine::same_host::wire::EAGER_MAX));
-    /// empty for every other request.
-    pub(crate) data: Vec<u8>,
-    /// Host memory through pipes: a read's lanes asked for, or a write's read ends passed with
-    /// it (the next as many passed descriptors); 0: not through pipes. On a device read, 1:
-    /// the reader takes VMM descriptors.
-    pub(crate) pipes: u8,
     /// The descriptors that came with this request (a write's pipes' read ends or VMM
     /// descriptors), counted off by the core: the owner takes or closes exactly these.
     pub(crate) passed: usize,

@@ -11,7 +11,9 @@ use super::{Answer, Heard, Link, MAX_OPEN, MAX_UNSENT};
 use crate::device::Device;
 use crate::engine::same_host::auth::{self, KeyId, Keyed, Nonce, Side};
 use crate::engine::same_host::identity::Identity;
-use crate::engine::same_host::wire::{passed_fds, IpcSource, Msg, RefuseCode, EAGER_MAX, MAX_FRAME, VERSION};
+use crate::engine::same_host::wire::{
+    passed_fds, IpcSource, Msg, RefuseCode, Req, EAGER_MAX, MAX_FRAME, VERSION,
+};
 
 /// The operation keys a pair knows: the server holds the first two live; the third is held by
 /// the client only (a replayed or foreign operation).
@@ -178,7 +180,7 @@ impl Pair {
 
     /// A request for a read (or write) of `ranges` host ranges, as the client would send it.
     pub(crate) fn req(slot: u32, gen: u64, key: usize, write: bool, device: Device, ranges: usize) -> Msg {
-        Msg::Req {
+        Msg::Req(Req {
             slot,
             gen,
             write,
@@ -195,20 +197,20 @@ impl Pair {
             eager: false,
             data: Vec::new(),
             pipes: 0,
-        }
+        })
     }
 
     /// A small host request of `len` bytes as the client would send it: an eager read (its bytes
     /// may come back in the answer) or a write carrying its bytes.
     pub(crate) fn eager_req(slot: u32, gen: u64, key: usize, write: bool, len: usize) -> Msg {
         let mut m = Self::req(slot, gen, key, write, Device::Host, 1);
-        if let Msg::Req {
+        if let Msg::Req(Req {
             remote,
             local,
             eager,
             data,
             ..
-        } = &mut m
+        }) = &mut m
         {
             *remote = vec![(0x1000, len as u64)];
             local.clear();
@@ -371,12 +373,12 @@ pub(crate) fn run(data: &[u8]) {
                 };
                 if b & 8 == 8 {
                     // Through pipes: lanes asked (a read) or read ends passed (a write).
-                    if let Msg::Req { local, pipes, .. } = &mut m {
+                    if let Msg::Req(Req { local, pipes, .. }) = &mut m {
                         local.clear();
                         *pipes = 1 + (b >> 4) % 4;
                     }
                 }
-                if p.client.request(KEYS[key], &m) {
+                if p.client.request_msg(KEYS[key], &m) {
                     asked.insert((slot, gen), (key, write, eager, total));
                 }
             }
@@ -456,7 +458,7 @@ pub(crate) fn run(data: &[u8]) {
                         // not), or a read asking for descriptors.
                         let write = k & 16 == 16;
                         let mut m = Pair::req(slot, gen, key.unwrap_or(2), write, Device::Cuda(0), 1);
-                        if let Msg::Req { sources, pipes, .. } = &mut m {
+                        if let Msg::Req(Req { sources, pipes, .. }) = &mut m {
                             if write {
                                 sources.push(IpcSource {
                                     fd: 1,
@@ -580,26 +582,26 @@ pub(crate) fn run(data: &[u8]) {
         for h in &p.at_server[ns..] {
             // A small operation's fields reach the owner only as the link's rules allow.
             if let Heard::Req(r) = h {
-                let total: u64 = r.remote.iter().map(|x| x.1).sum();
-                if r.eager {
-                    assert!(!r.write && r.data.is_empty() && total <= EAGER_MAX as u64);
+                let total: u64 = r.req.remote.iter().map(|x| x.1).sum();
+                if r.req.eager {
+                    assert!(!r.req.write && r.req.data.is_empty() && total <= EAGER_MAX as u64);
                 }
-                if !r.data.is_empty() {
-                    assert!(r.write && r.local.is_empty() && total == r.data.len() as u64);
+                if !r.req.data.is_empty() {
+                    assert!(r.req.write && r.req.local.is_empty() && total == r.req.data.len() as u64);
                 }
-                if r.pipes > 0 && r.device != Device::Host {
+                if r.req.pipes > 0 && r.req.device != Device::Host {
                     assert!(
-                        !r.write && r.pipes == 1 && r.sources.is_empty(),
+                        !r.req.write && r.req.pipes == 1 && r.req.sources.is_empty(),
                         "a device request asking for more than VMM descriptors: {r:?}"
                     );
-                } else if r.pipes > 0 {
+                } else if r.req.pipes > 0 {
                     assert!(
-                        !r.eager && r.data.is_empty() && r.local.is_empty(),
+                        !r.req.eager && r.req.data.is_empty() && r.req.local.is_empty(),
                         "pipes for something else than a host copy: {r:?}"
                     );
                 }
-                let expect = if r.write {
-                    usize::from(r.pipes) + passed_fds(&r.sources).unwrap_or(usize::MAX)
+                let expect = if r.req.write {
+                    usize::from(r.req.pipes) + passed_fds(&r.req.sources).unwrap_or(usize::MAX)
                 } else {
                     0
                 };
@@ -607,12 +609,12 @@ pub(crate) fn run(data: &[u8]) {
                     r.passed, expect,
                     "descriptors counted off for another frame: {r:?}"
                 );
-                if r.sources.iter().any(|s| s.fd > 0) {
+                if r.req.sources.iter().any(|s| s.fd > 0) {
                     assert!(
-                        r.write
-                            && r.device != Device::Host
-                            && r.pipes == 0
-                            && passed_fds(&r.sources).is_some(),
+                        r.req.write
+                            && r.req.device != Device::Host
+                            && r.req.pipes == 0
+                            && passed_fds(&r.req.sources).is_some(),
                         "VMM descriptors with something else than a device write: {r:?}"
                     );
                 }

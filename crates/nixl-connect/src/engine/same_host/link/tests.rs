@@ -12,7 +12,7 @@ use crate::engine::same_host::wire::IpcSource;
 fn read(p: &mut Pair, slot: u32, gen: u64, key: usize) {
     assert!(p
         .client
-        .request(KEYS[key], &Pair::req(slot, gen, key, false, Device::Host, 1)));
+        .request_msg(KEYS[key], &Pair::req(slot, gen, key, false, Device::Host, 1)));
     p.deliver_to_server(0);
 }
 
@@ -33,7 +33,10 @@ fn link_handshake_then_read_round_trip() {
     let Some(Heard::Req(r)) = p.at_server.pop() else {
         panic!("{:?}", p.at_server)
     };
-    assert_eq!((r.slot, r.gen, &*r.key, r.write), (3, 1, KEYS[1], false));
+    assert_eq!(
+        (r.req.slot, r.req.gen, &*r.key, r.req.write),
+        (3, 1, KEYS[1], false)
+    );
     p.server.answer(3, 1, Answer::Grant);
     p.deliver_to_client();
     assert_eq!(
@@ -93,7 +96,7 @@ fn link_impostor_cannot_answer_another_operations_request() {
         // The victim's operation (KEYS[1]) is asked on the same connection.
         assert!(p
             .client
-            .request(KEYS[1], &Pair::req(5, 9, 1, false, Device::Host, 1)));
+            .request_msg(KEYS[1], &Pair::req(5, 9, 1, false, Device::Host, 1)));
         let g = p.forge(&Msg::Grant { slot: 5, gen: 9 }, forged_key, false);
         p.client.recv(&g, 0, p.now, &HashMap::new(), &mut p.at_client);
         assert!(
@@ -111,7 +114,7 @@ fn link_impostor_cannot_answer_another_operations_request() {
     p.shake();
     assert!(p
         .client
-        .request(KEYS[1], &Pair::req(6, 1, 1, true, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(6, 1, 1, true, Device::Host, 1)));
     let d = Msg::Done {
         slot: 6,
         gen: 1,
@@ -132,7 +135,7 @@ fn link_unproven_answers_only_fail_or_fall_back() {
     p.shake();
     assert!(p
         .client
-        .request(KEYS[2], &Pair::req(1, 1, 2, false, Device::Host, 1)));
+        .request_msg(KEYS[2], &Pair::req(1, 1, 2, false, Device::Host, 1)));
     p.deliver_to_server_plain(); // the server holds no KEYS[2]: it refuses, unproven
     p.deliver_to_client();
     assert!(matches!(
@@ -144,7 +147,7 @@ fn link_unproven_answers_only_fail_or_fall_back() {
     ));
     assert!(p
         .client
-        .request(KEYS[1], &Pair::req(2, 1, 1, false, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(2, 1, 1, false, Device::Host, 1)));
     let f = Msg::Fallback {
         slot: 2,
         gen: 1,
@@ -155,7 +158,7 @@ fn link_unproven_answers_only_fail_or_fall_back() {
     assert!(matches!(p.at_client.last(), Some(Heard::Fallback { .. })));
     assert!(p
         .client
-        .request(KEYS[1], &Pair::req(3, 1, 1, false, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(3, 1, 1, false, Device::Host, 1)));
     let r = Msg::Refuse {
         slot: 3,
         gen: 1,
@@ -175,7 +178,7 @@ fn link_frames_replayed_onto_another_connection_are_refused() {
     a.shake();
     assert!(a
         .client
-        .request(KEYS[1], &Pair::req(4, 4, 1, false, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(4, 4, 1, false, Device::Host, 1)));
     let req = a.client.out().to_vec();
     let mut b = Pair::new(0);
     b.nonce = [8; 16];
@@ -197,7 +200,7 @@ fn link_frames_replayed_onto_another_connection_are_refused() {
     c.shake();
     assert!(c
         .client
-        .request(KEYS[1], &Pair::req(4, 4, 1, true, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(4, 4, 1, true, Device::Host, 1)));
     let d = Msg::Done {
         slot: 4,
         gen: 4,
@@ -245,7 +248,7 @@ fn link_descriptors_only_with_the_hello() {
     p.shake();
     assert!(p
         .client
-        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
     p.deliver_to_server(1);
     assert!(p.server.is_dead(), "a descriptor after the hello");
     assert!(!p.at_server.iter().any(|h| matches!(h, Heard::Req(_))));
@@ -275,7 +278,7 @@ fn link_handshake_and_partial_frames_have_deadlines() {
     assert_eq!(p.server.deadline(), None, "no deadline once ready and idle");
     assert!(p
         .client
-        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
     let req = p.client.out().to_vec();
     p.server
         .recv(&req[..10], 0, p.now, &p.keys.clone(), &mut p.at_server);
@@ -351,7 +354,7 @@ fn link_grants_must_fit_their_request() {
     p.shake();
     assert!(p
         .client
-        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Cuda(0), 2)));
+        .request_msg(KEYS[1], &Pair::req(1, 1, 1, false, Device::Cuda(0), 2)));
     let g = Msg::GrantIpc {
         slot: 1,
         gen: 1,
@@ -364,7 +367,7 @@ fn link_grants_must_fit_their_request() {
     p.shake();
     assert!(p
         .client
-        .request(KEYS[1], &Pair::req(1, 1, 1, true, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(1, 1, 1, true, Device::Host, 1)));
     let g = p.forge(&Msg::Grant { slot: 1, gen: 1 }, Some(1), false);
     p.client.recv(&g, 0, p.now, &HashMap::new(), &mut p.at_client);
     assert!(p.client.is_dead(), "a write granted as a read");
@@ -507,12 +510,14 @@ fn link_sent_bytes_leave_in_order_however_they_are_read() {
 fn link_eager_read_takes_one_round_trip() {
     let mut p = Pair::new(0);
     p.shake();
-    assert!(p.client.request(KEYS[1], &Pair::eager_req(2, 5, 1, false, 4096)));
+    assert!(p
+        .client
+        .request_msg(KEYS[1], &Pair::eager_req(2, 5, 1, false, 4096)));
     p.deliver_to_server(0);
     let Some(Heard::Req(r)) = p.at_server.pop() else {
         panic!("{:?}", p.at_server)
     };
-    assert!(r.eager && !r.write && r.data.is_empty());
+    assert!(r.req.eager && !r.req.write && r.req.data.is_empty());
     p.server.answer(2, 5, Answer::Data(vec![0x33; 4096]));
     assert!(
         p.server.open.is_empty(),
@@ -538,12 +543,14 @@ fn link_eager_read_takes_one_round_trip() {
 fn link_eager_write_carries_its_bytes() {
     let mut p = Pair::new(0);
     p.shake();
-    assert!(p.client.request(KEYS[0], &Pair::eager_req(1, 1, 0, true, 100)));
+    assert!(p
+        .client
+        .request_msg(KEYS[0], &Pair::eager_req(1, 1, 0, true, 100)));
     p.deliver_to_server(0);
     let Some(Heard::Req(r)) = p.at_server.pop() else {
         panic!("{:?}", p.at_server)
     };
-    assert!(r.write && !r.eager && r.data == vec![0x5a; 100] && r.local.is_empty());
+    assert!(r.req.write && !r.req.eager && r.req.data == vec![0x5a; 100] && r.req.local.is_empty());
     p.server.answer(
         1,
         1,
@@ -565,13 +572,21 @@ fn link_eager_write_carries_its_bytes() {
 #[test]
 fn link_eager_answers_must_fit_their_request() {
     type Case = (Msg, Option<usize>, fn(&mut Pair));
-    let eager = |p: &mut Pair| assert!(p.client.request(KEYS[0], &Pair::eager_req(0, 1, 0, false, 4096)));
+    let eager = |p: &mut Pair| {
+        assert!(p
+            .client
+            .request_msg(KEYS[0], &Pair::eager_req(0, 1, 0, false, 4096)))
+    };
     let plain = |p: &mut Pair| {
         assert!(p
             .client
-            .request(KEYS[0], &Pair::req(0, 1, 0, false, Device::Host, 1)))
+            .request_msg(KEYS[0], &Pair::req(0, 1, 0, false, Device::Host, 1)))
     };
-    let write = |p: &mut Pair| assert!(p.client.request(KEYS[0], &Pair::eager_req(0, 1, 0, true, 4096)));
+    let write = |p: &mut Pair| {
+        assert!(p
+            .client
+            .request_msg(KEYS[0], &Pair::eager_req(0, 1, 0, true, 4096)))
+    };
     let data = |n: usize| Msg::Data {
         slot: 0,
         gen: 1,
@@ -616,19 +631,21 @@ fn link_eager_answers_must_fit_their_request() {
 /// its eager read goes out as a `Fallback`, never as bytes.
 #[test]
 fn link_eager_requests_must_be_small_host_operations() {
-    let req = |write: bool, eager: bool, device: Device, remote: u64, local: usize, data: usize| Msg::Req {
-        slot: 0,
-        gen: 1,
-        write,
-        ident: 1,
-        key_id: auth::key_id(KEYS[0]),
-        device,
-        remote: vec![(0x1000, remote)],
-        local: vec![(0x9000, remote); local],
-        sources: Vec::new(),
-        eager,
-        data: vec![9; data],
-        pipes: 0,
+    let req = |write: bool, eager: bool, device: Device, remote: u64, local: usize, data: usize| {
+        Msg::Req(Req {
+            slot: 0,
+            gen: 1,
+            write,
+            ident: 1,
+            key_id: auth::key_id(KEYS[0]),
+            device,
+            remote: vec![(0x1000, remote)],
+            local: vec![(0x9000, remote); local],
+            sources: Vec::new(),
+            eager,
+            data: vec![9; data],
+            pipes: 0,
+        })
     };
     for m in [
         req(true, false, Device::Host, 4096, 0, 4095),
@@ -678,7 +695,7 @@ fn link_metadata_holder_cannot_answer_as_the_owner() {
         assert!(p.client.out().is_empty(), "nothing follows the hello");
         assert!(
             !p.client
-                .request(KEYS[opening], &Pair::eager_req(0, 1, opening, true, 4096)),
+                .request_msg(KEYS[opening], &Pair::eager_req(0, 1, opening, true, 4096)),
             "a small write's bytes never leave on it"
         );
         assert!(p.client.out().is_empty());
@@ -730,16 +747,18 @@ fn link_owner_proven_connection_serves_later_operations() {
     let mut p = Pair::new(0);
     p.shake();
     assert_eq!(p.at_client, vec![Heard::Ready]);
-    assert!(p.client.request(KEYS[1], &Pair::eager_req(3, 1, 1, true, 4096)));
+    assert!(p
+        .client
+        .request_msg(KEYS[1], &Pair::eager_req(3, 1, 1, true, 4096)));
     p.deliver_to_server(0);
-    assert!(matches!(&p.at_server[2], Heard::Req(r) if &*r.key == KEYS[1] && r.data.len() == 4096));
+    assert!(matches!(&p.at_server[2], Heard::Req(r) if &*r.key == KEYS[1] && r.req.data.len() == 4096));
 }
 
 /// A host request through pipes, as a client that cannot read the server's memory sends it: a
 /// read asking for `pipes` lanes, or a write passing `pipes` read ends (and no addresses).
 fn piped_req(slot: u32, write: bool, pipes: u8) -> Msg {
     let mut m = Pair::req(slot, 1, 1, write, Device::Host, 1);
-    if let Msg::Req { local, pipes: p, .. } = &mut m {
+    if let Msg::Req(Req { local, pipes: p, .. }) = &mut m {
         local.clear();
         *p = pipes;
     }
@@ -756,14 +775,14 @@ fn link_pipes_pass_only_as_many_as_their_frames_say() {
     let mut p = Pair::piped(0);
     p.shake();
     assert_eq!(p.at_server, vec![Heard::Hello, Heard::Trusted { pipes: true }]);
-    assert!(p.client.request(KEYS[1], &piped_req(1, true, 2)));
+    assert!(p.client.request_msg(KEYS[1], &piped_req(1, true, 2)));
     p.deliver_to_server(2);
     assert!(!p.server.is_dead(), "{:?}", p.server.death());
-    assert!(matches!(&p.at_server[2], Heard::Req(r) if r.pipes == 2 && r.write && r.passed == 2));
+    assert!(matches!(&p.at_server[2], Heard::Req(r) if r.req.pipes == 2 && r.req.write && r.passed == 2));
     // One fewer than the frame says.
     let mut p = Pair::piped(0);
     p.shake();
-    assert!(p.client.request(KEYS[1], &piped_req(1, true, 2)));
+    assert!(p.client.request_msg(KEYS[1], &piped_req(1, true, 2)));
     p.deliver_to_server(1);
     assert_eq!(p.server.death(), Some(Violation::MissingDescriptors));
     assert_eq!(p.at_server.len(), 2, "nothing reached the owner");
@@ -788,7 +807,7 @@ fn link_pipes_pass_only_as_many_as_their_frames_say() {
     // Descriptors left over once the bytes are handled (no frame took them).
     let mut p = Pair::piped(0);
     p.shake();
-    assert!(p.client.request(KEYS[1], &piped_req(1, true, 1)));
+    assert!(p.client.request_msg(KEYS[1], &piped_req(1, true, 1)));
     p.deliver_to_server(2);
     assert_eq!(p.server.death(), None, "one may belong to the next frame");
     let mut p = Pair::new(0);
@@ -801,7 +820,7 @@ fn link_pipes_pass_only_as_many_as_their_frames_say() {
         let mut p = Pair::piped(0);
         p.shake();
         let mut m = piped_req(1, write, pipes);
-        if let Msg::Req { device, .. } = &mut m {
+        if let Msg::Req(Req { device, .. }) = &mut m {
             *device = Device::Cuda(0);
         }
         let forged = p.forge(&m, Some(1), true);
@@ -873,7 +892,7 @@ fn deliver_grant(p: &mut Pair, m: &Msg, fds: usize) {
 fn link_vmm_descriptors_pass_only_with_the_sources_that_name_them() {
     let write_req = |sources: Vec<IpcSource>| {
         let mut m = Pair::req(1, 1, 1, true, Device::Cuda(0), sources.len());
-        if let Msg::Req { sources: s, .. } = &mut m {
+        if let Msg::Req(Req { sources: s, .. }) = &mut m {
             *s = sources;
         }
         m
@@ -881,26 +900,28 @@ fn link_vmm_descriptors_pass_only_with_the_sources_that_name_them() {
     // Two ranges of one allocation and one of another: two descriptors.
     let mut p = Pair::piped(0);
     p.shake();
-    assert!(p.client.request(
+    assert!(p.client.request_msg(
         KEYS[1],
         &write_req(vec![vmm_source(1), vmm_source(2), vmm_source(1)])
     ));
     p.deliver_to_server(2);
     assert!(!p.server.is_dead(), "{:?}", p.server.death());
-    assert!(matches!(&p.at_server[2], Heard::Req(r) if r.sources.len() == 3 && r.write && r.passed == 2));
+    assert!(
+        matches!(&p.at_server[2], Heard::Req(r) if r.req.sources.len() == 3 && r.req.write && r.passed == 2)
+    );
     // One fewer than the sources name.
     let mut p = Pair::piped(0);
     p.shake();
     assert!(p
         .client
-        .request(KEYS[1], &write_req(vec![vmm_source(1), vmm_source(2)])));
+        .request_msg(KEYS[1], &write_req(vec![vmm_source(1), vmm_source(2)])));
     p.deliver_to_server(1);
     assert_eq!(p.server.death(), Some(Violation::MissingDescriptors));
     assert_eq!(p.at_server.len(), 2, "nothing reached the owner");
     // An index skipped (descriptor 2 named, 1 never).
     let mut p = Pair::piped(0);
     p.shake();
-    assert!(p.client.request(KEYS[1], &write_req(vec![vmm_source(2)])));
+    assert!(p.client.request_msg(KEYS[1], &write_req(vec![vmm_source(2)])));
     p.deliver_to_server(2);
     assert_eq!(p.server.death(), Some(Violation::MissingDescriptors));
     // On a connection whose client did not say it passes descriptors.
@@ -914,7 +935,7 @@ fn link_vmm_descriptors_pass_only_with_the_sources_that_name_them() {
     // Reads: asked with `pipes: 1`, granted with one descriptor per allocation.
     let read_req = || {
         let mut m = Pair::req(1, 1, 1, false, Device::Cuda(0), 2);
-        if let Msg::Req { pipes, .. } = &mut m {
+        if let Msg::Req(Req { pipes, .. }) = &mut m {
             *pipes = 1;
         }
         m
@@ -925,9 +946,11 @@ fn link_vmm_descriptors_pass_only_with_the_sources_that_name_them() {
         } else {
             Pair::req(1, 1, 1, false, Device::Cuda(0), 2)
         };
-        assert!(p.client.request(KEYS[1], &m));
+        assert!(p.client.request_msg(KEYS[1], &m));
         p.deliver_to_server(0);
-        assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if !r.write && r.pipes == u8::from(asked)));
+        assert!(
+            matches!(p.at_server.last(), Some(Heard::Req(r)) if !r.req.write && r.req.pipes == u8::from(asked))
+        );
         deliver_grant(
             p,
             &Msg::GrantIpc {
@@ -946,7 +969,7 @@ fn link_vmm_descriptors_pass_only_with_the_sources_that_name_them() {
     // Through the server's own answer: the descriptors' count is the frame's.
     let mut p = Pair::piped(0);
     p.shake();
-    assert!(p.client.request(KEYS[1], &read_req()));
+    assert!(p.client.request_msg(KEYS[1], &read_req()));
     p.deliver_to_server(0);
     assert!(p
         .server
@@ -996,9 +1019,9 @@ fn link_vmm_descriptors_pass_only_with_the_sources_that_name_them() {
 #[test]
 fn link_pipe_grants_fit_their_reads() {
     let grant = |p: &mut Pair, lanes: u8, fds: usize| {
-        assert!(p.client.request(KEYS[1], &piped_req(1, false, 2)));
+        assert!(p.client.request_msg(KEYS[1], &piped_req(1, false, 2)));
         p.deliver_to_server(0);
-        assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if r.pipes == 2 && !r.write));
+        assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if r.req.pipes == 2 && !r.req.write));
         deliver_grant(
             p,
             &Msg::GrantPipe {
@@ -1024,7 +1047,7 @@ fn link_pipe_grants_fit_their_reads() {
     // Through the server's own answer.
     let mut p = Pair::piped(0);
     p.shake();
-    assert!(p.client.request(KEYS[1], &piped_req(1, false, 2)));
+    assert!(p.client.request_msg(KEYS[1], &piped_req(1, false, 2)));
     p.deliver_to_server(0);
     assert!(
         !p.server.answer(1, 1, Answer::GrantPipe(3)),
@@ -1051,7 +1074,7 @@ fn link_pipe_grants_fit_their_reads() {
     assert_eq!(p.client.death(), Some(Violation::MissingDescriptors));
     let mut p = Pair::piped(0);
     p.shake();
-    assert!(p.client.request(KEYS[1], &piped_req(1, false, 2)));
+    assert!(p.client.request_msg(KEYS[1], &piped_req(1, false, 2)));
     let bytes = p.forge(
         &Msg::GrantPipe {
             slot: 1,
@@ -1068,7 +1091,7 @@ fn link_pipe_grants_fit_their_reads() {
     p.shake();
     assert!(p
         .client
-        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
     let bytes = p.forge(
         &Msg::GrantPipe {
             slot: 1,
@@ -1084,7 +1107,7 @@ fn link_pipe_grants_fit_their_reads() {
     p.shake();
     assert!(p
         .client
-        .request(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
+        .request_msg(KEYS[1], &Pair::req(1, 1, 1, false, Device::Host, 1)));
     p.client.recv(&[], 1, p.now, &HashMap::new(), &mut p.at_client);
     assert_eq!(p.client.death(), Some(Violation::PassedOutsideHello));
 }
@@ -1099,9 +1122,9 @@ fn link_server_that_cannot_pull_asks_for_piped_writes() {
     p.shake();
     assert!(p.client.is_ready() && p.client.writes_piped());
     assert_eq!(p.at_server, vec![Heard::Hello, Heard::Trusted { pipes: true }]);
-    assert!(p.client.request(KEYS[1], &piped_req(1, true, 1)));
+    assert!(p.client.request_msg(KEYS[1], &piped_req(1, true, 1)));
     p.deliver_to_server(1);
-    assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if r.pipes == 1 && r.write));
+    assert!(matches!(p.at_server.last(), Some(Heard::Req(r)) if r.req.pipes == 1 && r.req.write));
     // Not asked: a client that can read the server writes by cross-memory attach.
     let mut p = Pair::new(0);
     p.shake();

@@ -10,7 +10,7 @@ use crate::engine::same_host::server_book::Scope;
 use crate::engine::same_host::sys::cma;
 use crate::engine::same_host::sys::slots::SLOTS;
 use crate::engine::same_host::violation::Violation;
-use crate::engine::same_host::wire::{Msg, RefuseCode, MAX_FRAME};
+use crate::engine::same_host::wire::{Msg, RefuseCode, Req, MAX_FRAME};
 use crate::engine::transport::Transport;
 use crate::metadata::OperationKind;
 use crate::reg::Range;
@@ -104,7 +104,7 @@ fn server_eager_operations_complete_once_and_only_when_answered() {
         let mut sv = served(&mut p, kind(write), range);
         let req = |slot: u32| {
             let mut m = Pair::eager_req(slot, 1, 1, write, 4096);
-            if let Msg::Req { remote, data, .. } = &mut m {
+            if let Msg::Req(Req { remote, data, .. }) = &mut m {
                 remote[0].0 = range.addr as u64;
                 if write {
                     *data = vec![9; 4096];
@@ -171,7 +171,7 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
         sv.t.sockets.get_mut(sv.i).unwrap().can_pull = case != "write not started";
         let req = |p: &Pair, slot: u32| {
             let mut m = Pair::req(slot, 1, 1, write, Device::Host, 1);
-            if let Msg::Req { remote, .. } = &mut m {
+            if let Msg::Req(Req { remote, .. }) = &mut m {
                 remote[0].0 = range.addr as u64;
             }
             p.forge(&m, Some(1), true)
@@ -289,7 +289,7 @@ fn server_read_grants_per_connection_are_capped() {
         let ask = |sv: &mut Served, p: &Pair, n: u64, out: &mut Vec<Event>| {
             let slot = (n % SLOTS as u64) as u32;
             let mut m = Pair::req(slot, n, 1, false, device, 1);
-            if let Msg::Req { remote, .. } = &mut m {
+            if let Msg::Req(Req { remote, .. }) = &mut m {
                 remote[0] = (range.addr as u64, 4096);
             }
             sv.hear(p, &p.forge(&m, Some(1), true), out);
@@ -413,9 +413,9 @@ impl Served {
 /// A piped write request of `len` bytes at `addr` passing one read end, signed as the client.
 fn piped_write(p: &Pair, addr: usize, len: usize) -> Vec<u8> {
     let mut m = Pair::req(1, 1, 1, true, Device::Host, 1);
-    if let Msg::Req {
+    if let Msg::Req(Req {
         remote, local, pipes, ..
-    } = &mut m
+    }) = &mut m
     {
         *remote = vec![(addr as u64, len as u64)];
         local.clear();
@@ -522,7 +522,7 @@ fn server_piped_read_request_id_reused_while_feeding_is_refused() {
     p.shake();
     let mut sv = served(&mut p, OperationKind::Read, host_range(&mut mem));
     let mut m = Pair::req(1, 1, 1, false, Device::Host, 1);
-    if let Msg::Req { remote, pipes, .. } = &mut m {
+    if let Msg::Req(Req { remote, pipes, .. }) = &mut m {
         *remote = vec![(mem.as_ptr() as u64, mem.len() as u64)];
         *pipes = 1;
     }

@@ -41,7 +41,7 @@ fn all() -> Vec<Msg> {
             ids: vec![7, 1 << 40],
         },
         Msg::Forgot { ids: Vec::new() },
-        Msg::Req {
+        Msg::Req(Req {
             slot: 9,
             gen: 10,
             write: true,
@@ -54,8 +54,8 @@ fn all() -> Vec<Msg> {
             eager: false,
             data: Vec::new(),
             pipes: 0,
-        },
-        Msg::Req {
+        }),
+        Msg::Req(Req {
             slot: 12,
             gen: 13,
             write: true,
@@ -68,8 +68,8 @@ fn all() -> Vec<Msg> {
             eager: true,
             data: vec![1, 2, 3, 4, 5],
             pipes: 0,
-        },
-        Msg::Req {
+        }),
+        Msg::Req(Req {
             slot: 14,
             gen: 15,
             write: true,
@@ -82,7 +82,7 @@ fn all() -> Vec<Msg> {
             eager: false,
             data: vec![],
             pipes: MAX_LANES as u8,
-        },
+        }),
         Msg::Grant { slot: 1, gen: 2 },
         Msg::GrantPipe {
             slot: 1,
@@ -154,6 +154,10 @@ fn wire_encoded_len_is_exact() {
         let mut buf = Vec::new();
         m.encode(&mut buf);
         assert_eq!(buf.len(), m.encoded_len(), "{m:?}");
+        if let Msg::Req(req) = &m {
+            assert_eq!(req.frame_len(), buf.len(), "a request's own size: {m:?}");
+        }
+        assert_eq!(m.kind().signed(), m.signed());
         let (f, used) = Msg::decode(&buf, MAX_FRAME).unwrap().expect("whole");
         assert_eq!(used, buf.len());
         if let Msg::Refuse { reason, .. } | Msg::Reject { reason } = &f.msg {
@@ -214,7 +218,7 @@ fn wire_rejects_malformed_frames_without_panicking() {
             gen: 1,
             data: vec![0; EAGER_MAX + 1],
         },
-        Msg::Req {
+        Msg::Req(Req {
             slot: 1,
             gen: 1,
             write: true,
@@ -227,9 +231,9 @@ fn wire_rejects_malformed_frames_without_panicking() {
             eager: false,
             data: vec![0; EAGER_MAX + 1],
             pipes: 0,
-        },
+        }),
         // More pipes than a copy uses, or a grant of none.
-        Msg::Req {
+        Msg::Req(Req {
             slot: 1,
             gen: 1,
             write: true,
@@ -242,7 +246,7 @@ fn wire_rejects_malformed_frames_without_panicking() {
             eager: false,
             data: vec![],
             pipes: MAX_LANES as u8 + 1,
-        },
+        }),
         Msg::GrantPipe {
             slot: 1,
             gen: 1,
@@ -311,4 +315,18 @@ fn wire_vmm_descriptor_indices_are_counted_and_bounded() {
     let mut b = Vec::new();
     m.encode_signed(&mut b, |_| [0; MAC_LEN]);
     assert!(Msg::decode(&b, MAX_FRAME).is_err());
+}
+
+/// Every frame type's byte reads back as that type, and no other byte is a type.
+#[test]
+fn wire_kinds_are_one_table() {
+    for m in all() {
+        let mut buf = Vec::new();
+        m.encode(&mut buf);
+        assert_eq!(buf[4], m.kind() as u8, "{m:?}");
+    }
+    let known: Vec<u8> = Kind::ALL.iter().map(|k| *k as u8).collect();
+    for b in 0..=u8::MAX {
+        assert_eq!(Kind::from_u8(b).is_some(), known.contains(&b), "type byte {b}");
+    }
 }
