@@ -1,60 +1,29 @@
-//! Staying awake by yielding the core, and stopping while the host is oversubscribed.
+//! Staying awake by yielding the core, and stopping while the host is oversubscribed: the floor
+//! under every spin of the crate (a small operation's wait, the engine after an event, a kept copy
+//! thread, the Python module's wait at the call). Why each rule is there, and the benchmark rows
+//! that carry it: docs/decisions/0010-spins-on-an-oversubscribed-core.md and
+//! docs/decisions/0005-who-drives.md.
 //!
-//! Several threads of this crate spin for a short while instead of sleeping, so that a small
-//! operation pays no wake-up: the engine after an event, a kept copy thread after a copy, a wait
-//! for an operation's end, and the Python module's wait at the call. Such a spin gives its core
-//! away (`sched_yield`) on each turn, or, for a wait that takes the engine's turns itself, at most
-//! once per [`YIELD_GAP`], so that a thread of ours sharing the core runs.
-//!
-//! That is cheap while the host has a core to spare: a yield comes back within microseconds. On
-//! an oversubscribed host it is not. Linux's scheduler (EEVDF) moves a yielding thread's deadline
-//! a whole slice on, so a yield beside a thread that does not yield back (any CPU-bound process)
-//! returns only after that thread's slice, up to a scheduler tick (4 ms at 250 Hz). A spin that
-//! meant to save 30 us then costs milliseconds on every operation, and a thread that spins is
-//! runnable, so a command sent to it meanwhile does not wake it either: it waits out the slice.
-//! Measured on the 2-core VM beside two `yes` processes: a Python exposure took 4.0 ms (the
-//! median) where it took 29 us alone, and 43 us under the same load with no spin at all.
-//!
-//! So every spin here yields through [`yield_core`], which times the yield. A yield that took
-//! longer than [`YIELD_OVERRUN`] overran: some thread held the core meanwhile. That alone is no
-//! reason to stop. A thread of our own doing work on that core overruns yields too (the engine
-//! handling 64 operations or 1,000 descriptors: 0.2 to 1.3 ms on the 2-core VM, a few times a
-//! second), and a first version that stopped a thread's spins after three overruns within
-//! 100 ms cost those benchmarks a third of their speed. What marks an oversubscribed core is that
-//! its yields lose far more time than they give back promptly, however often they run. So each
-//! thread keeps a balance: an overrun yield adds the time it took, a quick yield takes off the
-//! time it took, and a balance of [`LOST_TO_STOP`] turns that thread's spins off ([`worthwhile`]
-//! says no there) for [`CONTENDED_FOR`]. Its spins then sleep (or hand their wait to the event
-//! loop) at once and are woken as after a spin that ran out. When the time is over, the next spin
-//! is a probe: the balance stands 2 ms under the bound, so one more slice lost turns spins off
-//! again, for twice as long each time (up to [`MAX_OFF`]), while quick yields that pay the
-//! balance back to nothing mean the core is free again, and the time off starts from
-//! [`CONTENDED_FOR`] anew.
-//! Beside a CPU-bound process, where each yield loses a whole slice, five slices turn spins off,
-//! whether the thread runs a thousand operations a second or ten: a balance kept over a window
-//! of time would have let an operation now and then pay its slice every time, and a fixed time
-//! off would have let a tenth of them pay it at ten a second. A balance whose last overrun (or
-//! time off) ended more than [`FORGET_AFTER`] ago starts again from nothing.
-//!
-//! A second rule ends one spin, not spinning: two spinning threads on one core. Each turn's yield
-//! then runs the other thread's turn (ten microseconds on the 2-core VM, where a yield with the
-//! core to itself takes 0.4), so each thread waits out the other's turn at every turn of its
-//! own, while another core may sit idle: a scheduler does not move a thread that ran within the
-//! last half millisecond ("cache hot"), and these two run every ten microseconds. Measured on the
-//! 2-core VM: a third of the same-host benchmark's runs had both processes' waiters on one core,
-//! alternating turn for turn, for the whole run, at 34-37 us a read where the others took 20-23
-//! (docs/FIGURES.md, "4 KiB", same-host reads). So the spin of a wait that drives the engine (whose
-//! engine thread stands down meanwhile) ends once its last [`SHARED_TURNS_TO_STOP`] yields in a
-//! row each took longer than [`SHARED_TURN`] ([`yield_driving`] says so): its thread parks, the
-//! thread left spins alone, and the parked one, woken, is placed on a free core if there is one.
-//! The next spin starts as usual. With that rule, 12 runs in 12 had no such mode. Other spins
-//! ([`yield_core`]: the engine's, the copy pool's kept threads, a wait the engine thread works
-//! for, the Python module's wait at the call) do not end on it: they share cores with our own
-//! threads by design, and ending them cost 64 outstanding operations a fifth of their rate.
+//! - Every spin yields its core (`sched_yield`) through [`yield_core`], which times the yield:
+//!   on a free core a yield returns within microseconds; beside a thread that does not yield back
+//!   (any CPU-bound process) Linux's scheduler returns it only after that thread's slice.
+//! - A yield that took longer than [`YIELD_OVERRUN`] overran. Each thread keeps a balance: an
+//!   overrun adds the time it took, a quick yield takes its time off. A balance of
+//!   [`LOST_TO_STOP`] turns the thread's spins off ([`worthwhile`] says no) for [`CONTENDED_FOR`],
+//!   doubling (up to [`MAX_OFF`]) each time the probe that follows overruns again; quick yields
+//!   that pay the balance back mean the core is free again. A balance untouched for
+//!   [`FORGET_AFTER`] starts again from nothing. Our own threads' bursts of work overrun yields
+//!   too, and do not turn spins off: what marks an oversubscribed core is yields that lose far
+//!   more time than they give back, however often they run.
+//! - Two threads spinning on one core run each other's turn at every yield, while another core
+//!   may idle (the scheduler keeps a thread that ran within half a millisecond where it is). So
+//!   the spin of a wait that drives the engine ends once its last [`SHARED_TURNS_TO_STOP`] yields
+//!   in a row each took longer than [`SHARED_TURN`] ([`yield_driving`]): its thread parks and,
+//!   woken, is placed on a free core. Such a wait yields at most once per [`YIELD_GAP`]. Other
+//!   spins share cores with our own threads by design and do not end on this rule.
 //!
 //! The state is per thread: a core is what a yield finds busy, and a thread mostly stays on its
-//! core, while another thread of the process may have one to itself. `Seen` is the rule with no
-//! clock or thread of its own, tested with made-up times.
+//! core. `Seen` is the rule with no clock or thread of its own, tested with made-up times.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,23 +43,23 @@ const CONTENDED_FOR: Duration = Duration::from_secs(1);
 const MAX_OFF: Duration = Duration::from_secs(8);
 
 /// What a probe may lose before spins turn off again: above a burst of the engine's own work on
-/// the same core (0.2-1.3 ms measured), below a slice of a CPU-bound process (4 ms at 250 Hz).
+/// the same core (64 operations or 1,000 descriptors at once), below a slice of a CPU-bound
+/// process (4 ms at 250 Hz).
 const PROBE_ROOM: Duration = Duration::from_millis(2);
 
 /// A balance whose last overrun (or time off) ended longer ago than this is forgotten.
 const FORGET_AFTER: Duration = Duration::from_secs(5);
 
 /// How often the spin of a wait that drives the engine gives its core away at most
-/// ([`yield_driving`] once per this long; the turns between call no `sched_yield`). A yield costs a system call (0.4 us on the 2-core VM,
-/// where a waiter's turn that drives the engine takes 1.5-2.5 us), and a waiter that drives a
-/// NIXL transfer turns to serve and see it: yielding on every turn left NIXL writes over TCP
-/// at 1.12-1.14x raw NIXL in the same runs, yielding every 5 us at 1.02-1.03x (reads 1.02 and
-/// 0.98x; docs/FIGURES.md, "4 KiB over TCP"). A thread of ours that shares the core waits
-/// for that long more at most.
+/// ([`yield_driving`] once per this long; the turns between call no `sched_yield`). A yield is a
+/// system call beside a turn of a few microseconds, and a waiter that drives a NIXL transfer
+/// turns to serve and see it: the row that carries it is docs/FIGURES.md, "4 KiB over TCP"
+/// (against raw NIXL, yielding every turn and every 5 us). A thread of ours that shares the core
+/// waits for that long more at most.
 pub(crate) const YIELD_GAP: Duration = Duration::from_micros(5);
 
 /// A yield that took longer than this ran another thread's turn on this core (a yield with the
-/// core to itself takes under a microsecond: 0.4-0.7 us on the 2-core VM). Where a bare yield
+/// core to itself takes under a microsecond). Where a bare yield
 /// costs more (a system call filter, nested virtualization), every spin ends after
 /// [`SHARED_TURNS_TO_STOP`] yields, some 40 us into a wait's spin: a shorter spin, nothing
 /// worse. A bar set from the thread's own quickest yield was not taken: a thread whose every

@@ -398,8 +398,8 @@ impl Gate {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if *n == 0 {
             // Disarmed, not removed: a change of what is watched costs a third of a removal and
-            // the re-add's loop check (measured: 0.3 against 0.5 and 0.9 us on the 2-core VM),
-            // and the re-arm is on the path of every driving wait's end.
+            // the re-add's loop check, and the re-arm is on the path of every driving wait's end
+            // (docs/FIGURES.md, "4 KiB", same-host reads).
             if let Err(e) = self.outer.modify(self.inner.as_raw_fd(), INNER, false, false) {
                 tracing::error!("taking the sockets out of the engine's sleep: {e}");
             }

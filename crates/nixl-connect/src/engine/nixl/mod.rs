@@ -74,13 +74,14 @@ pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
 /// A progress call longer than this did work in UCX (an idle one takes a few microseconds), if
 /// the call right after it is as long: one slow call alone is as often a thread preempted or
 /// woken cold as work, and taking it for work kept an idle engine spinning for 2 ms each time
-/// (2.2% of a core for a readable waiting for its reader on a 2-core VM).
+/// (docs/FIGURES.md, "A connector's CPU while idle").
 const ACTIVITY: Duration = Duration::from_micros(25);
 /// While a writable is live, draining the exposers' notifications with more CPU time than this
 /// took in a burst of a peer's write (an idle drain uses about a microsecond, one that takes in a
-/// burst over TCP 15-25, measured on the 2-core VM): the transport is then progressed again soon
+/// burst over TCP an order of magnitude more): the transport is then progressed again soon
 /// ([`Transport::did_work`]), without keeping the engine hot. Backing off to the progress delay
-/// between bursts instead held a 64 MiB write over TCP to 1.13-1.30x raw NIXL's time. CPU time,
+/// between bursts instead slowed 64 MiB writes over TCP (docs/FIGURES.md, "1 MiB and 64 MiB
+/// over TCP"). CPU time,
 /// not the wall clock: a drain preempted, or run cold after a sleep, is not work, and taking it
 /// for work would keep an idle writable's engine waking every 20 us.
 const RECEIVING: Duration = Duration::from_micros(10);

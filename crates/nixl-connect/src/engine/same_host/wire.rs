@@ -439,7 +439,9 @@ impl Msg {
         self.kind().signed()
     }
 
-    /// The exact encoded size of this frame, length prefix and MAC included.
+    /// The exact encoded size of this frame, length prefix and MAC included (a request's
+    /// sender asks [`Req::frame_len`]).
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn encoded_len(&self) -> usize {
         let str_len = |s: &str| 2 + clip(s).len();
         let body = 1 + match self {

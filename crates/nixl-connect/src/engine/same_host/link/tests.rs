@@ -399,9 +399,9 @@ fn link_fuzz_programs_hold_their_invariants() {
 fn link_core_imports_nothing_of_the_edge() {
     let core = [
         ("link.rs", include_str!("../link.rs")),
-        ("link/answers.rs", include_str!("answers.rs")),
         ("link/events.rs", include_str!("events.rs")),
         ("wire.rs", include_str!("../wire.rs")),
+        ("wire/req.rs", include_str!("../wire/req.rs")),
         ("auth.rs", include_str!("../auth.rs")),
         ("identity.rs", include_str!("../identity.rs")),
         ("violation.rs", include_str!("../violation.rs")),
@@ -414,6 +414,9 @@ fn link_core_imports_nothing_of_the_edge() {
         "crate::engine::same_host::wire",
         "super::limits::SLOTS",
         "super::limits::MAX_LANES",
+        "crate::engine::same_host::auth",
+        "crate::engine::same_host::limits::MAX_LANES",
+        "super::{device_code, device_from, IpcSource, MAC_LEN, R, SOURCE_BYTES, W}",
         "crate::device::Device",
         "super::*",
     ];
