@@ -37,7 +37,7 @@ fn pair(path: PathPolicy) -> (Connector, Connector) {
 async fn storage_system_memory_read_and_written_over_both_paths() {
     for (path, expect) in [
         (PathPolicy::Nixl, TransferPath::Nixl),
-        (PathPolicy::Auto, TransferPath::Local),
+        (PathPolicy::Auto, TransferPath::SameHost),
     ] {
         let (owner, peer) = pair(path);
         let len = (1 << 20) + 123;
