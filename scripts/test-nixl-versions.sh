@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 versions=("$@"); [ ${#versions[@]} -gt 0 ] || versions=(1.4.1 1.5.0)
 unset NIXL_CONNECT_SKIP_VERSION_CHECK
 source scripts/nixl-modules.sh
-cargo build -q --workspace --all-features   # what `cargo test --workspace --all-features` built
+cargo build -q --workspace --all-features   # the CLI (doctor, below), as scripts/test.sh built it
 for v in "${versions[@]}"; do
   NIXL_VERSION=$v NIXL_DIR=".nixl-$v" bash scripts/setup.sh
   export NIXL_CONNECT_LIB="$PWD/.nixl-$v/lib"
