@@ -15,7 +15,10 @@ cargo fmt --all -- --check
 echo "== cargo clippy -D warnings" >&2
 cargo clippy --workspace --all-targets --all-features -- -D warnings
 echo "== cargo doc (public, then private items: every intra-doc link resolves)" >&2
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps -q
+# Cargo's own warnings (an output filename collision: two targets documented into one folder at once)
+# are not rustdoc's, so -D warnings misses them: any warning line fails the run.
+doc_log=$(RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps -q 2>&1) || { echo "$doc_log" >&2; exit 1; }
+if grep -q '^warning' <<<"$doc_log"; then echo "$doc_log" >&2; echo "cargo doc warned" >&2; exit 1; fi
 RUSTDOCFLAGS="-D warnings" cargo doc -p nixl-connect --all-features --no-deps --document-private-items -q
 echo "== cargo test" >&2
 cargo test --workspace --all-features 2>&1
