@@ -42,6 +42,12 @@ impl ClientBook {
         self.acts.remove(&id)
     }
 
+    /// Stops tracking the active operation that sent request `r`; it and its id, if there is one.
+    pub(super) fn take(&mut self, r: RequestId) -> Option<(OpId, Act)> {
+        let id = self.by_request(r)?;
+        self.acts.remove(&id).map(|a| (id, a))
+    }
+
     /// Every active operation.
     pub(super) fn acts(&self) -> impl Iterator<Item = (OpId, &Act)> {
         self.acts.iter().map(|(id, a)| (*id, a))

@@ -1,7 +1,7 @@
 //! The pipes this side feeds (`sys::pipe`): a read it serves to a peer that cannot read its
 //! memory, a write of its own to a peer that cannot read it. It owns them from the moment they
 //! are made until their job has stopped; the transport ends them (the reader's answer, a
-//! revocation, the connection's end) and learns of their job's end (`copies.rs`).
+//! revocation, the connection's end) and learns of their job's end (the transport's `fed`).
 //!
 //! What a feed holds back: a served read's completion and a write's end are reported, and an
 //! ended operation's memory released, only once its job stopped reading that memory (what is

@@ -1,7 +1,7 @@
 //! What is in flight off the engine thread: copies started this turn and not yet handed to the
 //! pool, copies running (counted until their callback ran), copies and CUDA IPC exports finished
 //! and not yet handled. It owns these; the transport starts copies, takes what finished and
-//! waits for the rest through its methods (`copies.rs` says what each end means).
+//! waits for the rest through its methods (the transport's `reap` says what each end means).
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -113,6 +113,14 @@ impl InFlight {
             exports.push(d);
             waker.wake();
         }
+    }
+
+    /// What tells the transport, from the CUDA thread, of VMM exports given back on one of its
+    /// connections (it then tells the peer).
+    #[cfg(feature = "cuda")]
+    pub(super) fn teller(&self) -> ipc::Teller {
+        let done = self.export_done();
+        Arc::new(move |conn, ids| done(ExportDone::Forgotten { conn, ids }))
     }
 
     /// True when copies or exports have finished that were not taken yet (checked before the

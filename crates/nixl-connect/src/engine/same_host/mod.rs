@@ -22,34 +22,28 @@
 //!
 //! # Layout
 //! One owner per piece of state, and the metal floor apart (docs/ARCHITECTURE.md has the map):
-//! - the protocol core, sans-IO: `link` (one connection's state machine, with `link/events.rs` and
-//!   `link/answers.rs`), [`wire`] (the frame codec), `auth` (MACs), `identity` (Ed25519),
-//!   [`violation`] (what a peer broke);
+//! - the protocol core, sans-IO: `link` (one connection's state machine, with `link/events.rs`),
+//!   [`wire`] (the frame codec), `auth` (MACs), `identity` (Ed25519), [`violation`] (what a peer
+//!   broke);
 //! - the access policy, sans-IO: `policy` (`decide(scope, request, load) -> Decision`);
-//! - the owners: `transport` (the [`SameHostTransport`] and how it starts), `server_book`
+//! - the owners: `sockets` (the listeners, the connections and their timers), `server_book`
 //!   (scopes, key ids, identities, exports), `client_book` (active operations, connections by
-//!   peer, peers avoided), `in_flight` (copies and exports off the engine thread), `records` (connections, active operations, finished
-//!   copies), `limits` (every cap);
-//! - the actions: `conn` (sockets and their turns), `client` (the active side), `server` (acts on
-//!   the policy's decisions), `dispatch` (what a core heard, to whom), `copies`, `device`,
-//!   `eager`, and `seam` (the engine's [`Transport`](crate::engine::transport::Transport));
+//!   peer, peers avoided), `in_flight` (copies and exports off the engine thread), `feeds` (pipes
+//!   this side fills), `records` (connections, active operations, finished copies), `limits`
+//!   (every cap);
+//! - the coordinator: `transport` (the [`SameHostTransport`], one `impl`: what a core heard or
+//!   the engine asked, to the owner that acts on it), with `eager` and `device` (what its small
+//!   and device actions use), and `seam` (the engine's
+//!   [`Transport`](crate::engine::transport::Transport));
 //! - `sys/`: every syscall and every `unsafe` block; the modules above are compiled with
 //!   `forbid(unsafe_code)`.
 
 #[forbid(unsafe_code)]
 mod auth;
 #[forbid(unsafe_code)]
-mod client;
-#[forbid(unsafe_code)]
 mod client_book;
 #[forbid(unsafe_code)]
-mod conn;
-#[forbid(unsafe_code)]
-mod copies;
-#[forbid(unsafe_code)]
 mod device;
-#[forbid(unsafe_code)]
-mod dispatch;
 #[forbid(unsafe_code)]
 mod eager;
 #[forbid(unsafe_code)]
@@ -68,8 +62,6 @@ mod policy;
 mod records;
 #[forbid(unsafe_code)]
 mod seam;
-#[forbid(unsafe_code)]
-mod server;
 #[forbid(unsafe_code)]
 mod server_book;
 #[forbid(unsafe_code)]

@@ -4,7 +4,8 @@
 //! the server book (`server_book.rs`), so none of them imports its way back up.
 
 use std::collections::VecDeque;
-use std::os::fd::OwnedFd;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -278,6 +279,34 @@ impl Drop for Conn {
 }
 
 impl Conn {
+    /// Sends the core's `Hello` with a fresh slot table's descriptor attached (the client's
+    /// first frame), and keeps the table.
+    pub(super) fn send_hello(&mut self) -> io::Result<()> {
+        let table = Arc::new(SlotTable::create()?);
+        // Nothing about this process but the key's hash and a nonce: the server proves it holds
+        // the key before anything else is sent.
+        let buf = self.link.out();
+        let n = super::sys::send_with_fds(self.fd.as_raw_fd(), buf, &[table.fd().as_raw_fd()])?;
+        if n != buf.len() {
+            // A fresh connection's buffer always takes a few dozen bytes; anything else is broken.
+            return Err(io::Error::other("the hello did not fit the socket"));
+        }
+        self.link.sent(n);
+        self.slots = Some(table);
+        Ok(())
+    }
+
+    /// Client side: the request in `slot` of generation `gen` ended; the slot is free again (for
+    /// the peer, and for this side's next request). A slot of another generation is left alone.
+    pub(super) fn free_slot(&mut self, slot: u32, gen: u64) {
+        if self.client && self.gens.get(slot as usize) == Some(&gen) {
+            if let Some(t) = &self.slots {
+                t.free(slot, gen);
+            }
+            self.free_slots.push(slot);
+        }
+    }
+
     /// Whose share of the copy pool this connection's copies run under: the peer's pid, or, for a
     /// peer in another PID namespace (pid 0 from here), a stand-in of its own from its id, so
     /// that no two such peers share one.

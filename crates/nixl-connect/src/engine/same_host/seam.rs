@@ -29,7 +29,7 @@ impl Transport for SameHostTransport {
     }
 
     fn unexpose(&mut self, key: &str) {
-        self.release_writer(key);
+        self.server.release_writer(key);
         let Some(s) = self.server.unexpose(key) else {
             return;
         };
@@ -37,9 +37,9 @@ impl Transport for SameHostTransport {
             if let Some(t) = self.sockets.get(g.conn).and_then(|c| c.slots.as_ref()) {
                 t.revoke(g.slot, g.gen);
             }
-            self.ungrant(g.conn);
+            self.sockets.ungrant(g.conn);
         }
-        // Pipes fed from it hold its pages until they are emptied: released then (`copies.rs`).
+        // Pipes fed from it hold its pages until they are emptied: released then (`SameHostTransport::fed`).
         self.feeds.end_where(|_, f| f.key.as_deref() == Some(key));
         if s.writer.is_none() && !self.feeds.feeds_key(key) {
             s.state.mark_released();
@@ -156,7 +156,7 @@ impl Transport for SameHostTransport {
                         c.queued.retain(|q| *q != id);
                     }
                     let a = self.client.remove(id).expect("present");
-                    self.free_slot(conn, a.slot, a.gen);
+                    self.sockets.free_slot(conn, a.slot, a.gen);
                 }
                 // A write's pipes may still be fed from its memory: released once they are not.
                 self.end_act_after_feed(

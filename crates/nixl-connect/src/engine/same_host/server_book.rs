@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::auth::{self, KeyId};
-use super::records::RequestId;
+use super::records::{CopyOwner, RequestId};
+use super::sys::cma::SlotRef;
 use super::sys::mem;
 use super::sys::pipe::Wake;
 use crate::device::Device;
@@ -145,6 +146,13 @@ impl ServerBook {
         self.scopes.values()
     }
 
+    /// Tells the writer copying into the writable keyed `key`, if any, to stop.
+    pub(super) fn release_writer(&self, key: &str) {
+        if let Some(s) = self.scopes.get(key) {
+            s.cancel_writer();
+        }
+    }
+
     /// Device ranges queued for export now, over every connection.
     pub(super) fn exporting(&self) -> usize {
         self.exporting
@@ -161,4 +169,18 @@ impl ServerBook {
     pub(super) fn exports_ended(&mut self, n: usize) {
         self.exporting = self.exporting.saturating_sub(n);
     }
+}
+
+/// A writable claimed for one write: what the copy into it needs.
+pub(super) struct Claim {
+    /// Where the writable's memory is.
+    pub(super) device: Device,
+    /// The writer's pid (its memory is read by it).
+    pub(super) pid: i32,
+    /// The writer's slot for this request (the copy checks and ends it).
+    pub(super) slot: SlotRef,
+    /// Set to stop the copy.
+    pub(super) cancel: Arc<AtomicBool>,
+    /// Who learns of the copy's end.
+    pub(super) owner: CopyOwner,
 }

@@ -2,7 +2,7 @@
 //! listener and fire the connections' deadlines, and their place in the engine's poller. It
 //! owns these (private fields): it moves bytes between a socket and its connection's protocol
 //! core and decides who may connect (`admission`); what a connection's end means for the
-//! operations on it is the transport's (`conn.rs`).
+//! operations on it is the transport's (`transport.rs`).
 
 use std::collections::HashMap;
 use std::io;
@@ -162,6 +162,21 @@ impl Sockets {
         let c = self.conns.remove(&i)?;
         self.reg.remove(c.fd.as_raw_fd());
         Some(c)
+    }
+
+    /// Client side: the request in connection `i`'s `slot` of generation `gen` ended (see
+    /// [`Conn::free_slot`]).
+    pub(super) fn free_slot(&mut self, i: ConnId, slot: u32, gen: u64) {
+        if let Some(c) = self.conns.get_mut(&i) {
+            c.free_slot(slot, gen);
+        }
+    }
+
+    /// Server side: a read grant of connection `i` ended.
+    pub(super) fn ungrant(&mut self, i: ConnId) {
+        if let Some(c) = self.conns.get_mut(&i) {
+            c.granted = c.granted.saturating_sub(1);
+        }
     }
 
     /// Why a connection from the process named `id` (of our user; see `sys::self_id`) is not

@@ -1,22 +1,67 @@
-//! The same-host transport: the struct that holds the wing's owners (the server book, the
-//! connections, the active operations, the copies' inboxes) and how it starts. What it does
-//! lives beside it: connections (`conn`), the access policy (`policy`) and the server's actions
-//! on it (`server`), the client (`client`), copies (`copies`), device memory (`device`), frame
-//! dispatch (`dispatch`) and the engine's seam (`seam`); its limits are in `limits`.
+//! The same-host transport: the coordinator of the wing's owners. It holds them (the sockets and
+//! their connections, the server's scopes, the client's operations, the copies in flight, the
+//! pipes fed) and, for what a connection's core heard or the engine asked, decides which owner
+//! acts and hands it the others it needs. Its parts, in order: how it starts, dispatch,
+//! connections, the active side (client), the passive side (server, acting on the policy's
+//! decisions), device memory, copies. The engine's seam is `seam.rs`; every cap is in `limits`.
 
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::client_book::ClientBook;
-use super::feeds::Feeds;
+use super::device::{device_path_refusal, DeviceAsk};
+use super::feeds::{Feed, FeedFor, Feeds};
 use super::identity::Identity;
 use super::in_flight::InFlight;
-use super::limits::Caps;
-use super::server_book::ServerBook;
+use super::limits::{Caps, MAX_PIPES, MAX_PIPES_PER_CONN};
+use super::link::{grant_ipc_len, Answer, Heard, Link, Request};
+use super::policy::{self, Asked, Decision, Load};
+use super::records::{refused, AnyCopy, Conn, ConnId, CopyOwner, ExportDone, Phase, RequestId};
+use super::server_book::{Claim, ServerBook, Writer};
 use super::sockets::Sockets;
-use super::sys::dir::DirListener;
-use super::sys::{descriptor_budget, raise_descriptor_limit, Tracked};
+use super::sys::cma::{Copy, CopyError, Piece, SlotRef};
+use super::sys::dir::{connect_path, socket_path, DirListener};
+#[cfg(feature = "cuda")]
+use super::sys::ipc;
+use super::sys::{
+    accept, accept_passed_descriptors, alive, alive_fd, close_elsewhere, close_refused, cma, connect,
+    descriptor_budget, peer_cred, peer_process, pipe, raise_descriptor_limit, refuse_passed_descriptors,
+    same_pid_namespace, self_id, socket_name, unix_socket, Tracked,
+};
+use super::violation::Violation;
+use super::wire::{passed_fds, IpcSource, RefuseCode, Req, EAGER_MAX, MAX_FRAME, NOT_LIVE};
+use super::{auth, eager, identity};
+use crate::device::Device;
 use crate::engine::poller::{Registrar, Waker};
+use crate::engine::transport::{Decline, Event, OpId};
+use crate::error::Error;
+use crate::reg::Range;
+use crate::state::{Mechanism, OpState, TransferPath};
+
+/// Requests open on a connection below which a small host operation carries its bytes in its
+/// frames (see [`EAGER_MAX`]); at or above it, it takes a grant and the copy pool.
+const EAGER_OPEN: usize = 4;
+
+/// True when this process uses CUDA (its driver library is loaded): its device operations may
+/// meet memory without a legacy IPC handle, which moves as VMM descriptors.
+fn cuda_in_use() -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::driver_loaded();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// The answer that carries a refusal or a fallback decided by the policy.
+fn answer_of(d: Decision) -> Answer {
+    match d {
+        Decision::Refuse(code, reason) => Answer::Refuse(code, reason),
+        Decision::Fallback(reason) => Answer::Fallback(reason),
+        other => unreachable!("{other:?} is not an answer"),
+    }
+}
 
 /// The same-host transport of one connector.
 pub(crate) struct SameHostTransport {
@@ -81,6 +126,1670 @@ impl SameHostTransport {
             stopped: false,
         }
     }
+
+    // ---- Dispatch: what a connection's core heard, to the owner that acts on it.
+
+    /// Acts on what connection `i`'s core heard.
+    pub(super) fn handle(&mut self, i: ConnId, h: Heard, out: &mut Vec<Event>) {
+        match h {
+            // The slot table was checked on receipt, and whether this side may pull from the
+            // client was found at accept (`accept_from`): nothing left to do.
+            Heard::Hello => {}
+            Heard::Trusted { pipes } => {
+                if !pipes {
+                    self.sockets.refuse_descriptors(i);
+                }
+            }
+            Heard::Unused { fds } => self.sockets.drop_passed(i, fds),
+            Heard::Forgot { ids } => self.on_forgot(i, ids),
+            Heard::GrantPipe { slot, gen, lanes } => self.on_grant_pipe(i, slot, gen, lanes, out),
+            Heard::Req(r) => {
+                if self.server.knows(r.req.ident) {
+                    self.on_req(i, r, out)
+                } else if let Some(c) = self.sockets.get_mut(i) {
+                    // Metadata of an agent of the same name elsewhere (another host, an earlier
+                    // process): not this connector's to refuse; NIXL will sort it out. A write's
+                    // pipes or VMM descriptors came with it (its core counted them off): closed,
+                    // so the next frame's are the next ones.
+                    let n = r.passed;
+                    c.passed.drain(..n.min(c.passed.len())).for_each(close_elsewhere);
+                    c.link.answer(
+                        r.req.slot,
+                        r.req.gen,
+                        Answer::Fallback("the metadata names another agent of the same name".into()),
+                    );
+                }
+            }
+            Heard::ReadDone { slot, gen, ok, key } => {
+                self.on_read_done(RequestId { conn: i, slot, gen }, ok, &key, out)
+            }
+            Heard::Ready => self.on_ready(i, out),
+            Heard::NotLive { key } => self.on_not_live(i, &key, out),
+            Heard::Impostor => {
+                let Some(c) = self.sockets.get(i) else { return };
+                // Not the process that made the operation: another one holds the socket name. It
+                // learnt a key hash and a nonce; nothing else is sent, nothing it says is believed.
+                tracing::warn!(
+                    peer = %c.peer,
+                    pid = c.peer_pid,
+                    "the process on this peer's same-host socket could not prove it holds the \
+                     operation's key (an impostor?); using NIXL"
+                );
+                self.refused_peers += 1;
+                self.avoid(i);
+                self.decline_queued(
+                    i,
+                    "the process on the peer's same-host socket could not prove it holds the \
+                     operation's key (another process holds the socket name)",
+                    out,
+                );
+            }
+            Heard::Rejected { reason } => {
+                self.avoid(i);
+                self.decline_queued(i, &reason, out);
+            }
+            Heard::Grant { slot, gen, sources } => self.on_grant(i, slot, gen, sources, out),
+            Heard::Data { slot, gen, data } => self.on_data(i, slot, gen, &data, out),
+            Heard::Refused {
+                slot,
+                gen,
+                code,
+                reason,
+            } => self.end_answered(i, slot, gen, out, |peer| Err(refused(peer, code, reason))),
+            Heard::Fallback { slot, gen, reason } => {
+                if let Some((id, a)) = self.client.take(RequestId { conn: i, slot, gen }) {
+                    self.sockets.free_slot(i, slot, gen);
+                    if !matches!(a.phase, Phase::Abandoned) {
+                        let ev = Event::Declined {
+                            spec: a.spec,
+                            reason: reason.into(),
+                        };
+                        // A write's pipes may still be fed from its memory.
+                        self.end_act_after_feed(id, ev, out);
+                    }
+                }
+            }
+            Heard::WriteDone {
+                slot,
+                gen,
+                ok,
+                reason,
+            } => {
+                // The passive side finished copying our write.
+                self.end_answered(i, slot, gen, out, |peer| {
+                    if ok {
+                        Ok(())
+                    } else {
+                        Err(Error::Transfer {
+                            agent: peer,
+                            reason,
+                            source: None,
+                        })
+                    }
+                });
+            }
+        }
+    }
+
+    /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
+    /// someone else holds its socket name).
+    fn avoid(&mut self, i: ConnId) {
+        let Some(peer) = self.sockets.get(i).map(|c| c.peer.clone()) else {
+            return;
+        };
+        self.client.avoid(peer, Instant::now());
+    }
+
+    /// Client: the server has no live operation with the opening key. That operation is refused
+    /// as a replay (it must not go on to NIXL and read stale memory); nothing was revealed; the
+    /// others queued behind it take NIXL, and the connection is opened afresh next time.
+    fn on_not_live(&mut self, i: ConnId, key: &str, out: &mut Vec<Event>) {
+        let Some(c) = self.sockets.get_mut(i) else { return };
+        let peer = c.peer.clone();
+        let queued = std::mem::take(&mut c.queued);
+        for id in queued {
+            let Some(a) = self.client.remove(id) else { continue };
+            self.sockets.free_slot(i, a.slot, a.gen);
+            if matches!(a.phase, Phase::Abandoned) {
+                continue;
+            }
+            if &*a.spec.key == key {
+                out.push(Event::ActiveEnded {
+                    id,
+                    result: Err(refused(peer.to_string(), RefuseCode::NotLive, NOT_LIVE.into())),
+                });
+            } else {
+                out.push(Event::Declined {
+                    spec: a.spec,
+                    reason: "the same-host connection closed before its request".into(),
+                });
+            }
+        }
+    }
+
+    /// Ends the active operation that (`i`, `slot`, `gen`) answered: frees its slot and, unless it
+    /// was abandoned, reports `result` (given the peer's agent name).
+    fn end_answered(
+        &mut self,
+        i: ConnId,
+        slot: u32,
+        gen: u64,
+        out: &mut Vec<Event>,
+        result: impl FnOnce(String) -> crate::error::Result<()>,
+    ) {
+        if let Some((id, a)) = self.client.take(RequestId { conn: i, slot, gen }) {
+            self.sockets.free_slot(i, slot, gen);
+            if !matches!(a.phase, Phase::Abandoned) {
+                let ev = Event::ActiveEnded {
+                    id,
+                    result: result(a.spec.peer.name.to_string()),
+                };
+                // A write's pipes may still be fed from its memory (an answer before the last
+                // byte: a refusal, a server that lies).
+                self.end_act_after_feed(id, ev, out);
+            }
+        }
+    }
+
+    // ---- Connections: accepting and making them, their deadlines, closing them (what a
+    // connection's end means for the operations on it).
+
+    /// The deadline timer fired: every core past its deadline dies (and is closed), and the
+    /// timer is armed for the next one.
+    pub(super) fn on_deadlines(&mut self, out: &mut Vec<Event>) {
+        self.sockets.deadline_fired();
+        let now = Instant::now();
+        for i in self.sockets.ids() {
+            let c = self.sockets.get_mut(i).expect("listed");
+            c.link.on_timeout(now);
+            if c.link.is_dead() {
+                tracing::debug!(why = ?c.link.death(), "same-host connection timed out");
+                self.close(i, out);
+            } else {
+                self.sockets.watch_deadline(i);
+            }
+        }
+    }
+
+    /// Accepts what waits on every listener (the abstract socket, the one in the shared
+    /// directory).
+    pub(super) fn accept(&mut self) {
+        for lfd in self.sockets.listeners() {
+            self.accept_from(lfd);
+        }
+    }
+
+    fn accept_from(&mut self, lfd: std::os::fd::RawFd) {
+        loop {
+            let fd = match accept(lfd) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    match e.raw_os_error() {
+                        Some(libc::EINTR | libc::ECONNABORTED | libc::EPROTO) => continue,
+                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
+                            self.sockets.pause_accepting(&e);
+                        }
+                        _ => {}
+                    }
+                    return;
+                }
+            };
+            let pid = match peer_cred(fd.as_raw_fd()) {
+                Ok((pid, uid)) if uid == self.sockets.uid() => pid,
+                _ => {
+                    // Another user: closed before anything is held for it (no record, no pidfd,
+                    // no buffer, no fork tracking), off this thread and after taking what it
+                    // queued. A client of another user never sends a hello: it checks our uid
+                    // first.
+                    self.refused_peers += 1;
+                    close_refused(fd);
+                    continue;
+                }
+            };
+            let Some(identity) = self.identity.clone() else {
+                close_refused(fd);
+                continue;
+            };
+            // The pidfd is taken now, so that the process a later copy checks is the one that
+            // connected (a pid freed meanwhile could name another process by the `Hello`).
+            let peer = peer_process(fd.as_raw_fd(), pid);
+            let peer_id = peer.as_ref().map_or(0, |p| p.0);
+            let refusal = match &peer {
+                Some(_) => self.sockets.admission(peer_id),
+                None => Some(
+                    "the peer's process cannot be named from here (another PID namespace, on a \
+                     kernel without pidfs), or is gone; use NIXL"
+                        .into(),
+                ),
+            };
+            let Some(me) = self_id() else {
+                close_refused(fd);
+                continue;
+            };
+            let mut link = Link::server(identity, peer_id, me, Instant::now());
+            let peer = if refusal.is_none() {
+                peer.map(|p| p.1)
+            } else {
+                None
+            };
+            // Whether this side may pull from the client (ptrace rules; never a peer of another
+            // PID namespace, whatever its pidfd allows), found once. One it cannot read is asked,
+            // in the signed `Welcome`, to write through pipes.
+            let can_pull = pid > 0 && peer.as_ref().is_some_and(cma::may_pull);
+            if !can_pull {
+                link.ask_piped_writes();
+            }
+            let other_pid_ns = !same_pid_namespace(pid);
+            let i = self
+                .sockets
+                .insert(Conn::new(Tracked::new(fd), link, pid, peer_id, peer, "".into()));
+            let c = self.sockets.get_mut(i).expect("just inserted");
+            c.can_pull = can_pull;
+            c.other_pid_ns = other_pid_ns;
+            if let Some(reason) = refusal {
+                self.refused_peers += 1;
+                let c = self.sockets.get_mut(i).expect("just inserted");
+                c.link.reject(reason);
+                self.sockets.flush(i);
+                self.close(i, &mut Vec::new());
+            }
+        }
+    }
+
+    /// The back-off timer fired: watch the listener again and take what waits.
+    pub(super) fn resume_accepting(&mut self) {
+        self.sockets.resume_accepting();
+        self.accept();
+    }
+
+    /// Opens (or finds) the connection to `peer`; `Err` says why there is no same-host path.
+    pub(super) fn connect(
+        &mut self,
+        peer: &Arc<str>,
+        key: &Arc<str>,
+    ) -> std::result::Result<ConnId, Decline> {
+        // A connection open to this exact name was made for its advertisement (the fast path of
+        // every operation after the first: nothing parsed again).
+        if let Some(i) = self.client.conn_to(peer) {
+            if self.sockets.get(i).is_some_and(|c| !c.link.is_dead()) {
+                return Ok(i);
+            }
+        }
+        // Only a peer whose agent name advertises a same-host identity is ever connected to: a
+        // Python Dynamo peer binds no socket, and whoever binds its name must learn nothing.
+        let Some(expect) = identity::advertised(peer) else {
+            return Err(
+                "the peer's agent name advertises no same-host endpoint (a Python Dynamo \
+                        peer, or a connector that serves none)"
+                    .into(),
+            );
+        };
+        if self.client.avoids(peer, Instant::now()) {
+            return Err("no same-host socket for this peer (none answered a moment ago)".into());
+        }
+        let r = self.try_connect(peer, key, expect);
+        if let Err(reason) = &r {
+            self.client.avoid(peer.clone(), Instant::now());
+            tracing::trace!(peer = %peer, %reason, "no same-host path");
+        }
+        r
+    }
+
+    pub(super) fn try_connect(
+        &mut self,
+        peer: &Arc<str>,
+        key: &Arc<str>,
+        expect: identity::Fingerprint,
+    ) -> std::result::Result<ConnId, Decline> {
+        let fd = self.dial(peer, &expect)?;
+        let (pid, peer_uid) = peer_cred(fd.as_raw_fd())
+            .map_err(|e| Decline::because("cannot learn who holds the peer's same-host socket", e))?;
+        let uid = self.sockets.uid();
+        if peer_uid != uid {
+            return Err(format!("the peer runs as uid {peer_uid} (this process: {uid})").into());
+        }
+        // The process that made the listening socket (what SO_PEERCRED names) must still live:
+        // a child that kept the socket without running its engine (a raw `clone()` skips the
+        // fork handlers) would leave the hello unanswered until its deadline. A peer found
+        // through the shared directory may be in another PID namespace (its pid is 0 from here):
+        // it is named by its pidfs id, on kernels that have pidfs.
+        let Some((server_id, server)) = peer_process(fd.as_raw_fd(), pid) else {
+            return Err(if pid <= 0 {
+                "the peer's process is in another PID namespace and this kernel cannot name it \
+                 (no pidfs: Linux 6.9 or later)"
+            } else {
+                "the process that made the peer's same-host socket is gone (a child of it holds \
+                 the socket)"
+            }
+            .into());
+        };
+        if !alive_fd(&server) {
+            return Err(
+                "the process that made the peer's same-host socket is gone (a child of it holds \
+                 the socket)"
+                    .into(),
+            );
+        }
+        // A peer this side cannot read (another PID namespace, ptrace rules) serves its reads
+        // through pipes; this side's writes go to it through pipes too (what keeps us from its
+        // memory keeps it from ours, in the case this path is for: sibling pods).
+        let can_pull = pid > 0 && cma::may_pull(&server);
+        // Device exports come as VMM descriptors from a server in another PID namespace (even
+        // one whose memory this side can pull: a namespace below this one's), and from any
+        // server for memory without a legacy handle, where this process uses CUDA.
+        let other_pid_ns = !same_pid_namespace(pid);
+        let exports = other_pid_ns || cuda_in_use();
+        if !can_pull || exports {
+            accept_passed_descriptors(fd.as_raw_fd());
+        }
+        let Some(me) = self_id() else {
+            return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
+        };
+        let mut link = Link::client(
+            key.clone(),
+            expect,
+            auth::nonce(),
+            me,
+            server_id,
+            !can_pull,
+            Instant::now(),
+        );
+        if exports {
+            link.take_exports();
+        }
+        let i = self
+            .sockets
+            .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
+        let c = self.sockets.get_mut(i).expect("just inserted");
+        c.can_pull = can_pull;
+        c.other_pid_ns = other_pid_ns;
+        if let Err(e) = self.sockets.get_mut(i).expect("just inserted").send_hello() {
+            self.close(i, &mut Vec::new());
+            return Err(Decline::because("the same-host handshake failed", e));
+        }
+        self.client.connected(peer.clone(), i);
+        Ok(i)
+    }
+
+    /// A socket connected to `peer`'s: its abstract socket (this network namespace), else its
+    /// socket file in the shared directory (named from the identity it advertises, `expect`).
+    fn dial(&self, peer: &Arc<str>, expect: &identity::Fingerprint) -> std::result::Result<Tracked, Decline> {
+        let open = || {
+            let fd = unix_socket().map_err(|e| Decline::because("cannot open a same-host socket", e))?;
+            // The server never passes descriptors; the kernel refuses any it tries (where it can).
+            refuse_passed_descriptors(fd.as_raw_fd());
+            Ok::<_, Decline>(Tracked::new(fd))
+        };
+        let fd = open()?;
+        let abstract_err = match connect(fd.as_raw_fd(), &socket_name(peer)) {
+            Ok(()) => return Ok(fd),
+            Err(e) => e,
+        };
+        let Some(dir) = &self.socket_dir else {
+            return Err(Decline::because(
+                "no same-host socket for this peer",
+                abstract_err,
+            ));
+        };
+        let fd = open()?;
+        match connect_path(fd.as_raw_fd(), &socket_path(dir, &identity::stem(expect))) {
+            Ok(()) => Ok(fd),
+            Err(e) => Err(Decline::because(
+                "no same-host socket for this peer, in this network namespace or the socket directory",
+                e,
+            )),
+        }
+    }
+
+    /// Closes connection `i`, ending what depended on it.
+    pub(super) fn close(&mut self, i: ConnId, out: &mut Vec<Event>) {
+        let Some(c) = self.sockets.remove(i) else { return };
+        // Device mappings opened for this connection are closed (after any copy using them).
+        #[cfg(feature = "cuda")]
+        ipc::forget(i);
+        if c.client {
+            self.client.disconnected(&c.peer, i);
+            if !c.link.shook_hands() && c.link.peer_went_away() {
+                // Closed on us before the handshake: not asked again for a while (what answered
+                // is no owner that will serve us now). An owner's proven "not live" is no reason
+                // to avoid it (its next operation may be live); an impostor or a rejection was
+                // avoided when it was heard.
+                self.client.avoid(c.peer.clone(), Instant::now());
+            }
+            for id in self.client.on_conn(i) {
+                let a = self.client.get(id).expect("listed");
+                match a.phase {
+                    // The copy runs on; its end reports the result.
+                    Phase::Copying => {}
+                    Phase::Queued | Phase::Exporting | Phase::Requested | Phase::Abandoned => {
+                        let a = self.client.remove(id).expect("listed");
+                        if let Some(t) = &c.slots {
+                            t.revoke(a.slot, a.gen);
+                        }
+                        if matches!(a.phase, Phase::Abandoned) {
+                            continue;
+                        }
+                        if !c.link.peer_went_away() || !c.link.shook_hands() {
+                            // The process on the socket broke the protocol, or the connection
+                            // ended before the handshake (a server that refused it without a
+                            // word, a squatter, a peer that died): nothing of this operation was
+                            // copied, and the peer the metadata names may well be reachable
+                            // through NIXL.
+                            let ev = Event::Declined {
+                                spec: a.spec,
+                                reason: format!(
+                                    "the same-host connection was closed: {}",
+                                    c.link.death().map_or("a protocol error", |v| v.reason())
+                                )
+                                .into(),
+                            };
+                            // A write's pipes may still be fed from its memory.
+                            self.end_act_after_feed(id, ev, out);
+                        } else {
+                            let ev = Event::ActiveEnded {
+                                id,
+                                result: Err(Error::RemoteGone {
+                                    agent: c.peer.to_string(),
+                                    reason: "its connector closed the same-host connection (the \
+                                             process exited or dropped the connector)"
+                                        .into(),
+                                    source: None,
+                                }),
+                            };
+                            self.end_act_after_feed(id, ev, out);
+                        }
+                    }
+                }
+            }
+        } else {
+            // Reads it was served through pipes end: their pipes are emptied, and no reader's
+            // answer completes them.
+            self.feeds
+                .end_where(|w, f| matches!(w, FeedFor::Grant(_)) && f.conn == i);
+            // Revoke this connection's read grants before forgetting them (its table stays mapped
+            // while a copy holds it), so a peer still copying cannot complete against memory the
+            // owner may since have given up.
+            for s in self.server.scopes_mut() {
+                s.grants.retain(|g| {
+                    if g.conn == i {
+                        if let Some(t) = &c.slots {
+                            t.revoke(g.slot, g.gen);
+                        }
+                    }
+                    g.conn != i
+                });
+            }
+        }
+    }
+
+    // ---- The active side (client): requests, grants and answers, the operations' phases.
+
+    /// Client: the server proved it holds the opening operation's key; the queued requests go.
+    pub(super) fn on_ready(&mut self, i: ConnId, out: &mut Vec<Event>) {
+        let Some(c) = self.sockets.get_mut(i) else { return };
+        let queued = std::mem::take(&mut c.queued);
+        for id in queued {
+            self.request(id, out);
+        }
+    }
+
+    pub(super) fn decline_queued(&mut self, i: ConnId, reason: &str, out: &mut Vec<Event>) {
+        let queued = self
+            .sockets
+            .get_mut(i)
+            .map(|c| std::mem::take(&mut c.queued))
+            .unwrap_or_default();
+        for id in queued {
+            if let Some(a) = self.client.remove(id) {
+                self.sockets.free_slot(i, a.slot, a.gen);
+                if !matches!(a.phase, Phase::Abandoned) {
+                    out.push(Event::Declined {
+                        spec: a.spec,
+                        reason: reason.into(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Hands a queued operation to the next transport, freeing its slot.
+    pub(super) fn decline_act(&mut self, id: OpId, reason: &str, out: &mut Vec<Event>) {
+        let a = self.client.remove(id).expect("present");
+        self.sockets.free_slot(a.conn, a.slot, a.gen);
+        out.push(Event::Declined {
+            spec: a.spec,
+            reason: reason.into(),
+        });
+    }
+
+    /// Sends the request of a queued operation (the handshake is done); a write from device
+    /// memory exports its source first.
+    pub(super) fn request(&mut self, id: OpId, out: &mut Vec<Event>) {
+        let Some(a) = self.client.get_mut(id) else { return };
+        #[cfg(feature = "cuda")]
+        if a.spec.write && a.device && a.sources.is_empty() {
+            a.phase = Phase::Exporting;
+            // A server that takes descriptors gets VMM descriptors for memory without a legacy
+            // handle, and for all memory in another PID namespace (legacy handles do not open
+            // there).
+            let how = match self.sockets.get(a.conn) {
+                Some(c) if c.link.passes_descriptors() => ipc::ExportAs::Descriptors {
+                    other_namespace: c.other_pid_ns,
+                },
+                _ => ipc::ExportAs::Handles,
+            };
+            let conn = a.conn;
+            let ranges = a
+                .spec
+                .local
+                .iter()
+                .map(|r| (r.addr as u64, r.len as u64))
+                .collect();
+            let done = self.in_flight.export_done();
+            let to = ipc::ExportTo {
+                conn,
+                how,
+                tell: self.in_flight.teller(),
+            };
+            ipc::export(
+                to,
+                ranges,
+                Box::new(move |result| done(ExportDone::Write { id, result })),
+            );
+            return;
+        }
+        // A small host operation carries its bytes in a frame (a write's in its request, a
+        // read's in the answer): each side copies only its own memory, and needs no pull.
+        // Only while few requests are open on the connection: many small operations at once go
+        // faster as grants, their copies batched on the pool (64 outstanding 4 KiB reads: 50K/s
+        // eager, 120K/s batched), where the frames and MACs of eager ones load the engines.
+        // Always where this side may not pull (ptrace rules): a grant could not be served.
+        let host = |r: &[Range]| r.iter().all(|r| r.device == Device::Host);
+        let total = a.spec.remote.iter().fold(0usize, |t, r| t.saturating_add(r.len));
+        let few = self
+            .sockets
+            .get(a.conn)
+            .is_some_and(|c| !c.can_pull || c.link.open_requests() < EAGER_OPEN);
+        let small = few && (1..=EAGER_MAX).contains(&total) && host(&a.spec.local) && host(&a.spec.remote);
+        let eager = small && !a.spec.write;
+        let data = if small && a.spec.write {
+            eager::read_act(a)
+        } else {
+            Vec::new()
+        };
+        let c = self.sockets.get_mut(a.conn).expect("live");
+        // Host memory of a peer this side cannot read (another PID namespace, ptrace rules)
+        // moves through pipes: a read's fed by the server, a write's by this side.
+        let piped = !small
+            && host(&a.spec.local)
+            && host(&a.spec.remote)
+            && if a.spec.write {
+                c.link.writes_piped()
+            } else {
+                !c.can_pull
+            };
+        if !a.spec.write && !a.device && !eager && !c.can_pull && !piped {
+            self.decline_act(
+                id,
+                "the kernel does not let this process read the peer's memory (ptrace rules), and \
+                 pipes carry only host memory",
+                out,
+            );
+            return;
+        }
+        let lanes = if piped { pipe::lanes_for(total) } else { 0 };
+        if piped
+            && (self.feeds.lanes_of(a.conn) + lanes > MAX_PIPES_PER_CONN
+                || self.feeds.lanes() + lanes > MAX_PIPES)
+        {
+            self.decline_act(id, "too many same-host pipes are open now", out);
+            return;
+        }
+        let feeding = if piped && a.spec.write {
+            match pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?)))) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    self.decline_act(id, &format!("cannot make pipes for a same-host write: {e}"), out);
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        let a = self.client.get_mut(id).expect("present");
+        let c = self.sockets.get_mut(a.conn).expect("live");
+        let req_sources_empty = a.sources.is_empty();
+        let source_fds = std::mem::take(&mut a.source_fds);
+        // A device read by a side that takes VMM descriptors asks for them (`pipes: 1` on a
+        // device read): the server then passes them where legacy handles cannot serve.
+        let vmm_read = a.device && !a.spec.write && c.link.takes_exports();
+        let req = Req {
+            slot: a.slot,
+            gen: a.gen,
+            write: a.spec.write,
+            ident: a.spec.peer.identity,
+            key_id: auth::key_id(&a.spec.key),
+            device: a.spec.remote.first().map_or(Device::Host, |r| r.device),
+            remote: a
+                .spec
+                .remote
+                .iter()
+                .map(|r| (r.addr as u64, r.len as u64))
+                .collect(),
+            local: if a.spec.write && data.is_empty() && !piped {
+                a.spec
+                    .local
+                    .iter()
+                    .map(|r| (r.addr as u64, r.len as u64))
+                    .collect()
+            } else {
+                Vec::new()
+            },
+            sources: std::mem::take(&mut a.sources),
+            eager,
+            data,
+            pipes: if vmm_read { 1 } else { lanes as u8 },
+        };
+        // A request the server could not accept, or whose answer could not come back in one frame
+        // (too many ranges), takes NIXL rather than breaking the connection others use.
+        let reply = if a.device && !a.spec.write {
+            grant_ipc_len(a.spec.remote.len())
+        } else {
+            0
+        };
+        if req.frame_len() > MAX_FRAME || reply > MAX_FRAME {
+            self.decline_act(id, "too many ranges for one same-host request", out);
+            return;
+        }
+        a.phase = Phase::Requested;
+        // How the bytes move, as far as the request decides it (a read's grant says the rest).
+        let mechanism = if small {
+            Some(Mechanism::Frames)
+        } else if piped {
+            Some(Mechanism::Pipes)
+        } else if a.spec.write && !source_fds.is_empty() {
+            Some(Mechanism::CudaVmm)
+        } else if a.spec.write && !req_sources_empty {
+            Some(Mechanism::CudaIpc)
+        } else if a.spec.write {
+            Some(Mechanism::CrossMemoryAttach)
+        } else {
+            None
+        };
+        if let Some(m) = mechanism {
+            a.spec.state.set_mechanism(m);
+        }
+        // Queued in the core; sent with everything else queued this turn, at the end of the
+        // transport's progress (a write's pipes with it).
+        let at = c.link.queued_end();
+        if !c.link.request(&a.spec.key, req) {
+            self.decline_act(id, "the same-host connection cannot take the request", out);
+            return;
+        }
+        let feed_key = c.feed_key();
+        if !source_fds.is_empty() {
+            self.sockets.attach(a.conn, at, pipe::Ends::new(source_fds));
+        }
+        if let Some((mut lanes, wake)) = feeding {
+            let (conn, pid) = (a.conn, feed_key);
+            let pieces = a.spec.local.iter().map(|r| (r.addr, r.len)).collect();
+            self.sockets.attach(conn, at, lanes.take_read_ends());
+            self.start_feed(
+                FeedFor::Write(id),
+                conn,
+                None,
+                pipe::Feeding {
+                    pid,
+                    lanes,
+                    pieces,
+                    ended: Arc::default(),
+                    wake,
+                },
+            );
+        }
+    }
+
+    /// Client: a grant came for a read abandoned meanwhile: it ends (the server is told, so its
+    /// grant ends too) and its slot is free.
+    fn end_abandoned_grant(&mut self, i: ConnId, id: OpId, slot: u32, gen: u64) {
+        let a = self.client.remove(id).expect("present");
+        if let Some(c) = self.sockets.get_mut(i) {
+            c.link.read_done(slot, gen, false, "cancelled");
+        }
+        self.sockets.free_slot(i, a.slot, a.gen);
+    }
+
+    /// Client: a host read may copy from `lanes` pipes the server feeds, whose read ends came
+    /// with the grant (taken here first, whatever became of the read, so the next frame's are
+    /// the next ones).
+    pub(super) fn on_grant_pipe(&mut self, i: ConnId, slot: u32, gen: u64, lanes: u8, out: &mut Vec<Event>) {
+        let Some(fds) = self.sockets.take_pipes(i, lanes as usize) else {
+            return; // not pipes: the connection is killed; its operations end with it
+        };
+        // (`fds` dropped on a return below are closed on the pipes' closer.)
+        let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
+            return;
+        };
+        let a = self.client.get_mut(id).expect("found");
+        if matches!(a.phase, Phase::Abandoned) {
+            self.end_abandoned_grant(i, id, slot, gen);
+            return;
+        }
+        let wake = match pipe::Wake::new() {
+            Ok(w) => Arc::new(w),
+            Err(e) => {
+                let a = self.client.remove(id).expect("present");
+                if let Some(c) = self.sockets.get_mut(i) {
+                    c.link.read_done(slot, gen, false, "no eventfd");
+                }
+                self.sockets.free_slot(i, a.slot, a.gen);
+                out.push(Event::ActiveEnded {
+                    id,
+                    result: Err(Error::os("an eventfd for a same-host read", e)),
+                });
+                return;
+            }
+        };
+        a.phase = Phase::Copying;
+        a.wake = Some(wake.clone());
+        let c = self.sockets.get(i).expect("live");
+        a.pidfd = c.pidfd.clone();
+        let copy = AnyCopy::Filled(pipe::Fill {
+            pid: c.pool_key(),
+            lanes: fds,
+            pieces: a.spec.local.iter().map(|r| (r.addr, r.len)).collect(),
+            slot: SlotRef {
+                table: c.slots.clone().expect("ready"),
+                idx: slot,
+                gen,
+            },
+            cancel: a.cancel.clone(),
+            wake,
+        });
+        self.in_flight.start(copy, CopyOwner::Read(id));
+    }
+
+    /// Client: an eager read's bytes came (proven, exactly as many as requested): copied into
+    /// the reader's memory here, and the read is over.
+    pub(super) fn on_data(&mut self, i: ConnId, slot: u32, gen: u64, data: &[u8], out: &mut Vec<Event>) {
+        let Some((id, a)) = self.client.take(RequestId { conn: i, slot, gen }) else {
+            return;
+        };
+        self.sockets.free_slot(i, slot, gen);
+        if matches!(a.phase, Phase::Abandoned) {
+            return;
+        }
+        let result = if eager::write_act(&a, data) {
+            Ok(())
+        } else {
+            Err(Error::Transfer {
+                agent: a.spec.peer.name.to_string(),
+                reason: "the same-host answer does not fit the read's memory".into(),
+                source: None,
+            })
+        };
+        out.push(Event::ActiveEnded { id, result });
+    }
+
+    pub(super) fn on_grant(
+        &mut self,
+        i: ConnId,
+        slot: u32,
+        gen: u64,
+        sources: Option<Vec<IpcSource>>,
+        out: &mut Vec<Event>,
+    ) {
+        // VMM descriptors passed with the grant are taken first, whatever follows, so the next
+        // frame's are the next ones (one that is no NVIDIA device's kills the connection); any
+        // dropped below are closed on the closer.
+        let n = sources.as_deref().and_then(passed_fds).unwrap_or(0);
+        let fds = if n > 0 {
+            match self.sockets.take_cuda_exports(i, n) {
+                Some(f) => {
+                    self.sockets
+                        .name_exports(i, sources.as_deref().unwrap_or_default());
+                    pipe::Ends::new(f)
+                }
+                None => return,
+            }
+        } else {
+            pipe::Ends::new(Vec::new())
+        };
+        let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
+            return;
+        };
+        let a = self.client.get_mut(id).expect("found");
+        // The grant must be of the kind asked for, and an IPC grant must match the ranges.
+        let fits = match &sources {
+            None => !a.device,
+            Some(v) => {
+                a.device
+                    && v.len() == a.spec.local.len()
+                    && v.iter().zip(&a.spec.local).all(|(s, l)| s.len == l.len as u64)
+            }
+        };
+        if !fits && !matches!(a.phase, Phase::Abandoned) {
+            tracing::debug!("a same-host grant that does not fit its request; closing the connection");
+            if let Some(c) = self.sockets.get_mut(i) {
+                c.link.kill(Violation::GrantDoesNotFit);
+            }
+            return;
+        }
+        if matches!(a.phase, Phase::Abandoned) {
+            self.end_abandoned_grant(i, id, slot, gen);
+            return;
+        }
+        a.phase = Phase::Copying;
+        let c = self.sockets.get(i).expect("live");
+        a.pidfd = c.pidfd.clone();
+        a.spec
+            .state
+            .set_mechanism(match (&sources, a.spec.local.first().map(|r| r.device)) {
+                (Some(_), _) if n > 0 => Mechanism::CudaVmm,
+                (Some(_), _) => Mechanism::CudaIpc,
+                (None, Some(Device::Cuda(_))) => Mechanism::PinnedStaging,
+                (None, _) => Mechanism::CrossMemoryAttach,
+            });
+        #[cfg(feature = "cuda")]
+        if let Some(sources) = sources {
+            let copy = AnyCopy::Device(ipc::Copy {
+                conn: i,
+                pid: c.peer_pid,
+                pieces: a
+                    .spec
+                    .local
+                    .iter()
+                    .zip(sources)
+                    .map(|(l, src)| ipc::Piece {
+                        dst: l.addr as u64,
+                        src,
+                    })
+                    .collect(),
+                fds: fds.into_vec(),
+                slot: SlotRef {
+                    table: c.slots.clone().expect("ready"),
+                    idx: slot,
+                    gen,
+                },
+                cancel: a.cancel.clone(),
+            });
+            self.in_flight.start(copy, CopyOwner::Read(id));
+            return;
+        }
+        let _ = (sources, fds);
+        let copy = Copy {
+            pid: c.peer_pid,
+            pieces: a
+                .spec
+                .local
+                .iter()
+                .zip(&a.spec.remote)
+                .map(|(l, r)| Piece {
+                    local: l.addr,
+                    remote: r.addr,
+                    len: l.len,
+                })
+                .collect(),
+            slot: SlotRef {
+                table: c.slots.clone().expect("ready"),
+                idx: slot,
+                gen,
+            },
+            cancel: a.cancel.clone(),
+        };
+        let copy = AnyCopy::pulled_into(copy, a.spec.local.first().map(|r| r.device));
+        self.in_flight.start(copy, CopyOwner::Read(id));
+        let _ = out;
+    }
+
+    // ---- The passive side (server): what is done with a proven request once the policy
+    // (`policy.rs`) decided it.
+
+    /// Server side: a proven request, decided by the policy (`policy.rs`) and acted on here:
+    /// answered, granted, or handed to a copy.
+    pub(super) fn on_req(&mut self, i: ConnId, r: Request, out: &mut Vec<Event>) {
+        let Request {
+            req:
+                Req {
+                    slot,
+                    gen,
+                    write,
+                    device,
+                    remote,
+                    local,
+                    sources,
+                    eager,
+                    data,
+                    pipes,
+                    ..
+                },
+            key,
+            passed: descriptors,
+        } = r;
+        // A write's pipes are taken first, whatever is decided, so the next frame's are the next
+        // ones (a descriptor that is no pipe's read end kills the connection).
+        // (Dropped anywhere below, they are closed on the pipes' closer, never here.)
+        let mut passed = if write && pipes > 0 {
+            match self.sockets.take_pipes(i, pipes as usize) {
+                Some(fds) => fds,
+                None => return,
+            }
+        } else {
+            pipe::Ends::new(Vec::new())
+        };
+        // A device write's VMM descriptors likewise (each an NVIDIA device's, or the connection
+        // dies); the link checked their count against the sources. (Dropped anywhere below,
+        // they are closed on the closer, never here.)
+        let vmm = descriptors - if write && pipes > 0 { usize::from(pipes) } else { 0 };
+        let mut vmm_fds = if vmm > 0 {
+            match self.sockets.take_cuda_exports(i, vmm) {
+                Some(fds) => {
+                    self.sockets.name_exports(i, &sources);
+                    pipe::Ends::new(fds)
+                }
+                None => return,
+            }
+        } else {
+            pipe::Ends::new(Vec::new())
+        };
+        let Some(c) = self.sockets.get(i) else { return };
+        if !c.link.is_ready() {
+            // The connection died after the request was heard (the peer went away, or broke a
+            // rule later in the same read): no answer can reach it, so nothing is granted,
+            // copied or completed for it.
+            return;
+        }
+        let load = Load {
+            granted: c.granted,
+            exporting: c.exporting,
+            exporting_all: self.server.exporting(),
+            can_pull: c.can_pull,
+            pipes: self.feeds.lanes_of(i),
+            pipes_all: self.feeds.lanes(),
+        };
+        let asked = Asked {
+            write,
+            device,
+            remote: &remote,
+            local: &local,
+            sources: &sources,
+            eager,
+            data: data.len(),
+            // (On a device read, `pipes` asks for VMM descriptors, not pipes.)
+            pipes: if device == Device::Host { pipes as usize } else { 0 },
+        };
+        let refusal = |s: Device, d: Device| device_path_refusal(s, d).map(|r| r.to_string());
+        let decision = policy::decide(self.server.scope(&key), &asked, &load, &refusal);
+        let id = RequestId { conn: i, slot, gen };
+        let mut completed = None;
+        let answer = match decision {
+            Decision::Refuse(..) | Decision::Fallback(_) => Some(answer_of(decision)),
+            // Small host operations: this side copies its own memory, on this thread, holding it
+            // in use for the copy so that its owner's drop waits for it. The operation is over
+            // once the answer is sent.
+            Decision::EagerRead | Decision::EagerWrite => {
+                let s = self.server.scope_mut(&key).expect("decided on it");
+                let answer = if decision == Decision::EagerRead {
+                    eager::read_scope(s, &remote).map(Answer::Data)
+                } else {
+                    eager::write_scope(s, &remote, &data).then(|| Answer::WriteDone {
+                        ok: true,
+                        reason: String::new(),
+                    })
+                };
+                if answer.is_some() {
+                    s.done = true;
+                    completed = self.server.key(&key);
+                    answer
+                } else {
+                    Some(answer_of(policy::ended()))
+                }
+            }
+            Decision::Grant => {
+                let s = self.server.scope_mut(&key).expect("decided on it");
+                if s.grants.insert(id) {
+                    if let Some(c) = self.sockets.get_mut(i) {
+                        c.granted += 1;
+                    }
+                }
+                Some(Answer::Grant)
+            }
+            Decision::DeviceRead | Decision::DeviceWrite => self.device_req(
+                id,
+                &key,
+                DeviceAsk {
+                    write,
+                    remote,
+                    sources,
+                    vmm: !write && pipes > 0,
+                    fds: std::mem::replace(&mut vmm_fds, pipe::Ends::new(Vec::new())),
+                },
+            ),
+            Decision::PullWrite => self.pull_write(id, &key, &remote, &local),
+            Decision::PipeRead => self.pipe_read(id, &key, &remote, pipes as usize),
+            Decision::PipeWrite => self.pipe_write(
+                id,
+                &key,
+                &remote,
+                std::mem::replace(&mut passed, pipe::Ends::new(Vec::new())),
+            ),
+        };
+        drop((passed, vmm_fds));
+        let sent = match answer {
+            Some(a) => self
+                .sockets
+                .get_mut(i)
+                .is_some_and(|c| c.link.answer(slot, gen, a)),
+            None => false,
+        };
+        // An eager operation is complete once its answer is on its way (a read's bytes, a
+        // write's Done); should the connection have died in queueing it, the reader never gets
+        // the bytes and the writer learns nothing: the operation stays live for a retry (a
+        // write's bytes are in place, and a retry writes them again).
+        if let Some(key) = completed {
+            if sent {
+                out.push(Event::PassiveCompleted {
+                    key,
+                    path: TransferPath::SameHost,
+                });
+            } else if let Some(s) = self.server.scope_mut(&key) {
+                s.done = false;
+            }
+        }
+    }
+
+    /// A write from host memory that the policy let through: marks the writable in use (its
+    /// owner may have ended it an instant ago: then not live) and pulls the writer's bytes into
+    /// it on the copy pool.
+    fn pull_write(
+        &mut self,
+        id: RequestId,
+        key: &str,
+        remote: &[(u64, u64)],
+        local: &[(u64, u64)],
+    ) -> Option<Answer> {
+        let w = match self.claim_writable(id, key) {
+            Ok(w) => w,
+            Err(a) => return Some(a),
+        };
+        let copy = AnyCopy::pulled_into(
+            Copy {
+                pid: w.pid,
+                pieces: remote
+                    .iter()
+                    .zip(local)
+                    .map(|(&(dst, len), &(src, _))| Piece {
+                        local: dst as usize,
+                        remote: src as usize,
+                        len: len as usize,
+                    })
+                    .collect(),
+                slot: w.slot,
+                cancel: w.cancel,
+            },
+            Some(w.device),
+        );
+        self.in_flight.start(copy, w.owner);
+        None
+    }
+
+    /// A host read the policy let through for a peer that cannot read this side's memory: makes
+    /// `lanes` pipes, answers with their read ends and copies the readable's `remote` ranges into
+    /// them on the copy pool. The grant lasts until the reader's `Done`; if the feed still runs
+    /// then, the read completes once it stopped ([`Self::fed`]). `None`: answered here.
+    fn pipe_read(&mut self, id: RequestId, key: &str, remote: &[(u64, u64)], lanes: usize) -> Option<Answer> {
+        if self.feeds.has(FeedFor::Grant(id)) {
+            // A request id reused while its feed runs: never an honest client's (generations).
+            return Some(Answer::Fallback("this request's id is still in use".into()));
+        }
+        let made = pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?))));
+        let (mut lanes, wake) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                return Some(Answer::Fallback(format!(
+                    "the passive side cannot make pipes: {e}"
+                )))
+            }
+        };
+        let ends = lanes.take_read_ends();
+        let key = self.server.key(key).expect("decided on it");
+        let s = self.server.scope_mut(&key).expect("decided on it");
+        let state = s.state.clone();
+        s.grants.insert(id);
+        let c = self.sockets.get_mut(id.conn).expect("decided on it");
+        c.granted += 1;
+        let pid = c.feed_key();
+        let at = c.link.queued_end();
+        if !c
+            .link
+            .answer(id.slot, id.gen, Answer::GrantPipe(lanes.len() as u8))
+        {
+            self.server
+                .scope_mut(&key)
+                .expect("decided on it")
+                .grants
+                .remove(&id);
+            self.sockets.ungrant(id.conn);
+            return None;
+        }
+        self.sockets.attach(id.conn, at, ends);
+        let pieces = remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect();
+        self.start_feed(
+            FeedFor::Grant(id),
+            id.conn,
+            Some((key, state)),
+            pipe::Feeding {
+                pid,
+                lanes,
+                pieces,
+                ended: Arc::default(),
+                wake,
+            },
+        );
+        None
+    }
+
+    /// A host write the policy let through from a peer this side cannot read: reads the pipes it
+    /// passed (`fds`, checked) into the writable's `remote` ranges, in order, on the copy pool.
+    fn pipe_write(
+        &mut self,
+        id: RequestId,
+        key: &str,
+        remote: &[(u64, u64)],
+        fds: pipe::Ends,
+    ) -> Option<Answer> {
+        // (`fds` dropped on a return below are closed on the pipes' closer.)
+        let wake = match pipe::Wake::new() {
+            Ok(w) => Arc::new(w),
+            Err(e) => return Some(Answer::Fallback(format!("the passive side has no eventfd: {e}"))),
+        };
+        let w = match self.claim_writable(id, key) {
+            Ok(w) => w,
+            Err(a) => return Some(a),
+        };
+        if let Some(s) = self.server.scope_mut(key) {
+            if let Some(writer) = &mut s.writer {
+                writer.wake = Some(wake.clone());
+            }
+        }
+        let pid = self.sockets.get(id.conn).map_or(w.pid, |c| c.pool_key());
+        let copy = AnyCopy::Filled(pipe::Fill {
+            pid,
+            lanes: fds,
+            pieces: remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect(),
+            slot: w.slot,
+            cancel: w.cancel,
+            wake,
+        });
+        self.in_flight.start(copy, w.owner);
+        None
+    }
+
+    /// Claims the writable keyed `key` for the write `id` the policy let through: marks it in
+    /// use (its owner may have ended it an instant ago: then the answer is "not live") and makes
+    /// `id` its writer. What the copy into it needs.
+    pub(super) fn claim_writable(&mut self, id: RequestId, key: &str) -> Result<Claim, Answer> {
+        let c = self.sockets.get(id.conn).expect("decided on it");
+        let (pid, pidfd, table) = (c.peer_pid, c.pidfd.clone(), c.slots.clone().expect("ready"));
+        let key = self.server.key(key).expect("decided on it");
+        let s = self.server.scope_mut(&key).expect("decided on it");
+        if !s.state.try_mark_in_use() {
+            return Err(answer_of(policy::ended()));
+        }
+        let cancel = Arc::new(AtomicBool::new(false));
+        s.writer = Some(Writer {
+            id,
+            cancel: cancel.clone(),
+            wake: None,
+        });
+        Ok(Claim {
+            device: s.device,
+            pid,
+            slot: SlotRef {
+                table,
+                idx: id.slot,
+                gen: id.gen,
+            },
+            cancel,
+            owner: CopyOwner::Write {
+                state: s.state.clone(),
+                key,
+                id,
+                pidfd,
+            },
+        })
+    }
+
+    /// Server side: the reader finished copying a granted read of the operation keyed `key`.
+    pub(super) fn on_read_done(&mut self, id: RequestId, ok: bool, key: &str, out: &mut Vec<Event>) {
+        let Some(key) = self.server.key(key) else { return };
+        let s = self.server.scope_mut(&key).expect("found");
+        if !s.grants.remove(&id) {
+            return;
+        }
+        if ok {
+            // Completed: a request heard later in this turn finds it done.
+            s.done = true;
+        }
+        self.sockets.ungrant(id.conn);
+        if let Some(f) = self.feeds.end(FeedFor::Grant(id)) {
+            // Complete once its pipes are empty ([`Self::fed`]).
+            f.answered = Some(ok);
+            return;
+        }
+        if ok {
+            out.push(Event::PassiveCompleted {
+                key,
+                path: TransferPath::SameHost,
+            });
+        }
+    }
+
+    // ---- Device memory (feature `cuda`): CUDA IPC exports.
+
+    /// The device path of a request the policy let through: a read is granted once its source
+    /// is exported (the answer comes later); a write is copied here from its export.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(super) fn device_req(&mut self, id: RequestId, key: &str, ask: DeviceAsk) -> Option<Answer> {
+        let DeviceAsk {
+            write,
+            remote,
+            sources,
+            vmm,
+            fds,
+        } = ask;
+        #[cfg(not(feature = "cuda"))]
+        return Some(Answer::Fallback(
+            "this build has no CUDA support (feature `cuda`)".into(),
+        ));
+        #[cfg(feature = "cuda")]
+        {
+            let key = self.server.key(key).expect("decided on it");
+            if !write {
+                let done = self.in_flight.export_done();
+                let s = self.server.scope_mut(&key).expect("decided on it");
+                let fresh = s.grants.insert(id);
+                let ranges = remote.len();
+                self.server.exports_queued(ranges);
+                if let Some(c) = self.sockets.get_mut(id.conn) {
+                    c.granted += usize::from(fresh);
+                    c.exporting += ranges;
+                }
+                let how = match self.sockets.get(id.conn) {
+                    Some(c) if vmm => ipc::ExportAs::Descriptors {
+                        other_namespace: c.other_pid_ns,
+                    },
+                    _ => ipc::ExportAs::Handles,
+                };
+                let to = ipc::ExportTo {
+                    conn: id.conn,
+                    how,
+                    tell: self.in_flight.teller(),
+                };
+                ipc::export(
+                    to,
+                    remote,
+                    Box::new(move |result| {
+                        done(ExportDone::Grant {
+                            key,
+                            id,
+                            ranges,
+                            result,
+                        })
+                    }),
+                );
+                return None;
+            }
+            let w = match self.claim_writable(id, &key) {
+                Ok(w) => w,
+                Err(a) => return Some(a),
+            };
+            let copy = AnyCopy::Device(ipc::Copy {
+                conn: id.conn,
+                pid: w.pid,
+                pieces: remote
+                    .iter()
+                    .zip(sources)
+                    .map(|(&(dst, _), src)| ipc::Piece { dst, src })
+                    .collect(),
+                fds: fds.into_vec(),
+                slot: w.slot,
+                cancel: w.cancel,
+            });
+            self.in_flight.start(copy, w.owner);
+            None
+        }
+    }
+
+    /// The peer gave back VMM exports it had passed on connection `i`: this side's mappings of
+    /// them go. Only ids it passed here count, each once: a flood of `Forgot` frames makes no
+    /// work on the CUDA thread beyond what the exports themselves did.
+    pub(super) fn on_forgot(&mut self, i: ConnId, ids: Vec<u64>) {
+        let ids = self.sockets.unname_exports(i, &ids);
+        #[cfg(feature = "cuda")]
+        if !ids.is_empty() {
+            ipc::forget_imports(i, ids);
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = ids;
+    }
+
+    /// Handles finished CUDA IPC exports.
+    pub(super) fn reap_exports(&mut self, out: &mut Vec<Event>) -> bool {
+        let done = self.in_flight.take_exports();
+        let any = !done.is_empty();
+        for d in done {
+            match d {
+                ExportDone::Grant {
+                    key,
+                    id,
+                    ranges,
+                    result,
+                } => {
+                    self.server.exports_ended(ranges);
+                    if let Some(c) = self.sockets.get_mut(id.conn) {
+                        c.exporting = c.exporting.saturating_sub(ranges);
+                    }
+                    // Not for a scope another reader completed this turn (its grants go when
+                    // the engine applies the completion and unexposes it).
+                    let granted = self
+                        .server
+                        .scope(&key)
+                        .is_some_and(|s| !s.done && s.grants.contains(&id));
+                    let mut fds = Vec::new();
+                    let answer = match result {
+                        Ok((sources, f)) if granted => {
+                            fds = f;
+                            Answer::GrantIpc(sources)
+                        }
+                        _ if !granted => Answer::Refuse(
+                            RefuseCode::NotLive,
+                            "the operation ended before its memory could be shared".into(),
+                        ),
+                        Ok(_) => unreachable!("granted is checked above"),
+                        Err(reason) => {
+                            if self.server.scope_mut(&key).is_some_and(|s| s.grants.remove(&id)) {
+                                self.sockets.ungrant(id.conn);
+                            }
+                            Answer::Fallback(format!(
+                                "the device memory cannot be shared through CUDA IPC: {reason}"
+                            ))
+                        }
+                    };
+                    if let Some(c) = self.sockets.get_mut(id.conn) {
+                        // The descriptors go with the grant's first byte.
+                        let at = c.link.queued_end();
+                        if c.link.answer(id.slot, id.gen, answer) && !fds.is_empty() {
+                            self.sockets.attach(id.conn, at, pipe::Ends::new(fds));
+                        }
+                    }
+                }
+                ExportDone::Forgotten { conn, ids } => {
+                    if let Some(c) = self.sockets.get_mut(conn) {
+                        c.link.forgot(&ids);
+                    }
+                }
+                ExportDone::Write { id, result } => {
+                    let Some(a) = self.client.get_mut(id) else {
+                        continue;
+                    };
+                    match (&a.phase, result) {
+                        (Phase::Exporting, Ok((sources, fds))) => {
+                            a.sources = sources;
+                            a.source_fds = fds;
+                            a.phase = Phase::Requested;
+                            self.request(id, out);
+                        }
+                        (Phase::Exporting, Err(reason)) => {
+                            let a = self.client.remove(id).expect("present");
+                            self.sockets.free_slot(a.conn, a.slot, a.gen);
+                            out.push(Event::Declined {
+                                spec: a.spec,
+                                reason: Decline::shared(
+                                    "the device memory cannot be shared through CUDA IPC",
+                                    reason,
+                                ),
+                            });
+                        }
+                        // Abandoned while exporting: it was answered then; forget it now.
+                        (_, _) => {
+                            if matches!(a.phase, Phase::Abandoned) {
+                                let a = self.client.remove(id).expect("present");
+                                self.sockets.free_slot(a.conn, a.slot, a.gen);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        any
+    }
+
+    // ---- Copies on the pool: starting them, learning that they ended, waiting for them before
+    // the memory they write may go.
+
+    /// Stops every copy and waits (up to `within`; `None`: for as long as it takes) for the ones
+    /// running on the pool, which end within a chunk unless their peer stalls its pages. True
+    /// when none is left; false when some still run (then the memory they write must never be
+    /// freed: the caller leaks it).
+    pub(crate) fn stop_copies(&mut self, within: Option<Duration>) -> bool {
+        self.stopped = true;
+        for (_, a) in self.client.acts() {
+            a.stop();
+        }
+        self.feeds.end_all();
+        for s in self.server.scopes() {
+            s.cancel_writer();
+        }
+        self.in_flight.wait(within)
+    }
+
+    /// Records and starts the feed `which` over connection `conn` (its lanes' read ends go, or
+    /// went, there): `f` on the copy pool. A served read names its operation (`grant`).
+    pub(super) fn start_feed(
+        &mut self,
+        which: FeedFor,
+        conn: ConnId,
+        grant: Option<(Arc<str>, Arc<OpState>)>,
+        f: pipe::Feeding,
+    ) {
+        let mut feed = Feed::new(conn, f.lanes.len(), f.ended.clone(), f.wake.clone());
+        if let Some((key, state)) = grant {
+            feed.key = Some(key);
+            feed.state = Some(state);
+        }
+        self.feeds.start(which, feed);
+        self.in_flight.feed(f, CopyOwner::Fed(which));
+    }
+
+    /// Client: `ev` ends the active operation `id`; if its write's pipes are still fed, the feed is
+    /// ended and `ev` waits for its job (which reads the operation's memory) to stop
+    /// ([`Self::fed`]); else it goes out now. The first event held wins (an abandoned write stays
+    /// cancelled).
+    pub(super) fn end_act_after_feed(&mut self, id: OpId, ev: Event, out: &mut Vec<Event>) {
+        match self.feeds.end(FeedFor::Write(id)) {
+            Some(f) => {
+                f.held.get_or_insert(ev);
+            }
+            None => out.push(ev),
+        }
+    }
+
+    /// Pipes this side fed are done (their job reported: it reads the operation's memory no
+    /// more): what waited for it goes on. A served read completes if its reader said so; a write
+    /// reports what its answer or its end gave; an ended operation's memory is released once no
+    /// feed of it runs.
+    fn fed(&mut self, which: FeedFor, r: Result<(), CopyError>, out: &mut Vec<Event>) {
+        let Some(f) = self.feeds.finished(which) else {
+            return;
+        };
+        if let Err(e) = &r {
+            tracing::debug!(?which, error = ?e, "feeding same-host pipes failed");
+        }
+        match which {
+            FeedFor::Grant(_) => {
+                let Some(key) = f.key else { return };
+                if f.answered == Some(true) {
+                    out.push(Event::PassiveCompleted {
+                        key: key.clone(),
+                        path: TransferPath::SameHost,
+                    });
+                }
+                if self.server.scope(&key).is_none() && !self.feeds.feeds_key(&key) {
+                    // Unexposed while its pipes were fed (`seam.rs` held the release back).
+                    if let Some(state) = f.state {
+                        state.mark_released();
+                    }
+                }
+            }
+            FeedFor::Write(_) => {
+                // Nothing held: the feed ended before the operation did (all fed, or it failed);
+                // the server's answer (or the connection's end) reports the write.
+                if let Some(ev) = f.held {
+                    out.push(ev);
+                }
+            }
+        }
+    }
+
+    /// Handles finished copies and exports.
+    pub(super) fn reap(&mut self, out: &mut Vec<Event>) -> bool {
+        let exported = self.reap_exports(out);
+        let done = self.in_flight.take_finished();
+        let any = exported || !done.is_empty();
+        for (owner, r) in done {
+            match owner {
+                CopyOwner::Fed(which) => self.fed(which, r, out),
+                CopyOwner::Read(id) => {
+                    let Some(a) = self.client.remove(id) else { continue };
+                    let i = a.conn;
+                    let live = self.sockets.get(i).is_some_and(|c| !c.link.is_dead());
+                    if let Err(CopyError::Unsupported(reason)) = &r {
+                        // Nothing moved: end the grant and let NIXL take the read.
+                        if live {
+                            let c = self.sockets.get_mut(i).expect("live");
+                            c.link.read_done(a.slot, a.gen, false, &reason.to_string());
+                        }
+                        self.sockets.free_slot(i, a.slot, a.gen);
+                        if a.cancel.load(Ordering::Relaxed) {
+                            out.push(Event::ActiveEnded {
+                                id,
+                                result: Err(Error::Cancelled),
+                            });
+                        } else {
+                            out.push(Event::Declined {
+                                spec: a.spec,
+                                reason: Decline::shared(
+                                    "the same-host device copy cannot run here",
+                                    reason.clone(),
+                                ),
+                            });
+                        }
+                        continue;
+                    }
+                    let same = alive(&a.pidfd);
+                    let result = match r {
+                        Ok(()) if same => Ok(()),
+                        Ok(()) | Err(CopyError::PeerGone) => Err(Error::RemoteGone {
+                            agent: a.spec.peer.name.to_string(),
+                            reason: "its process exited during the copy".into(),
+                            source: None,
+                        }),
+                        Err(CopyError::Revoked | CopyError::NotStarted) => {
+                            Err(if a.cancel.load(Ordering::Relaxed) {
+                                Error::Cancelled
+                            } else {
+                                refused(
+                                    a.spec.peer.name.to_string(),
+                                    RefuseCode::NotLive,
+                                    "the owner ended the operation during the copy".into(),
+                                )
+                            })
+                        }
+                        Err(CopyError::Os(e)) => Err(Error::Transfer {
+                            agent: a.spec.peer.name.to_string(),
+                            reason: "the same-host copy failed".into(),
+                            source: Some(e),
+                        }),
+                        Err(CopyError::Unsupported(_)) => unreachable!("handled above"),
+                    };
+                    if live {
+                        let c = self.sockets.get_mut(i).expect("live");
+                        c.link.read_done(a.slot, a.gen, result.is_ok(), "");
+                    }
+                    self.sockets.free_slot(i, a.slot, a.gen);
+                    out.push(Event::ActiveEnded { id, result });
+                }
+                CopyOwner::Write {
+                    key,
+                    id,
+                    state,
+                    pidfd,
+                } => {
+                    let same = alive(&pidfd);
+                    let ok = r.is_ok() && same;
+                    // The copy into this side's memory has ended either way.
+                    state.mark_released();
+                    if let Err(CopyError::Unsupported(reason)) = &r {
+                        // Nothing moved: the writer may take NIXL.
+                        if let Some(s) = self.server.scope_mut(&key) {
+                            if s.is_writer(id) {
+                                s.writer = None;
+                            }
+                        }
+                        if let Some(c) = self.sockets.get_mut(id.conn) {
+                            c.link.answer(
+                                id.slot,
+                                id.gen,
+                                Answer::Fallback(format!(
+                                    "the passive side cannot copy from device memory: {reason}"
+                                )),
+                            );
+                        }
+                        continue;
+                    }
+                    if let Some(s) = self.server.scope_mut(&key) {
+                        if s.is_writer(id) {
+                            s.writer = None;
+                            // Completed or torn, the writable has ended from here on: a request
+                            // heard later in this turn, before the engine applies the event,
+                            // finds it done (it used to find no writer and start a copy into the
+                            // memory of an operation that had just completed).
+                            if !matches!(r, Err(CopyError::NotStarted)) {
+                                s.done = true;
+                            }
+                            match &r {
+                                Ok(()) if same => out.push(Event::PassiveCompleted {
+                                    key: key.clone(),
+                                    path: TransferPath::SameHost,
+                                }),
+                                // The writer cancelled before the copy began: nothing was touched.
+                                Err(CopyError::NotStarted) => {}
+                                _ => out.push(Event::PassiveFailed {
+                                    key: key.clone(),
+                                    error: Error::RemoteGone {
+                                        agent: "(same-host writer)".into(),
+                                        reason: "the writer went away in the middle of writing; the \
+                                                 writable's memory is torn"
+                                            .into(),
+                                        source: None,
+                                    },
+                                }),
+                            }
+                        }
+                    }
+                    if let Some(c) = self.sockets.get_mut(id.conn) {
+                        let reason = match &r {
+                            Ok(()) => String::new(),
+                            Err(e) => format!("the passive side's copy failed: {e:?}"),
+                        };
+                        c.link.answer(id.slot, id.gen, Answer::WriteDone { ok, reason });
+                    }
+                }
+            }
+        }
+        any
+    }
 }
 
 #[cfg(test)]
@@ -115,3 +1824,6 @@ impl SameHostTransport {
         (t, i, theirs)
     }
 }
+
+#[cfg(test)]
+mod tests;

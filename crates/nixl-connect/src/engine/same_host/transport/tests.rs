@@ -1,7 +1,11 @@
-//! The passive side's actions through one served connection's core (a socket pair under a
-//! poller; the policy's own rules are tested without either in `policy/tests.rs`).
+//! The coordinator's actions through one served connection's core (a socket pair under a
+//! poller): the passive side's, and a connection's turn. The policy's own rules are tested
+//! without either in `policy/tests.rs`.
+
+use std::io::Write;
 
 use super::*;
+use crate::device::Device;
 use crate::engine::poller::Poller;
 use crate::engine::same_host::limits::{MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MAX_GRANTS_PER_CONN};
 use crate::engine::same_host::link::fuzz::{Pair, KEYS};
@@ -14,8 +18,7 @@ use crate::engine::same_host::wire::{Msg, RefuseCode, Req, MAX_FRAME};
 use crate::engine::transport::Transport;
 use crate::metadata::OperationKind;
 use crate::reg::Range;
-use crate::state::OpState;
-use crate::state::OperationStatus;
+use crate::state::{OpState, OperationStatus};
 
 /// A transport serving `p`'s (shaken) connection `i`, with one live operation of `kind` over
 /// `range` under `KEYS[1]` (its metadata's identity 1). The poller and the peer's end of the
@@ -551,4 +554,38 @@ fn server_piped_read_request_id_reused_while_feeding_is_refused() {
     sv.settle(&mut out);
     assert!(sv.state.is_released(), "released once the feed stopped");
     assert_eq!(sv.t.feeds.lanes(), 0);
+}
+
+/// A peer that keeps its socket full (here: 4 MiB of replayed requests, each refused) is read
+/// at most [`READ_PER_TURN`] bytes a turn: the engine thread goes back to its other work
+/// between turns, and what one turn decodes is bounded.
+#[test]
+fn conn_reads_at_most_a_budget_per_turn() {
+    let poller = Poller::new().unwrap();
+    let mut p = Pair::new(0);
+    p.shake();
+    let (mut t, i, mut theirs) = SameHostTransport::serving(&poller, &mut p);
+    let replay = p.forge(&Pair::req(1, 1, 2, false, Device::Host, 1), Some(2), true);
+    let frames = (4 << 20) / replay.len();
+    let batch = replay.repeat(frames);
+    let writer = std::thread::spawn(move || theirs.write_all(&batch).map(|()| theirs));
+    let mut turns = 0;
+    let mut answered = 0;
+    while answered < frames {
+        let mut heard = Vec::new();
+        t.sockets.read(i, t.server.key_ids(), &mut heard);
+        turns += 1;
+        let c = t.sockets.get_mut(i).unwrap();
+        assert!(!c.link.is_dead(), "{:?}", c.link.death());
+        let out = c.link.out().to_vec();
+        c.link.sent(out.len());
+        let mut at = 0;
+        while let Some((_, n)) = Msg::decode(&out[at..], MAX_FRAME).unwrap() {
+            answered += 1;
+            at += n;
+        }
+        assert!(turns < 100_000, "no progress");
+    }
+    assert!(turns >= 4, "4 MiB in {turns} turns");
+    let _keep_open = writer.join().unwrap().unwrap();
 }
