@@ -3,11 +3,11 @@
 //! Measured on the 2-core CI machines, NIXL moves 64 MiB from huge-page buffers about twice as
 //! fast as from 4 KiB pages (../shared/anchors/FIGURES.md). A `HostBuffer` also keeps its NIXL
 //! registrations for as long as it lives, so a buffer reused across operations is registered once.
-#![allow(unsafe_code)]
 
 use std::ops::{Deref, DerefMut};
-use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
+
+use memmap2::{Advice, MmapMut};
 
 use crate::reg::{RegSet, RegToken};
 use crate::sync::Recover;
@@ -20,8 +20,9 @@ pub const HUGE_PAGE: usize = 2 << 20;
 ///
 /// Dereferences to `[u8]`. Dropping it deregisters it from every connector that registered it,
 /// then unmaps it; memory that a connector exposed to peers (a readable or writable over NIXL) is
-/// instead emptied (its pages released, zeros read from then on) and kept mapped until those
-/// connectors are dropped, so that no peer holding old metadata can make this process fault.
+/// instead kept mapped, as it was, until each such connector has destroyed the agent that exposed
+/// it (at most its `quarantine_limit`), so that no peer holding old metadata can make this process
+/// fault, nor a read still in flight complete with zeros.
 ///
 /// ```
 /// use nixl_connect::HostBuffer;
@@ -31,18 +32,14 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// assert_eq!(b.as_ptr() as usize % 4096, 0);
 /// ```
 pub struct HostBuffer {
-    ptr: NonNull<u8>,
+    /// The anonymous mapping (`None` only once dropped): the buffer is `offset..offset + len` of
+    /// it, aligned to a huge page where the mapping's slack allowed.
+    map: Option<MmapMut>,
+    offset: usize,
     len: usize,
-    map_base: NonNull<u8>,
-    map_len: usize,
     huge: bool,
     pub(crate) regs: Mutex<RegSet>,
 }
-
-// SAFETY: HostBuffer owns its mapping exclusively (like Vec<u8>); &HostBuffer only hands out &[u8].
-unsafe impl Send for HostBuffer {}
-// SAFETY: as above; shared access is read-only, and `regs` is behind a Mutex.
-unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
     /// Maps `len` zeroed bytes (at least one page); 2 MiB-aligned and `MADV_HUGEPAGE` when
@@ -56,39 +53,17 @@ impl HostBuffer {
         let align = if huge { HUGE_PAGE } else { PAGE };
         let rounded = len.max(1).div_ceil(align) * align;
         let map_len = rounded + if huge { HUGE_PAGE } else { 0 };
-        // SAFETY: an anonymous private mapping with no address hint touches no existing memory.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(crate::Error::os(
-                format!("mapping {map_len} bytes for a HostBuffer of {len}"),
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let base = base.cast::<u8>();
-        let offset = (align - (base as usize % align)) % align;
-        // SAFETY: offset < align <= the slack added to map_len, so ptr stays inside the mapping.
-        let ptr = unsafe { base.add(offset) };
+        let map = MmapMut::map_anon(map_len)
+            .map_err(|e| crate::Error::os(format!("mapping {map_len} bytes for a HostBuffer of {len}"), e))?;
+        let offset = (align - (map.as_ptr() as usize % align)) % align;
         if huge {
-            // SAFETY: [ptr, ptr+rounded) lies inside the mapping just created; madvise only
-            // changes how the kernel backs it.
-            unsafe { libc::madvise(ptr.cast(), rounded, libc::MADV_HUGEPAGE) };
+            // Only how the kernel backs the pages: a refusal leaves 4 KiB pages.
+            let _ = map.advise_range(Advice::HugePage, offset, rounded);
         }
         Ok(Self {
-            // SAFETY: mmap never returns null on success.
-            ptr: unsafe { NonNull::new_unchecked(ptr) },
+            map: Some(map),
+            offset,
             len,
-            // SAFETY: as above.
-            map_base: unsafe { NonNull::new_unchecked(base) },
-            map_len,
             huge,
             regs: Mutex::new(RegSet::default()),
         })
@@ -123,22 +98,23 @@ impl HostBuffer {
 impl Deref for HostBuffer {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: ptr..ptr+len lies in our live mapping, zero-initialised by mmap.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        let map = self.map.as_ref().expect("mapped until dropped");
+        &map[self.offset..self.offset + self.len]
     }
 }
 
 impl DerefMut for HostBuffer {
     fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in deref, and &mut self gives exclusive access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        let (offset, len) = (self.offset, self.len);
+        let map = self.map.as_mut().expect("mapped until dropped");
+        &mut map[offset..offset + len]
     }
 }
 
 impl std::fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostBuffer")
-            .field("ptr", &self.ptr)
+            .field("ptr", &self.as_ptr())
             .field("len", &self.len)
             .field("huge", &self.huge)
             .finish()
@@ -146,42 +122,33 @@ impl std::fmt::Debug for HostBuffer {
 }
 
 /// The mapping of a dropped [`HostBuffer`] that connectors exposed, kept mapped until the last
-/// engine that exposed it has destroyed the agent that did.
+/// engine that exposed it has destroyed the agent that did (it is unmapped with the last `Arc`).
 struct Quarantined {
-    base: usize,
-    len: usize,
+    _map: MmapMut,
 }
 
 // Its registrations were dropped with the buffer's (see `HostBuffer`'s drop).
 impl crate::reg::Held for Arc<Quarantined> {}
 
-impl Drop for Quarantined {
-    fn drop(&mut self) {
-        // SAFETY: base/len are a mapping HostBuffer made and gave up; the last engine that could
-        // let a peer reach it has destroyed its agents (or none took it).
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
-    }
-}
-
 impl Drop for HostBuffer {
     fn drop(&mut self) {
         let regs = std::mem::take(self.regs.get_mut().recover());
-        let (base, len) = (self.map_base.as_ptr() as usize, self.map_len);
+        let map = self.map.take().expect("dropped once");
         if regs.iter().any(RegToken::exposed) {
             // Peers were told about this memory through NIXL, and UCX checks no registration when
             // a peer reaches it over TCP, CMA or shared memory: unmapping it could make this
             // process fault serving a late or replayed transfer, and releasing its pages would
             // let a read still in flight complete with zeros. Each engine that exposed it holds
             // the mapping whole until it has destroyed the agent that exposed it.
-            let q = Arc::new(Quarantined { base, len });
+            let len = map.len();
+            let q = Arc::new(Quarantined { _map: map });
             for t in regs.iter().filter(|t| t.exposed()) {
                 t.quarantine(Box::new(q.clone()), len);
             }
             // If no engine took it (all gone, so no peer can reach it), this unmaps it.
             drop(q);
         } else {
-            // SAFETY: map_base/map_len are exactly what mmap returned; nothing borrows it now.
-            unsafe { libc::munmap(base as *mut libc::c_void, len) };
+            drop(map);
         }
         // Deregistrations queue after the quarantine on each engine, ahead of any registration
         // of a later buffer.

@@ -343,8 +343,9 @@ impl<'a> Descriptor<'a> {
                 if l == 0 {
                     return Some(&[]);
                 }
-                // SAFETY: the owned memory is live for &self and (p, l) is its byte view.
-                Some(unsafe_slice(p, l))
+                // The owned memory is live for &self and (p, l) is its byte view (`bytes`'
+                // contract).
+                Some(crate::sys::bytes(p, l))
             }
             Mem::Buffer(b) => Some(b),
             Mem::BufferPart { buf, off, len, .. } => Some(&buf[*off..*off + *len]),
@@ -491,12 +492,6 @@ impl<'a> Descriptor<'a> {
             producer,
         }
     }
-}
-
-#[allow(unsafe_code)]
-fn unsafe_slice<'s>(p: usize, l: usize) -> &'s [u8] {
-    // SAFETY: callers pass the byte view of memory that outlives 's.
-    unsafe { std::slice::from_raw_parts(p as *const u8, l) }
 }
 
 /// A dropped operation's owned memory, held by an engine (see [`Held`](crate::reg::Held)).

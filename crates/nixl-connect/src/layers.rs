@@ -52,6 +52,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("settings", 1),
     // The floor.
     ("spin", 0),
+    ("sys", 0),
 ];
 
 /// The module path of a file under `src/` (`engine/nixl/mod.rs` -> `engine/nixl`).

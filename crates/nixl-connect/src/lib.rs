@@ -55,6 +55,7 @@ mod spin;
 mod state;
 mod stats;
 mod sync;
+mod sys;
 
 /// Entry points for the coverage-guided fuzz targets under `fuzz/`: each takes untrusted bytes
 /// as a peer would send them and must return (never panic, hang or allocate without bound).

@@ -10,16 +10,17 @@
 //! inner one. While a waiting caller
 //! drives the engine (`driver`), the inner one's registration in the outer one is disarmed
 //! ([`Gate`]): the caller's own polls ([`DriverPoll`]) see the sockets, and a frame that the
-//! caller will read wakes no sleeping engine thread.
-#![allow(unsafe_code)]
+//! caller will read wakes no sleeping engine thread. The syscalls are the crate's floor's
+//! (`sys.rs`).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::transport::TransportId;
+use crate::sys::{self, EpollEvent, NO_EVENT};
 
 /// A token's bits above this name its owner: 0 the poller itself (its waker), `n + 1` the
 /// transport with id `n`; a transport chooses the bits below.
@@ -46,14 +47,6 @@ extern "C" fn forked() {
     FORKS.fetch_add(1, Ordering::Relaxed);
 }
 
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
 /// Wakes one engine thread; cheap to clone, usable from any thread.
 #[derive(Clone)]
 pub(crate) struct Waker(Arc<WakerInner>);
@@ -75,9 +68,7 @@ impl Waker {
         // this call, or this call sees that the engine sleeps.
         std::sync::atomic::fence(Ordering::SeqCst);
         if self.0.sleeping.swap(false, Ordering::SeqCst) {
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a live u64 to an eventfd this waker owns.
-            unsafe { libc::write(self.0.fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+            sys::eventfd_add(&self.0.fd, 1);
         }
     }
 }
@@ -92,7 +83,7 @@ pub(crate) struct Poller {
     /// The transports' descriptors.
     epoll: Registrar,
     waker: Waker,
-    events: Vec<libc::epoll_event>,
+    events: Vec<EpollEvent>,
 }
 
 /// Adds and removes descriptors of one epoll instance on behalf of one owner (a transport keeps
@@ -113,13 +104,12 @@ impl Registrar {
                 "a poll token above MAX_TOKEN",
             ));
         }
-        let mut ev = libc::epoll_event {
+        let ev = EpollEvent {
             events: (if read { libc::EPOLLIN | libc::EPOLLRDHUP } else { 0 }
                 | if write { libc::EPOLLOUT } else { 0 }) as u32,
             u64: self.owner << OWNER_SHIFT | token,
         };
-        // SAFETY: `ev` is a valid epoll_event; the kernel validates both descriptors.
-        cvt(unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) }).map(drop)
+        sys::epoll_ctl(&self.epoll, op, fd, Some(ev))
     }
 
     /// Watches `fd` (level-triggered) under `token`.
@@ -134,37 +124,22 @@ impl Registrar {
 
     /// Stops watching `fd` (closing it does that too).
     pub(crate) fn remove(&self, fd: RawFd) {
-        // SAFETY: EPOLL_CTL_DEL ignores the event argument; a stale fd only yields an error.
-        unsafe {
-            libc::epoll_ctl(
-                self.epoll.as_raw_fd(),
-                libc::EPOLL_CTL_DEL,
-                fd,
-                std::ptr::null_mut(),
-            )
-        };
+        // A stale descriptor only yields an error.
+        let _ = sys::epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, fd, None);
     }
 }
 
 impl Poller {
     pub(crate) fn new() -> io::Result<Self> {
         static AT_FORK: std::sync::Once = std::sync::Once::new();
-        AT_FORK.call_once(|| {
-            // SAFETY: registers a child handler that only increments an atomic.
-            unsafe { libc::pthread_atfork(None, None, Some(forked)) };
-        });
-        // SAFETY: plain syscalls creating new descriptors; each is owned right after.
-        let (outer, alarm, ep, ev) = unsafe {
-            let outer = OwnedFd::from_raw_fd(cvt(libc::epoll_create1(libc::EPOLL_CLOEXEC))?);
-            let alarm = OwnedFd::from_raw_fd(cvt(libc::timerfd_create(
-                libc::CLOCK_MONOTONIC,
-                libc::TFD_CLOEXEC | libc::TFD_NONBLOCK,
-            ))?);
-            let ep = cvt(libc::epoll_create1(libc::EPOLL_CLOEXEC))?;
-            let ep = OwnedFd::from_raw_fd(ep);
-            let ev = cvt(libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK))?;
-            (outer, alarm, ep, OwnedFd::from_raw_fd(ev))
-        };
+        // The child handler only increments an atomic.
+        AT_FORK.call_once(|| sys::in_every_forked_child(forked));
+        let (outer, alarm, ep, ev) = (
+            sys::epoll_create()?,
+            sys::timerfd()?,
+            sys::epoll_create()?,
+            sys::eventfd()?,
+        );
         let p = Self {
             outer: Arc::new(outer),
             alarm: Arc::new(alarm),
@@ -176,7 +151,7 @@ impl Poller {
                 fd: ev,
                 sleeping: AtomicBool::new(false),
             })),
-            events: vec![libc::epoll_event { events: 0, u64: 0 }; 64],
+            events: vec![NO_EVENT; 64],
         };
         let outer = p.outer_registrar();
         outer.add(p.waker.0.fd.as_raw_fd(), WAKE, true, false)?;
@@ -196,7 +171,7 @@ impl Poller {
     pub(crate) fn driver_poll(&self) -> DriverPoll {
         DriverPoll {
             inner: self.epoll.epoll.clone(),
-            events: vec![libc::epoll_event { events: 0, u64: 0 }; 64],
+            events: vec![NO_EVENT; 64],
         }
     }
 
@@ -249,61 +224,15 @@ impl Poller {
             report(&self.events[..n], out);
             return;
         }
-        let (ep, evs, len) = (
-            self.outer.as_raw_fd(),
-            self.events.as_mut_ptr(),
-            self.events.len() as i32,
-        );
-        let n = match timeout {
-            // Sub-millisecond sleeps need epoll_pwait2's timespec (Linux 5.11); older kernels
-            // round up to a millisecond with epoll_wait.
-            Some(t) if !t.is_zero() && t < Duration::from_millis(10) => {
-                let ts = libc::timespec {
-                    tv_sec: 0,
-                    tv_nsec: t.subsec_nanos() as libc::c_long,
-                };
-                // SAFETY: `evs` is a live buffer of `len` epoll_events; `ts` outlives the call;
-                // a null sigmask keeps the thread's mask.
-                let n = unsafe {
-                    libc::syscall(
-                        libc::SYS_epoll_pwait2,
-                        ep,
-                        evs,
-                        len,
-                        &ts,
-                        std::ptr::null::<libc::sigset_t>(),
-                        0,
-                    )
-                } as i32;
-                if n < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
-                    // SAFETY: as below.
-                    unsafe { libc::epoll_wait(ep, evs, len, 1) }
-                } else {
-                    n
-                }
-            }
-            _ => {
-                let ms = match timeout {
-                    None => -1,
-                    Some(t) if t.is_zero() => 0,
-                    Some(t) => t.as_millis().clamp(1, i32::MAX as u128) as i32,
-                };
-                // SAFETY: `evs` is a live buffer of `len` epoll_events.
-                unsafe { libc::epoll_wait(ep, evs, len, ms) }
-            }
-        };
+        let n = sys::epoll_wait(&self.outer, &mut self.events, timeout);
         self.awake();
-        for ev in &self.events[..n.max(0) as usize] {
+        for ev in &self.events[..n] {
             if ev.u64 == INNER {
                 // The descriptors themselves are looked at below.
             } else if ev.u64 == ALARM {
-                let mut buf = 0u64;
-                // SAFETY: reads 8 bytes into a live u64 from the alarm's own nonblocking timerfd.
-                unsafe { libc::read(self.alarm.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
+                sys::read_counter(&self.alarm);
             } else {
-                let mut buf = 0u64;
-                // SAFETY: reads 8 bytes into a live u64 from the waker's own nonblocking eventfd.
-                unsafe { libc::read(self.waker.0.fd.as_raw_fd(), (&mut buf as *mut u64).cast(), 8) };
+                sys::read_counter(&self.waker.0.fd);
             }
         }
         // The descriptors are looked at after every sleep, whatever woke it: while callers drive,
@@ -315,14 +244,12 @@ impl Poller {
 }
 
 /// The ready descriptors of `inner`, without waiting: how many of `events` it filled.
-fn poll_now(inner: &OwnedFd, events: &mut [libc::epoll_event]) -> usize {
-    // SAFETY: `events` is a live buffer of as many epoll_events as its length says.
-    let n = unsafe { libc::epoll_wait(inner.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, 0) };
-    n.max(0) as usize
+fn poll_now(inner: &OwnedFd, events: &mut [EpollEvent]) -> usize {
+    sys::epoll_wait(inner, events, Some(Duration::ZERO))
 }
 
 /// Each of `events` (the inner instance's: transports' tokens only) to its owner.
-fn report(events: &[libc::epoll_event], out: &mut Vec<Ready>) {
+fn report(events: &[EpollEvent], out: &mut Vec<Ready>) {
     for ev in events {
         let (owner, token) = (ev.u64 >> OWNER_SHIFT, ev.u64 & MAX_TOKEN);
         if let Some(owner) = TransportId::nth((owner as usize).wrapping_sub(1)) {
@@ -343,22 +270,8 @@ pub(crate) struct Alarm(Arc<OwnedFd>);
 impl Alarm {
     /// Rings `after` from now (a zero `after` rings at once), replacing any earlier setting.
     pub(crate) fn set(&self, after: Duration) {
-        let after = after.max(Duration::from_nanos(1));
-        let spec = libc::itimerspec {
-            it_interval: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: libc::timespec {
-                tv_sec: after.as_secs().min(i32::MAX as u64) as libc::time_t,
-                tv_nsec: after.subsec_nanos() as libc::c_long,
-            },
-        };
-        // SAFETY: `spec` is a valid itimerspec that outlives the call; the old value is not
-        // asked for (null).
-        let r = unsafe { libc::timerfd_settime(self.0.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
-        if r != 0 {
-            tracing::error!("setting the engine's alarm: {}", io::Error::last_os_error());
+        if let Err(e) = sys::timerfd_set(&self.0, after) {
+            tracing::error!("setting the engine's alarm: {e}");
         }
     }
 }
@@ -367,7 +280,7 @@ impl Alarm {
 /// sleep flag alone (the engine still sleeps while a caller drives).
 pub(crate) struct DriverPoll {
     inner: Arc<OwnedFd>,
-    events: Vec<libc::epoll_event>,
+    events: Vec<EpollEvent>,
 }
 
 impl DriverPoll {
@@ -478,7 +391,7 @@ mod tests {
 
     /// Whether the engine's sleep (the outer instance) would be woken by the descriptors now.
     fn sleep_sees_descriptors(p: &Poller) -> bool {
-        let mut evs = vec![libc::epoll_event { events: 0, u64: 0 }; 8];
+        let mut evs = vec![NO_EVENT; 8];
         let n = poll_now(&p.outer, &mut evs);
         evs[..n].iter().any(|e| e.u64 == INNER)
     }
