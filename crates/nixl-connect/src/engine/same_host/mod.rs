@@ -32,9 +32,9 @@
 //!   this side fills), `records` (connections, active operations, finished copies), `limits`
 //!   (every cap);
 //! - the coordinator: `transport` (the [`SameHostTransport`], one `impl`: what a core heard or
-//!   the engine asked, to the owner that acts on it), with `eager` and `device` (what its small
-//!   and device actions use), and `seam` (the engine's
-//!   [`Transport`](crate::engine::transport::Transport));
+//!   the engine asked, to the owner that acts on it, and the engine's
+//!   [`Transport`](crate::engine::transport::Transport)), with `eager` and `device` (what its
+//!   small and device actions use);
 //! - `sys/`: every syscall and every `unsafe` block; the modules above are compiled with
 //!   `forbid(unsafe_code)`.
 
@@ -60,8 +60,6 @@ pub(crate) mod link;
 mod policy;
 #[forbid(unsafe_code)]
 mod records;
-#[forbid(unsafe_code)]
-mod seam;
 #[forbid(unsafe_code)]
 mod server_book;
 #[forbid(unsafe_code)]

@@ -6,8 +6,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// Each module of the wing and its layer (lower: nearer the metal and the wire). The coordinator
-/// (`transport`, one `impl SameHostTransport`) sits above every owner, and the engine's seam
-/// above it.
+/// (`transport`, one `impl SameHostTransport` and its `Transport` impl) sits above every owner.
 const LAYERS: &[(&str, u8)] = &[
     ("limits", 0),
     ("auth", 0),
@@ -35,7 +34,6 @@ const LAYERS: &[(&str, u8)] = &[
     ("eager", 7),
     ("device", 7),
     ("transport", 8),
-    ("seam", 9),
 ];
 
 /// The module a source file belongs to (tests and nested files count as their parent's).
