@@ -227,9 +227,42 @@ fn socket_dir() -> Check {
         _ => check(
             "socket directory",
             "warn",
-            format!("{}: no connector could serve there (see the log line `cannot serve same-host peers through the socket directory`)", dir.display()),
-            Some("the directory must be writable, and its nixl-connect.<uid> folder this user's with mode 0700; keep the path under ~60 bytes"),
+            format!(
+                "{}: no connector could serve there{} (see the log line `cannot serve same-host peers through the socket directory`)",
+                dir.display(),
+                folder_problem(&dir).map_or(String::new(), |p| format!(": {p}"))
+            ),
+            Some("the directory must be writable, and its nixl-connect.<uid> folder this user's with mode 0700 (in a directory open to all, another user can make it first: give each user a directory of its own, or make the folder before any other user can); keep the path under ~60 bytes"),
         ),
+    }
+}
+
+/// What is wrong with this user's folder in the socket directory `dir`, if it exists and is not
+/// a directory of this user with mode 0700 (another user made it first, or left a link there).
+fn folder_problem(dir: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let uid = std::fs::metadata("/proc/self").ok()?.uid();
+    let folder = dir.join(format!("nixl-connect.{uid}"));
+    let m = std::fs::symlink_metadata(&folder).ok()?;
+    if m.file_type().is_symlink() {
+        Some(format!(
+            "{} is a link (someone else's?), not this user's folder",
+            folder.display()
+        ))
+    } else if m.uid() != uid {
+        Some(format!(
+            "{} belongs to uid {}, another user: this user's pods cannot serve there",
+            folder.display(),
+            m.uid()
+        ))
+    } else if !m.is_dir() || m.mode() & 0o077 != 0 {
+        Some(format!(
+            "{} is not a directory with mode 0700 (mode {:o})",
+            folder.display(),
+            m.mode() & 0o7777
+        ))
+    } else {
+        None
     }
 }
 

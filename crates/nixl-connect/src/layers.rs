@@ -1,9 +1,9 @@
 //! The crate's layout, checked: every module sits in a layer (the public API over the engine,
 //! over the transports, over the seam between them, over the values every layer shares, over
 //! the floor), imports only from its own layer or below, and no two of the modules listed here
-//! import each other, directly or around a circle (a listed module's files count as one). Read from the source tree at test time, from the `crate::`,
-//! `super::` and `self::` paths each file names (outside comments and test modules): a new
-//! module with no layer fails here. The same-host wing, one module here, checks its own inside
+//! import each other, directly or around a circle (a listed module's files count as one). Read
+//! from the source tree at test time, from the `crate::`, `super::` and `self::` paths each file
+//! names (outside comments and test modules): a new module with no layer fails here. The same-host wing, one module here, checks its own inside
 //! (`engine/same_host/tests.rs`, with this file's parser).
 
 use std::collections::{BTreeMap, BTreeSet};

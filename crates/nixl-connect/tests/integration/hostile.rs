@@ -224,7 +224,10 @@ async fn hostile_impostor_proving_its_own_key_cannot_answer_for_another_operatio
 /// socket name in its own network namespace (or, with `SQUAT_DIR`, replaces the owner's socket
 /// file in that shared directory). It proves each operation's key (it holds the
 /// metadata) and signs its `Welcome` with an Ed25519 identity of its own, then listens. `report`
-/// prints what it heard: `HEARD:hellos=N trusted=T requests=R`.
+/// prints what it heard: `HEARD:hellos=N trusted=T requests=R`, then
+/// `PREPASS:passed=P refused=F kernel=K`. With `PREPASS` set, it first tries to pass a descriptor
+/// to each client as it connects, before any `Welcome` (P passed, F refused by the client's socket;
+/// K: whether this kernel can refuse them, `SO_PASSRIGHTS`, Linux 6.16).
 #[test]
 #[ignore = "run by hostile_metadata_holder_cannot_answer_as_an_advertising_owner in a namespace"]
 fn support_squatter() {
@@ -232,6 +235,8 @@ fn support_squatter() {
     let Ok(_) = std::env::var(PEER_ENV) else { return };
     let key: Arc<std::sync::Mutex<String>> = Arc::default();
     let heard = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)]);
+    let prepass = std::env::var("PREPASS").is_ok();
+    let prepassed = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
     let identity = ed25519_dalek::SigningKey::from_bytes(&[0x66; 32]);
     // `mute`: from now on, close each connection as soon as its hello arrives.
     let mute = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -251,6 +256,12 @@ fn support_squatter() {
                 h.load(Ordering::SeqCst),
                 t.load(Ordering::SeqCst),
                 r.load(Ordering::SeqCst)
+            );
+            println!(
+                "PREPASS:passed={} refused={} kernel={}",
+                prepassed[0].load(Ordering::SeqCst),
+                prepassed[1].load(Ordering::SeqCst),
+                kernel_refuses_descriptors()
             );
             std::io::stdout().flush().unwrap();
             continue;
@@ -281,9 +292,19 @@ fn support_squatter() {
                 }
             };
             let (key, heard, identity, mute) = (key.clone(), heard.clone(), identity.clone(), mute.clone());
+            let prepassed = prepassed.clone();
             std::thread::spawn(move || {
                 for s in listener.incoming() {
                     let Ok(mut s) = s else { return };
+                    if prepass {
+                        // A descriptor before any proof of ours (one byte must carry it): a client
+                        // that takes it holds it whatever it makes of the byte.
+                        let r = try_send_with_fd(&s, &[0], std::io::stdin().as_raw_fd());
+                        prepassed[usize::from(r.is_err())].fetch_add(1, Ordering::SeqCst);
+                        if r.is_ok() {
+                            continue; // the stream is broken now: nothing more to say
+                        }
+                    }
                     let (key, heard, identity) = (key.clone(), heard.clone(), identity.clone());
                     let mute = mute.load(Ordering::SeqCst);
                     std::thread::spawn(move || {
@@ -348,6 +369,25 @@ fn support_squatter() {
         println!("BOUND");
         std::io::stdout().flush().unwrap();
     }
+}
+
+/// True when this kernel lets a socket refuse descriptors passed to it (`SO_PASSRIGHTS`, Linux
+/// 6.16): the option is set on a fresh socket.
+fn kernel_refuses_descriptors() -> bool {
+    let s = UnixStream::pair().unwrap().0;
+    let off: libc::c_int = 0;
+    // SAFETY: setsockopt reads one c_int from a live local.
+    #[allow(unsafe_code)]
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            83, // SO_PASSRIGHTS
+            (&off as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    r == 0
 }
 
 /// A pidfd's process id as the library names processes in its proofs: its pidfs inode number

@@ -274,6 +274,60 @@ fn pods_metadata_holder_in_the_socket_directory_cannot_answer_as_the_owner() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Issue 63, finding 2: a reader in another PID namespace (or one that uses CUDA) takes
+/// descriptors from its server, so it let the kernel deliver them from the moment it connected,
+/// before the server proved anything: a same-user process in another pod that replaced the
+/// owner's socket file passed descriptors at once, which the reader held. Now the reader's socket
+/// refuses descriptors until the server's `Welcome` is proven (the kernel fails the squatter's
+/// `sendmsg`), and the read takes NIXL, bytes checked.
+#[test]
+fn pods_squatter_passing_descriptors_before_its_welcome_passes_none() {
+    let Some(ns) = Netns::make() else { return };
+    let dir = shared_dir("prepass");
+    let d = dir.to_str().unwrap().to_string();
+    let mut owner = pod(&ns, &ns.a, &ns.dev_a, &d);
+    let mut squatter = pod_running(
+        &ns,
+        &ns.b,
+        &ns.dev_b,
+        &d,
+        "hostile::support_squatter",
+        &[("SQUAT_DIR", d.as_str()), ("PREPASS", "1")],
+    );
+    let mut reader = pod(&ns, &ns.b, &ns.dev_b, &d);
+    owner.say("expose readable 65536 vecpat");
+    let md = owner.expect("MD:");
+    squatter.say(&md);
+    squatter.expect("BOUND");
+    reader.say("read auto fresh");
+    reader.say(&md);
+    reader.expect("STARTED");
+    let got = reader.expect("READ:");
+    assert!(
+        got.starts_with("ok") && got.contains("path=nixl") && got.ends_with("pattern=true"),
+        "the owner's bytes through NIXL: {got}"
+    );
+    owner.say("wait 5000");
+    assert_eq!(owner.expect("WAIT:"), "ok");
+    squatter.say("report");
+    let heard = squatter.expect("HEARD:");
+    let passed = squatter.expect("PREPASS:");
+    println!("pods_squatter_passing_descriptors_before_its_welcome_passes_none: {heard} {passed}");
+    if passed.ends_with("kernel=false") {
+        // Before Linux 6.16 a socket cannot refuse them: the reader's core refuses them instead
+        // and closes them off the engine thread.
+        eprintln!("this kernel cannot refuse passed descriptors (SO_PASSRIGHTS): not checked");
+    } else {
+        assert!(
+            passed.starts_with("passed=0 ") && !passed.starts_with("passed=0 refused=0 "),
+            "the squatter tried, and no descriptor reached the reader: {passed}"
+        );
+        assert!(heard.ends_with("trusted=0 requests=0"), "{heard}");
+    }
+    drop((owner, squatter, reader, ns));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Round 4's other user, against the directory rendezvous: the user's folder in the shared
 /// directory is 0700, so another user's process cannot even reach a socket file in it (it gets
 /// `EACCES` where the abstract socket would have had it refused on its uid after connecting); the

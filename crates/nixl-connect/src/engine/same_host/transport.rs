@@ -24,7 +24,7 @@ use super::records::{refused, Act, AnyCopy, Conn, ConnId, CopyOwner, ExportDone,
 use super::server_book::{Claim, Scope, ServerBook, Writer};
 use super::sockets::{Sockets, ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
 use super::sys::cma::{Copy, CopyError, Piece, SlotRef};
-use super::sys::dir::{connect_path, socket_path, DirListener};
+use super::sys::dir::{connect_in, DirListener};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
 use super::sys::{
@@ -479,11 +479,10 @@ impl SameHostTransport {
         // Device exports come as VMM descriptors from a server in another PID namespace (even
         // one whose memory this side can pull: a namespace below this one's), and from any
         // server for memory without a legacy handle, where this process uses CUDA.
+        // Its socket still refuses passed descriptors (`dial`): they are let in once the server's
+        // `Welcome` is proven ([`Self::on_ready`]), never from whoever answered the name.
         let other_pid_ns = !same_pid_namespace(pid);
         let exports = other_pid_ns || cuda_in_use();
-        if !can_pull || exports {
-            accept_passed_descriptors(fd.as_raw_fd());
-        }
         let Some(me) = self_id() else {
             return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
         };
@@ -518,7 +517,8 @@ impl SameHostTransport {
     fn dial(&self, peer: &Arc<str>, expect: &identity::Fingerprint) -> std::result::Result<Tracked, Decline> {
         let open = || {
             let fd = unix_socket().map_err(|e| Decline::because("cannot open a same-host socket", e))?;
-            // The server never passes descriptors; the kernel refuses any it tries (where it can).
+            // Nothing passed is taken before the server's `Welcome` is proven (`on_ready`): until
+            // then the kernel refuses any descriptor it tries to pass (where it can).
             refuse_passed_descriptors(fd.as_raw_fd());
             Ok::<_, Decline>(Tracked::new(fd))
         };
@@ -534,7 +534,7 @@ impl SameHostTransport {
             ));
         };
         let fd = open()?;
-        match connect_path(fd.as_raw_fd(), &socket_path(dir, &identity::stem(expect))) {
+        match connect_in(fd.as_raw_fd(), dir, &identity::stem(expect)) {
             Ok(()) => Ok(fd),
             Err(e) => Err(Decline::because(
                 "no same-host socket for this peer, in this network namespace or the socket directory",
@@ -626,9 +626,15 @@ impl SameHostTransport {
 
     // ---- The active side (client): requests, grants and answers, the operations' phases.
 
-    /// Client: the server proved it holds the opening operation's key; the queued requests go.
+    /// Client: the server proved it holds the opening operation's key, signed by the identity its
+    /// name advertises. A client that takes descriptors from it (pipes from a server it cannot
+    /// read, device exports) lets them in from now on, before its requests leave: the server
+    /// passes them only in answers. The queued requests go.
     pub(super) fn on_ready(&mut self, i: ConnId, out: &mut Vec<Event>) {
         let Some(c) = self.sockets.get_mut(i) else { return };
+        if !c.can_pull || c.link.takes_exports() {
+            accept_passed_descriptors(c.fd.as_raw_fd());
+        }
         let queued = std::mem::take(&mut c.queued);
         for id in queued {
             self.request(id, out);

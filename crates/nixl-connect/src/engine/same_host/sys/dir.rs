@@ -17,7 +17,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use super::{uid, unix_socket, Tracked};
@@ -47,25 +47,7 @@ fn own_dir(base: &Path) -> io::Result<PathBuf> {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
-    let m = fs::symlink_metadata(&d)?;
-    if !m.file_type().is_dir() || m.uid() != uid() || m.mode() & 0o077 != 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!(
-                "{} must be a directory of uid {} with mode 0700 (it is {}, uid {}, mode {:o}): remove it \
-                 and let the connector make it",
-                d.display(),
-                uid(),
-                if m.file_type().is_dir() {
-                    "a directory"
-                } else {
-                    "not a directory"
-                },
-                m.uid(),
-                m.mode() & 0o7777
-            ),
-        ));
-    }
+    check_own(&d, &fs::symlink_metadata(&d)?)?;
     Ok(d)
 }
 
@@ -207,6 +189,72 @@ fn path_addr(p: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
     Ok((a, len as libc::socklen_t))
 }
 
+/// Checks that `m` (of this user's folder, not followed if a link) is what [`own_dir`] makes: a
+/// directory of this user, mode 0700.
+fn check_own(d: &Path, m: &fs::Metadata) -> io::Result<()> {
+    if m.file_type().is_dir() && m.uid() == uid() && m.mode() & 0o077 == 0 {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::PermissionDenied,
+        format!(
+            "{} must be a directory of uid {} with mode 0700 (it is {}, uid {}, mode {:o}): remove it \
+             and let the connector make it",
+            d.display(),
+            uid(),
+            if m.file_type().is_dir() {
+                "a directory"
+            } else {
+                "not a directory"
+            },
+            m.uid(),
+            m.mode() & 0o7777
+        ),
+    ))
+}
+
+/// Connects the socket `fd` to the socket named `stem` in this user's folder of `base`, checked
+/// as serving checks it: the folder opened without following a link (`O_NOFOLLOW`), a directory
+/// of this user with mode 0700 (another user may have made it first in a shared directory, or
+/// left a link there), the socket file in it a socket of this user and no link; the connection
+/// goes through the folder opened (`/proc/self/fd/N/...`), so the path cannot be swapped between
+/// the check and the connect. `PermissionDenied` says what was found.
+pub(crate) fn connect_in(fd: RawFd, base: &Path, stem: &str) -> io::Result<()> {
+    let d = user_dir(base);
+    let folder = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&d)
+        .map_err(|e| match e.raw_os_error() {
+            // O_NOFOLLOW on a link; O_DIRECTORY on anything else.
+            Some(libc::ELOOP | libc::ENOTDIR) => io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} is not a directory (a link?): not this user's folder",
+                    d.display()
+                ),
+            ),
+            _ => e,
+        })?;
+    check_own(&d, &folder.metadata()?)?;
+    let name = format!("{stem}.sock");
+    let via = Path::new("/proc/self/fd")
+        .join(folder.as_raw_fd().to_string())
+        .join(&name);
+    let m = fs::symlink_metadata(&via)?;
+    if !m.file_type().is_socket() || m.uid() != uid() {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is not a socket of uid {} (a link, or another user's file): not a connector's",
+                socket_path(base, stem).display(),
+                uid()
+            ),
+        ));
+    }
+    connect_path(fd, &via)
+}
+
 /// Connects the socket `fd` to the filesystem socket at `p`.
 pub(crate) fn connect_path(fd: RawFd, p: &Path) -> io::Result<()> {
     let (a, len) = path_addr(p)?;
@@ -242,6 +290,9 @@ mod tests {
         assert_eq!(fs::metadata(l.path()).unwrap().mode() & 0o777, 0o600);
         let c = unix_socket().unwrap();
         connect_path(c.as_raw_fd(), &socket_path(&base, "nxc1-aa")).unwrap();
+        // And as a dialling client connects: through the folder, checked.
+        let c = unix_socket().unwrap();
+        connect_in(c.as_raw_fd(), &base, "nxc1-aa").unwrap();
         let (sock, lock) = (l.path().to_path_buf(), l.path().with_extension("lock"));
         drop(l);
         assert!(!sock.exists() && !lock.exists());
@@ -286,6 +337,45 @@ mod tests {
         };
         assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
         fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// Issue 63, finding 3: a client dials only into this user's own folder, checked as serving
+    /// checks it. Another user who made the folder first in a shared directory open to all, a
+    /// link in the folder's place, or a link in the socket's place to a socket elsewhere (another
+    /// user's, say): each is refused with what was found, and nothing connects.
+    #[test]
+    fn dir_dial_refuses_a_folder_or_socket_that_is_not_this_users() {
+        let base = scratch("dial");
+        let elsewhere = scratch("dial-elsewhere");
+        let real = listen_in(&elsewhere, "nxc1-bb").unwrap();
+        let refused = |what: &str| {
+            let c = unix_socket().unwrap();
+            let Err(e) = connect_in(c.as_raw_fd(), &base, "nxc1-bb") else {
+                panic!("{what}: connected")
+            };
+            assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{what}: {e}");
+        };
+        // The folder, a link to a folder holding a live socket of that name.
+        std::os::unix::fs::symlink(user_dir(&elsewhere), user_dir(&base)).unwrap();
+        refused("a link for the folder");
+        fs::remove_file(user_dir(&base)).unwrap();
+        // The folder, this user's and private, but the socket a link to the live one elsewhere.
+        fs::DirBuilder::new().mode(0o700).create(user_dir(&base)).unwrap();
+        std::os::unix::fs::symlink(real.path(), socket_path(&base, "nxc1-bb")).unwrap();
+        refused("a link for the socket");
+        fs::remove_file(socket_path(&base, "nxc1-bb")).unwrap();
+        // The folder open to others.
+        fs::set_permissions(user_dir(&base), fs::Permissions::from_mode(0o755)).unwrap();
+        refused("a folder others can enter");
+        fs::set_permissions(user_dir(&base), fs::Permissions::from_mode(0o700)).unwrap();
+        // The folder made first by another user (these tests run as root: it plays uid 65534).
+        if uid() == 0 {
+            std::os::unix::fs::chown(user_dir(&base), Some(65534), Some(65534)).unwrap();
+            refused("another user's folder");
+        }
+        drop(real);
+        fs::remove_dir_all(&base).unwrap();
+        fs::remove_dir_all(&elsewhere).unwrap();
     }
 
     /// A path longer than a Unix socket address takes is a typed error with what to do.
