@@ -302,7 +302,9 @@ pub(crate) fn feed(
 /// source stopped, or its process is gone) is [`CopyError::Revoked`].
 ///
 /// Each read is `preadv2(RWF_NOWAIT)`: the peer shares the read end's open file, so its
-/// `O_NONBLOCK` flag is the peer's to change; this call never waits in the kernel for data.
+/// `O_NONBLOCK` flag is the peer's to change; this call never waits in the kernel for data. It
+/// still takes the pipe's lock, which a writer can hold (a splice of its own from a socket that
+/// never sends): then this job waits with it (a copy task, never the engine thread).
 ///
 /// The caller keeps `pieces` mapped and owned by this copy until it returns.
 pub(crate) fn fill(
