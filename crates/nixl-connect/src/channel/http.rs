@@ -98,7 +98,9 @@ impl HttpChannel {
             .cloned()
     }
 
-    /// Binds a listener on `addr` (port 0 picks a free port) and serves until dropped.
+    /// Binds a listener on `addr` (port 0 picks a free port) and serves until dropped: at most
+    /// 256 connections kept open, each with 5 s to send a request's headers (and to stay idle
+    /// between requests).
     ///
     /// Must be called inside a tokio runtime, which runs the server.
     ///
@@ -132,14 +134,10 @@ impl HttpChannel {
             .route("/nixl/{id}/extra", get(get_extra))
             .route("/nixl/{id}/reply", axum::routing::post(post_reply))
             .with_state(weak);
-        tokio::spawn(async move {
-            let server = axum::serve(listener, app).with_graceful_shutdown(async {
-                let _ = rx.await;
-            });
-            if let Err(e) = server.await {
-                tracing::warn!(error = %e, "metadata HTTP server stopped");
-            }
-        });
+        let stop = async {
+            let _ = rx.await;
+        };
+        tokio::spawn(super::serve::serve(listener, app, stop, "metadata"));
         Ok(Self { inner })
     }
 

@@ -21,6 +21,8 @@ pub mod http;
 pub mod nats;
 #[cfg(any(feature = "nats", feature = "etcd"))]
 mod outage;
+#[cfg(feature = "http")]
+pub(crate) mod serve;
 
 #[cfg(any(feature = "nats", feature = "etcd"))]
 pub use outage::Outage;

@@ -34,6 +34,9 @@ impl MetricsServer {
 /// `GET /metrics` in OpenMetrics when the scraper accepts it (Prometheus does), else in the
 /// Prometheus text format 0.0.4; `GET /health` answers 200 `ok` while the process serves.
 ///
+/// Anyone who reaches the port may connect: at most 256 connections are kept open, each with 5 s
+/// to send a request's headers (and to stay idle between requests).
+///
 /// Must be called inside a tokio runtime, which runs the server.
 ///
 /// # Errors
@@ -53,14 +56,10 @@ pub async fn serve(addr: SocketAddr, registry: Arc<Registry>) -> Result<MetricsS
         .route("/health", get(|| async { "ok\n" }))
         .with_state(registry);
     let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let server = axum::serve(listener, app).with_graceful_shutdown(async {
-            let _ = rx.await;
-        });
-        if let Err(e) = server.await {
-            tracing::warn!(error = %e, "metrics HTTP server stopped");
-        }
-    });
+    let stop = async {
+        let _ = rx.await;
+    };
+    tokio::spawn(crate::channel::serve::serve(listener, app, stop, "metrics"));
     Ok(MetricsServer { addr, _stop: tx })
 }
 

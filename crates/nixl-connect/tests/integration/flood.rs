@@ -263,3 +263,108 @@ async fn flood_raw_clone_child_does_not_keep_readers_waiting() {
         "the reader waited {took:?} (the handshake deadline is 5 s): {r:?}"
     );
 }
+
+/// Issue 63, finding 4: another user opens thousands of idle TCP connections to a worker's HTTP
+/// endpoint (here the metrics', `--metrics`; the metadata channel's serves the same way) and
+/// holds them. Before: every one was accepted and kept (no cap, no header deadline), ~20,000
+/// filled the worker's table and `/health` stopped answering. Now the endpoint keeps at most
+/// `MAX_CONNECTIONS` (256) open, each closed at its header deadline (5 s) if it sends nothing:
+/// this process stays far below its descriptor limit while the connections are held, `/health`
+/// answers, a same-host read completes, and the idle connections are gone after the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flood_idle_http_connections_from_another_user_are_bounded() {
+    if !is_root() {
+        panic!("this test runs as root (it becomes uid 65534 to play the other user)");
+    }
+    let registry = std::sync::Arc::new(prometheus_client::registry::Registry::default());
+    let server = nixl_connect::metrics::serve("127.0.0.1:0".parse().unwrap(), registry)
+        .await
+        .unwrap();
+    let port = server.local_addr().port();
+    let owner = Connector::new().unwrap();
+    let reader = Connector::new().unwrap();
+    let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let before = fds();
+    // The other user: 3,000 connections, opened without a word and held for 15 s.
+    let script = format!(
+        "import resource, socket, sys, time\n\
+         resource.setrlimit(resource.RLIMIT_NOFILE, (5000, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n\
+         held = []\n\
+         for _ in range(3000):\n\
+         \x20   s = socket.socket(); s.setblocking(False)\n\
+         \x20   try: s.connect(('127.0.0.1', {port}))\n\
+         \x20   except BlockingIOError: pass\n\
+         \x20   except OSError: continue\n\
+         \x20   held.append(s)\n\
+         print('OPEN', len(held), flush=True)\n\
+         time.sleep(15)\n"
+    );
+    let mut attacker = Command::new("python3")
+        .args(["-c", &script])
+        .uid(65534)
+        .gid(65534)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(attacker.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("OPEN"), "{line}");
+    // The endpoint accepts what it will meanwhile: its open connections stay bounded.
+    let mut most = 0;
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(2) {
+        most = most.max(fds().saturating_sub(before));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        most <= 256 + 32,
+        "{most} descriptors more than before the flood (cap 256)"
+    );
+    // A scrape's `/health`, and a same-host read, go on while the connections are held (a
+    // connection closed at the cap is tried again, as Prometheus does on its next scrape).
+    let t0 = Instant::now();
+    let mut health = String::new();
+    while t0.elapsed() < Duration::from_secs(10) && !health.ends_with("\r\n\r\nok\n") {
+        health = tokio::time::timeout(Duration::from_secs(2), get_health(port))
+            .await
+            .unwrap_or_default();
+    }
+    assert!(
+        health.ends_with("\r\n\r\nok\n"),
+        "/health answers under the flood: {health:?}"
+    );
+    let took = read_1mib(&owner, &reader, 7).await;
+    println!("flood_idle_http_connections_from_another_user_are_bounded: {} most={most} health after {:?}, 1 MiB read {took:?}", line.trim(), t0.elapsed());
+    // Past the header deadline the idle ones are closed, though the other user still holds them.
+    let t0 = Instant::now();
+    let mut now = fds().saturating_sub(before);
+    while t0.elapsed() < Duration::from_secs(9) && now > 16 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        now = fds().saturating_sub(before);
+    }
+    assert!(
+        now <= 16,
+        "{now} descriptors still held after the header deadline"
+    );
+    let _ = attacker.kill();
+    let _ = attacker.wait();
+}
+
+/// `GET /health` on `127.0.0.1:port`, the whole response (empty if the connection failed).
+async fn get_health(port: u16) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return String::new();
+    };
+    if s.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .is_err()
+    {
+        return String::new();
+    }
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
