@@ -11,31 +11,9 @@ use super::limits::{
 };
 use super::link::grant_ipc_len;
 use super::server_book::Scope;
-use super::wire::{IpcSource, RefuseCode, MAX_FRAME, NOT_LIVE};
+use super::wire::{RefuseCode, Req, MAX_FRAME, NOT_LIVE};
 use crate::device::Device;
 use crate::metadata::OperationKind;
-
-/// What a proven request asks for, as the policy sees it.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Asked<'a> {
-    /// A write (else a read).
-    pub(super) write: bool,
-    /// The device the request says the operation's memory is on.
-    pub(super) device: Device,
-    /// The ranges of the operation's memory it names (`(address, length)`).
-    pub(super) remote: &'a [(u64, u64)],
-    /// A write's source ranges in the writer's memory, one per remote range.
-    pub(super) local: &'a [(u64, u64)],
-    /// A write from device memory: its source's CUDA IPC exports, one per range.
-    pub(super) sources: &'a [IpcSource],
-    /// A small read that asks for its bytes in the answer.
-    pub(super) eager: bool,
-    /// A small write carrying its bytes (how many).
-    pub(super) data: usize,
-    /// Host memory through pipes (the link checked it is host memory, not eager): a read's
-    /// lanes asked for, a write's pipes passed.
-    pub(super) pipes: usize,
-}
 
 /// The asking connection and the process's load, as the policy sees them.
 #[derive(Debug, Clone, Copy)]
@@ -86,15 +64,15 @@ fn refuse(code: RefuseCode, reason: &str) -> Decision {
 const ENDED: &str = "the operation has ended (completed, cancelled or dropped)";
 const BUSY: &str = "another writer is writing this writable now";
 
-/// Decides what `asked` may do with `scope` (the scope its key names, if any), for a connection
-/// under `load`. `device_path(src, dst)` says why this process cannot copy from `src` into `dst`
+/// Decides what the proven request `asked` (the request's body as the frame carried it) may do
+/// with `scope` (the scope its key names, if any), for a connection under `load`. `device_path(src, dst)` says why this process cannot copy from `src` into `dst`
 /// memory on the same-host path, if it cannot (no CUDA, no IPC for that pair).
 ///
 /// The order matters and is the policy: liveness and bounds come before any path is chosen, the
 /// caps before any export is queued, and a busy writable refuses before any copy starts.
 pub(super) fn decide(
     scope: Option<&Scope>,
-    asked: &Asked<'_>,
+    asked: &Req,
     load: &Load,
     device_path: &dyn Fn(Device, Device) -> Option<String>,
 ) -> Decision {
@@ -132,21 +110,20 @@ pub(super) fn decide(
         );
     }
     // Small host operations (the link checked the sizes, the direction and host memory).
-    if asked.data > 0 && s.writer.is_some() {
+    if !asked.data.is_empty() && s.writer.is_some() {
         return refuse(RefuseCode::Busy, BUSY);
     }
     if asked.eager {
         return Decision::EagerRead;
     }
-    if asked.data > 0 {
+    if !asked.data.is_empty() {
         return Decision::EagerWrite;
     }
     let device = s.device != Device::Host;
-    if asked.pipes > 0 {
+    let pipes = piped(asked);
+    if pipes > 0 {
         // Host memory both sides (the link checked the request's; the scope's device matches it).
-        if !write
-            && (load.pipes + asked.pipes > MAX_PIPES_PER_CONN || load.pipes_all + asked.pipes > MAX_PIPES)
-        {
+        if !write && (load.pipes + pipes > MAX_PIPES_PER_CONN || load.pipes_all + pipes > MAX_PIPES) {
             return Decision::Fallback("too many same-host pipes are open now".into());
         }
         if !write && load.granted >= MAX_GRANTS_PER_CONN {
@@ -220,8 +197,8 @@ pub(super) fn decide(
 
 /// A write's source ranges pair with its destination ranges: one each, of equal lengths, none
 /// wrapping the address space (and one device export per range, if any).
-fn matches_sources(asked: &Asked<'_>) -> bool {
-    let (local, remote, sources) = (asked.local, asked.remote, asked.sources);
+fn matches_sources(asked: &Req) -> bool {
+    let (local, remote, sources) = (&asked.local, &asked.remote, &asked.sources);
     local.len() == remote.len()
         && local
             .iter()
@@ -229,6 +206,16 @@ fn matches_sources(asked: &Asked<'_>) -> bool {
             .all(|(l, r)| l.1 == r.1 && l.0.checked_add(l.1).is_some())
         && (sources.is_empty()
             || (sources.len() == remote.len() && sources.iter().zip(remote).all(|(s, r)| s.len == r.1)))
+}
+
+/// Host memory through pipes (the link checked it is host memory, not eager): a read's lanes
+/// asked for, a write's pipes passed. (On a device read, `pipes` asks for VMM descriptors.)
+fn piped(asked: &Req) -> usize {
+    if asked.device == Device::Host {
+        usize::from(asked.pipes)
+    } else {
+        0
+    }
 }
 
 /// Why a request's answer is that the operation ended (an eager copy found it ended, a write

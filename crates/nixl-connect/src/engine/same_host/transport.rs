@@ -19,7 +19,7 @@ use super::identity::Identity;
 use super::in_flight::InFlight;
 use super::limits::{Caps, MAX_PIPES, MAX_PIPES_PER_CONN};
 use super::link::{grant_ipc_len, Answer, Heard, Link, Request};
-use super::policy::{self, Asked, Decision, Load};
+use super::policy::{self, Decision, Load};
 use super::records::{refused, Act, AnyCopy, Conn, ConnId, CopyOwner, ExportDone, Phase, RequestId};
 use super::server_book::{Claim, Scope, ServerBook, Writer};
 use super::sockets::{Sockets, ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
@@ -1057,23 +1057,11 @@ impl SameHostTransport {
     /// answered, granted, or handed to a copy.
     pub(super) fn on_req(&mut self, i: ConnId, r: Request, out: &mut Vec<Event>) {
         let Request {
-            req:
-                Req {
-                    slot,
-                    gen,
-                    write,
-                    device,
-                    remote,
-                    local,
-                    sources,
-                    eager,
-                    data,
-                    pipes,
-                    ..
-                },
+            req,
             key,
             passed: descriptors,
         } = r;
+        let (slot, gen, write, pipes) = (req.slot, req.gen, req.write, req.pipes);
         // A write's pipes are taken first, whatever is decided, so the next frame's are the next
         // ones (a descriptor that is no pipe's read end kills the connection).
         // (Dropped anywhere below, they are closed on the pipes' closer, never here.)
@@ -1092,7 +1080,7 @@ impl SameHostTransport {
         let mut vmm_fds = if vmm > 0 {
             match self.sockets.take_cuda_exports(i, vmm) {
                 Some(fds) => {
-                    self.sockets.name_exports(i, &sources);
+                    self.sockets.name_exports(i, &req.sources);
                     pipe::Ends::new(fds)
                 }
                 None => return,
@@ -1115,19 +1103,15 @@ impl SameHostTransport {
             pipes: self.feeds.lanes_of(i),
             pipes_all: self.feeds.lanes(),
         };
-        let asked = Asked {
-            write,
-            device,
-            remote: &remote,
-            local: &local,
-            sources: &sources,
-            eager,
-            data: data.len(),
-            // (On a device read, `pipes` asks for VMM descriptors, not pipes.)
-            pipes: if device == Device::Host { pipes as usize } else { 0 },
-        };
         let refusal = |s: Device, d: Device| device_path_refusal(s, d).map(|r| r.to_string());
-        let decision = policy::decide(self.server.scope(&key), &asked, &load, &refusal);
+        let decision = policy::decide(self.server.scope(&key), &req, &load, &refusal);
+        let Req {
+            remote,
+            local,
+            sources,
+            data,
+            ..
+        } = req;
         let id = RequestId { conn: i, slot, gen };
         let mut completed = None;
         let answer = match decision {

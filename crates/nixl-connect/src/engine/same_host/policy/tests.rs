@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::*;
 use crate::engine::same_host::records::RequestId;
 use crate::engine::same_host::server_book::Writer;
+use crate::engine::same_host::wire::IpcSource;
 use crate::reg::Range;
 use crate::state::{OpState, OperationStatus};
 
@@ -32,15 +33,21 @@ fn scope(kind: OperationKind, device: Device) -> Scope {
     )
 }
 
-fn asked<'a>(write: bool, device: Device, remote: &'a [(u64, u64)], local: &'a [(u64, u64)]) -> Asked<'a> {
-    Asked {
+/// A request of `write` to `remote` ranges on `device` (a write's sources at `local`), as the
+/// frame carries it: nothing small, piped or exported.
+fn asked(write: bool, device: Device, remote: &[(u64, u64)], local: &[(u64, u64)]) -> Req {
+    Req {
+        slot: 0,
+        gen: 1,
         write,
+        ident: 1,
+        key_id: [0; 16],
         device,
-        remote,
-        local,
-        sources: &[],
+        remote: remote.to_vec(),
+        local: local.to_vec(),
+        sources: Vec::new(),
         eager: false,
-        data: 0,
+        data: Vec::new(),
         pipes: 0,
     }
 }
@@ -184,14 +191,14 @@ fn policy_ranges_must_lie_inside_one_descriptor() {
 fn policy_small_operations_carry_their_bytes() {
     let r = [(BASE, 4096)];
     let s = scope(OperationKind::Read, Device::Host);
-    let a = Asked {
+    let a = Req {
         eager: true,
         ..asked(false, Device::Host, &r, &[])
     };
     assert_eq!(decide(Some(&s), &a, &IDLE, &any_path), Decision::EagerRead);
     let mut s = scope(OperationKind::Write, Device::Host);
-    let a = Asked {
-        data: 4096,
+    let a = Req {
+        data: vec![7; 4096],
         ..asked(true, Device::Host, &r, &r)
     };
     assert_eq!(decide(Some(&s), &a, &IDLE, &any_path), Decision::EagerWrite);
@@ -341,8 +348,8 @@ fn policy_writes_take_one_writer_and_the_right_copy() {
         len: 16,
         fd: 0,
     }];
-    let a = Asked {
-        sources: &sources,
+    let a = Req {
+        sources: sources.to_vec(),
         ..asked(true, Device::Cuda(0), &r, &r)
     };
     assert_eq!(decide(Some(&dev), &a, &no_pull, &any_path), Decision::DeviceWrite);
@@ -361,7 +368,10 @@ fn policy_writes_take_one_writer_and_the_right_copy() {
         len: 15,
         ..sources[0].clone()
     }];
-    let a = Asked { sources: &wrong, ..a };
+    let a = Req {
+        sources: wrong.to_vec(),
+        ..a
+    };
     assert_eq!(
         code(&decide(Some(&dev), &a, &IDLE, &any_path)),
         Some(RefuseCode::OutOfRange)

@@ -1,5 +1,5 @@
 //! A request's body: one struct for the frame (`Msg::Req`), the link's request to its owner
-//! (`link::Request`) and the server's actions on it.
+//! (`link::Request`), the policy's input (`policy::decide`) and the server's actions on it.
 
 use super::{device_code, device_from, IpcSource, MAC_LEN, R, SOURCE_BYTES, W};
 use crate::device::Device;
