@@ -175,22 +175,17 @@ impl Connector {
         })
     }
 
-    /// The engine's counters as a dict (`registrations`, `live_registrations`,
-    /// `registration_hits`, `quarantined_bytes`, `rotations`, `transfers`, `local_transfers`,
-    /// `remote_loads`); for tests and diagnostics.
+    /// The engine's counters as a dict, every field of `EngineStats` by its name
+    /// (`registrations`, `live_registrations`, `registration_hits`, `transfers`,
+    /// `local_transfers`, `remote_loads`, ...); for tests and diagnostics.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let conn = self.inner.get()?.clone();
         let rt = runtime()?;
         let s = py.detach(|| rt.block_on(conn.stats())).map_err(err)?;
         let d = pyo3::types::PyDict::new(py);
-        d.set_item("registrations", s.registrations)?;
-        d.set_item("live_registrations", s.live_registrations)?;
-        d.set_item("registration_hits", s.registration_hits)?;
-        d.set_item("quarantined_bytes", s.quarantined_bytes)?;
-        d.set_item("rotations", s.rotations)?;
-        d.set_item("transfers", s.transfers)?;
-        d.set_item("local_transfers", s.local_transfers)?;
-        d.set_item("remote_loads", s.remote_loads)?;
+        for (name, value) in s.iter() {
+            d.set_item(name, value)?;
+        }
         Ok(d)
     }
 

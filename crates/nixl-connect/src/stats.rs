@@ -21,44 +21,104 @@ pub(crate) fn copy_pool_queued() -> usize {
     COPY_POOL_PROBE.get().map_or(0, |f| f())
 }
 
-/// Counters for tests, `bench` and `doctor`.
-#[derive(Debug, Clone, Default)]
-#[non_exhaustive]
-pub struct EngineStats {
+/// Whether a figure of [`EngineStats`] only grows (a counter: an ended engine's stays in the
+/// totals) or is what holds now (a gauge: it leaves with its engine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// One figure of [`EngineStats`] as the metrics publish it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Figure {
+    /// Its metric's name (without the `nixl_connect_` prefix or a counter's `_total`).
+    pub(crate) metric: &'static str,
+    pub(crate) help: &'static str,
+    pub(crate) kind: Kind,
+    pub(crate) value: u64,
+}
+
+/// [`EngineStats`], its fields listed once: the struct, [`EngineStats::iter`] (by field name),
+/// the metrics' figures and the sum of engines' figures all come from this list.
+macro_rules! engine_stats {
+    ($(
+        $(#[doc = $doc:literal])*
+        $field:ident: $ty:ty, $kind:ident $metric:literal $help:literal;
+    )*) => {
+        /// Counters for tests, `bench` and `doctor`.
+        #[derive(Debug, Clone, Default)]
+        #[non_exhaustive]
+        pub struct EngineStats {
+            $( $(#[doc = $doc])* pub $field: $ty, )*
+        }
+
+        impl EngineStats {
+            /// Every figure, by its field's name, in the order of the fields (the Python
+            /// module's `stats()` dict).
+            pub fn iter(&self) -> impl Iterator<Item = (&'static str, u64)> {
+                [$( (stringify!($field), self.$field as u64) ),*].into_iter()
+            }
+
+            /// Every figure as the metrics publish it.
+            pub(crate) fn figures(&self) -> [Figure; [$(stringify!($field)),*].len()] {
+                [$( Figure {
+                    metric: $metric,
+                    help: $help,
+                    kind: Kind::$kind,
+                    value: self.$field as u64,
+                } ),*]
+            }
+
+            /// Adds `other`'s figures of `kind` to these.
+            pub(crate) fn add(&mut self, other: &EngineStats, kind: Kind) {
+                $( if Kind::$kind == kind { self.$field += other.$field; } )*
+            }
+        }
+    };
+}
+
+engine_stats! {
     /// NIXL memory registrations made so far.
-    pub registrations: u64,
+    registrations: u64, Counter "registrations" "NIXL memory registrations made";
     /// NIXL registrations currently live.
-    pub live_registrations: usize,
+    live_registrations: usize, Gauge "registrations_live" "NIXL memory registrations live";
     /// The lengths of those live registrations, summed (memory in two registrations, as an
     /// exposed range also read from, counts twice).
-    pub registered_bytes: u64,
+    registered_bytes: u64, Gauge "registered_bytes" "Bytes of memory the live NIXL registrations cover";
     /// Registrations an operation asked for that a live one already covered (no new one made):
     /// memory that carries its registration (a reused `HostBuffer`, a `Registration`) is one.
-    pub registration_hits: u64,
+    registration_hits: u64, Counter "registration_cache_hits"
+        "Registrations asked for that a live one already covered (none made)";
     /// Peer agent metadata loads into NIXL made so far.
-    pub remote_loads: u64,
+    remote_loads: u64, Counter "peer_loads" "Peers' agent metadata loaded into NIXL";
     /// Peers' agent metadata loaded into NIXL now.
-    pub peers_loaded: usize,
+    peers_loaded: usize, Gauge "peers_loaded" "Peers' agent metadata loaded into NIXL now";
     /// Transfers posted through NIXL so far.
-    pub transfers: u64,
+    transfers: u64, Counter "nixl_posts" "Transfers posted through NIXL";
     /// Active operations that took the same-host path.
-    pub local_transfers: u64,
+    local_transfers: u64, Counter "local_transfers" "Active operations the same-host path completed";
     /// Same-host connections refused: the peer runs as another user, cannot be named, or could
     /// not prove it holds the operation's key.
-    pub local_refused_peers: u64,
+    local_refused_peers: u64, Counter "local_peers_refused"
+        "Same-host connections refused (another user, or a peer that cannot be named)";
     /// Same-host connections open now (to peers and from them).
-    pub local_connections: usize,
+    local_connections: usize, Gauge "local_connections"
+        "Same-host connections open now (to peers and from them)";
     /// Times the NIXL initiator was destroyed to cut off an unresponsive peer.
-    pub resets: u64,
+    resets: u64, Counter "nixl_resets" "NIXL initiators destroyed to cut off an unresponsive peer";
     /// Times the NIXL exposer was replaced to release quarantined memory.
-    pub rotations: u64,
+    rotations: u64, Counter "nixl_rotations" "NIXL exposers replaced to release quarantined memory";
     /// Bytes of exposed memory held back from the allocator until no peer can reach it.
-    pub quarantined_bytes: u64,
+    quarantined_bytes: u64, Gauge "quarantined_bytes"
+        "Exposed memory held back from the allocator until no peer can reach it";
     /// Passive operations failed with [`Error::Interrupted`] because the retired NIXL agent that
     /// exposed them was destroyed to bound held memory (see
     /// [`MAX_RETIRED_EXPOSERS`](crate::MAX_RETIRED_EXPOSERS)).
-    pub evicted_operations: u64,
+    evicted_operations: u64, Counter "evicted_operations"
+        "Passive operations failed because the retired NIXL agent exposing them was destroyed";
     /// Same-host copies queued for this process's copy threads (process-wide, shared by every
     /// connector of the process).
-    pub copy_pool_queued: usize,
+    copy_pool_queued: usize, Gauge "copy_pool_queued"
+        "Same-host copies queued for this process's copy threads";
 }

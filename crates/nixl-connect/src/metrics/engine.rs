@@ -10,7 +10,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 
-use crate::stats::EngineStats;
+use crate::stats::{EngineStats, Kind};
 use crate::sync::Recover;
 
 /// One engine's published counters (what [`EngineStats`] holds), written by its thread alone
@@ -63,24 +63,12 @@ impl Cells {
         let Cells { live, ended } = self;
         live.retain(|c| match c.read() {
             (s, true) => {
-                add_counters(ended, &s);
+                ended.add(&s, Kind::Counter);
                 false
             }
             (_, false) => true,
         });
     }
-}
-
-fn add_counters(to: &mut EngineStats, s: &EngineStats) {
-    to.registrations += s.registrations;
-    to.registration_hits += s.registration_hits;
-    to.remote_loads += s.remote_loads;
-    to.transfers += s.transfers;
-    to.local_transfers += s.local_transfers;
-    to.local_refused_peers += s.local_refused_peers;
-    to.resets += s.resets;
-    to.rotations += s.rotations;
-    to.evicted_operations += s.evicted_operations;
 }
 
 impl EngineCollector {
@@ -105,12 +93,8 @@ impl EngineCollector {
         let mut t = st.ended.clone();
         for c in st.live.iter() {
             let (s, _) = c.read();
-            add_counters(&mut t, &s);
-            t.live_registrations += s.live_registrations;
-            t.registered_bytes += s.registered_bytes;
-            t.peers_loaded += s.peers_loaded;
-            t.local_connections += s.local_connections;
-            t.quarantined_bytes += s.quarantined_bytes;
+            t.add(&s, Kind::Counter);
+            t.add(&s, Kind::Gauge);
         }
         // One pool per process, read now (an idle engine's last figure would be stale).
         t.copy_pool_queued = crate::stats::copy_pool_queued();
@@ -131,98 +115,23 @@ fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: i64) -> Resul
 impl Collector for EngineCollector {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let (t, live) = self.totals_and_count();
-        let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         gauge(
             &mut e,
             "connectors",
             "Connectors (engines) recording here, alive now",
             live as i64,
         )?;
-        counter(
-            &mut e,
-            "registrations",
-            "NIXL memory registrations made",
-            t.registrations,
-        )?;
-        gauge(
-            &mut e,
-            "registrations_live",
-            "NIXL memory registrations live",
-            i(t.live_registrations as u64),
-        )?;
-        gauge(
-            &mut e,
-            "registered_bytes",
-            "Bytes of memory the live NIXL registrations cover",
-            i(t.registered_bytes),
-        )?;
-        counter(
-            &mut e,
-            "registration_cache_hits",
-            "Registrations asked for that a live one already covered (none made)",
-            t.registration_hits,
-        )?;
-        counter(
-            &mut e,
-            "peer_loads",
-            "Peers' agent metadata loaded into NIXL",
-            t.remote_loads,
-        )?;
-        gauge(
-            &mut e,
-            "peers_loaded",
-            "Peers' agent metadata loaded into NIXL now",
-            i(t.peers_loaded as u64),
-        )?;
-        gauge(
-            &mut e,
-            "local_connections",
-            "Same-host connections open now (to peers and from them)",
-            i(t.local_connections as u64),
-        )?;
-        counter(&mut e, "nixl_posts", "Transfers posted through NIXL", t.transfers)?;
-        counter(
-            &mut e,
-            "local_transfers",
-            "Active operations the same-host path completed",
-            t.local_transfers,
-        )?;
-        counter(
-            &mut e,
-            "local_peers_refused",
-            "Same-host connections refused (another user, or a peer that cannot be named)",
-            t.local_refused_peers,
-        )?;
-        counter(
-            &mut e,
-            "nixl_resets",
-            "NIXL initiators destroyed to cut off an unresponsive peer",
-            t.resets,
-        )?;
-        counter(
-            &mut e,
-            "nixl_rotations",
-            "NIXL exposers replaced to release quarantined memory",
-            t.rotations,
-        )?;
-        gauge(
-            &mut e,
-            "quarantined_bytes",
-            "Exposed memory held back from the allocator until no peer can reach it",
-            i(t.quarantined_bytes),
-        )?;
-        counter(
-            &mut e,
-            "evicted_operations",
-            "Passive operations failed because the retired NIXL agent exposing them was destroyed",
-            t.evicted_operations,
-        )?;
-        gauge(
-            &mut e,
-            "copy_pool_queued",
-            "Same-host copies queued for this process's copy threads",
-            i(t.copy_pool_queued as u64),
-        )?;
+        for f in t.figures() {
+            match f.kind {
+                Kind::Counter => counter(&mut e, f.metric, f.help, f.value)?,
+                Kind::Gauge => gauge(
+                    &mut e,
+                    f.metric,
+                    f.help,
+                    i64::try_from(f.value).unwrap_or(i64::MAX),
+                )?,
+            }
+        }
         Ok(())
     }
 }
