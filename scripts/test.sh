@@ -24,6 +24,10 @@ echo "== cargo test" >&2
 cargo test --workspace --all-features 2>&1
 echo "== the library's tests build with default features, none, and each feature alone" >&2
 bash scripts/test-features.sh
+echo "== the crates as a registry takes them (cargo package, offline; each built from its .crate)" >&2
+bash scripts/test-package.sh
+echo "== the declared minimum Rust (rust-version) checks the crates" >&2
+bash scripts/test-msrv.sh
 echo "== the core's unit tests and the loopback tests with NIXL_CONNECT_LIB naming nothing (no NIXL library)" >&2
 NIXL_CONNECT_LIB=/nonexistent/libnixl_capi.so cargo test -p nixl-connect --all-features --lib --test loopback 2>&1
 echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect side by side, Dynamo's callers on both)" >&2

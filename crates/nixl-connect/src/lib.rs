@@ -32,6 +32,7 @@
 //!
 //! [NIXL]: https://github.com/ai-dynamo/nixl
 #![deny(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 
 mod buffer;

@@ -179,7 +179,7 @@ fn soak_mixed_load_between_two_processes() {
                 } else {
                     // One readable in three over a HostBuffer (its drop hands the mapping to the
                     // quarantine), the others over a Vec.
-                    let d = if seq % 3 == 0 {
+                    let d = if seq.is_multiple_of(3) {
                         Descriptor::from(HostBuffer::from_slice(&pattern(len, seq)).unwrap())
                     } else {
                         Descriptor::from(pattern(len, seq))
