@@ -343,9 +343,10 @@ impl<'a> Descriptor<'a> {
                 if l == 0 {
                     return Some(&[]);
                 }
-                // The owned memory is live for &self and (p, l) is its byte view (`bytes`'
-                // contract).
-                Some(crate::sys::bytes(p, l))
+                // SAFETY: the owned memory is live for &self and (p, l) is its byte view.
+                #[allow(unsafe_code)]
+                let bytes = unsafe { crate::sys::bytes(p, l) };
+                Some(bytes)
             }
             Mem::Buffer(b) => Some(b),
             Mem::BufferPart { buf, off, len, .. } => Some(&buf[*off..*off + *len]),

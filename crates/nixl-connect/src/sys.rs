@@ -1,12 +1,14 @@
 //! The crate's floor for the system calls outside the same-host wing (whose own floor is
-//! `engine/same_host/sys/`): the engine's sleep (`epoll`, an `eventfd`, a `timerfd`), the fork
-//! handler, and raw memory (the loopback transport's copies, byte views of raw descriptors).
+//! `engine/same_host/sys/`): the engine's sleep (`epoll`, an `eventfd`, a `timerfd`), the count
+//! of `fork()`s, and raw memory (the loopback transport's copies, byte views of raw descriptors).
 //! Every `unsafe` block of these is here, each with its `SAFETY:` line; the modules above call
-//! safe functions. NIXL's FFI is `engine/nixl/ffi.rs`; the CUDA driver's calls are `cuda`'s.
+//! safe functions, but for the raw memory's two (`unsafe fn`s: only their callers know the memory
+//! is live). NIXL's FFI is `engine/nixl/ffi.rs`; the CUDA driver's calls are `cuda`'s.
 #![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// One `epoll` event: what is ready (`events`) and the token it was registered under (`u64`).
@@ -137,26 +139,45 @@ pub(crate) fn timerfd_set(fd: &OwnedFd, after: Duration) -> io::Result<()> {
     cvt(unsafe { libc::timerfd_settime(fd.as_raw_fd(), 0, &spec, std::ptr::null_mut()) }).map(drop)
 }
 
-/// Runs `child` in the child of every later `fork()` (`pthread_atfork`); it must be
-/// async-signal-safe (an atomic's increment, say).
-pub(crate) fn in_every_forked_child(child: extern "C" fn()) {
-    // SAFETY: registers a handler; the caller passes one that is async-signal-safe.
-    unsafe { libc::pthread_atfork(None, None, Some(child)) };
+/// `fork()`s made since [`count_forks`] was first called (its `pthread_atfork` handler counts
+/// them in the child).
+pub(crate) fn forks() -> u64 {
+    FORKS.load(Ordering::Relaxed)
+}
+
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+/// The child's handler: an atomic's increment, which is async-signal-safe.
+extern "C" fn forked() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts every later `fork()` in its child ([`forks`]); registered once, whoever calls it.
+pub(crate) fn count_forks() {
+    static AT_FORK: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registers a child handler that only increments an atomic (async-signal-safe).
+    AT_FORK.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(forked));
+    });
 }
 
 /// Copies `len` bytes from address `src` to address `dst` of this process (they may overlap).
-/// The caller holds both ranges live and unaliased for the copy: the loopback transport's
-/// registered memory, kept by its operations (see its call).
+///
+/// # Safety
+/// Both ranges must be live memory of this process for the copy, `src` readable and `dst`
+/// writable, and nothing else may write `dst` meanwhile.
 #[cfg(any(test, feature = "testing"))]
-pub(crate) fn copy_raw(src: usize, dst: usize, len: usize) {
-    // SAFETY: per this function's contract, both ranges are live memory of this process for the
-    // copy; `ptr::copy` allows overlap.
+pub(crate) unsafe fn copy_raw(src: usize, dst: usize, len: usize) {
+    // SAFETY: per this function's contract; `ptr::copy` allows overlap.
     unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
 }
 
-/// The `len` bytes at address `addr`, as a slice that lives for `'s`. The caller passes memory
-/// that outlives `'s` and is not written meanwhile (a descriptor's own memory, borrowed from it).
-pub(crate) fn bytes<'s>(addr: usize, len: usize) -> &'s [u8] {
+/// The `len` bytes at address `addr`, as a slice that lives for `'s`.
+///
+/// # Safety
+/// The memory must be live and unwritten for all of `'s` (a descriptor's own memory, borrowed
+/// from it).
+pub(crate) unsafe fn bytes<'s>(addr: usize, len: usize) -> &'s [u8] {
     // SAFETY: per this function's contract.
     unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
 }

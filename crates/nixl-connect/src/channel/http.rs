@@ -100,7 +100,7 @@ impl HttpChannel {
 
     /// Binds a listener on `addr` (port 0 picks a free port) and serves until dropped: at most
     /// 256 connections kept open, each with 5 s to send a request's headers (and to stay idle
-    /// between requests).
+    /// between requests) and 30 s in all.
     ///
     /// Must be called inside a tokio runtime, which runs the server.
     ///
@@ -137,7 +137,13 @@ impl HttpChannel {
         let stop = async {
             let _ = rx.await;
         };
-        tokio::spawn(super::serve::serve(listener, app, stop, "metadata"));
+        tokio::spawn(super::serve::serve(
+            listener,
+            app,
+            stop,
+            "metadata",
+            super::serve::Limits::DEFAULT,
+        ));
         Ok(Self { inner })
     }
 

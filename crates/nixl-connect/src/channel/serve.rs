@@ -1,10 +1,13 @@
 //! How the library's HTTP endpoints serve (the metadata channel's, the metrics'): bounded, so
-//! that idle connections from anyone who can reach the port cannot fill the process's descriptor
-//! table. At most [`MAX_CONNECTIONS`] connections are open at once (one more is closed as it is
-//! accepted), and a connection has [`HEADER_DEADLINE`] to send each request's headers, which also
-//! ends a keep-alive connection idle that long between requests.
+//! that connections from anyone who can reach the port cannot fill the process's descriptor table
+//! nor hold the endpoint. At most [`Limits::connections`] are open at once (one more is closed as
+//! it is accepted); a connection has [`Limits::header`] to send each request's headers (which also
+//! ends a keep-alive connection idle that long) and lives [`Limits::total`] at most, whatever it
+//! does (a body trickled after the headers, answers it never reads), then has [`CLOSING_GRACE`]
+//! to finish the request in flight.
 
 use std::future::Future;
+use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,21 +17,41 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
-/// Connections one endpoint keeps open at once: a scraper or a few dozen peers need a handful;
-/// a flood of idle ones costs this many descriptors at most.
-pub(crate) const MAX_CONNECTIONS: usize = 256;
+/// How much one endpoint gives its clients.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    /// Connections open at once: a scraper or a few dozen peers need a handful; a flood costs
+    /// this many descriptors at most.
+    pub(crate) connections: usize,
+    /// How long a connection may take to send a request's headers, and stay idle between
+    /// requests (Prometheus sends its scrape at once, and reconnects when a kept connection was
+    /// closed).
+    pub(crate) header: Duration,
+    /// How long a connection stays open at most (a 16 MiB metadata document over a slow link
+    /// takes far less; a client closed meanwhile connects again).
+    pub(crate) total: Duration,
+}
 
-/// How long a connection may take to send a request's headers, and stay idle between requests
-/// (Prometheus sends its scrape at once, and reconnects when a kept connection was closed).
-pub(crate) const HEADER_DEADLINE: Duration = Duration::from_secs(5);
+impl Limits {
+    /// The library's endpoints' limits.
+    pub(crate) const DEFAULT: Limits = Limits {
+        connections: 256,
+        header: Duration::from_secs(5),
+        total: Duration::from_secs(30),
+    };
+}
 
-/// How long the accept loop waits after the process ran out of descriptors (as `axum::serve`
-/// does, a second): accepting again at once would spin.
+/// How long a connection past its total has to finish the request in flight.
+const CLOSING_GRACE: Duration = Duration::from_secs(1);
+
+/// How long the accept loop waits after an error other than a connection lost before it was
+/// accepted (running out of descriptors, first of all), as `axum::serve` does: accepting again at
+/// once would spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 
-/// Serves `app` on `listener` until `stop` resolves, bounded as the module says; `what` names the
-/// endpoint in logs. Connections open when it stops end with their request, or at their header
-/// deadline when idle.
+/// Serves `app` on `listener` until `stop` resolves, within `limits` (the module says how);
+/// `what` names the endpoint in logs. Connections open when it stops end with their request, at
+/// their header deadline when idle, and at their total at the latest.
 ///
 /// # Cancel safety
 /// Cancel safe: dropping it stops accepting; open connections run on as above.
@@ -37,41 +60,131 @@ pub(crate) async fn serve(
     app: Router,
     stop: impl Future<Output = ()>,
     what: &'static str,
+    limits: Limits,
 ) {
-    let open = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let open = Arc::new(Semaphore::new(limits.connections));
     tokio::pin!(stop);
     loop {
         let stream = tokio::select! {
             () = &mut stop => return,
             r = listener.accept() => match r {
                 Ok((stream, _)) => stream,
+                Err(e) if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
+                ) => continue,
                 Err(e) => {
-                    tracing::debug!(error = %e, endpoint = what, "accepting an HTTP connection failed");
-                    if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
-                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    tracing::warn!(error = %e, endpoint = what, "accepting an HTTP connection failed; trying again in a second");
+                    tokio::select! {
+                        () = &mut stop => return,
+                        () = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
                     }
-                    continue;
                 }
             },
         };
         let Ok(permit) = open.clone().try_acquire_owned() else {
             tracing::debug!(
                 endpoint = what,
-                "{MAX_CONNECTIONS} HTTP connections open: closing a new one"
+                "{} HTTP connections open: closing a new one",
+                limits.connections
             );
             continue; // dropped: closed at once
         };
         let service = TowerToHyperService::new(app.clone());
         tokio::spawn(async move {
-            let served = hyper::server::conn::http1::Builder::new()
+            let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_DEADLINE)
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+                .header_read_timeout(limits.header)
+                .serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            let served = match tokio::time::timeout(limits.total, conn.as_mut()).await {
+                Ok(r) => r,
+                Err(_) => {
+                    conn.as_mut().graceful_shutdown();
+                    tokio::time::timeout(CLOSING_GRACE, conn.as_mut())
+                        .await
+                        .unwrap_or(Ok(()))
+                }
+            };
             if let Err(e) = served {
                 tracing::trace!(error = %e, endpoint = what, "HTTP connection ended");
             }
             drop(permit);
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::time::Instant;
+
+    use axum::routing::{get, post};
+
+    use super::*;
+
+    /// `GET /health` over a fresh connection: the whole answer (empty when it was closed).
+    fn health(port: u16) -> String {
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+            return String::new();
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// Clients that send a request's headers and then trickle nothing of its body (a slow POST)
+    /// hold every place for as long as they like under a header deadline alone; the total
+    /// closes them, and the endpoint answers again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn serve_slow_bodies_hold_no_place_past_the_total() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let app = Router::new().route("/health", get(|| async { "ok\n" })).route(
+            "/reply",
+            post(|b: axum::body::Bytes| async move { b.len().to_string() }),
+        );
+        let limits = Limits {
+            connections: 2,
+            header: Duration::from_millis(300),
+            total: Duration::from_millis(800),
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(serve(
+            listener,
+            app,
+            async {
+                let _ = rx.await;
+            },
+            "test",
+            limits,
+        ));
+        let slow: Vec<std::net::TcpStream> = (0..2)
+            .map(|_| {
+                let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+                s.write_all(b"POST /reply HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+                    .unwrap();
+                s
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let full = tokio::task::spawn_blocking(move || health(port)).await.unwrap();
+        assert!(!full.ends_with("ok\n"), "both places are held: {full:?}");
+        // Past the total (and its grace), the slow ones are closed and the endpoint answers.
+        let t0 = Instant::now();
+        let mut answer = String::new();
+        while t0.elapsed() < Duration::from_secs(5) && !answer.ends_with("\r\n\r\nok\n") {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            answer = tokio::task::spawn_blocking(move || health(port)).await.unwrap();
+        }
+        assert!(answer.ends_with("\r\n\r\nok\n"), "{answer:?}");
+        for mut s in slow {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut buf = Vec::new();
+            let _ = s.read_to_end(&mut buf); // closed: EOF (after any answer), not a timeout
+        }
+        let _ = tx.send(());
     }
 }

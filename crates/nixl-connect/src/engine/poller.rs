@@ -15,7 +15,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,17 +34,10 @@ const INNER: u64 = 1;
 /// The token of the alarm's timerfd in the outer one.
 const ALARM: u64 = 2;
 
-/// `fork()`s made since the first poller (a `pthread_atfork` handler counts them in the child):
-/// a child shares its parent's epoll instances, so it must not change what the parent's engine
-/// sleeps on (a caller's [`Gate`]).
+/// `fork()`s made since the first poller: a child shares its parent's epoll instances, so it must
+/// not change what the parent's engine sleeps on (a caller's [`Gate`]).
 pub(crate) fn forks() -> u64 {
-    FORKS.load(Ordering::Relaxed)
-}
-
-static FORKS: AtomicU64 = AtomicU64::new(0);
-
-extern "C" fn forked() {
-    FORKS.fetch_add(1, Ordering::Relaxed);
+    sys::forks()
 }
 
 /// Wakes one engine thread; cheap to clone, usable from any thread.
@@ -131,9 +124,7 @@ impl Registrar {
 
 impl Poller {
     pub(crate) fn new() -> io::Result<Self> {
-        static AT_FORK: std::sync::Once = std::sync::Once::new();
-        // The child handler only increments an atomic.
-        AT_FORK.call_once(|| sys::in_every_forked_child(forked));
+        sys::count_forks();
         let (outer, alarm, ep, ev) = (
             sys::epoll_create()?,
             sys::timerfd()?,

@@ -35,7 +35,7 @@ impl MetricsServer {
 /// Prometheus text format 0.0.4; `GET /health` answers 200 `ok` while the process serves.
 ///
 /// Anyone who reaches the port may connect: at most 256 connections are kept open, each with 5 s
-/// to send a request's headers (and to stay idle between requests).
+/// to send a request's headers (and to stay idle between requests) and 30 s in all.
 ///
 /// Must be called inside a tokio runtime, which runs the server.
 ///
@@ -59,7 +59,13 @@ pub async fn serve(addr: SocketAddr, registry: Arc<Registry>) -> Result<MetricsS
     let stop = async {
         let _ = rx.await;
     };
-    tokio::spawn(crate::channel::serve::serve(listener, app, stop, "metrics"));
+    tokio::spawn(crate::channel::serve::serve(
+        listener,
+        app,
+        stop,
+        "metrics",
+        crate::channel::serve::Limits::DEFAULT,
+    ));
     Ok(MetricsServer { addr, _stop: tx })
 }
 

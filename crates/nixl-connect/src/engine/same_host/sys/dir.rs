@@ -47,7 +47,11 @@ fn own_dir(base: &Path) -> io::Result<PathBuf> {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(e),
     }
-    check_own(&d, &fs::symlink_metadata(&d)?)?;
+    check_own(
+        &d,
+        &fs::symlink_metadata(&d)?,
+        "remove it and let the connector make it",
+    )?;
     Ok(d)
 }
 
@@ -190,16 +194,15 @@ fn path_addr(p: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
 }
 
 /// Checks that `m` (of this user's folder, not followed if a link) is what [`own_dir`] makes: a
-/// directory of this user, mode 0700.
-fn check_own(d: &Path, m: &fs::Metadata) -> io::Result<()> {
+/// directory of this user, mode 0700. `what_to_do` ends the error.
+fn check_own(d: &Path, m: &fs::Metadata, what_to_do: &str) -> io::Result<()> {
     if m.file_type().is_dir() && m.uid() == uid() && m.mode() & 0o077 == 0 {
         return Ok(());
     }
     Err(io::Error::new(
         io::ErrorKind::PermissionDenied,
         format!(
-            "{} must be a directory of uid {} with mode 0700 (it is {}, uid {}, mode {:o}): remove it \
-             and let the connector make it",
+            "{} must be a directory of uid {} with mode 0700 (it is {}, uid {}, mode {:o}): {what_to_do}",
             d.display(),
             uid(),
             if m.file_type().is_dir() {
@@ -214,34 +217,42 @@ fn check_own(d: &Path, m: &fs::Metadata) -> io::Result<()> {
 }
 
 /// Connects the socket `fd` to the socket named `stem` in this user's folder of `base`, checked
-/// as serving checks it: the folder opened without following a link (`O_NOFOLLOW`), a directory
-/// of this user with mode 0700 (another user may have made it first in a shared directory, or
-/// left a link there), the socket file in it a socket of this user and no link; the connection
-/// goes through the folder opened (`/proc/self/fd/N/...`), so the path cannot be swapped between
-/// the check and the connect. `PermissionDenied` says what was found.
+/// as serving checks it, with nothing swapped between the check and the connect: the folder is
+/// opened without following a link (`O_PATH | O_NOFOLLOW`) and must be a directory of this user
+/// with mode 0700 (another user may have made it first in a shared directory, or left a link
+/// there); the socket file is opened inside that open folder, again without following a link,
+/// and must be a socket of this user; the connection goes to that very file
+/// (`/proc/self/fd/N`). `PermissionDenied` says what was found; without `/proc`, `NotFound` says
+/// it is needed.
 pub(crate) fn connect_in(fd: RawFd, base: &Path, stem: &str) -> io::Result<()> {
+    let proc_fd = Path::new("/proc/self/fd");
+    if !proc_fd.is_dir() {
+        return Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            "connecting through the socket directory needs /proc mounted (it connects to the \
+             socket it checked, through /proc/self/fd)",
+        ));
+    }
+    let opened = |p: &Path| {
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(p)
+    };
     let d = user_dir(base);
-    let folder = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&d)
-        .map_err(|e| match e.raw_os_error() {
-            // O_NOFOLLOW on a link; O_DIRECTORY on anything else.
-            Some(libc::ELOOP | libc::ENOTDIR) => io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!(
-                    "{} is not a directory (a link?): not this user's folder",
-                    d.display()
-                ),
-            ),
-            _ => e,
-        })?;
-    check_own(&d, &folder.metadata()?)?;
-    let name = format!("{stem}.sock");
-    let via = Path::new("/proc/self/fd")
-        .join(folder.as_raw_fd().to_string())
-        .join(&name);
-    let m = fs::symlink_metadata(&via)?;
+    let folder = opened(&d)?;
+    check_own(
+        &d,
+        &folder.metadata()?,
+        "this user's peers serving there cannot be reached; another user may have made it first",
+    )?;
+    // A link in the socket's place opens as the link itself (`O_PATH | O_NOFOLLOW`): refused below.
+    let sock = opened(
+        &proc_fd
+            .join(folder.as_raw_fd().to_string())
+            .join(format!("{stem}.sock")),
+    )?;
+    let m = sock.metadata()?;
     if !m.file_type().is_socket() || m.uid() != uid() {
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
@@ -252,7 +263,7 @@ pub(crate) fn connect_in(fd: RawFd, base: &Path, stem: &str) -> io::Result<()> {
             ),
         ));
     }
-    connect_path(fd, &via)
+    connect_path(fd, &proc_fd.join(sock.as_raw_fd().to_string()))
 }
 
 /// Connects the socket `fd` to the filesystem socket at `p`.
