@@ -55,7 +55,7 @@ use std::time::{Duration, Instant};
 
 use super::cmd::Cmd;
 use super::core::{EngineCore, STOP_WAIT};
-use super::poller::{self, Alarm, DriverPoll, Gate, Poller, Ready, Waker};
+use super::poller::{Alarm, DriverPoll, Gate, Poller, Ready, Waker};
 use super::transport::CallerTurn;
 
 /// How long the engine keeps spinning after the last event before it sleeps.
@@ -100,7 +100,7 @@ pub(crate) struct Drive {
     /// False once the connector has handled a command over device memory, and from the start
     /// where callers never drive (see the module's docs).
     host_only: AtomicBool,
-    /// [`poller::forks`] when the engine started: a child of `fork()` does not drive.
+    /// [`sys::forks`](crate::sys::forks) when the engine started (a child shares its parent's epoll instances): a child of `fork()` does not drive.
     image: u64,
     /// Turns callers have taken (for tests that check that callers drive).
     turns: AtomicU64,
@@ -163,7 +163,7 @@ impl Drive {
             gate: poller.gate(),
             busy: AtomicUsize::new(0),
             host_only: AtomicBool::new(callers),
-            image: poller::forks(),
+            image: crate::sys::forks(),
             turns: AtomicU64::new(0),
             commands: AtomicU64::new(0),
             callers_expose: exposures,
@@ -240,7 +240,7 @@ impl Drive {
     /// True when callers may drive this connector now: host memory only, in the process that
     /// started it.
     fn callers_may(&self) -> bool {
-        self.host_only.load(Ordering::Acquire) && poller::forks() == self.image
+        self.host_only.load(Ordering::Acquire) && crate::sys::forks() == self.image
     }
 
     /// Turns callers have taken of this engine.
@@ -306,7 +306,7 @@ impl Drive {
     /// was dropped, or stopped spinning), and the engine is woken to take it over at once (it
     /// may sleep a whole `STAND_DOWN_MAX` else).
     pub(crate) fn leave(&self, unfinished: bool) {
-        if poller::forks() != self.image {
+        if crate::sys::forks() != self.image {
             // A child of `fork()` dropping a wait it inherited: the gate and the waker are the
             // parent's too.
             return;

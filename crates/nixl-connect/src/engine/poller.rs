@@ -34,12 +34,6 @@ const INNER: u64 = 1;
 /// The token of the alarm's timerfd in the outer one.
 const ALARM: u64 = 2;
 
-/// `fork()`s made since the first poller: a child shares its parent's epoll instances, so it must
-/// not change what the parent's engine sleeps on (a caller's [`Gate`]).
-pub(crate) fn forks() -> u64 {
-    sys::forks()
-}
-
 /// Wakes one engine thread; cheap to clone, usable from any thread.
 #[derive(Clone)]
 pub(crate) struct Waker(Arc<WakerInner>);
