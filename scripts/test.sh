@@ -22,7 +22,7 @@ if grep -q '^warning' <<<"$doc_log"; then echo "$doc_log" >&2; echo "cargo doc w
 RUSTDOCFLAGS="-D warnings" cargo doc -p nixl-connect --all-features --no-deps --document-private-items -q
 echo "== cargo test" >&2
 cargo test --workspace --all-features 2>&1
-echo "== the library's tests build with default features, none, and each feature alone" >&2
+echo "== the library's tests compile with default features, none, and each feature alone" >&2
 bash scripts/test-features.sh
 echo "== the crates as a registry takes them (cargo package, offline; each built from its .crate)" >&2
 bash scripts/test-package.sh

@@ -173,8 +173,7 @@ impl ConnectorBuilder {
         self
     }
 
-    /// How long `wait_for_completion` of a small operation (at most
-    /// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) in all) stays awake, at most, before
+    /// How long `wait_for_completion` of a small operation (at most 64 KiB in all) stays awake, at most, before
     /// its task parks until the engine wakes it (default: [`WAIT_SPIN_ENV`] in microseconds where
     /// set, else [`DEFAULT_WAIT_SPIN`]; zero turns it off; at most [`MAX_WAIT_SPIN`]).
     ///

@@ -51,7 +51,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("metrics/engine", 1),
     ("settings", 1),
     // The floor.
-    ("spin", 0),
+    ("pace", 0),
     ("sys", 0),
 ];
 
@@ -362,7 +362,7 @@ fn layers_paths_resolve_through_trees_and_reexports() {
         "transport".into(),
         "small".into()
     ]));
-    let roots = reexports("pub use engine::transport::{WAIT_SPIN_MAX_BYTES, X as Y};\n");
+    let roots = reexports("pub use engine::transport::{small, X as Y};\n");
     assert_eq!(
         roots.get("Y"),
         Some(&vec!["engine".to_string(), "transport".to_string()])

@@ -49,10 +49,10 @@ mod layers;
 mod metadata;
 pub mod metrics;
 mod operation;
+mod pace;
 mod reg;
 mod registration;
 mod settings;
-mod spin;
 mod state;
 mod stats;
 mod sync;
@@ -121,7 +121,6 @@ pub use descriptor::{Descriptor, Descriptors, OwnedMemory, Plain};
 pub use device::{Device, DeviceKind, ParseDeviceError};
 pub use engine::nixl::encoding::MAX_NIXL_METADATA;
 pub use engine::nixl::{MAX_RETIRED_EXPOSERS, REGISTERED_QUARANTINE};
-pub use engine::transport::WAIT_SPIN_MAX_BYTES;
 pub use error::{
     ChannelError, Error, ErrorKind, ErrorSource, MetadataProblem, Mismatch, PathRefusal, Refusal, Report,
     Result,
@@ -213,7 +212,7 @@ pub mod testing {
     /// for as long as the process lives: for tests that check how spins behave, which must not
     /// depend on how loaded the machine running them is (a loaded one would turn the spins off).
     pub fn keep_spinning() {
-        crate::spin::keep_spinning();
+        crate::pace::keep_spinning();
     }
 
     /// How many turns callers have taken of `connector`'s engine (a small operation's waiter
@@ -274,7 +273,7 @@ pub mod testing {
 /// core (an oversubscribed host). True when `done` said so.
 #[doc(hidden)]
 pub fn __spin_until(limit: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
-    if !spin::worthwhile() {
+    if !pace::worthwhile() {
         return done();
     }
     let until = std::time::Instant::now() + limit;
@@ -282,7 +281,7 @@ pub fn __spin_until(limit: std::time::Duration, mut done: impl FnMut() -> bool) 
         if done() {
             return true;
         }
-        if std::time::Instant::now() >= until || !spin::yield_core() {
+        if std::time::Instant::now() >= until || !pace::yield_core() {
             return false;
         }
     }

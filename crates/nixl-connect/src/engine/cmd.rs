@@ -76,9 +76,8 @@ impl Cmd {
     }
 
     /// True for the commands a driving caller may handle on its own thread (see `driver`), those
-    /// of a small operation over host memory (at most
-    /// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES), whose wait will drive what it
-    /// starts):
+    /// of a small operation over host memory ([`Pace::small`](crate::pace::Pace::small)), whose
+    /// wait will drive what it starts):
     /// - its [`Cmd::Begin`];
     /// - its [`Cmd::Expose`], which the core may still leave to the engine thread (when NIXL
     ///   would have to register the memory or make its metadata:
@@ -207,7 +206,7 @@ mod tests {
                 reply,
             }
         };
-        let small = crate::WAIT_SPIN_MAX_BYTES;
+        let small = 64 << 10; // the most bytes `Pace::small` takes
         assert!(expose(small, crate::Device::Host).for_a_caller());
         assert!(
             !expose(small + 1, crate::Device::Host).for_a_caller(),

@@ -21,7 +21,7 @@
 //! registered memory and prepared lists; otherwise the operation waits for the engine thread,
 //! where it was), and, on the turns the driver allows, a watch of its operations
 //! ([`Transport::watch_as_caller`]: NIXL's transfers in flight on every turn, its notifications
-//! every [`WATCH_GAP`] unless its polling asks for every turn). The engine stands down for an
+//! every [`Pace::turn_gap`](crate::pace::Pace::turn_gap) unless its polling asks for every turn). The engine stands down for an
 //! operation on such a transport only while callers' watches would see it end
 //! ([`Transport::watched_by_callers`], [`engine_bound`](EngineCore::engine_bound)). It leaves to the engine thread's next
 //! turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or free memory a
@@ -47,6 +47,7 @@ use super::transport::{
 use crate::error::{Error, Result};
 use crate::metrics::engine::EngineCell;
 use crate::metrics::families::Metrics;
+use crate::pace::PACE;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::{OpState, OperationStatus};
 use crate::stats::EngineStats;
@@ -54,14 +55,10 @@ use crate::stats::EngineStats;
 /// How long a dropped connector waits for its transports' work on memory (same-host copies end
 /// within a chunk unless a peer stalls its pages) before it leaks the memory they may still write.
 pub(crate) const STOP_WAIT: Duration = Duration::from_secs(10);
-/// The first back-off of a transport's schedule after activity.
-const MIN_PARK: Duration = Duration::from_micros(20);
 /// The longest back-off, by default, of a transport with work (transfers in flight, passive
 /// operations waiting for a peer's completion) once the engine has gone idle: NIXL is progressed
 /// at least this often then (Dynamo's `DYN_MM_NIXL_PROGRESS_DELAY_US` default, 1 ms).
 pub(crate) const DEFAULT_PROGRESS_DELAY: Duration = Duration::from_millis(1);
-/// How often a hot engine progresses a transport that watches for peers' completions.
-const WATCH_GAP: Duration = Duration::from_micros(5);
 /// Completed operations' keys remembered, to refuse replaying their metadata.
 const MAX_COMPLETED: usize = 65_536;
 /// How often, at most, a busy engine publishes its counters to the metrics (an idle one
@@ -185,7 +182,7 @@ impl EngineCore {
             schedules: transports
                 .iter()
                 .map(|_| Schedule {
-                    gap: MIN_PARK,
+                    gap: PACE.first_poll(),
                     next: now,
                 })
                 .collect(),
@@ -251,7 +248,7 @@ impl EngineCore {
     }
 
     /// Progresses every transport that is due: on every turn ([`Polling::EveryTurn`]), or by
-    /// its schedule (from [`MIN_PARK`] apart just after a command or a sign of activity, backing
+    /// its schedule (from [`Pace::first_poll`](crate::pace::Pace::first_poll) apart just after a command or a sign of activity, backing
     /// off to what its polling allows), or because descriptors it registered are `ready` (each
     /// transport is handed its own only). Returns whether anything happened.
     fn progress(&mut self, now: Instant, hot: bool, ready: &[Ready]) -> bool {
@@ -263,12 +260,13 @@ impl EngineCore {
             for (i, (t, s)) in self.transports.iter_mut().zip(&mut self.schedules).enumerate() {
                 if self.by_caller && !self.drivable[i] {
                     // The engine thread's, but for watching its exposures (NIXL's notifications)
-                    // every WATCH_GAP: a waiter that drives while the engine stands down sees a
+                    // every `Pace::turn_gap`: a waiter that drives while the engine stands down sees a
                     // NIXL peer's completion, and serves its reads over TCP, itself. The schedule
                     // stands otherwise; the driver keeps the engine due.
                     // Transfers in flight (`Busy`) on every turn, as a hot engine would.
                     let watched = &mut self.watched[i];
-                    let due = t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + WATCH_GAP);
+                    let due =
+                        t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + PACE.turn_gap());
                     if self.watching && !driven_pass && due {
                         *watched = Some(now);
                         let saw = t.watch_as_caller(&mut self.events);
@@ -304,9 +302,9 @@ impl EngineCore {
                 let active = t.progress(&mine, &mut self.events);
                 event |= active;
                 s.gap = match polling {
-                    _ if active => MIN_PARK,
-                    Polling::Watching if hot => WATCH_GAP,
-                    _ if t.did_work() => MIN_PARK,
+                    _ if active => PACE.first_poll(),
+                    Polling::Watching if hot => PACE.turn_gap(),
+                    _ if t.did_work() => PACE.first_poll(),
                     Polling::Every(t) => (s.gap * 2).min(t.max(self.max_park)),
                     _ => (s.gap * 2).min(self.max_park),
                 };
@@ -332,7 +330,7 @@ impl EngineCore {
     /// what it started is progressed at once).
     pub(crate) fn wake_all(&mut self, now: Instant) {
         for s in &mut self.schedules {
-            s.gap = MIN_PARK;
+            s.gap = PACE.first_poll();
             s.next = now;
         }
     }
@@ -364,7 +362,7 @@ impl EngineCore {
     ///
     /// `watch`: the turn may also watch the transports a caller may not drive
     /// ([`Transport::watch_as_caller`]: NIXL's transfers and notifications), on every turn while
-    /// one's polling is [`Polling::Busy`] and every [`WATCH_GAP`] otherwise; the driver allows it
+    /// one's polling is [`Polling::Busy`] and every [`Pace::turn_gap`](crate::pace::Pace::turn_gap) otherwise; the driver allows it
     /// only on the turns of waits that drive while the engine stands down.
     pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready], watch: bool) -> bool {
         self.by_caller = true;

@@ -4,12 +4,12 @@
 //! one lock, and whoever holds it drives; every decision is still the core's. The engine thread
 //! receives the callers' commands, reads the clock, sleeps in `epoll` on the transports'
 //! descriptors, its wake-up `eventfd` and its alarm, and wakes for a command, a ready descriptor,
-//! a transport's deadline or the alarm. After any event it keeps spinning for [`SPIN`] so that
+//! a transport's deadline or the alarm. After any event it keeps spinning for [`Pace::hot_for`](crate::pace::Pace::hot_for) so that
 //! back-to-back operations pay no wake-up (unless the host is oversubscribed: see
-//! [`crate::spin`], or callers drive: below); an idle connector costs no CPU.
+//! [`crate::pace`], or callers drive: below); an idle connector costs no CPU.
 //!
 //! A caller drives in two places ([`Drive::drive`]), only while the engine sleeps and few
-//! operations are in flight ([`DRIVEN_MAX`]): right after it sends a command (so a small
+//! operations are in flight ([`Pace::drive_max`](crate::pace::Pace::drive_max)): right after it sends a command (so a small
 //! operation starts on the caller's thread, with no wake-up), and on each turn of a small
 //! operation's wait spin (so its frames are read where the answer is awaited). While a wait
 //! spins, the engine stands down: it does not spin beside the caller, and its sleep no longer
@@ -26,17 +26,17 @@
 //! would hand another (a start NIXL cannot make on a caller's turn, such as a fallback to a peer
 //! not yet loaded; the rest of NIXL's end of an exposure; the drop of memory whose owner may be
 //! a Python object) it leaves to the engine thread: at once for a start, within
-//! [`STAND_DOWN_MAX`] (the alarm) for the rest. A transfer a caller posted with no wait driving
+//! [`Pace::stand_down`](crate::pace::Pace::stand_down) (the alarm) for the rest. A transfer a caller posted with no wait driving
 //! (on its send's turn) is progressed by the wait that follows, which drives it or, if it will
 //! not drive, wakes the engine ([`Drive::attend`]); one nobody waits for is progressed at the
-//! engine's alarm (within [`STAND_DOWN_MAX`]). The
+//! engine's alarm (within [`Pace::stand_down`](crate::pace::Pace::stand_down)). The
 //! commands a caller handles ([`Drive::takes`]) are a small operation's over host memory
 //! ([`Cmd::for_a_caller`]): its [`Cmd::Begin`], its [`Cmd::Expose`] where the connector's waits
 //! spin and NIXL has registered the memory and made its metadata already (else the core hands
 //! the command back, and the engine thread takes it), and an exposure's end that hands no memory
 //! on; the rest are the engine thread's. So a Rust passive side that exposes the same buffers
 //! again and again wakes its engine on none of its small operations' paths (NIXL's deferred
-//! rest still wakes it within [`STAND_DOWN_MAX`]). Callers never drive:
+//! rest still wakes it within [`Pace::stand_down`](crate::pace::Pace::stand_down)). Callers never drive:
 //! - a connector that has seen device memory (CUDA's current context is a thread's, and a
 //!   caller's thread must keep its own);
 //! - one whose operations start on NIXL (`--path nixl`) where its waits do not spin (the Python
@@ -57,22 +57,7 @@ use super::cmd::Cmd;
 use super::core::{EngineCore, STOP_WAIT};
 use super::poller::{Alarm, DriverPoll, Gate, Poller, Ready, Waker};
 use super::transport::CallerTurn;
-
-/// How long the engine keeps spinning after the last event before it sleeps.
-pub(crate) const SPIN: Duration = Duration::from_millis(2);
-
-/// The most operations in flight for a waiting caller to drive (and the engine to stand down):
-/// past it the engine's own thread batches the work.
-pub(crate) const DRIVEN_MAX: usize = 4;
-
-/// The most operations in flight for a caller to handle its own command: past it the engine's
-/// thread takes a burst of commands in one turn (64 outstanding operations ran at 0.6x of their
-/// rate when each caller took a turn for its command).
-pub(crate) const SENT_DRIVEN_MAX: usize = 2;
-
-/// The longest the engine sleeps while callers drive: it wakes to take a turn itself at least
-/// this often, so a driving wait that its runtime stops polling delays nothing for longer.
-pub(crate) const STAND_DOWN_MAX: Duration = Duration::from_millis(1);
+use crate::pace::{self, PACE};
 
 /// The engine's state, held by whoever drives.
 pub(crate) struct Driven {
@@ -131,9 +116,6 @@ pub(crate) struct Drive {
     alarm_at: Mutex<u64>,
 }
 
-/// The most commands a caller handles in one turn: the rest are the engine thread's.
-const CALLER_COMMANDS_MAX: usize = 8;
-
 impl Drive {
     /// The engine's state, before its thread runs; `callers`: whether callers may drive it at
     /// all (false where the connector deregisters memory on completion).
@@ -183,31 +165,31 @@ impl Drive {
 
     /// After a caller's turn: the engine sleeps, so if the turn left work due before the engine
     /// would wake (a transport's deadline, counters to publish), the alarm brings its wake
-    /// forward; while callers drive, the engine must wake within [`STAND_DOWN_MAX`] whatever is
+    /// forward; while callers drive, the engine must wake within [`Pace::stand_down`](crate::pace::Pace::stand_down) whatever is
     /// due (the sockets are out of its sleep).
     fn keep_the_engine_due(&self, d: &Driven, now: Instant) {
         let due = if self.gate.driven() {
-            Some(STAND_DOWN_MAX)
+            Some(PACE.stand_down())
         } else if d.pending.is_some() || d.core.transports_pending() {
             Some(Duration::ZERO)
         } else if d.core.has_deferred() || d.core.copies_released() {
             // An exposure for NIXL to forget, memory to free or hand on: within
-            // `STAND_DOWN_MAX`, not now (a wake-up now would take the core from the caller
+            // `Pace::stand_down`, not now (a wake-up now would take the core from the caller
             // that is about to see its operation's end).
-            Some(STAND_DOWN_MAX)
+            Some(PACE.stand_down())
         } else if d.unpublished {
             // The counters are published when the engine goes idle: it must wake to do so.
             Some(
                 d.core
                     .sleep_for(now)
-                    .map_or(STAND_DOWN_MAX, |t| t.max(STAND_DOWN_MAX)),
+                    .map_or(PACE.stand_down(), |t| t.max(PACE.stand_down())),
             )
         } else {
             // A small operation this turn started is driven by its wait, which comes next, and a
             // frame for it wakes the engine through the sockets anyway: what is left is the
             // transports' schedules (NIXL's polls of exposed memory, timers), which may wait
-            // `STAND_DOWN_MAX`. Sooner, the engine would take a core from that wait for nothing.
-            d.core.sleep_for(now).map(|t| t.max(STAND_DOWN_MAX))
+            // `Pace::stand_down`. Sooner, the engine would take a core from that wait for nothing.
+            d.core.sleep_for(now).map(|t| t.max(PACE.stand_down()))
         };
         let Some(after) = due else { return };
         self.bring_forward(now, after);
@@ -278,7 +260,7 @@ impl Drive {
     /// A wait that will drive begins: the engine's sleep stops seeing the sockets. False (and
     /// nothing changed) when callers may not drive this connector.
     pub(crate) fn enter(&self) -> bool {
-        if !self.callers_may() || self.busy.load(Ordering::Acquire) > DRIVEN_MAX {
+        if !self.callers_may() || self.busy.load(Ordering::Acquire) > PACE.drive_max() {
             return false;
         }
         self.gate.enter();
@@ -286,10 +268,10 @@ impl Drive {
         let now = Instant::now();
         self.last_driven.store(self.nanos(now), Ordering::Release);
         // The engine may already sleep without a deadline, and from now without the sockets: it
-        // must look at them within `STAND_DOWN_MAX` even if this wait is never polled again. (The
+        // must look at them within `Pace::stand_down` even if this wait is never polled again. (The
         // engine writes `planned` before it reads the gate, and both sides take the gate's lock:
         // either it saw this wait enter, or this sees when it will wake.)
-        self.bring_forward(now, STAND_DOWN_MAX);
+        self.bring_forward(now, PACE.stand_down());
         true
     }
 
@@ -304,7 +286,7 @@ impl Drive {
 
     /// A wait that [`enter`](Self::enter)ed ends; `unfinished`: its operation goes on (the wait
     /// was dropped, or stopped spinning), and the engine is woken to take it over at once (it
-    /// may sleep a whole `STAND_DOWN_MAX` else).
+    /// may sleep a whole `Pace::stand_down` else).
     pub(crate) fn leave(&self, unfinished: bool) {
         if crate::sys::forks() != self.image {
             // A child of `fork()` dropping a wait it inherited: the gate and the waker are the
@@ -317,12 +299,14 @@ impl Drive {
         }
     }
 
-    /// One turn on the caller's thread, if the engine sleeps, at most `max` operations are in
-    /// flight ([`DRIVEN_MAX`] for a wait, [`SENT_DRIVEN_MAX`] after a command), the connector has
-    /// seen only host memory and nobody else drives. True if it took the turn.
+    /// One turn on the caller's thread (a wait's, or the one after its send), if the engine
+    /// sleeps, at most [`Pace::drive_max`](crate::pace::Pace::drive_max) operations are in
+    /// flight, the connector has seen only host memory and nobody else drives. True if it took
+    /// the turn.
     ///
     /// Never blocks: the lock is only tried, and the turn polls without waiting.
-    pub(crate) fn drive(&self, max: usize) -> bool {
+    pub(crate) fn drive(&self) -> bool {
+        let max = PACE.drive_max();
         if !self.callers_may() || self.busy.load(Ordering::Acquire) > max || !self.waker.is_sleeping() {
             return false;
         }
@@ -366,7 +350,7 @@ impl Drive {
         let mut event = false;
         let mut handled = 0;
         while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
-            let back = if !self.takes(&cmd) || handled == CALLER_COMMANDS_MAX {
+            let back = if !self.takes(&cmd) || handled == PACE.drive_max() {
                 Some(cmd)
             } else {
                 // An exposure NIXL must register or make metadata for comes back.
@@ -450,8 +434,8 @@ impl Drive {
                 d.core.wake_all(now);
             }
             // While the engine is hot: transfers in flight are progressed on every turn,
-            // operations waiting for a completion every WATCH_GAP; otherwise by the schedule.
-            let hot = now.saturating_duration_since(last_event) < SPIN && crate::spin::worthwhile();
+            // operations waiting for a completion every `Pace::turn_gap`; otherwise by the schedule.
+            let hot = now.saturating_duration_since(last_event) < PACE.hot_for() && pace::worthwhile();
             event |= d.core.turn(now, hot, &ready);
             ready.clear();
             self.busy.store(d.core.in_flight(), Ordering::Release);
@@ -468,19 +452,19 @@ impl Drive {
             // Only while callers actually drive (a wait that entered the gate but is no longer
             // polled drives nothing), and only where they may.
             let stand_down = self.gate.driven()
-                && d.core.in_flight() <= DRIVEN_MAX
+                && d.core.in_flight() <= PACE.drive_max()
                 && self.host_only.load(Ordering::Acquire)
                 && !d.core.engine_bound()
                 && self
                     .nanos(now)
                     .saturating_sub(self.last_driven.load(Ordering::Acquire))
-                    < STAND_DOWN_MAX.as_nanos() as u64;
-            if !stand_down && last_event.elapsed() < SPIN && crate::spin::worthwhile() {
+                    < PACE.stand_down().as_nanos() as u64;
+            if !stand_down && last_event.elapsed() < PACE.hot_for() && pace::worthwhile() {
                 // Recently active: stay hot (yielding the core) so the next command, socket
                 // message or completion is picked up without a wake-up; not while the host is
                 // oversubscribed (a yield then costs a time slice, see `spin`).
                 drop(g);
-                crate::spin::yield_core();
+                pace::yield_core();
                 poller.wait(Some(Duration::ZERO), &mut ready);
                 continue;
             }
@@ -510,22 +494,22 @@ impl Drive {
             }
             // Written before the gate is read: a wait that enters the gate after that read sees
             // when this sleep ends, and brings it forward (`enter`). (Behind the gate the sleep
-            // is at most `STAND_DOWN_MAX`, so such a wait's need is met either way.)
+            // is at most `Pace::stand_down`, so such a wait's need is met either way.)
             self.planned.store(
                 timeout.map_or(u64::MAX, |t| self.nanos(now + t)),
                 Ordering::SeqCst,
             );
             if self.gate.driven() {
-                // The sleep does not see the sockets: the engine wakes within `STAND_DOWN_MAX`
+                // The sleep does not see the sockets: the engine wakes within `Pace::stand_down`
                 // to look at them itself, in case a driving wait is no longer polled. While
                 // callers drive, their turns serve the same-host path's deadlines too (a driven
                 // turn is a hot one, and watches NIXL's exposed memory), and the rest of NIXL's
                 // schedule waits for that wake: waking for each would take the core from the
                 // caller that drives, and a wait that stops spinning wakes the engine anyway.
                 let cap = if stand_down {
-                    STAND_DOWN_MAX
+                    PACE.stand_down()
                 } else {
-                    timeout.map_or(STAND_DOWN_MAX, |t| t.min(STAND_DOWN_MAX))
+                    timeout.map_or(PACE.stand_down(), |t| t.min(PACE.stand_down()))
                 };
                 timeout = Some(cap);
                 // When it wakes, exactly: a caller's turn compares its deadlines with it.
@@ -533,7 +517,7 @@ impl Drive {
             }
             if stand_down {
                 // Back from standing down, the engine does not spin: the callers drove.
-                last_event = now.checked_sub(SPIN).unwrap_or(now);
+                last_event = now.checked_sub(PACE.hot_for()).unwrap_or(now);
             }
             drop(g);
             poller.wait(timeout, &mut ready);

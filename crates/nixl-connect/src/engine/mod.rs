@@ -3,8 +3,8 @@
 //! Callers send [`Cmd`]s over a channel and wake the thread through its [`poller`]. The thread
 //! sleeps in `epoll` on the same-host transport's sockets and its wake-up `eventfd`; it polls NIXL
 //! only when NIXL needs it ([`Polling`](transport::Polling)): often while transfers are in flight, every
-//! [`nixl::EXPOSED_POLL`] while memory is exposed (a peer may need this side to act, for example to
-//! serve a read over TCP), never otherwise. After any event it keeps spinning for [`SPIN`](driver::SPIN) so that
+//! [`Pace::exposed_poll`](crate::pace::Pace::exposed_poll) while memory is exposed (a peer may need this side to act, for example to
+//! serve a read over TCP), never otherwise. After any event it keeps spinning for [`Pace::hot_for`](crate::pace::Pace::hot_for) so that
 //! back-to-back operations pay no wake-up; an idle connector costs no CPU. A caller waiting for a
 //! small operation over host memory may take the engine's turns itself while the engine stands
 //! down (`driver`).
@@ -501,7 +501,7 @@ impl Engine {
     /// One turn of the engine on this thread, if a caller may take one now (see `driver`):
     /// a small operation's wait calls it on each turn of its spin. True if it took one.
     pub(crate) fn drive(&self) -> bool {
-        self.0.drive.drive(driver::DRIVEN_MAX)
+        self.0.drive.drive()
     }
 
     /// A wait that will not drive begins: the engine is woken if a caller's turn started an
@@ -560,7 +560,7 @@ impl Engine {
     pub(crate) fn send(&self, cmd: Cmd) -> Result<()> {
         let mine = self.0.drive.takes(&cmd) && std::thread::current().id() != self.0.thread;
         self.0.tx.send(cmd).map_err(|_| Error::EngineStopped)?;
-        if !mine || !self.0.drive.drive(driver::SENT_DRIVEN_MAX) {
+        if !mine || !self.0.drive.drive() {
             self.0.waker.wake();
         }
         Ok(())

@@ -15,26 +15,21 @@ use std::time::Duration;
 
 use crate::error::{Error, ErrorSource, PathRefusal, Result};
 use crate::metadata::OperationKind;
+use crate::pace::PACE;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::{OpState, TransferPath};
 use crate::stats::EngineStats;
 
-/// The most bytes an operation moves, in all, for its wait to spin before it parks
-/// ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)) and for a caller's turn
-/// to take its commands and transfers (see `driver`): past it the copy's own time dwarfs a
-/// wake-up, and a waiter spinning beside the copy would take a core from it (docs/FIGURES.md,
-/// "Unproven on 16 cores": 64 MiB reads while every wait spun).
-pub const WAIT_SPIN_MAX_BYTES: usize = 64 << 10;
-
-/// True for host memory of at most [`WAIT_SPIN_MAX_BYTES`] in all: a small operation, whose
-/// waiter spins and may drive the engine.
+/// True for host memory of a small operation in all ([`Pace::small`](crate::pace::Pace::small)),
+/// whose waiter spins and may drive the engine.
 pub(crate) fn small_host(ranges: &[Range]) -> bool {
     ranges.iter().all(|r| r.device == crate::device::Device::Host) && small(ranges)
 }
 
-/// True for at most [`WAIT_SPIN_MAX_BYTES`] in all, whatever memory.
+/// True for a small operation's bytes in all ([`Pace::small`](crate::pace::Pace::small)),
+/// whatever memory.
 pub(crate) fn small(ranges: &[Range]) -> bool {
-    ranges.iter().map(|r| r.len).fold(0usize, usize::saturating_add) <= WAIT_SPIN_MAX_BYTES
+    PACE.small(ranges.iter().map(|r| r.len).fold(0usize, usize::saturating_add))
 }
 
 /// An active operation's id within its engine.

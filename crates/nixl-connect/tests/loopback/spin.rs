@@ -15,8 +15,10 @@ use std::time::Duration;
 
 use nixl_connect::{
     testing, Connector, Descriptor, Error, OperationStatus, ReadOperation, ReadableOperation, MAX_WAIT_SPIN,
-    WAIT_SPIN_MAX_BYTES,
 };
+
+/// The most bytes a small operation moves in all, as `ConnectorBuilder::wait_spin` documents.
+const SMALL: usize = 64 << 10;
 
 const T: Option<Duration> = Some(Duration::from_secs(5));
 
@@ -229,27 +231,24 @@ async fn loopback_wait_spin_parks_once_its_spin_is_over() {
 #[tokio::test(flavor = "current_thread")]
 async fn loopback_wait_spin_skips_large_operations() {
     let (a, b) = spinning_pair();
-    let (polls, r, task) = stalled_wait(&a, &b, WAIT_SPIN_MAX_BYTES + 4096).await;
+    let (polls, r, task) = stalled_wait(&a, &b, SMALL + 4096).await;
     for _ in 0..100 {
         tokio::task::yield_now().await;
     }
     assert_eq!(
         polls.load(Ordering::Relaxed),
         1,
-        "a wait of more than WAIT_SPIN_MAX_BYTES parks at its first poll"
+        "a wait of more than 64 KiB parks at its first poll"
     );
     assert!(testing::stall(&b, false));
     task.await.unwrap().unwrap();
     r.wait_for_completion(T).await.unwrap();
     // At the limit, it spins.
-    let (polls, r, task) = stalled_wait(&a, &b, WAIT_SPIN_MAX_BYTES).await;
+    let (polls, r, task) = stalled_wait(&a, &b, SMALL).await;
     for _ in 0..100 {
         tokio::task::yield_now().await;
     }
-    assert!(
-        polls.load(Ordering::Relaxed) > 1,
-        "a wait of WAIT_SPIN_MAX_BYTES spins"
-    );
+    assert!(polls.load(Ordering::Relaxed) > 1, "a wait of 64 KiB spins");
     assert!(testing::stall(&b, false));
     task.await.unwrap().unwrap();
     r.wait_for_completion(T).await.unwrap();

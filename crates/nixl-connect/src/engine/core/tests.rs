@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use super::{EngineCore, MIN_PARK, WATCH_GAP};
+use super::EngineCore;
 use crate::device::Device;
 use crate::engine::cmd::Cmd;
 use crate::engine::poller::Ready;
@@ -18,9 +18,13 @@ use crate::engine::transport::{
 };
 use crate::error::{Error, ErrorKind, Refusal, Result};
 use crate::metadata::OperationKind;
+use crate::pace::PACE;
 use crate::reg::{Hold, Range};
 use crate::state::{OpState, OperationStatus, TransferPath};
 use crate::stats::EngineStats;
+
+const MIN_PARK: Duration = PACE.first_poll();
+const WATCH_GAP: Duration = PACE.turn_gap();
 
 /// What a probe records and how it behaves, shared with the test that scripted it.
 #[derive(Default)]

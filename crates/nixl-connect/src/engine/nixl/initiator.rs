@@ -30,7 +30,7 @@ pub(super) struct Inflight {
     pub(super) peer: Arc<str>,
     pub(super) transfer: Transfer,
     pub(super) _tokens: Vec<RegToken>,
-    /// Host memory of at most [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES): a caller's
+    /// Host memory of at most a small operation's bytes ([`Pace::small`](crate::pace::Pace::small)): a caller's
     /// watch may poll it (a poll progresses the initiator's UCX worker, which sends what there is
     /// to send).
     pub(super) small: bool,

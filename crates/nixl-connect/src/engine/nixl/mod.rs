@@ -36,6 +36,7 @@ use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, 
 use crate::engine::transport::small_host;
 use crate::error::{Error, Result};
 use crate::metadata::OperationKind;
+use crate::pace::PACE;
 use crate::reg::{Hold, Range, RegToken};
 use crate::state::TransferPath;
 use crate::stats::EngineStats;
@@ -69,29 +70,6 @@ const MAX_MD_CACHE: usize = 4096;
 /// buffers, a whole 4 KiB Python operation slowed about threefold (docs/FIGURES.md, "Fresh exposures
 /// over many operations").
 pub const REGISTERED_QUARANTINE: usize = 4096;
-/// How often an exposer with memory registered but no operation live is progressed.
-pub(crate) const EXPOSED_POLL: Duration = Duration::from_millis(5);
-/// A progress call longer than this did work in UCX (an idle one takes a few microseconds), if
-/// the call right after it is as long: one slow call alone is as often a thread preempted or
-/// woken cold as work, and taking it for work kept an idle engine spinning for 2 ms each time
-/// (docs/FIGURES.md, "A connector's CPU while idle").
-const ACTIVITY: Duration = Duration::from_micros(25);
-/// While a writable is live, draining the exposers' notifications with more CPU time than this
-/// took in a burst of a peer's write (an idle drain uses about a microsecond, one that takes in a
-/// burst over TCP an order of magnitude more): the transport is then progressed again soon
-/// ([`Transport::did_work`]), without keeping the engine hot. Backing off to the progress delay
-/// between bursts instead slowed 64 MiB writes over TCP (docs/FIGURES.md, "1 MiB and 64 MiB
-/// over TCP"). CPU time,
-/// not the wall clock: a drain preempted, or run cold after a sleep, is not work, and taking it
-/// for work would keep an idle writable's engine waking every 20 us.
-const RECEIVING: Duration = Duration::from_micros(10);
-
-/// How long after a NIXL peer last completed one of this connector's operations its small
-/// exposures are watched on every hot turn, not every `WATCH_GAP`: peers that read or write
-/// through NIXL now are likely to go on, and each watch that comes late delays them (over TCP,
-/// a read is served only when this side progresses UCX). Past it, a connector whose peers take
-/// the same-host path pays no NIXL call on most turns.
-const PEERS_HOT: Duration = Duration::from_millis(10);
 
 /// The least time between two warnings of one kind of repeated failure ([`Throttle`]).
 const WARN_GAP: Duration = Duration::from_secs(1);
@@ -135,8 +113,8 @@ struct Exposer {
     md_cache: HashMap<Vec<u64>, Arc<str>>,
     /// Live passive operations: their keys and registrations.
     live: HashMap<Arc<str>, Vec<Arc<RegInner>>>,
-    /// How many of the live operations expose more than
-    /// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) (a caller's turn does not watch them).
+    /// How many of the live operations expose more than a small operation's bytes
+    /// ([`Pace::small`](crate::pace::Pace::small)): a caller's turn does not watch them.
     large: usize,
     /// The keys of the live operations that are writables: peers may be moving bytes into this
     /// process.
@@ -204,7 +182,7 @@ pub(crate) struct NixlTransport {
     /// The last progress call was slow with nothing to show for it: progress again at once, and
     /// count it as work if that one is slow too.
     recheck: bool,
-    /// The last progress call's drain used CPU time (see [`RECEIVING`]) while a peer may have been
+    /// The last progress call's drain used CPU time (see [`Pace::receiving`](crate::pace::Pace::receiving)) while a peer may have been
     /// writing into this process.
     slow_receiving: bool,
     /// Operations whose post failed in the transport on a caller's turn: part of each may have
@@ -589,13 +567,14 @@ pub(super) fn overlap(a: &Range, b: &Range) -> bool {
     a.device == b.device && a.addr < b.addr + b.len && b.addr < a.addr + a.len
 }
 
-/// True when an exposure's registrations cover more than
-/// [`WAIT_SPIN_MAX_BYTES`](crate::WAIT_SPIN_MAX_BYTES) in all.
+/// True when an exposure's registrations cover more than a small operation's bytes in all
+/// ([`Pace::small`](crate::pace::Pace::small)).
 fn large(regs: &[Arc<RegInner>]) -> bool {
-    regs.iter()
-        .map(|t| t.range.len)
-        .fold(0usize, usize::saturating_add)
-        > crate::engine::transport::WAIT_SPIN_MAX_BYTES
+    !PACE.small(
+        regs.iter()
+            .map(|t| t.range.len)
+            .fold(0usize, usize::saturating_add),
+    )
 }
 
 /// The registrations' ranges and ids, sorted and deduplicated: what their metadata is made from
@@ -815,9 +794,13 @@ impl Transport for NixlTransport {
                 !self.exposer.writables.is_empty() || self.retired.values().any(|e| !e.writables.is_empty());
             let cpu0 = receiving.then(thread_cpu_time);
             event |= self.drain_notifications(out);
-            self.slow_receiving = cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > RECEIVING);
+            // CPU time, not the wall clock: a drain preempted, or run cold after a sleep, is not
+            // work, and taking it for work would keep an idle writable's engine waking often.
+            self.slow_receiving =
+                cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > PACE.receiving());
         }
-        let slow = t0.elapsed() > ACTIVITY;
+        // One slow call alone is as often a thread preempted or woken cold as work: two in a row.
+        let slow = t0.elapsed() > PACE.activity();
         let busy = event || (slow && self.recheck);
         self.recheck = slow && !busy;
         busy
@@ -913,9 +896,11 @@ impl Transport for NixlTransport {
                 .is_some_and(|i| !i.inflight.is_empty() || !i.ended.is_empty())
         {
             Polling::Busy
-        } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PEERS_HOT) {
-            // Small passive operations wait for their notification, and NIXL peers complete them
-            // now: on every hot turn (and every caller's turn that watches), as a peer spinning
+        } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for())
+        {
+            // Small passive operations wait for their notification, and NIXL peers completed one
+            // within the engine's hot spell (peers that read or write through NIXL now are likely
+            // to go on, and each watch that comes late delays them): on every hot turn (and every caller's turn that watches), as a peer spinning
             // on NIXL would, since over TCP this side's progress also serves a peer's read.
             Polling::Busy
         } else if !self.exposer.live.is_empty() || !self.retired.is_empty() {
@@ -924,7 +909,7 @@ impl Transport for NixlTransport {
         } else if !self.exposer.regs.map.is_empty() || !self.exposer.quarantine.is_empty() {
             // Peers may need this side to act for memory they can still reach (to serve a read
             // over TCP, even of memory given up): keep progressing, slowly when idle.
-            Polling::Every(EXPOSED_POLL)
+            Polling::Every(PACE.exposed_poll())
         } else {
             Polling::Never
         }

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::slots::{SlotTable, ARMED, COPYING, DONE};
 use crate::error::ErrorSource;
+use crate::pace::PACE;
 use crate::sync::lock;
 use crate::sync::Recover;
 
@@ -333,8 +334,6 @@ pub(crate) const MAX_SPARE: usize = 56;
 pub(crate) const MAX_POOL_THREADS: usize = 1024;
 /// The stack of a copy thread (it only makes system calls).
 const COPY_STACK: usize = 256 << 10;
-/// How long a kept thread stays hot (spinning, yielding its core) after its last job.
-pub(crate) const POOL_SPIN: Duration = Duration::from_millis(2);
 /// How long an added thread waits for work before it leaves.
 pub(crate) const SPARE_IDLE: Duration = Duration::from_secs(10);
 
@@ -440,20 +439,20 @@ impl Pool {
     }
 
     fn worker(&'static self, kept: bool) {
-        // A kept thread that just ran a job stays hot for [`POOL_SPIN`] (yielding its core), as
+        // A kept thread that just ran a job stays hot for [`Pace::hot_for`](crate::pace::Pace::hot_for) (yielding its core), as
         // the engine does, so that back-to-back copies pay no wake-up (on the machines measured,
         // waking a sleeping thread costs tens of microseconds; a 4 KiB copy, under one); not
-        // while the host is oversubscribed (see `crate::spin`).
+        // while the host is oversubscribed (see `crate::pace`).
         let mut hot_until: Option<Instant> = None;
         let mut st = lock(&self.state);
         loop {
             let Some(job) = st.take(self.per_peer) else {
                 if let Some(t) = hot_until.take() {
-                    if Instant::now() < t && crate::spin::worthwhile() {
+                    if Instant::now() < t && crate::pace::worthwhile() {
                         st.hot += 1;
                         drop(st);
                         loop {
-                            let cheap = crate::spin::yield_core();
+                            let cheap = crate::pace::yield_core();
                             if self.queued.load(Ordering::Acquire) > 0 || Instant::now() >= t || !cheap {
                                 break;
                             }
@@ -487,7 +486,7 @@ impl Pool {
             let pid = job.pid;
             run(job);
             if kept {
-                hot_until = Some(Instant::now() + POOL_SPIN);
+                hot_until = Some(Instant::now() + PACE.hot_for());
             }
             st = lock(&self.state);
             st.ended(pid);

@@ -1,26 +1,29 @@
-//! Staying awake by yielding the core, and stopping while the host is oversubscribed: the floor
-//! under every spin of the crate (a small operation's wait, the engine after an event, a kept copy
-//! thread, the Python module's wait at the call). Why each rule is there, and the benchmark rows
-//! that carry it: docs/decisions/0010-spins-on-an-oversubscribed-core.md and
-//! docs/decisions/0005-who-drives.md.
+//! Who waits how: every number that decides whether a thread spins, drives the engine or parks
+//! ([`Pace`], one value: [`PACE`]), and the yields every spin of the crate makes (a small
+//! operation's wait, the engine after an event, a kept copy thread, the Python module's wait at
+//! the call). Why each rule is there: docs/decisions/0005-who-drives.md and
+//! docs/decisions/0010-spins-on-an-oversubscribed-core.md; the benchmark row that carries each
+//! number is named on its field, and docs/FIGURES.md, "Unproven on 16 cores", lists them all.
 //!
 //! - Every spin yields its core (`sched_yield`) through [`yield_core`], which times the yield:
 //!   on a free core a yield returns within microseconds; beside a thread that does not yield back
 //!   (any CPU-bound process) Linux's scheduler returns it only after that thread's slice.
-//! - A yield that took longer than [`YIELD_OVERRUN`] overran. Each thread keeps a balance: an
+//! - A yield that took longer than [`Pace::overrun`] overran. Each thread keeps a balance: an
 //!   overrun adds the time it took, a quick yield takes its time off. A balance of
-//!   [`LOST_TO_STOP`] turns the thread's spins off ([`worthwhile`] says no) for [`CONTENDED_FOR`],
-//!   doubling (up to [`MAX_OFF`]) each time the probe that follows overruns again; quick yields
-//!   that pay the balance back mean the core is free again. A balance untouched for
-//!   [`FORGET_AFTER`] starts again from nothing. Our own threads' bursts of work overrun yields
-//!   too, and do not turn spins off: what marks an oversubscribed core is yields that lose far
-//!   more time than they give back, however often they run.
+//!   [`Pace::lost_to_stop`] turns the thread's spins off ([`worthwhile`] says no) for
+//!   [`Pace::off_for`]; the spin after that is a probe, which may lose one engine spin
+//!   ([`Pace::hot_for`]) before spins turn off again. Quick yields that pay the balance back mean
+//!   the core is free again, and a balance untouched for [`Pace::off_for`] starts again from
+//!   nothing. Our own threads' bursts of work overrun yields too, and do not turn spins off: what
+//!   marks an oversubscribed core is yields that lose far more time than they give back, however
+//!   often they run.
 //! - Two threads spinning on one core run each other's turn at every yield, while another core
 //!   may idle (the scheduler keeps a thread that ran within half a millisecond where it is). So
-//!   the spin of a wait that drives the engine ends once its last [`SHARED_TURNS_TO_STOP`] yields
-//!   in a row each took longer than [`SHARED_TURN`] ([`yield_driving`]): its thread parks and,
-//!   woken, is placed on a free core. Such a wait yields at most once per [`YIELD_GAP`]. Other
-//!   spins share cores with our own threads by design and do not end on this rule.
+//!   the spin of a wait that drives the engine ends once its last [`Pace::shared_turns`] yields
+//!   in a row each took longer than [`Pace::shared_turn`] ([`yield_driving`]): its thread parks
+//!   and, woken, is placed on a free core. Such a wait yields at most once per
+//!   [`Pace::turn_gap`]. Other spins share cores with our own threads by design and do not end
+//!   on this rule.
 //!
 //! The state is per thread: a core is what a yield finds busy, and a thread mostly stays on its
 //! core. `Seen` is the rule with no clock or thread of its own, tested with made-up times.
@@ -29,50 +32,144 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-/// A yield that takes longer than this gave the core to a thread that did not give it back soon
-/// (a yield to our own spinning threads, or with a core to spare, takes a few microseconds).
-const YIELD_OVERRUN: Duration = Duration::from_micros(200);
+/// The numbers that decide whether a thread spins, drives the engine or parks, each with what it
+/// decides and the docs/FIGURES.md row that carries it (measured on the 2-core VM; none has an
+/// A/B on a 16-core host yet: FIGURES.md, "Unproven on 16 cores"). Private: a connector's one
+/// setting here is its wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)).
+#[derive(Debug)]
+pub(crate) struct Pace {
+    hot_for: Duration,
+    turn_gap: Duration,
+    first_poll: Duration,
+    stand_down: Duration,
+    drive_max: usize,
+    small: usize,
+    overrun: Duration,
+    lost_to_stop: Duration,
+    off_for: Duration,
+    shared_turn: Duration,
+    shared_turns: u32,
+    exposed_poll: Duration,
+    activity: Duration,
+    receiving: Duration,
+}
 
-/// The balance of a thread's overrun yields (less its quick ones) that turns its spins off.
-const LOST_TO_STOP: Duration = Duration::from_millis(20);
+/// The crate's pace.
+pub(crate) const PACE: Pace = Pace {
+    hot_for: Duration::from_millis(2),
+    turn_gap: Duration::from_micros(5),
+    first_poll: Duration::from_micros(20),
+    stand_down: Duration::from_millis(1),
+    drive_max: 4,
+    small: 64 << 10,
+    overrun: Duration::from_micros(200),
+    lost_to_stop: Duration::from_millis(20),
+    off_for: Duration::from_secs(1),
+    shared_turn: Duration::from_micros(2),
+    shared_turns: 8,
+    exposed_poll: Duration::from_millis(5),
+    activity: Duration::from_micros(25),
+    receiving: Duration::from_micros(10),
+};
 
-/// How long a thread's spins first stay off once its balance reached [`LOST_TO_STOP`].
-const CONTENDED_FOR: Duration = Duration::from_secs(1);
+impl Pace {
+    /// How long the engine thread, and a kept copy thread, stay awake (yielding their core) after
+    /// their last event, so back-to-back operations pay no wake-up; and how long after a NIXL
+    /// peer's last completion a connector's exposures are watched on every hot turn. Row:
+    /// "64 outstanding" (the copy pool without its spin: reads 104K against 119K a second).
+    pub(crate) const fn hot_for(&self) -> Duration {
+        self.hot_for
+    }
 
-/// The longest a thread's spins stay off (the time off doubles each time a probe overruns).
-const MAX_OFF: Duration = Duration::from_secs(8);
+    /// A driving wait yields its core at most once per this (other spins yield every turn), and
+    /// a caller's turn watches NIXL's exposures at most once per this. Row: "4 KiB over TCP"
+    /// (NIXL write 1.12-1.14x raw with a yield every turn, 1.02-1.03x with the gap).
+    pub(crate) const fn turn_gap(&self) -> Duration {
+        self.turn_gap
+    }
 
-/// What a probe may lose before spins turn off again: above a burst of the engine's own work on
-/// the same core (64 operations or 1,000 descriptors at once), below a slice of a CPU-bound
-/// process (4 ms at 250 Hz).
-const PROBE_ROOM: Duration = Duration::from_millis(2);
+    /// How soon a polled transport is polled again after it showed activity (the gap then
+    /// doubles up to what its polling allows). Row: "4 KiB over TCP".
+    pub(crate) const fn first_poll(&self) -> Duration {
+        self.first_poll
+    }
 
-/// A balance whose last overrun (or time off) ended longer ago than this is forgotten.
-const FORGET_AFTER: Duration = Duration::from_secs(5);
+    /// While callers drive, the engine stands down and sleeps at most this long (a caller's turn
+    /// within this long counts as driving), and what a caller's turn leaves the engine thread is
+    /// due no sooner. Row: "4 KiB", same-host 4 KiB read (an alarm at 100 us rang mid-operation).
+    pub(crate) const fn stand_down(&self) -> Duration {
+        self.stand_down
+    }
 
-/// How often the spin of a wait that drives the engine gives its core away at most
-/// ([`yield_driving`] once per this long; the turns between call no `sched_yield`). A yield is a
-/// system call beside a turn of a few microseconds, and a waiter that drives a NIXL transfer
-/// turns to serve and see it: the row that carries it is docs/FIGURES.md, "4 KiB over TCP"
-/// (against raw NIXL, yielding every turn and every 5 us). A thread of ours that shares the core
-/// waits for that long more at most.
-pub(crate) const YIELD_GAP: Duration = Duration::from_micros(5);
+    /// The most operations in flight for a caller to drive (a wait's turn, or the turn after its
+    /// send) and for the engine to stand down, and the most commands one caller's turn handles:
+    /// past it the engine's own thread batches the work. Row: "64 outstanding" (0.6-0.7x when
+    /// every send took a turn).
+    pub(crate) const fn drive_max(&self) -> usize {
+        self.drive_max
+    }
 
-/// A yield that took longer than this ran another thread's turn on this core (a yield with the
-/// core to itself takes under a microsecond). Where a bare yield
-/// costs more (a system call filter, nested virtualization), every spin ends after
-/// [`SHARED_TURNS_TO_STOP`] yields, some 40 us into a wait's spin: a shorter spin, nothing
-/// worse. A bar set from the thread's own quickest yield was not taken: a thread whose every
-/// yield so far ran another's turn would set it too high.
-const SHARED_TURN: Duration = Duration::from_micros(2);
+    /// Whether `bytes` make a small operation: its wait may spin, drive the engine and post on a
+    /// caller's turn. Row: "64 MiB", same-host 64 MiB read (4.5% slower while every wait spun).
+    pub(crate) const fn small(&self, bytes: usize) -> bool {
+        bytes <= self.small
+    }
 
-/// Yields further apart than this are not in a row: the count of shared turns starts anew (a
-/// spin's yields come every [`YIELD_GAP`] or so, and beside another spinner every 10-20 us).
-const SHARED_RUN_GAP: Duration = Duration::from_micros(200);
+    /// A yield that took longer than this overran: it gave the core to a thread that did not give
+    /// it back soon (a yield to our own spinning threads, or with a core to spare, takes a few
+    /// microseconds); yields further apart than this are not in a row. Row: "Beside CPU hogs".
+    const fn overrun(&self) -> Duration {
+        self.overrun
+    }
 
-/// A spin whose last this many yields each ran another thread's turn ends (see the module's
-/// docs): two threads spinning on one core.
-const SHARED_TURNS_TO_STOP: u32 = 8;
+    /// The balance of a thread's overrun yields (less its quick ones) that turns its spins off.
+    /// Row: "Beside CPU hogs", and "64 outstanding and 1,000 x 4 KiB" (which must not move: our
+    /// own bursts of 0.2-1.3 ms overrun yields a few times a second).
+    const fn lost_to_stop(&self) -> Duration {
+        self.lost_to_stop
+    }
+
+    /// How long a thread's spins stay off once its balance reached [`lost_to_stop`](Self::lost_to_stop),
+    /// and how long an untouched balance is kept. Row: "Beside CPU hogs".
+    const fn off_for(&self) -> Duration {
+        self.off_for
+    }
+
+    /// A yield that took longer than this ran another thread's turn on this core (a yield with
+    /// the core to itself takes under a microsecond). Where a bare yield costs more (a system
+    /// call filter, nested virtualization), a driving wait's spin ends after
+    /// [`shared_turns`](Self::shared_turns) yields: a shorter spin, nothing worse. Row: "4 KiB",
+    /// same-host 4 KiB read (the reader's runs 17.8-19.6 us; a third at 34-37 us without it).
+    const fn shared_turn(&self) -> Duration {
+        self.shared_turn
+    }
+
+    /// A driving wait's spin whose last this many yields each ran another thread's turn ends: two
+    /// threads spinning on one core. Row: as [`shared_turn`](Self::shared_turn).
+    const fn shared_turns(&self) -> u32 {
+        self.shared_turns
+    }
+
+    /// How often NIXL is progressed while memory is registered but no operation is live (a peer
+    /// may need this side to act to read it over TCP). Row: "A connector's CPU while idle".
+    pub(crate) const fn exposed_poll(&self) -> Duration {
+        self.exposed_poll
+    }
+
+    /// A NIXL progress call longer than this (wall clock), twice in a row, did work in UCX (an
+    /// idle one takes a few microseconds). Row: "A connector's CPU while idle" (one slow call
+    /// taken for work kept an idle engine spinning 2 ms each time).
+    pub(crate) const fn activity(&self) -> Duration {
+        self.activity
+    }
+
+    /// Draining NIXL's notifications with more CPU time than this while a writable is live took
+    /// in a burst of a peer's write: NIXL is progressed again soon, without keeping the engine
+    /// hot. Row: "1 MiB and 64 MiB over TCP" (backing off between bursts slowed 64 MiB writes).
+    pub(crate) const fn receiving(&self) -> Duration {
+        self.receiving
+    }
+}
 
 /// What one thread's yields have shown: the rule, without a clock (times are passed in).
 #[derive(Clone, Copy, Debug)]
@@ -83,11 +180,9 @@ struct Seen {
     last: Option<Instant>,
     /// Until when spinning is off.
     off_until: Option<Instant>,
-    /// How long the next time off lasts.
-    off_for: Duration,
     /// The last yields in a row that each ran another thread's turn.
     shared: u32,
-    /// When the last yield ended (for [`SHARED_RUN_GAP`]).
+    /// When the last yield ended (yields further apart than an overrun are not in a row).
     last_yield: Option<Instant>,
 }
 
@@ -96,7 +191,6 @@ impl Seen {
         lost: Duration::ZERO,
         last: None,
         off_until: None,
-        off_for: CONTENDED_FOR,
         shared: 0,
         last_yield: None,
     };
@@ -113,9 +207,9 @@ impl Seen {
     }
 
     /// Whether the spin that made the last yields should end because another thread spins on the
-    /// same core: [`SHARED_TURNS_TO_STOP`] yields in a row ran its turns. Counting starts anew.
+    /// same core: [`Pace::shared_turns`] yields in a row ran its turns. Counting starts anew.
     fn shares_core(&mut self) -> bool {
-        let shared = self.shared >= SHARED_TURNS_TO_STOP;
+        let shared = self.shared >= PACE.shared_turns();
         if shared {
             self.shared = 0;
         }
@@ -126,26 +220,21 @@ impl Seen {
     fn yielded(&mut self, took: Duration, at: Instant) {
         let in_a_row = self
             .last_yield
-            .is_some_and(|t| at.saturating_duration_since(t) <= SHARED_RUN_GAP + took);
+            .is_some_and(|t| at.saturating_duration_since(t) <= PACE.overrun() + took);
         self.last_yield = Some(at);
-        self.shared = match (took > SHARED_TURN, in_a_row) {
+        self.shared = match (took > PACE.shared_turn(), in_a_row) {
             (true, true) => self.shared.saturating_add(1),
             (true, false) => 1,
             (false, _) => 0,
         };
-        if took <= YIELD_OVERRUN {
-            if !self.lost.is_zero() {
-                self.lost = self.lost.saturating_sub(took);
-                if self.lost.is_zero() {
-                    // Paid back: the core is free again.
-                    self.off_for = CONTENDED_FOR;
-                }
-            }
+        if took <= PACE.overrun() {
+            // Paid back to nothing, the core is free again.
+            self.lost = self.lost.saturating_sub(took);
             return;
         }
         if self
             .last
-            .is_some_and(|t| at.saturating_duration_since(t) > FORGET_AFTER)
+            .is_some_and(|t| at.saturating_duration_since(t) > PACE.off_for())
         {
             // The balance is forgotten; what the shared-turn rule keeps is not a balance.
             *self = Seen {
@@ -156,14 +245,14 @@ impl Seen {
         }
         self.lost += took;
         self.last = Some(at);
-        if self.lost >= LOST_TO_STOP {
-            let until = at + self.off_for;
+        if self.lost >= PACE.lost_to_stop() {
+            let until = at + PACE.off_for();
             self.off_until = Some(until);
             self.last = Some(until);
-            self.off_for = (self.off_for * 2).min(MAX_OFF);
-            // The next spin probes: one more slice lost turns spins off again, while a burst of
-            // our own work on the core (up to about 1.3 ms) does not.
-            self.lost = LOST_TO_STOP - PROBE_ROOM;
+            // The next spin probes: losing one engine spin's length turns spins off again (a
+            // slice of a CPU-bound process, 4 ms at 250 Hz, does), while a burst of our own work
+            // on the core (up to about 1.3 ms) does not.
+            self.lost = PACE.lost_to_stop() - PACE.hot_for();
         }
     }
 }
@@ -175,8 +264,8 @@ thread_local! {
 /// Set by [`keep_spinning`]: spins never turn off, nor end beside another spinning thread.
 static KEEP_SPINNING: AtomicBool = AtomicBool::new(false);
 
-/// Whether a spin of this thread should start (or go on) now: false for [`CONTENDED_FOR`] after
-/// its overrun yields lost [`LOST_TO_STOP`] more than its quick ones gave back. It reads the
+/// Whether a spin of this thread should start (or go on) now: false for [`Pace::off_for`] after
+/// its overrun yields lost [`Pace::lost_to_stop`] more than its quick ones gave back. It reads the
 /// clock only while spins are off.
 pub(crate) fn worthwhile() -> bool {
     let mut seen = SEEN.get();
@@ -203,7 +292,7 @@ pub(crate) fn yield_core() -> bool {
 
 /// [`yield_core`] for the spin of a wait that takes the engine's turns itself (the engine stands
 /// down meanwhile), with the shared-turn rule: false also once this thread's last
-/// [`SHARED_TURNS_TO_STOP`] yields each ran another thread's turn on this core (this spin ends;
+/// [`Pace::shared_turns`] yields each ran another thread's turn on this core (this spin ends;
 /// the next may start). Either way the caller stops spinning and parks.
 pub(crate) fn yield_driving() -> bool {
     let mut seen = yield_timed();
@@ -235,6 +324,12 @@ mod tests {
     use super::*;
 
     const SLICE: Duration = Duration::from_millis(4); // a CPU-bound process's slice at 250 Hz
+    const OVERRUN: Duration = PACE.overrun();
+    const LOST_TO_STOP: Duration = PACE.lost_to_stop();
+    const OFF_FOR: Duration = PACE.off_for();
+    const SHARED_TURN: Duration = PACE.shared_turn();
+    const SHARED_TURNS: u32 = PACE.shared_turns();
+    const TURN_GAP: Duration = PACE.turn_gap();
 
     /// Held by the tests that pin threads to this process's first core, one at a time.
     static ONE_CORE: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -263,20 +358,17 @@ mod tests {
         }
         seen.yielded(SLICE, at(4));
         assert!(!seen.on(at(4)), "{LOST_TO_STOP:?} lost turns spinning off");
-        assert!(!seen.on(at(4) + CONTENDED_FOR - Duration::from_millis(1)));
-        // Each probe that overruns turns spins off for twice as long, up to MAX_OFF.
-        let mut back = at(4) + CONTENDED_FOR;
-        let mut off = CONTENDED_FOR;
+        assert!(!seen.on(at(4) + OFF_FOR - Duration::from_millis(1)));
+        // Each probe that overruns turns spins off again, for as long.
+        let mut back = at(4) + OFF_FOR;
         for _ in 0..6 {
-            assert!(seen.on(back), "spinning comes back after {off:?}");
+            assert!(seen.on(back), "spinning comes back after {OFF_FOR:?}");
             seen.yielded(SLICE, back);
             assert!(!seen.on(back), "a probe that overruns turns spinning off again");
-            off = (off * 2).min(MAX_OFF);
-            assert!(!seen.on(back + off - Duration::from_millis(1)));
-            back += off;
+            assert!(!seen.on(back + OFF_FOR - Duration::from_millis(1)));
+            back += OFF_FOR;
         }
-        assert_eq!(off, MAX_OFF);
-        // Quick yields that pay the balance back: the core is free, the time off starts anew.
+        // Quick yields that pay the balance back: the core is free, and the balance starts anew.
         assert!(seen.on(back));
         for _ in 0..LOST_TO_STOP.as_micros() {
             seen.yielded(Duration::from_micros(1), back);
@@ -285,8 +377,8 @@ mod tests {
         for _ in 0..5 {
             seen.yielded(SLICE, back);
         }
-        assert!(!seen.on(back + CONTENDED_FOR - Duration::from_millis(1)));
-        assert!(seen.on(back + CONTENDED_FOR));
+        assert!(!seen.on(back + OFF_FOR - Duration::from_millis(1)));
+        assert!(seen.on(back + OFF_FOR));
     }
 
     #[test]
@@ -304,7 +396,7 @@ mod tests {
             assert!(seen.on(at), "overrun {i}: {:?} lost", seen.lost);
         }
         // Yields that overrun by less than the bound are quick.
-        seen.yielded(YIELD_OVERRUN, t0);
+        seen.yielded(OVERRUN, t0);
         assert_eq!(seen.lost, Duration::ZERO);
     }
 
@@ -316,7 +408,7 @@ mod tests {
         for _ in 0..5 {
             seen.yielded(SLICE, t0);
         }
-        let back = t0 + CONTENDED_FOR;
+        let back = t0 + OFF_FOR;
         assert!(seen.on(back));
         // The longest burst measured first, then bursts as long as the median measured, each
         // among as many quick yields as a thread that spins a tenth of the time makes.
@@ -342,19 +434,16 @@ mod tests {
         for _ in 0..4 {
             seen.yielded(SLICE, t0);
         }
-        let later = t0 + FORGET_AFTER + Duration::from_millis(1);
+        let later = t0 + OFF_FOR + Duration::from_millis(1);
         seen.yielded(SLICE, later);
-        assert!(
-            seen.on(later),
-            "the overruns before {FORGET_AFTER:?} no longer count"
-        );
+        assert!(seen.on(later), "the overruns before {OFF_FOR:?} no longer count");
         assert_eq!(seen.lost, SLICE);
         // A time off counts as recent until it ends: the probe after it is not forgiven.
         for _ in 0..4 {
             seen.yielded(SLICE, later);
         }
         assert!(!seen.on(later));
-        let probe = later + CONTENDED_FOR;
+        let probe = later + OFF_FOR;
         assert!(seen.on(probe));
         seen.yielded(SLICE, probe);
         assert!(!seen.on(probe));
@@ -366,19 +455,16 @@ mod tests {
         let mut seen = Seen::NEW;
         // Another spinning thread's turn at each yield (ten microseconds on the 2-core VM).
         let turn = Duration::from_micros(10);
-        for i in 1..SHARED_TURNS_TO_STOP {
+        for i in 1..SHARED_TURNS {
             seen.yielded(turn, t0);
             assert!(!seen.shares_core(), "{i} shared turns");
         }
         seen.yielded(turn, t0);
-        assert!(
-            seen.shares_core(),
-            "{SHARED_TURNS_TO_STOP} shared turns end the spin"
-        );
+        assert!(seen.shares_core(), "{SHARED_TURNS} shared turns end the spin");
         assert!(seen.on(t0), "spinning itself stays on: the next spin starts");
         assert!(!seen.shares_core(), "counting starts anew");
         // One yield with the core to itself breaks the run.
-        for _ in 1..SHARED_TURNS_TO_STOP {
+        for _ in 1..SHARED_TURNS {
             seen.yielded(turn, t0);
         }
         seen.yielded(Duration::from_nanos(400), t0);
@@ -405,7 +491,7 @@ mod tests {
         }
         // In a row again: 10 us turns every 20 us.
         let t1 = t0 + Duration::from_secs(1);
-        for i in 0..SHARED_TURNS_TO_STOP {
+        for i in 0..SHARED_TURNS {
             seen.yielded(Duration::from_micros(10), t1 + Duration::from_micros(20) * i);
         }
         assert!(seen.shares_core());
@@ -429,9 +515,9 @@ mod tests {
                 let mut yields = 0u32;
                 while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
                     // A turn's work between yields, as a waiter's (a turn that drives takes
-                    // 1.5-2.5 us on the 2-core VM, and a wait yields every `YIELD_GAP`): so a
+                    // 1.5-2.5 us on the 2-core VM, and a wait yields every `turn_gap`): so a
                     // yield that runs the other thread's turn takes more than two switches.
-                    let turn = Instant::now() + YIELD_GAP;
+                    let turn = Instant::now() + TURN_GAP;
                     while Instant::now() < turn {
                         std::hint::spin_loop();
                     }
@@ -451,8 +537,8 @@ mod tests {
             .collect();
         assert!(!ended.is_empty(), "neither spin ended in 10 s beside the other");
         assert!(
-            ended.iter().all(|&(yields, _)| yields >= SHARED_TURNS_TO_STOP),
-            "a spin ended before {SHARED_TURNS_TO_STOP} yields: {ended:?}"
+            ended.iter().all(|&(yields, _)| yields >= SHARED_TURNS),
+            "a spin ended before {SHARED_TURNS} yields: {ended:?}"
         );
         assert!(
             ended.iter().any(|&(_, on)| on),
