@@ -182,7 +182,7 @@ pub(crate) struct NixlTransport {
     /// The last progress call was slow with nothing to show for it: progress again at once, and
     /// count it as work if that one is slow too.
     recheck: bool,
-    /// The last progress call's drain used CPU time (see [`Pace::receiving`](crate::pace::Pace::receiving)) while a peer may have been
+    /// The last progress call's drain used CPU time (see [`Pace::work`](crate::pace::Pace::work)) while a peer may have been
     /// writing into this process.
     slow_receiving: bool,
     /// Operations whose post failed in the transport on a caller's turn: part of each may have
@@ -796,11 +796,10 @@ impl Transport for NixlTransport {
             event |= self.drain_notifications(out);
             // CPU time, not the wall clock: a drain preempted, or run cold after a sleep, is not
             // work, and taking it for work would keep an idle writable's engine waking often.
-            self.slow_receiving =
-                cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > PACE.receiving());
+            self.slow_receiving = cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > PACE.work());
         }
         // One slow call alone is as often a thread preempted or woken cold as work: two in a row.
-        let slow = t0.elapsed() > PACE.activity();
+        let slow = t0.elapsed() > PACE.work();
         let busy = event || (slow && self.recheck);
         self.recheck = slow && !busy;
         busy
