@@ -37,6 +37,8 @@ echo "== pytest tests/python (nixl_connect and dynamo.nixl_connect side by side,
 echo "== pytest: the tests the ai-dynamo wheel ships for its nixl_connect callers, on nixl_connect" >&2
 bash scripts/test-dynamo.sh
 bash scripts/test-dynamo.sh --next
+echo "== the Python sdist, pip-installed into a fresh venv, reads a Python Dynamo worker's readable" >&2
+bash scripts/test-sdist.sh
 echo "== the churn soak, 60 s (owners come and go, link flaps; 0 lost, nothing held after)" >&2
 # (scripts/soak.sh --churn 60, in the debug build `cargo test` already made; NIXL's own error
 # lines about the killed owners are filtered out; the pipeline fails if the soak does.)
