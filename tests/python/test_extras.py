@@ -15,7 +15,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import waited
+from conftest import DYNAMO, require_peer_module, start_peer, waited
 from nc_common import pattern
 
 pytestmark = pytest.mark.extra
@@ -336,6 +336,33 @@ async def test_path_and_cancel_after_completion(nc):
             assert len(op.results()) == 1
         await waited(readable.wait_for_completion(timeout=10))
     assert dst == src
+
+
+async def test_path_reason_says_why_the_same_host_path_declined(nc):
+    # Two nixl_connect peers on this host: the same-host path takes it, with nothing to explain.
+    a, b = nc.Connector(), nc.Connector()
+    src, dst = pattern(4096, 95), bytearray(4096)
+    with await a.create_readable(nc.Descriptor(src)) as readable:
+        with await b.begin_read(readable.metadata(), nc.Descriptor(dst)) as op:
+            await waited(op.wait_for_completion(timeout=10))
+            assert (op.path, op.path_reason) == ("local", None)
+        await waited(readable.wait_for_completion(timeout=10))
+    assert readable.path_reason is None  # passive operations choose no path
+    # A Python Dynamo worker (another process) serves no same-host endpoint: NIXL takes the read,
+    # and the operation says why, before and after its release.
+    peer = await start_peer(require_peer_module(DYNAMO), "readable", [4096], seed=96)
+    try:
+        md = nc.RdmaMetadata.model_validate_json(await peer.expect("MD"))
+        op = await b.begin_read(md, nc.Descriptor(bytearray(4096)))
+        with op:
+            await waited(op.wait_for_completion(timeout=20))
+            assert op.path == "nixl"
+            reason = op.path_reason
+            assert reason and "advertises no same-host endpoint" in reason, reason
+        assert op.path_reason == reason
+        assert (await peer.result())["ok"]
+    finally:
+        await peer.close()
 
 
 async def test_metadata_hex_flag_is_honoured(nc):

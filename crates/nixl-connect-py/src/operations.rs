@@ -177,6 +177,14 @@ impl ActiveOp {
         .map(|m| m.to_string())
     }
 
+    fn path_reason(&self) -> Option<String> {
+        match self {
+            ActiveOp::Read(o) => o.path_reason(),
+            ActiveOp::Write(o) => o.path_reason(),
+        }
+        .map(str::to_owned)
+    }
+
     fn cancel(&self) {
         match self {
             ActiveOp::Read(o) => o.cancel(),
@@ -204,11 +212,15 @@ pub(crate) fn is_quick(descs: &[Descriptor<'_>]) -> bool {
         && descs.iter().map(Descriptor::size).sum::<usize>() <= QUICK_BYTES
 }
 
+/// What an active operation says of itself, kept when it is released: its status, path,
+/// mechanism and path reason.
+type Last = (u8, Option<String>, Option<String>, Option<String>);
+
 /// A read or a write: moving data to or from a peer's passive operation.
 #[pyclass(frozen, module = "nixl_connect._core")]
 pub(crate) struct Active {
     op: Owned<Mutex<Option<Arc<ActiveOp>>>>,
-    last: Mutex<(u8, Option<String>, Option<String>)>,
+    last: Mutex<Last>,
     /// Small and over host memory: a wait may wait briefly at the call (see [`Active::wait`]).
     quick: bool,
 }
@@ -216,7 +228,7 @@ pub(crate) struct Active {
 impl Active {
     pub(crate) fn new(op: ActiveOp, quick: bool) -> Self {
         Self {
-            last: Mutex::new((op.status(), None, None)),
+            last: Mutex::new((op.status(), None, None, None)),
             op: Owned::new(Mutex::new(Some(Arc::new(op)))),
             quick,
         }
@@ -251,6 +263,15 @@ impl Active {
         Ok(match self.get()? {
             Some(op) => op.mechanism(),
             None => self.last.lock().unwrap_or_else(|p| p.into_inner()).2.clone(),
+        })
+    }
+
+    /// Why a faster path declined the operation (it then took NIXL), if one did (an extension:
+    /// Dynamo's module has no such property).
+    fn path_reason(&self) -> PyResult<Option<String>> {
+        Ok(match self.get()? {
+            Some(op) => op.path_reason(),
+            None => self.last.lock().unwrap_or_else(|p| p.into_inner()).3.clone(),
         })
     }
 
@@ -293,7 +314,8 @@ impl Active {
     fn release(&self, py: Python<'_>) -> PyResult<()> {
         let op = lock(self.op.get()?).take();
         if let Some(op) = op {
-            *self.last.lock().unwrap_or_else(|p| p.into_inner()) = (op.status(), op.path(), op.mechanism());
+            *self.last.lock().unwrap_or_else(|p| p.into_inner()) =
+                (op.status(), op.path(), op.mechanism(), op.path_reason());
             py.detach(move || drop(op));
         }
         Ok(())

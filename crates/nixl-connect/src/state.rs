@@ -246,6 +246,8 @@ pub(crate) struct OpState {
     observer: OnceLock<Box<dyn Observe>>,
     /// The operation's `tracing` span, when a subscriber wants it (closed when the state goes).
     span: OnceLock<tracing::Span>,
+    /// Why the first path offered the operation declined it (it went to the next path).
+    declined: OnceLock<Box<str>>,
 }
 
 impl OpState {
@@ -260,6 +262,7 @@ impl OpState {
             tokens: Mutex::new(Vec::new()),
             observer: OnceLock::new(),
             span: OnceLock::new(),
+            declined: OnceLock::new(),
         })
     }
 
@@ -366,6 +369,16 @@ impl OpState {
 
     pub(crate) fn path(&self) -> Option<TransferPath> {
         TransferPath::from_u8(self.path.load(Ordering::Acquire))
+    }
+
+    /// Records why a path declined the operation, when it is the first to.
+    pub(crate) fn set_declined(&self, why: &str) {
+        let _ = self.declined.set(why.into());
+    }
+
+    /// Why the first path offered the operation declined it, if one did.
+    pub(crate) fn declined(&self) -> Option<&str> {
+        self.declined.get().map(|s| &**s)
     }
 
     /// Records how the same-host path moves the bytes.

@@ -435,6 +435,14 @@ class AbstractOperation(ABC):
         "cuda-ipc", "cuda-vmm", "pinned-staging"); None on NIXL, until known, and for passive operations."""
         return self._core_says("mechanism")
 
+    @property
+    def path_reason(self) -> Optional[str]:
+        """Extra: why a faster path declined this read or write, when one did (it then took
+        "nixl"), in words a user can act on; None when the first path offered took it, and for
+        passive operations. (The Rust core also warns once per peer through `tracing`, which this
+        module does not forward to Python logging.)"""
+        return self._core_says("path_reason")
+
     def _core_says(self, what: str) -> Optional[str]:
         """What the core's `what()` answers, or None where it has no such method or is gone."""
         core = self._core

@@ -59,6 +59,9 @@ pub(crate) const STOP_WAIT: Duration = Duration::from_secs(10);
 /// operations waiting for a peer's completion) once the engine has gone idle: NIXL is progressed
 /// at least this often then (Dynamo's `DYN_MM_NIXL_PROGRESS_DELAY_US` default, 1 ms).
 pub(crate) const DEFAULT_PROGRESS_DELAY: Duration = Duration::from_millis(1);
+/// The most peers [`EngineCore::warn_once`] remembers having warned of (past it, no more warnings:
+/// a process that talks to this many peers on a slower path has been told).
+const MAX_WARNED_PEERS: usize = 4096;
 /// Completed operations' keys remembered, to refuse replaying their metadata.
 const MAX_COMPLETED: usize = 65_536;
 /// How often, at most, a busy engine publishes its counters to the metrics (an idle one
@@ -139,6 +142,9 @@ pub(crate) struct EngineCore {
     /// Keys of this connector's completed active operations (most recent [`MAX_COMPLETED`]).
     completed: HashSet<Arc<str>>,
     completed_order: VecDeque<Arc<str>>,
+    /// The peers whose operations a faster path declined and that were warned of (once each, at
+    /// most [`MAX_WARNED_PEERS`]).
+    warned: HashSet<Arc<str>>,
     /// Owned memory of ended exposures that a transport may still be writing (a same-host copy):
     /// handed to the transports' hold only once the operation's memory is released.
     copying: Vec<(Arc<OpState>, u64, Hold, usize)>,
@@ -195,6 +201,7 @@ impl EngineCore {
             mine: Vec::new(),
             completed: HashSet::new(),
             completed_order: VecDeque::new(),
+            warned: HashSet::new(),
             copying: Vec::new(),
             settles: Vec::new(),
             recording: None,
@@ -769,10 +776,14 @@ impl EngineCore {
             .iter()
             .position(|&t| t == on)
             .and_then(|p| self.chain.get(p + 1).copied());
+        let from = self.transports[on.index()].path();
+        let to = next.map(|n| self.transports[n.index()].path());
         if let Some(r) = &self.recording {
-            let from = self.transports[on.index()].path();
-            r.metrics
-                .fallback(Some(from), next.map(|n| self.transports[n.index()].path()));
+            r.metrics.fallback(Some(from), to);
+        }
+        if let Some(to) = to {
+            spec.state.set_declined(&reason.to_string());
+            self.warn_once(&spec.peer.name, from, to, &reason);
         }
         match next {
             Some(next) => self.offer(spec, next, Some(reason)),
@@ -781,6 +792,27 @@ impl EngineCore {
                 result: Err(reason.into_error(&spec.peer.name)),
             }),
         }
+    }
+
+    /// Warns, the first time for `peer` (a NIXL agent's name), that its operations take the
+    /// slower path `to` because `from` declined one, and why: what a user must see before asking
+    /// why a transfer is slow. Each operation's own reason is its `path_reason()`.
+    fn warn_once(
+        &mut self,
+        peer: &Arc<str>,
+        from: crate::state::TransferPath,
+        to: crate::state::TransferPath,
+        why: &Decline,
+    ) {
+        if why.expected || self.warned.len() >= MAX_WARNED_PEERS || !self.warned.insert(peer.clone()) {
+            return;
+        }
+        tracing::warn!(
+            %peer, %from, %to, reason = %why,
+            "an operation with this peer takes the {to} path: the {from} path declined it ({why}); \
+             further operations with this peer are not reported here (see each operation's \
+             path_reason)"
+        );
     }
 
     /// Offers `spec` to transport `i` of the chain (after another declined it with `why`).

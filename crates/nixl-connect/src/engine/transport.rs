@@ -135,6 +135,9 @@ pub(crate) enum Event {
 pub(crate) struct Decline {
     pub(crate) reason: String,
     pub(crate) source: Option<ErrorSource>,
+    /// The next path is the only one this peer offers (a Python Dynamo peer advertises no
+    /// same-host endpoint): nothing a user could change, so no warning.
+    pub(crate) expected: bool,
 }
 
 impl Decline {
@@ -151,6 +154,15 @@ impl Decline {
         Decline {
             reason: reason.into(),
             source: Some(source),
+            expected: false,
+        }
+    }
+
+    /// A decline where the next path is the only one the peer offers (see `expected`).
+    pub(crate) fn expected(reason: impl Into<String>) -> Self {
+        Decline {
+            expected: true,
+            ..Decline::from(reason.into())
         }
     }
 
@@ -166,7 +178,11 @@ impl Decline {
 
 impl From<String> for Decline {
     fn from(reason: String) -> Self {
-        Decline { reason, source: None }
+        Decline {
+            reason,
+            source: None,
+            expected: false,
+        }
     }
 }
 
@@ -181,6 +197,7 @@ impl From<PathRefusal> for Decline {
         Decline {
             reason: "the same-host path does not move this memory".into(),
             source: Some(Arc::new(refusal)),
+            expected: false,
         }
     }
 }

@@ -250,6 +250,14 @@ macro_rules! active_op {
                 self.inner.state.path()
             }
 
+            /// Why a faster path declined this operation, when one did (it then went to the next
+            /// path, NIXL): in words a user can act on, for example that the peer's socket
+            /// directory is another user's. `None` when the first path offered took it. The
+            /// connector also warns once per peer (`tracing`, level `warn`) with the same reason.
+            pub fn path_reason(&self) -> Option<&str> {
+                self.inner.state.declined()
+            }
+
             /// How the same-host path moves the bytes, once it decided (`None` on another path,
             /// or before the peer answered): in its frames, by cross-memory attach, through
             /// pipes (a peer in another PID namespace), CUDA IPC or pinned staging.

@@ -28,6 +28,11 @@ async fn local_negotiation_declined_falls_back_to_nixl() {
     op.wait_for_completion(T).await.unwrap();
     r.wait_for_completion(T).await.unwrap();
     assert_eq!(op.path(), Some(TransferPath::Nixl));
+    let reason = op
+        .path_reason()
+        .expect("the same-host path declined: why")
+        .to_owned();
+    println!("local_negotiation_declined_falls_back_to_nixl: path_reason: {reason}");
     let back = op.into_descriptors().unwrap();
     assert!(back[0].as_slice().unwrap().iter().all(|&b| b == 9));
     // With the same-host path required, the same peer is an error that says why.
@@ -212,18 +217,36 @@ fn support_uid_mismatch() {
     runtime().block_on(async {
         // The peer (another user) exposes; this process reads: the peer refuses the same-host
         // path, and NIXL (over TCP) takes the operation.
-        peer.say("expose readable 4096 vec");
-        let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+        // The reader is told why, once: in the operation's reason, and in one warning for this
+        // peer (not repeated for its second operation).
+        assert!(super::support::warnings().is_empty());
         let reader = Connector::new().unwrap();
-        let op = reader
-            .begin_read(&md, Descriptor::from(vec![0u8; 4096]))
-            .await
-            .unwrap();
-        op.wait_for_completion(T).await.unwrap();
-        assert_eq!(
-            op.path(),
-            Some(TransferPath::Nixl),
-            "another user's peer takes NIXL"
+        for k in 0..2 {
+            peer.say("expose readable 4096 vec");
+            let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+            let op = reader
+                .begin_read(&md, Descriptor::from(vec![0u8; 4096]))
+                .await
+                .unwrap();
+            op.wait_for_completion(T).await.unwrap();
+            assert_eq!(
+                op.path(),
+                Some(TransferPath::Nixl),
+                "another user's peer takes NIXL"
+            );
+            let reason = op.path_reason().expect("why the same-host path declined");
+            println!("operation {k}: path_reason: {reason}");
+            assert!(reason.contains("uid"), "{reason}");
+        }
+        let warned: Vec<_> = super::support::warnings()
+            .into_iter()
+            .filter(|w| w.contains("declined it"))
+            .collect();
+        println!("warnings for the peer: {warned:?}");
+        assert_eq!(warned.len(), 1, "one warning for the peer: {warned:?}");
+        assert!(
+            warned[0].contains("uid") && warned[0].contains("to=nixl"),
+            "{warned:?}"
         );
         // This process exposes; the other user reads: this side refuses it.
         let owner = Connector::new().unwrap();

@@ -209,3 +209,38 @@ pub(crate) fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// The warnings the library has logged in this process (`tracing`, level `warn`), each as its
+/// fields (`name=value`, the message first), recorded from the first call on: a global
+/// subscriber, so warnings from the engine's thread count too. For support processes that check
+/// what a user is warned of.
+pub(crate) fn warnings() -> Vec<String> {
+    use std::sync::{Mutex, OnceLock};
+    use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+
+    static SEEN: OnceLock<&'static Mutex<Vec<String>>> = OnceLock::new();
+
+    struct Record(&'static Mutex<Vec<String>>);
+    struct Fields(String);
+    impl tracing::field::Visit for Fields {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            self.0.push_str(&format!("{}={value:?} ", field.name()));
+        }
+    }
+    impl<S: tracing::Subscriber> Layer<S> for Record {
+        fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                let mut f = Fields(String::new());
+                event.record(&mut f);
+                self.0.lock().unwrap_or_else(|p| p.into_inner()).push(f.0);
+            }
+        }
+    }
+    let seen = SEEN.get_or_init(|| {
+        let seen: &'static Mutex<Vec<String>> = Box::leak(Box::default());
+        let subscriber = tracing_subscriber::registry().with(Record(seen));
+        tracing::subscriber::set_global_default(subscriber).expect("no other global subscriber");
+        seen
+    });
+    seen.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}

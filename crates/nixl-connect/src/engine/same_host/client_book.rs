@@ -18,7 +18,7 @@ pub(super) struct ClientBook {
     /// The connection open to each peer name (made for its advertisement).
     by_peer: HashMap<Arc<str>, ConnId>,
     /// Peer names found with no same-host path, and when (at most [`MAX_NEGATIVE`]).
-    avoided: HashMap<Arc<str>, Instant>,
+    avoided: HashMap<Arc<str>, (Instant, Arc<str>)>,
 }
 
 impl ClientBook {
@@ -87,21 +87,23 @@ impl ClientBook {
         }
     }
 
-    /// True when `peer` was found with no same-host path less than [`NEGATIVE_TTL`] before
-    /// `now`.
-    pub(super) fn avoids(&self, peer: &str, now: Instant) -> bool {
+    /// Why `peer` has no same-host path, when it was found so less than [`NEGATIVE_TTL`]
+    /// before `now`.
+    pub(super) fn avoids(&self, peer: &str, now: Instant) -> Option<&Arc<str>> {
         self.avoided
             .get(peer)
-            .is_some_and(|t| now.saturating_duration_since(*t) < NEGATIVE_TTL)
+            .filter(|(t, _)| now.saturating_duration_since(*t) < NEGATIVE_TTL)
+            .map(|(_, why)| why)
     }
 
-    /// `peer` has no same-host path as of `now`: it is not asked again for [`NEGATIVE_TTL`]
-    /// (the memory of such names is bounded: past [`MAX_NEGATIVE`] it starts over).
-    pub(super) fn avoid(&mut self, peer: Arc<str>, now: Instant) {
+    /// `peer` has no same-host path as of `now`, because of `why`: it is not asked again for
+    /// [`NEGATIVE_TTL`] (the memory of such names is bounded: past [`MAX_NEGATIVE`] it starts
+    /// over).
+    pub(super) fn avoid(&mut self, peer: Arc<str>, now: Instant, why: impl Into<Arc<str>>) {
         if self.avoided.len() >= MAX_NEGATIVE {
             self.avoided.clear();
         }
-        self.avoided.insert(peer, now);
+        self.avoided.insert(peer, (now, why.into()));
     }
 }
 
@@ -117,12 +119,17 @@ mod tests {
     fn client_book_avoids_a_peer_for_a_while_and_remembers_a_bounded_number() {
         let mut b = ClientBook::default();
         let t0 = Instant::now();
-        b.avoid("a".into(), t0);
-        assert!(b.avoids("a", t0 + NEGATIVE_TTL - Duration::from_millis(1)));
-        assert!(!b.avoids("a", t0 + NEGATIVE_TTL));
-        assert!(!b.avoids("b", t0));
+        b.avoid("a".into(), t0, "why");
+        assert_eq!(
+            b.avoids("a", t0 + NEGATIVE_TTL - Duration::from_millis(1))
+                .map(|w| &**w),
+            Some("why"),
+            "the reason is remembered with the name"
+        );
+        assert!(b.avoids("a", t0 + NEGATIVE_TTL).is_none());
+        assert!(b.avoids("b", t0).is_none());
         for n in 0..MAX_NEGATIVE + 1 {
-            b.avoid(format!("p{n}").into(), t0);
+            b.avoid(format!("p{n}").into(), t0, "why");
         }
         assert!(b.avoided.len() <= MAX_NEGATIVE);
     }

@@ -178,16 +178,13 @@ impl SameHostTransport {
                      operation's key (an impostor?); using NIXL"
                 );
                 self.refused_peers += 1;
-                self.avoid(i);
-                self.decline_queued(
-                    i,
-                    "the process on the peer's same-host socket could not prove it holds the \
-                     operation's key (another process holds the socket name)",
-                    out,
-                );
+                let why = "the process on the peer's same-host socket could not prove it holds \
+                           the operation's key (another process holds the socket name)";
+                self.avoid(i, why);
+                self.decline_queued(i, why, out);
             }
             Heard::Rejected { reason } => {
-                self.avoid(i);
+                self.avoid(i, &reason);
                 self.decline_queued(i, &reason, out);
             }
             Heard::Grant { slot, gen, sources } => self.on_grant(i, slot, gen, sources, out),
@@ -234,12 +231,12 @@ impl SameHostTransport {
     }
 
     /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
-    /// someone else holds its socket name).
-    fn avoid(&mut self, i: ConnId) {
+    /// someone else holds its socket name), `why` kept for the operations it declines meanwhile.
+    fn avoid(&mut self, i: ConnId, why: &str) {
         let Some(peer) = self.sockets.get(i).map(|c| c.peer.clone()) else {
             return;
         };
-        self.client.avoid(peer, Instant::now());
+        self.client.avoid(peer, Instant::now(), why);
     }
 
     /// Client: the server has no live operation with the opening key. That operation is refused
@@ -420,18 +417,18 @@ impl SameHostTransport {
         // Only a peer whose agent name advertises a same-host identity is ever connected to: a
         // Python Dynamo peer binds no socket, and whoever binds its name must learn nothing.
         let Some(expect) = identity::advertised(peer) else {
-            return Err(
+            return Err(Decline::expected(
                 "the peer's agent name advertises no same-host endpoint (a Python Dynamo \
-                        peer, or a connector that serves none)"
-                    .into(),
-            );
+                        peer, or a connector that serves none)",
+            ));
         };
-        if self.client.avoids(peer, Instant::now()) {
-            return Err("no same-host socket for this peer (none answered a moment ago)".into());
+        if let Some(why) = self.client.avoids(peer, Instant::now()) {
+            return Err(format!("{why} (found a moment ago; asked again after a while)").into());
         }
         let r = self.try_connect(peer, key, expect);
         if let Err(reason) = &r {
-            self.client.avoid(peer.clone(), Instant::now());
+            self.client
+                .avoid(peer.clone(), Instant::now(), reason.to_string());
             tracing::trace!(peer = %peer, %reason, "no same-host path");
         }
         r
@@ -556,7 +553,11 @@ impl SameHostTransport {
                 // is no owner that will serve us now). An owner's proven "not live" is no reason
                 // to avoid it (its next operation may be live); an impostor or a rejection was
                 // avoided when it was heard.
-                self.client.avoid(c.peer.clone(), Instant::now());
+                self.client.avoid(
+                    c.peer.clone(),
+                    Instant::now(),
+                    "the peer's same-host socket closed the connection before its handshake",
+                );
             }
             for id in self.client.on_conn(i) {
                 let a = self.client.get(id).expect("listed");
