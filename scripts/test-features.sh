@@ -11,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 features=$(sed -n '/^\[features\]/,/^\[/p' crates/nixl-connect/Cargo.toml | grep -o '^[a-z][a-z0-9_-]*' | grep -v '^default$')
 run() {
-  echo "== cargo check -p nixl-connect --tests $*" >&2
-  cargo check -q -p nixl-connect --tests "$@" || { echo "test-features: the tests do not compile with: $*" >&2; exit 1; }
+  echo "== cargo check -p nixl-connect --tests --examples $*" >&2
+  cargo check -q -p nixl-connect --tests --examples "$@" || { echo "test-features: the tests do not compile with: $*" >&2; exit 1; }
 }
 run
 run --no-default-features

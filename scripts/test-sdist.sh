@@ -7,7 +7,8 @@
 # reads a readable that an unmodified Python Dynamo worker (`dynamo.nixl_connect` from ai-dynamo,
 # in .venv) exposes, bytes checked. The installed metadata is checked too: the version
 # (`nixl_connect.__version__`), the license, and the extras that bring NIXL.
-# The cargo build is kept in target/sdist-build, so a second run rebuilds nothing.
+# The dependencies' cargo build is kept in target/sdist-build, so a second run builds only this
+# project's crates.
 # Usage: bash scripts/test-sdist.sh   (needs .venv from `bash scripts/setup.sh --interop`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,14 +24,27 @@ base=$(.venv/bin/python -c 'import sys; print(getattr(sys, "_base_executable", s
 "$base" -m venv "$work/venv"
 py=$work/venv/bin/python
 unset NIXL_CONNECT_LIB NIXL_CONNECT_AS_DYNAMO PYTHONPATH VIRTUAL_ENV
-# Outside the checkout, so nothing of it is imported by accident.
+# The build's dependencies are kept between runs, never this project's crates: the sdist's sources
+# carry the archive's old times, so cargo would take a previous run's build of them as fresh.
+cargo clean -q --release -p nixl-connect -p nixl-connect-py --target-dir "$root/target/sdist-build"
+# Away from the checkout's Python sources, so nothing of them is imported by accident. No pip
+# cache: pip would reuse the wheel it built from an sdist of the same path and name last time.
 cd "$work"
-CARGO_TARGET_DIR=$root/target/sdist-build "$py" -m pip install -q --disable-pip-version-check "$sdist"
+CARGO_TARGET_DIR=$root/target/sdist-build "$py" -m pip install -q --disable-pip-version-check --no-cache-dir "$sdist"
 "$py" -m pip install -q --disable-pip-version-check --no-deps "$(cat "$root/.nixl/VERSION")"
+# What the core module defines, as the checkout's own build (setup.sh's, in .venv) has it: the
+# sdist's build must define the same, or an older build was installed.
+surface='import json, nixl_connect._core as c; print(json.dumps({n: sorted(dir(getattr(c, n))) for n in dir(c) if not n.startswith("_")}, sort_keys=True))'
+export NC_SURFACE=$(cd /tmp && "$root/.venv/bin/python" -c "$surface")
 "$py" - <<'EOF'
 import importlib.metadata as m
 import nixl_connect as nc
 assert nc.__file__.startswith(__import__("sys").prefix), nc.__file__
+# Built from this tree's sources: the same core as the checkout's own build.
+import json, os
+c = nc._core
+mine = {n: sorted(dir(getattr(c, n))) for n in dir(c) if not n.startswith("_")}
+assert json.dumps(mine, sort_keys=True) == os.environ["NC_SURFACE"], "an older build was installed"
 md = m.metadata("nixl-connect")
 assert nc.__version__ == m.version("nixl-connect"), (nc.__version__, m.version("nixl-connect"))
 assert md["License"] == "Apache-2.0" or "Apache" in (md.get("License-Expression") or ""), md["License"]

@@ -70,6 +70,9 @@ pub(crate) const PACE: Pace = Pace {
     work: Duration::from_micros(10),
 };
 
+// A probe's balance (`lost_to_stop - hot_for`) must be a balance.
+const _: () = assert!(PACE.hot_for.as_nanos() < PACE.lost_to_stop.as_nanos());
+
 impl Pace {
     /// How long the engine thread, and a kept copy thread, stay awake (yielding their core) after
     /// their last event, so back-to-back operations pay no wake-up; and how long after a NIXL
@@ -355,14 +358,16 @@ mod tests {
         seen.yielded(SLICE, at(4));
         assert!(!seen.on(at(4)), "{LOST_TO_STOP:?} lost turns spinning off");
         assert!(!seen.on(at(4) + OFF_FOR - Duration::from_millis(1)));
-        // Each probe that overruns turns spins off again, for as long.
-        let mut back = at(4) + OFF_FOR;
+        // Each probe that overruns turns spins off again, for as long, even one that comes a
+        // little after the time off ended (the time off counts as recent until it ends).
+        let late = OFF_FOR + Duration::from_millis(1);
+        let mut back = at(4) + late;
         for _ in 0..6 {
             assert!(seen.on(back), "spinning comes back after {OFF_FOR:?}");
             seen.yielded(SLICE, back);
             assert!(!seen.on(back), "a probe that overruns turns spinning off again");
             assert!(!seen.on(back + OFF_FOR - Duration::from_millis(1)));
-            back += OFF_FOR;
+            back += late;
         }
         // Quick yields that pay the balance back: the core is free, and the balance starts anew.
         assert!(seen.on(back));
@@ -370,7 +375,9 @@ mod tests {
             seen.yielded(Duration::from_micros(1), back);
         }
         assert_eq!(seen.lost, Duration::ZERO);
-        for _ in 0..5 {
+        seen.yielded(SLICE, back);
+        assert!(seen.on(back), "paid back: one lost slice is no probe's");
+        for _ in 0..4 {
             seen.yielded(SLICE, back);
         }
         assert!(!seen.on(back + OFF_FOR - Duration::from_millis(1)));
@@ -439,7 +446,7 @@ mod tests {
             seen.yielded(SLICE, later);
         }
         assert!(!seen.on(later));
-        let probe = later + OFF_FOR;
+        let probe = later + OFF_FOR + Duration::from_millis(1);
         assert!(seen.on(probe));
         seen.yielded(SLICE, probe);
         assert!(!seen.on(probe));
