@@ -589,7 +589,7 @@ impl Args {
     fn path_label(&self) -> &'static str {
         match self.path {
             PathPolicy::Nixl => "NIXL",
-            PathPolicy::Local => "same-host",
+            PathPolicy::SameHost => "same-host",
             _ => "auto",
         }
     }

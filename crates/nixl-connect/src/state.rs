@@ -138,8 +138,15 @@ pub enum PathPolicy {
     /// NIXL only; the connector does not listen for same-host peers either.
     Nixl,
     /// The same-host path only: an operation it cannot take fails with
-    /// [`Error::PathUnavailable`] (for benchmarks and tests).
-    Local,
+    /// [`Error::PathUnavailable`] (for benchmarks and tests). Parsed and printed as `local`.
+    SameHost,
+}
+
+impl PathPolicy {
+    /// The same-host-only policy's name before 0.2.
+    #[deprecated(note = "renamed `PathPolicy::SameHost`")]
+    #[allow(non_upper_case_globals)]
+    pub const Local: PathPolicy = PathPolicy::SameHost;
 }
 
 impl std::str::FromStr for PathPolicy {
@@ -148,7 +155,7 @@ impl std::str::FromStr for PathPolicy {
         match s {
             "auto" => Ok(Self::Auto),
             "nixl" => Ok(Self::Nixl),
-            "local" => Ok(Self::Local),
+            "local" => Ok(Self::SameHost),
             other => Err(Error::InvalidArgument(format!(
                 "path {other:?} is not one of auto, nixl, local"
             ))),
@@ -455,6 +462,16 @@ mod tests {
         assert!(matches!(TransferPath::SameHost, TransferPath::Local));
         assert_eq!(TransferPath::SameHost.to_string(), "local");
         assert_eq!(TransferPath::from_u8(2), Some(TransferPath::SameHost));
+    }
+
+    /// The same-host-only policy's old name still compiles and is the same policy; `local` parses
+    /// to it.
+    #[test]
+    #[allow(deprecated)]
+    fn state_path_policy_local_is_same_host() {
+        assert_eq!(PathPolicy::Local, PathPolicy::SameHost);
+        assert!(matches!(PathPolicy::SameHost, PathPolicy::Local));
+        assert_eq!("local".parse::<PathPolicy>().unwrap(), PathPolicy::SameHost);
     }
 
     #[test]

@@ -303,7 +303,7 @@ impl Engine {
                 let chain = match o.path {
                     PathPolicy::Auto => vec![local, nixl],
                     PathPolicy::Nixl => vec![nixl],
-                    PathPolicy::Local => vec![local],
+                    PathPolicy::SameHost => vec![local],
                 };
                 let transports: Vec<(TransportId, Box<dyn Transport>)> = vec![
                     (nixl, Box::new(nixl_transport)),

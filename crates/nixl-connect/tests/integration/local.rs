@@ -36,7 +36,7 @@ async fn local_negotiation_declined_falls_back_to_nixl() {
     let back = op.into_descriptors().unwrap();
     assert!(back[0].as_slice().unwrap().iter().all(|&b| b == 9));
     // With the same-host path required, the same peer is an error that says why.
-    let strict = Connector::builder().path(PathPolicy::Local).build().unwrap();
+    let strict = Connector::builder().path(PathPolicy::SameHost).build().unwrap();
     let r = owner.create_readable(Descriptor::from(&src)).await.unwrap();
     let op = strict
         .begin_read(r.metadata(), Descriptor::from(vec![0u8; 8192]))

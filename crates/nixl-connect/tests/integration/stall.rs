@@ -111,7 +111,7 @@ async fn read_stalled(
 fn stall_of_a_peer_page_leaves_the_engine_serving_others() {
     runtime().block_on(async {
         let owner = Connector::new().unwrap();
-        let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
+        let reader = Connector::builder().path(PathPolicy::SameHost).build().unwrap();
 
         // A small read (the size once copied on the engine thread) from memory that stalls.
         let mut stalled = Stalled::new(64 << 10);
@@ -156,7 +156,7 @@ fn stall_of_a_peer_page_leaves_the_engine_serving_others() {
 fn stall_of_one_peer_leaves_copies_from_others_running() {
     runtime().block_on(async {
         let owner = Connector::new().unwrap();
-        let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
+        let reader = Connector::builder().path(PathPolicy::SameHost).build().unwrap();
 
         // More stalled reads from one peer (this process) than the copy pool has threads.
         let mut stalled: Vec<Stalled> = (0..12).map(|_| Stalled::new(64 << 10)).collect();
@@ -208,7 +208,7 @@ fn stall_of_one_peer_leaves_copies_from_others_running() {
 /// reader (on a blocking thread) and must return within `bound`, or the test fails.
 async fn end_stalled_reader(end: impl FnOnce(Connector) + Send + 'static, bound: Duration) {
     let owner = Connector::new().unwrap();
-    let reader = Connector::builder().path(PathPolicy::Local).build().unwrap();
+    let reader = Connector::builder().path(PathPolicy::SameHost).build().unwrap();
     let mut stalled = Stalled::new(64 << 10);
     let (bad, stuck) = read_stalled(&owner, &reader, &stalled).await;
     assert!(stalled.wait_for_a_stall(Duration::from_secs(10)));
