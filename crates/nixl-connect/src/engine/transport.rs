@@ -166,6 +166,16 @@ impl Decline {
         }
     }
 
+    /// Whether the decline says only that the peer was busy a moment ago: its listening socket's
+    /// backlog was full (`EAGAIN` from `connect`), as under a flood of connections. The next
+    /// operation asks again.
+    pub(crate) fn busy(&self) -> bool {
+        self.source
+            .as_ref()
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .is_some_and(|e| e.raw_os_error() == Some(libc::EAGAIN))
+    }
+
     /// The error an operation ends with when no transport is left to take it.
     pub(crate) fn into_error(self, agent: &str) -> Error {
         Error::PathUnavailable {

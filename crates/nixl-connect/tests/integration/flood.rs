@@ -374,3 +374,123 @@ async fn get_health(port: u16) -> String {
     .await
     .unwrap_or_default()
 }
+
+/// Issue 63, finding 5, one cause: a reader whose `connect` met the owner's backlog full (a flood
+/// of connections, or a burst of readers) marked the owner as having no same-host path for 2 s,
+/// so every read meanwhile took NIXL (same-host only here: failed). Now a full backlog declines
+/// that one operation, saying the socket is busy, and the next operation asks again. The owner is
+/// stopped (SIGSTOP) while its backlog is filled, so the backlog is certainly full, then resumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flood_a_full_backlog_declines_one_operation_not_the_peer() {
+    use nixl_connect::{Error, PathPolicy, RdmaMetadata};
+
+    let mut owner = super::soundness::sound_peer();
+    owner.say("expose readable 4096 vec");
+    let md: RdmaMetadata = owner.expect("MD:").parse().unwrap();
+    let name = RdmaMetadata::agent_name_in(&md.nixl_metadata).unwrap();
+    let base = name.split_once('~').map_or(name.as_str(), |(b, _)| b);
+    assert!(base.len() <= 90, "a name this long is hashed: {base}");
+    let name = format!("nixl-connect.v1/{base}");
+    let pid = owner.child.id() as i32;
+    /// Resumes the owner on every path out of the test.
+    struct Resume(i32);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            // SAFETY: kill(2) of the support process this test started.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::kill(self.0, libc::SIGCONT)
+            };
+        }
+    }
+    // SAFETY: kill(2) of the support process this test started.
+    #[allow(unsafe_code)]
+    let stopped = unsafe { libc::kill(pid, libc::SIGSTOP) } == 0;
+    assert!(stopped);
+    let resume = Resume(pid);
+    // Non-blocking connections until the kernel says the backlog is full.
+    let mut held = Vec::new();
+    let full = loop {
+        assert!(held.len() < 4096, "the owner's backlog never filled");
+        let s = nonblocking_unix_socket();
+        match connect_abstract(s.as_raw_fd(), name.as_bytes()) {
+            Ok(()) => held.push(s),
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => break held.len(),
+            Err(e) => panic!("connect to the owner's socket: {e}"),
+        }
+    };
+    let reader = Connector::builder().path(PathPolicy::SameHost).build().unwrap();
+    let r = match reader.begin_read(&md, Descriptor::from(vec![0u8; 4096])).await {
+        Ok(op) => op.wait_for_completion(T).await,
+        Err(e) => Err(e),
+    };
+    println!("flood_a_full_backlog_declines_one_operation_not_the_peer: backlog of {full}: {r:?}");
+    assert!(matches!(r, Err(Error::PathUnavailable { .. })), "{r:?}");
+    // The owner resumes (the held connections go first); its next readable is read on the
+    // same-host path at once, not 2 s later.
+    drop(held);
+    drop(resume);
+    // Until the resumed owner has taken what its backlog held, a connection is still refused as
+    // busy: what this test checks is the operation after that, so it waits for room.
+    let t0 = Instant::now();
+    loop {
+        let probe = nonblocking_unix_socket();
+        match connect_abstract(probe.as_raw_fd(), name.as_bytes()) {
+            Ok(()) => break,
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && t0.elapsed() < T.unwrap() => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => panic!("the resumed owner's backlog: {e}"),
+        }
+    }
+    owner.say("expose readable 4096 vec");
+    let md: RdmaMetadata = owner.expect("MD:").parse().unwrap();
+    let op = reader
+        .begin_read(&md, Descriptor::from(vec![0u8; 4096]))
+        .await
+        .unwrap();
+    let r = op.wait_for_completion(T).await;
+    assert!(r.is_ok(), "the read after the backlog drained: {r:?}");
+    assert_eq!(op.path(), Some(TransferPath::SameHost));
+    owner.finish();
+}
+
+/// A non-blocking Unix stream socket.
+fn nonblocking_unix_socket() -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    // SAFETY: socket(2) makes a new descriptor, owned at once.
+    #[allow(unsafe_code)]
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    assert!(fd >= 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: `fd` was just made and is owned by nothing else.
+    #[allow(unsafe_code)]
+    unsafe {
+        std::os::fd::OwnedFd::from_raw_fd(fd)
+    }
+}
+
+/// `connect(2)` of `fd` to the abstract socket `name`.
+fn connect_abstract(fd: std::os::fd::RawFd, name: &[u8]) -> std::io::Result<()> {
+    assert!(name.len() < 107, "an abstract name fits sockaddr_un");
+    // SAFETY: a zeroed sockaddr_un is valid.
+    #[allow(unsafe_code)]
+    let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in a.sun_path[1..].iter_mut().zip(name) {
+        *d = *s as libc::c_char;
+    }
+    let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as libc::socklen_t;
+    // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
+    #[allow(unsafe_code)]
+    let r = unsafe { libc::connect(fd, (&a as *const libc::sockaddr_un).cast(), len) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}

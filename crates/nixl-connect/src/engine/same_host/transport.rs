@@ -427,8 +427,12 @@ impl SameHostTransport {
         }
         let r = self.try_connect(peer, key, expect);
         if let Err(reason) = &r {
-            self.client
-                .avoid(peer.clone(), Instant::now(), reason.to_string());
+            // A full backlog is a moment's (a flood of connections, or a burst of readers): the
+            // next operation asks again rather than taking NIXL for a while.
+            if !reason.busy() {
+                self.client
+                    .avoid(peer.clone(), Instant::now(), reason.to_string());
+            }
             tracing::trace!(peer = %peer, %reason, "no same-host path");
         }
         r
@@ -526,7 +530,11 @@ impl SameHostTransport {
         };
         let Some(dir) = &self.socket_dir else {
             return Err(Decline::because(
-                "no same-host socket for this peer",
+                if abstract_err.raw_os_error() == Some(libc::EAGAIN) {
+                    "the peer's same-host socket is busy (its backlog of connections is full)"
+                } else {
+                    "no same-host socket for this peer"
+                },
                 abstract_err,
             ));
         };
