@@ -804,7 +804,12 @@ impl EngineCore {
         to: crate::state::TransferPath,
         why: &Decline,
     ) {
-        if why.expected || self.warned.len() >= MAX_WARNED_PEERS || !self.warned.insert(peer.clone()) {
+        // A busy peer is a moment's: its decline uses up no warning a lasting reason would need.
+        if why.expected
+            || why.busy()
+            || self.warned.len() >= MAX_WARNED_PEERS
+            || !self.warned.insert(peer.clone())
+        {
             return;
         }
         tracing::warn!(
