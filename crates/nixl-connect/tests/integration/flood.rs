@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use nixl_connect::{Connector, Descriptor, TransferPath};
 
-use super::hostile::{hello, lingering_tcp, send_with_fd, socket_of, try_send_with_fd};
+use super::hostile::{defuse, hello, lingering_tcp, send_with_fd, socket_of, try_send_with_fd};
 use super::support::{pattern, T};
 
 /// The environment variable naming the socket the flood support process targets.
@@ -52,7 +52,12 @@ async fn flood_passed_lingering_sockets_are_reset_not_waited_for() {
     send_with_fd(&s, &hello(), with_hello.as_raw_fd());
     // Queued behind the broken hello; the engine may have closed the connection already.
     let queued_sent = super::hostile::try_send_with_fd(&s, &[0], queued.as_raw_fd()).is_ok();
-    drop((with_hello, queued)); // the server's copies are the last ones
+    // The server's copies are the last ones. One never passed is ours alone: closing it would
+    // wait out its linger (120 s), so it is reset instead.
+    if !queued_sent {
+        defuse(&queued);
+    }
+    drop((with_hello, queued));
     assert!(
         reset_within(&peer_a, Duration::from_secs(3)),
         "the socket passed with the hello lingers instead of being reset"
@@ -100,6 +105,10 @@ fn support_flood() {
         // accept): then nothing was passed.
         if try_send_with_fd(&s, &hello(), tcp.as_raw_fd()).is_ok() {
             peers.push(never_reads);
+        } else {
+            // Ours alone: closing it would wait out its linger (120 s; seen as a test of 2 to
+            // 6 minutes), so it is reset instead.
+            defuse(&tcp);
         }
         drop(tcp);
         held.push(s);

@@ -692,6 +692,8 @@ async fn hostile_descriptors_queued_behind_a_broken_hello_do_not_stall_the_engin
             "{e}"
         );
         println!("the engine closed the connection before the second descriptor was sent ({e})");
+        // Ours alone: closing it would wait out its linger (120 s).
+        defuse(&queued);
     }
     drop((first, queued)); // the copies queued on the server's socket are the last ones
     std::thread::sleep(Duration::from_millis(200));
@@ -738,6 +740,27 @@ pub(crate) fn lingering_tcp() -> (std::net::TcpStream, std::net::TcpStream) {
     let junk = vec![0u8; 1 << 20];
     while (&tcp).write(&junk).is_ok() {}
     (tcp, never_reads)
+}
+
+/// Resets `tcp` when it is closed (`SO_LINGER` {on, 0}), so that closing a [`lingering_tcp`]
+/// socket that was never passed does not wait out its linger.
+pub(crate) fn defuse(tcp: &std::net::TcpStream) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt reads one linger struct from a live local.
+    #[allow(unsafe_code)]
+    let r = unsafe {
+        libc::setsockopt(
+            tcp.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(r, 0, "SO_LINGER: {}", std::io::Error::last_os_error());
 }
 
 /// Sends `bytes` on `s` in one message, passing `fd` with it.
