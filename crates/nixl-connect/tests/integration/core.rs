@@ -12,7 +12,9 @@ use nixl_connect::{
     SerializedDescriptor, TransferPath,
 };
 
-use super::support::{pattern, run_support, runtime, sizes, split, split_ro, tcp_tls, Peer, PEER_ENV, T};
+use super::support::{
+    all_bytes, pattern, run_support, runtime, sizes, split, split_ro, tcp_tls, Peer, PEER_ENV, T,
+};
 
 fn pair() -> (Connector, Connector) {
     (
@@ -529,7 +531,7 @@ async fn validation_descriptors_outside_the_peers_registrations_fail_before_tran
         "{e}"
     );
     drop(op);
-    assert!(dst.iter().all(|&x| x == 7), "nothing was copied");
+    assert!(all_bytes(&dst, 7), "nothing was copied");
 }
 
 // ---------------------------------------------------------------- cancel, drop, timeout

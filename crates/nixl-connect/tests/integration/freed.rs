@@ -10,7 +10,7 @@ use std::time::Duration;
 use nixl_connect::{Connector, Descriptor, Device, RdmaMetadata};
 
 use super::soundness::{drop_at, on_both_paths, policy_from_env, sound_peer, DROP_POINTS};
-use super::support::{run_support, runtime, PEER_ENV};
+use super::support::{all_bytes, run_support, runtime, PEER_ENV};
 
 const MIB: usize = 1 << 20;
 
@@ -161,7 +161,7 @@ fn support_same_address() {
             peer.say("drop");
             peer.expect("DROPPED");
             assert!(
-                d.bytes().iter().all(|&b| b == 0x5A),
+                all_bytes(d.bytes(), 0x5A),
                 "{name}, round {round}: the new pages at the old address did not get every byte"
             );
         }
@@ -171,7 +171,7 @@ fn support_same_address() {
 
 /// True if a fresh zeroed allocation stayed zero.
 fn zero(c: &[u8]) -> bool {
-    c.iter().all(|&b| b == 0)
+    all_bytes(c, 0)
 }
 
 #[test]

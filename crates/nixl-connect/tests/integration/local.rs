@@ -9,7 +9,7 @@ use nixl_connect::{
 };
 
 use super::soundness::{sound_peer, PEER};
-use super::support::{run_support, runtime, tcp_tls, Peer, T};
+use super::support::{all_bytes, run_support, runtime, tcp_tls, Peer, T};
 
 const MIB: usize = 1 << 20;
 
@@ -34,7 +34,7 @@ async fn local_negotiation_declined_falls_back_to_nixl() {
         .to_owned();
     println!("local_negotiation_declined_falls_back_to_nixl: path_reason: {reason}");
     let back = op.into_descriptors().unwrap();
-    assert!(back[0].as_slice().unwrap().iter().all(|&b| b == 9));
+    assert!(all_bytes(back[0].as_slice().unwrap(), 9));
     // With the same-host path required, the same peer is an error that says why.
     let strict = Connector::builder().path(PathPolicy::SameHost).build().unwrap();
     let r = owner.create_readable(Descriptor::from(&src)).await.unwrap();

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use nixl_connect::{Connector, Descriptor, Device, PathPolicy, RdmaMetadata, REGISTERED_QUARANTINE};
 
-use super::support::runtime;
+use super::support::{all_bytes, runtime};
 
 const T: Option<Duration> = Some(Duration::from_secs(10));
 
@@ -62,7 +62,7 @@ fn quarantine_keeps_given_up_memory_with_a_bounded_number_of_registrations() {
             Err(e) => Err(e),
         };
         match outcome {
-            Ok(()) => assert!(dst.iter().all(|&x| x == 0x5a), "a replay read other bytes"),
+            Ok(()) => assert!(all_bytes(&dst, 0x5a), "a replay read other bytes"),
             Err(e) => println!("replayed read refused or failed (allowed): {e}"),
         }
         // And the connector still serves.
@@ -78,7 +78,7 @@ fn quarantine_keeps_given_up_memory_with_a_bounded_number_of_registrations() {
         read.wait_for_completion(T).await.unwrap();
         readable.wait_for_completion(T).await.unwrap();
         drop(read);
-        assert!(dst.iter().all(|&x| x == 0xc3));
+        assert!(all_bytes(&dst, 0xc3));
     });
 }
 

@@ -11,7 +11,7 @@ use nixl_connect::{
     Connector, Descriptor, Error, HostBuffer, OperationStatus, PathPolicy, RdmaMetadata, TransferPath,
 };
 
-use super::support::{pattern, run_support, runtime, tcp_tls, Peer, PEER_ENV, T};
+use super::support::{all_bytes, pattern, run_support, runtime, tcp_tls, Peer, PEER_ENV, T};
 
 pub(crate) const PEER: &str = "soundness::support_sound_peer";
 const MIB: usize = 1 << 20;
@@ -70,7 +70,7 @@ pub(crate) const DROP_POINTS: [Option<Duration>; 10] = [
 ];
 
 fn canary_intact(c: &[u8]) -> bool {
-    c.iter().all(|&b| b == 0xA5)
+    all_bytes(c, 0xA5)
 }
 
 #[test]
@@ -229,7 +229,7 @@ async fn replay_after_completion_and_drop_is_refused_or_harmless() {
             "{who}: {e}"
         );
         drop(op);
-        assert!(dst.iter().all(|&b| b == 0), "{who}: nothing was copied");
+        assert!(all_bytes(&dst, 0), "{who}: nothing was copied");
     }
     drop(r);
     let op = other
@@ -342,7 +342,7 @@ async fn second_write_after_completion() {
     }
     drop(writable);
     assert!(
-        dst.iter().all(|&b| b == 1),
+        all_bytes(&dst, 1),
         "the completed writable's memory did not change"
     );
 }
@@ -369,10 +369,7 @@ async fn concurrent_writers() {
         }
         drop(writable);
         let want = if ra.is_ok() { 1 } else { 2 };
-        assert!(
-            dst.iter().all(|&x| x == want),
-            "no interleaving: one writer's bytes only"
-        );
+        assert!(all_bytes(&dst, want), "no interleaving: one writer's bytes only");
     }
 }
 
@@ -596,6 +593,7 @@ pub(crate) const PAT: u64 = 41;
 ///   `fresh`), prints `STARTED` once the transfer is under way, then
 ///   `READ:ok first=<byte> path=<path> mechanism=<m> same=<every byte as the first> pattern=<it is
 ///   [`pattern`]>` or `READ:err <error>`;
+/// - `deadline MS`: the deadline of later reads and writes (20 s until then), prints `DEADLINE`;
 /// - `write auto|nixl|local [pat]` then a metadata line: writes 0x77 bytes ([`pattern`]) into it, prints
 ///   `STARTED`, then `MECHANISM:<how the same-host path moved it, or none>` and `WRITE:ok` or
 ///   `WRITE:err <error>`.
@@ -613,6 +611,7 @@ fn support_sound_peer() {
         let mut writable = None;
         let mut again = false;
         let mut kept: Option<Descriptor<'static>> = None;
+        let mut deadline = Duration::from_secs(20);
         while let Some(Ok(line)) = lines.next() {
             let w: Vec<&str> = line.split_whitespace().collect();
             match w.first().copied() {
@@ -664,10 +663,14 @@ fn support_sound_peer() {
                         if w[1] == "pat" {
                             b == pattern(b.len(), PAT).as_slice()
                         } else {
-                            b.iter().all(|&x| x == 0x77)
+                            all_bytes(b, 0x77)
                         }
                     });
                     println!("CHECK:{ok}");
+                }
+                Some("deadline") => {
+                    deadline = Duration::from_millis(w[1].parse().unwrap());
+                    println!("DEADLINE");
                 }
                 Some("drop") => {
                     readable = None;
@@ -700,13 +703,13 @@ fn support_sound_peer() {
                             println!("STARTED");
                             use std::io::Write;
                             std::io::stdout().flush().unwrap();
-                            match op.wait_for_completion(Some(Duration::from_secs(20))).await {
+                            match op.wait_for_completion(Some(deadline)).await {
                                 Ok(()) => {
                                     let path = op.path().map_or("?".into(), |p| p.to_string());
                                     let m = op.mechanism().map_or("none".into(), |m| m.to_string());
                                     let back = op.into_descriptors().unwrap();
                                     let bytes = back[0].as_slice().unwrap();
-                                    let same = bytes.iter().all(|&b| b == bytes[0]);
+                                    let same = all_bytes(bytes, bytes[0]);
                                     let pat = bytes == pattern(bytes.len(), PAT).as_slice();
                                     Ok((
                                         bytes[0],
@@ -741,7 +744,7 @@ fn support_sound_peer() {
                             println!("STARTED");
                             use std::io::Write;
                             std::io::stdout().flush().unwrap();
-                            let r = op.wait_for_completion(Some(Duration::from_secs(20))).await;
+                            let r = op.wait_for_completion(Some(deadline)).await;
                             let m = op.mechanism().map_or("none".into(), |m| m.to_string());
                             println!("MECHANISM:{m}");
                             r

@@ -11,7 +11,7 @@ use nixl_connect::{
 
 use super::local::Netns;
 use super::soundness::{sound_peer, PEER};
-use super::support::{pattern, runtime, tcp_tls, Peer, PEER_ENV, T};
+use super::support::{all_bytes, pattern, runtime, tcp_tls, Peer, PEER_ENV, T};
 
 // <linux/userfaultfd.h>: _IOWR(0xAA, 0x3F, struct uffdio_api) and _IOWR(0xAA, 0x00, struct
 // uffdio_register).
@@ -146,7 +146,7 @@ fn stall_of_a_peer_page_leaves_the_engine_serving_others() {
         got.unwrap();
         assert_eq!(stuck.path(), Some(TransferPath::SameHost));
         let back = stuck.into_descriptors().unwrap();
-        assert!(back[0].as_slice().unwrap().iter().all(|&b| b == 0));
+        assert!(all_bytes(back[0].as_slice().unwrap(), 0));
         bad.wait_for_completion(T).await.unwrap();
         exposed.wait_for_completion(T).await.unwrap();
     });
@@ -195,7 +195,7 @@ fn stall_of_one_peer_leaves_copies_from_others_running() {
             .unwrap();
         assert_eq!(served.path(), Some(TransferPath::SameHost));
         let back = served.into_descriptors().unwrap();
-        assert!(back[0].as_slice().unwrap().iter().all(|&b| b == 0x5A));
+        assert!(all_bytes(back[0].as_slice().unwrap(), 0x5A));
         drop(stuck);
         for r in &bad {
             r.wait_for_completion(T).await.unwrap();

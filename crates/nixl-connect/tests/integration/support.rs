@@ -46,17 +46,36 @@ pub(crate) fn read_frame(s: &mut impl std::io::Read) -> Option<Vec<u8>> {
     Some(body)
 }
 
-/// Deterministic bytes for `seed`.
+/// Deterministic bytes for `seed`: a 4 KiB block of xorshift bytes, repeated, each copy
+/// starting with its own index (so a range read from the wrong offset, even a whole number of
+/// blocks away, differs). Built by copies, not per byte: tests run in debug builds, where a
+/// per-byte generator took 11 ns a byte (12 s for 1 GiB).
 pub(crate) fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    const BLOCK: usize = 4096;
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
+    let block: Vec<u8> = (0..BLOCK)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
             (x >> 24) as u8
         })
-        .collect()
+        .collect();
+    let mut v = Vec::with_capacity(len + BLOCK);
+    for i in 0..len.div_ceil(BLOCK) as u64 {
+        let at = v.len();
+        v.extend_from_slice(&block);
+        v[at..at + 8].copy_from_slice(&(i ^ seed).to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+/// True if every byte of `b` is `byte`. Compared a block at a time (a `memcmp`): tests run in
+/// debug builds, where a per-byte loop took 2.4 ns a byte (0.16 s per 64 MiB canary).
+pub(crate) fn all_bytes(b: &[u8], byte: u8) -> bool {
+    let block = [byte; 4096];
+    b.chunks(block.len()).all(|c| c == &block[..c.len()])
 }
 
 /// Unequal sizes summing to `total`: 1, 2, 3, ... weights.
