@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 versions=("$@"); [ ${#versions[@]} -gt 0 ] || versions=(1.4.1 1.5.0)
 unset NIXL_CONNECT_SKIP_VERSION_CHECK
 source scripts/nixl-modules.sh
+source scripts/test-exe.sh
+integration=$(test_exe integration)
 cargo build -q --workspace --all-features   # the CLI (doctor, below), as scripts/test.sh built it
 for v in "${versions[@]}"; do
   NIXL_VERSION=$v NIXL_DIR=".nixl-$v" bash scripts/setup.sh
@@ -27,7 +29,7 @@ ok = lib["status"] == "ok" and lib["detail"].endswith("==" + v + ")") and st["st
 print("test-nixl-versions: NIXL library", lib["detail"], "; self-test", st["status"], file=sys.stderr)
 sys.exit(0 if ok else 1)' "$v" || { echo "test-nixl-versions: NIXL $v did not load and pass doctor's self-test" >&2; exit 1; }
   echo "== NIXL $v: the integration tests that move bytes through NIXL (${nixl_modules[*]})" >&2
-  cargo test -p nixl-connect --all-features --test integration -- "${nixl_filters[@]}" 2>&1
+  (cd crates/nixl-connect && "$integration" "${nixl_filters[@]}") 2>&1
   echo "== NIXL $v: Dynamo's multimodal tests on nixl_connect" >&2
   bash scripts/test-dynamo.sh
 done

@@ -38,7 +38,10 @@ bash scripts/test-package.sh
 step "the declared minimum Rust (rust-version) checks the crates"
 bash scripts/test-msrv.sh
 step "the core's unit tests and the loopback tests with NIXL_CONNECT_LIB naming nothing (no NIXL library)"
-NIXL_CONNECT_LIB=/nonexistent/libnixl_capi.so cargo test -p nixl-connect --all-features --lib --test loopback 2>&1
+# (The executables `cargo test` built, run as cargo does: scripts/test-exe.sh says why.)
+source scripts/test-exe.sh
+unit=$(test_exe nixl_connect); loopback=$(test_exe loopback); integration=$(test_exe integration)
+(cd crates/nixl-connect && NIXL_CONNECT_LIB=/nonexistent/libnixl_capi.so "$unit" && NIXL_CONNECT_LIB=/nonexistent/libnixl_capi.so "$loopback") 2>&1
 step "pytest tests/python (nixl_connect and dynamo.nixl_connect side by side, Dynamo's callers on both)"
 # Real torch (CPU use) from .venv. The watchdog in tests/python/conftest.py ends a hung test with
 # every thread's stack.
@@ -51,8 +54,8 @@ bash scripts/test-sdist.sh
 step "the churn soak, 60 s (owners come and go, link flaps; 0 lost, nothing held after)"
 # (scripts/soak.sh --churn 60, in the debug build `cargo test` already made; NIXL's own error
 # lines about the killed owners are filtered out; the pipeline fails if the soak does.)
-NIXL_CONNECT_SOAK_SECS=60 cargo test -p nixl-connect --all-features --test integration -- --ignored --exact \
-  soak::soak_churn_owners_come_and_go --nocapture --test-threads=1 2>&1 | grep -v '^[EWI][0-9]\{4\} \|UCX  ERROR'
+(cd crates/nixl-connect && NIXL_CONNECT_SOAK_SECS=60 "$integration" --ignored --exact \
+  soak::soak_churn_owners_come_and_go --nocapture --test-threads=1) 2>&1 | grep -v '^[EWI][0-9]\{4\} \|UCX  ERROR'
 step "one nixl-sys with Dynamo's crates: interop/dynamo-memory, and the integration tests on nixl-sys 1.3.2"
 bash scripts/test-interop.sh
 step "the NIXL tests on the other NIXL releases Dynamo's extras pin (1.4.1, 1.5.0)"

@@ -156,6 +156,10 @@ fn support_drop_passive() {
         // This process owns the memory; over TCP its own UCX serves the peer's reads from it.
         let conn = Connector::new().unwrap();
         let mut peer = sound_peer();
+        // A read the owner breaks may only end at its deadline: 5 s, far above what an unbroken
+        // one takes (the test's point is the owner, not how the reader's read ends).
+        peer.say("deadline 5000");
+        peer.expect("DEADLINE");
         let len = 256 * MIB;
         for busy in [false, true] {
             // "Busy": another readable keeps this engine progressing NIXL all the time.
