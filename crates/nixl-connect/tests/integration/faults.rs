@@ -2,8 +2,8 @@
 //! is taken down in the middle of a transfer. The operation ends typed within its deadline, and
 //! once the link is back the next operation on the same connector works, byte-exact, with no
 //! restart. (This kernel has no `sch_netem`, so loss and delay are not emulated here: the link is
-//! rate-limited with `tbf`, so that a 1 GiB read is certainly in flight when the link goes down,
-//! and flapped.)
+//! rate-limited with `tbf`, so that a 256 MiB read is certainly in flight when the link goes
+//! down, and flapped.)
 
 use std::time::{Duration, Instant};
 
@@ -71,6 +71,8 @@ fn faults_link_down_mid_transfer_ends_typed_and_the_next_read_works() {
     assert!(took < Duration::from_secs(10), "ended after {took:?}");
     // The link comes back; the owner exposes again; the same reader (its connector kept) reads.
     Netns::ip(&["-n", &ns.a, "link", "set", &ns.dev_a, "up"]).unwrap();
+    reader.say("deadline 20000");
+    reader.expect("DEADLINE");
     owner.say("drop");
     owner.expect("DROPPED");
     owner.say("expose readable 8388608 hostpat");

@@ -721,21 +721,7 @@ pub(crate) fn lingering_tcp() -> (std::net::TcpStream, std::net::TcpStream) {
     let tl = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let tcp = std::net::TcpStream::connect(tl.local_addr().unwrap()).unwrap();
     let (never_reads, _) = tl.accept().unwrap();
-    let linger = libc::linger {
-        l_onoff: 1,
-        l_linger: 120,
-    };
-    // SAFETY: setsockopt reads one linger struct from a live local.
-    #[allow(unsafe_code)]
-    unsafe {
-        libc::setsockopt(
-            tcp.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&linger as *const libc::linger).cast(),
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        )
-    };
+    set_linger(&tcp, 120);
     tcp.set_nonblocking(true).unwrap();
     let junk = vec![0u8; 1 << 20];
     while (&tcp).write(&junk).is_ok() {}
@@ -745,9 +731,14 @@ pub(crate) fn lingering_tcp() -> (std::net::TcpStream, std::net::TcpStream) {
 /// Resets `tcp` when it is closed (`SO_LINGER` {on, 0}), so that closing a [`lingering_tcp`]
 /// socket that was never passed does not wait out its linger.
 pub(crate) fn defuse(tcp: &std::net::TcpStream) {
+    set_linger(tcp, 0);
+}
+
+/// `SO_LINGER` {on, `secs`} on `tcp`.
+fn set_linger(tcp: &std::net::TcpStream, secs: i32) {
     let linger = libc::linger {
         l_onoff: 1,
-        l_linger: 0,
+        l_linger: secs,
     };
     // SAFETY: setsockopt reads one linger struct from a live local.
     #[allow(unsafe_code)]

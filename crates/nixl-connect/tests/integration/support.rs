@@ -46,13 +46,14 @@ pub(crate) fn read_frame(s: &mut impl std::io::Read) -> Option<Vec<u8>> {
     Some(body)
 }
 
-/// Deterministic bytes for `seed`: a 4 KiB block of xorshift bytes, repeated, each copy
-/// starting with its own index (so a range read from the wrong offset, even a whole number of
-/// blocks away, differs). Built by copies, not per byte: tests run in debug builds, where a
-/// per-byte generator took 11 ns a byte (12 s for 1 GiB).
+/// Deterministic bytes for `seed`, with no period a transfer's offsets could hide behind: blocks
+/// of one xorshift block of a prime length (4093 bytes), each rotated by, and starting with, a
+/// mix of its index and the seed. Built by copies, not per byte: tests run in debug builds, where
+/// a per-byte generator took 11 ns a byte (12 s for 1 GiB).
 pub(crate) fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    const BLOCK: usize = 4096;
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    const BLOCK: usize = 4093;
+    let mix = |v: u64| v.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut x = mix(seed);
     let block: Vec<u8> = (0..BLOCK)
         .map(|_| {
             x ^= x << 13;
@@ -63,9 +64,12 @@ pub(crate) fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect();
     let mut v = Vec::with_capacity(len + BLOCK);
     for i in 0..len.div_ceil(BLOCK) as u64 {
+        let m = mix(i ^ seed.rotate_left(32));
+        let r = (m >> 32) as usize % BLOCK;
         let at = v.len();
-        v.extend_from_slice(&block);
-        v[at..at + 8].copy_from_slice(&(i ^ seed).to_le_bytes());
+        v.extend_from_slice(&block[r..]);
+        v.extend_from_slice(&block[..r]);
+        v[at..at + 8].copy_from_slice(&m.to_le_bytes());
     }
     v.truncate(len);
     v
