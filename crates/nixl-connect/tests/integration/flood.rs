@@ -19,6 +19,10 @@ use super::support::{pattern, T};
 /// The environment variable naming the socket the flood support process targets.
 const FLOOD_ENV: &str = "NIXL_CONNECT_TEST_FLOOD";
 
+/// Held by each test that counts this process's descriptors during a flood, so that the other
+/// flood's connections (hundreds at a time) are not counted as held by this one's.
+static COUNTING_DESCRIPTORS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// True once the kernel reports a reset (or any error) on `s`: the other end was closed with
 /// `SO_LINGER` {on, 0}. A graceful close would have to wait for the unsent data to be read.
 fn reset_within(s: &std::net::TcpStream, limit: Duration) -> bool {
@@ -201,6 +205,7 @@ async fn flood_another_users_connections_hold_nothing_and_reads_go_on() {
         println!("skipped: not root, cannot run a flood as another user");
         return;
     }
+    let _counting = COUNTING_DESCRIPTORS.lock().await;
     let owner = Connector::new().unwrap();
     let reader = Connector::new().unwrap();
     let mut quiet = Vec::new();
@@ -286,6 +291,7 @@ async fn flood_idle_http_connections_from_another_user_are_bounded() {
     if !is_root() {
         panic!("this test runs as root (it becomes uid 65534 to play the other user)");
     }
+    let _counting = COUNTING_DESCRIPTORS.lock().await;
     let registry = std::sync::Arc::new(prometheus_client::registry::Registry::default());
     let server = nixl_connect::metrics::serve("127.0.0.1:0".parse().unwrap(), registry)
         .await
