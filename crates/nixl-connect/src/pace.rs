@@ -41,13 +41,11 @@ pub(crate) struct Pace {
     hot_for: Duration,
     turn_gap: Duration,
     first_poll: Duration,
-    stand_down: Duration,
     drive_max: usize,
     small: usize,
     overrun: Duration,
     lost_to_stop: Duration,
     off_for: Duration,
-    shared_turn: Duration,
     shared_turns: u32,
     exposed_poll: Duration,
     work: Duration,
@@ -58,13 +56,11 @@ pub(crate) const PACE: Pace = Pace {
     hot_for: Duration::from_millis(2),
     turn_gap: Duration::from_micros(5),
     first_poll: Duration::from_micros(20),
-    stand_down: Duration::from_millis(1),
     drive_max: 4,
     small: 64 << 10,
     overrun: Duration::from_micros(200),
     lost_to_stop: Duration::from_millis(20),
     off_for: Duration::from_secs(1),
-    shared_turn: Duration::from_micros(2),
     shared_turns: 8,
     exposed_poll: Duration::from_millis(5),
     work: Duration::from_micros(10),
@@ -98,9 +94,11 @@ impl Pace {
 
     /// While callers drive, the engine stands down and sleeps at most this long (a caller's turn
     /// within this long counts as driving), and what a caller's turn leaves the engine thread is
-    /// due no sooner. Row: "4 KiB", same-host 4 KiB read (an alarm at 100 us rang mid-operation).
+    /// due no sooner: the engine's horizon, [`hot_for`](Self::hot_for), as when it spins (a
+    /// number of its own, 1 ms, measured the same: "4 KiB", "64 outstanding", "1,000 x 4 KiB").
+    /// Row: "4 KiB", same-host 4 KiB read (an alarm at 100 us rang mid-operation).
     pub(crate) const fn stand_down(&self) -> Duration {
-        self.stand_down
+        self.hot_for
     }
 
     /// The most operations in flight for a caller to drive (a wait's turn, or the turn after its
@@ -140,10 +138,12 @@ impl Pace {
     /// A yield that took longer than this ran another thread's turn on this core (a yield with
     /// the core to itself takes under a microsecond). Where a bare yield costs more (a system
     /// call filter, nested virtualization), a driving wait's spin ends after
-    /// [`shared_turns`](Self::shared_turns) yields: a shorter spin, nothing worse. Row: "4 KiB",
+    /// [`shared_turns`](Self::shared_turns) yields: a shorter spin, nothing worse. It is the
+    /// driving wait's [`turn_gap`](Self::turn_gap) (a number of its own, 2 us, measured the same:
+    /// "4 KiB", "64 outstanding", "1,000 x 4 KiB", "4 KiB over TCP"). Row: "4 KiB",
     /// same-host 4 KiB read (the reader's runs 17.8-19.6 us; a third at 34-37 us without it).
     const fn shared_turn(&self) -> Duration {
-        self.shared_turn
+        self.turn_gap
     }
 
     /// A driving wait's spin whose last this many yields each ran another thread's turn ends: two
