@@ -509,3 +509,268 @@ fn connect_abstract(fd: std::os::fd::RawFd, name: &[u8]) -> std::io::Result<()> 
     }
     Ok(())
 }
+
+/// The environment variable naming the socket [`support_wedge`] targets.
+const WEDGE_ENV: &str = "NIXL_CONNECT_TEST_WEDGE";
+
+/// The support process of the wedged-pipe tests: makes `LOCKED` pipes whose lock a thread of its
+/// own holds (each splices from a socket that never sends into the pipe, which takes the pipe's
+/// lock until data comes), then connects to the socket named by [`WEDGE_ENV`] `CONNS` times,
+/// each passing `PER` pipes' read ends (a locked one first while any is left) with a hello, and
+/// closing its own copies, so that the server's are the last ones: whoever closes a locked one
+/// waits in the kernel. Prints `WEDGING passed=<n> locked=<n>`, and lets the locks go (and
+/// exits) when its stdin closes.
+#[test]
+#[ignore = "run by the wedged-pipe tests"]
+fn support_wedge() {
+    let Ok(name) = std::env::var(WEDGE_ENV) else {
+        return;
+    };
+    let var = |k: &str| -> usize { std::env::var(k).unwrap().parse().unwrap() };
+    let (locked, conns, per) = (var("LOCKED"), var("CONNS"), var("PER"));
+    // SAFETY: rlimit is plain old data; getrlimit/setrlimit read or write one.
+    #[allow(unsafe_code)]
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        r.rlim_cur = r.rlim_max.min(1 << 16);
+        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+    }
+    let pipe = || -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
+        use std::os::fd::FromRawFd;
+        let mut p = [0; 2];
+        // SAFETY: pipe2 writes two new descriptors, each owned once just below.
+        #[allow(unsafe_code)]
+        unsafe {
+            assert_eq!(libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC), 0);
+            (
+                std::os::fd::OwnedFd::from_raw_fd(p[0]),
+                std::os::fd::OwnedFd::from_raw_fd(p[1]),
+            )
+        }
+    };
+    let mut silent = Vec::new();
+    let mut locked_ends = Vec::new();
+    for _ in 0..locked {
+        let (r, w) = pipe();
+        let (a, b) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            // SAFETY: splice between two descriptors this thread owns; no pointer is passed.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::splice(
+                    a.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    w.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    4096,
+                    0,
+                )
+            };
+            drop((a, w));
+        });
+        silent.push(b);
+        locked_ends.push(r);
+    }
+    // The splices are in, holding their pipes' locks.
+    std::thread::sleep(Duration::from_millis(300));
+    let addr = format!("nixl-connect.v1/{name}");
+    let (mut passed, mut locked_passed) = (0, 0);
+    // Locked ends never passed are closed only once their locks are let go (closing one here
+    // would wait in the kernel, as the server's close does).
+    let mut kept = Vec::new();
+    for _ in 0..conns {
+        // Non-blocking: a server that rests its listener makes a blocking connect wait.
+        let fd = nonblocking_unix_socket();
+        if connect_abstract(fd.as_raw_fd(), addr.as_bytes()).is_err() {
+            continue;
+        }
+        let s = UnixStream::from(fd);
+        let lock = locked_ends.pop();
+        let mut fds: Vec<std::os::fd::OwnedFd> = Vec::new();
+        while fds.len() + usize::from(lock.is_some()) < per {
+            fds.push(pipe().0);
+        }
+        let mut raw: Vec<std::os::fd::RawFd> = lock.iter().map(|l| l.as_raw_fd()).collect();
+        raw.extend(fds.iter().map(|f| f.as_raw_fd()));
+        if super::hostile::try_send_with_fds(&s, &hello(), &raw).is_ok() {
+            passed += raw.len();
+            locked_passed += usize::from(lock.is_some());
+            drop(lock);
+        } else if let Some(l) = lock {
+            kept.push(l);
+        }
+    }
+    println!("WEDGING passed={passed} locked={locked_passed}");
+    std::io::stdout().flush().unwrap();
+    let mut line = String::new();
+    let _ = std::io::stdin().lock().read_line(&mut line);
+    // The splices see the end of their sockets and return: the locks are let go.
+    drop(silent);
+    std::thread::sleep(Duration::from_millis(200));
+    drop(kept);
+}
+
+/// The victim of the wedged-pipe tests: a connector in a process of its own (the closes it
+/// waits for are its process's), its descriptors counted, reading with `reader`.
+struct Victim {
+    peer: super::support::Peer,
+}
+
+impl Victim {
+    fn start() -> Self {
+        Victim {
+            peer: super::support::Peer::spawn("soundness::support_sound_peer", "victim", &[]),
+        }
+    }
+
+    fn name(&mut self) -> String {
+        self.peer.say("name");
+        self.peer.expect("NAME:")
+    }
+
+    fn fds(&mut self) -> usize {
+        self.peer.say("fds");
+        self.peer.expect("FDS:").parse().unwrap()
+    }
+
+    /// One read of a fresh 1 MiB readable of the victim by `reader`: its time, and its path.
+    async fn read(&mut self, reader: &Connector, what: &str) -> (Duration, TransferPath) {
+        self.peer.say("expose readable 1048576 hostpat");
+        let md: nixl_connect::RdmaMetadata = self.peer.expect("MD:").parse().unwrap();
+        let want = pattern(1 << 20, super::soundness::PAT);
+        let t0 = Instant::now();
+        let op = reader
+            .begin_read(&md, Descriptor::from(vec![0u8; want.len()]))
+            .await
+            .unwrap();
+        if let Err(e) = op.wait_for_completion(Some(Duration::from_secs(5))).await {
+            panic!(
+                "{what}: {e} (path {:?}, mechanism {:?})",
+                op.path(),
+                op.mechanism()
+            );
+        }
+        let took = t0.elapsed();
+        let path = op.path().unwrap();
+        assert_eq!(op.into_descriptors().unwrap()[0].as_slice().unwrap(), &want[..]);
+        self.peer.say("wait 5000");
+        assert_eq!(self.peer.expect("WAIT:"), "ok");
+        (took, path)
+    }
+}
+
+/// The process's hard limit on descriptors (the victim raises its soft limit to it).
+fn descriptor_limit() -> usize {
+    // SAFETY: getrlimit writes one rlimit into a zeroed local.
+    #[allow(unsafe_code)]
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        r.rlim_max.min(1 << 20) as usize
+    }
+}
+
+/// Issue 63, finding 1: pipes whose lock the attacker holds, passed to a victim (by another user
+/// before the victim even accepts, or by the same user with a hello), wedge whatever closes them.
+/// Before: one closer thread closed every passed descriptor; the first locked pipe held it in
+/// the kernel, every later descriptor queued behind it in the victim's table, and the table
+/// filled (the other user's 20,000 descriptors against a limit of 20,000). Now closes run on a
+/// pool (a locked pipe holds one thread of it), the closes waiting are counted, and past an
+/// eighth of the limit the victim takes no descriptor and accepts no connection until they
+/// drain: it stays below half its limit, a legitimate 1 MiB read completes within 5 s, and once
+/// the attacker lets go, a fresh reader takes the same-host path again and the table is back.
+async fn wedged_pipes_leave_the_table_bounded(another_user: bool) {
+    let mut victim = Victim::start();
+    let name = victim.name();
+    let reader = Connector::new().unwrap();
+    let (quiet, path) = victim.read(&reader, "the quiet read").await;
+    assert_eq!(path, TransferPath::SameHost);
+    let before = victim.fds();
+    let limit = descriptor_limit();
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "flood::support_wedge",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(WEDGE_ENV, &name)
+    .env("LOCKED", "24")
+    .env("CONNS", (limit / 250 + 20).to_string())
+    .env("PER", "250")
+    .env("HOME", std::env::temp_dir())
+    .current_dir(std::env::temp_dir());
+    if another_user {
+        cmd.uid(65534).gid(65534);
+    }
+    let mut attacker = super::support::Peer::from_command(cmd);
+    let report = format!("passed={}", attacker.expect("WEDGING passed="));
+    // The most it holds over a second: what the attacker passed may still be on its way in.
+    let mut during = 0;
+    for _ in 0..10 {
+        during = during.max(victim.fds());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (took, path) = victim.read(&reader, "the read during the wedge").await;
+    let fresh = Connector::new().unwrap();
+    let (took_fresh, path_fresh) = victim
+        .read(&fresh, "a fresh reader's read during the wedge")
+        .await;
+    println!(
+        "wedged pipes (another user: {another_user}): {report}; the victim's descriptors \
+         {before} -> {during} (limit {limit}); 1 MiB read quiet {quiet:?}, under the wedge \
+         {took:?} ({path}), a fresh reader {took_fresh:?} ({path_fresh})"
+    );
+    assert!(
+        during < limit / 2,
+        "the victim's table filled: {before} -> {during} of {limit} ({report})"
+    );
+    // The locks let go, the closes drain and the same-host path serves new readers again.
+    attacker.finish();
+    let t0 = Instant::now();
+    let mut after = victim.fds();
+    while after > before + 64 && t0.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = victim.fds();
+    }
+    assert!(
+        after <= before + 64,
+        "the closes did not drain: {before} -> {after}"
+    );
+    let again = Connector::new().unwrap();
+    let mut path_again = victim
+        .read(&again, "a fresh reader's read after the wedge")
+        .await
+        .1;
+    // Accepting resumes within the listener's back-off.
+    for _ in 0..20 {
+        if path_again == TransferPath::SameHost {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        path_again = victim
+            .read(&Connector::new().unwrap(), "a read after the wedge")
+            .await
+            .1;
+    }
+    assert_eq!(
+        path_again,
+        TransferPath::SameHost,
+        "after the wedge: {after} descriptors"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flood_wedged_pipes_from_another_user_leave_the_table_bounded() {
+    if !is_root() {
+        panic!("this test runs as root (it becomes uid 65534 to play the other user)");
+    }
+    wedged_pipes_leave_the_table_bounded(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flood_wedged_pipes_from_the_same_user_leave_the_table_bounded() {
+    wedged_pipes_leave_the_table_bounded(false).await;
+}

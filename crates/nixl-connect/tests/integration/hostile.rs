@@ -761,14 +761,24 @@ pub(crate) fn send_with_fd(s: &UnixStream, bytes: &[u8], fd: std::os::fd::RawFd)
 
 /// As [`send_with_fd`], returning the OS error instead of panicking.
 pub(crate) fn try_send_with_fd(s: &UnixStream, bytes: &[u8], fd: std::os::fd::RawFd) -> std::io::Result<()> {
-    // SAFETY: a msghdr over live locals and a control buffer sized by CMSG_SPACE for one fd.
+    try_send_with_fds(s, bytes, &[fd])
+}
+
+/// Sends `bytes` with `fds` attached (`SCM_RIGHTS`, at most 253), as one message.
+pub(crate) fn try_send_with_fds(
+    s: &UnixStream,
+    bytes: &[u8],
+    fds: &[std::os::fd::RawFd],
+) -> std::io::Result<()> {
+    let len = std::mem::size_of_val(fds) as u32;
+    // SAFETY: a msghdr over live locals and a control buffer sized by CMSG_SPACE for `fds`.
     #[allow(unsafe_code)]
     let sent = unsafe {
         let mut iov = libc::iovec {
             iov_base: bytes.as_ptr() as *mut libc::c_void,
             iov_len: bytes.len(),
         };
-        let space = libc::CMSG_SPACE(4) as usize;
+        let space = libc::CMSG_SPACE(len) as usize;
         let mut cbuf = vec![0u64; space.div_ceil(8)];
         let mut msg: libc::msghdr = std::mem::zeroed();
         msg.msg_iov = &mut iov;
@@ -778,8 +788,8 @@ pub(crate) fn try_send_with_fd(s: &UnixStream, bytes: &[u8], fd: std::os::fd::Ra
         let cm = libc::CMSG_FIRSTHDR(&msg);
         (*cm).cmsg_level = libc::SOL_SOCKET;
         (*cm).cmsg_type = libc::SCM_RIGHTS;
-        (*cm).cmsg_len = libc::CMSG_LEN(4) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<i32>(), fd);
+        (*cm).cmsg_len = libc::CMSG_LEN(len) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cm).cast::<i32>(), fds.len());
         libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
     };
     if sent < 0 {

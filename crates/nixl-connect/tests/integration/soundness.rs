@@ -676,6 +676,8 @@ fn support_sound_peer() {
                     deadline = Duration::from_millis(w[1].parse().unwrap());
                     println!("DEADLINE");
                 }
+                Some("name") => println!("NAME:{}", conn.name()),
+                Some("fds") => println!("FDS:{}", std::fs::read_dir("/proc/self/fd").unwrap().count()),
                 Some("drop") => {
                     readable = None;
                     writable = None;

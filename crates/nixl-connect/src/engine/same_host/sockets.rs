@@ -17,8 +17,9 @@ use super::records::{Conn, ConnId, MAX_NAMED};
 use super::sys::dir::DirListener;
 use super::sys::slots::SlotTable;
 use super::sys::{
-    clear_timer, close_elsewhere, pipe, recv_with_fds, refuse_passed_descriptors, send, send_with_fds,
-    set_timer, timerfd, uid, Control, Tracked,
+    accept, clear_timer, close_elsewhere, close_refused, closer, pipe, plug, recv_with_fds,
+    refuse_passed_descriptors, send, send_with_fds, set_backlog, set_timer, timerfd, uid, Control, Tracked,
+    BACKLOG,
 };
 use super::violation::Violation;
 use super::wire::IpcSource;
@@ -50,6 +51,8 @@ pub(super) struct Sockets {
     /// A timer (made up front: there may be no descriptor left when it is needed) that re-arms
     /// the listener after `accept` ran out of descriptors, instead of spinning on it.
     accept_timer: Option<OwnedFd>,
+    /// While accepting rests: connections of our own that fill the listeners' queues ([`plug`]).
+    plugs: Vec<OwnedFd>,
     /// A timer for the connections' deadlines (handshakes, partial frames), and when it is armed
     /// to fire.
     deadline_timer: Option<OwnedFd>,
@@ -97,6 +100,7 @@ impl Sockets {
             uid: uid(),
             conns: HashMap::new(),
             accept_timer,
+            plugs: Vec::new(),
             deadline_timer,
             deadline_armed: None,
         }
@@ -242,14 +246,36 @@ impl Sockets {
         tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
         for l in self.listeners() {
             self.reg.remove(l);
+            set_backlog(l, 0);
+            // The connections already queued are closed unread (whatever they queued is
+            // released with them, on the closer): a client waiting there for its handshake
+            // learns at once and takes NIXL. Then the queue is plugged.
+            for _ in 0..=BACKLOG {
+                let Ok(c) = accept(l) else { break };
+                close_refused(c);
+            }
+            self.plugs.extend(plug(l));
         }
         set_timer(t, ACCEPT_BACKOFF);
+    }
+
+    /// Accepting, paused, rests for another [`ACCEPT_BACKOFF`] (what made it pause lasts).
+    pub(super) fn rest_accepting(&mut self) {
+        if let Some(t) = &self.accept_timer {
+            clear_timer(t);
+            set_timer(t, ACCEPT_BACKOFF);
+        }
     }
 
     /// The back-off timer fired: the listener is watched again (the caller accepts what waits).
     pub(super) fn resume_accepting(&mut self) {
         if let Some(t) = &self.accept_timer {
             clear_timer(t);
+        }
+        // Our own connections leave the queues (accepted next, they end at once).
+        self.plugs.clear();
+        for l in self.listeners() {
+            set_backlog(l, BACKLOG);
         }
         if let Some(l) = &self.listener {
             let _ = self.reg.add(l.as_raw_fd(), LISTENER, true, false);
@@ -421,6 +447,12 @@ impl Sockets {
                 return;
             }
             let passed = fds.len();
+            if passed > 0 && closer::backlogged() {
+                // Closes wait past their bound: no descriptor is taken until they drain.
+                fds.into_iter().for_each(close_elsewhere);
+                c.link.kill(Violation::ClosesBacklogged);
+                return;
+            }
             if passed > 0 {
                 if passed == 1 && c.link.takes_descriptors() {
                     // The slot table: checked (sealed memfd first, without touching any other

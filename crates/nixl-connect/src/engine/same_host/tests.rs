@@ -15,6 +15,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("wire", 2),
     ("link", 3),
     ("sys", 3),
+    ("sys/closer", 1),
     ("sys/slots", 1),
     ("sys/cma", 2),
     ("sys/mem", 1),

@@ -28,7 +28,7 @@ use super::sys::dir::{connect_in, DirListener};
 #[cfg(feature = "cuda")]
 use super::sys::ipc;
 use super::sys::{
-    accept, accept_passed_descriptors, alive, alive_fd, close_elsewhere, close_refused, cma, connect,
+    accept, accept_passed_descriptors, alive, alive_fd, close_elsewhere, close_refused, closer, cma, connect,
     descriptor_budget, peer_cred, peer_process, pipe, raise_descriptor_limit, refuse_passed_descriptors,
     same_pid_namespace, self_id, socket_name, unix_socket, Tracked,
 };
@@ -320,6 +320,14 @@ impl SameHostTransport {
 
     fn accept_from(&mut self, lfd: std::os::fd::RawFd) {
         loop {
+            if closer::backlogged() {
+                // Closes wait past their bound (peers passed descriptors whose close blocks):
+                // whatever a new connection queued would join them.
+                self.sockets.pause_accepting(&std::io::Error::other(
+                    "too many descriptors wait to be closed (peers passed ones whose close blocks)",
+                ));
+                return;
+            }
             let fd = match accept(lfd) {
                 Ok(fd) => fd,
                 Err(e) => {
@@ -397,6 +405,10 @@ impl SameHostTransport {
 
     /// The back-off timer fired: watch the listener again and take what waits.
     pub(super) fn resume_accepting(&mut self) {
+        if closer::backlogged() {
+            self.sockets.rest_accepting();
+            return;
+        }
         self.sockets.resume_accepting();
         self.accept();
     }

@@ -43,6 +43,9 @@ pub(crate) enum Violation {
     TableUnmappable,
     /// Descriptors were cut off (`MSG_CTRUNC`).
     ControlTruncated,
+    /// Descriptors were passed while too many wait to be closed (peers passed ones whose close
+    /// blocks).
+    ClosesBacklogged,
     /// A `Hello` of another protocol version.
     OtherVersion,
     /// This server has no identity to prove (it serves no socket).
@@ -113,6 +116,9 @@ impl Violation {
             Violation::NotATable => "the descriptor passed with the hello is no slot table",
             Violation::TableUnmappable => "the slot table cannot be mapped",
             Violation::ControlTruncated => "descriptors passed beyond what a message takes were cut off",
+            Violation::ClosesBacklogged => {
+                "descriptors passed while too many wait to be closed (peers passed ones whose close blocks)"
+            }
             Violation::OtherVersion => "another protocol version",
             Violation::NoIdentity => "a server without an identity",
             Violation::HelloNotLive => "the hello named no live operation",

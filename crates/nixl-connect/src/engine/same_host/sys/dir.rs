@@ -124,7 +124,7 @@ pub(crate) fn listen_in(base: &Path, stem: &str) -> io::Result<DirListener> {
     // The folder (0700) already keeps others out; the socket itself says so too.
     fs::set_permissions(&listener.sock_path, fs::Permissions::from_mode(0o600))?;
     // SAFETY: listen on our own bound socket.
-    if unsafe { libc::listen(listener.fd(), 128) } != 0 {
+    if unsafe { libc::listen(listener.fd(), super::BACKLOG) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(listener)

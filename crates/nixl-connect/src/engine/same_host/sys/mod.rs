@@ -2,7 +2,8 @@
 //! lives in this folder (the modules above it are compiled with `forbid(unsafe_code)`).
 //!
 //! - this file: abstract Unix sockets, descriptors passed over them, peer credentials, pidfds,
-//!   timers, the descriptor limit, and the closer threads;
+//!   timers, the descriptor limit, and what each closer does;
+//! - [`closer`]: the closer pools, and the count of closes waiting;
 //! - [`mem`]: raw copies between this process's memory and byte vectors (small operations);
 //! - [`slots`]: the slot table, a sealed memfd both processes map;
 //! - [`cma`]: copies with `process_vm_readv`, the copy pool;
@@ -12,6 +13,7 @@
 //! - `ipc`, `vmm` and `staged` (feature `cuda`): CUDA IPC exports and copies, VMM allocations'
 //!   descriptors between PID namespaces, pinned staging; `ipc_error`: why a step of them failed.
 
+pub(crate) mod closer;
 pub(crate) mod cma;
 pub(crate) mod dir;
 #[cfg(feature = "cuda")]
@@ -271,6 +273,34 @@ pub(super) fn unix_socket() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Connections a listener holds for `accept`.
+pub(super) const BACKLOG: libc::c_int = 128;
+
+/// Sets how many connections listener `fd` holds for `accept` (0 while accepting rests: a client
+/// then finds it busy at once, instead of waiting out its handshake's deadline in the queue).
+pub(super) fn set_backlog(fd: RawFd, backlog: libc::c_int) {
+    // SAFETY: listen again on our own listening socket only changes its backlog.
+    unsafe { libc::listen(fd, backlog) };
+}
+
+/// A connection of our own, left in listener `fd`'s queue while accepting rests with a backlog
+/// of 0 ([`set_backlog`]): the queue is full with it, so a client's `connect` fails at once
+/// (busy: it takes NIXL) instead of waiting in the queue for a handshake that comes only once
+/// accepting resumes. `None` when the queue is full already (or the socket cannot be named).
+pub(super) fn plug(fd: RawFd) -> Option<OwnedFd> {
+    // SAFETY: a zeroed sockaddr_un is valid; getsockname writes at most `len` bytes into it.
+    let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+    // SAFETY: as above, on our own listening socket.
+    if unsafe { libc::getsockname(fd, (&mut a as *mut libc::sockaddr_un).cast(), &mut len) } != 0 {
+        return None;
+    }
+    let s = unix_socket().ok()?;
+    // SAFETY: `a` is the sockaddr_un of `len` bytes the kernel just wrote.
+    let r = unsafe { libc::connect(s.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) };
+    (r == 0).then_some(s)
+}
+
 /// Binds and listens on the socket for `agent`; `Ok(None)` when another connector has it.
 pub(crate) fn listen(agent: &str) -> io::Result<Option<Tracked>> {
     let fd = unix_socket()?;
@@ -285,7 +315,7 @@ pub(crate) fn listen(agent: &str) -> io::Result<Option<Tracked>> {
         };
     }
     // SAFETY: listen on our own bound socket.
-    if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
+    if unsafe { libc::listen(fd.as_raw_fd(), BACKLOG) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(Some(Tracked::new(fd)))
@@ -523,14 +553,16 @@ fn drain_passed(fd: RawFd) {
     drain_connection(fd);
 }
 
-/// Shuts connection `fd` down both ways and takes what was queued on it, to its end.
+/// Shuts connection `fd` down both ways and takes what was queued on it, to its end. Nothing is
+/// taken while the closes waiting are past their bound ([`closer::backlogged`]): what is left
+/// queued is released with the socket, on this closer thread, and never enters the table.
 fn drain_connection(fd: RawFd) {
     // SAFETY: shutdown of our own socket (ENOTCONN, harmless, for anything but a connection).
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
     let mut chunk = [0u8; 4096];
     let mut control = Control::new();
     let mut fds = Vec::new();
-    loop {
+    while !closer::backlogged() {
         let r = recv_with_fds(fd, &mut chunk, &mut control, &mut fds);
         fds.drain(..).for_each(close_elsewhere);
         if !matches!(r, Ok((n, _)) if n > 0) {
@@ -539,7 +571,7 @@ fn drain_connection(fd: RawFd) {
     }
 }
 
-/// The two closing threads of the process.
+/// The three kinds of close, each with a pool of its own ([`closer`]).
 #[derive(Clone, Copy)]
 enum Closer {
     /// Our own same-host sockets (listeners, connections): drained of passed descriptors first.
@@ -551,46 +583,29 @@ enum Closer {
     Pipes,
 }
 
-/// Hands `fd` to `closer`'s thread, which untracks it first if `tracked` (so a child of `fork()`
+/// Hands `fd` to `closer`'s pool, which untracks it first if `tracked` (so a child of `fork()`
 /// is told to replace it for as long as it is open here).
-fn to_closer(closer: Closer, fd: OwnedFd, tracked: bool) {
-    use std::sync::mpsc::{channel, Sender};
-    use std::sync::{Mutex, OnceLock};
-    /// A descriptor to close, and whether it is tracked.
-    type Closing = (OwnedFd, bool);
-    static CLOSERS: [OnceLock<Mutex<Option<Sender<Closing>>>>; 3] =
-        [OnceLock::new(), OnceLock::new(), OnceLock::new()];
-    let (which, name) = match closer {
+fn to_closer(kind: Closer, fd: OwnedFd, tracked: bool) {
+    let (which, name) = match kind {
         Closer::Own => (0, "nixl-connect-closer"),
         Closer::Passed => (1, "nixl-connect-closer-passed"),
         Closer::Pipes => (2, "nixl-connect-closer-pipes"),
     };
-    let tx = CLOSERS[which].get_or_init(|| {
-        let (tx, rx) = channel::<Closing>();
-        let started = std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || {
-                for (fd, tracked) in rx {
-                    if which == 0 {
-                        drain_passed(fd.as_raw_fd());
-                    } else if which == 1 {
-                        defuse(fd.as_raw_fd());
-                    }
-                    if tracked {
-                        untrack(fd.as_raw_fd());
-                    }
-                    drop(fd);
-                }
-            })
-            .is_ok();
-        Mutex::new(started.then_some(tx))
-    });
-    let fd = match tx.lock().map(|t| t.as_ref().map(|t| t.send((fd, tracked)))) {
-        Ok(Some(Ok(()))) => return,
-        Ok(Some(Err(e))) => e.0 .0,
-        _ => return, // no closer thread could be started: leak it rather than block here
-    };
-    std::mem::forget(fd);
+    closer::hand(
+        which,
+        name,
+        Box::new(move || {
+            match kind {
+                Closer::Own => drain_passed(fd.as_raw_fd()),
+                Closer::Passed => defuse(fd.as_raw_fd()),
+                Closer::Pipes => {}
+            }
+            if tracked {
+                untrack(fd.as_raw_fd());
+            }
+            drop(fd);
+        }),
+    );
 }
 
 /// Closes a pipe end (ours, or a peer's checked to be a pipe's) off the engine thread and off
@@ -601,7 +616,8 @@ pub(crate) fn close_pipe_end(fd: OwnedFd) {
 }
 
 /// Closes `fd`, a socket of ours that was never tracked (an accepted connection refused at
-/// once), on the closer of our sockets, after taking what the peer queued on it.
+/// once), on the closer of our sockets, after taking what the peer queued on it (nothing while
+/// closes are backlogged: it is released with the socket).
 pub(super) fn close_refused(fd: OwnedFd) {
     to_closer(Closer::Own, fd, false);
 }
@@ -628,6 +644,8 @@ pub(super) fn raise_descriptor_limit() {
                 }
             }
         }
+        // As the caps on served connections: an eighth of the limit may wait to be closed.
+        closer::set_bound(descriptor_budget() / 8);
     });
 }
 

@@ -1,0 +1,194 @@
+//! The closer pools: descriptors whose close may block (a pipe whose lock a peer holds, a socket
+//! that lingers, a file whose FUSE daemon never answers its flush) are closed on threads kept for
+//! that, never on the engine thread or a copy thread.
+//!
+//! Each kind of close has a pool ([`Pool`]): a thread more is started whenever a close is handed
+//! over and none of the pool's threads is idle, up to [`THREADS`], so a close that never returns
+//! holds one thread and nothing else, and the next closes go on beside it. The closes handed over
+//! and not yet made are counted, in all pools ([`backlogged`]): past the bound, the same-host
+//! path takes no descriptor a peer passes and accepts no connection until they drain, so closes
+//! that a peer wedges cannot fill this process's descriptor table.
+//!
+//! In a child of `fork()` the pools' threads are gone: the child's first close starts pools of
+//! its own, and its count starts from nothing.
+
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Mutex;
+
+/// A close to make, with what it does first (drain a socket, defuse it, untrack it).
+pub(super) type Job = Box<dyn FnOnce() + Send>;
+
+/// The most threads one pool starts: as many of its closes as this may be held by peers at once
+/// before the rest wait behind them (counted, and bounded by [`backlogged`]).
+const THREADS: usize = 16;
+/// Each closer thread's stack: a close, a drain's 4 KiB chunk and control buffer.
+const STACK: usize = 256 << 10;
+
+/// The pools, one per kind of close; replaced in a child of `fork()` (the parent's are leaked:
+/// their threads are not in the child).
+static POOLS: [AtomicPtr<Pool>; 3] = [const { AtomicPtr::new(std::ptr::null_mut()) }; 3];
+/// Bumped in a child of `fork()`: a pool of another generation is its parent's.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+/// Closes handed over and not yet made, in all pools.
+static WAITING: AtomicUsize = AtomicUsize::new(0);
+/// The most closes that may wait before [`backlogged`] says so ([`set_bound`]).
+static BOUND: AtomicUsize = AtomicUsize::new(1024);
+
+/// One kind of close: its queue and the threads that take from it.
+struct Pool {
+    tx: Sender<Job>,
+    rx: Mutex<Receiver<Job>>,
+    /// Threads started (at most [`THREADS`]).
+    threads: AtomicUsize,
+    /// Threads waiting for a close (not in one).
+    idle: AtomicUsize,
+    /// The process generation this pool belongs to ([`GENERATION`]).
+    generation: u64,
+    /// Its threads' name.
+    name: &'static str,
+}
+
+impl Pool {
+    /// Pool `which` of this process, made on first use (and again in a child of `fork()`).
+    fn get(which: usize, name: &'static str) -> &'static Pool {
+        static AT_FORK: std::sync::Once = std::sync::Once::new();
+        AT_FORK.call_once(|| {
+            // SAFETY: registers a child handler that only touches atomics (async-signal-safe).
+            unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+        });
+        let generation = GENERATION.load(Ordering::Acquire);
+        let cur = POOLS[which].load(Ordering::Acquire);
+        // SAFETY: a pool, once installed, is never freed (leaked when replaced).
+        if let Some(p) = unsafe { cur.as_ref() } {
+            if p.generation == generation {
+                return p;
+            }
+        }
+        let (tx, rx) = channel();
+        let new = Box::into_raw(Box::new(Pool {
+            tx,
+            rx: Mutex::new(rx),
+            threads: AtomicUsize::new(0),
+            idle: AtomicUsize::new(0),
+            generation,
+            name,
+        }));
+        match POOLS[which].compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+            // SAFETY: installed just now, never freed from here on.
+            Ok(_) => unsafe { &*new },
+            Err(other) => {
+                // SAFETY: `new` was never shared; `other` is installed, never freed.
+                unsafe {
+                    drop(Box::from_raw(new));
+                    &*other
+                }
+            }
+        }
+    }
+
+    /// Queues `job`, and starts a thread if none is idle and the pool may have one more.
+    fn hand(&'static self, job: Job) {
+        WAITING.fetch_add(1, Ordering::AcqRel);
+        if let Err(e) = self.tx.send(job) {
+            // Never: the receiver lives as long as the pool. Leaked rather than closed here.
+            WAITING.fetch_sub(1, Ordering::AcqRel);
+            std::mem::forget(e.0);
+            return;
+        }
+        if self.idle.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let more = self
+            .threads
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                (t < THREADS).then_some(t + 1)
+            });
+        if more.is_err() {
+            return;
+        }
+        self.idle.fetch_add(1, Ordering::AcqRel);
+        let started = std::thread::Builder::new()
+            .name(self.name.into())
+            .stack_size(STACK)
+            .spawn(move || self.run())
+            .is_ok();
+        if !started {
+            // The close waits for a thread of this pool (none may ever come: then it is leaked,
+            // never made here).
+            self.threads.fetch_sub(1, Ordering::AcqRel);
+            self.idle.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// A thread of the pool: makes the closes queued, one at a time.
+    fn run(&self) {
+        loop {
+            let job = {
+                let Ok(rx) = self.rx.lock() else { return };
+                rx.recv()
+            };
+            let Ok(job) = job else { return };
+            self.idle.fetch_sub(1, Ordering::AcqRel);
+            job();
+            WAITING.fetch_sub(1, Ordering::AcqRel);
+            self.idle.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Hands `job` to pool `which` (0, 1 or 2; its threads named `name`).
+pub(super) fn hand(which: usize, name: &'static str, job: Job) {
+    Pool::get(which, name).hand(job);
+}
+
+/// Sets how many closes may wait before [`backlogged`] says so (from the descriptor limit).
+pub(super) fn set_bound(bound: usize) {
+    BOUND.store(bound, Ordering::Release);
+}
+
+/// Whether more closes wait than the bound: descriptors are then neither taken from peers nor
+/// accepted until they drain.
+pub(crate) fn backlogged() -> bool {
+    WAITING.load(Ordering::Acquire) > BOUND.load(Ordering::Acquire)
+}
+
+/// Runs in a child of `fork()`: the parent's pools and count are not the child's.
+extern "C" fn in_child() {
+    GENERATION.fetch_add(1, Ordering::AcqRel);
+    WAITING.store(0, Ordering::Release);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::sync_channel;
+    use std::time::Duration;
+
+    /// A close that never returns (here: until the test lets it) holds one thread of its pool:
+    /// the next close handed to the same pool is made meanwhile, on another thread.
+    #[test]
+    fn closer_a_blocked_close_holds_only_its_own_thread() {
+        let (release, blocked) = sync_channel::<()>(0);
+        let (entered, wait_entered) = sync_channel::<()>(1);
+        hand(
+            2,
+            "nixl-connect-closer-pipes",
+            Box::new(move || {
+                entered.send(()).unwrap();
+                let _ = blocked.recv();
+            }),
+        );
+        wait_entered.recv_timeout(Duration::from_secs(10)).unwrap();
+        let (done, was_done) = sync_channel::<()>(1);
+        hand(
+            2,
+            "nixl-connect-closer-pipes",
+            Box::new(move || done.send(()).unwrap()),
+        );
+        was_done
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the second close waited behind the blocked one");
+        release.send(()).unwrap();
+    }
+}
