@@ -681,6 +681,8 @@ fn descriptor_limit() -> usize {
 /// drain: it stays below half its limit, a legitimate 1 MiB read completes within 5 s, and once
 /// the attacker lets go, a fresh reader takes the same-host path again and the table is back.
 async fn wedged_pipes_leave_the_table_bounded(another_user: bool) {
+    // Its readers' connectors are this process's descriptors too.
+    let _counting = COUNTING_DESCRIPTORS.lock().await;
     let mut victim = Victim::start();
     let name = victim.name();
     let reader = Connector::new().unwrap();
@@ -707,6 +709,16 @@ async fn wedged_pipes_leave_the_table_bounded(another_user: bool) {
     }
     let mut attacker = super::support::Peer::from_command(cmd);
     let report = format!("passed={}", attacker.expect("WEDGING passed="));
+    let count = |k: &str| -> usize {
+        let v = report.split(k).nth(1).and_then(|v| v.split(' ').next());
+        v.and_then(|v| v.parse().ok()).unwrap_or(0)
+    };
+    // The attack happened: more locked pipes than a closer pool has threads, and more
+    // descriptors than may wait to be closed.
+    assert!(
+        count("locked=") > 16 && count("passed=") > limit / 8,
+        "the attacker passed too little to test anything: {report}"
+    );
     // The most it holds over a second: what the attacker passed may still be on its way in.
     let mut during = 0;
     for _ in 0..10 {

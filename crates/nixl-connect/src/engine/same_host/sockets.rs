@@ -17,7 +17,7 @@ use super::records::{Conn, ConnId, MAX_NAMED};
 use super::sys::dir::DirListener;
 use super::sys::slots::SlotTable;
 use super::sys::{
-    accept, clear_timer, close_elsewhere, close_refused, closer, pipe, plug, recv_with_fds,
+    accept, clear_timer, close_elsewhere, close_refused, closer, passes_rights, pipe, plug, recv_with_fds,
     refuse_passed_descriptors, send, send_with_fds, set_backlog, set_timer, timerfd, uid, Control, Tracked,
     BACKLOG,
 };
@@ -53,6 +53,8 @@ pub(super) struct Sockets {
     accept_timer: Option<OwnedFd>,
     /// While accepting rests: connections of our own that fill the listeners' queues ([`plug`]).
     plugs: Vec<OwnedFd>,
+    /// Whether accepting rests ([`Self::pause_accepting`]), and whether its queues are shed.
+    paused: Option<bool>,
     /// A timer for the connections' deadlines (handshakes, partial frames), and when it is armed
     /// to fire.
     deadline_timer: Option<OwnedFd>,
@@ -101,6 +103,7 @@ impl Sockets {
             conns: HashMap::new(),
             accept_timer,
             plugs: Vec::new(),
+            paused: None,
             deadline_timer,
             deadline_armed: None,
         }
@@ -236,34 +239,56 @@ impl Sockets {
         self.deadline_armed = None;
     }
 
-    /// Stops watching the listener for [`ACCEPT_BACKOFF`] (the pending connection stays in the
-    /// backlog): an `accept` that fails for want of descriptors would otherwise wake the engine
-    /// again at once, for as long as the shortage lasts.
-    pub(super) fn pause_accepting(&mut self, e: &io::Error) {
+    /// Stops watching the listeners for [`ACCEPT_BACKOFF`]: an `accept` that fails for want of
+    /// descriptors would otherwise wake the engine again at once, for as long as the shortage
+    /// lasts (the pending connections stay queued). With `shed` (closes wait past their bound),
+    /// the listeners' queues are emptied and plugged too ([`Self::shed`]).
+    pub(super) fn pause_accepting(&mut self, e: &io::Error, shed: bool) {
         let Some(t) = &self.accept_timer else {
             return;
         };
-        tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
+        if self.paused.is_none() {
+            tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
+            set_timer(t, ACCEPT_BACKOFF);
+            for l in self.listeners() {
+                self.reg.remove(l);
+            }
+            self.paused = Some(false);
+        }
+        if shed {
+            self.shed();
+        }
+    }
+
+    /// While accepting rests for closes past their bound: each listener's backlog is 0, the
+    /// connections already queued are closed unread (what they queued is released with them, on
+    /// the closer: a client waiting there for its handshake learns at once and takes NIXL), and
+    /// the queue is plugged with a connection of our own ([`plug`]), so a client's `connect`
+    /// fails at once (busy) instead of waiting in it. Once per pause.
+    fn shed(&mut self) {
+        if self.paused != Some(false) {
+            return;
+        }
+        self.paused = Some(true);
         for l in self.listeners() {
-            self.reg.remove(l);
             set_backlog(l, 0);
-            // The connections already queued are closed unread (whatever they queued is
-            // released with them, on the closer): a client waiting there for its handshake
-            // learns at once and takes NIXL. Then the queue is plugged.
             for _ in 0..=BACKLOG {
                 let Ok(c) = accept(l) else { break };
                 close_refused(c);
             }
             self.plugs.extend(plug(l));
         }
-        set_timer(t, ACCEPT_BACKOFF);
     }
 
-    /// Accepting, paused, rests for another [`ACCEPT_BACKOFF`] (what made it pause lasts).
-    pub(super) fn rest_accepting(&mut self) {
+    /// Accepting, paused, rests for another [`ACCEPT_BACKOFF`] (what made it pause lasts), shed
+    /// if `shed` ([`Self::shed`]).
+    pub(super) fn rest_accepting(&mut self, shed: bool) {
         if let Some(t) = &self.accept_timer {
             clear_timer(t);
             set_timer(t, ACCEPT_BACKOFF);
+        }
+        if shed {
+            self.shed();
         }
     }
 
@@ -273,9 +298,11 @@ impl Sockets {
             clear_timer(t);
         }
         // Our own connections leave the queues (accepted next, they end at once).
-        self.plugs.clear();
-        for l in self.listeners() {
-            set_backlog(l, BACKLOG);
+        if self.paused.take() == Some(true) {
+            self.plugs.clear();
+            for l in self.listeners() {
+                set_backlog(l, BACKLOG);
+            }
         }
         if let Some(l) = &self.listener {
             let _ = self.reg.add(l.as_raw_fd(), LISTENER, true, false);
@@ -424,6 +451,13 @@ impl Sockets {
         let mut control = Control::new();
         let mut budget = READ_PER_TURN;
         while !c.link.is_dead() && budget > 0 {
+            if closer::backlogged() && passes_rights(c.fd.as_raw_fd()) {
+                // Closes wait past their bound: a connection that can pass descriptors is not
+                // read (a read would take them into the table); closed, what it queued is
+                // released with its socket on the closer, never taken.
+                c.link.kill(Violation::ClosesBacklogged);
+                return;
+            }
             let mut fds = Vec::new();
             let (n, truncated) = match recv_with_fds(c.fd.as_raw_fd(), &mut chunk, &mut control, &mut fds) {
                 Ok((0, _)) => {
@@ -447,12 +481,6 @@ impl Sockets {
                 return;
             }
             let passed = fds.len();
-            if passed > 0 && closer::backlogged() {
-                // Closes wait past their bound: no descriptor is taken until they drain.
-                fds.into_iter().for_each(close_elsewhere);
-                c.link.kill(Violation::ClosesBacklogged);
-                return;
-            }
             if passed > 0 {
                 if passed == 1 && c.link.takes_descriptors() {
                     // The slot table: checked (sealed memfd first, without touching any other

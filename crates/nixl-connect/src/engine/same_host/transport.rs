@@ -323,9 +323,12 @@ impl SameHostTransport {
             if closer::backlogged() {
                 // Closes wait past their bound (peers passed descriptors whose close blocks):
                 // whatever a new connection queued would join them.
-                self.sockets.pause_accepting(&std::io::Error::other(
-                    "too many descriptors wait to be closed (peers passed ones whose close blocks)",
-                ));
+                self.sockets.pause_accepting(
+                    &std::io::Error::other(
+                        "too many descriptors wait to be closed (peers passed ones whose close blocks)",
+                    ),
+                    true,
+                );
                 return;
             }
             let fd = match accept(lfd) {
@@ -334,7 +337,7 @@ impl SameHostTransport {
                     match e.raw_os_error() {
                         Some(libc::EINTR | libc::ECONNABORTED | libc::EPROTO) => continue,
                         Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM) => {
-                            self.sockets.pause_accepting(&e);
+                            self.sockets.pause_accepting(&e, false);
                         }
                         _ => {}
                     }
@@ -406,7 +409,7 @@ impl SameHostTransport {
     /// The back-off timer fired: watch the listener again and take what waits.
     pub(super) fn resume_accepting(&mut self) {
         if closer::backlogged() {
-            self.sockets.rest_accepting();
+            self.sockets.rest_accepting(true);
             return;
         }
         self.sockets.resume_accepting();

@@ -2,12 +2,13 @@
 //! that lingers, a file whose FUSE daemon never answers its flush) are closed on threads kept for
 //! that, never on the engine thread or a copy thread.
 //!
-//! Each kind of close has a pool ([`Pool`]): a thread more is started whenever a close is handed
-//! over and none of the pool's threads is idle, up to [`THREADS`], so a close that never returns
-//! holds one thread and nothing else, and the next closes go on beside it. The closes handed over
-//! and not yet made are counted, in all pools ([`backlogged`]): past the bound, the same-host
-//! path takes no descriptor a peer passes and accepts no connection until they drain, so closes
-//! that a peer wedges cannot fill this process's descriptor table.
+//! Each kind of close has a pool ([`Pool`]): a thread more is started whenever more closes wait
+//! than the pool has idle threads, up to [`THREADS`], so a close that never returns holds one
+//! thread, and the next closes go on beside it (past 16 such closes, the rest of that pool's
+//! wait). The closes handed over and not yet made are counted, in all pools ([`backlogged`]):
+//! past the bound, the same-host path reads no connection that can pass descriptors, takes
+//! nothing from the sockets it closes and accepts no connection until they drain, so closes that
+//! a peer wedges fill at most the bound and a message's worth of descriptors more per reader.
 //!
 //! In a child of `fork()` the pools' threads are gone: the child's first close starts pools of
 //! its own, and its count starts from nothing.
@@ -43,6 +44,8 @@ struct Pool {
     threads: AtomicUsize,
     /// Threads waiting for a close (not in one).
     idle: AtomicUsize,
+    /// Closes queued and not yet taken by a thread.
+    queued: AtomicUsize,
     /// The process generation this pool belongs to ([`GENERATION`]).
     generation: u64,
     /// Its threads' name.
@@ -71,6 +74,7 @@ impl Pool {
             rx: Mutex::new(rx),
             threads: AtomicUsize::new(0),
             idle: AtomicUsize::new(0),
+            queued: AtomicUsize::new(0),
             generation,
             name,
         }));
@@ -87,16 +91,19 @@ impl Pool {
         }
     }
 
-    /// Queues `job`, and starts a thread if none is idle and the pool may have one more.
+    /// Queues `job`, and starts a thread if more closes wait than threads are idle and the pool
+    /// may have one more.
     fn hand(&'static self, job: Job) {
         WAITING.fetch_add(1, Ordering::AcqRel);
+        self.queued.fetch_add(1, Ordering::AcqRel);
         if let Err(e) = self.tx.send(job) {
             // Never: the receiver lives as long as the pool. Leaked rather than closed here.
+            self.queued.fetch_sub(1, Ordering::AcqRel);
             WAITING.fetch_sub(1, Ordering::AcqRel);
             std::mem::forget(e.0);
             return;
         }
-        if self.idle.load(Ordering::Acquire) > 0 {
+        if self.queued.load(Ordering::Acquire) <= self.idle.load(Ordering::Acquire) {
             return;
         }
         let more = self
@@ -121,7 +128,8 @@ impl Pool {
         }
     }
 
-    /// A thread of the pool: makes the closes queued, one at a time.
+    /// A thread of the pool: makes the closes queued, one at a time (a close that panics is
+    /// counted as made).
     fn run(&self) {
         loop {
             let job = {
@@ -129,8 +137,9 @@ impl Pool {
                 rx.recv()
             };
             let Ok(job) = job else { return };
+            self.queued.fetch_sub(1, Ordering::AcqRel);
             self.idle.fetch_sub(1, Ordering::AcqRel);
-            job();
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
             WAITING.fetch_sub(1, Ordering::AcqRel);
             self.idle.fetch_add(1, Ordering::AcqRel);
         }
@@ -147,8 +156,8 @@ pub(super) fn set_bound(bound: usize) {
     BOUND.store(bound, Ordering::Release);
 }
 
-/// Whether more closes wait than the bound: descriptors are then neither taken from peers nor
-/// accepted until they drain.
+/// Whether more closes wait than the bound: no connection that can pass descriptors is read,
+/// nothing is taken from a socket being closed, and no connection is accepted until they drain.
 pub(crate) fn backlogged() -> bool {
     WAITING.load(Ordering::Acquire) > BOUND.load(Ordering::Acquire)
 }
@@ -184,6 +193,39 @@ mod tests {
         hand(
             2,
             "nixl-connect-closer-pipes",
+            Box::new(move || done.send(()).unwrap()),
+        );
+        was_done
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the second close waited behind the blocked one");
+        release.send(()).unwrap();
+    }
+
+    /// Two closes handed at once beside one idle thread: the first blocks, and the second still
+    /// runs (a thread is started when more closes wait than threads are idle, not only when none
+    /// is idle: the idle one was about to take the first).
+    #[test]
+    fn closer_two_closes_handed_at_once_both_run_when_the_first_blocks() {
+        // One idle thread at least (in pool 1, kept for this test and for peers' descriptors).
+        let (warm, warmed) = sync_channel::<()>(1);
+        hand(
+            1,
+            "nixl-connect-closer-passed",
+            Box::new(move || warm.send(()).unwrap()),
+        );
+        warmed.recv_timeout(Duration::from_secs(10)).unwrap();
+        let (release, blocked) = sync_channel::<()>(0);
+        let (done, was_done) = sync_channel::<()>(1);
+        hand(
+            1,
+            "nixl-connect-closer-passed",
+            Box::new(move || {
+                let _ = blocked.recv();
+            }),
+        );
+        hand(
+            1,
+            "nixl-connect-closer-passed",
             Box::new(move || done.send(()).unwrap()),
         );
         was_done

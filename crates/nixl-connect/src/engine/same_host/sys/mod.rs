@@ -376,6 +376,24 @@ pub(super) fn uid() -> libc::uid_t {
 /// `SO_PASSRIGHTS` (Linux 6.16): whether a socket accepts descriptors passed to it.
 const SO_PASSRIGHTS: libc::c_int = 83;
 
+/// Whether descriptors passed to `fd` reach it: false only where the kernel refuses them
+/// (`SO_PASSRIGHTS` off, Linux 6.16); older kernels always deliver them.
+pub(super) fn passes_rights(fd: RawFd) -> bool {
+    let mut on: libc::c_int = 1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes (one c_int) into a live local.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_PASSRIGHTS,
+            (&mut on as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    r != 0 || on != 0
+}
+
 /// Makes the kernel refuse descriptors passed to `fd` from now on (the sender's `sendmsg` fails),
 /// where the kernel knows `SO_PASSRIGHTS`; older kernels deliver them and the connection core
 /// refuses them instead (they are closed off the engine thread, [`close_elsewhere`]).
@@ -555,13 +573,17 @@ fn drain_passed(fd: RawFd) {
 
 /// Shuts connection `fd` down both ways and takes what was queued on it, to its end. Nothing is
 /// taken while the closes waiting are past their bound ([`closer::backlogged`]): what is left
-/// queued is released with the socket, on this closer thread, and never enters the table.
+/// queued is released with the socket, on this closer thread, and never enters the table. One
+/// drain takes at a time (none blocks: each `recvmsg` returns at once, and what it took is
+/// handed on), so past the bound at most one message's descriptors more come in here.
 fn drain_connection(fd: RawFd) {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     // SAFETY: shutdown of our own socket (ENOTCONN, harmless, for anything but a connection).
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
     let mut chunk = [0u8; 4096];
     let mut control = Control::new();
     let mut fds = Vec::new();
+    let _one = ONE_AT_A_TIME.lock();
     while !closer::backlogged() {
         let r = recv_with_fds(fd, &mut chunk, &mut control, &mut fds);
         fds.drain(..).for_each(close_elsewhere);

@@ -21,7 +21,7 @@
 //! `RWF_NOWAIT` (the peer shares the read end's open file and could clear `O_NONBLOCK` on it); the
 //! write ends are ours alone. A peer can still hold a pipe's lock (a copy of its own stalled on a
 //! page): that holds the job waiting on it, never the engine thread; every pipe end is closed on a
-//! closer thread of its own ([`close_pipe_end`]), since a close takes that lock too.
+//! closer pool of its own ([`close_pipe_end`]), since a close takes that lock too.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -41,7 +41,7 @@ pub(crate) const PIPE_BYTES: usize = 1 << 20;
 const STEP: usize = 1 << 20;
 const IOV_MAX: usize = 1024;
 
-/// Pipe ends this process holds, closed on the pipes' closer thread whenever the last owner drops
+/// Pipe ends this process holds, closed on the pipes' closer pool whenever the last owner drops
 /// them (an engine turn, a copy thread: never a close that a peer can stall there).
 pub(crate) struct Ends(Vec<OwnedFd>);
 
