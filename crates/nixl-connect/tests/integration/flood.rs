@@ -516,7 +516,7 @@ const WEDGE_ENV: &str = "NIXL_CONNECT_TEST_WEDGE";
 /// The support process of the wedged-pipe tests: makes `LOCKED` pipes whose lock a thread of its
 /// own holds (each splices from a socket that never sends into the pipe, which takes the pipe's
 /// lock until data comes), then connects to the socket named by [`WEDGE_ENV`] `CONNS` times,
-/// each passing `PER` pipes' read ends (a locked one first while any is left) with a hello, and
+/// each passing `PER` pipes' read ends (the locked ones with the first that goes) with a hello, and
 /// closing its own copies, so that the server's are the last ones: whoever closes a locked one
 /// waits in the kernel. Prints `WEDGING passed=<n> locked=<n>`, and lets the locks go (and
 /// exits) when its stdin closes.
@@ -586,21 +586,24 @@ fn support_wedge() {
             continue;
         }
         let s = UnixStream::from(fd);
-        let lock = locked_ends.pop();
+        // Every locked end goes with the first message that goes at all (the server may rest its
+        // listener after a few connections), the rest of each message plain pipes.
+        let locks = std::mem::take(&mut locked_ends);
         let mut fds: Vec<std::os::fd::OwnedFd> = Vec::new();
-        while fds.len() + usize::from(lock.is_some()) < per {
+        while fds.len() + locks.len() < per {
             fds.push(pipe().0);
         }
-        let mut raw: Vec<std::os::fd::RawFd> = lock.iter().map(|l| l.as_raw_fd()).collect();
+        let mut raw: Vec<std::os::fd::RawFd> = locks.iter().map(|l| l.as_raw_fd()).collect();
         raw.extend(fds.iter().map(|f| f.as_raw_fd()));
         if super::hostile::try_send_with_fds(&s, &hello(), &raw).is_ok() {
             passed += raw.len();
-            locked_passed += usize::from(lock.is_some());
-            drop(lock);
-        } else if let Some(l) = lock {
-            kept.push(l);
+            locked_passed += locks.len();
+            drop(locks);
+        } else {
+            locked_ends = locks;
         }
     }
+    kept.append(&mut locked_ends);
     println!("WEDGING passed={passed} locked={locked_passed}");
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
