@@ -87,15 +87,7 @@ fn support_flood() {
     };
     let wedges: usize = std::env::var("WEDGES").map_or(0, |v| v.parse().unwrap());
     let bare: usize = std::env::var("BARE").map_or(0, |v| v.parse().unwrap());
-    // As servers do: the soft limit up to the hard one, to hold the flood.
-    // SAFETY: rlimit is plain old data; getrlimit/setrlimit read or write one.
-    #[allow(unsafe_code)]
-    unsafe {
-        let mut r: libc::rlimit = std::mem::zeroed();
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
-        r.rlim_cur = r.rlim_max.min(1 << 16);
-        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-    }
+    raise_soft_limit();
     let addr = SocketAddr::from_abstract_name(format!("nixl-connect.v1/{name}").as_bytes()).unwrap();
     let mut held = Vec::new();
     let mut peers = Vec::new();
@@ -130,6 +122,19 @@ fn support_flood() {
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
     let _ = std::io::stdin().lock().read_line(&mut line);
+}
+
+/// As servers do: this process's soft limit on descriptors up to the hard one (at most 65,536),
+/// to hold a flood.
+fn raise_soft_limit() {
+    // SAFETY: rlimit is plain old data; getrlimit/setrlimit read or write one.
+    #[allow(unsafe_code)]
+    unsafe {
+        let mut r: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        r.rlim_cur = r.rlim_max.min(1 << 16);
+        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+    }
 }
 
 /// Starts [`support_flood`] as uid 65534 against `owner`'s socket; returns it once it floods,
@@ -528,14 +533,7 @@ fn support_wedge() {
     };
     let var = |k: &str| -> usize { std::env::var(k).unwrap().parse().unwrap() };
     let (locked, conns, per) = (var("LOCKED"), var("CONNS"), var("PER"));
-    // SAFETY: rlimit is plain old data; getrlimit/setrlimit read or write one.
-    #[allow(unsafe_code)]
-    unsafe {
-        let mut r: libc::rlimit = std::mem::zeroed();
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
-        r.rlim_cur = r.rlim_max.min(1 << 16);
-        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-    }
+    raise_soft_limit();
     let pipe = || -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
         use std::os::fd::FromRawFd;
         let mut p = [0; 2];
