@@ -280,16 +280,14 @@ impl Sockets {
         }
     }
 
-    /// Accepting, paused, rests for another [`ACCEPT_BACKOFF`] (what made it pause lasts), shed
-    /// if `shed` ([`Self::shed`]).
-    pub(super) fn rest_accepting(&mut self, shed: bool) {
+    /// Accepting, paused while closes wait past their bound, rests for another
+    /// [`ACCEPT_BACKOFF`], shed ([`Self::shed`]) if it paused for a shortage first.
+    pub(super) fn rest_accepting(&mut self) {
         if let Some(t) = &self.accept_timer {
             clear_timer(t);
             set_timer(t, ACCEPT_BACKOFF);
         }
-        if shed {
-            self.shed();
-        }
+        self.shed();
     }
 
     /// The back-off timer fired: the listener is watched again (the caller accepts what waits).

@@ -409,7 +409,7 @@ impl SameHostTransport {
     /// The back-off timer fired: watch the listener again and take what waits.
     pub(super) fn resume_accepting(&mut self) {
         if closer::backlogged() {
-            self.sockets.rest_accepting(true);
+            self.sockets.rest_accepting();
             return;
         }
         self.sockets.resume_accepting();

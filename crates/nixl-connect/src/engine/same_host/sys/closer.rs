@@ -2,7 +2,7 @@
 //! that lingers, a file whose FUSE daemon never answers its flush) are closed on threads kept for
 //! that, never on the engine thread or a copy thread.
 //!
-//! Each kind of close has a pool ([`Pool`]): a thread more is started whenever more closes wait
+//! Each kind of close has a pool ([`ClosePool`]): a thread more is started whenever more closes wait
 //! than the pool has idle threads, up to [`THREADS`], so a close that never returns holds one
 //! thread, and the next closes go on beside it (past 16 such closes, the rest of that pool's
 //! wait). The closes handed over and not yet made are counted, in all pools ([`backlogged`]):
@@ -28,7 +28,7 @@ const STACK: usize = 256 << 10;
 
 /// The pools, one per kind of close; replaced in a child of `fork()` (the parent's are leaked:
 /// their threads are not in the child).
-static POOLS: [AtomicPtr<Pool>; 3] = [const { AtomicPtr::new(std::ptr::null_mut()) }; 3];
+static POOLS: [AtomicPtr<ClosePool>; 3] = [const { AtomicPtr::new(std::ptr::null_mut()) }; 3];
 /// Bumped in a child of `fork()`: a pool of another generation is its parent's.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 /// Closes handed over and not yet made, in all pools.
@@ -37,7 +37,7 @@ static WAITING: AtomicUsize = AtomicUsize::new(0);
 static BOUND: AtomicUsize = AtomicUsize::new(1024);
 
 /// One kind of close: its queue and the threads that take from it.
-struct Pool {
+struct ClosePool {
     tx: Sender<Job>,
     rx: Mutex<Receiver<Job>>,
     /// Threads started (at most [`THREADS`]).
@@ -52,9 +52,9 @@ struct Pool {
     name: &'static str,
 }
 
-impl Pool {
+impl ClosePool {
     /// Pool `which` of this process, made on first use (and again in a child of `fork()`).
-    fn get(which: usize, name: &'static str) -> &'static Pool {
+    fn get(which: usize, name: &'static str) -> &'static ClosePool {
         static AT_FORK: std::sync::Once = std::sync::Once::new();
         AT_FORK.call_once(|| {
             // SAFETY: registers a child handler that only touches atomics (async-signal-safe).
@@ -69,7 +69,7 @@ impl Pool {
             }
         }
         let (tx, rx) = channel();
-        let new = Box::into_raw(Box::new(Pool {
+        let new = Box::into_raw(Box::new(ClosePool {
             tx,
             rx: Mutex::new(rx),
             threads: AtomicUsize::new(0),
@@ -148,7 +148,7 @@ impl Pool {
 
 /// Hands `job` to pool `which` (0, 1 or 2; its threads named `name`).
 pub(super) fn hand(which: usize, name: &'static str, job: Job) {
-    Pool::get(which, name).hand(job);
+    ClosePool::get(which, name).hand(job);
 }
 
 /// Sets how many closes may wait before [`backlogged`] says so (from the descriptor limit).
