@@ -577,10 +577,12 @@ fn support_wedge() {
     // Locked ends never passed are closed only once their locks are let go (closing one here
     // would wait in the kernel, as the server's close does).
     let mut kept = Vec::new();
+    let mut first_error: Option<String> = None;
     for _ in 0..conns {
         // Non-blocking: a server that rests its listener makes a blocking connect wait.
         let fd = nonblocking_unix_socket();
-        if connect_abstract(fd.as_raw_fd(), addr.as_bytes()).is_err() {
+        if let Err(e) = connect_abstract(fd.as_raw_fd(), addr.as_bytes()) {
+            first_error.get_or_insert(format!("connect: {e}"));
             continue;
         }
         let s = UnixStream::from(fd);
@@ -593,16 +595,21 @@ fn support_wedge() {
         }
         let mut raw: Vec<std::os::fd::RawFd> = locks.iter().map(|l| l.as_raw_fd()).collect();
         raw.extend(fds.iter().map(|f| f.as_raw_fd()));
-        if super::hostile::try_send_with_fds(&s, &hello(), &raw).is_ok() {
-            passed += raw.len();
-            locked_passed += locks.len();
-            drop(locks);
-        } else {
-            locked_ends = locks;
+        match super::hostile::try_send_with_fds(&s, &hello(), &raw) {
+            Ok(()) => {
+                passed += raw.len();
+                locked_passed += locks.len();
+                drop(locks);
+            }
+            Err(e) => {
+                first_error.get_or_insert(format!("send: {e}"));
+                locked_ends = locks;
+            }
         }
     }
     kept.append(&mut locked_ends);
-    println!("WEDGING passed={passed} locked={locked_passed}");
+    let first_error = first_error.map_or("none".into(), |e| e.replace(' ', "_"));
+    println!("WEDGING passed={passed} locked={locked_passed} first_error={first_error}");
     std::io::stdout().flush().unwrap();
     let mut line = String::new();
     let _ = std::io::stdin().lock().read_line(&mut line);
