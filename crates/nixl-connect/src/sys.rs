@@ -1,6 +1,6 @@
 //! The crate's floor for the system calls outside the same-host wing (whose own floor is
 //! `engine/same_host/sys/`): the engine's sleep (`epoll`, an `eventfd`, a `timerfd`), the count
-//! of `fork()`s, and raw memory (the loopback transport's copies, byte views of raw descriptors).
+//! of `fork()`s and the lock that keeps calls into NIXL out of one, and raw memory (the loopback transport's copies, byte views of raw descriptors).
 //! Every `unsafe` block of these is here, each with its `SAFETY:` line; the modules above call
 //! safe functions, but for the raw memory's two (`unsafe fn`s: only their callers know the memory
 //! is live). NIXL's FFI is `engine/nixl/ffi.rs`; the CUDA driver's calls are `cuda`'s.
@@ -159,6 +159,103 @@ pub(crate) fn count_forks() {
     AT_FORK.call_once(|| unsafe {
         libc::pthread_atfork(None, None, Some(forked));
     });
+}
+
+/// Runs `f`, a call into NIXL (and through it UCX), where no `fork()` of this process happens.
+///
+/// UCX keeps process-wide locks (its async handler table's among them) that a call may hold. A
+/// thread that forks while another is inside such a call leaves the child that lock held forever,
+/// and the child's first agent waits on it (issue 63, finding 7). Each call holds a shared lock;
+/// a `pthread_atfork` prepare handler takes it whole, so a fork waits for the calls in flight and
+/// new calls wait for the fork. The lock prefers its writer (a stream of calls does not starve a
+/// fork); a call made inside another on the same thread does not take it again (which, with a
+/// fork waiting, would deadlock). A thread that forks from inside a call (the `python3` that
+/// `load` may run is spawned outside any) does not wait for itself.
+pub(crate) fn outside_fork<T>(f: impl FnOnce() -> T) -> T {
+    if CALL_DEPTH.get() > 0 {
+        return f();
+    }
+    fork_gate_init();
+    // SAFETY: the gate is initialised (just above, once per process and again in a child).
+    unsafe { libc::pthread_rwlock_rdlock(std::ptr::addr_of_mut!(FORK_GATE)) };
+    CALL_DEPTH.set(1);
+    // Unlocks on the way out, a panic included.
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            CALL_DEPTH.set(0);
+            // SAFETY: this thread holds the gate shared (taken above, or again by the child
+            // handler for a thread that forked inside a call).
+            unsafe { libc::pthread_rwlock_unlock(std::ptr::addr_of_mut!(FORK_GATE)) };
+        }
+    }
+    let _leave = Leave;
+    f()
+}
+
+/// glibc's `PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP` (not in the `libc` crate).
+const PREFER_WRITER_NONRECURSIVE: libc::c_int = 2;
+
+static mut FORK_GATE: libc::pthread_rwlock_t = libc::PTHREAD_RWLOCK_INITIALIZER;
+
+thread_local! {
+    /// 1 while this thread is inside [`outside_fork`] (holding the gate shared).
+    static CALL_DEPTH: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+    /// Set by the prepare handler when this thread forks from inside a call (it took nothing).
+    static FORKED_INSIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Makes the gate, writer first, and registers its fork handlers; once per process.
+fn fork_gate_init() {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    INIT.call_once(|| {
+        fork_gate_make();
+        // SAFETY: registers handlers that take and release the gate (see each).
+        unsafe { libc::pthread_atfork(Some(fork_prepare), Some(fork_parent), Some(fork_child)) };
+    });
+}
+
+/// (Re)initialises the gate, unlocked, preferring its writer.
+fn fork_gate_make() {
+    // SAFETY: the attribute is initialised before use and destroyed after; the gate is not in
+    // use (first made before any call, or made again in a child, where no other thread exists).
+    unsafe {
+        let mut attr: libc::pthread_rwlockattr_t = std::mem::zeroed();
+        libc::pthread_rwlockattr_init(&mut attr);
+        libc::pthread_rwlockattr_setkind_np(&mut attr, PREFER_WRITER_NONRECURSIVE);
+        libc::pthread_rwlock_init(std::ptr::addr_of_mut!(FORK_GATE), &attr);
+        libc::pthread_rwlockattr_destroy(&mut attr);
+    }
+}
+
+/// Before a fork: waits for the calls in flight and holds new ones back.
+extern "C" fn fork_prepare() {
+    if CALL_DEPTH.get() > 0 {
+        FORKED_INSIDE.set(true);
+        return;
+    }
+    // SAFETY: the gate is initialised (the handler is registered after it is made).
+    unsafe { libc::pthread_rwlock_wrlock(std::ptr::addr_of_mut!(FORK_GATE)) };
+}
+
+/// After a fork, in the parent: lets the calls go on.
+extern "C" fn fork_parent() {
+    if FORKED_INSIDE.replace(false) {
+        return;
+    }
+    // SAFETY: this thread took the gate whole in the prepare handler.
+    unsafe { libc::pthread_rwlock_unlock(std::ptr::addr_of_mut!(FORK_GATE)) };
+}
+
+/// After a fork, in the child: a fresh gate (the old one names the parent's thread as its
+/// writer), held shared again where this thread forked from inside a call that will release it.
+extern "C" fn fork_child() {
+    FORKED_INSIDE.set(false);
+    fork_gate_make();
+    if CALL_DEPTH.get() > 0 {
+        // SAFETY: the gate was just made; the call this thread is inside releases it.
+        unsafe { libc::pthread_rwlock_rdlock(std::ptr::addr_of_mut!(FORK_GATE)) };
+    }
 }
 
 /// Copies `len` bytes from address `src` to address `dst` of this process (they may overlap).

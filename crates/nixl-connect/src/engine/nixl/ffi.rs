@@ -7,6 +7,7 @@
 #![allow(unsafe_code)]
 
 use std::ffi::CString;
+use std::mem::ManuallyDrop;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -227,6 +228,81 @@ pub(crate) fn load() -> Result<Loaded> {
     Ok(l)
 }
 
+/// In a child of `fork()` whose parent had loaded UCX, before the child's first agent: makes UCX's
+/// table of async event handlers, and the lock over it, anew (`ucs_async_global_init`, what
+/// UCX's own initialiser runs).
+///
+/// UCX's async thread takes that lock (shared) whenever one of its descriptors has an event, and
+/// the children of a process share its epoll instance, so a sibling's new agent wakes the
+/// parent's thread. A fork at that moment left the child the lock held by a thread it does not
+/// have, and its first agent waited for it forever (`ucp_worker_create` ->
+/// `ucs_async_set_event_handler`: 9 children of 200 forked 8 at a time during driven waits; 0 of
+/// 400 with the table made anew). UCX offers no fork handler for it. The parent's handlers stay
+/// in the child's memory, unused (the child never uses its parent's agents). Once per process
+/// image, before any agent of the child; nothing where UCX is not loaded.
+fn ucx_fresh_in_child() {
+    static IMAGE: Mutex<u64> = Mutex::new(0);
+    let mut image = IMAGE.lock().recover();
+    let now = crate::sys::forks();
+    if *image == now {
+        return;
+    }
+    *image = now;
+    let Some(ucs) = loaded_library("libucs") else {
+        return;
+    };
+    // SAFETY: `ucs` names a library already loaded (RTLD_NOLOAD loads nothing; the handle only
+    // adds a reference, never closed); `ucs_async_global_init` is `void (void)` in UCX's sources
+    // since its async module (2015), exported by the UCX of each NIXL release served; no agent of
+    // this process image exists yet (see above), so no thread uses the table it replaces.
+    unsafe {
+        let handle = libc::dlopen(ucs.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        if handle.is_null() {
+            return;
+        }
+        let f = libc::dlsym(handle, c"ucs_async_global_init".as_ptr());
+        if !f.is_null() {
+            let init: extern "C" fn() = std::mem::transmute(f);
+            init();
+            tracing::debug!("UCX's async handler table made anew in a child of fork()");
+        }
+    }
+}
+
+/// The path of the loaded library whose file name is `stem` followed by `-` or `.` (UCX's are
+/// `libucs.so.0`, or `libucs-<hash>.so.0.0.0` in NIXL's wheel).
+fn loaded_library(stem: &str) -> Option<CString> {
+    extern "C" fn each(
+        info: *mut libc::dl_phdr_info,
+        _size: libc::size_t,
+        data: *mut libc::c_void,
+    ) -> libc::c_int {
+        // SAFETY: the loader hands a valid `dl_phdr_info` whose name is a NUL-terminated string
+        // or null; `data` is the `(stem, found)` pair below, alive for the whole iteration.
+        unsafe {
+            let (stem, found) = &mut *(data as *mut (&str, Option<CString>));
+            let name = (*info).dlpi_name;
+            if name.is_null() {
+                return 0;
+            }
+            let path = std::ffi::CStr::from_ptr(name);
+            let file = path.to_bytes().rsplit(|b| *b == b'/').next().unwrap_or_default();
+            if file
+                .strip_prefix(stem.as_bytes())
+                .is_some_and(|r| r.starts_with(b"-") || r.starts_with(b"."))
+            {
+                *found = Some(path.to_owned());
+                return 1;
+            }
+            0
+        }
+    }
+    let mut data: (&str, Option<CString>) = (stem, None);
+    // SAFETY: `each` only reads what the loader hands it and writes `data`, which outlives the call.
+    unsafe { libc::dl_iterate_phdr(Some(each), &mut data as *mut _ as *mut libc::c_void) };
+    data.1
+}
+
 /// The release of the NIXL library at `capi`, where its installation says it: the wheel's
 /// `dist-info` beside `.nixl_cu13.mesonpy.libs/`, or the `VERSION` file `scripts/setup.sh` writes
 /// beside `.nixl/lib/` (`nixl-cu13==1.5.1`). `None` where nothing says (a source install).
@@ -284,19 +360,19 @@ pub(crate) fn nixl_err(op: &'static str, e: NixlError) -> Error {
 
 /// A memory registration; deregistered when dropped (before its agent: the owner sees to it).
 pub(crate) struct AgentRegistration {
-    _handle: RegistrationHandle,
+    handle: ManuallyDrop<RegistrationHandle>,
 }
 
 /// An in-flight transfer request; released when dropped. NIXL cannot cancel a posted transfer:
 /// releasing one that is still in flight frees the request but lets the transfer run on, so the
 /// memory stays in use until the transfer ends or the agent is destroyed.
 pub(crate) struct Transfer {
-    req: XferRequest,
+    req: ManuallyDrop<XferRequest>,
 }
 
 /// A prepared descriptor list (NIXL's `prepXferDlist`); must be dropped before its agent.
 pub(crate) struct Prepared {
-    handle: XferDlistHandle,
+    handle: ManuallyDrop<XferDlistHandle>,
     len: usize,
 }
 
@@ -320,8 +396,38 @@ unsafe impl Send for Prepared {}
 /// `Prepared`'s `Send`). Dropping it destroys the UCX
 /// worker, which cuts every peer off from this agent's memory and ends every transfer it posted.
 pub(crate) struct NixlAgent {
-    agent: Agent,
+    agent: ManuallyDrop<Agent>,
     name: String,
+}
+
+// Each drop below calls into NIXL, and so runs outside a fork (`sys::outside_fork`), as every
+// method of `NixlAgent` does.
+impl Drop for AgentRegistration {
+    fn drop(&mut self) {
+        // SAFETY: dropped once, here; the field is not used after.
+        crate::sys::outside_fork(|| unsafe { ManuallyDrop::drop(&mut self.handle) });
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        // SAFETY: dropped once, here; the field is not used after.
+        crate::sys::outside_fork(|| unsafe { ManuallyDrop::drop(&mut self.req) });
+    }
+}
+
+impl Drop for Prepared {
+    fn drop(&mut self) {
+        // SAFETY: dropped once, here; the field is not used after.
+        crate::sys::outside_fork(|| unsafe { ManuallyDrop::drop(&mut self.handle) });
+    }
+}
+
+impl Drop for NixlAgent {
+    fn drop(&mut self) {
+        // SAFETY: dropped once, here; the field is not used after.
+        crate::sys::outside_fork(|| unsafe { ManuallyDrop::drop(&mut self.agent) });
+    }
 }
 
 impl NixlAgent {
@@ -329,6 +435,13 @@ impl NixlAgent {
     /// `UCX` takes the extra `params`, the others their plugin's defaults).
     pub(crate) fn new(name: &str, backends: &[String], params: &[(String, String)]) -> Result<Self> {
         load()?;
+        crate::sys::outside_fork(|| {
+            ucx_fresh_in_child();
+            Self::create(name, backends, params)
+        })
+    }
+
+    fn create(name: &str, backends: &[String], params: &[(String, String)]) -> Result<Self> {
         let cfg = AgentConfig {
             enable_prog_thread: false,
             enable_listen_thread: false,
@@ -391,7 +504,7 @@ impl NixlAgent {
                 })?;
         }
         Ok(Self {
-            agent,
+            agent: ManuallyDrop::new(agent),
             name: name.to_string(),
         })
     }
@@ -402,71 +515,83 @@ impl NixlAgent {
 
     /// Registers one range.
     pub(crate) fn register(&self, r: Range) -> Result<AgentRegistration> {
-        let desc = RawRegion {
-            addr: r.addr,
-            len: r.len,
-            mem: mem_type(r.device),
-            dev: device_id(r.device),
-        };
-        let handle = self
-            .agent
-            .register_memory(&desc, None)
-            .map_err(|e| nixl_err("register memory", e))?;
-        Ok(AgentRegistration { _handle: handle })
+        crate::sys::outside_fork(|| {
+            let desc = RawRegion {
+                addr: r.addr,
+                len: r.len,
+                mem: mem_type(r.device),
+                dev: device_id(r.device),
+            };
+            let handle = self
+                .agent
+                .register_memory(&desc, None)
+                .map_err(|e| nixl_err("register memory", e))?;
+            Ok(AgentRegistration {
+                handle: ManuallyDrop::new(handle),
+            })
+        })
     }
 
     /// This agent's metadata restricted to `regs` (exactly registered ranges): the connection
     /// information alone when `regs` is empty, the sections of those registrations otherwise.
     pub(crate) fn partial_metadata(&self, regs: &[Range]) -> Result<Vec<u8>> {
-        let mut l = RegDescList::new(regs.first().map_or(MemType::Dram, |r| mem_type(r.device)))
-            .map_err(|e| nixl_err("descriptor list", e))?;
-        for r in regs {
-            l.add_desc(r.addr, r.len, device_id(r.device));
-        }
-        self.agent
-            .get_local_partial_md(&l, None)
-            .map_err(|e| nixl_err("get local metadata", e))
+        crate::sys::outside_fork(|| {
+            let mut l = RegDescList::new(regs.first().map_or(MemType::Dram, |r| mem_type(r.device)))
+                .map_err(|e| nixl_err("descriptor list", e))?;
+            for r in regs {
+                l.add_desc(r.addr, r.len, device_id(r.device));
+            }
+            self.agent
+                .get_local_partial_md(&l, None)
+                .map_err(|e| nixl_err("get local metadata", e))
+        })
     }
 
     /// Loads a peer's agent metadata (merging into what is loaded for it); returns its name.
     pub(crate) fn load_remote(&self, md: &[u8]) -> std::result::Result<String, ErrorSource> {
-        self.agent
-            .load_remote_md(md)
-            .map_err(|e| Arc::new(e) as ErrorSource)
+        crate::sys::outside_fork(|| {
+            self.agent
+                .load_remote_md(md)
+                .map_err(|e| Arc::new(e) as ErrorSource)
+        })
     }
 
     /// Forgets a peer's agent metadata and drops this agent's connection to it.
     pub(crate) fn invalidate_remote(&self, name: &str) {
-        if let Err(e) = self.agent.invalidate_remote_md(name) {
-            tracing::debug!(remote = name, error = %e, "invalidate remote metadata failed");
-        }
+        crate::sys::outside_fork(|| {
+            if let Err(e) = self.agent.invalidate_remote_md(name) {
+                tracing::debug!(remote = name, error = %e, "invalidate remote metadata failed");
+            }
+        })
     }
 
     /// Prepares a descriptor list once, for any number of transfers: `agent` is `None` for this
     /// agent's own (registered) memory, or the peer whose metadata describes `ranges`.
     pub(crate) fn prepare(&self, agent: Option<&str>, ranges: &[Range]) -> Result<Prepared> {
-        let mut l =
-            XferDescList::new(mem_type(ranges[0].device)).map_err(|e| nixl_err("descriptor list", e))?;
-        for r in ranges {
-            l.add_desc(r.addr, r.len, device_id(r.device));
-        }
-        let handle = self
-            .agent
-            .prepare_xfer_dlist(agent.unwrap_or(""), &l, None)
-            .map_err(|e| Error::Nixl {
-                op: "create transfer",
-                status: match agent {
-                    Some(a) => format!(
-                        "the remote descriptors are not registered memory of agent {a}, or the \
-                         metadata is stale"
-                    ),
-                    None => "preparing local descriptors".into(),
-                },
-                source: Some(Arc::new(e)),
-            })?;
-        Ok(Prepared {
-            handle,
-            len: ranges.len(),
+        crate::sys::outside_fork(|| {
+            let mut l =
+                XferDescList::new(mem_type(ranges[0].device)).map_err(|e| nixl_err("descriptor list", e))?;
+            for r in ranges {
+                l.add_desc(r.addr, r.len, device_id(r.device));
+            }
+            let handle = self
+                .agent
+                .prepare_xfer_dlist(agent.unwrap_or(""), &l, None)
+                .map_err(|e| Error::Nixl {
+                    op: "create transfer",
+                    status: match agent {
+                        Some(a) => format!(
+                            "the remote descriptors are not registered memory of agent {a}, or the \
+                             metadata is stale"
+                        ),
+                        None => "preparing local descriptors".into(),
+                    },
+                    source: Some(Arc::new(e)),
+                })?;
+            Ok(Prepared {
+                handle: ManuallyDrop::new(handle),
+                len: ranges.len(),
+            })
         })
     }
 
@@ -478,57 +603,63 @@ impl NixlAgent {
         remote: &Prepared,
         notification: &[u8],
     ) -> std::result::Result<Option<Transfer>, PostError> {
-        let idx: Vec<i32> = (0..local.len as i32).collect();
-        let mut args = OptArgs::new().map_err(|e| PostError::Local(nixl_err("transfer options", e)))?;
-        args.set_notification_message(notification)
-            .map_err(|e| PostError::Local(nixl_err("notification message", e)))?;
-        args.set_has_notification(true)
-            .map_err(|e| PostError::Local(nixl_err("notification flag", e)))?;
-        let op = if write { XferOp::Write } else { XferOp::Read };
-        let req = self
-            .agent
-            .make_xfer_req(
-                op,
-                &local.handle,
-                &idx,
-                &remote.handle,
-                &idx[..remote.len],
-                Some(&args),
-            )
-            .map_err(|e| PostError::Local(nixl_err("create transfer", e)))?;
-        match self.agent.post_xfer_req(&req, Some(&args)) {
-            Ok(true) => Ok(Some(Transfer { req })),
-            Ok(false) => Ok(None),
-            Err(e) => Err(PostError::Transfer(Arc::new(e))),
-        }
+        crate::sys::outside_fork(|| {
+            let idx: Vec<i32> = (0..local.len as i32).collect();
+            let mut args = OptArgs::new().map_err(|e| PostError::Local(nixl_err("transfer options", e)))?;
+            args.set_notification_message(notification)
+                .map_err(|e| PostError::Local(nixl_err("notification message", e)))?;
+            args.set_has_notification(true)
+                .map_err(|e| PostError::Local(nixl_err("notification flag", e)))?;
+            let op = if write { XferOp::Write } else { XferOp::Read };
+            let req = self
+                .agent
+                .make_xfer_req(
+                    op,
+                    &local.handle,
+                    &idx,
+                    &remote.handle,
+                    &idx[..remote.len],
+                    Some(&args),
+                )
+                .map_err(|e| PostError::Local(nixl_err("create transfer", e)))?;
+            match self.agent.post_xfer_req(&req, Some(&args)) {
+                Ok(true) => Ok(Some(Transfer {
+                    req: ManuallyDrop::new(req),
+                })),
+                Ok(false) => Ok(None),
+                Err(e) => Err(PostError::Transfer(Arc::new(e))),
+            }
+        })
     }
 
     /// Polls one transfer (this also progresses the UCX worker).
     pub(crate) fn poll(&self, t: &Transfer) -> std::result::Result<bool, ErrorSource> {
-        match self.agent.get_xfer_status(&t.req) {
+        crate::sys::outside_fork(|| match self.agent.get_xfer_status(&t.req) {
             Ok(XferStatus::InProgress) => Ok(false),
             Ok(XferStatus::Success) => Ok(true),
-            Err(e) => Err(Arc::new(e)),
-        }
+            Err(e) => Err(Arc::new(e) as ErrorSource),
+        })
     }
 
     /// Drains the notifications that have arrived (this also progresses the UCX worker):
     /// `(from agent, message bytes)`.
     pub(crate) fn notifications(&self, out: &mut Vec<(String, Vec<u8>)>) -> Result<()> {
-        let mut map = NotificationMap::new().map_err(|e| nixl_err("notification map", e))?;
-        self.agent
-            .get_notifications(&mut map, None)
-            .map_err(|e| nixl_err("get notifications", e))?;
-        let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(str::to_owned)).collect();
-        for a in agents {
-            let n = map.get_notifications_size(&a).unwrap_or(0);
-            for i in 0..n {
-                if let Ok(b) = map.get_notification_bytes(&a, i) {
-                    out.push((a.clone(), b));
+        crate::sys::outside_fork(|| {
+            let mut map = NotificationMap::new().map_err(|e| nixl_err("notification map", e))?;
+            self.agent
+                .get_notifications(&mut map, None)
+                .map_err(|e| nixl_err("get notifications", e))?;
+            let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(str::to_owned)).collect();
+            for a in agents {
+                let n = map.get_notifications_size(&a).unwrap_or(0);
+                for i in 0..n {
+                    if let Ok(b) = map.get_notification_bytes(&a, i) {
+                        out.push((a.clone(), b));
+                    }
                 }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 }
 
