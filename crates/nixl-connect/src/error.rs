@@ -224,8 +224,12 @@ pub enum Error {
         source: Option<ErrorSource>,
     },
 
-    /// The connector's engine thread has stopped (it panicked or the process is exiting).
-    #[error("the connector's engine has stopped")]
+    /// The connector's engine thread has stopped (it panicked or the process is exiting), or
+    /// does not exist in this process: a child of `fork()` using a connector its parent made.
+    #[error(
+        "the connector's engine has stopped (in a child of fork(), a connector made before the \
+         fork has none: make a new Connector in this process)"
+    )]
     EngineStopped,
 
     // ---- the operation ----

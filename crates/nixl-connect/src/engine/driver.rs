@@ -219,6 +219,12 @@ impl Drive {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// True in a child of `fork()` of the process that started this engine (whose thread the
+    /// child does not have).
+    pub(crate) fn forked(&self) -> bool {
+        crate::sys::forks() != self.image
+    }
+
     /// True when callers may drive this connector now: host memory only, in the process that
     /// started it.
     fn callers_may(&self) -> bool {

@@ -556,8 +556,13 @@ impl Engine {
 
     /// Sends a command, and handles it on this thread if a caller may (see `driver`: a small
     /// command over host memory, the engine asleep, few operations in flight); otherwise wakes
-    /// the engine.
+    /// the engine. [`Error::EngineStopped`] in a child of `fork()`, which has no engine thread
+    /// of its parent's.
     pub(crate) fn send(&self, cmd: Cmd) -> Result<()> {
+        if self.0.drive.forked() {
+            // Nothing here would ever handle it: the operation would wait out its deadline.
+            return Err(Error::EngineStopped);
+        }
         let mine = self.0.drive.takes(&cmd) && std::thread::current().id() != self.0.thread;
         self.0.tx.send(cmd).map_err(|_| Error::EngineStopped)?;
         if !mine || !self.0.drive.drive() {

@@ -572,3 +572,139 @@ async fn driven_a_nixl_readers_read_of_a_killed_peer_fails_typed_and_the_next_re
     assert_eq!(owner.expect("WAIT:"), "ok");
     owner.finish();
 }
+
+/// The support process of [`driven_forks_during_driven_waits_leave_every_child_working`]: a
+/// thread reads 4 KiB between two connectors in a loop (its waits drive both engines) while this
+/// thread forks `FORKS` children, 8 alive at once. Each child reads through a fresh pair of
+/// connectors (it must get the bytes); the pair it inherited refuses at once. A child still
+/// running after 20 s is counted as hung and killed.
+/// Prints `FORKS:forks=N failed=N hung=N`.
+#[test]
+#[ignore = "run by driven_forks_during_driven_waits_leave_every_child_working in a fresh process"]
+fn support_fork_during_driven_waits() {
+    if std::env::var(super::support::PEER_ENV).is_err() {
+        return;
+    }
+    let forks: usize = std::env::var("FORKS").unwrap().parse().unwrap();
+    let (a, b) = driving_pair();
+    let (a, b) = (Arc::new(a), Arc::new(b));
+    let stop = Arc::new(AtomicBool::new(false));
+    let driver = {
+        let (a, b, stop) = (a.clone(), b.clone(), stop.clone());
+        std::thread::spawn(move || {
+            super::support::runtime().block_on(async {
+                let mut seed = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    driven_read(&a, &b, seed).await;
+                    seed += 1;
+                }
+            })
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let (mut failed, mut hung) = (0, 0);
+    let mut live: Vec<(libc::pid_t, Instant)> = Vec::new();
+    for k in 0..forks {
+        // SAFETY: fork in a test's support process; the child runs `in_child` and leaves with
+        // `_exit` (no destructor of the parent's state runs there).
+        #[allow(unsafe_code)]
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| in_child(&a, &b))).unwrap_or(1);
+            // SAFETY: ends the child without running the parent's destructors.
+            #[allow(unsafe_code)]
+            unsafe {
+                libc::_exit(code)
+            };
+        }
+        live.push((pid, Instant::now()));
+        while live.len() >= 8 || (k == forks - 1 && !live.is_empty()) {
+            live.retain(|&(pid, t0)| {
+                let mut status = 0;
+                // SAFETY: waitpid and kill of this process's own children.
+                #[allow(unsafe_code)]
+                unsafe {
+                    if libc::waitpid(pid, &mut status, libc::WNOHANG) == pid {
+                        if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+                            eprintln!("child {pid}: status {status:#x}");
+                            failed += 1;
+                        }
+                        return false;
+                    }
+                    if t0.elapsed() > Duration::from_secs(20) {
+                        eprintln!("child {pid} hung");
+                        hung += 1;
+                        libc::kill(pid, libc::SIGKILL);
+                        libc::waitpid(pid, &mut status, 0);
+                        return false;
+                    }
+                }
+                true
+            });
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    driver.join().unwrap();
+    println!("FORKS:forks={forks} failed={failed} hung={hung}");
+}
+
+/// A child's reads: 0 when the fresh pair read the bytes and the inherited pair (whose engines
+/// are its parent's threads) refused at once, saying why.
+fn in_child(a: &Connector, b: &Connector) -> i32 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (c, d) = driving_pair();
+        driven_read(&c, &d, 7).await;
+        let t0 = Instant::now();
+        let inherited = a.create_readable(Descriptor::from(pattern(4096, 8))).await;
+        let refused = b
+            .begin_read(
+                &c.create_readable(Descriptor::from(vec![0u8; 64]))
+                    .await
+                    .unwrap()
+                    .metadata()
+                    .clone(),
+                Descriptor::from(vec![0u8; 64]),
+            )
+            .await;
+        match (inherited, refused) {
+            (Err(e), Err(f))
+                if e.kind() == nixl_connect::ErrorKind::EngineStopped
+                    && f.kind() == nixl_connect::ErrorKind::EngineStopped
+                    && e.to_string().contains("fork")
+                    && t0.elapsed() < Duration::from_secs(1) =>
+            {
+                0
+            }
+            (e, f) => {
+                eprintln!("the inherited pair in a child: {:?} / {:?}", e.err(), f.err());
+                2
+            }
+        }
+    })
+}
+
+/// Issue 63, finding 7: children forked while a thread's waits drive the engine, 8 alive at
+/// once. Before: about 1 child in 20 hung making its first NIXL agent, in UCX (its async handler
+/// lock, taken by the parent's UCX thread when a sibling's new agent woke it, was held when the
+/// parent forked). Now a child makes that table anew before its first agent, and no call of
+/// ours into NIXL is under way at a fork: every child reads, none hangs. A connector the parent
+/// made refuses in the child at once (`EngineStopped`, saying to make a new one; before, an
+/// operation waited out its deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn driven_forks_during_driven_waits_leave_every_child_working() {
+    let mut peer = Peer::spawn(
+        "driven::support_fork_during_driven_waits",
+        "fork",
+        &[("FORKS", "200")],
+    );
+    let report = peer.expect("FORKS:");
+    println!("forks during driven waits: {report}");
+    assert_eq!(report, "forks=200 failed=0 hung=0");
+    peer.finish();
+}
