@@ -239,6 +239,17 @@ async fn published(
     Ok(Some(p))
 }
 
+/// Takes the metadata back out of etcd, waiting for etcd to confirm, before the command goes on
+/// to exit: a publication merely dropped revokes its lease from a task that the exit may cut off,
+/// leaving the key to a reader for up to the lease's time to live.
+async fn unpublished(p: Option<nixl_connect::channel::etcd::EtcdPublication>) {
+    if let Some(p) = p {
+        if let Err(e) = p.unpublish().await {
+            eprintln!("warning: unpublishing from etcd: {e} (the key expires with its lease)");
+        }
+    }
+}
+
 pub(crate) async fn serve(a: ServeArgs) -> Result<()> {
     a.metrics.clone().around(async |ex| serve_with(a, ex).await).await
 }
@@ -288,11 +299,12 @@ async fn serve_with(a: ServeArgs, ex: &crate::metrics::Exporter) -> Result<()> {
     if a.writable {
         let op = conn.create_writable(buf.descriptors_mut(&sizes)?).await?;
         println!("{}", op.metadata().to_json());
-        let _published = published(publish_at.as_ref(), op.metadata(), timeout).await?;
+        let publication = published(publish_at.as_ref(), op.metadata(), timeout).await?;
         t0 = Instant::now();
         op.wait_for_completion(Some(timeout))
             .await
             .map_err(|e| anyhow::Error::new(e).context("no peer wrote the writable"))?;
+        unpublished(publication).await;
         path = op.path();
         let back = op.into_descriptors();
         let parts: Vec<&[u8]> = back.iter().filter_map(|d| d.as_slice()).collect();
@@ -300,11 +312,12 @@ async fn serve_with(a: ServeArgs, ex: &crate::metrics::Exporter) -> Result<()> {
     } else {
         let op = conn.create_readable(buf.descriptors(&sizes)?).await?;
         println!("{}", op.metadata().to_json());
-        let _published = published(publish_at.as_ref(), op.metadata(), timeout).await?;
+        let publication = published(publish_at.as_ref(), op.metadata(), timeout).await?;
         t0 = Instant::now();
         op.wait_for_completion(Some(timeout))
             .await
             .map_err(|e| anyhow::Error::new(e).context("no peer read the readable"))?;
+        unpublished(publication).await;
         path = op.path();
     }
     let what = if a.writable {
