@@ -64,7 +64,7 @@ def main():
                 r, status = os.waitpid(p, os.WNOHANG)
                 if r:
                     live.pop(p)
-                    failed += int(os.WIFEXITED(status) and os.WEXITSTATUS(status) != 0)
+                    failed += int(not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0))
                 elif time.time() - t > 12:
                     hung += 1
                     print(f"=== child {j} (pid {p}) hung", flush=True)
@@ -78,8 +78,12 @@ def main():
                     os.waitpid(p, 0)
                     live.pop(p)
             time.sleep(0.02)
+    alive = drive.is_alive()
     stop.set()
     drive.join()
+    if not alive:
+        print("the parent's driving thread died: the forks did not race its waits", flush=True)
+        failed += 1
     print(f"forks={FORKS} failed={failed} hung={hung}")
 
 

@@ -152,13 +152,17 @@ extern "C" fn forked() {
     FORKS.fetch_add(1, Ordering::Relaxed);
 }
 
-/// Counts every later `fork()` in its child ([`forks`]); registered once, whoever calls it.
+/// Counts every later `fork()` in its child ([`forks`]), and makes the lock that keeps calls
+/// into NIXL out of a fork ([`outside_fork`]); once, whoever calls it.
 pub(crate) fn count_forks() {
     static AT_FORK: std::sync::Once = std::sync::Once::new();
     // SAFETY: registers a child handler that only increments an atomic (async-signal-safe).
     AT_FORK.call_once(|| unsafe {
         libc::pthread_atfork(None, None, Some(forked));
     });
+    // Made here, at an engine's start, rather than at the first call into NIXL: a fork while
+    // the gate is being made would leave the child its `Once` running forever.
+    fork_gate_init();
 }
 
 /// Runs `f`, a call into NIXL (and through it UCX), where no `fork()` of this process happens.
@@ -247,11 +251,29 @@ extern "C" fn fork_parent() {
     unsafe { libc::pthread_rwlock_unlock(std::ptr::addr_of_mut!(FORK_GATE)) };
 }
 
+/// Has `f` run in every later child of `fork()`, in its fork handler (before anything else of
+/// the child runs; the one thread there, no lock of the parent's taken): one function, the last
+/// given.
+pub(crate) fn in_fork_children(f: extern "C" fn()) {
+    fork_gate_init();
+    IN_CHILDREN.store(f as *mut (), Ordering::Release);
+}
+
+static IN_CHILDREN: std::sync::atomic::AtomicPtr<()> =
+    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+
 /// After a fork, in the child: a fresh gate (the old one names the parent's thread as its
-/// writer), held shared again where this thread forked from inside a call that will release it.
+/// writer), held shared again where this thread forked from inside a call that will release it;
+/// then what [`in_fork_children`] named.
 extern "C" fn fork_child() {
     FORKED_INSIDE.set(false);
     fork_gate_make();
+    let f = IN_CHILDREN.load(Ordering::Acquire);
+    if !f.is_null() {
+        // SAFETY: only `in_fork_children` stores here, an `extern "C" fn()`.
+        let f: extern "C" fn() = unsafe { std::mem::transmute::<*mut (), extern "C" fn()>(f) };
+        f();
+    }
     if CALL_DEPTH.get() > 0 {
         // SAFETY: the gate was just made; the call this thread is inside releases it.
         unsafe { libc::pthread_rwlock_rdlock(std::ptr::addr_of_mut!(FORK_GATE)) };
@@ -277,4 +299,55 @@ pub(crate) unsafe fn copy_raw(src: usize, dst: usize, len: usize) {
 pub(crate) unsafe fn bytes<'s>(addr: usize, len: usize) -> &'s [u8] {
     // SAFETY: per this function's contract.
     unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    /// A fork waits for a call into NIXL under way on another thread: the parent and the child
+    /// both see the call ended (without the gate, the fork returned while the call slept).
+    #[test]
+    fn sys_a_fork_waits_for_the_calls_into_nixl_in_flight() {
+        count_forks();
+        let (inside, done) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let call = {
+            let (inside, done) = (inside.clone(), done.clone());
+            std::thread::spawn(move || {
+                outside_fork(|| {
+                    inside.store(true, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(200));
+                    done.store(true, Ordering::SeqCst);
+                })
+            })
+        };
+        while !inside.load(Ordering::SeqCst) {
+            std::thread::yield_now();
+        }
+        // SAFETY: the child only reads an atomic and leaves with `_exit`.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: ends the child at once, running nothing of the parent's.
+            unsafe { libc::_exit(i32::from(!done.load(Ordering::SeqCst))) };
+        }
+        let ended_first = done.load(Ordering::SeqCst);
+        let mut status = 0;
+        // SAFETY: waits for this test's own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        call.join().unwrap();
+        assert!(
+            ended_first,
+            "the fork returned while a call into NIXL was under way"
+        );
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child saw the call under way: {status:#x}"
+        );
+        // A call made inside another does not take the gate again (with a fork waiting, it
+        // would wait for itself).
+        assert_eq!(outside_fork(|| outside_fork(|| 7)), 7);
+    }
 }

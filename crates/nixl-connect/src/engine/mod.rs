@@ -544,8 +544,13 @@ impl Engine {
     /// decoder; cached by string, so a peer's repeated metadata costs a lookup.
     ///
     /// # Errors
-    /// [`Error::Metadata`] for anything the publishing transport cannot read.
+    /// [`Error::Metadata`] for anything the publishing transport cannot read;
+    /// [`Error::EngineStopped`] in a child of `fork()`.
     pub(crate) fn decode(&self, md: &str) -> Result<PeerInfo> {
+        if self.0.drive.forked() {
+            // The cache's lock may have been held by a thread of the parent at the fork.
+            return Err(Error::EngineStopped);
+        }
         if let Some(d) = self.0.decoded.lock().recover().map.get(md) {
             return Ok(d.clone());
         }
@@ -588,6 +593,12 @@ impl Engine {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        if self.drive.forked() {
+            // A child of `fork()` dropping a connector its parent made: the engine thread is the
+            // parent's (joining it would wait forever, waking it would wake the parent's).
+            std::mem::forget(self.join.get_mut().map_or(None, Option::take));
+            return;
+        }
         let within = *self.stop_wait.lock().recover();
         let _ = self.tx.send(Cmd::Shutdown { within });
         self.waker.wake();

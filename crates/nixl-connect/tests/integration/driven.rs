@@ -609,6 +609,7 @@ fn support_fork_during_driven_waits() {
         // `_exit` (no destructor of the parent's state runs there).
         #[allow(unsafe_code)]
         let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
         if pid == 0 {
             let code =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| in_child(&a, &b))).unwrap_or(1);
@@ -692,8 +693,8 @@ fn in_child(a: &Connector, b: &Connector) -> i32 {
 /// Issue 63, finding 7: children forked while a thread's waits drive the engine, 8 alive at
 /// once. Before: about 1 child in 20 hung making its first NIXL agent, in UCX (its async handler
 /// lock, taken by the parent's UCX thread when a sibling's new agent woke it, was held when the
-/// parent forked). Now a child makes that table anew before its first agent, and no call of
-/// ours into NIXL is under way at a fork: every child reads, none hangs. A connector the parent
+/// parent forked). Now a child makes that table anew in its fork handler, and no call of ours
+/// into NIXL is under way at a fork: every child reads, none hangs. A connector the parent
 /// made refuses in the child at once (`EngineStopped`, saying to make a new one; before, an
 /// operation waited out its deadline).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -228,76 +228,79 @@ pub(crate) fn load() -> Result<Loaded> {
     Ok(l)
 }
 
-/// In a child of `fork()` whose parent had loaded UCX, before the child's first agent: makes UCX's
-/// table of async event handlers, and the lock over it, anew (`ucs_async_global_init`, what
-/// UCX's own initialiser runs).
+/// Has every later child of `fork()` make UCX's table of async event handlers, and the lock over
+/// it, anew (`ucs_async_global_init`, what UCX's own initialiser runs), in the fork's child
+/// handler: before anything runs in the child. Found through NIXL's UCX plugin (so the `libucs`
+/// it links, whichever other copies the process has), once its backend exists.
 ///
 /// UCX's async thread takes that lock (shared) whenever one of its descriptors has an event, and
 /// the children of a process share its epoll instance, so a sibling's new agent wakes the
 /// parent's thread. A fork at that moment left the child the lock held by a thread it does not
 /// have, and its first agent waited for it forever (`ucp_worker_create` ->
 /// `ucs_async_set_event_handler`: 9 children of 200 forked 8 at a time during driven waits; 0 of
-/// 400 with the table made anew). UCX offers no fork handler for it. The parent's handlers stay
-/// in the child's memory, unused (the child never uses its parent's agents). Once per process
-/// image, before any agent of the child; nothing where UCX is not loaded.
-fn ucx_fresh_in_child() {
-    static IMAGE: Mutex<u64> = Mutex::new(0);
-    let mut image = IMAGE.lock().recover();
-    let now = crate::sys::forks();
-    if *image == now {
-        return;
-    }
-    *image = now;
-    let Some(ucs) = loaded_library("libucs") else {
-        return;
-    };
-    // SAFETY: `ucs` names a library already loaded (RTLD_NOLOAD loads nothing; the handle only
-    // adds a reference, never closed); `ucs_async_global_init` is `void (void)` in UCX's sources
-    // since its async module (2015), exported by the UCX of each NIXL release served; no agent of
-    // this process image exists yet (see above), so no thread uses the table it replaces.
-    unsafe {
-        let handle = libc::dlopen(ucs.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
-        if handle.is_null() {
-            return;
+/// 1,500 with the table made anew). UCX offers no fork handler for it. The parent's handlers stay
+/// in the child's memory, unused: UCX objects made before a fork are not usable in the child
+/// (no async thread there), ours or another library's.
+fn ucx_fresh_in_children() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        let found = loaded_library(|file| file == b"libplugin_UCX.so").and_then(|plugin| {
+            // SAFETY: `plugin` names a library already loaded (RTLD_NOLOAD loads nothing; the
+            // handle only adds a reference, never closed). dlsym on that handle searches the
+            // plugin and the libraries it depends on, its `libucs` among them.
+            let f = unsafe {
+                let handle = libc::dlopen(plugin.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+                if handle.is_null() {
+                    return None;
+                }
+                libc::dlsym(handle, c"ucs_async_global_init".as_ptr())
+            };
+            (!f.is_null()).then_some(f)
+        });
+        match found {
+            // SAFETY: `ucs_async_global_init` is `void (void)` in UCX's sources since its async
+            // module (2015), exported by the UCX of each NIXL release served; its library stays
+            // loaded for the life of the process (NIXL never unloads a backend's plugin while
+            // an agent lives, and this crate never unloads NIXL).
+            Some(f) => crate::sys::in_fork_children(unsafe {
+                std::mem::transmute::<*mut libc::c_void, extern "C" fn()>(f)
+            }),
+            None => tracing::warn!(
+                "UCX's ucs_async_global_init was not found through NIXL's UCX plugin: a child of \
+                 fork() made while UCX is busy in this process may hang making its first agent"
+            ),
         }
-        let f = libc::dlsym(handle, c"ucs_async_global_init".as_ptr());
-        if !f.is_null() {
-            let init: extern "C" fn() = std::mem::transmute(f);
-            init();
-            tracing::debug!("UCX's async handler table made anew in a child of fork()");
-        }
-    }
+    });
 }
 
-/// The path of the loaded library whose file name is `stem` followed by `-` or `.` (UCX's are
-/// `libucs.so.0`, or `libucs-<hash>.so.0.0.0` in NIXL's wheel).
-fn loaded_library(stem: &str) -> Option<CString> {
+/// What [`loaded_library`] hands the loader's callback: the test, and the path found.
+type Search = (fn(&[u8]) -> bool, Option<CString>);
+
+/// The path of the first loaded library whose file name (the part after the last `/`) `is`.
+fn loaded_library(is: fn(&[u8]) -> bool) -> Option<CString> {
     extern "C" fn each(
         info: *mut libc::dl_phdr_info,
         _size: libc::size_t,
         data: *mut libc::c_void,
     ) -> libc::c_int {
         // SAFETY: the loader hands a valid `dl_phdr_info` whose name is a NUL-terminated string
-        // or null; `data` is the `(stem, found)` pair below, alive for the whole iteration.
+        // or null; `data` is the `(is, found)` pair below, alive for the whole iteration.
         unsafe {
-            let (stem, found) = &mut *(data as *mut (&str, Option<CString>));
+            let (is, found) = &mut *(data as *mut Search);
             let name = (*info).dlpi_name;
             if name.is_null() {
                 return 0;
             }
             let path = std::ffi::CStr::from_ptr(name);
             let file = path.to_bytes().rsplit(|b| *b == b'/').next().unwrap_or_default();
-            if file
-                .strip_prefix(stem.as_bytes())
-                .is_some_and(|r| r.starts_with(b"-") || r.starts_with(b"."))
-            {
+            if is(file) {
                 *found = Some(path.to_owned());
                 return 1;
             }
             0
         }
     }
-    let mut data: (&str, Option<CString>) = (stem, None);
+    let mut data: Search = (is, None);
     // SAFETY: `each` only reads what the loader hands it and writes `data`, which outlives the call.
     unsafe { libc::dl_iterate_phdr(Some(each), &mut data as *mut _ as *mut libc::c_void) };
     data.1
@@ -435,10 +438,7 @@ impl NixlAgent {
     /// `UCX` takes the extra `params`, the others their plugin's defaults).
     pub(crate) fn new(name: &str, backends: &[String], params: &[(String, String)]) -> Result<Self> {
         load()?;
-        crate::sys::outside_fork(|| {
-            ucx_fresh_in_child();
-            Self::create(name, backends, params)
-        })
+        crate::sys::outside_fork(|| Self::create(name, backends, params))
     }
 
     fn create(name: &str, backends: &[String], params: &[(String, String)]) -> Result<Self> {
@@ -502,6 +502,9 @@ impl NixlAgent {
                     ),
                     source: Some(Arc::new(e)),
                 })?;
+        }
+        if backends.iter().any(|b| b == "UCX") {
+            ucx_fresh_in_children();
         }
         Ok(Self {
             agent: ManuallyDrop::new(agent),
