@@ -1,6 +1,7 @@
 //! The crate's floor for the system calls outside the same-host wing (whose own floor is
 //! `engine/same_host/sys/`): the engine's sleep (`epoll`, an `eventfd`, a `timerfd`), the count
-//! of `fork()`s and the lock that keeps calls into NIXL out of one, and raw memory (the loopback transport's copies, byte views of raw descriptors).
+//! of `fork()`s and the lock that keeps calls into NIXL out of one, and raw memory (the loopback
+//! transport's copies, byte views of raw descriptors).
 //! Every `unsafe` block of these is here, each with its `SAFETY:` line; the modules above call
 //! safe functions, but for the raw memory's two (`unsafe fn`s: only their callers know the memory
 //! is live). NIXL's FFI is `engine/nixl/ffi.rs`; the CUDA driver's calls are `cuda`'s.
