@@ -140,29 +140,19 @@ pub(crate) fn timerfd_set(fd: &OwnedFd, after: Duration) -> io::Result<()> {
     cvt(unsafe { libc::timerfd_settime(fd.as_raw_fd(), 0, &spec, std::ptr::null_mut()) }).map(drop)
 }
 
-/// `fork()`s made since [`count_forks`] was first called (its `pthread_atfork` handler counts
-/// them in the child).
+/// `fork()`s made since this crate's fork handlers were registered ([`count_forks`], at an
+/// engine's start; their child handler counts them).
 pub(crate) fn forks() -> u64 {
     FORKS.load(Ordering::Relaxed)
 }
 
 static FORKS: AtomicU64 = AtomicU64::new(0);
 
-/// The child's handler: an atomic's increment, which is async-signal-safe.
-extern "C" fn forked() {
-    FORKS.fetch_add(1, Ordering::Relaxed);
-}
-
 /// Counts every later `fork()` in its child ([`forks`]), and makes the lock that keeps calls
-/// into NIXL out of a fork ([`outside_fork`]); once, whoever calls it.
+/// into NIXL out of a fork ([`outside_fork`]): one set of fork handlers for both, registered
+/// once, whoever calls it. Made at an engine's start rather than at the first call into NIXL:
+/// a fork while the handlers are being made would leave the child its `Once` running forever.
 pub(crate) fn count_forks() {
-    static AT_FORK: std::sync::Once = std::sync::Once::new();
-    // SAFETY: registers a child handler that only increments an atomic (async-signal-safe).
-    AT_FORK.call_once(|| unsafe {
-        libc::pthread_atfork(None, None, Some(forked));
-    });
-    // Made here, at an engine's start, rather than at the first call into NIXL: a fork while
-    // the gate is being made would leave the child its `Once` running forever.
     fork_gate_init();
 }
 
@@ -263,10 +253,12 @@ pub(crate) fn in_fork_children(f: extern "C" fn()) {
 static IN_CHILDREN: std::sync::atomic::AtomicPtr<()> =
     std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
 
-/// After a fork, in the child: a fresh gate (the old one names the parent's thread as its
-/// writer), held shared again where this thread forked from inside a call that will release it;
+/// After a fork, in the child: one more fork counted ([`forks`]), a fresh gate (the old one
+/// names the parent's thread as its writer), held shared again where this thread forked from inside a call that will release it;
 /// then what [`in_fork_children`] named.
 extern "C" fn fork_child() {
+    // An atomic's increment, which is async-signal-safe.
+    FORKS.fetch_add(1, Ordering::Relaxed);
     FORKED_INSIDE.set(false);
     fork_gate_make();
     let f = IN_CHILDREN.load(Ordering::Acquire);
@@ -313,20 +305,19 @@ mod tests {
     #[test]
     fn sys_a_fork_waits_for_the_calls_into_nixl_in_flight() {
         count_forks();
-        let (inside, done) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let done = Arc::new(AtomicBool::new(false));
+        let (entered, inside) = std::sync::mpsc::channel();
         let call = {
-            let (inside, done) = (inside.clone(), done.clone());
+            let done = done.clone();
             std::thread::spawn(move || {
                 outside_fork(|| {
-                    inside.store(true, Ordering::SeqCst);
+                    entered.send(()).unwrap();
                     std::thread::sleep(Duration::from_millis(200));
                     done.store(true, Ordering::SeqCst);
                 })
             })
         };
-        while !inside.load(Ordering::SeqCst) {
-            std::thread::yield_now();
-        }
+        inside.recv().unwrap();
         // SAFETY: the child only reads an atomic and leaves with `_exit`.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
