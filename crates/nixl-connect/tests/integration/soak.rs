@@ -406,13 +406,26 @@ struct Sample {
     live_registrations: usize,
 }
 
+/// This process's threads but the closer pools' (`nixl-connect-closer-*`): those start on
+/// demand and stay, up to 16 a pool, whatever the churn (counted by [`closer_threads`]).
 fn threads() -> usize {
-    std::fs::read_to_string("/proc/self/status")
+    let all: usize = std::fs::read_to_string("/proc/self/status")
         .unwrap()
         .lines()
         .find_map(|l| l.strip_prefix("Threads:"))
         .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    all - closer_threads()
+}
+
+/// The closer pools' threads (their names cut to 15 bytes: `nixl-connect-cl`).
+fn closer_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
         .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+        .filter(|n| n.starts_with("nixl-connect-cl"))
+        .count()
 }
 
 async fn sample(at: u64, conns: &[Connector]) -> Sample {
@@ -769,6 +782,9 @@ fn support_churn_driver() {
             println!("  (RSS and descriptors are checked for runs of {FLAT_SECS} s or more)");
         }
         assert!(b.threads <= a.threads, "threads left by the churn: {a:?} -> {b:?}");
+        // The closer pools grow on demand and stay, bounded: three pools of at most 16 (a third
+        // closer thread once started between the quiet moments of a 60 s run).
+        assert!(closer_threads() <= 3 * 16, "closer threads past their pools' bound");
         assert!(b.local_connections <= a.local_connections, "same-host connections left: {a:?} -> {b:?}");
         assert!(b.live_registrations <= a.live_registrations, "registrations left: {a:?} -> {b:?}");
         // Idle NIXL peers are kept for reuse up to the engine's MAX_IDLE_PEERS (64) per connector,
