@@ -286,6 +286,47 @@ impl<'a> Descriptor<'a> {
         )
     }
 
+    /// A descriptor over raw device memory, checked against the pointer's attributes.
+    ///
+    /// Operations over it wait for no stream: finish the work that fills or uses the memory first,
+    /// or name its stream with [`Descriptor::ordered_after`].
+    ///
+    /// # Safety
+    /// As [`Descriptor::from_raw_parts`].
+    ///
+    /// # Errors
+    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) when `ptr` is not memory on `device`.
+    #[cfg(feature = "cuda")]
+    #[allow(unsafe_code)] // an unsafe constructor: memory is raw here
+    pub unsafe fn from_raw_cuda(ptr: u64, len: usize, device: Device) -> Result<Descriptor<'static>> {
+        crate::cuda::verify(ptr as usize, device)?;
+        // SAFETY: the caller upholds from_raw_parts's contract.
+        Ok(unsafe { Descriptor::from_raw_parts(ptr as *mut u8, len, device) })
+    }
+
+    /// Names the CUDA stream that produces (or last uses) this descriptor's device memory: an
+    /// operation over the descriptor starts once the work queued on `stream` before the operation
+    /// was created is done, and waits for nothing else on the device (not for other streams of the
+    /// context, unlike a context-wide synchronisation). `stream` is a `CUstream` of the primary
+    /// context of the descriptor's device; `0` or `1` is the legacy default stream, `2` the
+    /// per-thread one (a torch tensor's `torch.cuda.current_stream().cuda_stream`, CUDA array
+    /// interface's `stream`). Host descriptors ignore it.
+    ///
+    /// # Safety
+    /// `stream` must stay a valid stream of that context for as long as operations over the
+    /// descriptor may be created.
+    #[cfg(feature = "cuda")]
+    #[allow(unsafe_code)] // an unsafe setter: the stream is raw here
+    pub unsafe fn ordered_after(mut self, stream: u64) -> Self {
+        if let Device::Cuda(ordinal) = self.device() {
+            self.set_producer(crate::cuda::Producer::Raw {
+                stream: stream as usize,
+                ordinal,
+            });
+        }
+        self
+    }
+
     /// The start address.
     pub fn ptr(&self) -> usize {
         match &self.mem {

@@ -38,19 +38,21 @@ const LAYERS: &[(&str, u8)] = &[
     // The values every layer shares.
     ("state", 1),
     ("stats", 1),
-    ("error", 1),
     ("metadata", 1),
     ("descriptor", 1),
-    ("device", 1),
-    ("reg", 1),
     ("registration", 1),
     ("buffer", 1),
-    ("sync", 1),
     ("cuda", 1),
     ("metrics/families", 1),
     ("metrics/engine", 1),
-    ("settings", 1),
-    // The floor.
+    // The floor (every syscall, every CUDA driver call but NIXL's: `sys`), with the plain values
+    // and helpers it shares with every layer above.
+    ("error", 0),
+    ("device", 0),
+    ("reg", 0),
+    ("ipc_source", 0),
+    ("sync", 0),
+    ("settings", 0),
     ("pace", 0),
     ("sys", 0),
 ];

@@ -44,6 +44,7 @@ mod descriptor;
 mod device;
 mod engine;
 mod error;
+mod ipc_source;
 #[cfg(test)]
 mod layers;
 mod metadata;

@@ -1,11 +1,20 @@
-//! The crate's floor for the system calls outside the same-host wing (whose own floor is
-//! `engine/same_host/sys/`): the engine's sleep (`epoll`, an `eventfd`, a `timerfd`), the count
-//! of `fork()`s and the lock that keeps calls into NIXL out of one, and raw memory (the loopback
-//! transport's copies, byte views of raw descriptors).
-//! Every `unsafe` block of these is here, each with its `SAFETY:` line; the modules above call
-//! safe functions, but for the raw memory's two (`unsafe fn`s: only their callers know the memory
-//! is live). NIXL's FFI is `engine/nixl/ffi.rs`; the CUDA driver's calls are `cuda`'s.
+//! The crate's floor: every system call and every call into the CUDA driver, each `unsafe` block
+//! with its `SAFETY:` line, under safe functions for the layers above (NIXL's FFI is apart, in
+//! `engine/nixl/ffi.rs`; the public raw-memory constructors are `descriptor.rs`'s).
+//! - this file: the engine's sleep (`epoll`, an `eventfd`, a `timerfd`), the count of `fork()`s
+//!   and the lock that keeps calls into NIXL out of one, and raw memory (the loopback transport's
+//!   copies, byte views of raw descriptors: two `unsafe fn`s, as only their callers know the
+//!   memory is live);
+//! - [`same_host`]: the same-host wing's sockets, copies, pipes, slot tables and CUDA IPC;
+//! - `cuda` (feature `cuda`): the driver's calls for `crate::cuda` (contexts, stream order, VMM
+//!   allocations), and `loaded`: whether a library is loaded, asked without touching the disk.
 #![allow(unsafe_code)]
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+#[cfg(feature = "cuda")]
+mod loaded;
+pub(crate) mod same_host;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};

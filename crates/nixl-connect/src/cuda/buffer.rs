@@ -1,14 +1,13 @@
 //! [`DeviceBuffer`]: device memory this crate allocates, shareable with peers in other PID
 //! namespaces (pods).
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::CudaContext;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::sync::Recover;
+use crate::sys::cuda::{Allocation, Failed};
 
 /// Device memory allocated by this crate as one VMM allocation (`cuMemCreate`) whose handle type
 /// is a POSIX descriptor: the same-host path moves it between processes that share no PID or
@@ -30,41 +29,15 @@ use crate::sync::Recover;
 /// # }
 /// ```
 pub struct DeviceBuffer {
+    /// Dropped first: freed with the context bound (`Drop`), while the context is still held.
+    alloc: Allocation,
     ctx: Arc<CudaContext>,
-    ptr: sys::CUdeviceptr,
     len: usize,
-    size: usize,
-    handle: sys::CUmemGenericAllocationHandle,
     device: Device,
 }
 
-/// Told a buffer's address as it is dropped (set by the same-host path, which then gives back
-/// what it shared of it with peers, instead of keeping the memory allocated for them).
-static ON_DROP: OnceLock<fn(u64)> = OnceLock::new();
-
-/// Sets what is told of every [`DeviceBuffer`] dropped from now on (once per process).
-pub(crate) fn on_drop(hook: fn(u64)) {
-    let _ = ON_DROP.set(hook);
-}
-
-/// The live buffers' allocations: address -> size (what the same-host path may share with a peer
-/// in another PID namespace).
-static LIVE: Mutex<BTreeMap<u64, usize>> = Mutex::new(BTreeMap::new());
-
-/// True when a live [`DeviceBuffer`] is the allocation mapped at `base`, `size` bytes.
-pub(crate) fn is_device_buffer(base: u64, size: u64) -> bool {
-    LIVE.lock()
-        .recover()
-        .get(&base)
-        .is_some_and(|&s| s as u64 == size)
-}
-
-fn check(r: sys::CUresult, what: &str) -> Result<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::cuda_unavailable(format!("{what} failed: {r:?}"), None))
-    }
+fn failed((call, r): Failed) -> Error {
+    Error::cuda_unavailable(format!("{call} failed: {r:?}"), None)
 }
 
 impl DeviceBuffer {
@@ -90,73 +63,23 @@ impl DeviceBuffer {
             .map_err(|e| Error::cuda_unavailable(format!("no context on {device}"), Some(Arc::new(e))))?;
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda_unavailable("cannot bind the device's context", Some(Arc::new(e))))?;
-        let location = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal as i32,
-        };
-        // SAFETY: a plain-old-data struct of the driver's, all-zero then filled in below.
-        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-        prop.location = location;
-        let mut gran = 0usize;
-        // SAFETY: writes the granularity for `prop` into the local.
-        let r = unsafe {
-            sys::cuMemGetAllocationGranularity(
-                &mut gran,
-                &prop,
-                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        };
-        check(r, "cuMemGetAllocationGranularity")?;
-        let gran = gran.max(1);
+        let gran = Allocation::granularity(ordinal).map_err(failed)?;
         let size =
             len.max(1).div_ceil(gran).checked_mul(gran).ok_or_else(|| {
                 Error::InvalidArgument(format!("a DeviceBuffer of {len} bytes is too large"))
             })?;
-        let mut b = DeviceBuffer {
+        let alloc = Allocation::new(ordinal, size).map_err(failed)?;
+        Ok(DeviceBuffer {
+            alloc,
             ctx,
-            ptr: 0,
             len,
-            size,
-            handle: 0,
             device,
-        };
-        let access = sys::CUmemAccessDesc {
-            location,
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        // SAFETY: creates the allocation, reserves an address range of its size, maps it there,
-        // opens it to its device and zeroes it; Drop undoes whichever steps were done (a zero
-        // handle or pointer is one not made).
-        unsafe {
-            check(sys::cuMemCreate(&mut b.handle, size, &prop, 0), "cuMemCreate")?;
-            let mut ptr = 0;
-            check(
-                sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0),
-                "cuMemAddressReserve",
-            )?;
-            b.ptr = ptr;
-            if let Err(e) = check(sys::cuMemMap(ptr, size, 0, b.handle, 0), "cuMemMap") {
-                sys::cuMemAddressFree(ptr, size);
-                b.ptr = 0;
-                return Err(e);
-            }
-            check(sys::cuMemSetAccess(ptr, size, &access, 1), "cuMemSetAccess")?;
-            check(sys::cuMemsetD8_v2(ptr, 0, size), "cuMemsetD8")?;
-            // The memset is asynchronous to the host: done before anyone else uses the memory.
-            check(
-                sys::cuStreamSynchronize(std::ptr::null_mut()),
-                "cuStreamSynchronize",
-            )?;
-        }
-        LIVE.lock().recover().insert(b.ptr, size);
-        Ok(b)
+        })
     }
 
     /// Its device address.
     pub fn ptr(&self) -> u64 {
-        self.ptr
+        self.alloc.ptr()
     }
 
     /// Its length in bytes (as asked for).
@@ -188,13 +111,7 @@ impl DeviceBuffer {
             )));
         }
         self.bind()?;
-        // SAFETY: copies `src.len()` bytes (within the buffer, checked above) from host memory,
-        // then waits for the copy (from pageable memory it may return before the device has it).
-        let r = unsafe { sys::cuMemcpyHtoD_v2(self.ptr, src.as_ptr().cast(), src.len()) };
-        check(r, "cuMemcpyHtoD")?;
-        // SAFETY: waits for the legacy stream the copy ran on.
-        let r = unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) };
-        check(r, "cuStreamSynchronize")
+        self.alloc.copy_from_host(src).map_err(failed)
     }
 
     /// Copies the start of the buffer into `dst` (synchronous).
@@ -210,9 +127,7 @@ impl DeviceBuffer {
             )));
         }
         self.bind()?;
-        // SAFETY: copies `dst.len()` bytes (within the buffer, checked above) into host memory.
-        let r = unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr, dst.len()) };
-        check(r, "cuMemcpyDtoH")
+        self.alloc.copy_to_host(dst).map_err(failed)
     }
 
     fn bind(&self) -> Result<()> {
@@ -226,32 +141,15 @@ impl std::fmt::Debug for DeviceBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceBuffer")
             .field("device", &self.device)
-            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("ptr", &format_args!("{:#x}", self.ptr()))
             .field("len", &self.len)
             .finish()
     }
 }
 
+/// The allocation is freed (by its own `Drop`, right after this) with the buffer's context bound.
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.ptr != 0 {
-            LIVE.lock().recover().remove(&self.ptr);
-            if let Some(hook) = ON_DROP.get() {
-                hook(self.ptr);
-            }
-        }
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: undoes what `new` did; no operation uses the memory any more (descriptors
-        // borrow the buffer). A peer that imported the allocation keeps its own reference: the
-        // memory is freed once it unmaps too.
-        unsafe {
-            if self.ptr != 0 {
-                sys::cuMemUnmap(self.ptr, self.size);
-                sys::cuMemAddressFree(self.ptr, self.size);
-            }
-            if self.handle != 0 {
-                sys::cuMemRelease(self.handle);
-            }
-        }
     }
 }

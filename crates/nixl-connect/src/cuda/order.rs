@@ -11,19 +11,16 @@
 //!
 //! Work queued on the producer stream *after* the operation was created may still race with the
 //! transfer, as with any stream-ordered API: queue it after the operation completes.
-#![allow(unsafe_code)]
 
-use std::collections::HashMap;
-use std::ffi::c_void;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::sys::CUresult;
 use tokio::sync::oneshot;
 
 use super::CudaStream;
 use crate::error::{Error, Result};
-use crate::sync::Recover;
+use crate::sys::cuda::{self as floor, Context, Failed, Stream};
 
 /// How often a stream whose host function has not run yet is asked whether it failed (a host
 /// function never runs once its context has failed; this turns that into an error, not a hang).
@@ -61,17 +58,17 @@ impl Producer {
         }
     }
 
-    fn context(&self) -> Result<sys::CUcontext> {
+    fn context(&self) -> Result<Context> {
         match self {
             Producer::Stream(s) => Ok(s.context().cu_ctx()),
             Producer::Raw { ordinal, .. } => primary(*ordinal),
         }
     }
 
-    fn stream(&self) -> sys::CUstream {
+    fn stream(&self) -> Stream {
         match self {
             Producer::Stream(s) => s.cu_stream(),
-            Producer::Raw { stream, .. } => *stream as sys::CUstream,
+            Producer::Raw { stream, .. } => *stream as Stream,
         }
     }
 }
@@ -81,85 +78,27 @@ fn driver(call: &'static str, r: CUresult) -> Error {
 }
 
 /// Device `ordinal`'s primary context, retained once for the life of the process.
-pub(crate) fn primary(ordinal: u32) -> Result<sys::CUcontext> {
-    static CTX: OnceLock<Mutex<HashMap<u32, usize>>> = OnceLock::new();
-    let mut map = CTX.get_or_init(Default::default).lock().recover();
-    if let Some(&c) = map.get(&ordinal) {
-        return Ok(c as sys::CUcontext);
-    }
-    let (mut dev, mut ctx): (sys::CUdevice, sys::CUcontext) = (0, std::ptr::null_mut());
-    // SAFETY: driver calls writing into the locals; the context is retained and never released.
-    let r = unsafe {
-        match sys::cuInit(0) {
-            CUresult::CUDA_SUCCESS => match sys::cuDeviceGet(&mut dev, ordinal as i32) {
-                CUresult::CUDA_SUCCESS => sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-                e => e,
-            },
-            e => e,
-        }
-    };
-    if r != CUresult::CUDA_SUCCESS {
-        return Err(driver("retaining the device's primary context", r));
-    }
-    map.insert(ordinal, ctx as usize);
-    Ok(ctx)
+fn primary(ordinal: u32) -> Result<Context> {
+    floor::primary(ordinal).map_err(|r| driver("retaining the device's primary context", r))
 }
 
-/// Runs `f` with `ctx` current on this thread, restoring whatever was current before.
-fn in_context<T>(ctx: sys::CUcontext, f: impl FnOnce() -> T) -> Result<T> {
-    // SAFETY: pushes a retained context on this thread's stack; popped below.
-    let r = unsafe { sys::cuCtxPushCurrent_v2(ctx) };
-    if r != CUresult::CUDA_SUCCESS {
-        return Err(driver("cuCtxPushCurrent", r));
-    }
-    let out = f();
-    let mut popped: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: pops the context pushed above.
-    unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
-    Ok(out)
-}
-
-/// Wakes the operation waiting for a stream; runs on a driver thread once the stream reaches it.
-unsafe extern "C" fn reached(user: *mut c_void) {
-    // SAFETY: `user` is the sender leaked by `queue` for this host function alone, taken back
-    // exactly once, here.
-    let tx = unsafe { Box::from_raw(user.cast::<oneshot::Sender<()>>()) };
-    let _ = tx.send(());
+/// A failed call on the producer stream.
+fn on_producer((call, r): Failed) -> Error {
+    Error::cuda_unavailable(format!("{call} on the producer stream failed: {r:?}"), None)
 }
 
 /// Where `p` stands: `None` when its queued work is done, else a receiver woken when it is.
 fn queue(p: &Producer) -> Result<Option<oneshot::Receiver<()>>> {
-    let stream = p.stream();
-    in_context(p.context()?, || {
-        // SAFETY: queries a stream of the current context (the producer keeps it alive).
-        match unsafe { sys::cuStreamQuery(stream) } {
-            CUresult::CUDA_SUCCESS => return Ok(None),
-            CUresult::CUDA_ERROR_NOT_READY => {}
-            r => return Err(driver("cuStreamQuery on the producer stream", r)),
-        }
-        let (tx, rx) = oneshot::channel::<()>();
-        let user = Box::into_raw(Box::new(tx));
-        // SAFETY: `reached` takes `user` back when the driver runs it; if queuing fails the driver
-        // never will, so it is taken back here.
-        let r = unsafe { sys::cuLaunchHostFunc(stream, Some(reached), user.cast()) };
-        if r != CUresult::CUDA_SUCCESS {
-            // SAFETY: not queued: this is the only owner of `user`.
-            drop(unsafe { Box::from_raw(user) });
-            return Err(driver("cuLaunchHostFunc on the producer stream", r));
-        }
-        Ok(Some(rx))
-    })?
+    floor::when_reached(p.context()?, p.stream()).map_err(on_producer)
 }
 
 /// Whether `p` has failed (its context is broken): then its host function will never run.
 fn failed(p: &Producer) -> Option<Error> {
-    let stream = p.stream();
     let ctx = p.context().ok()?;
-    // SAFETY: queries a stream of the current context (the producer keeps it alive).
-    match in_context(ctx, || unsafe { sys::cuStreamQuery(stream) }) {
+    match floor::stream_state(ctx, p.stream()) {
         Ok(CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_NOT_READY) => None,
         Ok(r) => Some(driver("the producer stream", r)),
-        Err(e) => Some(e),
+        Err(e) => Some(on_producer(e)),
     }
 }
 

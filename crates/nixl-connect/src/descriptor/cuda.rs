@@ -1,6 +1,5 @@
 //! Descriptors over CUDA device memory (feature `cuda`): cudarc allocations owned or borrowed,
 //! each checked against the pointer's own attributes ([`crate::cuda`] holds the driver calls).
-#![allow(unsafe_code)]
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -27,10 +26,6 @@ impl<T> Drop for Owned<T> {
         let _ = self._slice.stream().context().bind_to_thread();
     }
 }
-
-// SAFETY: (Sync) Owned is only read for its (ptr, len); the slice itself is never accessed
-// through a shared reference.
-unsafe impl<T: Send> Sync for Owned<T> {}
 
 impl<T: Send + 'static> super::sealed::Sealed for Owned<T> {}
 impl<T: Send + 'static> OwnedMemory for Owned<T> {
@@ -78,22 +73,6 @@ impl Descriptor<'static> {
         d.set_producer(Producer::Stream(stream));
         Ok(d)
     }
-
-    /// A descriptor over raw device memory, checked against the pointer's attributes.
-    ///
-    /// Operations over it wait for no stream: finish the work that fills or uses the memory first,
-    /// or name its stream with [`Descriptor::ordered_after`].
-    ///
-    /// # Safety
-    /// As [`Descriptor::from_raw_parts`].
-    ///
-    /// # Errors
-    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) when `ptr` is not memory on `device`.
-    pub unsafe fn from_raw_cuda(ptr: u64, len: usize, device: Device) -> Result<Self> {
-        verify(ptr as usize, device)?;
-        // SAFETY: the caller upholds from_raw_parts's contract.
-        Ok(unsafe { Descriptor::from_raw_parts(ptr as *mut u8, len, device) })
-    }
 }
 
 impl<'a> Descriptor<'a> {
@@ -128,27 +107,6 @@ impl<'a> Descriptor<'a> {
         d.set_producer(Producer::Stream(stream));
         Ok(d)
     }
-
-    /// Names the CUDA stream that produces (or last uses) this descriptor's device memory: an
-    /// operation over the descriptor starts once the work queued on `stream` before the operation
-    /// was created is done, and waits for nothing else on the device (not for other streams of the
-    /// context, unlike a context-wide synchronisation). `stream` is a `CUstream` of the primary
-    /// context of the descriptor's device; `0` or `1` is the legacy default stream, `2` the
-    /// per-thread one (a torch tensor's `torch.cuda.current_stream().cuda_stream`, CUDA array
-    /// interface's `stream`). Host descriptors ignore it.
-    ///
-    /// # Safety
-    /// `stream` must stay a valid stream of that context for as long as operations over the
-    /// descriptor may be created.
-    pub unsafe fn ordered_after(mut self, stream: u64) -> Self {
-        if let Device::Cuda(ordinal) = self.device() {
-            self.set_producer(Producer::Raw {
-                stream: stream as usize,
-                ordinal,
-            });
-        }
-        self
-    }
 }
 
 /// A descriptor over a whole [`DeviceBuffer`], borrowing it: the buffer outlives every operation
@@ -161,8 +119,15 @@ impl<'a> TryFrom<&'a mut DeviceBuffer> for Descriptor<'a> {
     type Error = crate::Error;
 
     fn try_from(buf: &'a mut DeviceBuffer) -> Result<Self> {
-        // SAFETY: the memory stays allocated and mapped while `buf` is borrowed, which the
-        // descriptor's lifetime ties it to.
-        unsafe { Descriptor::from_raw_cuda(buf.ptr(), buf.len(), buf.device()) }
+        // The memory stays allocated and mapped while `buf` is borrowed, which the descriptor's
+        // lifetime ties it to.
+        verify(buf.ptr() as usize, buf.device())?;
+        Ok(Descriptor::borrowed_raw(
+            buf.ptr() as usize,
+            buf.len(),
+            buf.device(),
+            true,
+            PhantomData,
+        ))
     }
 }

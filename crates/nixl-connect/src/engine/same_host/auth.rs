@@ -10,7 +10,7 @@
 //!   the nonce and both processes' ids (so a relaying impostor, whose id differs, cannot pass a
 //!   real server's proof on). A process's id is its pidfs inode number where the kernel has
 //!   pidfs (Linux 6.9: one number per process on the host, the same from every PID namespace, so
-//!   it binds pods too), else its pid ([`sys::self_id`](super::sys::self_id)). The client reveals nothing else (no ranges, no
+//!   it binds pods too), else its pid ([`sys::self_id`](crate::sys::same_host::self_id)). The client reveals nothing else (no ranges, no
 //!   device export) and trusts no answer until the proof checks;
 //! - every frame about one operation, in either direction (`Req`, `Grant`, `GrantIpc`, `Refuse`,
 //!   `Fallback`, `Done`), ends with [`frame_mac`] under *that operation's* key, over the frame's

@@ -1,13 +1,13 @@
 //! The device path's refusals (which pairs of memory the same-host device path can move) and
 //! what a device request carries to the transport's device actions (`transport.rs`).
 
-#[cfg(feature = "cuda")]
-use super::sys::ipc;
-use super::sys::pipe;
 use super::wire::IpcSource;
 use crate::device::Device;
 use crate::error::PathRefusal;
 use crate::reg::Range;
+#[cfg(feature = "cuda")]
+use crate::sys::same_host::ipc;
+use crate::sys::same_host::pipe;
 
 /// The one device all `ranges` are on, or `None` for none or several.
 pub(super) fn uniform(ranges: &[Range]) -> Option<Device> {
@@ -22,7 +22,7 @@ pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusa
     match (src, dst) {
         (Device::Cuda(_), Device::Cuda(_) | Device::Host) if cfg!(feature = "cuda") => {
             #[cfg(feature = "cuda")]
-            if !ipc::available() {
+            if !ipc_available() {
                 return Some(PathRefusal::NoCudaDevice);
             }
             None
@@ -30,7 +30,7 @@ pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusa
         (Device::Cuda(_), Device::Cuda(_) | Device::Host) => Some(PathRefusal::NoCudaSupport),
         (Device::Host, Device::Cuda(_)) if cfg!(feature = "cuda") => {
             #[cfg(feature = "cuda")]
-            if !ipc::available() {
+            if !ipc_available() {
                 return Some(PathRefusal::NoCudaDevice);
             }
             None
@@ -38,6 +38,17 @@ pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusa
         (Device::Host, Device::Cuda(_)) => Some(PathRefusal::HostIntoDevice),
         _ => Some(PathRefusal::UnsupportedMemory),
     }
+}
+
+/// Whether this process can take part in CUDA IPC ([`ipc::available`]), asked on a caller's turn
+/// only once the answer is known: the first ask may initialise CUDA.
+#[cfg(feature = "cuda")]
+fn ipc_available() -> bool {
+    debug_assert!(
+        ipc::answered() || !crate::engine::transport::on_a_callers_turn(),
+        "CUDA initialised on a caller's turn"
+    );
+    ipc::available()
 }
 
 /// A device request the policy let through, as the device path takes it.

@@ -12,7 +12,7 @@
 
 use super::records::{Act, Phase};
 use super::server_book::Scope;
-use super::sys::mem;
+use crate::sys::same_host::mem;
 
 /// The owner of a readable: the bytes of `remote` (ranges of its memory), in order; `None`, with
 /// nothing read, unless the operation is live host memory and every range lies inside one of its

@@ -13,9 +13,9 @@ use std::sync::Arc;
 
 use super::records::ConnId;
 pub(super) use super::records::FeedFor;
-use super::sys::pipe::Wake;
 use crate::engine::transport::Event;
 use crate::state::OpState;
+use crate::sys::same_host::pipe::Wake;
 
 /// One feed: its pipes are being fed, or wait for the operation's end to be emptied.
 pub(super) struct Feed {

@@ -7,14 +7,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::records::{AnyCopy, CopyOwner, ExportDone, Exports, Finished, Outstanding};
-use super::sys::cma::{self, CopyError};
-#[cfg(feature = "cuda")]
-use super::sys::ipc;
-use super::sys::pipe;
-#[cfg(feature = "cuda")]
-use super::sys::staged;
 use crate::engine::poller::Waker;
 use crate::sync::Recover;
+use crate::sys::same_host::cma::{self, CopyError};
+#[cfg(feature = "cuda")]
+use crate::sys::same_host::ipc;
+use crate::sys::same_host::pipe;
+#[cfg(feature = "cuda")]
+use crate::sys::same_host::staged;
 
 /// Copies and exports in flight.
 pub(super) struct InFlight {

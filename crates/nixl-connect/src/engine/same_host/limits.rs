@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 /// Slots per connection (operations in flight on one connection at once): the slot table's
-/// size.
-pub(crate) const SLOTS: usize = 4096;
+/// size, which the floor's table defines.
+pub(crate) use crate::sys::same_host::slots::SLOTS;
 
 /// How long the listener rests after `accept` ran out of descriptors or memory.
 pub(super) const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -49,8 +49,8 @@ pub(super) const MAX_GRANTS_PER_CONN: usize = SLOTS;
 pub(super) const MAX_EXPORTING_PER_CONN: usize = 1 << 18;
 /// Device ranges queued for export at once in the process, over every connection.
 pub(super) const MAX_EXPORTING: usize = 1 << 20;
-/// The most pipes one copy through pipes uses (`sys::pipe`).
-pub(crate) const MAX_LANES: usize = 4;
+/// The most pipes one copy through pipes uses, which the floor's pipes define.
+pub(crate) use crate::sys::same_host::pipe::MAX_LANES;
 /// Pipes one connection's copies through pipes hold at once (two descriptors each on the side
 /// that feeds them); past it, such copies take NIXL until some end.
 pub(super) const MAX_PIPES_PER_CONN: usize = 64;

@@ -2,17 +2,17 @@
 //! band so the published metadata stays exactly NIXL's.
 //!
 //! Each connector listens on an abstract Unix socket named from its agent name
-//! ([`socket_name`](sys::socket_name)), which scopes it to this host's network namespace. An active side that finds
-//! the socket named by a metadata's agent connects, hands over a sealed slot table ([`slots`](sys::slots)),
-//! and asks for access to the operation by its notification key ([`wire`]). The passive side
+//! ([`socket_name`](crate::sys::same_host::socket_name)), which scopes it to this host's network
+//! namespace. An active side that finds the socket named by a metadata's agent connects, hands
+//! over a sealed slot table ([`slots`](crate::sys::same_host::slots)), and asks for access to the operation by its notification key ([`wire`]). The passive side
 //! checks everything against its live operation: the peer's uid (`SO_PEERCRED`), the key, every
 //! range inside the operation's descriptors, the direction, one writer at a time; access ends when
 //! the operation completes, is cancelled or dropped (a replayed metadata string is refused).
 //!
-//! The side whose memory is written copies, pulling with `process_vm_readv` ([`cma`](sys::cma)): the reader
-//! for a read, the passive side for a write. So each process writes only its own memory, and the
-//! owner of the source can revoke a grant at any instant without waiting (see [`slots`](sys::slots)). A small
-//! host operation (up to [`wire::EAGER_MAX`]) carries its bytes in its frames instead, each side
+//! The side whose memory is written copies, pulling with `process_vm_readv`
+//! ([`cma`](crate::sys::same_host::cma)): the reader for a read, the passive side for a write. So
+//! each process writes only its own memory, and the owner of the source can revoke a grant at any
+//! instant without waiting (see [`slots`](crate::sys::same_host::slots)). A small host operation (up to [`wire::EAGER_MAX`]) carries its bytes in its frames instead, each side
 //! copying only its own memory on its engine thread: one round trip (`eager`). Device
 //! memory (feature `cuda`) goes the same way through CUDA IPC (`ipc`): the source's owner exports
 //! it, the destination's owner opens it and copies on its own stream. No socket, a peer on another
@@ -35,51 +35,33 @@
 //!   the engine asked, to the owner that acts on it, and the engine's
 //!   [`Transport`](crate::engine::transport::Transport)), with `eager` and `device` (what its
 //!   small and device actions use);
-//! - `sys/`: every syscall and every `unsafe` block; the modules above are compiled with
-//!   `forbid(unsafe_code)`.
+//! - the metal floor is the crate's (`sys/same_host/`: every syscall and every `unsafe` block
+//!   the wing needs); the wing itself is compiled with `forbid(unsafe_code)`.
+#![forbid(unsafe_code)]
 
-#[forbid(unsafe_code)]
 mod auth;
-#[forbid(unsafe_code)]
 mod client_book;
-#[forbid(unsafe_code)]
 mod device;
-#[forbid(unsafe_code)]
 mod eager;
-#[forbid(unsafe_code)]
 mod feeds;
-#[forbid(unsafe_code)]
 mod identity;
-#[forbid(unsafe_code)]
 mod in_flight;
-#[forbid(unsafe_code)]
 mod limits;
-#[forbid(unsafe_code)]
 pub(crate) mod link;
-#[forbid(unsafe_code)]
 mod policy;
-#[forbid(unsafe_code)]
 mod records;
-#[forbid(unsafe_code)]
 mod server_book;
-#[forbid(unsafe_code)]
 mod sockets;
-// The metal floor: the only module of the wing with `unsafe` (each block with its `SAFETY:` line).
-#[allow(unsafe_code)]
-mod sys;
-#[forbid(unsafe_code)]
 mod transport;
-#[forbid(unsafe_code)]
 pub(crate) mod violation;
-#[forbid(unsafe_code)]
 pub(crate) mod wire;
 
 pub(crate) use self::device::device_path_refusal;
 pub(crate) use self::identity::Identity;
-pub(crate) use self::sys::cma::queued as copy_pool_queued;
-pub(crate) use self::sys::dir::listen_in;
-pub(crate) use self::sys::{listen, pidfs, Tracked};
 pub(crate) use self::transport::SameHostTransport;
+pub(crate) use crate::sys::same_host::cma::queued as copy_pool_queued;
+pub(crate) use crate::sys::same_host::dir::listen_in;
+pub(crate) use crate::sys::same_host::{listen, pidfs, Tracked};
 
 #[cfg(test)]
 mod tests;

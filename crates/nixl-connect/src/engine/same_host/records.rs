@@ -10,18 +10,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::link::Link;
-use super::sys::cma::{Copy, CopyError};
-#[cfg(feature = "cuda")]
-use super::sys::ipc;
-use super::sys::pipe;
-use super::sys::slots::{SlotTable, SLOTS};
-use super::sys::Tracked;
 use super::wire::{IpcSource, RefuseCode};
 use crate::device::Device;
 use crate::engine::transport::{ActiveSpec, OpId};
 use crate::error::{Error, ErrorSource};
 use crate::state::OpState;
 use crate::sync::Recover;
+use crate::sys::same_host::cma::{Copy, CopyError};
+#[cfg(feature = "cuda")]
+use crate::sys::same_host::ipc;
+use crate::sys::same_host::pipe;
+use crate::sys::same_host::slots::{SlotTable, SLOTS};
+use crate::sys::same_host::Tracked;
 
 /// Where an active operation is on the same-host path.
 pub(super) enum Phase {
@@ -274,7 +274,9 @@ impl Drop for Conn {
     fn drop(&mut self) {
         // A peer's descriptors are never closed on the engine thread (a FUSE file's close can
         // block).
-        self.passed.drain(..).for_each(super::sys::close_elsewhere);
+        self.passed
+            .drain(..)
+            .for_each(crate::sys::same_host::close_elsewhere);
     }
 }
 
@@ -286,7 +288,7 @@ impl Conn {
         // Nothing about this process but the key's hash and a nonce: the server proves it holds
         // the key before anything else is sent.
         let buf = self.link.out();
-        let n = super::sys::send_with_fds(self.fd.as_raw_fd(), buf, &[table.fd().as_raw_fd()])?;
+        let n = crate::sys::same_host::send_with_fds(self.fd.as_raw_fd(), buf, &[table.fd().as_raw_fd()])?;
         if n != buf.len() {
             // A fresh connection's buffer always takes a few dozen bytes; anything else is broken.
             return Err(io::Error::other("the hello did not fit the socket"));

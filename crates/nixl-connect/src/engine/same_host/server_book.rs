@@ -10,13 +10,13 @@ use std::sync::Arc;
 
 use super::auth::{self, KeyId};
 use super::records::{CopyOwner, RequestId};
-use super::sys::cma::SlotRef;
-use super::sys::mem;
-use super::sys::pipe::Wake;
 use crate::device::Device;
 use crate::metadata::OperationKind;
 use crate::reg::Range;
 use crate::state::OpState;
+use crate::sys::same_host::cma::SlotRef;
+use crate::sys::same_host::mem;
+use crate::sys::same_host::pipe::Wake;
 
 /// The writer copying into a writable now.
 #[derive(Debug, Clone)]

@@ -14,16 +14,16 @@ use super::auth::KeyId;
 use super::limits::{Caps, ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID};
 use super::link::Heard;
 use super::records::{Conn, ConnId, MAX_NAMED};
-use super::sys::dir::DirListener;
-use super::sys::slots::SlotTable;
-use super::sys::{
+use super::violation::Violation;
+use super::wire::IpcSource;
+use crate::engine::poller::{Registrar, MAX_TOKEN};
+use crate::sys::same_host::dir::DirListener;
+use crate::sys::same_host::slots::SlotTable;
+use crate::sys::same_host::{
     accept, clear_timer, close_elsewhere, close_refused, closer, passes_rights, pipe, plug, recv_with_fds,
     refuse_passed_descriptors, send, send_with_fds, set_backlog, set_timer, timerfd, uid, Control, Tracked,
     BACKLOG,
 };
-use super::violation::Violation;
-use super::wire::IpcSource;
-use crate::engine::poller::{Registrar, MAX_TOKEN};
 
 /// The token of the listening socket in the engine's poller.
 pub(super) const LISTENER: u64 = 0;
@@ -337,7 +337,7 @@ impl Sockets {
     pub(super) fn take_cuda_exports(&mut self, i: ConnId, n: usize) -> Option<Vec<OwnedFd>> {
         let c = self.conns.get_mut(&i)?;
         let fds: Vec<OwnedFd> = c.passed.drain(..n.min(c.passed.len())).collect();
-        if fds.len() == n && fds.iter().all(super::sys::is_cuda_export) {
+        if fds.len() == n && fds.iter().all(crate::sys::same_host::is_cuda_export) {
             return Some(fds);
         }
         fds.into_iter().for_each(close_elsewhere);

@@ -23,15 +23,6 @@ use super::policy::{self, Decision, Load};
 use super::records::{refused, Act, AnyCopy, Conn, ConnId, CopyOwner, ExportDone, Phase, RequestId};
 use super::server_book::{Claim, Scope, ServerBook, Writer};
 use super::sockets::{Sockets, ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
-use super::sys::cma::{Copy, CopyError, Piece, SlotRef};
-use super::sys::dir::{connect_in, DirListener};
-#[cfg(feature = "cuda")]
-use super::sys::ipc;
-use super::sys::{
-    accept, accept_passed_descriptors, alive, alive_fd, close_elsewhere, close_refused, closer, cma, connect,
-    descriptor_budget, peer_cred, peer_process, pipe, raise_descriptor_limit, refuse_passed_descriptors,
-    same_pid_namespace, self_id, socket_name, unix_socket, Tracked,
-};
 use super::violation::Violation;
 use super::wire::{passed_fds, IpcSource, RefuseCode, Req, EAGER_MAX, MAX_FRAME, NOT_LIVE};
 use super::{auth, eager, identity};
@@ -42,6 +33,15 @@ use crate::error::{Error, Result};
 use crate::reg::Range;
 use crate::state::{Mechanism, OpState, TransferPath};
 use crate::stats::EngineStats;
+use crate::sys::same_host::cma::{Copy, CopyError, Piece, SlotRef};
+use crate::sys::same_host::dir::{connect_in, DirListener};
+#[cfg(feature = "cuda")]
+use crate::sys::same_host::ipc;
+use crate::sys::same_host::{
+    accept, accept_passed_descriptors, alive, alive_fd, close_elsewhere, close_refused, closer, cma, connect,
+    descriptor_budget, peer_cred, peer_process, pipe, raise_descriptor_limit, refuse_passed_descriptors,
+    same_pid_namespace, self_id, socket_name, unix_socket, Tracked,
+};
 
 /// Requests open on a connection below which a small host operation carries its bytes in its
 /// frames (see [`EAGER_MAX`]); at or above it, it takes a grant and the copy pool.
@@ -2080,7 +2080,7 @@ impl Transport for SameHostTransport {
     fn add_stats(&self, stats: &mut EngineStats, completed: u64) {
         stats.local_transfers += completed;
         stats.local_refused_peers += self.refused_peers;
-        stats.copy_pool_queued = super::sys::cma::queued();
+        stats.copy_pool_queued = crate::sys::same_host::cma::queued();
         stats.local_connections += self.sockets.open();
     }
 }

@@ -418,6 +418,7 @@ fn link_core_imports_nothing_of_the_edge() {
         "crate::engine::same_host::limits::MAX_LANES",
         "super::{device_code, device_from, IpcSource, MAC_LEN, R, SOURCE_BYTES, W}",
         "crate::device::Device",
+        "crate::ipc_source::IpcSource",
         "super::*",
     ];
     let mut named = 0;

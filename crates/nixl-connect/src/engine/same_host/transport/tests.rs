@@ -11,14 +11,14 @@ use crate::engine::same_host::limits::{MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MA
 use crate::engine::same_host::link::fuzz::{Pair, KEYS};
 use crate::engine::same_host::link::Heard;
 use crate::engine::same_host::server_book::Scope;
-use crate::engine::same_host::sys::cma;
-use crate::engine::same_host::sys::slots::SLOTS;
 use crate::engine::same_host::violation::Violation;
 use crate::engine::same_host::wire::{Msg, RefuseCode, Req, MAX_FRAME};
 use crate::engine::transport::Transport;
 use crate::metadata::OperationKind;
 use crate::reg::Range;
 use crate::state::{OpState, OperationStatus};
+use crate::sys::same_host::cma;
+use crate::sys::same_host::slots::SLOTS;
 
 /// A transport serving `p`'s (shaken) connection `i`, with one live operation of `kind` over
 /// `range` under `KEYS[1]` (its metadata's identity 1). The poller and the peer's end of the
@@ -386,7 +386,7 @@ fn piped_writable(mem: &mut [u8]) -> (Pair, Served) {
     p.shake();
     let mut sv = served(&mut p, OperationKind::Write, host_range(mem));
     // The client's slot table, its request's slot armed (as its `begin` does).
-    let table = crate::engine::same_host::sys::slots::SlotTable::create().unwrap();
+    let table = crate::sys::same_host::slots::SlotTable::create().unwrap();
     table.arm(1, 1);
     sv.t.sockets.get_mut(sv.i).unwrap().slots = Some(Arc::new(table));
     (p, sv)
@@ -397,7 +397,7 @@ impl Served {
     /// (the descriptors through the kernel, as a peer passes them) and acts on what was heard.
     fn hear_passed(&mut self, bytes: &[u8], fds: &[std::os::fd::RawFd], out: &mut Vec<Event>) {
         use std::os::fd::AsRawFd;
-        let n = crate::engine::same_host::sys::send_with_fds(self._theirs.as_raw_fd(), bytes, fds).unwrap();
+        let n = crate::sys::same_host::send_with_fds(self._theirs.as_raw_fd(), bytes, fds).unwrap();
         assert_eq!(n, bytes.len());
         let mut heard = Vec::new();
         self.t.sockets.read(self.i, self.t.server.key_ids(), &mut heard);
@@ -435,7 +435,7 @@ fn server_piped_write_takes_only_a_pipes_read_end() {
     use std::os::fd::AsRawFd;
     let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
     let file = std::fs::File::open("/proc/self/stat").unwrap();
-    let mut lanes = crate::engine::same_host::sys::pipe::Lanes::new(1).unwrap();
+    let mut lanes = crate::sys::same_host::pipe::Lanes::new(1).unwrap();
     let ends = lanes.take_read_ends();
     for (what, fd) in [
         ("a socket", a.as_raw_fd()),
@@ -470,8 +470,8 @@ fn server_piped_write_takes_only_a_pipes_read_end() {
     drop(ends);
     assert!(sv.t.sockets.get(sv.i).unwrap().link.death().is_none());
     let ended = std::sync::atomic::AtomicBool::new(false);
-    let wake = crate::engine::same_host::sys::pipe::Wake::new().unwrap();
-    crate::engine::same_host::sys::pipe::feed(
+    let wake = crate::sys::same_host::pipe::Wake::new().unwrap();
+    crate::sys::same_host::pipe::feed(
         lanes.write_end(0),
         &[(src.as_ptr() as usize, src.len())],
         &ended,
@@ -496,7 +496,7 @@ fn server_piped_write_takes_only_a_pipes_read_end() {
 fn server_piped_write_from_a_silent_writer_ends_with_the_writable() {
     let mut mem = vec![0u8; 1 << 20];
     let (p, mut sv) = piped_writable(&mut mem);
-    let mut lanes = crate::engine::same_host::sys::pipe::Lanes::new(1).unwrap();
+    let mut lanes = crate::sys::same_host::pipe::Lanes::new(1).unwrap();
     let ends = lanes.take_read_ends();
     let mut out = Vec::new();
     sv.hear_passed(

@@ -194,8 +194,13 @@ impl Shared {
             return Ok(());
         };
         let ctx = *self.ctx.get_or_init(|| {
-            let ordinal = crate::cuda::locate(first.local).ok().flatten().ok_or(())?;
-            crate::cuda::primary(ordinal).map(|c| c as usize).map_err(|_| ())
+            let ordinal = crate::sys::cuda::pointer_device(first.local)
+                .ok()
+                .flatten()
+                .ok_or(())?;
+            crate::sys::cuda::primary(ordinal)
+                .map(|c| c as usize)
+                .map_err(|_| ())
         });
         let Ok(ctx) = ctx else {
             return Err(CopyError::Unsupported(IpcError::NoDevice.into()));

@@ -18,7 +18,9 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub(crate) use crate::engine::same_host::limits::SLOTS;
+/// Slots per connection (operations in flight on one connection at once): the slot table's
+/// size.
+pub(crate) const SLOTS: usize = 4096;
 
 pub(crate) const FREE: u64 = 0;
 pub(crate) const ARMED: u64 = 1;

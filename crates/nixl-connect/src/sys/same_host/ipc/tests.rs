@@ -82,7 +82,7 @@ fn ipc_vmm_exports_are_kept_per_connection_and_mapped_once() {
     let (sources, fds) = cuda.export_as(1, &ranges, pods).unwrap();
     assert_eq!(fds.len(), 2, "two allocations");
     assert_eq!(sources.iter().map(|s| s.fd).collect::<Vec<_>>(), [1, 1, 2]);
-    assert!(fds.iter().all(crate::engine::same_host::sys::is_cuda_export));
+    assert!(fds.iter().all(crate::sys::same_host::is_cuda_export));
     assert_eq!((sources[1].offset, sources[0].alloc_len), (2 << 20, 4 << 20));
     let id_a = sources[0].buffer_id;
     // Again on the same connection: the same ids; on another: ids of its own.

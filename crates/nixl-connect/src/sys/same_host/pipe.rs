@@ -33,7 +33,8 @@ use super::cma::{self, CopyError, SlotRef};
 
 type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
-pub(crate) use crate::engine::same_host::limits::MAX_LANES;
+/// The most pipes one copy through pipes uses.
+pub(crate) const MAX_LANES: usize = 4;
 /// The size a pipe is asked to have (the unprivileged maximum, `/proc/sys/fs/pipe-max-size`'s
 /// default): how much of the source one lane holds at once.
 pub(crate) const PIPE_BYTES: usize = 1 << 20;

@@ -12,7 +12,7 @@ use crate::device::Device;
 use crate::reg::Range;
 
 /// True when `[addr, addr+len)` lies inside one of `own` (sorted by address).
-pub(in crate::engine::same_host) fn inside(own: &[Range], addr: u64, len: u64) -> bool {
+pub(crate) fn inside(own: &[Range], addr: u64, len: u64) -> bool {
     let Some(end) = addr.checked_add(len) else {
         return false;
     };
@@ -33,7 +33,7 @@ fn owned(own: &[Range], picks: &[(u64, u64)]) -> bool {
 
 /// The bytes of `picks` (address, length), in order; `None`, with nothing read, unless `own`
 /// (sorted by address) is host memory and every pick (not none) lies inside it.
-pub(in crate::engine::same_host) fn gather(own: &[Range], picks: &[(u64, u64)]) -> Option<Vec<u8>> {
+pub(crate) fn gather(own: &[Range], picks: &[(u64, u64)]) -> Option<Vec<u8>> {
     if !owned(own, picks) {
         return None;
     }
@@ -45,7 +45,7 @@ pub(in crate::engine::same_host) fn gather(own: &[Range], picks: &[(u64, u64)]) 
 /// `own` (sorted by address) is host memory, every pick (not none) lies inside it, and their
 /// lengths add up to `data.len()`. The caller makes sure nothing else writes or reads them
 /// meanwhile (one writer per writable; an active operation's memory is lent to it alone).
-pub(in crate::engine::same_host) fn scatter(own: &[Range], picks: &[(u64, u64)], data: &[u8]) -> bool {
+pub(crate) fn scatter(own: &[Range], picks: &[(u64, u64)], data: &[u8]) -> bool {
     let total = picks.iter().try_fold(0u64, |t, r| t.checked_add(r.1));
     if total != Some(data.len() as u64) || !owned(own, picks) {
         return false;
@@ -59,7 +59,7 @@ pub(in crate::engine::same_host) fn scatter(own: &[Range], picks: &[(u64, u64)],
 /// The bytes of all of `own`, in its order (an active operation's source: the memory it copies is
 /// exactly what it owns, so nothing is checked or allocated but the answer); `None` unless it is
 /// host memory, and some.
-pub(in crate::engine::same_host) fn gather_all(own: &[Range]) -> Option<Vec<u8>> {
+pub(crate) fn gather_all(own: &[Range]) -> Option<Vec<u8>> {
     if own.is_empty() || own.iter().any(|r| r.device != Device::Host) {
         return None;
     }
@@ -69,7 +69,7 @@ pub(in crate::engine::same_host) fn gather_all(own: &[Range]) -> Option<Vec<u8>>
 
 /// Copies `data` into all of `own`, in its order; false, with nothing written, unless it is host
 /// memory, and its lengths add up to `data.len()`.
-pub(in crate::engine::same_host) fn scatter_all(own: &[Range], data: &[u8]) -> bool {
+pub(crate) fn scatter_all(own: &[Range], data: &[u8]) -> bool {
     let total = own.iter().try_fold(0usize, |t, r| t.checked_add(r.len));
     if total != Some(data.len()) || own.is_empty() || own.iter().any(|r| r.device != Device::Host) {
         return false;

@@ -46,8 +46,8 @@ use super::ipc_error::check;
 pub(crate) use super::ipc_error::IpcError;
 use super::slots::{ARMED, COPYING, DONE};
 use super::{staged, vmm};
-use crate::engine::same_host::wire::IpcSource;
 use crate::error::ErrorSource;
+use crate::ipc_source::IpcSource;
 use crate::sync::Recover;
 
 /// Mappings kept open per process before the least recently used is closed.
@@ -133,13 +133,14 @@ static AVAILABLE: OnceLock<bool> = OnceLock::new();
 /// True when this process can take part in CUDA IPC: a driver, initialised, with a device. The
 /// first call loads the driver and initialises CUDA (100 ms or more where there is a driver):
 /// never on a caller's turn, where callers drive only once the answer is known
-/// ([`settled_for_callers`]).
+/// ([`settled_for_callers`]; the wing's `device` asserts it).
 pub(crate) fn available() -> bool {
-    debug_assert!(
-        AVAILABLE.get().is_some() || !crate::engine::transport::on_a_callers_turn(),
-        "CUDA initialised on a caller's turn"
-    );
-    *AVAILABLE.get_or_init(|| crate::cuda::device_count().is_ok_and(|n| n > 0))
+    *AVAILABLE.get_or_init(|| crate::sys::cuda::device_count().is_ok_and(|n| n > 0))
+}
+
+/// True once [`available`] has been answered (asking again starts nothing).
+pub(crate) fn answered() -> bool {
+    AVAILABLE.get().is_some()
 }
 
 /// True when a caller's thread may drive a connector's same-host path (`engine::driver`)
@@ -153,9 +154,9 @@ pub(crate) fn settled_for_callers() -> bool {
     let known = match AVAILABLE.get() {
         Some(&k) => Some(k),
         // Something in this process has started CUDA already: asking starts nothing.
-        None if crate::cuda::initialised() => Some(available()),
+        None if crate::sys::cuda::initialised() => Some(available()),
         // No driver library to load: CUDA IPC cannot work here.
-        None if !crate::cuda::driver_available() => Some(*AVAILABLE.get_or_init(|| false)),
+        None if !crate::sys::cuda::driver_present() => Some(*AVAILABLE.get_or_init(|| false)),
         None => None,
     };
     match known {
@@ -181,7 +182,7 @@ fn worker() -> Option<&'static Mutex<Sender<Job>>> {
         .get_or_init(|| {
             let (tx, rx) = channel::<Job>();
             // A `DeviceBuffer` dropped is forgotten by every connection it was shared on.
-            crate::cuda::on_device_buffer_drop(forget_at);
+            crate::sys::cuda::on_device_buffer_drop(forget_at);
             std::thread::Builder::new()
                 .name("nixl-connect-cuda".into())
                 .spawn(move || {
@@ -524,10 +525,10 @@ impl Cuda {
 
     /// Exports `ranges` as `how` says: each as a legacy handle (`fd` 0) or as its allocation's
     /// VMM descriptor (`fd` k: the k-th passed, one per allocation, at most
-    /// [`MAX_LANES`](crate::engine::same_host::wire::MAX_LANES) per operation; `buffer_id` is the
+    /// [`MAX_LANES`](super::pipe::MAX_LANES) per operation; `buffer_id` is the
     /// export's id).
     fn export_as(&mut self, conn: u64, ranges: &[(u64, u64)], how: ExportAs) -> Result<Export, IpcError> {
-        use crate::engine::same_host::wire::MAX_LANES;
+        use super::pipe::MAX_LANES;
         let other = match how {
             ExportAs::Handles => return self.export(ranges).map(|s| (s, Vec::new())),
             ExportAs::Descriptors { other_namespace } => other_namespace,
@@ -554,7 +555,7 @@ impl Cuda {
             let (id, base, size, fd) = self.share(conn, addr)?;
             // Between PID namespaces, only memory this crate allocated goes (or all VMM memory
             // where the process says so): a descriptor gives the whole allocation, kept.
-            if other && !crate::cuda::is_device_buffer(base, size) && !share_foreign_vmm() {
+            if other && !crate::sys::cuda::is_device_buffer(base, size) && !share_foreign_vmm() {
                 self.unshare(|k, s| k.0 == conn && s.id == id);
                 return Err(IpcError::NotOwned);
             }

@@ -1,5 +1,5 @@
-//! The metal floor of the same-host wing: every syscall and every `unsafe` block of the wing
-//! lives in this folder (the modules above it are compiled with `forbid(unsafe_code)`).
+//! The same-host wing's part of the floor: every syscall and every `unsafe` block the wing
+//! (`engine/same_host/`, compiled with `forbid(unsafe_code)`) needs lives in this folder.
 //!
 //! - this file: abstract Unix sockets, descriptors passed over them, peer credentials, pidfds,
 //!   timers, the descriptor limit, and what each closer does;
@@ -20,11 +20,11 @@ pub(crate) mod dir;
 pub(crate) mod ipc;
 #[cfg(feature = "cuda")]
 pub(crate) mod ipc_error;
-pub(super) mod mem;
+pub(crate) mod mem;
 pub(crate) mod pipe;
 pub(crate) mod slots;
 #[cfg(feature = "cuda")]
-pub(super) mod staged;
+pub(crate) mod staged;
 #[cfg(feature = "cuda")]
 pub(crate) mod vmm;
 
@@ -37,7 +37,7 @@ use crate::sync::fnv1a;
 /// Sends `buf` on the socket `fd` with the descriptors `pass` attached (`SCM_RIGHTS`, at most
 /// [`MAX_PASSED`]), without blocking and without `SIGPIPE`: the bytes sent (the descriptors went
 /// with them when any byte did).
-pub(super) fn send_with_fds(fd: RawFd, buf: &[u8], pass: &[RawFd]) -> io::Result<usize> {
+pub(crate) fn send_with_fds(fd: RawFd, buf: &[u8], pass: &[RawFd]) -> io::Result<usize> {
     if pass.is_empty() || pass.len() > MAX_PASSED || buf.is_empty() {
         return Err(io::Error::from(io::ErrorKind::InvalidInput));
     }
@@ -75,7 +75,7 @@ pub(super) fn send_with_fds(fd: RawFd, buf: &[u8], pass: &[RawFd]) -> io::Result
 
 /// Sends `buf` on the socket `fd` without blocking and without `SIGPIPE` (a closed peer is
 /// `EPIPE`): the bytes sent.
-pub(super) fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
+pub(crate) fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
     // SAFETY: sends bytes from a live buffer of `buf.len()` bytes on a socket we hold.
     let n = unsafe {
         libc::send(
@@ -92,7 +92,7 @@ pub(super) fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
 }
 
 /// Connects the socket `fd` to the abstract socket `name`.
-pub(super) fn connect(fd: RawFd, name: &[u8]) -> io::Result<()> {
+pub(crate) fn connect(fd: RawFd, name: &[u8]) -> io::Result<()> {
     let (a, len) = sockaddr(name);
     // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
     let r = unsafe { libc::connect(fd, (&a as *const libc::sockaddr_un).cast(), len) };
@@ -103,7 +103,7 @@ pub(super) fn connect(fd: RawFd, name: &[u8]) -> io::Result<()> {
 }
 
 /// Takes the expiry count of the non-blocking timer `t` (so it stops being readable).
-pub(super) fn clear_timer(t: &OwnedFd) {
+pub(crate) fn clear_timer(t: &OwnedFd) {
     let mut n = 0u64;
     // SAFETY: reads at most 8 bytes, the expiry count, into `n` (8 bytes) from our timerfd.
     unsafe { libc::read(t.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
@@ -145,7 +145,7 @@ fn inode(pidfd: &OwnedFd) -> Option<u64> {
 /// where the kernel has pidfs ([`pidfs`]), else its pid. Found once per process (a child of
 /// `fork()` finds its own: the cache is keyed by pid); `None` only if the kernel has pidfs and
 /// this process's pidfd cannot be had (no descriptor left): the connection is then not made.
-pub(super) fn self_id() -> Option<u64> {
+pub(crate) fn self_id() -> Option<u64> {
     use std::sync::atomic::{AtomicU64, Ordering};
     // The id, then the pid it is for (written in that order, read in the other).
     static CACHED: AtomicU64 = AtomicU64::new(0);
@@ -167,7 +167,7 @@ pub(super) fn self_id() -> Option<u64> {
 /// visible, another PID namespace): its id (as [`self_id`] names it) and a pidfd of it, taken
 /// from the socket (`SO_PEERPIDFD`) where the kernel can, else from the pid. `None` when it is
 /// gone, or cannot be named from here (not visible, and no pidfs).
-pub(super) fn peer_process(sock: RawFd, pid: libc::pid_t) -> Option<(u64, OwnedFd)> {
+pub(crate) fn peer_process(sock: RawFd, pid: libc::pid_t) -> Option<(u64, OwnedFd)> {
     let mut fd: libc::c_int = -1;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: getsockopt writes one c_int (a new descriptor) into a live local.
@@ -219,7 +219,7 @@ pub(crate) fn socket_name(agent: &str) -> Vec<u8> {
     n
 }
 
-pub(super) fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
+pub(crate) fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
     // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
     let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
     a.sun_family = libc::AF_UNIX as libc::sa_family_t;
@@ -230,7 +230,7 @@ pub(super) fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
     (a, len as libc::socklen_t)
 }
 
-pub(super) fn timerfd() -> io::Result<OwnedFd> {
+pub(crate) fn timerfd() -> io::Result<OwnedFd> {
     // SAFETY: creates a new descriptor, owned right after.
     let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC) };
     if fd < 0 {
@@ -241,7 +241,7 @@ pub(super) fn timerfd() -> io::Result<OwnedFd> {
 }
 
 /// Arms timerfd `t` to fire once, `after` from now (at once for zero).
-pub(super) fn set_timer(t: &OwnedFd, after: std::time::Duration) {
+pub(crate) fn set_timer(t: &OwnedFd, after: std::time::Duration) {
     let after = after.max(std::time::Duration::from_micros(1));
     let spec = libc::itimerspec {
         it_interval: libc::timespec {
@@ -257,7 +257,7 @@ pub(super) fn set_timer(t: &OwnedFd, after: std::time::Duration) {
     unsafe { libc::timerfd_settime(t.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
 }
 
-pub(super) fn unix_socket() -> io::Result<OwnedFd> {
+pub(crate) fn unix_socket() -> io::Result<OwnedFd> {
     // SAFETY: creates a new descriptor, owned right after.
     let fd = unsafe {
         libc::socket(
@@ -274,11 +274,11 @@ pub(super) fn unix_socket() -> io::Result<OwnedFd> {
 }
 
 /// Connections a listener holds for `accept`.
-pub(super) const BACKLOG: libc::c_int = 128;
+pub(crate) const BACKLOG: libc::c_int = 128;
 
 /// Sets how many connections listener `fd` holds for `accept` (0 while accepting rests: a client
 /// then finds it busy at once, instead of waiting out its handshake's deadline in the queue).
-pub(super) fn set_backlog(fd: RawFd, backlog: libc::c_int) {
+pub(crate) fn set_backlog(fd: RawFd, backlog: libc::c_int) {
     // SAFETY: listen again on our own listening socket only changes its backlog.
     unsafe { libc::listen(fd, backlog) };
 }
@@ -287,7 +287,7 @@ pub(super) fn set_backlog(fd: RawFd, backlog: libc::c_int) {
 /// of 0 ([`set_backlog`]): the queue is full with it, so a client's `connect` fails at once
 /// (busy: it takes NIXL) instead of waiting in the queue for a handshake that comes only once
 /// accepting resumes. `None` when the queue is full already (or the socket cannot be named).
-pub(super) fn plug(fd: RawFd) -> Option<OwnedFd> {
+pub(crate) fn plug(fd: RawFd) -> Option<OwnedFd> {
     // SAFETY: a zeroed sockaddr_un is valid; getsockname writes at most `len` bytes into it.
     let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
@@ -322,7 +322,7 @@ pub(crate) fn listen(agent: &str) -> io::Result<Option<Tracked>> {
 }
 
 /// The peer's pid and uid (`SO_PEERCRED`), as the kernel recorded them at connect time.
-pub(super) fn peer_cred(fd: RawFd) -> io::Result<(libc::pid_t, libc::uid_t)> {
+pub(crate) fn peer_cred(fd: RawFd) -> io::Result<(libc::pid_t, libc::uid_t)> {
     // SAFETY: ucred is plain old data; getsockopt writes at most `len` bytes into it.
     let mut c: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -343,7 +343,7 @@ pub(super) fn peer_cred(fd: RawFd) -> io::Result<(libc::pid_t, libc::uid_t)> {
 }
 
 /// A pidfd for `pid`, so a copy can tell afterwards that its peer is still the same process.
-pub(super) fn pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
+pub(crate) fn pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
     // SAFETY: pidfd_open returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     // SAFETY: a fresh descriptor nothing else owns.
@@ -351,13 +351,13 @@ pub(super) fn pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
 }
 
 /// True while the process behind `pidfd` (if any) lives.
-pub(super) fn alive(pidfd: &Option<Arc<OwnedFd>>) -> bool {
+pub(crate) fn alive(pidfd: &Option<Arc<OwnedFd>>) -> bool {
     pidfd.as_deref().is_none_or(alive_fd)
 }
 
 /// True while the process behind `fd` lives: its pidfd is not readable yet (it becomes readable
 /// when the process exits). Unlike a signal, this answers for a process in any PID namespace.
-pub(super) fn alive_fd(fd: &OwnedFd) -> bool {
+pub(crate) fn alive_fd(fd: &OwnedFd) -> bool {
     let mut p = libc::pollfd {
         fd: fd.as_raw_fd(),
         events: libc::POLLIN,
@@ -368,7 +368,7 @@ pub(super) fn alive_fd(fd: &OwnedFd) -> bool {
     r == 0
 }
 
-pub(super) fn uid() -> libc::uid_t {
+pub(crate) fn uid() -> libc::uid_t {
     // SAFETY: getuid cannot fail.
     unsafe { libc::getuid() }
 }
@@ -378,7 +378,7 @@ const SO_PASSRIGHTS: libc::c_int = 83;
 
 /// Whether descriptors passed to `fd` reach it: false only where the kernel refuses them
 /// (`SO_PASSRIGHTS` off, Linux 6.16); older kernels always deliver them.
-pub(super) fn passes_rights(fd: RawFd) -> bool {
+pub(crate) fn passes_rights(fd: RawFd) -> bool {
     let mut on: libc::c_int = 1;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: getsockopt writes at most `len` bytes (one c_int) into a live local.
@@ -397,7 +397,7 @@ pub(super) fn passes_rights(fd: RawFd) -> bool {
 /// Makes the kernel refuse descriptors passed to `fd` from now on (the sender's `sendmsg` fails),
 /// where the kernel knows `SO_PASSRIGHTS`; older kernels deliver them and the connection core
 /// refuses them instead (they are closed off the engine thread, [`close_elsewhere`]).
-pub(super) fn refuse_passed_descriptors(fd: RawFd) {
+pub(crate) fn refuse_passed_descriptors(fd: RawFd) {
     let off: libc::c_int = 0;
     // SAFETY: setsockopt reads one c_int from a live local.
     unsafe {
@@ -434,7 +434,7 @@ pub(crate) fn same_pid_namespace(pid: libc::pid_t) -> bool {
 
 /// Makes the kernel deliver descriptors passed to `fd` again (a connection that takes pipes'
 /// read ends; see [`refuse_passed_descriptors`]).
-pub(super) fn accept_passed_descriptors(fd: RawFd) {
+pub(crate) fn accept_passed_descriptors(fd: RawFd) {
     let on: libc::c_int = 1;
     // SAFETY: setsockopt reads one c_int from a live local.
     unsafe {
@@ -453,7 +453,7 @@ pub(super) fn accept_passed_descriptors(fd: RawFd) {
 /// ([`defuse`]) so that its close cannot block. Nothing here touches the descriptor: even an
 /// `fstat` may wait on a FUSE daemon the peer controls. Anything whose close blocks (a FUSE file
 /// whose daemon never answers its flush) holds only that closer, never one of our sockets.
-pub(super) fn close_elsewhere(fd: OwnedFd) {
+pub(crate) fn close_elsewhere(fd: OwnedFd) {
     to_closer(Closer::Passed, fd, false);
 }
 
@@ -479,13 +479,13 @@ fn defuse(fd: RawFd) {
 
 /// The most descriptors one `recvmsg` takes (the kernel's own limit per message, `SCM_MAX_FD`):
 /// none is ever truncated for want of room here.
-pub(super) const MAX_PASSED: usize = 253;
+pub(crate) const MAX_PASSED: usize = 253;
 
 /// A control buffer for [`recv_with_fds`]: room for [`MAX_PASSED`] descriptors.
-pub(super) struct Control(Vec<u64>);
+pub(crate) struct Control(Vec<u64>);
 
 impl Control {
-    pub(super) fn new() -> Self {
+    pub(crate) fn new() -> Self {
         // SAFETY: CMSG_SPACE is a pure size computation.
         let space = unsafe { libc::CMSG_SPACE((MAX_PASSED * std::mem::size_of::<RawFd>()) as u32) } as usize;
         Self(vec![0u64; space.div_ceil(8)])
@@ -495,7 +495,7 @@ impl Control {
 /// One non-blocking `recvmsg` on `fd` into `buf`: the bytes read (0 at the end of the stream),
 /// whether descriptors were cut off (`MSG_CTRUNC`), and the descriptors passed with them, each
 /// owned (closed-on-exec) and appended to `fds`.
-pub(super) fn recv_with_fds(
+pub(crate) fn recv_with_fds(
     fd: RawFd,
     buf: &mut [u8],
     control: &mut Control,
@@ -539,7 +539,7 @@ pub(super) fn recv_with_fds(
 }
 
 /// Accepts a pending connection on listener `fd`, non-blocking and closed-on-exec.
-pub(super) fn accept(fd: RawFd) -> io::Result<OwnedFd> {
+pub(crate) fn accept(fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: accept4 on a socket of ours; the new descriptor is owned right after.
     let c = unsafe {
         libc::accept4(
@@ -640,7 +640,7 @@ pub(crate) fn close_pipe_end(fd: OwnedFd) {
 /// Closes `fd`, a socket of ours that was never tracked (an accepted connection refused at
 /// once), on the closer of our sockets, after taking what the peer queued on it (nothing while
 /// closes are backlogged: it is released with the socket).
-pub(super) fn close_refused(fd: OwnedFd) {
+pub(crate) fn close_refused(fd: OwnedFd) {
     to_closer(Closer::Own, fd, false);
 }
 
@@ -648,7 +648,7 @@ pub(super) fn close_refused(fd: OwnedFd) {
 /// the caps on same-host connections ([`descriptor_budget`]) stay far below it, so a flood of
 /// connections cannot fill the table, where the kernel would close passed descriptors on the
 /// engine thread itself.
-pub(super) fn raise_descriptor_limit() {
+pub(crate) fn raise_descriptor_limit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // SAFETY: rlimit is plain old data; getrlimit/setrlimit read or write one.
@@ -672,7 +672,7 @@ pub(super) fn raise_descriptor_limit() {
 }
 
 /// The soft limit on open descriptors now (1,024 if it cannot be read).
-pub(super) fn descriptor_budget() -> usize {
+pub(crate) fn descriptor_budget() -> usize {
     // SAFETY: as in raise_descriptor_limit.
     unsafe {
         let mut r: libc::rlimit = std::mem::zeroed();

@@ -1,0 +1,138 @@
+//! Whether a library is loaded in this process ([`LoadWatch`]), asked without touching the disk.
+
+/// Whether a library is loaded in this process, asked for every raw descriptor.
+///
+/// It walks the list of loaded objects in memory (`dl_iterate_phdr`) instead of asking
+/// `dlopen(RTLD_NOLOAD)`, which searches the library path on disk when the library is not loaded
+/// (a dozen system calls, and an `munmap` that interrupts every core this process runs on, twice
+/// per operation from Python). Once seen loaded, it stays so (the library is never unloaded). A
+/// "not loaded" answer is kept with the loader's count of objects added (`dlpi_adds`): while that
+/// is unchanged, the first object visited answers and the walk stops there (objects removed since
+/// cannot have brought the library).
+pub(crate) struct LoadWatch {
+    /// The start of the library's file name.
+    prefix: &'static [u8],
+    loaded: std::sync::atomic::AtomicBool,
+    /// The loader's count of objects added when a whole walk last found no such library (MAX:
+    /// never walked).
+    absent_at: std::sync::atomic::AtomicU64,
+}
+
+/// What one walk of the loaded objects learns.
+struct Walk<'w> {
+    watch: &'w LoadWatch,
+    first_seen: bool,
+    adds: Option<u64>,
+    unchanged: bool,
+}
+
+impl LoadWatch {
+    /// A watch for the library whose file name starts with `prefix`.
+    pub(crate) const fn new(prefix: &'static [u8]) -> Self {
+        Self {
+            prefix,
+            loaded: std::sync::atomic::AtomicBool::new(false),
+            absent_at: std::sync::atomic::AtomicU64::new(u64::MAX),
+        }
+    }
+
+    /// True when the library is loaded in this process.
+    pub(crate) fn loaded(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        if self.loaded.load(Ordering::Relaxed) {
+            return true;
+        }
+        let mut walk = Walk {
+            watch: self,
+            first_seen: false,
+            adds: None,
+            unchanged: false,
+        };
+        // SAFETY: dl_iterate_phdr calls `visit` once per loaded object, with the loader's lock
+        // held; `visit` reads what it is given and writes only `walk`, which outlives the call.
+        let stopped =
+            unsafe { libc::dl_iterate_phdr(Some(Self::visit), std::ptr::addr_of_mut!(walk).cast()) } != 0;
+        let found = stopped && !walk.unchanged;
+        if found {
+            self.loaded.store(true, Ordering::Relaxed);
+        } else if let (false, Some(adds)) = (walk.unchanged, walk.adds) {
+            self.absent_at.store(adds, Ordering::Relaxed);
+        }
+        found
+    }
+
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        size: libc::size_t,
+        data: *mut libc::c_void,
+    ) -> libc::c_int {
+        use std::sync::atomic::Ordering;
+        // SAFETY: `data` is the `Walk` that `loaded` passes, alive and not otherwise borrowed
+        // during the walk.
+        let walk = unsafe { &mut *data.cast::<Walk<'_>>() };
+        if !walk.first_seen {
+            walk.first_seen = true;
+            // The count is there when the loader's structure reaches it (glibc >= 2.4).
+            if size >= std::mem::offset_of!(libc::dl_phdr_info, dlpi_adds) + 8 {
+                // SAFETY: the loader passes a valid dl_phdr_info of `size` bytes.
+                let adds = unsafe { (*info).dlpi_adds };
+                walk.adds = Some(adds);
+                if walk.watch.absent_at.load(Ordering::Relaxed) == adds {
+                    // Nothing was loaded since a whole walk found no such library.
+                    walk.unchanged = true;
+                    return 1;
+                }
+            }
+        }
+        // SAFETY: the loader passes a valid dl_phdr_info whose dlpi_name is null or a
+        // NUL-terminated path, valid for the duration of this call.
+        let name = unsafe { (*info).dlpi_name };
+        if name.is_null() {
+            return 0;
+        }
+        // SAFETY: as above.
+        let path = unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes();
+        let file = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
+        i32::from(file.starts_with(walk.watch.prefix))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LoadWatch;
+
+    /// Whether this process maps a file whose name starts with `prefix`.
+    fn mapped(prefix: &str) -> bool {
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.rsplit('/').next())
+            .any(|f| f.starts_with(prefix))
+    }
+
+    #[test]
+    fn sys_load_watch_sees_a_library_loaded_after_it_answered_no() {
+        // glibc's libBrokenLocale: on every glibc system, and loaded by nothing else here (zlib
+        // was the first choice, but a test that loads NIXL concurrently brings it in).
+        let watch = LoadWatch::new(b"libBrokenLocale.so");
+        if mapped("libBrokenLocale.so") {
+            assert!(watch.loaded());
+            return;
+        }
+        assert!(!watch.loaded(), "a whole walk finds no libBrokenLocale");
+        assert!(!watch.loaded(), "the kept answer, nothing loaded since");
+        // SAFETY: loading libBrokenLocale runs only its own initialisers; it is never closed.
+        let lib = unsafe {
+            libc::dlopen(
+                c"libBrokenLocale.so.1".as_ptr(),
+                libc::RTLD_NOW | libc::RTLD_LOCAL,
+            )
+        };
+        assert!(!lib.is_null(), "glibc's libBrokenLocale is installed");
+        assert!(
+            watch.loaded(),
+            "the loader's count moved: walked again, and found"
+        );
+        assert!(watch.loaded(), "once seen, kept");
+    }
+}
