@@ -3,8 +3,8 @@
 //! `engine/nixl/ffi.rs`; the public raw-memory constructors are `descriptor.rs`'s).
 //! - this file: the engine's sleep (`epoll`, an `eventfd`, a `timerfd`), the count of `fork()`s
 //!   and the lock that keeps calls into NIXL out of one, and raw memory (the loopback transport's
-//!   copies, byte views of raw descriptors: two `unsafe fn`s, as only their callers know the
-//!   memory is live);
+//!   copies, through the kernel; byte views of raw descriptors, an `unsafe fn`, as only its
+//!   callers know the memory is live);
 //! - [`same_host`]: the same-host wing's sockets, copies, pipes, slot tables and CUDA IPC;
 //! - `cuda` (feature `cuda`): the driver's calls for `crate::cuda` (contexts, stream order, VMM
 //!   allocations), and `loaded`: whether a library is loaded, asked without touching the disk.
@@ -282,15 +282,21 @@ extern "C" fn fork_child() {
     }
 }
 
-/// Copies `len` bytes from address `src` to address `dst` of this process (they may overlap).
-///
-/// # Safety
-/// Both ranges must be live memory of this process for the copy, `src` readable and `dst`
-/// writable, and nothing else may write `dst` meanwhile.
+/// Copies `len` bytes from address `src` to address `dst` of this process through the kernel
+/// (`/proc/self/mem`), as a peer's pull or a NIXL transfer reaches memory from outside the code
+/// that owns it: every address is checked by the kernel (a range that is not mapped is an error,
+/// never a fault), and what the bytes mean to the owner of `dst` is the business of whoever hands
+/// out the addresses (the loopback transport, from live descriptors).
 #[cfg(any(test, feature = "testing"))]
-pub(crate) unsafe fn copy_raw(src: usize, dst: usize, len: usize) {
-    // SAFETY: per this function's contract; `ptr::copy` allows overlap.
-    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+pub(crate) fn copy_in_process(src: usize, dst: usize, len: usize) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/proc/self/mem")?;
+    let mut bytes = vec![0u8; len];
+    mem.read_exact_at(&mut bytes, src as u64)?;
+    mem.write_all_at(&bytes, dst as u64)
 }
 
 /// The `len` bytes at address `addr`, as a slice that lives for `'s`.

@@ -157,14 +157,15 @@ impl LoopbackTransport {
         }
         for (l, r) in spec.local.iter().zip(&spec.remote) {
             let (src, dst) = if spec.write { (l, r) } else { (r, l) };
-            // SAFETY: both ranges are live memory of this process: the local one is held by the
-            // active operation until the engine sees it end, the remote one by the peer's live
-            // passive operation, which cannot end while its map is locked here; the lengths were
-            // checked equal, and a readable never overlaps the reader's destination.
-            #[allow(unsafe_code)]
-            unsafe {
-                crate::sys::copy_raw(src.addr, dst.addr, src.len)
-            };
+            // Both ranges are live memory of this process: the local one is held by the active
+            // operation until the engine sees it end, the remote one by the peer's live passive
+            // operation, which cannot end while its map is locked here; the lengths were checked
+            // equal.
+            crate::sys::copy_in_process(src.addr, dst.addr, src.len).map_err(|e| Error::Transfer {
+                agent: spec.peer.name.to_string(),
+                reason: "the kernel refused the loopback copy".into(),
+                source: Some(Arc::new(e)),
+            })?;
         }
         // One transfer completes a passive operation (as NIXL's notification does): the key is
         // gone before the map is unlocked, so a second reader, on any connector, is refused
