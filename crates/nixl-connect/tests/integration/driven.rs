@@ -91,18 +91,27 @@ async fn driven_write_of(owner: &Connector, writer: &Connector, len: usize, seed
 }
 
 /// `n` small reads both sides wait for: callers must have taken turns of the engines.
+///
+/// On a loaded machine the engine threads may serve every one of the first `n` reads before a
+/// waiter's turn comes (a busy core stretches each yield): up to [`MORE_READS`] more are read
+/// until a caller has taken a turn.
 async fn driven_reads(owner: &Connector, reader: &Connector, n: u64) {
     let turns = || testing::driven_turns(owner) + testing::driven_turns(reader);
     let before = turns();
-    for seed in 0..n {
+    let mut seed = 0;
+    while seed < n || (turns() == before && seed < n + MORE_READS) {
         driven_read(owner, reader, seed).await;
+        seed += 1;
     }
     assert!(
         turns() > before,
-        "no caller took a turn of an engine in {n} small reads both sides waited for"
+        "no caller took a turn of an engine in {seed} small reads both sides waited for"
     );
     sockets_back(owner, reader);
 }
+
+/// How many more reads [`driven_reads`] makes, at most, for a caller to take a turn.
+const MORE_READS: u64 = 200;
 
 /// Every wait is over: no wait drives either engine, so their sleeps see the sockets again.
 fn sockets_back(owner: &Connector, reader: &Connector) {
