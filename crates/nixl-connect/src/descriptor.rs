@@ -295,7 +295,7 @@ impl<'a> Descriptor<'a> {
     /// As [`Descriptor::from_raw_parts`].
     ///
     /// # Errors
-    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) when `ptr` is not memory on `device`.
+    /// [`Error::DeviceMismatch`] when `ptr` is not memory on `device`.
     #[cfg(feature = "cuda")]
     #[allow(unsafe_code)] // an unsafe constructor: memory is raw here
     pub unsafe fn from_raw_cuda(ptr: u64, len: usize, device: Device) -> Result<Descriptor<'static>> {
