@@ -254,7 +254,7 @@ impl Transport for LoopbackTransport {
         TransferPath::Loopback
     }
 
-    /// Its calls are `memcpy` and a process-wide table's lock.
+    /// Its calls are a copy through the kernel and a process-wide table's lock.
     fn callers_may_drive(&self) -> bool {
         true
     }

@@ -237,6 +237,9 @@ async fn loopback_drop_at_every_point_completes_nothing() {
         settle(&[&b]).await;
         drop(op);
     }
+    // A drop reaches the engine as a command: it is handled before the transfers are released
+    // (the stall is no command, so without this the engine could release them first).
+    settle(&[&b]).await;
     stall(&b, false);
     settle(&[&b, &a]).await;
     assert_eq!(r.status(), OperationStatus::Initialized);
