@@ -15,6 +15,17 @@ pub(crate) struct Args {
     /// Also check that this NATS server answers (e.g. nats://127.0.0.1:4222).
     #[arg(long)]
     nats: Option<String>,
+    /// Instead of checking this host: which path a read of (or write into) the peer operation
+    /// whose metadata this names would take from here, and why each faster path declines. A
+    /// file, `-` for stdin, or `etcd://host:port/key`.
+    #[arg(long, value_name = "METADATA")]
+    peer: Option<String>,
+    /// With `--peer`: where this side's memory would be (`cpu`, `cuda:N`).
+    #[arg(long, default_value = "cpu", requires = "peer")]
+    device: nixl_connect::Device,
+    /// With `--peer`: how long to wait for metadata from etcd, in seconds.
+    #[arg(long, default_value_t = 10.0, requires = "peer")]
+    timeout: f64,
 }
 
 #[derive(Serialize)]
@@ -426,7 +437,108 @@ fn huge_pages() -> Check {
     }
 }
 
+/// `doctor --peer`: the path an operation with that peer would take from here, and why the
+/// faster ones decline, from [`Connector::probe`] (which reaches the peer's same-host socket as
+/// an operation would); where it is NIXL, what UCX has to work with on this host.
+async fn peer(a: &Args, src: &str) -> Result<()> {
+    let timeout = Duration::try_from_secs_f64(a.timeout)
+        .map_err(|_| anyhow::anyhow!("--timeout must be a number of seconds, not {}", a.timeout))?;
+    let md = crate::transfer::read_metadata(src, timeout).await?;
+    let c = Connector::new()?;
+    let p = c.probe(&md, a.device).await?;
+    let op = if p.is_write() { "write" } else { "read" };
+    let bytes: u64 = md.descriptors.iter().map(|d| d.size).sum();
+    let remote = md.descriptors[0].device;
+    let topo = crate::topology::read_tree(
+        &crate::topology::root(),
+        std::env::vars().filter(|(k, _)| k.starts_with("UCX_")).collect(),
+    );
+    let nixl = (p.path() == Some(nixl_connect::TransferPath::Nixl)).then(|| ucx_outlook(&topo));
+    if a.json {
+        let declined: Vec<serde_json::Value> = p
+            .declined()
+            .iter()
+            .map(|(path, why)| serde_json::json!({"path": path.to_string(), "reason": why}))
+            .collect();
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "peer": p.peer(), "operation": op, "bytes": bytes,
+                "remote_device": remote.to_string(), "local_device": a.device.to_string(),
+                "path": p.path().map(|x| x.to_string()),
+                "mechanism": p.mechanism().map(|m| m.to_string()),
+                "declined": declined, "nixl": nixl,
+            }))?
+        );
+        return Ok(());
+    }
+    let what = if p.is_write() {
+        format!(
+            "a write from {} memory here into its writable ({} of {remote} memory)",
+            a.device,
+            crate::human_bytes(bytes as usize)
+        )
+    } else {
+        format!(
+            "a read of its readable ({} of {remote} memory) into {} memory here",
+            crate::human_bytes(bytes as usize),
+            a.device
+        )
+    };
+    println!("peer {}: {what}", p.peer());
+    match p.path() {
+        Some(path) => println!(
+            "  takes the {} path{}",
+            words(path),
+            p.mechanism().map_or(String::new(), |m| format!(", through {m}"))
+        ),
+        None => println!("  takes no path: every path this connector may take declines"),
+    }
+    for (path, why) in p.declined() {
+        println!("  not the {} path: {why}", words(*path));
+    }
+    if let Some(n) = nixl {
+        println!("  NIXL here: {n}");
+    }
+    Ok(())
+}
+
+/// A path as the text report names it (`local` is the same-host path's name in JSON and Python).
+fn words(p: nixl_connect::TransferPath) -> String {
+    match p {
+        nixl_connect::TransferPath::SameHost => "same-host".into(),
+        nixl_connect::TransferPath::Nixl => "NIXL".into(),
+        other => other.to_string(),
+    }
+}
+
+/// What UCX has to work with here for NIXL between hosts: RDMA devices with an active port, or
+/// TCP.
+fn ucx_outlook(t: &crate::topology::Topology) -> String {
+    let tls = t
+        .ucx
+        .iter()
+        .find(|(k, _)| k == "UCX_TLS")
+        .map_or(String::new(), |(_, v)| format!(" (UCX_TLS={v})"));
+    if t.nics.is_empty() {
+        format!(
+            "no RDMA device on this host (/sys/class/infiniband), so UCX moves the bytes over TCP{tls}: \
+             expect a fraction of a network's line rate; on another host, an RDMA NIC visible to \
+             this process (in a pod: its device plugin's resource) lets UCX use it"
+        )
+    } else {
+        let names: Vec<&str> = t.nics.iter().map(|n| n.name.as_str()).collect();
+        format!(
+            "RDMA devices {}{tls}: UCX uses them where the peer's host has RDMA too, else TCP",
+            names.join(", ")
+        )
+    }
+}
+
 pub(crate) async fn run(a: Args) -> Result<()> {
+    if let Some(src) = &a.peer {
+        return peer(&a, src).await;
+    }
     let mut checks = Vec::new();
     let setup_fix = "run `bash scripts/setup.sh` in the nixl-connect checkout (or `pip install nixl-cu13==1.5.1`, or set NIXL_CONNECT_LIB)";
     let lib = nixl_library::load();

@@ -143,7 +143,7 @@ pub(crate) fn write_atomic(path: &Path, parts: &[&[u8]]) -> Result<()> {
     r
 }
 
-async fn read_metadata(src: &str, timeout: Duration) -> Result<RdmaMetadata> {
+pub(crate) async fn read_metadata(src: &str, timeout: Duration) -> Result<RdmaMetadata> {
     if let Some(loc) = crate::etcd::Location::parse(src) {
         return crate::etcd::fetch(&loc?, timeout).await;
     }

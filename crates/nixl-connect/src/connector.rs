@@ -7,13 +7,16 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::descriptor::{Descriptor, Descriptors};
+use crate::device::Device;
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, Result};
-use crate::metadata::RdmaMetadata;
+use crate::metadata::{OperationKind, RdmaMetadata};
 use crate::metrics::families::Metrics;
 use crate::operation::{PathPolicy, ReadOperation, ReadableOperation, WritableOperation, WriteOperation};
+use crate::path_probe::PathProbe;
 use crate::registration::Registration;
 use crate::settings::{self, WAIT_SPIN_ENV};
+use crate::state::TransferPath;
 use crate::stats::EngineStats;
 
 /// How long, by default, a dropped operation with borrowed memory waits for its NIXL transfer to
@@ -465,6 +468,49 @@ impl Connector {
         local: impl Into<Descriptors<'a>>,
     ) -> Result<ReadOperation<'a>> {
         ReadOperation::begin(&self.inner.engine, remote, local.into().0).await
+    }
+
+    /// Which path an operation with the peer that published `remote` (a read of its readable, a
+    /// write into its writable) would take from this connector now, over memory of this process
+    /// on `local`, and why each path before it declines (`nixl-connect doctor --peer`).
+    ///
+    /// Nothing is transferred, and the peer's operation is not asked for: the same-host path
+    /// reaches the peer's socket as an operation would, learns who holds it, and hangs up before
+    /// its handshake. What it finds may change by the time an operation starts (the peer exits,
+    /// its socket's backlog is full for a moment).
+    ///
+    /// # Errors
+    /// [`Error::Metadata`] for metadata that is malformed or that no transport here can read;
+    /// [`Error::EngineStopped`] if the engine thread is gone.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the answer (a same-host probe's connection is hung
+    /// up either way).
+    pub async fn probe(&self, remote: &RdmaMetadata, local: Device) -> Result<PathProbe> {
+        remote.validate()?;
+        let write = remote.kind()? == OperationKind::Write;
+        let device = remote.descriptors[0].device;
+        let bytes = remote
+            .descriptors
+            .iter()
+            .fold(0u64, |t, d| t.saturating_add(d.size));
+        let peer = self.inner.engine.decode(&remote.nixl_metadata)?;
+        let name = peer.name.to_string();
+        let mut declined = Vec::new();
+        if self.inner.path == PathPolicy::Nixl {
+            declined.push((
+                TransferPath::SameHost,
+                "this connector's path policy is `nixl`: it takes NIXL only".to_string(),
+            ));
+        }
+        let mut taken = None;
+        for (path, answer) in self.inner.engine.probe(peer, write, local, device, bytes).await? {
+            match answer {
+                Ok(m) => taken = Some((path, m)),
+                Err(why) => declined.push((path, why)),
+            }
+        }
+        Ok(PathProbe::new(name, write, taken, declined))
     }
 
     /// Writes `local` into a peer's writable (one local descriptor per remote one, same sizes).

@@ -18,6 +18,7 @@ const LAYERS: &[(&str, u8)] = &[
     // The API: what a user holds.
     ("connector", 5),
     ("operation", 5),
+    ("path_probe", 5),
     ("channel", 5),
     ("metrics", 5),
     ("metrics/http", 5),

@@ -51,6 +51,7 @@ mod metadata;
 pub mod metrics;
 mod operation;
 mod pace;
+mod path_probe;
 mod reg;
 mod registration;
 mod settings;
@@ -131,6 +132,7 @@ pub use operation::{
     Mechanism, OperationStatus, PathPolicy, ReadOperation, ReadableOperation, TransferPath,
     WritableOperation, WriteOperation,
 };
+pub use path_probe::PathProbe;
 pub use registration::Registration;
 pub use settings::WAIT_SPIN_ENV;
 pub use stats::EngineStats;

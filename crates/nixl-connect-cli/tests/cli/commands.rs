@@ -49,6 +49,32 @@ fn cli_serve_read_and_write_round_trip() {
     no_partials(&dir);
 }
 
+/// `doctor --peer` on a Rust readable of this host and user names the same-host path, through
+/// the frames for 4 KiB and cross-memory attach for 8 MiB (or pipes, where this kernel's ptrace
+/// rules forbid it), and says nothing declined; the read then takes exactly that path and
+/// mechanism.
+#[test]
+fn cli_doctor_peer_predicts_the_path_a_read_takes() {
+    let dir = scratch("doctor-peer");
+    for size in ["4K", "8M"] {
+        let mut c = cli();
+        c.args(["serve", "--size", size]);
+        let peer = Passive::start(c);
+        let md = peer.metadata_file(&dir);
+        let said = doctor_peer(&md);
+        assert_eq!(said["operation"], "read", "{said}");
+        assert_eq!(said["path"], "local", "{size}: {said}");
+        assert_eq!(said["declined"], serde_json::json!([]), "{size}: {said}");
+        let took = read_reported(&md, &dir);
+        ok(&peer.finish(), "serve");
+        let [predicted, taken] = predicted_and_taken(&said, &took);
+        assert_eq!(predicted, taken, "{size}: predicted {said}, took {took}");
+        if size == "4K" {
+            assert_eq!(predicted.1, "frames", "{said}");
+        }
+    }
+}
+
 /// `serve --publish etcd://...` and `read --metadata etcd://...` against a real etcd (Debian's
 /// `etcd-server`, `bash scripts/setup.sh --etcd`): the reader, started first, waits for the
 /// publication; once `serve` exits its key is gone, and a read of it is one line.

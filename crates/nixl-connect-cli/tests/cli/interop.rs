@@ -39,6 +39,34 @@ fn interop_python_readable_to_rust_read() {
     }
 }
 
+/// `doctor --peer` on a Python Dynamo worker's readable: NIXL, because the peer's agent name
+/// advertises no same-host endpoint (said in those words); the read then takes NIXL.
+#[test]
+fn interop_doctor_peer_says_why_a_python_peer_takes_nixl() {
+    let dir = scratch("py-doctor");
+    let mut py = python();
+    py.args(["readable", "--size", "1048576", "--descriptors", "1"]);
+    let peer = Passive::start(py);
+    let md = peer.metadata_file(&dir);
+    let said = doctor_peer(&md);
+    assert_eq!(said["path"], "nixl", "{said}");
+    let declined = said["declined"].as_array().expect("a list");
+    assert_eq!(declined.len(), 1, "{said}");
+    assert_eq!(declined[0]["path"], "local", "{said}");
+    assert!(
+        declined[0]["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("advertises no same-host endpoint"),
+        "{said}"
+    );
+    assert!(said["nixl"].is_string(), "what UCX has here: {said}");
+    let took = read_reported(&md, &dir);
+    ok(&peer.finish(), "python readable");
+    let [predicted, taken] = predicted_and_taken(&said, &took);
+    assert_eq!(predicted, taken, "predicted {said}, took {took}");
+}
+
 #[test]
 fn interop_rust_readable_to_python_read() {
     let dir = scratch("rs-readable");

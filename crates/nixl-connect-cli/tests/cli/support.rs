@@ -187,3 +187,45 @@ pub(crate) fn no_partials(dir: &Path) {
         assert!(!n.contains("partial"), "partial output left behind: {n}");
     }
 }
+
+/// `nixl-connect doctor --peer MD --json`: what it predicts for an operation with that peer.
+pub(crate) fn doctor_peer(md: &Path) -> serde_json::Value {
+    let mut c = cli();
+    c.args(["doctor", "--json", "--peer"]).arg(md);
+    let (o, _) = run(c, Duration::from_secs(60));
+    ok(&o, "doctor --peer");
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "doctor --peer printed no JSON ({e}): {}",
+            String::from_utf8_lossy(&o.stdout)
+        )
+    })
+}
+
+/// `nixl-connect read --json` of `md` into a file in `dir`: its report (path, mechanism).
+pub(crate) fn read_reported(md: &Path, dir: &Path) -> serde_json::Value {
+    let mut c = cli();
+    c.args(["read", "--json", "--metadata"])
+        .arg(md)
+        .arg("--out")
+        .arg(dir.join("out"));
+    let (o, _) = run(c, Duration::from_secs(120));
+    ok(&o, "read");
+    let text = String::from_utf8_lossy(&o.stdout);
+    let line = text.lines().find(|l| l.starts_with('{')).unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("read printed no JSON ({e}): {text}"))
+}
+
+/// The path and mechanism `doctor --peer` predicted, and the ones the read then took, as pairs.
+pub(crate) fn predicted_and_taken(
+    said: &serde_json::Value,
+    took: &serde_json::Value,
+) -> [(String, String); 2] {
+    let pair = |v: &serde_json::Value| {
+        (
+            v["path"].as_str().unwrap_or("-").to_string(),
+            v["mechanism"].as_str().unwrap_or("none").to_string(),
+        )
+    };
+    [pair(said), pair(took)]
+}

@@ -10,10 +10,16 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use super::poller::Waker;
-use super::transport::{small, ActiveSpec, Exposure, OpId, PassiveSpec, TransportId};
+use super::transport::{small, ActiveSpec, Exposure, OpId, PassiveSpec, PeerInfo, TransportId};
+use crate::device::Device;
 use crate::error::Result;
 use crate::reg::{Hold, Range, RegToken};
+use crate::state::{Mechanism, TransferPath};
 use crate::stats::EngineStats;
+
+/// One transport's answer to a [`Cmd::Probe`]: its path, and the mechanism it would use (where it
+/// knows it) or why it would decline.
+pub(crate) type Probed = (TransferPath, std::result::Result<Option<Mechanism>, String>);
 
 /// Commands to the engine thread.
 pub(crate) enum Cmd {
@@ -57,6 +63,16 @@ pub(crate) enum Cmd {
     Settle { reply: oneshot::Sender<()> },
     /// Report the engine's counters.
     Stats { reply: oneshot::Sender<EngineStats> },
+    /// Ask each transport of the chain in turn what it would do with an operation with `peer`
+    /// ([`Transport::probe`](super::transport::Transport::probe)), up to the first that takes it.
+    Probe {
+        peer: PeerInfo,
+        write: bool,
+        local: Device,
+        remote: Device,
+        bytes: u64,
+        reply: oneshot::Sender<Vec<Probed>>,
+    },
     /// End everything, waiting up to `within` for copies still running (then their memory is
     /// leaked rather than freed under them).
     Shutdown { within: Duration },

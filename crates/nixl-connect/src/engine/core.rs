@@ -684,6 +684,26 @@ impl EngineCore {
             Cmd::Stats { reply } => {
                 let _ = reply.send(self.stats());
             }
+            Cmd::Probe {
+                peer,
+                write,
+                local,
+                remote,
+                bytes,
+                reply,
+            } => {
+                let mut answers = Vec::new();
+                for i in &self.chain {
+                    let t = &mut self.transports[i.index()];
+                    let r = t.probe(&peer, write, local, remote, bytes);
+                    let takes = r.is_ok();
+                    answers.push((t.path(), r.map_err(|d| d.to_string())));
+                    if takes {
+                        break;
+                    }
+                }
+                let _ = reply.send(answers);
+            }
             Cmd::Shutdown { .. } => {}
         }
     }

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-pub(crate) use self::cmd::{Cmd, Mailbox};
+pub(crate) use self::cmd::{Cmd, Mailbox, Probed};
 pub(crate) use self::core::DEFAULT_PROGRESS_DELAY;
 use self::core::{EngineCore, STOP_WAIT};
 use self::driver::Drive;
@@ -43,6 +43,7 @@ use self::nixl::NixlTransport;
 use self::poller::{Poller, Registrar, Waker};
 use self::same_host::SameHostTransport;
 use self::transport::{DecodePeer, OpId, PeerInfo, Transport, TransportId};
+use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::metrics::families::Metrics;
 pub(crate) use crate::reg::Range;
@@ -588,6 +589,30 @@ impl Engine {
 
     pub(crate) async fn stats(&self) -> Result<EngineStats> {
         self.call(|reply| Cmd::Stats { reply }).await
+    }
+
+    /// What each transport of the chain would do with an operation with `peer`, in order, up to
+    /// the first that would take it ([`Cmd::Probe`]).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops the answer.
+    pub(crate) async fn probe(
+        &self,
+        peer: PeerInfo,
+        write: bool,
+        local: Device,
+        remote: Device,
+        bytes: u64,
+    ) -> Result<Vec<Probed>> {
+        self.call(|reply| Cmd::Probe {
+            peer,
+            write,
+            local,
+            remote,
+            bytes,
+            reply,
+        })
+        .await
     }
 }
 

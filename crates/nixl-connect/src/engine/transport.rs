@@ -13,11 +13,12 @@ use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::device::Device;
 use crate::error::{Error, ErrorSource, PathRefusal, Result};
 use crate::metadata::OperationKind;
 use crate::pace::PACE;
 use crate::reg::{Hold, Range, RegToken};
-use crate::state::{OpState, TransferPath};
+use crate::state::{Mechanism, OpState, TransferPath};
 use crate::stats::EngineStats;
 
 /// True for host memory of a small operation in all ([`Pace::small`](crate::pace::Pace::small)),
@@ -273,6 +274,24 @@ impl Drop for CallerTurn {
 /// One way of moving bytes (NIXL, same-host), owned by the engine: used by one thread at a time,
 /// its own or a caller's that drives it (`driver`), so `Send`.
 pub(crate) trait Transport: Send {
+    /// What this transport would do now with an operation with `peer` (a write when `write`,
+    /// between memory of this process on `local` and the peer's on `remote`, `bytes` in all),
+    /// asked without starting one ([`Connector::probe`](crate::Connector::probe)): `Ok` with the
+    /// mechanism it would use where it knows it, `Err` why it would decline. It may reach the
+    /// peer as an operation would (the same-host path connects, then hangs up before its
+    /// handshake). Takes it, by default (NIXL takes whatever reaches it).
+    fn probe(
+        &mut self,
+        peer: &PeerInfo,
+        write: bool,
+        local: Device,
+        remote: Device,
+        bytes: u64,
+    ) -> std::result::Result<Option<Mechanism>, Decline> {
+        let _ = (peer, write, local, remote, bytes);
+        Ok(None)
+    }
+
     /// What a caller's turn may do of [`progress`](Self::progress), for a transport a caller may
     /// not drive: watch its exposed operations for their peers' completions, and its small
     /// transfers in flight for their ends, adding what ended to `out`, with no call that makes,

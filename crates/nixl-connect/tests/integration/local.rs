@@ -224,6 +224,13 @@ fn support_uid_mismatch() {
         for k in 0..2 {
             peer.say("expose readable 4096 vec");
             let md: RdmaMetadata = peer.expect("MD:").parse().unwrap();
+            // What `doctor --peer` says first: NIXL, the same-host path declining for the uid.
+            let p = reader.probe(&md, nixl_connect::Device::Host).await.unwrap();
+            assert_eq!(p.path(), Some(TransferPath::Nixl), "{p:?}");
+            assert!(
+                matches!(p.declined(), [(TransferPath::SameHost, why)] if why.contains("uid 65534")),
+                "{p:?}"
+            );
             let op = reader
                 .begin_read(&md, Descriptor::from(vec![0u8; 4096]))
                 .await

@@ -25,8 +25,28 @@ fn shared_dir(name: &str) -> PathBuf {
 /// The owner exposes, the other side reads (`op`: `read ...`) or writes, and the owner's
 /// operation completes: the other side's report line.
 fn through(owner: &mut Peer, other: &mut Peer, expose: &str, op: &str) -> String {
+    through_probed(owner, other, expose, op, None).1
+}
+
+/// As [`through`], the other side first asking (`probe`: `probe ...`) which path the operation
+/// would take: its prediction (`path=<p> mechanism=<m> declined=...`), and the report line.
+fn through_probed(
+    owner: &mut Peer,
+    other: &mut Peer,
+    expose: &str,
+    op: &str,
+    probe: Option<&str>,
+) -> (String, String) {
     owner.say(expose);
     let md = owner.expect("MD:");
+    let predicted = match probe {
+        Some(p) => {
+            other.say(p);
+            other.say(&md);
+            other.expect("PROBE:")
+        }
+        None => String::new(),
+    };
     other.say(op);
     other.say(&md);
     other.expect("STARTED");
@@ -41,7 +61,12 @@ fn through(owner: &mut Peer, other: &mut Peer, expose: &str, op: &str) -> String
     }
     owner.say("drop");
     owner.expect("DROPPED");
-    got
+    (predicted, got)
+}
+
+/// The `path=<p> mechanism=<m> ` a probe's prediction names.
+fn path_of(predicted: &str) -> &str {
+    predicted.find("declined=").map_or(predicted, |i| &predicted[..i])
 }
 
 /// Reads and writes, host memory (the library's own and plain vectors, small and large), between
@@ -63,11 +88,12 @@ fn pods_socket_dir_reaches_a_peer_in_another_network_namespace() {
         let mut owner = Peer::from_command(ns.command_for(&ns.a, PEER, &env_a));
         let mut other = Peer::from_command(ns.command_for(&ns.b, PEER, &env_b));
         for (len, kind) in [(4096usize, "vec"), (1 << 20, "host"), (8 << 20, "vec")] {
-            let got = through(
+            let (predicted, got) = through_probed(
                 &mut owner,
                 &mut other,
                 &format!("expose readable {len} {kind}"),
                 "read auto fresh",
+                Some("probe auto"),
             );
             let path = match (with_dir, len <= 8192) {
                 (true, true) => "path=local mechanism=frames ",
@@ -78,6 +104,19 @@ fn pods_socket_dir_reaches_a_peer_in_another_network_namespace() {
                 got.starts_with("ok first=90") && got.contains(path) && got.contains("same=true"),
                 "dir={with_dir} {len} {kind}: {got}"
             );
+            // The prediction (`doctor --peer`'s) is the path taken; without the directory, it says
+            // why the same-host path declines.
+            assert_eq!(
+                path_of(&predicted),
+                path,
+                "dir={with_dir} {len} {kind}: {predicted}"
+            );
+            if !with_dir {
+                assert!(
+                    predicted.contains("declined=local: no same-host socket for this peer"),
+                    "{predicted}"
+                );
+            }
             let got = through(
                 &mut owner,
                 &mut other,
@@ -195,11 +234,12 @@ fn pods_peer_in_another_pid_namespace_moves_host_memory_through_pipes() {
         ((8 << 20) + 12345, "vecpat"),
         (64 << 20, "hostpat"),
     ] {
-        let got = through(
+        let (predicted, got) = through_probed(
             &mut owner,
             &mut other,
             &format!("expose readable {len} {kind}"),
             "read local fresh",
+            Some("probe local"),
         );
         let how = if len <= 8192 { "frames" } else { "pipes" };
         assert!(
@@ -207,6 +247,11 @@ fn pods_peer_in_another_pid_namespace_moves_host_memory_through_pipes() {
                 && got.contains(&format!("path=local mechanism={how} "))
                 && got.ends_with("pattern=true"),
             "a read of {len} {kind} across PID namespaces: {got}"
+        );
+        assert_eq!(
+            path_of(&predicted),
+            format!("path=local mechanism={how} "),
+            "the prediction (`doctor --peer`'s) for {len} {kind}"
         );
         let plain = kind.trim_end_matches("pat");
         let got = write_checked(&mut owner, &mut other, len, plain, "local", &mut |_| {});

@@ -597,6 +597,10 @@ pub(crate) const PAT: u64 = 41;
 ///   `fresh`), prints `STARTED` once the transfer is under way, then
 ///   `READ:ok first=<byte> path=<path> mechanism=<m> same=<every byte as the first> pattern=<it is
 ///   [`pattern`]>` or `READ:err <error>`;
+/// - `probe auto|nixl|local` then a metadata line: asks a fresh connector of that policy which
+///   path an operation with that peer would take (`Connector::probe`), prints
+///   `PROBE:path=<path or none> mechanism=<m or none> declined=<path: reason | ...>` or
+///   `PROBE:err <error>`;
 /// - `deadline MS`: the deadline of later reads and writes (20 s until then), prints `DEADLINE`;
 /// - `write auto|nixl|local [pat]` then a metadata line: writes 0x77 bytes ([`pattern`]) into it, prints
 ///   `STARTED`, then `MECHANISM:<how the same-host path moved it, or none>` and `WRITE:ok` or
@@ -733,6 +737,27 @@ fn support_sound_peer() {
                     match r {
                         Ok((first, path)) => println!("READ:ok first={first} path={path}"),
                         Err(e) => println!("READ:err {e}"),
+                    }
+                }
+                Some("probe") => {
+                    let policy: PathPolicy = w[1].parse().unwrap();
+                    let md: RdmaMetadata = lines.next().unwrap().unwrap().parse().unwrap();
+                    let c = Connector::builder().path(policy).build().unwrap();
+                    match c.probe(&md, nixl_connect::Device::Host).await {
+                        Ok(p) => {
+                            let declined: Vec<String> = p
+                                .declined()
+                                .iter()
+                                .map(|(p, why)| format!("{p}: {why}"))
+                                .collect();
+                            println!(
+                                "PROBE:path={} mechanism={} declined={}",
+                                p.path().map_or("none".into(), |p| p.to_string()),
+                                p.mechanism().map_or("none".into(), |m| m.to_string()),
+                                declined.join(" | ")
+                            );
+                        }
+                        Err(e) => println!("PROBE:err {e}"),
                     }
                 }
                 Some("write") => {

@@ -6,7 +6,7 @@
 //! decisions), device memory, copies, and the engine's seam ([`Transport`]). Every cap is in
 //! `limits`. Its fields are private: the owners take each other as arguments from here.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -28,7 +28,9 @@ use super::wire::{passed_fds, IpcSource, RefuseCode, Req, EAGER_MAX, MAX_FRAME, 
 use super::{auth, eager, identity};
 use crate::device::Device;
 use crate::engine::poller::{hung_up, Registrar, Waker};
-use crate::engine::transport::{ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
+use crate::engine::transport::{
+    ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, PeerInfo, Polling, Transport,
+};
 use crate::error::{Error, Result};
 use crate::reg::Range;
 use crate::state::{Mechanism, OpState, TransferPath};
@@ -98,6 +100,21 @@ impl Drop for SameHostTransport {
             self.stop_copies(None);
         }
     }
+}
+
+/// What reaching a peer's same-host socket learned ([`SameHostTransport::reach`]).
+struct Reached {
+    /// The connected socket.
+    fd: Tracked,
+    /// The peer's pid as this PID namespace sees it (0: another namespace).
+    pid: libc::pid_t,
+    /// The peer's process, named from any namespace, and its pidfd.
+    server_id: u64,
+    server: OwnedFd,
+    /// Whether this side may read the peer's memory (cross-memory attach).
+    can_pull: bool,
+    /// Whether the peer is in another PID namespace.
+    other_pid_ns: bool,
 }
 
 impl SameHostTransport {
@@ -459,7 +476,58 @@ impl SameHostTransport {
         key: &Arc<str>,
         expect: identity::Fingerprint,
     ) -> std::result::Result<ConnId, Decline> {
-        let fd = self.dial(peer, &expect)?;
+        let Reached {
+            fd,
+            pid,
+            server_id,
+            server,
+            can_pull,
+            other_pid_ns,
+        } = self.reach(peer, &expect)?;
+        // Device exports come as VMM descriptors from a server in another PID namespace (even
+        // one whose memory this side can pull: a namespace below this one's), and from any
+        // server for memory without a legacy handle, where this process uses CUDA.
+        // Its socket still refuses passed descriptors (`dial`): they are let in once the server's
+        // `Welcome` is proven ([`Self::on_ready`]), never from whoever answered the name.
+        let exports = other_pid_ns || cuda_in_use();
+        let Some(me) = self_id() else {
+            return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
+        };
+        let mut link = Link::client(
+            key.clone(),
+            expect,
+            auth::nonce(),
+            me,
+            server_id,
+            !can_pull,
+            Instant::now(),
+        );
+        if exports {
+            link.take_exports();
+        }
+        let i = self
+            .sockets
+            .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
+        let c = self.sockets.get_mut(i).expect("just inserted");
+        c.can_pull = can_pull;
+        c.other_pid_ns = other_pid_ns;
+        if let Err(e) = self.sockets.get_mut(i).expect("just inserted").send_hello() {
+            self.close(i, &mut Vec::new());
+            return Err(Decline::because("the same-host handshake failed", e));
+        }
+        self.client.connected(peer.clone(), i);
+        Ok(i)
+    }
+
+    /// Reaches `peer`'s same-host socket and learns who holds it, as an operation's connection
+    /// does before its handshake ([`Self::try_connect`], and [`Transport::probe`]): `Err` says why
+    /// the same-host path cannot take the peer.
+    fn reach(
+        &self,
+        peer: &Arc<str>,
+        expect: &identity::Fingerprint,
+    ) -> std::result::Result<Reached, Decline> {
+        let fd = self.dial(peer, expect)?;
         let (pid, peer_uid) = peer_cred(fd.as_raw_fd())
             .map_err(|e| Decline::because("cannot learn who holds the peer's same-host socket", e))?;
         let uid = self.sockets.uid();
@@ -492,40 +560,14 @@ impl SameHostTransport {
         // through pipes; this side's writes go to it through pipes too (what keeps us from its
         // memory keeps it from ours, in the case this path is for: sibling pods).
         let can_pull = pid > 0 && cma::may_pull(&server);
-        // Device exports come as VMM descriptors from a server in another PID namespace (even
-        // one whose memory this side can pull: a namespace below this one's), and from any
-        // server for memory without a legacy handle, where this process uses CUDA.
-        // Its socket still refuses passed descriptors (`dial`): they are let in once the server's
-        // `Welcome` is proven ([`Self::on_ready`]), never from whoever answered the name.
-        let other_pid_ns = !same_pid_namespace(pid);
-        let exports = other_pid_ns || cuda_in_use();
-        let Some(me) = self_id() else {
-            return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
-        };
-        let mut link = Link::client(
-            key.clone(),
-            expect,
-            auth::nonce(),
-            me,
+        Ok(Reached {
+            fd,
+            pid,
             server_id,
-            !can_pull,
-            Instant::now(),
-        );
-        if exports {
-            link.take_exports();
-        }
-        let i = self
-            .sockets
-            .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
-        let c = self.sockets.get_mut(i).expect("just inserted");
-        c.can_pull = can_pull;
-        c.other_pid_ns = other_pid_ns;
-        if let Err(e) = self.sockets.get_mut(i).expect("just inserted").send_hello() {
-            self.close(i, &mut Vec::new());
-            return Err(Decline::because("the same-host handshake failed", e));
-        }
-        self.client.connected(peer.clone(), i);
-        Ok(i)
+            server,
+            can_pull,
+            other_pid_ns: !same_pid_namespace(pid),
+        })
     }
 
     /// A socket connected to `peer`'s: its abstract socket (this network namespace), else its
@@ -548,7 +590,9 @@ impl SameHostTransport {
                 if abstract_err.raw_os_error() == Some(libc::EAGAIN) {
                     "the peer's same-host socket is busy (its backlog of connections is full)"
                 } else {
-                    "no same-host socket for this peer"
+                    "no same-host socket for this peer (it runs on another host, in another network \
+                     namespace with no socket directory shared through NIXL_CONNECT_SOCKET_DIR, or \
+                     has exited)"
                 },
                 abstract_err,
             ));
@@ -557,7 +601,8 @@ impl SameHostTransport {
         match connect_in(fd.as_raw_fd(), dir, &identity::stem(expect)) {
             Ok(()) => Ok(fd),
             Err(e) => Err(Decline::because(
-                "no same-host socket for this peer, in this network namespace or the socket directory",
+                "no same-host socket for this peer, in this network namespace or the socket directory \
+                 (it runs on another host, or has exited)",
                 e,
             )),
         }
@@ -1869,6 +1914,44 @@ impl Transport for SameHostTransport {
         if s.writer.is_none() && !self.feeds.feeds_key(key) {
             s.state.mark_released();
         }
+    }
+
+    /// The checks [`begin`](Self::begin) and the connection make, in their order, with the
+    /// connection hung up before its handshake; the mechanism is the one a quiet connection would
+    /// use (frames for a small host operation, cross-memory attach or pipes for a larger one,
+    /// CUDA IPC, VMM descriptors or pinned staging for device memory).
+    fn probe(
+        &mut self,
+        peer: &PeerInfo,
+        write: bool,
+        local: Device,
+        remote: Device,
+        bytes: u64,
+    ) -> std::result::Result<Option<Mechanism>, Decline> {
+        if !self.enabled {
+            return Err("the same-host path is off for this connector".into());
+        }
+        let (src, dst) = if write { (local, remote) } else { (remote, local) };
+        if (src, dst) != (Device::Host, Device::Host) {
+            if let Some(refusal) = device_path_refusal(src, dst) {
+                return Err(refusal.into());
+            }
+        }
+        let Some(expect) = identity::advertised(&peer.name) else {
+            return Err(Decline::expected(
+                "the peer's agent name advertises no same-host endpoint (a Python Dynamo \
+                 peer, or a connector that serves none)",
+            ));
+        };
+        let reached = self.reach(&peer.name, &expect)?;
+        Ok(Some(match (src, dst) {
+            (Device::Host, Device::Host) if (1..=EAGER_MAX as u64).contains(&bytes) => Mechanism::Frames,
+            (Device::Host, Device::Host) if reached.can_pull => Mechanism::CrossMemoryAttach,
+            (Device::Host, Device::Host) => Mechanism::Pipes,
+            (Device::Host, _) => Mechanism::PinnedStaging,
+            _ if reached.other_pid_ns => Mechanism::CudaVmm,
+            _ => Mechanism::CudaIpc,
+        }))
     }
 
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
