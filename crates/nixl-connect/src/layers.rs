@@ -40,6 +40,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("state", 1),
     ("stats", 1),
     ("metadata", 1),
+    ("decline_reason", 1),
     ("descriptor", 1),
     ("registration", 1),
     ("buffer", 1),

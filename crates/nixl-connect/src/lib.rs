@@ -40,6 +40,7 @@ pub mod channel;
 mod connector;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod decline_reason;
 mod descriptor;
 mod device;
 mod engine;

@@ -800,6 +800,7 @@ impl EngineCore {
         let to = next.map(|n| self.transports[n.index()].path());
         if let Some(r) = &self.recording {
             r.metrics.fallback(Some(from), to);
+            r.metrics.declined(from, reason.why());
         }
         if let Some(to) = to {
             spec.state.set_declined(&reason.to_string());

@@ -13,6 +13,7 @@ use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::decline_reason::DeclineReason;
 use crate::device::Device;
 use crate::error::{Error, ErrorSource, PathRefusal, Result};
 use crate::metadata::OperationKind;
@@ -139,6 +140,8 @@ pub(crate) struct Decline {
     /// The next path is the only one this peer offers (a Python Dynamo peer advertises no
     /// same-host endpoint): nothing a user could change, so no warning.
     pub(crate) expected: bool,
+    /// Why, in a metric label's few words ([`Decline::why`]).
+    why: DeclineReason,
 }
 
 impl Decline {
@@ -156,6 +159,7 @@ impl Decline {
             reason: reason.into(),
             source: Some(source),
             expected: false,
+            why: DeclineReason::Other,
         }
     }
 
@@ -163,7 +167,29 @@ impl Decline {
     pub(crate) fn expected(reason: impl Into<String>) -> Self {
         Decline {
             expected: true,
+            why: DeclineReason::NoEndpoint,
             ..Decline::from(reason.into())
+        }
+    }
+
+    /// The decline `reason`, for the reason `why`.
+    pub(crate) fn of(why: DeclineReason, reason: impl Into<String>) -> Self {
+        Decline::from(reason.into()).for_reason(why)
+    }
+
+    /// This decline, for the reason `why`.
+    pub(crate) fn for_reason(mut self, why: DeclineReason) -> Self {
+        self.why = why;
+        self
+    }
+
+    /// Why, in a metric label's few words: [`DeclineReason::Busy`] whenever the peer was busy
+    /// ([`busy`](Self::busy)), whatever the decline was made for.
+    pub(crate) fn why(&self) -> DeclineReason {
+        if self.busy() {
+            DeclineReason::Busy
+        } else {
+            self.why
         }
     }
 
@@ -193,6 +219,7 @@ impl From<String> for Decline {
             reason,
             source: None,
             expected: false,
+            why: DeclineReason::Other,
         }
     }
 }
@@ -209,6 +236,7 @@ impl From<PathRefusal> for Decline {
             reason: "the same-host path does not move this memory".into(),
             source: Some(Arc::new(refusal)),
             expected: false,
+            why: DeclineReason::Memory,
         }
     }
 }

@@ -13,6 +13,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 use super::engine::{EngineCell, EngineCollector};
+use crate::decline_reason::DeclineReason;
 use crate::error::{Error, ErrorKind, Refusal};
 use crate::state::{Ended, Mechanism, Observe, OperationStatus, TransferPath};
 
@@ -116,6 +117,8 @@ struct Families {
     errors: Per<Per<Vec<Counter>, 2>, 2>,
     /// `[from][to]` by path index
     fallbacks: Per<Per<Counter, 4>, 4>,
+    /// `[path][reason]` (reasons in [`DeclineReason::ALL`]'s order)
+    declines: Per<Per<Counter, { DeclineReason::ALL.len() }>, 4>,
     /// `[op][reason]` (the active side: refusals are returned to the side that asked)
     refusals: Per<Per<Counter, 5>, 2>,
 }
@@ -194,6 +197,13 @@ impl Metrics {
             "Active operations a transport declined and handed to the next path, by path from and to",
             fallbacks.clone(),
         );
+        let declines = Family::<Labels, Counter>::default();
+        reg.register(
+            "path_declines",
+            "Active operations a path declined, by the path and why (one of a fixed few reasons; the \
+             operation's path_reason() says it in full)",
+            declines.clone(),
+        );
         let refusals = Family::<Labels, Counter>::default();
         reg.register(
             "refusals",
@@ -270,6 +280,14 @@ impl Metrics {
             fallbacks: std::array::from_fn(|f| {
                 std::array::from_fn(|t| series(&fallbacks, &[("from", PATHS[f]), ("to", PATHS[t])]))
             }),
+            declines: std::array::from_fn(|p| {
+                std::array::from_fn(|r| {
+                    series(
+                        &declines,
+                        &[("path", PATHS[p]), ("reason", DeclineReason::ALL[r].as_str())],
+                    )
+                })
+            }),
         };
         let families = Arc::new(families);
         reg.register_collector(Box::new(InFlight(families.clone())));
@@ -317,6 +335,11 @@ impl Metrics {
     /// A transport on `from` declined an active operation, offered next to `to`.
     pub(crate) fn fallback(&self, from: Option<TransferPath>, to: Option<TransferPath>) {
         self.families.fallbacks[path_ix(from)][path_ix(to)].inc();
+    }
+
+    /// The path `path` declined an active operation, for the reason `why`.
+    pub(crate) fn declined(&self, path: TransferPath, why: DeclineReason) {
+        self.families.declines[path_ix(Some(path))][why.index()].inc();
     }
 }
 

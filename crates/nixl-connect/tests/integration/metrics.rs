@@ -65,6 +65,48 @@ fn pairs(s: &EngineStats) -> Vec<(&'static str, f64)> {
     ]
 }
 
+/// A path's declines are counted by their reason: a reader of a peer that advertises no
+/// same-host endpoint (a connector that serves none, as a Python Dynamo worker) counts
+/// `no_endpoint` on the `local` path once an operation, beside the fallback to NIXL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_path_declines_by_reason() {
+    let (registry, m) = Metrics::standalone();
+    let owner = Connector::builder().path(PathPolicy::Nixl).build().unwrap();
+    let reader = Connector::builder().metrics(&m).build().unwrap();
+    for _ in 0..2 {
+        let r = owner
+            .create_readable(Descriptor::from(vec![7u8; 4096]))
+            .await
+            .unwrap();
+        let op = reader
+            .begin_read(r.metadata(), Descriptor::from(vec![0u8; 4096]))
+            .await
+            .unwrap();
+        op.wait_for_completion(T).await.unwrap();
+        r.wait_for_completion(T).await.unwrap();
+        assert_eq!(op.path(), Some(TransferPath::Nixl));
+    }
+    let text = encode(&registry).unwrap();
+    let declines = |reason| {
+        sample(
+            &text,
+            "nixl_connect_path_declines_total",
+            &[("path", "local"), ("reason", reason)],
+        )
+    };
+    assert_eq!(declines("no_endpoint"), Some(2.0), "{text}");
+    assert_eq!(declines("other"), Some(0.0), "{text}");
+    assert_eq!(
+        sample(
+            &text,
+            "nixl_connect_path_fallbacks_total",
+            &[("from", "local"), ("to", "nixl")]
+        ),
+        Some(2.0),
+        "{text}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_scrape_matches_stats_over_nixl_and_the_same_host_path() {
     const N: usize = 64 << 10;

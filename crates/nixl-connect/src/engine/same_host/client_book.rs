@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use super::limits::{MAX_NEGATIVE, NEGATIVE_TTL};
 use super::records::{Act, ConnId, RequestId};
-use crate::engine::transport::OpId;
+use crate::decline_reason::DeclineReason;
+use crate::engine::transport::{Decline, OpId};
 
 /// What this connector asks: active operations, connections by peer, peers avoided.
 #[derive(Default)]
@@ -17,8 +18,8 @@ pub(super) struct ClientBook {
     acts: HashMap<OpId, Act>,
     /// The connection open to each peer name (made for its advertisement).
     by_peer: HashMap<Arc<str>, ConnId>,
-    /// Peer names found with no same-host path, and when (at most [`MAX_NEGATIVE`]).
-    avoided: HashMap<Arc<str>, (Instant, Arc<str>)>,
+    /// Peer names found with no same-host path, when, and why (at most [`MAX_NEGATIVE`]).
+    avoided: HashMap<Arc<str>, (Instant, Arc<str>, DeclineReason)>,
 }
 
 impl ClientBook {
@@ -89,21 +90,22 @@ impl ClientBook {
 
     /// Why `peer` has no same-host path, when it was found so less than [`NEGATIVE_TTL`]
     /// before `now`.
-    pub(super) fn avoids(&self, peer: &str, now: Instant) -> Option<&Arc<str>> {
+    pub(super) fn avoids(&self, peer: &str, now: Instant) -> Option<(&Arc<str>, DeclineReason)> {
         self.avoided
             .get(peer)
-            .filter(|(t, _)| now.saturating_duration_since(*t) < NEGATIVE_TTL)
-            .map(|(_, why)| why)
+            .filter(|(t, _, _)| now.saturating_duration_since(*t) < NEGATIVE_TTL)
+            .map(|(_, why, kind)| (why, *kind))
     }
 
     /// `peer` has no same-host path as of `now`, because of `why`: it is not asked again for
     /// [`NEGATIVE_TTL`] (the memory of such names is bounded: past [`MAX_NEGATIVE`] it starts
     /// over).
-    pub(super) fn avoid(&mut self, peer: Arc<str>, now: Instant, why: impl Into<Arc<str>>) {
+    pub(super) fn avoid(&mut self, peer: Arc<str>, now: Instant, why: &Decline) {
         if self.avoided.len() >= MAX_NEGATIVE {
             self.avoided.clear();
         }
-        self.avoided.insert(peer, (now, why.into()));
+        self.avoided
+            .insert(peer, (now, why.to_string().into(), why.why()));
     }
 }
 
@@ -119,17 +121,17 @@ mod tests {
     fn client_book_avoids_a_peer_for_a_while_and_remembers_a_bounded_number() {
         let mut b = ClientBook::default();
         let t0 = Instant::now();
-        b.avoid("a".into(), t0, "why");
+        b.avoid("a".into(), t0, &Decline::of(DeclineReason::OtherUser, "why"));
         assert_eq!(
             b.avoids("a", t0 + NEGATIVE_TTL - Duration::from_millis(1))
-                .map(|w| &**w),
-            Some("why"),
-            "the reason is remembered with the name"
+                .map(|(w, k)| (&**w, k)),
+            Some(("why", DeclineReason::OtherUser)),
+            "the reason is remembered with the name, and its kind"
         );
         assert!(b.avoids("a", t0 + NEGATIVE_TTL).is_none());
         assert!(b.avoids("b", t0).is_none());
         for n in 0..MAX_NEGATIVE + 1 {
-            b.avoid(format!("p{n}").into(), t0, "why");
+            b.avoid(format!("p{n}").into(), t0, &"why".into());
         }
         assert!(b.avoided.len() <= MAX_NEGATIVE);
     }

@@ -26,6 +26,7 @@ use super::sockets::{Sockets, ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTEN
 use super::violation::Violation;
 use super::wire::{passed_fds, IpcSource, RefuseCode, Req, EAGER_MAX, MAX_FRAME, NOT_LIVE};
 use super::{auth, eager, identity};
+use crate::decline_reason::DeclineReason;
 use crate::device::Device;
 use crate::engine::poller::{hung_up, Registrar, Waker};
 use crate::engine::transport::{
@@ -197,12 +198,13 @@ impl SameHostTransport {
                 self.refused_peers += 1;
                 let why = "the process on the peer's same-host socket could not prove it holds \
                            the operation's key (another process holds the socket name)";
-                self.avoid(i, why);
-                self.decline_queued(i, why, out);
+                self.avoid(i, &Decline::of(DeclineReason::Handshake, why));
+                self.decline_queued(i, &Decline::of(DeclineReason::Handshake, why), out);
             }
             Heard::Rejected { reason } => {
-                self.avoid(i, &reason);
-                self.decline_queued(i, &reason, out);
+                let why = Decline::of(DeclineReason::Refused, reason);
+                self.avoid(i, &why);
+                self.decline_queued(i, &why, out);
             }
             Heard::Grant { slot, gen, sources } => self.on_grant(i, slot, gen, sources, out),
             Heard::Data { slot, gen, data } => self.on_data(i, slot, gen, &data, out),
@@ -218,7 +220,7 @@ impl SameHostTransport {
                     if !matches!(a.phase, Phase::Abandoned) {
                         let ev = Event::Declined {
                             spec: a.spec,
-                            reason: reason.into(),
+                            reason: Decline::of(DeclineReason::Refused, reason),
                         };
                         // A write's pipes may still be fed from its memory.
                         self.end_act_after_feed(id, ev, out);
@@ -249,7 +251,7 @@ impl SameHostTransport {
 
     /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
     /// someone else holds its socket name), `why` kept for the operations it declines meanwhile.
-    fn avoid(&mut self, i: ConnId, why: &str) {
+    fn avoid(&mut self, i: ConnId, why: &Decline) {
         let Some(peer) = self.sockets.get(i).map(|c| c.peer.clone()) else {
             return;
         };
@@ -277,7 +279,10 @@ impl SameHostTransport {
             } else {
                 out.push(Event::Declined {
                     spec: a.spec,
-                    reason: "the same-host connection closed before its request".into(),
+                    reason: Decline::of(
+                        DeclineReason::Handshake,
+                        "the same-host connection closed before its request",
+                    ),
                 });
             }
         }
@@ -454,16 +459,18 @@ impl SameHostTransport {
                         peer, or a connector that serves none)",
             ));
         };
-        if let Some(why) = self.client.avoids(peer, Instant::now()) {
-            return Err(format!("{why} (found a moment ago; asked again after a while)").into());
+        if let Some((why, kind)) = self.client.avoids(peer, Instant::now()) {
+            return Err(Decline::of(
+                kind,
+                format!("{why} (found a moment ago; asked again after a while)"),
+            ));
         }
         let r = self.try_connect(peer, key, expect);
         if let Err(reason) = &r {
             // A full backlog is a moment's (a flood of connections, or a burst of readers): the
             // next operation asks again rather than taking NIXL for a while.
             if !reason.busy() {
-                self.client
-                    .avoid(peer.clone(), Instant::now(), reason.to_string());
+                self.client.avoid(peer.clone(), Instant::now(), reason);
             }
             tracing::trace!(peer = %peer, %reason, "no same-host path");
         }
@@ -513,7 +520,9 @@ impl SameHostTransport {
         c.other_pid_ns = other_pid_ns;
         if let Err(e) = self.sockets.get_mut(i).expect("just inserted").send_hello() {
             self.close(i, &mut Vec::new());
-            return Err(Decline::because("the same-host handshake failed", e));
+            return Err(
+                Decline::because("the same-host handshake failed", e).for_reason(DeclineReason::Handshake)
+            );
         }
         self.client.connected(peer.clone(), i);
         Ok(i)
@@ -532,29 +541,36 @@ impl SameHostTransport {
             .map_err(|e| Decline::because("cannot learn who holds the peer's same-host socket", e))?;
         let uid = self.sockets.uid();
         if peer_uid != uid {
-            return Err(format!("the peer runs as uid {peer_uid} (this process: {uid})").into());
+            return Err(Decline::of(
+                DeclineReason::OtherUser,
+                format!("the peer runs as uid {peer_uid} (this process: {uid})"),
+            ));
         }
         // The process that made the listening socket (what SO_PEERCRED names) must still live:
         // a child that kept the socket without running its engine (a raw `clone()` skips the
         // fork handlers) would leave the hello unanswered until its deadline. A peer found
         // through the shared directory may be in another PID namespace (its pid is 0 from here):
         // it is named by its pidfs id, on kernels that have pidfs.
+        let gone = || {
+            Decline::of(
+                DeclineReason::NoSocket,
+                "the process that made the peer's same-host socket is gone (a child of it holds \
+                 the socket)",
+            )
+        };
         let Some((server_id, server)) = peer_process(fd.as_raw_fd(), pid) else {
             return Err(if pid <= 0 {
-                "the peer's process is in another PID namespace and this kernel cannot name it \
-                 (no pidfs: Linux 6.9 or later)"
+                Decline::of(
+                    DeclineReason::PidNamespace,
+                    "the peer's process is in another PID namespace and this kernel cannot name it \
+                     (no pidfs: Linux 6.9 or later)",
+                )
             } else {
-                "the process that made the peer's same-host socket is gone (a child of it holds \
-                 the socket)"
-            }
-            .into());
+                gone()
+            });
         };
         if !alive_fd(&server) {
-            return Err(
-                "the process that made the peer's same-host socket is gone (a child of it holds \
-                 the socket)"
-                    .into(),
-            );
+            return Err(gone());
         }
         // A peer this side cannot read (another PID namespace, ptrace rules) serves its reads
         // through pipes; this side's writes go to it through pipes too (what keeps us from its
@@ -595,7 +611,8 @@ impl SameHostTransport {
                      has exited)"
                 },
                 abstract_err,
-            ));
+            )
+            .for_reason(DeclineReason::NoSocket));
         };
         let fd = open()?;
         match connect_in(fd.as_raw_fd(), dir, &identity::stem(expect)) {
@@ -604,7 +621,8 @@ impl SameHostTransport {
                 "no same-host socket for this peer, in this network namespace or the socket directory \
                  (it runs on another host, or has exited)",
                 e,
-            )),
+            )
+            .for_reason(DeclineReason::NoSocket)),
         }
     }
 
@@ -624,7 +642,10 @@ impl SameHostTransport {
                 self.client.avoid(
                     c.peer.clone(),
                     Instant::now(),
-                    "the peer's same-host socket closed the connection before its handshake",
+                    &Decline::of(
+                        DeclineReason::Handshake,
+                        "the peer's same-host socket closed the connection before its handshake",
+                    ),
                 );
             }
             for id in self.client.on_conn(i) {
@@ -648,11 +669,13 @@ impl SameHostTransport {
                             // through NIXL.
                             let ev = Event::Declined {
                                 spec: a.spec,
-                                reason: format!(
-                                    "the same-host connection was closed: {}",
-                                    c.link.death().map_or("a protocol error", |v| v.reason())
-                                )
-                                .into(),
+                                reason: Decline::of(
+                                    DeclineReason::Handshake,
+                                    format!(
+                                        "the same-host connection was closed: {}",
+                                        c.link.death().map_or("a protocol error", |v| v.reason())
+                                    ),
+                                ),
                             };
                             // A write's pipes may still be fed from its memory.
                             self.end_act_after_feed(id, ev, out);
@@ -710,7 +733,7 @@ impl SameHostTransport {
         }
     }
 
-    pub(super) fn decline_queued(&mut self, i: ConnId, reason: &str, out: &mut Vec<Event>) {
+    pub(super) fn decline_queued(&mut self, i: ConnId, reason: &Decline, out: &mut Vec<Event>) {
         let queued = self
             .sockets
             .get_mut(i)
@@ -722,7 +745,7 @@ impl SameHostTransport {
                 if !matches!(a.phase, Phase::Abandoned) {
                     out.push(Event::Declined {
                         spec: a.spec,
-                        reason: reason.into(),
+                        reason: reason.clone(),
                     });
                 }
             }
@@ -730,13 +753,10 @@ impl SameHostTransport {
     }
 
     /// Hands a queued operation to the next transport, freeing its slot.
-    pub(super) fn decline_act(&mut self, id: OpId, reason: &str, out: &mut Vec<Event>) {
+    pub(super) fn decline_act(&mut self, id: OpId, reason: Decline, out: &mut Vec<Event>) {
         let a = self.client.remove(id).expect("present");
         self.sockets.free_slot(a.conn, a.slot, a.gen);
-        out.push(Event::Declined {
-            spec: a.spec,
-            reason: reason.into(),
-        });
+        out.push(Event::Declined { spec: a.spec, reason });
     }
 
     /// Sends the request of a queued operation (the handshake is done); a write from device
@@ -808,8 +828,11 @@ impl SameHostTransport {
         if !a.spec.write && !a.device && !eager && !c.can_pull && !piped {
             self.decline_act(
                 id,
-                "the kernel does not let this process read the peer's memory (ptrace rules), and \
-                 pipes carry only host memory",
+                Decline::of(
+                    DeclineReason::Memory,
+                    "the kernel does not let this process read the peer's memory (ptrace rules), \
+                     and pipes carry only host memory",
+                ),
                 out,
             );
             return;
@@ -819,14 +842,22 @@ impl SameHostTransport {
             && (self.feeds.lanes_of(a.conn) + lanes > MAX_PIPES_PER_CONN
                 || self.feeds.lanes() + lanes > MAX_PIPES)
         {
-            self.decline_act(id, "too many same-host pipes are open now", out);
+            self.decline_act(
+                id,
+                Decline::of(DeclineReason::Busy, "too many same-host pipes are open now"),
+                out,
+            );
             return;
         }
         let feeding = if piped && a.spec.write {
             match pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?)))) {
                 Ok(f) => Some(f),
                 Err(e) => {
-                    self.decline_act(id, &format!("cannot make pipes for a same-host write: {e}"), out);
+                    self.decline_act(
+                        id,
+                        Decline::because("cannot make pipes for a same-host write", e),
+                        out,
+                    );
                     return;
                 }
             }
@@ -875,7 +906,7 @@ impl SameHostTransport {
             0
         };
         if req.frame_len() > MAX_FRAME || reply > MAX_FRAME {
-            self.decline_act(id, "too many ranges for one same-host request", out);
+            self.decline_act(id, "too many ranges for one same-host request".into(), out);
             return;
         }
         a.phase = Phase::Requested;
@@ -900,7 +931,7 @@ impl SameHostTransport {
         // transport's progress (a write's pipes with it).
         let at = c.link.queued_end();
         if !c.link.request(&a.spec.key, req) {
-            self.decline_act(id, "the same-host connection cannot take the request", out);
+            self.decline_act(id, "the same-host connection cannot take the request".into(), out);
             return;
         }
         let feed_key = c.feed_key();
@@ -1929,7 +1960,10 @@ impl Transport for SameHostTransport {
         bytes: u64,
     ) -> std::result::Result<Option<Mechanism>, Decline> {
         if !self.enabled {
-            return Err("the same-host path is off for this connector".into());
+            return Err(Decline::of(
+                DeclineReason::Off,
+                "the same-host path is off for this connector",
+            ));
         }
         let (src, dst) = if write { (local, remote) } else { (remote, local) };
         if (src, dst) != (Device::Host, Device::Host) {
@@ -1958,7 +1992,7 @@ impl Transport for SameHostTransport {
         if !self.enabled {
             out.push(Event::Declined {
                 spec,
-                reason: "the same-host path is off for this connector".into(),
+                reason: Decline::of(DeclineReason::Off, "the same-host path is off for this connector"),
             });
             return;
         }
@@ -1981,7 +2015,7 @@ impl Transport for SameHostTransport {
             _ => {
                 out.push(Event::Declined {
                     spec,
-                    reason: "the descriptors mix kinds of memory".into(),
+                    reason: Decline::of(DeclineReason::Memory, "the descriptors mix kinds of memory"),
                 });
                 return;
             }
@@ -1997,7 +2031,10 @@ impl Transport for SameHostTransport {
         let Some(slot) = c.free_slots.pop() else {
             out.push(Event::Declined {
                 spec,
-                reason: "too many operations in flight to this peer on the same-host path".into(),
+                reason: Decline::of(
+                    DeclineReason::Busy,
+                    "too many operations in flight to this peer on the same-host path",
+                ),
             });
             return;
         };
