@@ -177,10 +177,9 @@ pub fn same_host_across_pid_namespaces() -> std::result::Result<(), String> {
 ///
 /// A loopback connector ([`ConnectorBuilder::build_loopback`]) pairs with the other loopback
 /// connectors of its process, by agent name, and copies bytes through the kernel
-/// (`/proc/self/mem`). Every operation runs the same engine and the same state machines as over
-/// NIXL: completion exactly once on both
-/// sides, deadlines, cancel, drop at any point, replayed metadata refused, a gone peer reported as
-/// [`Error::RemoteGone`]. Its metadata is `loopback:<agent name>` in `nixl_metadata`, which only
+/// (`process_vm_readv` on itself). Every operation runs the same engine and the same state
+/// machines as over NIXL: completion exactly once on both sides, deadlines, cancel, drop at any
+/// point, replayed metadata refused, a gone peer reported as [`Error::RemoteGone`]. Its metadata is `loopback:<agent name>` in `nixl_metadata`, which only
 /// loopback connectors read, and its operations report [`TransferPath::Loopback`].
 ///
 /// ```

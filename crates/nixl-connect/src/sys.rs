@@ -283,20 +283,40 @@ extern "C" fn fork_child() {
 }
 
 /// Copies `len` bytes from address `src` to address `dst` of this process through the kernel
-/// (`/proc/self/mem`), as a peer's pull or a NIXL transfer reaches memory from outside the code
-/// that owns it: every address is checked by the kernel (a range that is not mapped is an error,
-/// never a fault), and what the bytes mean to the owner of `dst` is the business of whoever hands
-/// out the addresses (the loopback transport, from live descriptors).
+/// (`process_vm_readv` on itself), as a peer's pull reaches memory from outside the code that
+/// owns it: the kernel checks every address against its mapping (memory not mapped, or `dst` not
+/// writable, is an error, never a fault), and what the bytes mean to the owner of `dst` is the
+/// business of whoever hands out the addresses (the loopback transport, from live descriptors).
+/// The ranges must not overlap.
 #[cfg(any(test, feature = "testing"))]
 pub(crate) fn copy_in_process(src: usize, dst: usize, len: usize) -> io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    let mem = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/proc/self/mem")?;
-    let mut bytes = vec![0u8; len];
-    mem.read_exact_at(&mut bytes, src as u64)?;
-    mem.write_all_at(&bytes, dst as u64)
+    // SAFETY: getpid cannot fail.
+    let me = unsafe { libc::getpid() };
+    let mut done = 0;
+    while done < len {
+        let local = libc::iovec {
+            iov_base: (dst + done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        let remote = libc::iovec {
+            iov_base: (src + done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        // SAFETY: the kernel reads `remote` and writes `local`, both of this process, checking
+        // each against its mapping; no reference is made to either range here.
+        let n = unsafe { libc::process_vm_readv(me, &local, 1, &remote, 1, 0) };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The `len` bytes at address `addr`, as a slice that lives for `'s`.
