@@ -46,7 +46,8 @@ impl PathProbe {
     }
 
     /// How that path would move the bytes, where it says before the operation (the same-host
-    /// path does; NIXL's UCX chooses its transports as it connects).
+    /// path does for host memory; device memory's kind decides at its export, and NIXL's UCX
+    /// chooses its transports as it connects).
     pub fn mechanism(&self) -> Option<Mechanism> {
         self.taken.and_then(|(_, m)| m)
     }

@@ -52,9 +52,9 @@ fn cli_serve_read_and_write_round_trip() {
 /// `doctor --peer` on a Rust readable of this host and user names the same-host path, through
 /// the frames for 4 KiB and cross-memory attach for 8 MiB (or pipes, where this kernel's ptrace
 /// rules forbid it), and says nothing declined; the read then takes exactly that path and
-/// mechanism.
+/// mechanism. The same for a write into a writable of 8 MiB.
 #[test]
-fn cli_doctor_peer_predicts_the_path_a_read_takes() {
+fn cli_doctor_peer_predicts_the_path_a_read_and_a_write_take() {
     let dir = scratch("doctor-peer");
     for size in ["4K", "8M"] {
         let mut c = cli();
@@ -73,6 +73,33 @@ fn cli_doctor_peer_predicts_the_path_a_read_takes() {
             assert_eq!(predicted.1, "frames", "{said}");
         }
     }
+    let (input, _) = file_of(8 << 20, &dir, 4);
+    let mut c = cli();
+    c.args(["serve", "--writable", "--file"])
+        .arg(&input)
+        .arg("--out")
+        .arg(dir.join("got"));
+    let peer = Passive::start(c);
+    let md = peer.metadata_file(&dir);
+    let said = doctor_peer(&md);
+    assert_eq!(
+        (&said["operation"], &said["path"]),
+        (&"write".into(), &"local".into()),
+        "{said}"
+    );
+    let mut w = cli();
+    w.args(["write", "--json", "--metadata"])
+        .arg(&md)
+        .arg("--file")
+        .arg(&input);
+    let (o, _) = run(w, LIMIT);
+    ok(&o, "write");
+    ok(&peer.finish(), "serve --writable");
+    let text = String::from_utf8_lossy(&o.stdout);
+    let took: serde_json::Value =
+        serde_json::from_str(text.lines().find(|l| l.starts_with('{')).unwrap_or_default()).unwrap();
+    let [predicted, taken] = predicted_and_taken(&said, &took);
+    assert_eq!(predicted, taken, "a write: predicted {said}, took {took}");
 }
 
 /// `serve --publish etcd://...` and `read --metadata etcd://...` against a real etcd (Debian's

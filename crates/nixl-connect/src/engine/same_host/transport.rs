@@ -1947,10 +1947,14 @@ impl Transport for SameHostTransport {
         }
     }
 
-    /// The checks [`begin`](Self::begin) and the connection make, in their order, with the
-    /// connection hung up before its handshake; the mechanism is the one a quiet connection would
-    /// use (frames for a small host operation, cross-memory attach or pipes for a larger one,
-    /// CUDA IPC, VMM descriptors or pinned staging for device memory).
+    /// The checks [`begin`](Self::begin), the connection and the request make, in their order,
+    /// with the connection hung up before its handshake; the mechanism is the one a quiet
+    /// connection would use (frames for a small host operation, cross-memory attach or pipes for
+    /// a larger one, pinned staging for host memory into device memory; none for device memory as
+    /// the source, whose kind decides between CUDA IPC and VMM descriptors at its export). What
+    /// the peer may do with this process's memory is its own to find: it is taken to be what this
+    /// side may do with the peer's, which holds between pods and unrelated processes, not between
+    /// a parent and a child under Yama's ptrace rules.
     fn probe(
         &mut self,
         peer: &PeerInfo,
@@ -1977,15 +1981,52 @@ impl Transport for SameHostTransport {
                  peer, or a connector that serves none)",
             ));
         };
+        // A peer found without a path a moment ago is not asked again for a while: neither
+        // would an operation ask it.
+        if let Some((why, kind)) = self.client.avoids(&peer.name, Instant::now()) {
+            return Err(Decline::of(
+                kind,
+                format!("{why} (found a moment ago; asked again after a while)"),
+            ));
+        }
         let reached = self.reach(&peer.name, &expect)?;
-        Ok(Some(match (src, dst) {
-            (Device::Host, Device::Host) if (1..=EAGER_MAX as u64).contains(&bytes) => Mechanism::Frames,
-            (Device::Host, Device::Host) if reached.can_pull => Mechanism::CrossMemoryAttach,
-            (Device::Host, Device::Host) => Mechanism::Pipes,
-            (Device::Host, _) => Mechanism::PinnedStaging,
-            _ if reached.other_pid_ns => Mechanism::CudaVmm,
-            _ => Mechanism::CudaIpc,
-        }))
+        if self_id().is_none() {
+            return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
+        }
+        // What the peer can do with this process's memory is its own to find (its `Welcome`
+        // says): it is taken to be what this side can do with its memory, as between pods.
+        let pulls_both_ways = reached.can_pull && !reached.other_pid_ns;
+        Ok(match (src, dst) {
+            (Device::Host, Device::Host) if (1..=EAGER_MAX as u64).contains(&bytes) => {
+                Some(Mechanism::Frames)
+            }
+            (Device::Host, Device::Host) if pulls_both_ways || (!write && reached.can_pull) => {
+                Some(Mechanism::CrossMemoryAttach)
+            }
+            (Device::Host, Device::Host) => Some(Mechanism::Pipes),
+            // Host memory into device memory is pulled by the device memory's owner (through
+            // pinned staging): no pipes carry it ([`Self::request`]).
+            (Device::Host, _) if !write && !reached.can_pull => {
+                return Err(Decline::of(
+                    DeclineReason::Memory,
+                    "the kernel does not let this process read the peer's memory (ptrace rules), \
+                     and pipes carry only host memory",
+                ))
+            }
+            (Device::Host, _) if !write => Some(Mechanism::PinnedStaging),
+            (Device::Host, _) if !pulls_both_ways => {
+                return Err(Decline::of(
+                    DeclineReason::Memory,
+                    "the peer pulls host memory into its device memory, and cannot read this \
+                     process's (another PID namespace, ptrace rules); pipes carry only host memory",
+                ))
+            }
+            // The writer reports the grant it took; the peer pulls through pinned staging.
+            (Device::Host, _) => Some(Mechanism::CrossMemoryAttach),
+            // Device memory as the source: a legacy CUDA IPC handle or a VMM allocation's
+            // descriptor, as the memory's kind decides at its export.
+            _ => None,
+        })
     }
 
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
