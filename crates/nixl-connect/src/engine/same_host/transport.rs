@@ -103,6 +103,16 @@ impl Drop for SameHostTransport {
     }
 }
 
+/// Why a read of host memory into device memory declines where this side may not read the
+/// peer's memory: the device memory's owner pulls it, and pipes carry only host memory.
+fn unreadable_device_read() -> Decline {
+    Decline::of(
+        DeclineReason::Memory,
+        "the kernel does not let this process read the peer's memory (ptrace rules), and pipes \
+         carry only host memory",
+    )
+}
+
 /// What reaching a peer's same-host socket learned ([`SameHostTransport::reach`]).
 struct Reached {
     /// The connected socket.
@@ -459,11 +469,8 @@ impl SameHostTransport {
                         peer, or a connector that serves none)",
             ));
         };
-        if let Some((why, kind)) = self.client.avoids(peer, Instant::now()) {
-            return Err(Decline::of(
-                kind,
-                format!("{why} (found a moment ago; asked again after a while)"),
-            ));
+        if let Some(why) = self.avoided(peer) {
+            return Err(why);
         }
         let r = self.try_connect(peer, key, expect);
         if let Err(reason) = &r {
@@ -526,6 +533,16 @@ impl SameHostTransport {
         }
         self.client.connected(peer.clone(), i);
         Ok(i)
+    }
+
+    /// Why `peer`, found without a same-host path a moment ago, is not asked again yet (an
+    /// operation's connection and a probe alike).
+    fn avoided(&self, peer: &str) -> Option<Decline> {
+        let (why, kind) = self.client.avoids(peer, Instant::now())?;
+        Some(Decline::of(
+            kind,
+            format!("{why} (found a moment ago; asked again after a while)"),
+        ))
     }
 
     /// Reaches `peer`'s same-host socket and learns who holds it, as an operation's connection
@@ -826,15 +843,7 @@ impl SameHostTransport {
                 !c.can_pull
             };
         if !a.spec.write && !a.device && !eager && !c.can_pull && !piped {
-            self.decline_act(
-                id,
-                Decline::of(
-                    DeclineReason::Memory,
-                    "the kernel does not let this process read the peer's memory (ptrace rules), \
-                     and pipes carry only host memory",
-                ),
-                out,
-            );
+            self.decline_act(id, unreadable_device_read(), out);
             return;
         }
         let lanes = if piped { pipe::lanes_for(total) } else { 0 };
@@ -1983,11 +1992,8 @@ impl Transport for SameHostTransport {
         };
         // A peer found without a path a moment ago is not asked again for a while: neither
         // would an operation ask it.
-        if let Some((why, kind)) = self.client.avoids(&peer.name, Instant::now()) {
-            return Err(Decline::of(
-                kind,
-                format!("{why} (found a moment ago; asked again after a while)"),
-            ));
+        if let Some(why) = self.avoided(&peer.name) {
+            return Err(why);
         }
         let reached = self.reach(&peer.name, &expect)?;
         if self_id().is_none() {
@@ -2006,13 +2012,7 @@ impl Transport for SameHostTransport {
             (Device::Host, Device::Host) => Some(Mechanism::Pipes),
             // Host memory into device memory is pulled by the device memory's owner (through
             // pinned staging): no pipes carry it ([`Self::request`]).
-            (Device::Host, _) if !write && !reached.can_pull => {
-                return Err(Decline::of(
-                    DeclineReason::Memory,
-                    "the kernel does not let this process read the peer's memory (ptrace rules), \
-                     and pipes carry only host memory",
-                ))
-            }
+            (Device::Host, _) if !write && !reached.can_pull => return Err(unreadable_device_read()),
             (Device::Host, _) if !write => Some(Mechanism::PinnedStaging),
             (Device::Host, _) if !pulls_both_ways => {
                 return Err(Decline::of(
