@@ -41,6 +41,7 @@
 
 mod auth;
 mod client_book;
+mod conn;
 mod device;
 mod eager;
 mod feeds;

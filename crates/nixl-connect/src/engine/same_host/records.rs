@@ -1,15 +1,11 @@
-//! The records the same-host transport keeps: its connections ([`Conn`]), a request's name
-//! ([`RequestId`]), an active operation's phase, a finished copy's owner, a finished export. It
+//! The records the same-host transport keeps: a request's name ([`RequestId`]), an active operation's phase, a finished copy's owner, a finished export. It
 //! sits below the files that act on these records and below the transport (`transport.rs`) and
 //! the server book (`server_book.rs`), so none of them imports its way back up.
 
-use std::collections::VecDeque;
-use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::link::Link;
 use super::wire::{IpcSource, RefuseCode};
 use crate::device::Device;
 use crate::engine::transport::{ActiveSpec, OpId};
@@ -20,8 +16,6 @@ use crate::sys::same_host::cma::{Copy, CopyError};
 #[cfg(feature = "cuda")]
 use crate::sys::same_host::ipc;
 use crate::sys::same_host::pipe;
-use crate::sys::same_host::slots::{SlotTable, SLOTS};
-use crate::sys::same_host::Tracked;
 
 /// Where an active operation is on the same-host path.
 pub(super) enum Phase {
@@ -215,160 +209,4 @@ pub(super) struct RequestId {
     pub(super) slot: u32,
     /// The slot's generation for this request.
     pub(super) gen: u64,
-}
-
-/// Export ids kept per connection for its `Forgot` frames (the importer keeps at most 256
-/// mappings: older ids are long unmapped).
-pub(super) const MAX_NAMED: usize = 1024;
-
-/// Stand-in pool keys: pids are positive, peers of another PID namespace take -1 ..= -2^30, feeds
-/// of pipes -2^31 ..= -2^30 - 1 (a collision between two peers only shares a share).
-const STAND_INS: u64 = 1 << 30;
-
-/// One socket: a connection this side made (client, the active side) or accepted (server).
-/// What the peer says is read, checked and authenticated by its protocol core ([`Link`]); this
-/// record keeps what lives at the edge (the socket, the peer's process, the slot table) and the
-/// transport's bookkeeping.
-pub(super) struct Conn {
-    pub(super) fd: Tracked,
-    pub(super) client: bool,
-    /// The peer's pid from here (0: another PID namespace; nothing can be pulled from it).
-    pub(super) peer_pid: libc::pid_t,
-    /// The peer's process id as the connection's proofs name it (`sys::self_id`).
-    pub(super) peer_id: u64,
-    pub(super) pidfd: Option<Arc<OwnedFd>>,
-    /// The protocol core: framing, handshake, deadlines, proofs.
-    pub(super) link: Link,
-    pub(super) writing: bool,
-    pub(super) slots: Option<Arc<SlotTable>>,
-    /// Server side: read grants this connection holds (at most
-    /// [`MAX_GRANTS_PER_CONN`](super::limits::MAX_GRANTS_PER_CONN)).
-    pub(super) granted: usize,
-    /// Server side: device ranges of this connection's reads queued for export (at most
-    /// [`MAX_EXPORTING_PER_CONN`](super::limits::MAX_EXPORTING_PER_CONN)).
-    pub(super) exporting: usize,
-    /// This side may pull from the peer's memory.
-    pub(super) can_pull: bool,
-    /// The peer lives in another PID namespace than this process (a pod), visible from here or
-    /// not: legacy CUDA IPC handles do not open across, so device memory moves as VMM
-    /// descriptors.
-    pub(super) other_pid_ns: bool,
-    /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
-    pub(super) peer: Arc<str>,
-    pub(super) queued: Vec<OpId>,
-    pub(super) free_slots: Vec<u32>,
-    pub(super) gens: Vec<u64>,
-    /// The export ids of the VMM descriptors the peer passed on this connection (the most
-    /// recent [`MAX_NAMED`] of them): its `Forgot` frames release this side's mappings of these
-    /// alone, each once, so they cost this side no more work than the exports did.
-    pub(super) named: VecDeque<u64>,
-    /// Pipes' read ends the peer passed, in order, not yet taken by the frame they came with
-    /// (the core counts them; closed off the engine thread if never taken).
-    pub(super) passed: VecDeque<OwnedFd>,
-    /// Pipes' read ends to pass with the byte at this offset of the stream sent (the first byte
-    /// of the frame that says it passes them), in order.
-    pub(super) attach: VecDeque<(u64, pipe::Ends)>,
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        // A peer's descriptors are never closed on the engine thread (a FUSE file's close can
-        // block).
-        self.passed
-            .drain(..)
-            .for_each(crate::sys::same_host::close_elsewhere);
-    }
-}
-
-impl Conn {
-    /// Sends the core's `Hello` with a fresh slot table's descriptor attached (the client's
-    /// first frame), and keeps the table.
-    pub(super) fn send_hello(&mut self) -> io::Result<()> {
-        let table = Arc::new(SlotTable::create()?);
-        // Nothing about this process but the key's hash and a nonce: the server proves it holds
-        // the key before anything else is sent.
-        let buf = self.link.out();
-        let n = crate::sys::same_host::send_with_fds(self.fd.as_raw_fd(), buf, &[table.fd().as_raw_fd()])?;
-        if n != buf.len() {
-            // A fresh connection's buffer always takes a few dozen bytes; anything else is broken.
-            return Err(io::Error::other("the hello did not fit the socket"));
-        }
-        self.link.sent(n);
-        self.slots = Some(table);
-        Ok(())
-    }
-
-    /// Client side: the request in `slot` of generation `gen` ended; the slot is free again (for
-    /// the peer, and for this side's next request). A slot of another generation is left alone.
-    pub(super) fn free_slot(&mut self, slot: u32, gen: u64) {
-        if self.client && self.gens.get(slot as usize) == Some(&gen) {
-            if let Some(t) = &self.slots {
-                t.free(slot, gen);
-            }
-            self.free_slots.push(slot);
-        }
-    }
-
-    /// Whose share of the copy pool this connection's copies run under: the peer's pid, or, for a
-    /// peer in another PID namespace (pid 0 from here), a stand-in of its own from its id, so
-    /// that no two such peers share one.
-    pub(super) fn pool_key(&self) -> libc::pid_t {
-        if self.peer_pid > 0 {
-            self.peer_pid
-        } else {
-            -1 - (self.peer_id % STAND_INS) as libc::pid_t
-        }
-    }
-
-    /// Whose share of the copy pool this connection's feeds of pipes run under: one apart from
-    /// [`Self::pool_key`]'s, so that feeds waiting for the peer to read never hold up the fills
-    /// (reads of the peer's pipes) this side owes it: two processes piping to each other at once
-    /// would each wait for the other's queued fills.
-    pub(super) fn feed_key(&self) -> libc::pid_t {
-        let k = if self.peer_pid > 0 {
-            self.peer_pid as u64
-        } else {
-            self.peer_id
-        };
-        i32::MIN + (k % STAND_INS) as libc::pid_t
-    }
-
-    /// A connection record, with the pidfd of the peer's process the caller took (the client's
-    /// server, checked alive; the server's client, at accept: the handshake caps bound how many
-    /// connections without a `Hello` hold one).
-    pub(super) fn new(
-        fd: Tracked,
-        link: Link,
-        peer_pid: libc::pid_t,
-        peer_id: u64,
-        pidfd: Option<OwnedFd>,
-        peer: Arc<str>,
-    ) -> Self {
-        let client = link.is_client();
-        Self {
-            fd,
-            client,
-            peer_pid,
-            peer_id,
-            pidfd: pidfd.map(Arc::new),
-            link,
-            writing: false,
-            slots: None,
-            granted: 0,
-            exporting: 0,
-            can_pull: false,
-            other_pid_ns: false,
-            named: VecDeque::new(),
-            peer,
-            queued: Vec::new(),
-            free_slots: if client {
-                (0..SLOTS as u32).rev().collect()
-            } else {
-                Vec::new()
-            },
-            gens: if client { vec![0; SLOTS] } else { Vec::new() },
-            passed: VecDeque::new(),
-            attach: VecDeque::new(),
-        }
-    }
 }

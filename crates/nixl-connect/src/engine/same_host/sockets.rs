@@ -11,18 +11,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::auth::KeyId;
+use super::conn::Conn;
 use super::limits::{Caps, ACCEPT_BACKOFF, MAX_HANDSHAKING, MAX_HANDSHAKING_PER_PID};
 use super::link::Heard;
-use super::records::{Conn, ConnId, MAX_NAMED};
-use super::violation::Violation;
-use super::wire::IpcSource;
+use super::records::ConnId;
 use crate::engine::poller::{Registrar, MAX_TOKEN};
 use crate::sys::same_host::dir::DirListener;
-use crate::sys::same_host::slots::SlotTable;
 use crate::sys::same_host::{
-    accept, clear_timer, close_elsewhere, close_refused, closer, passes_rights, pipe, plug, recv_with_fds,
-    refuse_passed_descriptors, send, send_with_fds, set_backlog, set_timer, timerfd, uid, Control, Tracked,
-    BACKLOG,
+    accept, clear_timer, close_refused, plug, set_backlog, set_timer, timerfd, uid, Tracked, BACKLOG,
 };
 
 /// The token of the listening socket in the engine's poller.
@@ -33,9 +29,6 @@ pub(super) const DIR_LISTENER: u64 = MAX_TOKEN - 2;
 pub(super) const ACCEPT_TIMER: u64 = MAX_TOKEN;
 /// The poller token of the timer that fires at the earliest deadline of a connection's core.
 pub(super) const DEADLINE_TIMER: u64 = MAX_TOKEN - 1;
-/// Bytes read from one connection in one engine turn: a few hundred small frames, or a 16 MiB
-/// request in pieces over several turns (its partial frame bounded and timed by the core).
-pub(super) const READ_PER_TURN: usize = 1 << 20;
 
 /// The listener, the connections and their timers.
 pub(super) struct Sockets {
@@ -146,7 +139,7 @@ impl Sockets {
     pub(super) fn with_frames_queued(&self) -> Vec<ConnId> {
         self.conns
             .iter()
-            .filter(|(_, c)| !c.link.out().is_empty() && !c.writing)
+            .filter(|(_, c)| c.has_unwatched_frames())
             .map(|(i, _)| *i)
             .collect()
     }
@@ -158,7 +151,7 @@ impl Sockets {
         // connectors share, keeps peers' mappings and this side's exports per connection.
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let _ = self.reg.add(c.fd.as_raw_fd(), id, true, false);
+        let _ = self.reg.add(c.fd(), id, true, false);
         self.conns.insert(id, c);
         self.watch_deadline(id);
         id
@@ -167,7 +160,7 @@ impl Sockets {
     /// Stops watching connection `i` and hands it back (the caller ends what depended on it).
     pub(super) fn remove(&mut self, i: ConnId) -> Option<Conn> {
         let c = self.conns.remove(&i)?;
-        self.reg.remove(c.fd.as_raw_fd());
+        self.reg.remove(c.fd());
         Some(c)
     }
 
@@ -182,7 +175,7 @@ impl Sockets {
     /// Server side: a read grant of connection `i` ended.
     pub(super) fn ungrant(&mut self, i: ConnId) {
         if let Some(c) = self.conns.get_mut(&i) {
-            c.granted = c.granted.saturating_sub(1);
+            c.ungrant();
         }
     }
 
@@ -192,9 +185,9 @@ impl Sockets {
     /// process in another PID namespace is counted by its id like any other.
     pub(super) fn admission(&self, id: u64) -> Option<String> {
         let (mut served, mut from_pid, mut shaking, mut shaking_pid) = (0, 0, 0, 0);
-        for c in self.conns.values().filter(|c| !c.client) {
-            let mine = c.peer_id == id;
-            let unshaken = !c.link.is_ready();
+        for c in self.conns.values().filter(|c| !c.is_client()) {
+            let mine = c.peer_id() == id;
+            let unshaken = !c.link().is_ready();
             served += 1;
             from_pid += usize::from(mine);
             shaking += usize::from(unshaken);
@@ -218,7 +211,7 @@ impl Sockets {
     /// Arms the deadline timer for connection `i`'s core, if it has a deadline sooner than the
     /// one armed.
     pub(super) fn watch_deadline(&mut self, i: ConnId) {
-        let Some(t) = self.conns.get(&i).and_then(|c| c.link.deadline()) else {
+        let Some(t) = self.conns.get(&i).and_then(|c| c.link().deadline()) else {
             return;
         };
         if self.deadline_armed.is_some_and(|a| a <= t) {
@@ -310,200 +303,26 @@ impl Sockets {
         }
     }
 
-    /// Connection `i`'s peer passes no descriptor again (the kernel refuses them where it can).
+    /// Connection `i`'s peer passes no descriptor again (see [`Conn::refuse_descriptors`]).
     pub(super) fn refuse_descriptors(&mut self, i: ConnId) {
         if let Some(c) = self.conns.get(&i) {
-            refuse_passed_descriptors(c.fd.as_raw_fd());
+            c.refuse_descriptors();
         }
     }
 
-    /// Takes the next `n` descriptors connection `i`'s peer passed (its core counted them for the
-    /// frame just heard), each checked to be a pipe's read end. `None` (the connection killed,
-    /// and what was taken closed off this thread) when one is not.
-    pub(super) fn take_pipes(&mut self, i: ConnId, n: usize) -> Option<pipe::Ends> {
-        let c = self.conns.get_mut(&i)?;
-        let fds: Vec<OwnedFd> = c.passed.drain(..n.min(c.passed.len())).collect();
-        if fds.len() == n && fds.iter().all(pipe::is_read_end) {
-            return Some(pipe::Ends::new(fds));
-        }
-        fds.into_iter().for_each(close_elsewhere);
-        c.link.kill(Violation::NotAPipe);
-        None
-    }
-
-    /// Takes the next `n` descriptors connection `i`'s peer passed with a device write's sources
-    /// (its core counted them), each checked to be an NVIDIA device's (what a VMM export is).
-    /// `None` (the connection killed, and what was taken closed off this thread) when one is not.
-    pub(super) fn take_cuda_exports(&mut self, i: ConnId, n: usize) -> Option<Vec<OwnedFd>> {
-        let c = self.conns.get_mut(&i)?;
-        let fds: Vec<OwnedFd> = c.passed.drain(..n.min(c.passed.len())).collect();
-        if fds.len() == n && fds.iter().all(crate::sys::same_host::is_cuda_export) {
-            return Some(fds);
-        }
-        fds.into_iter().for_each(close_elsewhere);
-        c.link.kill(Violation::NotACudaExport);
-        None
-    }
-
-    /// Notes the export ids of VMM `sources` connection `i`'s peer passed (see `Conn::named`).
-    pub(super) fn name_exports(&mut self, i: ConnId, sources: &[IpcSource]) {
-        let Some(c) = self.conns.get_mut(&i) else { return };
-        for s in sources.iter().filter(|s| s.fd > 0) {
-            if !c.named.contains(&s.buffer_id) {
-                if c.named.len() == MAX_NAMED {
-                    c.named.pop_front();
-                }
-                c.named.push_back(s.buffer_id);
-            }
-        }
-    }
-
-    /// Of `ids` the peer of connection `i` says it gave back, those it had passed here (each
-    /// answered once).
-    pub(super) fn unname_exports(&mut self, i: ConnId, ids: &[u64]) -> Vec<u64> {
-        let Some(c) = self.conns.get_mut(&i) else {
-            return Vec::new();
-        };
-        let mut out = Vec::new();
-        for id in ids {
-            if let Some(k) = c.named.iter().position(|n| n == id) {
-                c.named.remove(k);
-                out.push(*id);
-            }
-        }
-        out
-    }
-
-    /// Closes the next `n` descriptors connection `i`'s peer passed (off this thread).
-    pub(super) fn drop_passed(&mut self, i: ConnId, n: usize) {
-        if let Some(c) = self.conns.get_mut(&i) {
-            let k = n.min(c.passed.len());
-            c.passed.drain(..k).for_each(close_elsewhere);
-        }
-    }
-
-    /// Queues `fds` to go with the next frame connection `i`'s core queues (at stream offset
-    /// `at`, [`Link::queued_end`](super::link::Link::queued_end) before it was queued).
-    pub(super) fn attach(&mut self, i: ConnId, at: u64, fds: pipe::Ends) {
-        if let Some(c) = self.conns.get_mut(&i) {
-            c.attach.push_back((at, fds));
-        }
-    }
-
-    /// Sends what connection `i`'s core has queued; watches for writability if the socket is
-    /// full.
+    /// Sends what connection `i`'s core has queued ([`Conn::flush`]); watches for writability
+    /// while the socket is full.
     pub(super) fn flush(&mut self, i: ConnId) {
         let Some(c) = self.conns.get_mut(&i) else { return };
-        while !c.link.out().is_empty() {
-            // Descriptors go with the first byte of the frame that passes them: the bytes before
-            // it are sent on their own, then that frame's with them.
-            let base = c.link.sent_total();
-            while c.attach.front().is_some_and(|(at, _)| *at < base) {
-                c.attach.pop_front(); // its frame is gone (never the case on a live link)
-            }
-            let out = c.link.out();
-            let sent = match c.attach.front() {
-                Some((at, fds)) if *at == base => {
-                    let upto = c
-                        .attach
-                        .get(1)
-                        .map_or(out.len(), |(next, _)| (next - base) as usize);
-                    let raw: Vec<RawFd> = fds.raw();
-                    let r = send_with_fds(c.fd.as_raw_fd(), &out[..upto.min(out.len())], &raw);
-                    if matches!(r, Ok(1..)) {
-                        // Ours are closed (on the pipes' closer): the peer holds its own now.
-                        c.attach.pop_front();
-                    }
-                    r
-                }
-                Some((at, _)) => send(c.fd.as_raw_fd(), &out[..((at - base) as usize).min(out.len())]),
-                None => send(c.fd.as_raw_fd(), out),
-            };
-            if let Ok(n @ 1..) = sent {
-                c.link.sent(n);
-            } else {
-                let e = sent.err().unwrap_or_else(|| io::ErrorKind::WriteZero.into());
-                if e.kind() != io::ErrorKind::WouldBlock {
-                    c.link.hang_up(Violation::SocketFailed);
-                    c.link.sent(usize::MAX);
-                }
-                break;
-            }
-        }
-        let want = !c.link.out().is_empty() && !c.link.is_dead();
-        if want != c.writing {
-            c.writing = want;
-            let _ = self.reg.modify(c.fd.as_raw_fd(), i, true, want);
+        if let Some(want) = c.flush() {
+            let _ = self.reg.modify(c.fd(), i, true, want);
         }
     }
 
-    /// Reads what is available on connection `i` into its core, at most [`READ_PER_TURN`] bytes
-    /// (the rest waits for the next turn: the socket stays readable), so that a peer that keeps
-    /// its socket full neither holds the engine thread nor makes `heard` grow without bound; what
-    /// the core proved (requests resolved through `key_ids`) goes to `heard`. A descriptor is
-    /// taken only where the core takes one (the client's slot table, with its `Hello`), and only
-    /// if it is a sealed table of the right size; every other one is closed off this thread.
+    /// Reads what is available on connection `i` into its core ([`Conn::read`]).
     pub(super) fn read(&mut self, i: ConnId, key_ids: &HashMap<KeyId, Arc<str>>, heard: &mut Vec<Heard>) {
-        let Some(c) = self.conns.get_mut(&i) else { return };
-        let mut chunk = [0u8; 64 << 10];
-        let mut control = Control::new();
-        let mut budget = READ_PER_TURN;
-        while !c.link.is_dead() && budget > 0 {
-            if closer::backlogged() && passes_rights(c.fd.as_raw_fd()) {
-                // Closes wait past their bound: a connection that can pass descriptors is not
-                // read (a read would take them into the table); closed, what it queued is
-                // released with its socket on the closer, never taken.
-                c.link.kill(Violation::ClosesBacklogged);
-                return;
-            }
-            let mut fds = Vec::new();
-            let (n, truncated) = match recv_with_fds(c.fd.as_raw_fd(), &mut chunk, &mut control, &mut fds) {
-                Ok((0, _)) => {
-                    c.link.hang_up(Violation::PeerClosed);
-                    return;
-                }
-                Ok(r) => r,
-                Err(e) => {
-                    if e.kind() != io::ErrorKind::WouldBlock {
-                        c.link.hang_up(Violation::PeerClosed);
-                    }
-                    return;
-                }
-            };
-            budget = budget.saturating_sub(n);
-            if truncated {
-                // Descriptors were cut off (more than a message takes, or our table was full and
-                // the kernel closed them): never what an honest peer sends.
-                fds.into_iter().for_each(close_elsewhere);
-                c.link.kill(Violation::ControlTruncated);
-                return;
-            }
-            let passed = fds.len();
-            if passed > 0 {
-                if passed == 1 && c.link.takes_descriptors() {
-                    // The slot table: checked (sealed memfd first, without touching any other
-                    // kind of file) before anything else. Whether descriptors are taken again
-                    // (pipes) the client says in its `Trusted`.
-                    let fd = fds.pop().expect("one");
-                    if SlotTable::check(&fd).is_err() {
-                        close_elsewhere(fd);
-                        c.link.kill(Violation::NotATable);
-                        return;
-                    }
-                    match SlotTable::open(fd) {
-                        Ok(t) => c.slots = Some(Arc::new(t)),
-                        Err(_) => {
-                            c.link.kill(Violation::TableUnmappable);
-                            return;
-                        }
-                    }
-                } else {
-                    // Pipes' read ends (the core checks that frames take them, and bounds how
-                    // many wait); held in order until their frame is handled.
-                    c.passed.extend(fds);
-                }
-            }
-            c.link.recv(&chunk[..n], passed, Instant::now(), key_ids, heard);
+        if let Some(c) = self.conns.get_mut(&i) {
+            c.read(key_ids, heard);
         }
     }
 }

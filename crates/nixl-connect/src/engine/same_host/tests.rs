@@ -28,6 +28,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("identity", 5),
     ("wire", 6),
     ("link", 7),
+    ("conn", 8),
     ("records", 8),
     ("server_book", 9),
     ("client_book", 9),

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::client_book::ClientBook;
+use super::conn::Conn;
 use super::device::{device_path_refusal, uniform, DeviceAsk};
 use super::feeds::{Feed, FeedFor, Feeds};
 use super::identity::Identity;
@@ -20,7 +21,7 @@ use super::in_flight::InFlight;
 use super::limits::{Caps, MAX_PIPES, MAX_PIPES_PER_CONN};
 use super::link::{grant_ipc_len, Answer, Heard, Link, Request};
 use super::policy::{self, Decision, Load};
-use super::records::{refused, Act, AnyCopy, Conn, ConnId, CopyOwner, ExportDone, Phase, RequestId};
+use super::records::{refused, Act, AnyCopy, ConnId, CopyOwner, ExportDone, Phase, RequestId};
 use super::server_book::{Claim, Scope, ServerBook, Writer};
 use super::sockets::{Sockets, ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
 use super::violation::Violation;
@@ -41,9 +42,9 @@ use crate::sys::same_host::dir::{connect_in, DirListener};
 #[cfg(feature = "cuda")]
 use crate::sys::same_host::ipc;
 use crate::sys::same_host::{
-    accept, accept_passed_descriptors, alive, alive_fd, close_elsewhere, close_refused, closer, cma, connect,
-    descriptor_budget, peer_cred, peer_process, pipe, raise_descriptor_limit, refuse_passed_descriptors,
-    same_pid_namespace, self_id, socket_name, unix_socket, Tracked,
+    accept, alive, alive_fd, close_refused, closer, cma, connect, descriptor_budget, peer_cred, peer_process,
+    pipe, raise_descriptor_limit, refuse_passed_descriptors, same_pid_namespace, self_id, socket_name,
+    unix_socket, Tracked,
 };
 
 /// Requests open on a connection below which a small host operation carries its bytes in its
@@ -170,7 +171,11 @@ impl SameHostTransport {
                     self.sockets.refuse_descriptors(i);
                 }
             }
-            Heard::Unused { fds } => self.sockets.drop_passed(i, fds),
+            Heard::Unused { fds } => {
+                if let Some(c) = self.sockets.get_mut(i) {
+                    c.drop_passed(fds);
+                }
+            }
             Heard::Forgot { ids } => self.on_forgot(i, ids),
             Heard::GrantPipe { slot, gen, lanes } => self.on_grant_pipe(i, slot, gen, lanes, out),
             Heard::Req(r) => {
@@ -182,8 +187,8 @@ impl SameHostTransport {
                     // pipes or VMM descriptors came with it (its core counted them off): closed,
                     // so the next frame's are the next ones.
                     let n = r.passed;
-                    c.passed.drain(..n.min(c.passed.len())).for_each(close_elsewhere);
-                    c.link.answer(
+                    c.drop_passed(n);
+                    c.link_mut().answer(
                         r.req.slot,
                         r.req.gen,
                         Answer::Fallback("the metadata names another agent of the same name".into()),
@@ -200,8 +205,8 @@ impl SameHostTransport {
                 // Not the process that made the operation: another one holds the socket name. It
                 // learnt a key hash and a nonce; nothing else is sent, nothing it says is believed.
                 tracing::warn!(
-                    peer = %c.peer,
-                    pid = c.peer_pid,
+                    peer = %c.peer(),
+                    pid = c.peer_pid(),
                     "the process on this peer's same-host socket could not prove it holds the \
                      operation's key (an impostor?); using NIXL"
                 );
@@ -262,7 +267,7 @@ impl SameHostTransport {
     /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
     /// someone else holds its socket name), `why` kept for the operations it declines meanwhile.
     fn avoid(&mut self, i: ConnId, why: &Decline) {
-        let Some(peer) = self.sockets.get(i).map(|c| c.peer.clone()) else {
+        let Some(peer) = self.sockets.get(i).map(|c| c.peer().clone()) else {
             return;
         };
         self.client.avoid(peer, Instant::now(), why);
@@ -273,8 +278,8 @@ impl SameHostTransport {
     /// others queued behind it take NIXL, and the connection is opened afresh next time.
     fn on_not_live(&mut self, i: ConnId, key: &str, out: &mut Vec<Event>) {
         let Some(c) = self.sockets.get_mut(i) else { return };
-        let peer = c.peer.clone();
-        let queued = std::mem::take(&mut c.queued);
+        let peer = c.peer().clone();
+        let queued = c.take_queued();
         for id in queued {
             let Some(a) = self.client.remove(id) else { continue };
             self.sockets.free_slot(i, a.slot, a.gen);
@@ -332,9 +337,9 @@ impl SameHostTransport {
         let now = Instant::now();
         for i in self.sockets.ids() {
             let c = self.sockets.get_mut(i).expect("listed");
-            c.link.on_timeout(now);
-            if c.link.is_dead() {
-                tracing::debug!(why = ?c.link.death(), "same-host connection timed out");
+            c.link_mut().on_timeout(now);
+            if c.link().is_dead() {
+                tracing::debug!(why = ?c.link().death(), "same-host connection timed out");
                 self.close(i, out);
             } else {
                 self.sockets.watch_deadline(i);
@@ -426,12 +431,11 @@ impl SameHostTransport {
                 .sockets
                 .insert(Conn::new(Tracked::new(fd), link, pid, peer_id, peer, "".into()));
             let c = self.sockets.get_mut(i).expect("just inserted");
-            c.can_pull = can_pull;
-            c.other_pid_ns = other_pid_ns;
+            c.set_reach(can_pull, other_pid_ns);
             if let Some(reason) = refusal {
                 self.refused_peers += 1;
                 let c = self.sockets.get_mut(i).expect("just inserted");
-                c.link.reject(reason);
+                c.link_mut().reject(reason);
                 self.sockets.flush(i);
                 self.close(i, &mut Vec::new());
             }
@@ -457,7 +461,7 @@ impl SameHostTransport {
         // A connection open to this exact name was made for its advertisement (the fast path of
         // every operation after the first: nothing parsed again).
         if let Some(i) = self.client.conn_to(peer) {
-            if self.sockets.get(i).is_some_and(|c| !c.link.is_dead()) {
+            if self.sockets.get(i).is_some_and(|c| !c.link().is_dead()) {
                 return Ok(i);
             }
         }
@@ -523,8 +527,7 @@ impl SameHostTransport {
             .sockets
             .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
         let c = self.sockets.get_mut(i).expect("just inserted");
-        c.can_pull = can_pull;
-        c.other_pid_ns = other_pid_ns;
+        c.set_reach(can_pull, other_pid_ns);
         if let Err(e) = self.sockets.get_mut(i).expect("just inserted").send_hello() {
             self.close(i, &mut Vec::new());
             return Err(
@@ -649,15 +652,15 @@ impl SameHostTransport {
         // Device mappings opened for this connection are closed (after any copy using them).
         #[cfg(feature = "cuda")]
         ipc::forget(i);
-        if c.client {
-            self.client.disconnected(&c.peer, i);
-            if !c.link.shook_hands() && c.link.peer_went_away() {
+        if c.is_client() {
+            self.client.disconnected(c.peer(), i);
+            if !c.link().shook_hands() && c.link().peer_went_away() {
                 // Closed on us before the handshake: not asked again for a while (what answered
                 // is no owner that will serve us now). An owner's proven "not live" is no reason
                 // to avoid it (its next operation may be live); an impostor or a rejection was
                 // avoided when it was heard.
                 self.client.avoid(
-                    c.peer.clone(),
+                    c.peer().clone(),
                     Instant::now(),
                     &Decline::of(
                         DeclineReason::Handshake,
@@ -672,13 +675,13 @@ impl SameHostTransport {
                     Phase::Copying => {}
                     Phase::Queued | Phase::Exporting | Phase::Requested | Phase::Abandoned => {
                         let a = self.client.remove(id).expect("listed");
-                        if let Some(t) = &c.slots {
+                        if let Some(t) = c.slots() {
                             t.revoke(a.slot, a.gen);
                         }
                         if matches!(a.phase, Phase::Abandoned) {
                             continue;
                         }
-                        if !c.link.peer_went_away() || !c.link.shook_hands() {
+                        if !c.link().peer_went_away() || !c.link().shook_hands() {
                             // The process on the socket broke the protocol, or the connection
                             // ended before the handshake (a server that refused it without a
                             // word, a squatter, a peer that died): nothing of this operation was
@@ -690,7 +693,7 @@ impl SameHostTransport {
                                     DeclineReason::Handshake,
                                     format!(
                                         "the same-host connection was closed: {}",
-                                        c.link.death().map_or("a protocol error", |v| v.reason())
+                                        c.link().death().map_or("a protocol error", |v| v.reason())
                                     ),
                                 ),
                             };
@@ -700,7 +703,7 @@ impl SameHostTransport {
                             let ev = Event::ActiveEnded {
                                 id,
                                 result: Err(Error::RemoteGone {
-                                    agent: c.peer.to_string(),
+                                    agent: c.peer().to_string(),
                                     reason: "its connector closed the same-host connection (the \
                                              process exited or dropped the connector)"
                                         .into(),
@@ -723,7 +726,7 @@ impl SameHostTransport {
             for s in self.server.scopes_mut() {
                 s.grants.retain(|g| {
                     if g.conn == i {
-                        if let Some(t) = &c.slots {
+                        if let Some(t) = c.slots() {
                             t.revoke(g.slot, g.gen);
                         }
                     }
@@ -741,10 +744,8 @@ impl SameHostTransport {
     /// passes them only in answers. The queued requests go.
     pub(super) fn on_ready(&mut self, i: ConnId, out: &mut Vec<Event>) {
         let Some(c) = self.sockets.get_mut(i) else { return };
-        if !c.can_pull || c.link.takes_exports() {
-            accept_passed_descriptors(c.fd.as_raw_fd());
-        }
-        let queued = std::mem::take(&mut c.queued);
+        c.accept_descriptors_if_taken();
+        let queued = c.take_queued();
         for id in queued {
             self.request(id, out);
         }
@@ -754,7 +755,7 @@ impl SameHostTransport {
         let queued = self
             .sockets
             .get_mut(i)
-            .map(|c| std::mem::take(&mut c.queued))
+            .map(|c| c.take_queued())
             .unwrap_or_default();
         for id in queued {
             if let Some(a) = self.client.remove(id) {
@@ -787,8 +788,8 @@ impl SameHostTransport {
             // handle, and for all memory in another PID namespace (legacy handles do not open
             // there).
             let how = match self.sockets.get(a.conn) {
-                Some(c) if c.link.passes_descriptors() => ipc::ExportAs::Descriptors {
-                    other_namespace: c.other_pid_ns,
+                Some(c) if c.link().passes_descriptors() => ipc::ExportAs::Descriptors {
+                    other_namespace: c.other_pid_ns(),
                 },
                 _ => ipc::ExportAs::Handles,
             };
@@ -823,7 +824,7 @@ impl SameHostTransport {
         let few = self
             .sockets
             .get(a.conn)
-            .is_some_and(|c| !c.can_pull || c.link.open_requests() < EAGER_OPEN);
+            .is_some_and(|c| !c.can_pull() || c.link().open_requests() < EAGER_OPEN);
         let small = few && (1..=EAGER_MAX).contains(&total) && host(&a.spec.local) && host(&a.spec.remote);
         let eager = small && !a.spec.write;
         let data = if small && a.spec.write {
@@ -838,11 +839,11 @@ impl SameHostTransport {
             && host(&a.spec.local)
             && host(&a.spec.remote)
             && if a.spec.write {
-                c.link.writes_piped()
+                c.link().writes_piped()
             } else {
-                !c.can_pull
+                !c.can_pull()
             };
-        if !a.spec.write && !a.device && !eager && !c.can_pull && !piped {
+        if !a.spec.write && !a.device && !eager && !c.can_pull() && !piped {
             self.decline_act(id, unreadable_device_read(), out);
             return;
         }
@@ -879,7 +880,7 @@ impl SameHostTransport {
         let source_fds = std::mem::take(&mut a.source_fds);
         // A device read by a side that takes VMM descriptors asks for them (`pipes: 1` on a
         // device read): the server then passes them where legacy handles cannot serve.
-        let vmm_read = a.device && !a.spec.write && c.link.takes_exports();
+        let vmm_read = a.device && !a.spec.write && c.link().takes_exports();
         let req = Req {
             slot: a.slot,
             gen: a.gen,
@@ -938,19 +939,19 @@ impl SameHostTransport {
         }
         // Queued in the core; sent with everything else queued this turn, at the end of the
         // transport's progress (a write's pipes with it).
-        let at = c.link.queued_end();
-        if !c.link.request(&a.spec.key, req) {
+        let at = c.link().queued_end();
+        if !c.link_mut().request(&a.spec.key, req) {
             self.decline_act(id, "the same-host connection cannot take the request".into(), out);
             return;
         }
         let feed_key = c.feed_key();
         if !source_fds.is_empty() {
-            self.sockets.attach(a.conn, at, pipe::Ends::new(source_fds));
+            c.attach(at, pipe::Ends::new(source_fds));
         }
         if let Some((mut lanes, wake)) = feeding {
             let (conn, pid) = (a.conn, feed_key);
             let pieces = a.spec.local.iter().map(|r| (r.addr, r.len)).collect();
-            self.sockets.attach(conn, at, lanes.take_read_ends());
+            c.attach(at, lanes.take_read_ends());
             self.start_feed(
                 FeedFor::Write(id),
                 conn,
@@ -971,7 +972,7 @@ impl SameHostTransport {
     fn end_abandoned_grant(&mut self, i: ConnId, id: OpId, slot: u32, gen: u64) {
         let a = self.client.remove(id).expect("present");
         if let Some(c) = self.sockets.get_mut(i) {
-            c.link.read_done(slot, gen, false, "cancelled");
+            c.link_mut().read_done(slot, gen, false, "cancelled");
         }
         self.sockets.free_slot(i, a.slot, a.gen);
     }
@@ -980,7 +981,7 @@ impl SameHostTransport {
     /// with the grant (taken here first, whatever became of the read, so the next frame's are
     /// the next ones).
     pub(super) fn on_grant_pipe(&mut self, i: ConnId, slot: u32, gen: u64, lanes: u8, out: &mut Vec<Event>) {
-        let Some(fds) = self.sockets.take_pipes(i, lanes as usize) else {
+        let Some(fds) = self.sockets.get_mut(i).and_then(|c| c.take_pipes(lanes as usize)) else {
             return; // not pipes: the connection is killed; its operations end with it
         };
         // (`fds` dropped on a return below are closed on the pipes' closer.)
@@ -997,7 +998,7 @@ impl SameHostTransport {
             Err(e) => {
                 let a = self.client.remove(id).expect("present");
                 if let Some(c) = self.sockets.get_mut(i) {
-                    c.link.read_done(slot, gen, false, "no eventfd");
+                    c.link_mut().read_done(slot, gen, false, "no eventfd");
                 }
                 self.sockets.free_slot(i, a.slot, a.gen);
                 out.push(Event::ActiveEnded {
@@ -1010,13 +1011,13 @@ impl SameHostTransport {
         a.phase = Phase::Copying;
         a.wake = Some(wake.clone());
         let c = self.sockets.get(i).expect("live");
-        a.pidfd = c.pidfd.clone();
+        a.pidfd = c.pidfd();
         let copy = AnyCopy::Filled(pipe::Fill {
             pid: c.pool_key(),
             lanes: fds,
             pieces: a.spec.local.iter().map(|r| (r.addr, r.len)).collect(),
             slot: SlotRef {
-                table: c.slots.clone().expect("ready"),
+                table: c.slots().cloned().expect("ready"),
                 idx: slot,
                 gen,
             },
@@ -1061,12 +1062,13 @@ impl SameHostTransport {
         // dropped below are closed on the closer.
         let n = sources.as_deref().and_then(passed_fds).unwrap_or(0);
         let fds = if n > 0 {
-            match self.sockets.take_cuda_exports(i, n) {
-                Some(f) => {
-                    self.sockets
-                        .name_exports(i, sources.as_deref().unwrap_or_default());
-                    pipe::Ends::new(f)
-                }
+            let c = self.sockets.get_mut(i);
+            match c.and_then(|c| {
+                let f = c.take_cuda_exports(n)?;
+                c.name_exports(sources.as_deref().unwrap_or_default());
+                Some(f)
+            }) {
+                Some(f) => pipe::Ends::new(f),
                 None => return,
             }
         } else {
@@ -1088,7 +1090,7 @@ impl SameHostTransport {
         if !fits && !matches!(a.phase, Phase::Abandoned) {
             tracing::debug!("a same-host grant that does not fit its request; closing the connection");
             if let Some(c) = self.sockets.get_mut(i) {
-                c.link.kill(Violation::GrantDoesNotFit);
+                c.link_mut().kill(Violation::GrantDoesNotFit);
             }
             return;
         }
@@ -1098,7 +1100,7 @@ impl SameHostTransport {
         }
         a.phase = Phase::Copying;
         let c = self.sockets.get(i).expect("live");
-        a.pidfd = c.pidfd.clone();
+        a.pidfd = c.pidfd();
         a.spec
             .state
             .set_mechanism(match (&sources, a.spec.local.first().map(|r| r.device)) {
@@ -1111,7 +1113,7 @@ impl SameHostTransport {
         if let Some(sources) = sources {
             let copy = AnyCopy::Device(ipc::Copy {
                 conn: i,
-                pid: c.peer_pid,
+                pid: c.peer_pid(),
                 pieces: a
                     .spec
                     .local
@@ -1124,7 +1126,7 @@ impl SameHostTransport {
                     .collect(),
                 fds: fds.into_vec(),
                 slot: SlotRef {
-                    table: c.slots.clone().expect("ready"),
+                    table: c.slots().cloned().expect("ready"),
                     idx: slot,
                     gen,
                 },
@@ -1135,7 +1137,7 @@ impl SameHostTransport {
         }
         let _ = (sources, fds);
         let copy = Copy {
-            pid: c.peer_pid,
+            pid: c.peer_pid(),
             pieces: a
                 .spec
                 .local
@@ -1148,7 +1150,7 @@ impl SameHostTransport {
                 })
                 .collect(),
             slot: SlotRef {
-                table: c.slots.clone().expect("ready"),
+                table: c.slots().cloned().expect("ready"),
                 idx: slot,
                 gen,
             },
@@ -1175,7 +1177,7 @@ impl SameHostTransport {
         // ones (a descriptor that is no pipe's read end kills the connection).
         // (Dropped anywhere below, they are closed on the pipes' closer, never here.)
         let mut passed = if write && pipes > 0 {
-            match self.sockets.take_pipes(i, pipes as usize) {
+            match self.sockets.get_mut(i).and_then(|c| c.take_pipes(pipes as usize)) {
                 Some(fds) => fds,
                 None => return,
             }
@@ -1187,28 +1189,31 @@ impl SameHostTransport {
         // they are closed on the closer, never here.)
         let vmm = descriptors - if write && pipes > 0 { usize::from(pipes) } else { 0 };
         let mut vmm_fds = if vmm > 0 {
-            match self.sockets.take_cuda_exports(i, vmm) {
-                Some(fds) => {
-                    self.sockets.name_exports(i, &req.sources);
-                    pipe::Ends::new(fds)
-                }
+            let c = self.sockets.get_mut(i);
+            match c.and_then(|c| {
+                let f = c.take_cuda_exports(vmm)?;
+                c.name_exports(&req.sources);
+                Some(f)
+            }) {
+                Some(fds) => pipe::Ends::new(fds),
                 None => return,
             }
         } else {
             pipe::Ends::new(Vec::new())
         };
         let Some(c) = self.sockets.get(i) else { return };
-        if !c.link.is_ready() {
+        if !c.link().is_ready() {
             // The connection died after the request was heard (the peer went away, or broke a
             // rule later in the same read): no answer can reach it, so nothing is granted,
             // copied or completed for it.
             return;
         }
+        let (granted, exporting) = c.load();
         let load = Load {
-            granted: c.granted,
-            exporting: c.exporting,
+            granted,
+            exporting,
             exporting_all: self.server.exporting(),
-            can_pull: c.can_pull,
+            can_pull: c.can_pull(),
             pipes: self.feeds.lanes_of(i),
             pipes_all: self.feeds.lanes(),
         };
@@ -1250,7 +1255,7 @@ impl SameHostTransport {
                 let s = self.server.scope_mut(&key).expect("decided on it");
                 if s.grants.insert(id) {
                     if let Some(c) = self.sockets.get_mut(i) {
-                        c.granted += 1;
+                        c.charge(1, 0);
                     }
                 }
                 Some(Answer::Grant)
@@ -1280,7 +1285,7 @@ impl SameHostTransport {
             Some(a) => self
                 .sockets
                 .get_mut(i)
-                .is_some_and(|c| c.link.answer(slot, gen, a)),
+                .is_some_and(|c| c.link_mut().answer(slot, gen, a)),
             None => false,
         };
         // An eager operation is complete once its answer is on its way (a read's bytes, a
@@ -1358,11 +1363,11 @@ impl SameHostTransport {
         let state = s.state.clone();
         s.grants.insert(id);
         let c = self.sockets.get_mut(id.conn).expect("decided on it");
-        c.granted += 1;
+        c.charge(1, 0);
         let pid = c.feed_key();
-        let at = c.link.queued_end();
+        let at = c.link().queued_end();
         if !c
-            .link
+            .link_mut()
             .answer(id.slot, id.gen, Answer::GrantPipe(lanes.len() as u8))
         {
             self.server
@@ -1373,7 +1378,9 @@ impl SameHostTransport {
             self.sockets.ungrant(id.conn);
             return None;
         }
-        self.sockets.attach(id.conn, at, ends);
+        if let Some(c) = self.sockets.get_mut(id.conn) {
+            c.attach(at, ends);
+        }
         let pieces = remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect();
         self.start_feed(
             FeedFor::Grant(id),
@@ -1431,7 +1438,7 @@ impl SameHostTransport {
     /// `id` its writer. What the copy into it needs.
     pub(super) fn claim_writable(&mut self, id: RequestId, key: &str) -> Result<Claim, Answer> {
         let c = self.sockets.get(id.conn).expect("decided on it");
-        let (pid, pidfd, table) = (c.peer_pid, c.pidfd.clone(), c.slots.clone().expect("ready"));
+        let (pid, pidfd, table) = (c.peer_pid(), c.pidfd(), c.slots().cloned().expect("ready"));
         let key = self.server.key(key).expect("decided on it");
         let s = self.server.scope_mut(&key).expect("decided on it");
         if !s.state.try_mark_in_use() {
@@ -1513,12 +1520,11 @@ impl SameHostTransport {
                 let ranges = remote.len();
                 self.server.exports_queued(ranges);
                 if let Some(c) = self.sockets.get_mut(id.conn) {
-                    c.granted += usize::from(fresh);
-                    c.exporting += ranges;
+                    c.charge(usize::from(fresh), ranges);
                 }
                 let how = match self.sockets.get(id.conn) {
                     Some(c) if vmm => ipc::ExportAs::Descriptors {
-                        other_namespace: c.other_pid_ns,
+                        other_namespace: c.other_pid_ns(),
                     },
                     _ => ipc::ExportAs::Handles,
                 };
@@ -1566,7 +1572,11 @@ impl SameHostTransport {
     /// them go. Only ids it passed here count, each once: a flood of `Forgot` frames makes no
     /// work on the CUDA thread beyond what the exports themselves did.
     pub(super) fn on_forgot(&mut self, i: ConnId, ids: Vec<u64>) {
-        let ids = self.sockets.unname_exports(i, &ids);
+        let ids = self
+            .sockets
+            .get_mut(i)
+            .map(|c| c.unname_exports(&ids))
+            .unwrap_or_default();
         #[cfg(feature = "cuda")]
         if !ids.is_empty() {
             ipc::forget_imports(i, ids);
@@ -1589,7 +1599,7 @@ impl SameHostTransport {
                 } => {
                     self.server.exports_ended(ranges);
                     if let Some(c) = self.sockets.get_mut(id.conn) {
-                        c.exporting = c.exporting.saturating_sub(ranges);
+                        c.exported(ranges);
                     }
                     // Not for a scope another reader completed this turn (its grants go when
                     // the engine applies the completion and unexposes it).
@@ -1619,15 +1629,15 @@ impl SameHostTransport {
                     };
                     if let Some(c) = self.sockets.get_mut(id.conn) {
                         // The descriptors go with the grant's first byte.
-                        let at = c.link.queued_end();
-                        if c.link.answer(id.slot, id.gen, answer) && !fds.is_empty() {
-                            self.sockets.attach(id.conn, at, pipe::Ends::new(fds));
+                        let at = c.link().queued_end();
+                        if c.link_mut().answer(id.slot, id.gen, answer) && !fds.is_empty() {
+                            c.attach(at, pipe::Ends::new(fds));
                         }
                     }
                 }
                 ExportDone::Forgotten { conn, ids } => {
                     if let Some(c) = self.sockets.get_mut(conn) {
-                        c.link.forgot(&ids);
+                        c.link_mut().forgot(&ids);
                     }
                 }
                 ExportDone::Write { id, result } => {
@@ -1764,12 +1774,12 @@ impl SameHostTransport {
                 CopyOwner::Read(id) => {
                     let Some(a) = self.client.remove(id) else { continue };
                     let i = a.conn;
-                    let live = self.sockets.get(i).is_some_and(|c| !c.link.is_dead());
+                    let live = self.sockets.get(i).is_some_and(|c| !c.link().is_dead());
                     if let Err(CopyError::Unsupported(reason)) = &r {
                         // Nothing moved: end the grant and let NIXL take the read.
                         if live {
                             let c = self.sockets.get_mut(i).expect("live");
-                            c.link.read_done(a.slot, a.gen, false, &reason.to_string());
+                            c.link_mut().read_done(a.slot, a.gen, false, &reason.to_string());
                         }
                         self.sockets.free_slot(i, a.slot, a.gen);
                         if a.cancel.load(Ordering::Relaxed) {
@@ -1816,7 +1826,7 @@ impl SameHostTransport {
                     };
                     if live {
                         let c = self.sockets.get_mut(i).expect("live");
-                        c.link.read_done(a.slot, a.gen, result.is_ok(), "");
+                        c.link_mut().read_done(a.slot, a.gen, result.is_ok(), "");
                     }
                     self.sockets.free_slot(i, a.slot, a.gen);
                     out.push(Event::ActiveEnded { id, result });
@@ -1839,7 +1849,7 @@ impl SameHostTransport {
                             }
                         }
                         if let Some(c) = self.sockets.get_mut(id.conn) {
-                            c.link.answer(
+                            c.link_mut().answer(
                                 id.slot,
                                 id.gen,
                                 Answer::Fallback(format!(
@@ -1884,7 +1894,8 @@ impl SameHostTransport {
                             Ok(()) => String::new(),
                             Err(e) => format!("the passive side's copy failed: {e:?}"),
                         };
-                        c.link.answer(id.slot, id.gen, Answer::WriteDone { ok, reason });
+                        c.link_mut()
+                            .answer(id.slot, id.gen, Answer::WriteDone { ok, reason });
                     }
                 }
             }
@@ -1914,7 +1925,7 @@ impl SameHostTransport {
             std::time::Instant::now(),
         );
         let link = std::mem::replace(&mut p.server, spare);
-        let i = t.sockets.insert(super::records::Conn::new(
+        let i = t.sockets.insert(super::conn::Conn::new(
             Tracked::new(std::os::fd::OwnedFd::from(ours)),
             link,
             4100,
@@ -1944,7 +1955,7 @@ impl Transport for SameHostTransport {
             return;
         };
         for g in s.grants {
-            if let Some(t) = self.sockets.get(g.conn).and_then(|c| c.slots.as_ref()) {
+            if let Some(t) = self.sockets.get(g.conn).and_then(|c| c.slots()) {
                 t.revoke(g.slot, g.gen);
             }
             self.sockets.ungrant(g.conn);
@@ -2069,7 +2080,7 @@ impl Transport for SameHostTransport {
             }
         };
         let c = self.sockets.get_mut(i).expect("connected");
-        let Some(slot) = c.free_slots.pop() else {
+        let Some((slot, gen)) = c.claim_slot() else {
             out.push(Event::Declined {
                 spec,
                 reason: Decline::of(
@@ -2079,19 +2090,14 @@ impl Transport for SameHostTransport {
             });
             return;
         };
-        c.gens[slot as usize] += 1;
-        let gen = c.gens[slot as usize];
-        if let Some(t) = &c.slots {
-            t.arm(slot, gen);
-        }
         out.push(Event::PathTaken {
             id: spec.id,
             path: TransferPath::SameHost,
         });
         let id = spec.id;
-        let ready = c.link.is_ready();
+        let ready = c.link().is_ready();
         if !ready {
-            c.queued.push(id);
+            c.queue(id);
         }
         self.client.insert(
             id,
@@ -2118,7 +2124,7 @@ impl Transport for SameHostTransport {
 
     fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
         let Some(a) = self.client.get_mut(id) else { return };
-        let table = self.sockets.get(a.conn).and_then(|c| c.slots.clone());
+        let table = self.sockets.get(a.conn).and_then(|c| c.slots().cloned());
         match a.phase {
             Phase::Copying => {
                 // Our own copy thread writes our memory: stop it; its end releases the memory.
@@ -2139,7 +2145,7 @@ impl Transport for SameHostTransport {
                 let conn = a.conn;
                 if was_queued {
                     if let Some(c) = self.sockets.get_mut(conn) {
-                        c.queued.retain(|q| *q != id);
+                        c.unqueue(id);
                     }
                     let a = self.client.remove(id).expect("present");
                     self.sockets.free_slot(conn, a.slot, a.gen);
@@ -2192,8 +2198,8 @@ impl Transport for SameHostTransport {
             }
             self.sockets.flush(i);
             match self.sockets.get(i) {
-                Some(c) if c.link.is_dead() => {
-                    tracing::debug!(why = ?c.link.death(), "closing a same-host connection");
+                Some(c) if c.link().is_dead() => {
+                    tracing::debug!(why = ?c.link().death(), "closing a same-host connection");
                     self.close(i, out);
                 }
                 Some(_) => self.sockets.watch_deadline(i),

@@ -54,7 +54,8 @@ impl Served {
     fn hear(&mut self, p: &Pair, bytes: &[u8], out: &mut Vec<Event>) {
         let mut heard = Vec::new();
         let c = self.t.sockets.get_mut(self.i).unwrap();
-        c.link.recv(bytes, 0, p.now, self.t.server.key_ids(), &mut heard);
+        c.link_mut()
+            .recv(bytes, 0, p.now, self.t.server.key_ids(), &mut heard);
         for h in heard {
             self.t.handle(self.i, h, out);
         }
@@ -63,8 +64,8 @@ impl Served {
     /// The messages queued to the peer since the last call (taken as sent).
     fn answers(&mut self) -> Vec<Msg> {
         let c = self.t.sockets.get_mut(self.i).unwrap();
-        let bytes = c.link.out().to_vec();
-        c.link.sent(bytes.len());
+        let bytes = c.link().out().to_vec();
+        c.link_mut().sent(bytes.len());
         let mut at = 0;
         let mut msgs = Vec::new();
         while let Some((f, n)) = Msg::decode(&bytes[at..], MAX_FRAME).expect("well-formed") {
@@ -171,7 +172,10 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
         let mut sv = served(&mut p, kind(write), range);
         // The kernel lets this side pull (so a request that passed the liveness checks would
         // start a copy), except where the test needs an answer from a request that does.
-        sv.t.sockets.get_mut(sv.i).unwrap().can_pull = case != "write not started";
+        sv.t.sockets
+            .get_mut(sv.i)
+            .unwrap()
+            .set_reach(case != "write not started", false);
         let req = |p: &Pair, slot: u32| {
             let mut m = Pair::req(slot, 1, 1, write, Device::Host, 1);
             if let Msg::Req(Req { remote, .. }) = &mut m {
@@ -307,7 +311,7 @@ fn server_read_grants_per_connection_are_capped() {
         if device != Device::Host {
             // A connection that holds the cap in grants asks for a device read: the cap is
             // checked before the device path is even considered.
-            sv.t.sockets.get_mut(i).unwrap().granted = MAX_GRANTS_PER_CONN;
+            sv.t.sockets.get_mut(i).unwrap().charge(MAX_GRANTS_PER_CONN, 0);
             ask(&mut sv, &p, 1, &mut out);
             let reason = fallback(&mut sv);
             assert!(reason.contains("grants already"), "{reason}");
@@ -316,8 +320,12 @@ fn server_read_grants_per_connection_are_capped() {
             // every grant, on an unbounded queue).
             for (conn_full, all_full) in [(true, false), (false, true)] {
                 let c = sv.t.sockets.get_mut(i).unwrap();
-                c.granted = 0;
-                c.exporting = if conn_full { MAX_EXPORTING_PER_CONN } else { 0 };
+                let (granted, exporting) = c.load();
+                c.charge(0, if conn_full { MAX_EXPORTING_PER_CONN } else { 0 });
+                for _ in 0..granted {
+                    c.ungrant();
+                }
+                c.exported(exporting);
                 let all = sv.t.server.exporting();
                 sv.t.server.exports_ended(all);
                 sv.t.server
@@ -340,7 +348,7 @@ fn server_read_grants_per_connection_are_capped() {
             sv.t.server.scope(&sv.key).unwrap().grants.len(),
             MAX_GRANTS_PER_CONN
         );
-        assert_eq!(sv.t.sockets.get(i).unwrap().granted, MAX_GRANTS_PER_CONN);
+        assert_eq!(sv.t.sockets.get(i).unwrap().load().0, MAX_GRANTS_PER_CONN);
 
         // One read ends (its copy failed, so the readable stays live): the next request is
         // granted.
@@ -355,9 +363,9 @@ fn server_read_grants_per_connection_are_capped() {
             &key,
             &mut out,
         );
-        assert_eq!(sv.t.sockets.get(i).unwrap().granted, MAX_GRANTS_PER_CONN - 1);
+        assert_eq!(sv.t.sockets.get(i).unwrap().load().0, MAX_GRANTS_PER_CONN - 1);
         // Its Done also closes the core's request, which makes room there too.
-        sv.t.sockets.get_mut(i).unwrap().link.recv(
+        sv.t.sockets.get_mut(i).unwrap().link_mut().recv(
             &p.forge(
                 &Msg::Done {
                     slot: 0,
@@ -388,7 +396,7 @@ fn piped_writable(mem: &mut [u8]) -> (Pair, Served) {
     // The client's slot table, its request's slot armed (as its `begin` does).
     let table = crate::sys::same_host::slots::SlotTable::create().unwrap();
     table.arm(1, 1);
-    sv.t.sockets.get_mut(sv.i).unwrap().slots = Some(Arc::new(table));
+    sv.t.sockets.get_mut(sv.i).unwrap().set_slots(Arc::new(table));
     (p, sv)
 }
 
@@ -451,8 +459,8 @@ fn server_piped_write_takes_only_a_pipes_read_end() {
             &mut out,
         );
         let c = sv.t.sockets.get(sv.i).unwrap();
-        assert_eq!(c.link.death(), Some(Violation::NotAPipe), "{what}");
-        assert!(c.passed.is_empty(), "{what}: nothing held");
+        assert_eq!(c.link().death(), Some(Violation::NotAPipe), "{what}");
+        assert_eq!(c.passed(), 0, "{what}: nothing held");
         sv.settle(&mut out);
         assert!(out.is_empty(), "{what}: {} events", out.len());
         assert!(mem.iter().all(|&b| b == 0), "{what}: the writable was touched");
@@ -468,7 +476,7 @@ fn server_piped_write_takes_only_a_pipes_read_end() {
         &mut out,
     );
     drop(ends);
-    assert!(sv.t.sockets.get(sv.i).unwrap().link.death().is_none());
+    assert!(sv.t.sockets.get(sv.i).unwrap().link().death().is_none());
     let ended = std::sync::atomic::AtomicBool::new(false);
     let wake = crate::sys::same_host::pipe::Wake::new().unwrap();
     crate::sys::same_host::pipe::feed(
@@ -576,9 +584,9 @@ fn conn_reads_at_most_a_budget_per_turn() {
         t.sockets.read(i, t.server.key_ids(), &mut heard);
         turns += 1;
         let c = t.sockets.get_mut(i).unwrap();
-        assert!(!c.link.is_dead(), "{:?}", c.link.death());
-        let out = c.link.out().to_vec();
-        c.link.sent(out.len());
+        assert!(!c.link().is_dead(), "{:?}", c.link().death());
+        let out = c.link().out().to_vec();
+        c.link_mut().sent(out.len());
         let mut at = 0;
         while let Some((_, n)) = Msg::decode(&out[at..], MAX_FRAME).unwrap() {
             answered += 1;
