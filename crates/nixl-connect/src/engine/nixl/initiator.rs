@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::ffi::{NixlAgent, PostError, Prepared, Transfer};
-use super::registry::{Mail, Registry};
+use super::registry::{Mail, RegInner, Registry, Side};
 use super::{contain, overlap, MAX_IDLE_PEERS, MAX_LOADED, MAX_LOADED_BYTES, MAX_PREPARED};
 use crate::engine::cmd::Mailbox;
 use crate::engine::transport::{small_host, ActiveSpec, Event, OpId};
@@ -17,40 +17,40 @@ use crate::state::TransferPath;
 use crate::stats::EngineStats;
 
 pub(super) struct Peer {
-    pub(super) refs: usize,
-    pub(super) last_used: Instant,
+    refs: usize,
+    last_used: Instant,
     /// A transfer to it failed or its metadata went stale: forgotten once `refs` reaches 0
     /// (invalidating a peer with transfers in flight would make NIXL report them gone while
     /// UCX may still be moving their bytes).
-    pub(super) stale: bool,
+    stale: bool,
 }
 
 pub(super) struct Inflight {
-    pub(super) id: OpId,
-    pub(super) peer: Arc<str>,
-    pub(super) transfer: Transfer,
-    pub(super) _tokens: Vec<RegToken>,
+    id: OpId,
+    peer: Arc<str>,
+    transfer: Transfer,
+    _tokens: Vec<RegToken>,
     /// Host memory of at most a small operation's bytes ([`Pace::small`](crate::pace::Pace::small)): a caller's
     /// watch may poll it (a poll progresses the initiator's UCX worker, which sends what there is
     /// to send).
-    pub(super) small: bool,
+    small: bool,
 }
 
 pub(super) struct Initiator {
-    pub(super) agent: NixlAgent,
-    pub(super) regs: Registry,
-    pub(super) peers: HashMap<Arc<str>, Peer>,
+    agent: NixlAgent,
+    regs: Registry,
+    peers: HashMap<Arc<str>, Peer>,
     /// Metadata strings already loaded, and the peer each named.
-    pub(super) loaded: HashMap<Arc<str>, Arc<str>>,
+    loaded: HashMap<Arc<str>, Arc<str>>,
     /// Bytes of agent metadata (and of the strings kept in `loaded`) loaded since the last shed.
-    pub(super) loaded_bytes: usize,
-    pub(super) local_prep: HashMap<Vec<Range>, Prepared>,
-    pub(super) remote_prep: HashMap<(Arc<str>, Vec<Range>), Prepared>,
-    pub(super) inflight: Vec<Inflight>,
+    loaded_bytes: usize,
+    local_prep: HashMap<Vec<Range>, Prepared>,
+    remote_prep: HashMap<(Arc<str>, Vec<Range>), Prepared>,
+    inflight: Vec<Inflight>,
     /// Transfers a caller's watch saw end whose end the engine thread completes (a failure,
     /// which forgets the peer; or a peer forgotten meanwhile, which NIXL must invalidate), with
     /// what the poll said.
-    pub(super) ended: Vec<(Inflight, std::result::Result<bool, ErrorSource>)>,
+    ended: Vec<(Inflight, std::result::Result<bool, ErrorSource>)>,
 }
 
 impl Drop for Initiator {
@@ -61,11 +61,109 @@ impl Drop for Initiator {
         self.ended.clear();
         self.local_prep.clear();
         self.remote_prep.clear();
-        self.regs.map.clear();
+        self.regs.clear();
     }
 }
 
 impl Initiator {
+    /// The initiator of `agent`, of generation `gen`, with nothing registered, loaded or in
+    /// flight.
+    pub(super) fn new(agent: NixlAgent, gen: u64) -> Self {
+        Self {
+            agent,
+            regs: Registry::new(Side::Initiator, gen),
+            peers: HashMap::new(),
+            loaded: HashMap::new(),
+            loaded_bytes: 0,
+            local_prep: HashMap::new(),
+            remote_prep: HashMap::new(),
+            inflight: Vec::new(),
+            ended: Vec::new(),
+        }
+    }
+
+    /// The agent's name.
+    pub(super) fn name(&self) -> &str {
+        self.agent.name()
+    }
+
+    /// Live registrations, and their bytes.
+    pub(super) fn registered(&self) -> (usize, u64) {
+        (self.regs.len(), self.regs.bytes())
+    }
+
+    /// Peers whose metadata NIXL holds.
+    pub(super) fn peers_loaded(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// A live registration containing `r`, or a new one of exactly `r`; lists prepared over
+    /// memory a registration replaced are forgotten.
+    pub(super) fn register(
+        &mut self,
+        r: Range,
+        mailbox: &Mailbox<Mail>,
+        stats: &mut EngineStats,
+    ) -> Result<(Arc<RegInner>, Range)> {
+        let mut replaced = None;
+        let got = self.regs.get(&self.agent, r, mailbox, stats, &mut replaced);
+        if let Some(old) = replaced {
+            self.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
+        }
+        got
+    }
+
+    /// Registration `id` of `range` (of agent generation `gen`) is given up: deregistered, and
+    /// the lists prepared over its memory forgotten.
+    pub(super) fn deregister(&mut self, gen: u64, range: Range, id: u64) {
+        if self.regs.deregister(gen, range, id) {
+            self.local_prep
+                .retain(|k, _| !k.iter().any(|r| overlap(r, &range)));
+        }
+    }
+
+    /// A transfer posted, to watch until it ends.
+    pub(super) fn track(&mut self, f: Inflight) {
+        self.inflight.push(f);
+    }
+
+    /// Transfers in flight, and ends a caller's watch saw that the engine thread completes.
+    pub(super) fn busy(&self) -> bool {
+        !self.inflight.is_empty() || !self.ended.is_empty()
+    }
+
+    /// Ends a caller's watch saw that the engine thread completes.
+    pub(super) fn has_ended(&self) -> bool {
+        !self.ended.is_empty()
+    }
+
+    /// Transfers are in flight and every one is small (a caller's watch may poll them).
+    pub(super) fn only_small_in_flight(&self) -> bool {
+        !self.inflight.is_empty() && self.inflight.iter().all(|f| f.small)
+    }
+
+    /// Nothing but small transfers in flight, and no end left to complete.
+    pub(super) fn nothing_large(&self) -> bool {
+        self.ended.is_empty() && self.inflight.iter().all(|f| f.small)
+    }
+
+    /// Operation `id` has a transfer in flight.
+    pub(super) fn carries(&self, id: OpId) -> bool {
+        self.inflight.iter().any(|f| f.id == id)
+    }
+
+    /// The operations in flight and their peers (those a reset interrupts).
+    pub(super) fn in_flight(&self) -> Vec<(OpId, Arc<str>)> {
+        self.inflight.iter().map(|f| (f.id, f.peer.clone())).collect()
+    }
+
+    /// Completes the ends a caller's watch saw.
+    pub(super) fn settle(&mut self, out: &mut Vec<Event>) {
+        for (f, done) in std::mem::take(&mut self.ended) {
+            self.finish(f, done, out);
+        }
+    }
+
     /// Forgets a peer: at once if no transfer to it is in flight, otherwise when the last one
     /// ends. Either way no new transfer uses what was loaded for it.
     pub(super) fn forget_peer(&mut self, name: &str) {

@@ -315,9 +315,7 @@ impl NixlTransport {
             }
             Side::Initiator => {
                 if let Some(i) = &mut self.initiator {
-                    if i.regs.deregister(gen, range, id) {
-                        i.local_prep.retain(|k, _| !k.iter().any(|r| overlap(r, &range)));
-                    }
+                    i.deregister(gen, range, id);
                 }
             }
         }
@@ -407,16 +405,16 @@ impl NixlTransport {
     }
 
     fn live_registrations(&self) -> usize {
-        self.exposer.regs.map.len()
-            + self.retired.values().map(|e| e.regs.map.len()).sum::<usize>()
-            + self.initiator.as_ref().map_or(0, |i| i.regs.map.len())
+        self.exposer.regs.len()
+            + self.retired.values().map(|e| e.regs.len()).sum::<usize>()
+            + self.initiator.as_ref().map_or(0, |i| i.registered().0)
     }
 
     /// Bytes the live registrations cover.
     fn registered_bytes(&self) -> u64 {
         self.exposer.regs.bytes()
             + self.retired.values().map(|e| e.regs.bytes()).sum::<u64>()
-            + self.initiator.as_ref().map_or(0, |i| i.regs.bytes())
+            + self.initiator.as_ref().map_or(0, |i| i.registered().1)
     }
 
     fn initiator(&mut self) -> Result<&mut Initiator> {
@@ -424,17 +422,7 @@ impl NixlTransport {
             self.initiator_gen += 1;
             let name = format!("{}.i{}", self.name, self.initiator_gen);
             let agent = NixlAgent::new(&name, &self.backends, &self.params)?;
-            self.initiator = Some(Initiator {
-                agent,
-                regs: Registry::new(Side::Initiator, self.initiator_gen),
-                peers: HashMap::new(),
-                loaded: HashMap::new(),
-                loaded_bytes: 0,
-                local_prep: HashMap::new(),
-                remote_prep: HashMap::new(),
-                inflight: Vec::new(),
-                ended: Vec::new(),
-            });
+            self.initiator = Some(Initiator::new(agent, self.initiator_gen));
         }
         Ok(self.initiator.as_mut().expect("just made"))
     }
@@ -449,14 +437,8 @@ impl NixlTransport {
         let init = self.initiator.as_mut().expect("made above");
         let mut tokens = Vec::with_capacity(ranges.len());
         for r in ranges {
-            let mut replaced = None;
-            let got = contain("register memory", || {
-                init.regs.get(&init.agent, *r, &mailbox, stats, &mut replaced)
-            })?;
+            let got = contain("register memory", || init.register(*r, &mailbox, stats))?;
             tokens.push(RegToken::new(got.0));
-            if let Some(old) = replaced {
-                init.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
-            }
         }
         Ok(tokens)
     }
@@ -515,9 +497,7 @@ impl NixlTransport {
     fn settle_callers(&mut self, out: &mut Vec<Event>) -> bool {
         let before = out.len();
         if let Some(init) = &mut self.initiator {
-            for (f, done) in std::mem::take(&mut init.ended) {
-                init.finish(f, done, out);
-            }
+            init.settle(out);
         }
         if !self.failed_posts.is_empty() {
             let failed = std::mem::take(&mut self.failed_posts);
@@ -536,15 +516,13 @@ impl NixlTransport {
         let Some(mut init) = self.initiator.take() else {
             return;
         };
-        for (f, done) in std::mem::take(&mut init.ended) {
-            init.finish(f, done, out);
-        }
+        init.settle(out);
+        let ended = init.in_flight();
         tracing::warn!(
-            agent = %init.agent.name(),
-            in_flight = init.inflight.len(),
+            agent = %init.name(),
+            in_flight = ended.len(),
             "destroying the NIXL initiator agent to end transfers to an unresponsive peer"
         );
-        let ended: Vec<(OpId, Arc<str>)> = init.inflight.iter().map(|f| (f.id, f.peer.clone())).collect();
         drop(init); // releases requests, lists and registrations, then destroys the UCX worker
         self.stats.resets += 1;
         for (op, peer) in ended {
@@ -572,7 +550,7 @@ pub(super) fn overlap(a: &Range, b: &Range) -> bool {
 fn large(regs: &[Arc<RegInner>]) -> bool {
     !PACE.small(
         regs.iter()
-            .map(|t| t.range.len)
+            .map(|t| t.range().len)
             .fold(0usize, usize::saturating_add),
     )
 }
@@ -580,7 +558,7 @@ fn large(regs: &[Arc<RegInner>]) -> bool {
 /// The registrations' ranges and ids, sorted and deduplicated: what their metadata is made from
 /// and cached by.
 fn ranges_and_ids(regs: &[Arc<RegInner>]) -> Vec<(Range, u64)> {
-    let mut v: Vec<(Range, u64)> = regs.iter().map(|t| (t.range, t.id)).collect();
+    let mut v: Vec<(Range, u64)> = regs.iter().map(|t| (t.range(), t.id())).collect();
     v.sort_by_key(|(r, id)| (key_of(r), *id));
     v.dedup();
     v
@@ -643,7 +621,7 @@ impl Transport for NixlTransport {
             if self.deregister_on_completion {
                 // Deregister now, whoever else holds the tokens (the memory's cache included).
                 for t in &tokens {
-                    self.deregister(Side::Exposer, t.gen, t.range, t.id);
+                    self.deregister(Side::Exposer, t.gen(), t.range(), t.id());
                 }
             }
         }
@@ -691,7 +669,7 @@ impl Transport for NixlTransport {
                 id: spec.id,
                 result: Ok(()),
             }),
-            Ok((Some(f), _)) => self.initiator.as_mut().expect("made above").inflight.push(f),
+            Ok((Some(f), _)) => self.initiator.as_mut().expect("made above").track(f),
             Err(StartError::Posted(e)) => {
                 self.reset_initiator(None, out);
                 out.push(Event::ActiveEnded {
@@ -741,18 +719,12 @@ impl Transport for NixlTransport {
             && self.retired.values().all(|e| e.large == 0)
             && self.failed_posts.is_empty()
             && self.evicted.is_empty()
-            && self
-                .initiator
-                .as_ref()
-                .is_none_or(|i| i.ended.is_empty() && i.inflight.iter().all(|f| f.small))
+            && self.initiator.as_ref().is_none_or(|i| i.nothing_large())
     }
 
     fn abandon(&mut self, id: OpId, hard: bool, out: &mut Vec<Event>) {
         engine_thread_only();
-        let in_flight = self
-            .initiator
-            .as_ref()
-            .is_some_and(|i| i.inflight.iter().any(|f| f.id == id));
+        let in_flight = self.initiator.as_ref().is_some_and(|i| i.carries(id));
         if in_flight && hard {
             self.reset_initiator(Some(id), out);
         }
@@ -826,7 +798,7 @@ impl Transport for NixlTransport {
         let before = out.len();
         let mut ended = false;
         if let Some(init) = self.initiator.as_mut() {
-            if !init.inflight.is_empty() && init.inflight.iter().all(|f| f.small) {
+            if init.only_small_in_flight() {
                 ended = init.poll_inflight(true, out);
             }
         }
@@ -844,7 +816,7 @@ impl Transport for NixlTransport {
         self.recheck
             || !self.evicted.is_empty()
             || !self.failed_posts.is_empty()
-            || self.initiator.as_ref().is_some_and(|i| !i.ended.is_empty())
+            || self.initiator.as_ref().is_some_and(Initiator::has_ended)
     }
 
     fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
@@ -877,7 +849,7 @@ impl Transport for NixlTransport {
         stats.live_registrations += self.live_registrations();
         stats.registered_bytes += self.registered_bytes();
         stats.registration_hits += s.registration_hits;
-        stats.peers_loaded += self.initiator.as_ref().map_or(0, |i| i.peers.len());
+        stats.peers_loaded += self.initiator.as_ref().map_or(0, Initiator::peers_loaded);
         stats.remote_loads += s.remote_loads;
         stats.transfers += s.transfers;
         stats.resets += s.resets;
@@ -889,10 +861,7 @@ impl Transport for NixlTransport {
     fn polling(&self) -> Polling {
         if !self.evicted.is_empty()
             || !self.failed_posts.is_empty()
-            || self
-                .initiator
-                .as_ref()
-                .is_some_and(|i| !i.inflight.is_empty() || !i.ended.is_empty())
+            || self.initiator.as_ref().is_some_and(Initiator::busy)
         {
             Polling::Busy
         } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for())
@@ -905,7 +874,7 @@ impl Transport for NixlTransport {
         } else if !self.exposer.live.is_empty() || !self.retired.is_empty() {
             // Passive operations wait for their notification.
             Polling::Watching
-        } else if !self.exposer.regs.map.is_empty() || !self.exposer.quarantine.is_empty() {
+        } else if !self.exposer.regs.is_empty() || !self.exposer.quarantine.is_empty() {
             // Peers may need this side to act for memory they can still reach (to serve a read
             // over TCP, even of memory given up): keep progressing, slowly when idle.
             Polling::Every(PACE.exposed_poll())

@@ -13,19 +13,19 @@ use crate::stats::EngineStats;
 
 /// Registrations of one agent, by address range.
 pub(super) struct Registry {
-    pub(super) side: Side,
-    pub(super) gen: u64,
+    side: Side,
+    gen: u64,
     /// By (device kind, device id, address, length): registrations of one start address and
     /// different lengths coexist.
-    pub(super) map: BTreeMap<(u8, u32, usize, usize), RegEntry>,
-    pub(super) next_id: u64,
+    map: BTreeMap<(u8, u32, usize, usize), RegEntry>,
+    next_id: u64,
 }
 
 pub(super) struct RegEntry {
-    pub(super) range: Range,
-    pub(super) id: u64,
-    pub(super) token: Weak<RegInner>,
-    pub(super) _reg: AgentRegistration,
+    range: Range,
+    id: u64,
+    token: Weak<RegInner>,
+    _reg: AgentRegistration,
 }
 
 pub(super) fn key_of(r: &Range) -> (u8, u32, usize, usize) {
@@ -41,6 +41,21 @@ impl Registry {
     /// Bytes the registrations cover (each counted whole).
     pub(super) fn bytes(&self) -> u64 {
         self.map.values().map(|e| e.range.len as u64).sum()
+    }
+
+    /// Live registrations.
+    pub(super) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// No live registration.
+    pub(super) fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Forgets every registration (its agent goes with them).
+    pub(super) fn clear(&mut self) {
+        self.map.clear();
     }
 
     pub(super) fn new(side: Side, gen: u64) -> Self {
@@ -164,11 +179,28 @@ pub(crate) enum Mail {
 /// One NIXL registration, kept alive by the [`RegToken`](crate::reg::RegToken)s that wrap it; its drop queues the
 /// deregistration on the engine thread.
 pub(super) struct RegInner {
-    pub(super) mailbox: Mailbox<Mail>,
-    pub(super) side: Side,
-    pub(super) gen: u64,
-    pub(super) range: Range,
-    pub(super) id: u64,
+    mailbox: Mailbox<Mail>,
+    side: Side,
+    gen: u64,
+    range: Range,
+    id: u64,
+}
+
+impl RegInner {
+    /// The memory registered.
+    pub(super) fn range(&self) -> Range {
+        self.range
+    }
+
+    /// The registration's id (never reused).
+    pub(super) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The generation of the agent that holds it.
+    pub(super) fn gen(&self) -> u64 {
+        self.gen
+    }
 }
 
 impl reg::Registered for RegInner {
