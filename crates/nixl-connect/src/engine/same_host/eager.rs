@@ -18,11 +18,11 @@ use crate::sys::same_host::mem;
 /// nothing read, unless the operation is live host memory and every range lies inside one of its
 /// descriptors. The memory is held in use for the copy, so the owner's drop waits for it.
 pub(super) fn read_scope(scope: &Scope, remote: &[(u64, u64)]) -> Option<Vec<u8>> {
-    if !scope.state.try_mark_in_use() {
+    if !scope.state().try_mark_in_use() {
         return None;
     }
-    let out = mem::gather(&scope.ranges, remote);
-    scope.state.mark_released();
+    let out = mem::gather(scope.ranges(), remote);
+    scope.state().mark_released();
     out
 }
 
@@ -31,11 +31,11 @@ pub(super) fn read_scope(scope: &Scope, remote: &[(u64, u64)]) -> Option<Vec<u8>
 /// its descriptors, and the ranges add up to `data.len()`. The caller checked that no other
 /// writer copies into it.
 pub(super) fn write_scope(scope: &Scope, remote: &[(u64, u64)], data: &[u8]) -> bool {
-    if !scope.state.try_mark_in_use() {
+    if !scope.state().try_mark_in_use() {
         return false;
     }
-    let done = mem::scatter(&scope.ranges, remote, data);
-    scope.state.mark_released();
+    let done = mem::scatter(scope.ranges(), remote, data);
+    scope.state().mark_released();
     done
 }
 

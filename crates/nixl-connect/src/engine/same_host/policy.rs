@@ -80,12 +80,12 @@ pub(super) fn decide(
         return refuse(RefuseCode::NotLive, NOT_LIVE);
     };
     let write = asked.write;
-    if (s.kind == OperationKind::Write) != write {
+    if (s.kind() == OperationKind::Write) != write {
         return Decision::Refuse(
             RefuseCode::WrongDirection,
             format!(
                 "the operation is a {}able; a {} cannot use it",
-                if s.kind == OperationKind::Write {
+                if s.kind() == OperationKind::Write {
                     "writ"
                 } else {
                     "read"
@@ -94,13 +94,14 @@ pub(super) fn decide(
             ),
         );
     }
-    if asked.device != s.device {
+    if asked.device != s.device() {
         return Decision::Fallback(format!(
             "the request names memory on {}; the operation's is on {}",
-            asked.device, s.device
+            asked.device,
+            s.device()
         ));
     }
-    if s.done || s.state.status().is_terminal() {
+    if s.is_done() || s.state().status().is_terminal() {
         return refuse(RefuseCode::NotLive, ENDED);
     }
     if asked.remote.is_empty() || !asked.remote.iter().all(|&(a, l)| s.contains(a, l)) {
@@ -110,7 +111,7 @@ pub(super) fn decide(
         );
     }
     // Small host operations (the link checked the sizes, the direction and host memory).
-    if !asked.data.is_empty() && s.writer.is_some() {
+    if !asked.data.is_empty() && s.has_writer() {
         return refuse(RefuseCode::Busy, BUSY);
     }
     if asked.eager {
@@ -119,7 +120,7 @@ pub(super) fn decide(
     if !asked.data.is_empty() {
         return Decision::EagerWrite;
     }
-    let device = s.device != Device::Host;
+    let device = s.device() != Device::Host;
     let pipes = piped(asked);
     if pipes > 0 {
         // Host memory both sides (the link checked the request's; the scope's device matches it).
@@ -131,7 +132,7 @@ pub(super) fn decide(
                 "this connection holds {MAX_GRANTS_PER_CONN} same-host read grants already"
             ));
         }
-        if write && s.writer.is_some() {
+        if write && s.has_writer() {
             return refuse(RefuseCode::Busy, BUSY);
         }
         return if write {
@@ -164,7 +165,7 @@ pub(super) fn decide(
         if load.exporting + n > MAX_EXPORTING_PER_CONN || load.exporting_all + n > MAX_EXPORTING {
             return Decision::Fallback("too many device ranges are being shared through CUDA IPC now".into());
         }
-        return match device_path(s.device, Device::Host) {
+        return match device_path(s.device(), Device::Host) {
             Some(refusal) => Decision::Fallback(refusal),
             None => Decision::DeviceRead,
         };
@@ -172,15 +173,15 @@ pub(super) fn decide(
     // Writes from here on.
     if !asked.sources.is_empty() {
         // The writer's source is device memory (its device is known to the writer only).
-        return match device_path(Device::Cuda(0), s.device) {
+        return match device_path(Device::Cuda(0), s.device()) {
             Some(refusal) => Decision::Fallback(refusal),
-            None if s.writer.is_some() => refuse(RefuseCode::Busy, BUSY),
+            None if s.has_writer() => refuse(RefuseCode::Busy, BUSY),
             None => Decision::DeviceWrite,
         };
     }
     // Host memory into a device writable is pulled through pinned staging, when this side can.
     if device {
-        if let Some(refusal) = device_path(Device::Host, s.device) {
+        if let Some(refusal) = device_path(Device::Host, s.device()) {
             return Decision::Fallback(refusal);
         }
     }
@@ -189,7 +190,7 @@ pub(super) fn decide(
             "the kernel does not let the passive side read this process (ptrace rules)".into(),
         );
     }
-    if s.writer.is_some() {
+    if s.has_writer() {
         return refuse(RefuseCode::Busy, BUSY);
     }
     Decision::PullWrite

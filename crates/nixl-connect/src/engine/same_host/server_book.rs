@@ -5,45 +5,49 @@
 //! [`Scope`].
 
 use std::collections::{HashMap, HashSet};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::auth::{self, KeyId};
-use super::records::{CopyOwner, RequestId};
+use super::records::{AnyCopy, CopyOwner, RequestId};
 use crate::device::Device;
 use crate::metadata::OperationKind;
 use crate::reg::Range;
 use crate::state::OpState;
-use crate::sys::same_host::cma::SlotRef;
+use crate::sys::same_host::cma::{Copy, Piece, SlotRef};
+#[cfg(feature = "cuda")]
+use crate::sys::same_host::ipc;
 use crate::sys::same_host::mem;
-use crate::sys::same_host::pipe::Wake;
+use crate::sys::same_host::pipe::{Ends, Fill, Wake};
+use crate::sys::same_host::slots::SlotTable;
 
 /// The writer copying into a writable now.
 #[derive(Debug, Clone)]
 pub(super) struct Writer {
     /// Its request.
-    pub(super) id: RequestId,
+    id: RequestId,
     /// Set to stop its copy (the owner unexposed, the connector stops).
-    pub(super) cancel: Arc<AtomicBool>,
+    cancel: Arc<AtomicBool>,
     /// Wakes its copy if it waits on pipes, once `cancel` is set.
-    pub(super) wake: Option<Arc<Wake>>,
+    wake: Option<Arc<Wake>>,
 }
 
 /// A passive operation's scope on the serving side.
 pub(super) struct Scope {
-    pub(super) kind: OperationKind,
-    pub(super) device: Device,
+    kind: OperationKind,
+    device: Device,
     /// The operation's descriptors, sorted by address.
-    pub(super) ranges: Vec<Range>,
-    pub(super) state: Arc<OpState>,
+    ranges: Vec<Range>,
+    state: Arc<OpState>,
     /// Read grants given.
-    pub(super) grants: HashSet<RequestId>,
+    grants: HashSet<RequestId>,
     /// The writer copying into it now.
-    pub(super) writer: Option<Writer>,
+    writer: Option<Writer>,
     /// An operation completed (or tore) it this turn: an eager answer, a reader's `ReadDone`, the
     /// end of a writer's copy. The engine applies the completion after the turn; requests heard
     /// before then are refused as if it had ended.
-    pub(super) done: bool,
+    done: bool,
 }
 
 impl Scope {
@@ -59,6 +63,136 @@ impl Scope {
             writer: None,
             done: false,
         }
+    }
+
+    /// Its operation's kind.
+    pub(super) fn kind(&self) -> OperationKind {
+        self.kind
+    }
+
+    /// Where its memory is.
+    pub(super) fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Its descriptors, sorted by address.
+    pub(super) fn ranges(&self) -> &[Range] {
+        &self.ranges
+    }
+
+    /// Its operation's state.
+    pub(super) fn state(&self) -> &Arc<OpState> {
+        &self.state
+    }
+
+    /// An operation completed (or tore) it this turn (see `done`).
+    pub(super) fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Whether an operation completed (or tore) it this turn.
+    pub(super) fn set_done(&mut self, done: bool) {
+        self.done = done;
+    }
+
+    /// A writer copies into it now.
+    pub(super) fn has_writer(&self) -> bool {
+        self.writer.is_some()
+    }
+
+    /// Its writer `id`, if that is its writer, copies no more.
+    pub(super) fn end_writer(&mut self, id: RequestId) -> bool {
+        let ended = self.is_writer(id);
+        if ended {
+            self.writer = None;
+        }
+        ended
+    }
+
+    /// Its writer's copy waits on pipes: `wake` wakes it once it is told to stop.
+    pub(super) fn wake_writer_with(&mut self, wake: Arc<Wake>) {
+        if let Some(w) = &mut self.writer {
+            w.wake = Some(wake);
+        }
+    }
+
+    /// Read `id` is granted; false if it was already.
+    pub(super) fn grant(&mut self, id: RequestId) -> bool {
+        self.grants.insert(id)
+    }
+
+    /// Read `id`'s grant ends; false if it held none.
+    pub(super) fn ungrant(&mut self, id: RequestId) -> bool {
+        self.grants.remove(&id)
+    }
+
+    /// Read `id` holds a grant of a scope not completed this turn.
+    pub(super) fn holds_grant(&self, id: RequestId) -> bool {
+        !self.done && self.grants.contains(&id)
+    }
+
+    /// Keeps the grants `keep` says to keep.
+    pub(super) fn retain_grants(&mut self, keep: impl FnMut(&RequestId) -> bool) {
+        self.grants.retain(keep);
+    }
+
+    /// Its grants, as it is given up.
+    pub(super) fn into_grants(self) -> HashSet<RequestId> {
+        self.grants
+    }
+
+    /// Claims it for the write `id` from the process `pid` (whose request is in slot `id.slot`
+    /// of `table`): marks it in use and makes `id` its writer. What the copy into it needs;
+    /// `None` when its owner ended it an instant ago.
+    pub(super) fn claim(
+        &mut self,
+        id: RequestId,
+        key: Arc<str>,
+        pid: i32,
+        table: Arc<SlotTable>,
+        pidfd: Option<Arc<OwnedFd>>,
+    ) -> Option<Claim> {
+        if !self.state.try_mark_in_use() {
+            return None;
+        }
+        let cancel = Arc::new(AtomicBool::new(false));
+        self.writer = Some(Writer {
+            id,
+            cancel: cancel.clone(),
+            wake: None,
+        });
+        Some(Claim {
+            device: self.device,
+            pid,
+            slot: SlotRef {
+                table,
+                idx: id.slot,
+                gen: id.gen,
+            },
+            cancel,
+            owner: CopyOwner::Write {
+                state: self.state.clone(),
+                key,
+                id,
+                pidfd,
+            },
+        })
+    }
+
+    /// Makes `id` its writer, as a claim does (tests of what follows a claim).
+    #[cfg(test)]
+    pub(super) fn set_writer(&mut self, id: RequestId) {
+        self.writer = Some(Writer {
+            id,
+            cancel: Arc::new(AtomicBool::new(false)),
+            wake: None,
+        });
+    }
+
+    /// Read grants given.
+    #[cfg(test)]
+    pub(super) fn grants(&self) -> usize {
+        self.grants.len()
     }
 
     /// True when `[addr, addr+len)` lies inside one descriptor.
@@ -174,13 +308,72 @@ impl ServerBook {
 /// A writable claimed for one write: what the copy into it needs.
 pub(super) struct Claim {
     /// Where the writable's memory is.
-    pub(super) device: Device,
+    device: Device,
     /// The writer's pid (its memory is read by it).
-    pub(super) pid: i32,
+    pid: i32,
     /// The writer's slot for this request (the copy checks and ends it).
-    pub(super) slot: SlotRef,
+    slot: SlotRef,
     /// Set to stop the copy.
-    pub(super) cancel: Arc<AtomicBool>,
+    cancel: Arc<AtomicBool>,
     /// Who learns of the copy's end.
-    pub(super) owner: CopyOwner,
+    owner: CopyOwner,
+}
+
+impl Claim {
+    /// The writer's pid.
+    pub(super) fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// The copy that pulls `pieces` of the writer's memory into the writable, and who learns of
+    /// its end.
+    pub(super) fn pull(self, pieces: Vec<Piece>) -> (AnyCopy, CopyOwner) {
+        let copy = Copy {
+            pid: self.pid,
+            pieces,
+            slot: self.slot,
+            cancel: self.cancel,
+        };
+        (AnyCopy::pulled_into(copy, Some(self.device)), self.owner)
+    }
+
+    /// The copy that fills the writable's `pieces` from the writer's pipes `lanes` (on the pool
+    /// share `pid`; `wake` wakes it when told to stop), and who learns of its end.
+    pub(super) fn fill(
+        self,
+        pid: libc::pid_t,
+        lanes: Ends,
+        pieces: Vec<(usize, usize)>,
+        wake: Arc<Wake>,
+    ) -> (AnyCopy, CopyOwner) {
+        let fill = Fill {
+            pid,
+            lanes,
+            pieces,
+            slot: self.slot,
+            cancel: self.cancel,
+            wake,
+        };
+        (AnyCopy::Filled(fill), self.owner)
+    }
+
+    /// The copy that maps the writer's device `pieces` (their VMM descriptors `fds`, passed on
+    /// connection `conn`) and copies them into the writable, and who learns of its end.
+    #[cfg(feature = "cuda")]
+    pub(super) fn import(
+        self,
+        conn: u64,
+        pieces: Vec<ipc::Piece>,
+        fds: Vec<OwnedFd>,
+    ) -> (AnyCopy, CopyOwner) {
+        let copy = ipc::Copy {
+            conn,
+            pid: self.pid,
+            pieces,
+            fds,
+            slot: self.slot,
+            cancel: self.cancel,
+        };
+        (AnyCopy::Device(copy), self.owner)
+    }
 }

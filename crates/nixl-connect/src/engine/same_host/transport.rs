@@ -22,7 +22,7 @@ use super::limits::{Caps, MAX_PIPES, MAX_PIPES_PER_CONN};
 use super::link::{grant_ipc_len, Answer, Heard, Link, Request};
 use super::policy::{self, Decision, Load};
 use super::records::{refused, Act, AnyCopy, ConnId, CopyOwner, ExportDone, Phase, RequestId};
-use super::server_book::{Claim, Scope, ServerBook, Writer};
+use super::server_book::{Claim, Scope, ServerBook};
 use super::sockets::{Sockets, ACCEPT_TIMER, DEADLINE_TIMER, DIR_LISTENER, LISTENER};
 use super::violation::Violation;
 use super::wire::{passed_fds, IpcSource, RefuseCode, Req, EAGER_MAX, MAX_FRAME, NOT_LIVE};
@@ -724,7 +724,7 @@ impl SameHostTransport {
             // while a copy holds it), so a peer still copying cannot complete against memory the
             // owner may since have given up.
             for s in self.server.scopes_mut() {
-                s.grants.retain(|g| {
+                s.retain_grants(|g| {
                     if g.conn == i {
                         if let Some(t) = c.slots() {
                             t.revoke(g.slot, g.gen);
@@ -1244,7 +1244,7 @@ impl SameHostTransport {
                     })
                 };
                 if answer.is_some() {
-                    s.done = true;
+                    s.set_done(true);
                     completed = self.server.key(&key);
                     answer
                 } else {
@@ -1253,7 +1253,7 @@ impl SameHostTransport {
             }
             Decision::Grant => {
                 let s = self.server.scope_mut(&key).expect("decided on it");
-                if s.grants.insert(id) {
+                if s.grant(id) {
                     if let Some(c) = self.sockets.get_mut(i) {
                         c.charge(1, 0);
                     }
@@ -1299,7 +1299,7 @@ impl SameHostTransport {
                     path: TransferPath::SameHost,
                 });
             } else if let Some(s) = self.server.scope_mut(&key) {
-                s.done = false;
+                s.set_done(false);
             }
         }
     }
@@ -1318,24 +1318,17 @@ impl SameHostTransport {
             Ok(w) => w,
             Err(a) => return Some(a),
         };
-        let copy = AnyCopy::pulled_into(
-            Copy {
-                pid: w.pid,
-                pieces: remote
-                    .iter()
-                    .zip(local)
-                    .map(|(&(dst, len), &(src, _))| Piece {
-                        local: dst as usize,
-                        remote: src as usize,
-                        len: len as usize,
-                    })
-                    .collect(),
-                slot: w.slot,
-                cancel: w.cancel,
-            },
-            Some(w.device),
-        );
-        self.in_flight.start(copy, w.owner);
+        let pieces = remote
+            .iter()
+            .zip(local)
+            .map(|(&(dst, len), &(src, _))| Piece {
+                local: dst as usize,
+                remote: src as usize,
+                len: len as usize,
+            })
+            .collect();
+        let (copy, owner) = w.pull(pieces);
+        self.in_flight.start(copy, owner);
         None
     }
 
@@ -1360,8 +1353,8 @@ impl SameHostTransport {
         let ends = lanes.take_read_ends();
         let key = self.server.key(key).expect("decided on it");
         let s = self.server.scope_mut(&key).expect("decided on it");
-        let state = s.state.clone();
-        s.grants.insert(id);
+        let state = s.state().clone();
+        s.grant(id);
         let c = self.sockets.get_mut(id.conn).expect("decided on it");
         c.charge(1, 0);
         let pid = c.feed_key();
@@ -1370,11 +1363,7 @@ impl SameHostTransport {
             .link_mut()
             .answer(id.slot, id.gen, Answer::GrantPipe(lanes.len() as u8))
         {
-            self.server
-                .scope_mut(&key)
-                .expect("decided on it")
-                .grants
-                .remove(&id);
+            self.server.scope_mut(&key).expect("decided on it").ungrant(id);
             self.sockets.ungrant(id.conn);
             return None;
         }
@@ -1416,20 +1405,12 @@ impl SameHostTransport {
             Err(a) => return Some(a),
         };
         if let Some(s) = self.server.scope_mut(key) {
-            if let Some(writer) = &mut s.writer {
-                writer.wake = Some(wake.clone());
-            }
+            s.wake_writer_with(wake.clone());
         }
-        let pid = self.sockets.get(id.conn).map_or(w.pid, |c| c.pool_key());
-        let copy = AnyCopy::Filled(pipe::Fill {
-            pid,
-            lanes: fds,
-            pieces: remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect(),
-            slot: w.slot,
-            cancel: w.cancel,
-            wake,
-        });
-        self.in_flight.start(copy, w.owner);
+        let pid = self.sockets.get(id.conn).map_or(w.pid(), |c| c.pool_key());
+        let pieces = remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect();
+        let (copy, owner) = w.fill(pid, fds, pieces, wake);
+        self.in_flight.start(copy, owner);
         None
     }
 
@@ -1441,43 +1422,20 @@ impl SameHostTransport {
         let (pid, pidfd, table) = (c.peer_pid(), c.pidfd(), c.slots().cloned().expect("ready"));
         let key = self.server.key(key).expect("decided on it");
         let s = self.server.scope_mut(&key).expect("decided on it");
-        if !s.state.try_mark_in_use() {
-            return Err(answer_of(policy::ended()));
-        }
-        let cancel = Arc::new(AtomicBool::new(false));
-        s.writer = Some(Writer {
-            id,
-            cancel: cancel.clone(),
-            wake: None,
-        });
-        Ok(Claim {
-            device: s.device,
-            pid,
-            slot: SlotRef {
-                table,
-                idx: id.slot,
-                gen: id.gen,
-            },
-            cancel,
-            owner: CopyOwner::Write {
-                state: s.state.clone(),
-                key,
-                id,
-                pidfd,
-            },
-        })
+        s.claim(id, key.clone(), pid, table, pidfd)
+            .ok_or_else(|| answer_of(policy::ended()))
     }
 
     /// Server side: the reader finished copying a granted read of the operation keyed `key`.
     pub(super) fn on_read_done(&mut self, id: RequestId, ok: bool, key: &str, out: &mut Vec<Event>) {
         let Some(key) = self.server.key(key) else { return };
         let s = self.server.scope_mut(&key).expect("found");
-        if !s.grants.remove(&id) {
+        if !s.ungrant(id) {
             return;
         }
         if ok {
             // Completed: a request heard later in this turn finds it done.
-            s.done = true;
+            s.set_done(true);
         }
         self.sockets.ungrant(id.conn);
         if let Some(f) = self.feeds.end(FeedFor::Grant(id)) {
@@ -1516,7 +1474,7 @@ impl SameHostTransport {
             if !write {
                 let done = self.in_flight.export_done();
                 let s = self.server.scope_mut(&key).expect("decided on it");
-                let fresh = s.grants.insert(id);
+                let fresh = s.grant(id);
                 let ranges = remote.len();
                 self.server.exports_queued(ranges);
                 if let Some(c) = self.sockets.get_mut(id.conn) {
@@ -1551,19 +1509,13 @@ impl SameHostTransport {
                 Ok(w) => w,
                 Err(a) => return Some(a),
             };
-            let copy = AnyCopy::Device(ipc::Copy {
-                conn: id.conn,
-                pid: w.pid,
-                pieces: remote
-                    .iter()
-                    .zip(sources)
-                    .map(|(&(dst, _), src)| ipc::Piece { dst, src })
-                    .collect(),
-                fds: fds.into_vec(),
-                slot: w.slot,
-                cancel: w.cancel,
-            });
-            self.in_flight.start(copy, w.owner);
+            let pieces = remote
+                .iter()
+                .zip(sources)
+                .map(|(&(dst, _), src)| ipc::Piece { dst, src })
+                .collect();
+            let (copy, owner) = w.import(id.conn, pieces, fds.into_vec());
+            self.in_flight.start(copy, owner);
             None
         }
     }
@@ -1603,10 +1555,7 @@ impl SameHostTransport {
                     }
                     // Not for a scope another reader completed this turn (its grants go when
                     // the engine applies the completion and unexposes it).
-                    let granted = self
-                        .server
-                        .scope(&key)
-                        .is_some_and(|s| !s.done && s.grants.contains(&id));
+                    let granted = self.server.scope(&key).is_some_and(|s| s.holds_grant(id));
                     let mut fds = Vec::new();
                     let answer = match result {
                         Ok((sources, f)) if granted => {
@@ -1619,7 +1568,7 @@ impl SameHostTransport {
                         ),
                         Ok(_) => unreachable!("granted is checked above"),
                         Err(reason) => {
-                            if self.server.scope_mut(&key).is_some_and(|s| s.grants.remove(&id)) {
+                            if self.server.scope_mut(&key).is_some_and(|s| s.ungrant(id)) {
                                 self.sockets.ungrant(id.conn);
                             }
                             Answer::Fallback(format!(
@@ -1844,9 +1793,7 @@ impl SameHostTransport {
                     if let Err(CopyError::Unsupported(reason)) = &r {
                         // Nothing moved: the writer may take NIXL.
                         if let Some(s) = self.server.scope_mut(&key) {
-                            if s.is_writer(id) {
-                                s.writer = None;
-                            }
+                            s.end_writer(id);
                         }
                         if let Some(c) = self.sockets.get_mut(id.conn) {
                             c.link_mut().answer(
@@ -1860,14 +1807,13 @@ impl SameHostTransport {
                         continue;
                     }
                     if let Some(s) = self.server.scope_mut(&key) {
-                        if s.is_writer(id) {
-                            s.writer = None;
+                        if s.end_writer(id) {
                             // Completed or torn, the writable has ended from here on: a request
                             // heard later in this turn, before the engine applies the event,
                             // finds it done (it used to find no writer and start a copy into the
                             // memory of an operation that had just completed).
                             if !matches!(r, Err(CopyError::NotStarted)) {
-                                s.done = true;
+                                s.set_done(true);
                             }
                             match &r {
                                 Ok(()) if same => out.push(Event::PassiveCompleted {
@@ -1954,7 +1900,9 @@ impl Transport for SameHostTransport {
         let Some(s) = self.server.unexpose(key) else {
             return;
         };
-        for g in s.grants {
+        let released = !s.has_writer() && !self.feeds.feeds_key(key);
+        let state = s.state().clone();
+        for g in s.into_grants() {
             if let Some(t) = self.sockets.get(g.conn).and_then(|c| c.slots()) {
                 t.revoke(g.slot, g.gen);
             }
@@ -1962,8 +1910,8 @@ impl Transport for SameHostTransport {
         }
         // Pipes fed from it hold its pages until they are emptied: released then (`fed`).
         self.feeds.end_where(|_, f| f.key.as_deref() == Some(key));
-        if s.writer.is_none() && !self.feeds.feeds_key(key) {
-            s.state.mark_released();
+        if released {
+            state.mark_released();
         }
     }
 

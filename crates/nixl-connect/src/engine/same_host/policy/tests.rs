@@ -1,12 +1,8 @@
 //! The access policy alone: each rule from a scope, a request and a load built in memory (no
 //! socket, no poller, no clock, no sleep).
 
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
-
 use super::*;
 use crate::engine::same_host::records::RequestId;
-use crate::engine::same_host::server_book::Writer;
 use crate::engine::same_host::wire::IpcSource;
 use crate::reg::Range;
 use crate::state::{OpState, OperationStatus};
@@ -72,14 +68,10 @@ fn no_cuda(_: Device, _: Device) -> Option<String> {
 }
 
 fn busy(s: &mut Scope) {
-    s.writer = Some(Writer {
-        id: RequestId {
-            conn: 1,
-            slot: 0,
-            gen: 1,
-        },
-        cancel: Arc::new(AtomicBool::new(false)),
-        wake: None,
+    s.set_writer(RequestId {
+        conn: 1,
+        slot: 0,
+        gen: 1,
     });
 }
 
@@ -143,11 +135,11 @@ fn policy_direction_and_device_must_match() {
 fn policy_ended_operation_is_not_live() {
     let r = [(BASE, 16)];
     let mut s = scope(OperationKind::Read, Device::Host);
-    s.done = true;
+    s.set_done(true);
     let d = decide(Some(&s), &asked(false, Device::Host, &r, &[]), &IDLE, &any_path);
     assert_eq!(code(&d), Some(RefuseCode::NotLive));
     let s = scope(OperationKind::Read, Device::Host);
-    s.state.finish(OperationStatus::Cancelled, None);
+    s.state().finish(OperationStatus::Cancelled, None);
     let d = decide(Some(&s), &asked(false, Device::Host, &r, &[]), &IDLE, &any_path);
     assert_eq!(code(&d), Some(RefuseCode::NotLive));
 }

@@ -129,7 +129,7 @@ fn server_eager_operations_complete_once_and_only_when_answered() {
             .filter(|e| matches!(e, Event::PassiveCompleted { .. }))
             .count();
         let msgs = sv.answers();
-        let done = sv.t.server.scope(&sv.key).unwrap().done;
+        let done = sv.t.server.scope(&sv.key).unwrap().is_done();
         match case {
             "dead" => {
                 assert_eq!(completed, 0, "nothing completed on a dead connection");
@@ -195,11 +195,7 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
                 slot: 0,
                 gen: 1,
             };
-            sv.t.server.scope_mut(&key).unwrap().writer = Some(Writer {
-                id,
-                cancel: Arc::new(AtomicBool::new(false)),
-                wake: None,
-            });
+            sv.t.server.scope_mut(&key).unwrap().set_writer(id);
             let result = match case {
                 "written" => Ok(()),
                 "torn" => Err(cma::CopyError::PeerGone),
@@ -237,8 +233,8 @@ fn server_grant_path_completions_end_the_operation_within_the_turn() {
         let completed = count(|e| matches!(e, Event::PassiveCompleted { .. }));
         let failed = count(|e| matches!(e, Event::PassiveFailed { .. }));
         let scope = sv.t.server.scope(&sv.key).unwrap();
-        assert!(scope.writer.is_none(), "{case}");
-        let done = scope.done;
+        assert!(!scope.has_writer(), "{case}");
+        let done = scope.is_done();
         let msgs = sv.answers();
         let last = msgs.last();
         if case == "write not started" {
@@ -344,10 +340,7 @@ fn server_read_grants_per_connection_are_capped() {
         let fallbacks = msgs.iter().filter(|m| matches!(m, Msg::Fallback { .. })).count();
         assert_eq!(grants, MAX_GRANTS_PER_CONN, "{} answers", msgs.len());
         assert_eq!(fallbacks, 10);
-        assert_eq!(
-            sv.t.server.scope(&sv.key).unwrap().grants.len(),
-            MAX_GRANTS_PER_CONN
-        );
+        assert_eq!(sv.t.server.scope(&sv.key).unwrap().grants(), MAX_GRANTS_PER_CONN);
         assert_eq!(sv.t.sockets.get(i).unwrap().load().0, MAX_GRANTS_PER_CONN);
 
         // One read ends (its copy failed, so the readable stays live): the next request is
