@@ -328,12 +328,7 @@ impl Claim {
     /// The copy that pulls `pieces` of the writer's memory into the writable, and who learns of
     /// its end.
     pub(super) fn pull(self, pieces: Vec<Piece>) -> (AnyCopy, CopyOwner) {
-        let copy = Copy {
-            pid: self.pid,
-            pieces,
-            slot: self.slot,
-            cancel: self.cancel,
-        };
+        let copy = Copy::new(self.pid, pieces, self.slot, self.cancel);
         (AnyCopy::pulled_into(copy, Some(self.device)), self.owner)
     }
 
@@ -346,14 +341,7 @@ impl Claim {
         pieces: Vec<(usize, usize)>,
         wake: Arc<Wake>,
     ) -> (AnyCopy, CopyOwner) {
-        let fill = Fill {
-            pid,
-            lanes,
-            pieces,
-            slot: self.slot,
-            cancel: self.cancel,
-            wake,
-        };
+        let fill = Fill::new(pid, lanes, pieces, self.slot, self.cancel, wake);
         (AnyCopy::Filled(fill), self.owner)
     }
 
@@ -366,14 +354,7 @@ impl Claim {
         pieces: Vec<ipc::Piece>,
         fds: Vec<OwnedFd>,
     ) -> (AnyCopy, CopyOwner) {
-        let copy = ipc::Copy {
-            conn,
-            pid: self.pid,
-            pieces,
-            fds,
-            slot: self.slot,
-            cancel: self.cancel,
-        };
+        let copy = ipc::Copy::new(conn, self.pid, pieces, fds, self.slot, self.cancel);
         (AnyCopy::Device(copy), self.owner)
     }
 }

@@ -801,11 +801,7 @@ impl SameHostTransport {
                 .map(|r| (r.addr as u64, r.len as u64))
                 .collect();
             let done = self.in_flight.export_done();
-            let to = ipc::ExportTo {
-                conn,
-                how,
-                tell: self.in_flight.teller(),
-            };
+            let to = ipc::ExportTo::new(conn, how, self.in_flight.teller());
             ipc::export(
                 to,
                 ranges,
@@ -956,13 +952,7 @@ impl SameHostTransport {
                 FeedFor::Write(id),
                 conn,
                 None,
-                pipe::Feeding {
-                    pid,
-                    lanes,
-                    pieces,
-                    ended: Arc::default(),
-                    wake,
-                },
+                pipe::Feeding::new(pid, lanes, pieces, wake),
             );
         }
     }
@@ -1012,18 +1002,20 @@ impl SameHostTransport {
         a.wake = Some(wake.clone());
         let c = self.sockets.get(i).expect("live");
         a.pidfd = c.pidfd();
-        let copy = AnyCopy::Filled(pipe::Fill {
-            pid: c.pool_key(),
-            lanes: fds,
-            pieces: a.spec.local.iter().map(|r| (r.addr, r.len)).collect(),
-            slot: SlotRef {
-                table: c.slots().cloned().expect("ready"),
-                idx: slot,
-                gen,
-            },
-            cancel: a.cancel.clone(),
+        let slot = SlotRef {
+            table: c.slots().cloned().expect("ready"),
+            idx: slot,
+            gen,
+        };
+        let pieces = a.spec.local.iter().map(|r| (r.addr, r.len)).collect();
+        let copy = AnyCopy::Filled(pipe::Fill::new(
+            c.pool_key(),
+            fds,
+            pieces,
+            slot,
+            a.cancel.clone(),
             wake,
-        });
+        ));
         self.in_flight.start(copy, CopyOwner::Read(id));
     }
 
@@ -1111,51 +1103,41 @@ impl SameHostTransport {
             });
         #[cfg(feature = "cuda")]
         if let Some(sources) = sources {
-            let copy = AnyCopy::Device(ipc::Copy {
-                conn: i,
-                pid: c.peer_pid(),
-                pieces: a
-                    .spec
-                    .local
-                    .iter()
-                    .zip(sources)
-                    .map(|(l, src)| ipc::Piece {
-                        dst: l.addr as u64,
-                        src,
-                    })
-                    .collect(),
-                fds: fds.into_vec(),
-                slot: SlotRef {
-                    table: c.slots().cloned().expect("ready"),
-                    idx: slot,
-                    gen,
-                },
-                cancel: a.cancel.clone(),
-            });
+            let slot = SlotRef {
+                table: c.slots().cloned().expect("ready"),
+                idx: slot,
+                gen,
+            };
+            let pieces = a
+                .spec
+                .local
+                .iter()
+                .zip(sources)
+                .map(|(l, src)| ipc::Piece::new(l.addr as u64, src))
+                .collect();
+            let copy = ipc::Copy::new(i, c.peer_pid(), pieces, fds.into_vec(), slot, a.cancel.clone());
+            let copy = AnyCopy::Device(copy);
             self.in_flight.start(copy, CopyOwner::Read(id));
             return;
         }
         let _ = (sources, fds);
-        let copy = Copy {
-            pid: c.peer_pid(),
-            pieces: a
-                .spec
-                .local
-                .iter()
-                .zip(&a.spec.remote)
-                .map(|(l, r)| Piece {
-                    local: l.addr,
-                    remote: r.addr,
-                    len: l.len,
-                })
-                .collect(),
-            slot: SlotRef {
-                table: c.slots().cloned().expect("ready"),
-                idx: slot,
-                gen,
-            },
-            cancel: a.cancel.clone(),
+        let pieces = a
+            .spec
+            .local
+            .iter()
+            .zip(&a.spec.remote)
+            .map(|(l, r)| Piece {
+                local: l.addr,
+                remote: r.addr,
+                len: l.len,
+            })
+            .collect();
+        let slot = SlotRef {
+            table: c.slots().cloned().expect("ready"),
+            idx: slot,
+            gen,
         };
+        let copy = Copy::new(c.peer_pid(), pieces, slot, a.cancel.clone());
         let copy = AnyCopy::pulled_into(copy, a.spec.local.first().map(|r| r.device));
         self.in_flight.start(copy, CopyOwner::Read(id));
         let _ = out;
@@ -1375,13 +1357,7 @@ impl SameHostTransport {
             FeedFor::Grant(id),
             id.conn,
             Some((key, state)),
-            pipe::Feeding {
-                pid,
-                lanes,
-                pieces,
-                ended: Arc::default(),
-                wake,
-            },
+            pipe::Feeding::new(pid, lanes, pieces, wake),
         );
         None
     }
@@ -1486,11 +1462,7 @@ impl SameHostTransport {
                     },
                     _ => ipc::ExportAs::Handles,
                 };
-                let to = ipc::ExportTo {
-                    conn: id.conn,
-                    how,
-                    tell: self.in_flight.teller(),
-                };
+                let to = ipc::ExportTo::new(id.conn, how, self.in_flight.teller());
                 ipc::export(
                     to,
                     remote,
@@ -1512,7 +1484,7 @@ impl SameHostTransport {
             let pieces = remote
                 .iter()
                 .zip(sources)
-                .map(|(&(dst, _), src)| ipc::Piece { dst, src })
+                .map(|(&(dst, _), src)| ipc::Piece::new(dst, src))
                 .collect();
             let (copy, owner) = w.import(id.conn, pieces, fds.into_vec());
             self.in_flight.start(copy, owner);
@@ -1653,7 +1625,7 @@ impl SameHostTransport {
         grant: Option<(Arc<str>, Arc<OpState>)>,
         f: pipe::Feeding,
     ) {
-        let mut feed = Feed::new(conn, f.lanes.len(), f.ended.clone(), f.wake.clone());
+        let mut feed = Feed::new(conn, f.lanes(), f.ended().clone(), f.wake().clone());
         if let Some((key, state)) = grant {
             feed.key = Some(key);
             feed.state = Some(state);

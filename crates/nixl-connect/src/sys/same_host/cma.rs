@@ -78,13 +78,30 @@ pub(crate) struct SlotRef {
 
 /// A copy to run: pieces pulled from `pid`, guarded by `slot`, stoppable through `cancel`.
 pub(crate) struct Copy {
-    pub(crate) pid: libc::pid_t,
-    pub(crate) pieces: Vec<Piece>,
-    pub(crate) slot: SlotRef,
-    pub(crate) cancel: Arc<AtomicBool>,
+    pid: libc::pid_t,
+    pieces: Vec<Piece>,
+    slot: SlotRef,
+    cancel: Arc<AtomicBool>,
 }
 
 impl Copy {
+    /// A pull of `pieces` from `pid`, guarded by `slot`, stoppable through `cancel`.
+    pub(crate) fn new(pid: libc::pid_t, pieces: Vec<Piece>, slot: SlotRef, cancel: Arc<AtomicBool>) -> Self {
+        Self {
+            pid,
+            pieces,
+            slot,
+            cancel,
+        }
+    }
+
+    /// Its parts: the pid, the pieces, the slot, the flag that stops it.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn into_parts(self) -> (libc::pid_t, Vec<Piece>, SlotRef, Arc<AtomicBool>) {
+        (self.pid, self.pieces, self.slot, self.cancel)
+    }
+
+    /// Bytes it copies.
     pub(crate) fn bytes(&self) -> usize {
         self.pieces.iter().map(|p| p.len).sum()
     }

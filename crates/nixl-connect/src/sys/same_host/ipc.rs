@@ -68,23 +68,52 @@ const MAX_IMPORTED_BYTES: u64 = 32 << 30;
 /// One piece of a device copy: `src` (the peer's export) into `dst`, an address of this process
 /// (device memory, or host memory the driver copies into).
 pub(crate) struct Piece {
-    pub(crate) dst: u64,
-    pub(crate) src: IpcSource,
+    dst: u64,
+    src: IpcSource,
+}
+
+impl Piece {
+    /// `src` into `dst`.
+    pub(crate) fn new(dst: u64, src: IpcSource) -> Self {
+        Self { dst, src }
+    }
 }
 
 /// A device copy to run on the CUDA thread.
 pub(crate) struct Copy {
     /// The connection the sources came over (mappings are cached per connection, whose ids are
     /// never reused, so a later process with the same pid never meets an earlier one's mapping).
-    pub(crate) conn: u64,
+    conn: u64,
     /// The owner of the sources.
-    pub(crate) pid: libc::pid_t,
-    pub(crate) pieces: Vec<Piece>,
+    pid: libc::pid_t,
+    pieces: Vec<Piece>,
     /// The VMM allocations' descriptors passed with the sources (a source's `fd` is its index
     /// plus one), each checked with [`is_cuda_export`](super::is_cuda_export).
-    pub(crate) fds: Vec<OwnedFd>,
-    pub(crate) slot: SlotRef,
-    pub(crate) cancel: Arc<AtomicBool>,
+    fds: Vec<OwnedFd>,
+    slot: SlotRef,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Copy {
+    /// A copy of `pieces` from `pid`'s exports (their descriptors `fds`, passed on `conn`),
+    /// guarded by `slot`, stoppable through `cancel`.
+    pub(crate) fn new(
+        conn: u64,
+        pid: libc::pid_t,
+        pieces: Vec<Piece>,
+        fds: Vec<OwnedFd>,
+        slot: SlotRef,
+        cancel: Arc<AtomicBool>,
+    ) -> Self {
+        Self {
+            conn,
+            pid,
+            pieces,
+            fds,
+            slot,
+            cancel,
+        }
+    }
 }
 
 /// An export: one source per range, and the descriptors they name (none for legacy handles).
@@ -96,11 +125,18 @@ pub(crate) type Teller = Arc<dyn Fn(u64, Vec<u64>) + Send + Sync>;
 /// Where an export goes.
 pub(crate) struct ExportTo {
     /// The connection (its id is unique in the process).
-    pub(crate) conn: u64,
+    conn: u64,
     /// How its peer takes exports.
-    pub(crate) how: ExportAs,
+    how: ExportAs,
     /// Who is told of the exports given back on it.
-    pub(crate) tell: Teller,
+    tell: Teller,
+}
+
+impl ExportTo {
+    /// Exports over connection `conn`, taken `how`, with `tell` told of those given back.
+    pub(crate) fn new(conn: u64, how: ExportAs, tell: Teller) -> Self {
+        Self { conn, how, tell }
+    }
 }
 type Exported = Box<dyn FnOnce(Result<Export, ErrorSource>) + Send>;
 type Copied = Box<dyn FnOnce(Result<(), CopyError>) + Send>;

@@ -367,12 +367,34 @@ pub(crate) fn lanes_for(total: usize) -> usize {
 pub(crate) struct Fill {
     /// Whose share of the copy pool it runs under (the peer's pid, or a stand-in for a peer in
     /// another PID namespace).
-    pub(crate) pid: libc::pid_t,
-    pub(crate) lanes: Ends,
-    pub(crate) pieces: Vec<(usize, usize)>,
-    pub(crate) slot: SlotRef,
-    pub(crate) cancel: Arc<AtomicBool>,
-    pub(crate) wake: Arc<Wake>,
+    pid: libc::pid_t,
+    lanes: Ends,
+    pieces: Vec<(usize, usize)>,
+    slot: SlotRef,
+    cancel: Arc<AtomicBool>,
+    wake: Arc<Wake>,
+}
+
+impl Fill {
+    /// The fill of `pieces` from `lanes`, on the pool share `pid`, guarded by `slot`, stoppable
+    /// through `cancel` (`wake` wakes lanes waiting on their pipes).
+    pub(crate) fn new(
+        pid: libc::pid_t,
+        lanes: Ends,
+        pieces: Vec<(usize, usize)>,
+        slot: SlotRef,
+        cancel: Arc<AtomicBool>,
+        wake: Arc<Wake>,
+    ) -> Self {
+        Self {
+            pid,
+            lanes,
+            pieces,
+            slot,
+            cancel,
+            wake,
+        }
+    }
 }
 
 /// Starts `c` on the copy pool, one part per lane; `done` runs once every lane has ended (a lane
@@ -406,11 +428,40 @@ pub(crate) struct Feeding {
     /// Whose share of the copy pool it runs under: not the one its peer's reads of this side's
     /// pipes (fills) use, so that feeds waiting for a peer never hold up the fills that peer
     /// waits for (two processes piping to each other would deadlock).
-    pub(crate) pid: libc::pid_t,
-    pub(crate) lanes: Lanes,
-    pub(crate) pieces: Vec<(usize, usize)>,
-    pub(crate) ended: Arc<AtomicBool>,
-    pub(crate) wake: Arc<Wake>,
+    pid: libc::pid_t,
+    lanes: Lanes,
+    pieces: Vec<(usize, usize)>,
+    ended: Arc<AtomicBool>,
+    wake: Arc<Wake>,
+}
+
+impl Feeding {
+    /// The feed of `pieces` into `lanes`, on the pool share `pid` (`wake` wakes lanes waiting on
+    /// their pipes; `ended` stops it).
+    pub(crate) fn new(pid: libc::pid_t, lanes: Lanes, pieces: Vec<(usize, usize)>, wake: Arc<Wake>) -> Self {
+        Self {
+            pid,
+            lanes,
+            pieces,
+            ended: Arc::default(),
+            wake,
+        }
+    }
+
+    /// How many lanes it feeds.
+    pub(crate) fn lanes(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Set to stop it.
+    pub(crate) fn ended(&self) -> &Arc<AtomicBool> {
+        &self.ended
+    }
+
+    /// Wakes its lanes waiting on their pipes.
+    pub(crate) fn wake(&self) -> &Arc<Wake> {
+        &self.wake
+    }
 }
 
 /// Starts `f` on the copy pool, one part per lane; `done` runs once every lane has stopped

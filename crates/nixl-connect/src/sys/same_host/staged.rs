@@ -91,19 +91,20 @@ fn give_back(b: usize) {
 /// revocation error at once (without calling `done`) when the grant was revoked before the copy
 /// began.
 pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
-    let chunks = Chunks::new(c.pieces, CHUNK);
+    let (pid, pieces, slot, cancel) = c.into_parts();
+    let chunks = Chunks::new(pieces, CHUNK);
     let lanes = lanes_for(chunks.total);
     let shared = Arc::new(Shared {
-        pid: c.pid,
+        pid,
         chunks,
         next: AtomicUsize::new(0),
         started: AtomicUsize::new(0),
-        cancel: c.cancel.clone(),
+        cancel: cancel.clone(),
         stop: AtomicBool::new(false),
         ctx: OnceLock::new(),
     });
     let task = Arc::new(move || shared.lane());
-    cma::spawn_tasks(c.pid, c.slot, c.cancel, lanes, task, done)
+    cma::spawn_tasks(pid, slot, cancel, lanes, task, done)
 }
 
 /// Lanes for a copy of `chunks` chunks: at most one per chunk, and at most
