@@ -119,11 +119,11 @@ pub(crate) struct EngineCore {
     watching: bool,
     /// Callers' watches that saw something (for tests that check they do).
     #[cfg(any(test, feature = "testing"))]
-    pub(crate) watch_events: u64,
+    watch_events: u64,
     /// Operations callers' turns started on a transport a caller may not drive (for tests that
     /// check they do).
     #[cfg(any(test, feature = "testing"))]
-    pub(crate) caller_starts: u64,
+    caller_starts: u64,
     /// What callers' turns left to the engine thread, in order.
     deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
@@ -163,6 +163,18 @@ struct Recording {
 }
 
 impl EngineCore {
+    /// Callers' watches that saw something.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn watch_events(&self) -> u64 {
+        self.watch_events
+    }
+
+    /// Operations callers' turns started on a transport a caller may not drive.
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn caller_starts(&self) -> u64 {
+        self.caller_starts
+    }
+
     /// A core over `transports` (the publisher of metadata first) whose active operations try
     /// the positions in `chain` in turn, each transport due at `now`.
     pub(crate) fn new(

@@ -20,34 +20,67 @@ use crate::sys::same_host::pipe::Wake;
 /// One feed: its pipes are being fed, or wait for the operation's end to be emptied.
 pub(super) struct Feed {
     /// The connection its read ends went over.
-    pub(super) conn: ConnId,
+    conn: ConnId,
     /// Its pipes.
-    pub(super) lanes: usize,
+    lanes: usize,
     ended: Arc<AtomicBool>,
     wake: Arc<Wake>,
     /// A served read: the operation's key and state (released once emptied, if it ended).
-    pub(super) key: Option<Arc<str>>,
-    pub(super) state: Option<Arc<OpState>>,
+    key: Option<Arc<str>>,
+    state: Option<Arc<OpState>>,
     /// A served read: the reader's answer (`Done`), once it came.
-    pub(super) answered: Option<bool>,
+    answered: Option<bool>,
     /// A write: what ends it (its result, or a decline to NIXL), held until the feed stops.
-    pub(super) held: Option<Event>,
+    held: Option<Event>,
 }
 
 impl Feed {
     /// A feed over connection `conn`'s `lanes` pipes, ended through `ended` and `wake` (what its
-    /// job waits on).
-    pub(super) fn new(conn: ConnId, lanes: usize, ended: Arc<AtomicBool>, wake: Arc<Wake>) -> Self {
+    /// job waits on); a served read names its operation's key and state (`grant`).
+    pub(super) fn new(
+        conn: ConnId,
+        lanes: usize,
+        ended: Arc<AtomicBool>,
+        wake: Arc<Wake>,
+        grant: Option<(Arc<str>, Arc<OpState>)>,
+    ) -> Self {
+        let (key, state) = grant.unzip();
         Self {
             conn,
             lanes,
             ended,
             wake,
-            key: None,
-            state: None,
+            key,
+            state,
             answered: None,
             held: None,
         }
+    }
+
+    /// The connection its read ends went over.
+    pub(super) fn conn(&self) -> ConnId {
+        self.conn
+    }
+
+    /// A served read: the reader answered (`Done`), `ok` or not.
+    pub(super) fn answered(&mut self, ok: bool) {
+        self.answered = Some(ok);
+    }
+
+    /// A write: `ev` ends it once the feed stops (the first event held wins).
+    pub(super) fn hold(&mut self, ev: Event) {
+        self.held.get_or_insert(ev);
+    }
+
+    /// What waited for the feed to stop: a served read's key, state and whether its reader said
+    /// it is done; a write's held end.
+    pub(super) fn into_outcome(self) -> (Option<Arc<str>>, Option<Arc<OpState>>, bool, Option<Event>) {
+        (self.key, self.state, self.answered == Some(true), self.held)
+    }
+
+    /// A served read of the operation keyed `key`.
+    pub(super) fn feeds_key(&self, key: &str) -> bool {
+        self.key.as_deref() == Some(key)
     }
 
     fn end(&self) {
@@ -118,6 +151,6 @@ impl Feeds {
 
     /// True while a served read of the operation keyed `key` is fed or not yet emptied.
     pub(super) fn feeds_key(&self, key: &str) -> bool {
-        self.by.values().any(|f| f.key.as_deref() == Some(key))
+        self.by.values().any(|f| f.feeds_key(key))
     }
 }

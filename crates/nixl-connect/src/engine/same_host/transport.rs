@@ -719,7 +719,7 @@ impl SameHostTransport {
             // Reads it was served through pipes end: their pipes are emptied, and no reader's
             // answer completes them.
             self.feeds
-                .end_where(|w, f| matches!(w, FeedFor::Grant(_)) && f.conn == i);
+                .end_where(|w, f| matches!(w, FeedFor::Grant(_)) && f.conn() == i);
             // Revoke this connection's read grants before forgetting them (its table stays mapped
             // while a copy holds it), so a peer still copying cannot complete against memory the
             // owner may since have given up.
@@ -1416,7 +1416,7 @@ impl SameHostTransport {
         self.sockets.ungrant(id.conn);
         if let Some(f) = self.feeds.end(FeedFor::Grant(id)) {
             // Complete once its pipes are empty ([`Self::fed`]).
-            f.answered = Some(ok);
+            f.answered(ok);
             return;
         }
         if ok {
@@ -1625,11 +1625,7 @@ impl SameHostTransport {
         grant: Option<(Arc<str>, Arc<OpState>)>,
         f: pipe::Feeding,
     ) {
-        let mut feed = Feed::new(conn, f.lanes(), f.ended().clone(), f.wake().clone());
-        if let Some((key, state)) = grant {
-            feed.key = Some(key);
-            feed.state = Some(state);
-        }
+        let feed = Feed::new(conn, f.lanes(), f.ended().clone(), f.wake().clone(), grant);
         self.feeds.start(which, feed);
         self.in_flight.feed(f, CopyOwner::Fed(which));
     }
@@ -1641,7 +1637,7 @@ impl SameHostTransport {
     pub(super) fn end_act_after_feed(&mut self, id: OpId, ev: Event, out: &mut Vec<Event>) {
         match self.feeds.end(FeedFor::Write(id)) {
             Some(f) => {
-                f.held.get_or_insert(ev);
+                f.hold(ev);
             }
             None => out.push(ev),
         }
@@ -1655,13 +1651,14 @@ impl SameHostTransport {
         let Some(f) = self.feeds.finished(which) else {
             return;
         };
+        let (key, state, completed, held) = f.into_outcome();
         if let Err(e) = &r {
             tracing::debug!(?which, error = ?e, "feeding same-host pipes failed");
         }
         match which {
             FeedFor::Grant(_) => {
-                let Some(key) = f.key else { return };
-                if f.answered == Some(true) {
+                let Some(key) = key else { return };
+                if completed {
                     out.push(Event::PassiveCompleted {
                         key: key.clone(),
                         path: TransferPath::SameHost,
@@ -1669,7 +1666,7 @@ impl SameHostTransport {
                 }
                 if self.server.scope(&key).is_none() && !self.feeds.feeds_key(&key) {
                     // Unexposed while its pipes were fed (`unexpose` held the release back).
-                    if let Some(state) = f.state {
+                    if let Some(state) = state {
                         state.mark_released();
                     }
                 }
@@ -1677,7 +1674,7 @@ impl SameHostTransport {
             FeedFor::Write(_) => {
                 // Nothing held: the feed ended before the operation did (all fed, or it failed);
                 // the server's answer (or the connection's end) reports the write.
-                if let Some(ev) = f.held {
+                if let Some(ev) = held {
                     out.push(ev);
                 }
             }
@@ -1881,7 +1878,7 @@ impl Transport for SameHostTransport {
             self.sockets.ungrant(g.conn);
         }
         // Pipes fed from it hold its pages until they are emptied: released then (`fed`).
-        self.feeds.end_where(|_, f| f.key.as_deref() == Some(key));
+        self.feeds.end_where(|_, f| f.feeds_key(key));
         if released {
             state.mark_released();
         }
