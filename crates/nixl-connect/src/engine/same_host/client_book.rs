@@ -58,7 +58,7 @@ impl ClientBook {
     pub(super) fn by_request(&self, r: RequestId) -> Option<OpId> {
         self.acts
             .iter()
-            .find(|(_, a)| a.conn == r.conn && a.slot == r.slot && a.gen == r.gen)
+            .find(|(_, a)| a.conn() == r.conn && a.slot() == r.slot && a.gen() == r.gen)
             .map(|(id, _)| *id)
     }
 
@@ -66,7 +66,7 @@ impl ClientBook {
     pub(super) fn on_conn(&self, conn: ConnId) -> Vec<OpId> {
         self.acts
             .iter()
-            .filter(|(_, a)| a.conn == conn)
+            .filter(|(_, a)| a.conn() == conn)
             .map(|(id, _)| *id)
             .collect()
     }

@@ -10,7 +10,7 @@
 //! scope, the client's descriptors) by the copies themselves ([`mem`]). This file decides when
 //! and holds the memory; the raw copies are the metal floor's.
 
-use super::records::{Act, Phase};
+use super::records::Act;
 use super::server_book::Scope;
 use crate::sys::same_host::mem;
 
@@ -42,21 +42,21 @@ pub(super) fn write_scope(scope: &Scope, remote: &[(u64, u64)], data: &[u8]) -> 
 /// A writer: its source's bytes (its local ranges), in order, for the request (none once it was
 /// abandoned, or for device memory).
 pub(super) fn read_act(act: &Act) -> Vec<u8> {
-    if matches!(act.phase, Phase::Abandoned) {
+    if act.is_abandoned() {
         return Vec::new();
     }
     // An active operation's local memory is held from before its command left the caller until
     // the engine reports it ended (or abandons it), and this one is neither.
-    mem::gather_all(&act.spec.local).unwrap_or_default()
+    mem::gather_all(&act.spec().local).unwrap_or_default()
 }
 
 /// A reader: copies an eager answer's `data` into its local ranges; false, with nothing written,
 /// when the operation was abandoned (its memory may be gone), is not into host memory, or `data`
 /// is not exactly as long as its ranges.
 pub(super) fn write_act(act: &Act, data: &[u8]) -> bool {
-    if matches!(act.phase, Phase::Abandoned) {
+    if act.is_abandoned() {
         return false;
     }
     // Held and lent to this operation alone until the engine reports it ended or abandons it.
-    mem::scatter_all(&act.spec.local, data)
+    mem::scatter_all(&act.spec().local, data)
 }

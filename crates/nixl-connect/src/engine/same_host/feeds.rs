@@ -17,6 +17,9 @@ use crate::engine::transport::Event;
 use crate::state::OpState;
 use crate::sys::same_host::pipe::Wake;
 
+/// A served read's operation: its key and state.
+pub(super) type Grant = (Arc<str>, Arc<OpState>);
+
 /// One feed: its pipes are being fed, or wait for the operation's end to be emptied.
 pub(super) struct Feed {
     /// The connection its read ends went over.
@@ -42,7 +45,7 @@ impl Feed {
         lanes: usize,
         ended: Arc<AtomicBool>,
         wake: Arc<Wake>,
-        grant: Option<(Arc<str>, Arc<OpState>)>,
+        grant: Option<Grant>,
     ) -> Self {
         let (key, state) = grant.unzip();
         Self {
@@ -74,8 +77,8 @@ impl Feed {
 
     /// What waited for the feed to stop: a served read's key, state and whether its reader said
     /// it is done; a write's held end.
-    pub(super) fn into_outcome(self) -> (Option<Arc<str>>, Option<Arc<OpState>>, bool, Option<Event>) {
-        (self.key, self.state, self.answered == Some(true), self.held)
+    pub(super) fn into_outcome(self) -> (Option<Grant>, bool, Option<Event>) {
+        (self.key.zip(self.state), self.answered == Some(true), self.held)
     }
 
     /// A served read of the operation keyed `key`.

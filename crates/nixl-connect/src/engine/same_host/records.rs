@@ -34,26 +34,129 @@ pub(super) enum Phase {
 
 /// An active operation on this transport.
 pub(super) struct Act {
-    pub(super) spec: ActiveSpec,
-    pub(super) conn: ConnId,
-    pub(super) slot: u32,
-    pub(super) gen: u64,
-    pub(super) phase: Phase,
-    pub(super) cancel: Arc<AtomicBool>,
+    spec: ActiveSpec,
+    conn: ConnId,
+    slot: u32,
+    gen: u64,
+    phase: Phase,
+    cancel: Arc<AtomicBool>,
     /// Wakes a copy from pipes waiting for its peer, once `cancel` is set.
-    pub(super) wake: Option<Arc<pipe::Wake>>,
+    wake: Option<Arc<pipe::Wake>>,
     /// The peer's pidfd while copying (to tell afterwards that it is still the same process).
-    pub(super) pidfd: Option<Arc<OwnedFd>>,
+    pidfd: Option<Arc<OwnedFd>>,
     /// The source's memory is device memory: reads get `GrantIpc`, writes send their export.
-    pub(super) device: bool,
+    device: bool,
     /// A device write's exported source, once the CUDA thread has it.
-    pub(super) sources: Vec<IpcSource>,
+    sources: Vec<IpcSource>,
     /// The VMM descriptors `sources` name (a peer in another PID namespace), passed with the
     /// request.
-    pub(super) source_fds: Vec<OwnedFd>,
+    source_fds: Vec<OwnedFd>,
 }
 
 impl Act {
+    /// The operation `spec` on connection `conn`, in `slot` of generation `gen`, waiting for the
+    /// handshake; `device` when its source is device memory.
+    pub(super) fn new(spec: ActiveSpec, conn: ConnId, slot: u32, gen: u64, device: bool) -> Self {
+        Self {
+            spec,
+            conn,
+            slot,
+            gen,
+            phase: Phase::Queued,
+            cancel: Arc::new(AtomicBool::new(false)),
+            wake: None,
+            pidfd: None,
+            device,
+            sources: Vec::new(),
+            source_fds: Vec::new(),
+        }
+    }
+
+    /// The operation.
+    pub(super) fn spec(&self) -> &ActiveSpec {
+        &self.spec
+    }
+
+    /// The operation, as it ends here.
+    pub(super) fn into_spec(self) -> ActiveSpec {
+        self.spec
+    }
+
+    /// The connection it goes over.
+    pub(super) fn conn(&self) -> ConnId {
+        self.conn
+    }
+
+    /// Its slot in the connection's table.
+    pub(super) fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    /// Its slot's generation.
+    pub(super) fn gen(&self) -> u64 {
+        self.gen
+    }
+
+    /// Where it is.
+    pub(super) fn phase(&self) -> &Phase {
+        &self.phase
+    }
+
+    /// Given up: any late answer is ignored.
+    pub(super) fn is_abandoned(&self) -> bool {
+        matches!(self.phase, Phase::Abandoned)
+    }
+
+    /// Moves on to `phase`.
+    pub(super) fn enter(&mut self, phase: Phase) {
+        self.phase = phase;
+    }
+
+    /// Its copy begins: `wake` wakes it if it waits on pipes, `pidfd` tells afterwards that the
+    /// peer is still the same process.
+    pub(super) fn copying(&mut self, wake: Option<Arc<pipe::Wake>>, pidfd: Option<Arc<OwnedFd>>) {
+        self.phase = Phase::Copying;
+        self.wake = wake;
+        self.pidfd = pidfd;
+    }
+
+    /// The flag that stops its copy.
+    pub(super) fn cancel(&self) -> &Arc<AtomicBool> {
+        &self.cancel
+    }
+
+    /// The peer's pidfd while copying.
+    pub(super) fn pidfd(&self) -> &Option<Arc<OwnedFd>> {
+        &self.pidfd
+    }
+
+    /// The source's memory is device memory.
+    pub(super) fn device(&self) -> bool {
+        self.device
+    }
+
+    /// A device write's source is exported: its sources and the descriptors they name go with
+    /// the request.
+    pub(super) fn exported(&mut self, sources: Vec<IpcSource>, fds: Vec<OwnedFd>) {
+        self.sources = sources;
+        self.source_fds = fds;
+        self.phase = Phase::Requested;
+    }
+
+    /// A device write's source is exported (and not yet sent).
+    #[cfg(feature = "cuda")]
+    pub(super) fn has_sources(&self) -> bool {
+        !self.sources.is_empty()
+    }
+
+    /// A device write's exported sources and their descriptors, taken to send.
+    pub(super) fn take_sources(&mut self) -> (Vec<IpcSource>, Vec<OwnedFd>) {
+        (
+            std::mem::take(&mut self.sources),
+            std::mem::take(&mut self.source_fds),
+        )
+    }
+
     /// Stops its copy (a copy from pipes waiting for its peer wakes at once).
     pub(super) fn stop(&self) {
         self.cancel.store(true, Ordering::Relaxed);

@@ -8,7 +8,7 @@
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -232,9 +232,9 @@ impl SameHostTransport {
             Heard::Fallback { slot, gen, reason } => {
                 if let Some((id, a)) = self.client.take(RequestId { conn: i, slot, gen }) {
                     self.sockets.free_slot(i, slot, gen);
-                    if !matches!(a.phase, Phase::Abandoned) {
+                    if !a.is_abandoned() {
                         let ev = Event::Declined {
-                            spec: a.spec,
+                            spec: a.into_spec(),
                             reason: Decline::of(DeclineReason::Refused, reason),
                         };
                         // A write's pipes may still be fed from its memory.
@@ -282,18 +282,18 @@ impl SameHostTransport {
         let queued = c.take_queued();
         for id in queued {
             let Some(a) = self.client.remove(id) else { continue };
-            self.sockets.free_slot(i, a.slot, a.gen);
-            if matches!(a.phase, Phase::Abandoned) {
+            self.sockets.free_slot(i, a.slot(), a.gen());
+            if a.is_abandoned() {
                 continue;
             }
-            if &*a.spec.key == key {
+            if &*a.spec().key == key {
                 out.push(Event::ActiveEnded {
                     id,
                     result: Err(refused(peer.to_string(), RefuseCode::NotLive, NOT_LIVE.into())),
                 });
             } else {
                 out.push(Event::Declined {
-                    spec: a.spec,
+                    spec: a.into_spec(),
                     reason: Decline::of(
                         DeclineReason::Handshake,
                         "the same-host connection closed before its request",
@@ -315,10 +315,10 @@ impl SameHostTransport {
     ) {
         if let Some((id, a)) = self.client.take(RequestId { conn: i, slot, gen }) {
             self.sockets.free_slot(i, slot, gen);
-            if !matches!(a.phase, Phase::Abandoned) {
+            if !a.is_abandoned() {
                 let ev = Event::ActiveEnded {
                     id,
-                    result: result(a.spec.peer.name.to_string()),
+                    result: result(a.spec().peer.name.to_string()),
                 };
                 // A write's pipes may still be fed from its memory (an answer before the last
                 // byte: a refusal, a server that lies).
@@ -670,15 +670,15 @@ impl SameHostTransport {
             }
             for id in self.client.on_conn(i) {
                 let a = self.client.get(id).expect("listed");
-                match a.phase {
+                match a.phase() {
                     // The copy runs on; its end reports the result.
                     Phase::Copying => {}
                     Phase::Queued | Phase::Exporting | Phase::Requested | Phase::Abandoned => {
                         let a = self.client.remove(id).expect("listed");
                         if let Some(t) = c.slots() {
-                            t.revoke(a.slot, a.gen);
+                            t.revoke(a.slot(), a.gen());
                         }
-                        if matches!(a.phase, Phase::Abandoned) {
+                        if a.is_abandoned() {
                             continue;
                         }
                         if !c.link().peer_went_away() || !c.link().shook_hands() {
@@ -688,7 +688,7 @@ impl SameHostTransport {
                             // copied, and the peer the metadata names may well be reachable
                             // through NIXL.
                             let ev = Event::Declined {
-                                spec: a.spec,
+                                spec: a.into_spec(),
                                 reason: Decline::of(
                                     DeclineReason::Handshake,
                                     format!(
@@ -759,10 +759,10 @@ impl SameHostTransport {
             .unwrap_or_default();
         for id in queued {
             if let Some(a) = self.client.remove(id) {
-                self.sockets.free_slot(i, a.slot, a.gen);
-                if !matches!(a.phase, Phase::Abandoned) {
+                self.sockets.free_slot(i, a.slot(), a.gen());
+                if !a.is_abandoned() {
                     out.push(Event::Declined {
-                        spec: a.spec,
+                        spec: a.into_spec(),
                         reason: reason.clone(),
                     });
                 }
@@ -773,8 +773,11 @@ impl SameHostTransport {
     /// Hands a queued operation to the next transport, freeing its slot.
     pub(super) fn decline_act(&mut self, id: OpId, reason: Decline, out: &mut Vec<Event>) {
         let a = self.client.remove(id).expect("present");
-        self.sockets.free_slot(a.conn, a.slot, a.gen);
-        out.push(Event::Declined { spec: a.spec, reason });
+        self.sockets.free_slot(a.conn(), a.slot(), a.gen());
+        out.push(Event::Declined {
+            spec: a.into_spec(),
+            reason,
+        });
     }
 
     /// Sends the request of a queued operation (the handshake is done); a write from device
@@ -782,20 +785,20 @@ impl SameHostTransport {
     pub(super) fn request(&mut self, id: OpId, out: &mut Vec<Event>) {
         let Some(a) = self.client.get_mut(id) else { return };
         #[cfg(feature = "cuda")]
-        if a.spec.write && a.device && a.sources.is_empty() {
-            a.phase = Phase::Exporting;
+        if a.spec().write && a.device() && !a.has_sources() {
+            a.enter(Phase::Exporting);
             // A server that takes descriptors gets VMM descriptors for memory without a legacy
             // handle, and for all memory in another PID namespace (legacy handles do not open
             // there).
-            let how = match self.sockets.get(a.conn) {
+            let how = match self.sockets.get(a.conn()) {
                 Some(c) if c.link().passes_descriptors() => ipc::ExportAs::Descriptors {
                     other_namespace: c.other_pid_ns(),
                 },
                 _ => ipc::ExportAs::Handles,
             };
-            let conn = a.conn;
+            let conn = a.conn();
             let ranges = a
-                .spec
+                .spec()
                 .local
                 .iter()
                 .map(|r| (r.addr as u64, r.len as u64))
@@ -816,36 +819,41 @@ impl SameHostTransport {
         // eager, 120K/s batched), where the frames and MACs of eager ones load the engines.
         // Always where this side may not pull (ptrace rules): a grant could not be served.
         let host = |r: &[Range]| r.iter().all(|r| r.device == Device::Host);
-        let total = a.spec.remote.iter().fold(0usize, |t, r| t.saturating_add(r.len));
+        let total = a
+            .spec()
+            .remote
+            .iter()
+            .fold(0usize, |t, r| t.saturating_add(r.len));
         let few = self
             .sockets
-            .get(a.conn)
+            .get(a.conn())
             .is_some_and(|c| !c.can_pull() || c.link().open_requests() < EAGER_OPEN);
-        let small = few && (1..=EAGER_MAX).contains(&total) && host(&a.spec.local) && host(&a.spec.remote);
-        let eager = small && !a.spec.write;
-        let data = if small && a.spec.write {
+        let small =
+            few && (1..=EAGER_MAX).contains(&total) && host(&a.spec().local) && host(&a.spec().remote);
+        let eager = small && !a.spec().write;
+        let data = if small && a.spec().write {
             eager::read_act(a)
         } else {
             Vec::new()
         };
-        let c = self.sockets.get_mut(a.conn).expect("live");
+        let c = self.sockets.get_mut(a.conn()).expect("live");
         // Host memory of a peer this side cannot read (another PID namespace, ptrace rules)
         // moves through pipes: a read's fed by the server, a write's by this side.
         let piped = !small
-            && host(&a.spec.local)
-            && host(&a.spec.remote)
-            && if a.spec.write {
+            && host(&a.spec().local)
+            && host(&a.spec().remote)
+            && if a.spec().write {
                 c.link().writes_piped()
             } else {
                 !c.can_pull()
             };
-        if !a.spec.write && !a.device && !eager && !c.can_pull() && !piped {
+        if !a.spec().write && !a.device() && !eager && !c.can_pull() && !piped {
             self.decline_act(id, unreadable_device_read(), out);
             return;
         }
         let lanes = if piped { pipe::lanes_for(total) } else { 0 };
         if piped
-            && (self.feeds.lanes_of(a.conn) + lanes > MAX_PIPES_PER_CONN
+            && (self.feeds.lanes_of(a.conn()) + lanes > MAX_PIPES_PER_CONN
                 || self.feeds.lanes() + lanes > MAX_PIPES)
         {
             self.decline_act(
@@ -855,7 +863,7 @@ impl SameHostTransport {
             );
             return;
         }
-        let feeding = if piped && a.spec.write {
+        let feeding = if piped && a.spec().write {
             match pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?)))) {
                 Ok(f) => Some(f),
                 Err(e) => {
@@ -871,27 +879,27 @@ impl SameHostTransport {
             None
         };
         let a = self.client.get_mut(id).expect("present");
-        let c = self.sockets.get_mut(a.conn).expect("live");
-        let req_sources_empty = a.sources.is_empty();
-        let source_fds = std::mem::take(&mut a.source_fds);
+        let c = self.sockets.get_mut(a.conn()).expect("live");
+        let (sources, source_fds) = a.take_sources();
+        let req_sources_empty = sources.is_empty();
         // A device read by a side that takes VMM descriptors asks for them (`pipes: 1` on a
         // device read): the server then passes them where legacy handles cannot serve.
-        let vmm_read = a.device && !a.spec.write && c.link().takes_exports();
+        let vmm_read = a.device() && !a.spec().write && c.link().takes_exports();
         let req = Req {
-            slot: a.slot,
-            gen: a.gen,
-            write: a.spec.write,
-            ident: a.spec.peer.identity,
-            key_id: auth::key_id(&a.spec.key),
-            device: a.spec.remote.first().map_or(Device::Host, |r| r.device),
+            slot: a.slot(),
+            gen: a.gen(),
+            write: a.spec().write,
+            ident: a.spec().peer.identity,
+            key_id: auth::key_id(&a.spec().key),
+            device: a.spec().remote.first().map_or(Device::Host, |r| r.device),
             remote: a
-                .spec
+                .spec()
                 .remote
                 .iter()
                 .map(|r| (r.addr as u64, r.len as u64))
                 .collect(),
-            local: if a.spec.write && data.is_empty() && !piped {
-                a.spec
+            local: if a.spec().write && data.is_empty() && !piped {
+                a.spec()
                     .local
                     .iter()
                     .map(|r| (r.addr as u64, r.len as u64))
@@ -899,15 +907,15 @@ impl SameHostTransport {
             } else {
                 Vec::new()
             },
-            sources: std::mem::take(&mut a.sources),
+            sources,
             eager,
             data,
             pipes: if vmm_read { 1 } else { lanes as u8 },
         };
         // A request the server could not accept, or whose answer could not come back in one frame
         // (too many ranges), takes NIXL rather than breaking the connection others use.
-        let reply = if a.device && !a.spec.write {
-            grant_ipc_len(a.spec.remote.len())
+        let reply = if a.device() && !a.spec().write {
+            grant_ipc_len(a.spec().remote.len())
         } else {
             0
         };
@@ -915,28 +923,28 @@ impl SameHostTransport {
             self.decline_act(id, "too many ranges for one same-host request".into(), out);
             return;
         }
-        a.phase = Phase::Requested;
+        a.enter(Phase::Requested);
         // How the bytes move, as far as the request decides it (a read's grant says the rest).
         let mechanism = if small {
             Some(Mechanism::Frames)
         } else if piped {
             Some(Mechanism::Pipes)
-        } else if a.spec.write && !source_fds.is_empty() {
+        } else if a.spec().write && !source_fds.is_empty() {
             Some(Mechanism::CudaVmm)
-        } else if a.spec.write && !req_sources_empty {
+        } else if a.spec().write && !req_sources_empty {
             Some(Mechanism::CudaIpc)
-        } else if a.spec.write {
+        } else if a.spec().write {
             Some(Mechanism::CrossMemoryAttach)
         } else {
             None
         };
         if let Some(m) = mechanism {
-            a.spec.state.set_mechanism(m);
+            a.spec().state.set_mechanism(m);
         }
         // Queued in the core; sent with everything else queued this turn, at the end of the
         // transport's progress (a write's pipes with it).
         let at = c.link().queued_end();
-        if !c.link_mut().request(&a.spec.key, req) {
+        if !c.link_mut().request(&a.spec().key, req) {
             self.decline_act(id, "the same-host connection cannot take the request".into(), out);
             return;
         }
@@ -945,8 +953,8 @@ impl SameHostTransport {
             c.attach(at, pipe::Ends::new(source_fds));
         }
         if let Some((mut lanes, wake)) = feeding {
-            let (conn, pid) = (a.conn, feed_key);
-            let pieces = a.spec.local.iter().map(|r| (r.addr, r.len)).collect();
+            let (conn, pid) = (a.conn(), feed_key);
+            let pieces = a.spec().local.iter().map(|r| (r.addr, r.len)).collect();
             c.attach(at, lanes.take_read_ends());
             self.start_feed(
                 FeedFor::Write(id),
@@ -964,7 +972,7 @@ impl SameHostTransport {
         if let Some(c) = self.sockets.get_mut(i) {
             c.link_mut().read_done(slot, gen, false, "cancelled");
         }
-        self.sockets.free_slot(i, a.slot, a.gen);
+        self.sockets.free_slot(i, a.slot(), a.gen());
     }
 
     /// Client: a host read may copy from `lanes` pipes the server feeds, whose read ends came
@@ -979,7 +987,7 @@ impl SameHostTransport {
             return;
         };
         let a = self.client.get_mut(id).expect("found");
-        if matches!(a.phase, Phase::Abandoned) {
+        if a.is_abandoned() {
             self.end_abandoned_grant(i, id, slot, gen);
             return;
         }
@@ -990,7 +998,7 @@ impl SameHostTransport {
                 if let Some(c) = self.sockets.get_mut(i) {
                     c.link_mut().read_done(slot, gen, false, "no eventfd");
                 }
-                self.sockets.free_slot(i, a.slot, a.gen);
+                self.sockets.free_slot(i, a.slot(), a.gen());
                 out.push(Event::ActiveEnded {
                     id,
                     result: Err(Error::os("an eventfd for a same-host read", e)),
@@ -998,22 +1006,20 @@ impl SameHostTransport {
                 return;
             }
         };
-        a.phase = Phase::Copying;
-        a.wake = Some(wake.clone());
         let c = self.sockets.get(i).expect("live");
-        a.pidfd = c.pidfd();
+        a.copying(Some(wake.clone()), c.pidfd());
         let slot = SlotRef {
             table: c.slots().cloned().expect("ready"),
             idx: slot,
             gen,
         };
-        let pieces = a.spec.local.iter().map(|r| (r.addr, r.len)).collect();
+        let pieces = a.spec().local.iter().map(|r| (r.addr, r.len)).collect();
         let copy = AnyCopy::Filled(pipe::Fill::new(
             c.pool_key(),
             fds,
             pieces,
             slot,
-            a.cancel.clone(),
+            a.cancel().clone(),
             wake,
         ));
         self.in_flight.start(copy, CopyOwner::Read(id));
@@ -1026,14 +1032,14 @@ impl SameHostTransport {
             return;
         };
         self.sockets.free_slot(i, slot, gen);
-        if matches!(a.phase, Phase::Abandoned) {
+        if a.is_abandoned() {
             return;
         }
         let result = if eager::write_act(&a, data) {
             Ok(())
         } else {
             Err(Error::Transfer {
-                agent: a.spec.peer.name.to_string(),
+                agent: a.spec().peer.name.to_string(),
                 reason: "the same-host answer does not fit the read's memory".into(),
                 source: None,
             })
@@ -1072,30 +1078,29 @@ impl SameHostTransport {
         let a = self.client.get_mut(id).expect("found");
         // The grant must be of the kind asked for, and an IPC grant must match the ranges.
         let fits = match &sources {
-            None => !a.device,
+            None => !a.device(),
             Some(v) => {
-                a.device
-                    && v.len() == a.spec.local.len()
-                    && v.iter().zip(&a.spec.local).all(|(s, l)| s.len == l.len as u64)
+                a.device()
+                    && v.len() == a.spec().local.len()
+                    && v.iter().zip(&a.spec().local).all(|(s, l)| s.len == l.len as u64)
             }
         };
-        if !fits && !matches!(a.phase, Phase::Abandoned) {
+        if !fits && !a.is_abandoned() {
             tracing::debug!("a same-host grant that does not fit its request; closing the connection");
             if let Some(c) = self.sockets.get_mut(i) {
                 c.link_mut().kill(Violation::GrantDoesNotFit);
             }
             return;
         }
-        if matches!(a.phase, Phase::Abandoned) {
+        if a.is_abandoned() {
             self.end_abandoned_grant(i, id, slot, gen);
             return;
         }
-        a.phase = Phase::Copying;
         let c = self.sockets.get(i).expect("live");
-        a.pidfd = c.pidfd();
-        a.spec
+        a.copying(None, c.pidfd());
+        a.spec()
             .state
-            .set_mechanism(match (&sources, a.spec.local.first().map(|r| r.device)) {
+            .set_mechanism(match (&sources, a.spec().local.first().map(|r| r.device)) {
                 (Some(_), _) if n > 0 => Mechanism::CudaVmm,
                 (Some(_), _) => Mechanism::CudaIpc,
                 (None, Some(Device::Cuda(_))) => Mechanism::PinnedStaging,
@@ -1109,23 +1114,23 @@ impl SameHostTransport {
                 gen,
             };
             let pieces = a
-                .spec
+                .spec()
                 .local
                 .iter()
                 .zip(sources)
                 .map(|(l, src)| ipc::Piece::new(l.addr as u64, src))
                 .collect();
-            let copy = ipc::Copy::new(i, c.peer_pid(), pieces, fds.into_vec(), slot, a.cancel.clone());
+            let copy = ipc::Copy::new(i, c.peer_pid(), pieces, fds.into_vec(), slot, a.cancel().clone());
             let copy = AnyCopy::Device(copy);
             self.in_flight.start(copy, CopyOwner::Read(id));
             return;
         }
         let _ = (sources, fds);
         let pieces = a
-            .spec
+            .spec()
             .local
             .iter()
-            .zip(&a.spec.remote)
+            .zip(&a.spec().remote)
             .map(|(l, r)| Piece {
                 local: l.addr,
                 remote: r.addr,
@@ -1137,8 +1142,8 @@ impl SameHostTransport {
             idx: slot,
             gen,
         };
-        let copy = Copy::new(c.peer_pid(), pieces, slot, a.cancel.clone());
-        let copy = AnyCopy::pulled_into(copy, a.spec.local.first().map(|r| r.device));
+        let copy = Copy::new(c.peer_pid(), pieces, slot, a.cancel().clone());
+        let copy = AnyCopy::pulled_into(copy, a.spec().local.first().map(|r| r.device));
         self.in_flight.start(copy, CopyOwner::Read(id));
         let _ = out;
     }
@@ -1565,18 +1570,16 @@ impl SameHostTransport {
                     let Some(a) = self.client.get_mut(id) else {
                         continue;
                     };
-                    match (&a.phase, result) {
+                    match (a.phase(), result) {
                         (Phase::Exporting, Ok((sources, fds))) => {
-                            a.sources = sources;
-                            a.source_fds = fds;
-                            a.phase = Phase::Requested;
+                            a.exported(sources, fds);
                             self.request(id, out);
                         }
                         (Phase::Exporting, Err(reason)) => {
                             let a = self.client.remove(id).expect("present");
-                            self.sockets.free_slot(a.conn, a.slot, a.gen);
+                            self.sockets.free_slot(a.conn(), a.slot(), a.gen());
                             out.push(Event::Declined {
-                                spec: a.spec,
+                                spec: a.into_spec(),
                                 reason: Decline::shared(
                                     "the device memory cannot be shared through CUDA IPC",
                                     reason,
@@ -1585,9 +1588,9 @@ impl SameHostTransport {
                         }
                         // Abandoned while exporting: it was answered then; forget it now.
                         (_, _) => {
-                            if matches!(a.phase, Phase::Abandoned) {
+                            if a.is_abandoned() {
                                 let a = self.client.remove(id).expect("present");
-                                self.sockets.free_slot(a.conn, a.slot, a.gen);
+                                self.sockets.free_slot(a.conn(), a.slot(), a.gen());
                             }
                         }
                     }
@@ -1651,13 +1654,13 @@ impl SameHostTransport {
         let Some(f) = self.feeds.finished(which) else {
             return;
         };
-        let (key, state, completed, held) = f.into_outcome();
+        let (grant, completed, held) = f.into_outcome();
         if let Err(e) = &r {
             tracing::debug!(?which, error = ?e, "feeding same-host pipes failed");
         }
         match which {
             FeedFor::Grant(_) => {
-                let Some(key) = key else { return };
+                let Some((key, state)) = grant else { return };
                 if completed {
                     out.push(Event::PassiveCompleted {
                         key: key.clone(),
@@ -1666,9 +1669,7 @@ impl SameHostTransport {
                 }
                 if self.server.scope(&key).is_none() && !self.feeds.feeds_key(&key) {
                     // Unexposed while its pipes were fed (`unexpose` held the release back).
-                    if let Some(state) = state {
-                        state.mark_released();
-                    }
+                    state.mark_released();
                 }
             }
             FeedFor::Write(_) => {
@@ -1691,23 +1692,24 @@ impl SameHostTransport {
                 CopyOwner::Fed(which) => self.fed(which, r, out),
                 CopyOwner::Read(id) => {
                     let Some(a) = self.client.remove(id) else { continue };
-                    let i = a.conn;
+                    let i = a.conn();
                     let live = self.sockets.get(i).is_some_and(|c| !c.link().is_dead());
                     if let Err(CopyError::Unsupported(reason)) = &r {
                         // Nothing moved: end the grant and let NIXL take the read.
                         if live {
                             let c = self.sockets.get_mut(i).expect("live");
-                            c.link_mut().read_done(a.slot, a.gen, false, &reason.to_string());
+                            c.link_mut()
+                                .read_done(a.slot(), a.gen(), false, &reason.to_string());
                         }
-                        self.sockets.free_slot(i, a.slot, a.gen);
-                        if a.cancel.load(Ordering::Relaxed) {
+                        self.sockets.free_slot(i, a.slot(), a.gen());
+                        if a.cancel().load(Ordering::Relaxed) {
                             out.push(Event::ActiveEnded {
                                 id,
                                 result: Err(Error::Cancelled),
                             });
                         } else {
                             out.push(Event::Declined {
-                                spec: a.spec,
+                                spec: a.into_spec(),
                                 reason: Decline::shared(
                                     "the same-host device copy cannot run here",
                                     reason.clone(),
@@ -1716,27 +1718,27 @@ impl SameHostTransport {
                         }
                         continue;
                     }
-                    let same = alive(&a.pidfd);
+                    let same = alive(a.pidfd());
                     let result = match r {
                         Ok(()) if same => Ok(()),
                         Ok(()) | Err(CopyError::PeerGone) => Err(Error::RemoteGone {
-                            agent: a.spec.peer.name.to_string(),
+                            agent: a.spec().peer.name.to_string(),
                             reason: "its process exited during the copy".into(),
                             source: None,
                         }),
                         Err(CopyError::Revoked | CopyError::NotStarted) => {
-                            Err(if a.cancel.load(Ordering::Relaxed) {
+                            Err(if a.cancel().load(Ordering::Relaxed) {
                                 Error::Cancelled
                             } else {
                                 refused(
-                                    a.spec.peer.name.to_string(),
+                                    a.spec().peer.name.to_string(),
                                     RefuseCode::NotLive,
                                     "the owner ended the operation during the copy".into(),
                                 )
                             })
                         }
                         Err(CopyError::Os(e)) => Err(Error::Transfer {
-                            agent: a.spec.peer.name.to_string(),
+                            agent: a.spec().peer.name.to_string(),
                             reason: "the same-host copy failed".into(),
                             source: Some(e),
                         }),
@@ -1744,9 +1746,9 @@ impl SameHostTransport {
                     };
                     if live {
                         let c = self.sockets.get_mut(i).expect("live");
-                        c.link_mut().read_done(a.slot, a.gen, result.is_ok(), "");
+                        c.link_mut().read_done(a.slot(), a.gen(), result.is_ok(), "");
                     }
-                    self.sockets.free_slot(i, a.slot, a.gen);
+                    self.sockets.free_slot(i, a.slot(), a.gen());
                     out.push(Event::ActiveEnded { id, result });
                 }
                 CopyOwner::Write {
@@ -2016,22 +2018,7 @@ impl Transport for SameHostTransport {
         if !ready {
             c.queue(id);
         }
-        self.client.insert(
-            id,
-            Act {
-                spec,
-                conn: i,
-                slot,
-                gen,
-                phase: Phase::Queued,
-                cancel: Arc::new(AtomicBool::new(false)),
-                wake: None,
-                pidfd: None,
-                device,
-                sources: Vec::new(),
-                source_fds: Vec::new(),
-            },
-        );
+        self.client.insert(id, Act::new(spec, i, slot, gen, device));
         if ready {
             self.request(id, out);
         } else {
@@ -2041,8 +2028,8 @@ impl Transport for SameHostTransport {
 
     fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
         let Some(a) = self.client.get_mut(id) else { return };
-        let table = self.sockets.get(a.conn).and_then(|c| c.slots().cloned());
-        match a.phase {
+        let table = self.sockets.get(a.conn()).and_then(|c| c.slots().cloned());
+        match a.phase() {
             Phase::Copying => {
                 // Our own copy thread writes our memory: stop it; its end releases the memory.
                 a.stop();
@@ -2055,17 +2042,17 @@ impl Transport for SameHostTransport {
                 // complete it, as a posted NIXL transfer may still land; an eager read's answer is
                 // then not copied here.)
                 if let Some(t) = table {
-                    t.revoke(a.slot, a.gen);
+                    t.revoke(a.slot(), a.gen());
                 }
-                let was_queued = matches!(a.phase, Phase::Queued);
-                a.phase = Phase::Abandoned;
-                let conn = a.conn;
+                let was_queued = matches!(a.phase(), Phase::Queued);
+                a.enter(Phase::Abandoned);
+                let conn = a.conn();
                 if was_queued {
                     if let Some(c) = self.sockets.get_mut(conn) {
                         c.unqueue(id);
                     }
                     let a = self.client.remove(id).expect("present");
-                    self.sockets.free_slot(conn, a.slot, a.gen);
+                    self.sockets.free_slot(conn, a.slot(), a.gen());
                 }
                 // A write's pipes may still be fed from its memory: released once they are not.
                 self.end_act_after_feed(
