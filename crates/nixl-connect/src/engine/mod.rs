@@ -87,10 +87,10 @@ type Transports = (Vec<(TransportId, Box<dyn Transport>)>, Vec<TransportId>);
 /// What a transport is given as it is made: its id, a mailbox to it, a registrar whose
 /// descriptors are reported to it alone, and the engine's waker.
 pub(crate) struct Seat {
-    pub(crate) id: TransportId,
+    id: TransportId,
     tx: Sender<Cmd>,
-    pub(crate) registrar: Registrar,
-    pub(crate) waker: Waker,
+    registrar: Registrar,
+    waker: Waker,
 }
 
 impl Seat {

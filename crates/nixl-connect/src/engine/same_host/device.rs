@@ -1,13 +1,11 @@
 //! The device path's refusals (which pairs of memory the same-host device path can move) and
 //! what a device request carries to the transport's device actions (`transport.rs`).
 
-use super::wire::IpcSource;
 use crate::device::Device;
 use crate::error::PathRefusal;
 use crate::reg::Range;
 #[cfg(feature = "cuda")]
 use crate::sys::same_host::ipc;
-use crate::sys::same_host::pipe;
 
 /// The one device all `ranges` are on, or `None` for none or several.
 pub(super) fn uniform(ranges: &[Range]) -> Option<Device> {
@@ -49,18 +47,4 @@ fn ipc_available() -> bool {
         "CUDA initialised on a caller's turn"
     );
     ipc::available()
-}
-
-/// A device request the policy let through, as the device path takes it.
-pub(super) struct DeviceAsk {
-    pub(super) write: bool,
-    /// Ranges in this side's memory.
-    pub(super) remote: Vec<(u64, u64)>,
-    /// A write's exported sources (one per range).
-    pub(super) sources: Vec<IpcSource>,
-    /// A read whose reader takes the exports as VMM descriptors (it asked for them).
-    pub(super) vmm: bool,
-    /// A write's VMM descriptors, passed with its request (checked; closed off the engine
-    /// thread wherever they are dropped, a copy takes them out).
-    pub(super) fds: pipe::Ends,
 }

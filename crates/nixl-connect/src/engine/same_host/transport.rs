@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::client_book::ClientBook;
 use super::conn::Conn;
-use super::device::{device_path_refusal, uniform, DeviceAsk};
+use super::device::{device_path_refusal, uniform};
 use super::feeds::{Feed, FeedFor, Feeds};
 use super::identity::Identity;
 use super::in_flight::InFlight;
@@ -1247,17 +1247,11 @@ impl SameHostTransport {
                 }
                 Some(Answer::Grant)
             }
-            Decision::DeviceRead | Decision::DeviceWrite => self.device_req(
-                id,
-                &key,
-                DeviceAsk {
-                    write,
-                    remote,
-                    sources,
-                    vmm: !write && pipes > 0,
-                    fds: std::mem::replace(&mut vmm_fds, pipe::Ends::new(Vec::new())),
-                },
-            ),
+            Decision::DeviceRead => self.device_read(id, &key, remote, pipes > 0),
+            Decision::DeviceWrite => {
+                let fds = std::mem::replace(&mut vmm_fds, pipe::Ends::new(Vec::new()));
+                self.device_write(id, &key, remote, sources, fds)
+            }
             Decision::PullWrite => self.pull_write(id, &key, &remote, &local),
             Decision::PipeRead => self.pipe_read(id, &key, &remote, pipes as usize),
             Decision::PipeWrite => self.pipe_write(
@@ -1434,55 +1428,68 @@ impl SameHostTransport {
 
     // ---- Device memory (feature `cuda`): CUDA IPC exports.
 
-    /// The device path of a request the policy let through: a read is granted once its source
-    /// is exported (the answer comes later); a write is copied here from its export.
+    /// A device read the policy let through: granted once its source is exported (the answer
+    /// comes then), as VMM descriptors where the reader asked for them (`vmm`).
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    pub(super) fn device_req(&mut self, id: RequestId, key: &str, ask: DeviceAsk) -> Option<Answer> {
-        let DeviceAsk {
-            write,
-            remote,
-            sources,
-            vmm,
-            fds,
-        } = ask;
+    fn device_read(
+        &mut self,
+        id: RequestId,
+        key: &str,
+        remote: Vec<(u64, u64)>,
+        vmm: bool,
+    ) -> Option<Answer> {
         #[cfg(not(feature = "cuda"))]
-        return Some(Answer::Fallback(
-            "this build has no CUDA support (feature `cuda`)".into(),
-        ));
+        return Some(no_cuda());
         #[cfg(feature = "cuda")]
         {
             let key = self.server.key(key).expect("decided on it");
-            if !write {
-                let done = self.in_flight.export_done();
-                let s = self.server.scope_mut(&key).expect("decided on it");
-                let fresh = s.grant(id);
-                let ranges = remote.len();
-                self.server.exports_queued(ranges);
-                if let Some(c) = self.sockets.get_mut(id.conn) {
-                    c.charge(usize::from(fresh), ranges);
-                }
-                let how = match self.sockets.get(id.conn) {
-                    Some(c) if vmm => ipc::ExportAs::Descriptors {
-                        other_namespace: c.other_pid_ns(),
-                    },
-                    _ => ipc::ExportAs::Handles,
-                };
-                let to = ipc::ExportTo::new(id.conn, how, self.in_flight.teller());
-                ipc::export(
-                    to,
-                    remote,
-                    Box::new(move |result| {
-                        done(ExportDone::Grant {
-                            key,
-                            id,
-                            ranges,
-                            result,
-                        })
-                    }),
-                );
-                return None;
+            let done = self.in_flight.export_done();
+            let s = self.server.scope_mut(&key).expect("decided on it");
+            let fresh = s.grant(id);
+            let ranges = remote.len();
+            self.server.exports_queued(ranges);
+            if let Some(c) = self.sockets.get_mut(id.conn) {
+                c.charge(usize::from(fresh), ranges);
             }
-            let w = match self.claim_writable(id, &key) {
+            let how = match self.sockets.get(id.conn) {
+                Some(c) if vmm => ipc::ExportAs::Descriptors {
+                    other_namespace: c.other_pid_ns(),
+                },
+                _ => ipc::ExportAs::Handles,
+            };
+            let to = ipc::ExportTo::new(id.conn, how, self.in_flight.teller());
+            ipc::export(
+                to,
+                remote,
+                Box::new(move |result| {
+                    done(ExportDone::Grant {
+                        key,
+                        id,
+                        ranges,
+                        result,
+                    })
+                }),
+            );
+            None
+        }
+    }
+
+    /// A device write the policy let through: copied here from the writer's exported `sources`
+    /// (one per range of `remote`; their VMM descriptors `fds`, passed with the request).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn device_write(
+        &mut self,
+        id: RequestId,
+        key: &str,
+        remote: Vec<(u64, u64)>,
+        sources: Vec<IpcSource>,
+        fds: pipe::Ends,
+    ) -> Option<Answer> {
+        #[cfg(not(feature = "cuda"))]
+        return Some(no_cuda());
+        #[cfg(feature = "cuda")]
+        {
+            let w = match self.claim_writable(id, key) {
                 Ok(w) => w,
                 Err(a) => return Some(a),
             };
@@ -2158,3 +2165,9 @@ impl Transport for SameHostTransport {
 
 #[cfg(test)]
 mod tests;
+
+/// What a device request gets from a build without CUDA.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda() -> Answer {
+    Answer::Fallback("this build has no CUDA support (feature `cuda`)".into())
+}
