@@ -38,10 +38,15 @@ pub struct HostBuffer {
     offset: usize,
     len: usize,
     huge: bool,
-    pub(crate) regs: Mutex<RegSet>,
+    regs: Mutex<RegSet>,
 }
 
 impl HostBuffer {
+    /// Keeps `tok` (a registration of this buffer's memory) as long as the buffer lives.
+    pub(crate) fn keep_registration(&self, tok: RegToken) {
+        self.regs.lock().recover().insert(tok);
+    }
+
     /// Maps `len` zeroed bytes (at least one page); 2 MiB-aligned and `MADV_HUGEPAGE` when
     /// `len >= 2 MiB`.
     ///

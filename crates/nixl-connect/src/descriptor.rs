@@ -18,7 +18,6 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::metadata::SerializedDescriptor;
 use crate::reg::RegToken;
-use crate::sync::Recover;
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -478,7 +477,7 @@ impl<'a> Descriptor<'a> {
         };
         let list = match hb {
             Some(b) => {
-                b.regs.lock().recover().insert(tok);
+                b.keep_registration(tok);
                 return;
             }
             None => &mut self.regs,

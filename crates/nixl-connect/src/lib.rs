@@ -83,7 +83,7 @@ pub mod fuzzing {
     /// spliced with itself.
     pub fn agent_metadata(data: &[u8]) {
         if let Ok(m) = md::parse(data) {
-            assert!(m.sections_at <= data.len());
+            assert!(m.sections_at() <= data.len());
             let _ = md::identity(data);
             let out = md::splice(data, data).expect("a blob splices with itself");
             assert_eq!(out, data, "splicing a blob with itself gives it back");
@@ -313,7 +313,7 @@ pub mod nixl_library {
     /// # Errors
     /// [`crate::Error::NixlNotFound`] or [`crate::Error::NixlLoad`].
     pub fn load() -> crate::Result<std::path::PathBuf> {
-        crate::engine::nixl::ffi::load().map(|l| l.capi)
+        crate::engine::nixl::ffi::load().map(|l| l.capi().to_path_buf())
     }
 }
 

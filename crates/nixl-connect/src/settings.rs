@@ -87,9 +87,22 @@ pub(crate) fn socket_dir() -> Option<PathBuf> {
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct Process {
     /// [`STAGING_LANES_ENV`]'s value, if set and text.
-    pub(crate) staging_lanes: Option<String>,
+    staging_lanes: Option<String>,
     /// [`SHARE_VMM_ENV`] is `1`.
-    pub(crate) share_vmm: bool,
+    share_vmm: bool,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl Process {
+    /// [`STAGING_LANES_ENV`]'s value, if set and text.
+    pub(crate) fn staging_lanes(&self) -> Option<&str> {
+        self.staging_lanes.as_deref()
+    }
+
+    /// [`SHARE_VMM_ENV`] is `1`.
+    pub(crate) fn share_vmm(&self) -> bool {
+        self.share_vmm
+    }
 }
 
 /// The process's settings (see [`Process`]).

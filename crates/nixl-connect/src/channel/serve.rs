@@ -22,14 +22,14 @@ use tokio::sync::Semaphore;
 pub(crate) struct Limits {
     /// Connections open at once: a scraper or a few dozen peers need a handful; a flood costs
     /// this many descriptors at most.
-    pub(crate) connections: usize,
+    connections: usize,
     /// How long a connection may take to send a request's headers, and stay idle between
     /// requests (Prometheus sends its scrape at once, and reconnects when a kept connection was
     /// closed).
-    pub(crate) header: Duration,
+    header: Duration,
     /// How long a connection stays open at most (a 16 MiB metadata document over a slow link
     /// takes far less; a client closed meanwhile connects again).
-    pub(crate) total: Duration,
+    total: Duration,
 }
 
 impl Limits {

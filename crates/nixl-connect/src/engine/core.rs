@@ -302,12 +302,7 @@ impl EngineCore {
                     continue;
                 }
                 mine.clear();
-                mine.extend(
-                    ready
-                        .iter()
-                        .filter(|r| r.owner.index() == i)
-                        .map(|r| (r.token, r.events)),
-                );
+                mine.extend(ready.iter().filter_map(|r| r.of(i)));
                 let due = !mine.is_empty()
                     || match polling {
                         Polling::EveryTurn => true,

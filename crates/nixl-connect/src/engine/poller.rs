@@ -344,9 +344,22 @@ impl Gate {
 /// token and the epoll events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Ready {
-    pub(crate) owner: TransportId,
-    pub(crate) token: u64,
-    pub(crate) events: u32,
+    owner: TransportId,
+    token: u64,
+    events: u32,
+}
+
+impl Ready {
+    /// Descriptor `token` of transport `owner` reported `events`.
+    #[cfg(test)]
+    pub(crate) fn new(owner: TransportId, token: u64, events: u32) -> Self {
+        Self { owner, token, events }
+    }
+
+    /// Its token and events, if transport `owner` registered it.
+    pub(crate) fn of(&self, owner: usize) -> Option<(u64, u32)> {
+        (self.owner.index() == owner).then_some((self.token, self.events))
+    }
 }
 
 /// True when an event mask reports a hang-up or an error.

@@ -592,11 +592,8 @@ fn core_ready_descriptors_reach_only_the_transport_that_registered_them() {
     let (b, sb) = probe("b", TransferPath::SameHost);
     // Neither asks to be polled: only its own ready descriptors make one due.
     let mut core = EngineCore::new(vec![a, b], ids(&[0, 1]), MS, t0);
-    let ready = |owner: usize, token: u64| Ready {
-        owner: TransportId::nth(owner).unwrap(),
-        token,
-        events: libc::EPOLLIN as u32,
-    };
+    let ready =
+        |owner: usize, token: u64| Ready::new(TransportId::nth(owner).unwrap(), token, libc::EPOLLIN as u32);
     core.turn(t0, false, &[ready(1, 0), ready(1, 7)]);
     assert_eq!(sa.lock().unwrap().progressed, 0, "a was handed b's descriptors");
     assert_eq!(

@@ -141,7 +141,7 @@ pub(crate) fn to_hex(s: &str) -> Result<String> {
 /// [`Error::Metadata`] when the string does not decode or is not NIXL agent metadata.
 pub(crate) fn agent_name(s: &str) -> Result<String> {
     let raw = decode(s)?;
-    Ok(md::parse(&raw)?.name.to_string())
+    Ok(md::parse(&raw)?.name().to_string())
 }
 
 /// A peer's published `nixl_metadata`, decoded once: its agent metadata (what the NIXL transport
@@ -151,7 +151,7 @@ pub(crate) fn agent_name(s: &str) -> Result<String> {
 /// [`Error::Metadata`] for anything that is not NIXL agent metadata.
 pub(crate) fn decode_peer(s: &str) -> Result<PeerInfo> {
     let raw = decode(s)?;
-    let name: Arc<str> = md::parse(&raw)?.name.into();
+    let name: Arc<str> = md::parse(&raw)?.name().into();
     Ok(PeerInfo {
         published: s.into(),
         identity: md::identity(&raw).unwrap_or(0),

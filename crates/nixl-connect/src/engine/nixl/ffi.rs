@@ -44,7 +44,14 @@ const PYTHON_LIMIT: Duration = Duration::from_secs(3);
 /// Where the NIXL library was found and loaded from.
 #[derive(Debug, Clone)]
 pub(crate) struct Loaded {
-    pub(crate) capi: PathBuf,
+    capi: PathBuf,
+}
+
+impl Loaded {
+    /// The C API library loaded.
+    pub(crate) fn capi(&self) -> &std::path::Path {
+        &self.capi
+    }
 }
 
 static LOADED: Mutex<Option<Loaded>> = Mutex::new(None);

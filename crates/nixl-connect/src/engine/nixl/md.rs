@@ -35,11 +35,24 @@ const MIN_DESC: usize = 8 + 24 + 1;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct AgentMd<'a> {
     /// The agent's name.
-    pub(crate) name: &'a str,
+    name: &'a str,
     /// How many backend connection entries it carries (0 for a sections-only blob).
-    pub(crate) conns: u64,
+    conns: u64,
     /// Byte offset of the memory-section marker (everything before it is header + connections).
-    pub(crate) sections_at: usize,
+    sections_at: usize,
+}
+
+impl<'a> AgentMd<'a> {
+    /// The agent's name.
+    pub(crate) fn name(&self) -> &'a str {
+        self.name
+    }
+
+    /// Byte offset of the memory-section marker.
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn sections_at(&self) -> usize {
+        self.sections_at
+    }
 }
 
 struct Reader<'a> {

@@ -25,9 +25,9 @@ pub(super) const MAX_HANDSHAKING: usize = 64;
 pub(super) struct Caps {
     /// Connections served at once: [`MAX_SERVED`], or an eighth of the descriptor limit if
     /// that is lower (each holds a socket, a pidfd and a slot table: the table never fills).
-    pub(super) served: usize,
+    served: usize,
     /// Connections served to one process: [`MAX_SERVED_PER_PID`], or an eighth of `served`.
-    pub(super) per_pid: usize,
+    per_pid: usize,
 }
 
 impl Caps {
@@ -38,6 +38,12 @@ impl Caps {
             served,
             per_pid: MAX_SERVED_PER_PID.min(served / 8).max(2),
         }
+    }
+
+    /// True when one more connection than the `served` ones, `from_pid` of them from its
+    /// process, would pass a cap.
+    pub(super) fn full(&self, served: usize, from_pid: usize) -> bool {
+        served >= self.served || from_pid >= self.per_pid
     }
 }
 /// The most read grants one connection holds at once (a well-behaved client has at most one per

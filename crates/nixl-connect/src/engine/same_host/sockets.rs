@@ -193,7 +193,7 @@ impl Sockets {
             shaking += usize::from(unshaken);
             shaking_pid += usize::from(mine && unshaken);
         }
-        if served >= self.caps.served || from_pid >= self.caps.per_pid {
+        if self.caps.full(served, from_pid) {
             Some(format!(
                 "this process serves {served} same-host connections ({from_pid} from yours) \
                  already; use NIXL"

@@ -298,7 +298,7 @@ fn forget_at(base: u64) {
 /// True where `NIXL_CONNECT_SHARE_VMM=1`: VMM memory this crate did not allocate is shared with
 /// peers in other PID namespaces too (read once).
 fn share_foreign_vmm() -> bool {
-    crate::settings::process().share_vmm
+    crate::settings::process().share_vmm()
 }
 
 /// Closes a legacy mapping no copy uses any more.

@@ -114,7 +114,7 @@ fn lanes_for(chunks: usize) -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     let max = *MAX.get_or_init(|| {
         lanes_from(
-            crate::settings::process().staging_lanes.as_deref(),
+            crate::settings::process().staging_lanes(),
             std::thread::available_parallelism().map_or(1, |n| n.get()),
         )
     });
