@@ -1,5 +1,4 @@
-//! The device path's refusals (which pairs of memory the same-host device path can move) and
-//! what a device request carries to the transport's device actions (`transport.rs`).
+//! The device path's refusals: which pairs of memory the same-host device path can move.
 
 use crate::device::Device;
 use crate::error::PathRefusal;

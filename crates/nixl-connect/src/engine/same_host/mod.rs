@@ -26,10 +26,11 @@
 //!   [`wire`] (the frame codec), `auth` (MACs), `identity` (Ed25519), [`violation`] (what a peer
 //!   broke);
 //! - the access policy, sans-IO: `policy` (`decide(scope, request, load) -> Decision`);
-//! - the owners: `sockets` (the listeners, the connections and their timers), `server_book`
+//! - the owners: `sockets` (the listeners, the connections and their timers), `conn` (one
+//!   connection: its socket, its core, the descriptors passed either way), `server_book`
 //!   (scopes, key ids, identities, exports), `client_book` (active operations, connections by
 //!   peer, peers avoided), `in_flight` (copies and exports off the engine thread), `feeds` (pipes
-//!   this side fills), `records` (connections, active operations, finished copies), `limits`
+//!   this side fills), `records` (active operations, finished copies), `limits`
 //!   (every cap);
 //! - the coordinator: `transport` (the [`SameHostTransport`], one `impl`: what a core heard or
 //!   the engine asked, to the owner that acts on it, and the engine's

@@ -1,4 +1,5 @@
-//! The records the same-host transport keeps: a request's name ([`RequestId`]), an active operation's phase, a finished copy's owner, a finished export. It
+//! The records the same-host transport keeps: an active operation ([`Act`]) and its phase, a
+//! request's name ([`RequestId`]), a finished copy's owner, a finished export. It
 //! sits below the files that act on these records and below the transport (`transport.rs`) and
 //! the server book (`server_book.rs`), so none of them imports its way back up.
 

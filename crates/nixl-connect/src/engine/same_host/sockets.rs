@@ -1,8 +1,8 @@
 //! The sockets: the listener, every connection ([`Conn`]) by id, the timers that re-arm the
 //! listener and fire the connections' deadlines, and their place in the engine's poller. It
-//! owns these (private fields): it moves bytes between a socket and its connection's protocol
-//! core and decides who may connect (`admission`); what a connection's end means for the
-//! operations on it is the transport's (`transport.rs`).
+//! owns these (private fields) and decides who may connect (`admission`); each connection moves
+//! its own bytes and descriptors (`conn.rs`); what a connection's end means for the operations on
+//! it is the transport's (`transport.rs`).
 
 use std::collections::HashMap;
 use std::io;
