@@ -48,7 +48,6 @@ pub(crate) struct Pace {
     off_for: Duration,
     shared_turns: u32,
     exposed_poll: Duration,
-    work: Duration,
 }
 
 /// The crate's pace.
@@ -63,7 +62,6 @@ pub(crate) const PACE: Pace = Pace {
     off_for: Duration::from_secs(1),
     shared_turns: 8,
     exposed_poll: Duration::from_millis(5),
-    work: Duration::from_micros(10),
 };
 
 // A probe's balance (`lost_to_stop - hot_for`) must be a balance.
@@ -158,15 +156,16 @@ impl Pace {
         self.exposed_poll
     }
 
-    /// A NIXL progress call that took longer than this did work in UCX (an idle one takes a
-    /// microsecond or a few): twice in a row on the wall clock (one slow call alone is as often
-    /// a thread preempted or woken cold), or once in CPU time draining notifications while a
-    /// writable is live (a burst of a peer's write: NIXL is progressed again soon, without
-    /// keeping the engine hot). Rows: "A connector's CPU while idle" (one slow call taken for
-    /// work kept an idle engine spinning 2 ms each time), "1 MiB and 64 MiB over TCP" (backing
-    /// off between bursts slowed 64 MiB writes).
+    /// A NIXL progress call that took longer than a polled transport's first gap
+    /// ([`first_poll`](Self::first_poll)) did work in UCX (an idle one takes a microsecond or a
+    /// few): twice in a row on the wall clock (one slow call alone is as often a thread preempted
+    /// or woken cold), or once in CPU time draining notifications while a writable is live (a
+    /// burst of a peer's write: NIXL is progressed again soon, without keeping the engine hot).
+    /// Rows: "A connector's CPU while idle" (one slow call taken for work kept an idle engine
+    /// spinning 2 ms each time), "1 MiB and 64 MiB over TCP" (a number of its own, 10 us,
+    /// measured the same).
     pub(crate) const fn work(&self) -> Duration {
-        self.work
+        self.first_poll
     }
 }
 
