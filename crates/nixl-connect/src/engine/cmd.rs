@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use super::poller::Waker;
-use super::transport::{small, ActiveSpec, Exposure, OpId, PassiveSpec, PeerInfo, TransportId};
+use super::transport::{ActiveSpec, Exposure, OpId, PassiveSpec, PeerInfo, TransportId};
 use crate::device::Device;
 use crate::error::Result;
 use crate::reg::{Hold, Range, RegToken};
@@ -88,28 +88,6 @@ impl Cmd {
             Cmd::Begin { spec } => spec.local.iter().chain(&spec.remote).all(host),
             Cmd::Register { ranges, .. } => ranges.iter().all(host),
             _ => true,
-        }
-    }
-
-    /// True for the commands a driving caller may handle on its own thread (see `driver`), those
-    /// of a small operation over host memory ([`Pace::small`](crate::pace::Pace::small)), whose
-    /// wait will drive what it starts):
-    /// - its [`Cmd::Begin`];
-    /// - its [`Cmd::Expose`], which the core may still leave to the engine thread (when NIXL
-    ///   would have to register the memory or make its metadata:
-    ///   [`EngineCore::handle_as_caller`](super::core::EngineCore::handle_as_caller));
-    /// - the end of an exposure that hands no memory on ([`Cmd::Unexpose`] without `keep`; NIXL's
-    ///   part of it is deferred to the engine thread).
-    ///
-    /// Everything else stays the engine thread's: registrations, cancels and adoptions (they may
-    /// free memory a Python object owns), an exposure's end that hands memory on, mail, larger
-    /// operations and the end.
-    pub(crate) fn for_a_caller(&self) -> bool {
-        match self {
-            Cmd::Begin { spec } => self.host_only() && small(&spec.local),
-            Cmd::Expose { spec, .. } => self.host_only() && small(&spec.ranges),
-            Cmd::Unexpose { keep, .. } => keep.is_none(),
-            _ => false,
         }
     }
 }
@@ -191,60 +169,9 @@ mod tests {
         };
         assert!(register(crate::Device::Host).host_only());
         assert!(!register(crate::Device::Cuda(0)).host_only());
-        assert!(
-            !register(crate::Device::Host).for_a_caller(),
-            "registration is the engine's"
-        );
         assert!(Cmd::Shutdown {
             within: Duration::ZERO
         }
         .host_only());
-    }
-
-    #[test]
-    fn engine_commands_callers_may_handle_are_a_small_host_operations_and_no_memory_handed_on() {
-        use crate::engine::transport::PassiveSpec;
-        use crate::metadata::OperationKind;
-        use crate::state::{OpState, OperationStatus};
-        let expose = |len: usize, device| {
-            let (reply, _) = oneshot::channel();
-            Cmd::Expose {
-                spec: PassiveSpec {
-                    key: "k".into(),
-                    kind: OperationKind::Read,
-                    ranges: vec![Range {
-                        addr: 4096,
-                        len,
-                        device,
-                    }],
-                    state: OpState::new(OperationStatus::Initialized),
-                },
-                reply,
-            }
-        };
-        let small = 64 << 10; // the most bytes `Pace::small` takes
-        assert!(expose(small, crate::Device::Host).for_a_caller());
-        assert!(
-            !expose(small + 1, crate::Device::Host).for_a_caller(),
-            "a large exposure is the engine's"
-        );
-        assert!(
-            !expose(4096, crate::Device::Cuda(0)).for_a_caller(),
-            "device memory is the engine's"
-        );
-        let end = |keep: Option<(Hold, usize)>| Cmd::Unexpose {
-            key: "k".into(),
-            gen: 0,
-            keep,
-        };
-        assert!(end(None).for_a_caller());
-        assert!(
-            !end(Some((
-                Box::new(Vec::<crate::Descriptor<'static>>::new()) as Hold,
-                8
-            )))
-            .for_a_caller(),
-            "memory handed on (its owner may be a Python object) is the engine's"
-        );
     }
 }

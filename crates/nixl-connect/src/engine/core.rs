@@ -10,20 +10,20 @@
 //! **Caller turns.** A caller waiting for a small operation may drive the core on its own thread
 //! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
 //! Such a turn touches only the transports that say a caller may drive them
-//! ([`Transport::callers_may_drive`]: same-host and loopback, not NIXL), but for four things of
+//! ([`Transport::any_thread`]: same-host and loopback, not NIXL), but for four things of
 //! another's that create no agent and register, load, prepare and free no memory: an exposure the publisher takes when it is only
-//! bookkeeping ([`Transport::expose_as_caller`]: NIXL's, for memory registered and described
+//! bookkeeping ([`CallerPart::expose`](super::transport::CallerPart::expose): NIXL's, for memory registered and described
 //! before; otherwise the command goes back whole to the engine thread), the bookkeeping of an
-//! exposure's end ([`Transport::unexpose_as_caller`]: NIXL lets its registrations go), and,
+//! exposure's end ([`CallerPart::unexpose`](super::transport::CallerPart::unexpose): NIXL lets its registrations go), and,
 //! where the driver lets callers reach such a transport ([`let_callers_reach`](EngineCore::let_callers_reach):
 //! where waits spin), an operation's start when everything it needs is ready
-//! ([`Transport::begin_as_caller`]: NIXL's post of a small transfer to a loaded peer over
+//! ([`CallerPart::begin`](super::transport::CallerPart::begin): NIXL's post of a small transfer to a loaded peer over
 //! registered memory and prepared lists; otherwise the operation waits for the engine thread,
 //! where it was), and, on the turns the driver allows, a watch of its operations
-//! ([`Transport::watch_as_caller`]: NIXL's transfers in flight on every turn, its notifications
+//! ([`CallerPart::watch`](super::transport::CallerPart::watch): NIXL's transfers in flight on every turn, its notifications
 //! every [`Pace::turn_gap`](crate::pace::Pace::turn_gap) unless its polling asks for every turn). The engine stands down for an
 //! operation on such a transport only while callers' watches would see it end
-//! ([`Transport::watched_by_callers`], [`engine_bound`](EngineCore::engine_bound)). It leaves to the engine thread's next
+//! ([`CallerPart::sees_every_end`](super::transport::CallerPart::sees_every_end), [`engine_bound`](EngineCore::engine_bound)). It leaves to the engine thread's next
 //! turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or free memory a
 //! caller must not: a start NIXL cannot make on a caller's turn (which may create an agent), the rest of another
 //! transport's end of an exposure (NIXL's may rotate an exposer or deregister memory), and the
@@ -42,7 +42,7 @@ use tokio::sync::oneshot;
 use super::cmd::Cmd;
 use super::poller::Ready;
 use super::transport::{
-    ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, Polling, Transport, TransportId,
+    small, ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, Polling, Transport, TransportId,
 };
 use crate::error::{Error, Result};
 use crate::metrics::engine::EngineCell;
@@ -67,6 +67,10 @@ const MAX_COMPLETED: usize = 65_536;
 /// How often, at most, a busy engine publishes its counters to the metrics (an idle one
 /// publishes before it sleeps).
 const PUBLISH_GAP: Duration = Duration::from_millis(200);
+/// What a debug build says when a caller's turn calls a transport whole that only the engine
+/// thread may (NIXL's: its agents and UCX workers are the engine thread's but for its
+/// [`caller`](Transport::caller) part).
+const ENGINE_ONLY: &str = "a caller's turn called a transport whole that is the engine thread's";
 
 /// When a transport is progressed next, when its [`Polling`] asks for a schedule.
 struct Schedule {
@@ -85,7 +89,7 @@ struct Active {
 
 /// What a caller's turn left to the engine thread (see the module's docs).
 enum Deferred {
-    /// An operation for a transport a caller may not drive (and whose `begin_as_caller`, if
+    /// An operation for a transport a caller may not drive (and whose [`CallerPart::begin`](super::transport::CallerPart::begin), if
     /// asked, handed it back): the chain's first, or the next after one declined it (why).
     Offer(ActiveSpec, TransportId, Option<Decline>),
     /// An ended exposure's key, for the transports a caller may not drive to forget.
@@ -98,13 +102,13 @@ enum Deferred {
 pub(crate) struct EngineCore {
     /// Every transport, the publisher of metadata first; exposures go to all of them in order.
     transports: Vec<Box<dyn Transport>>,
-    /// Whether a caller may drive each transport ([`Transport::callers_may_drive`]).
+    /// Whether a caller may drive each transport ([`Transport::any_thread`]).
     drivable: Vec<bool>,
     /// Whether a caller's turn may begin operations on each transport it may not drive
-    /// ([`Transport::callers_may_start`]), where callers reach such transports at all.
+    /// ([`CallerPart::starts`](super::transport::CallerPart::starts)), where callers reach such transports at all.
     startable: Vec<bool>,
     /// Whether callers' turns may call into the transports they may not drive: begin there
-    /// ([`Transport::begin_as_caller`]) and watch them ([`Transport::watch_as_caller`]); only
+    /// ([`CallerPart::begin`](super::transport::CallerPart::begin)) and watch them ([`CallerPart::watch`](super::transport::CallerPart::watch)); only
     /// where the connector's waits spin (see [`let_callers_reach`](Self::let_callers_reach)).
     callers_reach: bool,
     /// True during a caller's turn.
@@ -113,7 +117,7 @@ pub(crate) struct EngineCore {
     /// driver last asked ([`take_callers_started`](Self::take_callers_started)).
     callers_started: bool,
     /// When callers' turns last watched each transport a caller may not drive
-    /// ([`Transport::watch_as_caller`]).
+    /// ([`CallerPart::watch`](super::transport::CallerPart::watch)).
     watched: Vec<Option<Instant>>,
     /// True during a caller's turn that may watch (see [`turn_as_caller`](Self::turn_as_caller)).
     watching: bool,
@@ -178,15 +182,18 @@ impl EngineCore {
     /// A core over `transports` (the publisher of metadata first) whose active operations try
     /// the positions in `chain` in turn, each transport due at `now`.
     pub(crate) fn new(
-        transports: Vec<Box<dyn Transport>>,
+        mut transports: Vec<Box<dyn Transport>>,
         chain: Vec<TransportId>,
         max_park: Duration,
         now: Instant,
     ) -> Self {
         Self {
             max_park,
-            drivable: transports.iter().map(|t| t.callers_may_drive()).collect(),
-            startable: transports.iter().map(|t| t.callers_may_start()).collect(),
+            drivable: transports.iter().map(|t| t.any_thread()).collect(),
+            startable: transports
+                .iter_mut()
+                .map(|t| t.caller().is_some_and(|c| c.starts()))
+                .collect(),
             callers_reach: false,
             by_caller: false,
             callers_started: false,
@@ -288,7 +295,7 @@ impl EngineCore {
                         t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + PACE.turn_gap());
                     if self.watching && !driven_pass && due {
                         *watched = Some(now);
-                        let saw = t.watch_as_caller(&mut self.events);
+                        let saw = t.caller().is_some_and(|c| c.watch(&mut self.events));
                         #[cfg(any(test, feature = "testing"))]
                         {
                             self.watch_events += u64::from(saw);
@@ -313,6 +320,7 @@ impl EngineCore {
                 if !due {
                     continue;
                 }
+                debug_assert!(!self.by_caller || self.drivable[i], "{ENGINE_ONLY}");
                 let active = t.progress(&mine, &mut self.events);
                 event |= active;
                 s.gap = match polling {
@@ -375,7 +383,7 @@ impl EngineCore {
     /// a caller may drive.
     ///
     /// `watch`: the turn may also watch the transports a caller may not drive
-    /// ([`Transport::watch_as_caller`]: NIXL's transfers and notifications), on every turn while
+    /// ([`CallerPart::watch`](super::transport::CallerPart::watch): NIXL's transfers and notifications), on every turn while
     /// one's polling is [`Polling::Busy`] and every [`Pace::turn_gap`](crate::pace::Pace::turn_gap) otherwise; the driver allows it
     /// only on the turns of waits that drive while the engine stands down.
     pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready], watch: bool) -> bool {
@@ -387,14 +395,36 @@ impl EngineCore {
         event
     }
 
+    /// True for the commands a driving caller may handle on its own thread (see `driver`), those
+    /// of a small operation over host memory ([`Pace::small`](crate::pace::Pace::small)), whose
+    /// wait will drive what it starts):
+    /// - its [`Cmd::Begin`];
+    /// - its [`Cmd::Expose`], which the core may still leave to the engine thread (when NIXL
+    ///   would have to register the memory or make its metadata:
+    ///   [`handle_as_caller`](Self::handle_as_caller));
+    /// - the end of an exposure that hands no memory on ([`Cmd::Unexpose`] without `keep`; NIXL's
+    ///   part of it is deferred to the engine thread).
+    ///
+    /// Everything else stays the engine thread's: registrations, cancels and adoptions (they may
+    /// free memory a Python object owns), an exposure's end that hands memory on, mail, larger
+    /// operations and the end.
+    pub(crate) fn for_a_caller(cmd: &Cmd) -> bool {
+        match cmd {
+            Cmd::Begin { spec } => cmd.host_only() && small(&spec.local),
+            Cmd::Expose { spec, .. } => cmd.host_only() && small(&spec.ranges),
+            Cmd::Unexpose { keep, .. } => keep.is_none(),
+            _ => false,
+        }
+    }
+
     /// Handles `cmd` on a caller's thread (see the module's docs): a command
-    /// [`Cmd::for_a_caller`] says a caller may handle, only when
+    /// [`for_a_caller`](Self::for_a_caller) says a caller may handle, only when
     /// [`callers_may_begin`](Self::callers_may_begin). Returns the command, with nothing done,
     /// when it needs the engine thread after all: an exposure a transport a caller may not drive
-    /// cannot take on a caller's turn ([`Transport::expose_as_caller`]; NIXL, when the memory is
+    /// cannot take on a caller's turn ([`CallerPart::expose`](super::transport::CallerPart::expose); NIXL, when the memory is
     /// not registered yet or its metadata not made).
     pub(crate) fn handle_as_caller(&mut self, cmd: Cmd) -> Option<Cmd> {
-        debug_assert!(cmd.for_a_caller() && self.callers_may_begin());
+        debug_assert!(Self::for_a_caller(&cmd) && self.callers_may_begin());
         self.by_caller = true;
         let back = match cmd {
             Cmd::Expose { spec, reply } => self.expose(spec, reply),
@@ -408,7 +438,7 @@ impl EngineCore {
     }
 
     /// Exposes a passive operation's memory on every transport, in order, and answers `reply`.
-    /// On a caller's turn, each through [`Transport::expose_as_caller`], and only where the
+    /// On a caller's turn, each through its [`CallerPart::expose`](super::transport::CallerPart::expose), and only where the
     /// first (the publisher) is the one transport a caller may not drive: one that declines then
     /// does so before any other did something, and the command is returned as it came.
     fn expose(&mut self, spec: PassiveSpec, reply: oneshot::Sender<Result<Exposure>>) -> Option<Cmd> {
@@ -420,11 +450,12 @@ impl EngineCore {
         for (t, &drivable) in self.transports.iter_mut().zip(&self.drivable) {
             let done = if self.by_caller && !drivable {
                 // The first transport (checked above): nothing was done yet.
-                match t.expose_as_caller(&spec, &mut out) {
+                match t.caller().and_then(|c| c.expose(&spec, &mut out)) {
                     Some(done) => done,
                     None => return Some(Cmd::Expose { spec, reply }),
                 }
             } else {
+                debug_assert!(!self.by_caller || drivable, "{ENGINE_ONLY}");
                 t.expose(&spec, &mut out)
             };
             if let Err(e) = done {
@@ -449,7 +480,7 @@ impl EngineCore {
     }
 
     /// True when a caller may begin an operation: the chain's first transport is one a caller
-    /// may drive, or one a caller's turn may begin on ([`Transport::callers_may_start`], where
+    /// may drive, or one a caller's turn may begin on ([`CallerPart::starts`](super::transport::CallerPart::starts), where
     /// callers reach it).
     pub(crate) fn callers_may_begin(&self) -> bool {
         let first = self.chain[0].index();
@@ -458,14 +489,15 @@ impl EngineCore {
 
     /// True when what is in flight needs the engine thread: work a caller's turn left to it, or
     /// an active operation on a transport a caller may not drive and whose callers' watch would
-    /// not see it end ([`Transport::watched_by_callers`]; the engine must not stand down for
+    /// not see it end ([`CallerPart::sees_every_end`](super::transport::CallerPart::sees_every_end); the engine must not stand down for
     /// callers then). Looks at every active operation: for few in flight.
-    pub(crate) fn engine_bound(&self) -> bool {
+    pub(crate) fn engine_bound(&mut self) -> bool {
         !self.deferred.is_empty()
             || self.actives.values().any(|a| {
                 let i = a.on.index();
-                let callers_see_it_end =
-                    self.drivable[i] || (self.callers_reach && self.transports[i].watched_by_callers());
+                let callers_see_it_end = self.drivable[i]
+                    || (self.callers_reach
+                        && self.transports[i].caller().is_some_and(|c| c.sees_every_end()));
                 !callers_see_it_end
             })
     }
@@ -513,7 +545,7 @@ impl EngineCore {
     }
 
     /// True (once) when a caller's turn started an operation on a transport a caller may not
-    /// drive ([`Transport::begin_as_caller`]) since the last call: only a wait that drives, or
+    /// drive ([`CallerPart::begin`](super::transport::CallerPart::begin)) since the last call: only a wait that drives, or
     /// the engine thread, progresses it.
     pub(crate) fn take_callers_started(&mut self) -> bool {
         std::mem::take(&mut self.callers_started)
@@ -744,7 +776,9 @@ impl EngineCore {
         let mut deferred = false;
         for (t, &drivable) in self.transports.iter_mut().zip(&self.drivable) {
             if self.by_caller && !drivable {
-                t.unexpose_as_caller(key);
+                if let Some(c) = t.caller() {
+                    c.unexpose(key);
+                }
                 deferred = true;
             } else {
                 t.unexpose(key);
@@ -861,7 +895,7 @@ impl EngineCore {
         }
         if self.by_caller && !self.drivable[i.index()] {
             // The engine thread's to call, but for a start the transport can make on a caller's
-            // turn (`begin_as_caller`); else the operation waits for the engine (which the
+            // turn ([`CallerPart::begin`](super::transport::CallerPart::begin)); else the operation waits for the engine (which the
             // driver wakes at once: `hand_over_deferred`).
             if !(self.callers_reach && self.startable[i.index()]) {
                 self.deferred.push(Deferred::Offer(spec, i, why));
@@ -872,7 +906,10 @@ impl EngineCore {
             let mut out = std::mem::take(&mut self.events);
             let back = {
                 let _entered = span.as_ref().map(tracing::Span::enter);
-                self.transports[i.index()].begin_as_caller(spec, &mut out)
+                match self.transports[i.index()].caller() {
+                    Some(c) => c.begin(spec, &mut out),
+                    None => Some(spec),
+                }
             };
             self.events = out;
             match back {
@@ -913,6 +950,7 @@ impl EngineCore {
         // The transport's own events about the operation go in its span.
         let span = spec.state.span().cloned();
         let _entered = span.as_ref().map(tracing::Span::enter);
+        debug_assert!(!self.by_caller || self.drivable[i.index()], "{ENGINE_ONLY}");
         self.transports[i.index()].begin(spec, &mut out);
         self.events = out;
     }
@@ -950,7 +988,7 @@ impl EngineCore {
                     // by it (or its peer, told at once) may replay the metadata, which must find
                     // nothing exposed (core_passive_end_unexposes_before_any_waiter_sees_it). On
                     // a caller's turn, those a caller may not drive (NIXL) forget it there too
-                    // (`unexpose_as_caller`), and do the rest on the engine's next turn: a late
+                    // (`CallerPart::unexpose`), and do the rest on the engine's next turn: a late
                     // notification finds no passive operation, and NIXL's registration outlives
                     // the exposure anyway unless the connector deregisters on completion, where
                     // callers never drive.

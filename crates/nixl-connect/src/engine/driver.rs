@@ -31,7 +31,7 @@
 //! not drive, wakes the engine ([`Drive::attend`]); one nobody waits for is progressed at the
 //! engine's alarm (within [`Pace::stand_down`](crate::pace::Pace::stand_down)). The
 //! commands a caller handles ([`Drive::takes`]) are a small operation's over host memory
-//! ([`Cmd::for_a_caller`]): its [`Cmd::Begin`], its [`Cmd::Expose`] where the connector's waits
+//! ([`EngineCore::for_a_caller`]): its [`Cmd::Begin`], its [`Cmd::Expose`] where the connector's waits
 //! spin and NIXL has registered the memory and made its metadata already (else the core hands
 //! the command back, and the engine thread takes it), and an exposure's end that hands no memory
 //! on; the rest are the engine thread's. So a Rust passive side that exposes the same buffers
@@ -45,7 +45,7 @@
 //!   status is final, on the engine thread);
 //! - a child of `fork()` (the epoll instances are the parent's too);
 //! - with the `cuda` feature, one started where whether CUDA works is not yet known without
-//!   starting it (`Transport::callers_may_drive` of the same-host path, asked once when the
+//!   starting it (`Transport::any_thread` of the same-host path, asked once when the
 //!   engine starts).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -56,8 +56,35 @@ use std::time::{Duration, Instant};
 use super::cmd::Cmd;
 use super::core::{EngineCore, STOP_WAIT};
 use super::poller::{Alarm, DriverPoll, Gate, Poller, Ready, Waker};
-use super::transport::CallerTurn;
 use crate::pace::{self, PACE};
+
+thread_local! {
+    /// Set while this thread takes a caller's turn of an engine.
+    static CALLER_TURN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// True while this thread takes a caller's turn of an engine: a connector's last handle dropped
+/// on one does not wait for its engine thread (which would wait for the lock this one holds).
+pub(crate) fn on_a_callers_turn() -> bool {
+    CALLER_TURN.get()
+}
+
+/// Marks this thread as taking a caller's turn until dropped (then as it was before: a turn
+/// that drives another connector's engine inside one keeps the outer mark).
+struct CallerTurn(bool);
+
+impl CallerTurn {
+    /// Starts a caller's turn on this thread.
+    fn start() -> Self {
+        CallerTurn(CALLER_TURN.replace(true))
+    }
+}
+
+impl Drop for CallerTurn {
+    fn drop(&mut self) {
+        CALLER_TURN.set(self.0);
+    }
+}
 
 /// The engine's state, held by whoever drives.
 pub(crate) struct Driven {
@@ -91,7 +118,7 @@ pub(crate) struct Drive {
     turns: AtomicU64,
     /// Commands callers have handled on their turns (for tests that check which).
     commands: AtomicU64,
-    /// Whether callers make small exposures ([`Cmd::for_a_caller`]): only where the connector's
+    /// Whether callers make small exposures ([`EngineCore::for_a_caller`]): only where the connector's
     /// small waits spin, and so drive. A waiter that drives serves a same-host peer, and its
     /// spin's end hands NIXL's side to the engine thread (a NIXL peer, a Python worker or another
     /// host, is served once NIXL is progressed); where waits do not spin (the Python module's,
@@ -344,10 +371,10 @@ impl Drive {
         true
     }
 
-    /// Whether a caller's turn may handle `cmd`: [`Cmd::for_a_caller`], and an exposure only
+    /// Whether a caller's turn may handle `cmd`: [`EngineCore::for_a_caller`], and an exposure only
     /// where callers make them (see `callers_expose`).
     pub(crate) fn takes(&self, cmd: &Cmd) -> bool {
-        cmd.for_a_caller() && (self.callers_expose || !matches!(cmd, Cmd::Expose { .. }))
+        EngineCore::for_a_caller(cmd) && (self.callers_expose || !matches!(cmd, Cmd::Expose { .. }))
     }
 
     /// A caller's turn: the commands it may handle, one look at the sockets, one caller turn of

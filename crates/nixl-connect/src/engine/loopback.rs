@@ -255,7 +255,7 @@ impl Transport for LoopbackTransport {
     }
 
     /// Its calls are a copy through the kernel and a process-wide table's lock.
-    fn callers_may_drive(&self) -> bool {
+    fn any_thread(&self) -> bool {
         true
     }
 

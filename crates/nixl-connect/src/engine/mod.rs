@@ -629,7 +629,7 @@ impl Drop for Shared {
         self.waker.wake();
         // Not on the engine thread, nor on a caller's thread in the middle of driving it (the
         // engine thread would wait for the lock this one holds): the engine then ends on its own.
-        if std::thread::current().id() != self.thread && !transport::on_a_callers_turn() {
+        if std::thread::current().id() != self.thread && !driver::on_a_callers_turn() {
             if let Some(j) = self.join.lock().recover().take() {
                 let _ = j.join();
             }

@@ -269,36 +269,6 @@ pub(crate) enum Polling {
     EveryTurn,
 }
 
-thread_local! {
-    /// Set while this thread takes a caller's turn of an engine (see `driver`).
-    static CALLER_TURN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// True while this thread takes a caller's turn of an engine (see `driver`): NIXL's transport
-/// (but for its `*_as_caller` methods) and the first call into CUDA check (in debug builds) that
-/// they never run on one, and a
-/// connector's last handle dropped on one does not wait for its engine thread.
-pub(crate) fn on_a_callers_turn() -> bool {
-    CALLER_TURN.get()
-}
-
-/// Marks this thread as taking a caller's turn until dropped (then as it was before: a turn
-/// that drives another connector's engine inside one keeps the outer mark).
-pub(crate) struct CallerTurn(bool);
-
-impl CallerTurn {
-    /// Starts a caller's turn on this thread.
-    pub(crate) fn start() -> Self {
-        CallerTurn(CALLER_TURN.replace(true))
-    }
-}
-
-impl Drop for CallerTurn {
-    fn drop(&mut self) {
-        CALLER_TURN.set(self.0);
-    }
-}
-
 /// One way of moving bytes (NIXL, same-host), owned by the engine: used by one thread at a time,
 /// its own or a caller's that drives it (`driver`), so `Send`.
 pub(crate) trait Transport: Send {
@@ -320,43 +290,11 @@ pub(crate) trait Transport: Send {
         Ok(None)
     }
 
-    /// What a caller's turn may do of [`progress`](Self::progress), for a transport a caller may
-    /// not drive: watch its exposed operations for their peers' completions, and its small
-    /// transfers in flight for their ends, adding what ended to `out`, with no call that makes,
-    /// registers or frees anything but the requests of transfers that ended (NIXL drains its
-    /// notifications and polls its transfers). True if anything happened. Nothing, by default.
-    fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
-        let _ = out;
-        false
-    }
-
-    /// The part of [`unexpose`](Self::unexpose) a caller's turn may do, for a transport a caller
-    /// may not drive: bookkeeping, no call into its library (NIXL lets the exposure's
-    /// registrations go). The engine thread calls `unexpose` after it all the same. Nothing, by
-    /// default.
-    fn unexpose_as_caller(&mut self, key: &str) {
-        let _ = key;
-    }
-
     /// Exposes a passive operation's memory under its key, adding to `out`.
     ///
     /// # Errors
     /// The transport's failure to expose (registration refused, ...).
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()>;
-
-    /// [`expose`](Self::expose) on a caller's turn, for a transport a caller may not drive
-    /// ([`callers_may_drive`](Self::callers_may_drive); one it may drive is asked `expose`):
-    /// `None`, with nothing done, when this transport needs the engine thread for it (the whole
-    /// exposure is then left to that thread), as by default; an exposure that is only
-    /// bookkeeping otherwise (NIXL's, when earlier exposures registered the memory and made its
-    /// metadata).
-    ///
-    /// # Errors
-    /// As [`expose`](Self::expose).
-    fn expose_as_caller(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
-        let _ = (spec, out);
-        None
-    }
 
     /// Ends a passive operation: from now on nothing new may reach its memory through this
     /// transport, and any access that can be revoked is.
@@ -365,32 +303,6 @@ pub(crate) trait Transport: Send {
     /// Starts an active operation. Its end (or its hand-over to the next transport) comes as an
     /// [`Event`] from this call or from a later [`progress`](Self::progress).
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>);
-
-    /// [`begin`](Self::begin) on a caller's turn, for a transport a caller may not drive that
-    /// [`callers_may_start`](Self::callers_may_start) on: the spec back, with nothing done, when
-    /// this transport needs the engine thread for it (as by default); otherwise the operation
-    /// begun (or ended) as by `begin`, with no call that makes, loads, registers or prepares
-    /// anything (NIXL's, when earlier transfers loaded the peer, registered the memory and
-    /// prepared both descriptor lists: a post). Its end then comes from a caller's
-    /// [`watch_as_caller`](Self::watch_as_caller) or the engine's [`progress`](Self::progress).
-    fn begin_as_caller(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec> {
-        let _ = out;
-        Some(spec)
-    }
-
-    /// True when a caller's turn may ask [`begin_as_caller`](Self::begin_as_caller) of this
-    /// transport, a caller may not drive (asked once, when the engine starts). False by default.
-    fn callers_may_start(&self) -> bool {
-        false
-    }
-
-    /// True when a caller's [`watch_as_caller`](Self::watch_as_caller) would see everything this
-    /// transport has in flight end (NIXL: every transfer in flight and every exposure small, UCX
-    /// alone): the engine may then stand down for the waits that drive while its operations are
-    /// in flight. False by default.
-    fn watched_by_callers(&self) -> bool {
-        false
-    }
 
     /// Stops touching `id`'s memory as soon as it can: `hard` when the owner cannot wait any
     /// longer, even at the cost of other operations of this transport. Ends (or will end) it with
@@ -457,15 +369,57 @@ pub(crate) trait Transport: Send {
     /// The path this transport is (what its operations report).
     fn path(&self) -> TransferPath;
 
-    /// True when a caller's thread may drive this transport (`driver`: a small operation's
-    /// waiter takes the engine's turns): its calls are short, touch no library that keeps state
-    /// per thread, create nothing that takes long to make, and drop no memory's owner (which may
-    /// be a Python object). False, the default, keeps its calls on the engine thread but for the
-    /// `*_as_caller` methods: a caller's turn leaves it alone otherwise, and defers to the engine
-    /// what it would hand it (see `EngineCore`'s caller turns).
-    fn callers_may_drive(&self) -> bool {
+    /// True when any thread may make this transport's calls, one at a time: they are short, keep
+    /// no state per thread, create nothing that takes long to make, and drop no memory's owner
+    /// (which may be a Python object). False, the default, keeps them on the engine thread but for
+    /// its [`caller`](Self::caller) part. The engine decides who makes them (`driver`).
+    fn any_thread(&self) -> bool {
         false
     }
+
+    /// The part of a transport that is not [`any_thread`](Self::any_thread) which a thread
+    /// other than the engine's may use (a waiter driving the engine: `driver`), if any. `None` by
+    /// default.
+    fn caller(&mut self) -> Option<&mut dyn CallerPart> {
+        None
+    }
+}
+
+/// What a waiter's thread may do with a transport whose calls are the engine thread's (NIXL's):
+/// lookups, bookkeeping, posts over what is made already, and polls, with no call that creates an
+/// agent or registers, loads, prepares or frees memory (NIXL's part holds no `AgentKey`, which
+/// those calls take).
+pub(crate) trait CallerPart {
+    /// Exposes a passive operation's memory when that is only bookkeeping (NIXL: earlier
+    /// exposures registered the memory and made its metadata): `None`, nothing done, when the
+    /// engine thread must [`expose`](Transport::expose) it.
+    ///
+    /// # Errors
+    /// As [`Transport::expose`].
+    fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>>;
+
+    /// The bookkeeping of [`Transport::unexpose`] (NIXL lets the exposure's registrations go);
+    /// the engine thread calls `unexpose` after it all the same.
+    fn unexpose(&mut self, key: &str);
+
+    /// Begins an operation when everything it needs is ready (NIXL: a post over a loaded peer,
+    /// registered memory and prepared lists), as [`Transport::begin`] would; otherwise the spec
+    /// back, nothing done. Its end comes from a later [`watch`](Self::watch) or the engine's
+    /// [`progress`](Transport::progress).
+    fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec>;
+
+    /// Watches exposed operations for their peers' completions and small transfers in flight for
+    /// their ends, adding what ended to `out`; freeing nothing but the requests of transfers that
+    /// ended. True if anything happened.
+    fn watch(&mut self, out: &mut Vec<Event>) -> bool;
+
+    /// True when [`begin`](Self::begin) may take operations at all (asked once, when the engine
+    /// starts).
+    fn starts(&self) -> bool;
+
+    /// True when [`watch`](Self::watch) would see everything in flight end: the engine may then
+    /// stand down for the waits that drive.
+    fn sees_every_end(&self) -> bool;
 }
 
 #[cfg(test)]

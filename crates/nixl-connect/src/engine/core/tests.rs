@@ -14,7 +14,8 @@ use crate::device::Device;
 use crate::engine::cmd::Cmd;
 use crate::engine::poller::Ready;
 use crate::engine::transport::{
-    ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, PeerInfo, Polling, Transport, TransportId,
+    ActiveSpec, CallerPart, Decline, Event, Exposure, OpId, PassiveSpec, PeerInfo, Polling, Transport,
+    TransportId,
 };
 use crate::error::{Error, ErrorKind, Refusal, Result};
 use crate::metadata::OperationKind;
@@ -50,26 +51,26 @@ struct Script {
     exposed: Vec<(Arc<str>, Arc<OpState>)>,
     /// Each key it was told to unexpose, with its operation's status at that moment.
     unexposed: Vec<(String, OperationStatus)>,
-    /// Says a caller may drive it ([`Transport::callers_may_drive`]; read when the core is made).
+    /// Says a caller may drive it ([`Transport::any_thread`]; read when the core is made).
     drivable: bool,
     /// Refuses every exposure ([`Transport::expose`] fails).
     refuse_exposure: bool,
-    /// Caller's turns that watched it ([`Transport::watch_as_caller`]; what `emit` holds is what
+    /// Caller's turns that watched it ([`CallerPart::watch`]; what `emit` holds is what
     /// a watch sees).
     watched: usize,
     /// Takes an exposure on a caller's turn though a caller may not drive it (as NIXL does for
-    /// memory it registered before: [`Transport::expose_as_caller`]).
+    /// memory it registered before: [`CallerPart::expose`]).
     cached: bool,
-    /// Says a caller's turn may begin operations on it ([`Transport::callers_may_start`]; read
+    /// Says a caller's turn may begin operations on it ([`CallerPart::starts`]; read
     /// when the core is made).
     starts: bool,
-    /// Takes the operations a caller's turn begins ([`Transport::begin_as_caller`]), rather
+    /// Takes the operations a caller's turn begins ([`CallerPart::begin`]), rather
     /// than handing them back.
     starts_taken: bool,
     /// A caller's watch completes the operations it took, as its progress would when `complete`.
     watch_completes: bool,
     /// Says a caller's watch would see everything it has in flight end
-    /// ([`Transport::watched_by_callers`]).
+    /// ([`CallerPart::sees_every_end`]).
     watched_whole: bool,
 }
 
@@ -209,20 +210,26 @@ impl Transport for Probe {
         stats.transfers += completed;
     }
 
-    fn callers_may_drive(&self) -> bool {
+    fn any_thread(&self) -> bool {
         self.script.lock().unwrap().drivable
     }
 
-    fn expose_as_caller(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
+    fn caller(&mut self) -> Option<&mut dyn CallerPart> {
+        Some(self)
+    }
+}
+
+impl CallerPart for Probe {
+    fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
         let cached = self.script.lock().unwrap().cached;
-        cached.then(|| self.expose(spec, out))
+        cached.then(|| Transport::expose(self, spec, out))
     }
 
-    fn unexpose_as_caller(&mut self, key: &str) {
+    fn unexpose(&mut self, key: &str) {
         self.log(format!("forget {key}"));
     }
 
-    fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
+    fn watch(&mut self, out: &mut Vec<Event>) -> bool {
         let mut s = self.script.lock().unwrap();
         s.watched += 1;
         let mut saw = !s.emit.is_empty();
@@ -236,7 +243,7 @@ impl Transport for Probe {
         saw
     }
 
-    fn begin_as_caller(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec> {
+    fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec> {
         self.log(format!("start {}", spec.id));
         if !self.script.lock().unwrap().starts_taken {
             return Some(spec);
@@ -249,11 +256,11 @@ impl Transport for Probe {
         None
     }
 
-    fn callers_may_start(&self) -> bool {
+    fn starts(&self) -> bool {
         self.script.lock().unwrap().starts
     }
 
-    fn watched_by_callers(&self) -> bool {
+    fn sees_every_end(&self) -> bool {
         self.script.lock().unwrap().watched_whole
     }
 }
@@ -712,7 +719,7 @@ fn core_caller_exposure_is_left_whole_to_the_engine_when_nixl_cannot_take_it() {
     let t0 = Instant::now();
     let (mut core, sl, sn) = caller_pair(t0);
     let (cmd, _state, mut exposed) = exposure("k1");
-    assert!(cmd.for_a_caller());
+    assert!(EngineCore::for_a_caller(&cmd));
     let back = core
         .handle_as_caller(cmd)
         .expect("NIXL must register: the command comes back");
@@ -742,7 +749,7 @@ fn core_caller_exposure_of_registered_memory_is_made_on_the_callers_turn() {
         gen: 0,
         keep: None,
     };
-    assert!(end.for_a_caller());
+    assert!(EngineCore::for_a_caller(&end));
     assert!(core.handle_as_caller(end).is_none());
     assert_eq!(sl.lock().unwrap().log, ["local:expose k1", "local:unexpose k1"]);
     // NIXL lets the exposure's registrations go at once (memory freed and allocated again at the
@@ -1174,4 +1181,61 @@ fn core_caller_fallback_to_a_transport_that_starts_for_callers_is_posted_there()
     core.turn(t0, false, &[]);
     assert_eq!(sn.lock().unwrap().log, ["nixl:start 1", "nixl:abandon 1"]);
     assert_eq!(state.status(), OperationStatus::Cancelled);
+}
+
+#[test]
+fn core_commands_callers_may_handle_are_a_small_host_operations_and_no_memory_handed_on() {
+    let expose = |len: usize, device| {
+        let (reply, _) = oneshot::channel();
+        Cmd::Expose {
+            spec: PassiveSpec {
+                key: "k".into(),
+                kind: OperationKind::Read,
+                ranges: vec![Range {
+                    addr: 4096,
+                    len,
+                    device,
+                }],
+                state: OpState::new(OperationStatus::Initialized),
+            },
+            reply,
+        }
+    };
+    let small = 64 << 10; // the most bytes `Pace::small` takes
+    assert!(EngineCore::for_a_caller(&expose(small, Device::Host)));
+    assert!(
+        !EngineCore::for_a_caller(&expose(small + 1, Device::Host)),
+        "a large exposure is the engine's"
+    );
+    assert!(
+        !EngineCore::for_a_caller(&expose(4096, Device::Cuda(0))),
+        "device memory is the engine's"
+    );
+    let end = |keep: Option<(Hold, usize)>| Cmd::Unexpose {
+        key: "k".into(),
+        gen: 0,
+        keep,
+    };
+    assert!(EngineCore::for_a_caller(&end(None)));
+    let handed_on = end(Some((
+        Box::new(Vec::<crate::Descriptor<'static>>::new()) as Hold,
+        8,
+    )));
+    assert!(
+        !EngineCore::for_a_caller(&handed_on),
+        "memory handed on (its owner may be a Python object) is the engine's"
+    );
+    let (reply, _) = oneshot::channel();
+    let register = Cmd::Register {
+        ranges: vec![Range {
+            addr: 4096,
+            len: 4096,
+            device: Device::Host,
+        }],
+        reply,
+    };
+    assert!(
+        !EngineCore::for_a_caller(&register),
+        "registration is the engine's"
+    );
 }

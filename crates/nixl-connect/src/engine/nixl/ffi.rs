@@ -401,6 +401,21 @@ pub(crate) struct Prepared {
 // its own lock around `getNotifs`). `nixl_sys` already has the agent itself `Send`.
 unsafe impl Send for Prepared {}
 
+/// The right to create an agent and to register, describe, load and prepare memory with one:
+/// what [`NixlAgent::new`], [`register`](NixlAgent::register),
+/// [`partial_metadata`](NixlAgent::partial_metadata), [`load_remote`](NixlAgent::load_remote) and
+/// [`prepare`](NixlAgent::prepare) take. The NIXL transport holds it beside its state, so the
+/// part of it a waiter's thread reaches (`CallerPart`, implemented on that state) has none: by its
+/// type it posts, polls and drains, and makes nothing.
+pub(crate) struct AgentKey(());
+
+impl AgentKey {
+    /// The key of one NIXL transport (made once, with it).
+    pub(crate) fn new() -> Self {
+        AgentKey(())
+    }
+}
+
 /// One NIXL agent with its backends (UCX, and any others the connector's builder named), NIXL's
 /// own threads off. Not thread-safe: the engine owns it, and one thread at a time uses it (see
 /// `Prepared`'s `Send`). Dropping it destroys the UCX
@@ -443,7 +458,12 @@ impl Drop for NixlAgent {
 impl NixlAgent {
     /// Creates an agent named `name` with a backend for each of `backends` (NIXL plugin names;
     /// `UCX` takes the extra `params`, the others their plugin's defaults).
-    pub(crate) fn new(name: &str, backends: &[String], params: &[(String, String)]) -> Result<Self> {
+    pub(crate) fn new(
+        _key: &AgentKey,
+        name: &str,
+        backends: &[String],
+        params: &[(String, String)],
+    ) -> Result<Self> {
         load()?;
         crate::sys::outside_fork(|| Self::create(name, backends, params))
     }
@@ -524,7 +544,7 @@ impl NixlAgent {
     }
 
     /// Registers one range.
-    pub(crate) fn register(&self, r: Range) -> Result<AgentRegistration> {
+    pub(crate) fn register(&self, _key: &AgentKey, r: Range) -> Result<AgentRegistration> {
         crate::sys::outside_fork(|| {
             let desc = RawRegion {
                 addr: r.addr,
@@ -544,7 +564,7 @@ impl NixlAgent {
 
     /// This agent's metadata restricted to `regs` (exactly registered ranges): the connection
     /// information alone when `regs` is empty, the sections of those registrations otherwise.
-    pub(crate) fn partial_metadata(&self, regs: &[Range]) -> Result<Vec<u8>> {
+    pub(crate) fn partial_metadata(&self, _key: &AgentKey, regs: &[Range]) -> Result<Vec<u8>> {
         crate::sys::outside_fork(|| {
             let mut l = RegDescList::new(regs.first().map_or(MemType::Dram, |r| mem_type(r.device)))
                 .map_err(|e| nixl_err("descriptor list", e))?;
@@ -558,7 +578,7 @@ impl NixlAgent {
     }
 
     /// Loads a peer's agent metadata (merging into what is loaded for it); returns its name.
-    pub(crate) fn load_remote(&self, md: &[u8]) -> std::result::Result<String, ErrorSource> {
+    pub(crate) fn load_remote(&self, _key: &AgentKey, md: &[u8]) -> std::result::Result<String, ErrorSource> {
         crate::sys::outside_fork(|| {
             self.agent
                 .load_remote_md(md)
@@ -577,7 +597,7 @@ impl NixlAgent {
 
     /// Prepares a descriptor list once, for any number of transfers: `agent` is `None` for this
     /// agent's own (registered) memory, or the peer whose metadata describes `ranges`.
-    pub(crate) fn prepare(&self, agent: Option<&str>, ranges: &[Range]) -> Result<Prepared> {
+    pub(crate) fn prepare(&self, _key: &AgentKey, agent: Option<&str>, ranges: &[Range]) -> Result<Prepared> {
         crate::sys::outside_fork(|| {
             let mut l =
                 XferDescList::new(mem_type(ranges[0].device)).map_err(|e| nixl_err("descriptor list", e))?;

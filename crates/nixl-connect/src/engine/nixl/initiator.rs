@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::ffi::{NixlAgent, PostError, Prepared, Transfer};
+use super::ffi::{AgentKey, NixlAgent, PostError, Prepared, Transfer};
 use super::registry::{Mail, RegInner, Registry, Side};
 use super::{contain, overlap, MAX_IDLE_PEERS, MAX_LOADED, MAX_LOADED_BYTES, MAX_PREPARED};
 use crate::engine::cmd::Mailbox;
@@ -101,12 +101,13 @@ impl Initiator {
     /// memory a registration replaced are forgotten.
     pub(super) fn register(
         &mut self,
+        key: &AgentKey,
         r: Range,
         mailbox: &Mailbox<Mail>,
         stats: &mut EngineStats,
     ) -> Result<(Arc<RegInner>, Range)> {
         let mut replaced = None;
-        let got = self.regs.get(&self.agent, r, mailbox, stats, &mut replaced);
+        let got = self.regs.get(key, &self.agent, r, mailbox, stats, &mut replaced);
         if let Some(old) = replaced {
             self.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
         }
@@ -222,7 +223,12 @@ impl Initiator {
     }
 
     /// Makes sure the peer's metadata string is loaded; returns its agent name.
-    pub(super) fn load(&mut self, spec: &ActiveSpec, stats: &mut EngineStats) -> Result<Arc<str>> {
+    pub(super) fn load(
+        &mut self,
+        key: &AgentKey,
+        spec: &ActiveSpec,
+        stats: &mut EngineStats,
+    ) -> Result<Arc<str>> {
         if let Some(n) = self.loaded.get(&spec.peer.published) {
             return Ok(n.clone());
         }
@@ -239,7 +245,7 @@ impl Initiator {
         if self.loaded_bytes + size > MAX_LOADED_BYTES {
             self.shed();
         }
-        let mut r = self.agent.load_remote(&spec.peer.reach);
+        let mut r = self.agent.load_remote(key, &spec.peer.reach);
         if r.is_err() {
             match self.peers.get(&spec.peer.name) {
                 // A peer restarted under the same name, or its metadata changed in a way NIXL
@@ -247,7 +253,7 @@ impl Initiator {
                 // retried without invalidating first).
                 Some(p) if p.refs == 0 => {
                     self.forget_peer(&spec.peer.name.clone());
-                    r = self.agent.load_remote(&spec.peer.reach);
+                    r = self.agent.load_remote(key, &spec.peer.reach);
                 }
                 // Transfers to it are in flight: it cannot be invalidated now.
                 Some(_) => {
@@ -299,6 +305,7 @@ impl Initiator {
     /// flight (none if it ended at once) and the registrations' tokens.
     pub(super) fn start(
         &mut self,
+        key: &AgentKey,
         spec: &ActiveSpec,
         mailbox: &Mailbox<Mail>,
         stats: &mut EngineStats,
@@ -308,14 +315,14 @@ impl Initiator {
             let mut replaced = None;
             tokens.push(
                 self.regs
-                    .get(&self.agent, *r, mailbox, stats, &mut replaced)
+                    .get(key, &self.agent, *r, mailbox, stats, &mut replaced)
                     .map(|(t, _)| RegToken::new(t))?,
             );
             if let Some(old) = replaced {
                 self.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
             }
         }
-        let name = self.load(spec, stats)?;
+        let name = self.load(key, spec, stats)?;
         if self.local_prep.len() > MAX_PREPARED {
             self.local_prep.clear();
         }
@@ -323,12 +330,12 @@ impl Initiator {
             self.remote_prep.clear();
         }
         if !self.local_prep.contains_key(&spec.local) {
-            let p = self.agent.prepare(None, &spec.local)?;
+            let p = self.agent.prepare(key, None, &spec.local)?;
             self.local_prep.insert(spec.local.clone(), p);
         }
         let rkey = (name.clone(), spec.remote.clone());
         if !self.remote_prep.contains_key(&rkey) {
-            let p = self.agent.prepare(Some(&name), &rkey.1)?;
+            let p = self.agent.prepare(key, Some(&name), &rkey.1)?;
             self.remote_prep.insert(rkey.clone(), p);
         }
         let (lp, rp) = (&self.local_prep[&spec.local], &self.remote_prep[&rkey]);
@@ -367,7 +374,7 @@ impl Initiator {
     /// with nothing done, otherwise. Its events go to `out`; a post that failed in the transport
     /// comes back with its error and its registrations' tokens (part of it may have been posted:
     /// the engine thread must reset the initiator before the tokens go).
-    pub(super) fn post_as_caller(
+    pub(super) fn post_ready(
         &mut self,
         spec: &ActiveSpec,
         stats: &mut EngineStats,

@@ -28,11 +28,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use self::encoding::encode as encode_agent_metadata;
-use self::ffi::NixlAgent;
+use self::ffi::{AgentKey, NixlAgent};
 use self::initiator::{Initiator, StartError};
 use self::registry::{key_of, Mail, RegInner, Registry, Side};
 use super::cmd::Mailbox;
-use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
+use super::transport::{ActiveSpec, CallerPart, Event, Exposure, OpId, PassiveSpec, Polling, Transport};
 use crate::engine::transport::small_host;
 use crate::error::{Error, Result};
 use crate::metadata::OperationKind;
@@ -133,9 +133,15 @@ struct Exposer {
 }
 
 impl Exposer {
-    fn new(name: &str, backends: &[String], params: &[(String, String)], gen: u64) -> Result<Self> {
-        let agent = NixlAgent::new(name, backends, params)?;
-        let conn_md = agent.partial_metadata(&[])?;
+    fn new(
+        key: &AgentKey,
+        name: &str,
+        backends: &[String],
+        params: &[(String, String)],
+        gen: u64,
+    ) -> Result<Self> {
+        let agent = NixlAgent::new(key, name, backends, params)?;
+        let conn_md = agent.partial_metadata(key, &[])?;
         let identity = md::identity(&conn_md).ok_or_else(|| Error::Nixl {
             op: "get local metadata",
             status: "NIXL's own metadata did not parse".into(),
@@ -158,8 +164,15 @@ impl Exposer {
     }
 }
 
-/// The NIXL transport of one connector.
+/// The NIXL transport of one connector: its [`AgentKey`] and its state, which a waiter's thread
+/// reaches as the transport's [`CallerPart`] without the key.
 pub(crate) struct NixlTransport {
+    key: AgentKey,
+    nixl: NixlState,
+}
+
+/// The NIXL transport's agents, registrations and operations.
+struct NixlState {
     name: String,
     /// The NIXL backends each agent is created with (UCX first by default).
     backends: Vec<String>,
@@ -223,9 +236,10 @@ impl NixlTransport {
         quarantine_limit: usize,
         mailbox: Mailbox<Mail>,
     ) -> Result<Self> {
+        let key = AgentKey::new();
         let params = with_library_defaults(params);
-        let exposer = Exposer::new(name, &backends, &params, 0)?;
-        Ok(Self {
+        let exposer = Exposer::new(&key, name, &backends, &params, 0)?;
+        let nixl = NixlState {
             name: name.to_string(),
             backends,
             params,
@@ -245,9 +259,12 @@ impl NixlTransport {
             peer_notified: None,
             drain_failures: Throttle::default(),
             stats: EngineStats::default(),
-        })
+        };
+        Ok(Self { key, nixl })
     }
+}
 
+impl NixlState {
     /// The exposer of generation `gen`, if it still exists.
     fn exposer_of(&mut self, gen: u64) -> Option<&mut Exposer> {
         if gen == self.exposer_gen {
@@ -259,10 +276,16 @@ impl NixlTransport {
 
     /// Replaces the exposer with a new agent once the memory it holds back passes the limit, and
     /// destroys retired exposers whose operations have all ended (which frees what they hold).
-    fn rotate(&mut self) {
+    fn rotate(&mut self, key: &AgentKey) {
         if self.exposer.quarantined > self.quarantine_limit {
             let gen = self.exposer_gen + 1;
-            match Exposer::new(&format!("{}~{gen}", self.name), &self.backends, &self.params, gen) {
+            match Exposer::new(
+                key,
+                &format!("{}~{gen}", self.name),
+                &self.backends,
+                &self.params,
+                gen,
+            ) {
                 Ok(fresh) => {
                     let old = std::mem::replace(&mut self.exposer, fresh);
                     self.retired.insert(self.exposer_gen, old);
@@ -323,7 +346,7 @@ impl NixlTransport {
 
     /// Holds exposed memory that was given up (`bytes` of it) until no peer can reach it through
     /// the exposer of generation `gen`; freed at once if that exposer is already gone.
-    fn quarantine(&mut self, gen: u64, keep: Hold, bytes: usize) {
+    fn quarantine(&mut self, key: &AgentKey, gen: u64, keep: Hold, bytes: usize) {
         match self.exposer_of(gen) {
             Some(e) => {
                 e.registered_held += keep.registrations();
@@ -342,11 +365,11 @@ impl NixlTransport {
             None => drop(keep),
         }
         self.recount();
-        self.rotate();
+        self.rotate(key);
     }
 
     /// The generation of the exposer that serves `key`.
-    pub(crate) fn exposer_gen_of(&self, key: &str) -> Option<u64> {
+    fn exposer_gen_of(&self, key: &str) -> Option<u64> {
         if self.exposer.live.contains_key(key) {
             return Some(self.exposer_gen);
         }
@@ -417,11 +440,11 @@ impl NixlTransport {
             + self.initiator.as_ref().map_or(0, |i| i.registered().1)
     }
 
-    fn initiator(&mut self) -> Result<&mut Initiator> {
+    fn initiator(&mut self, key: &AgentKey) -> Result<&mut Initiator> {
         if self.initiator.is_none() {
             self.initiator_gen += 1;
             let name = format!("{}.i{}", self.name, self.initiator_gen);
-            let agent = NixlAgent::new(&name, &self.backends, &self.params)?;
+            let agent = NixlAgent::new(key, &name, &self.backends, &self.params)?;
             self.initiator = Some(Initiator::new(agent, self.initiator_gen));
         }
         Ok(self.initiator.as_mut().expect("just made"))
@@ -430,14 +453,14 @@ impl NixlTransport {
     /// Registers `ranges` with the initiator ahead of the transfers that will use them (an
     /// active operation over memory inside a live registration reuses it). Nothing of the
     /// initiator's registrations is ever published to a peer.
-    fn register_ahead(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
+    fn register_ahead(&mut self, key: &AgentKey, ranges: &[Range]) -> Result<Vec<RegToken>> {
         let mailbox = self.mailbox.clone();
-        self.initiator()?;
+        self.initiator(key)?;
         let stats = &mut self.stats;
         let init = self.initiator.as_mut().expect("made above");
         let mut tokens = Vec::with_capacity(ranges.len());
         for r in ranges {
-            let got = contain("register memory", || init.register(*r, &mailbox, stats))?;
+            let got = contain("register memory", || init.register(key, *r, &mailbox, stats))?;
             tokens.push(RegToken::new(got.0));
         }
         Ok(tokens)
@@ -445,13 +468,13 @@ impl NixlTransport {
 
     /// Metadata for the registrations `regs` (their ranges and ids, sorted, deduplicated): cached
     /// by their ids, or made now.
-    fn metadata_for(&mut self, regs: &[(Range, u64)]) -> Result<Arc<str>> {
+    fn metadata_for(&mut self, key: &AgentKey, regs: &[(Range, u64)]) -> Result<Arc<str>> {
         let ids: Vec<u64> = regs.iter().map(|&(_, id)| id).collect();
         if let Some(md) = self.exposer.md_cache.get(&ids) {
             return Ok(md.clone());
         }
         let ranges: Vec<Range> = regs.iter().map(|&(r, _)| r).collect();
-        let sections = self.exposer.agent.partial_metadata(&ranges)?;
+        let sections = self.exposer.agent.partial_metadata(key, &ranges)?;
         let raw = md::splice(&self.exposer.conn_md, &sections)?;
         let md: Arc<str> = encode_agent_metadata(&raw).into();
         if self.exposer.md_cache.len() >= MAX_MD_CACHE {
@@ -484,7 +507,7 @@ impl NixlTransport {
     }
 
     /// True when operations are exposed and every live one is small: a caller's turn may watch
-    /// the exposers (see `watch_as_caller`).
+    /// the exposers (see its `CallerPart::watch`).
     fn exposures_watched(&self) -> bool {
         !(self.exposer.live.is_empty() && self.retired.is_empty())
             && self.exposer.large == 0
@@ -564,89 +587,53 @@ fn ranges_and_ids(regs: &[Arc<RegInner>]) -> Vec<(Range, u64)> {
     v
 }
 
-/// NIXL is the engine thread's: this transport says callers may not drive it, and its methods
-/// check in debug builds that they do not run on a caller's turn, but for those a caller's turn
-/// reaches: `expose_as_caller` and `unexpose_as_caller` (lookups and bookkeeping, nothing of
-/// NIXL's called), and, with UCX alone, `begin_as_caller` (a post of a small transfer over what
-/// is loaded, registered and prepared already) and `watch_as_caller` (polls of small transfers
-/// and `getNotifs` on the exposers while exposures are small): see `ffi::Prepared`'s `Send`.
-fn engine_thread_only() {
-    debug_assert!(
-        !crate::engine::transport::on_a_callers_turn(),
-        "the NIXL transport was called on a caller's turn"
-    );
-}
-
+/// NIXL is the engine thread's: this transport is not [`any_thread`](Transport::any_thread), and
+/// the core calls it whole only on the engine thread. A waiter's thread reaches its
+/// [`CallerPart`] (the state without the [`AgentKey`]): exposures and their ends as lookups and
+/// bookkeeping, nothing of NIXL's called, and, with UCX alone, the post of a small transfer over
+/// what is loaded, registered and prepared already, and polls of small transfers and `getNotifs`
+/// on the exposers while exposures are small: see `ffi::Prepared`'s `Send`.
 impl Transport for NixlTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
-        engine_thread_only();
+        let (key, n) = (&self.key, &mut self.nixl);
         let mut regs = Vec::with_capacity(spec.ranges.len());
         for r in &spec.ranges {
             // A replaced dead registration needs no cache purge: metadata is cached by ids.
             let mut replaced = None;
-            let (t, _) = self.exposer.regs.get(
-                &self.exposer.agent,
-                *r,
-                &self.mailbox,
-                &mut self.stats,
-                &mut replaced,
-            )?;
+            let (t, _) =
+                n.exposer
+                    .regs
+                    .get(key, &n.exposer.agent, *r, &n.mailbox, &mut n.stats, &mut replaced)?;
             regs.push(t);
         }
-        let md = self.metadata_for(&ranges_and_ids(&regs))?;
-        self.record_exposure(spec, regs, md, out);
+        let md = n.metadata_for(key, &ranges_and_ids(&regs))?;
+        n.record_exposure(spec, regs, md, out);
         Ok(())
     }
 
-    /// On a caller's turn, an exposure of memory that earlier exposures registered and made
-    /// metadata for: lookups and bookkeeping, no call into NIXL. Otherwise `None`, nothing done.
-    fn expose_as_caller(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
-        let regs = spec
-            .ranges
-            .iter()
-            .map(|r| self.exposer.regs.exposed(r))
-            .collect::<Option<Vec<_>>>()?;
-        let ids: Vec<u64> = ranges_and_ids(&regs).iter().map(|&(_, id)| id).collect();
-        let md = self.exposer.md_cache.get(&ids)?.clone();
-        self.stats.registration_hits += regs.len() as u64;
-        self.record_exposure(spec, regs, md, out);
-        Some(Ok(()))
-    }
-
     fn unexpose(&mut self, key: &str) {
-        engine_thread_only();
-        let removed = self.forget(key);
-        self.rotate();
+        let n = &mut self.nixl;
+        let removed = n.forget(key);
+        n.rotate(&self.key);
         if let Some(tokens) = removed {
-            if self.deregister_on_completion {
+            if n.deregister_on_completion {
                 // Deregister now, whoever else holds the tokens (the memory's cache included).
                 for t in &tokens {
-                    self.deregister(Side::Exposer, t.gen(), t.range(), t.id());
+                    n.deregister(Side::Exposer, t.gen(), t.range(), t.id());
                 }
             }
         }
     }
 
-    /// The exposure's registrations let go at once, so that memory the caller frees and
-    /// allocates again at the same address is never published under the old registration; the
-    /// rest (a rotation of the exposer) waits for [`unexpose`](Transport::unexpose) on the engine
-    /// thread. Where the connector deregisters on completion (callers never drive it), all of it.
-    fn unexpose_as_caller(&mut self, key: &str) {
-        if !self.deregister_on_completion {
-            // A last token's drop posts its deregistration to the engine thread.
-            drop(self.forget(key));
-        }
-    }
-
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
-        engine_thread_only();
+        let n = &mut self.nixl;
         // A post that failed on a caller's turn resets the initiator before anything new uses it.
-        self.settle_callers(out);
+        n.settle_callers(out);
         out.push(Event::PathTaken {
             id: spec.id,
             path: TransferPath::Nixl,
         });
-        if let Err(e) = self.initiator() {
+        if let Err(e) = n.initiator(&self.key) {
             out.push(Event::ActiveEnded {
                 id: spec.id,
                 result: Err(e),
@@ -654,9 +641,9 @@ impl Transport for NixlTransport {
             return;
         }
         // A panic inside the bindings fails this operation instead of the engine.
-        let (mailbox, stats) = (&self.mailbox, &mut self.stats);
-        let init = self.initiator.as_mut().expect("made above");
-        let r = contain("start transfer", || Ok(init.start(&spec, mailbox, stats)))
+        let (key, mailbox, stats) = (&self.key, &n.mailbox, &mut n.stats);
+        let init = n.initiator.as_mut().expect("made above");
+        let r = contain("start transfer", || Ok(init.start(key, &spec, mailbox, stats)))
             .unwrap_or_else(|e| Err(StartError::Failed(e)));
         if let Ok((_, tokens)) = &r {
             out.push(Event::Registered {
@@ -669,9 +656,9 @@ impl Transport for NixlTransport {
                 id: spec.id,
                 result: Ok(()),
             }),
-            Ok((Some(f), _)) => self.initiator.as_mut().expect("made above").track(f),
+            Ok((Some(f), _)) => n.initiator.as_mut().expect("made above").track(f),
             Err(StartError::Posted(e)) => {
-                self.reset_initiator(None, out);
+                n.reset_initiator(None, out);
                 out.push(Event::ActiveEnded {
                     id: spec.id,
                     result: Err(e),
@@ -684,65 +671,27 @@ impl Transport for NixlTransport {
         }
     }
 
-    /// On a caller's turn, a small transfer of host memory whose every part is ready: the peer
-    /// loaded (and not forgotten), the local memory registered with the initiator, both
-    /// descriptor lists prepared. Then NIXL is called to post it (`createXferReq` over the
-    /// prepared lists, `postXferReq`), and nothing is made, loaded, registered or prepared; a
-    /// post that fails in the transport leaves the initiator's reset, and the operation's
-    /// failure, to the engine thread (`settle_callers`). Otherwise the spec back, nothing done.
-    fn begin_as_caller(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec> {
-        if !self.callers_may_start() || !self.failed_posts.is_empty() || !small_host(&spec.local) {
-            return Some(spec);
-        }
-        let Some(init) = self.initiator.as_mut() else {
-            return Some(spec);
-        };
-        match init.post_as_caller(&spec, &mut self.stats, out) {
-            None => return Some(spec),
-            Some(Ok(())) => {}
-            Some(Err((e, tokens))) => self.failed_posts.push((spec.id, e, tokens)),
-        }
-        None
-    }
-
-    /// With UCX as the one backend (see `watch_as_caller`).
-    fn callers_may_start(&self) -> bool {
-        self.backends.iter().all(|b| b == "UCX")
-    }
-
-    /// With UCX alone, while every transfer in flight and every live exposure is small (a
-    /// large exposure's reader over TCP is served only by the engine's progress) and nothing
-    /// waits for the engine thread (an end a watch left it, a failed post, an evicted exposure).
-    fn watched_by_callers(&self) -> bool {
-        self.callers_may_start()
-            && self.exposer.large == 0
-            && self.retired.values().all(|e| e.large == 0)
-            && self.failed_posts.is_empty()
-            && self.evicted.is_empty()
-            && self.initiator.as_ref().is_none_or(|i| i.nothing_large())
-    }
-
     fn abandon(&mut self, id: OpId, hard: bool, out: &mut Vec<Event>) {
-        engine_thread_only();
-        let in_flight = self.initiator.as_ref().is_some_and(|i| i.carries(id));
+        let n = &mut self.nixl;
+        let in_flight = n.initiator.as_ref().is_some_and(|i| i.carries(id));
         if in_flight && hard {
-            self.reset_initiator(Some(id), out);
+            n.reset_initiator(Some(id), out);
         }
     }
 
     fn progress(&mut self, _ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
-        engine_thread_only();
+        let n = &mut self.nixl;
         // NIXL does not say whether UCX did any work in a progress call (serving a peer's read
         // over TCP, receiving fragments of a transfer): two slow calls in a row did, and count as
         // an event, so the engine keeps spinning while data flows instead of backing off.
         let t0 = Instant::now();
         let mut event = false;
-        for key in self.evicted.drain(..) {
-            self.stats.evicted_operations += 1;
+        for key in n.evicted.drain(..) {
+            n.stats.evicted_operations += 1;
             out.push(Event::PassiveFailed {
                 key,
                 error: Error::Interrupted {
-                    agent: self.name.clone(),
+                    agent: n.name.clone(),
                     reason: format!(
                         "more than {MAX_RETIRED_EXPOSERS} replaced NIXL agents were waiting for \
                          their operations, so the oldest, which exposed this operation, was \
@@ -753,36 +702,169 @@ impl Transport for NixlTransport {
             });
             event = true;
         }
-        event |= self.settle_callers(out);
-        if let Some(init) = &mut self.initiator {
+        event |= n.settle_callers(out);
+        if let Some(init) = &mut n.initiator {
             event |= init.poll_inflight(false, out);
         }
-        self.slow_receiving = false;
+        n.slow_receiving = false;
         if self.polling() != Polling::Never {
+            let n = &mut self.nixl;
             // Only a writable's bytes come in at the peer's pace, so only then does a short
             // schedule pay (a readable's owner sends faster over TCP when progressed less often),
             // and only then is this thread's CPU clock read (a system call).
             let receiving =
-                !self.exposer.writables.is_empty() || self.retired.values().any(|e| !e.writables.is_empty());
+                !n.exposer.writables.is_empty() || n.retired.values().any(|e| !e.writables.is_empty());
             let cpu0 = receiving.then(thread_cpu_time);
-            event |= self.drain_notifications(out);
+            event |= n.drain_notifications(out);
             // CPU time, not the wall clock: a drain preempted, or run cold after a sleep, is not
             // work, and taking it for work would keep an idle writable's engine waking often.
-            self.slow_receiving = cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > PACE.work());
+            n.slow_receiving = cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > PACE.work());
         }
+        let n = &mut self.nixl;
         // One slow call alone is as often a thread preempted or woken cold as work: two in a row.
         let slow = t0.elapsed() > PACE.work();
-        let busy = event || (slow && self.recheck);
-        self.recheck = slow && !busy;
+        let busy = event || (slow && n.recheck);
+        n.recheck = slow && !busy;
         busy
     }
 
-    /// On a caller's turn: the initiator's transfers in flight polled, while every one is small
-    /// (NIXL's `getXferStatus`, which progresses the initiator's UCX worker), and, while
-    /// operations are exposed and every one is small, each exposer's notifications drained
-    /// (NIXL's `getNotifs`, which progresses its UCX worker: over TCP, that serves a peer's read
-    /// of the exposed memory). Calls into NIXL, but no agent made, no memory registered or
-    /// freed, and short: the waiter that drives sees its transfer's end, and a NIXL peer's
+    fn did_work(&self) -> bool {
+        self.nixl.slow_receiving
+    }
+
+    fn has_pending(&self) -> bool {
+        let n = &self.nixl;
+        n.recheck
+            || !n.evicted.is_empty()
+            || !n.failed_posts.is_empty()
+            || n.initiator.as_ref().is_some_and(Initiator::has_ended)
+    }
+
+    fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
+        match msg.downcast::<Mail>().map(|m| *m) {
+            Ok(Mail::Deregister { side, gen, range, id }) => self.nixl.deregister(side, gen, range, id),
+            Ok(Mail::Quarantine { gen, memory, bytes }) => {
+                self.nixl.quarantine(&self.key, gen, memory, bytes)
+            }
+            Err(other) => drop(other),
+        }
+    }
+
+    fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) -> Option<Hold> {
+        self.nixl.quarantine(&self.key, gen, keep, bytes);
+        None
+    }
+
+    fn preregister(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
+        self.nixl.register_ahead(&self.key, ranges)
+    }
+
+    fn path(&self) -> TransferPath {
+        TransferPath::Nixl
+    }
+
+    fn add_stats(&self, stats: &mut EngineStats, _completed: u64) {
+        let n = &self.nixl;
+        let s = &n.stats;
+        stats.registrations += s.registrations;
+        stats.live_registrations += n.live_registrations();
+        stats.registered_bytes += n.registered_bytes();
+        stats.registration_hits += s.registration_hits;
+        stats.peers_loaded += n.initiator.as_ref().map_or(0, Initiator::peers_loaded);
+        stats.remote_loads += s.remote_loads;
+        stats.transfers += s.transfers;
+        stats.resets += s.resets;
+        stats.rotations += s.rotations;
+        stats.quarantined_bytes += s.quarantined_bytes;
+        stats.evicted_operations += s.evicted_operations;
+    }
+
+    fn polling(&self) -> Polling {
+        let n = &self.nixl;
+        if !n.evicted.is_empty()
+            || !n.failed_posts.is_empty()
+            || n.initiator.as_ref().is_some_and(Initiator::busy)
+        {
+            Polling::Busy
+        } else if n.exposures_watched() && n.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for()) {
+            // Small passive operations wait for their notification, and NIXL peers completed one
+            // within the engine's hot spell (peers that read or write through NIXL now are likely
+            // to go on, and each watch that comes late delays them): on every hot turn (and every
+            // caller's turn that watches), as a peer spinning on NIXL would, since over TCP this
+            // side's progress also serves a peer's read.
+            Polling::Busy
+        } else if !n.exposer.live.is_empty() || !n.retired.is_empty() {
+            // Passive operations wait for their notification.
+            Polling::Watching
+        } else if !n.exposer.regs.is_empty() || !n.exposer.quarantine.is_empty() {
+            // Peers may need this side to act for memory they can still reach (to serve a read
+            // over TCP, even of memory given up): keep progressing, slowly when idle.
+            Polling::Every(PACE.exposed_poll())
+        } else {
+            Polling::Never
+        }
+    }
+
+    fn caller(&mut self) -> Option<&mut dyn CallerPart> {
+        Some(&mut self.nixl)
+    }
+}
+
+/// What a waiter's thread may do with NIXL: no [`AgentKey`] here, so nothing is created,
+/// registered, described, loaded or prepared.
+impl CallerPart for NixlState {
+    /// An exposure of memory that earlier exposures registered and made metadata for: lookups and
+    /// bookkeeping, no call into NIXL. Otherwise `None`, nothing done.
+    fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Option<Result<()>> {
+        let regs = spec
+            .ranges
+            .iter()
+            .map(|r| self.exposer.regs.exposed(r))
+            .collect::<Option<Vec<_>>>()?;
+        let ids: Vec<u64> = ranges_and_ids(&regs).iter().map(|&(_, id)| id).collect();
+        let md = self.exposer.md_cache.get(&ids)?.clone();
+        self.stats.registration_hits += regs.len() as u64;
+        self.record_exposure(spec, regs, md, out);
+        Some(Ok(()))
+    }
+
+    /// The exposure's registrations let go at once, so that memory the caller frees and
+    /// allocates again at the same address is never published under the old registration; the
+    /// rest (a rotation of the exposer) waits for [`unexpose`](Transport::unexpose) on the engine
+    /// thread. Where the connector deregisters on completion (callers never drive it), all of it.
+    fn unexpose(&mut self, key: &str) {
+        if !self.deregister_on_completion {
+            // A last token's drop posts its deregistration to the engine thread.
+            drop(self.forget(key));
+        }
+    }
+
+    /// A small transfer of host memory whose every part is ready: the peer loaded (and not
+    /// forgotten), the local memory registered with the initiator, both descriptor lists
+    /// prepared. Then NIXL is called to post it (`createXferReq` over the prepared lists,
+    /// `postXferReq`), and nothing is made, loaded, registered or prepared; a post that fails in
+    /// the transport leaves the initiator's reset, and the operation's failure, to the engine
+    /// thread (`settle_callers`). Otherwise the spec back, nothing done.
+    fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec> {
+        if !self.starts() || !self.failed_posts.is_empty() || !small_host(&spec.local) {
+            return Some(spec);
+        }
+        let Some(init) = self.initiator.as_mut() else {
+            return Some(spec);
+        };
+        match init.post_ready(&spec, &mut self.stats, out) {
+            None => return Some(spec),
+            Some(Ok(())) => {}
+            Some(Err((e, tokens))) => self.failed_posts.push((spec.id, e, tokens)),
+        }
+        None
+    }
+
+    /// The initiator's transfers in flight polled, while every one is small (NIXL's
+    /// `getXferStatus`, which progresses the initiator's UCX worker), and, while operations are
+    /// exposed and every one is small, each exposer's notifications drained (NIXL's `getNotifs`,
+    /// which progresses its UCX worker: over TCP, that serves a peer's read of the exposed
+    /// memory). Short: the waiter that drives sees its transfer's end, and a NIXL peer's
     /// completion, itself, and serves a peer's reads, while the engine stands down. A transfer's
     /// end that must forget or invalidate its peer (a failure, a peer forgotten meanwhile) is
     /// left to the engine thread (`settle_callers`).
@@ -791,8 +873,8 @@ impl Transport for NixlTransport {
     /// move: a large transfer over TCP would run on the caller's thread, under the lock), and
     /// only with UCX alone (the one backend whose progress from any thread, one at a time, this
     /// relies on: see `ffi::Prepared`'s `Send`). True if anything ended.
-    fn watch_as_caller(&mut self, out: &mut Vec<Event>) -> bool {
-        if !self.callers_may_start() {
+    fn watch(&mut self, out: &mut Vec<Event>) -> bool {
+        if !self.starts() {
             return false;
         }
         let before = out.len();
@@ -808,79 +890,21 @@ impl Transport for NixlTransport {
         ended || out.len() > before
     }
 
-    fn did_work(&self) -> bool {
-        self.slow_receiving
+    /// With UCX as the one backend (see [`watch`](CallerPart::watch)).
+    fn starts(&self) -> bool {
+        self.backends.iter().all(|b| b == "UCX")
     }
 
-    fn has_pending(&self) -> bool {
-        self.recheck
-            || !self.evicted.is_empty()
-            || !self.failed_posts.is_empty()
-            || self.initiator.as_ref().is_some_and(Initiator::has_ended)
-    }
-
-    fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
-        engine_thread_only();
-        match msg.downcast::<Mail>().map(|m| *m) {
-            Ok(Mail::Deregister { side, gen, range, id }) => self.deregister(side, gen, range, id),
-            Ok(Mail::Quarantine { gen, memory, bytes }) => self.quarantine(gen, memory, bytes),
-            Err(other) => drop(other),
-        }
-    }
-
-    fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) -> Option<Hold> {
-        engine_thread_only();
-        self.quarantine(gen, keep, bytes);
-        None
-    }
-
-    fn preregister(&mut self, ranges: &[Range]) -> Result<Vec<RegToken>> {
-        engine_thread_only();
-        self.register_ahead(ranges)
-    }
-
-    fn path(&self) -> TransferPath {
-        TransferPath::Nixl
-    }
-
-    fn add_stats(&self, stats: &mut EngineStats, _completed: u64) {
-        let s = &self.stats;
-        stats.registrations += s.registrations;
-        stats.live_registrations += self.live_registrations();
-        stats.registered_bytes += self.registered_bytes();
-        stats.registration_hits += s.registration_hits;
-        stats.peers_loaded += self.initiator.as_ref().map_or(0, Initiator::peers_loaded);
-        stats.remote_loads += s.remote_loads;
-        stats.transfers += s.transfers;
-        stats.resets += s.resets;
-        stats.rotations += s.rotations;
-        stats.quarantined_bytes += s.quarantined_bytes;
-        stats.evicted_operations += s.evicted_operations;
-    }
-
-    fn polling(&self) -> Polling {
-        if !self.evicted.is_empty()
-            || !self.failed_posts.is_empty()
-            || self.initiator.as_ref().is_some_and(Initiator::busy)
-        {
-            Polling::Busy
-        } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for())
-        {
-            // Small passive operations wait for their notification, and NIXL peers completed one
-            // within the engine's hot spell (peers that read or write through NIXL now are likely
-            // to go on, and each watch that comes late delays them): on every hot turn (and every caller's turn that watches), as a peer spinning
-            // on NIXL would, since over TCP this side's progress also serves a peer's read.
-            Polling::Busy
-        } else if !self.exposer.live.is_empty() || !self.retired.is_empty() {
-            // Passive operations wait for their notification.
-            Polling::Watching
-        } else if !self.exposer.regs.is_empty() || !self.exposer.quarantine.is_empty() {
-            // Peers may need this side to act for memory they can still reach (to serve a read
-            // over TCP, even of memory given up): keep progressing, slowly when idle.
-            Polling::Every(PACE.exposed_poll())
-        } else {
-            Polling::Never
-        }
+    /// With UCX alone, while every transfer in flight and every live exposure is small (a
+    /// large exposure's reader over TCP is served only by the engine's progress) and nothing
+    /// waits for the engine thread (an end a watch left it, a failed post, an evicted exposure).
+    fn sees_every_end(&self) -> bool {
+        self.starts()
+            && self.exposer.large == 0
+            && self.retired.values().all(|e| e.large == 0)
+            && self.failed_posts.is_empty()
+            && self.evicted.is_empty()
+            && self.initiator.as_ref().is_none_or(|i| i.nothing_large())
     }
 }
 

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Weak};
 
-use super::ffi::{AgentRegistration, NixlAgent};
+use super::ffi::{AgentKey, AgentRegistration, NixlAgent};
 use crate::engine::cmd::Mailbox;
 use crate::error::Result;
 use crate::reg::{self, Hold, Range};
@@ -96,6 +96,7 @@ impl Registry {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn get(
         &mut self,
+        key: &AgentKey,
         agent: &NixlAgent,
         r: Range,
         mailbox: &Mailbox<Mail>,
@@ -118,7 +119,7 @@ impl Registry {
         if self.map.remove(&k).is_some() {
             *replaced = Some(r);
         }
-        let reg = agent.register(r)?;
+        let reg = agent.register(key, r)?;
         let id = self.next_id;
         self.next_id += 1;
         let tok = Arc::new(RegInner {

@@ -37,13 +37,11 @@ pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusa
     }
 }
 
-/// Whether this process can take part in CUDA IPC ([`ipc::available`]), asked on a caller's turn
-/// only once the answer is known: the first ask may initialise CUDA.
+/// Whether this process can take part in CUDA IPC ([`ipc::available`]). The first ask may
+/// initialise CUDA, so it is the engine thread's: a waiter's thread drives this transport only
+/// once the answer is known ([`any_thread`](crate::engine::transport::Transport::any_thread) is
+/// `ipc::settled_for_callers`).
 #[cfg(feature = "cuda")]
 fn ipc_available() -> bool {
-    debug_assert!(
-        ipc::answered() || !crate::engine::transport::on_a_callers_turn(),
-        "CUDA initialised on a caller's turn"
-    );
     ipc::available()
 }

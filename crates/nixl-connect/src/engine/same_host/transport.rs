@@ -2148,7 +2148,7 @@ impl Transport for SameHostTransport {
     /// memory's owner (the core does) and device memory stays the engine thread's (`driver`).
     /// With the `cuda` feature, only where a peer's device request cannot make a caller's turn
     /// start CUDA (`ipc::settled_for_callers`, asked when the engine starts).
-    fn callers_may_drive(&self) -> bool {
+    fn any_thread(&self) -> bool {
         #[cfg(feature = "cuda")]
         return ipc::settled_for_callers();
         #[cfg(not(feature = "cuda"))]

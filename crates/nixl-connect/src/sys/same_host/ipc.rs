@@ -174,11 +174,6 @@ pub(crate) fn available() -> bool {
     *AVAILABLE.get_or_init(|| crate::sys::cuda::device_count().is_ok_and(|n| n > 0))
 }
 
-/// True once [`available`] has been answered (asking again starts nothing).
-pub(crate) fn answered() -> bool {
-    AVAILABLE.get().is_some()
-}
-
 /// True when a caller's thread may drive a connector's same-host path (`engine::driver`)
 /// without ever starting CUDA or the CUDA thread: whether CUDA IPC works here is known, because
 /// something in this process has started CUDA already (torch, a `DeviceBuffer`), or asked this
