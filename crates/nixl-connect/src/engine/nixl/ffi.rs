@@ -404,14 +404,15 @@ unsafe impl Send for Prepared {}
 /// The right to create an agent and to register, describe, load and prepare memory with one:
 /// what [`NixlAgent::new`], [`register`](NixlAgent::register),
 /// [`partial_metadata`](NixlAgent::partial_metadata), [`load_remote`](NixlAgent::load_remote) and
-/// [`prepare`](NixlAgent::prepare) take. The NIXL transport holds it beside its state, so the
-/// part of it a waiter's thread reaches (`CallerPart`, implemented on that state) has none: by its
-/// type it posts, polls and drains, and makes nothing.
+/// [`prepare`](NixlAgent::prepare) take. The NIXL transport holds it beside its state, and a
+/// waiter's thread reaches only that state: by its type it posts, polls and drains, and makes
+/// nothing.
 pub(crate) struct AgentKey(());
 
 impl AgentKey {
-    /// The key of one NIXL transport (made once, with it).
-    pub(crate) fn new() -> Self {
+    /// The key of one NIXL transport (made once, with it, and nowhere else: only the NIXL
+    /// transport's module sees this).
+    pub(super) fn new() -> Self {
         AgentKey(())
     }
 }
