@@ -67,10 +67,11 @@ const MAX_COMPLETED: usize = 65_536;
 /// How often, at most, a busy engine publishes its counters to the metrics (an idle one
 /// publishes before it sleeps).
 const PUBLISH_GAP: Duration = Duration::from_millis(200);
-/// What a debug build says when a caller's turn calls a transport whole that only the engine
-/// thread may (NIXL's: its agents and UCX workers are the engine thread's but for its
-/// [`caller`](Transport::caller) part).
-const ENGINE_ONLY: &str = "a caller's turn called a transport whole that is the engine thread's";
+/// What a debug build says when a caller's turn reaches what only the engine thread may do (a
+/// command [`EngineCore::for_a_caller`] does not name: NIXL's whole methods would run there, while
+/// its agents and UCX workers are the engine thread's but for its [`caller`](Transport::caller)
+/// part).
+const ENGINE_ONLY: &str = "a caller's turn reached what only the engine thread may do";
 
 /// When a transport is progressed next, when its [`Polling`] asks for a schedule.
 struct Schedule {
@@ -320,7 +321,6 @@ impl EngineCore {
                 if !due {
                     continue;
                 }
-                debug_assert!(!self.by_caller || self.drivable[i], "{ENGINE_ONLY}");
                 let active = t.progress(&mine, &mut self.events);
                 event |= active;
                 s.gap = match polling {
@@ -455,7 +455,6 @@ impl EngineCore {
                     None => return Some(Cmd::Expose { spec, reply }),
                 }
             } else {
-                debug_assert!(!self.by_caller || drivable, "{ENGINE_ONLY}");
                 t.expose(&spec, &mut out)
             };
             if let Err(e) = done {
@@ -699,6 +698,7 @@ impl EngineCore {
                 }
             }
             Cmd::Abandon { id, hard } => {
+                debug_assert!(!self.by_caller, "{ENGINE_ONLY}");
                 if let Some(a) = self.actives.get(&id) {
                     let on = a.on;
                     let mut out = std::mem::take(&mut self.events);
@@ -711,11 +711,13 @@ impl EngineCore {
                 None => drop(keep), // already released
             },
             Cmd::Mail { to, msg } => {
+                debug_assert!(!self.by_caller, "{ENGINE_ONLY}");
                 if let Some(t) = self.transports.get_mut(to.index()) {
                     t.on_mail(msg);
                 }
             }
             Cmd::Register { ranges, reply } => {
+                debug_assert!(!self.by_caller, "{ENGINE_ONLY}");
                 let _ = reply.send(self.preregister(&ranges));
             }
             #[cfg(any(test, feature = "testing"))]
@@ -731,6 +733,7 @@ impl EngineCore {
                 bytes,
                 reply,
             } => {
+                debug_assert!(!self.by_caller, "{ENGINE_ONLY}");
                 let mut answers = Vec::new();
                 for i in &self.chain {
                     let t = &mut self.transports[i.index()];
@@ -792,6 +795,7 @@ impl EngineCore {
     /// Hands memory given up after it was exposed (by the exposure of generation `gen`) to the
     /// first transport that must hold it until no peer can reach it; freed here if none must.
     fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) {
+        debug_assert!(!self.by_caller, "{ENGINE_ONLY}");
         let mut keep = keep;
         for t in &mut self.transports {
             match t.hold(gen, keep, bytes) {
@@ -895,7 +899,7 @@ impl EngineCore {
         }
         if self.by_caller && !self.drivable[i.index()] {
             // The engine thread's to call, but for a start the transport can make on a caller's
-            // turn ([`CallerPart::begin`](super::transport::CallerPart::begin)); else the operation waits for the engine (which the
+            // turn (`CallerPart::begin`); else the operation waits for the engine (which the
             // driver wakes at once: `hand_over_deferred`).
             if !(self.callers_reach && self.startable[i.index()]) {
                 self.deferred.push(Deferred::Offer(spec, i, why));
@@ -950,7 +954,6 @@ impl EngineCore {
         // The transport's own events about the operation go in its span.
         let span = spec.state.span().cloned();
         let _entered = span.as_ref().map(tracing::Span::enter);
-        debug_assert!(!self.by_caller || self.drivable[i.index()], "{ENGINE_ONLY}");
         self.transports[i.index()].begin(spec, &mut out);
         self.events = out;
     }

@@ -387,8 +387,8 @@ pub(crate) trait Transport: Send {
 
 /// What a waiter's thread may do with a transport whose calls are the engine thread's (NIXL's):
 /// lookups, bookkeeping, posts over what is made already, and polls, with no call that creates an
-/// agent or registers, loads, prepares or frees memory (NIXL's part holds no `AgentKey`, which
-/// those calls take).
+/// agent or registers, describes, loads or prepares memory (NIXL's part holds no `AgentKey`,
+/// which those calls take and which only the NIXL transport's module can make).
 pub(crate) trait CallerPart {
     /// Exposes a passive operation's memory when that is only bookkeeping (NIXL: earlier
     /// exposures registered the memory and made its metadata): `None`, nothing done, when the

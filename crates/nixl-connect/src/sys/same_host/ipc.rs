@@ -169,7 +169,7 @@ static AVAILABLE: OnceLock<bool> = OnceLock::new();
 /// True when this process can take part in CUDA IPC: a driver, initialised, with a device. The
 /// first call loads the driver and initialises CUDA (100 ms or more where there is a driver):
 /// never on a caller's turn, where callers drive only once the answer is known
-/// ([`settled_for_callers`]; the wing's `device` asserts it).
+/// ([`settled_for_callers`], which the same-host transport's `any_thread` is).
 pub(crate) fn available() -> bool {
     *AVAILABLE.get_or_init(|| crate::sys::cuda::device_count().is_ok_and(|n| n > 0))
 }
