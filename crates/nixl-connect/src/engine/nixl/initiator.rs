@@ -312,15 +312,7 @@ impl Initiator {
     ) -> std::result::Result<(Option<Inflight>, Vec<RegToken>), StartError> {
         let mut tokens = Vec::with_capacity(spec.local.len());
         for r in &spec.local {
-            let mut replaced = None;
-            tokens.push(
-                self.regs
-                    .get(key, &self.agent, *r, mailbox, stats, &mut replaced)
-                    .map(|(t, _)| RegToken::new(t))?,
-            );
-            if let Some(old) = replaced {
-                self.local_prep.retain(|k, _| !k.iter().any(|x| overlap(x, &old)));
-            }
+            tokens.push(RegToken::new(self.register(key, *r, mailbox, stats)?.0));
         }
         let name = self.load(key, spec, stats)?;
         if self.local_prep.len() > MAX_PREPARED {
