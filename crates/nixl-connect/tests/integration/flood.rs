@@ -523,8 +523,9 @@ const WEDGE_ENV: &str = "NIXL_CONNECT_TEST_WEDGE";
 /// lock until data comes), then connects to the socket named by [`WEDGE_ENV`] `CONNS` times,
 /// each passing `PER` pipes' read ends (the locked ones with the first that goes) with a hello, and
 /// closing its own copies, so that the server's are the last ones: whoever closes a locked one
-/// waits in the kernel. Prints `WEDGING passed=<n> locked=<n>`, and lets the locks go (and
-/// exits) when its stdin closes.
+/// waits in the kernel. With `OOB=1` each message is one out-of-band byte (`MSG_OOB`) instead of
+/// a hello. Prints `WEDGING passed=<n> locked=<n>`, and lets the locks go (and exits) when its
+/// stdin closes.
 #[test]
 #[ignore = "run by the wedged-pipe tests"]
 fn support_wedge() {
@@ -533,6 +534,7 @@ fn support_wedge() {
     };
     let var = |k: &str| -> usize { std::env::var(k).unwrap().parse().unwrap() };
     let (locked, conns, per) = (var("LOCKED"), var("CONNS"), var("PER"));
+    let oob = std::env::var("OOB").is_ok_and(|v| v == "1");
     raise_soft_limit();
     let pipe = || -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
         use std::os::fd::FromRawFd;
@@ -595,7 +597,12 @@ fn support_wedge() {
         }
         let mut raw: Vec<std::os::fd::RawFd> = locks.iter().map(|l| l.as_raw_fd()).collect();
         raw.extend(fds.iter().map(|f| f.as_raw_fd()));
-        match super::hostile::try_send_with_fds(&s, &hello(), &raw) {
+        let sent = if oob {
+            super::hostile::try_send_with_fds_flagged(&s, b"x", &raw, libc::MSG_OOB)
+        } else {
+            super::hostile::try_send_with_fds(&s, &hello(), &raw)
+        };
+        match sent {
             Ok(()) => {
                 passed += raw.len();
                 locked_passed += locks.len();
@@ -800,4 +807,130 @@ async fn flood_wedged_pipes_from_another_user_leave_the_table_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flood_wedged_pipes_from_the_same_user_leave_the_table_bounded() {
     wedged_pipes_leave_the_table_bounded(false).await;
+}
+
+/// Kills `pids` unless dropped within `after`: a victim whose engine sits in the kernel fails the
+/// test (its next line never comes, and `expect` sees it exit) instead of hanging it. The attacker
+/// goes too: a thread waiting for a pipe's lock dies only once the lock is let go.
+struct KillAfter(Option<std::sync::mpsc::Sender<()>>);
+
+impl KillAfter {
+    fn start(pids: Vec<u32>, after: Duration) -> Self {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(after) {
+                eprintln!("the victim did not answer within {after:?}: killed");
+                for pid in pids {
+                    // SAFETY: kill(2) on our own children's pids.
+                    #[allow(unsafe_code)]
+                    unsafe {
+                        libc::kill(pid as i32, libc::SIGKILL)
+                    };
+                }
+            }
+        });
+        KillAfter(Some(tx))
+    }
+}
+
+impl Drop for KillAfter {
+    fn drop(&mut self) {
+        let _ = self.0.take().map(|tx| tx.send(()));
+    }
+}
+
+/// A pipe whose lock the attacker holds, passed with an out-of-band byte (`MSG_OOB`): a plain
+/// `recvmsg` skips that byte, and the kernel releases the descriptors that came with it on the
+/// reading thread, where closing the locked pipe waits for the attacker. Before: the victim's
+/// engine thread (the same user's connection, read from `accept` on) or its socket closer
+/// (another user's, refused at `accept` and drained) sat in the kernel for as long as the
+/// attacker liked, and no read of the victim ended. Now every same-host connection reads
+/// out-of-band bytes inline (`SO_OOBINLINE`): they come with the stream, and their descriptors go
+/// to the closers like any others.
+async fn out_of_band_wedged_pipes(another_user: bool) {
+    let _counting = COUNTING_DESCRIPTORS.lock().await;
+    let mut victim = Victim::start();
+    let name = victim.name();
+    let reader = Connector::new().unwrap();
+    let (quiet, path) = victim.read(&reader, "the quiet read").await;
+    assert_eq!(path, TransferPath::SameHost);
+    let before = victim.fds();
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "flood::support_wedge",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(WEDGE_ENV, &name)
+    .env("OOB", "1")
+    .env("LOCKED", "4")
+    .env("CONNS", "200")
+    .env("PER", "1")
+    .env("HOME", std::env::temp_dir())
+    .current_dir(std::env::temp_dir());
+    if another_user {
+        cmd.uid(65534).gid(65534);
+        // Refused at accept: stopped, the victim accepts only once the messages are queued.
+        victim.peer.signal(libc::SIGSTOP);
+    }
+    let mut attacker = super::support::Peer::from_command(cmd);
+    let report = format!("passed={}", attacker.expect("WEDGING passed="));
+    if another_user {
+        victim.peer.signal(libc::SIGCONT);
+    }
+    assert!(
+        report.contains("locked=4"),
+        "the attacker passed no locked pipe: {report}"
+    );
+    let watchdog = KillAfter::start(vec![victim.peer.id(), attacker.id()], Duration::from_secs(30));
+    let mut reads = Vec::new();
+    let mut path_now = TransferPath::Nixl;
+    // The victim has taken the attacker's messages by now (running, it reads them as they come).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The same-host path within the listener's back-off, if it rests.
+    for _ in 0..20 {
+        let fresh = Connector::new().unwrap();
+        let (took, path) = victim.read(&fresh, "a read during the wedge").await;
+        reads.push(took);
+        path_now = path;
+        if path == TransferPath::SameHost {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The attacker's connections, refused or broken, are closed while it still holds its locks:
+    // nothing of the victim waits for them but the closes of the locked pipes themselves.
+    let t0 = Instant::now();
+    let mut after = victim.fds();
+    while after > before + 32 && t0.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = victim.fds();
+    }
+    drop(watchdog);
+    println!(
+        "out-of-band wedged pipes (another user: {another_user}): {report}; 1 MiB read quiet \
+         {quiet:?}, under the wedge {reads:?} (last {path_now}); the victim's descriptors \
+         {before} -> {after} with the locks still held"
+    );
+    assert_eq!(path_now, TransferPath::SameHost, "{report}");
+    assert!(
+        after <= before + 32,
+        "the victim's closes wait for the attacker: {before} -> {after} descriptors ({report})"
+    );
+    attacker.finish();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flood_out_of_band_wedged_pipes_from_the_same_user_stop_nothing() {
+    out_of_band_wedged_pipes(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flood_out_of_band_wedged_pipes_from_another_user_stop_nothing() {
+    if !is_root() {
+        panic!("this test runs as root (it becomes uid 65534 to play the other user)");
+    }
+    out_of_band_wedged_pipes(true).await;
 }

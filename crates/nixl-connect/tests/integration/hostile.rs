@@ -770,6 +770,16 @@ pub(crate) fn try_send_with_fds(
     bytes: &[u8],
     fds: &[std::os::fd::RawFd],
 ) -> std::io::Result<()> {
+    try_send_with_fds_flagged(s, bytes, fds, 0)
+}
+
+/// As [`try_send_with_fds`], with `flags` for `sendmsg` (`MSG_OOB`: `bytes` out of band).
+pub(crate) fn try_send_with_fds_flagged(
+    s: &UnixStream,
+    bytes: &[u8],
+    fds: &[std::os::fd::RawFd],
+    flags: libc::c_int,
+) -> std::io::Result<()> {
     let len = std::mem::size_of_val(fds) as u32;
     // SAFETY: a msghdr over live locals and a control buffer sized by CMSG_SPACE for `fds`.
     #[allow(unsafe_code)]
@@ -790,7 +800,7 @@ pub(crate) fn try_send_with_fds(
         (*cm).cmsg_type = libc::SCM_RIGHTS;
         (*cm).cmsg_len = libc::CMSG_LEN(len) as _;
         std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cm).cast::<i32>(), fds.len());
-        libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+        libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL | flags)
     };
     if sent < 0 {
         return Err(std::io::Error::last_os_error());

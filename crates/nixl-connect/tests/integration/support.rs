@@ -202,6 +202,11 @@ impl Peer {
     }
 
     /// Sends a signal to the peer (SIGSTOP, SIGCONT, SIGKILL); SIGSTOP returns once it is stopped.
+    /// The peer's process id.
+    pub(crate) fn id(&self) -> u32 {
+        self.child.id()
+    }
+
     pub(crate) fn signal(&self, sig: i32) {
         crate::stop::signal(self.child.id(), sig);
     }

@@ -257,6 +257,8 @@ pub(crate) fn set_timer(t: &OwnedFd, after: std::time::Duration) {
     unsafe { libc::timerfd_settime(t.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
 }
 
+/// A new same-host socket (non-blocking, closed-on-exec), reading out-of-band bytes inline
+/// ([`oob_inline`]).
 pub(crate) fn unix_socket() -> io::Result<OwnedFd> {
     // SAFETY: creates a new descriptor, owned right after.
     let fd = unsafe {
@@ -270,7 +272,32 @@ pub(crate) fn unix_socket() -> io::Result<OwnedFd> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: fd is a fresh descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    oob_inline(fd.as_raw_fd())?;
+    Ok(fd)
+}
+
+/// Makes connection `fd` read out-of-band bytes inline (`SO_OOBINLINE`), before any `recvmsg`:
+/// a peer's byte sent with `MSG_OOB` then comes with the stream, and the descriptors passed with
+/// it arrive as any others do (to be used or handed to the closers). Otherwise a plain `recvmsg`
+/// skips that byte, and the kernel releases its descriptors on the reading thread: the engine
+/// thread, or a drain, would wait there on a pipe whose lock the peer holds.
+fn oob_inline(fd: RawFd) -> io::Result<()> {
+    let on: libc::c_int = 1;
+    // SAFETY: setsockopt on our own socket with a c_int option of its size.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_OOBINLINE,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Connections a listener holds for `accept`.
@@ -538,7 +565,9 @@ pub(crate) fn recv_with_fds(
     Ok((n as usize, msg.msg_flags & libc::MSG_CTRUNC != 0))
 }
 
-/// Accepts a pending connection on listener `fd`, non-blocking and closed-on-exec.
+/// Accepts a pending connection on listener `fd`, non-blocking and closed-on-exec, reading
+/// out-of-band bytes inline ([`oob_inline`]; set before anything is read, it takes effect for
+/// what the peer queued before the accept too).
 pub(crate) fn accept(fd: RawFd) -> io::Result<OwnedFd> {
     // SAFETY: accept4 on a socket of ours; the new descriptor is owned right after.
     let c = unsafe {
@@ -553,7 +582,13 @@ pub(crate) fn accept(fd: RawFd) -> io::Result<OwnedFd> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: a fresh descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(c) })
+    let c = unsafe { OwnedFd::from_raw_fd(c) };
+    if let Err(e) = oob_inline(c.as_raw_fd()) {
+        // What the peer queued is released where the socket closes: not here.
+        close_refused(c);
+        return Err(e);
+    }
+    Ok(c)
 }
 
 /// Takes the descriptors peers left queued on our socket `fd` (passed with bytes this side never
