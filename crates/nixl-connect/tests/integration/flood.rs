@@ -675,6 +675,43 @@ impl Victim {
     }
 }
 
+/// Starts [`support_wedge`] against the victim's socket `name` with `env`, as another user
+/// (uid 65534) if `another_user`, and waits for its report (`passed=... locked=...`). Another
+/// user's connections are refused at accept, and what they queued is released with them: the
+/// victim is stopped until every message is queued (running, it refused the first connection
+/// before its send in 5 runs of 100).
+fn wedge_attack(
+    victim: &mut Victim,
+    name: &str,
+    another_user: bool,
+    env: &[(&str, &str)],
+) -> (super::support::Peer, String) {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "flood::support_wedge",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(WEDGE_ENV, name)
+    .env("HOME", std::env::temp_dir())
+    .current_dir(std::env::temp_dir());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    if another_user {
+        cmd.uid(65534).gid(65534);
+        victim.peer.signal(libc::SIGSTOP);
+    }
+    let mut attacker = super::support::Peer::from_command(cmd);
+    let report = format!("passed={}", attacker.expect("WEDGING passed="));
+    if another_user {
+        victim.peer.signal(libc::SIGCONT);
+    }
+    (attacker, report)
+}
+
 /// The process's hard limit on descriptors (the victim raises its soft limit to it).
 fn descriptor_limit() -> usize {
     // SAFETY: getrlimit writes one rlimit into a zeroed local.
@@ -705,32 +742,13 @@ async fn wedged_pipes_leave_the_table_bounded(another_user: bool) {
     assert_eq!(path, TransferPath::SameHost);
     let before = victim.fds();
     let limit = descriptor_limit();
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "flood::support_wedge",
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(WEDGE_ENV, &name)
-    .env("LOCKED", "24")
-    .env("CONNS", (limit / 250 + 20).to_string())
-    .env("PER", "250")
-    .env("HOME", std::env::temp_dir())
-    .current_dir(std::env::temp_dir());
-    if another_user {
-        cmd.uid(65534).gid(65534);
-        // Another user's connections are refused at accept, and what they queued is released
-        // with them: stopped, the victim accepts nothing until every message is queued (running,
-        // it refused the first connection before its send in 5 runs of 100).
-        victim.peer.signal(libc::SIGSTOP);
-    }
-    let mut attacker = super::support::Peer::from_command(cmd);
-    let report = format!("passed={}", attacker.expect("WEDGING passed="));
-    if another_user {
-        victim.peer.signal(libc::SIGCONT);
-    }
+    let conns = (limit / 250 + 20).to_string();
+    let (attacker, report) = wedge_attack(
+        &mut victim,
+        &name,
+        another_user,
+        &[("LOCKED", "24"), ("CONNS", &conns), ("PER", "250")],
+    );
     let count = |k: &str| -> usize {
         let v = report.split(k).nth(1).and_then(|v| v.split(' ').next());
         v.and_then(|v| v.parse().ok()).unwrap_or(0)
@@ -855,31 +873,12 @@ async fn out_of_band_wedged_pipes(another_user: bool) {
     let (quiet, path) = victim.read(&reader, "the quiet read").await;
     assert_eq!(path, TransferPath::SameHost);
     let before = victim.fds();
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "flood::support_wedge",
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(WEDGE_ENV, &name)
-    .env("OOB", "1")
-    .env("LOCKED", "4")
-    .env("CONNS", "200")
-    .env("PER", "1")
-    .env("HOME", std::env::temp_dir())
-    .current_dir(std::env::temp_dir());
-    if another_user {
-        cmd.uid(65534).gid(65534);
-        // Refused at accept: stopped, the victim accepts only once the messages are queued.
-        victim.peer.signal(libc::SIGSTOP);
-    }
-    let mut attacker = super::support::Peer::from_command(cmd);
-    let report = format!("passed={}", attacker.expect("WEDGING passed="));
-    if another_user {
-        victim.peer.signal(libc::SIGCONT);
-    }
+    let (attacker, report) = wedge_attack(
+        &mut victim,
+        &name,
+        another_user,
+        &[("OOB", "1"), ("LOCKED", "4"), ("CONNS", "200"), ("PER", "1")],
+    );
     assert!(
         report.contains("locked=4"),
         "the attacker passed no locked pipe: {report}"
