@@ -283,14 +283,18 @@ pub(crate) fn unix_socket() -> io::Result<OwnedFd> {
 /// skips that byte, and the kernel releases its descriptors on the reading thread: the engine
 /// thread, or a drain, would wait there on a pipe whose lock the peer holds.
 fn oob_inline(fd: RawFd) -> io::Result<()> {
-    let on: libc::c_int = 1;
-    // SAFETY: setsockopt on our own socket with a c_int option of its size.
+    set_socket_option(fd, libc::SO_OOBINLINE, 1)
+}
+
+/// Sets the `SOL_SOCKET` option `option` of socket `fd` to the integer `value`.
+fn set_socket_option(fd: RawFd, option: libc::c_int, value: libc::c_int) -> io::Result<()> {
+    // SAFETY: setsockopt reads one c_int from a live local, of the size given.
     let r = unsafe {
         libc::setsockopt(
             fd,
             libc::SOL_SOCKET,
-            libc::SO_OOBINLINE,
-            (&on as *const libc::c_int).cast(),
+            option,
+            (&value as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
@@ -425,17 +429,8 @@ pub(crate) fn passes_rights(fd: RawFd) -> bool {
 /// where the kernel knows `SO_PASSRIGHTS`; older kernels deliver them and the connection core
 /// refuses them instead (they are closed off the engine thread, [`close_elsewhere`]).
 pub(crate) fn refuse_passed_descriptors(fd: RawFd) {
-    let off: libc::c_int = 0;
-    // SAFETY: setsockopt reads one c_int from a live local.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            SO_PASSRIGHTS,
-            (&off as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
+    // ENOPROTOOPT before Linux 6.16: the connection core closes what comes instead.
+    let _ = set_socket_option(fd, SO_PASSRIGHTS, 0);
 }
 
 /// True when process `pid` (as seen from here; 0: not visible) lives in this process's PID
@@ -462,17 +457,8 @@ pub(crate) fn same_pid_namespace(pid: libc::pid_t) -> bool {
 /// Makes the kernel deliver descriptors passed to `fd` again (a connection that takes pipes'
 /// read ends; see [`refuse_passed_descriptors`]).
 pub(crate) fn accept_passed_descriptors(fd: RawFd) {
-    let on: libc::c_int = 1;
-    // SAFETY: setsockopt reads one c_int from a live local.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            SO_PASSRIGHTS,
-            (&on as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
+    // ENOPROTOOPT before Linux 6.16, where every socket takes them anyway.
+    let _ = set_socket_option(fd, SO_PASSRIGHTS, 1);
 }
 
 /// Closes a descriptor a peer passed us, off the engine thread and never ahead of our own
