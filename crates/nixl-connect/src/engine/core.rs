@@ -12,18 +12,18 @@
 //! Such a turn touches only the transports that say a caller may drive them
 //! ([`Transport::any_thread`]: same-host and loopback, not NIXL), but for four things of
 //! another's that create no agent and register, load, prepare and free no memory: an exposure the publisher takes when it is only
-//! bookkeeping ([`CallerPart::expose`](super::transport::CallerPart::expose): NIXL's, for memory registered and described
+//! bookkeeping ([`CallerPart::expose`]: NIXL's, for memory registered and described
 //! before; otherwise the command goes back whole to the engine thread), the bookkeeping of an
-//! exposure's end ([`CallerPart::unexpose`](super::transport::CallerPart::unexpose): NIXL lets its registrations go), and,
+//! exposure's end ([`CallerPart::unexpose`]: NIXL lets its registrations go), and,
 //! where the driver lets callers reach such a transport ([`let_callers_reach`](EngineCore::let_callers_reach):
 //! where waits spin), an operation's start when everything it needs is ready
-//! ([`CallerPart::begin`](super::transport::CallerPart::begin): NIXL's post of a small transfer to a loaded peer over
+//! ([`CallerPart::begin`]: NIXL's post of a small transfer to a loaded peer over
 //! registered memory and prepared lists; otherwise the operation waits for the engine thread,
 //! where it was), and, on the turns the driver allows, a watch of its operations
-//! ([`CallerPart::watch`](super::transport::CallerPart::watch): NIXL's transfers in flight on every turn, its notifications
+//! ([`CallerPart::watch`]: NIXL's transfers in flight on every turn, its notifications
 //! every [`Pace::turn_gap`](crate::pace::Pace::turn_gap) unless its polling asks for every turn). The engine stands down for an
 //! operation on such a transport only while callers' watches would see it end
-//! ([`CallerPart::sees_every_end`](super::transport::CallerPart::sees_every_end), [`engine_bound`](EngineCore::engine_bound)). It leaves to the engine thread's next
+//! ([`CallerPart::sees_every_end`], [`engine_bound`](EngineCore::engine_bound)). It leaves to the engine thread's next
 //! turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or free memory a
 //! caller must not: a start NIXL cannot make on a caller's turn (which may create an agent), the rest of another
 //! transport's end of an exposure (NIXL's may rotate an exposer or deregister memory), and the
@@ -41,6 +41,8 @@ use tokio::sync::oneshot;
 
 use super::cmd::Cmd;
 use super::poller::Ready;
+#[cfg(doc)]
+use super::transport::CallerPart;
 use super::transport::{
     small, ActiveSpec, Decline, Event, Exposure, OpId, PassiveSpec, Polling, Transport, TransportId,
 };
@@ -90,7 +92,7 @@ struct Active {
 
 /// What a caller's turn left to the engine thread (see the module's docs).
 enum Deferred {
-    /// An operation for a transport a caller may not drive (and whose [`CallerPart::begin`](super::transport::CallerPart::begin), if
+    /// An operation for a transport a caller may not drive (and whose [`CallerPart::begin`], if
     /// asked, handed it back): the chain's first, or the next after one declined it (why).
     Offer(ActiveSpec, TransportId, Option<Decline>),
     /// An ended exposure's key, for the transports a caller may not drive to forget.
@@ -106,10 +108,10 @@ pub(crate) struct EngineCore {
     /// Whether a caller may drive each transport ([`Transport::any_thread`]).
     drivable: Vec<bool>,
     /// Whether a caller's turn may begin operations on each transport it may not drive
-    /// ([`CallerPart::starts`](super::transport::CallerPart::starts)), where callers reach such transports at all.
+    /// ([`CallerPart::starts`]), where callers reach such transports at all.
     startable: Vec<bool>,
     /// Whether callers' turns may call into the transports they may not drive: begin there
-    /// ([`CallerPart::begin`](super::transport::CallerPart::begin)) and watch them ([`CallerPart::watch`](super::transport::CallerPart::watch)); only
+    /// ([`CallerPart::begin`]) and watch them ([`CallerPart::watch`]); only
     /// where the connector's waits spin (see [`let_callers_reach`](Self::let_callers_reach)).
     callers_reach: bool,
     /// True during a caller's turn.
@@ -118,7 +120,7 @@ pub(crate) struct EngineCore {
     /// driver last asked ([`take_callers_started`](Self::take_callers_started)).
     callers_started: bool,
     /// When callers' turns last watched each transport a caller may not drive
-    /// ([`CallerPart::watch`](super::transport::CallerPart::watch)).
+    /// ([`CallerPart::watch`]).
     watched: Vec<Option<Instant>>,
     /// True during a caller's turn that may watch (see [`turn_as_caller`](Self::turn_as_caller)).
     watching: bool,
@@ -383,7 +385,7 @@ impl EngineCore {
     /// a caller may drive.
     ///
     /// `watch`: the turn may also watch the transports a caller may not drive
-    /// ([`CallerPart::watch`](super::transport::CallerPart::watch): NIXL's transfers and notifications), on every turn while
+    /// ([`CallerPart::watch`]: NIXL's transfers and notifications), on every turn while
     /// one's polling is [`Polling::Busy`] and every [`Pace::turn_gap`](crate::pace::Pace::turn_gap) otherwise; the driver allows it
     /// only on the turns of waits that drive while the engine stands down.
     pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready], watch: bool) -> bool {
@@ -421,7 +423,7 @@ impl EngineCore {
     /// [`for_a_caller`](Self::for_a_caller) says a caller may handle, only when
     /// [`callers_may_begin`](Self::callers_may_begin). Returns the command, with nothing done,
     /// when it needs the engine thread after all: an exposure a transport a caller may not drive
-    /// cannot take on a caller's turn ([`CallerPart::expose`](super::transport::CallerPart::expose); NIXL, when the memory is
+    /// cannot take on a caller's turn ([`CallerPart::expose`]; NIXL, when the memory is
     /// not registered yet or its metadata not made).
     pub(crate) fn handle_as_caller(&mut self, cmd: Cmd) -> Option<Cmd> {
         debug_assert!(Self::for_a_caller(&cmd) && self.callers_may_begin());
@@ -438,7 +440,7 @@ impl EngineCore {
     }
 
     /// Exposes a passive operation's memory on every transport, in order, and answers `reply`.
-    /// On a caller's turn, each through its [`CallerPart::expose`](super::transport::CallerPart::expose), and only where the
+    /// On a caller's turn, each through its [`CallerPart::expose`], and only where the
     /// first (the publisher) is the one transport a caller may not drive: one that declines then
     /// does so before any other did something, and the command is returned as it came.
     fn expose(&mut self, spec: PassiveSpec, reply: oneshot::Sender<Result<Exposure>>) -> Option<Cmd> {
@@ -479,7 +481,7 @@ impl EngineCore {
     }
 
     /// True when a caller may begin an operation: the chain's first transport is one a caller
-    /// may drive, or one a caller's turn may begin on ([`CallerPart::starts`](super::transport::CallerPart::starts), where
+    /// may drive, or one a caller's turn may begin on ([`CallerPart::starts`], where
     /// callers reach it).
     pub(crate) fn callers_may_begin(&self) -> bool {
         let first = self.chain[0].index();
@@ -488,7 +490,7 @@ impl EngineCore {
 
     /// True when what is in flight needs the engine thread: work a caller's turn left to it, or
     /// an active operation on a transport a caller may not drive and whose callers' watch would
-    /// not see it end ([`CallerPart::sees_every_end`](super::transport::CallerPart::sees_every_end); the engine must not stand down for
+    /// not see it end ([`CallerPart::sees_every_end`]; the engine must not stand down for
     /// callers then). Looks at every active operation: for few in flight.
     pub(crate) fn engine_bound(&mut self) -> bool {
         !self.deferred.is_empty()
@@ -544,7 +546,7 @@ impl EngineCore {
     }
 
     /// True (once) when a caller's turn started an operation on a transport a caller may not
-    /// drive ([`CallerPart::begin`](super::transport::CallerPart::begin)) since the last call: only a wait that drives, or
+    /// drive ([`CallerPart::begin`]) since the last call: only a wait that drives, or
     /// the engine thread, progresses it.
     pub(crate) fn take_callers_started(&mut self) -> bool {
         std::mem::take(&mut self.callers_started)
