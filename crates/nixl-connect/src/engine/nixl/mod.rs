@@ -506,6 +506,82 @@ impl NixlState {
         out.identity = self.exposer.identity;
     }
 
+    /// The transport's progress (see [`Transport::progress`]): evicted exposures failed, what
+    /// callers' turns left settled, transfers polled, notifications drained. True if anything
+    /// happened, or two slow calls in a row did work.
+    fn progress(&mut self, out: &mut Vec<Event>) -> bool {
+        // NIXL does not say whether UCX did any work in a progress call (serving a peer's read
+        // over TCP, receiving fragments of a transfer): two slow calls in a row did, and count as
+        // an event, so the engine keeps spinning while data flows instead of backing off.
+        let t0 = Instant::now();
+        let mut event = false;
+        for key in self.evicted.drain(..) {
+            self.stats.evicted_operations += 1;
+            out.push(Event::PassiveFailed {
+                key,
+                error: Error::Interrupted {
+                    agent: self.name.clone(),
+                    reason: format!(
+                        "more than {MAX_RETIRED_EXPOSERS} replaced NIXL agents were waiting for \
+                         their operations, so the oldest, which exposed this operation, was \
+                         destroyed to release the memory it held back; expose the memory again \
+                         (a larger `quarantine_limit` makes this rarer)"
+                    ),
+                },
+            });
+            event = true;
+        }
+        event |= self.settle_callers(out);
+        if let Some(init) = &mut self.initiator {
+            event |= init.poll_inflight(false, out);
+        }
+        self.slow_receiving = false;
+        if self.polling() != Polling::Never {
+            // Only a writable's bytes come in at the peer's pace, so only then does a short
+            // schedule pay (a readable's owner sends faster over TCP when progressed less often),
+            // and only then is this thread's CPU clock read (a system call).
+            let receiving =
+                !self.exposer.writables.is_empty() || self.retired.values().any(|e| !e.writables.is_empty());
+            let cpu0 = receiving.then(thread_cpu_time);
+            event |= self.drain_notifications(out);
+            // CPU time, not the wall clock: a drain preempted, or run cold after a sleep, is not
+            // work, and taking it for work would keep an idle writable's engine waking often.
+            self.slow_receiving = cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > PACE.work());
+        }
+        // One slow call alone is as often a thread preempted or woken cold as work: two in a row.
+        let slow = t0.elapsed() > PACE.work();
+        let busy = event || (slow && self.recheck);
+        self.recheck = slow && !busy;
+        busy
+    }
+
+    /// How soon it needs polling (see [`Transport::polling`]).
+    fn polling(&self) -> Polling {
+        if !self.evicted.is_empty()
+            || !self.failed_posts.is_empty()
+            || self.initiator.as_ref().is_some_and(Initiator::busy)
+        {
+            Polling::Busy
+        } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for())
+        {
+            // Small passive operations wait for their notification, and NIXL peers completed one
+            // within the engine's hot spell (peers that read or write through NIXL now are likely
+            // to go on, and each watch that comes late delays them): on every hot turn (and every
+            // caller's turn that watches), as a peer spinning on NIXL would, since over TCP this
+            // side's progress also serves a peer's read.
+            Polling::Busy
+        } else if !self.exposer.live.is_empty() || !self.retired.is_empty() {
+            // Passive operations wait for their notification.
+            Polling::Watching
+        } else if !self.exposer.regs.is_empty() || !self.exposer.quarantine.is_empty() {
+            // Peers may need this side to act for memory they can still reach (to serve a read
+            // over TCP, even of memory given up): keep progressing, slowly when idle.
+            Polling::Every(PACE.exposed_poll())
+        } else {
+            Polling::Never
+        }
+    }
+
     /// True when operations are exposed and every live one is small: a caller's turn may watch
     /// the exposers (see its `CallerPart::watch`).
     fn exposures_watched(&self) -> bool {
@@ -680,52 +756,7 @@ impl Transport for NixlTransport {
     }
 
     fn progress(&mut self, _ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
-        let n = &mut self.nixl;
-        // NIXL does not say whether UCX did any work in a progress call (serving a peer's read
-        // over TCP, receiving fragments of a transfer): two slow calls in a row did, and count as
-        // an event, so the engine keeps spinning while data flows instead of backing off.
-        let t0 = Instant::now();
-        let mut event = false;
-        for key in n.evicted.drain(..) {
-            n.stats.evicted_operations += 1;
-            out.push(Event::PassiveFailed {
-                key,
-                error: Error::Interrupted {
-                    agent: n.name.clone(),
-                    reason: format!(
-                        "more than {MAX_RETIRED_EXPOSERS} replaced NIXL agents were waiting for \
-                         their operations, so the oldest, which exposed this operation, was \
-                         destroyed to release the memory it held back; expose the memory again \
-                         (a larger `quarantine_limit` makes this rarer)"
-                    ),
-                },
-            });
-            event = true;
-        }
-        event |= n.settle_callers(out);
-        if let Some(init) = &mut n.initiator {
-            event |= init.poll_inflight(false, out);
-        }
-        n.slow_receiving = false;
-        if self.polling() != Polling::Never {
-            let n = &mut self.nixl;
-            // Only a writable's bytes come in at the peer's pace, so only then does a short
-            // schedule pay (a readable's owner sends faster over TCP when progressed less often),
-            // and only then is this thread's CPU clock read (a system call).
-            let receiving =
-                !n.exposer.writables.is_empty() || n.retired.values().any(|e| !e.writables.is_empty());
-            let cpu0 = receiving.then(thread_cpu_time);
-            event |= n.drain_notifications(out);
-            // CPU time, not the wall clock: a drain preempted, or run cold after a sleep, is not
-            // work, and taking it for work would keep an idle writable's engine waking often.
-            n.slow_receiving = cpu0.is_some_and(|c| thread_cpu_time().saturating_sub(c) > PACE.work());
-        }
-        let n = &mut self.nixl;
-        // One slow call alone is as often a thread preempted or woken cold as work: two in a row.
-        let slow = t0.elapsed() > PACE.work();
-        let busy = event || (slow && n.recheck);
-        n.recheck = slow && !busy;
-        busy
+        self.nixl.progress(out)
     }
 
     fn did_work(&self) -> bool {
@@ -780,29 +811,7 @@ impl Transport for NixlTransport {
     }
 
     fn polling(&self) -> Polling {
-        let n = &self.nixl;
-        if !n.evicted.is_empty()
-            || !n.failed_posts.is_empty()
-            || n.initiator.as_ref().is_some_and(Initiator::busy)
-        {
-            Polling::Busy
-        } else if n.exposures_watched() && n.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for()) {
-            // Small passive operations wait for their notification, and NIXL peers completed one
-            // within the engine's hot spell (peers that read or write through NIXL now are likely
-            // to go on, and each watch that comes late delays them): on every hot turn (and every
-            // caller's turn that watches), as a peer spinning on NIXL would, since over TCP this
-            // side's progress also serves a peer's read.
-            Polling::Busy
-        } else if !n.exposer.live.is_empty() || !n.retired.is_empty() {
-            // Passive operations wait for their notification.
-            Polling::Watching
-        } else if !n.exposer.regs.is_empty() || !n.exposer.quarantine.is_empty() {
-            // Peers may need this side to act for memory they can still reach (to serve a read
-            // over TCP, even of memory given up): keep progressing, slowly when idle.
-            Polling::Every(PACE.exposed_poll())
-        } else {
-            Polling::Never
-        }
+        self.nixl.polling()
     }
 
     fn caller(&mut self) -> Option<&mut dyn CallerPart> {
