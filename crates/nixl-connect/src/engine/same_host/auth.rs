@@ -32,10 +32,12 @@ type HmacSha256 = hmac::Hmac<Sha256>;
 
 /// The name of an operation on the wire: SHA-256 of its key, domain-separated, truncated.
 pub(crate) fn key_id(key: &str) -> KeyId {
-    let mut h = Sha256::new();
-    h.update(b"nixl-connect/key-id\0");
-    h.update(key.as_bytes());
-    let d = h.finalize();
+    hash16(b"nixl-connect/key-id\0", key.as_bytes())
+}
+
+/// SHA-256 of `data` under the domain `label`, truncated to 16 bytes.
+pub(crate) fn hash16(label: &[u8], data: &[u8]) -> [u8; 16] {
+    let d = Sha256::new().chain_update(label).chain_update(data).finalize();
     d[..16].try_into().expect("16 of 32 bytes")
 }
 

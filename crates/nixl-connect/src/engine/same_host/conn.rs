@@ -1,8 +1,5 @@
-//! One same-host connection ([`Conn`]): the socket and what lives at its edge (the peer's
-//! process, the slot table, the descriptors passed either way), around its protocol core
-//! ([`Link`]). It moves bytes and descriptors between the socket and the core; the sockets
-//! (`sockets.rs`) own every connection and its place in the poller, the transport decides what a
-//! connection's events mean.
+//! One same-host connection ([`Conn`]): the socket and its edge (the peer's process, the slot
+//! table, descriptors passed either way), moving bytes and descriptors to its core ([`Link`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -15,9 +12,10 @@ use super::link::{Heard, Link};
 use super::violation::Violation;
 use super::wire::IpcSource;
 use crate::engine::transport::OpId;
+use crate::sys::same_host::cma::SlotRef;
 use crate::sys::same_host::slots::{SlotTable, SLOTS};
 use crate::sys::same_host::{
-    accept_passed_descriptors, close_elsewhere, closer, passes_rights, pipe, recv_with_fds,
+    accept_passed_descriptors, close_elsewhere, closer, is_cuda_export, passes_rights, pipe, recv_with_fds,
     refuse_passed_descriptors, send, send_with_fds, Control, Tracked,
 };
 
@@ -33,10 +31,8 @@ const MAX_NAMED: usize = 1024;
 /// of pipes -2^31 ..= -2^30 - 1 (a collision between two peers only shares a share).
 const STAND_INS: u64 = 1 << 30;
 
-/// One socket: a connection this side made (client, the active side) or accepted (server).
-/// What the peer says is read, checked and authenticated by its protocol core ([`Link`]); this
-/// record keeps what lives at the edge (the socket, the peer's process, the slot table) and the
-/// transport's bookkeeping.
+/// One socket, made (client) or accepted (server): its core ([`Link`]) checks what the peer says;
+/// this keeps the edge (the socket, the peer's process, the slot table) and the bookkeeping.
 pub(super) struct Conn {
     fd: Tracked,
     /// The peer's pid from here (0: another PID namespace; nothing can be pulled from it).
@@ -56,9 +52,8 @@ pub(super) struct Conn {
     exporting: usize,
     /// This side may pull from the peer's memory.
     can_pull: bool,
-    /// The peer lives in another PID namespace than this process (a pod), visible from here or
-    /// not: legacy CUDA IPC handles do not open across, so device memory moves as VMM
-    /// descriptors.
+    /// The peer lives in another PID namespace (a pod): legacy CUDA IPC handles do not open
+    /// across, so device memory moves as VMM descriptors.
     other_pid_ns: bool,
     /// Client side: the peer's agent name, operations waiting for the handshake, free slots.
     peer: Arc<str>,
@@ -127,10 +122,9 @@ impl Conn {
         }
     }
 
-    /// Whose share of the copy pool this connection's feeds of pipes run under: one apart from
-    /// [`Self::pool_key`]'s, so that feeds waiting for the peer to read never hold up the fills
-    /// (reads of the peer's pipes) this side owes it: two processes piping to each other at once
-    /// would each wait for the other's queued fills.
+    /// Whose share of the copy pool this connection's feeds run under: apart from
+    /// [`Self::pool_key`]'s, so feeds waiting for the peer never hold up fills this side owes it
+    /// (two processes piping to each other would each wait for the other's).
     pub(super) fn feed_key(&self) -> libc::pid_t {
         let k = if self.peer_pid > 0 {
             self.peer_pid as u64
@@ -140,9 +134,8 @@ impl Conn {
         i32::MIN + (k % STAND_INS) as libc::pid_t
     }
 
-    /// A connection record, with the pidfd of the peer's process the caller took (the client's
-    /// server, checked alive; the server's client, at accept: the handshake caps bound how many
-    /// connections without a `Hello` hold one).
+    /// A connection record, with the pidfd of the peer's process the caller took (the handshake
+    /// caps bound how many connections without a `Hello` hold one).
     pub(super) fn new(
         fd: Tracked,
         link: Link,
@@ -223,14 +216,21 @@ impl Conn {
         self.slots.as_ref()
     }
 
+    /// The table's slot `slot` at `gen`, for a copy (the table is there once the `Hello` was).
+    pub(super) fn slot_ref(&self, slot: u32, gen: u64) -> SlotRef {
+        SlotRef {
+            table: self.slots.clone().expect("ready"),
+            idx: slot,
+            gen,
+        }
+    }
+
     /// This side may pull from the peer's memory.
     pub(super) fn can_pull(&self) -> bool {
         self.can_pull
     }
 
-    /// What this side found it can reach of the peer: whether it may pull from its memory, and
-    /// whether the peer lives in another PID namespace (a pod: legacy CUDA IPC handles do not
-    /// open across, so device memory moves as VMM descriptors).
+    /// Sets what this side found it can reach of the peer (`can_pull`, `other_pid_ns`).
     pub(super) fn set_reach(&mut self, can_pull: bool, other_pid_ns: bool) {
         self.can_pull = can_pull;
         self.other_pid_ns = other_pid_ns;
@@ -307,29 +307,33 @@ impl Conn {
     }
 
     /// Takes the next `n` descriptors the peer passed (its core counted them for the frame just
-    /// heard), each checked to be a pipe's read end. `None` (the connection killed, and what was
-    /// taken closed off this thread) when one is not.
-    pub(super) fn take_pipes(&mut self, n: usize) -> Option<pipe::Ends> {
+    /// heard), each checked by `ok`. `None` (the connection killed for `why`, and what was taken
+    /// closed off this thread) when one fails.
+    fn take_checked(&mut self, n: usize, ok: fn(&OwnedFd) -> bool, why: Violation) -> Option<pipe::Ends> {
         let fds: Vec<OwnedFd> = self.passed.drain(..n.min(self.passed.len())).collect();
-        if fds.len() == n && fds.iter().all(pipe::is_read_end) {
+        if fds.len() == n && fds.iter().all(ok) {
             return Some(pipe::Ends::new(fds));
         }
         fds.into_iter().for_each(close_elsewhere);
-        self.link.kill(Violation::NotAPipe);
+        self.link.kill(why);
         None
     }
 
-    /// Takes the next `n` descriptors the peer passed with a device write's sources (its core
-    /// counted them), each checked to be an NVIDIA device's (what a VMM export is). `None` (the
-    /// connection killed, and what was taken closed off this thread) when one is not.
-    pub(super) fn take_cuda_exports(&mut self, n: usize) -> Option<Vec<OwnedFd>> {
-        let fds: Vec<OwnedFd> = self.passed.drain(..n.min(self.passed.len())).collect();
-        if fds.len() == n && fds.iter().all(crate::sys::same_host::is_cuda_export) {
-            return Some(fds);
+    /// [`Self::take_checked`] for `n` pipes' read ends.
+    pub(super) fn take_pipes(&mut self, n: usize) -> Option<pipe::Ends> {
+        self.take_checked(n, pipe::is_read_end, Violation::NotAPipe)
+    }
+
+    /// [`Self::take_checked`] for the `n` VMM descriptors passed with device `sources` (each an
+    /// NVIDIA device's), their export ids then noted; none taken when `n` is 0. Called before
+    /// anything else about the frame, so the next frame's are the next ones.
+    pub(super) fn take_exports_named(&mut self, n: usize, sources: &[IpcSource]) -> Option<pipe::Ends> {
+        if n == 0 {
+            return Some(pipe::Ends::new(Vec::new()));
         }
-        fds.into_iter().for_each(close_elsewhere);
-        self.link.kill(Violation::NotACudaExport);
-        None
+        let fds = self.take_checked(n, is_cuda_export, Violation::NotACudaExport)?;
+        self.name_exports(sources);
+        Some(fds)
     }
 
     /// Closes the next `n` descriptors the peer passed (off this thread).
@@ -420,12 +424,10 @@ impl Conn {
         })
     }
 
-    /// Reads what is available into the core, at most [`READ_PER_TURN`] bytes (the rest waits
-    /// for the next turn: the socket stays readable), so that a peer that keeps its socket full
-    /// neither holds the engine thread nor makes `heard` grow without bound; what the core
-    /// proved (requests resolved through `key_ids`) goes to `heard`. A descriptor is taken only
-    /// where the core takes one (the client's slot table, with its `Hello`), and only if it is a
-    /// sealed table of the right size; every other one is closed off this thread.
+    /// Reads into the core at most [`READ_PER_TURN`] bytes (a full socket neither holds the engine
+    /// nor grows `heard` unbounded); what the core proved (requests resolved through `key_ids`)
+    /// goes to `heard`. Descriptors are kept only where the core takes them (the `Hello`'s sealed
+    /// table of the right size); every other one is closed off this thread.
     pub(super) fn read(&mut self, key_ids: &HashMap<KeyId, Arc<str>>, heard: &mut Vec<Heard>) {
         let mut chunk = [0u8; 64 << 10];
         let mut control = Control::new();

@@ -25,9 +25,8 @@
 use std::fmt;
 
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
-use sha2::{Digest, Sha256};
 
-use super::auth::{Nonce, Tag};
+use super::auth::{self, Nonce, Tag};
 
 /// The advertisement's marker in an agent name, before the fingerprint.
 const MARK: &str = ".nxc1-";
@@ -103,11 +102,7 @@ pub(crate) fn stem(f: &Fingerprint) -> String {
 
 /// The fingerprint of `public`.
 pub(crate) fn fingerprint(public: &PublicKey) -> Fingerprint {
-    let mut h = Sha256::new();
-    h.update(b"nixl-connect/identity\0");
-    h.update(public);
-    let d = h.finalize();
-    d[..16].try_into().expect("16 of 32 bytes")
+    auth::hash16(b"nixl-connect/identity\0", public)
 }
 
 /// The fingerprint an agent name advertises, if it advertises the same-host path (a rotated

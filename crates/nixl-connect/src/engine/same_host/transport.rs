@@ -1,10 +1,5 @@
-//! The same-host transport: the coordinator of the wing's owners. It holds them (the sockets and
-//! their connections, the server's scopes, the client's operations, the copies in flight, the
-//! pipes fed) and, for what a connection's core heard or the engine asked, decides which owner
-//! acts and hands it the others it needs. Its parts, in order: how it starts, dispatch,
-//! connections, the active side (client), the passive side (server, acting on the policy's
-//! decisions), device memory, copies, and the engine's seam ([`Transport`]). Every cap is in
-//! `limits`. Its fields are private: the owners take each other as arguments from here.
+//! The same-host transport: the coordinator that hands what a connection's core heard, or the
+//! engine asked, to the owner that acts on it (docs/ARCHITECTURE.md, "Owners"). Caps: `limits`.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
@@ -37,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::reg::Range;
 use crate::state::{Mechanism, OpState, TransferPath};
 use crate::stats::EngineStats;
-use crate::sys::same_host::cma::{Copy, CopyError, Piece, SlotRef};
+use crate::sys::same_host::cma::{Copy, CopyError, Piece};
 use crate::sys::same_host::dir::{connect_in, DirListener};
 #[cfg(feature = "cuda")]
 use crate::sys::same_host::ipc;
@@ -58,6 +53,24 @@ fn cuda_in_use() -> bool {
     return crate::cuda::driver_loaded();
     #[cfg(not(feature = "cuda"))]
     false
+}
+
+/// Descriptors' ranges as the wire carries them.
+fn wire_ranges(r: &[Range]) -> Vec<(u64, u64)> {
+    r.iter().map(|r| (r.addr as u64, r.len as u64)).collect()
+}
+
+/// An active operation handed to the next transport.
+fn declined(spec: ActiveSpec, reason: impl Into<Decline>) -> Event {
+    Event::Declined {
+        spec,
+        reason: reason.into(),
+    }
+}
+
+/// An active operation's end.
+fn ended(id: OpId, result: Result<()>) -> Event {
+    Event::ActiveEnded { id, result }
 }
 
 /// The answer that carries a refusal or a fallback decided by the policy.
@@ -130,9 +143,8 @@ struct Reached {
 }
 
 impl SameHostTransport {
-    /// A transport serving on `listener` as `identity` (none: this connector cannot be reached on
-    /// this path), and on `dir_listener` in the shared `socket_dir` if there is one, and, when
-    /// `enabled`, trying it for active operations (looking in `socket_dir` too).
+    /// A transport serving on `listener` as `identity` (none: unreachable on this path) and on
+    /// `dir_listener` in `socket_dir`, and, when `enabled`, trying it for active operations.
     pub(crate) fn new(
         enabled: bool,
         listener: Option<(Tracked, Arc<Identity>)>,
@@ -163,8 +175,7 @@ impl SameHostTransport {
     /// Acts on what connection `i`'s core heard.
     pub(super) fn handle(&mut self, i: ConnId, h: Heard, out: &mut Vec<Event>) {
         match h {
-            // The slot table was checked on receipt, and whether this side may pull from the
-            // client was found at accept (`accept_from`): nothing left to do.
+            // The slot table was checked on receipt, the pull found at accept (`accept_from`).
             Heard::Hello => {}
             Heard::Trusted { pipes } => {
                 if !pipes {
@@ -182,12 +193,9 @@ impl SameHostTransport {
                 if self.server.knows(r.req.ident) {
                     self.on_req(i, r, out)
                 } else if let Some(c) = self.sockets.get_mut(i) {
-                    // Metadata of an agent of the same name elsewhere (another host, an earlier
-                    // process): not this connector's to refuse; NIXL will sort it out. A write's
-                    // pipes or VMM descriptors came with it (its core counted them off): closed,
-                    // so the next frame's are the next ones.
-                    let n = r.passed;
-                    c.drop_passed(n);
+                    // Metadata of an agent of the same name elsewhere: NIXL will sort it out. The
+                    // descriptors passed with it are closed, so the next frame's are the next ones.
+                    c.drop_passed(r.passed);
                     c.link_mut().answer(
                         r.req.slot,
                         r.req.gen,
@@ -202,46 +210,30 @@ impl SameHostTransport {
             Heard::NotLive { key } => self.on_not_live(i, &key, out),
             Heard::Impostor => {
                 let Some(c) = self.sockets.get(i) else { return };
-                // Not the process that made the operation: another one holds the socket name. It
-                // learnt a key hash and a nonce; nothing else is sent, nothing it says is believed.
-                tracing::warn!(
-                    peer = %c.peer(),
-                    pid = c.peer_pid(),
-                    "the process on this peer's same-host socket could not prove it holds the \
-                     operation's key (an impostor?); using NIXL"
-                );
-                self.refused_peers += 1;
+                // Another process holds the socket name. It learnt a key hash and a nonce; nothing
+                // else is sent, nothing it says is believed.
                 let why = "the process on the peer's same-host socket could not prove it holds \
                            the operation's key (another process holds the socket name)";
-                self.avoid(i, &Decline::of(DeclineReason::Handshake, why));
-                self.decline_queued(i, &Decline::of(DeclineReason::Handshake, why), out);
+                tracing::warn!(peer = %c.peer(), pid = c.peer_pid(), "{why}; using NIXL");
+                self.refused_peers += 1;
+                self.give_up_on(i, &Decline::of(DeclineReason::Handshake, why), out);
             }
             Heard::Rejected { reason } => {
-                let why = Decline::of(DeclineReason::Refused, reason);
-                self.avoid(i, &why);
-                self.decline_queued(i, &why, out);
+                self.give_up_on(i, &Decline::of(DeclineReason::Refused, reason), out)
             }
-            Heard::Grant { slot, gen, sources } => self.on_grant(i, slot, gen, sources, out),
+            Heard::Grant { slot, gen, sources } => self.on_grant(i, slot, gen, sources),
             Heard::Data { slot, gen, data } => self.on_data(i, slot, gen, &data, out),
             Heard::Refused {
                 slot,
                 gen,
                 code,
                 reason,
-            } => self.end_answered(i, slot, gen, out, |peer| Err(refused(peer, code, reason))),
-            Heard::Fallback { slot, gen, reason } => {
-                if let Some((id, a)) = self.client.take(RequestId { conn: i, slot, gen }) {
-                    self.sockets.free_slot(i, slot, gen);
-                    if !a.is_abandoned() {
-                        let ev = Event::Declined {
-                            spec: a.into_spec(),
-                            reason: Decline::of(DeclineReason::Refused, reason),
-                        };
-                        // A write's pipes may still be fed from its memory.
-                        self.end_act_after_feed(id, ev, out);
-                    }
-                }
-            }
+            } => self.end_answered(i, slot, gen, out, |id, a| {
+                ended(id, Err(refused(a.spec().peer.name.to_string(), code, reason)))
+            }),
+            Heard::Fallback { slot, gen, reason } => self.end_answered(i, slot, gen, out, |_, a| {
+                declined(a.into_spec(), Decline::of(DeclineReason::Refused, reason))
+            }),
             Heard::WriteDone {
                 slot,
                 gen,
@@ -249,19 +241,29 @@ impl SameHostTransport {
                 reason,
             } => {
                 // The passive side finished copying our write.
-                self.end_answered(i, slot, gen, out, |peer| {
-                    if ok {
-                        Ok(())
-                    } else {
-                        Err(Error::Transfer {
-                            agent: peer,
-                            reason,
-                            source: None,
-                        })
-                    }
+                self.end_answered(i, slot, gen, out, |id, a| {
+                    let agent = a.spec().peer.name.to_string();
+                    ended(
+                        id,
+                        if ok {
+                            Ok(())
+                        } else {
+                            Err(Error::Transfer {
+                                agent,
+                                reason,
+                                source: None,
+                            })
+                        },
+                    )
                 });
             }
         }
+    }
+
+    /// Client: avoids connection `i`'s peer and declines what is queued on it, for `why`.
+    fn give_up_on(&mut self, i: ConnId, why: &Decline, out: &mut Vec<Event>) {
+        self.avoid(i, why);
+        self.decline_queued(i, why, out);
     }
 
     /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
@@ -286,44 +288,57 @@ impl SameHostTransport {
             if a.is_abandoned() {
                 continue;
             }
-            if &*a.spec().key == key {
-                out.push(Event::ActiveEnded {
+            out.push(if &*a.spec().key == key {
+                ended(
                     id,
-                    result: Err(refused(peer.to_string(), RefuseCode::NotLive, NOT_LIVE.into())),
-                });
+                    Err(refused(peer.to_string(), RefuseCode::NotLive, NOT_LIVE.into())),
+                )
             } else {
-                out.push(Event::Declined {
-                    spec: a.into_spec(),
-                    reason: Decline::of(
-                        DeclineReason::Handshake,
-                        "the same-host connection closed before its request",
-                    ),
-                });
-            }
+                let why = "the same-host connection closed before its request";
+                declined(a.into_spec(), Decline::of(DeclineReason::Handshake, why))
+            });
         }
     }
 
     /// Ends the active operation that (`i`, `slot`, `gen`) answered: frees its slot and, unless it
-    /// was abandoned, reports `result` (given the peer's agent name).
+    /// was abandoned, reports `ev` of it (after its feed: an answer may come before the last byte).
     fn end_answered(
         &mut self,
         i: ConnId,
         slot: u32,
         gen: u64,
         out: &mut Vec<Event>,
-        result: impl FnOnce(String) -> crate::error::Result<()>,
+        ev: impl FnOnce(OpId, Act) -> Event,
     ) {
         if let Some((id, a)) = self.client.take(RequestId { conn: i, slot, gen }) {
             self.sockets.free_slot(i, slot, gen);
             if !a.is_abandoned() {
-                let ev = Event::ActiveEnded {
-                    id,
-                    result: result(a.spec().peer.name.to_string()),
-                };
-                // A write's pipes may still be fed from its memory (an answer before the last
-                // byte: a refusal, a server that lies).
-                self.end_act_after_feed(id, ev, out);
+                self.end_act_after_feed(id, ev(id, a), out);
             }
+        }
+    }
+
+    /// Connection `i`'s socket is ready (`ev`): flushed, read and what its core heard handled;
+    /// closed if its core died.
+    fn on_conn_ready(&mut self, i: ConnId, ev: u32, out: &mut Vec<Event>) {
+        if ev & libc::EPOLLOUT as u32 != 0 {
+            self.sockets.flush(i);
+        }
+        if ev & libc::EPOLLIN as u32 != 0 || hung_up(ev) {
+            let mut heard = Vec::new();
+            self.sockets.read(i, self.server.key_ids(), &mut heard);
+            for h in heard {
+                self.handle(i, h, out);
+            }
+        }
+        self.sockets.flush(i);
+        match self.sockets.get(i) {
+            Some(c) if c.link().is_dead() => {
+                tracing::debug!(why = ?c.link().death(), "closing a same-host connection");
+                self.close(i, out);
+            }
+            Some(_) => self.sockets.watch_deadline(i),
+            None => {}
         }
     }
 
@@ -384,10 +399,8 @@ impl SameHostTransport {
             let pid = match peer_cred(fd.as_raw_fd()) {
                 Ok((pid, uid)) if uid == self.sockets.uid() => pid,
                 _ => {
-                    // Another user: closed before anything is held for it (no record, no pidfd,
-                    // no buffer, no fork tracking), off this thread and after taking what it
-                    // queued. A client of another user never sends a hello: it checks our uid
-                    // first.
+                    // Another user: closed off this thread before anything is held for it (a
+                    // client of another user checks our uid first and never sends a hello).
                     self.refused_peers += 1;
                     close_refused(fd);
                     continue;
@@ -419,9 +432,8 @@ impl SameHostTransport {
             } else {
                 None
             };
-            // Whether this side may pull from the client (ptrace rules; never a peer of another
-            // PID namespace, whatever its pidfd allows), found once. One it cannot read is asked,
-            // in the signed `Welcome`, to write through pipes.
+            // Never across PID namespaces, whatever the pidfd allows; a client this side cannot
+            // read is asked, in the signed `Welcome`, to write through pipes.
             let can_pull = pid > 0 && peer.as_ref().is_some_and(cma::may_pull);
             if !can_pull {
                 link.ask_piped_writes();
@@ -502,11 +514,9 @@ impl SameHostTransport {
             can_pull,
             other_pid_ns,
         } = self.reach(peer, &expect)?;
-        // Device exports come as VMM descriptors from a server in another PID namespace (even
-        // one whose memory this side can pull: a namespace below this one's), and from any
-        // server for memory without a legacy handle, where this process uses CUDA.
-        // Its socket still refuses passed descriptors (`dial`): they are let in once the server's
-        // `Welcome` is proven ([`Self::on_ready`]), never from whoever answered the name.
+        // VMM descriptors come from a server in another PID namespace, or for memory without a
+        // legacy handle; the socket refuses them (`dial`) until the server's `Welcome` is proven
+        // ([`Self::on_ready`]), never from whoever answered the name.
         let exports = other_pid_ns || cuda_in_use();
         let Some(me) = self_id() else {
             return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
@@ -566,11 +576,9 @@ impl SameHostTransport {
                 format!("the peer runs as uid {peer_uid} (this process: {uid})"),
             ));
         }
-        // The process that made the listening socket (what SO_PEERCRED names) must still live:
-        // a child that kept the socket without running its engine (a raw `clone()` skips the
-        // fork handlers) would leave the hello unanswered until its deadline. A peer found
-        // through the shared directory may be in another PID namespace (its pid is 0 from here):
-        // it is named by its pidfs id, on kernels that have pidfs.
+        // The process that made the listening socket (SO_PEERCRED) must still live: a child that
+        // kept the socket without running its engine would leave the hello unanswered. A peer in
+        // another PID namespace (pid 0 from here) is named by its pidfs id.
         let gone = || {
             Decline::of(
                 DeclineReason::NoSocket,
@@ -592,9 +600,8 @@ impl SameHostTransport {
         if !alive_fd(&server) {
             return Err(gone());
         }
-        // A peer this side cannot read (another PID namespace, ptrace rules) serves its reads
-        // through pipes; this side's writes go to it through pipes too (what keeps us from its
-        // memory keeps it from ours, in the case this path is for: sibling pods).
+        // A peer this side cannot read serves its reads, and takes this side's writes, through
+        // pipes.
         let can_pull = pid > 0 && cma::may_pull(&server);
         Ok(Reached {
             fd,
@@ -655,10 +662,8 @@ impl SameHostTransport {
         if c.is_client() {
             self.client.disconnected(c.peer(), i);
             if !c.link().shook_hands() && c.link().peer_went_away() {
-                // Closed on us before the handshake: not asked again for a while (what answered
-                // is no owner that will serve us now). An owner's proven "not live" is no reason
-                // to avoid it (its next operation may be live); an impostor or a rejection was
-                // avoided when it was heard.
+                // Closed on us before the handshake: what answered will not serve us now. (A
+                // proven "not live" is no reason to avoid it; impostors and rejections were.)
                 self.client.avoid(
                     c.peer().clone(),
                     Instant::now(),
@@ -681,48 +686,34 @@ impl SameHostTransport {
                         if a.is_abandoned() {
                             continue;
                         }
-                        if !c.link().peer_went_away() || !c.link().shook_hands() {
-                            // The process on the socket broke the protocol, or the connection
-                            // ended before the handshake (a server that refused it without a
-                            // word, a squatter, a peer that died): nothing of this operation was
-                            // copied, and the peer the metadata names may well be reachable
-                            // through NIXL.
-                            let ev = Event::Declined {
-                                spec: a.into_spec(),
-                                reason: Decline::of(
-                                    DeclineReason::Handshake,
-                                    format!(
-                                        "the same-host connection was closed: {}",
-                                        c.link().death().map_or("a protocol error", |v| v.reason())
-                                    ),
-                                ),
-                            };
-                            // A write's pipes may still be fed from its memory.
-                            self.end_act_after_feed(id, ev, out);
+                        let ev = if !c.link().peer_went_away() || !c.link().shook_hands() {
+                            // A protocol breach, or an end before the handshake (a silent refusal,
+                            // a squatter, a dead peer): nothing was copied; NIXL may reach it.
+                            let death = c.link().death().map_or("a protocol error", |v| v.reason());
+                            let why = format!("the same-host connection was closed: {death}");
+                            declined(a.into_spec(), Decline::of(DeclineReason::Handshake, why))
                         } else {
-                            let ev = Event::ActiveEnded {
+                            ended(
                                 id,
-                                result: Err(Error::RemoteGone {
+                                Err(Error::RemoteGone {
                                     agent: c.peer().to_string(),
                                     reason: "its connector closed the same-host connection (the \
                                              process exited or dropped the connector)"
                                         .into(),
                                     source: None,
                                 }),
-                            };
-                            self.end_act_after_feed(id, ev, out);
-                        }
+                            )
+                        };
+                        self.end_act_after_feed(id, ev, out);
                     }
                 }
             }
         } else {
-            // Reads it was served through pipes end: their pipes are emptied, and no reader's
-            // answer completes them.
+            // Reads served through pipes end; no reader's answer completes them.
             self.feeds
                 .end_where(|w, f| matches!(w, FeedFor::Grant(_)) && f.conn() == i);
-            // Revoke this connection's read grants before forgetting them (its table stays mapped
-            // while a copy holds it), so a peer still copying cannot complete against memory the
-            // owner may since have given up.
+            // Revoke its read grants before forgetting them, so a peer still copying cannot
+            // complete against memory the owner may since have given up.
             for s in self.server.scopes_mut() {
                 s.retain_grants(|g| {
                     if g.conn == i {
@@ -738,10 +729,8 @@ impl SameHostTransport {
 
     // ---- The active side (client): requests, grants and answers, the operations' phases.
 
-    /// Client: the server proved it holds the opening operation's key, signed by the identity its
-    /// name advertises. A client that takes descriptors from it (pipes from a server it cannot
-    /// read, device exports) lets them in from now on, before its requests leave: the server
-    /// passes them only in answers. The queued requests go.
+    /// Client: the server proved the opening key, signed by its advertised identity. Descriptors
+    /// it passes (only in answers) are let in from now on, where taken; the queued requests go.
     pub(super) fn on_ready(&mut self, i: ConnId, out: &mut Vec<Event>) {
         let Some(c) = self.sockets.get_mut(i) else { return };
         c.accept_descriptors_if_taken();
@@ -751,6 +740,7 @@ impl SameHostTransport {
         }
     }
 
+    /// Client: hands every operation queued on connection `i` to the next transport.
     pub(super) fn decline_queued(&mut self, i: ConnId, reason: &Decline, out: &mut Vec<Event>) {
         let queued = self
             .sockets
@@ -761,10 +751,7 @@ impl SameHostTransport {
             if let Some(a) = self.client.remove(id) {
                 self.sockets.free_slot(i, a.slot(), a.gen());
                 if !a.is_abandoned() {
-                    out.push(Event::Declined {
-                        spec: a.into_spec(),
-                        reason: reason.clone(),
-                    });
+                    out.push(declined(a.into_spec(), reason.clone()));
                 }
             }
         }
@@ -774,10 +761,7 @@ impl SameHostTransport {
     pub(super) fn decline_act(&mut self, id: OpId, reason: Decline, out: &mut Vec<Event>) {
         let a = self.client.remove(id).expect("present");
         self.sockets.free_slot(a.conn(), a.slot(), a.gen());
-        out.push(Event::Declined {
-            spec: a.into_spec(),
-            reason,
-        });
+        out.push(declined(a.into_spec(), reason));
     }
 
     /// Sends the request of a queued operation (the handshake is done); a write from device
@@ -787,9 +771,7 @@ impl SameHostTransport {
         #[cfg(feature = "cuda")]
         if a.spec().write && a.device() && !a.has_sources() {
             a.enter(Phase::Exporting);
-            // A server that takes descriptors gets VMM descriptors for memory without a legacy
-            // handle, and for all memory in another PID namespace (legacy handles do not open
-            // there).
+            // Legacy handles do not open in another PID namespace.
             let how = match self.sockets.get(a.conn()) {
                 Some(c) if c.link().passes_descriptors() => ipc::ExportAs::Descriptors {
                     other_namespace: c.other_pid_ns(),
@@ -797,12 +779,7 @@ impl SameHostTransport {
                 _ => ipc::ExportAs::Handles,
             };
             let conn = a.conn();
-            let ranges = a
-                .spec()
-                .local
-                .iter()
-                .map(|r| (r.addr as u64, r.len as u64))
-                .collect();
+            let ranges = wire_ranges(&a.spec().local);
             let done = self.in_flight.export_done();
             let to = ipc::ExportTo::new(conn, how, self.in_flight.teller());
             ipc::export(
@@ -812,12 +789,9 @@ impl SameHostTransport {
             );
             return;
         }
-        // A small host operation carries its bytes in a frame (a write's in its request, a
-        // read's in the answer): each side copies only its own memory, and needs no pull.
-        // Only while few requests are open on the connection: many small operations at once go
-        // faster as grants, their copies batched on the pool (64 outstanding 4 KiB reads: 50K/s
-        // eager, 120K/s batched), where the frames and MACs of eager ones load the engines.
-        // Always where this side may not pull (ptrace rules): a grant could not be served.
+        // A small host operation carries its bytes in a frame, while few requests are open on the
+        // connection (many at once go faster as grants, batched on the pool), and always where
+        // this side may not pull (a grant could not be served).
         let host = |r: &[Range]| r.iter().all(|r| r.device == Device::Host);
         let total = a
             .spec()
@@ -892,18 +866,9 @@ impl SameHostTransport {
             ident: a.spec().peer.identity,
             key_id: auth::key_id(&a.spec().key),
             device: a.spec().remote.first().map_or(Device::Host, |r| r.device),
-            remote: a
-                .spec()
-                .remote
-                .iter()
-                .map(|r| (r.addr as u64, r.len as u64))
-                .collect(),
+            remote: wire_ranges(&a.spec().remote),
             local: if a.spec().write && data.is_empty() && !piped {
-                a.spec()
-                    .local
-                    .iter()
-                    .map(|r| (r.addr as u64, r.len as u64))
-                    .collect()
+                wire_ranges(&a.spec().local)
             } else {
                 Vec::new()
             },
@@ -976,8 +941,7 @@ impl SameHostTransport {
     }
 
     /// Client: a host read may copy from `lanes` pipes the server feeds, whose read ends came
-    /// with the grant (taken here first, whatever became of the read, so the next frame's are
-    /// the next ones).
+    /// with the grant (taken here first, whatever became of the read).
     pub(super) fn on_grant_pipe(&mut self, i: ConnId, slot: u32, gen: u64, lanes: u8, out: &mut Vec<Event>) {
         let Some(fds) = self.sockets.get_mut(i).and_then(|c| c.take_pipes(lanes as usize)) else {
             return; // not pipes: the connection is killed; its operations end with it
@@ -1008,11 +972,7 @@ impl SameHostTransport {
         };
         let c = self.sockets.get(i).expect("live");
         a.copying(Some(wake.clone()), c.pidfd());
-        let slot = SlotRef {
-            table: c.slots().cloned().expect("ready"),
-            idx: slot,
-            gen,
-        };
+        let slot = c.slot_ref(slot, gen);
         let pieces = a.spec().local.iter().map(|r| (r.addr, r.len)).collect();
         let copy = AnyCopy::Filled(pipe::Fill::new(
             c.pool_key(),
@@ -1047,30 +1007,17 @@ impl SameHostTransport {
         out.push(Event::ActiveEnded { id, result });
     }
 
-    pub(super) fn on_grant(
-        &mut self,
-        i: ConnId,
-        slot: u32,
-        gen: u64,
-        sources: Option<Vec<IpcSource>>,
-        out: &mut Vec<Event>,
-    ) {
-        // VMM descriptors passed with the grant are taken first, whatever follows, so the next
-        // frame's are the next ones (one that is no NVIDIA device's kills the connection); any
-        // dropped below are closed on the closer.
+    /// Client: a grant for (`i`, `slot`, `gen`), checked against its request and copied from.
+    pub(super) fn on_grant(&mut self, i: ConnId, slot: u32, gen: u64, sources: Option<Vec<IpcSource>>) {
+        // VMM descriptors passed with the grant are taken first, whatever follows.
         let n = sources.as_deref().and_then(passed_fds).unwrap_or(0);
-        let fds = if n > 0 {
-            let c = self.sockets.get_mut(i);
-            match c.and_then(|c| {
-                let f = c.take_cuda_exports(n)?;
-                c.name_exports(sources.as_deref().unwrap_or_default());
-                Some(f)
-            }) {
-                Some(f) => pipe::Ends::new(f),
-                None => return,
-            }
-        } else {
-            pipe::Ends::new(Vec::new())
+        let srcs = sources.as_deref().unwrap_or_default();
+        let Some(fds) = self
+            .sockets
+            .get_mut(i)
+            .and_then(|c| c.take_exports_named(n, srcs))
+        else {
+            return;
         };
         let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
             return;
@@ -1108,11 +1055,7 @@ impl SameHostTransport {
             });
         #[cfg(feature = "cuda")]
         if let Some(sources) = sources {
-            let slot = SlotRef {
-                table: c.slots().cloned().expect("ready"),
-                idx: slot,
-                gen,
-            };
+            let slot = c.slot_ref(slot, gen);
             let pieces = a
                 .spec()
                 .local
@@ -1137,15 +1080,10 @@ impl SameHostTransport {
                 len: l.len,
             })
             .collect();
-        let slot = SlotRef {
-            table: c.slots().cloned().expect("ready"),
-            idx: slot,
-            gen,
-        };
+        let slot = c.slot_ref(slot, gen);
         let copy = Copy::new(c.peer_pid(), pieces, slot, a.cancel().clone());
         let copy = AnyCopy::pulled_into(copy, a.spec().local.first().map(|r| r.device));
         self.in_flight.start(copy, CopyOwner::Read(id));
-        let _ = out;
     }
 
     // ---- The passive side (server): what is done with a proven request once the policy
@@ -1161,8 +1099,7 @@ impl SameHostTransport {
         } = r;
         let (slot, gen, write, pipes) = (req.slot, req.gen, req.write, req.pipes);
         // A write's pipes are taken first, whatever is decided, so the next frame's are the next
-        // ones (a descriptor that is no pipe's read end kills the connection).
-        // (Dropped anywhere below, they are closed on the pipes' closer, never here.)
+        // ones; dropped anywhere below, they close on the pipes' closer, never here.
         let mut passed = if write && pipes > 0 {
             match self.sockets.get_mut(i).and_then(|c| c.take_pipes(pipes as usize)) {
                 Some(fds) => fds,
@@ -1171,27 +1108,18 @@ impl SameHostTransport {
         } else {
             pipe::Ends::new(Vec::new())
         };
-        // A device write's VMM descriptors likewise (each an NVIDIA device's, or the connection
-        // dies); the link checked their count against the sources. (Dropped anywhere below,
-        // they are closed on the closer, never here.)
+        // A device write's VMM descriptors likewise (the link checked their count).
         let vmm = descriptors - if write && pipes > 0 { usize::from(pipes) } else { 0 };
-        let mut vmm_fds = if vmm > 0 {
-            let c = self.sockets.get_mut(i);
-            match c.and_then(|c| {
-                let f = c.take_cuda_exports(vmm)?;
-                c.name_exports(&req.sources);
-                Some(f)
-            }) {
-                Some(fds) => pipe::Ends::new(fds),
-                None => return,
-            }
-        } else {
-            pipe::Ends::new(Vec::new())
+        let Some(mut vmm_fds) = self
+            .sockets
+            .get_mut(i)
+            .and_then(|c| c.take_exports_named(vmm, &req.sources))
+        else {
+            return;
         };
         let Some(c) = self.sockets.get(i) else { return };
         if !c.link().is_ready() {
-            // The connection died after the request was heard (the peer went away, or broke a
-            // rule later in the same read): no answer can reach it, so nothing is granted,
+            // Died after the request was heard: no answer can reach it, so nothing is granted,
             // copied or completed for it.
             return;
         }
@@ -1217,9 +1145,7 @@ impl SameHostTransport {
         let mut completed = None;
         let answer = match decision {
             Decision::Refuse(..) | Decision::Fallback(_) => Some(answer_of(decision)),
-            // Small host operations: this side copies its own memory, on this thread, holding it
-            // in use for the copy so that its owner's drop waits for it. The operation is over
-            // once the answer is sent.
+            // This side copies its own memory here, held in use so its owner's drop waits.
             Decision::EagerRead | Decision::EagerWrite => {
                 let s = self.server.scope_mut(&key).expect("decided on it");
                 let answer = if decision == Decision::EagerRead {
@@ -1269,10 +1195,8 @@ impl SameHostTransport {
                 .is_some_and(|c| c.link_mut().answer(slot, gen, a)),
             None => false,
         };
-        // An eager operation is complete once its answer is on its way (a read's bytes, a
-        // write's Done); should the connection have died in queueing it, the reader never gets
-        // the bytes and the writer learns nothing: the operation stays live for a retry (a
-        // write's bytes are in place, and a retry writes them again).
+        // An eager operation is complete once its answer is on its way; if the connection died
+        // in queueing it, the operation stays live for a retry.
         if let Some(key) = completed {
             if sent {
                 out.push(Event::PassiveCompleted {
@@ -1285,9 +1209,8 @@ impl SameHostTransport {
         }
     }
 
-    /// A write from host memory that the policy let through: marks the writable in use (its
-    /// owner may have ended it an instant ago: then not live) and pulls the writer's bytes into
-    /// it on the copy pool.
+    /// A host write the policy let through: claims the writable ([`Self::claim_writable`]) and
+    /// pulls the writer's bytes into it on the copy pool.
     fn pull_write(
         &mut self,
         id: RequestId,
@@ -1313,10 +1236,9 @@ impl SameHostTransport {
         None
     }
 
-    /// A host read the policy let through for a peer that cannot read this side's memory: makes
-    /// `lanes` pipes, answers with their read ends and copies the readable's `remote` ranges into
-    /// them on the copy pool. The grant lasts until the reader's `Done`; if the feed still runs
-    /// then, the read completes once it stopped ([`Self::fed`]). `None`: answered here.
+    /// A host read for a peer that cannot read this side's memory: answers with `lanes` pipes'
+    /// read ends and feeds them the readable's `remote` ranges; the read completes at the
+    /// reader's `Done`, once the feed stopped ([`Self::fed`]). `None`: answered here.
     fn pipe_read(&mut self, id: RequestId, key: &str, remote: &[(u64, u64)], lanes: usize) -> Option<Answer> {
         if self.feeds.has(FeedFor::Grant(id)) {
             // A request id reused while its feed runs: never an honest client's (generations).
@@ -1389,9 +1311,8 @@ impl SameHostTransport {
         None
     }
 
-    /// Claims the writable keyed `key` for the write `id` the policy let through: marks it in
-    /// use (its owner may have ended it an instant ago: then the answer is "not live") and makes
-    /// `id` its writer. What the copy into it needs.
+    /// Claims the writable keyed `key` for the write `id`: marks it in use (or answers "not
+    /// live" if its owner just ended it) and makes `id` its writer.
     pub(super) fn claim_writable(&mut self, id: RequestId, key: &str) -> Result<Claim, Answer> {
         let c = self.sockets.get(id.conn).expect("decided on it");
         let (pid, pidfd, table) = (c.peer_pid(), c.pidfd(), c.slots().cloned().expect("ready"));
@@ -1610,10 +1531,8 @@ impl SameHostTransport {
     // ---- Copies on the pool: starting them, learning that they ended, waiting for them before
     // the memory they write may go.
 
-    /// Stops every copy and waits (up to `within`; `None`: for as long as it takes) for the ones
-    /// running on the pool, which end within a chunk unless their peer stalls its pages. True
-    /// when none is left; false when some still run (then the memory they write must never be
-    /// freed: the caller leaks it).
+    /// Stops every copy and waits (up to `within`; `None`: unbounded) for those running on the
+    /// pool. False when some still run: the memory they write must then never be freed (leaked).
     pub(crate) fn stop_copies(&mut self, within: Option<Duration>) -> bool {
         self.stopped = true;
         for (_, a) in self.client.acts() {
@@ -1640,10 +1559,8 @@ impl SameHostTransport {
         self.in_flight.feed(f, CopyOwner::Fed(which));
     }
 
-    /// Client: `ev` ends the active operation `id`; if its write's pipes are still fed, the feed is
-    /// ended and `ev` waits for its job (which reads the operation's memory) to stop
-    /// ([`Self::fed`]); else it goes out now. The first event held wins (an abandoned write stays
-    /// cancelled).
+    /// Client: `ev` ends the active operation `id`, now or, if its write's pipes are still fed,
+    /// once the feed stopped reading its memory ([`Self::fed`]). The first event held wins.
     pub(super) fn end_act_after_feed(&mut self, id: OpId, ev: Event, out: &mut Vec<Event>) {
         match self.feeds.end(FeedFor::Write(id)) {
             Some(f) => {
@@ -1653,10 +1570,8 @@ impl SameHostTransport {
         }
     }
 
-    /// Pipes this side fed are done (their job reported: it reads the operation's memory no
-    /// more): what waited for it goes on. A served read completes if its reader said so; a write
-    /// reports what its answer or its end gave; an ended operation's memory is released once no
-    /// feed of it runs.
+    /// Pipes this side fed are done (their job reads the memory no more): what waited for them
+    /// goes on (a served read's completion, a write's end, an ended operation's release).
     fn fed(&mut self, which: FeedFor, r: Result<(), CopyError>, out: &mut Vec<Event>) {
         let Some(f) = self.feeds.finished(which) else {
             return;
@@ -1786,10 +1701,8 @@ impl SameHostTransport {
                     }
                     if let Some(s) = self.server.scope_mut(&key) {
                         if s.end_writer(id) {
-                            // Completed or torn, the writable has ended from here on: a request
-                            // heard later in this turn, before the engine applies the event,
-                            // finds it done (it used to find no writer and start a copy into the
-                            // memory of an operation that had just completed).
+                            // Completed or torn, the writable has ended: a request heard later
+                            // this turn, before the engine applies the event, finds it done.
                             if !matches!(r, Err(CopyError::NotStarted)) {
                                 s.set_done(true);
                             }
@@ -1893,14 +1806,10 @@ impl Transport for SameHostTransport {
         }
     }
 
-    /// The checks [`begin`](Self::begin), the connection and the request make, in their order,
-    /// with the connection hung up before its handshake; the mechanism is the one a quiet
-    /// connection would use (frames for a small host operation, cross-memory attach or pipes for
-    /// a larger one, pinned staging for host memory into device memory; none for device memory as
-    /// the source, whose kind decides between CUDA IPC and VMM descriptors at its export). What
-    /// the peer may do with this process's memory is its own to find: it is taken to be what this
-    /// side may do with the peer's, which holds between pods and unrelated processes, not between
-    /// a parent and a child under Yama's ptrace rules.
+    /// The checks [`begin`](Self::begin), the connection and the request make, in order, hung up
+    /// before the handshake; the mechanism is the one a quiet connection would use (none for a
+    /// device source: its export decides). The peer's access to this side is taken to mirror
+    /// this side's to the peer's, as between pods, not a parent and child under Yama's rules.
     fn probe(
         &mut self,
         peer: &PeerInfo,
@@ -2043,11 +1952,9 @@ impl Transport for SameHostTransport {
             }
             Phase::Abandoned => {}
             Phase::Queued | Phase::Exporting | Phase::Requested => {
-                // Nothing of ours is being written: a write's source is only read by the peer, and
-                // revoking its slot makes the peer discard what it read. Release at once. (A small
-                // operation's request already carried or asked for its bytes: the owner may still
-                // complete it, as a posted NIXL transfer may still land; an eager read's answer is
-                // then not copied here.)
+                // Nothing of ours is being written, and revoking the slot makes the peer discard
+                // what it read: release at once. (An eager operation may still complete at the
+                // owner, as a posted NIXL transfer may; an eager read's answer is not copied here.)
                 if let Some(t) = table {
                     t.revoke(a.slot(), a.gen());
                 }
@@ -2077,45 +1984,14 @@ impl Transport for SameHostTransport {
     fn progress(&mut self, ready: &[(u64, u32)], out: &mut Vec<Event>) -> bool {
         let mut event = self.reap(out);
         for &(token, ev) in ready {
-            if token == LISTENER || token == DIR_LISTENER {
-                self.accept();
-                event = true;
-                continue;
-            }
-            if token == ACCEPT_TIMER {
-                self.resume_accepting();
-                event = true;
-                continue;
-            }
-            if token == DEADLINE_TIMER {
-                self.on_deadlines(out);
-                event = true;
-                continue;
-            }
-            let i: ConnId = token;
-            if self.sockets.get(i).is_none() {
-                continue;
+            match token {
+                LISTENER | DIR_LISTENER => self.accept(),
+                ACCEPT_TIMER => self.resume_accepting(),
+                DEADLINE_TIMER => self.on_deadlines(out),
+                i if self.sockets.get(i).is_some() => self.on_conn_ready(i, ev, out),
+                _ => continue,
             }
             event = true;
-            if ev & libc::EPOLLOUT as u32 != 0 {
-                self.sockets.flush(i);
-            }
-            if ev & libc::EPOLLIN as u32 != 0 || hung_up(ev) {
-                let mut heard = Vec::new();
-                self.sockets.read(i, self.server.key_ids(), &mut heard);
-                for h in heard {
-                    self.handle(i, h, out);
-                }
-            }
-            self.sockets.flush(i);
-            match self.sockets.get(i) {
-                Some(c) if c.link().is_dead() => {
-                    tracing::debug!(why = ?c.link().death(), "closing a same-host connection");
-                    self.close(i, out);
-                }
-                Some(_) => self.sockets.watch_deadline(i),
-                None => {}
-            }
         }
         event |= self.reap(out);
         self.in_flight.submit();
@@ -2144,10 +2020,8 @@ impl Transport for SameHostTransport {
         TransferPath::SameHost
     }
 
-    /// Its calls are socket reads and writes, MACs, and hand-offs to its copy pool; it holds no
-    /// memory's owner (the core does) and device memory stays the engine thread's (`driver`).
-    /// With the `cuda` feature, only where a peer's device request cannot make a caller's turn
-    /// start CUDA (`ipc::settled_for_callers`, asked when the engine starts).
+    /// Socket I/O, MACs and hand-offs to its pool, holding no memory's owner; with `cuda`, only
+    /// where a peer's device request cannot make a caller's turn start CUDA (`ipc::settled_for_callers`).
     fn any_thread(&self) -> bool {
         #[cfg(feature = "cuda")]
         return ipc::settled_for_callers();
