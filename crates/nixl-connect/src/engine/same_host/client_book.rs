@@ -1,7 +1,5 @@
-//! The client book: what this connector asks of others on the same-host path. Its active
-//! operations ([`Act`]s) by id, the connection open to each advertised peer name, and the names
-//! found without a same-host path a moment ago (not asked again for [`NEGATIVE_TTL`]). It owns
-//! these maps; the transport reaches them only through its methods.
+//! The client book: active operations ([`Act`]s), the connection to each peer name, and names
+//! found without a same-host path (not asked again for [`NEGATIVE_TTL`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,14 +1,7 @@
-//! Eager copies: a small host operation's bytes ride in its frame (protocol version 6), so each
-//! side copies only its *own* memory, on its engine thread: the owner of a readable gathers the
-//! requested ranges into the answer ([`Msg::Data`](super::wire::Msg::Data)), the reader scatters
-//! them into its destination; a writer gathers its source into the request, the owner of the
-//! writable scatters it into its memory. No copy thread, no slot word, no `Done`: one round trip.
-//!
-//! Bounded at [`EAGER_MAX`](super::wire::EAGER_MAX) bytes an operation (a copy of that size takes
-//! well under a microsecond). Nothing here reads a peer's memory, so a peer cannot stall the
-//! engine through it: the ranges are checked against this side's own operation (the server's
-//! scope, the client's descriptors) by the copies themselves ([`mem`]). This file decides when
-//! and holds the memory; the raw copies are the metal floor's.
+//! Eager copies: a small host operation's bytes (up to [`EAGER_MAX`](super::wire::EAGER_MAX)) ride
+//! in its frame ([`Msg::Data`](super::wire::Msg::Data) or the request), so each side copies only
+//! its *own* memory on its engine thread: no copy thread, no slot word, no `Done`. Nothing here
+//! reads a peer's memory; the ranges are checked against this side's own operation by [`mem`].
 
 use super::records::Act;
 use super::server_book::Scope;

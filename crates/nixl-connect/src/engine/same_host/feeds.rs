@@ -1,11 +1,6 @@
-//! The pipes this side feeds (`sys::pipe`): a read it serves to a peer that cannot read its
-//! memory, a write of its own to a peer that cannot read it. It owns them from the moment they
-//! are made until their job has stopped; the transport ends them (the reader's answer, a
-//! revocation, the connection's end) and learns of their job's end (the transport's `fed`).
-//!
-//! What a feed holds back: a served read's completion and a write's end are reported, and an
-//! ended operation's memory released, only once its job stopped reading that memory (what is
-//! already in a pipe is a copy).
+//! The pipes this side feeds (`sys::pipe`), for a peer that cannot read its memory; owned from
+//! their making until their job stopped. A served read's completion, a write's end and an ended
+//! operation's memory wait for that stop (what is already in a pipe is a copy).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

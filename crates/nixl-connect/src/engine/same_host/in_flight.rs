@@ -1,7 +1,5 @@
-//! What is in flight off the engine thread: copies started this turn and not yet handed to the
-//! pool, copies running (counted until their callback ran), copies and CUDA IPC exports finished
-//! and not yet handled. It owns these; the transport starts copies, takes what finished and
-//! waits for the rest through its methods (the transport's `reap` says what each end means).
+//! What is in flight off the engine thread: copies queued, running and finished, and CUDA IPC
+//! exports finished; the transport's `reap` says what each end means.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

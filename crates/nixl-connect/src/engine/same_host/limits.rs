@@ -1,6 +1,4 @@
-//! The same-host wing's limits: what one connector serves at once, to one process and in all,
-//! before and after the handshake; grants and exports per connection; how long a negative
-//! answer is remembered. Every owner reads them from here (none imports the transport for them).
+//! The same-host wing's limits (connections, slots, grants, exports, pipes, negative cache).
 
 use std::time::Duration;
 

@@ -20,24 +20,8 @@
 //! or no CUDA where device memory is involved: the operation goes to NIXL instead
 //! ([`Event::Declined`](crate::engine::transport::Event::Declined)).
 //!
-//! # Layout
-//! One owner per piece of state, and the metal floor apart (docs/ARCHITECTURE.md has the map):
-//! - the protocol core, sans-IO: `link` (one connection's state machine, with `link/events.rs`),
-//!   [`wire`] (the frame codec), `auth` (MACs), `identity` (Ed25519), [`violation`] (what a peer
-//!   broke);
-//! - the access policy, sans-IO: `policy` (`decide(scope, request, load) -> Decision`);
-//! - the owners: `sockets` (the listeners, the connections and their timers), `conn` (one
-//!   connection: its socket, its core, the descriptors passed either way), `server_book`
-//!   (scopes, key ids, identities, exports), `client_book` (active operations, connections by
-//!   peer, peers avoided), `in_flight` (copies and exports off the engine thread), `feeds` (pipes
-//!   this side fills), `records` (active operations, finished copies), `limits`
-//!   (every cap);
-//! - the coordinator: `transport` (the [`SameHostTransport`], one `impl`: what a core heard or
-//!   the engine asked, to the owner that acts on it, and the engine's
-//!   [`Transport`](crate::engine::transport::Transport)), with `eager` and `device` (what its
-//!   small and device actions use);
-//! - the metal floor is the crate's (`sys/same_host/`: every syscall and every `unsafe` block
-//!   the wing needs); the wing itself is compiled with `forbid(unsafe_code)`.
+//! Layout, owners and layers: docs/ARCHITECTURE.md, "The same-host wing"; the syscalls and every
+//! `unsafe` block are the floor's (`sys/same_host/`), so the wing is `forbid(unsafe_code)`.
 #![forbid(unsafe_code)]
 
 mod auth;

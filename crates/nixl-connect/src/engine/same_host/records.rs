@@ -1,7 +1,5 @@
-//! The records the same-host transport keeps: an active operation ([`Act`]) and its phase, a
-//! request's name ([`RequestId`]), a finished copy's owner, a finished export. It
-//! sits below the files that act on these records and below the transport (`transport.rs`) and
-//! the server book (`server_book.rs`), so none of them imports its way back up.
+//! The records: an active operation ([`Act`]) and its phase, a request's name ([`RequestId`]), a
+//! finished copy's owner, a finished export.
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,8 +1,5 @@
-//! The server book: what this connector serves on the same-host path. Its passive operations'
-//! scopes by key ([`Scope`]), the key ids requests name them by, the identities of its exposers'
-//! metadata, and how many device ranges are queued for export now. It owns these maps; the
-//! transport reaches them only through its methods, and the policy (`policy.rs`) only reads a
-//! [`Scope`].
+//! The server book: what this connector serves: scopes by key ([`Scope`]), key ids, exposers'
+//! identities and exports queued. The policy (`policy.rs`) only reads a [`Scope`].
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::OwnedFd;

@@ -1,8 +1,5 @@
-//! The sockets: the listener, every connection ([`Conn`]) by id, the timers that re-arm the
-//! listener and fire the connections' deadlines, and their place in the engine's poller. It
-//! owns these (private fields) and decides who may connect (`admission`); each connection moves
-//! its own bytes and descriptors (`conn.rs`); what a connection's end means for the operations on
-//! it is the transport's (`transport.rs`).
+//! The sockets: the listener, every connection ([`Conn`]) by id, their timers and their place in
+//! the engine's poller; decides who may connect (`admission`).
 
 use std::collections::HashMap;
 use std::io;
@@ -232,10 +229,8 @@ impl Sockets {
         self.deadline_armed = None;
     }
 
-    /// Stops watching the listeners for [`ACCEPT_BACKOFF`]: an `accept` that fails for want of
-    /// descriptors would otherwise wake the engine again at once, for as long as the shortage
-    /// lasts (the pending connections stay queued). With `shed` (closes wait past their bound),
-    /// the listeners' queues are emptied and plugged too ([`Self::shed`]).
+    /// Stops watching the listeners for [`ACCEPT_BACKOFF`], so a failing `accept` does not wake
+    /// the engine at once again; with `shed`, their queues are emptied and plugged ([`Self::shed`]).
     pub(super) fn pause_accepting(&mut self, e: &io::Error, shed: bool) {
         let Some(t) = &self.accept_timer else {
             return;
@@ -253,11 +248,9 @@ impl Sockets {
         }
     }
 
-    /// While accepting rests for closes past their bound: each listener's backlog is 0, the
-    /// connections already queued are closed unread (what they queued is released with them, on
-    /// the closer: a client waiting there for its handshake learns at once and takes NIXL), and
-    /// the queue is plugged with a connection of our own ([`plug`]), so a client's `connect`
-    /// fails at once (busy) instead of waiting in it. Once per pause.
+    /// While closes are past their bound: each listener's backlog is 0, queued connections are
+    /// closed unread on the closer (their clients take NIXL), and the queue is plugged ([`plug`])
+    /// so a client's `connect` fails at once. Once per pause.
     fn shed(&mut self) {
         if self.paused != Some(false) {
             return;

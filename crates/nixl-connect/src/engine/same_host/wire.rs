@@ -31,10 +31,6 @@ mod req;
 pub(crate) use req::Req;
 
 /// Protocol version; a `Hello` with another one is rejected, and the peer falls back to NIXL.
-/// (5: every frame about an operation carries a MAC under that operation's key; 6: small host
-/// operations carry their bytes in the request or the answer; 7: the `Welcome` is signed by the
-/// identity the agent name advertises; 8: processes named by pidfs ids, host memory through pipes;
-/// 9: device memory exported as VMM allocations' POSIX descriptors, passed with the frame.)
 pub(crate) const VERSION: u32 = 9;
 /// The largest frame accepted (10,000 ranges need ~320 KiB).
 pub(crate) const MAX_FRAME: usize = 16 << 20;
