@@ -119,10 +119,7 @@ impl ConnectorBuilder {
     /// path is not a NIXL backend and is chosen by [`path`](Self::path). Other plugins
     /// (`LIBFABRIC`, or storage backends such as `POSIX` and `GDS`) are created with their
     /// plugin's default parameters; [`ucx_param`](Self::ucx_param) applies to `UCX` alone.
-    ///
-    /// [`build`](Self::build) refuses an empty list, a name twice, or a plugin this NIXL does
-    /// not have ([`Error::InvalidArgument`] listing the ones it has), and fails with
-    /// [`Error::NixlBackend`] when a backend cannot start on this machine.
+    /// [`build`](Self::build) checks the list.
     pub fn backends<I, S>(mut self, names: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -134,12 +131,10 @@ impl ConnectorBuilder {
 
     /// The longest time NIXL goes unprogressed while it has work, once the connector has been
     /// idle for a moment (default [`DEFAULT_PROGRESS_DELAY`], at most [`MAX_PROGRESS_DELAY`]):
-    /// Dynamo's `DYN_MM_NIXL_PROGRESS_DELAY_US`. The connector progresses NIXL on its engine
-    /// thread, not on a NIXL progress thread: right after any activity it polls every few
-    /// microseconds (for 2 ms), then backs off up to this delay. A shorter delay answers a
-    /// lone transfer sooner at the cost of CPU while operations wait; zero keeps the engine
-    /// spinning a core for as long as any operation waits (NIXL's own default). A connector with
-    /// no operation and no exposed memory sleeps whatever this is.
+    /// Dynamo's `DYN_MM_NIXL_PROGRESS_DELAY_US`. After any activity the engine thread polls NIXL
+    /// for 2 ms, then backs off up to this delay: shorter answers a lone transfer sooner at the
+    /// cost of CPU; zero spins a core while any operation waits (NIXL's own default). An idle
+    /// connector sleeps whatever this is.
     pub fn progress_delay(mut self, delay: Duration) -> Self {
         self.progress_delay = delay;
         self
@@ -156,13 +151,11 @@ impl ConnectorBuilder {
     /// (pods on one node mounting one volume, each in its own namespace): this connector's
     /// same-host socket is also a file there, and peers' are looked for there when their abstract
     /// socket cannot be reached. Default: the environment's `NIXL_CONNECT_SOCKET_DIR`, else none
-    /// (abstract sockets only, as before).
+    /// (abstract sockets only).
     ///
-    /// The connector keeps its sockets in a folder of its user's own inside it
-    /// (`nixl-connect.<uid>`, mode 0700, made if missing, refused if it is anything else), each
-    /// named from the connector's identity and removed when the connector goes; sockets that dead
-    /// processes left there are removed by the next connector to start. The path must be short
-    /// enough for a Unix socket address (about 60 bytes with the names added).
+    /// The sockets go in a folder of the user's own inside it (`nixl-connect.<uid>`, mode 0700).
+    /// The path must be short enough for a Unix socket address (about 60 bytes with the names
+    /// added).
     pub fn socket_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.socket_dir = Some(dir.into());
         self
@@ -176,21 +169,15 @@ impl ConnectorBuilder {
         self
     }
 
-    /// How long `wait_for_completion` of a small operation (at most 64 KiB in all) stays awake, at most, before
-    /// its task parks until the engine wakes it (default: [`WAIT_SPIN_ENV`] in microseconds where
-    /// set, else [`DEFAULT_WAIT_SPIN`]; zero turns it off; at most [`MAX_WAIT_SPIN`]).
+    /// How long `wait_for_completion` of a small operation (at most 64 KiB in all) stays awake, at
+    /// most, before its task parks until the engine wakes it (default: [`WAIT_SPIN_ENV`] in
+    /// microseconds where set, else [`DEFAULT_WAIT_SPIN`]; zero turns it off; at most
+    /// [`MAX_WAIT_SPIN`]).
     ///
-    /// The engine ends an operation on its own thread; a task that parked is then woken, which
-    /// costs a wake-up of its runtime's thread on every small operation. A waiter that spins sees
-    /// the end at once: each turn looks at the status, gives its core away now and then
-    /// (`sched_yield`, so a thread of ours sharing the core runs), may take the engine's turns
-    /// itself, and yields to the async runtime (so its other tasks run), keeping its thread busy
-    /// for up to `spin` a wait. A thread whose yields keep losing time slices (an oversubscribed
-    /// core) stops spinning for a while. Larger operations never spin: their copy dwarfs a
-    /// wake-up, and a spinning waiter would take a core from it. At most half the cores' worth of
-    /// this connector's waits spin at once (at least one); the others park at once. The rows that
-    /// carry the default: docs/FIGURES.md, "Unproven on 16 cores" (64 outstanding 4 KiB operations,
-    /// the NIXL path over TCP against raw NIXL, with and without a spin).
+    /// A spinning waiter sees the end at once instead of paying a wake-up, yielding its core and
+    /// its runtime between turns; on an oversubscribed core it stops spinning for a while. Larger
+    /// operations never spin. At most half the cores' worth of this connector's waits spin at
+    /// once (at least one); the others park at once.
     pub fn wait_spin(mut self, spin: Duration) -> Self {
         self.wait_spin = Some(spin);
         self
@@ -224,13 +211,10 @@ impl ConnectorBuilder {
     }
 
     /// How much memory, given up after NIXL exposed it, the connector holds back before it
-    /// replaces its exposing NIXL agent (default [`DEFAULT_QUARANTINE_LIMIT`]).
-    ///
-    /// UCX checks no registration when a peer reaches exposed memory over TCP, CMA or shared
-    /// memory, so memory a passive operation exposed is not returned to the allocator (nor
-    /// unmapped) while the agent that exposed it lives: a late or replayed transfer then reads
-    /// or writes memory nobody uses, instead of this process's next allocation. Past this much,
-    /// new operations go to a fresh agent, and the old one is destroyed (releasing the memory)
+    /// replaces its exposing NIXL agent (default [`DEFAULT_QUARANTINE_LIMIT`]). Exposed memory is
+    /// not returned to the allocator while the agent that exposed it lives (UCX checks no
+    /// registration over TCP, CMA or shared memory). Past this much, new operations go to a
+    /// fresh agent, and the old one is destroyed (releasing the memory)
     /// once its last operation has ended, or, when more than [`MAX_RETIRED_EXPOSERS`](crate::MAX_RETIRED_EXPOSERS) old agents
     /// wait for their operations, at once: the oldest one's waiting operations then fail with
     /// [`Error::Interrupted`]. Memory held back is thus bounded by about
@@ -422,8 +406,7 @@ impl Connector {
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future at any point ends the exposure (nobody has its metadata
-    /// yet) and hands owned memory to the engine; the descriptors are released as the operation's
-    /// own drop would.
+    /// yet), as dropping the operation would.
     pub async fn create_readable<'a>(
         &self,
         local: impl Into<Descriptors<'a>>,
@@ -474,10 +457,8 @@ impl Connector {
     /// write into its writable) would take from this connector now, over memory of this process
     /// on `local`, and why each path before it declines (`nixl-connect doctor --peer`).
     ///
-    /// Nothing is transferred, and the peer's operation is not asked for: the same-host path
-    /// reaches the peer's socket as an operation would, learns who holds it, and hangs up before
-    /// its handshake. What it finds may change by the time an operation starts (the peer exits,
-    /// its socket's backlog is full for a moment).
+    /// Nothing is transferred and the peer's operation is not asked for (the same-host path hangs
+    /// up before its handshake). The answer may change by the time an operation starts.
     ///
     /// # Errors
     /// [`Error::Metadata`] for metadata that is malformed or that no transport here can read;
@@ -510,7 +491,12 @@ impl Connector {
                 Err(why) => declined.push((path, why)),
             }
         }
-        Ok(PathProbe::new(name, write, taken, declined))
+        Ok(PathProbe {
+            peer: name,
+            write,
+            taken,
+            declined,
+        })
     }
 
     /// Writes `local` into a peer's writable (one local descriptor per remote one, same sizes).
@@ -535,8 +521,7 @@ impl Connector {
     /// inside a live registration (all of it, or its start: a pooled buffer used for a smaller
     /// transfer) skips registering it. Empty descriptors are skipped.
     ///
-    /// Passive operations register exactly what they expose and do not use these registrations
-    /// (a peer must not reach more than the operation's memory).
+    /// Passive operations register exactly what they expose and do not use these registrations.
     ///
     /// # Errors
     /// [`Error::Nixl`] when NIXL refuses the registration, [`Error::EngineStopped`] if the engine
@@ -559,16 +544,12 @@ impl Connector {
     }
 
     /// Drops this handle to the connector and bounds the end of its engine by `within`: when
-    /// its last operation or clone is gone too, the engine stops, and copies still running on
-    /// the same-host path (a peer that stalls the pages they read: nothing interrupts such a
-    /// copy) are waited for up to `within`, then their memory is leaked rather than freed under
-    /// them. Dropping a connector waits up to 10 s; a caller with a deadline passes what is left
-    /// of it (as `tokio::runtime::Runtime::shutdown_timeout` does).
+    /// its last operation or clone is gone too, the engine stops, and same-host copies still
+    /// running are waited for up to `within`, then their memory is leaked rather than freed under
+    /// them. Dropping a connector waits up to 10 s (as `tokio::runtime::Runtime::shutdown_timeout`).
     ///
-    /// Blocks for at most `within` when this was the last handle (the engine thread is joined
-    /// here), at once otherwise (the wait happens where the last handle goes). A blocking call:
-    /// from async code, call it where blocking is allowed (`spawn_blocking`) or at the end of
-    /// `main`.
+    /// Blocks for at most `within` when this was the last handle, at once otherwise. From async
+    /// code, call it where blocking is allowed (`spawn_blocking`) or at the end of `main`.
     pub fn shutdown_timeout(self, within: Duration) {
         self.inner.engine.set_stop_wait(within);
     }
@@ -584,50 +565,10 @@ impl Connector {
         self.inner.engine.stats().await
     }
 
-    /// Returns once this connector's engine has acted on everything sent to it before the call
-    /// and run its transports once more (see [`crate::testing::settle`]).
-    ///
-    /// # Cancel safety
-    /// Cancel-safe: dropping the future only drops the answer.
+    /// This connector's engine, for the counters and steps of [`crate::testing`].
     #[cfg(any(test, feature = "testing"))]
-    pub(crate) async fn settle(&self) -> Result<()> {
-        self.inner
-            .engine
-            .call(|reply| crate::engine::Cmd::Settle { reply })
-            .await
-    }
-
-    /// Turns callers have taken of this connector's engine (see `engine::driver`).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn driven_turns(&self) -> u64 {
-        self.inner.engine.driven_turns()
-    }
-
-    /// NIXL transfers callers posted on their turns of this connector's engine (see
-    /// `engine::driver`).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn caller_starts(&self) -> u64 {
-        self.inner.engine.caller_starts()
-    }
-
-    /// Callers' watches of NIXL on this connector that saw a peer's completion (see
-    /// `engine::driver`).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn caller_watch_events(&self) -> u64 {
-        self.inner.engine.caller_watch_events()
-    }
-
-    /// Commands callers have handled on their turns of this connector's engine (see
-    /// `engine::driver`).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn caller_commands(&self) -> u64 {
-        self.inner.engine.caller_commands()
-    }
-
-    /// Waits that drive this connector's engine now (see `engine::driver`).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn driving_waits(&self) -> usize {
-        self.inner.engine.driving_waits()
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.inner.engine
     }
 }
 

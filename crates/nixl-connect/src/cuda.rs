@@ -6,10 +6,9 @@
 //! ([`Descriptor::from_cuda`](crate::Descriptor::from_cuda) owns a `CudaSlice`,
 //! [`Descriptor::from_cuda_ref`](crate::Descriptor::from_cuda_ref) /
 //! [`Descriptor::from_cuda_mut`](crate::Descriptor::from_cuda_mut) borrow one) or from raw device
-//! pointers ([`Descriptor::from_raw_cuda`](crate::Descriptor::from_raw_cuda)); they live in
-//! `descriptor/cuda.rs`, above this module. Every one is checked against the pointer's own
-//! attributes (`cuPointerGetAttribute`, through the driver's floor `sys/cuda.rs`): memory on `cuda:0` claimed as `cuda:1`,
-//! or device memory claimed as `cpu`, is [`Error::DeviceMismatch`].
+//! pointers ([`Descriptor::from_raw_cuda`](crate::Descriptor::from_raw_cuda)). Every one is
+//! checked against the pointer's own attributes: memory on `cuda:0` claimed as `cuda:1`, or device
+//! memory claimed as `cpu`, is [`Error::DeviceMismatch`].
 //!
 //! [`DeviceBuffer`] is device memory this crate allocates (a VMM allocation with a POSIX
 //! descriptor handle): the one kind of device memory the same-host path moves between pods.

@@ -35,18 +35,12 @@ plain!(u8, i8, u16, i16, u32, i32, u64, i64, u128, i128, f32, f64);
 
 /// Memory a descriptor may own. Implemented for [`HostBuffer`], `Arc<HostBuffer>` (read-only,
 /// shared), `Vec<T>`, `Box<[T]>` and `bytes::BytesMut` (with `T:` [`Plain`]); sealed.
-pub trait OwnedMemory: sealed::Sealed + Send + Sync + 'static {
+pub trait OwnedMemory: sealed::Sealed + Any + Send + Sync {
     #[doc(hidden)]
     fn raw(&self) -> (usize, usize);
     #[doc(hidden)]
     fn host_buffer(&self) -> Option<&HostBuffer> {
         None
-    }
-    #[doc(hidden)]
-    fn into_any(self: Box<Self>) -> Box<dyn Any>;
-    #[doc(hidden)]
-    fn type_id_dyn(&self) -> std::any::TypeId {
-        std::any::TypeId::of::<Self>()
     }
     #[doc(hidden)]
     fn writable(&self) -> bool {
@@ -72,9 +66,6 @@ impl OwnedMemory for Kept {
     fn raw(&self) -> (usize, usize) {
         (self.ptr, self.len)
     }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
-    }
     fn writable(&self) -> bool {
         self.writable
     }
@@ -91,9 +82,6 @@ impl OwnedMemory for HostBuffer {
     fn host_buffer(&self) -> Option<&HostBuffer> {
         Some(self)
     }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
-    }
 }
 /// A [`HostBuffer`] shared by reference count: read-only, cheap to clone, and exposed again and
 /// again through its one registration (kept in the buffer, so every clone finds it). The last
@@ -106,9 +94,6 @@ impl OwnedMemory for std::sync::Arc<HostBuffer> {
     fn host_buffer(&self) -> Option<&HostBuffer> {
         Some(self)
     }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
-    }
     fn writable(&self) -> bool {
         false
     }
@@ -118,26 +103,17 @@ impl<T: Plain> OwnedMemory for Vec<T> {
     fn raw(&self) -> (usize, usize) {
         (self.as_ptr() as usize, std::mem::size_of_val(self.as_slice()))
     }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
-    }
 }
 impl<T: Plain> sealed::Sealed for Box<[T]> {}
 impl<T: Plain> OwnedMemory for Box<[T]> {
     fn raw(&self) -> (usize, usize) {
         (self.as_ptr() as usize, std::mem::size_of_val(&**self))
     }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
-    }
 }
 impl sealed::Sealed for bytes::BytesMut {}
 impl OwnedMemory for bytes::BytesMut {
     fn raw(&self) -> (usize, usize) {
         (self.as_ptr() as usize, self.len())
-    }
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
     }
 }
 
@@ -406,7 +382,9 @@ impl<'a> Descriptor<'a> {
             return Err(self);
         }
         match self.mem {
-            Mem::Owned(m) => Ok(*m.into_any().downcast::<T>().expect("type checked by owns()")),
+            Mem::Owned(m) => Ok(*(m as Box<dyn Any>)
+                .downcast::<T>()
+                .expect("type checked by owns()")),
             _ => unreachable!("owns() is false for borrowed memory"),
         }
     }
@@ -414,7 +392,7 @@ impl<'a> Descriptor<'a> {
     /// True when the descriptor owns memory of type `T` (so [`Descriptor::into_inner`] succeeds).
     pub fn owns<T: OwnedMemory>(&self) -> bool {
         match &self.mem {
-            Mem::Owned(m) => m.type_id_dyn() == std::any::TypeId::of::<T>(),
+            Mem::Owned(m) => (&**m as &dyn Any).is::<T>(),
             _ => false,
         }
     }
@@ -557,33 +535,25 @@ impl fmt::Debug for Descriptor<'_> {
     }
 }
 
-impl From<HostBuffer> for Descriptor<'static> {
-    fn from(b: HostBuffer) -> Self {
-        Descriptor::owned(b)
-    }
+macro_rules! from_owned {
+    ($($(#[$m:meta])* [$($g:tt)*] $t:ty),* $(,)?) => {
+        $($(#[$m])* impl<$($g)*> From<$t> for Descriptor<'static> {
+            fn from(v: $t) -> Self {
+                Descriptor::owned(v)
+            }
+        })*
+    };
 }
-/// A read-only descriptor that holds one more reference to a shared [`HostBuffer`]: many
-/// operations, at once or one after another, expose the same memory through one registration.
-impl From<std::sync::Arc<HostBuffer>> for Descriptor<'static> {
-    fn from(b: std::sync::Arc<HostBuffer>) -> Self {
-        Descriptor::owned(b)
-    }
-}
-impl<T: Plain> From<Vec<T>> for Descriptor<'static> {
-    fn from(v: Vec<T>) -> Self {
-        Descriptor::owned(v)
-    }
-}
-impl<T: Plain> From<Box<[T]>> for Descriptor<'static> {
-    fn from(v: Box<[T]>) -> Self {
-        Descriptor::owned(v)
-    }
-}
-impl From<bytes::BytesMut> for Descriptor<'static> {
-    fn from(v: bytes::BytesMut) -> Self {
-        Descriptor::owned(v)
-    }
-}
+from_owned!(
+    [] HostBuffer,
+    /// A read-only descriptor that holds one more reference to a shared [`HostBuffer`]: many
+    /// operations, at once or one after another, expose the same memory through one registration.
+    [] std::sync::Arc<HostBuffer>,
+    [T: Plain] Vec<T>,
+    [T: Plain] Box<[T]>,
+    [] bytes::BytesMut,
+);
+
 impl HostBuffer {
     /// Read-only descriptors over consecutive parts of this buffer, of the given sizes (for a
     /// readable or a write's source over several descriptors). Parts of a `HostBuffer` keep its

@@ -35,7 +35,6 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    // ---- the caller ----
     /// An argument can never work (empty descriptor list, mixed devices, read-only destination...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -78,7 +77,6 @@ pub enum Error {
     #[error("descriptor mismatch: {0}")]
     DescriptorMismatch(Mismatch),
 
-    // ---- the peer ----
     /// `RdmaMetadata` that does not parse, breaks a field rule, or that NIXL rejects.
     #[error("bad metadata in `{field}`: {problem}")]
     Metadata {
@@ -106,7 +104,6 @@ pub enum Error {
         reason: String,
     },
 
-    // ---- the host ----
     /// No NIXL library was found.
     #[error(
         "the NIXL library (libnixl_capi.so) was not found; run `bash scripts/setup.sh` in the \
@@ -160,7 +157,6 @@ pub enum Error {
         source: Arc<std::io::Error>,
     },
 
-    // ---- the transfer ----
     /// A NIXL call failed.
     #[error("NIXL {op} failed{}", if status.is_empty() { String::new() } else { format!(": {status}") })]
     Nixl {
@@ -232,7 +228,6 @@ pub enum Error {
     )]
     EngineStopped,
 
-    // ---- the operation ----
     /// The operation was cancelled (by `cancel()` or by dropping it).
     #[error("the operation was cancelled")]
     Cancelled,
@@ -249,7 +244,6 @@ pub enum Error {
         peer: Option<String>,
     },
 
-    // ---- a channel ----
     /// A metadata channel failed (unreachable server, protocol error, oversized document);
     /// [`ChannelError`] keeps the HTTP, NATS, I/O or JSON error behind it as its source.
     #[error(transparent)]
@@ -501,14 +495,14 @@ impl From<crate::device::ParseDeviceError> for Error {
 /// [`ErrorKind`] from the kinds' names: the enum, its names and the list of them from one list,
 /// so none can be misspelt or left out of [`ErrorKind::ALL`].
 macro_rules! kinds {
-    ($($(#[$doc:meta])* $kind:ident),* $(,)?) => {
+    ($($kind:ident),* $(,)?) => {
         /// What kind of error an [`Error`] is, as bindings, logs and metrics need it: one kind per
         /// variant of [`Error`], except [`Error::InvalidDevice`], which is an
         /// [`ErrorKind::InvalidArgument`]. The Python module chooses its exception class by it.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         #[non_exhaustive]
         pub enum ErrorKind {
-            $($(#[$doc])* $kind,)*
+            $(#[doc = concat!("[`Error::", stringify!($kind), "`].")] $kind,)*
         }
 
         impl ErrorKind {
@@ -522,57 +516,57 @@ macro_rules! kinds {
                 }
             }
         }
+
+        impl Error {
+            /// The error's [`ErrorKind`] (its variant, for bindings, logs and metrics).
+            pub fn kind(&self) -> ErrorKind {
+                match self {
+                    Error::InvalidDevice(_) => ErrorKind::InvalidArgument,
+                    $(Error::$kind { .. } => ErrorKind::$kind,)*
+                }
+            }
+        }
     };
 }
 
-kinds!(
-    /// [`Error::InvalidArgument`].
-    InvalidArgument,
-    /// [`Error::WrongPairing`].
-    WrongPairing,
-    /// [`Error::DeviceMismatch`].
-    DeviceMismatch,
-    /// [`Error::DescriptorMismatch`].
-    DescriptorMismatch,
-    /// [`Error::Metadata`].
-    Metadata,
-    /// [`Error::Refused`].
-    Refused,
-    /// [`Error::NixlNotFound`].
-    NixlNotFound,
-    /// [`Error::NixlLoad`].
-    NixlLoad,
-    /// [`Error::CudaUnavailable`].
-    CudaUnavailable,
-    /// [`Error::NixlBackend`].
-    NixlBackend,
-    /// [`Error::Os`].
-    Os,
-    /// [`Error::Nixl`].
-    Nixl,
-    /// [`Error::RemoteGone`].
-    RemoteGone,
-    /// [`Error::Transfer`].
-    Transfer,
-    /// [`Error::Interrupted`].
-    Interrupted,
-    /// [`Error::PathUnavailable`].
-    PathUnavailable,
-    /// [`Error::EngineStopped`].
-    EngineStopped,
-    /// [`Error::Cancelled`].
-    Cancelled,
-    /// [`Error::TimedOut`].
-    TimedOut,
-    /// [`Error::Channel`].
-    Channel,
-    /// [`Error::NotPublished`].
-    NotPublished,
-);
+kinds! {
+    InvalidArgument, WrongPairing, DeviceMismatch, DescriptorMismatch, Metadata, Refused,
+    NixlNotFound, NixlLoad, CudaUnavailable, NixlBackend, Os, Nixl, RemoteGone, Transfer,
+    Interrupted, PathUnavailable, EngineStopped, Cancelled, TimedOut, Channel, NotPublished,
+}
 
 impl std::fmt::Display for ErrorKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+#[cfg_attr(
+    not(any(feature = "http", feature = "nats", feature = "etcd")),
+    allow(dead_code)
+)]
+impl Error {
+    /// An [`Error::Channel`] with no underlying error.
+    pub(crate) fn channel(message: impl Into<String>) -> Self {
+        Error::Channel(ChannelError::new(message))
+    }
+
+    /// An [`Error::Channel`] caused by `source` while doing `what`.
+    pub(crate) fn channel_from(
+        what: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Error::channel_shared(what, Arc::new(source))
+    }
+
+    /// An [`Error::Channel`] caused by `source` (already shared or boxed) while doing `what`.
+    pub(crate) fn channel_shared(what: impl Into<String>, source: ErrorSource) -> Self {
+        Error::Channel(ChannelError::shared(what, source))
+    }
+
+    /// An [`Error::TimedOut`] after `after`, with no peer named.
+    pub(crate) fn timed_out(after: std::time::Duration) -> Self {
+        Error::TimedOut { after, peer: None }
     }
 }
 
@@ -585,35 +579,6 @@ impl Error {
         }
     }
 
-    /// The error's [`ErrorKind`] (its variant, for bindings, logs and metrics).
-    pub fn kind(&self) -> ErrorKind {
-        match self {
-            Error::InvalidArgument(_) | Error::InvalidDevice(_) => ErrorKind::InvalidArgument,
-            Error::WrongPairing { .. } => ErrorKind::WrongPairing,
-            Error::DeviceMismatch { .. } => ErrorKind::DeviceMismatch,
-            Error::DescriptorMismatch { .. } => ErrorKind::DescriptorMismatch,
-            Error::Metadata { .. } => ErrorKind::Metadata,
-            Error::Refused { .. } => ErrorKind::Refused,
-            Error::NixlNotFound { .. } => ErrorKind::NixlNotFound,
-            Error::NixlLoad { .. } => ErrorKind::NixlLoad,
-            Error::CudaUnavailable { .. } => ErrorKind::CudaUnavailable,
-            Error::NixlBackend { .. } => ErrorKind::NixlBackend,
-            Error::Os { .. } => ErrorKind::Os,
-            Error::Nixl { .. } => ErrorKind::Nixl,
-            Error::RemoteGone { .. } => ErrorKind::RemoteGone,
-            Error::Transfer { .. } => ErrorKind::Transfer,
-            Error::Interrupted { .. } => ErrorKind::Interrupted,
-            Error::PathUnavailable { .. } => ErrorKind::PathUnavailable,
-            Error::EngineStopped => ErrorKind::EngineStopped,
-            Error::Cancelled => ErrorKind::Cancelled,
-            Error::TimedOut { .. } => ErrorKind::TimedOut,
-            Error::Channel { .. } => ErrorKind::Channel,
-            Error::NotPublished { .. } => ErrorKind::NotPublished,
-        }
-    }
-}
-
-impl Error {
     /// An [`Error::Metadata`] about `field`, found by this crate's own rules.
     pub(crate) fn metadata(field: &'static str, problem: MetadataProblem) -> Self {
         Error::Metadata {
@@ -642,36 +607,6 @@ impl Error {
             what: what.into(),
             source: Arc::new(source),
         }
-    }
-
-    /// An [`Error::Channel`] with no underlying error.
-    #[cfg_attr(
-        not(any(feature = "http", feature = "nats", feature = "etcd")),
-        allow(dead_code)
-    )]
-    pub(crate) fn channel(message: impl Into<String>) -> Self {
-        Error::Channel(ChannelError::new(message))
-    }
-
-    /// An [`Error::Channel`] caused by `source` while doing `what`.
-    #[cfg_attr(
-        not(any(feature = "http", feature = "nats", feature = "etcd")),
-        allow(dead_code)
-    )]
-    pub(crate) fn channel_from(
-        what: impl Into<String>,
-        source: impl std::error::Error + Send + Sync + 'static,
-    ) -> Self {
-        Error::channel_shared(what, Arc::new(source))
-    }
-
-    /// An [`Error::Channel`] caused by `source` (already shared or boxed) while doing `what`.
-    #[cfg_attr(
-        not(any(feature = "http", feature = "nats", feature = "etcd")),
-        allow(dead_code)
-    )]
-    pub(crate) fn channel_shared(what: impl Into<String>, source: ErrorSource) -> Self {
-        Error::Channel(ChannelError::shared(what, source))
     }
 
     /// An [`Error::CudaUnavailable`] for `reason`, with the driver's error when there is one.

@@ -220,40 +220,33 @@ pub mod testing {
     }
 
     /// How many turns callers have taken of `connector`'s engine (a small operation's waiter
-    /// drives its engine: see docs/decisions/0005-who-drives.md): for tests that check that
-    /// callers drive.
+    /// drives its engine: see docs/decisions/0005-who-drives.md).
     pub fn driven_turns(connector: &Connector) -> u64 {
-        connector.driven_turns()
+        connector.engine().driven_turns()
     }
 
     /// How many times a caller's turn of `connector`'s engine, watching NIXL while the engine
-    /// stood down, saw something end: a NIXL peer's completion of an exposed operation, or a
-    /// transfer in flight (see [`driven_turns`]). For tests that check that a driving waiter
-    /// sees such ends itself.
+    /// stood down, saw a peer's completion or a transfer in flight end (see [`driven_turns`]).
     pub fn caller_watch_events(connector: &Connector) -> u64 {
-        connector.caller_watch_events()
+        connector.engine().caller_watch_events()
     }
 
-    /// How many NIXL transfers callers have posted on their own threads, on their turns of
-    /// `connector`'s engine (see [`driven_turns`]): small ones whose peer NIXL had loaded, over
-    /// memory it had registered and lists it had prepared. For tests that check that a NIXL
-    /// reader's small reads skip the engine thread.
+    /// How many NIXL transfers callers have posted on their own turns of `connector`'s engine
+    /// (see [`driven_turns`]): small ones over peers, memory and lists NIXL had ready.
     pub fn caller_starts(connector: &Connector) -> u64 {
-        connector.caller_starts()
+        connector.engine().caller_starts()
     }
 
-    /// How many commands callers have handled on their own threads, on their turns of
-    /// `connector`'s engine (see [`driven_turns`]): a small operation's begin, a small exposure
-    /// of memory NIXL has registered already, an exposure's end. For tests that check which
-    /// commands skip the engine thread.
+    /// How many commands (a small begin or exposure, an exposure's end) callers have handled on
+    /// their own turns of `connector`'s engine (see [`driven_turns`]).
     pub fn caller_commands(connector: &Connector) -> u64 {
-        connector.caller_commands()
+        connector.engine().caller_commands()
     }
 
     /// How many waits drive `connector`'s engine now: while any does, the engine's sleep does
-    /// not see its sockets (see [`driven_turns`]). For tests that check the sockets go back.
+    /// not see its sockets (see [`driven_turns`]).
     pub fn driving_waits(connector: &Connector) -> usize {
-        connector.driving_waits()
+        connector.engine().driving_waits()
     }
 
     /// Returns once `connector`'s engine has acted on everything sent to it before this call
@@ -268,7 +261,10 @@ pub mod testing {
     /// # Cancel safety
     /// Cancel-safe: dropping the future only drops the answer.
     pub async fn settle(connector: &Connector) -> crate::Result<()> {
-        connector.settle().await
+        connector
+            .engine()
+            .call(|reply| crate::engine::Cmd::Settle { reply })
+            .await
     }
 }
 

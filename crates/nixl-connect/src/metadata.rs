@@ -38,11 +38,7 @@ impl OperationKind {
     }
 
     fn from_u8(v: u8) -> Option<Self> {
-        match v {
-            1 => Some(OperationKind::Read),
-            2 => Some(OperationKind::Write),
-            _ => None,
-        }
+        [Self::Read, Self::Write].into_iter().find(|k| k.as_u8() == v)
     }
 }
 
@@ -229,25 +225,19 @@ fn json_field(msg: &str) -> &'static str {
     if msg.contains("unknown field") {
         return "(extra key)";
     }
-    for f in [
-        "descriptors",
-        "nixl_metadata",
-        "notification_key",
-        "operation_kind",
-        "device",
-        "ptr",
-        "size",
-    ] {
-        if msg.contains(f) {
-            return match f {
-                "device" => "descriptors[].device",
-                "ptr" => "descriptors[].ptr",
-                "size" => "descriptors[].size",
-                other => other,
-            };
-        }
-    }
-    "json"
+    const FIELDS: [(&str, &str); 7] = [
+        ("descriptors", "descriptors"),
+        ("nixl_metadata", "nixl_metadata"),
+        ("notification_key", "notification_key"),
+        ("operation_kind", "operation_kind"),
+        ("device", "descriptors[].device"),
+        ("ptr", "descriptors[].ptr"),
+        ("size", "descriptors[].size"),
+    ];
+    FIELDS
+        .iter()
+        .find(|(k, _)| msg.contains(k))
+        .map_or("json", |(_, f)| *f)
 }
 
 #[cfg(test)]

@@ -9,22 +9,25 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use crate::decline_reason::label_enum;
 use crate::error::{Error, ErrorKind, Refusal, Result};
 use crate::reg::RegToken;
 use crate::sync::{Recover, Watched};
 
+label_enum! {
 /// Which path moved an operation's bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 #[non_exhaustive]
 pub enum TransferPath {
     /// NIXL (UCX): Python peers, other hosts, device memory.
-    Nixl = 1,
+    Nixl = 1 => "nixl",
     /// The same-host path: a Rust (or `nixl_connect` Python) peer on this host, its memory
     /// copied directly (printed `local`, as Python and the metrics' labels name it).
-    SameHost = 2,
+    SameHost = 2 => "local",
     /// The in-process loopback transport of the `testing` feature.
-    Loopback = 3,
+    Loopback = 3 => "loopback",
+}
 }
 
 impl TransferPath {
@@ -34,32 +37,11 @@ impl TransferPath {
     pub const Local: TransferPath = TransferPath::SameHost;
 
     pub(crate) fn from_u8(v: u8) -> Option<Self> {
-        match v {
-            1 => Some(Self::Nixl),
-            2 => Some(Self::SameHost),
-            3 => Some(Self::Loopback),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|p| *p as u8 == v)
     }
 }
 
-impl TransferPath {
-    /// The path's name, as logs, reports and metrics' labels print it.
-    pub(crate) const fn as_str(self) -> &'static str {
-        match self {
-            Self::Nixl => "nixl",
-            Self::SameHost => "local",
-            Self::Loopback => "loopback",
-        }
-    }
-}
-
-impl std::fmt::Display for TransferPath {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
+label_enum! {
 /// How the same-host path ([`TransferPath::SameHost`]) moves an operation's bytes, as the active
 /// side saw it decided ([`ReadOperation::mechanism`](crate::ReadOperation::mechanism)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -67,63 +49,28 @@ impl std::fmt::Display for TransferPath {
 #[repr(u8)]
 pub enum Mechanism {
     /// In the protocol's frames (a small host operation): each side copies only its own memory.
-    Frames = 1,
+    Frames = 1 => "frames",
     /// Cross-memory attach (`process_vm_readv`): the side whose memory is written pulls from the
     /// other's.
-    CrossMemoryAttach = 2,
+    CrossMemoryAttach = 2 => "cma",
     /// Pipes the source's owner writes its memory into and the destination's owner reads
     /// (two copies): peers that cannot read each other's memory (another PID namespace: pods;
     /// ptrace refused).
-    Pipes = 3,
+    Pipes = 3 => "pipes",
     /// CUDA IPC: the source's device memory opened and copied by the destination's owner.
-    CudaIpc = 4,
+    CudaIpc = 4 => "cuda-ipc",
     /// Host memory pulled through pinned staging buffers into device memory.
-    PinnedStaging = 5,
+    PinnedStaging = 5 => "pinned-staging",
     /// A VMM allocation's POSIX descriptor passed over the socket, mapped and copied by the
     /// destination's owner: device memory between PID namespaces (pods), where legacy CUDA IPC
     /// handles do not open.
-    CudaVmm = 6,
+    CudaVmm = 6 => "cuda-vmm",
+}
 }
 
 impl Mechanism {
-    /// Every mechanism, in the order of their codes.
-    pub(crate) const ALL: [Mechanism; 6] = [
-        Self::Frames,
-        Self::CrossMemoryAttach,
-        Self::Pipes,
-        Self::CudaIpc,
-        Self::PinnedStaging,
-        Self::CudaVmm,
-    ];
-
-    /// The mechanism's name, as logs, reports and metrics' labels print it.
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Self::Frames => "frames",
-            Self::CrossMemoryAttach => "cma",
-            Self::Pipes => "pipes",
-            Self::CudaIpc => "cuda-ipc",
-            Self::PinnedStaging => "pinned-staging",
-            Self::CudaVmm => "cuda-vmm",
-        }
-    }
-
     fn from_u8(v: u8) -> Option<Self> {
-        Some(match v {
-            1 => Self::Frames,
-            2 => Self::CrossMemoryAttach,
-            3 => Self::Pipes,
-            4 => Self::CudaIpc,
-            5 => Self::PinnedStaging,
-            6 => Self::CudaVmm,
-            _ => return None,
-        })
-    }
-}
-
-impl std::fmt::Display for Mechanism {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+        Self::ALL.into_iter().find(|m| *m as u8 == v)
     }
 }
 
@@ -184,14 +131,9 @@ pub enum OperationStatus {
 
 impl OperationStatus {
     pub(crate) fn from_u8(v: u8) -> Self {
-        match v {
-            1 => Self::Initialized,
-            2 => Self::InProgress,
-            3 => Self::Complete,
-            4 => Self::Cancelled,
-            5 => Self::Errored,
-            _ => Self::Uninitialized,
-        }
+        use OperationStatus::*;
+        let all = [Initialized, InProgress, Complete, Cancelled, Errored];
+        all.into_iter().find(|s| *s as u8 == v).unwrap_or(Uninitialized)
     }
 
     /// True for `Complete`, `Cancelled` and `Errored`.

@@ -7,16 +7,9 @@
 //! the key when the lease runs out, so a key never outlives its worker by more than the TTL. The
 //! peer gets the key, or watches for it until its deadline when it is not there yet.
 //!
-//! The key is written only if absent (one transaction): a name already taken is an error, never
-//! a silent overwrite of another worker's metadata. Nothing is ever written half: one put of the
-//! whole document, or none.
-//!
-//! A publication survives its etcd: when a renewal fails (etcd restarted, unreachable), the next
-//! renewal opens a new keep-alive stream; when etcd answers that the lease is gone (restarted
-//! without its data, or the lease ran out meanwhile), the publisher grants a new lease and writes
-//! the key again, still only if absent. Each such gap is logged and kept with its cause
-//! ([`EtcdPublication::outages`]). Readers need nothing: each fetch is a fresh request, on a
-//! client that reconnects by itself.
+//! The key is written only if absent, in one put of the whole document. A publication survives
+//! an etcd restart or outage ([`EtcdPublication::outages`]); readers need nothing, as each fetch is
+//! a fresh request on a client that reconnects by itself.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,8 +20,7 @@ use etcd_client::{
 };
 
 use super::outage::{self, Outage};
-use super::MAX_DOCUMENT;
-use crate::error::{Error, MetadataProblem, Result};
+use crate::error::{Error, Result};
 use crate::metadata::RdmaMetadata;
 use crate::sync::Recover;
 
@@ -61,10 +53,6 @@ fn chan(what: &str, e: etcd_client::Error) -> Error {
     Error::channel_from(format!("etcd {what}"), e)
 }
 
-fn timed_out(after: Duration) -> Error {
-    Error::TimedOut { after, peer: None }
-}
-
 /// Runs `fut` (an etcd call) within `limit`: a server that does not answer is a typed timeout,
 /// never a hang.
 async fn within<T>(
@@ -74,7 +62,7 @@ async fn within<T>(
 ) -> Result<T> {
     tokio::time::timeout(limit, fut)
         .await
-        .map_err(|_| timed_out(limit))?
+        .map_err(|_| Error::timed_out(limit))?
         .map_err(|e| chan(what, e))
 }
 
@@ -429,14 +417,7 @@ async fn republish(
 }
 
 fn parse(key: &str, value: &[u8]) -> Result<RdmaMetadata> {
-    if value.len() > MAX_DOCUMENT {
-        return Err(Error::channel(format!(
-            "the value of etcd key {key} is larger than {MAX_DOCUMENT} bytes"
-        )));
-    }
-    let text =
-        std::str::from_utf8(value).map_err(|e| Error::metadata_from("json", MetadataProblem::NotUtf8, e))?;
-    RdmaMetadata::from_json(text)
+    super::parse_document(format_args!("the value of etcd key {key}"), value)
 }
 
 /// Revokes a lease when dropped while it still holds one (a publication that failed half-way).

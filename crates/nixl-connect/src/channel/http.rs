@@ -36,7 +36,7 @@ use hyper::body::Bytes;
 use tokio::sync::{oneshot, OnceCell};
 
 use super::MAX_DOCUMENT;
-use crate::error::{Error, MetadataProblem, Result};
+use crate::error::{Error, Result};
 use crate::metadata::RdmaMetadata;
 use crate::sync::Recover;
 
@@ -225,15 +225,13 @@ impl Publication {
     /// Cancel safe: a reply that arrives later is kept for the next call.
     pub async fn reply(&mut self, timeout: Duration) -> Result<serde_json::Value> {
         let wait = self.replies.wait_for(Option::is_some);
-        let got = tokio::time::timeout(timeout, wait)
-            .await
-            .map_err(|_| Error::TimedOut {
-                after: timeout,
-                peer: None,
-            })?
-            .map_err(|_| Error::channel("the metadata listener stopped"))?
-            .clone()
-            .expect("waited for Some");
+        let got = super::within(timeout, async {
+            let got = wait
+                .await
+                .map_err(|_| Error::channel("the metadata listener stopped"))?;
+            Ok(got.clone().expect("waited for Some"))
+        })
+        .await?;
         serde_json::from_slice(&got).map_err(|e| Error::channel_from("the reply is not JSON", e))
     }
 }
@@ -250,29 +248,24 @@ fn json(body: Bytes) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
+/// `f` of the live publication `id`, if there is one.
+fn with_item<R>(inner: &Weak<Inner>, id: &str, f: impl FnOnce(&Item) -> R) -> Option<R> {
+    Some(f(inner.upgrade()?.items.lock().ok()?.get(id)?))
+}
+
+const NO_SUCH: &str = "no such operation (completed, dropped, or never published)\n";
+
+fn not_found() -> Response {
+    (StatusCode::NOT_FOUND, NO_SUCH).into_response()
+}
+
 async fn get_metadata(State(inner): State<Weak<Inner>>, Path(id): Path<String>) -> Response {
-    let found = inner
-        .upgrade()
-        .and_then(|i| i.items.lock().ok()?.get(&id).map(|it| it.metadata.clone()));
-    match found {
-        Some(b) => json(b),
-        None => (
-            StatusCode::NOT_FOUND,
-            "no such operation (completed, dropped, or never published)\n",
-        )
-            .into_response(),
-    }
+    with_item(&inner, &id, |it| json(it.metadata.clone())).unwrap_or_else(not_found)
 }
 
 async fn get_extra(State(inner): State<Weak<Inner>>, Path(id): Path<String>) -> Response {
-    let found = inner
-        .upgrade()
-        .and_then(|i| i.items.lock().ok()?.get(&id).map(|it| it.extra.clone()));
-    match found {
-        Some(Some(b)) => json(b),
-        Some(None) => json(Bytes::from_static(b"null")),
-        None => (StatusCode::NOT_FOUND, "no such operation\n").into_response(),
-    }
+    let extra = |it: &Item| json(it.extra.clone().unwrap_or(Bytes::from_static(b"null")));
+    with_item(&inner, &id, extra).unwrap_or_else(not_found)
 }
 
 async fn post_reply(
@@ -283,16 +276,11 @@ async fn post_reply(
     if body.len() > MAX_DOCUMENT || serde_json::from_slice::<serde_json::Value>(&body).is_err() {
         return (StatusCode::BAD_REQUEST, "the reply must be a JSON document\n").into_response();
     }
-    let sent = inner.upgrade().and_then(|i| {
-        let items = i.items.lock().ok()?;
-        let item = items.get(&id)?;
-        item.reply.send_replace(Some(body));
-        Some(())
-    });
-    match sent {
-        Some(()) => StatusCode::NO_CONTENT.into_response(),
-        None => (StatusCode::NOT_FOUND, "no such operation\n").into_response(),
-    }
+    with_item(&inner, &id, |it| {
+        it.reply.send_replace(Some(body));
+        StatusCode::NO_CONTENT.into_response()
+    })
+    .unwrap_or_else(not_found)
 }
 
 fn hostname() -> Option<String> {
@@ -331,12 +319,7 @@ pub(crate) async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
             s => Err(Error::channel(format!("{url} answered {s}"))),
         }
     };
-    tokio::time::timeout(timeout, work)
-        .await
-        .map_err(|_| Error::TimedOut {
-            after: timeout,
-            peer: None,
-        })?
+    super::within(timeout, work).await
 }
 
 /// Fetches and validates the metadata published at `url`.
@@ -348,10 +331,7 @@ pub(crate) async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
 /// # Cancel safety
 /// Cancel safe.
 pub async fn fetch(url: &str, timeout: Duration) -> Result<RdmaMetadata> {
-    let body = get_bytes(url, timeout).await?;
-    let text =
-        std::str::from_utf8(&body).map_err(|e| Error::metadata_from("json", MetadataProblem::NotUtf8, e))?;
-    RdmaMetadata::from_json(text)
+    super::parse_document(format_args!("{url}"), &get_bytes(url, timeout).await?)
 }
 
 /// Posts `reply` (a JSON document, e.g. a receiver's confirmation) to the publisher of `url`,
@@ -386,12 +366,7 @@ pub async fn reply(url: &str, reply: &serde_json::Value, timeout: Duration) -> R
             s => Err(Error::channel(format!("{target} answered {s}"))),
         }
     };
-    tokio::time::timeout(timeout, work)
-        .await
-        .map_err(|_| Error::TimedOut {
-            after: timeout,
-            peer: None,
-        })?
+    super::within(timeout, work).await
 }
 
 /// Fetches the extra JSON document published beside the metadata at `url` (`null` when none).

@@ -27,6 +27,35 @@ pub(crate) mod serve;
 #[cfg(any(feature = "nats", feature = "etcd"))]
 pub use outage::Outage;
 
+#[cfg(any(feature = "http", feature = "nats", feature = "etcd"))]
+use crate::{
+    error::{Error, MetadataProblem, Result},
+    metadata::RdmaMetadata,
+};
+#[cfg(feature = "http")]
+use std::time::Duration;
+
 /// The largest metadata document a channel accepts (16 MiB): agent metadata is a few KiB; the cap
 /// keeps a hostile endpoint from exhausting memory.
 pub const MAX_DOCUMENT: usize = 16 << 20;
+
+/// Runs `fut` within `limit`: a channel that does not answer is [`Error::TimedOut`], never a hang.
+#[cfg(feature = "http")]
+async fn within<T>(limit: Duration, fut: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    tokio::time::timeout(limit, fut)
+        .await
+        .map_err(|_| Error::timed_out(limit))?
+}
+
+/// A fetched metadata document (`what`, as errors name it), checked for size and parsed.
+#[cfg(any(feature = "http", feature = "nats", feature = "etcd"))]
+fn parse_document(what: std::fmt::Arguments<'_>, bytes: &[u8]) -> Result<RdmaMetadata> {
+    if bytes.len() > MAX_DOCUMENT {
+        return Err(Error::channel(format!(
+            "{what} is larger than {MAX_DOCUMENT} bytes"
+        )));
+    }
+    let text =
+        std::str::from_utf8(bytes).map_err(|e| Error::metadata_from("json", MetadataProblem::NotUtf8, e))?;
+    RdmaMetadata::from_json(text)
+}

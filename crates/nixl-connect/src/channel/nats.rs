@@ -17,8 +17,7 @@ use std::time::{Duration, Instant, SystemTime};
 use futures_util::StreamExt;
 
 use super::outage::{self, Outage};
-use super::MAX_DOCUMENT;
-use crate::error::{Error, MetadataProblem, Result};
+use crate::error::{Error, Result};
 use crate::metadata::RdmaMetadata;
 use crate::sync::Recover;
 
@@ -101,10 +100,7 @@ impl NatsChannel {
             });
         let client = tokio::time::timeout(timeout, opts.connect(url))
             .await
-            .map_err(|_| Error::TimedOut {
-                after: timeout,
-                peer: None,
-            })?
+            .map_err(|_| Error::timed_out(timeout))?
             .map_err(|e| chan(&format!("connect to {url}"), e))?;
         Ok(Self { client, outages })
     }
@@ -118,11 +114,11 @@ impl NatsChannel {
     /// Publishes `md` on a fresh subject; answered until the returned guard is dropped.
     ///
     /// Returns once the server answers requests on the subject: publish subscribes, then requests
-    /// the document itself (one round trip to the server), so a peer's fetch through the same
-    /// server that starts after this returns cannot miss the subscription. The client needs
-    /// permission to publish on `nixl-connect.md.>` and to subscribe to its reply inbox
-    /// (`_INBOX.>`), as a fetch does; a server that denies it drops the request, and publish
-    /// then ends in [`Error::TimedOut`].
+    /// the document itself (a flush alone does not prove the server has read the subscription),
+    /// so a peer's fetch through the same server that starts after this returns cannot miss the
+    /// subscription. The client needs permission to publish on `nixl-connect.md.>` and to
+    /// subscribe to its reply inbox (`_INBOX.>`), as a fetch does; a server that denies it drops
+    /// the request, and publish then ends in [`Error::TimedOut`].
     ///
     /// # Errors
     /// [`Error::Channel`] when the subscription fails; [`Error::TimedOut`] when the server does
@@ -149,12 +145,9 @@ impl NatsChannel {
             }
         });
         let publication = NatsPublication { subject, task };
-        // The subject may be handed out only once the server routes requests on it. A flush only
-        // empties the client's write buffer; the server may not have read the subscription yet,
-        // and a peer's request in that window fails with "no responders" (seen in CI). The server
-        // handles one connection's operations in order, so a request of our own on the subject,
-        // answered by the task above, proves the subscription is live for every connection to
-        // this server (in a cluster, interest reaches the other servers a moment later).
+        // The server handles one connection's operations in order: our own request answered
+        // proves the subscription live for every connection to it (other servers of a cluster
+        // learn of it a moment later).
         let timeout = self.client.timeout().unwrap_or(PROOF_TIMEOUT);
         match tokio::time::timeout(
             timeout,
@@ -167,12 +160,7 @@ impl NatsChannel {
             Ok(Err(e)) if e.kind() != async_nats::RequestErrorKind::TimedOut => {
                 return Err(chan("request on the fresh subscription", e))
             }
-            _ => {
-                return Err(Error::TimedOut {
-                    after: timeout,
-                    peer: None,
-                })
-            }
+            _ => return Err(Error::timed_out(timeout)),
         }
         Ok(publication)
     }
@@ -189,34 +177,19 @@ impl NatsChannel {
     pub async fn fetch(&self, subject: &str, timeout: Duration) -> Result<RdmaMetadata> {
         let req = self.client.request(subject.to_string(), bytes::Bytes::new());
         let msg = match tokio::time::timeout(timeout, req).await {
-            Err(_) => {
-                return Err(Error::TimedOut {
-                    after: timeout,
-                    peer: None,
-                })
-            }
+            Err(_) => return Err(Error::timed_out(timeout)),
             Ok(Err(e)) => {
                 return Err(match e.kind() {
                     async_nats::RequestErrorKind::NoResponders => Error::NotPublished {
                         location: format!("NATS subject {subject}"),
                     },
-                    async_nats::RequestErrorKind::TimedOut => Error::TimedOut {
-                        after: timeout,
-                        peer: None,
-                    },
+                    async_nats::RequestErrorKind::TimedOut => Error::timed_out(timeout),
                     _ => chan(&format!("request on {subject}"), e),
                 })
             }
             Ok(Ok(m)) => m,
         };
-        if msg.payload.len() > MAX_DOCUMENT {
-            return Err(Error::channel(format!(
-                "the reply on {subject} is larger than {MAX_DOCUMENT} bytes"
-            )));
-        }
-        let text = std::str::from_utf8(&msg.payload)
-            .map_err(|e| Error::metadata_from("json", MetadataProblem::NotUtf8, e))?;
-        RdmaMetadata::from_json(text)
+        super::parse_document(format_args!("the reply on {subject}"), &msg.payload)
     }
 }
 

@@ -32,9 +32,6 @@ impl<T: Send + 'static> OwnedMemory for Owned<T> {
     fn raw(&self) -> (usize, usize) {
         (self.ptr, self.len)
     }
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
-        self
-    }
 }
 
 /// The slice's device pointer. The slice's stream becomes the descriptor's producer stream

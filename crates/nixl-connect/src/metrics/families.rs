@@ -34,7 +34,7 @@ const PATHS: [&str; 4] = [
 ];
 /// Status labels of ended operations, in index order.
 const STATUSES: [&str; 3] = ["complete", "errored", "cancelled"];
-/// Refusal labels, in index order (as [`refusal_ix`] maps them).
+/// Refusal labels, in `Refusal`'s declaration order.
 const REFUSALS: [&str; 5] = [
     "not_live",
     "already_completed",
@@ -43,36 +43,13 @@ const REFUSALS: [&str; 5] = [
     "busy",
 ];
 
-fn refusal_ix(r: Refusal) -> usize {
-    match r {
-        Refusal::NotLive => 0,
-        Refusal::AlreadyCompleted => 1,
-        Refusal::OutOfRange => 2,
-        Refusal::WrongDirection => 3,
-        Refusal::Busy => 4,
-    }
-}
-
 /// Latency buckets: 5 µs doubling to 10.5 s (22 bounds and `+Inf`), NIXL telemetry's range.
 fn latency_buckets() -> Histogram {
     Histogram::new(exponential_buckets(5e-6, 2.0, 22))
 }
 
-/// Which operation (`op` label).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Op {
-    Read = 0,
-    Write = 1,
-}
-
-impl Op {
-    pub(crate) fn of(kind: crate::metadata::OperationKind) -> Self {
-        match kind {
-            crate::metadata::OperationKind::Read => Op::Read,
-            crate::metadata::OperationKind::Write => Op::Write,
-        }
-    }
-}
+/// Which operation (`op` label): `Read` is 0, `Write` 1.
+pub(crate) use crate::metadata::OperationKind as Op;
 
 /// Which side (`side` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,13 +58,9 @@ pub(crate) enum Side {
     Passive = 1,
 }
 
+/// A path's place in [`PATHS`] (its code; 0 for none).
 fn path_ix(p: Option<TransferPath>) -> usize {
-    match p {
-        None => 0,
-        Some(TransferPath::Nixl) => 1,
-        Some(TransferPath::SameHost) => 2,
-        Some(TransferPath::Loopback) => 3,
-    }
+    p.map_or(0, |p| p as usize)
 }
 
 /// A mechanism's place in [`Mechanism::ALL`] (its code less one).
@@ -114,7 +87,7 @@ struct Families {
     /// `[op][mechanism]` (active side, same-host path)
     local: Per<Per<Counter, 6>, 2>,
     /// `[op][side][kind]` (kinds in [`ErrorKind::ALL`]'s order)
-    errors: Per<Per<Vec<Counter>, 2>, 2>,
+    errors: Per<Per<Per<Counter, { ErrorKind::ALL.len() }>, 2>, 2>,
     /// `[from][to]` by path index
     fallbacks: Per<Per<Counter, 4>, 4>,
     /// `[path][reason]` (reasons in [`DeclineReason::ALL`]'s order)
@@ -138,6 +111,33 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
+/// A family of counters named `name`, registered in `reg`.
+fn counter(reg: &mut Registry, name: &str, help: &str) -> Family<Labels, Counter> {
+    let family = Family::default();
+    reg.register(name, help, family.clone());
+    family
+}
+
+/// A family of [`latency_buckets`] histograms in seconds named `name`, registered in `reg`.
+fn seconds(reg: &mut Registry, name: &str, help: &str) -> Family<Labels, Histogram, fn() -> Histogram> {
+    let family = Family::new_with_constructor(latency_buckets as fn() -> Histogram);
+    reg.register_with_unit(name, help, Unit::Seconds, family.clone());
+    family
+}
+
+/// Nested arrays of `$fam`'s series, one per combination of the labels' values, in the labels'
+/// order (`grid!(fam; ("op", OPS), ("side", SIDES))[o][s]` is labelled `OPS[o]`, `SIDES[s]`).
+macro_rules! grid {
+    ($fam:ident; $(($n:literal, $v:expr)),+) => { grid!(@ $fam; []; $(($n, $v)),+) };
+    (@ $fam:ident; [$($acc:expr),*]; ($n:literal, $v:expr) $(, $rest:tt)*) => {
+        std::array::from_fn(|i| {
+            let l = ($n, $v[i]);
+            grid!(@ $fam; [$($acc,)* l]; $($rest),*)
+        })
+    };
+    (@ $fam:ident; [$($acc:expr),*];) => { series(&$fam, &[$($acc),*]) };
+}
+
 fn series<M: Clone, C: prometheus_client::metrics::family::MetricConstructor<M>>(
     family: &Family<Labels, M, C>,
     labels: &[(&'static str, &'static str)],
@@ -151,143 +151,71 @@ impl Metrics {
     /// would give the registry two families of each name, which Prometheus rejects.
     pub fn register(registry: &mut Registry) -> Self {
         let reg = registry.sub_registry_with_prefix(PREFIX);
-        let operations = Family::<Labels, Counter>::default();
-        reg.register(
+        let operations = counter(
+            reg,
             "operations",
             "Operations ended, by operation, side, path and status",
-            operations.clone(),
         );
-        let bytes = Family::<Labels, Counter>::default();
-        reg.register(
+        let bytes = counter(
+            reg,
             "bytes",
             "Bytes moved by completed operations (the descriptors' sizes), by operation, side and path",
-            bytes.clone(),
         );
-        let new_hist: fn() -> Histogram = latency_buckets;
-        let duration = Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(new_hist);
-        reg.register_with_unit(
+        let duration = seconds(
+            reg,
             "operation_duration",
             "From begin (active) or create (passive) to the operation's end, by operation, side and path",
-            Unit::Seconds,
-            duration.clone(),
         );
-        let start = Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(new_hist);
-        reg.register_with_unit(
+        let start = seconds(
+            reg,
             "operation_start",
             "Completed active operations: from begin to the path that completed them taking them \
              (NIXL: posted; same-host: a slot taken, the request sent or queued), by operation and path",
-            Unit::Seconds,
-            start.clone(),
         );
-        let local = Family::<Labels, Counter>::default();
-        reg.register(
+        let local = counter(
+            reg,
             "local_operations",
             "Active operations the same-host path completed, by operation and mechanism",
-            local.clone(),
         );
-        let errors = Family::<Labels, Counter>::default();
-        reg.register(
+        let errors = counter(
+            reg,
             "errors",
             "Errors returned to callers (from begin, create or the wait), by operation, side and ErrorKind",
-            errors.clone(),
         );
-        let fallbacks = Family::<Labels, Counter>::default();
-        reg.register(
+        let fallbacks = counter(
+            reg,
             "path_fallbacks",
             "Active operations a transport declined and handed to the next path, by path from and to",
-            fallbacks.clone(),
         );
-        let declines = Family::<Labels, Counter>::default();
-        reg.register(
+        let declines = counter(
+            reg,
             "path_declines",
             "Active operations a path declined, by the path and why (one of a fixed few reasons; the \
              operation's path_reason() says it in full)",
-            declines.clone(),
         );
-        let refusals = Family::<Labels, Counter>::default();
-        reg.register(
+        let refusals = counter(
+            reg,
             "refusals",
             "Active operations refused, by operation and reason: by the peer, or as a replay here \
              (already_completed: this connector completed that metadata)",
-            refusals.clone(),
         );
         let engines = Arc::new(EngineCollector::default());
         reg.register_collector(Box::new(engines.clone()));
 
+        let mechanisms = Mechanism::ALL.map(Mechanism::as_str);
+        let kinds: [&str; ErrorKind::ALL.len()] = std::array::from_fn(|i| ErrorKind::ALL[i].as_str());
+        let reasons = DeclineReason::ALL.map(DeclineReason::as_str);
         let families = Families {
-            operations: std::array::from_fn(|o| {
-                std::array::from_fn(|s| {
-                    std::array::from_fn(|p| {
-                        std::array::from_fn(|t| {
-                            series(
-                                &operations,
-                                &[
-                                    ("op", OPS[o]),
-                                    ("side", SIDES[s]),
-                                    ("path", PATHS[p]),
-                                    ("status", STATUSES[t]),
-                                ],
-                            )
-                        })
-                    })
-                })
-            }),
-            bytes: std::array::from_fn(|o| {
-                std::array::from_fn(|s| {
-                    std::array::from_fn(|p| {
-                        series(&bytes, &[("op", OPS[o]), ("side", SIDES[s]), ("path", PATHS[p])])
-                    })
-                })
-            }),
-            duration: std::array::from_fn(|o| {
-                std::array::from_fn(|s| {
-                    std::array::from_fn(|p| {
-                        series(
-                            &duration,
-                            &[("op", OPS[o]), ("side", SIDES[s]), ("path", PATHS[p])],
-                        )
-                    })
-                })
-            }),
-            start: std::array::from_fn(|o| {
-                std::array::from_fn(|p| series(&start, &[("op", OPS[o]), ("path", PATHS[p])]))
-            }),
+            operations: grid!(operations; ("op", OPS), ("side", SIDES), ("path", PATHS), ("status", STATUSES)),
+            bytes: grid!(bytes; ("op", OPS), ("side", SIDES), ("path", PATHS)),
+            duration: grid!(duration; ("op", OPS), ("side", SIDES), ("path", PATHS)),
+            start: grid!(start; ("op", OPS), ("path", PATHS)),
             begun: Default::default(),
-            local: std::array::from_fn(|o| {
-                std::array::from_fn(|m| {
-                    series(
-                        &local,
-                        &[("op", OPS[o]), ("mechanism", Mechanism::ALL[m].as_str())],
-                    )
-                })
-            }),
-            errors: std::array::from_fn(|o| {
-                std::array::from_fn(|s| {
-                    ErrorKind::ALL
-                        .iter()
-                        .map(|k| {
-                            series(
-                                &errors,
-                                &[("op", OPS[o]), ("side", SIDES[s]), ("kind", k.as_str())],
-                            )
-                        })
-                        .collect()
-                })
-            }),
-            refusals: std::array::from_fn(|o| {
-                std::array::from_fn(|r| series(&refusals, &[("op", OPS[o]), ("reason", REFUSALS[r])]))
-            }),
-            fallbacks: std::array::from_fn(|f| {
-                std::array::from_fn(|t| series(&fallbacks, &[("from", PATHS[f]), ("to", PATHS[t])]))
-            }),
-            declines: std::array::from_fn(|p| {
-                std::array::from_fn(|r| {
-                    series(
-                        &declines,
-                        &[("path", PATHS[p]), ("reason", DeclineReason::ALL[r].as_str())],
-                    )
-                })
-            }),
+            local: grid!(local; ("op", OPS), ("mechanism", mechanisms)),
+            errors: grid!(errors; ("op", OPS), ("side", SIDES), ("kind", kinds)),
+            refusals: grid!(refusals; ("op", OPS), ("reason", REFUSALS)),
+            fallbacks: grid!(fallbacks; ("from", PATHS), ("to", PATHS)),
+            declines: grid!(declines; ("path", PATHS), ("reason", reasons)),
         };
         let families = Arc::new(families);
         reg.register_collector(Box::new(InFlight(families.clone())));
@@ -349,7 +277,7 @@ impl Families {
             self.errors[op as usize][side as usize][i].inc();
         }
         if let Some(r) = refusal {
-            self.refusals[op as usize][refusal_ix(r)].inc();
+            self.refusals[op as usize][r as usize].inc();
         }
     }
 }

@@ -15,11 +15,7 @@
 //! their figures add up (a registry must not hold two families of one name). Names, types,
 //! labels and what each means: `docs/METRICS.md`. Labels are bounded enumerations (operation,
 //! side, path, mechanism, error kind, status); no key, address or peer name ever becomes a label.
-//!
-//! Recording costs, per operation and side, one small allocation and a counter on the thread that
-//! begins it, and a few counters and one or two histogram observations (a short lock each) on
-//! the thread that ends it; operations in flight are derived at a scrape (begun less ended), so
-//! no counter is shared by the two threads. A connector built without metrics records nothing.
+//! A connector built without metrics records nothing.
 
 pub(crate) mod engine;
 pub(crate) mod families;

@@ -10,7 +10,7 @@ use crate::engine::transport::OpId;
 use crate::engine::{Cmd, Engine, Range};
 use crate::error::{Error, Mismatch, Result};
 use crate::metadata::{OperationKind, RdmaMetadata};
-use crate::metrics::families::{Op, Side};
+use crate::metrics::families::Side;
 
 pub(crate) struct Active<'a> {
     engine: Engine,
@@ -31,20 +31,16 @@ pub(crate) fn check_pairing(
     remote.validate()?;
     let found = remote.kind()?;
     if found != kind {
-        return Err(match kind {
-            OperationKind::Read => Error::WrongPairing {
-                operation: "begin_read",
-                expected: "readable",
-                found: "writable",
-                kind: remote.operation_kind,
-                hint: "begin_write to fill a writable",
-            },
-            OperationKind::Write => Error::WrongPairing {
-                operation: "begin_write",
-                expected: "writable",
-                found: "readable",
-                kind: remote.operation_kind,
-                hint: "begin_read to read a readable",
+        let read = kind == OperationKind::Read;
+        return Err(Error::WrongPairing {
+            operation: if read { "begin_read" } else { "begin_write" },
+            expected: if read { "readable" } else { "writable" },
+            found: if read { "writable" } else { "readable" },
+            kind: remote.operation_kind,
+            hint: if read {
+                "begin_write to fill a writable"
+            } else {
+                "begin_read to read a readable"
             },
         });
     }
@@ -81,7 +77,7 @@ impl<'a> Active<'a> {
     ) -> Result<Self> {
         let r = Self::start(engine, remote, descs, kind).await;
         if let (Err(e), Some(m)) = (&r, engine.metrics()) {
-            m.error(Op::of(kind), Side::Active, e);
+            m.error(kind, Side::Active, e);
         }
         r
     }
@@ -108,7 +104,7 @@ impl<'a> Active<'a> {
         let state = OpState::new(OperationStatus::InProgress);
         let bytes: u64 = descs.iter().map(|d| d.size() as u64).sum();
         if let Some(m) = engine.metrics() {
-            state.observe(m.begin(Op::of(kind), Side::Active, bytes));
+            state.observe(m.begin(kind, Side::Active, bytes));
         }
         let key: Arc<str> = remote.notification_key.as_str().into();
         let id = engine.next_op();
@@ -154,11 +150,13 @@ impl<'a> Active<'a> {
 
     fn cancel(&self) {
         if self.state.finish(OperationStatus::Cancelled, None) {
-            let _ = self.engine.send(Cmd::Abandon {
-                id: self.id,
-                hard: false,
-            });
+            let _ = self.abandon(false);
         }
+    }
+
+    /// Tells the engine the operation is abandoned (`hard`: cut its transfer off).
+    fn abandon(&self, hard: bool) -> Result<()> {
+        self.engine.send(Cmd::Abandon { id: self.id, hard })
     }
 }
 
@@ -181,14 +179,7 @@ impl Drop for Active<'_> {
                 Err(b) => borrowed.push(b),
             }
         }
-        if self
-            .engine
-            .send(Cmd::Abandon {
-                id: self.id,
-                hard: false,
-            })
-            .is_err()
-        {
+        if self.abandon(false).is_err() {
             return; // no engine, no transport: nothing touches the memory
         }
         if borrowed.is_empty() {
@@ -205,10 +196,7 @@ impl Drop for Active<'_> {
         // Give the transfer `cancel_grace` to end; then make the transport cut it off (for NIXL:
         // destroy the agent that posted it, the only way a posted transfer ends for sure).
         if !self.state.wait_released(Some(self.engine.cancel_grace())) {
-            let _ = self.engine.send(Cmd::Abandon {
-                id: self.id,
-                hard: true,
-            });
+            let _ = self.abandon(true);
             self.state.wait_released(None);
         }
         drop(borrowed);
@@ -217,7 +205,7 @@ impl Drop for Active<'_> {
 }
 
 macro_rules! active_op {
-    ($(#[$doc:meta])* $name:ident) => {
+    ($(#[$doc:meta])* $name:ident, $kind:expr) => {
         $(#[$doc])*
         ///
         /// # Drop
@@ -235,6 +223,14 @@ macro_rules! active_op {
         }
 
         impl<'a> $name<'a> {
+            pub(crate) async fn begin(
+                engine: &Engine,
+                remote: &RdmaMetadata,
+                descs: Vec<Descriptor<'a>>,
+            ) -> Result<Self> {
+                Ok(Self { inner: Active::begin(engine, remote, descs, $kind).await? })
+            }
+
             /// The current status: `InProgress`, then `Complete`, `Cancelled` or `Errored`.
             pub fn status(&self) -> OperationStatus {
                 self.inner.state.status()
@@ -275,9 +271,8 @@ macro_rules! active_op {
             /// [`Error::Transfer`] or [`Error::Nixl`] when the transfer failed otherwise;
             /// [`Error::Interrupted`] when the connector cut off NIXL transfers for another
             /// operation's sake; [`Error::Cancelled`] after `cancel()`.
-            ///
-            /// With a wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)),
-            /// the wait stays awake up to that long before it parks, yielding between its turns.
+            /// A wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin))
+            /// applies.
             ///
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the transfer running.
@@ -324,40 +319,20 @@ macro_rules! active_op {
 active_op!(
     /// Reads a peer's [`ReadableOperation`](crate::ReadableOperation) into local memory; made by
     /// [`Connector::begin_read`](crate::Connector::begin_read).
-    ReadOperation
+    ReadOperation,
+    OperationKind::Read
 );
 active_op!(
     /// Writes local memory into a peer's [`WritableOperation`](crate::WritableOperation); made by
     /// [`Connector::begin_write`](crate::Connector::begin_write).
-    WriteOperation
+    WriteOperation,
+    OperationKind::Write
 );
 
 impl<'a> ReadOperation<'a> {
-    pub(crate) async fn begin(
-        engine: &Engine,
-        remote: &RdmaMetadata,
-        descs: Vec<Descriptor<'a>>,
-    ) -> Result<Self> {
-        Ok(Self {
-            inner: Active::begin(engine, remote, descs, OperationKind::Read).await?,
-        })
-    }
-
     /// The local descriptors the data is read into (Python's `results()`); complete once
     /// [`wait_for_completion`](Self::wait_for_completion) has returned `Ok`.
     pub fn results(&self) -> &[Descriptor<'a>] {
         &self.inner.descs
-    }
-}
-
-impl<'a> WriteOperation<'a> {
-    pub(crate) async fn begin(
-        engine: &Engine,
-        remote: &RdmaMetadata,
-        descs: Vec<Descriptor<'a>>,
-    ) -> Result<Self> {
-        Ok(Self {
-            inner: Active::begin(engine, remote, descs, OperationKind::Write).await?,
-        })
     }
 }

@@ -11,7 +11,7 @@ use crate::engine::transport::PassiveSpec;
 use crate::engine::{Cmd, Engine, Range};
 use crate::error::{Error, Result};
 use crate::metadata::{OperationKind, RdmaMetadata};
-use crate::metrics::families::{Op, Side};
+use crate::metrics::families::Side;
 
 pub(crate) struct Passive<'a> {
     engine: Engine,
@@ -40,7 +40,7 @@ impl<'a> Passive<'a> {
     ) -> Result<Self> {
         let r = Self::expose(engine, descs, kind).await;
         if let (Err(e), Some(m)) = (&r, engine.metrics()) {
-            m.error(Op::of(kind), Side::Passive, e);
+            m.error(kind, Side::Passive, e);
         }
         r
     }
@@ -107,7 +107,7 @@ impl<'a> Passive<'a> {
         // can (an evicted exposer): then it is not counted at all.
         if let Some(m) = engine.metrics() {
             op.state
-                .observe_unless_ended(|| m.begin_at(Op::of(kind), Side::Passive, bytes, begun));
+                .observe_unless_ended(|| m.begin_at(kind, Side::Passive, bytes, begun));
         }
         Ok(op)
     }
@@ -120,22 +120,20 @@ impl<'a> Passive<'a> {
 
     fn cancel(&self) {
         if self.state.finish(OperationStatus::Cancelled, None) {
-            let _ = self.engine.send(Cmd::Unexpose {
-                key: self.key.clone(),
-                gen: self.gen,
-                keep: None,
-            });
+            let _ = self.unexpose(None);
         }
+    }
+
+    /// Tells the engine to end the exposure, handing it `keep` to hold until no peer can reach it.
+    fn unexpose(&self, keep: Option<(crate::reg::Hold, usize)>) -> Result<()> {
+        let (key, gen) = (self.key.clone(), self.gen);
+        self.engine.send(Cmd::Unexpose { key, gen, keep })
     }
 
     /// Ends the exposure and takes the descriptors back once no copy of this process writes them.
     fn take(&mut self) -> Vec<Descriptor<'a>> {
         self.state.finish(OperationStatus::Cancelled, None);
-        let _ = self.engine.send(Cmd::Unexpose {
-            key: self.key.clone(),
-            gen: self.gen,
-            keep: None,
-        });
+        let _ = self.unexpose(None);
         // A same-host write into this memory runs on this process's copy threads; ending the
         // exposure stops it within one chunk.
         self.state.wait_released(None);
@@ -191,14 +189,7 @@ impl Drop for Passive<'_> {
         let bytes: usize = owned.iter().map(Descriptor::size).sum();
         let keep: Option<(crate::reg::Hold, usize)> =
             (!owned.is_empty()).then(|| (Box::new(owned) as crate::reg::Hold, bytes));
-        let sent = self
-            .engine
-            .send(Cmd::Unexpose {
-                key: self.key.clone(),
-                gen: self.gen,
-                keep,
-            })
-            .is_ok();
+        let sent = self.unexpose(keep).is_ok();
         if sent && kept.iter().any(Option::is_some) {
             // Only this process's own copy threads can be writing it (same-host writes); ending
             // the exposure stops them within one chunk.
@@ -265,9 +256,8 @@ macro_rules! passive_op {
             /// after `cancel()`; [`Error::RemoteGone`](crate::Error::RemoteGone) when a same-host
             /// writer died in the middle of writing (the memory is torn);
             /// [`Error::EngineStopped`](crate::Error::EngineStopped) if the connector's engine died.
-            ///
-            /// With a wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)),
-            /// the wait stays awake up to that long before it parks, yielding between its turns.
+            /// A wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin))
+            /// applies.
             ///
             /// # Cancel safety
             /// Cancel safe: dropping the future leaves the operation as it was.
