@@ -5,25 +5,14 @@
 //! docs/decisions/0010-spins-on-an-oversubscribed-core.md; the benchmark row that carries each
 //! number is named on its field, and docs/FIGURES.md, "Unproven on 16 cores", lists them all.
 //!
-//! - Every spin yields its core (`sched_yield`) through [`yield_core`], which times the yield:
-//!   on a free core a yield returns within microseconds; beside a thread that does not yield back
-//!   (any CPU-bound process) Linux's scheduler returns it only after that thread's slice.
-//! - A yield that took longer than [`Pace::overrun`] overran. Each thread keeps a balance: an
-//!   overrun adds the time it took, a quick yield takes its time off. A balance of
-//!   [`Pace::lost_to_stop`] turns the thread's spins off ([`worthwhile`] says no) for
-//!   [`Pace::off_for`]; the spin after that is a probe, which may lose one engine spin
-//!   ([`Pace::hot_for`]) before spins turn off again. Quick yields that pay the balance back mean
-//!   the core is free again, and a balance untouched for [`Pace::off_for`] starts again from
-//!   nothing. Our own threads' bursts of work overrun yields too, and do not turn spins off: what
-//!   marks an oversubscribed core is yields that lose far more time than they give back, however
-//!   often they run.
-//! - Two threads spinning on one core run each other's turn at every yield, while another core
-//!   may idle (the scheduler keeps a thread that ran within half a millisecond where it is). So
-//!   the spin of a wait that drives the engine ends once its last [`Pace::shared_turns`] yields
-//!   in a row each took longer than [`Pace::shared_turn`] ([`yield_driving`]): its thread parks
-//!   and, woken, is placed on a free core. Such a wait yields at most once per
-//!   [`Pace::turn_gap`]. Other spins share cores with our own threads by design and do not end
-//!   on this rule.
+//! - Every spin yields its core through [`yield_core`], which times the yield: beside a thread
+//!   that does not yield back, Linux returns it only after that thread's slice.
+//! - Each thread keeps a balance of overrun yields ([`Pace::overrun`]) less its quick ones; at
+//!   [`Pace::lost_to_stop`] its spins turn off ([`worthwhile`]) for [`Pace::off_for`], then a
+//!   probe spin may try again. Our own threads' short bursts do not turn spins off.
+//! - A driving wait's spin ends after [`Pace::shared_turns`] yields in a row each longer than
+//!   [`Pace::shared_turn`] ([`yield_driving`]): two spinners share its core, and parking moves
+//!   it to a free one. It yields at most once per [`Pace::turn_gap`].
 //!
 //! The state is per thread: a core is what a yield finds busy, and a thread mostly stays on its
 //! core. `Seen` is the rule with no clock or thread of its own, tested with made-up times.
@@ -70,59 +59,51 @@ const _: () = assert!(PACE.hot_for.as_nanos() < PACE.lost_to_stop.as_nanos());
 impl Pace {
     /// How long the engine thread, and a kept copy thread, stay awake (yielding their core) after
     /// their last event, so back-to-back operations pay no wake-up; and how long after a NIXL
-    /// peer's last completion a connector's exposures are watched on every hot turn. Row:
-    /// "64 outstanding" (the copy pool without its spin: reads 104K against 119K a second).
+    /// peer's last completion a connector's exposures are watched on every hot turn.
+    /// Row: "64 outstanding".
     pub(crate) const fn hot_for(&self) -> Duration {
         self.hot_for
     }
 
     /// A driving wait yields its core at most once per this (other spins yield every turn), and
-    /// a caller's turn watches NIXL's exposures at most once per this. Row: "4 KiB over TCP"
-    /// (NIXL write 1.12-1.14x raw with a yield every turn, 1.02-1.03x with the gap).
+    /// a caller's turn watches NIXL's exposures at most once per this. Row: "4 KiB over TCP".
     pub(crate) const fn turn_gap(&self) -> Duration {
         self.turn_gap
     }
 
     /// How soon a polled transport is polled again after it showed activity (the gap then
-    /// doubles up to what its polling allows). Row: "1 MiB and 64 MiB over TCP" (at the 5 us of
-    /// `turn_gap`, 64 MiB reads over TCP slowed 1.13x, beyond the runs' spread).
+    /// doubles up to what its polling allows). Row: "1 MiB and 64 MiB over TCP".
     pub(crate) const fn first_poll(&self) -> Duration {
         self.first_poll
     }
 
     /// While callers drive, the engine stands down and sleeps at most this long (a caller's turn
     /// within this long counts as driving), and what a caller's turn leaves the engine thread is
-    /// due no sooner: the engine's horizon, [`hot_for`](Self::hot_for), as when it spins (a
-    /// number of its own, 1 ms, measured the same: "4 KiB", "64 outstanding", "1,000 x 4 KiB").
-    /// Row: "4 KiB", same-host 4 KiB read (an alarm at 100 us rang mid-operation).
+    /// due no sooner: the engine's horizon, [`hot_for`](Self::hot_for). Row: "4 KiB".
     pub(crate) const fn stand_down(&self) -> Duration {
         self.hot_for
     }
 
-    /// The most operations in flight for a caller to drive (a wait's turn, or the turn after its
-    /// send) and for the engine to stand down, and the most commands one caller's turn handles:
-    /// past it the engine's own thread batches the work. Row: "64 outstanding" (0.6-0.7x when
-    /// every send took a turn).
+    /// The most operations in flight for a caller to drive and for the engine to stand down, and
+    /// the most commands one caller's turn handles. Row: "64 outstanding".
     pub(crate) const fn drive_max(&self) -> usize {
         self.drive_max
     }
 
     /// Whether `bytes` make a small operation: its wait may spin, drive the engine and post on a
-    /// caller's turn. Row: "64 MiB", same-host 64 MiB read (4.5% slower while every wait spun).
+    /// caller's turn. Row: "64 MiB".
     pub(crate) const fn small(&self, bytes: usize) -> bool {
         bytes <= self.small
     }
 
     /// A yield that took longer than this overran: it gave the core to a thread that did not give
-    /// it back soon (a yield to our own spinning threads, or with a core to spare, takes a few
-    /// microseconds); yields further apart than this are not in a row. Row: "Beside CPU hogs".
+    /// it back soon; yields further apart than this are not in a row. Row: "Beside CPU hogs".
     const fn overrun(&self) -> Duration {
         self.overrun
     }
 
     /// The balance of a thread's overrun yields (less its quick ones) that turns its spins off.
-    /// Row: "Beside CPU hogs", and "64 outstanding and 1,000 x 4 KiB" (which must not move: our
-    /// own bursts of 0.2-1.3 ms overrun yields a few times a second).
+    /// Rows: "Beside CPU hogs", and "64 outstanding and 1,000 x 4 KiB" (which must not move).
     const fn lost_to_stop(&self) -> Duration {
         self.lost_to_stop
     }
@@ -133,13 +114,9 @@ impl Pace {
         self.off_for
     }
 
-    /// A yield that took longer than this ran another thread's turn on this core (a yield with
-    /// the core to itself takes under a microsecond). Where a bare yield costs more (a system
-    /// call filter, nested virtualization), a driving wait's spin ends after
-    /// [`shared_turns`](Self::shared_turns) yields: a shorter spin, nothing worse. It is the
-    /// driving wait's [`turn_gap`](Self::turn_gap) (a number of its own, 2 us, measured the same:
-    /// "4 KiB", "64 outstanding", "1,000 x 4 KiB", "4 KiB over TCP"). Row: "4 KiB",
-    /// same-host 4 KiB read (the reader's runs 17.8-19.6 us; a third at 34-37 us without it).
+    /// A yield that took longer than this ran another thread's turn on this core. Where a bare
+    /// yield costs more (a system call filter, nested virtualization), a driving wait's spin just
+    /// ends sooner. It is the driving wait's [`turn_gap`](Self::turn_gap). Row: "4 KiB".
     const fn shared_turn(&self) -> Duration {
         self.turn_gap
     }
@@ -156,14 +133,10 @@ impl Pace {
         self.exposed_poll
     }
 
-    /// A NIXL progress call that took longer than a polled transport's first gap
-    /// ([`first_poll`](Self::first_poll)) did work in UCX (an idle one takes a microsecond or a
-    /// few): twice in a row on the wall clock (one slow call alone is as often a thread preempted
-    /// or woken cold), or once in CPU time draining notifications while a writable is live (a
-    /// burst of a peer's write: NIXL is progressed again soon, without keeping the engine hot).
-    /// Rows: "A connector's CPU while idle" (one slow call taken for work kept an idle engine
-    /// spinning 2 ms each time), "1 MiB and 64 MiB over TCP" (a number of its own, 10 us,
-    /// measured the same).
+    /// A NIXL progress call that took longer than [`first_poll`](Self::first_poll) did work in
+    /// UCX: twice in a row on the wall clock (one slow call alone is as often a thread preempted),
+    /// or once in CPU time draining notifications while a writable is live. Rows: "A connector's
+    /// CPU while idle", "1 MiB and 64 MiB over TCP".
     pub(crate) const fn work(&self) -> Duration {
         self.first_poll
     }

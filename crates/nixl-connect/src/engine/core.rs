@@ -9,28 +9,21 @@
 //!
 //! **Caller turns.** A caller waiting for a small operation may drive the core on its own thread
 //! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
-//! Such a turn touches only the transports that say a caller may drive them
-//! ([`Transport::any_thread`]: same-host and loopback, not NIXL), but for four things of
-//! another's that create no agent and register, load, prepare and free no memory: an exposure the publisher takes when it is only
-//! bookkeeping ([`CallerPart::expose`]: NIXL's, for memory registered and described
-//! before; otherwise the command goes back whole to the engine thread), the bookkeeping of an
-//! exposure's end ([`CallerPart::unexpose`]: NIXL lets its registrations go), and,
-//! where the driver lets callers reach such a transport ([`let_callers_reach`](EngineCore::let_callers_reach):
-//! where waits spin), an operation's start when everything it needs is ready
-//! ([`CallerPart::begin`]: NIXL's post of a small transfer to a loaded peer over
-//! registered memory and prepared lists; otherwise the operation waits for the engine thread,
-//! where it was), and, on the turns the driver allows, a watch of its operations
-//! ([`CallerPart::watch`]: NIXL's transfers in flight on every turn, its notifications
-//! every [`Pace::turn_gap`](crate::pace::Pace::turn_gap) unless its polling asks for every turn). The engine stands down for an
-//! operation on such a transport only while callers' watches would see it end
-//! ([`CallerPart::sees_every_end`], [`engine_bound`](EngineCore::engine_bound)). It leaves to the engine thread's next
-//! turn ([`run_deferred`](EngineCore::run_deferred)) what would touch another or free memory a
-//! caller must not: a start NIXL cannot make on a caller's turn (which may create an agent), the rest of another
-//! transport's end of an exposure (NIXL's may rotate an exposer or deregister memory), and the
-//! drop of an ended operation's adopted memory (whose owner may be a Python object). The driver
-//! wakes the engine at once when a caller's turn leaves a hand-over
-//! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), and within a millisecond for the
-//! rest ([`has_deferred`](EngineCore::has_deferred)); the engine does not sleep while any is left
+//! Such a turn touches only the transports a caller may drive ([`Transport::any_thread`]), but
+//! for four things of another's that create no agent and register, load, prepare and free no memory:
+//! - an exposure that is only bookkeeping ([`CallerPart::expose`]; else the command goes back);
+//! - the bookkeeping of an exposure's end ([`CallerPart::unexpose`]);
+//! - where callers reach it ([`let_callers_reach`](EngineCore::let_callers_reach)), a start
+//!   whose every part is ready ([`CallerPart::begin`]);
+//! - and a watch of its operations ([`CallerPart::watch`]), every turn or every
+//!   [`Pace::turn_gap`](crate::pace::Pace::turn_gap).
+//!
+//! The engine stands down for such an operation only while callers' watches would see it end
+//! ([`CallerPart::sees_every_end`], [`engine_bound`](EngineCore::engine_bound)). What would touch
+//! another transport or free memory a caller must not is left to the engine thread
+//! ([`run_deferred`](EngineCore::run_deferred)): at once for a hand-over
+//! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), soon for the rest
+//! ([`has_deferred`](EngineCore::has_deferred)); the engine does not sleep while any is left
 //! ([`has_pending`](EngineCore::has_pending)).
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -70,8 +63,7 @@ const MAX_COMPLETED: usize = 65_536;
 /// publishes before it sleeps).
 const PUBLISH_GAP: Duration = Duration::from_millis(200);
 /// What a debug build says when a caller's turn reaches what only the engine thread may do (a
-/// command [`EngineCore::for_a_caller`] does not name: NIXL's whole methods would run there, while
-/// its agents and UCX workers are the engine thread's but for its [`caller`](Transport::caller)
+/// command [`EngineCore::for_a_caller`] does not name, or more than a [`caller`](Transport::caller)
 /// part).
 const ENGINE_ONLY: &str = "a caller's turn reached what only the engine thread may do";
 
@@ -108,34 +100,30 @@ pub(crate) struct EngineCore {
     /// Whether a caller may drive each transport ([`Transport::any_thread`]).
     drivable: Vec<bool>,
     /// Whether a caller's turn may begin operations on each transport it may not drive
-    /// ([`CallerPart::starts`]), where callers reach such transports at all.
+    /// ([`CallerPart::starts`]).
     startable: Vec<bool>,
-    /// Whether callers' turns may call into the transports they may not drive: begin there
-    /// ([`CallerPart::begin`]) and watch them ([`CallerPart::watch`]); only
-    /// where the connector's waits spin (see [`let_callers_reach`](Self::let_callers_reach)).
+    /// Whether callers' turns may begin on and watch the transports they may not drive
+    /// ([`let_callers_reach`](Self::let_callers_reach)).
     callers_reach: bool,
     /// True during a caller's turn.
     by_caller: bool,
-    /// A caller's turn started an operation on a transport a caller may not drive since the
-    /// driver last asked ([`take_callers_started`](Self::take_callers_started)).
+    /// A caller's turn started an operation on a transport it may not drive since
+    /// [`take_callers_started`](Self::take_callers_started).
     callers_started: bool,
-    /// When callers' turns last watched each transport a caller may not drive
-    /// ([`CallerPart::watch`]).
+    /// When callers' turns last watched each transport ([`CallerPart::watch`]).
     watched: Vec<Option<Instant>>,
     /// True during a caller's turn that may watch (see [`turn_as_caller`](Self::turn_as_caller)).
     watching: bool,
     /// Callers' watches that saw something (for tests that check they do).
     #[cfg(any(test, feature = "testing"))]
     watch_events: u64,
-    /// Operations callers' turns started on a transport a caller may not drive (for tests that
-    /// check they do).
+    /// Operations callers' turns started on a transport they may not drive (for tests).
     #[cfg(any(test, feature = "testing"))]
     caller_starts: u64,
     /// What callers' turns left to the engine thread, in order.
     deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
-    /// The longest back-off of a transport with work once the engine is idle (the connector's
-    /// progress delay).
+    /// The longest back-off of a transport with work once the engine is idle (progress delay).
     max_park: Duration,
     /// Active operations try these transports in turn.
     chain: Vec<TransportId>,
@@ -149,16 +137,14 @@ pub(crate) struct EngineCore {
     /// Keys of this connector's completed active operations (most recent [`MAX_COMPLETED`]).
     completed: HashSet<Arc<str>>,
     completed_order: VecDeque<Arc<str>>,
-    /// The peers whose operations a faster path declined and that were warned of (once each, at
-    /// most [`MAX_WARNED_PEERS`]).
+    /// The peers warned of a faster path's decline (once each, at most [`MAX_WARNED_PEERS`]).
     warned: HashSet<Arc<str>>,
     /// Owned memory of ended exposures that a transport may still be writing (a same-host copy):
     /// handed to the transports' hold only once the operation's memory is released.
     copying: Vec<(Arc<OpState>, u64, Hold, usize)>,
     /// [`Cmd::Settle`] replies, sent at the end of the turn that took them.
     settles: Vec<oneshot::Sender<()>>,
-    /// Where figures go, if anywhere: the metrics, this engine's cell in them, and when the
-    /// counters were last published there.
+    /// Where figures go, if anywhere.
     recording: Option<Recording>,
 }
 
@@ -276,10 +262,9 @@ impl EngineCore {
         }
     }
 
-    /// Progresses every transport that is due: on every turn ([`Polling::EveryTurn`]), or by
-    /// its schedule (from [`Pace::first_poll`](crate::pace::Pace::first_poll) apart just after a command or a sign of activity, backing
-    /// off to what its polling allows), or because descriptors it registered are `ready` (each
-    /// transport is handed its own only). Returns whether anything happened.
+    /// Progresses every transport that is due: on every turn ([`Polling::EveryTurn`]), by its
+    /// schedule (from [`Pace::first_poll`](crate::pace::Pace::first_poll) apart after activity,
+    /// backing off), or for its own `ready` descriptors. Returns whether anything happened.
     fn progress(&mut self, now: Instant, hot: bool, ready: &[Ready]) -> bool {
         let mut event = false;
         let mut mine = std::mem::take(&mut self.mine);
@@ -288,11 +273,8 @@ impl EngineCore {
         for driven_pass in [true, false] {
             for (i, (t, s)) in self.transports.iter_mut().zip(&mut self.schedules).enumerate() {
                 if self.by_caller && !self.drivable[i] {
-                    // The engine thread's, but for watching its exposures (NIXL's notifications)
-                    // every `Pace::turn_gap`: a waiter that drives while the engine stands down sees a
-                    // NIXL peer's completion, and serves its reads over TCP, itself. The schedule
-                    // stands otherwise; the driver keeps the engine due.
-                    // Transfers in flight (`Busy`) on every turn, as a hot engine would.
+                    // The engine thread's, but for a watch (every `Pace::turn_gap`, or every turn
+                    // while `Busy`), so a driving waiter sees a NIXL peer's completion itself.
                     let watched = &mut self.watched[i];
                     let due =
                         t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + PACE.turn_gap());
@@ -382,12 +364,8 @@ impl EngineCore {
     }
 
     /// A caller's turn (see the module's docs): [`turn`](Self::turn), hot, over the transports
-    /// a caller may drive.
-    ///
-    /// `watch`: the turn may also watch the transports a caller may not drive
-    /// ([`CallerPart::watch`]: NIXL's transfers and notifications), on every turn while
-    /// one's polling is [`Polling::Busy`] and every [`Pace::turn_gap`](crate::pace::Pace::turn_gap) otherwise; the driver allows it
-    /// only on the turns of waits that drive while the engine stands down.
+    /// a caller may drive; `watch`: it may also watch the others ([`CallerPart::watch`]), every
+    /// turn while [`Polling::Busy`], else every [`Pace::turn_gap`](crate::pace::Pace::turn_gap).
     pub(crate) fn turn_as_caller(&mut self, now: Instant, ready: &[Ready], watch: bool) -> bool {
         self.by_caller = true;
         self.watching = watch;
@@ -397,19 +375,11 @@ impl EngineCore {
         event
     }
 
-    /// True for the commands a driving caller may handle on its own thread (see `driver`), those
-    /// of a small operation over host memory ([`Pace::small`](crate::pace::Pace::small)), whose
-    /// wait will drive what it starts):
-    /// - its [`Cmd::Begin`];
-    /// - its [`Cmd::Expose`], which the core may still leave to the engine thread (when NIXL
-    ///   would have to register the memory or make its metadata:
-    ///   [`handle_as_caller`](Self::handle_as_caller));
-    /// - the end of an exposure that hands no memory on ([`Cmd::Unexpose`] without `keep`; NIXL's
-    ///   part of it is deferred to the engine thread).
-    ///
-    /// Everything else stays the engine thread's: registrations, cancels and adoptions (they may
-    /// free memory a Python object owns), an exposure's end that hands memory on, mail, larger
-    /// operations and the end.
+    /// True for the commands a driving caller may handle on its own thread: a small operation's
+    /// ([`Pace::small`](crate::pace::Pace::small)) over host memory [`Cmd::Begin`] and
+    /// [`Cmd::Expose`] (which may still come back: [`handle_as_caller`](Self::handle_as_caller)),
+    /// and an exposure's end that hands no memory on ([`Cmd::Unexpose`] without `keep`). The rest
+    /// may free memory a Python object owns, or is the engine thread's for another reason.
     pub(crate) fn for_a_caller(cmd: &Cmd) -> bool {
         match cmd {
             Cmd::Begin { spec } => cmd.host_only() && small(&spec.local),
@@ -419,12 +389,9 @@ impl EngineCore {
         }
     }
 
-    /// Handles `cmd` on a caller's thread (see the module's docs): a command
-    /// [`for_a_caller`](Self::for_a_caller) says a caller may handle, only when
-    /// [`callers_may_begin`](Self::callers_may_begin). Returns the command, with nothing done,
-    /// when it needs the engine thread after all: an exposure a transport a caller may not drive
-    /// cannot take on a caller's turn ([`CallerPart::expose`]; NIXL, when the memory is
-    /// not registered yet or its metadata not made).
+    /// Handles a command [`for_a_caller`](Self::for_a_caller) on a caller's thread, when
+    /// [`callers_may_begin`](Self::callers_may_begin). Returns it, with nothing done, when it
+    /// needs the engine thread after all ([`CallerPart::expose`] declined).
     pub(crate) fn handle_as_caller(&mut self, cmd: Cmd) -> Option<Cmd> {
         debug_assert!(Self::for_a_caller(&cmd) && self.callers_may_begin());
         self.by_caller = true;
@@ -440,9 +407,8 @@ impl EngineCore {
     }
 
     /// Exposes a passive operation's memory on every transport, in order, and answers `reply`.
-    /// On a caller's turn, each through its [`CallerPart::expose`], and only where the
-    /// first (the publisher) is the one transport a caller may not drive: one that declines then
-    /// does so before any other did something, and the command is returned as it came.
+    /// On a caller's turn, only where the first is the one transport a caller may not drive
+    /// ([`CallerPart::expose`]): if it declines, nothing was done and the command comes back.
     fn expose(&mut self, spec: PassiveSpec, reply: oneshot::Sender<Result<Exposure>>) -> Option<Cmd> {
         if self.by_caller && !self.drivable.iter().skip(1).all(|&d| d) {
             return Some(Cmd::Expose { spec, reply });
@@ -481,17 +447,15 @@ impl EngineCore {
     }
 
     /// True when a caller may begin an operation: the chain's first transport is one a caller
-    /// may drive, or one a caller's turn may begin on ([`CallerPart::starts`], where
-    /// callers reach it).
+    /// may drive, or may begin on ([`CallerPart::starts`], where callers reach it).
     pub(crate) fn callers_may_begin(&self) -> bool {
         let first = self.chain[0].index();
         self.drivable[first] || (self.callers_reach && self.startable[first])
     }
 
-    /// True when what is in flight needs the engine thread: work a caller's turn left to it, or
-    /// an active operation on a transport a caller may not drive and whose callers' watch would
-    /// not see it end ([`CallerPart::sees_every_end`]; the engine must not stand down for
-    /// callers then). Looks at every active operation: for few in flight.
+    /// True when what is in flight needs the engine thread (it must not stand down): deferred
+    /// work, or an active operation whose end callers' watches would not see
+    /// ([`CallerPart::sees_every_end`]). Looks at every active operation: for few in flight.
     pub(crate) fn engine_bound(&mut self) -> bool {
         !self.deferred.is_empty()
             || self.actives.values().any(|a| {
@@ -537,17 +501,14 @@ impl EngineCore {
         self.copying.iter().any(|(st, ..)| st.is_released())
     }
 
-    /// True when callers' turns left the engine thread an operation to begin (its fallback to
-    /// NIXL, or a start NIXL could not make on a caller's turn): it waits for the engine, which
-    /// should run now. (What else they leave, the rest of NIXL's end of an exposure or memory to
-    /// free, waits for the engine's next turn.)
+    /// True when callers' turns left the engine thread an operation to begin: the engine should
+    /// run now (the rest of what they leave waits for its next turn).
     pub(crate) fn hand_over_deferred(&self) -> bool {
         self.deferred.iter().any(|d| matches!(d, Deferred::Offer(..)))
     }
 
     /// True (once) when a caller's turn started an operation on a transport a caller may not
-    /// drive ([`CallerPart::begin`]) since the last call: only a wait that drives, or
-    /// the engine thread, progresses it.
+    /// drive ([`CallerPart::begin`]) since the last call.
     pub(crate) fn take_callers_started(&mut self) -> bool {
         std::mem::take(&mut self.callers_started)
     }
@@ -855,10 +816,9 @@ impl EngineCore {
         }
         match next {
             Some(next) => self.offer(spec, next, Some(reason)),
-            None => self.events.push(Event::ActiveEnded {
-                id,
-                result: Err(reason.into_error(&spec.peer.name)),
-            }),
+            None => self
+                .events
+                .push(Event::ended(id, Err(reason.into_error(&spec.peer.name)))),
         }
     }
 
@@ -893,10 +853,7 @@ impl EngineCore {
         let id = spec.id;
         if spec.state.status().is_terminal() {
             // Cancelled before any transport took it: nothing touched the memory.
-            self.events.push(Event::ActiveEnded {
-                id,
-                result: Err(Error::Cancelled),
-            });
+            self.events.push(Event::ended(id, Err(Error::Cancelled)));
             return;
         }
         if self.by_caller && !self.drivable[i.index()] {

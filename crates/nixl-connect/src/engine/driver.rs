@@ -16,37 +16,15 @@
 //! sees the sockets ([`Gate`]), so a frame the caller will read wakes nobody. On a 2-core host
 //! that takes each process from two spinning threads to one (docs/decisions/0005-who-drives.md).
 //!
-//! A caller's turn is the core's caller turn ([`EngineCore::turn_as_caller`]): it touches only
-//! the transports a caller may drive (same-host, loopback), but for NIXL's bookkeeping of an
-//! exposure and of its end, and, where the connector's waits spin: the post of a small transfer
-//! whose every part NIXL has ready (peer loaded, memory registered, lists prepared), and a watch
-//! of NIXL (its transfers in flight, on every turn, and its notifications) on the turns of waits
-//! that drive while the engine stands down (so a NIXL-only reader's small reads start and end
-//! on its waiter's thread, and a NIXL peer is served and seen without the engine); what it
-//! would hand another (a start NIXL cannot make on a caller's turn, such as a fallback to a peer
-//! not yet loaded; the rest of NIXL's end of an exposure; the drop of memory whose owner may be
-//! a Python object) it leaves to the engine thread: at once for a start, within
-//! [`Pace::stand_down`](crate::pace::Pace::stand_down) (the alarm) for the rest. A transfer a caller posted with no wait driving
-//! (on its send's turn) is progressed by the wait that follows, which drives it or, if it will
-//! not drive, wakes the engine ([`Drive::attend`]); one nobody waits for is progressed at the
-//! engine's alarm (within [`Pace::stand_down`](crate::pace::Pace::stand_down)). The
-//! commands a caller handles ([`Drive::takes`]) are a small operation's over host memory
-//! ([`EngineCore::for_a_caller`]): its [`Cmd::Begin`], its [`Cmd::Expose`] where the connector's waits
-//! spin and NIXL has registered the memory and made its metadata already (else the core hands
-//! the command back, and the engine thread takes it), and an exposure's end that hands no memory
-//! on; the rest are the engine thread's. So a Rust passive side that exposes the same buffers
-//! again and again wakes its engine on none of its small operations' paths (NIXL's deferred
-//! rest still wakes it within [`Pace::stand_down`](crate::pace::Pace::stand_down)). Callers never drive:
-//! - a connector that has seen device memory (CUDA's current context is a thread's, and a
-//!   caller's thread must keep its own);
-//! - one whose operations start on NIXL (`--path nixl`) where its waits do not spin (the Python
-//!   module's, by default), or where NIXL has a backend besides UCX;
-//! - one that deregisters memory from NIXL on completion (the revocation must come before the
-//!   status is final, on the engine thread);
+//! What a caller's turn may touch, and what it leaves to the engine thread, is the core's
+//! ([`EngineCore::turn_as_caller`], [`EngineCore::for_a_caller`]); a transfer a caller posted is
+//! progressed by the wait that follows, or the engine is woken ([`Drive::attend`]). Callers never
+//! drive:
+//! - a connector that has seen device memory (CUDA's current context is a thread's);
+//! - one that starts on NIXL where its waits do not spin, or where NIXL has a non-UCX backend;
+//! - one that deregisters memory on completion (that must come before the status is final);
 //! - a child of `fork()` (the epoll instances are the parent's too);
-//! - with the `cuda` feature, one started where whether CUDA works is not yet known without
-//!   starting it (`Transport::any_thread` of the same-host path, asked once when the
-//!   engine starts).
+//! - with `cuda`, one started where whether CUDA works is not yet known (`Transport::any_thread`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -57,6 +35,7 @@ use super::cmd::Cmd;
 use super::core::{EngineCore, STOP_WAIT};
 use super::poller::{Alarm, DriverPoll, Gate, Poller, Ready, Waker};
 use crate::pace::{self, PACE};
+use crate::sync::Recover;
 
 thread_local! {
     /// Set while this thread takes a caller's turn of an engine.
@@ -118,19 +97,14 @@ pub(crate) struct Drive {
     turns: AtomicU64,
     /// Commands callers have handled on their turns (for tests that check which).
     commands: AtomicU64,
-    /// Whether callers make small exposures ([`EngineCore::for_a_caller`]): only where the connector's
-    /// small waits spin, and so drive. A waiter that drives serves a same-host peer, and its
-    /// spin's end hands NIXL's side to the engine thread (a NIXL peer, a Python worker or another
-    /// host, is served once NIXL is progressed); where waits do not spin (the Python module's,
-    /// by default) the engine thread makes the exposure, and spins after it.
+    /// Whether callers make small exposures ([`EngineCore::for_a_caller`]): only where the
+    /// connector's small waits spin, and so drive; else the engine thread makes them.
     callers_expose: bool,
-    /// A caller's turn, with no wait driving, started an operation on a transport a caller may not
-    /// drive (a NIXL transfer): until the engine's next turn, a wait that will not drive wakes
-    /// it ([`attend`](Self::attend)).
+    /// A caller's turn with no wait driving started a NIXL transfer: until the engine's next turn,
+    /// a wait that will not drive wakes it ([`attend`](Self::attend)).
     unattended: AtomicBool,
     /// When the sleeping engine wakes on its own, in nanoseconds from `epoch` (`u64::MAX`: not
-    /// before something wakes it). Written by the engine, under the lock, before it sleeps; read
-    /// by whoever would bring its wake forward with the `alarm`.
+    /// before something wakes it); written under the lock before it sleeps.
     planned: AtomicU64,
     /// When a caller last took a turn (or a wait that will drive began), in nanoseconds from
     /// `epoch`: the engine stands down only while callers actually drive.
@@ -138,8 +112,7 @@ pub(crate) struct Drive {
     epoch: Instant,
     alarm: Alarm,
     /// When the alarm rings, in nanoseconds from `epoch` (`u64::MAX`: not armed since the engine
-    /// last woke). Its lock orders the settings: between two wakes of the engine they only ever
-    /// bring the alarm forward (after a wake, a later setting may replace one that wake served).
+    /// last woke); its lock orders the settings, which only bring it forward between two wakes.
     alarm_at: Mutex<u64>,
 }
 
@@ -205,17 +178,15 @@ impl Drive {
             // that is about to see its operation's end).
             Some(PACE.stand_down())
         } else if d.unpublished {
-            // The counters are published when the engine goes idle: it must wake to do so.
+            // The counters are published when the engine goes idle: it must wake for that.
             Some(
                 d.core
                     .sleep_for(now)
                     .map_or(PACE.stand_down(), |t| t.max(PACE.stand_down())),
             )
         } else {
-            // A small operation this turn started is driven by its wait, which comes next, and a
-            // frame for it wakes the engine through the sockets anyway: what is left is the
-            // transports' schedules (NIXL's polls of exposed memory, timers), which may wait
-            // `Pace::stand_down`. Sooner, the engine would take a core from that wait for nothing.
+            // What this turn started is driven by its wait: the transports' schedules may wait
+            // `Pace::stand_down` (sooner would take a core from that wait for nothing).
             d.core.sleep_for(now).map(|t| t.max(PACE.stand_down()))
         };
         let Some(after) = due else { return };
@@ -226,10 +197,7 @@ impl Drive {
     /// sooner than it would wake on its own and than the alarm rings already.
     fn bring_forward(&self, now: Instant, after: Duration) {
         let at = self.nanos(now + after);
-        let mut armed = self
-            .alarm_at
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut armed = self.alarm_at.lock().recover();
         if at < self.planned.load(Ordering::SeqCst) && at < *armed {
             *armed = at;
             // From now: the turn that asked may have taken a while since its `now`.
@@ -239,11 +207,9 @@ impl Drive {
     }
 
     fn lock(&self) -> MutexGuard<'_, Option<Driven>> {
-        // A panic while driving aborts the process (see `drive`), so a poisoned lock is never
-        // seen by anyone who could go on.
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        // A panic while driving aborts the process (`or_abort`): nobody who could go on sees a
+        // poisoned lock.
+        self.state.lock().recover()
     }
 
     /// True in a child of `fork()` of the process that started this engine (whose thread the
@@ -300,10 +266,8 @@ impl Drive {
         // A wait that enters is about to drive: it counts as driving from now.
         let now = Instant::now();
         self.last_driven.store(self.nanos(now), Ordering::Release);
-        // The engine may already sleep without a deadline, and from now without the sockets: it
-        // must look at them within `Pace::stand_down` even if this wait is never polled again. (The
-        // engine writes `planned` before it reads the gate, and both sides take the gate's lock:
-        // either it saw this wait enter, or this sees when it will wake.)
+        // The engine may sleep without a deadline, and from now without the sockets: it must look
+        // at them within `Pace::stand_down` even if this wait is never polled again (`planned`).
         self.bring_forward(now, PACE.stand_down());
         true
     }
@@ -335,9 +299,7 @@ impl Drive {
     /// One turn on the caller's thread (a wait's, or the one after its send), if the engine
     /// sleeps, at most [`Pace::drive_max`](crate::pace::Pace::drive_max) operations are in
     /// flight, the connector has seen only host memory and nobody else drives. True if it took
-    /// the turn.
-    ///
-    /// Never blocks: the lock is only tried, and the turn polls without waiting.
+    /// the turn. Never blocks.
     pub(crate) fn drive(&self) -> bool {
         let max = PACE.drive_max();
         if !self.callers_may() || self.busy.load(Ordering::Acquire) > max || !self.waker.is_sleeping() {
@@ -356,18 +318,8 @@ impl Drive {
         {
             return false;
         }
-        // A panic here would leave transfers, copies and peers' access to memory that the
-        // unwinding would free, as on the engine thread: the process stops instead.
-        let turn = CallerTurn::start();
-        let turned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.driven_turn(d)));
-        drop(turn);
-        if turned.is_err() {
-            eprintln!(
-                "nixl-connect: a caller driving the engine panicked; aborting, since transfers may \
-                 still be using memory that unwinding would free"
-            );
-            std::process::abort();
-        }
+        let _turn = CallerTurn::start();
+        or_abort("a caller driving the engine", || self.driven_turn(d));
         true
     }
 
@@ -408,9 +360,8 @@ impl Drive {
         }
         d.poll.poll(&mut d.ready);
         let ready = std::mem::take(&mut d.ready);
-        // A turn watches NIXL only where the engine stands down for the waits that drive it (the
-        // Python module's waits do not spin: its engine progresses NIXL itself, and its turns,
-        // taken with the GIL held, call nothing of NIXL's).
+        // A turn watches NIXL only where the engine stands down for the waits that drive it (not
+        // on the Python module's turns, taken with the GIL held).
         let watch = self.callers_expose && self.gate.driven();
         event |= d.core.turn_as_caller(now, &ready, watch);
         if d.core.take_callers_started() {
@@ -481,9 +432,7 @@ impl Drive {
                 continue;
             }
             // A caller drives while it waits: the engine stands down instead of spinning beside
-            // it (each process then has one spinning thread, not two).
-            // Only while callers actually drive (a wait that entered the gate but is no longer
-            // polled drives nothing), and only where they may.
+            // it, while callers actually drive (not a wait no longer polled) and where they may.
             let stand_down = self.gate.driven()
                 && d.core.in_flight() <= PACE.drive_max()
                 && self.host_only.load(Ordering::Acquire)
@@ -493,9 +442,8 @@ impl Drive {
                     .saturating_sub(self.last_driven.load(Ordering::Acquire))
                     < PACE.stand_down().as_nanos() as u64;
             if !stand_down && last_event.elapsed() < PACE.hot_for() && pace::worthwhile() {
-                // Recently active: stay hot (yielding the core) so the next command, socket
-                // message or completion is picked up without a wake-up; not while the host is
-                // oversubscribed (a yield then costs a time slice, see `spin`).
+                // Recently active: stay hot (yielding the core) so the next event needs no
+                // wake-up; not while the host is oversubscribed (`pace::worthwhile`).
                 drop(g);
                 pace::yield_core();
                 poller.wait(Some(Duration::ZERO), &mut ready);
@@ -512,33 +460,21 @@ impl Drive {
                 poller.awake();
                 continue;
             }
-            match d.rx.try_recv() {
-                Ok(cmd) => {
-                    poller.awake();
-                    d.pending = Some(cmd);
-                    continue;
-                }
-                Err(TryRecvError::Disconnected) => {
-                    poller.awake();
-                    d.pending = Some(Cmd::Shutdown { within: STOP_WAIT });
-                    continue;
-                }
-                Err(TryRecvError::Empty) => {}
+            if let Some(cmd) = next_cmd(&d.rx) {
+                poller.awake();
+                d.pending = Some(cmd);
+                continue;
             }
             // Written before the gate is read: a wait that enters the gate after that read sees
-            // when this sleep ends, and brings it forward (`enter`). (Behind the gate the sleep
-            // is at most `Pace::stand_down`, so such a wait's need is met either way.)
+            // when this sleep ends, and brings it forward (`enter`).
             self.planned.store(
                 timeout.map_or(u64::MAX, |t| self.nanos(now + t)),
                 Ordering::SeqCst,
             );
             if self.gate.driven() {
                 // The sleep does not see the sockets: the engine wakes within `Pace::stand_down`
-                // to look at them itself, in case a driving wait is no longer polled. While
-                // callers drive, their turns serve the same-host path's deadlines too (a driven
-                // turn is a hot one, and watches NIXL's exposed memory), and the rest of NIXL's
-                // schedule waits for that wake: waking for each would take the core from the
-                // caller that drives, and a wait that stops spinning wakes the engine anyway.
+                // in case a driving wait is no longer polled; the rest of its schedule waits for
+                // that wake (callers' turns serve it meanwhile, without losing their core).
                 let cap = if stand_down {
                     PACE.stand_down()
                 } else {
@@ -555,10 +491,7 @@ impl Drive {
             drop(g);
             poller.wait(timeout, &mut ready);
             // Awake: what the alarm was set for is served by this turn.
-            *self
-                .alarm_at
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = u64::MAX;
+            *self.alarm_at.lock().recover() = u64::MAX;
         }
         let ended = self.lock().take();
         if let Some(d) = ended {
@@ -573,5 +506,17 @@ fn next_cmd(rx: &Receiver<Cmd>) -> Option<Cmd> {
         Ok(c) => Some(c),
         Err(TryRecvError::Empty) => None,
         Err(TryRecvError::Disconnected) => Some(Cmd::Shutdown { within: STOP_WAIT }),
+    }
+}
+
+/// Runs `f`; a panic in it aborts the process (`who` names the panicking thread): unwinding would
+/// free memory that transfers, copies and peers may still use, and there is no sound way back.
+pub(super) fn or_abort(who: &str, f: impl FnOnce()) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+        eprintln!(
+            "nixl-connect: {who} panicked; aborting, since transfers may still be using memory \
+             that unwinding would free"
+        );
+        std::process::abort();
     }
 }

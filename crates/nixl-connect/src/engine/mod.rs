@@ -1,13 +1,7 @@
 //! The engine: one thread per connector owns the transports and every operation's bookkeeping.
 //!
-//! Callers send [`Cmd`]s over a channel and wake the thread through its [`poller`]. The thread
-//! sleeps in `epoll` on the same-host transport's sockets and its wake-up `eventfd`; it polls NIXL
-//! only when NIXL needs it ([`Polling`](transport::Polling)): often while transfers are in flight, every
-//! [`Pace::exposed_poll`](crate::pace::Pace::exposed_poll) while memory is exposed (a peer may need this side to act, for example to
-//! serve a read over TCP), never otherwise. After any event it keeps spinning for [`Pace::hot_for`](crate::pace::Pace::hot_for) so that
-//! back-to-back operations pay no wake-up; an idle connector costs no CPU. A caller waiting for a
-//! small operation over host memory may take the engine's turns itself while the engine stands
-//! down (`driver`).
+//! Callers send [`Cmd`]s over a channel and wake the thread through its [`poller`]; who drives it,
+//! and when, is `driver`'s. It polls NIXL only when NIXL needs it ([`Polling`](transport::Polling)).
 //!
 //! Ownership: from the moment a command leaves the caller, the memory a transport may touch is
 //! owned by the engine's side of the operation. Registration tokens live in the transports'
@@ -100,8 +94,7 @@ impl Seat {
     }
 }
 
-/// Hands out an engine's [`Seat`]s, in order: the engine lists its transports in that order
-/// (the first made publishes the metadata).
+/// Hands out an engine's [`Seat`]s, in the order the engine lists its transports.
 pub(crate) struct Seats<'a> {
     taken: usize,
     tx: Sender<Cmd>,
@@ -166,9 +159,8 @@ pub(crate) fn max_spinning() -> usize {
     *MAX.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)))
 }
 
-/// A wait's place among the waits that spin ([`Engine::spin_slot`]); dropping it gives the
-/// place back, and ends the wait's driving if it drove: unless the wait saw its operation end
-/// ([`SpinSlot::finished`]), the engine is woken to take the operation over at once.
+/// A wait's place among the waits that spin ([`Engine::spin_slot`]); dropping it gives the place
+/// back and ends its driving (waking the engine unless [`SpinSlot::finished`]).
 pub(crate) struct SpinSlot {
     spinning: Arc<AtomicUsize>,
     /// The engine it drives, if it may.
@@ -227,12 +219,9 @@ struct Shared {
 }
 
 impl Engine {
-    /// Binds the same-host socket, creates the exposer agent and starts the engine thread.
-    ///
-    /// The agent's name is `base`, or `base-<pid>-<k>` when another connector in this network
-    /// namespace already serves `base` (agent names must be unique for the same-host path), with
-    /// the advertisement of a fresh same-host identity appended (`.nxc1-<fingerprint>`, see
-    /// `same_host::identity`) when it serves the same-host path.
+    /// Binds the same-host socket, creates the exposer agent and starts the engine thread. The
+    /// agent's name is `base` (`base-<pid>-<k>` when another connector here serves `base`), with
+    /// a fresh same-host identity's advertisement appended when it serves the same-host path.
     pub(crate) fn start(base: String, opts: EngineOptions) -> Result<Self> {
         // Fail fast (and without touching nixl-sys) when NIXL is absent.
         nixl::ffi::load()?;
@@ -252,16 +241,10 @@ impl Engine {
         // The same socket as a file in the shared directory, for peers in other network
         // namespaces (it needs the identity its name is made from).
         let dir_listener = match (&opts.socket_dir, &listener) {
-            (Some(dir), Some((_, id))) => match same_host::listen_in(dir, &id.stem()) {
-                Ok(l) => {
-                    tracing::debug!(path = %l.path().display(), "serving same-host peers through the socket directory");
-                    Some(l)
-                }
-                Err(e) => {
-                    tracing::warn!(dir = %dir.display(), error = %e, "cannot serve same-host peers through the socket directory");
-                    None
-                }
-            },
+            (Some(dir), Some((_, id))) => same_host::listen_in(dir, &id.stem())
+                .inspect(|l| tracing::debug!(path = %l.path().display(), "serving same-host peers through the socket directory"))
+                .inspect_err(|e| tracing::warn!(dir = %dir.display(), error = %e, "cannot serve same-host peers through the socket directory"))
+                .ok(),
             _ => None,
         };
         let o = opts.clone();
@@ -356,14 +339,7 @@ impl Engine {
         let (tx, rx) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<Arc<Drive>>>(1);
         let (agent_name, self_tx, w2) = (name.clone(), tx.clone(), waker.clone());
-        let Tuning {
-            cancel_grace,
-            progress_delay,
-            wait_spin,
-            metrics,
-            callers_drive,
-        } = tuning;
-        let for_core = metrics.clone();
+        let for_core = tuning.metrics.clone();
         let join = std::thread::Builder::new()
             .name(format!(
                 "nixl-engine-{}",
@@ -394,22 +370,14 @@ impl Engine {
                         return;
                     }
                 };
-                let mut core = EngineCore::new(transports, chain, progress_delay, Instant::now());
+                let mut core = EngineCore::new(transports, chain, tuning.progress_delay, Instant::now());
                 if let Some(m) = for_core {
                     core.record_into(m);
                 }
-                let exposures = !wait_spin.is_zero();
-                let drive = Arc::new(Drive::new(core, rx, &poller, callers_drive, exposures));
+                let exposures = !tuning.wait_spin.is_zero();
+                let drive = Arc::new(Drive::new(core, rx, &poller, tuning.callers_drive, exposures));
                 let _ = ready_tx.send(Ok(drive.clone()));
-                // A panic here would leave transfers, copies and peers' access to memory that the
-                // unwinding would free: there is no sound way back, so the process stops instead.
-                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drive.run(poller))).is_err() {
-                    eprintln!(
-                        "nixl-connect: the engine thread panicked; aborting, since transfers may \
-                         still be using memory that unwinding would free"
-                    );
-                    std::process::abort();
-                }
+                driver::or_abort("the engine thread", || drive.run(poller));
             })
             .map_err(|e| Error::os("spawning the engine thread", e))?;
         let thread = join.thread().id();
@@ -421,14 +389,14 @@ impl Engine {
             thread,
             name,
             next_op: AtomicU64::new(1),
-            cancel_grace,
-            wait_spin,
+            cancel_grace: tuning.cancel_grace,
+            wait_spin: tuning.wait_spin,
             spinning: Arc::new(AtomicUsize::new(0)),
             drive,
             stop_wait: Mutex::new(STOP_WAIT),
             decoded: Mutex::new(DecodedCache::default()),
             decode,
-            metrics,
+            metrics: tuning.metrics,
         })))
     }
 
@@ -461,30 +429,9 @@ impl Engine {
         self.0.wait_spin
     }
 
-    /// Waits for `state`, an operation of this engine's moving `bytes` in all, to end, or for
-    /// `timeout` (then [`Error::TimedOut`] naming `peer`). Whether the thread spins, drives this
-    /// engine or parks meanwhile is decided in `wait` alone.
-    ///
-    /// # Errors
-    /// The operation's own error, [`Error::Cancelled`], or [`Error::TimedOut`].
-    ///
-    /// # Cancel safety
-    /// Cancel safe: dropping the future gives back its place among the waits that spin (and the
-    /// engine's turns, if it drove) and leaves the operation as it was.
-    pub(crate) async fn wait(
-        &self,
-        state: &Arc<crate::state::OpState>,
-        timeout: Option<Duration>,
-        peer: Option<&str>,
-        bytes: usize,
-    ) -> Result<()> {
-        wait::wait(self, state, timeout, peer, bytes).await
-    }
-
-    /// A place among this connector's waits that spin, if one is free: at most
-    /// [`max_spinning`] spin at once, so that many waits at once (a thousand outstanding
-    /// operations) cost one runtime turn a round each, not a `sched_yield` each, and leave the
-    /// engines their cores. The place is given back when the slot drops.
+    /// A place among this connector's waits that spin, if one is free: at most [`max_spinning`],
+    /// so that many waits cost a runtime turn each, not a `sched_yield`, and leave the engines
+    /// their cores.
     pub(crate) fn spin_slot(&self) -> Option<SpinSlot> {
         let n = &self.0.spinning;
         n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |k| {
@@ -497,18 +444,6 @@ impl Engine {
             drives: drive.enter().then(|| drive.clone()),
             finished: false,
         })
-    }
-
-    /// One turn of the engine on this thread, if a caller may take one now (see `driver`):
-    /// a small operation's wait calls it on each turn of its spin. True if it took one.
-    pub(crate) fn drive(&self) -> bool {
-        self.0.drive.drive()
-    }
-
-    /// A wait that will not drive begins: the engine is woken if a caller's turn started an
-    /// operation that only a driving wait or the engine progresses (a NIXL transfer).
-    pub(crate) fn attend(&self) {
-        self.0.drive.attend();
     }
 
     /// Turns callers have taken of this engine (see `driver`).
@@ -541,8 +476,8 @@ impl Engine {
         self.0.drive.driving_waits()
     }
 
-    /// Decodes a peer's published metadata (`nixl_metadata`) with the publishing transport's
-    /// decoder; cached by string, so a peer's repeated metadata costs a lookup.
+    /// Decodes a peer's published metadata with the publishing transport's decoder, cached by
+    /// string.
     ///
     /// # Errors
     /// [`Error::Metadata`] for anything the publishing transport cannot read;
@@ -560,10 +495,8 @@ impl Engine {
         Ok(d)
     }
 
-    /// Sends a command, and handles it on this thread if a caller may (see `driver`: a small
-    /// command over host memory, the engine asleep, few operations in flight); otherwise wakes
-    /// the engine. [`Error::EngineStopped`] in a child of `fork()`, which has no engine thread
-    /// of its parent's.
+    /// Sends a command, and handles it on this thread if a caller may (see `driver`); otherwise
+    /// wakes the engine. [`Error::EngineStopped`] in a child of `fork()`.
     pub(crate) fn send(&self, cmd: Cmd) -> Result<()> {
         if self.0.drive.forked() {
             // Nothing here would ever handle it: the operation would wait out its deadline.

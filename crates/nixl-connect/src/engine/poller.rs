@@ -6,12 +6,8 @@
 //! never lost and a busy engine is never interrupted.
 //!
 //! Two epoll instances: the transports' descriptors sit in an inner one, and the engine sleeps in
-//! an outer one that holds the `eventfd`, the alarm's `timerfd` ([`Alarm`]) and, normally, the
-//! inner one. While a waiting caller
-//! drives the engine (`driver`), the inner one's registration in the outer one is disarmed
-//! ([`Gate`]): the caller's own polls ([`DriverPoll`]) see the sockets, and a frame that the
-//! caller will read wakes no sleeping engine thread. The syscalls are the crate's floor's
-//! (`sys.rs`).
+//! an outer one that holds the `eventfd`, the alarm's `timerfd` ([`Alarm`]) and, unless a waiting
+//! caller drives ([`Gate`]), the inner one; a driving caller polls the inner one ([`DriverPoll`]).
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -20,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::transport::TransportId;
+use crate::sync::Recover;
 use crate::sys::{self, EpollEvent, NO_EVENT};
 
 /// A token's bits above this name its owner: 0 the poller itself (its waker), `n + 1` the
@@ -248,8 +245,7 @@ fn report(events: &[EpollEvent], out: &mut Vec<Ready>) {
 }
 
 /// Wakes the sleeping engine at a time a driving caller (or a wait entering the gate) sets: a
-/// one-shot `timerfd` in the engine's sleep, so what a caller's turn left due is not missed and
-/// waits for no wake-up now.
+/// one-shot `timerfd` in the engine's sleep.
 pub(crate) struct Alarm(Arc<OwnedFd>);
 
 impl Alarm {
@@ -276,10 +272,8 @@ impl DriverPoll {
     }
 }
 
-/// Takes the transports' descriptors out of the engine's sleep while at least one caller drives
-/// (the inner instance's registration disarmed: no events), and puts them back when the last one
-/// leaves (re-armed: a descriptor ready by then wakes the engine at once, as `epoll_ctl` reports
-/// it to a sleeper).
+/// Takes the transports' descriptors out of the engine's sleep while at least one caller drives,
+/// and puts them back when the last one leaves (a descriptor ready by then wakes the engine).
 pub(crate) struct Gate {
     outer: Registrar,
     inner: Arc<OwnedFd>,
@@ -288,55 +282,46 @@ pub(crate) struct Gate {
 }
 
 impl Gate {
+    /// Arms (`on`) or disarms the inner instance's registration in the engine's sleep: disarmed,
+    /// not removed, as that is cheaper on every driving wait's path (docs/FIGURES.md).
+    fn arm(&self, on: bool) {
+        let what = if on {
+            "putting the sockets back in"
+        } else {
+            "taking the sockets out of"
+        };
+        if let Err(e) = self.outer.modify(self.inner.as_raw_fd(), INNER, on, false) {
+            tracing::error!("{what} the engine's sleep: {e}");
+        }
+    }
+
     /// A caller starts driving.
     pub(crate) fn enter(&self) {
-        let mut n = self
-            .drivers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut n = self.drivers.lock().recover();
         if *n == 0 {
-            // Disarmed, not removed: a change of what is watched costs a third of a removal and
-            // the re-add's loop check, and the re-arm is on the path of every driving wait's end
-            // (docs/FIGURES.md, "4 KiB", same-host reads).
-            if let Err(e) = self.outer.modify(self.inner.as_raw_fd(), INNER, false, false) {
-                tracing::error!("taking the sockets out of the engine's sleep: {e}");
-            }
+            self.arm(false);
         }
         *n += 1;
     }
 
     /// A caller stops driving.
     pub(crate) fn leave(&self) {
-        let mut n = self
-            .drivers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut n = self.drivers.lock().recover();
         *n = n.saturating_sub(1);
         if *n == 0 {
-            // It cannot fail: the instance is live and registered (re-armed, it is reported
-            // at once if a socket became ready meanwhile, as an add would).
-            if let Err(e) = self.outer.modify(self.inner.as_raw_fd(), INNER, true, false) {
-                tracing::error!("putting the sockets back in the engine's sleep: {e}");
-            }
+            self.arm(true);
         }
     }
 
     /// True while a caller drives: the engine's sleep does not see the sockets.
     pub(crate) fn driven(&self) -> bool {
-        *self
-            .drivers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            > 0
+        *self.drivers.lock().recover() > 0
     }
 
     /// Callers driving now.
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn drivers(&self) -> usize {
-        *self
-            .drivers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        *self.drivers.lock().recover()
     }
 }
 

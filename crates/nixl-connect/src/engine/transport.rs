@@ -1,13 +1,9 @@
 //! The seam between the engine and the transports that move bytes.
 //!
 //! A transport exposes passive operations' memory under their keys, starts active operations
-//! towards a peer, drives its own progress, and reports what ended as [`Event`]s. The engine keeps
-//! the operations' state and tries the transports in order for each active operation: the
-//! same-host path first (when the peer's socket answers), NIXL otherwise; a transport that cannot
-//! move an operation hands it back with [`Event::Declined`] and the engine offers it to the next.
-//! Nothing outside the engine knows which transport moved the bytes, except through
-//! [`TransferPath`] for reporting, which the transport reports as [`Event::PathTaken`]: the
-//! engine is the only writer of an operation's state.
+//! towards a peer, drives its own progress, and reports what ended as [`Event`]s. The engine, the
+//! only writer of an operation's state, tries the transports in order for each active operation;
+//! one that cannot move it hands it back ([`Event::Declined`]) and the engine offers it to the next.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -129,6 +125,18 @@ pub(crate) enum Event {
     PassiveFailed { key: Arc<str>, error: Error },
     /// This transport cannot move the operation; the engine offers it to the next one.
     Declined { spec: ActiveSpec, reason: Decline },
+}
+
+impl Event {
+    /// [`Event::ActiveEnded`] of `id`.
+    pub(crate) fn ended(id: OpId, result: Result<()>) -> Self {
+        Event::ActiveEnded { id, result }
+    }
+
+    /// [`Event::PathTaken`] of `id`.
+    pub(crate) fn taken(id: OpId, path: TransferPath) -> Self {
+        Event::PathTaken { id, path }
+    }
 }
 
 /// Why a transport declined an operation: the text the user reads in
@@ -263,21 +271,17 @@ pub(crate) enum Polling {
     /// On every turn while the engine is hot (and on every caller's turn that watches): transfers
     /// are in flight, or (NIXL) peers complete small exposures now.
     Busy,
-    /// On every turn of the engine, hot or not: it learns of its work from the descriptors it
-    /// registered with the poller (the ready list) and from [`Transport::has_pending`], and it
-    /// is cheap when there is none.
+    /// On every turn of the engine, hot or not: it learns of its work from its descriptors and
+    /// [`Transport::has_pending`], and is cheap when there is none.
     EveryTurn,
 }
 
 /// One way of moving bytes (NIXL, same-host), owned by the engine: used by one thread at a time,
 /// its own or a caller's that drives it (`driver`), so `Send`.
 pub(crate) trait Transport: Send {
-    /// What this transport would do now with an operation with `peer` (a write when `write`,
-    /// between memory of this process on `local` and the peer's on `remote`, `bytes` in all),
-    /// asked without starting one ([`Connector::probe`](crate::Connector::probe)): `Ok` with the
-    /// mechanism it would use where it knows it, `Err` why it would decline. It may reach the
-    /// peer as an operation would (the same-host path connects, then hangs up before its
-    /// handshake). Takes it, by default (NIXL takes whatever reaches it).
+    /// What this transport would do now with such an operation with `peer`, without starting one
+    /// ([`Connector::probe`](crate::Connector::probe)): `Ok` with the mechanism where it knows it,
+    /// `Err` why it would decline. It may reach the peer as an operation would. Takes it, by default.
     fn probe(
         &mut self,
         peer: &PeerInfo,
@@ -316,22 +320,20 @@ pub(crate) trait Transport: Send {
     /// How soon it needs polling.
     fn polling(&self) -> Polling;
 
-    /// True when the last [`progress`](Self::progress) call did work that produced no event (UCX
-    /// moving a peer's bytes over TCP, say): the engine progresses it again soon instead of
-    /// backing off towards the progress delay, without staying hot for it.
+    /// True when the last [`progress`](Self::progress) call did work that produced no event: the
+    /// engine progresses it again soon instead of backing off, without staying hot for it.
     fn did_work(&self) -> bool {
         false
     }
 
-    /// True when work has arrived that [`progress`](Self::progress) has not handled yet (a
-    /// finished copy, a message): checked before the engine sleeps, so it is never left
-    /// waiting.
+    /// True when work has arrived that [`progress`](Self::progress) has not handled yet: checked
+    /// before the engine sleeps.
     fn has_pending(&self) -> bool {
         false
     }
 
-    /// Takes a message posted to this transport's mailbox (`cmd::Mailbox`, by one of its
-    /// own objects outside the engine thread, such as a registration token being dropped).
+    /// Takes a message posted to this transport's mailbox (`cmd::Mailbox`) from outside the
+    /// engine thread.
     fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
         drop(msg);
     }
@@ -370,29 +372,25 @@ pub(crate) trait Transport: Send {
     fn path(&self) -> TransferPath;
 
     /// True when any thread may make this transport's calls, one at a time: they are short, keep
-    /// no state per thread, create nothing that takes long to make, and drop no memory's owner
-    /// (which may be a Python object). False, the default, keeps them on the engine thread but for
-    /// its [`caller`](Self::caller) part. The engine decides who makes them (`driver`).
+    /// no state per thread, create nothing slow and drop no memory's owner. False, the default,
+    /// keeps them on the engine thread but for its [`caller`](Self::caller) part.
     fn any_thread(&self) -> bool {
         false
     }
 
-    /// The part of a transport that is not [`any_thread`](Self::any_thread) which a thread
-    /// other than the engine's may use (a waiter driving the engine: `driver`), if any. `None` by
-    /// default.
+    /// The part of a transport that is not [`any_thread`](Self::any_thread) which a waiter
+    /// driving the engine may use, if any (`None` by default).
     fn caller(&mut self) -> Option<&mut dyn CallerPart> {
         None
     }
 }
 
 /// What a waiter's thread may do with a transport whose calls are the engine thread's (NIXL's):
-/// lookups, bookkeeping, posts over what is made already, and polls, with no call that creates an
-/// agent or registers, describes, loads or prepares memory (NIXL's part holds no `AgentKey`,
-/// which those calls take and which only the NIXL transport's module can make).
+/// lookups, bookkeeping, posts over what is made already, and polls; nothing that creates an
+/// agent or registers, describes, loads or prepares memory (NIXL's part holds no `AgentKey`).
 pub(crate) trait CallerPart {
-    /// Exposes a passive operation's memory when that is only bookkeeping (NIXL: earlier
-    /// exposures registered the memory and made its metadata): `None`, nothing done, when the
-    /// engine thread must [`expose`](Transport::expose) it.
+    /// Exposes a passive operation's memory when that is only bookkeeping: `None`, nothing done,
+    /// when the engine thread must [`expose`](Transport::expose) it.
     ///
     /// # Errors
     /// As [`Transport::expose`].
@@ -402,15 +400,12 @@ pub(crate) trait CallerPart {
     /// the engine thread calls `unexpose` after it all the same.
     fn unexpose(&mut self, key: &str);
 
-    /// Begins an operation when everything it needs is ready (NIXL: a post over a loaded peer,
-    /// registered memory and prepared lists), as [`Transport::begin`] would; otherwise the spec
-    /// back, nothing done. Its end comes from a later [`watch`](Self::watch) or the engine's
-    /// [`progress`](Transport::progress).
+    /// Begins an operation when everything it needs is ready, as [`Transport::begin`] would;
+    /// otherwise the spec back, nothing done.
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec>;
 
-    /// Watches exposed operations for their peers' completions and small transfers in flight for
-    /// their ends, adding what ended to `out`; freeing nothing but the requests of transfers that
-    /// ended. True if anything happened.
+    /// Watches exposed operations and small transfers in flight, adding what ended to `out` (and
+    /// freeing nothing but ended transfers' requests). True if anything happened.
     fn watch(&mut self, out: &mut Vec<Event>) -> bool;
 
     /// True when [`begin`](Self::begin) may take operations at all (asked once, when the engine

@@ -3,11 +3,8 @@
 //! this), or the older hex of the zlib bytes; and a published string decoded into the typed
 //! [`PeerInfo`] the engine passes around.
 //!
-//! The NIXL transport is the only part of the crate that knows this format. Users and the Python
-//! package reach it through the methods of [`RdmaMetadata`] defined here
-//! (`encode_agent_metadata`, `decode_agent_metadata`, `agent_name_in`, `nixl_metadata_as_hex`, `agent_metadata_as_hex`,
-//! `decode_nixl_metadata`), and the engine through the publisher's [`decode_peer`]; the metadata
-//! model (`crate::metadata`) imports nothing of it.
+//! Only the NIXL transport knows this format: users reach it through the methods of
+//! [`RdmaMetadata`] defined here, the engine through [`decode_peer`].
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -29,10 +26,8 @@ const FIELD: &str = "nixl_metadata";
 
 thread_local! {
     /// One zlib compressor and one decompressor per thread, reset for each use: their state is a
-    /// few hundred KiB, and allocating it per call costs more than compressing agent metadata (a
-    /// few hundred bytes): 21 us a call with a fresh miniz_oxide state, 14 us with a reused
-    /// zlib-rs one, here. Worse, in a process where UCX hooks `mmap` (every NIXL process), an
-    /// allocation that size can cost hundreds of microseconds.
+    /// few hundred KiB, whose allocation costs more than compressing agent metadata (much more
+    /// where UCX hooks `mmap`).
     static COMPRESS: RefCell<flate2::Compress> =
         RefCell::new(flate2::Compress::new(flate2::Compression::new(6), true));
     static DECOMPRESS: RefCell<flate2::Decompress> = RefCell::new(flate2::Decompress::new(true));
@@ -166,8 +161,7 @@ impl RdmaMetadata {
     /// `get_local_md`) as an `RdmaMetadata`'s `nixl_metadata`: `b64:` followed by the base64 of
     /// its zlib compression at level 6, the form Dynamo's Python module and its Rust frontend
     /// (`get_nixl_metadata` in `media/rdma.rs`) write and read. The compressed bytes may differ
-    /// from theirs (this crate's zlib-rs takes another match strategy at level 6 than the zlib
-    /// Python links: 324 against 320 bytes for one agent's 484), the bytes they decode to do not.
+    /// from theirs (zlib-rs matches differently), the bytes they decode to do not.
     pub fn encode_agent_metadata(md: &[u8]) -> String {
         encode(md)
     }

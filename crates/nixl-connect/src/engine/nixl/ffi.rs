@@ -1,9 +1,8 @@
 //! The one file that names `nixl_sys`: NIXL's foreign interface.
 //!
-//! Finding `libnixl_capi.so` at run time, loading it by full path before the `nixl-sys` stub ever
-//! resolves a symbol (the stub aborts the process when it cannot find the library, so it must never
-//! get that far), and a thin wrapper over an agent that the engine thread owns. No `nixl_sys` type
-//! leaves this file; the NIXL transport (`super`) builds on the wrapper.
+//! Finds `libnixl_capi.so` and loads it by full path before the `nixl-sys` stub resolves a symbol
+//! (the stub aborts when it cannot find the library), and wraps an agent the engine thread owns.
+//! No `nixl_sys` type leaves this file.
 #![allow(unsafe_code)]
 
 use std::ffi::CString;
@@ -29,12 +28,9 @@ use crate::sync::Recover;
 /// [`SUPPORTED_RELEASES`] whichever compiled it.
 pub const NIXL_SYS_VERSION: &str = "1.5.1";
 
-/// The NIXL releases (major.minor) this build serves: the ones Dynamo's extras pin (1.4.1 for
-/// ai-dynamo 1.6.1's vllm extra, 1.5.0 and 1.5.1 elsewhere). 1.5 only added to 1.4's C API (memory
-/// views, remote descriptor lists, an opaque custom parameter, the `NOT_FOUND` status), none of
-/// which this crate calls; nixl-sys resolves each C function on its first call, so a function a
-/// release lacks matters only if called. `scripts/test-nixl-versions.sh` runs the NIXL tests on
-/// each.
+/// The NIXL releases (major.minor) this build serves: the ones Dynamo's extras pin. 1.5 only added
+/// to 1.4's C API what this crate does not call, and nixl-sys resolves each C function on its
+/// first call. `scripts/test-nixl-versions.sh` runs the NIXL tests on each.
 pub const SUPPORTED_RELEASES: &[&str] = &["1.4", "1.5"];
 
 const CAPI: &str = "libnixl_capi.so";
@@ -240,14 +236,12 @@ pub(crate) fn load() -> Result<Loaded> {
 /// handler: before anything runs in the child. Found through NIXL's UCX plugin (so the `libucs`
 /// it links, whichever other copies the process has), once its backend exists.
 ///
-/// UCX's async thread takes that lock (shared) whenever one of its descriptors has an event, and
-/// the children of a process share its epoll instance, so a sibling's new agent wakes the
-/// parent's thread. A fork at that moment left the child the lock held by a thread it does not
-/// have, and its first agent waited for it forever (`ucp_worker_create` ->
-/// `ucs_async_set_event_handler`: 9 children of 200 forked 8 at a time during driven waits; 0 of
-/// 1,500 with the table made anew). UCX offers no fork handler for it. The parent's handlers stay
-/// in the child's memory, unused: UCX objects made before a fork are not usable in the child
-/// (no async thread there), ours or another library's.
+/// UCX's async thread takes that lock whenever one of its descriptors has an event (a sibling's new
+/// agent wakes it through the shared epoll instance); a fork at that moment left the child the
+/// lock held by a thread it does not have, and its first agent waited forever
+/// (`ucp_worker_create` -> `ucs_async_set_event_handler`). UCX offers no fork handler for it. The
+/// parent's handlers stay in the child's memory, unused (UCX objects made before a fork are not
+/// usable in the child).
 fn ucx_fresh_in_children() {
     static DONE: std::sync::Once = std::sync::Once::new();
     DONE.call_once(|| {
@@ -401,60 +395,40 @@ pub(crate) struct Prepared {
 // its own lock around `getNotifs`). `nixl_sys` already has the agent itself `Send`.
 unsafe impl Send for Prepared {}
 
-/// The right to create an agent and to register, describe, load and prepare memory with one:
-/// what [`NixlAgent::new`], [`register`](NixlAgent::register),
-/// [`partial_metadata`](NixlAgent::partial_metadata), [`load_remote`](NixlAgent::load_remote) and
-/// [`prepare`](NixlAgent::prepare) take. The NIXL transport holds it beside its state, and a
-/// waiter's thread reaches only that state: by its type it posts, polls and drains, and makes
-/// nothing.
+/// The right to create an agent and to register, describe, load and prepare memory with one
+/// (what [`NixlAgent::new`], [`register`](NixlAgent::register), [`prepare`](NixlAgent::prepare)
+/// and the like take). The NIXL transport holds it beside its state, which is all a waiter's
+/// thread reaches: so by its type a waiter posts, polls and drains, and makes nothing.
 pub(crate) struct AgentKey(());
 
 impl AgentKey {
-    /// The key of one NIXL transport (made once, with it, and nowhere else: only the NIXL
-    /// transport's module sees this).
+    /// The key of one NIXL transport (made once, with it).
     pub(super) fn new() -> Self {
         AgentKey(())
     }
 }
 
 /// One NIXL agent with its backends (UCX, and any others the connector's builder named), NIXL's
-/// own threads off. Not thread-safe: the engine owns it, and one thread at a time uses it (see
-/// `Prepared`'s `Send`). Dropping it destroys the UCX
-/// worker, which cuts every peer off from this agent's memory and ends every transfer it posted.
+/// own threads off. Not thread-safe: one thread at a time uses it (see `Prepared`'s `Send`).
+/// Dropping it destroys the UCX worker, which cuts every peer off and ends every transfer.
 pub(crate) struct NixlAgent {
     agent: ManuallyDrop<Agent>,
     name: String,
 }
 
-// Each drop below calls into NIXL, and so runs outside a fork (`sys::outside_fork`), as every
-// method of `NixlAgent` does.
-impl Drop for AgentRegistration {
-    fn drop(&mut self) {
-        // SAFETY: dropped once, here; the field is not used after.
-        crate::sys::outside_fork(|| unsafe { ManuallyDrop::drop(&mut self.handle) });
-    }
+// Each drop calls into NIXL, and so runs outside a fork (`sys::outside_fork`), as every method
+// of `NixlAgent` does.
+macro_rules! drop_outside_fork {
+    ($($t:ty => $f:ident),*) => {$(
+        impl Drop for $t {
+            fn drop(&mut self) {
+                // SAFETY: dropped once, here; the field is not used after.
+                crate::sys::outside_fork(|| unsafe { ManuallyDrop::drop(&mut self.$f) });
+            }
+        }
+    )*};
 }
-
-impl Drop for Transfer {
-    fn drop(&mut self) {
-        // SAFETY: dropped once, here; the field is not used after.
-        crate::sys::outside_fork(|| unsafe { ManuallyDrop::drop(&mut self.req) });
-    }
-}
-
-impl Drop for Prepared {
-    fn drop(&mut self) {
-        // SAFETY: dropped once, here; the field is not used after.
-        crate::sys::outside_fork(|| unsafe { ManuallyDrop::drop(&mut self.handle) });
-    }
-}
-
-impl Drop for NixlAgent {
-    fn drop(&mut self) {
-        // SAFETY: dropped once, here; the field is not used after.
-        crate::sys::outside_fork(|| unsafe { ManuallyDrop::drop(&mut self.agent) });
-    }
-}
+drop_outside_fork!(AgentRegistration => handle, Transfer => req, Prepared => handle, NixlAgent => agent);
 
 impl NixlAgent {
     /// Creates an agent named `name` with a backend for each of `backends` (NIXL plugin names;

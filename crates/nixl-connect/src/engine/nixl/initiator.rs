@@ -30,9 +30,7 @@ pub(super) struct Inflight {
     peer: Arc<str>,
     transfer: Transfer,
     _tokens: Vec<RegToken>,
-    /// Host memory of at most a small operation's bytes ([`Pace::small`](crate::pace::Pace::small)): a caller's
-    /// watch may poll it (a poll progresses the initiator's UCX worker, which sends what there is
-    /// to send).
+    /// Small host memory ([`Pace::small`](crate::pace::Pace::small)): a caller's watch may poll it.
     small: bool,
 }
 
@@ -47,9 +45,8 @@ pub(super) struct Initiator {
     local_prep: HashMap<Vec<Range>, Prepared>,
     remote_prep: HashMap<(Arc<str>, Vec<Range>), Prepared>,
     inflight: Vec<Inflight>,
-    /// Transfers a caller's watch saw end whose end the engine thread completes (a failure,
-    /// which forgets the peer; or a peer forgotten meanwhile, which NIXL must invalidate), with
-    /// what the poll said.
+    /// Transfers a caller's watch saw end whose end the engine thread completes (it forgets or
+    /// invalidates the peer), with what the poll said.
     ended: Vec<(Inflight, std::result::Result<bool, ErrorSource>)>,
 }
 
@@ -360,12 +357,9 @@ impl Initiator {
         }
     }
 
-    /// On a caller's turn, posts `spec`'s small transfer of host memory if every part of it is
-    /// ready: the peer loaded (and not forgotten), the local memory inside a live registration,
-    /// both descriptor lists prepared, no transfer's end waiting for the engine thread. `None`,
-    /// with nothing done, otherwise. Its events go to `out`; a post that failed in the transport
-    /// comes back with its error and its registrations' tokens (part of it may have been posted:
-    /// the engine thread must reset the initiator before the tokens go).
+    /// On a caller's turn, posts `spec`'s small transfer of host memory if the peer is loaded, the
+    /// memory registered, both lists prepared and no end waits for the engine thread; else `None`.
+    /// A failed post comes back with its tokens: the engine thread resets the initiator first.
     pub(super) fn post_ready(
         &mut self,
         spec: &ActiveSpec,
@@ -387,10 +381,7 @@ impl Initiator {
             .iter()
             .map(|r| self.regs.covering(r).map(|(t, _)| RegToken::new(t)))
             .collect::<Option<Vec<_>>>()?;
-        out.push(Event::PathTaken {
-            id: spec.id,
-            path: TransferPath::Nixl,
-        });
+        out.push(Event::taken(spec.id, TransferPath::Nixl));
         stats.registration_hits += tokens.len() as u64;
         // A panic inside the bindings fails this operation, as on the engine thread.
         let posted = contain("start transfer", || {
@@ -403,10 +394,7 @@ impl Initiator {
         match posted {
             Ok(None) => {
                 out.push(Event::Registered { id: spec.id, tokens });
-                out.push(Event::ActiveEnded {
-                    id: spec.id,
-                    result: Ok(()),
-                });
+                out.push(Event::ended(spec.id, Ok(())));
             }
             Ok(Some(t)) => {
                 if let Some(p) = self.peers.get_mut(&name) {
@@ -422,10 +410,7 @@ impl Initiator {
                 });
                 out.push(Event::Registered { id: spec.id, tokens });
             }
-            Err(PostError::Local(e)) => out.push(Event::ActiveEnded {
-                id: spec.id,
-                result: Err(e),
-            }),
+            Err(PostError::Local(e)) => out.push(Event::ended(spec.id, Err(e))),
             Err(PostError::Transfer(e)) => return Some(Err((transfer_failed(&name, e), tokens))),
         }
         Some(Ok(()))

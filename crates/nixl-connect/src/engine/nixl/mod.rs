@@ -3,14 +3,12 @@
 //! Two NIXL agents per connector, both owned by the engine thread:
 //!
 //! - the **exposer** registers passive operations' memory, publishes per-operation metadata (its
-//!   connection information plus the sections of exactly that operation's registrations, so the
-//!   metadata's size and cost stay flat as registrations grow and a peer loads each registration
-//!   once), and receives the peers' completion notifications. Its name is the connector's name.
+//!   connection information plus that operation's registrations only, so its size stays flat),
+//!   and receives the peers' completion notifications. Its name is the connector's name.
 //! - the **initiator** posts this connector's reads and writes. It is created on first use, and
-//!   destroyed and recreated when an operation's memory must be released while a peer does not
-//!   answer: NIXL cannot cancel a posted transfer, and destroying the agent's UCX worker is the
-//!   only thing that ends it for sure (see `../../../docs/SOUNDNESS.md`). Exposed memory and
-//!   published metadata are unaffected, since they belong to the exposer.
+//!   recreated when an operation's memory must be released while a peer does not answer: NIXL
+//!   cannot cancel a posted transfer, and destroying the UCX worker is the only thing that ends it
+//!   for sure (see `../../../docs/SOUNDNESS.md`). The exposer's memory and metadata are unaffected.
 //!
 //! Peers' agent metadata is loaded into the initiator once per distinct string and merged by NIXL
 //! (a peer's later registrations add sections); prepared descriptor lists are cached per range
@@ -45,8 +43,8 @@ use crate::stats::EngineStats;
 pub(crate) const MAX_IDLE_PEERS: usize = 64;
 /// How many replaced (retired) NIXL agents a connector keeps alive for their passive operations
 /// still waiting for a peer. Past it, the oldest is destroyed: the memory it held back is
-/// released and its waiting operations fail with
-/// [`Error::Interrupted`]. Held memory is thus bounded by about `MAX_RETIRED_EXPOSERS + 1` times the quarantine limit
+/// released and its waiting operations fail with [`Error::Interrupted`]. Held memory is thus
+/// bounded by about `MAX_RETIRED_EXPOSERS + 1` times the quarantine limit
 /// ([`ConnectorBuilder::quarantine_limit`](crate::ConnectorBuilder::quarantine_limit)).
 pub const MAX_RETIRED_EXPOSERS: usize = 3;
 
@@ -64,11 +62,8 @@ const MAX_MD_CACHE: usize = 4096;
 /// soon (a buffer, or a pool of up to about this many, reused per operation) finds its
 /// registration; older entries drop their tokens (a registration ends with its last token) and
 /// their memory stays held until the agent is gone. NIXL keeps an agent's registrations in an
-/// address-sorted vector, so a registration costs time in proportion to those it must move:
-/// without this bound, fresh small buffers exposed once each kept up to 65,536 registrations
-/// (256 MiB of quarantine at 4 KiB), and once a rotation had freed lower addresses for new
-/// buffers, a whole 4 KiB Python operation slowed about threefold (docs/FIGURES.md, "Fresh exposures
-/// over many operations").
+/// address-sorted vector, so a registration costs time in proportion to those it must move
+/// (docs/FIGURES.md, "Fresh exposures over many operations").
 pub const REGISTERED_QUARANTINE: usize = 4096;
 
 /// The least time between two warnings of one kind of repeated failure ([`Throttle`]).
@@ -663,12 +658,8 @@ fn ranges_and_ids(regs: &[Arc<RegInner>]) -> Vec<(Range, u64)> {
     v
 }
 
-/// NIXL is the engine thread's: this transport is not [`any_thread`](Transport::any_thread), and
-/// the core calls it whole only on the engine thread. A waiter's thread reaches its
-/// [`CallerPart`] (the state without the [`AgentKey`]): exposures and their ends as lookups and
-/// bookkeeping, nothing of NIXL's called, and, with UCX alone, the post of a small transfer over
-/// what is loaded, registered and prepared already, and polls of small transfers and `getNotifs`
-/// on the exposers while exposures are small: see `ffi::Prepared`'s `Send`.
+/// NIXL is the engine thread's (not [`any_thread`](Transport::any_thread)); a waiter's thread
+/// reaches only its [`CallerPart`], the state without the [`AgentKey`].
 impl Transport for NixlTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         let (key, n) = (&self.key, &mut self.nixl);
@@ -705,15 +696,9 @@ impl Transport for NixlTransport {
         let n = &mut self.nixl;
         // A post that failed on a caller's turn resets the initiator before anything new uses it.
         n.settle_callers(out);
-        out.push(Event::PathTaken {
-            id: spec.id,
-            path: TransferPath::Nixl,
-        });
+        out.push(Event::taken(spec.id, TransferPath::Nixl));
         if let Err(e) = n.initiator(&self.key) {
-            out.push(Event::ActiveEnded {
-                id: spec.id,
-                result: Err(e),
-            });
+            out.push(Event::ended(spec.id, Err(e)));
             return;
         }
         // A panic inside the bindings fails this operation instead of the engine.
@@ -727,24 +712,16 @@ impl Transport for NixlTransport {
                 tokens: tokens.clone(),
             });
         }
-        match r {
-            Ok((None, _)) => out.push(Event::ActiveEnded {
-                id: spec.id,
-                result: Ok(()),
-            }),
-            Ok((Some(f), _)) => n.initiator.as_mut().expect("made above").track(f),
+        let result = match r {
+            Ok((Some(f), _)) => return n.initiator.as_mut().expect("made above").track(f),
+            Ok((None, _)) => Ok(()),
             Err(StartError::Posted(e)) => {
                 n.reset_initiator(None, out);
-                out.push(Event::ActiveEnded {
-                    id: spec.id,
-                    result: Err(e),
-                });
+                Err(e)
             }
-            Err(StartError::Failed(e)) => out.push(Event::ActiveEnded {
-                id: spec.id,
-                result: Err(e),
-            }),
-        }
+            Err(StartError::Failed(e)) => Err(e),
+        };
+        out.push(Event::ended(spec.id, result));
     }
 
     fn abandon(&mut self, id: OpId, hard: bool, out: &mut Vec<Event>) {
@@ -837,10 +814,8 @@ impl CallerPart for NixlState {
         Some(Ok(()))
     }
 
-    /// The exposure's registrations let go at once, so that memory the caller frees and
-    /// allocates again at the same address is never published under the old registration; the
-    /// rest (a rotation of the exposer) waits for [`unexpose`](Transport::unexpose) on the engine
-    /// thread. Where the connector deregisters on completion (callers never drive it), all of it.
+    /// The exposure's registrations let go at once (memory reallocated at the same address is
+    /// never published under the old one); the rest waits for [`unexpose`](Transport::unexpose).
     fn unexpose(&mut self, key: &str) {
         if !self.deregister_on_completion {
             // A last token's drop posts its deregistration to the engine thread.
@@ -848,12 +823,8 @@ impl CallerPart for NixlState {
         }
     }
 
-    /// A small transfer of host memory whose every part is ready: the peer loaded (and not
-    /// forgotten), the local memory registered with the initiator, both descriptor lists
-    /// prepared. Then NIXL is called to post it (`createXferReq` over the prepared lists,
-    /// `postXferReq`), and nothing is made, loaded, registered or prepared; a post that fails in
-    /// the transport leaves the initiator's reset, and the operation's failure, to the engine
-    /// thread (`settle_callers`). Otherwise the spec back, nothing done.
+    /// Posts a small transfer of host memory whose peer is loaded, memory registered and lists
+    /// prepared; a failed post's reset is left to the engine thread (`settle_callers`).
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) -> Option<ActiveSpec> {
         if !self.starts() || !self.failed_posts.is_empty() || !small_host(&spec.local) {
             return Some(spec);
@@ -869,19 +840,10 @@ impl CallerPart for NixlState {
         None
     }
 
-    /// The initiator's transfers in flight polled, while every one is small (NIXL's
-    /// `getXferStatus`, which progresses the initiator's UCX worker), and, while operations are
-    /// exposed and every one is small, each exposer's notifications drained (NIXL's `getNotifs`,
-    /// which progresses its UCX worker: over TCP, that serves a peer's read of the exposed
-    /// memory). Short: the waiter that drives sees its transfer's end, and a NIXL peer's
-    /// completion, itself, and serves a peer's reads, while the engine stands down. A transfer's
-    /// end that must forget or invalidate its peer (a failure, a peer forgotten meanwhile) is
-    /// left to the engine thread (`settle_callers`).
-    ///
-    /// Only while what a progress would move is small (a UCX progress moves what there is to
-    /// move: a large transfer over TCP would run on the caller's thread, under the lock), and
-    /// only with UCX alone (the one backend whose progress from any thread, one at a time, this
-    /// relies on: see `ffi::Prepared`'s `Send`). True if anything ended.
+    /// Polls the initiator's transfers while every one is small (`getXferStatus`) and drains the
+    /// exposers' notifications while every exposure is small (`getNotifs`, which serves a peer's
+    /// reads over TCP): a large transfer would otherwise run on the caller's thread. UCX alone
+    /// (see `ffi::Prepared`'s `Send`). Ends that must forget a peer go to `settle_callers`.
     fn watch(&mut self, out: &mut Vec<Event>) -> bool {
         if !self.starts() {
             return false;
@@ -904,9 +866,7 @@ impl CallerPart for NixlState {
         self.backends.iter().all(|b| b == "UCX")
     }
 
-    /// With UCX alone, while every transfer in flight and every live exposure is small (a
-    /// large exposure's reader over TCP is served only by the engine's progress) and nothing
-    /// waits for the engine thread (an end a watch left it, a failed post, an evicted exposure).
+    /// With UCX alone, while everything in flight is small and nothing waits for the engine.
     fn sees_every_end(&self) -> bool {
         self.starts()
             && self.exposer.large == 0
