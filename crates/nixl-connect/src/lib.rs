@@ -222,31 +222,31 @@ pub mod testing {
     /// How many turns callers have taken of `connector`'s engine (a small operation's waiter
     /// drives its engine: see docs/decisions/0005-who-drives.md).
     pub fn driven_turns(connector: &Connector) -> u64 {
-        connector.engine().driven_turns()
+        connector.engine().drive().turns()
     }
 
     /// How many times a caller's turn of `connector`'s engine, watching NIXL while the engine
     /// stood down, saw a peer's completion or a transfer in flight end (see [`driven_turns`]).
     pub fn caller_watch_events(connector: &Connector) -> u64 {
-        connector.engine().caller_watch_events()
+        connector.engine().drive().watch_events()
     }
 
     /// How many NIXL transfers callers have posted on their own turns of `connector`'s engine
     /// (see [`driven_turns`]): small ones over peers, memory and lists NIXL had ready.
     pub fn caller_starts(connector: &Connector) -> u64 {
-        connector.engine().caller_starts()
+        connector.engine().drive().caller_starts()
     }
 
     /// How many commands (a small begin or exposure, an exposure's end) callers have handled on
     /// their own turns of `connector`'s engine (see [`driven_turns`]).
     pub fn caller_commands(connector: &Connector) -> u64 {
-        connector.engine().caller_commands()
+        connector.engine().drive().commands()
     }
 
     /// How many waits drive `connector`'s engine now: while any does, the engine's sleep does
     /// not see its sockets (see [`driven_turns`]).
     pub fn driving_waits(connector: &Connector) -> usize {
-        connector.engine().driving_waits()
+        connector.engine().drive().driving_waits()
     }
 
     /// Returns once `connector`'s engine has acted on everything sent to it before this call

@@ -28,10 +28,9 @@ pub(crate) mod serve;
 pub use outage::Outage;
 
 #[cfg(any(feature = "http", feature = "nats", feature = "etcd"))]
-use crate::{
-    error::{Error, MetadataProblem, Result},
-    metadata::RdmaMetadata,
-};
+use crate::error::{Error, MetadataProblem, Result};
+#[cfg(any(feature = "http", feature = "nats", feature = "etcd"))]
+use crate::metadata::RdmaMetadata;
 #[cfg(feature = "http")]
 use std::time::Duration;
 

@@ -203,10 +203,7 @@ impl Transport for LoopbackTransport {
     }
 
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
-        out.push(Event::PathTaken {
-            id: spec.id,
-            path: TransferPath::Loopback,
-        });
+        out.push(Event::taken(spec.id, TransferPath::Loopback));
         self.inflight.push(spec);
         self.node.waker.wake();
     }
@@ -214,10 +211,7 @@ impl Transport for LoopbackTransport {
     fn abandon(&mut self, id: OpId, _hard: bool, out: &mut Vec<Event>) {
         if let Some(i) = self.inflight.iter().position(|s| s.id == id) {
             self.inflight.swap_remove(i);
-            out.push(Event::ActiveEnded {
-                id,
-                result: Err(Error::Cancelled),
-            });
+            out.push(Event::ended(id, Err(Error::Cancelled)));
         }
     }
 
@@ -234,7 +228,7 @@ impl Transport for LoopbackTransport {
             for spec in std::mem::take(&mut self.inflight) {
                 let result = self.run(&spec);
                 self.transfers += 1;
-                out.push(Event::ActiveEnded { id: spec.id, result });
+                out.push(Event::ended(spec.id, result));
                 any = true;
             }
         }

@@ -446,34 +446,10 @@ impl Engine {
         })
     }
 
-    /// Turns callers have taken of this engine (see `driver`).
+    /// Who drove this engine how: the driver's counters (see `driver`), for tests.
     #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn driven_turns(&self) -> u64 {
-        self.0.drive.turns()
-    }
-
-    /// NIXL transfers callers' turns posted (see `driver`).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn caller_starts(&self) -> u64 {
-        self.0.drive.caller_starts()
-    }
-
-    /// Callers' watches of NIXL that saw a peer's completion (see `driver`).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn caller_watch_events(&self) -> u64 {
-        self.0.drive.watch_events()
-    }
-
-    /// Commands callers have handled on their turns of this engine (see `driver`).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn caller_commands(&self) -> u64 {
-        self.0.drive.commands()
-    }
-
-    /// Waits that drive this engine now (see `driver`).
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn driving_waits(&self) -> usize {
-        self.0.drive.driving_waits()
+    pub(crate) fn drive(&self) -> &Drive {
+        &self.0.drive
     }
 
     /// Decodes a peer's published metadata with the publishing transport's decoder, cached by

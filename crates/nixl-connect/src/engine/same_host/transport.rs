@@ -68,11 +68,6 @@ fn declined(spec: ActiveSpec, reason: impl Into<Decline>) -> Event {
     }
 }
 
-/// An active operation's end.
-fn ended(id: OpId, result: Result<()>) -> Event {
-    Event::ActiveEnded { id, result }
-}
-
 /// The answer that carries a refusal or a fallback decided by the policy.
 fn answer_of(d: Decision) -> Answer {
     match d {
@@ -229,7 +224,7 @@ impl SameHostTransport {
                 code,
                 reason,
             } => self.end_answered(i, slot, gen, out, |id, a| {
-                ended(id, Err(refused(a.spec().peer.name.to_string(), code, reason)))
+                Event::ended(id, Err(refused(a.spec().peer.name.to_string(), code, reason)))
             }),
             Heard::Fallback { slot, gen, reason } => self.end_answered(i, slot, gen, out, |_, a| {
                 declined(a.into_spec(), Decline::of(DeclineReason::Refused, reason))
@@ -243,7 +238,7 @@ impl SameHostTransport {
                 // The passive side finished copying our write.
                 self.end_answered(i, slot, gen, out, |id, a| {
                     let agent = a.spec().peer.name.to_string();
-                    ended(
+                    Event::ended(
                         id,
                         if ok {
                             Ok(())
@@ -289,7 +284,7 @@ impl SameHostTransport {
                 continue;
             }
             out.push(if &*a.spec().key == key {
-                ended(
+                Event::ended(
                     id,
                     Err(refused(peer.to_string(), RefuseCode::NotLive, NOT_LIVE.into())),
                 )
@@ -693,7 +688,7 @@ impl SameHostTransport {
                             let why = format!("the same-host connection was closed: {death}");
                             declined(a.into_spec(), Decline::of(DeclineReason::Handshake, why))
                         } else {
-                            ended(
+                            Event::ended(
                                 id,
                                 Err(Error::RemoteGone {
                                     agent: c.peer().to_string(),
@@ -963,10 +958,10 @@ impl SameHostTransport {
                     c.link_mut().read_done(slot, gen, false, "no eventfd");
                 }
                 self.sockets.free_slot(i, a.slot(), a.gen());
-                out.push(Event::ActiveEnded {
+                out.push(Event::ended(
                     id,
-                    result: Err(Error::os("an eventfd for a same-host read", e)),
-                });
+                    Err(Error::os("an eventfd for a same-host read", e)),
+                ));
                 return;
             }
         };
@@ -1004,7 +999,7 @@ impl SameHostTransport {
                 source: None,
             })
         };
-        out.push(Event::ActiveEnded { id, result });
+        out.push(Event::ended(id, result));
     }
 
     /// Client: a grant for (`i`, `slot`, `gen`), checked against its request and copied from.
@@ -1506,13 +1501,13 @@ impl SameHostTransport {
                         (Phase::Exporting, Err(reason)) => {
                             let a = self.client.remove(id).expect("present");
                             self.sockets.free_slot(a.conn(), a.slot(), a.gen());
-                            out.push(Event::Declined {
-                                spec: a.into_spec(),
-                                reason: Decline::shared(
+                            out.push(declined(
+                                a.into_spec(),
+                                Decline::shared(
                                     "the device memory cannot be shared through CUDA IPC",
                                     reason,
                                 ),
-                            });
+                            ));
                         }
                         // Abandoned while exporting: it was answered then; forget it now.
                         (_, _) => {
@@ -1625,18 +1620,12 @@ impl SameHostTransport {
                         }
                         self.sockets.free_slot(i, a.slot(), a.gen());
                         if a.cancel().load(Ordering::Relaxed) {
-                            out.push(Event::ActiveEnded {
-                                id,
-                                result: Err(Error::Cancelled),
-                            });
+                            out.push(Event::ended(id, Err(Error::Cancelled)));
                         } else {
-                            out.push(Event::Declined {
-                                spec: a.into_spec(),
-                                reason: Decline::shared(
-                                    "the same-host device copy cannot run here",
-                                    reason.clone(),
-                                ),
-                            });
+                            out.push(declined(
+                                a.into_spec(),
+                                Decline::shared("the same-host device copy cannot run here", reason.clone()),
+                            ));
                         }
                         continue;
                     }
@@ -1671,7 +1660,7 @@ impl SameHostTransport {
                         c.link_mut().read_done(a.slot(), a.gen(), result.is_ok(), "");
                     }
                     self.sockets.free_slot(i, a.slot(), a.gen());
-                    out.push(Event::ActiveEnded { id, result });
+                    out.push(Event::ended(id, result));
                 }
                 CopyOwner::Write {
                     key,
@@ -1877,10 +1866,10 @@ impl Transport for SameHostTransport {
 
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
         if !self.enabled {
-            out.push(Event::Declined {
+            out.push(declined(
                 spec,
-                reason: Decline::of(DeclineReason::Off, "the same-host path is off for this connector"),
-            });
+                Decline::of(DeclineReason::Off, "the same-host path is off for this connector"),
+            ));
             return;
         }
         let (local, remote) = (uniform(&spec.local), uniform(&spec.remote));
@@ -1889,10 +1878,7 @@ impl Transport for SameHostTransport {
             (Some(l), Some(r)) => {
                 let (src, dst) = if spec.write { (l, r) } else { (r, l) };
                 if let Some(refusal) = device_path_refusal(src, dst) {
-                    out.push(Event::Declined {
-                        spec,
-                        reason: refusal.into(),
-                    });
+                    out.push(declined(spec, refusal));
                     return;
                 }
                 // Device memory as the source takes CUDA IPC; host memory into device memory
@@ -1900,35 +1886,32 @@ impl Transport for SameHostTransport {
                 src != Device::Host
             }
             _ => {
-                out.push(Event::Declined {
+                out.push(declined(
                     spec,
-                    reason: Decline::of(DeclineReason::Memory, "the descriptors mix kinds of memory"),
-                });
+                    Decline::of(DeclineReason::Memory, "the descriptors mix kinds of memory"),
+                ));
                 return;
             }
         };
         let i = match self.connect(&spec.peer.name, &spec.key) {
             Ok(i) => i,
             Err(reason) => {
-                out.push(Event::Declined { spec, reason });
+                out.push(declined(spec, reason));
                 return;
             }
         };
         let c = self.sockets.get_mut(i).expect("connected");
         let Some((slot, gen)) = c.claim_slot() else {
-            out.push(Event::Declined {
+            out.push(declined(
                 spec,
-                reason: Decline::of(
+                Decline::of(
                     DeclineReason::Busy,
                     "too many operations in flight to this peer on the same-host path",
                 ),
-            });
+            ));
             return;
         };
-        out.push(Event::PathTaken {
-            id: spec.id,
-            path: TransferPath::SameHost,
-        });
+        out.push(Event::taken(spec.id, TransferPath::SameHost));
         let id = spec.id;
         let ready = c.link().is_ready();
         if !ready {
@@ -1969,14 +1952,7 @@ impl Transport for SameHostTransport {
                     self.sockets.free_slot(conn, a.slot(), a.gen());
                 }
                 // A write's pipes may still be fed from its memory: released once they are not.
-                self.end_act_after_feed(
-                    id,
-                    Event::ActiveEnded {
-                        id,
-                        result: Err(Error::Cancelled),
-                    },
-                    out,
-                );
+                self.end_act_after_feed(id, Event::ended(id, Err(Error::Cancelled)), out);
             }
         }
     }
