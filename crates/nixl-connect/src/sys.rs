@@ -1,13 +1,8 @@
-//! The crate's floor: every system call and every call into the CUDA driver, each `unsafe` block
-//! with its `SAFETY:` line, under safe functions for the layers above (NIXL's FFI is apart, in
-//! `engine/nixl/ffi.rs`; the public raw-memory constructors are `descriptor.rs`'s).
-//! - this file: the engine's sleep (`epoll`, an `eventfd`, a `timerfd`), the count of `fork()`s
-//!   and the lock that keeps calls into NIXL out of one, and raw memory (the loopback transport's
-//!   copies, through the kernel; byte views of raw descriptors, an `unsafe fn`, as only its
-//!   callers know the memory is live);
-//! - [`same_host`]: the same-host wing's sockets, copies, pipes, slot tables and CUDA IPC;
-//! - `cuda` (feature `cuda`): the driver's calls for `crate::cuda` (contexts, stream order, VMM
-//!   allocations), and `loaded`: whether a library is loaded, asked without touching the disk.
+//! The crate's floor: every system call and CUDA driver call, each `unsafe` block with its
+//! `SAFETY:` line, under safe functions (NIXL's FFI is `engine/nixl/ffi.rs`'s). This file: the
+//! engine's sleep (`epoll`, `eventfd`, `timerfd`), the fork count and the lock that keeps calls
+//! into NIXL out of a fork, and raw memory (loopback copies through the kernel, byte views);
+//! [`same_host`] is the same-host wing's; `cuda` and `loaded` (feature `cuda`) the driver's.
 #![allow(unsafe_code)]
 
 #[cfg(feature = "cuda")]
@@ -27,11 +22,21 @@ pub(crate) type EpollEvent = libc::epoll_event;
 /// An empty event, to fill a buffer [`epoll_wait`] writes into.
 pub(crate) const NO_EVENT: EpollEvent = libc::epoll_event { events: 0, u64: 0 };
 
+/// A syscall's result, or the error in `errno` when it is negative.
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     if r < 0 {
         Err(io::Error::last_os_error())
     } else {
         Ok(r)
+    }
+}
+
+/// As [`cvt`], for a call that returns a byte count.
+fn cvt_len(n: isize) -> io::Result<usize> {
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
     }
 }
 
@@ -157,29 +162,18 @@ pub(crate) fn forks() -> u64 {
 
 static FORKS: AtomicU64 = AtomicU64::new(0);
 
-/// Counts every later `fork()` in its child ([`forks`]), and makes the lock that keeps calls
-/// into NIXL out of a fork ([`outside_fork`]): one set of fork handlers for both, registered
-/// once, whoever calls it. Made at an engine's start rather than at the first call into NIXL:
-/// a fork while the handlers are being made would leave the child its `Once` running forever.
-pub(crate) fn count_forks() {
-    fork_gate_init();
-}
-
 /// Runs `f`, a call into NIXL (and through it UCX), where no `fork()` of this process happens.
 ///
-/// UCX keeps process-wide locks (its async handler table's among them) that a call may hold. A
-/// thread that forks while another is inside such a call leaves the child that lock held forever,
-/// and the child's first agent waits on it (issue 63, finding 7). Each call holds a shared lock;
-/// a `pthread_atfork` prepare handler takes it whole, so a fork waits for the calls in flight and
-/// new calls wait for the fork. The lock prefers its writer (a stream of calls does not starve a
-/// fork); a call made inside another on the same thread does not take it again (which, with a
-/// fork waiting, would deadlock). A thread that forks from inside a call (the `python3` that
-/// `load` may run is spawned outside any) does not wait for itself.
+/// A fork while another thread is inside UCX leaves the child UCX's process-wide locks held
+/// forever. Each call holds a shared lock that a `pthread_atfork` prepare handler takes whole, so
+/// forks and calls wait for each other; the lock prefers its writer (calls do not starve a
+/// fork), a nested call does not take it again (that would deadlock with a fork waiting), and a
+/// thread that forks from inside a call does not wait for itself.
 pub(crate) fn outside_fork<T>(f: impl FnOnce() -> T) -> T {
     if CALL_DEPTH.get() > 0 {
         return f();
     }
-    fork_gate_init();
+    count_forks();
     // SAFETY: the gate is initialised (just above, once per process and again in a child).
     unsafe { libc::pthread_rwlock_rdlock(std::ptr::addr_of_mut!(FORK_GATE)) };
     CALL_DEPTH.set(1);
@@ -209,8 +203,10 @@ thread_local! {
     static FORKED_INSIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Makes the gate, writer first, and registers its fork handlers; once per process.
-fn fork_gate_init() {
+/// Counts every later `fork()` in its child ([`forks`]) and makes the gate of [`outside_fork`]:
+/// one set of fork handlers, registered once per process. Called at an engine's start, not at
+/// the first call into NIXL: a fork while they are made would leave the child's `Once` running.
+pub(crate) fn count_forks() {
     static INIT: std::sync::Once = std::sync::Once::new();
     INIT.call_once(|| {
         fork_gate_make();
@@ -255,16 +251,16 @@ extern "C" fn fork_parent() {
 /// the child runs; the one thread there, no lock of the parent's taken): one function, the last
 /// given.
 pub(crate) fn in_fork_children(f: extern "C" fn()) {
-    fork_gate_init();
+    count_forks();
     IN_CHILDREN.store(f as *mut (), Ordering::Release);
 }
 
 static IN_CHILDREN: std::sync::atomic::AtomicPtr<()> =
     std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
 
-/// After a fork, in the child: one more fork counted ([`forks`]), a fresh gate (the old one
-/// names the parent's thread as its writer), held shared again where this thread forked from inside a call that will release it;
-/// then what [`in_fork_children`] named.
+/// After a fork, in the child: one more fork counted, a fresh gate (the old one names the
+/// parent's thread as its writer), held shared again if this thread forked inside a call; then
+/// what [`in_fork_children`] named.
 extern "C" fn fork_child() {
     // An atomic's increment, which is async-signal-safe.
     FORKS.fetch_add(1, Ordering::Relaxed);
@@ -282,12 +278,10 @@ extern "C" fn fork_child() {
     }
 }
 
-/// Copies `len` bytes from address `src` to address `dst` of this process through the kernel
-/// (`process_vm_readv` on itself), as a peer's pull reaches memory from outside the code that
-/// owns it: the kernel checks every address against its mapping (memory not mapped, or `dst` not
-/// writable, is an error, never a fault), and what the bytes mean to the owner of `dst` is the
-/// business of whoever hands out the addresses (the loopback transport, from live descriptors).
-/// The ranges must not overlap.
+/// Copies `len` bytes from address `src` to address `dst` of this process with `process_vm_readv`
+/// on itself, as a peer's pull would: the kernel checks every address (memory not mapped, or
+/// `dst` not writable, is an error, never a fault); the caller vouches for what the addresses
+/// mean. The ranges must not overlap.
 #[cfg(any(test, feature = "testing"))]
 pub(crate) fn copy_in_process(src: usize, dst: usize, len: usize) -> io::Result<()> {
     // SAFETY: getpid cannot fail.

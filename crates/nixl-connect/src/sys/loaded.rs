@@ -2,13 +2,10 @@
 
 /// Whether a library is loaded in this process, asked for every raw descriptor.
 ///
-/// It walks the list of loaded objects in memory (`dl_iterate_phdr`) instead of asking
-/// `dlopen(RTLD_NOLOAD)`, which searches the library path on disk when the library is not loaded
-/// (a dozen system calls, and an `munmap` that interrupts every core this process runs on, twice
-/// per operation from Python). Once seen loaded, it stays so (the library is never unloaded). A
-/// "not loaded" answer is kept with the loader's count of objects added (`dlpi_adds`): while that
-/// is unchanged, the first object visited answers and the walk stops there (objects removed since
-/// cannot have brought the library).
+/// It walks the loaded objects in memory (`dl_iterate_phdr`): `dlopen(RTLD_NOLOAD)` searches the
+/// disk when the library is not loaded. Seen loaded, it stays so (never unloaded); "not loaded"
+/// is kept with the loader's count of objects added (`dlpi_adds`), and while that is unchanged
+/// the walk stops at the first object.
 pub(crate) struct LoadWatch {
     /// The start of the library's file name.
     prefix: &'static [u8],

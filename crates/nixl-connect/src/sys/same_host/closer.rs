@@ -1,17 +1,11 @@
-//! The closer pools: descriptors whose close may block (a pipe whose lock a peer holds, a socket
-//! that lingers, a file whose FUSE daemon never answers its flush) are closed on threads kept for
-//! that, never on the engine thread or a copy thread.
+//! The closer pools: descriptors whose close may block (a pipe whose lock a peer holds, a
+//! lingering socket, a FUSE file whose flush never returns) close on threads kept for that.
 //!
-//! Each kind of close has a pool ([`ClosePool`]): a thread more is started whenever more closes wait
-//! than the pool has idle threads, up to [`THREADS`], so a close that never returns holds one
-//! thread, and the next closes go on beside it (past 16 such closes, the rest of that pool's
-//! wait). The closes handed over and not yet made are counted, in all pools ([`backlogged`]):
-//! past the bound, the same-host path reads no connection that can pass descriptors, takes
-//! nothing from the sockets it closes and accepts no connection until they drain, so closes that
-//! a peer wedges fill at most the bound and a message's worth of descriptors more per reader.
-//!
-//! In a child of `fork()` the pools' threads are gone: the child's first close starts pools of
-//! its own, and its count starts from nothing.
+//! Each kind of close has a pool ([`ClosePool`]) that grows while closes outnumber idle threads,
+//! up to [`THREADS`], so a close that never returns holds one thread. Closes waiting are counted
+//! over all pools ([`backlogged`]): past the bound the same-host path reads, drains and accepts
+//! nothing that can pass descriptors until they drain, so a peer wedges at most the bound and a
+//! message's descriptors more per reader. A child of `fork()` starts pools and count anew.
 
 use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};

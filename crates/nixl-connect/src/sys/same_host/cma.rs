@@ -25,6 +25,7 @@ pub(crate) const MIN_PIECE: usize = 8 << 20;
 pub(crate) const CHUNK: usize = 8 << 20;
 /// The most copy threads the pool starts.
 pub(crate) const MAX_THREADS: usize = 8;
+/// The most iovecs one call takes.
 const IOV_MAX: usize = 1024;
 /// The fewest ranges a large copy of small ranges is split into for another thread.
 pub(crate) const MIN_RANGES: usize = 256;
@@ -202,6 +203,8 @@ unsafe fn readv(pid: libc::pid_t, local: &[libc::iovec], remote: &[libc::iovec])
     }
 }
 
+/// Ends the grant of `slot` after a copy (`COPYING -> DONE`): `Revoked` if its owner revoked it
+/// meanwhile (the bytes copied are then not to be used).
 pub(crate) fn finish(slot: &SlotRef) -> Result<(), CopyError> {
     if slot.table.advance(slot.idx, slot.gen, COPYING, DONE) {
         Ok(())
@@ -210,6 +213,7 @@ pub(crate) fn finish(slot: &SlotRef) -> Result<(), CopyError> {
     }
 }
 
+/// Run once a copy has ended, with how it went.
 type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
 /// What one job of the pool does.
@@ -239,6 +243,7 @@ struct Part {
     group: Arc<Group>,
 }
 
+/// The parts of one copy: how many are left, the first error, and what the last one to end does.
 struct Group {
     left: AtomicUsize,
     error: Mutex<Option<CopyError>>,
@@ -248,15 +253,27 @@ struct Group {
     done: Mutex<Option<Done>>,
 }
 
+impl Group {
+    /// A copy of `parts` parts, ending `slot`, reporting to `done`.
+    fn new(parts: usize, slot: Option<SlotRef>, done: Done) -> Arc<Self> {
+        let (left, error, done) = (AtomicUsize::new(parts), Mutex::new(None), Mutex::new(Some(done)));
+        Arc::new(Group {
+            left,
+            error,
+            slot,
+            done,
+        })
+    }
+}
+
 /// The process-wide copy pool.
 ///
-/// A copy can block for as long as its peer wants (a page backed by FUSE or by a `userfaultfd`
-/// range nobody serves), and nothing interrupts `process_vm_readv` short of killing the process.
-/// So no copy runs on the engine thread, one peer (process) runs at most [`Pool::per_peer`] pieces
-/// at once, and when every thread is busy the pool grows, by up to `per_peer` threads for each
-/// peer that holds threads (at least [`MAX_SPARE`] more in all, at most [`MAX_POOL_THREADS`];
-/// added threads leave again after [`SPARE_IDLE`] without work): a peer that stalls its pages
-/// holds its own copies and the threads running them, never another peer's share.
+/// A peer can block a copy for as long as it wants (a page backed by FUSE or an unserved
+/// `userfaultfd`), and nothing interrupts `process_vm_readv`. So one peer runs at most
+/// [`Pool::per_peer`] pieces at once, and when every thread is busy the pool grows by up to
+/// `per_peer` threads per peer holding threads (at least [`MAX_SPARE`], at most
+/// [`MAX_POOL_THREADS`]; spares leave after [`SPARE_IDLE`] idle): a stalling peer holds only its
+/// own share.
 struct Pool {
     state: Mutex<PoolState>,
     cv: Condvar,
@@ -321,12 +338,9 @@ impl PoolState {
         (running, runnable)
     }
 
-    /// How many sleeping threads a submit wakes: one for every queued job that may run now
-    /// beyond those the spinning threads will take (each takes one as soon as it sees `queued`).
-    /// Counted over the whole queue, not the jobs just submitted: a spinning thread stays counted
-    /// until it takes its job, and two submits in that window must not both leave their job to it.
-    /// Threads woken earlier and not yet running still count as sleeping, so this may wake more
-    /// than needed (a cost), never fewer (a job left queued while threads sleep).
+    /// How many sleeping threads a submit wakes: one for every queued job that may run now beyond
+    /// those the spinning threads will take. Counted over the whole queue (two submits must not
+    /// both leave their job to one spinning thread); it may wake more than needed, never fewer.
     fn wakes(&self, per_peer: usize) -> usize {
         let (_, runnable) = self.load(per_peer);
         runnable.saturating_sub(self.hot).min(self.idle)
@@ -456,10 +470,8 @@ impl Pool {
     }
 
     fn worker(&'static self, kept: bool) {
-        // A kept thread that just ran a job stays hot for [`Pace::hot_for`](crate::pace::Pace::hot_for) (yielding its core), as
-        // the engine does, so that back-to-back copies pay no wake-up (on the machines measured,
-        // waking a sleeping thread costs tens of microseconds; a 4 KiB copy, under one); not
-        // while the host is oversubscribed (see `crate::pace`).
+        // A kept thread that just ran a job stays hot a while (`Pace::hot_for`, yielding its
+        // core), so back-to-back copies pay no wake-up; not while the host is oversubscribed.
         let mut hot_until: Option<Instant> = None;
         let mut st = lock(&self.state);
         loop {
@@ -514,11 +526,9 @@ impl Pool {
     }
 }
 
-/// Runs a job's parts in order. The pulls of a batched job go in one system call when they fit
-/// in one (what a burst of small copies costs is then one call, not one each); when that call
-/// moves less than all of them (a fault, a peer gone), each part runs on its own as it would have,
-/// copying its bytes again: the destination is this process's memory, and what a part reports is
-/// what its own pull found.
+/// Runs a job's parts in order. A batched job's pulls go in one system call when they fit; when it
+/// moves less than all (a fault, a peer gone), each part runs again on its own, so what a part
+/// reports is what its own pull found (the destination is this process's memory).
 fn run(job: Job) {
     let pulled = job.parts.len() > 1 && pull_together(job.pid, &job.parts);
     for part in job.parts {
@@ -597,12 +607,9 @@ fn end_part(part: Part, r: Result<(), CopyError>) {
 /// small (see [`Batch`]).
 const BATCH_BYTES: usize = 256 << 10;
 
-/// Copies started but not yet handed to the pool: the engine starts the copies of one turn into a
-/// batch and submits it at the turn's end, so that the small copies of one peer (the reads a burst
-/// of grants started, the writes a burst of requests asked for) reach a pool thread as one job
-/// with one hand-off (and one lock of the pool) instead of one each. They run one after another on
-/// that thread: a peer that stalls one of its pages holds its own batched copies, as it holds its
-/// own share of the pool; no other peer's.
+/// Copies started in one engine turn, submitted at its end, so a peer's small copies reach a pool
+/// thread as one job (one hand-off, one lock of the pool). They run one after another: a peer
+/// that stalls a page holds only its own batched copies.
 #[derive(Default)]
 pub(crate) struct Batch {
     jobs: Vec<Job>,
@@ -713,12 +720,7 @@ pub(crate) fn spawn_into(batch: &mut Batch, c: Copy, done: Done) -> Result<(), C
     if !cur.is_empty() || jobs.is_empty() {
         jobs.push(cur);
     }
-    let group = Arc::new(Group {
-        left: AtomicUsize::new(jobs.len()),
-        error: Mutex::new(None),
-        slot: Some(c.slot),
-        done: Mutex::new(Some(done)),
-    });
+    let group = Group::new(jobs.len(), Some(c.slot), done);
     for pieces in jobs {
         let bytes = pieces.iter().map(|p| p.len).sum();
         let part = Part {
@@ -731,52 +733,26 @@ pub(crate) fn spawn_into(batch: &mut Batch, c: Copy, done: Done) -> Result<(), C
     Ok(())
 }
 
-/// Runs `task` `parts` times on the copy pool, as `pid`'s copy guarded by `slot` (its peer's
-/// share of the pool, as pulls are); `done` runs once every part has ended (the first error,
-/// else the slot's `COPYING -> DONE`). Returns the revocation error at once (without calling
-/// `done`) when the grant was revoked before the copy began.
+/// Runs `task` `parts` times on the copy pool under `pid`'s share of it (as pulls are), guarded
+/// by `slot` (none for a job that writes no memory of this process: a pipe's feed); `done` runs
+/// once every part has ended (the first error, else the slot's `COPYING -> DONE`). Returns the
+/// revocation error at once (without calling `done`) when the grant was revoked before the copy
+/// began.
 pub(crate) fn spawn_tasks(
-    pid: libc::pid_t,
-    slot: SlotRef,
-    cancel: Arc<AtomicBool>,
-    parts: usize,
-    task: Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>,
-    done: Done,
-) -> Result<(), CopyError> {
-    if !slot.table.advance(slot.idx, slot.gen, ARMED, COPYING) {
-        return Err(CopyError::NotStarted);
-    }
-    submit_tasks(pid, Some(slot), cancel, parts, task, done);
-    Ok(())
-}
-
-/// Runs `task` `parts` times on the copy pool under `pid`'s share of it, guarded by no slot (it
-/// writes no memory of this process: a pipe's feed); `done` runs once every part has ended.
-pub(crate) fn spawn_job(
-    pid: libc::pid_t,
-    cancel: Arc<AtomicBool>,
-    parts: usize,
-    task: Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>,
-    done: Done,
-) {
-    submit_tasks(pid, None, cancel, parts, task, done);
-}
-
-fn submit_tasks(
     pid: libc::pid_t,
     slot: Option<SlotRef>,
     cancel: Arc<AtomicBool>,
     parts: usize,
     task: Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync>,
     done: Done,
-) {
+) -> Result<(), CopyError> {
+    if let Some(slot) = &slot {
+        if !slot.table.advance(slot.idx, slot.gen, ARMED, COPYING) {
+            return Err(CopyError::NotStarted);
+        }
+    }
     let parts = parts.max(1);
-    let group = Arc::new(Group {
-        left: AtomicUsize::new(parts),
-        error: Mutex::new(None),
-        slot,
-        done: Mutex::new(Some(done)),
-    });
+    let group = Group::new(parts, slot, done);
     let jobs = (0..parts)
         .map(|_| Job {
             pid,
@@ -790,15 +766,12 @@ fn submit_tasks(
         })
         .collect();
     pool().submit(jobs);
+    Ok(())
 }
 
-/// True when this process may read the memory of the process behind `pidfd` with
-/// `process_vm_readv`, found out without touching that memory (an address the peer chose could
-/// be backed by a page that never comes: a FUSE file, a `userfaultfd` range).
-///
-/// `pidfd_getfd` runs the same check as `process_vm_readv` (`PTRACE_MODE_ATTACH_REALCREDS`: uid,
-/// capabilities, Yama's `ptrace_scope`) before it looks up the descriptor; asking for a descriptor
-/// number no process has tells the two answers apart: `EPERM` (may not) or `EBADF` (may).
+/// True when this process may `process_vm_readv` the process behind `pidfd`, found without
+/// touching its memory (a page there may never come): `pidfd_getfd` runs the same ptrace check
+/// first, and for a descriptor number no process has answers `EPERM` (may not) or `EBADF` (may).
 pub(crate) fn may_pull(pidfd: &OwnedFd) -> bool {
     // SAFETY: pidfd_getfd only reads its integer arguments; on success (impossible for this
     // descriptor number) the descriptor it returns is closed at once.

@@ -1,19 +1,13 @@
-//! The rendezvous in a directory both sides mount: processes that share no network namespace
-//! (pods on one node, each with its own) but a volume find each other's same-host socket as a
-//! file there, instead of the abstract socket their namespaces keep apart.
+//! The rendezvous in a directory both sides mount, for processes that share a volume but no
+//! network namespace (pods on one node): the same-host socket is a file there.
 //!
-//! Each user has a folder of its own inside the shared directory (`nixl-connect.<uid>`, mode
-//! 0700, checked to be a real directory of this user: a volume such as Kubernetes' `emptyDir` is
-//! created open to all), so another user cannot even reach the sockets in it. A socket is named
-//! from its connector's identity (`nxc1-<fingerprint>.sock`, the fingerprint its agent name
-//! advertises, so a peer finds it from the metadata alone) and created 0600; beside it a lock file
-//! (`.lock`) that its process holds locked (`flock`) for its life. A lock nobody holds marks a
-//! socket its process left behind when it died: the next connector to start removes both, which
-//! no live socket can suffer (its lock is held); and a second process cannot take a name whose
-//! lock is held. Whoever binds a name proves nothing by it: the handshake still checks the
-//! identity's signature.
+//! Each user has a folder there (`nixl-connect.<uid>`, checked to be a real 0700 directory of this
+//! user: volumes are often open to all). A socket (`<stem>.sock`, 0600, named from its connector's
+//! identity) has beside it a `.lock` its process holds (`flock`) for life: a lock nobody holds
+//! marks a dead process's files, which the next start removes, and a held one keeps the name.
+//! Binding a name proves nothing: the handshake still checks the identity's signature.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
@@ -100,8 +94,10 @@ pub(crate) fn listen_in(base: &Path, stem: &str) -> io::Result<DirListener> {
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&lock_path)?;
-    if !try_lock(&lock)? {
-        return Err(io::Error::from_raw_os_error(libc::EADDRINUSE));
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(TryLockError::WouldBlock) => return Err(io::Error::from_raw_os_error(libc::EADDRINUSE)),
+        Err(TryLockError::Error(e)) => return Err(e),
     }
     // A socket file of this name is a dead process's (its lock was free): ours now.
     match fs::remove_file(&sock_path) {
@@ -110,11 +106,7 @@ pub(crate) fn listen_in(base: &Path, stem: &str) -> io::Result<DirListener> {
         Err(e) => return Err(e),
     }
     let fd = unix_socket()?;
-    let (a, len) = path_addr(&sock_path)?;
-    // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
-    if unsafe { libc::bind(fd.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    super::bind_to(fd.as_raw_fd(), &path_addr(&sock_path)?)?;
     let listener = DirListener {
         sock: Tracked::new(fd),
         sock_path,
@@ -123,10 +115,7 @@ pub(crate) fn listen_in(base: &Path, stem: &str) -> io::Result<DirListener> {
     };
     // The folder (0700) already keeps others out; the socket itself says so too.
     fs::set_permissions(&listener.sock_path, fs::Permissions::from_mode(0o600))?;
-    // SAFETY: listen on our own bound socket.
-    if unsafe { libc::listen(listener.fd(), super::BACKLOG) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    super::listen_on(listener.fd(), super::BACKLOG)?;
     Ok(listener)
 }
 
@@ -146,26 +135,13 @@ fn sweep(d: &Path) {
         else {
             continue;
         };
-        if try_lock(&lock).unwrap_or(false) {
+        // Taken here (an exclusive `flock`, released when its last descriptor closes, so when
+        // its process dies) only where nobody holds it.
+        if lock.try_lock().is_ok() {
             tracing::debug!(path = %path.display(), "removing a same-host socket its process left behind");
             let _ = fs::remove_file(path.with_extension("sock"));
             let _ = fs::remove_file(&path);
         }
-    }
-}
-
-/// Takes an exclusive `flock` on `f` without waiting: false when another open file holds one
-/// (it is released when that file's last descriptor closes, so when its process dies).
-fn try_lock(f: &File) -> io::Result<bool> {
-    // SAFETY: flock on a descriptor `f` owns; no memory is passed.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(true);
-    }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(false)
-    } else {
-        Err(e)
     }
 }
 
@@ -217,13 +193,10 @@ fn check_own(d: &Path, m: &fs::Metadata, what_to_do: &str) -> io::Result<()> {
 }
 
 /// Connects the socket `fd` to the socket named `stem` in this user's folder of `base`, checked
-/// as serving checks it, with nothing swapped between the check and the connect: the folder is
-/// opened without following a link (`O_PATH | O_NOFOLLOW`) and must be a directory of this user
-/// with mode 0700 (another user may have made it first in a shared directory, or left a link
-/// there); the socket file is opened inside that open folder, again without following a link,
-/// and must be a socket of this user; the connection goes to that very file
-/// (`/proc/self/fd/N`). `PermissionDenied` says what was found; without `/proc`, `NotFound` says
-/// it is needed.
+/// as serving checks it and with nothing swapped between check and connect: the folder and then
+/// the socket in it are opened without following links (`O_PATH | O_NOFOLLOW`), must be this
+/// user's (the folder 0700), and the connection goes to that very file (`/proc/self/fd/N`).
+/// `PermissionDenied` says what was found; without `/proc`, `NotFound` says it is needed.
 pub(crate) fn connect_in(fd: RawFd, base: &Path, stem: &str) -> io::Result<()> {
     let proc_fd = Path::new("/proc/self/fd");
     if !proc_fd.is_dir() {
@@ -268,13 +241,7 @@ pub(crate) fn connect_in(fd: RawFd, base: &Path, stem: &str) -> io::Result<()> {
 
 /// Connects the socket `fd` to the filesystem socket at `p`.
 pub(crate) fn connect_path(fd: RawFd, p: &Path) -> io::Result<()> {
-    let (a, len) = path_addr(p)?;
-    // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
-    let r = unsafe { libc::connect(fd, (&a as *const libc::sockaddr_un).cast(), len) };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    super::connect_to(fd, &path_addr(p)?)
 }
 
 #[cfg(test)]

@@ -1,36 +1,18 @@
 //! Device memory between Rust peers of one host through CUDA IPC (feature `cuda`).
 //!
-//! The owner of the *source* exports it ([`export`]): on its CUDA thread it finds the allocation
-//! around each range (`cuMemGetAddressRange`), its buffer id and its IPC handle
-//! (`cuIpcGetMemHandle`). The side whose memory is *written* copies ([`spawn`]), as on the host
-//! path: it opens the handle once and caches the mapping per (peer connection, allocation base,
-//! buffer id), so a freed and reallocated address never reuses a stale mapping, copies with
-//! `cuMemcpyAsync` on its own stream (device to device, or device to its own host memory) after
-//! checking the range against the mapping's true size (`cuMemGetAddressRange`), and
-//! synchronises that stream before the copy counts as done, so the owner learns of completion only
-//! after the bytes are in place. Every copy runs under the slot protocol of [`super::slots`]: a
-//! source revoked before the copy has finished makes the copier discard it.
+//! The owner of the *source* exports it ([`export`]): the allocation around each range, its buffer
+//! id and its IPC handle. The side whose memory is *written* copies ([`spawn`]): it opens the
+//! handle once, caches the mapping per (connection, allocation base, buffer id) so a reallocated
+//! address never reuses a stale mapping, checks each range against the mapping's true size, and
+//! synchronises its stream before the copy counts as done, under the slot protocol of
+//! [`super::slots`].
 //!
-//! What an IPC handle exposes: the whole allocation (a `cudaMalloc` block, or a caching
-//! allocator's segment holding other tensors), not only the operation's ranges. This library only
-//! ever reads, and only the ranges of a live grant; the handle goes only to a process of the same
-//! user (checked with `SO_PEERCRED`), which could read the owner's memory by other means anyway.
-//! Mappings stay open after an operation (opening costs far more than a small copy) until the same
-//! address shows another buffer id, the cache is full, or the peer's connection closes.
-//!
-//! VMM allocations (this crate's `DeviceBuffer`, PyTorch's expandable segments) have no legacy
-//! handle, and between PID namespaces (pods) a legacy handle does not open: there the export is
-//! the allocation's POSIX descriptor ([`super::vmm`]), passed with the frame, to a peer that said
-//! it takes descriptors. The exporter keeps each allocation it shared on a connection retained,
-//! under an id never reused (the handle's value names that allocation while it is retained, so a
-//! later allocation at the same address gets a new id), and passes a copy of its descriptor with
-//! every operation; the copier keeps its mapping per (connection, id), so an allocation is
-//! imported and mapped once, not per operation. Both sides bound what they keep (count and
-//! bytes, least recently used first) and drop it when the connection closes; a `DeviceBuffer`
-//! dropped is forgotten at once.
-//!
-//! All CUDA calls of this path run on one thread per process, `nixl-connect-cuda`, so the engine
-//! thread never blocks on the device.
+//! An IPC handle exposes the whole allocation, not only the operation's ranges: it goes only to a
+//! process of the same user (`SO_PEERCRED`), which could read that memory by other means anyway.
+//! Between PID namespaces, and for VMM allocations, the export is the allocation's descriptor
+//! ([`super::vmm`]), kept retained per connection under an id never reused. Both sides bound what
+//! they keep (least recently used first) and drop it with the connection. All CUDA calls run on
+//! one thread, `nixl-connect-cuda`, never the engine thread.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -57,8 +39,7 @@ const MAX_MAPPINGS: usize = 1024;
 const MAX_SHARED_PER_CONN: usize = 32;
 const MAX_SHARED_BYTES_PER_CONN: u64 = 8 << 30;
 /// Allocations kept shared in the process, over every connection: each keeps its exported
-/// descriptor (exporting one per operation costs about 1 ms on the H200, dup-ing it
-/// microseconds), so this bounds the descriptors the exporter holds.
+/// descriptor (exporting per operation costs far more than a dup), so this bounds those held.
 const MAX_SHARED: usize = 64;
 /// Peers' VMM allocations kept mapped per process, and their bytes, before the least recently
 /// used is unmapped.
@@ -174,13 +155,10 @@ pub(crate) fn available() -> bool {
     *AVAILABLE.get_or_init(|| crate::sys::cuda::device_count().is_ok_and(|n| n > 0))
 }
 
-/// True when a caller's thread may drive a connector's same-host path (`engine::driver`)
-/// without ever starting CUDA or the CUDA thread: whether CUDA IPC works here is known, because
-/// something in this process has started CUDA already (torch, a `DeviceBuffer`), or asked this
-/// module, or because there is no CUDA driver library to load. Where it works, the CUDA thread is
-/// started here (on the engine thread, which asks this when it starts). Elsewhere (a GPU host
-/// where nothing in the process has started CUDA yet) callers do not drive that connector: the
-/// first device request must be decided by the engine thread, which may start CUDA.
+/// True when a caller's thread may drive a connector's same-host path (`engine::driver`) without
+/// ever starting CUDA: whether CUDA IPC works is known (CUDA already started in this process, or
+/// no driver library to load). Where it works, the CUDA thread is started here (the engine thread
+/// asks this when it starts); where unknown, the engine thread decides the first device request.
 pub(crate) fn settled_for_callers() -> bool {
     let known = match AVAILABLE.get() {
         Some(&k) => Some(k),
@@ -417,14 +395,7 @@ impl Cuda {
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.copy(&c)))
                     .unwrap_or_else(|_| Err(CopyError::Os(IpcError::Panicked("copy").into())));
                 // Finish the slot: DONE unless the source was revoked while the copy ran.
-                let r = r.and_then(|()| {
-                    if c.slot.table.advance(c.slot.idx, c.slot.gen, COPYING, DONE) {
-                        Ok(())
-                    } else {
-                        Err(CopyError::Revoked)
-                    }
-                });
-                done(r);
+                done(r.and_then(|()| cma::finish(&c.slot)));
             }
             Job::Forget(conn) => {
                 let keys: Vec<_> = self.maps.keys().filter(|k| k.0 == conn).copied().collect();
@@ -638,7 +609,7 @@ impl Cuda {
             Ok(fd) => fd,
             Err(e) => {
                 vmm::release(h);
-                return Err(e.into());
+                return Err(e);
             }
         };
         let Ok(copy) = fd.try_clone() else {
@@ -745,8 +716,8 @@ impl Cuda {
         // SAFETY: makes a retained context current (the mapping is made for its device).
         check(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")
             .map_err(|e| CopyError::Os(e.into()))?;
-        let map = vmm::Imported::map(fd, src.alloc_len, ordinal)
-            .map_err(|e| CopyError::Unsupported(IpcError::from(e).into()))?;
+        let map =
+            vmm::Imported::map(fd, src.alloc_len, ordinal).map_err(|e| CopyError::Unsupported(e.into()))?;
         let ptr = map.ptr();
         self.imports.insert(
             key,

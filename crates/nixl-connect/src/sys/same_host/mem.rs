@@ -1,12 +1,8 @@
-//! Raw copies between this process's own memory and byte vectors: the small operations' bytes
-//! (`eager.rs` decides when; this file only copies).
+//! Raw copies between this process's own memory and byte vectors, for small operations.
 //!
-//! Every range touched lies inside `own`: host [`Range`]s of one of this process's operations,
-//! which exist only for memory a caller vouched for (`Descriptor::from_raw_parts` is `unsafe`, the
-//! safe constructors borrow or own the memory) and which stay allocated while the operation is
-//! held (the caller's hold: a passive operation marked in use, an active operation not yet
-//! reported ended). These functions check the first; the caller keeps the second, as for every
-//! copy on this path ([`cma`](super::cma)).
+//! Every range touched lies inside `own`: host [`Range`]s of one of this process's operations
+//! (memory a caller vouched for), which stay allocated while the caller holds the operation.
+//! These functions check the first; the caller keeps the second.
 
 use crate::device::Device;
 use crate::reg::Range;

@@ -1,17 +1,7 @@
-//! The same-host wing's part of the floor: every syscall and every `unsafe` block the wing
-//! (`engine/same_host/`, compiled with `forbid(unsafe_code)`) needs lives in this folder.
-//!
-//! - this file: abstract Unix sockets, descriptors passed over them, peer credentials, pidfds,
-//!   timers, the descriptor limit, and what each closer does;
-//! - [`closer`]: the closer pools, and the count of closes waiting;
-//! - [`mem`]: raw copies between this process's memory and byte vectors (small operations);
-//! - [`slots`]: the slot table, a sealed memfd both processes map;
-//! - [`cma`]: copies with `process_vm_readv`, the copy pool;
-//! - [`dir`]: the rendezvous in a directory both sides mount (sockets as files, locks);
-//! - [`pipe`]: pipes carrying copies where the peer's memory cannot be read (another PID
-//!   namespace, ptrace refused);
-//! - `ipc`, `vmm` and `staged` (feature `cuda`): CUDA IPC exports and copies, VMM allocations'
-//!   descriptors between PID namespaces, pinned staging; `ipc_error`: why a step of them failed.
+//! The same-host wing's part of the floor: every syscall and `unsafe` block the wing
+//! (`engine/same_host/`, `forbid(unsafe_code)`) needs. This file: abstract Unix sockets,
+//! descriptors passed over them, peer credentials, pidfds, timers, the descriptor limit, and what
+//! each closer does; the submodules say what they hold.
 
 pub(crate) mod closer;
 pub(crate) mod cma;
@@ -32,6 +22,8 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
+pub(crate) use super::timerfd;
+use super::{cvt, cvt_len, owned, read_counter, timerfd_set};
 use crate::sync::fnv1a;
 
 /// Sends `buf` on the socket `fd` with the descriptors `pass` attached (`SCM_RIGHTS`, at most
@@ -67,46 +59,43 @@ pub(crate) fn send_with_fds(fd: RawFd, buf: &[u8], pass: &[RawFd]) -> io::Result
         }
         libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
     };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
+    cvt_len(n)
 }
 
 /// Sends `buf` on the socket `fd` without blocking and without `SIGPIPE` (a closed peer is
 /// `EPIPE`): the bytes sent.
 pub(crate) fn send(fd: RawFd, buf: &[u8]) -> io::Result<usize> {
+    let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
     // SAFETY: sends bytes from a live buffer of `buf.len()` bytes on a socket we hold.
-    let n = unsafe {
-        libc::send(
-            fd,
-            buf.as_ptr().cast(),
-            buf.len(),
-            libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
-        )
-    };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
+    cvt_len(unsafe { libc::send(fd, buf.as_ptr().cast(), buf.len(), flags) })
 }
 
 /// Connects the socket `fd` to the abstract socket `name`.
 pub(crate) fn connect(fd: RawFd, name: &[u8]) -> io::Result<()> {
-    let (a, len) = sockaddr(name);
+    connect_to(fd, &sockaddr(name))
+}
+
+/// `connect` of socket `fd` to the address `a` of `len` bytes.
+fn connect_to(fd: RawFd, (a, len): &(libc::sockaddr_un, libc::socklen_t)) -> io::Result<()> {
     // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
-    let r = unsafe { libc::connect(fd, (&a as *const libc::sockaddr_un).cast(), len) };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    cvt(unsafe { libc::connect(fd, (a as *const libc::sockaddr_un).cast(), *len) }).map(drop)
+}
+
+/// `bind` of socket `fd` to the address `a` of `len` bytes.
+fn bind_to(fd: RawFd, (a, len): &(libc::sockaddr_un, libc::socklen_t)) -> io::Result<()> {
+    // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
+    cvt(unsafe { libc::bind(fd, (a as *const libc::sockaddr_un).cast(), *len) }).map(drop)
+}
+
+/// `listen` on our own bound socket `fd` with `backlog` (again: changes only the backlog).
+fn listen_on(fd: RawFd, backlog: libc::c_int) -> io::Result<()> {
+    // SAFETY: listen takes no memory; the kernel validates the descriptor.
+    cvt(unsafe { libc::listen(fd, backlog) }).map(drop)
 }
 
 /// Takes the expiry count of the non-blocking timer `t` (so it stops being readable).
 pub(crate) fn clear_timer(t: &OwnedFd) {
-    let mut n = 0u64;
-    // SAFETY: reads at most 8 bytes, the expiry count, into `n` (8 bytes) from our timerfd.
-    unsafe { libc::read(t.as_raw_fd(), (&mut n as *mut u64).cast(), 8) };
+    read_counter(t);
 }
 
 /// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the process at the other end of a Unix socket (the one
@@ -168,33 +157,16 @@ pub(crate) fn self_id() -> Option<u64> {
 /// from the socket (`SO_PEERPIDFD`) where the kernel can, else from the pid. `None` when it is
 /// gone, or cannot be named from here (not visible, and no pidfs).
 pub(crate) fn peer_process(sock: RawFd, pid: libc::pid_t) -> Option<(u64, OwnedFd)> {
-    let mut fd: libc::c_int = -1;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes one c_int (a new descriptor) into a live local.
-    let r = unsafe {
-        libc::getsockopt(
-            sock,
-            libc::SOL_SOCKET,
-            SO_PEERPIDFD,
-            (&mut fd as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    let pidfd = if r == 0 && fd >= 0 {
+    let pidfd = match get_option(sock, SO_PEERPIDFD, -1) {
         // SAFETY: a fresh descriptor nothing else owns.
-        Some(unsafe { OwnedFd::from_raw_fd(fd) })
-    } else if pid > 0
-        && matches!(
-            io::Error::last_os_error().raw_os_error(),
-            Some(libc::ENOPROTOOPT | libc::EINVAL)
-        )
-    {
+        Ok(fd) if fd >= 0 => unsafe { OwnedFd::from_raw_fd(fd) },
         // A kernel without SO_PEERPIDFD. Any other failure means the process is gone: its pid
         // may name another process by now.
-        pidfd(pid)
-    } else {
-        None
-    }?;
+        Err(e) if pid > 0 && matches!(e.raw_os_error(), Some(libc::ENOPROTOOPT | libc::EINVAL)) => {
+            pidfd(pid)?
+        }
+        _ => return None,
+    };
     if pidfs() {
         Some((inode(&pidfd)?, pidfd))
     } else if pid > 0 {
@@ -219,6 +191,7 @@ pub(crate) fn socket_name(agent: &str) -> Vec<u8> {
     n
 }
 
+/// The address of the abstract socket `name` (cut to what `sockaddr_un` holds).
 pub(crate) fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
     // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
     let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
@@ -230,78 +203,46 @@ pub(crate) fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
     (a, len as libc::socklen_t)
 }
 
-pub(crate) fn timerfd() -> io::Result<OwnedFd> {
-    // SAFETY: creates a new descriptor, owned right after.
-    let fd = unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
 /// Arms timerfd `t` to fire once, `after` from now (at once for zero).
 pub(crate) fn set_timer(t: &OwnedFd, after: std::time::Duration) {
-    let after = after.max(std::time::Duration::from_micros(1));
-    let spec = libc::itimerspec {
-        it_interval: libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        },
-        it_value: libc::timespec {
-            tv_sec: after.as_secs() as libc::time_t,
-            tv_nsec: after.subsec_nanos() as libc::c_long,
-        },
-    };
-    // SAFETY: a valid timerfd we own, and a fully initialised itimerspec.
-    unsafe { libc::timerfd_settime(t.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+    let _ = timerfd_set(t, after);
 }
 
 /// A new same-host socket (non-blocking, closed-on-exec), reading out-of-band bytes inline
 /// ([`oob_inline`]).
 pub(crate) fn unix_socket() -> io::Result<OwnedFd> {
-    // SAFETY: creates a new descriptor, owned right after.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd is a fresh descriptor nothing else owns.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let kind = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+    // SAFETY: a plain syscall creating a new descriptor.
+    let fd = owned(unsafe { libc::socket(libc::AF_UNIX, kind, 0) })?;
     oob_inline(fd.as_raw_fd())?;
     Ok(fd)
 }
 
-/// Makes connection `fd` read out-of-band bytes inline (`SO_OOBINLINE`), before any `recvmsg`:
-/// a peer's byte sent with `MSG_OOB` then comes with the stream, and the descriptors passed with
-/// it arrive as any others do (to be used or handed to the closers). Otherwise a plain `recvmsg`
-/// skips that byte, and the kernel releases its descriptors on the reading thread: the engine
-/// thread, or a drain, would wait there on a pipe whose lock the peer holds.
+/// Makes connection `fd` read out-of-band bytes inline (`SO_OOBINLINE`), before any `recvmsg`, so
+/// descriptors passed with a `MSG_OOB` byte arrive as any others (to the closers). Otherwise
+/// `recvmsg` skips that byte and the kernel releases its descriptors on the reading thread, which
+/// could then wait on a pipe whose lock the peer holds.
 fn oob_inline(fd: RawFd) -> io::Result<()> {
-    set_socket_option(fd, libc::SO_OOBINLINE, 1)
+    set_option(fd, libc::SO_OOBINLINE, 1)
 }
 
-/// Sets the `SOL_SOCKET` option `option` of socket `fd` to the integer `value`.
-fn set_socket_option(fd: RawFd, option: libc::c_int, value: libc::c_int) -> io::Result<()> {
-    // SAFETY: setsockopt reads one c_int from a live local, of the size given.
-    let r = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            option,
-            (&value as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+/// Sets the `SOL_SOCKET` option `option` of socket `fd` to `value` (plain old data: a `c_int`,
+/// a `linger`).
+fn set_option<T>(fd: RawFd, option: libc::c_int, value: T) -> io::Result<()> {
+    let len = std::mem::size_of::<T>() as libc::socklen_t;
+    let p = (&value as *const T).cast();
+    // SAFETY: setsockopt reads `len` bytes, one `T`, from a live local.
+    cvt(unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, option, p, len) }).map(drop)
+}
+
+/// The `SOL_SOCKET` option `option` of socket `fd`, read into `value` (plain old data: a
+/// `c_int`, a `ucred`), which keeps what it held where the kernel writes less.
+fn get_option<T>(fd: RawFd, option: libc::c_int, mut value: T) -> io::Result<T> {
+    let mut len = std::mem::size_of::<T>() as libc::socklen_t;
+    let p = (&mut value as *mut T).cast();
+    // SAFETY: getsockopt writes at most `len` bytes, one `T`, into a live local.
+    cvt(unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, option, p, &mut len) })?;
+    Ok(value)
 }
 
 /// Connections a listener holds for `accept`.
@@ -310,8 +251,7 @@ pub(crate) const BACKLOG: libc::c_int = 128;
 /// Sets how many connections listener `fd` holds for `accept` (0 while accepting rests: a client
 /// then finds it busy at once, instead of waiting out its handshake's deadline in the queue).
 pub(crate) fn set_backlog(fd: RawFd, backlog: libc::c_int) {
-    // SAFETY: listen again on our own listening socket only changes its backlog.
-    unsafe { libc::listen(fd, backlog) };
+    let _ = listen_on(fd, backlog);
 }
 
 /// A connection of our own, left in listener `fd`'s queue while accepting rests with a backlog
@@ -327,58 +267,31 @@ pub(crate) fn plug(fd: RawFd) -> Option<OwnedFd> {
         return None;
     }
     let s = unix_socket().ok()?;
-    // SAFETY: `a` is the sockaddr_un of `len` bytes the kernel just wrote.
-    let r = unsafe { libc::connect(s.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) };
-    (r == 0).then_some(s)
+    connect_to(s.as_raw_fd(), &(a, len)).ok().map(|()| s)
 }
 
 /// Binds and listens on the socket for `agent`; `Ok(None)` when another connector has it.
 pub(crate) fn listen(agent: &str) -> io::Result<Option<Tracked>> {
     let fd = unix_socket()?;
-    let (a, len) = sockaddr(&socket_name(agent));
-    // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
-    if unsafe { libc::bind(fd.as_raw_fd(), (&a as *const libc::sockaddr_un).cast(), len) } != 0 {
-        let e = io::Error::last_os_error();
-        return if e.raw_os_error() == Some(libc::EADDRINUSE) {
-            Ok(None)
-        } else {
-            Err(e)
-        };
+    match bind_to(fd.as_raw_fd(), &sockaddr(&socket_name(agent))) {
+        Err(e) if e.raw_os_error() == Some(libc::EADDRINUSE) => return Ok(None),
+        r => r?,
     }
-    // SAFETY: listen on our own bound socket.
-    if unsafe { libc::listen(fd.as_raw_fd(), BACKLOG) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    listen_on(fd.as_raw_fd(), BACKLOG)?;
     Ok(Some(Tracked::new(fd)))
 }
 
 /// The peer's pid and uid (`SO_PEERCRED`), as the kernel recorded them at connect time.
 pub(crate) fn peer_cred(fd: RawFd) -> io::Result<(libc::pid_t, libc::uid_t)> {
-    // SAFETY: ucred is plain old data; getsockopt writes at most `len` bytes into it.
-    let mut c: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: as above.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut c as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    // SAFETY: ucred is plain old data; all-zero is a valid value.
+    let c: libc::ucred = get_option(fd, libc::SO_PEERCRED, unsafe { std::mem::zeroed() })?;
     Ok((c.pid, c.uid))
 }
 
 /// A pidfd for `pid`, so a copy can tell afterwards that its peer is still the same process.
 pub(crate) fn pidfd(pid: libc::pid_t) -> Option<OwnedFd> {
     // SAFETY: pidfd_open returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    // SAFETY: a fresh descriptor nothing else owns.
-    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    owned(unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as RawFd).ok()
 }
 
 /// True while the process behind `pidfd` (if any) lives.
@@ -399,6 +312,7 @@ pub(crate) fn alive_fd(fd: &OwnedFd) -> bool {
     r == 0
 }
 
+/// This process's real uid.
 pub(crate) fn uid() -> libc::uid_t {
     // SAFETY: getuid cannot fail.
     unsafe { libc::getuid() }
@@ -410,19 +324,7 @@ const SO_PASSRIGHTS: libc::c_int = 83;
 /// Whether descriptors passed to `fd` reach it: false only where the kernel refuses them
 /// (`SO_PASSRIGHTS` off, Linux 6.16); older kernels always deliver them.
 pub(crate) fn passes_rights(fd: RawFd) -> bool {
-    let mut on: libc::c_int = 1;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes (one c_int) into a live local.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            SO_PASSRIGHTS,
-            (&mut on as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    r != 0 || on != 0
+    !matches!(get_option(fd, SO_PASSRIGHTS, 1), Ok(0))
 }
 
 /// Makes the kernel refuse descriptors passed to `fd` from now on (the sender's `sendmsg` fails),
@@ -430,7 +332,7 @@ pub(crate) fn passes_rights(fd: RawFd) -> bool {
 /// refuses them instead (they are closed off the engine thread, [`close_elsewhere`]).
 pub(crate) fn refuse_passed_descriptors(fd: RawFd) {
     // ENOPROTOOPT before Linux 6.16: the connection core closes what comes instead.
-    let _ = set_socket_option(fd, SO_PASSRIGHTS, 0);
+    let _ = set_option(fd, SO_PASSRIGHTS, 0);
 }
 
 /// True when process `pid` (as seen from here; 0: not visible) lives in this process's PID
@@ -458,14 +360,12 @@ pub(crate) fn same_pid_namespace(pid: libc::pid_t) -> bool {
 /// read ends; see [`refuse_passed_descriptors`]).
 pub(crate) fn accept_passed_descriptors(fd: RawFd) {
     // ENOPROTOOPT before Linux 6.16, where every socket takes them anyway.
-    let _ = set_socket_option(fd, SO_PASSRIGHTS, 1);
+    let _ = set_option(fd, SO_PASSRIGHTS, 1);
 }
 
-/// Closes a descriptor a peer passed us, off the engine thread and never ahead of our own
-/// sockets, on the closer of passed descriptors ([`Closer::Passed`]), which first defuses a socket
-/// ([`defuse`]) so that its close cannot block. Nothing here touches the descriptor: even an
-/// `fstat` may wait on a FUSE daemon the peer controls. Anything whose close blocks (a FUSE file
-/// whose daemon never answers its flush) holds only that closer, never one of our sockets.
+/// Closes a descriptor a peer passed us on [`Closer::Passed`], which first [`defuse`]s a socket.
+/// Nothing here touches the descriptor (even an `fstat` may wait on a peer's FUSE daemon); a
+/// close that blocks holds only that pool, never one of our sockets.
 pub(crate) fn close_elsewhere(fd: OwnedFd) {
     to_closer(Closer::Passed, fd, false);
 }
@@ -474,20 +374,14 @@ pub(crate) fn close_elsewhere(fd: OwnedFd) {
 /// a wait for a reader that never reads). On anything else `setsockopt` fails with `ENOTSOCK`
 /// without touching the file.
 fn defuse(fd: RawFd) {
-    let l = libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    // SAFETY: setsockopt reads one linger from a live local.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&l as *const libc::linger).cast(),
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        )
-    };
+    let _ = set_option(
+        fd,
+        libc::SO_LINGER,
+        libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        },
+    );
 }
 
 /// The most descriptors one `recvmsg` takes (the kernel's own limit per message, `SCM_MAX_FD`):
@@ -529,9 +423,7 @@ pub(crate) fn recv_with_fds(
         let n = libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT | libc::MSG_CMSG_CLOEXEC);
         (n, msg)
     };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let n = cvt_len(n)?;
     // SAFETY: walks the control messages recvmsg filled in, within msg_controllen; each
     // descriptor is new in this process and owned once.
     unsafe {
@@ -548,27 +440,16 @@ pub(crate) fn recv_with_fds(
             cm = libc::CMSG_NXTHDR(&msg, cm);
         }
     }
-    Ok((n as usize, msg.msg_flags & libc::MSG_CTRUNC != 0))
+    Ok((n, msg.msg_flags & libc::MSG_CTRUNC != 0))
 }
 
 /// Accepts a pending connection on listener `fd`, non-blocking and closed-on-exec, reading
 /// out-of-band bytes inline ([`oob_inline`]; set before anything is read, it takes effect for
 /// what the peer queued before the accept too).
 pub(crate) fn accept(fd: RawFd) -> io::Result<OwnedFd> {
-    // SAFETY: accept4 on a socket of ours; the new descriptor is owned right after.
-    let c = unsafe {
-        libc::accept4(
-            fd,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-        )
-    };
-    if c < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor nothing else owns.
-    let c = unsafe { OwnedFd::from_raw_fd(c) };
+    let flags = libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+    // SAFETY: accept4 on a socket of ours, asking no address; the new descriptor is owned here.
+    let c = owned(unsafe { libc::accept4(fd, std::ptr::null_mut(), std::ptr::null_mut(), flags) })?;
     if let Err(e) = oob_inline(c.as_raw_fd()) {
         // What the peer queued is released where the socket closes: not here.
         close_refused(c);
@@ -577,12 +458,9 @@ pub(crate) fn accept(fd: RawFd) -> io::Result<OwnedFd> {
     Ok(c)
 }
 
-/// Takes the descriptors peers left queued on our socket `fd` (passed with bytes this side never
-/// read), to the closer of passed descriptors: closing `fd` would otherwise release them right
-/// there, and the release of a lingering socket blocks as its close would. A listener's pending
-/// connections are taken and drained first (at most twice its backlog; the listener closes only
-/// with its connector). A connection is shut down first, so its peer can queue nothing more, then
-/// drained to its end.
+/// Takes the descriptors peers left queued on our socket `fd` to the closer of passed descriptors
+/// (closing `fd` would release them here, which can block). A listener's pending connections are
+/// drained first (at most twice its backlog).
 fn drain_passed(fd: RawFd) {
     for _ in 0..256 {
         // EINVAL at once if `fd` is no listener.
@@ -592,11 +470,10 @@ fn drain_passed(fd: RawFd) {
     drain_connection(fd);
 }
 
-/// Shuts connection `fd` down both ways and takes what was queued on it, to its end. Nothing is
-/// taken while the closes waiting are past their bound ([`closer::backlogged`]): what is left
-/// queued is released with the socket, on this closer thread, and never enters the table. One
-/// drain takes at a time (none blocks: each `recvmsg` returns at once, and what it took is
-/// handed on), so past the bound at most one message's descriptors more come in here.
+/// Shuts connection `fd` down both ways (its peer can queue nothing more) and takes what was
+/// queued on it, to its end. Nothing is taken while [`closer::backlogged`]: what is left is
+/// released with the socket, on this closer thread. One drain runs at a time, so past the bound at
+/// most one message's descriptors more come in.
 fn drain_connection(fd: RawFd) {
     static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     // SAFETY: shutdown of our own socket (ENOTCONN, harmless, for anything but a connection).
@@ -614,7 +491,9 @@ fn drain_connection(fd: RawFd) {
     }
 }
 
-/// The three kinds of close, each with a pool of its own ([`closer`]).
+/// The three kinds of close, each with a pool of its own ([`closer`]), off the engine and copy
+/// threads: a close can block (a pipe's lock the other end holds, a lingering socket, a FUSE
+/// flush).
 #[derive(Clone, Copy)]
 enum Closer {
     /// Our own same-host sockets (listeners, connections): drained of passed descriptors first.
@@ -651,40 +530,33 @@ fn to_closer(kind: Closer, fd: OwnedFd, tracked: bool) {
     );
 }
 
-/// Closes a pipe end (ours, or a peer's checked to be a pipe's) off the engine thread and off
-/// the copy threads: its close takes the pipe's lock, which the process at the other end can hold
-/// (a copy of its own stalled on a page, a splice from a socket that never sends).
+/// Closes a pipe end (ours, or a peer's checked to be a pipe's) on [`Closer::Pipes`].
 pub(crate) fn close_pipe_end(fd: OwnedFd) {
     to_closer(Closer::Pipes, fd, false);
 }
 
-/// Closes `fd`, a socket of ours that was never tracked (an accepted connection refused at
-/// once), on the closer of our sockets, after taking what the peer queued on it (nothing while
-/// closes are backlogged: it is released with the socket).
+/// Closes `fd`, a socket of ours never tracked (an accepted connection refused at once), on
+/// [`Closer::Own`], which drains it first.
 pub(crate) fn close_refused(fd: OwnedFd) {
     to_closer(Closer::Own, fd, false);
 }
 
-/// Raises this process's soft limit on open descriptors to its hard limit, once (as servers do):
-/// the caps on same-host connections ([`descriptor_budget`]) stay far below it, so a flood of
-/// connections cannot fill the table, where the kernel would close passed descriptors on the
-/// engine thread itself.
+/// Raises this process's soft limit on open descriptors to its hard limit, once: the caps on
+/// same-host connections ([`descriptor_budget`]) stay far below it, so a flood of connections
+/// cannot fill the table (the kernel would close passed descriptors on the engine thread).
 pub(crate) fn raise_descriptor_limit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        // SAFETY: rlimit is plain old data; getrlimit/setrlimit read or write one.
-        unsafe {
-            let mut r: libc::rlimit = std::mem::zeroed();
-            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
-                let old = r.rlim_cur;
-                r.rlim_cur = r.rlim_max.min(1 << 20);
-                if r.rlim_cur > old && libc::setrlimit(libc::RLIMIT_NOFILE, &r) == 0 {
-                    tracing::debug!(
-                        from = old,
-                        to = r.rlim_cur,
-                        "raised the soft limit on open descriptors"
-                    );
-                }
+        if let Some(mut r) = nofile().filter(|r| r.rlim_cur < r.rlim_max) {
+            let old = r.rlim_cur;
+            r.rlim_cur = r.rlim_max.min(1 << 20);
+            // SAFETY: setrlimit reads one rlimit from a live local.
+            if r.rlim_cur > old && unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &r) } == 0 {
+                tracing::debug!(
+                    from = old,
+                    to = r.rlim_cur,
+                    "raised the soft limit on open descriptors"
+                );
             }
         }
         // As the caps on served connections: an eighth of the limit may wait to be closed.
@@ -694,24 +566,22 @@ pub(crate) fn raise_descriptor_limit() {
 
 /// The soft limit on open descriptors now (1,024 if it cannot be read).
 pub(crate) fn descriptor_budget() -> usize {
-    // SAFETY: as in raise_descriptor_limit.
-    unsafe {
-        let mut r: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 {
-            r.rlim_cur.min(1 << 20) as usize
-        } else {
-            1024
-        }
-    }
+    nofile().map_or(1024, |r| r.rlim_cur.min(1 << 20) as usize)
+}
+
+/// This process's limits on open descriptors (`RLIMIT_NOFILE`), if they can be read.
+fn nofile() -> Option<libc::rlimit> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into a live local.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0).then_some(r)
 }
 
 /// A same-host socket (listener or connection) that a child of `fork()` must not keep serving:
-/// in the child, every tracked descriptor is replaced by `/dev/null` before the child runs on,
-/// so a parent that exits takes its socket name and connections with it.
-///
-/// Dropped, it is closed off the engine thread ([`close_elsewhere`]): closing a connection
-/// releases the descriptors the peer queued on it and this side never read (after a frame that
-/// broke the protocol, say), and releasing one can block as closing it would.
+/// there every tracked descriptor becomes `/dev/null` before the child runs on. Dropped, it is
+/// drained and closed on [`Closer::Own`] (closing releases what the peer queued, which can block).
 pub(crate) struct Tracked(Option<OwnedFd>);
 
 const TRACKED: usize = 8192;

@@ -1,36 +1,23 @@
-//! Host memory between processes that cannot read each other's (another PID namespace: the peer's
-//! pid is not ours to see; ptrace refused): pipes, written by the owner of the source and read by
-//! the owner of the destination.
+//! Host memory between processes that cannot read each other's (another PID namespace, ptrace
+//! refused): pipes, one per lane, that the source's owner makes and writes from its own memory
+//! ([`spawn_feed`]) and whose read ends the destination's owner reads into its own ([`spawn_fill`]).
 //!
-//! The source's owner makes the pipes (one per lane, [`MAX_LANES`] at most) and passes their read
-//! ends over the connection. It copies its own memory into the write ends (`writev`) from one job
-//! per lane on the copy pool ([`spawn_feed`]); the destination's owner reads each lane into its own
-//! memory from one job per lane ([`spawn_fill`]). Neither side touches the other's memory; each
-//! reads or writes only its own.
-//!
-//! Copied, not spliced: `vmsplice` would put references to the source's own pages in the pipe, and
-//! whoever holds a read end can keep such references beyond any drain (`tee` duplicates them into
-//! a pipe of its own without consuming them), reading the memory's later contents after its owner
-//! reused it. A copy in the pipe is what the operation granted, taken while it was live: nothing
-//! needs emptying when it ends. What the source's owner waits for before the memory may be reused
-//! is only the end of its own jobs (they read that memory). The price is a second copy: the
-//! figures in docs/FIGURES.md, "Between pods (PID namespaces), host memory".
-//!
-//! Every wait is a `poll` on the pipe and on the job's [`Wake`] (an eventfd the engine writes when
-//! the operation ends or is cancelled): nothing sleeps to poll. The destination reads with
-//! `RWF_NOWAIT` (the peer shares the read end's open file and could clear `O_NONBLOCK` on it); the
-//! write ends are ours alone. A peer can still hold a pipe's lock (a copy of its own stalled on a
-//! page): that holds the job waiting on it, never the engine thread; every pipe end is closed on a
-//! closer pool of its own ([`close_pipe_end`]), since a close takes that lock too.
+//! Copied, not spliced: `vmsplice` would put the source's own pages in the pipe, and a reader can
+//! keep such references (`tee`) and read the memory after its owner reused it. Every wait is a
+//! `poll` on the pipe and the job's [`Wake`]. The destination reads with `RWF_NOWAIT` (the peer
+//! shares the read end's open file and could clear `O_NONBLOCK`). A peer can hold a pipe's lock:
+//! that holds the job, never the engine thread, and pipe ends close on their own closer pool
+//! ([`close_pipe_end`]).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::close_pipe_end;
 use super::cma::{self, CopyError, SlotRef};
 
+/// Run once a copy's lanes have all ended, with how it went.
 type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
 /// The most pipes one copy through pipes uses.
@@ -40,6 +27,7 @@ pub(crate) const MAX_LANES: usize = 4;
 pub(crate) const PIPE_BYTES: usize = 1 << 20;
 /// The most bytes one `writev` or read moves (a cancelled copy stops within this).
 const STEP: usize = 1 << 20;
+/// The most iovecs one call takes.
 const IOV_MAX: usize = 1024;
 
 /// Pipe ends this process holds, closed on the pipes' closer pool whenever the last owner drops
@@ -97,13 +85,8 @@ impl Lanes {
     pub(crate) fn new(n: usize) -> io::Result<Self> {
         let (mut w, mut r, mut keep) = (Ends(Vec::new()), Ends(Vec::new()), Ends(Vec::new()));
         for _ in 0..n.clamp(1, MAX_LANES) {
-            let mut p = [0 as RawFd; 2];
-            // SAFETY: pipe2 writes two descriptors into the array on success.
-            if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            // SAFETY: two fresh descriptors nothing else owns.
-            let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) };
+            let (rd, wr) = std::io::pipe()?; // pipe2(O_CLOEXEC)
+            let (rd, wr) = (OwnedFd::from(rd), OwnedFd::from(wr));
             // SAFETY: fcntl on descriptors this function owns (the write end's file is ours alone:
             // the peer gets only read ends, which are other open files).
             unsafe {
@@ -159,21 +142,12 @@ pub(crate) struct Wake(OwnedFd);
 impl Wake {
     /// A new wake-up.
     pub(crate) fn new() -> io::Result<Self> {
-        // SAFETY: eventfd returns a new descriptor or -1.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nothing else owns.
-        Ok(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+        crate::sys::eventfd().map(Self)
     }
 
     /// Wakes the jobs waiting on it (they then read their flags); it stays readable.
     pub(crate) fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live local to an eventfd this process owns; a full
-        // counter (EAGAIN) means a wake-up is pending already.
-        unsafe { libc::write(self.0.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        crate::sys::eventfd_add(&self.0, 1);
     }
 }
 
@@ -260,12 +234,9 @@ fn iovecs(pieces: &[(usize, usize)], i: usize, off: usize) -> Vec<libc::iovec> {
     v
 }
 
-/// The source's side of one lane: copies `pieces` (this process's memory, in stream order) into
-/// the write end `w` until every byte is in the pipe, or `ended` is set (then
-/// [`CopyError::Revoked`]). Waits in `poll` while the pipe is full (the reader copies at its own
-/// pace).
-///
-/// The caller keeps `pieces` mapped and unchanged until it returns.
+/// The source's side of one lane: copies `pieces` (this process's memory, in stream order, kept
+/// mapped and unchanged by the caller until it returns) into the write end `w` until every byte
+/// is in the pipe, or `ended` is set (then [`CopyError::Revoked`]); waits in `poll` while full.
 pub(crate) fn feed(
     w: &OwnedFd,
     pieces: &[(usize, usize)],
@@ -297,17 +268,11 @@ pub(crate) fn feed(
 }
 
 /// The destination's side of one lane: reads the read end `r` a peer passed (checked by
-/// [`is_read_end`]) into `pieces` (this process's memory, in stream order) until they are full.
-/// `cancel` (then [`CopyError::Revoked`], or [`CopyError::NotStarted`] if no byte came) stops it
-/// within [`STEP`] bytes, woken through `wake`; the end of the stream before the last byte (the
-/// source stopped, or its process is gone) is [`CopyError::Revoked`].
-///
-/// Each read is `preadv2(RWF_NOWAIT)`: the peer shares the read end's open file, so its
-/// `O_NONBLOCK` flag is the peer's to change; this call never waits in the kernel for data. It
-/// still takes the pipe's lock, which a writer can hold (a splice of its own from a socket that
-/// never sends): then this job waits with it (a copy task, never the engine thread).
-///
-/// The caller keeps `pieces` mapped and owned by this copy until it returns.
+/// [`is_read_end`]) into `pieces` (this process's memory, in stream order, kept mapped and owned
+/// by this copy until it returns) until they are full. `cancel` stops it within [`STEP`] bytes
+/// ([`CopyError::Revoked`], or [`CopyError::NotStarted`] if no byte came); the stream's end before
+/// the last byte is [`CopyError::Revoked`]. Reads are `preadv2(RWF_NOWAIT)`, as `O_NONBLOCK` is the
+/// peer's to change.
 pub(crate) fn fill(
     r: &OwnedFd,
     pieces: &[(usize, usize)],
@@ -419,7 +384,7 @@ pub(crate) fn spawn_fill(c: Fill, done: Done) -> Result<(), CopyError> {
         }
         res
     });
-    cma::spawn_tasks(c.pid, c.slot, c.cancel, n, task, done)
+    cma::spawn_tasks(c.pid, Some(c.slot), c.cancel, n, task, done)
 }
 
 /// The source's side of a copy through pipes: its lanes' write ends, fed from `pieces` (this
@@ -490,7 +455,8 @@ pub(crate) fn spawn_feed(f: Feeding, done: Done) {
             Ok(()) => Ok(()),
         }
     });
-    cma::spawn_job(f.pid, cancel, n, task, done);
+    // No slot: nothing to revoke, so it always starts.
+    let _ = cma::spawn_tasks(f.pid, None, cancel, n, task, done);
 }
 
 #[cfg(test)]

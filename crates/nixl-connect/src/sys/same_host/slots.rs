@@ -1,65 +1,46 @@
-//! Grant slots: a small table of atomic words shared by the two ends of one same-host connection,
-//! through which the owner of the *source* memory of a copy revokes it at any instant.
+//! Grant slots: atomic words shared by the two ends of a same-host connection, through which the
+//! owner of a copy's *source* memory revokes it at any instant, without waiting.
 //!
-//! The side whose memory is written always copies (it pulls with `process_vm_readv`), so each
-//! process writes only its own memory. The other side's memory is only read, and its owner may end
-//! the operation at any time without waiting: it moves the slot to `REVOKED` and frees. The copier
-//! moves `ARMED -> COPYING` before copying and `COPYING -> DONE` after; if the second move fails,
-//! the source was revoked during the copy and the bytes are discarded. Neither side ever waits on
-//! the other, so a stopped or dead peer cannot stall a drop, and no peer can make this process
-//! write memory it does not own.
-//!
-//! A word is `generation << 3 | state`; the connecting side allocates slots and bumps the
-//! generation each time, so a late revocation of an old grant never touches a new one. The table
-//! lives in a sealed memfd (it cannot shrink under the other process), created by the connecting
-//! side and passed over the socket.
+//! Only the side whose memory is written copies (it pulls), so no peer makes this process write
+//! memory it does not own. The copier moves `ARMED -> COPYING` before and `COPYING -> DONE` after;
+//! if the owner moved the slot to `REVOKED` meanwhile, the bytes are discarded. Neither side waits
+//! on the other. A word is `generation << 3 | state` (the connecting side bumps the generation per
+//! grant, so a late revocation never touches a new one), in a sealed memfd it creates and passes.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Slots per connection (operations in flight on one connection at once): the slot table's
 /// size.
 pub(crate) const SLOTS: usize = 4096;
 
+// A slot's states (the low 3 bits of its word).
 pub(crate) const FREE: u64 = 0;
 pub(crate) const ARMED: u64 = 1;
 pub(crate) const COPYING: u64 = 2;
 pub(crate) const DONE: u64 = 3;
 pub(crate) const REVOKED: u64 = 4;
 
+/// The word of generation `gen` in `state`.
 fn word(gen: u64, state: u64) -> u64 {
     gen << 3 | state
 }
 
 /// One connection's slot table, mapped in this process.
 pub(crate) struct SlotTable {
-    base: *const AtomicU64,
-    len: usize,
+    /// [`SLOTS`] words mapped shared (unmapped when dropped).
+    map: memmap2::MmapRaw,
     fd: OwnedFd,
 }
-
-// SAFETY: the table is a fixed shared mapping of atomics; every access goes through AtomicU64.
-unsafe impl Send for SlotTable {}
-// SAFETY: as above.
-unsafe impl Sync for SlotTable {}
 
 impl SlotTable {
     /// Creates a sealed table (the connecting side).
     pub(crate) fn create() -> io::Result<Self> {
         let size = SLOTS * 8;
-        // SAFETY: memfd_create with a static NUL-terminated name; the fd is owned right after.
-        let fd = unsafe {
-            libc::memfd_create(
-                c"nixl-connect-slots".as_ptr(),
-                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd was just created and is owned by nothing else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+        // SAFETY: memfd_create with a static NUL-terminated name makes a new descriptor.
+        let fd = crate::sys::owned(unsafe { libc::memfd_create(c"nixl-connect-slots".as_ptr(), flags) })?;
         // SAFETY: plain fcntl/ftruncate calls on our own descriptor.
         unsafe {
             if libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) != 0
@@ -110,38 +91,24 @@ impl SlotTable {
         Self::map(fd)
     }
 
+    /// Maps `fd`, a sealed memfd of the table's size (it cannot shrink, so every word stays
+    /// valid while mapped), shared and read-write.
     fn map(fd: OwnedFd) -> io::Result<Self> {
-        let len = SLOTS * 8;
-        // SAFETY: a shared mapping of a sealed memfd of exactly `len` bytes; it cannot shrink, so
-        // every access within it stays valid while the mapping lives (until Drop).
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Self {
-            base: p.cast(),
-            len,
-            fd,
-        })
+        let map = memmap2::MmapOptions::new().len(SLOTS * 8).map_raw(&fd)?;
+        Ok(Self { map, fd })
     }
 
+    /// The memfd, to pass to the peer.
     pub(crate) fn fd(&self) -> &OwnedFd {
         &self.fd
     }
 
+    /// Slot `idx`'s word, if there is one.
     fn at(&self, idx: u32) -> Option<&AtomicU64> {
         ((idx as usize) < SLOTS).then(|| {
-            // SAFETY: idx < SLOTS and the mapping holds SLOTS aligned u64 words.
-            unsafe { &*self.base.add(idx as usize) }
+            // SAFETY: idx < SLOTS and the (page-aligned) mapping holds SLOTS u64 words, accessed
+            // only as atomics, for as long as `self` lives.
+            unsafe { &*self.map.as_ptr().cast::<AtomicU64>().add(idx as usize) }
         })
     }
 
@@ -188,16 +155,10 @@ impl SlotTable {
     }
 }
 
-impl Drop for SlotTable {
-    fn drop(&mut self) {
-        // SAFETY: base/len are exactly the mapping made in `map`; no reference outlives self.
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.len) };
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     #[test]
     fn slots_revocation_beats_or_follows_the_copy() {

@@ -1,29 +1,12 @@
-//! Host memory of a peer into device memory of this process (feature `cuda`): cross-memory attach
-//! into pinned staging buffers, each then copied to the device by DMA while the next is filled.
+//! Host memory of a peer into device memory of this process (feature `cuda`), and back.
 //!
-//! CUDA IPC cannot open another process's host memory, so the side whose device memory is written
-//! (the copier, as on every same-host path) pulls the peer's bytes with `process_vm_readv` (the
-//! host path's grant, ptrace rules and revocation) into page-locked buffers of its own
-//! (`cuMemHostAlloc`, kept in a process-wide pool) and queues `cuMemcpyHtoDAsync` from each. A copy
-//! is cut in [`CHUNK`]-byte pieces (computed as they are taken, never listed) shared by up to
-//! [`MAX_WORKERS`] lanes; each lane is a task on the process's copy pool (under the peer's share
-//! of it, as every same-host copy), with two buffers and its own stream, so the pull of one piece
-//! overlaps the DMA of the one before. Pinned memory is bounded per process ([`MAX_STAGING`]): a
-//! lane that finds none left does not start, and a copy none of whose lanes can start takes NIXL.
-//! Every stream is synchronised before the copy counts as done.
-//!
-//! The other way, device memory into pageable host memory of this process ([`to_host`], on the
-//! CUDA thread's copy of a peer's export): a DMA into pageable memory runs at a fraction of the
-//! PCIe rate (the driver stages it itself, one piece at a time: 14.7 GB/s against 55 GB/s on the
-//! H200 host). Large pieces are cut in [`TO_HOST_CHUNK`]-byte chunks shared by up to
-//! [`MAX_WORKERS`] lanes (threads of this copy, which the CUDA thread waits for, as it waits for
-//! its stream); each lane queues `cuMemcpyDtoHAsync` into one of its two pinned buffers while it
-//! copies the other, filled by the DMA before, to the destination. Only pageable host memory is
-//! staged (memory CUDA does not know, or host memory it names that is not page-locked): device,
-//! managed or pinned memory, and pieces under [`TO_HOST_MIN`] bytes, take one
-//! `cuMemcpyAsync` as before, and so does a copy when no staging memory is left. A staged copy
-//! that wrote nothing reports itself as not started (`NotStarted`, `Unsupported`), as the direct
-//! path does, so that it may still take NIXL.
+//! CUDA IPC cannot open another process's host memory, so the copier pulls the peer's bytes with
+//! `process_vm_readv` (the host path's grant, ptrace rules and revocation) into pinned buffers of
+//! its own and queues `cuMemcpyHtoDAsync` from each. A copy is cut in [`CHUNK`]-byte pieces shared
+//! by up to [`MAX_WORKERS`] lanes on the copy pool (the peer's share), each with two buffers and a
+//! stream, so one piece's pull overlaps the previous one's DMA. Pinned memory is bounded per
+//! process ([`MAX_STAGING`]): a lane that finds none does not start, and a copy with no lane takes
+//! NIXL. Every stream is synchronised before the copy counts as done. [`to_host`] is the other way.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -104,7 +87,7 @@ pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
         ctx: OnceLock::new(),
     });
     let task = Arc::new(move || shared.lane());
-    cma::spawn_tasks(pid, slot, cancel, lanes, task, done)
+    cma::spawn_tasks(pid, Some(slot), cancel, lanes, task, done)
 }
 
 /// Lanes for a copy of `chunks` chunks: at most one per chunk, and at most
@@ -374,12 +357,11 @@ pub(crate) const TO_HOST_MIN: usize = 4 << 20;
 const TO_HOST_CHUNK: usize = 4 << 20;
 
 /// Copies `pieces` (`remote`: device memory readable in context `ctx`; `local`: pageable host
-/// memory of this process that the caller keeps valid until this returns) through pinned
-/// staging buffers, on lanes of this copy's own, and returns once every byte is in place (or
-/// the copy failed: no lane runs after this returns). `Ok(false)`: no lane could start (no
-/// staging memory left, no thread): nothing moved, and the caller copies directly. A failure
-/// before any byte reached the destination, when the operation has `begun` no other copy, is
-/// `NotStarted` or `Unsupported` (the operation may still take NIXL), as the direct path says it.
+/// memory of this process, kept valid by the caller) through pinned buffers on lanes of its own
+/// (a DMA into pageable memory is slow), returning once every byte is in place or the copy
+/// failed (no lane runs after). `Ok(false)`: no lane could start, nothing moved, the caller
+/// copies directly. A failure before any byte landed, when the operation has `begun` no other
+/// copy, is `NotStarted` or `Unsupported` (it may still take NIXL).
 pub(crate) fn to_host(
     ctx: sys::CUcontext,
     pieces: Vec<Piece>,

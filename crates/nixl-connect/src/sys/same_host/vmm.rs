@@ -1,60 +1,23 @@
-//! Device memory between PID namespaces (pods) through VMM allocations' POSIX descriptors
-//! (feature `cuda`).
+//! Device memory between PID namespaces (feature `cuda`): a legacy CUDA IPC handle does not open
+//! in another PID namespace, but a `cuMemCreate` allocation with a POSIX-descriptor handle type
+//! (a [`DeviceBuffer`](crate::cuda::DeviceBuffer), PyTorch's expandable segments) exports as a
+//! descriptor that crosses any namespace over `SCM_RIGHTS`; the peer imports, maps, copies, unmaps.
 //!
-//! A legacy CUDA IPC handle does not open in another PID namespace (`cuIpcOpenMemHandle`:
-//! "invalid device context", measured on an H200 with driver 580). Memory made with `cuMemCreate`
-//! and a POSIX-descriptor handle type (this crate's [`DeviceBuffer`](crate::cuda::DeviceBuffer),
-//! PyTorch's allocator under `expandable_segments:True`) exports as a descriptor
-//! (`cuMemExportToShareableHandle`) that crosses any namespace over a Unix socket
-//! (`SCM_RIGHTS`); the peer imports it (`cuMemImportFromShareableHandle`), maps it into an address
-//! range of its own and copies, then unmaps it.
-//!
-//! What the exporter gives away: the one physical allocation around the range (a `DeviceBuffer`,
-//! or one of PyTorch's 20 MiB segment pieces), for as long as the peer keeps the descriptor or a
-//! mapping, like a legacy IPC handle; never more, and only to a process of the same user that
-//! proved the operation's key. What the importer trusts of the peer: nothing it cannot check.
-//! A passed descriptor is handed to the driver only when it is an NVIDIA control device's (the
-//! kind an export is), found without asking any filesystem, so a FUSE file cannot stall the
-//! CUDA thread; the driver refuses any other descriptor; the mapping is as large as the
-//! allocation really is (a mapping of another size fails), and every range is checked against
-//! it.
+//! The exporter gives away the one allocation around the range, only to a same-user process that
+//! proved the operation's key. The importer trusts nothing it cannot check: only an NVIDIA device's
+//! descriptor (checked without asking any filesystem) reaches the driver, and the mapping is the
+//! allocation's true size, every range checked against it.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use cudarc::driver::sys;
 
-use super::ipc_error::IpcError;
+use super::ipc_error::{check, IpcError};
 
-/// Why a step failed (the device path's [`IpcError`] takes it in).
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum VmmError {
-    /// A driver call returned an error.
-    Driver {
-        /// The driver call.
-        call: &'static str,
-        /// What it returned.
-        result: sys::CUresult,
-    },
-    /// The memory is not a VMM allocation with a POSIX-descriptor handle type.
-    NotExportable,
-    /// A size this process cannot map.
-    TooLarge,
-}
-
-fn check(result: sys::CUresult, call: &'static str) -> Result<(), VmmError> {
-    if result == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(VmmError::Driver { call, result })
-    }
-}
-
-/// The physical allocation around `addr` in this process (the current context's): its handle,
-/// retained (give it back with [`release`]), and where it is mapped here (`base`, `size`). The
-/// handle's value names the allocation for as long as it is retained (the driver cannot give it
-/// to another meanwhile). Fails for memory that is not a VMM allocation with a POSIX-descriptor
-/// handle type (`cuMemAlloc`, PyTorch's default allocator, the stream-ordered pool).
-pub(crate) fn retain(addr: u64) -> Result<(sys::CUmemGenericAllocationHandle, u64, u64), VmmError> {
+/// The physical allocation around `addr` (current context): its handle, retained (give it back
+/// with [`release`]; while retained its value names that allocation only), and its `base` and
+/// `size` here. Fails for memory that is no VMM allocation with a POSIX-descriptor handle type.
+pub(crate) fn retain(addr: u64) -> Result<(sys::CUmemGenericAllocationHandle, u64, u64), IpcError> {
     let mut allowed: u64 = 0;
     // SAFETY: the attribute writes one u64 (a bit set of handle types); `addr` is inspected only.
     let r = unsafe {
@@ -67,7 +30,7 @@ pub(crate) fn retain(addr: u64) -> Result<(sys::CUmemGenericAllocationHandle, u6
     check(r, "cuPointerGetAttribute")?;
     let posix = u64::from(sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0);
     if allowed & posix == 0 {
-        return Err(VmmError::NotExportable);
+        return Err(IpcError::NotExportable);
     }
     let mut h: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: writes the handle of the allocation mapped at `addr` (retained: the caller releases
@@ -92,7 +55,7 @@ pub(crate) fn release(h: sys::CUmemGenericAllocationHandle) {
 }
 
 /// A POSIX descriptor of the allocation `h` (retained by the caller), for a peer to import.
-pub(crate) fn export(h: sys::CUmemGenericAllocationHandle) -> Result<OwnedFd, VmmError> {
+pub(crate) fn export(h: sys::CUmemGenericAllocationHandle) -> Result<OwnedFd, IpcError> {
     let mut fd: libc::c_int = -1;
     // SAFETY: writes one descriptor number, which becomes owned below.
     let r = unsafe {
@@ -105,7 +68,7 @@ pub(crate) fn export(h: sys::CUmemGenericAllocationHandle) -> Result<OwnedFd, Vm
     };
     check(r, "cuMemExportToShareableHandle")?;
     if fd < 0 {
-        return Err(VmmError::NotExportable);
+        return Err(IpcError::NotExportable);
     }
     // SAFETY: the driver made `fd` for this call; nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
@@ -122,11 +85,11 @@ pub(crate) struct Imported {
 }
 
 impl Imported {
-    /// Imports `fd` (checked with [`is_cuda_export`](super::is_cuda_export) when it was taken) and maps all `size` bytes of
-    /// it (the driver refuses a size that is not the allocation's) for device `ordinal`; the
-    /// current context must be that device's.
-    pub(crate) fn map(fd: &OwnedFd, size: u64, ordinal: i32) -> Result<Self, VmmError> {
-        let size = usize::try_from(size).map_err(|_| VmmError::TooLarge)?;
+    /// Imports `fd` (checked with [`is_cuda_export`](super::is_cuda_export) when taken) and maps
+    /// all `size` bytes (the driver refuses any other size) for device `ordinal`, whose context
+    /// must be current.
+    pub(crate) fn map(fd: &OwnedFd, size: u64, ordinal: i32) -> Result<Self, IpcError> {
+        let size = usize::try_from(size).map_err(|_| IpcError::TooLarge)?;
         let mut m = Imported {
             ptr: 0,
             size,
@@ -187,16 +150,6 @@ impl Drop for Imported {
             if self.handle != 0 {
                 sys::cuMemRelease(self.handle);
             }
-        }
-    }
-}
-
-impl From<VmmError> for IpcError {
-    fn from(e: VmmError) -> Self {
-        match e {
-            VmmError::Driver { call, result } => IpcError::Driver { call, result },
-            VmmError::NotExportable => IpcError::NotExportable,
-            VmmError::TooLarge => IpcError::TooLarge,
         }
     }
 }
