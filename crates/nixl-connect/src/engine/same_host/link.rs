@@ -620,11 +620,9 @@ impl Link {
                 if slot as usize >= SLOTS || self.open.contains_key(&(slot, gen)) {
                     return self.kill(Violation::BadSlot);
                 }
-                // A write's pipes or VMM descriptors come with it, only on a connection that said
-                // it passes descriptors. Pipes carry host memory, never beside an eager request's
-                // bytes or a write's addresses; on a device read, `pipes` is 1 where the reader
-                // takes the exports as passed VMM descriptors (legacy handles cannot cross PID
-                // namespaces), and nothing is passed with the request itself.
+                // Descriptors come only with a write, on a connection that said it passes them;
+                // pipes carry host memory, never beside eager bytes or a write's addresses. A
+                // device read passes none; its `pipes: 1` asks for the exports as VMM descriptors.
                 let Some(vmm) = passed_fds(sources) else {
                     return self.kill(Violation::MissingDescriptors);
                 };

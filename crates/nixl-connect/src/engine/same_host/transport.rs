@@ -68,6 +68,14 @@ fn declined(spec: ActiveSpec, reason: impl Into<Decline>) -> Event {
     }
 }
 
+/// The passive operation keyed `key` completed on this path.
+fn passive_completed(key: Arc<str>) -> Event {
+    Event::PassiveCompleted {
+        key,
+        path: TransferPath::SameHost,
+    }
+}
+
 /// The answer that carries a refusal or a fallback decided by the policy.
 fn answer_of(d: Decision) -> Answer {
     match d {
@@ -444,11 +452,7 @@ impl SameHostTransport {
                 continue;
             };
             let mut link = Link::server(identity, peer_id, me, Instant::now());
-            let peer = if refusal.is_none() {
-                peer.map(|p| p.1)
-            } else {
-                None
-            };
+            let peer = peer.filter(|_| refusal.is_none()).map(|p| p.1);
             // Never across PID namespaces, whatever the pidfd allows; a client this side cannot
             // read is asked, in the signed `Welcome`, to write through pipes.
             let can_pull = pid > 0 && peer.as_ref().is_some_and(cma::may_pull);
@@ -463,7 +467,6 @@ impl SameHostTransport {
             c.set_reach(can_pull, other_pid_ns);
             if let Some(reason) = refusal {
                 self.refused_peers += 1;
-                let c = self.sockets.get_mut(i).expect("just inserted");
                 c.link_mut().reject(reason);
                 self.sockets.flush(i);
                 self.close(i, &mut Vec::new());
@@ -521,9 +524,8 @@ impl SameHostTransport {
             can_pull,
             other_pid_ns,
         } = self.reach(peer, &expect)?;
-        // VMM descriptors come from a server in another PID namespace, or for memory without a
-        // legacy handle; the socket refuses them (`dial`) until the server's `Welcome` is proven
-        // ([`Self::on_ready`]), never from whoever answered the name.
+        // VMM descriptors (a server in another PID namespace, memory without a legacy handle) are
+        // refused (`dial`) until the server's `Welcome` is proven ([`Self::on_ready`]).
         let exports = other_pid_ns || cuda_in_use();
         let me = self_id().ok_or_else(no_self_id)?;
         let mut link = Link::client(
@@ -543,7 +545,7 @@ impl SameHostTransport {
             .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
         let c = self.sockets.get_mut(i).expect("just inserted");
         c.set_reach(can_pull, other_pid_ns);
-        if let Err(e) = self.sockets.get_mut(i).expect("just inserted").send_hello() {
+        if let Err(e) = c.send_hello() {
             self.close(i, &mut Vec::new());
             return Err(
                 Decline::because("the same-host handshake failed", e).for_reason(DeclineReason::Handshake)
@@ -649,8 +651,7 @@ impl SameHostTransport {
         if !alive_fd(&server) {
             return Err(gone());
         }
-        // A peer this side cannot read serves its reads, and takes this side's writes, through
-        // pipes.
+        // A peer this side cannot read serves its reads, and takes its writes, through pipes.
         let can_pull = pid > 0 && cma::may_pull(&server);
         Ok(Reached {
             fd,
@@ -949,8 +950,7 @@ impl SameHostTransport {
         if let Some(m) = mechanism {
             a.spec().state.set_mechanism(m);
         }
-        // Queued in the core; sent with everything else queued this turn, at the end of the
-        // transport's progress (a write's pipes with it).
+        // Queued in the core; sent (a write's pipes with it) at the end of this turn's progress.
         let at = c.link().queued_end();
         if !c.link_mut().request(&a.spec().key, req) {
             self.decline_act(id, "the same-host connection cannot take the request".into(), out);
@@ -1155,8 +1155,7 @@ impl SameHostTransport {
         };
         let Some(c) = self.sockets.get(i) else { return };
         if !c.link().is_ready() {
-            // Died after the request was heard: no answer can reach it, so nothing is granted,
-            // copied or completed for it.
+            // Died after the request was heard: nothing is granted, copied or completed for it.
             return;
         }
         let (granted, exporting) = c.load();
@@ -1234,10 +1233,7 @@ impl SameHostTransport {
         // in queueing it, the operation stays live for a retry.
         if let Some(key) = completed {
             if sent {
-                out.push(Event::PassiveCompleted {
-                    key,
-                    path: TransferPath::SameHost,
-                });
+                out.push(passive_completed(key));
             } else if let Some(s) = self.server.scope_mut(&key) {
                 s.set_done(false);
             }
@@ -1368,10 +1364,7 @@ impl SameHostTransport {
             return;
         }
         if ok {
-            out.push(Event::PassiveCompleted {
-                key,
-                path: TransferPath::SameHost,
-            });
+            out.push(passive_completed(key));
         }
     }
 
@@ -1606,10 +1599,7 @@ impl SameHostTransport {
             FeedFor::Grant(_) => {
                 let Some((key, state)) = grant else { return };
                 if completed {
-                    out.push(Event::PassiveCompleted {
-                        key: key.clone(),
-                        path: TransferPath::SameHost,
-                    });
+                    out.push(passive_completed(key.clone()));
                 }
                 if self.server.scope(&key).is_none() && !self.feeds.feeds_key(&key) {
                     // Unexposed while its pipes were fed (`unexpose` held the release back).
@@ -1723,10 +1713,7 @@ impl SameHostTransport {
                                 s.set_done(true);
                             }
                             match &r {
-                                Ok(()) if same => out.push(Event::PassiveCompleted {
-                                    key: key.clone(),
-                                    path: TransferPath::SameHost,
-                                }),
+                                Ok(()) if same => out.push(passive_completed(key.clone())),
                                 // The writer cancelled before the copy began: nothing was touched.
                                 Err(CopyError::NotStarted) => {}
                                 _ => out.push(Event::PassiveFailed {
@@ -1846,8 +1833,6 @@ impl Transport for SameHostTransport {
         let expect = self.endpoint(&peer.name)?;
         let reached = self.reach(&peer.name, &expect)?;
         self_id().ok_or_else(no_self_id)?;
-        // What the peer can do with this process's memory is its own to find (its `Welcome`
-        // says): it is taken to be what this side can do with its memory, as between pods.
         let pulls_both_ways = reached.can_pull && !reached.other_pid_ns;
         Ok(match (src, dst) {
             (Device::Host, Device::Host) if (1..=EAGER_MAX as u64).contains(&bytes) => {
@@ -1906,9 +1891,8 @@ impl Transport for SameHostTransport {
             }
             Phase::Abandoned => {}
             Phase::Queued | Phase::Exporting | Phase::Requested => {
-                // Nothing of ours is being written, and revoking the slot makes the peer discard
-                // what it read: release at once. (An eager operation may still complete at the
-                // owner, as a posted NIXL transfer may; an eager read's answer is not copied here.)
+                // Nothing of ours is written, and a revoked slot makes the peer discard what it
+                // read: release at once (an eager one may still complete at its owner, as NIXL's may).
                 if let Some(t) = table {
                     t.revoke(a.slot(), a.gen());
                 }
