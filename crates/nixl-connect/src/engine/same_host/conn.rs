@@ -74,8 +74,7 @@ pub(super) struct Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        // A peer's descriptors are never closed on the engine thread (a FUSE file's close can
-        // block).
+        // A peer's descriptors never close on the engine thread (a FUSE file's close can block).
         self.passed
             .drain(..)
             .for_each(crate::sys::same_host::close_elsewhere);
@@ -435,9 +434,8 @@ impl Conn {
         let fd = self.fd.as_raw_fd();
         while !self.link.is_dead() && budget > 0 {
             if closer::backlogged() && passes_rights(fd) {
-                // Closes wait past their bound: a connection that can pass descriptors is not
-                // read (a read would take them into the table); closed, what it queued is
-                // released with its socket on the closer, never taken.
+                // Closes wait past their bound: a connection that can pass descriptors is not read
+                // (that would take them in); closed, what it queued goes with its socket, untaken.
                 self.link.kill(Violation::ClosesBacklogged);
                 return;
             }
@@ -466,9 +464,8 @@ impl Conn {
             let passed = fds.len();
             if passed > 0 {
                 if passed == 1 && self.link.takes_descriptors() {
-                    // The slot table: checked (sealed memfd first, without touching any other
-                    // kind of file) before anything else. Whether descriptors are taken again
-                    // (pipes) the client says in its `Trusted`.
+                    // The slot table: checked (a sealed memfd, before any other kind of file is
+                    // touched) before anything else; the client's `Trusted` says if more are taken.
                     let fd = fds.pop().expect("one");
                     if SlotTable::check(&fd).is_err() {
                         close_elsewhere(fd);
@@ -483,8 +480,7 @@ impl Conn {
                         }
                     }
                 } else {
-                    // Pipes' read ends (the core checks that frames take them, and bounds how
-                    // many wait); held in order until their frame is handled.
+                    // Pipes' read ends, held in order for their frame (the core checks and bounds them).
                     self.passed.extend(fds);
                 }
             }

@@ -102,6 +102,23 @@ struct Open {
     pipes: u8,
 }
 
+impl Open {
+    /// The open request `req` of the operation keyed `key` (`name`), for `total` bytes.
+    fn new(req: &Req, key: Keyed, name: Arc<str>, total: u64) -> Self {
+        Self {
+            key,
+            name,
+            write: req.write,
+            device: req.device != Device::Host,
+            ranges: req.remote.len(),
+            granted: false,
+            eager: req.eager,
+            total,
+            pipes: req.pipes,
+        }
+    }
+}
+
 /// The protocol state of one connection.
 pub(crate) struct Link {
     side: Side,
@@ -603,11 +620,9 @@ impl Link {
                 if slot as usize >= SLOTS || self.open.contains_key(&(slot, gen)) {
                     return self.kill(Violation::BadSlot);
                 }
-                // A write's pipes or VMM descriptors come with it, only on a connection that said
-                // it passes descriptors. Pipes carry host memory, never beside an eager request's
-                // bytes or a write's addresses; on a device read, `pipes` is 1 where the reader
-                // takes the exports as passed VMM descriptors (legacy handles cannot cross PID
-                // namespaces), and nothing is passed with the request itself.
+                // Descriptors come only with a write, on a connection that said it passes them;
+                // pipes carry host memory, never beside eager bytes or a write's addresses. A
+                // device read passes none; its `pipes: 1` asks for the exports as VMM descriptors.
                 let Some(vmm) = passed_fds(sources) else {
                     return self.kill(Violation::MissingDescriptors);
                 };
@@ -680,20 +695,8 @@ impl Link {
                     };
                     return self.push_signed(&m, &key);
                 }
-                self.open.insert(
-                    (slot, gen),
-                    Open {
-                        key,
-                        name: name.clone(),
-                        write,
-                        device: !host,
-                        ranges: remote.len(),
-                        granted: false,
-                        eager,
-                        total: total.unwrap_or(u64::MAX),
-                        pipes,
-                    },
-                );
+                let open = Open::new(&req, key, name.clone(), total.unwrap_or(u64::MAX));
+                self.open.insert((slot, gen), open);
                 heard.push(Heard::Req(Request {
                     req,
                     key: name,
@@ -785,15 +788,8 @@ impl Link {
     // server's answers going out, the answers coming in (each proven under its operation's key).
 
     fn on_answer(&mut self, m: Msg, signed: &[u8], mac: Option<Tag>, heard: &mut Vec<Heard>) {
-        let (slot, gen) = match &m {
-            Msg::Grant { slot, gen }
-            | Msg::GrantIpc { slot, gen, .. }
-            | Msg::GrantPipe { slot, gen, .. }
-            | Msg::Data { slot, gen, .. }
-            | Msg::Refuse { slot, gen, .. }
-            | Msg::Fallback { slot, gen, .. }
-            | Msg::Done { slot, gen, .. } => (*slot, *gen),
-            _ => return self.kill(Violation::OutOfOrder),
+        let Some((slot, gen)) = m.slot_gen() else {
+            return self.kill(Violation::OutOfOrder);
         };
         let Some(o) = self.open.get(&(slot, gen)) else {
             return self.kill(Violation::AnswerToNothing);
@@ -894,30 +890,10 @@ impl Link {
         if self.side != Side::Client || self.state != State::Ready || self.open.contains_key(&(slot, gen)) {
             return false;
         }
-        let (write, device, ranges, eager, pipes) = (
-            req.write,
-            req.device != Device::Host,
-            req.remote.len(),
-            req.eager,
-            req.pipes,
-        );
         let total = req.remote.iter().fold(0u64, |t, r| t.saturating_add(r.1));
-        let keyed = Keyed::new(key);
-        self.push_signed(&Msg::Req(req), &keyed);
-        self.open.insert(
-            (slot, gen),
-            Open {
-                key: keyed,
-                name: key.into(),
-                write,
-                device,
-                ranges,
-                granted: false,
-                eager,
-                total,
-                pipes,
-            },
-        );
+        let open = Open::new(&req, Keyed::new(key), key.into(), total);
+        self.push_signed(&Msg::Req(req), &open.key);
+        self.open.insert((slot, gen), open);
         true
     }
 

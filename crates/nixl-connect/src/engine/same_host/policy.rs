@@ -81,17 +81,14 @@ pub(super) fn decide(
     };
     let write = asked.write;
     if (s.kind() == OperationKind::Write) != write {
-        return Decision::Refuse(
+        let (is, asks) = if write {
+            ("readable", "write")
+        } else {
+            ("writable", "read")
+        };
+        return refuse(
             RefuseCode::WrongDirection,
-            format!(
-                "the operation is a {}able; a {} cannot use it",
-                if s.kind() == OperationKind::Write {
-                    "writ"
-                } else {
-                    "read"
-                },
-                if write { "write" } else { "read" }
-            ),
+            &format!("the operation is a {is}; a {asks} cannot use it"),
         );
     }
     if asked.device != s.device() {

@@ -165,6 +165,7 @@ impl Act {
     }
 }
 
+/// The error a refusal (`code`, `reason`) from `agent` ends an active operation with.
 pub(super) fn refused(agent: String, code: RefuseCode, reason: String) -> Error {
     Error::Refused {
         agent,

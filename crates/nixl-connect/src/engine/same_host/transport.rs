@@ -68,6 +68,14 @@ fn declined(spec: ActiveSpec, reason: impl Into<Decline>) -> Event {
     }
 }
 
+/// The passive operation keyed `key` completed on this path.
+fn passive_completed(key: Arc<str>) -> Event {
+    Event::PassiveCompleted {
+        key,
+        path: TransferPath::SameHost,
+    }
+}
+
 /// The answer that carries a refusal or a fallback decided by the policy.
 fn answer_of(d: Decision) -> Answer {
     match d {
@@ -120,6 +128,16 @@ fn unreadable_device_read() -> Decline {
         "the kernel does not let this process read the peer's memory (ptrace rules), and pipes \
          carry only host memory",
     )
+}
+
+/// Why nothing takes the same-host path of a connector that turned it off.
+fn off() -> Decline {
+    Decline::of(DeclineReason::Off, "the same-host path is off for this connector")
+}
+
+/// Why no connection is made (nor probed) by a process that cannot name itself.
+fn no_self_id() -> Decline {
+    "this process cannot name itself (no descriptor left for its pidfd)".into()
 }
 
 /// What reaching a peer's same-host socket learned ([`SameHostTransport::reach`]).
@@ -274,24 +292,36 @@ impl SameHostTransport {
     /// as a replay (it must not go on to NIXL and read stale memory); nothing was revealed; the
     /// others queued behind it take NIXL, and the connection is opened afresh next time.
     fn on_not_live(&mut self, i: ConnId, key: &str, out: &mut Vec<Event>) {
-        let Some(c) = self.sockets.get_mut(i) else { return };
-        let peer = c.peer().clone();
-        let queued = c.take_queued();
-        for id in queued {
-            let Some(a) = self.client.remove(id) else { continue };
-            self.sockets.free_slot(i, a.slot(), a.gen());
-            if a.is_abandoned() {
-                continue;
-            }
-            out.push(if &*a.spec().key == key {
+        let Some(peer) = self.sockets.get(i).map(|c| c.peer().to_string()) else {
+            return;
+        };
+        self.end_queued(i, out, |id, a| {
+            if &*a.spec().key == key {
                 Event::ended(
                     id,
-                    Err(refused(peer.to_string(), RefuseCode::NotLive, NOT_LIVE.into())),
+                    Err(refused(peer.clone(), RefuseCode::NotLive, NOT_LIVE.into())),
                 )
             } else {
                 let why = "the same-host connection closed before its request";
                 declined(a.into_spec(), Decline::of(DeclineReason::Handshake, why))
-            });
+            }
+        });
+    }
+
+    /// Client: ends every operation queued on connection `i`, freeing its slot, with `ev` of it
+    /// (none for an abandoned one).
+    fn end_queued(&mut self, i: ConnId, out: &mut Vec<Event>, mut ev: impl FnMut(OpId, Act) -> Event) {
+        let queued = self
+            .sockets
+            .get_mut(i)
+            .map(|c| c.take_queued())
+            .unwrap_or_default();
+        for id in queued {
+            let Some(a) = self.client.remove(id) else { continue };
+            self.sockets.free_slot(i, a.slot(), a.gen());
+            if !a.is_abandoned() {
+                out.push(ev(id, a));
+            }
         }
     }
 
@@ -422,11 +452,7 @@ impl SameHostTransport {
                 continue;
             };
             let mut link = Link::server(identity, peer_id, me, Instant::now());
-            let peer = if refusal.is_none() {
-                peer.map(|p| p.1)
-            } else {
-                None
-            };
+            let peer = peer.filter(|_| refusal.is_none()).map(|p| p.1);
             // Never across PID namespaces, whatever the pidfd allows; a client this side cannot
             // read is asked, in the signed `Welcome`, to write through pipes.
             let can_pull = pid > 0 && peer.as_ref().is_some_and(cma::may_pull);
@@ -441,7 +467,6 @@ impl SameHostTransport {
             c.set_reach(can_pull, other_pid_ns);
             if let Some(reason) = refusal {
                 self.refused_peers += 1;
-                let c = self.sockets.get_mut(i).expect("just inserted");
                 c.link_mut().reject(reason);
                 self.sockets.flush(i);
                 self.close(i, &mut Vec::new());
@@ -465,24 +490,13 @@ impl SameHostTransport {
         peer: &Arc<str>,
         key: &Arc<str>,
     ) -> std::result::Result<ConnId, Decline> {
-        // A connection open to this exact name was made for its advertisement (the fast path of
-        // every operation after the first: nothing parsed again).
+        // A connection open to this exact name was made for its advertisement: nothing parsed again.
         if let Some(i) = self.client.conn_to(peer) {
             if self.sockets.get(i).is_some_and(|c| !c.link().is_dead()) {
                 return Ok(i);
             }
         }
-        // Only a peer whose agent name advertises a same-host identity is ever connected to: a
-        // Python Dynamo peer binds no socket, and whoever binds its name must learn nothing.
-        let Some(expect) = identity::advertised(peer) else {
-            return Err(Decline::expected(
-                "the peer's agent name advertises no same-host endpoint (a Python Dynamo \
-                        peer, or a connector that serves none)",
-            ));
-        };
-        if let Some(why) = self.avoided(peer) {
-            return Err(why);
-        }
+        let expect = self.endpoint(peer)?;
         let r = self.try_connect(peer, key, expect);
         if let Err(reason) = &r {
             // A full backlog is a moment's (a flood of connections, or a burst of readers): the
@@ -495,6 +509,7 @@ impl SameHostTransport {
         r
     }
 
+    /// [`Self::connect`]'s new connection to `peer`, whose agent name advertises `expect`.
     pub(super) fn try_connect(
         &mut self,
         peer: &Arc<str>,
@@ -509,13 +524,10 @@ impl SameHostTransport {
             can_pull,
             other_pid_ns,
         } = self.reach(peer, &expect)?;
-        // VMM descriptors come from a server in another PID namespace, or for memory without a
-        // legacy handle; the socket refuses them (`dial`) until the server's `Welcome` is proven
-        // ([`Self::on_ready`]), never from whoever answered the name.
+        // VMM descriptors (a server in another PID namespace, memory without a legacy handle) are
+        // refused (`dial`) until the server's `Welcome` is proven ([`Self::on_ready`]).
         let exports = other_pid_ns || cuda_in_use();
-        let Some(me) = self_id() else {
-            return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
-        };
+        let me = self_id().ok_or_else(no_self_id)?;
         let mut link = Link::client(
             key.clone(),
             expect,
@@ -533,7 +545,7 @@ impl SameHostTransport {
             .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
         let c = self.sockets.get_mut(i).expect("just inserted");
         c.set_reach(can_pull, other_pid_ns);
-        if let Err(e) = self.sockets.get_mut(i).expect("just inserted").send_hello() {
+        if let Err(e) = c.send_hello() {
             self.close(i, &mut Vec::new());
             return Err(
                 Decline::because("the same-host handshake failed", e).for_reason(DeclineReason::Handshake)
@@ -543,14 +555,58 @@ impl SameHostTransport {
         Ok(i)
     }
 
-    /// Why `peer`, found without a same-host path a moment ago, is not asked again yet (an
-    /// operation's connection and a probe alike).
-    fn avoided(&self, peer: &str) -> Option<Decline> {
-        let (why, kind) = self.client.avoids(peer, Instant::now())?;
-        Some(Decline::of(
-            kind,
-            format!("{why} (found a moment ago; asked again after a while)"),
-        ))
+    /// The identity `peer`'s agent name advertises, as an operation's connection and a probe
+    /// check it: `Err` when it advertises none, or was found without a path a moment ago.
+    fn endpoint(&self, peer: &str) -> std::result::Result<identity::Fingerprint, Decline> {
+        // Only a peer whose agent name advertises a same-host identity is ever connected to: a
+        // Python Dynamo peer binds no socket, and whoever binds its name must learn nothing.
+        let expect = identity::advertised(peer).ok_or_else(|| {
+            Decline::expected(
+                "the peer's agent name advertises no same-host endpoint (a Python Dynamo peer, or \
+                 a connector that serves none)",
+            )
+        })?;
+        match self.client.avoids(peer, Instant::now()) {
+            Some((why, kind)) => Err(Decline::of(
+                kind,
+                format!("{why} (found a moment ago; asked again after a while)"),
+            )),
+            None => Ok(expect),
+        }
+    }
+
+    /// [`begin`](Transport::begin)'s checks, in order: the path is on, the memory's kinds, the
+    /// connection, then a slot (claimed last). `Ok`: the connection, the slot and its generation,
+    /// and whether the source is device memory.
+    fn admit(&mut self, spec: &ActiveSpec) -> std::result::Result<(ConnId, u32, u64, bool), Decline> {
+        if !self.enabled {
+            return Err(off());
+        }
+        let device = match (uniform(&spec.local), uniform(&spec.remote)) {
+            (Some(Device::Host), Some(Device::Host)) => false,
+            (Some(l), Some(r)) => {
+                let (src, dst) = if spec.write { (l, r) } else { (r, l) };
+                if let Some(refusal) = device_path_refusal(src, dst) {
+                    return Err(refusal.into());
+                }
+                // Device memory as the source takes CUDA IPC; host memory into device memory
+                // takes the host path's grant, pulled through pinned staging by the copier.
+                src != Device::Host
+            }
+            _ => {
+                return Err(Decline::of(
+                    DeclineReason::Memory,
+                    "the descriptors mix kinds of memory",
+                ))
+            }
+        };
+        let i = self.connect(&spec.peer.name, &spec.key)?;
+        let busy = "too many operations in flight to this peer on the same-host path";
+        let c = self.sockets.get_mut(i).expect("connected");
+        let (slot, gen) = c
+            .claim_slot()
+            .ok_or_else(|| Decline::of(DeclineReason::Busy, busy))?;
+        Ok((i, slot, gen, device))
     }
 
     /// Reaches `peer`'s same-host socket and learns who holds it, as an operation's connection
@@ -595,8 +651,7 @@ impl SameHostTransport {
         if !alive_fd(&server) {
             return Err(gone());
         }
-        // A peer this side cannot read serves its reads, and takes this side's writes, through
-        // pipes.
+        // A peer this side cannot read serves its reads, and takes its writes, through pipes.
         let can_pull = pid > 0 && cma::may_pull(&server);
         Ok(Reached {
             fd,
@@ -737,26 +792,20 @@ impl SameHostTransport {
 
     /// Client: hands every operation queued on connection `i` to the next transport.
     pub(super) fn decline_queued(&mut self, i: ConnId, reason: &Decline, out: &mut Vec<Event>) {
-        let queued = self
-            .sockets
-            .get_mut(i)
-            .map(|c| c.take_queued())
-            .unwrap_or_default();
-        for id in queued {
-            if let Some(a) = self.client.remove(id) {
-                self.sockets.free_slot(i, a.slot(), a.gen());
-                if !a.is_abandoned() {
-                    out.push(declined(a.into_spec(), reason.clone()));
-                }
-            }
-        }
+        self.end_queued(i, out, |_, a| declined(a.into_spec(), reason.clone()));
     }
 
     /// Hands a queued operation to the next transport, freeing its slot.
     pub(super) fn decline_act(&mut self, id: OpId, reason: Decline, out: &mut Vec<Event>) {
+        let a = self.drop_act(id);
+        out.push(declined(a.into_spec(), reason));
+    }
+
+    /// Client: forgets operation `id` (present) and frees its slot.
+    fn drop_act(&mut self, id: OpId) -> Act {
         let a = self.client.remove(id).expect("present");
         self.sockets.free_slot(a.conn(), a.slot(), a.gen());
-        out.push(declined(a.into_spec(), reason));
+        a
     }
 
     /// Sends the request of a queued operation (the handshake is done); a write from device
@@ -901,8 +950,7 @@ impl SameHostTransport {
         if let Some(m) = mechanism {
             a.spec().state.set_mechanism(m);
         }
-        // Queued in the core; sent with everything else queued this turn, at the end of the
-        // transport's progress (a write's pipes with it).
+        // Queued in the core; sent (a write's pipes with it) at the end of this turn's progress.
         let at = c.link().queued_end();
         if !c.link_mut().request(&a.spec().key, req) {
             self.decline_act(id, "the same-host connection cannot take the request".into(), out);
@@ -925,12 +973,12 @@ impl SameHostTransport {
         }
     }
 
-    /// Client: a grant came for a read abandoned meanwhile: it ends (the server is told, so its
-    /// grant ends too) and its slot is free.
-    fn end_abandoned_grant(&mut self, i: ConnId, id: OpId, slot: u32, gen: u64) {
+    /// Client: the read granted on (`i`, `slot`, `gen`) ends before its copy (abandoned, or `why`):
+    /// the server is told, so its grant ends too, and its slot is free.
+    fn end_grant(&mut self, i: ConnId, id: OpId, slot: u32, gen: u64, why: &str) {
         let a = self.client.remove(id).expect("present");
         if let Some(c) = self.sockets.get_mut(i) {
-            c.link_mut().read_done(slot, gen, false, "cancelled");
+            c.link_mut().read_done(slot, gen, false, why);
         }
         self.sockets.free_slot(i, a.slot(), a.gen());
     }
@@ -947,22 +995,16 @@ impl SameHostTransport {
         };
         let a = self.client.get_mut(id).expect("found");
         if a.is_abandoned() {
-            self.end_abandoned_grant(i, id, slot, gen);
-            return;
+            return self.end_grant(i, id, slot, gen, "cancelled");
         }
         let wake = match pipe::Wake::new() {
             Ok(w) => Arc::new(w),
             Err(e) => {
-                let a = self.client.remove(id).expect("present");
-                if let Some(c) = self.sockets.get_mut(i) {
-                    c.link_mut().read_done(slot, gen, false, "no eventfd");
-                }
-                self.sockets.free_slot(i, a.slot(), a.gen());
-                out.push(Event::ended(
+                self.end_grant(i, id, slot, gen, "no eventfd");
+                return out.push(Event::ended(
                     id,
                     Err(Error::os("an eventfd for a same-host read", e)),
                 ));
-                return;
             }
         };
         let c = self.sockets.get(i).expect("live");
@@ -1035,8 +1077,7 @@ impl SameHostTransport {
             return;
         }
         if a.is_abandoned() {
-            self.end_abandoned_grant(i, id, slot, gen);
-            return;
+            return self.end_grant(i, id, slot, gen, "cancelled");
         }
         let c = self.sockets.get(i).expect("live");
         a.copying(None, c.pidfd());
@@ -1114,8 +1155,7 @@ impl SameHostTransport {
         };
         let Some(c) = self.sockets.get(i) else { return };
         if !c.link().is_ready() {
-            // Died after the request was heard: no answer can reach it, so nothing is granted,
-            // copied or completed for it.
+            // Died after the request was heard: nothing is granted, copied or completed for it.
             return;
         }
         let (granted, exporting) = c.load();
@@ -1168,19 +1208,18 @@ impl SameHostTransport {
                 }
                 Some(Answer::Grant)
             }
-            Decision::DeviceRead => self.device_read(id, &key, remote, pipes > 0),
+            // `Err`: answered now; `Ok`: once the export, the feed or the copy says.
+            Decision::DeviceRead => self.device_read(id, &key, remote, pipes > 0).err(),
             Decision::DeviceWrite => {
                 let fds = std::mem::replace(&mut vmm_fds, pipe::Ends::new(Vec::new()));
-                self.device_write(id, &key, remote, sources, fds)
+                self.device_write(id, &key, remote, sources, fds).err()
             }
-            Decision::PullWrite => self.pull_write(id, &key, &remote, &local),
-            Decision::PipeRead => self.pipe_read(id, &key, &remote, pipes as usize),
-            Decision::PipeWrite => self.pipe_write(
-                id,
-                &key,
-                &remote,
-                std::mem::replace(&mut passed, pipe::Ends::new(Vec::new())),
-            ),
+            Decision::PullWrite => self.pull_write(id, &key, &remote, &local).err(),
+            Decision::PipeRead => self.pipe_read(id, &key, &remote, pipes as usize).err(),
+            Decision::PipeWrite => {
+                let fds = std::mem::replace(&mut passed, pipe::Ends::new(Vec::new()));
+                self.pipe_write(id, &key, &remote, fds).err()
+            }
         };
         drop((passed, vmm_fds));
         let sent = match answer {
@@ -1194,10 +1233,7 @@ impl SameHostTransport {
         // in queueing it, the operation stays live for a retry.
         if let Some(key) = completed {
             if sent {
-                out.push(Event::PassiveCompleted {
-                    key,
-                    path: TransferPath::SameHost,
-                });
+                out.push(passive_completed(key));
             } else if let Some(s) = self.server.scope_mut(&key) {
                 s.set_done(false);
             }
@@ -1212,11 +1248,8 @@ impl SameHostTransport {
         key: &str,
         remote: &[(u64, u64)],
         local: &[(u64, u64)],
-    ) -> Option<Answer> {
-        let w = match self.claim_writable(id, key) {
-            Ok(w) => w,
-            Err(a) => return Some(a),
-        };
+    ) -> Result<(), Answer> {
+        let w = self.claim_writable(id, key)?;
         let pieces = remote
             .iter()
             .zip(local)
@@ -1228,26 +1261,26 @@ impl SameHostTransport {
             .collect();
         let (copy, owner) = w.pull(pieces);
         self.in_flight.start(copy, owner);
-        None
+        Ok(())
     }
 
     /// A host read for a peer that cannot read this side's memory: answers with `lanes` pipes'
     /// read ends and feeds them the readable's `remote` ranges; the read completes at the
-    /// reader's `Done`, once the feed stopped ([`Self::fed`]). `None`: answered here.
-    fn pipe_read(&mut self, id: RequestId, key: &str, remote: &[(u64, u64)], lanes: usize) -> Option<Answer> {
+    /// reader's `Done`, once the feed stopped ([`Self::fed`]).
+    fn pipe_read(
+        &mut self,
+        id: RequestId,
+        key: &str,
+        remote: &[(u64, u64)],
+        lanes: usize,
+    ) -> Result<(), Answer> {
         if self.feeds.has(FeedFor::Grant(id)) {
             // A request id reused while its feed runs: never an honest client's (generations).
-            return Some(Answer::Fallback("this request's id is still in use".into()));
+            return Err(Answer::Fallback("this request's id is still in use".into()));
         }
-        let made = pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?))));
-        let (mut lanes, wake) = match made {
-            Ok(m) => m,
-            Err(e) => {
-                return Some(Answer::Fallback(format!(
-                    "the passive side cannot make pipes: {e}"
-                )))
-            }
-        };
+        let (mut lanes, wake) = pipe::Lanes::new(lanes)
+            .and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?))))
+            .map_err(|e| Answer::Fallback(format!("the passive side cannot make pipes: {e}")))?;
         let ends = lanes.take_read_ends();
         let key = self.server.key(key).expect("decided on it");
         let s = self.server.scope_mut(&key).expect("decided on it");
@@ -1263,7 +1296,7 @@ impl SameHostTransport {
         {
             self.server.scope_mut(&key).expect("decided on it").ungrant(id);
             self.sockets.ungrant(id.conn);
-            return None;
+            return Ok(());
         }
         if let Some(c) = self.sockets.get_mut(id.conn) {
             c.attach(at, ends);
@@ -1275,7 +1308,7 @@ impl SameHostTransport {
             Some((key, state)),
             pipe::Feeding::new(pid, lanes, pieces, wake),
         );
-        None
+        Ok(())
     }
 
     /// A host write the policy let through from a peer this side cannot read: reads the pipes it
@@ -1286,16 +1319,12 @@ impl SameHostTransport {
         key: &str,
         remote: &[(u64, u64)],
         fds: pipe::Ends,
-    ) -> Option<Answer> {
+    ) -> Result<(), Answer> {
         // (`fds` dropped on a return below are closed on the pipes' closer.)
-        let wake = match pipe::Wake::new() {
-            Ok(w) => Arc::new(w),
-            Err(e) => return Some(Answer::Fallback(format!("the passive side has no eventfd: {e}"))),
-        };
-        let w = match self.claim_writable(id, key) {
-            Ok(w) => w,
-            Err(a) => return Some(a),
-        };
+        let wake = pipe::Wake::new()
+            .map_err(|e| Answer::Fallback(format!("the passive side has no eventfd: {e}")))?;
+        let wake = Arc::new(wake);
+        let w = self.claim_writable(id, key)?;
         if let Some(s) = self.server.scope_mut(key) {
             s.wake_writer_with(wake.clone());
         }
@@ -1303,7 +1332,7 @@ impl SameHostTransport {
         let pieces = remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect();
         let (copy, owner) = w.fill(pid, fds, pieces, wake);
         self.in_flight.start(copy, owner);
-        None
+        Ok(())
     }
 
     /// Claims the writable keyed `key` for the write `id`: marks it in use (or answers "not
@@ -1335,10 +1364,7 @@ impl SameHostTransport {
             return;
         }
         if ok {
-            out.push(Event::PassiveCompleted {
-                key,
-                path: TransferPath::SameHost,
-            });
+            out.push(passive_completed(key));
         }
     }
 
@@ -1353,9 +1379,9 @@ impl SameHostTransport {
         key: &str,
         remote: Vec<(u64, u64)>,
         vmm: bool,
-    ) -> Option<Answer> {
+    ) -> Result<(), Answer> {
         #[cfg(not(feature = "cuda"))]
-        return Some(no_cuda());
+        return Err(no_cuda());
         #[cfg(feature = "cuda")]
         {
             let key = self.server.key(key).expect("decided on it");
@@ -1386,7 +1412,7 @@ impl SameHostTransport {
                     })
                 }),
             );
-            None
+            Ok(())
         }
     }
 
@@ -1400,15 +1426,12 @@ impl SameHostTransport {
         remote: Vec<(u64, u64)>,
         sources: Vec<IpcSource>,
         fds: pipe::Ends,
-    ) -> Option<Answer> {
+    ) -> Result<(), Answer> {
         #[cfg(not(feature = "cuda"))]
-        return Some(no_cuda());
+        return Err(no_cuda());
         #[cfg(feature = "cuda")]
         {
-            let w = match self.claim_writable(id, key) {
-                Ok(w) => w,
-                Err(a) => return Some(a),
-            };
+            let w = self.claim_writable(id, key)?;
             let pieces = remote
                 .iter()
                 .zip(sources)
@@ -1416,7 +1439,7 @@ impl SameHostTransport {
                 .collect();
             let (copy, owner) = w.import(id.conn, pieces, fds.into_vec());
             self.in_flight.start(copy, owner);
-            None
+            Ok(())
         }
     }
 
@@ -1458,15 +1481,14 @@ impl SameHostTransport {
                     let granted = self.server.scope(&key).is_some_and(|s| s.holds_grant(id));
                     let mut fds = Vec::new();
                     let answer = match result {
-                        Ok((sources, f)) if granted => {
-                            fds = f;
-                            Answer::GrantIpc(sources)
-                        }
                         _ if !granted => Answer::Refuse(
                             RefuseCode::NotLive,
                             "the operation ended before its memory could be shared".into(),
                         ),
-                        Ok(_) => unreachable!("granted is checked above"),
+                        Ok((sources, f)) => {
+                            fds = f;
+                            Answer::GrantIpc(sources)
+                        }
                         Err(reason) => {
                             if self.server.scope_mut(&key).is_some_and(|s| s.ungrant(id)) {
                                 self.sockets.ungrant(id.conn);
@@ -1499,8 +1521,7 @@ impl SameHostTransport {
                             self.request(id, out);
                         }
                         (Phase::Exporting, Err(reason)) => {
-                            let a = self.client.remove(id).expect("present");
-                            self.sockets.free_slot(a.conn(), a.slot(), a.gen());
+                            let a = self.drop_act(id);
                             out.push(declined(
                                 a.into_spec(),
                                 Decline::shared(
@@ -1512,8 +1533,7 @@ impl SameHostTransport {
                         // Abandoned while exporting: it was answered then; forget it now.
                         (_, _) => {
                             if a.is_abandoned() {
-                                let a = self.client.remove(id).expect("present");
-                                self.sockets.free_slot(a.conn(), a.slot(), a.gen());
+                                self.drop_act(id);
                             }
                         }
                     }
@@ -1579,10 +1599,7 @@ impl SameHostTransport {
             FeedFor::Grant(_) => {
                 let Some((key, state)) = grant else { return };
                 if completed {
-                    out.push(Event::PassiveCompleted {
-                        key: key.clone(),
-                        path: TransferPath::SameHost,
-                    });
+                    out.push(passive_completed(key.clone()));
                 }
                 if self.server.scope(&key).is_none() && !self.feeds.feeds_key(&key) {
                     // Unexposed while its pipes were fed (`unexpose` held the release back).
@@ -1696,10 +1713,7 @@ impl SameHostTransport {
                                 s.set_done(true);
                             }
                             match &r {
-                                Ok(()) if same => out.push(Event::PassiveCompleted {
-                                    key: key.clone(),
-                                    path: TransferPath::SameHost,
-                                }),
+                                Ok(()) if same => out.push(passive_completed(key.clone())),
                                 // The writer cancelled before the copy began: nothing was touched.
                                 Err(CopyError::NotStarted) => {}
                                 _ => out.push(Event::PassiveFailed {
@@ -1808,10 +1822,7 @@ impl Transport for SameHostTransport {
         bytes: u64,
     ) -> std::result::Result<Option<Mechanism>, Decline> {
         if !self.enabled {
-            return Err(Decline::of(
-                DeclineReason::Off,
-                "the same-host path is off for this connector",
-            ));
+            return Err(off());
         }
         let (src, dst) = if write { (local, remote) } else { (remote, local) };
         if (src, dst) != (Device::Host, Device::Host) {
@@ -1819,23 +1830,9 @@ impl Transport for SameHostTransport {
                 return Err(refusal.into());
             }
         }
-        let Some(expect) = identity::advertised(&peer.name) else {
-            return Err(Decline::expected(
-                "the peer's agent name advertises no same-host endpoint (a Python Dynamo \
-                 peer, or a connector that serves none)",
-            ));
-        };
-        // A peer found without a path a moment ago is not asked again for a while: neither
-        // would an operation ask it.
-        if let Some(why) = self.avoided(&peer.name) {
-            return Err(why);
-        }
+        let expect = self.endpoint(&peer.name)?;
         let reached = self.reach(&peer.name, &expect)?;
-        if self_id().is_none() {
-            return Err("this process cannot name itself (no descriptor left for its pidfd)".into());
-        }
-        // What the peer can do with this process's memory is its own to find (its `Welcome`
-        // says): it is taken to be what this side can do with its memory, as between pods.
+        self_id().ok_or_else(no_self_id)?;
         let pulls_both_ways = reached.can_pull && !reached.other_pid_ns;
         Ok(match (src, dst) {
             (Device::Host, Device::Host) if (1..=EAGER_MAX as u64).contains(&bytes) => {
@@ -1865,54 +1862,13 @@ impl Transport for SameHostTransport {
     }
 
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>) {
-        if !self.enabled {
-            out.push(declined(
-                spec,
-                Decline::of(DeclineReason::Off, "the same-host path is off for this connector"),
-            ));
-            return;
-        }
-        let (local, remote) = (uniform(&spec.local), uniform(&spec.remote));
-        let device = match (local, remote) {
-            (Some(Device::Host), Some(Device::Host)) => false,
-            (Some(l), Some(r)) => {
-                let (src, dst) = if spec.write { (l, r) } else { (r, l) };
-                if let Some(refusal) = device_path_refusal(src, dst) {
-                    out.push(declined(spec, refusal));
-                    return;
-                }
-                // Device memory as the source takes CUDA IPC; host memory into device memory
-                // takes the host path's grant, pulled through pinned staging by the copier.
-                src != Device::Host
-            }
-            _ => {
-                out.push(declined(
-                    spec,
-                    Decline::of(DeclineReason::Memory, "the descriptors mix kinds of memory"),
-                ));
-                return;
-            }
-        };
-        let i = match self.connect(&spec.peer.name, &spec.key) {
-            Ok(i) => i,
-            Err(reason) => {
-                out.push(declined(spec, reason));
-                return;
-            }
-        };
-        let c = self.sockets.get_mut(i).expect("connected");
-        let Some((slot, gen)) = c.claim_slot() else {
-            out.push(declined(
-                spec,
-                Decline::of(
-                    DeclineReason::Busy,
-                    "too many operations in flight to this peer on the same-host path",
-                ),
-            ));
-            return;
+        let (i, slot, gen, device) = match self.admit(&spec) {
+            Ok(admitted) => admitted,
+            Err(reason) => return out.push(declined(spec, reason)),
         };
         out.push(Event::taken(spec.id, TransferPath::SameHost));
         let id = spec.id;
+        let c = self.sockets.get_mut(i).expect("connected");
         let ready = c.link().is_ready();
         if !ready {
             c.queue(id);
@@ -1935,9 +1891,8 @@ impl Transport for SameHostTransport {
             }
             Phase::Abandoned => {}
             Phase::Queued | Phase::Exporting | Phase::Requested => {
-                // Nothing of ours is being written, and revoking the slot makes the peer discard
-                // what it read: release at once. (An eager operation may still complete at the
-                // owner, as a posted NIXL transfer may; an eager read's answer is not copied here.)
+                // Nothing of ours is written, and a revoked slot makes the peer discard what it
+                // read: release at once (an eager one may still complete at its owner, as NIXL's may).
                 if let Some(t) = table {
                     t.revoke(a.slot(), a.gen());
                 }
@@ -1948,10 +1903,8 @@ impl Transport for SameHostTransport {
                     if let Some(c) = self.sockets.get_mut(conn) {
                         c.unqueue(id);
                     }
-                    let a = self.client.remove(id).expect("present");
-                    self.sockets.free_slot(conn, a.slot(), a.gen());
+                    self.drop_act(id);
                 }
-                // A write's pipes may still be fed from its memory: released once they are not.
                 self.end_act_after_feed(id, Event::ended(id, Err(Error::Cancelled)), out);
             }
         }

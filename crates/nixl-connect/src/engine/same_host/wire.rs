@@ -179,53 +179,45 @@ pub(crate) enum Msg {
     },
 }
 
-/// The frames' types, as their first byte says: the one table encode and decode both read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum Kind {
-    Hello = 1,
-    Welcome = 2,
-    Reject = 3,
-    Req = 4,
-    Grant = 5,
-    Refuse = 6,
-    Fallback = 7,
-    Done = 8,
-    GrantIpc = 9,
-    Trusted = 10,
-    Data = 11,
-    GrantPipe = 12,
-    Forgot = 13,
+/// Declares [`Kind`] from one list of `Msg` variants and their wire values (encode, decode and
+/// [`Msg::kind`] all read it).
+macro_rules! kinds {
+    ($($K:ident = $v:literal,)*) => {
+        /// The frames' types, as their first byte says: the one table encode and decode both read.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[repr(u8)]
+        pub(crate) enum Kind {
+            $($K = $v,)*
+        }
+
+        impl Kind {
+            const ALL: &'static [Kind] = &[$(Kind::$K),*];
+
+            /// The type of frame `m` is.
+            fn of(m: &Msg) -> Kind {
+                match m {
+                    $(Msg::$K { .. } => Kind::$K,)*
+                }
+            }
+
+            fn from_u8(v: u8) -> Option<Self> {
+                Self::ALL.iter().copied().find(|k| *k as u8 == v)
+            }
+
+            /// True for the frames that concern one operation and so carry its MAC.
+            pub(crate) fn signed(self) -> bool {
+                !matches!(
+                    self,
+                    Kind::Hello | Kind::Welcome | Kind::Trusted | Kind::Reject | Kind::Forgot
+                )
+            }
+        }
+    };
 }
 
-impl Kind {
-    const ALL: [Kind; 13] = [
-        Kind::Hello,
-        Kind::Welcome,
-        Kind::Reject,
-        Kind::Req,
-        Kind::Grant,
-        Kind::Refuse,
-        Kind::Fallback,
-        Kind::Done,
-        Kind::GrantIpc,
-        Kind::Trusted,
-        Kind::Data,
-        Kind::GrantPipe,
-        Kind::Forgot,
-    ];
-
-    fn from_u8(v: u8) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| *k as u8 == v)
-    }
-
-    /// True for the frames that concern one operation and so carry its MAC.
-    pub(crate) fn signed(self) -> bool {
-        !matches!(
-            self,
-            Kind::Hello | Kind::Welcome | Kind::Trusted | Kind::Reject | Kind::Forgot
-        )
-    }
+kinds! {
+    Hello = 1, Welcome = 2, Reject = 3, Req = 4, Grant = 5, Refuse = 6, Fallback = 7,
+    Done = 8, GrantIpc = 9, Trusted = 10, Data = 11, GrantPipe = 12, Forgot = 13,
 }
 
 /// One decoded frame: the message, the bytes its MAC covers (type and payload), and the MAC
@@ -392,20 +384,21 @@ fn device_from(kind: u8, id: u32) -> Option<Device> {
 impl Msg {
     /// This frame's type.
     pub(crate) fn kind(&self) -> Kind {
+        Kind::of(self)
+    }
+
+    /// The request an answer (or a `Done`) is about: its slot and generation, which lead its
+    /// payload; `None` for the other frames.
+    pub(crate) fn slot_gen(&self) -> Option<(u32, u64)> {
         match self {
-            Msg::Hello { .. } => Kind::Hello,
-            Msg::Welcome { .. } => Kind::Welcome,
-            Msg::Trusted { .. } => Kind::Trusted,
-            Msg::Reject { .. } => Kind::Reject,
-            Msg::Req(_) => Kind::Req,
-            Msg::Grant { .. } => Kind::Grant,
-            Msg::GrantIpc { .. } => Kind::GrantIpc,
-            Msg::GrantPipe { .. } => Kind::GrantPipe,
-            Msg::Data { .. } => Kind::Data,
-            Msg::Refuse { .. } => Kind::Refuse,
-            Msg::Fallback { .. } => Kind::Fallback,
-            Msg::Done { .. } => Kind::Done,
-            Msg::Forgot { .. } => Kind::Forgot,
+            Msg::Grant { slot, gen }
+            | Msg::GrantIpc { slot, gen, .. }
+            | Msg::GrantPipe { slot, gen, .. }
+            | Msg::Data { slot, gen, .. }
+            | Msg::Refuse { slot, gen, .. }
+            | Msg::Fallback { slot, gen, .. }
+            | Msg::Done { slot, gen, .. } => Some((*slot, *gen)),
+            _ => None,
         }
     }
 
@@ -462,6 +455,10 @@ impl Msg {
         out.extend_from_slice(&[0; 4]);
         let mut w = W(out);
         w.u8(self.kind() as u8);
+        if let Some((slot, gen)) = self.slot_gen() {
+            w.u32(slot);
+            w.u64(gen);
+        }
         match self {
             Msg::Hello {
                 version,
@@ -496,55 +493,23 @@ impl Msg {
                 w.str(reason);
             }
             Msg::Req(req) => req.encode(&mut w),
-            Msg::Grant { slot, gen } => {
-                w.u32(*slot);
-                w.u64(*gen);
-            }
             Msg::Forgot { ids } => {
                 w.u32(ids.len() as u32);
                 for id in ids {
                     w.u64(*id);
                 }
             }
-            Msg::GrantPipe { slot, gen, lanes } => {
-                w.u32(*slot);
-                w.u64(*gen);
-                w.u8(*lanes);
-            }
-            Msg::GrantIpc { slot, gen, sources } => {
-                w.u32(*slot);
-                w.u64(*gen);
-                w.sources(sources);
-            }
-            Msg::Data { slot, gen, data } => {
-                w.u32(*slot);
-                w.u64(*gen);
-                w.data(data);
-            }
-            Msg::Refuse {
-                slot,
-                gen,
-                code,
-                reason,
-            } => {
-                w.u32(*slot);
-                w.u64(*gen);
+            // The slot and generation are written above.
+            Msg::Grant { .. } => {}
+            Msg::GrantPipe { lanes, .. } => w.u8(*lanes),
+            Msg::GrantIpc { sources, .. } => w.sources(sources),
+            Msg::Data { data, .. } => w.data(data),
+            Msg::Refuse { code, reason, .. } => {
                 w.u8(*code as u8);
                 w.str(reason);
             }
-            Msg::Fallback { slot, gen, reason } => {
-                w.u32(*slot);
-                w.u64(*gen);
-                w.str(reason);
-            }
-            Msg::Done {
-                slot,
-                gen,
-                ok,
-                reason,
-            } => {
-                w.u32(*slot);
-                w.u64(*gen);
+            Msg::Fallback { reason, .. } => w.str(reason),
+            Msg::Done { ok, reason, .. } => {
                 w.u8(u8::from(*ok));
                 w.str(reason);
             }
