@@ -196,7 +196,7 @@ impl EngineCore {
             schedules: transports
                 .iter()
                 .map(|_| Schedule {
-                    gap: PACE.first_poll(),
+                    gap: PACE.first_poll,
                     next: now,
                 })
                 .collect(),
@@ -277,7 +277,7 @@ impl EngineCore {
                     // while `Busy`), so a driving waiter sees a NIXL peer's completion itself.
                     let watched = &mut self.watched[i];
                     let due =
-                        t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + PACE.turn_gap());
+                        t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + PACE.turn_gap);
                     if self.watching && !driven_pass && due {
                         *watched = Some(now);
                         let saw = t.caller().is_some_and(|c| c.watch(&mut self.events));
@@ -308,9 +308,9 @@ impl EngineCore {
                 let active = t.progress(&mine, &mut self.events);
                 event |= active;
                 s.gap = match polling {
-                    _ if active => PACE.first_poll(),
-                    Polling::Watching if hot => PACE.turn_gap(),
-                    _ if t.did_work() => PACE.first_poll(),
+                    _ if active => PACE.first_poll,
+                    Polling::Watching if hot => PACE.turn_gap,
+                    _ if t.did_work() => PACE.first_poll,
                     Polling::Every(t) => (s.gap * 2).min(t.max(self.max_park)),
                     _ => (s.gap * 2).min(self.max_park),
                 };
@@ -336,7 +336,7 @@ impl EngineCore {
     /// what it started is progressed at once).
     pub(crate) fn wake_all(&mut self, now: Instant) {
         for s in &mut self.schedules {
-            s.gap = PACE.first_poll();
+            s.gap = PACE.first_poll;
             s.next = now;
         }
     }
@@ -473,16 +473,7 @@ impl EngineCore {
         debug_assert!(!self.by_caller);
         for d in std::mem::take(&mut self.deferred) {
             match d {
-                Deferred::Offer(spec, i, why) => {
-                    let id = spec.id;
-                    self.offer(spec, i, why);
-                    let tokens = self.settle(id);
-                    if !tokens.is_empty() {
-                        if let Some(a) = self.actives.get(&id) {
-                            a.state.keep_tokens(tokens);
-                        }
-                    }
-                }
+                Deferred::Offer(spec, i, why) => self.offer_settled(spec, i, why),
                 Deferred::Unexpose(key) => {
                     for (t, drivable) in self.transports.iter_mut().zip(&self.drivable) {
                         if !drivable {
@@ -646,19 +637,12 @@ impl EngineCore {
                     id,
                     Active {
                         key: spec.key.clone(),
-                        state: state.clone(),
+                        state,
                         keep: None,
                         on: self.chain[0],
                     },
                 );
-                let first = self.chain[0];
-                self.offer(spec, first, None);
-                // Settle what the transports decided at once: an immediate hand-over to the next
-                // transport, and registrations to keep with the memory.
-                let tokens = self.settle(id);
-                if !tokens.is_empty() {
-                    state.keep_tokens(tokens);
-                }
+                self.offer_settled(spec, self.chain[0], None);
             }
             Cmd::Abandon { id, hard } => {
                 debug_assert!(!self.by_caller, "{ENGINE_ONLY}");
@@ -775,6 +759,17 @@ impl EngineCore {
             tokens.extend(t.preregister(ranges)?);
         }
         Ok(tokens)
+    }
+
+    /// [`offer`](Self::offer)s `spec`, then [`settle`](Self::settle)s what the transports decided at
+    /// once, keeping its registrations with the operation's memory.
+    fn offer_settled(&mut self, spec: ActiveSpec, i: TransportId, why: Option<Decline>) {
+        let id = spec.id;
+        self.offer(spec, i, why);
+        let tokens = self.settle(id);
+        if let Some(a) = self.actives.get(&id).filter(|_| !tokens.is_empty()) {
+            a.state.keep_tokens(tokens);
+        }
     }
 
     /// Handles the events of a just-offered operation `id` that are best handled now: hand-overs

@@ -37,20 +37,8 @@ const CAPI: &str = "libnixl_capi.so";
 /// How long `python3` may take to name its site-packages folders.
 const PYTHON_LIMIT: Duration = Duration::from_secs(3);
 
-/// Where the NIXL library was found and loaded from.
-#[derive(Debug, Clone)]
-pub(crate) struct Loaded {
-    capi: PathBuf,
-}
-
-impl Loaded {
-    /// The C API library loaded.
-    pub(crate) fn capi(&self) -> &std::path::Path {
-        &self.capi
-    }
-}
-
-static LOADED: Mutex<Option<Loaded>> = Mutex::new(None);
+/// The C API library loaded, once loaded.
+static LOADED: Mutex<Option<PathBuf>> = Mutex::new(None);
 /// Folders a host program names as holding NIXL (searched after `$NIXL_CONNECT_LIB`).
 static PREFERRED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
@@ -180,8 +168,9 @@ fn python_site_dirs() -> Vec<PathBuf> {
     }
 }
 
-/// Finds and loads NIXL once per process; later calls return the library already loaded.
-pub(crate) fn load() -> Result<Loaded> {
+/// Finds and loads NIXL once per process, returning the C API library's path; later calls return
+/// the library already loaded.
+pub(crate) fn load() -> Result<PathBuf> {
     let mut guard = LOADED.lock().recover();
     if let Some(l) = guard.as_ref() {
         return Ok(l.clone());
@@ -226,9 +215,8 @@ pub(crate) fn load() -> Result<Loaded> {
         };
         return Err(Error::NixlLoad { path, reason });
     }
-    let l = Loaded { capi: path };
-    *guard = Some(l.clone());
-    Ok(l)
+    *guard = Some(path.clone());
+    Ok(path)
 }
 
 /// Has every later child of `fork()` make UCX's table of async event handlers, and the lock over
