@@ -21,10 +21,9 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-/// The numbers that decide whether a thread spins, drives the engine or parks, each with what it
-/// decides and the docs/FIGURES.md row that carries it (measured on the 2-core VM; none has an
-/// A/B on a 16-core host yet: FIGURES.md, "Unproven on 16 cores"). Private: a connector's one
-/// setting here is its wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)).
+/// The numbers that decide whether a thread spins, drives the engine or parks, each with the
+/// docs/FIGURES.md row that carries it. Private: a connector's one setting here is its wait spin
+/// ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)).
 #[derive(Debug)]
 pub(crate) struct Pace {
     /// How long the engine thread and a kept copy thread stay awake (yielding) after their last
@@ -40,7 +39,7 @@ pub(crate) struct Pace {
     /// The most operations in flight for a caller to drive and the engine to stand down, and the
     /// most commands one caller's turn handles. Row: "64 outstanding".
     pub(crate) drive_max: usize,
-    /// The most bytes of a small operation ([`small`](Self::small)). Row: "64 MiB".
+    /// The most bytes of a small operation. Row: "64 MiB".
     small: usize,
     /// A yield longer than this overran; yields further apart are not in a row. Row: "Beside CPU hogs".
     overrun: Duration,
@@ -210,11 +209,9 @@ pub(crate) fn worthwhile() -> bool {
     on
 }
 
-/// Gives this thread's core away once (`sched_yield`), as a spinning thread's turn does, and
-/// times it. Returns whether spinning is still [`worthwhile`]: false once this thread's yields
-/// have lost enough to turn its spins off, and the caller should stop spinning. For the spins of
-/// threads that do the work (the engine's, the copy pool's), which share cores with our other
-/// threads by design.
+/// Gives this thread's core away once (`sched_yield`), timed. Returns whether spinning is still
+/// [`worthwhile`] (false: stop spinning). For the spins of threads that do the work (the engine's,
+/// the copy pool's), which share cores with our other threads by design.
 pub(crate) fn yield_core() -> bool {
     let mut seen = yield_timed();
     // Not this spin's rule: the count starts anew.

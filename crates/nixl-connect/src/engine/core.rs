@@ -1,11 +1,8 @@
 //! The engine's decisions, without its thread: every operation's bookkeeping, the transports'
-//! schedules, the hand-over chain and the hold chain. [`EngineCore`] takes commands and the time
-//! (`now`) and calls the transports; it never reads a clock, sleeps, polls or receives (the
-//! [`driver`](super::driver) does, at its edge), so its tests step it with a manual clock.
-//!
-//! It knows the transports only through the seam ([`Transport`]): an ordered list (the publisher
-//! of metadata first), a chain of positions in it that active operations try in turn, and a
-//! schedule per transport derived from what it asks for ([`Polling`]).
+//! schedules ([`Polling`]), the hand-over chain and the hold chain. [`EngineCore`] takes commands
+//! and the time (`now`) and calls the transports through the seam ([`Transport`]: the publisher of
+//! metadata first, and a chain that active operations try in turn). It never reads a clock, sleeps,
+//! polls or receives (the [`driver`](super::driver) does), so its tests step it with a manual clock.
 //!
 //! **Caller turns.** A caller waiting for a small operation may drive the core on its own thread
 //! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
@@ -13,17 +10,15 @@
 //! for four things of another's that create no agent and register, load, prepare and free no memory:
 //! - an exposure that is only bookkeeping ([`CallerPart::expose`]; else the command goes back);
 //! - the bookkeeping of an exposure's end ([`CallerPart::unexpose`]);
-//! - where callers reach it ([`let_callers_reach`](EngineCore::let_callers_reach)), a start
-//!   whose every part is ready ([`CallerPart::begin`]);
-//! - and a watch of its operations ([`CallerPart::watch`]), every turn or every
-//!   [`Pace::turn_gap`](crate::pace::Pace::turn_gap).
+//! - where callers reach it ([`let_callers_reach`](EngineCore::let_callers_reach)), a ready start
+//!   ([`CallerPart::begin`]);
+//! - a watch ([`CallerPart::watch`]), every turn or every [`Pace::turn_gap`](crate::pace::Pace::turn_gap).
 //!
-//! The engine stands down for such an operation only while callers' watches would see it end
-//! ([`CallerPart::sees_every_end`], [`engine_bound`](EngineCore::engine_bound)). What would touch
-//! another transport or free memory a caller must not is left to the engine thread
-//! ([`run_deferred`](EngineCore::run_deferred)): at once for a hand-over
-//! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), soon for the rest
-//! ([`has_deferred`](EngineCore::has_deferred)); the engine does not sleep while any is left
+//! The engine stands down only while callers' watches would see everything end
+//! ([`CallerPart::sees_every_end`], [`engine_bound`](EngineCore::engine_bound)). The rest is left to
+//! the engine thread ([`run_deferred`](EngineCore::run_deferred)): at once for a hand-over
+//! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), soon otherwise
+//! ([`has_deferred`](EngineCore::has_deferred)); it does not sleep while any is left
 //! ([`has_pending`](EngineCore::has_pending)).
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -116,10 +111,10 @@ pub(crate) struct EngineCore {
     watching: bool,
     /// Callers' watches that saw something (for tests that check they do).
     #[cfg(any(test, feature = "testing"))]
-    watch_events: u64,
+    pub(super) watch_events: u64,
     /// Operations callers' turns started on a transport they may not drive (for tests).
     #[cfg(any(test, feature = "testing"))]
-    caller_starts: u64,
+    pub(super) caller_starts: u64,
     /// What callers' turns left to the engine thread, in order.
     deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
@@ -156,18 +151,6 @@ struct Recording {
 }
 
 impl EngineCore {
-    /// Callers' watches that saw something.
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn watch_events(&self) -> u64 {
-        self.watch_events
-    }
-
-    /// Operations callers' turns started on a transport a caller may not drive.
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn caller_starts(&self) -> u64 {
-        self.caller_starts
-    }
-
     /// A core over `transports` (the publisher of metadata first) whose active operations try
     /// the positions in `chain` in turn, each transport due at `now`.
     pub(crate) fn new(
@@ -216,10 +199,9 @@ impl EngineCore {
         }
     }
 
-    /// Lets callers' turns call into the transports a caller may not drive (begin operations
-    /// there, and watch them), or not (the default): the driver's choice, where the connector's
-    /// waits spin and so drive while the engine stands down (the Python module's do not: its
-    /// turns, taken with the GIL held, call nothing of NIXL's).
+    /// Lets callers' turns begin operations on and watch the transports a caller may not drive, or
+    /// not (the default): where the connector's waits spin (not the Python module's, whose turns
+    /// hold the GIL).
     pub(crate) fn let_callers_reach(&mut self, reach: bool) {
         self.callers_reach = reach;
     }

@@ -232,14 +232,14 @@ impl Drive {
     /// Callers' watches of transports they may not drive that saw something (a NIXL completion).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn watch_events(&self) -> u64 {
-        self.lock().as_ref().map_or(0, |d| d.core.watch_events())
+        self.lock().as_ref().map_or(0, |d| d.core.watch_events)
     }
 
     /// Operations callers' turns started on a transport a caller may not drive (NIXL transfers
     /// they posted).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn caller_starts(&self) -> u64 {
-        self.lock().as_ref().map_or(0, |d| d.core.caller_starts())
+        self.lock().as_ref().map_or(0, |d| d.core.caller_starts)
     }
 
     /// Commands callers have handled on their turns of this engine.

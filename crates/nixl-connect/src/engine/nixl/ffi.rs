@@ -224,12 +224,9 @@ pub(crate) fn load() -> Result<PathBuf> {
 /// handler: before anything runs in the child. Found through NIXL's UCX plugin (so the `libucs`
 /// it links, whichever other copies the process has), once its backend exists.
 ///
-/// UCX's async thread takes that lock whenever one of its descriptors has an event (a sibling's new
-/// agent wakes it through the shared epoll instance); a fork at that moment left the child the
-/// lock held by a thread it does not have, and its first agent waited forever
-/// (`ucp_worker_create` -> `ucs_async_set_event_handler`). UCX offers no fork handler for it. The
-/// parent's handlers stay in the child's memory, unused (UCX objects made before a fork are not
-/// usable in the child).
+/// UCX's async thread takes that lock whenever one of its descriptors has an event; a fork at that
+/// moment left the child the lock held by a thread it does not have, and its first agent waited
+/// forever (`ucp_worker_create` -> `ucs_async_set_event_handler`). UCX offers no fork handler.
 fn ucx_fresh_in_children() {
     static DONE: std::sync::Once = std::sync::Once::new();
     DONE.call_once(|| {
@@ -371,16 +368,15 @@ pub(crate) struct Prepared {
 // SAFETY: a prepared list is a handle into its agent's state, used (and dropped) only through its
 // agent's owner, the engine's NIXL transport. The engine's state sits behind a lock that callers
 // driving it take too (`engine::driver`), so it must be `Send`. A caller's turn, with UCX the only
-// backend, uses the initiator's prepared lists to post a small transfer (`createXferReq` over
-// them, `postXferReq`), polls its transfers (`getXferStatus`, which progresses the initiator's
-// UCX worker), releases the requests of those that ended, and drains the exposers'
-// notifications (`getNotifs`, which progresses theirs); it never prepares, registers or
-// destroys anything else. That an agent may be used from any thread, one
-// at a time, holds there: the agent
-// is created with `ThreadSync::None` and no progress thread, for which NIXL's UCX backend makes
-// its context `mt_type` SINGLE and so its workers `UCS_THREAD_MODE_SERIALIZED` (any thread, one
-// at a time; NIXL's `ucx_utils`), and the lock orders each use after the last (nixl-sys also takes
-// its own lock around `getNotifs`). `nixl_sys` already has the agent itself `Send`.
+// backend, uses the initiator's prepared lists to post a small transfer (`createXferReq` over them,
+// `postXferReq`), polls its transfers (`getXferStatus`, which progresses the initiator's UCX
+// worker), releases the requests of those that ended, and drains the exposers' notifications
+// (`getNotifs`, which progresses theirs); it never prepares, registers or destroys anything else.
+// That an agent may be used from any thread, one at a time, holds there: the agent is created with
+// `ThreadSync::None` and no progress thread, for which NIXL's UCX backend makes its context
+// `mt_type` SINGLE and so its workers `UCS_THREAD_MODE_SERIALIZED` (any thread, one at a time;
+// NIXL's `ucx_utils`), and the lock orders each use after the last (nixl-sys also takes its own
+// lock around `getNotifs`). `nixl_sys` already has the agent itself `Send`.
 unsafe impl Send for Prepared {}
 
 /// The right to create an agent and to register, describe, load and prepare memory with one

@@ -205,11 +205,9 @@ struct NixlState {
     stats: EngineStats,
 }
 
-/// The UCX settings every agent of this library gets unless the caller set them: `TCP_CONN_NB=y`
-/// (through the UCX plugin's `engine_config`, per agent, so no environment variable is needed),
-/// so that connecting to a peer never blocks the engine thread in `connect()` (a blackholed
-/// address in a peer's metadata would otherwise hold it for the kernel's SYN retries, minutes).
-/// `UCX_TCP_CONN_NB` in the environment still wins, as UCX reads it first.
+/// The UCX settings every agent gets unless the caller set them: `TCP_CONN_NB=y` (per agent, through
+/// the UCX plugin's `engine_config`), so connecting to a blackholed peer address never blocks the
+/// engine thread in `connect()`. `UCX_TCP_CONN_NB` in the environment still wins (UCX reads it first).
 fn with_library_defaults(mut params: Vec<(String, String)>) -> Vec<(String, String)> {
     const CONN_NB: &str = "TCP_CONN_NB=y";
     match params.iter_mut().find(|(k, _)| k == "engine_config") {
