@@ -309,7 +309,7 @@ pub mod nixl_library {
     /// # Errors
     /// [`crate::Error::NixlNotFound`] or [`crate::Error::NixlLoad`].
     pub fn load() -> crate::Result<std::path::PathBuf> {
-        crate::engine::nixl::ffi::load().map(|l| l.capi().to_path_buf())
+        crate::engine::nixl::ffi::load()
     }
 }
 

@@ -21,22 +21,40 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-/// The numbers that decide whether a thread spins, drives the engine or parks, each with what it
-/// decides and the docs/FIGURES.md row that carries it (measured on the 2-core VM; none has an
-/// A/B on a 16-core host yet: FIGURES.md, "Unproven on 16 cores"). Private: a connector's one
-/// setting here is its wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)).
+/// The numbers that decide whether a thread spins, drives the engine or parks, each with the
+/// docs/FIGURES.md row that carries it. Private: a connector's one setting here is its wait spin
+/// ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)).
 #[derive(Debug)]
 pub(crate) struct Pace {
-    hot_for: Duration,
-    turn_gap: Duration,
-    first_poll: Duration,
-    drive_max: usize,
+    /// How long the engine thread and a kept copy thread stay awake (yielding) after their last
+    /// event, and how long after a NIXL peer's last completion exposures are watched every hot
+    /// turn. Row: "64 outstanding".
+    pub(crate) hot_for: Duration,
+    /// A driving wait yields, and a caller's turn watches NIXL's exposures, at most once per this.
+    /// Row: "4 KiB over TCP".
+    pub(crate) turn_gap: Duration,
+    /// How soon a polled transport that showed activity is polled again (the gap then doubles).
+    /// Row: "1 MiB and 64 MiB over TCP".
+    pub(crate) first_poll: Duration,
+    /// The most operations in flight for a caller to drive and the engine to stand down, and the
+    /// most commands one caller's turn handles. Row: "64 outstanding".
+    pub(crate) drive_max: usize,
+    /// The most bytes of a small operation. Row: "64 MiB".
     small: usize,
+    /// A yield longer than this overran; yields further apart are not in a row. Row: "Beside CPU hogs".
     overrun: Duration,
+    /// The balance of overrun yields (less quick ones) that turns a thread's spins off. Rows: "Beside
+    /// CPU hogs", and "64 outstanding and 1,000 x 4 KiB" (which must not move).
     lost_to_stop: Duration,
+    /// How long spins stay off after [`lost_to_stop`](Self::lost_to_stop), and how long an untouched
+    /// balance is kept. Row: "Beside CPU hogs".
     off_for: Duration,
+    /// A driving wait's spin whose last this many yields each ran another thread's turn ends: two
+    /// threads spin on one core. Row: as [`shared_turn`](Self::shared_turn).
     shared_turns: u32,
-    exposed_poll: Duration,
+    /// How often NIXL is progressed while memory is registered but no operation is live (a peer
+    /// may need this side to act). Row: "A connector's CPU while idle".
+    pub(crate) exposed_poll: Duration,
 }
 
 /// The crate's pace.
@@ -57,37 +75,11 @@ pub(crate) const PACE: Pace = Pace {
 const _: () = assert!(PACE.hot_for.as_nanos() < PACE.lost_to_stop.as_nanos());
 
 impl Pace {
-    /// How long the engine thread, and a kept copy thread, stay awake (yielding their core) after
-    /// their last event, so back-to-back operations pay no wake-up; and how long after a NIXL
-    /// peer's last completion a connector's exposures are watched on every hot turn.
-    /// Row: "64 outstanding".
-    pub(crate) const fn hot_for(&self) -> Duration {
-        self.hot_for
-    }
-
-    /// A driving wait yields its core at most once per this (other spins yield every turn), and
-    /// a caller's turn watches NIXL's exposures at most once per this. Row: "4 KiB over TCP".
-    pub(crate) const fn turn_gap(&self) -> Duration {
-        self.turn_gap
-    }
-
-    /// How soon a polled transport is polled again after it showed activity (the gap then
-    /// doubles up to what its polling allows). Row: "1 MiB and 64 MiB over TCP".
-    pub(crate) const fn first_poll(&self) -> Duration {
-        self.first_poll
-    }
-
-    /// While callers drive, the engine stands down and sleeps at most this long (a caller's turn
-    /// within this long counts as driving), and what a caller's turn leaves the engine thread is
-    /// due no sooner: the engine's horizon, [`hot_for`](Self::hot_for). Row: "4 KiB".
+    /// While callers drive, the engine sleeps at most this long (a caller's turn within it counts
+    /// as driving), and what a caller's turn leaves the engine is due no sooner:
+    /// [`hot_for`](Self::hot_for). Row: "4 KiB".
     pub(crate) const fn stand_down(&self) -> Duration {
         self.hot_for
-    }
-
-    /// The most operations in flight for a caller to drive and for the engine to stand down, and
-    /// the most commands one caller's turn handles. Row: "64 outstanding".
-    pub(crate) const fn drive_max(&self) -> usize {
-        self.drive_max
     }
 
     /// Whether `bytes` make a small operation: its wait may spin, drive the engine and post on a
@@ -96,47 +88,16 @@ impl Pace {
         bytes <= self.small
     }
 
-    /// A yield that took longer than this overran: it gave the core to a thread that did not give
-    /// it back soon; yields further apart than this are not in a row. Row: "Beside CPU hogs".
-    const fn overrun(&self) -> Duration {
-        self.overrun
-    }
-
-    /// The balance of a thread's overrun yields (less its quick ones) that turns its spins off.
-    /// Rows: "Beside CPU hogs", and "64 outstanding and 1,000 x 4 KiB" (which must not move).
-    const fn lost_to_stop(&self) -> Duration {
-        self.lost_to_stop
-    }
-
-    /// How long a thread's spins stay off once its balance reached [`lost_to_stop`](Self::lost_to_stop),
-    /// and how long an untouched balance is kept. Row: "Beside CPU hogs".
-    const fn off_for(&self) -> Duration {
-        self.off_for
-    }
-
-    /// A yield that took longer than this ran another thread's turn on this core. Where a bare
-    /// yield costs more (a system call filter, nested virtualization), a driving wait's spin just
-    /// ends sooner. It is the driving wait's [`turn_gap`](Self::turn_gap). Row: "4 KiB".
+    /// A yield longer than this ran another thread's turn on this core (where a bare yield costs
+    /// more, a driving wait's spin just ends sooner): [`turn_gap`](Self::turn_gap). Row: "4 KiB".
     const fn shared_turn(&self) -> Duration {
         self.turn_gap
     }
 
-    /// A driving wait's spin whose last this many yields each ran another thread's turn ends: two
-    /// threads spinning on one core. Row: as [`shared_turn`](Self::shared_turn).
-    const fn shared_turns(&self) -> u32 {
-        self.shared_turns
-    }
-
-    /// How often NIXL is progressed while memory is registered but no operation is live (a peer
-    /// may need this side to act to read it over TCP). Row: "A connector's CPU while idle".
-    pub(crate) const fn exposed_poll(&self) -> Duration {
-        self.exposed_poll
-    }
-
-    /// A NIXL progress call that took longer than [`first_poll`](Self::first_poll) did work in
-    /// UCX: twice in a row on the wall clock (one slow call alone is as often a thread preempted),
-    /// or once in CPU time draining notifications while a writable is live. Rows: "A connector's
-    /// CPU while idle", "1 MiB and 64 MiB over TCP".
+    /// A NIXL progress call longer than [`first_poll`](Self::first_poll) did work in UCX: twice in
+    /// a row on the wall clock (one slow call is as often a preempted thread), or once in CPU time
+    /// draining notifications while a writable is live. Rows: "A connector's CPU while idle", "1
+    /// MiB and 64 MiB over TCP".
     pub(crate) const fn work(&self) -> Duration {
         self.first_poll
     }
@@ -180,7 +141,7 @@ impl Seen {
     /// Whether the spin that made the last yields should end because another thread spins on the
     /// same core: [`Pace::shared_turns`] yields in a row ran its turns. Counting starts anew.
     fn shares_core(&mut self) -> bool {
-        let shared = self.shared >= PACE.shared_turns();
+        let shared = self.shared >= PACE.shared_turns;
         if shared {
             self.shared = 0;
         }
@@ -191,21 +152,21 @@ impl Seen {
     fn yielded(&mut self, took: Duration, at: Instant) {
         let in_a_row = self
             .last_yield
-            .is_some_and(|t| at.saturating_duration_since(t) <= PACE.overrun() + took);
+            .is_some_and(|t| at.saturating_duration_since(t) <= PACE.overrun + took);
         self.last_yield = Some(at);
         self.shared = match (took > PACE.shared_turn(), in_a_row) {
             (true, true) => self.shared.saturating_add(1),
             (true, false) => 1,
             (false, _) => 0,
         };
-        if took <= PACE.overrun() {
+        if took <= PACE.overrun {
             // Paid back to nothing, the core is free again.
             self.lost = self.lost.saturating_sub(took);
             return;
         }
         if self
             .last
-            .is_some_and(|t| at.saturating_duration_since(t) > PACE.off_for())
+            .is_some_and(|t| at.saturating_duration_since(t) > PACE.off_for)
         {
             // The balance is forgotten; what the shared-turn rule keeps is not a balance.
             *self = Seen {
@@ -216,14 +177,14 @@ impl Seen {
         }
         self.lost += took;
         self.last = Some(at);
-        if self.lost >= PACE.lost_to_stop() {
-            let until = at + PACE.off_for();
+        if self.lost >= PACE.lost_to_stop {
+            let until = at + PACE.off_for;
             self.off_until = Some(until);
             self.last = Some(until);
             // The next spin probes: losing one engine spin's length turns spins off again (a
             // slice of a CPU-bound process, 4 ms at 250 Hz, does), while a burst of our own work
             // on the core (up to about 1.3 ms) does not.
-            self.lost = PACE.lost_to_stop() - PACE.hot_for();
+            self.lost = PACE.lost_to_stop - PACE.hot_for;
         }
     }
 }
@@ -248,11 +209,9 @@ pub(crate) fn worthwhile() -> bool {
     on
 }
 
-/// Gives this thread's core away once (`sched_yield`), as a spinning thread's turn does, and
-/// times it. Returns whether spinning is still [`worthwhile`]: false once this thread's yields
-/// have lost enough to turn its spins off, and the caller should stop spinning. For the spins of
-/// threads that do the work (the engine's, the copy pool's), which share cores with our other
-/// threads by design.
+/// Gives this thread's core away once (`sched_yield`), timed. Returns whether spinning is still
+/// [`worthwhile`] (false: stop spinning). For the spins of threads that do the work (the engine's,
+/// the copy pool's), which share cores with our other threads by design.
 pub(crate) fn yield_core() -> bool {
     let mut seen = yield_timed();
     // Not this spin's rule: the count starts anew.
@@ -295,12 +254,12 @@ mod tests {
     use super::*;
 
     const SLICE: Duration = Duration::from_millis(4); // a CPU-bound process's slice at 250 Hz
-    const OVERRUN: Duration = PACE.overrun();
-    const LOST_TO_STOP: Duration = PACE.lost_to_stop();
-    const OFF_FOR: Duration = PACE.off_for();
+    const OVERRUN: Duration = PACE.overrun;
+    const LOST_TO_STOP: Duration = PACE.lost_to_stop;
+    const OFF_FOR: Duration = PACE.off_for;
     const SHARED_TURN: Duration = PACE.shared_turn();
-    const SHARED_TURNS: u32 = PACE.shared_turns();
-    const TURN_GAP: Duration = PACE.turn_gap();
+    const SHARED_TURNS: u32 = PACE.shared_turns;
+    const TURN_GAP: Duration = PACE.turn_gap;
 
     /// Held by the tests that pin threads to this process's first core, one at a time.
     static ONE_CORE: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -56,9 +56,8 @@ pub(crate) enum Cmd {
         ranges: Vec<Range>,
         reply: oneshot::Sender<Result<Vec<RegToken>>>,
     },
-    /// Answer once the turn that takes this command has also progressed the transports due and
-    /// applied what they reported: after it, everything sent to the engine before it has been
-    /// acted on, and a transport driven on every turn (the loopback) has run once since.
+    /// Answer at the end of the turn that takes it: everything sent before it has been acted on, and
+    /// a transport driven on every turn (the loopback) has run once since.
     #[cfg(any(test, feature = "testing"))]
     Settle { reply: oneshot::Sender<()> },
     /// Report the engine's counters.
@@ -92,12 +91,9 @@ impl Cmd {
     }
 }
 
-/// The way back to one transport on the engine thread: a message posted here reaches its
-/// [`Transport::on_mail`](super::transport::Transport::on_mail), in order with the engine's other
-/// commands; nothing happens once the engine is gone.
-///
-/// Typed by the transport's own message `M`: only that type can be posted, and the transport
-/// reads back exactly that type.
+/// The way back to one transport on the engine thread: a message `M` (the transport's own type)
+/// posted here reaches its [`Transport::on_mail`](super::transport::Transport::on_mail), in order
+/// with the engine's other commands; nothing happens once the engine is gone.
 pub(crate) struct Mailbox<M> {
     tx: Sender<Cmd>,
     waker: Waker,

@@ -1,11 +1,8 @@
 //! The engine's decisions, without its thread: every operation's bookkeeping, the transports'
-//! schedules, the hand-over chain and the hold chain. [`EngineCore`] takes commands and the time
-//! (`now`) and calls the transports; it never reads a clock, sleeps, polls or receives (the
-//! [`driver`](super::driver) does, at its edge), so its tests step it with a manual clock.
-//!
-//! It knows the transports only through the seam ([`Transport`]): an ordered list (the publisher
-//! of metadata first), a chain of positions in it that active operations try in turn, and a
-//! schedule per transport derived from what it asks for ([`Polling`]).
+//! schedules ([`Polling`]), the hand-over chain and the hold chain. [`EngineCore`] takes commands
+//! and the time (`now`) and calls the transports through the seam ([`Transport`]: the publisher of
+//! metadata first, and a chain that active operations try in turn). It never reads a clock, sleeps,
+//! polls or receives (the [`driver`](super::driver) does), so its tests step it with a manual clock.
 //!
 //! **Caller turns.** A caller waiting for a small operation may drive the core on its own thread
 //! ([`handle_as_caller`](EngineCore::handle_as_caller), [`turn_as_caller`](EngineCore::turn_as_caller)).
@@ -13,17 +10,15 @@
 //! for four things of another's that create no agent and register, load, prepare and free no memory:
 //! - an exposure that is only bookkeeping ([`CallerPart::expose`]; else the command goes back);
 //! - the bookkeeping of an exposure's end ([`CallerPart::unexpose`]);
-//! - where callers reach it ([`let_callers_reach`](EngineCore::let_callers_reach)), a start
-//!   whose every part is ready ([`CallerPart::begin`]);
-//! - and a watch of its operations ([`CallerPart::watch`]), every turn or every
-//!   [`Pace::turn_gap`](crate::pace::Pace::turn_gap).
+//! - where callers reach it ([`let_callers_reach`](EngineCore::let_callers_reach)), a ready start
+//!   ([`CallerPart::begin`]);
+//! - a watch ([`CallerPart::watch`]), every turn or every [`Pace::turn_gap`](crate::pace::Pace::turn_gap).
 //!
-//! The engine stands down for such an operation only while callers' watches would see it end
-//! ([`CallerPart::sees_every_end`], [`engine_bound`](EngineCore::engine_bound)). What would touch
-//! another transport or free memory a caller must not is left to the engine thread
-//! ([`run_deferred`](EngineCore::run_deferred)): at once for a hand-over
-//! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), soon for the rest
-//! ([`has_deferred`](EngineCore::has_deferred)); the engine does not sleep while any is left
+//! The engine stands down only while callers' watches would see everything end
+//! ([`CallerPart::sees_every_end`], [`engine_bound`](EngineCore::engine_bound)). The rest is left to
+//! the engine thread ([`run_deferred`](EngineCore::run_deferred)): at once for a hand-over
+//! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), soon otherwise
+//! ([`has_deferred`](EngineCore::has_deferred)); it does not sleep while any is left
 //! ([`has_pending`](EngineCore::has_pending)).
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -116,10 +111,10 @@ pub(crate) struct EngineCore {
     watching: bool,
     /// Callers' watches that saw something (for tests that check they do).
     #[cfg(any(test, feature = "testing"))]
-    watch_events: u64,
+    pub(super) watch_events: u64,
     /// Operations callers' turns started on a transport they may not drive (for tests).
     #[cfg(any(test, feature = "testing"))]
-    caller_starts: u64,
+    pub(super) caller_starts: u64,
     /// What callers' turns left to the engine thread, in order.
     deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
@@ -156,18 +151,6 @@ struct Recording {
 }
 
 impl EngineCore {
-    /// Callers' watches that saw something.
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn watch_events(&self) -> u64 {
-        self.watch_events
-    }
-
-    /// Operations callers' turns started on a transport a caller may not drive.
-    #[cfg(any(test, feature = "testing"))]
-    pub(crate) fn caller_starts(&self) -> u64 {
-        self.caller_starts
-    }
-
     /// A core over `transports` (the publisher of metadata first) whose active operations try
     /// the positions in `chain` in turn, each transport due at `now`.
     pub(crate) fn new(
@@ -196,7 +179,7 @@ impl EngineCore {
             schedules: transports
                 .iter()
                 .map(|_| Schedule {
-                    gap: PACE.first_poll(),
+                    gap: PACE.first_poll,
                     next: now,
                 })
                 .collect(),
@@ -216,10 +199,9 @@ impl EngineCore {
         }
     }
 
-    /// Lets callers' turns call into the transports a caller may not drive (begin operations
-    /// there, and watch them), or not (the default): the driver's choice, where the connector's
-    /// waits spin and so drive while the engine stands down (the Python module's do not: its
-    /// turns, taken with the GIL held, call nothing of NIXL's).
+    /// Lets callers' turns begin operations on and watch the transports a caller may not drive, or
+    /// not (the default): where the connector's waits spin (not the Python module's, whose turns
+    /// hold the GIL).
     pub(crate) fn let_callers_reach(&mut self, reach: bool) {
         self.callers_reach = reach;
     }
@@ -277,7 +259,7 @@ impl EngineCore {
                     // while `Busy`), so a driving waiter sees a NIXL peer's completion itself.
                     let watched = &mut self.watched[i];
                     let due =
-                        t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + PACE.turn_gap());
+                        t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + PACE.turn_gap);
                     if self.watching && !driven_pass && due {
                         *watched = Some(now);
                         let saw = t.caller().is_some_and(|c| c.watch(&mut self.events));
@@ -308,9 +290,9 @@ impl EngineCore {
                 let active = t.progress(&mine, &mut self.events);
                 event |= active;
                 s.gap = match polling {
-                    _ if active => PACE.first_poll(),
-                    Polling::Watching if hot => PACE.turn_gap(),
-                    _ if t.did_work() => PACE.first_poll(),
+                    _ if active => PACE.first_poll,
+                    Polling::Watching if hot => PACE.turn_gap,
+                    _ if t.did_work() => PACE.first_poll,
                     Polling::Every(t) => (s.gap * 2).min(t.max(self.max_park)),
                     _ => (s.gap * 2).min(self.max_park),
                 };
@@ -336,7 +318,7 @@ impl EngineCore {
     /// what it started is progressed at once).
     pub(crate) fn wake_all(&mut self, now: Instant) {
         for s in &mut self.schedules {
-            s.gap = PACE.first_poll();
+            s.gap = PACE.first_poll;
             s.next = now;
         }
     }
@@ -473,16 +455,7 @@ impl EngineCore {
         debug_assert!(!self.by_caller);
         for d in std::mem::take(&mut self.deferred) {
             match d {
-                Deferred::Offer(spec, i, why) => {
-                    let id = spec.id;
-                    self.offer(spec, i, why);
-                    let tokens = self.settle(id);
-                    if !tokens.is_empty() {
-                        if let Some(a) = self.actives.get(&id) {
-                            a.state.keep_tokens(tokens);
-                        }
-                    }
-                }
+                Deferred::Offer(spec, i, why) => self.offer_settled(spec, i, why),
                 Deferred::Unexpose(key) => {
                     for (t, drivable) in self.transports.iter_mut().zip(&self.drivable) {
                         if !drivable {
@@ -646,19 +619,12 @@ impl EngineCore {
                     id,
                     Active {
                         key: spec.key.clone(),
-                        state: state.clone(),
+                        state,
                         keep: None,
                         on: self.chain[0],
                     },
                 );
-                let first = self.chain[0];
-                self.offer(spec, first, None);
-                // Settle what the transports decided at once: an immediate hand-over to the next
-                // transport, and registrations to keep with the memory.
-                let tokens = self.settle(id);
-                if !tokens.is_empty() {
-                    state.keep_tokens(tokens);
-                }
+                self.offer_settled(spec, self.chain[0], None);
             }
             Cmd::Abandon { id, hard } => {
                 debug_assert!(!self.by_caller, "{ENGINE_ONLY}");
@@ -775,6 +741,17 @@ impl EngineCore {
             tokens.extend(t.preregister(ranges)?);
         }
         Ok(tokens)
+    }
+
+    /// [`offer`](Self::offer)s `spec`, then [`settle`](Self::settle)s what the transports decided at
+    /// once, keeping its registrations with the operation's memory.
+    fn offer_settled(&mut self, spec: ActiveSpec, i: TransportId, why: Option<Decline>) {
+        let id = spec.id;
+        self.offer(spec, i, why);
+        let tokens = self.settle(id);
+        if let Some(a) = self.actives.get(&id).filter(|_| !tokens.is_empty()) {
+            a.state.keep_tokens(tokens);
+        }
     }
 
     /// Handles the events of a just-offered operation `id` that are best handled now: hand-overs

@@ -2,15 +2,14 @@
 //!
 //! The engine's state ([`Driven`]: the core, the command channel, what is left to do) sits behind
 //! one lock, and whoever holds it drives; every decision is still the core's. The engine thread
-//! receives the callers' commands, reads the clock, sleeps in `epoll` on the transports'
-//! descriptors, its wake-up `eventfd` and its alarm, and wakes for a command, a ready descriptor,
-//! a transport's deadline or the alarm. After any event it keeps spinning for [`Pace::hot_for`](crate::pace::Pace::hot_for) so that
+//! sleeps in `epoll` on the transports' descriptors, its wake-up `eventfd` and its alarm. After
+//! any event it keeps spinning for [`Pace::hot_for`](crate::pace::Pace::hot_for) so that
 //! back-to-back operations pay no wake-up (unless the host is oversubscribed: see
 //! [`crate::pace`], or callers drive: below); an idle connector costs no CPU.
 //!
 //! A caller drives in two places ([`Drive::drive`]), only while the engine sleeps and few
-//! operations are in flight ([`Pace::drive_max`](crate::pace::Pace::drive_max)): right after it sends a command (so a small
-//! operation starts on the caller's thread, with no wake-up), and on each turn of a small
+//! operations are in flight ([`Pace::drive_max`](crate::pace::Pace::drive_max)): right after it
+//! sends a command (so a small operation starts with no wake-up), and on each turn of a small
 //! operation's wait spin (so its frames are read where the answer is awaited). While a wait
 //! spins, the engine stands down: it does not spin beside the caller, and its sleep no longer
 //! sees the sockets ([`Gate`]), so a frame the caller will read wakes nobody. On a 2-core host
@@ -91,7 +90,8 @@ pub(crate) struct Drive {
     /// False once the connector has handled a command over device memory, and from the start
     /// where callers never drive (see the module's docs).
     host_only: AtomicBool,
-    /// [`sys::forks`](crate::sys::forks) when the engine started (a child shares its parent's epoll instances): a child of `fork()` does not drive.
+    /// [`sys::forks`](crate::sys::forks) when the engine started: a child of `fork()` (which shares
+    /// its parent's epoll instances) does not drive.
     image: u64,
     /// Turns callers have taken (for tests that check that callers drive).
     turns: AtomicU64,
@@ -163,10 +163,10 @@ impl Drive {
         u64::try_from(at.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX - 1)
     }
 
-    /// After a caller's turn: the engine sleeps, so if the turn left work due before the engine
-    /// would wake (a transport's deadline, counters to publish), the alarm brings its wake
-    /// forward; while callers drive, the engine must wake within [`Pace::stand_down`](crate::pace::Pace::stand_down) whatever is
-    /// due (the sockets are out of its sleep).
+    /// After a caller's turn: if it left work due before the sleeping engine would wake (a
+    /// transport's deadline, counters to publish), the alarm brings its wake forward; while callers
+    /// drive, the engine wakes within [`Pace::stand_down`](crate::pace::Pace::stand_down) (the
+    /// sockets are out of its sleep).
     fn keep_the_engine_due(&self, d: &Driven, now: Instant) {
         let due = if self.gate.driven() {
             Some(PACE.stand_down())
@@ -212,8 +212,7 @@ impl Drive {
         self.state.lock().recover()
     }
 
-    /// True in a child of `fork()` of the process that started this engine (whose thread the
-    /// child does not have).
+    /// True in a child of `fork()` of the process that started this engine (without its thread).
     pub(crate) fn forked(&self) -> bool {
         crate::sys::forks() != self.image
     }
@@ -221,7 +220,7 @@ impl Drive {
     /// True when callers may drive this connector now: host memory only, in the process that
     /// started it.
     fn callers_may(&self) -> bool {
-        self.host_only.load(Ordering::Acquire) && crate::sys::forks() == self.image
+        self.host_only.load(Ordering::Acquire) && !self.forked()
     }
 
     /// Turns callers have taken of this engine.
@@ -230,18 +229,17 @@ impl Drive {
         self.turns.load(Ordering::Relaxed)
     }
 
-    /// Callers' watches of transports they may not drive that saw something (a NIXL peer's
-    /// completion).
+    /// Callers' watches of transports they may not drive that saw something (a NIXL completion).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn watch_events(&self) -> u64 {
-        self.lock().as_ref().map_or(0, |d| d.core.watch_events())
+        self.lock().as_ref().map_or(0, |d| d.core.watch_events)
     }
 
     /// Operations callers' turns started on a transport a caller may not drive (NIXL transfers
     /// they posted).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn caller_starts(&self) -> u64 {
-        self.lock().as_ref().map_or(0, |d| d.core.caller_starts())
+        self.lock().as_ref().map_or(0, |d| d.core.caller_starts)
     }
 
     /// Commands callers have handled on their turns of this engine.
@@ -259,7 +257,7 @@ impl Drive {
     /// A wait that will drive begins: the engine's sleep stops seeing the sockets. False (and
     /// nothing changed) when callers may not drive this connector.
     pub(crate) fn enter(&self) -> bool {
-        if !self.callers_may() || self.busy.load(Ordering::Acquire) > PACE.drive_max() {
+        if !self.callers_may() || self.busy.load(Ordering::Acquire) > PACE.drive_max {
             return false;
         }
         self.gate.enter();
@@ -272,20 +270,18 @@ impl Drive {
         true
     }
 
-    /// A wait that will not drive begins: if a caller's turn with no wait driving started an
-    /// operation that only a driving wait or the engine thread progresses (a NIXL transfer
-    /// posted on the send's turn), the engine is woken now rather than at its alarm.
+    /// A wait that will not drive begins: if a caller's turn with no wait driving started a NIXL
+    /// transfer (on the send's turn), the engine is woken now rather than at its alarm.
     pub(crate) fn attend(&self) {
         if self.unattended.swap(false, Ordering::AcqRel) {
             self.waker.wake();
         }
     }
 
-    /// A wait that [`enter`](Self::enter)ed ends; `unfinished`: its operation goes on (the wait
-    /// was dropped, or stopped spinning), and the engine is woken to take it over at once (it
-    /// may sleep a whole `Pace::stand_down` else).
+    /// A wait that [`enter`](Self::enter)ed ends; `unfinished`: its operation goes on, and the
+    /// engine is woken to take it over at once (it may sleep a whole `Pace::stand_down` else).
     pub(crate) fn leave(&self, unfinished: bool) {
-        if crate::sys::forks() != self.image {
+        if self.forked() {
             // A child of `fork()` dropping a wait it inherited: the gate and the waker are the
             // parent's too.
             return;
@@ -296,12 +292,11 @@ impl Drive {
         }
     }
 
-    /// One turn on the caller's thread (a wait's, or the one after its send), if the engine
-    /// sleeps, at most [`Pace::drive_max`](crate::pace::Pace::drive_max) operations are in
-    /// flight, the connector has seen only host memory and nobody else drives. True if it took
-    /// the turn. Never blocks.
+    /// One turn on the caller's thread (a wait's, or the one after its send) if the engine sleeps,
+    /// few operations are in flight, only host memory was seen and nobody else drives. True if it
+    /// took the turn. Never blocks.
     pub(crate) fn drive(&self) -> bool {
-        let max = PACE.drive_max();
+        let max = PACE.drive_max;
         if !self.callers_may() || self.busy.load(Ordering::Acquire) > max || !self.waker.is_sleeping() {
             return false;
         }
@@ -335,7 +330,7 @@ impl Drive {
         let mut event = false;
         let mut handled = 0;
         while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
-            let back = if !self.takes(&cmd) || handled == PACE.drive_max() {
+            let back = if !self.takes(&cmd) || handled == PACE.drive_max {
                 Some(cmd)
             } else {
                 // An exposure NIXL must register or make metadata for comes back.
@@ -419,7 +414,7 @@ impl Drive {
             }
             // While the engine is hot: transfers in flight are progressed on every turn,
             // operations waiting for a completion every `Pace::turn_gap`; otherwise by the schedule.
-            let hot = now.saturating_duration_since(last_event) < PACE.hot_for() && pace::worthwhile();
+            let hot = now.saturating_duration_since(last_event) < PACE.hot_for && pace::worthwhile();
             event |= d.core.turn(now, hot, &ready);
             ready.clear();
             self.busy.store(d.core.in_flight(), Ordering::Release);
@@ -434,14 +429,14 @@ impl Drive {
             // A caller drives while it waits: the engine stands down instead of spinning beside
             // it, while callers actually drive (not a wait no longer polled) and where they may.
             let stand_down = self.gate.driven()
-                && d.core.in_flight() <= PACE.drive_max()
+                && d.core.in_flight() <= PACE.drive_max
                 && self.host_only.load(Ordering::Acquire)
                 && !d.core.engine_bound()
                 && self
                     .nanos(now)
                     .saturating_sub(self.last_driven.load(Ordering::Acquire))
                     < PACE.stand_down().as_nanos() as u64;
-            if !stand_down && last_event.elapsed() < PACE.hot_for() && pace::worthwhile() {
+            if !stand_down && last_event.elapsed() < PACE.hot_for && pace::worthwhile() {
                 // Recently active: stay hot (yielding the core) so the next event needs no
                 // wake-up; not while the host is oversubscribed (`pace::worthwhile`).
                 drop(g);
@@ -486,7 +481,7 @@ impl Drive {
             }
             if stand_down {
                 // Back from standing down, the engine does not spin: the callers drove.
-                last_event = now.checked_sub(PACE.hot_for()).unwrap_or(now);
+                last_event = now.checked_sub(PACE.hot_for).unwrap_or(now);
             }
             drop(g);
             poller.wait(timeout, &mut ready);

@@ -208,8 +208,7 @@ struct Shared {
     spinning: Arc<AtomicUsize>,
     /// The engine's state, for callers that drive it (see `driver`).
     drive: Arc<Drive>,
-    /// How long the engine's end waits for copies still running ([`STOP_WAIT`] unless the
-    /// connector was shut down with a deadline).
+    /// How long the engine's end waits for running copies ([`STOP_WAIT`] but for a shutdown's deadline).
     stop_wait: Mutex<Duration>,
     decoded: Mutex<DecodedCache>,
     /// The publishing transport's decoder of peers' metadata.
@@ -324,9 +323,8 @@ impl Engine {
         )
     }
 
-    /// Starts the engine thread named for `name`, whose transports (and the chain active
-    /// operations try) `make` builds on that thread; returns once they exist, or with the error
-    /// that kept them from existing.
+    /// Starts the engine thread named for `name`; `make` builds its transports and chain there.
+    /// Returns once they exist, or with the error that kept them from existing.
     fn launch(
         name: String,
         tuning: Tuning,
@@ -413,13 +411,13 @@ impl Engine {
         self.0.next_op.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// How long a dropped operation with borrowed memory waits before its transport is cut off.
     /// Bounds the wait for copies still running when the engine ends (its last handle dropped)
     /// by `within`.
     pub(crate) fn set_stop_wait(&self, within: Duration) {
         *self.0.stop_wait.lock().recover() = within;
     }
 
+    /// How long a dropped operation with borrowed memory waits before its transport is cut off.
     pub(crate) fn cancel_grace(&self) -> Duration {
         self.0.cancel_grace
     }
@@ -429,9 +427,8 @@ impl Engine {
         self.0.wait_spin
     }
 
-    /// A place among this connector's waits that spin, if one is free: at most [`max_spinning`],
-    /// so that many waits cost a runtime turn each, not a `sched_yield`, and leave the engines
-    /// their cores.
+    /// A place among this connector's waits that spin, if one is free: at most [`max_spinning`], so
+    /// many waits cost a runtime turn each, not a `sched_yield`, and leave the engines their cores.
     pub(crate) fn spin_slot(&self) -> Option<SpinSlot> {
         let n = &self.0.spinning;
         n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |k| {
@@ -452,8 +449,7 @@ impl Engine {
         &self.0.drive
     }
 
-    /// Decodes a peer's published metadata with the publishing transport's decoder, cached by
-    /// string.
+    /// Decodes a peer's published metadata with the publishing transport's decoder, cached.
     ///
     /// # Errors
     /// [`Error::Metadata`] for anything the publishing transport cannot read;

@@ -67,11 +67,9 @@ pub(crate) struct Exposure {
     /// Registrations that should live as long as the memory (attached to the descriptors).
     pub(crate) tokens: Vec<RegToken>,
     /// The string peers reach this connector by (`RdmaMetadata.nixl_metadata`), written by the
-    /// publishing transport (the first in the engine's list), which every peer must be able to
-    /// use, and decoded by peers with that transport's [`DecodePeer`].
+    /// publishing transport (the engine's first, which every peer uses; decoded by [`DecodePeer`]).
     pub(crate) published: Option<Arc<str>>,
-    /// The generation of the publisher's exposure: memory given up later is handed back to
-    /// [`Transport::hold`] with it.
+    /// The generation of the publisher's exposure, for [`Transport::hold`] of memory given up later.
     pub(crate) exposer_gen: u64,
     /// The fingerprint of the publisher's connection metadata, by which a later transport (the
     /// same-host path) tells its own metadata from another host's agent of the same name.
@@ -88,8 +86,7 @@ pub(crate) struct PeerInfo {
     pub(crate) reach: Arc<[u8]>,
     /// The peer's agent name.
     pub(crate) name: Arc<str>,
-    /// The fingerprint of the peer's connection part: two agents of one name on two hosts differ
-    /// here.
+    /// The fingerprint of the peer's connection part: two agents of one name on two hosts differ.
     pub(crate) identity: u64,
 }
 
@@ -116,8 +113,8 @@ pub(crate) enum Event {
     PathTaken { id: OpId, path: TransferPath },
     /// An active operation ended on this transport: no transport touches its memory any more.
     ActiveEnded { id: OpId, result: Result<()> },
-    /// Registrations made for an active operation, to keep with its memory (so that reusing the
-    /// memory does not register it again).
+    /// Registrations made for an active operation, to keep with its memory (reusing it registers
+    /// nothing again).
     Registered { id: OpId, tokens: Vec<RegToken> },
     /// A peer completed the passive operation with this key (its data is in place), over `path`.
     PassiveCompleted { key: Arc<str>, path: TransferPath },
@@ -201,9 +198,8 @@ impl Decline {
         }
     }
 
-    /// Whether the decline says only that the peer was busy a moment ago: its listening socket's
-    /// backlog was full (`EAGAIN` from `connect`), as under a flood of connections. The next
-    /// operation asks again.
+    /// Whether the peer was only busy a moment ago: its listening socket's backlog was full (`EAGAIN`
+    /// from `connect`); the next operation asks again.
     pub(crate) fn busy(&self) -> bool {
         self.source
             .as_ref()
@@ -265,8 +261,7 @@ pub(crate) enum Polling {
     Never,
     /// Now and then: peers may need this side to act (exposed memory), at most this far apart.
     Every(Duration),
-    /// Every few tens of microseconds while the engine is hot: operations wait for a peer's
-    /// completion message.
+    /// Every few tens of microseconds while the engine is hot: operations wait for a peer's message.
     Watching,
     /// On every turn while the engine is hot (and on every caller's turn that watches): transfers
     /// are in flight, or (NIXL) peers complete small exposures now.
@@ -308,9 +303,8 @@ pub(crate) trait Transport: Send {
     /// [`Event`] from this call or from a later [`progress`](Self::progress).
     fn begin(&mut self, spec: ActiveSpec, out: &mut Vec<Event>);
 
-    /// Stops touching `id`'s memory as soon as it can: `hard` when the owner cannot wait any
-    /// longer, even at the cost of other operations of this transport. Ends (or will end) it with
-    /// an [`Event::ActiveEnded`].
+    /// Stops touching `id`'s memory as soon as it can (`hard`: even at the cost of other operations),
+    /// ending it, now or later, with an [`Event::ActiveEnded`].
     fn abandon(&mut self, id: OpId, hard: bool, out: &mut Vec<Event>);
 
     /// Drives progress with the ready descriptors `ready` (`(token, epoll events)`); reports what
@@ -326,14 +320,12 @@ pub(crate) trait Transport: Send {
         false
     }
 
-    /// True when work has arrived that [`progress`](Self::progress) has not handled yet: checked
-    /// before the engine sleeps.
+    /// True when work arrived that [`progress`](Self::progress) has not handled (checked before a sleep).
     fn has_pending(&self) -> bool {
         false
     }
 
-    /// Takes a message posted to this transport's mailbox (`cmd::Mailbox`) from outside the
-    /// engine thread.
+    /// Takes a message posted from outside the engine thread to this transport's `cmd::Mailbox`.
     fn on_mail(&mut self, msg: Box<dyn Any + Send>) {
         drop(msg);
     }
@@ -356,9 +348,8 @@ pub(crate) trait Transport: Send {
         Ok(Vec::new())
     }
 
-    /// Stops touching memory: waits up to `within` (`None`: for as long as it takes) for work
-    /// that cannot be interrupted. False when some still runs (the memory it may write must then
-    /// never be freed).
+    /// Stops touching memory, waiting up to `within` (`None`: no limit) for work that cannot be
+    /// interrupted. False when some still runs (the memory it may write must then never be freed).
     fn stop(&mut self, within: Option<Duration>) -> bool {
         let _ = within;
         true
@@ -378,8 +369,7 @@ pub(crate) trait Transport: Send {
         false
     }
 
-    /// The part of a transport that is not [`any_thread`](Self::any_thread) which a waiter
-    /// driving the engine may use, if any (`None` by default).
+    /// The part a waiter driving the engine may use of a transport not [`any_thread`](Self::any_thread).
     fn caller(&mut self) -> Option<&mut dyn CallerPart> {
         None
     }
@@ -408,8 +398,7 @@ pub(crate) trait CallerPart {
     /// freeing nothing but ended transfers' requests). True if anything happened.
     fn watch(&mut self, out: &mut Vec<Event>) -> bool;
 
-    /// True when [`begin`](Self::begin) may take operations at all (asked once, when the engine
-    /// starts).
+    /// True when [`begin`](Self::begin) may take operations at all (asked once, at start).
     fn starts(&self) -> bool;
 
     /// True when [`watch`](Self::watch) would see everything in flight end: the engine may then

@@ -12,13 +12,6 @@ use crate::error::{Error, Result};
 use crate::pace::{self, PACE};
 use crate::state::{OpState, OperationStatus};
 
-/// How a wait over `bytes` may spin: the engine (whose waits spinning at once are bounded) and
-/// its wait spin for a small operation; none for a large one.
-fn spin_for(engine: &Engine, bytes: usize) -> Option<(&Engine, Duration)> {
-    let spin = engine.wait_spin();
-    (PACE.small(bytes) && !spin.is_zero()).then_some((engine, spin))
-}
-
 impl Engine {
     /// Waits for `state`, an operation of this engine's moving `bytes` in all, to end, or for
     /// `timeout` (then [`Error::TimedOut`] naming `peer`).
@@ -43,7 +36,10 @@ impl Engine {
         peer: Option<&str>,
         bytes: usize,
     ) -> Result<()> {
-        let may_spin = spin_for(self, bytes);
+        // How it may spin: the engine (its waits spinning at once are bounded) and the wait spin,
+        // for a small operation only.
+        let spin = self.wait_spin();
+        let may_spin = (PACE.small(bytes) && !spin.is_zero()).then_some((self, spin));
         let fut = async {
             let mut spinning = match may_spin {
                 Some((engine, d)) if !state.status().is_terminal() && pace::worthwhile() => {
@@ -88,7 +84,7 @@ impl Engine {
                         let go_on = if !drove {
                             last_yield = now;
                             pace::yield_core()
-                        } else if now.saturating_duration_since(last_yield) >= PACE.turn_gap() {
+                        } else if now.saturating_duration_since(last_yield) >= PACE.turn_gap {
                             last_yield = now;
                             pace::yield_driving()
                         } else {

@@ -16,10 +16,8 @@ use crate::engine::transport::PeerInfo;
 use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::RdmaMetadata;
 
-/// The largest NIXL agent metadata accepted after decompression (16 MiB).
-///
-/// Agent metadata is a few KiB; the cap stops a small hostile `nixl_metadata` from expanding into
-/// gigabytes (a zlib bomb).
+/// The largest NIXL agent metadata accepted after decompression (16 MiB): agent metadata is a few
+/// KiB, and the cap stops a small hostile `nixl_metadata` from expanding into gigabytes (a zlib bomb).
 pub const MAX_NIXL_METADATA: usize = 16 << 20;
 
 const FIELD: &str = "nixl_metadata";

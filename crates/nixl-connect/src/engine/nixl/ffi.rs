@@ -37,20 +37,8 @@ const CAPI: &str = "libnixl_capi.so";
 /// How long `python3` may take to name its site-packages folders.
 const PYTHON_LIMIT: Duration = Duration::from_secs(3);
 
-/// Where the NIXL library was found and loaded from.
-#[derive(Debug, Clone)]
-pub(crate) struct Loaded {
-    capi: PathBuf,
-}
-
-impl Loaded {
-    /// The C API library loaded.
-    pub(crate) fn capi(&self) -> &std::path::Path {
-        &self.capi
-    }
-}
-
-static LOADED: Mutex<Option<Loaded>> = Mutex::new(None);
+/// The C API library loaded, once loaded.
+static LOADED: Mutex<Option<PathBuf>> = Mutex::new(None);
 /// Folders a host program names as holding NIXL (searched after `$NIXL_CONNECT_LIB`).
 static PREFERRED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
@@ -180,8 +168,9 @@ fn python_site_dirs() -> Vec<PathBuf> {
     }
 }
 
-/// Finds and loads NIXL once per process; later calls return the library already loaded.
-pub(crate) fn load() -> Result<Loaded> {
+/// Finds and loads NIXL once per process, returning the C API library's path; later calls return
+/// the library already loaded.
+pub(crate) fn load() -> Result<PathBuf> {
     let mut guard = LOADED.lock().recover();
     if let Some(l) = guard.as_ref() {
         return Ok(l.clone());
@@ -226,9 +215,8 @@ pub(crate) fn load() -> Result<Loaded> {
         };
         return Err(Error::NixlLoad { path, reason });
     }
-    let l = Loaded { capi: path };
-    *guard = Some(l.clone());
-    Ok(l)
+    *guard = Some(path.clone());
+    Ok(path)
 }
 
 /// Has every later child of `fork()` make UCX's table of async event handlers, and the lock over
@@ -236,12 +224,9 @@ pub(crate) fn load() -> Result<Loaded> {
 /// handler: before anything runs in the child. Found through NIXL's UCX plugin (so the `libucs`
 /// it links, whichever other copies the process has), once its backend exists.
 ///
-/// UCX's async thread takes that lock whenever one of its descriptors has an event (a sibling's new
-/// agent wakes it through the shared epoll instance); a fork at that moment left the child the
-/// lock held by a thread it does not have, and its first agent waited forever
-/// (`ucp_worker_create` -> `ucs_async_set_event_handler`). UCX offers no fork handler for it. The
-/// parent's handlers stay in the child's memory, unused (UCX objects made before a fork are not
-/// usable in the child).
+/// UCX's async thread takes that lock whenever one of its descriptors has an event; a fork at that
+/// moment left the child the lock held by a thread it does not have, and its first agent waited
+/// forever (`ucp_worker_create` -> `ucs_async_set_event_handler`). UCX offers no fork handler.
 fn ucx_fresh_in_children() {
     static DONE: std::sync::Once = std::sync::Once::new();
     DONE.call_once(|| {
@@ -383,16 +368,15 @@ pub(crate) struct Prepared {
 // SAFETY: a prepared list is a handle into its agent's state, used (and dropped) only through its
 // agent's owner, the engine's NIXL transport. The engine's state sits behind a lock that callers
 // driving it take too (`engine::driver`), so it must be `Send`. A caller's turn, with UCX the only
-// backend, uses the initiator's prepared lists to post a small transfer (`createXferReq` over
-// them, `postXferReq`), polls its transfers (`getXferStatus`, which progresses the initiator's
-// UCX worker), releases the requests of those that ended, and drains the exposers'
-// notifications (`getNotifs`, which progresses theirs); it never prepares, registers or
-// destroys anything else. That an agent may be used from any thread, one
-// at a time, holds there: the agent
-// is created with `ThreadSync::None` and no progress thread, for which NIXL's UCX backend makes
-// its context `mt_type` SINGLE and so its workers `UCS_THREAD_MODE_SERIALIZED` (any thread, one
-// at a time; NIXL's `ucx_utils`), and the lock orders each use after the last (nixl-sys also takes
-// its own lock around `getNotifs`). `nixl_sys` already has the agent itself `Send`.
+// backend, uses the initiator's prepared lists to post a small transfer (`createXferReq` over them,
+// `postXferReq`), polls its transfers (`getXferStatus`, which progresses the initiator's UCX
+// worker), releases the requests of those that ended, and drains the exposers' notifications
+// (`getNotifs`, which progresses theirs); it never prepares, registers or destroys anything else.
+// That an agent may be used from any thread, one at a time, holds there: the agent is created with
+// `ThreadSync::None` and no progress thread, for which NIXL's UCX backend makes its context
+// `mt_type` SINGLE and so its workers `UCS_THREAD_MODE_SERIALIZED` (any thread, one at a time;
+// NIXL's `ucx_utils`), and the lock orders each use after the last (nixl-sys also takes its own
+// lock around `getNotifs`). `nixl_sys` already has the agent itself `Send`.
 unsafe impl Send for Prepared {}
 
 /// The right to create an agent and to register, describe, load and prepare memory with one

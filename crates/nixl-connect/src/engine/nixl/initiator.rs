@@ -245,9 +245,8 @@ impl Initiator {
         let mut r = self.agent.load_remote(key, &spec.peer.reach);
         if r.is_err() {
             match self.peers.get(&spec.peer.name) {
-                // A peer restarted under the same name, or its metadata changed in a way NIXL
-                // does not merge: forget it entirely and load afresh (a failed load must never be
-                // retried without invalidating first).
+                // A peer restarted under the same name, or its metadata changed in a way NIXL does not
+                // merge: forget it and load afresh (a failed load is never retried without that).
                 Some(p) if p.refs == 0 => {
                     self.forget_peer(&spec.peer.name.clone());
                     r = self.agent.load_remote(key, &spec.peer.reach);
@@ -297,9 +296,8 @@ impl Initiator {
 }
 
 impl Initiator {
-    /// Starts `spec`'s transfer on the engine thread: registers its memory, loads the peer and
-    /// prepares both descriptor lists where that was not done before, then posts. The transfer in
-    /// flight (none if it ended at once) and the registrations' tokens.
+    /// Starts `spec`'s transfer on the engine thread (registering, loading and preparing what is
+    /// missing, then posting): the transfer in flight (none if it ended at once) and the tokens.
     pub(super) fn start(
         &mut self,
         key: &AgentKey,
@@ -357,9 +355,8 @@ impl Initiator {
         }
     }
 
-    /// On a caller's turn, posts `spec`'s small transfer of host memory if the peer is loaded, the
-    /// memory registered, both lists prepared and no end waits for the engine thread; else `None`.
-    /// A failed post comes back with its tokens: the engine thread resets the initiator first.
+    /// On a caller's turn, posts `spec`'s small host transfer if nothing is missing to post it and no
+    /// end waits for the engine; else `None`. A failed post comes back with its tokens (to reset first).
     pub(super) fn post_ready(
         &mut self,
         spec: &ActiveSpec,
@@ -416,9 +413,8 @@ impl Initiator {
         Some(Ok(()))
     }
 
-    /// Polls the transfers in flight and ends those that ended ([`finish`](Self::finish)), but
-    /// on a caller's turn (`by_caller`) leaves to the engine thread an end that must forget or
-    /// invalidate the peer (a failure, or a peer forgotten meanwhile: `ended`). True if any ended.
+    /// Polls the transfers in flight and [`finish`](Self::finish)es those that ended; a caller's turn
+    /// (`by_caller`) leaves an end that must forget the peer to the engine (`ended`). True if any ended.
     pub(super) fn poll_inflight(&mut self, by_caller: bool, out: &mut Vec<Event>) -> bool {
         let mut any = false;
         let mut i = 0;
@@ -440,8 +436,7 @@ impl Initiator {
         any
     }
 
-    /// Ends transfer `f`, which a poll saw end (`done`): releases its request, and on a failure
-    /// forgets its peer.
+    /// Ends transfer `f`, which a poll saw end (`done`): releases its request; a failure forgets its peer.
     pub(super) fn finish(
         &mut self,
         f: Inflight,

@@ -10,15 +10,11 @@
 //! ```
 //!
 //! where a descriptor is its address, length and device id (three u64) followed by the backend's
-//! key for it. The parser walks all of it and requires the blob to end there: a peer's metadata is
-//! untrusted, and bytes NIXL would ignore (padding, impossible counts) are refused rather than
-//! kept.
+//! key for it. The blob must end there: a peer's metadata is untrusted, and bytes NIXL would ignore
+//! (padding, impossible counts) are refused.
 //!
-//! Two things need it. The same-host path finds a peer's socket from the agent name, without
-//! loading anything into NIXL. And the passive side publishes per-operation metadata, the
-//! connection part of the agent (`getLocalPartialMD` of no descriptors) followed by the sections
-//! of just that operation's registrations (`getLocalPartialMD` of them), so its size and cost stay
-//! flat however many registrations are live, and a peer loads each registration once.
+//! The same-host path reads a peer's agent name from it; the passive side publishes per-operation
+//! metadata ([`splice`]), so its size stays flat however many registrations are live.
 
 use crate::error::{Error, MetadataProblem, Result};
 use crate::sync::fnv1a;

@@ -190,8 +190,8 @@ struct NixlState {
     /// The last progress call was slow with nothing to show for it: progress again at once, and
     /// count it as work if that one is slow too.
     recheck: bool,
-    /// The last progress call's drain used CPU time (see [`Pace::work`](crate::pace::Pace::work)) while a peer may have been
-    /// writing into this process.
+    /// The last progress call's drain used CPU time (see [`Pace::work`](crate::pace::Pace::work))
+    /// while a peer may have been writing into this process.
     slow_receiving: bool,
     /// Operations whose post failed in the transport on a caller's turn: part of each may have
     /// been posted, so the engine thread resets the initiator (see `begin`) and fails them; their
@@ -205,11 +205,9 @@ struct NixlState {
     stats: EngineStats,
 }
 
-/// The UCX settings every agent of this library gets unless the caller set them: `TCP_CONN_NB=y`
-/// (through the UCX plugin's `engine_config`, per agent, so no environment variable is needed),
-/// so that connecting to a peer never blocks the engine thread in `connect()` (a blackholed
-/// address in a peer's metadata would otherwise hold it for the kernel's SYN retries, minutes).
-/// `UCX_TCP_CONN_NB` in the environment still wins, as UCX reads it first.
+/// The UCX settings every agent gets unless the caller set them: `TCP_CONN_NB=y` (per agent, through
+/// the UCX plugin's `engine_config`), so connecting to a blackholed peer address never blocks the
+/// engine thread in `connect()`. `UCX_TCP_CONN_NB` in the environment still wins (UCX reads it first).
 fn with_library_defaults(mut params: Vec<(String, String)>) -> Vec<(String, String)> {
     const CONN_NB: &str = "TCP_CONN_NB=y";
     match params.iter_mut().find(|(k, _)| k == "engine_config") {
@@ -313,9 +311,13 @@ impl NixlState {
         }
     }
 
+    /// The current exposer, then the retired ones.
+    fn exposers(&self) -> impl Iterator<Item = &Exposer> {
+        std::iter::once(&self.exposer).chain(self.retired.values())
+    }
+
     fn recount(&mut self) {
-        self.stats.quarantined_bytes =
-            (self.exposer.quarantined + self.retired.values().map(|e| e.quarantined).sum::<usize>()) as u64;
+        self.stats.quarantined_bytes = self.exposers().map(|e| e.quarantined).sum::<usize>() as u64;
     }
 
     /// Handles a registration token's drop.
@@ -422,17 +424,11 @@ impl NixlState {
         })
     }
 
-    fn live_registrations(&self) -> usize {
-        self.exposer.regs.len()
-            + self.retired.values().map(|e| e.regs.len()).sum::<usize>()
-            + self.initiator.as_ref().map_or(0, |i| i.registered().0)
-    }
-
-    /// Bytes the live registrations cover.
-    fn registered_bytes(&self) -> u64 {
-        self.exposer.regs.bytes()
-            + self.retired.values().map(|e| e.regs.bytes()).sum::<u64>()
-            + self.initiator.as_ref().map_or(0, |i| i.registered().1)
+    /// Live registrations, and the bytes they cover.
+    fn registered(&self) -> (usize, u64) {
+        let mine = self.initiator.as_ref().map_or((0, 0), Initiator::registered);
+        self.exposers()
+            .fold(mine, |(n, b), e| (n + e.regs.len(), b + e.regs.bytes()))
     }
 
     fn initiator(&mut self, key: &AgentKey) -> Result<&mut Initiator> {
@@ -535,8 +531,7 @@ impl NixlState {
             // Only a writable's bytes come in at the peer's pace, so only then does a short
             // schedule pay (a readable's owner sends faster over TCP when progressed less often),
             // and only then is this thread's CPU clock read (a system call).
-            let receiving =
-                !self.exposer.writables.is_empty() || self.retired.values().any(|e| !e.writables.is_empty());
+            let receiving = self.exposers().any(|e| !e.writables.is_empty());
             let cpu0 = receiving.then(thread_cpu_time);
             event |= self.drain_notifications(out);
             // CPU time, not the wall clock: a drain preempted, or run cold after a sleep, is not
@@ -557,8 +552,7 @@ impl NixlState {
             || self.initiator.as_ref().is_some_and(Initiator::busy)
         {
             Polling::Busy
-        } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for())
-        {
+        } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for) {
             // Small passive operations wait for their notification, and NIXL peers completed one
             // within the engine's hot spell (peers that read or write through NIXL now are likely
             // to go on, and each watch that comes late delays them): on every hot turn (and every
@@ -571,7 +565,7 @@ impl NixlState {
         } else if !self.exposer.regs.is_empty() || !self.exposer.quarantine.is_empty() {
             // Peers may need this side to act for memory they can still reach (to serve a read
             // over TCP, even of memory given up): keep progressing, slowly when idle.
-            Polling::Every(PACE.exposed_poll())
+            Polling::Every(PACE.exposed_poll)
         } else {
             Polling::Never
         }
@@ -580,9 +574,7 @@ impl NixlState {
     /// True when operations are exposed and every live one is small: a caller's turn may watch
     /// the exposers (see its `CallerPart::watch`).
     fn exposures_watched(&self) -> bool {
-        !(self.exposer.live.is_empty() && self.retired.is_empty())
-            && self.exposer.large == 0
-            && self.retired.values().all(|e| e.large == 0)
+        !(self.exposer.live.is_empty() && self.retired.is_empty()) && self.exposers().all(|e| e.large == 0)
     }
 
     /// The engine thread's part of what callers' turns left: the ends of transfers a watch saw
@@ -644,7 +636,7 @@ pub(super) fn overlap(a: &Range, b: &Range) -> bool {
 fn large(regs: &[Arc<RegInner>]) -> bool {
     !PACE.small(
         regs.iter()
-            .map(|t| t.range().len)
+            .map(|t| t.range.len)
             .fold(0usize, usize::saturating_add),
     )
 }
@@ -652,7 +644,7 @@ fn large(regs: &[Arc<RegInner>]) -> bool {
 /// The registrations' ranges and ids, sorted and deduplicated: what their metadata is made from
 /// and cached by.
 fn ranges_and_ids(regs: &[Arc<RegInner>]) -> Vec<(Range, u64)> {
-    let mut v: Vec<(Range, u64)> = regs.iter().map(|t| (t.range(), t.id())).collect();
+    let mut v: Vec<(Range, u64)> = regs.iter().map(|t| (t.range, t.id)).collect();
     v.sort_by_key(|(r, id)| (key_of(r), *id));
     v.dedup();
     v
@@ -686,7 +678,7 @@ impl Transport for NixlTransport {
             if n.deregister_on_completion {
                 // Deregister now, whoever else holds the tokens (the memory's cache included).
                 for t in &tokens {
-                    n.deregister(Side::Exposer, t.gen(), t.range(), t.id());
+                    n.deregister(Side::Exposer, t.gen, t.range, t.id);
                 }
             }
         }
@@ -775,8 +767,9 @@ impl Transport for NixlTransport {
         let n = &self.nixl;
         let s = &n.stats;
         stats.registrations += s.registrations;
-        stats.live_registrations += n.live_registrations();
-        stats.registered_bytes += n.registered_bytes();
+        let (live, bytes) = n.registered();
+        stats.live_registrations += live;
+        stats.registered_bytes += bytes;
         stats.registration_hits += s.registration_hits;
         stats.peers_loaded += n.initiator.as_ref().map_or(0, Initiator::peers_loaded);
         stats.remote_loads += s.remote_loads;
@@ -869,8 +862,7 @@ impl CallerPart for NixlState {
     /// With UCX alone, while everything in flight is small and nothing waits for the engine.
     fn sees_every_end(&self) -> bool {
         self.starts()
-            && self.exposer.large == 0
-            && self.retired.values().all(|e| e.large == 0)
+            && self.exposers().all(|e| e.large == 0)
             && self.failed_posts.is_empty()
             && self.evicted.is_empty()
             && self.initiator.as_ref().is_none_or(|i| i.nothing_large())

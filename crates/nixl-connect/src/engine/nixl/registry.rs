@@ -90,9 +90,8 @@ impl Registry {
             .find_map(|(_, e)| e.token.upgrade().map(|t| (t, e.range)))
     }
 
-    /// A live registration containing `r` (exposer side: of exactly `r`, since per-operation
-    /// metadata publishes the whole registration and its key reaches all of it), or a new one of
-    /// exactly `r`.
+    /// A live registration containing `r` (exposer side: of exactly `r`, as per-operation metadata
+    /// reaches the whole registration), or a new one of exactly `r`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn get(
         &mut self,
@@ -170,38 +169,22 @@ pub(crate) enum Mail {
         range: Range,
         id: u64,
     },
-    /// Memory given up (a dropped HostBuffer's mapping, `bytes` long) that the exposer of
-    /// generation `gen` exposed: held whole, pages included (a read still in flight gets the
-    /// buffer's own bytes, or an error once the exposer is destroyed, never zeros) until no peer
-    /// can reach it.
+    /// Memory given up (a dropped HostBuffer's mapping, `bytes` long) that exposer `gen` exposed,
+    /// held whole until no peer can reach it: a late read gets its bytes or an error, never zeros.
     Quarantine { gen: u64, memory: Hold, bytes: usize },
 }
 
-/// One NIXL registration, kept alive by the [`RegToken`](crate::reg::RegToken)s that wrap it; its drop queues the
-/// deregistration on the engine thread.
+/// One NIXL registration, kept alive by the [`RegToken`](crate::reg::RegToken)s that wrap it; its
+/// drop queues the deregistration on the engine thread.
 pub(super) struct RegInner {
     mailbox: Mailbox<Mail>,
     side: Side,
-    gen: u64,
-    range: Range,
-    id: u64,
-}
-
-impl RegInner {
-    /// The memory registered.
-    pub(super) fn range(&self) -> Range {
-        self.range
-    }
-
-    /// The registration's id (never reused).
-    pub(super) fn id(&self) -> u64 {
-        self.id
-    }
-
     /// The generation of the agent that holds it.
-    pub(super) fn gen(&self) -> u64 {
-        self.gen
-    }
+    pub(super) gen: u64,
+    /// The memory registered.
+    pub(super) range: Range,
+    /// The registration's id (never reused).
+    pub(super) id: u64,
 }
 
 impl reg::Registered for RegInner {
