@@ -9,10 +9,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::decline_reason::label_enum;
 use crate::error::{Error, ErrorKind, Refusal, Result};
 use crate::reg::RegToken;
-use crate::sync::{Recover, Watched};
+use crate::sync::{label_enum, Recover, Watched};
 
 label_enum! {
 /// Which path moved an operation's bytes.
