@@ -567,6 +567,10 @@ impl HostBuffer {
     /// # Errors
     /// [`Error::InvalidArgument`] when the range is not inside the buffer.
     pub fn part(&self, range: std::ops::Range<usize>) -> Result<Descriptor<'_>> {
+        self.part_of(range, false)
+    }
+
+    fn part_of(&self, range: std::ops::Range<usize>, writable: bool) -> Result<Descriptor<'_>> {
         if range.start > range.end || range.end > self.len() {
             return Err(Error::InvalidArgument(format!(
                 "{range:?} is not inside the buffer's {} bytes",
@@ -578,7 +582,7 @@ impl HostBuffer {
                 buf: self,
                 off: range.start,
                 len: range.end - range.start,
-                writable: false,
+                writable,
             },
             Device::Host,
         ))
@@ -593,22 +597,13 @@ impl HostBuffer {
             )));
         }
         let mut off = 0;
-        Ok(sizes
+        sizes
             .iter()
             .map(|&len| {
-                let d = Descriptor::make(
-                    Mem::BufferPart {
-                        buf: self,
-                        off,
-                        len,
-                        writable,
-                    },
-                    Device::Host,
-                );
                 off += len;
-                d
+                self.part_of(off - len..off, writable)
             })
-            .collect())
+            .collect()
     }
 }
 
