@@ -1,8 +1,5 @@
-//! [`HostBuffer`]: page-aligned host memory, on transparent huge pages when large.
-//!
-//! Measured on the 2-core CI machines, NIXL moves 64 MiB from huge-page buffers about twice as
-//! fast as from 4 KiB pages (../shared/anchors/FIGURES.md). A `HostBuffer` also keeps its NIXL
-//! registrations for as long as it lives, so a buffer reused across operations is registered once.
+//! [`HostBuffer`]: page-aligned host memory, on transparent huge pages when large (NIXL moves
+//! those faster), that keeps its NIXL registrations for as long as it lives.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
@@ -140,11 +137,9 @@ impl Drop for HostBuffer {
         let regs = std::mem::take(self.regs.get_mut().recover());
         let map = self.map.take().expect("dropped once");
         if regs.iter().any(RegToken::exposed) {
-            // Peers were told about this memory through NIXL, and UCX checks no registration when
-            // a peer reaches it over TCP, CMA or shared memory: unmapping it could make this
-            // process fault serving a late or replayed transfer, and releasing its pages would
-            // let a read still in flight complete with zeros. Each engine that exposed it holds
-            // the mapping whole until it has destroyed the agent that exposed it.
+            // UCX checks no registration when a peer reaches exposed memory over TCP, CMA or
+            // shared memory, so each engine that exposed it holds the mapping whole (see the
+            // type's doc) until it has destroyed the agent that exposed it.
             let len = map.len();
             let q = Arc::new(Quarantined { _map: map });
             for t in regs.iter().filter(|t| t.exposed()) {

@@ -214,10 +214,10 @@ impl ConnectorBuilder {
     /// replaces its exposing NIXL agent (default [`DEFAULT_QUARANTINE_LIMIT`]). Exposed memory is
     /// not returned to the allocator while the agent that exposed it lives (UCX checks no
     /// registration over TCP, CMA or shared memory). Past this much, new operations go to a
-    /// fresh agent, and the old one is destroyed (releasing the memory)
-    /// once its last operation has ended, or, when more than [`MAX_RETIRED_EXPOSERS`](crate::MAX_RETIRED_EXPOSERS) old agents
-    /// wait for their operations, at once: the oldest one's waiting operations then fail with
-    /// [`Error::Interrupted`]. Memory held back is thus bounded by about
+    /// fresh agent, and the old one is destroyed (releasing the memory) once its last operation
+    /// has ended, or, when more than [`MAX_RETIRED_EXPOSERS`](crate::MAX_RETIRED_EXPOSERS) old
+    /// agents wait for their operations, at once: the oldest one's waiting operations then fail
+    /// with [`Error::Interrupted`]. Memory held back is thus bounded by about
     /// `(MAX_RETIRED_EXPOSERS + 1) * bytes`. Creating an agent takes tens of milliseconds.
     pub fn quarantine_limit(mut self, bytes: usize) -> Self {
         self.quarantine_limit = bytes;

@@ -26,8 +26,7 @@ mod order;
 pub use buffer::DeviceBuffer;
 pub(crate) use order::{after, Producer};
 
-/// True when the CUDA driver library (`libcuda.so.1`) can be loaded (looked for once: a failed
-/// `dlopen` walks the library path, milliseconds that every raw descriptor would otherwise pay).
+/// True when the CUDA driver library (`libcuda.so.1`) can be loaded (looked for once).
 pub fn driver_available() -> bool {
     floor::driver_present()
 }

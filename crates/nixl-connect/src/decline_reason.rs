@@ -1,39 +1,7 @@
 //! [`DeclineReason`]: why a path declined an active operation, in the few words a metric's label
 //! carries.
 
-/// Declares a fieldless enum whose variants carry a label (`Variant [= code] => "label"`), with
-/// `ALL` (every variant, in order), `as_str` (the label) and `Display` (the label).
-macro_rules! label_enum {
-    (
-        $(#[$m:meta])* $vis:vis enum $name:ident {
-            $($(#[$vm:meta])* $v:ident $(= $code:literal)? => $label:literal,)*
-        }
-    ) => {
-        $(#[$m])* $vis enum $name {
-            $($(#[$vm])* $v $(= $code)?,)*
-        }
-
-        #[allow(dead_code)]
-        impl $name {
-            /// Every variant, in declaration order.
-            pub(crate) const ALL: [$name; [$(stringify!($v)),*].len()] = [$($name::$v),*];
-
-            /// The name logs, reports and metrics' labels print.
-            pub(crate) const fn as_str(self) -> &'static str {
-                match self {
-                    $($name::$v => $label,)*
-                }
-            }
-        }
-
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-    };
-}
-pub(crate) use label_enum;
+use crate::sync::label_enum;
 
 label_enum! {
 /// Why a path declined an active operation, as `nixl_connect_path_declines_total`'s `reason`

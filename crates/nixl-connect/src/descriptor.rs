@@ -483,33 +483,21 @@ impl<'a> Descriptor<'a> {
     ///
     /// # Errors
     /// Gives the descriptor back when it borrows its memory.
-    pub fn try_into_static(self) -> Result<Descriptor<'static>, Self> {
-        let Descriptor {
+    pub fn try_into_static(mut self) -> Result<Descriptor<'static>, Self> {
+        let mem = match std::mem::replace(&mut self.mem, Mem::Slice(&[])) {
+            Mem::Owned(m) => Mem::Owned(m),
+            Mem::Raw { ptr, len } => Mem::Raw { ptr, len },
+            other => {
+                self.mem = other;
+                return Err(self);
+            }
+        };
+        Ok(Descriptor {
             mem,
-            device,
-            regs,
-            producer,
-        } = self;
-        match mem {
-            Mem::Owned(m) => Ok(Descriptor::rebuilt(Mem::Owned(m), device, regs, producer)),
-            Mem::Raw { ptr, len } => Ok(Descriptor::rebuilt(Mem::Raw { ptr, len }, device, regs, producer)),
-            other => Err(Descriptor::rebuilt(other, device, regs, producer)),
-        }
-    }
-
-    /// A descriptor of `mem` with the rest of another's parts.
-    fn rebuilt<'b>(
-        mem: Mem<'b>,
-        device: Device,
-        regs: Vec<RegToken>,
-        producer: ProducerSlot,
-    ) -> Descriptor<'b> {
-        Descriptor {
-            mem,
-            device,
-            regs,
-            producer,
-        }
+            device: self.device,
+            regs: self.regs,
+            producer: self.producer,
+        })
     }
 }
 
@@ -579,6 +567,10 @@ impl HostBuffer {
     /// # Errors
     /// [`Error::InvalidArgument`] when the range is not inside the buffer.
     pub fn part(&self, range: std::ops::Range<usize>) -> Result<Descriptor<'_>> {
+        self.part_of(range, false)
+    }
+
+    fn part_of(&self, range: std::ops::Range<usize>, writable: bool) -> Result<Descriptor<'_>> {
         if range.start > range.end || range.end > self.len() {
             return Err(Error::InvalidArgument(format!(
                 "{range:?} is not inside the buffer's {} bytes",
@@ -590,7 +582,7 @@ impl HostBuffer {
                 buf: self,
                 off: range.start,
                 len: range.end - range.start,
-                writable: false,
+                writable,
             },
             Device::Host,
         ))
@@ -605,22 +597,13 @@ impl HostBuffer {
             )));
         }
         let mut off = 0;
-        Ok(sizes
+        sizes
             .iter()
             .map(|&len| {
-                let d = Descriptor::make(
-                    Mem::BufferPart {
-                        buf: self,
-                        off,
-                        len,
-                        writable,
-                    },
-                    Device::Host,
-                );
                 off += len;
-                d
+                self.part_of(off - len..off, writable)
             })
-            .collect())
+            .collect()
     }
 }
 

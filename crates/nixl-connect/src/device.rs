@@ -4,26 +4,20 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::sync::label_enum;
+
+label_enum! {
 /// The kind of memory a descriptor points at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum DeviceKind {
     /// System (CPU) memory; NIXL's `DRAM`.
-    Host,
+    Host => "cpu",
     /// CUDA device memory; NIXL's `VRAM`.
-    Cuda,
+    Cuda => "cuda",
     /// Intel XPU device memory; NIXL's `VRAM`. Parsed for compatibility, not moved by this crate.
-    Xpu,
+    Xpu => "xpu",
 }
-
-impl fmt::Display for DeviceKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DeviceKind::Host => "cpu",
-            DeviceKind::Cuda => "cuda",
-            DeviceKind::Xpu => "xpu",
-        })
-    }
 }
 
 /// A device: host memory or one GPU.
@@ -69,8 +63,7 @@ impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Device::Host => f.write_str("cpu"),
-            Device::Cuda(n) => write!(f, "cuda:{n}"),
-            Device::Xpu(n) => write!(f, "xpu:{n}"),
+            d => write!(f, "{}:{}", d.kind(), d.id()),
         }
     }
 }

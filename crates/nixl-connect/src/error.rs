@@ -89,11 +89,9 @@ pub enum Error {
         source: Option<ErrorSource>,
     },
 
-    /// The operation was refused: the peer's passive side has no live operation with the key
-    /// (it completed, was cancelled or dropped), or the request breaks its scope (a range outside
-    /// its descriptors, the wrong direction, a second writer), checked by the side that owns the
-    /// memory on the same-host path; or this connector already completed an operation with the
-    /// same metadata. [`Refusal::is_replay`] tells a replayed metadata string.
+    /// The operation was refused, by the peer's passive side (its operation has ended, or the
+    /// request breaks its scope) or by this connector (it already completed an operation with
+    /// the same metadata): [`Refusal`] says which; [`Refusal::is_replay`] tells a replay.
     #[error("peer {agent} refused the operation ({refusal}): {reason}")]
     Refused {
         /// The peer's NIXL agent name.
@@ -258,10 +256,8 @@ pub enum Error {
 }
 
 /// What [`Error::Channel`] carries: what the channel was doing and, when another library's error
-/// caused it, that error (`Error::source` gives it).
-///
-/// `Display` is `metadata channel: ` and what the channel was doing (`"cannot reach
-/// http://..."`); the library's error behind it is `source()` ([`Error::report`] prints both).
+/// caused it, that error as `source()`. `Display` is `metadata channel: ` and the message
+/// (`"cannot reach http://..."`); [`Error::report`] prints both.
 #[derive(Debug, Clone)]
 pub struct ChannelError {
     message: String,
@@ -638,9 +634,8 @@ impl Error {
 }
 
 /// An error and each cause under it, once each, joined by `": "`: what a log line or a user
-/// should see ([`Error::report`]). Every error of this crate says only what happened at its own
-/// level and hands back its cause as `source()`; a cause whose text the report already ends
-/// with (another library that repeats its own source) is left out.
+/// should see ([`Error::report`]). A cause whose text the report already ends with (another
+/// library that repeats its own source) is left out.
 pub struct Report<'a>(&'a (dyn std::error::Error + 'static));
 
 impl std::fmt::Display for Report<'_> {

@@ -17,9 +17,9 @@ pub(crate) struct IpcSource {
     /// The range, as an offset into the allocation.
     pub(crate) offset: u64,
     pub(crate) len: u64,
-    /// 0: `handle` is a legacy CUDA IPC handle. `k` (1 ..= `MAX_LANES` (`sys/same_host/pipe.rs`)): the allocation is a
-    /// VMM allocation whose POSIX descriptor is the `k`-th passed with this frame (`handle` is
-    /// zero; `base`/`alloc_len` are where the exporter maps that one allocation); several
-    /// ranges of one allocation share one descriptor.
+    /// 0: `handle` is a legacy CUDA IPC handle. `k` (1 ..= `MAX_LANES`, `sys/same_host/pipe.rs`):
+    /// the allocation is a VMM allocation whose POSIX descriptor is the `k`-th passed with this
+    /// frame (`handle` is zero; `base`/`alloc_len` are where the exporter maps that one
+    /// allocation); several ranges of one allocation share one descriptor.
     pub(crate) fd: u8,
 }

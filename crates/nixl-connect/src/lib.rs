@@ -109,7 +109,7 @@ pub mod fuzzing {
     }
 
     /// Sequences of frames, honest and forged, into a connected pair of same-host protocol
-    /// cores (the driver and its invariants: `engine/local/link/fuzz.rs`).
+    /// cores (the driver and its invariants: `engine/same_host/link/fuzz.rs`).
     pub fn link_sequences(data: &[u8]) {
         crate::engine::same_host::link::fuzz::run(data);
     }
@@ -162,14 +162,13 @@ pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), PathR
 /// peers take NIXL.
 pub fn same_host_across_pid_namespaces() -> std::result::Result<(), String> {
     if engine::same_host::pidfs() {
-        Ok(())
-    } else {
-        Err(
-            "this kernel has no pidfs (Linux 6.9 or later), so a peer in another PID namespace \
-             cannot be named"
-                .into(),
-        )
+        return Ok(());
     }
+    Err(
+        "this kernel has no pidfs (Linux 6.9 or later), so a peer in another PID namespace cannot be \
+         named"
+            .into(),
+    )
 }
 
 /// For users' own tests (feature `testing`): connectors over an in-process loopback transport
@@ -179,8 +178,9 @@ pub fn same_host_across_pid_namespaces() -> std::result::Result<(), String> {
 /// connectors of its process, by agent name, and copies bytes through the kernel
 /// (`process_vm_readv` on itself). Every operation runs the same engine and the same state
 /// machines as over NIXL: completion exactly once on both sides, deadlines, cancel, drop at any
-/// point, replayed metadata refused, a gone peer reported as [`Error::RemoteGone`]. Its metadata is `loopback:<agent name>` in `nixl_metadata`, which only
-/// loopback connectors read, and its operations report [`TransferPath::Loopback`].
+/// point, replayed metadata refused, a gone peer reported as [`Error::RemoteGone`]. Its metadata
+/// is `loopback:<agent name>` in `nixl_metadata`, which only loopback connectors read, and its
+/// operations report [`TransferPath::Loopback`].
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> nixl_connect::Result<()> {
@@ -202,19 +202,14 @@ pub mod testing {
     /// states (cancel, drop, the peer's operation ending under a transfer). Returns false when
     /// `connector` is not a live loopback connector.
     pub fn stall(connector: &Connector, on: bool) -> bool {
-        match crate::engine::loopback::node(connector.name()) {
-            Some(n) => {
-                n.stall(on);
-                true
-            }
-            None => false,
-        }
+        crate::engine::loopback::node(connector.name())
+            .map(|n| n.stall(on))
+            .is_some()
     }
 
     /// Makes every spin of this process (a small operation's wait, the engine's after an event,
-    /// the copy pool's, the Python module's at the call) go on as if no yield ever overran,
-    /// for as long as the process lives: for tests that check how spins behave, which must not
-    /// depend on how loaded the machine running them is (a loaded one would turn the spins off).
+    /// the copy pool's, the Python module's at the call) go on as if no yield ever overran, for
+    /// as long as the process lives, so that tests of spins do not depend on the machine's load.
     pub fn keep_spinning() {
         crate::pace::keep_spinning();
     }

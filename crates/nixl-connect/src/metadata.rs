@@ -17,37 +17,28 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::Device;
 use crate::error::{Error, MetadataProblem, Result};
+use crate::sync::label_enum;
 
+label_enum! {
 /// Which side a passive operation lets its peer take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum OperationKind {
     /// Made by a [`ReadableOperation`](crate::ReadableOperation): the peer reads (`1`).
-    Read,
+    Read => "READ",
     /// Made by a [`WritableOperation`](crate::WritableOperation): the peer writes (`2`).
-    Write,
+    Write => "WRITE",
+}
 }
 
 impl OperationKind {
     /// The integer on the wire (`READ` = 1, `WRITE` = 2).
     pub fn as_u8(self) -> u8 {
-        match self {
-            OperationKind::Read => 1,
-            OperationKind::Write => 2,
-        }
+        self as u8 + 1
     }
 
     fn from_u8(v: u8) -> Option<Self> {
-        [Self::Read, Self::Write].into_iter().find(|k| k.as_u8() == v)
-    }
-}
-
-impl fmt::Display for OperationKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            OperationKind::Read => "READ",
-            OperationKind::Write => "WRITE",
-        })
+        Self::ALL.into_iter().find(|k| k.as_u8() == v)
     }
 }
 
@@ -178,22 +169,14 @@ impl RdmaMetadata {
     /// # Errors
     /// [`Error::Metadata`] naming the field that breaks a rule.
     pub fn validate(&self) -> Result<()> {
-        let first = self
-            .descriptors
+        let ds = &self.descriptors;
+        let first = ds
             .first()
             .ok_or_else(|| Error::metadata("descriptors", MetadataProblem::NoDescriptors))?;
-        if self
-            .descriptors
-            .iter()
-            .any(|d| d.device.kind() != first.device.kind())
-        {
+        if ds.iter().any(|d| d.device.kind() != first.device.kind()) {
             return Err(Error::metadata("descriptors", MetadataProblem::MixedDevices));
         }
-        if self
-            .descriptors
-            .iter()
-            .any(|d| d.ptr.checked_add(d.size).is_none())
-        {
+        if ds.iter().any(|d| d.ptr.checked_add(d.size).is_none()) {
             return Err(Error::metadata("descriptors", MetadataProblem::RangeWraps));
         }
         if self.nixl_metadata.is_empty() {

@@ -9,10 +9,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::decline_reason::label_enum;
 use crate::error::{Error, ErrorKind, Refusal, Result};
 use crate::reg::RegToken;
-use crate::sync::{Recover, Watched};
+use crate::sync::{label_enum, Recover, Watched};
 
 label_enum! {
 /// Which path moved an operation's bytes.
@@ -110,49 +109,39 @@ impl std::str::FromStr for PathPolicy {
     }
 }
 
-/// The status of an operation, as Python's `OperationStatus`.
+label_enum! {
+/// The status of an operation, as Python's `OperationStatus`; printed as Python's short names
+/// (`INIT`, `PROC`, `DONE`, `STOP`, `ERR`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 #[non_exhaustive]
 pub enum OperationStatus {
     /// Not yet set up.
-    Uninitialized = 0,
+    Uninitialized = 0 => "<invalid>",
     /// Set up and waiting for its peer (passive operations).
-    Initialized = 1,
+    Initialized = 1 => "INIT",
     /// Data is moving (active operations).
-    InProgress = 2,
+    InProgress = 2 => "PROC",
     /// Done: the data has arrived.
-    Complete = 3,
+    Complete = 3 => "DONE",
     /// Cancelled by `cancel()` or drop.
-    Cancelled = 4,
+    Cancelled = 4 => "STOP",
     /// Failed; `wait_for_completion` returns the error.
-    Errored = 5,
+    Errored = 5 => "ERR",
+}
 }
 
 impl OperationStatus {
     pub(crate) fn from_u8(v: u8) -> Self {
-        use OperationStatus::*;
-        let all = [Initialized, InProgress, Complete, Cancelled, Errored];
-        all.into_iter().find(|s| *s as u8 == v).unwrap_or(Uninitialized)
+        Self::ALL
+            .into_iter()
+            .find(|s| *s as u8 == v)
+            .unwrap_or(Self::Uninitialized)
     }
 
     /// True for `Complete`, `Cancelled` and `Errored`.
     pub fn is_terminal(self) -> bool {
         matches!(self, Self::Complete | Self::Cancelled | Self::Errored)
-    }
-}
-
-impl std::fmt::Display for OperationStatus {
-    /// Python's short names: `INIT`, `PROC`, `DONE`, `STOP`, `ERR`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Uninitialized => "<invalid>",
-            Self::Initialized => "INIT",
-            Self::InProgress => "PROC",
-            Self::Complete => "DONE",
-            Self::Cancelled => "STOP",
-            Self::Errored => "ERR",
-        })
     }
 }
 
@@ -250,12 +239,10 @@ impl OpState {
     /// Moves to a terminal status unless already in one; wakes every waiter. Returns whether this
     /// call made the move (so exactly one caller wins).
     ///
-    /// The status changes here only, under the error's lock: a call that finds it not terminal
-    /// under the lock is the one that ends the operation. It tells the observer and the span
-    /// before the status changes, so whoever sees the operation ended sees it counted.
+    /// The status changes here only, under the error's lock, with the error: exactly one call
+    /// ends the operation, and a waiter that sees `Errored` finds the error. The observer and the
+    /// span are told first, so whoever sees the operation ended sees it counted.
     pub(crate) fn finish(&self, status: OperationStatus, error: Option<Error>) -> bool {
-        // The error is stored under its lock in the same critical section as the status change, so
-        // a waiter that sees `Errored` and then takes the lock always finds the error.
         let mut slot = self.error.lock().recover();
         if self.status().is_terminal() {
             return false;

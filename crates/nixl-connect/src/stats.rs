@@ -1,11 +1,7 @@
 //! The engines' counters ([`EngineStats`]): kept by each engine's transports, read by
-//! `Connector::stats()` and published to the metrics. In the floor, so that the engine and the
-//! metrics both name it.
+//! `Connector::stats()` and published to the metrics (below both, so both name it).
 
 use std::sync::OnceLock;
-
-#[allow(unused_imports)] // doc links
-use crate::error::Error;
 
 /// Reads the same-host copy pool's queue (process-wide): set by the engine, which knows the
 /// pool, read by the metrics at a scrape (they sit below the engine and cannot name it).
@@ -112,8 +108,8 @@ engine_stats! {
     /// Bytes of exposed memory held back from the allocator until no peer can reach it.
     quarantined_bytes: u64, Gauge "quarantined_bytes"
         "Exposed memory held back from the allocator until no peer can reach it";
-    /// Passive operations failed with [`Error::Interrupted`] because the retired NIXL agent that
-    /// exposed them was destroyed to bound held memory (see
+    /// Passive operations failed with [`Error::Interrupted`](crate::Error::Interrupted) because
+    /// the retired NIXL agent that exposed them was destroyed to bound held memory (see
     /// [`MAX_RETIRED_EXPOSERS`](crate::MAX_RETIRED_EXPOSERS)).
     evicted_operations: u64, Counter "evicted_operations"
         "Passive operations failed because the retired NIXL agent exposing them was destroyed";

@@ -1,6 +1,7 @@
 //! Locks that outlive a panicking holder: every value this crate guards with a `Mutex` stays
 //! consistent between statements, so a lock poisoned by a panic elsewhere is taken over rather
-//! than turned into a second panic (on the engine thread, that would abort the process).
+//! than turned into a second panic (on the engine thread, that would abort the process); and the
+//! small helpers every layer shares.
 
 use std::sync::{Condvar, LockResult, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -92,6 +93,40 @@ pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })
 }
+
+/// Declares a fieldless enum whose variants carry a label (`Variant [= code] => "label"`), with
+/// `ALL` (every variant, in order), `as_str` (the label) and `Display` (the label).
+macro_rules! label_enum {
+    (
+        $(#[$m:meta])* $vis:vis enum $name:ident {
+            $($(#[$vm:meta])* $v:ident $(= $code:literal)? => $label:literal,)*
+        }
+    ) => {
+        $(#[$m])* $vis enum $name {
+            $($(#[$vm])* $v $(= $code)?,)*
+        }
+
+        #[allow(dead_code)]
+        impl $name {
+            /// Every variant, in declaration order.
+            pub(crate) const ALL: [$name; [$(stringify!($v)),*].len()] = [$($name::$v),*];
+
+            /// The name logs, reports and metrics' labels print.
+            pub(crate) const fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$v => $label,)*
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+pub(crate) use label_enum;
 
 #[cfg(test)]
 mod tests {

@@ -1,6 +1,6 @@
 //! Metadata channels: how a passive side's [`RdmaMetadata`](crate::RdmaMetadata) reaches its peer.
 //!
-//! The library works with any side channel (the metadata is one JSON line); these are the two
+//! The library works with any side channel (the metadata is one JSON line); these are the ones
 //! Dynamo deployments use:
 //!
 //! - [`http`] (feature `http`, on by default): an embedded HTTP server, one listener per process,

@@ -2,10 +2,8 @@
 //!
 //! The passive side subscribes to `nixl-connect.md.<uuid4>` and answers every request on it with
 //! its metadata until the [`NatsPublication`] is dropped; the peer sends one request with a
-//! timeout. Request/reply rather than a JetStream key-value bucket because it needs nothing but a
-//! plain `nats-server` (no JetStream, no bucket to create or clean up), and a publication can never
-//! outlive its worker: when the worker exits, its subscription goes with its connection and
-//! requests fail fast with "no responders" instead of returning stale metadata.
+//! timeout. It needs a plain `nats-server` (no JetStream), and a publication never outlives its
+//! worker: once the worker exits, requests fail fast with "no responders".
 //!
 //! A restarted or briefly unreachable server costs nothing but the gap: the client reconnects by
 //! itself (forever, backing off), subscriptions are made again on the server it reaches, and

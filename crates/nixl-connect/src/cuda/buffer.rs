@@ -40,6 +40,11 @@ fn failed((call, r): Failed) -> Error {
     Error::cuda_unavailable(format!("{call} failed: {r:?}"), None)
 }
 
+fn bind(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread()
+        .map_err(|e| Error::cuda_unavailable("cannot bind the device's context", Some(Arc::new(e))))
+}
+
 impl DeviceBuffer {
     /// Allocates `len` bytes on `device` (a `cuda:N` device), zeroed.
     ///
@@ -61,8 +66,7 @@ impl DeviceBuffer {
         }
         let ctx = CudaContext::new(ordinal as usize)
             .map_err(|e| Error::cuda_unavailable(format!("no context on {device}"), Some(Arc::new(e))))?;
-        ctx.bind_to_thread()
-            .map_err(|e| Error::cuda_unavailable("cannot bind the device's context", Some(Arc::new(e))))?;
+        bind(&ctx)?;
         let gran = Allocation::granularity(ordinal).map_err(failed)?;
         let size =
             len.max(1).div_ceil(gran).checked_mul(gran).ok_or_else(|| {
@@ -110,7 +114,7 @@ impl DeviceBuffer {
                 self.len
             )));
         }
-        self.bind()?;
+        bind(&self.ctx)?;
         self.alloc.copy_from_host(src).map_err(failed)
     }
 
@@ -126,14 +130,8 @@ impl DeviceBuffer {
                 self.len
             )));
         }
-        self.bind()?;
+        bind(&self.ctx)?;
         self.alloc.copy_to_host(dst).map_err(failed)
-    }
-
-    fn bind(&self) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda_unavailable("cannot bind the device's context", Some(Arc::new(e))))
     }
 }
 

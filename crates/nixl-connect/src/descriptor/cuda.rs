@@ -52,7 +52,8 @@ impl Descriptor<'static> {
     /// stream before the operation was created is done (and waits for nothing else on the device).
     ///
     /// # Errors
-    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) if the driver places the memory elsewhere than the slice's context.
+    /// [`Error::DeviceMismatch`](crate::Error::DeviceMismatch) if the driver places the memory
+    /// elsewhere than the slice's context.
     pub fn from_cuda<T: DeviceRepr + Send + 'static>(slice: CudaSlice<T>) -> Result<Self> {
         let stream = slice.stream().clone();
         let device = Device::Cuda(stream.context().ordinal() as u32);

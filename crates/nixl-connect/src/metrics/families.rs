@@ -63,11 +63,6 @@ fn path_ix(p: Option<TransferPath>) -> usize {
     p.map_or(0, |p| p as usize)
 }
 
-/// A mechanism's place in [`Mechanism::ALL`] (its code less one).
-fn mechanism_ix(m: Mechanism) -> usize {
-    m as usize - 1
-}
-
 type Labels = Vec<(&'static str, &'static str)>;
 type Per<T, const N: usize> = [T; N];
 
@@ -273,9 +268,7 @@ impl Metrics {
 
 impl Families {
     fn error(&self, op: Op, side: Side, kind: ErrorKind, refusal: Option<Refusal>) {
-        if let Some(i) = ErrorKind::ALL.iter().position(|k| *k == kind) {
-            self.errors[op as usize][side as usize][i].inc();
-        }
+        self.errors[op as usize][side as usize][kind as usize].inc();
         if let Some(r) = refusal {
             self.refusals[op as usize][r as usize].inc();
         }
@@ -353,7 +346,7 @@ impl Observe for Tally {
             f.bytes[o][s][p].inc_by(self.bytes);
             if self.side == Side::Active {
                 if let Some(m) = e.mechanism {
-                    f.local[o][mechanism_ix(m)].inc();
+                    f.local[o][m as usize - 1].inc(); // its place in `Mechanism::ALL`
                 }
                 // The start on the path that completed it (the last one to take it).
                 match self.started.load(Ordering::Relaxed) {

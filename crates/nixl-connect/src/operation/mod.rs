@@ -28,10 +28,7 @@ fn span(
     bytes: u64,
     descriptors: usize,
 ) -> tracing::Span {
-    let op = match kind {
-        crate::metadata::OperationKind::Read => "read",
-        crate::metadata::OperationKind::Write => "write",
-    };
+    let op = ["read", "write"][kind as usize];
     tracing::debug_span!(
         "nixl_connect.operation",
         op,

@@ -176,8 +176,7 @@ impl Drop for Passive<'_> {
                 continue;
             }
             match d.try_into_static() {
-                // Raw memory is borrowed too (its owner frees it once the descriptor is gone),
-                // and a HostBuffer quarantines its own pages.
+                // Raw memory is borrowed too: its owner frees it once the descriptor is gone.
                 Ok(s) if s.owns_memory() && !s.is_host_buffer() => {
                     owned.push(s);
                     kept.push(None);
