@@ -1,4 +1,4 @@
-//! Metadata channels: how a passive side's [`RdmaMetadata`](crate::RdmaMetadata) reaches its peer.
+//! Metadata channels: how a passive side's [`crate::RdmaMetadata`] reaches its peer.
 //!
 //! The library works with any side channel (the metadata is one JSON line); these are the ones
 //! Dynamo deployments use:
