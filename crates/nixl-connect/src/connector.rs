@@ -271,10 +271,8 @@ impl ConnectorBuilder {
                 "worker_id must be a non-empty string without NUL".into(),
             ));
         }
-        let name = format!("{worker_id}-{}", CONNECTIONS.fetch_add(1, Ordering::Relaxed));
-        let path = self.path;
         let engine = Engine::start(
-            name,
+            numbered(&worker_id),
             EngineOptions {
                 backends: self.backends,
                 ucx_params: self.ucx_params,
@@ -288,13 +286,7 @@ impl ConnectorBuilder {
                 wait_spin,
             },
         )?;
-        Ok(Connector {
-            inner: Arc::new(Inner {
-                engine,
-                worker_id,
-                path,
-            }),
-        })
+        Ok(Connector::over(engine, worker_id, self.path))
     }
 
     /// The wait spin set, else [`WAIT_SPIN_ENV`]'s, else [`DEFAULT_WAIT_SPIN`]; refused above
@@ -329,16 +321,15 @@ impl ConnectorBuilder {
     pub fn build_loopback(self) -> Result<Connector> {
         let wait_spin = self.checked_wait_spin()?;
         let worker_id = self.worker_id.unwrap_or_else(|| "loopback".into());
-        let name = format!("{worker_id}-{}", CONNECTIONS.fetch_add(1, Ordering::Relaxed));
-        let engine = Engine::start_loopback(name, self.cancel_grace, wait_spin, self.metrics)?;
-        Ok(Connector {
-            inner: Arc::new(Inner {
-                engine,
-                worker_id,
-                path: self.path,
-            }),
-        })
+        let engine =
+            Engine::start_loopback(numbered(&worker_id), self.cancel_grace, wait_spin, self.metrics)?;
+        Ok(Connector::over(engine, worker_id, self.path))
     }
+}
+
+/// The engine's name: `worker_id` and this process's next connection number.
+fn numbered(worker_id: &str) -> String {
+    format!("{worker_id}-{}", CONNECTIONS.fetch_add(1, Ordering::Relaxed))
 }
 
 /// The wait spin [`WAIT_SPIN_ENV`]'s value says: none when unset or blank.
@@ -359,6 +350,15 @@ fn wait_spin_from_env(value: Option<&str>) -> Result<Option<Duration>> {
 }
 
 impl Connector {
+    fn over(engine: Engine, worker_id: String, path: PathPolicy) -> Self {
+        let inner = Arc::new(Inner {
+            engine,
+            worker_id,
+            path,
+        });
+        Connector { inner }
+    }
+
     /// A connector with a fresh worker id and default UCX settings.
     ///
     /// # Errors
@@ -562,7 +562,7 @@ impl Connector {
     /// # Cancel safety
     /// Cancel safe.
     pub async fn stats(&self) -> Result<EngineStats> {
-        self.inner.engine.stats().await
+        self.inner.engine.call(|reply| crate::engine::Cmd::Stats { reply }).await
     }
 
     /// This connector's engine, for the counters and steps of [`crate::testing`].

@@ -119,9 +119,7 @@ impl OwnedMemory for bytes::BytesMut {
 
 enum Mem<'a> {
     Owned(Box<dyn OwnedMemory>),
-    Buffer(&'a HostBuffer),
-    BufferMut(&'a mut HostBuffer),
-    /// Part of a [`HostBuffer`] (from [`HostBuffer::descriptors`] / `descriptors_mut`).
+    /// All or part of a borrowed [`HostBuffer`] (`writable` when borrowed mutably).
     BufferPart {
         buf: &'a HostBuffer,
         off: usize,
@@ -302,30 +300,25 @@ impl<'a> Descriptor<'a> {
         self
     }
 
+    /// The start address and the length.
+    fn raw(&self) -> (usize, usize) {
+        match &self.mem {
+            Mem::Owned(m) => m.raw(),
+            Mem::BufferPart { buf, off, len, .. } => (buf.as_ptr() as usize + off, *len),
+            Mem::Slice(s) => (s.as_ptr() as usize, s.len()),
+            Mem::SliceMut(s) => (s.as_ptr() as usize, s.len()),
+            Mem::Raw { ptr, len } | Mem::Extern { ptr, len, .. } => (*ptr, *len),
+        }
+    }
+
     /// The start address.
     pub fn ptr(&self) -> usize {
-        match &self.mem {
-            Mem::Owned(m) => m.raw().0,
-            Mem::Buffer(b) => b.as_ptr() as usize,
-            Mem::BufferPart { buf, off, .. } => buf.as_ptr() as usize + off,
-            Mem::BufferMut(b) => b.as_ptr() as usize,
-            Mem::Slice(s) => s.as_ptr() as usize,
-            Mem::SliceMut(s) => s.as_ptr() as usize,
-            Mem::Raw { ptr, .. } | Mem::Extern { ptr, .. } => *ptr,
-        }
+        self.raw().0
     }
 
     /// The length in bytes.
     pub fn size(&self) -> usize {
-        match &self.mem {
-            Mem::Owned(m) => m.raw().1,
-            Mem::Buffer(b) => b.len(),
-            Mem::BufferPart { len, .. } => *len,
-            Mem::BufferMut(b) => b.len(),
-            Mem::Slice(s) => s.len(),
-            Mem::SliceMut(s) => s.len(),
-            Mem::Raw { len, .. } | Mem::Extern { len, .. } => *len,
-        }
+        self.raw().1
     }
 
     /// The device the memory lives on.
@@ -340,10 +333,7 @@ impl<'a> Descriptor<'a> {
         }
         !matches!(
             self.mem,
-            Mem::Buffer(_)
-                | Mem::Slice(_)
-                | Mem::Extern { writable: false, .. }
-                | Mem::BufferPart { writable: false, .. }
+            Mem::Slice(_) | Mem::Extern { writable: false, .. } | Mem::BufferPart { writable: false, .. }
         )
     }
 
@@ -364,9 +354,7 @@ impl<'a> Descriptor<'a> {
                 let bytes = unsafe { crate::sys::bytes(p, l) };
                 Some(bytes)
             }
-            Mem::Buffer(b) => Some(b),
             Mem::BufferPart { buf, off, len, .. } => Some(&buf[*off..*off + *len]),
-            Mem::BufferMut(b) => Some(b),
             Mem::Slice(s) => Some(s),
             Mem::SliceMut(s) => Some(s),
             Mem::Raw { .. } | Mem::Extern { .. } => None,
@@ -381,12 +369,10 @@ impl<'a> Descriptor<'a> {
         if !self.owns::<T>() {
             return Err(self);
         }
-        match self.mem {
-            Mem::Owned(m) => Ok(*(m as Box<dyn Any>)
-                .downcast::<T>()
-                .expect("type checked by owns()")),
-            _ => unreachable!("owns() is false for borrowed memory"),
-        }
+        let Mem::Owned(m) = self.mem else {
+            unreachable!("owns() is false for borrowed memory")
+        };
+        Ok(*(m as Box<dyn Any>).downcast().expect("type checked by owns()"))
     }
 
     /// True when the descriptor owns memory of type `T` (so [`Descriptor::into_inner`] succeeds).
@@ -448,9 +434,7 @@ impl<'a> Descriptor<'a> {
     pub(crate) fn attach(&mut self, tok: RegToken) {
         let hb = match &self.mem {
             Mem::Owned(m) => m.host_buffer(),
-            Mem::Buffer(b) => Some(&**b),
             Mem::BufferPart { buf, .. } => Some(&**buf),
-            Mem::BufferMut(b) => Some(&**b),
             _ => None,
         };
         let list = match hb {
@@ -577,15 +561,22 @@ impl HostBuffer {
                 self.len()
             )));
         }
+        let (off, len) = (range.start, range.end - range.start);
         Ok(Descriptor::make(
             Mem::BufferPart {
                 buf: self,
-                off: range.start,
-                len: range.end - range.start,
+                off,
+                len,
                 writable,
             },
             Device::Host,
         ))
+    }
+
+    /// A descriptor over the whole buffer (`writable` when borrowed mutably).
+    fn whole(&self, writable: bool) -> Descriptor<'_> {
+        self.part_of(0..self.len(), writable)
+            .expect("the whole buffer is inside it")
     }
 
     fn parts(&self, sizes: &[usize], writable: bool) -> Result<Vec<Descriptor<'_>>> {
@@ -609,12 +600,12 @@ impl HostBuffer {
 
 impl<'a> From<&'a HostBuffer> for Descriptor<'a> {
     fn from(b: &'a HostBuffer) -> Self {
-        Descriptor::make(Mem::Buffer(b), Device::Host)
+        b.whole(false)
     }
 }
 impl<'a> From<&'a mut HostBuffer> for Descriptor<'a> {
     fn from(b: &'a mut HostBuffer) -> Self {
-        Descriptor::make(Mem::BufferMut(b), Device::Host)
+        b.whole(true)
     }
 }
 impl<'a> From<&'a [u8]> for Descriptor<'a> {

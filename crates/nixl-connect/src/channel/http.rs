@@ -31,7 +31,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
-use http_body_util::{BodyExt, Empty, Limited};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Bytes;
 use tokio::sync::{oneshot, OnceCell};
 
@@ -54,15 +54,8 @@ struct Inner {
     addr: SocketAddr,
     host: String,
     items: Mutex<HashMap<String, Item>>,
-    stop: Mutex<Option<oneshot::Sender<()>>>,
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        if let Some(tx) = self.stop.lock().recover().take() {
-            let _ = tx.send(());
-        }
-    }
+    /// Dropped with the last clone: the listener stops.
+    _stop: oneshot::Sender<()>,
 }
 
 /// An HTTP listener serving published metadata. Cheap to clone; the listener stops when the last
@@ -121,29 +114,19 @@ impl HttpChannel {
             IpAddr::V6(ip) => format!("[{ip}]"),
             ip => ip.to_string(),
         };
-        let (tx, rx) = oneshot::channel();
-        let inner = Arc::new(Inner {
-            addr,
-            host,
-            items: Mutex::new(HashMap::new()),
-            stop: Mutex::new(Some(tx)),
+        let inner = Arc::new_cyclic(|weak: &Weak<Inner>| {
+            let app = Router::new()
+                .route("/nixl/{id}", get(get_metadata))
+                .route("/nixl/{id}/extra", get(get_extra))
+                .route("/nixl/{id}/reply", axum::routing::post(post_reply))
+                .with_state(weak.clone());
+            Inner {
+                addr,
+                host,
+                items: Mutex::new(HashMap::new()),
+                _stop: super::serve::spawn(listener, app, "metadata"),
+            }
         });
-        let weak = Arc::downgrade(&inner);
-        let app = Router::new()
-            .route("/nixl/{id}", get(get_metadata))
-            .route("/nixl/{id}/extra", get(get_extra))
-            .route("/nixl/{id}/reply", axum::routing::post(post_reply))
-            .with_state(weak);
-        let stop = async {
-            let _ = rx.await;
-        };
-        tokio::spawn(super::serve::serve(
-            listener,
-            app,
-            stop,
-            "metadata",
-            super::serve::Limits::DEFAULT,
-        ));
         Ok(Self { inner })
     }
 
@@ -290,33 +273,46 @@ fn hostname() -> Option<String> {
 }
 
 pub(crate) async fn get_bytes(url: &str, timeout: Duration) -> Result<Bytes> {
-    let uri: hyper::Uri = url
+    exchange(url, url, None, timeout).await
+}
+
+/// Sends a GET (or, with a JSON `body`, a POST) to `target` within `timeout` and returns the body
+/// of a successful answer; a 404 is [`Error::NotPublished`] at `location`.
+async fn exchange(location: &str, target: &str, body: Option<String>, timeout: Duration) -> Result<Bytes> {
+    let uri: hyper::Uri = target
         .parse()
-        .map_err(|e| Error::channel_from(format!("{url:?} is not a URL"), e))?;
+        .map_err(|e| Error::channel_from(format!("{location:?} is not a URL"), e))?;
     if uri.scheme_str() != Some("http") {
         return Err(Error::channel(format!(
-            "{url}: only http:// URLs are served by this channel"
+            "{location}: only http:// URLs are served by this channel"
         )));
     }
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Empty<Bytes>>();
+        .build_http::<Full<Bytes>>();
+    let req = match body {
+        None => hyper::Request::get(uri).body(Full::default()),
+        Some(b) => hyper::Request::post(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(b))),
+    }
+    .map_err(|e| Error::channel_from("building the request", e))?;
     let work = async {
         let resp = client
-            .get(uri)
+            .request(req)
             .await
-            .map_err(|e| Error::channel_from(format!("cannot reach {url}"), e))?;
+            .map_err(|e| Error::channel_from(format!("cannot reach {location}"), e))?;
         let status = resp.status();
         let body = Limited::new(resp.into_body(), MAX_DOCUMENT)
             .collect()
             .await
-            .map_err(|e| Error::channel_shared(format!("reading {url}"), e.into()))?
+            .map_err(|e| Error::channel_shared(format!("reading {target}"), e.into()))?
             .to_bytes();
         match status {
-            StatusCode::OK => Ok(body),
+            s if s.is_success() => Ok(body),
             StatusCode::NOT_FOUND => Err(Error::NotPublished {
-                location: url.to_string(),
+                location: location.to_string(),
             }),
-            s => Err(Error::channel(format!("{url} answered {s}"))),
+            s => Err(Error::channel(format!("{target} answered {s}"))),
         }
     };
     super::within(timeout, work).await
@@ -344,29 +340,9 @@ pub async fn fetch(url: &str, timeout: Duration) -> Result<RdmaMetadata> {
 /// Cancel safe (the reply may or may not have arrived).
 pub async fn reply(url: &str, reply: &serde_json::Value, timeout: Duration) -> Result<()> {
     let target = format!("{}/reply", url.trim_end_matches('/'));
-    let uri: hyper::Uri = target
-        .parse()
-        .map_err(|e| Error::channel_from(format!("{url:?} is not a URL"), e))?;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<http_body_util::Full<Bytes>>();
-    let req = hyper::Request::post(uri)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(http_body_util::Full::new(Bytes::from(reply.to_string())))
-        .map_err(|e| Error::channel_from("building the reply request", e))?;
-    let work = async {
-        let resp = client
-            .request(req)
-            .await
-            .map_err(|e| Error::channel_from(format!("cannot reach {url}"), e))?;
-        match resp.status() {
-            s if s.is_success() => Ok(()),
-            StatusCode::NOT_FOUND => Err(Error::NotPublished {
-                location: url.to_string(),
-            }),
-            s => Err(Error::channel(format!("{target} answered {s}"))),
-        }
-    };
-    super::within(timeout, work).await
+    exchange(url, &target, Some(reply.to_string()), timeout)
+        .await
+        .map(drop)
 }
 
 /// Fetches the extra JSON document published beside the metadata at `url` (`null` when none).

@@ -6,7 +6,6 @@
 //! does (a body trickled after the headers, answers it never reads), then has [`CLOSING_GRACE`]
 //! to finish the request in flight.
 
-use std::future::Future;
 use std::io;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +14,7 @@ use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{oneshot, Semaphore};
 
 /// How much one endpoint gives its clients.
 #[derive(Debug, Clone, Copy)]
@@ -34,7 +33,7 @@ pub(crate) struct Limits {
 
 impl Limits {
     /// The library's endpoints' limits.
-    pub(crate) const DEFAULT: Limits = Limits {
+    const DEFAULT: Limits = Limits {
         connections: 256,
         header: Duration::from_secs(5),
         total: Duration::from_secs(30),
@@ -49,6 +48,14 @@ const CLOSING_GRACE: Duration = Duration::from_secs(1);
 /// once would spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 
+/// Serves `app` on `listener` within the default limits until the returned sender is sent or
+/// dropped; `what` names the endpoint in logs.
+pub(crate) fn spawn(listener: TcpListener, app: Router, what: &'static str) -> oneshot::Sender<()> {
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(serve(listener, app, rx, what, Limits::DEFAULT));
+    tx
+}
+
 /// Serves `app` on `listener` until `stop` resolves, within `limits` (the module says how);
 /// `what` names the endpoint in logs. Connections open when it stops end with their request, at
 /// their header deadline when idle, and at their total at the latest.
@@ -58,15 +65,14 @@ const ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
-    stop: impl Future<Output = ()>,
+    mut stop: oneshot::Receiver<()>,
     what: &'static str,
     limits: Limits,
 ) {
     let open = Arc::new(Semaphore::new(limits.connections));
-    tokio::pin!(stop);
     loop {
         let stream = tokio::select! {
-            () = &mut stop => return,
+            _ = &mut stop => return,
             r = listener.accept() => match r {
                 Ok((stream, _)) => stream,
                 Err(e) if matches!(
@@ -76,7 +82,7 @@ pub(crate) async fn serve(
                 Err(e) => {
                     tracing::warn!(error = %e, endpoint = what, "accepting an HTTP connection failed; trying again in a second");
                     tokio::select! {
-                        () = &mut stop => return,
+                        _ = &mut stop => return,
                         () = tokio::time::sleep(ACCEPT_BACKOFF) => continue,
                     }
                 }
@@ -153,15 +159,7 @@ mod tests {
             total: Duration::from_secs(3),
         };
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(serve(
-            listener,
-            app,
-            async {
-                let _ = rx.await;
-            },
-            "test",
-            limits,
-        ));
+        tokio::spawn(serve(listener, app, rx, "test", limits));
         let slow: Vec<std::net::TcpStream> = (0..2)
             .map(|_| {
                 let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();

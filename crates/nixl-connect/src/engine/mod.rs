@@ -42,7 +42,6 @@ use crate::error::{Error, Result};
 use crate::metrics::families::Metrics;
 pub(crate) use crate::reg::Range;
 use crate::state::PathPolicy;
-use crate::stats::EngineStats;
 use crate::sync::Recover;
 
 /// Decoded peer metadata kept by string: at most this many strings...
@@ -490,10 +489,6 @@ impl Engine {
         let (tx, rx) = oneshot::channel();
         self.send(f(tx))?;
         rx.await.map_err(|_| Error::EngineStopped)
-    }
-
-    pub(crate) async fn stats(&self) -> Result<EngineStats> {
-        self.call(|reply| Cmd::Stats { reply }).await
     }
 
     /// What each transport of the chain would do with an operation with `peer`, in order, up to

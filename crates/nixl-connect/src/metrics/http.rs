@@ -55,18 +55,8 @@ pub async fn serve(addr: SocketAddr, registry: Arc<Registry>) -> Result<MetricsS
         .route("/metrics", get(metrics))
         .route("/health", get(|| async { "ok\n" }))
         .with_state(registry);
-    let (tx, rx) = oneshot::channel::<()>();
-    let stop = async {
-        let _ = rx.await;
-    };
-    tokio::spawn(crate::channel::serve::serve(
-        listener,
-        app,
-        stop,
-        "metrics",
-        crate::channel::serve::Limits::DEFAULT,
-    ));
-    Ok(MetricsServer { addr, _stop: tx })
+    let _stop = crate::channel::serve::spawn(listener, app, "metrics");
+    Ok(MetricsServer { addr, _stop })
 }
 
 /// Whether one media range of an `Accept` header asks for OpenMetrics (with a q-value above 0).

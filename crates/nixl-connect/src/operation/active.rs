@@ -199,8 +199,6 @@ impl Drop for Active<'_> {
             let _ = self.abandon(true);
             self.state.wait_released(None);
         }
-        drop(borrowed);
-        drop(owned);
     }
 }
 
