@@ -533,14 +533,17 @@ impl Connector {
         let ranges: Vec<_> = local.iter().filter(|d| d.size() > 0).map(|d| d.range()).collect();
         let bytes = ranges.iter().map(|r| r.len).sum();
         if ranges.is_empty() {
-            return Ok(Registration::new(Vec::new(), 0));
+            return Ok(Registration {
+                tokens: Vec::new(),
+                bytes,
+            });
         }
         let tokens = self
             .inner
             .engine
             .call(|reply| crate::engine::Cmd::Register { ranges, reply })
             .await??;
-        Ok(Registration::new(tokens, bytes))
+        Ok(Registration { tokens, bytes })
     }
 
     /// Drops this handle to the connector and bounds the end of its engine by `within`: when
@@ -562,7 +565,10 @@ impl Connector {
     /// # Cancel safety
     /// Cancel safe.
     pub async fn stats(&self) -> Result<EngineStats> {
-        self.inner.engine.call(|reply| crate::engine::Cmd::Stats { reply }).await
+        self.inner
+            .engine
+            .call(|reply| crate::engine::Cmd::Stats { reply })
+            .await
     }
 
     /// This connector's engine, for the counters and steps of [`crate::testing`].

@@ -83,11 +83,7 @@ impl EngineCollector {
     }
 
     /// Counters of every engine, live or ended; gauges of the live ones; and how many are live.
-    pub(crate) fn totals(&self) -> EngineStats {
-        self.totals_and_count().0
-    }
-
-    fn totals_and_count(&self) -> (EngineStats, usize) {
+    pub(crate) fn totals(&self) -> (EngineStats, usize) {
         let mut st = self.state.lock().recover();
         st.fold_ended();
         let mut t = st.ended.clone();
@@ -114,7 +110,7 @@ fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: i64) -> Resul
 
 impl Collector for EngineCollector {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let (t, live) = self.totals_and_count();
+        let (t, live) = self.totals();
         gauge(
             &mut e,
             "connectors",

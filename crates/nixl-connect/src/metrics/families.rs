@@ -393,5 +393,5 @@ pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=ut
 /// and tools that compare the two views.
 #[doc(hidden)]
 pub fn engine_totals(metrics: &Metrics) -> crate::stats::EngineStats {
-    metrics.engines.totals()
+    metrics.engines.totals().0
 }
