@@ -297,8 +297,7 @@ pub(crate) fn alive_fd(fd: &OwnedFd) -> bool {
         revents: 0,
     };
     // SAFETY: poll reads and writes one live local pollfd, without waiting.
-    let r = unsafe { libc::poll(&mut p, 1, 0) };
-    r == 0
+    unsafe { libc::poll(&mut p, 1, 0) == 0 }
 }
 
 /// This process's real uid.

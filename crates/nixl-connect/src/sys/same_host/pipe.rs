@@ -147,18 +147,12 @@ impl Wake {
 
 /// Waits until `fd` is ready for `events` or `wake` was written.
 fn wait(fd: RawFd, events: libc::c_short, wake: &Wake) {
-    let mut p = [
-        libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: wake.0.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
+    let pollfd = |fd, events| libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    let mut p = [pollfd(fd, events), pollfd(wake.0.as_raw_fd(), libc::POLLIN)];
     // SAFETY: poll reads and writes the two pollfds of a live local array.
     unsafe { libc::poll(p.as_mut_ptr(), 2, -1) };
 }
