@@ -283,34 +283,14 @@ extern "C" fn fork_child() {
 /// `dst` not writable, is an error, never a fault); the caller vouches for what the addresses
 /// mean. The ranges must not overlap.
 #[cfg(any(test, feature = "testing"))]
-pub(crate) fn copy_in_process(src: usize, dst: usize, len: usize) -> io::Result<()> {
-    // SAFETY: getpid cannot fail.
-    let me = unsafe { libc::getpid() };
-    let mut done = 0;
-    while done < len {
-        let local = libc::iovec {
-            iov_base: (dst + done) as *mut libc::c_void,
-            iov_len: len - done,
-        };
-        let remote = libc::iovec {
-            iov_base: (src + done) as *mut libc::c_void,
-            iov_len: len - done,
-        };
-        // SAFETY: the kernel reads `remote` and writes `local`, both of this process, checking
-        // each against its mapping; no reference is made to either range here.
-        let n = unsafe { libc::process_vm_readv(me, &local, 1, &remote, 1, 0) };
-        match n {
-            n if n > 0 => done += n as usize,
-            0 => return Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
-            _ => {
-                let e = io::Error::last_os_error();
-                if e.kind() != io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
-    }
-    Ok(())
+pub(crate) fn copy_in_process(src: usize, dst: usize, len: usize) -> Result<(), same_host::cma::CopyError> {
+    let piece = same_host::cma::Piece {
+        local: dst,
+        remote: src,
+        len,
+    };
+    let me = std::process::id() as libc::pid_t;
+    same_host::cma::pull(me, &[piece], &std::sync::atomic::AtomicBool::new(false))
 }
 
 /// The `len` bytes at address `addr`, as a slice that lives for `'s`.

@@ -21,6 +21,7 @@ use crate::reg::Range;
 use crate::state::TransferPath;
 use crate::stats::EngineStats;
 use crate::sync::lock;
+use crate::sys::same_host::cma::CopyError;
 
 /// What a loopback connector's published metadata starts with; its agent name follows.
 const PREFIX: &str = "loopback:";
@@ -164,7 +165,10 @@ impl LoopbackTransport {
             crate::sys::copy_in_process(src.addr, dst.addr, src.len).map_err(|e| Error::Transfer {
                 agent: spec.peer.name.to_string(),
                 reason: "the kernel refused the loopback copy".into(),
-                source: Some(Arc::new(e)),
+                source: match e {
+                    CopyError::Os(s) | CopyError::Unsupported(s) => Some(s),
+                    _ => None,
+                },
             })?;
         }
         // One transfer completes a passive operation (as NIXL's notification does): the key is

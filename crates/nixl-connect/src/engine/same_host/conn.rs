@@ -328,7 +328,7 @@ impl Conn {
     /// anything else about the frame, so the next frame's are the next ones.
     pub(super) fn take_exports_named(&mut self, n: usize, sources: &[IpcSource]) -> Option<pipe::Ends> {
         if n == 0 {
-            return Some(pipe::Ends::new(Vec::new()));
+            return Some(pipe::Ends::default());
         }
         let fds = self.take_checked(n, is_cuda_export, Violation::NotACudaExport)?;
         self.name_exports(sources);

@@ -14,9 +14,8 @@ use super::link::Heard;
 use super::records::ConnId;
 use crate::engine::poller::{Registrar, MAX_TOKEN};
 use crate::sys::same_host::dir::DirListener;
-use crate::sys::same_host::{
-    accept, clear_timer, close_refused, plug, set_backlog, set_timer, timerfd, uid, Tracked, BACKLOG,
-};
+use crate::sys::same_host::{accept, close_refused, plug, set_backlog, uid, Tracked, BACKLOG};
+use crate::sys::{read_counter, timerfd, timerfd_set};
 
 /// The token of the listening socket in the engine's poller.
 pub(super) const LISTENER: u64 = 0;
@@ -215,7 +214,7 @@ impl Sockets {
             return;
         }
         if let Some(fd) = &self.deadline_timer {
-            set_timer(fd, t.saturating_duration_since(Instant::now()));
+            let _ = timerfd_set(fd, t.saturating_duration_since(Instant::now()));
             self.deadline_armed = Some(t);
         }
     }
@@ -224,7 +223,7 @@ impl Sockets {
     /// the deadlines of those left).
     pub(super) fn deadline_fired(&mut self) {
         if let Some(t) = &self.deadline_timer {
-            clear_timer(t);
+            read_counter(t);
         }
         self.deadline_armed = None;
     }
@@ -237,7 +236,7 @@ impl Sockets {
         };
         if self.paused.is_none() {
             tracing::warn!(error = %e, "cannot accept same-host peers now; retrying in 100 ms");
-            set_timer(t, ACCEPT_BACKOFF);
+            let _ = timerfd_set(t, ACCEPT_BACKOFF);
             for l in self.listeners() {
                 self.reg.remove(l);
             }
@@ -270,8 +269,8 @@ impl Sockets {
     /// [`ACCEPT_BACKOFF`], shed ([`Self::shed`]) if it paused for a shortage first.
     pub(super) fn rest_accepting(&mut self) {
         if let Some(t) = &self.accept_timer {
-            clear_timer(t);
-            set_timer(t, ACCEPT_BACKOFF);
+            read_counter(t);
+            let _ = timerfd_set(t, ACCEPT_BACKOFF);
         }
         self.shed();
     }
@@ -279,7 +278,7 @@ impl Sockets {
     /// The back-off timer fired: the listener is watched again (the caller accepts what waits).
     pub(super) fn resume_accepting(&mut self) {
         if let Some(t) = &self.accept_timer {
-            clear_timer(t);
+            read_counter(t);
         }
         // Our own connections leave the queues (accepted next, they end at once).
         if self.paused.take() == Some(true) {

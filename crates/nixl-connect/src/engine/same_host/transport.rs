@@ -1142,7 +1142,7 @@ impl SameHostTransport {
                 None => return,
             }
         } else {
-            pipe::Ends::new(Vec::new())
+            pipe::Ends::default()
         };
         // A device write's VMM descriptors likewise (the link checked their count).
         let vmm = descriptors - if write && pipes > 0 { usize::from(pipes) } else { 0 };
@@ -1211,13 +1211,13 @@ impl SameHostTransport {
             // `Err`: answered now; `Ok`: once the export, the feed or the copy says.
             Decision::DeviceRead => self.device_read(id, &key, remote, pipes > 0).err(),
             Decision::DeviceWrite => {
-                let fds = std::mem::replace(&mut vmm_fds, pipe::Ends::new(Vec::new()));
+                let fds = std::mem::take(&mut vmm_fds);
                 self.device_write(id, &key, remote, sources, fds).err()
             }
             Decision::PullWrite => self.pull_write(id, &key, &remote, &local).err(),
             Decision::PipeRead => self.pipe_read(id, &key, &remote, pipes as usize).err(),
             Decision::PipeWrite => {
-                let fds = std::mem::replace(&mut passed, pipe::Ends::new(Vec::new()));
+                let fds = std::mem::take(&mut passed);
                 self.pipe_write(id, &key, &remote, fds).err()
             }
         };

@@ -110,45 +110,17 @@ impl Copy {
 
 /// Pulls `pieces` from `pid`, in calls of at most [`CHUNK`] bytes and [`IOV_MAX`] pieces.
 pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> Result<(), CopyError> {
-    let mut local: Vec<libc::iovec> = Vec::with_capacity(pieces.len().min(IOV_MAX));
-    let mut remote: Vec<libc::iovec> = Vec::with_capacity(pieces.len().min(IOV_MAX));
-    let mut i = 0;
-    let mut off = 0; // bytes of pieces[i] already copied
+    let (mut i, mut off) = (0, 0); // off: bytes of pieces[i] already copied
     while i < pieces.len() {
         if cancel.load(Ordering::Relaxed) {
             return Err(CopyError::Revoked);
         }
-        while i < pieces.len() && pieces[i].len == off {
-            i += 1; // zero-length pieces (and finished ones) need no system call
-            off = 0;
-        }
+        advance(pieces, |p| p.len, &mut i, &mut off, 0); // zero-length pieces need no call
         if i == pieces.len() {
             break;
         }
-        local.clear();
-        remote.clear();
-        let mut batch = 0;
-        let (mut j, mut joff) = (i, off);
-        while j < pieces.len() && local.len() < IOV_MAX && batch < CHUNK {
-            let p = pieces[j];
-            let take = (p.len - joff).min(CHUNK - batch);
-            if take > 0 {
-                local.push(libc::iovec {
-                    iov_base: (p.local + joff) as *mut libc::c_void,
-                    iov_len: take,
-                });
-                remote.push(libc::iovec {
-                    iov_base: (p.remote + joff) as *mut libc::c_void,
-                    iov_len: take,
-                });
-                batch += take;
-            }
-            joff += take;
-            if joff == p.len {
-                j += 1;
-                joff = 0;
-            }
-        }
+        let local = iovecs(pieces, i, off, CHUNK, |p| (p.local, p.len));
+        let remote = iovecs(pieces, i, off, CHUNK, |p| (p.remote, p.len));
         // SAFETY: the local iovecs lie in memory this process owns and that the copy's owner keeps
         // valid (and not otherwise accessed) until the copy ends.
         let n = unsafe { readv(pid, &local, &remote) };
@@ -163,24 +135,69 @@ pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> R
                 _ => CopyError::Os(Arc::new(e)),
             });
         }
-        // Advance by what was read (a partial read stops at a fault; the next call reports it).
-        let mut left = n as usize;
-        while left > 0 {
-            let rem = pieces[i].len - off;
-            if left >= rem {
-                left -= rem;
-                i += 1;
-                off = 0;
-            } else {
-                off += left;
-                left = 0;
-            }
-        }
-        while i < pieces.len() && pieces[i].len == 0 {
-            i += 1;
-        }
+        // A partial read stops at a fault; the next call reports it.
+        advance(pieces, |p| p.len, &mut i, &mut off, n as usize);
     }
     Ok(())
+}
+
+/// Moves past `n` bytes of `pieces` (each `len(piece)` long) from `*i` (and `*off` into it), then
+/// past the pieces with nothing left.
+pub(crate) fn advance<P>(
+    pieces: &[P],
+    len: impl Fn(&P) -> usize,
+    i: &mut usize,
+    off: &mut usize,
+    mut n: usize,
+) {
+    while n > 0 && *i < pieces.len() {
+        let left = len(&pieces[*i]) - *off;
+        if n >= left {
+            n -= left;
+            *i += 1;
+            *off = 0;
+        } else {
+            *off += n;
+            n = 0;
+        }
+    }
+    while *i < pieces.len() && len(&pieces[*i]) == *off {
+        *i += 1;
+        *off = 0;
+    }
+}
+
+/// The iovecs of at most `cap` bytes and [`IOV_MAX`] pieces of `pieces` (each at `at(piece)`:
+/// address, length) from `i` (`off` bytes into it) on.
+pub(crate) fn iovecs<P>(
+    pieces: &[P],
+    i: usize,
+    off: usize,
+    cap: usize,
+    at: impl Fn(&P) -> (usize, usize),
+) -> Vec<libc::iovec> {
+    let (mut v, mut total) = (Vec::new(), 0);
+    for (k, p) in pieces.iter().enumerate().skip(i) {
+        let (addr, len) = at(p);
+        let skip = if k == i { off } else { 0 };
+        let take = (len - skip).min(cap - total);
+        if take > 0 {
+            v.push(iov(addr + skip, take));
+        }
+        total += take;
+        if total == cap || v.len() == IOV_MAX {
+            break;
+        }
+    }
+    v
+}
+
+/// The iovec of `len` bytes at `addr`.
+fn iov(addr: usize, len: usize) -> libc::iovec {
+    libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: len,
+    }
 }
 
 /// One `process_vm_readv` of `remote` (in `pid`) into `local`: the bytes moved, or -1 (errno set).
@@ -558,14 +575,8 @@ fn pull_together(pid: libc::pid_t, parts: &[Part]) -> bool {
             if local.len() == IOV_MAX || total > CHUNK {
                 return false;
             }
-            local.push(libc::iovec {
-                iov_base: p.local as *mut libc::c_void,
-                iov_len: p.len,
-            });
-            remote.push(libc::iovec {
-                iov_base: p.remote as *mut libc::c_void,
-                iov_len: p.len,
-            });
+            local.push(iov(p.local, p.len));
+            remote.push(iov(p.remote, p.len));
         }
     }
     // SAFETY: the local iovecs lie in memory this process owns and that each copy's owner keeps

@@ -181,9 +181,13 @@ pub(crate) fn settled_for_callers() -> bool {
 /// sends it a job).
 static WORKER: OnceLock<Option<Mutex<Sender<Job>>>> = OnceLock::new();
 
-/// True once the CUDA thread runs: before, nothing was shared or mapped on any connection.
-fn worker_started() -> bool {
-    WORKER.get().is_some_and(Option::is_some)
+/// Hands `job` to the CUDA thread if it runs: before, nothing was shared or mapped on any
+/// connection, and asking `available` would start CUDA (on a caller's turn, or in a process that
+/// never used it) for nothing.
+fn submit_if_started(job: Job) {
+    if WORKER.get().is_some_and(Option::is_some) {
+        let _ = submit(job);
+    }
 }
 
 fn worker() -> Option<&'static Mutex<Sender<Job>>> {
@@ -248,30 +252,18 @@ pub(crate) fn spawn(c: Copy, done: Copied) -> Result<(), CopyError> {
 /// Closes the mappings opened for connection `conn` (it closed), once copies before it are done,
 /// and gives back the allocations shared on it.
 pub(crate) fn forget(conn: u64) {
-    // Nothing was mapped or shared without the CUDA thread; asking `available` here would start
-    // CUDA (on a caller's turn, or in a process that never used it) for nothing.
-    if worker_started() {
-        let _ = submit(Job::Forget(conn));
-    }
+    submit_if_started(Job::Forget(conn));
 }
 
 /// Unmaps the peer's VMM exports `ids` on connection `conn` (it gave them back).
 pub(crate) fn forget_imports(conn: u64, ids: Vec<u64>) {
-    if worker_started() {
-        let _ = submit(Job::Unmap(conn, ids));
-    }
+    submit_if_started(Job::Unmap(conn, ids));
 }
 
 /// Gives back the allocations shared with any peer that are mapped at `base` (a `DeviceBuffer`
 /// being dropped): the memory goes once the peers' mappings go.
 fn forget_at(base: u64) {
     let _ = submit(Job::ForgetAt(base));
-}
-
-/// True where `NIXL_CONNECT_SHARE_VMM=1`: VMM memory this crate did not allocate is shared with
-/// peers in other PID namespaces too (read once).
-fn share_foreign_vmm() -> bool {
-    crate::settings::process().share_vmm()
 }
 
 /// Closes a legacy mapping no copy uses any more.
@@ -398,10 +390,9 @@ impl Cuda {
                 done(r.and_then(|()| cma::finish(&c.slot)));
             }
             Job::Forget(conn) => {
-                let keys: Vec<_> = self.maps.keys().filter(|k| k.0 == conn).copied().collect();
-                for k in keys {
-                    self.close(k);
-                }
+                self.maps
+                    .extract_if(|k, _| k.0 == conn)
+                    .for_each(|(_, m)| close_mapping(m));
                 self.ids.retain(|k, _| k.0 != conn);
                 self.imports.retain(|k, _| k.0 != conn);
                 // The peer's mappings go with its end of the connection: nobody to tell.
@@ -556,8 +547,11 @@ impl Cuda {
             }
             let (id, base, size, fd) = self.share(conn, addr)?;
             // Between PID namespaces, only memory this crate allocated goes (or all VMM memory
-            // where the process says so): a descriptor gives the whole allocation, kept.
-            if other && !crate::sys::cuda::is_device_buffer(base, size) && !share_foreign_vmm() {
+            // where `NIXL_CONNECT_SHARE_VMM=1`): a descriptor gives the whole allocation, kept.
+            if other
+                && !crate::sys::cuda::is_device_buffer(base, size)
+                && !crate::settings::process().share_vmm()
+            {
                 self.unshare(|k, s| k.0 == conn && s.id == id);
                 return Err(IpcError::NotOwned);
             }
@@ -654,18 +648,10 @@ impl Cuda {
 
     /// Gives back the shared allocations `which` selects.
     fn unshare(&mut self, which: impl Fn(&(u64, u64), &Shared) -> bool) {
-        let keys: Vec<_> = self
-            .shared
-            .iter()
-            .filter(|(k, s)| which(k, s))
-            .map(|(k, _)| *k)
-            .collect();
         let mut told: HashMap<u64, Vec<u64>> = HashMap::new();
-        for k in keys {
-            if let Some(s) = self.shared.remove(&k) {
-                vmm::release(s.handle);
-                told.entry(k.0).or_default().push(s.id);
-            }
+        for (k, s) in self.shared.extract_if(|k, s| which(k, s)) {
+            vmm::release(s.handle);
+            told.entry(k.0).or_default().push(s.id);
         }
         for (conn, ids) in told {
             if let Some(tell) = self.tellers.get(&conn) {
@@ -745,15 +731,10 @@ impl Cuda {
             .insert((conn, src.base), src.buffer_id)
             .is_some_and(|old| old != src.buffer_id)
         {
-            let stale: Vec<_> = self
+            let stale = self
                 .maps
-                .keys()
-                .filter(|k| k.0 == conn && k.1 == src.base && k.2 != src.buffer_id)
-                .copied()
-                .collect();
-            for k in stale {
-                self.retire(k);
-            }
+                .extract_if(|k, _| k.0 == conn && k.1 == src.base && k.2 != src.buffer_id);
+            self.retired_legacy.extend(stale.map(|(_, m)| m));
         }
         if self.maps.len() >= MAX_MAPPINGS {
             if let Some(&old) = self.maps.iter().min_by_key(|(_, m)| m.used).map(|(k, _)| k) {
@@ -766,7 +747,7 @@ impl Cuda {
             reserved: src.handle.map(|b| b as _),
         };
         // SAFETY: opens the peer's exported allocation in a retained context; the mapping is
-        // recorded and closed exactly once (close()).
+        // recorded and closed exactly once (close_mapping).
         let r = unsafe {
             check(sys::cuCtxSetCurrent(d.ctx), "cuCtxSetCurrent").and_then(|()| {
                 check(
@@ -789,12 +770,6 @@ impl Cuda {
             },
         );
         Ok(ptr)
-    }
-
-    fn close(&mut self, key: (u64, u64, u64, i32)) {
-        if let Some(m) = self.maps.remove(&key) {
-            close_mapping(m);
-        }
     }
 
     /// Takes mapping `key` out of use during a copy; it is closed once the copy's streams are

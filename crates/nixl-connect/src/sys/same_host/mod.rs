@@ -22,8 +22,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
-pub(crate) use super::timerfd;
-use super::{cvt, cvt_len, owned, read_counter, timerfd_set};
+use super::{cvt, cvt_len, owned};
 use crate::sync::fnv1a;
 
 /// Sends `buf` on the socket `fd` with the descriptors `pass` attached (`SCM_RIGHTS`, at most
@@ -91,11 +90,6 @@ fn bind_to(fd: RawFd, (a, len): &(libc::sockaddr_un, libc::socklen_t)) -> io::Re
 fn listen_on(fd: RawFd, backlog: libc::c_int) -> io::Result<()> {
     // SAFETY: listen takes no memory; the kernel validates the descriptor.
     cvt(unsafe { libc::listen(fd, backlog) }).map(drop)
-}
-
-/// Takes the expiry count of the non-blocking timer `t` (so it stops being readable).
-pub(crate) fn clear_timer(t: &OwnedFd) {
-    read_counter(t);
 }
 
 /// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the process at the other end of a Unix socket (the one
@@ -203,11 +197,6 @@ pub(crate) fn sockaddr(name: &[u8]) -> (libc::sockaddr_un, libc::socklen_t) {
     (a, len as libc::socklen_t)
 }
 
-/// Arms timerfd `t` to fire once, `after` from now (at once for zero).
-pub(crate) fn set_timer(t: &OwnedFd, after: std::time::Duration) {
-    let _ = timerfd_set(t, after);
-}
-
 /// A new same-host socket (non-blocking, closed-on-exec), reading out-of-band bytes inline
 /// ([`oob_inline`]).
 pub(crate) fn unix_socket() -> io::Result<OwnedFd> {
@@ -308,8 +297,7 @@ pub(crate) fn alive_fd(fd: &OwnedFd) -> bool {
         revents: 0,
     };
     // SAFETY: poll reads and writes one live local pollfd, without waiting.
-    let r = unsafe { libc::poll(&mut p, 1, 0) };
-    r == 0
+    unsafe { libc::poll(&mut p, 1, 0) == 0 }
 }
 
 /// This process's real uid.

@@ -27,11 +27,10 @@ pub(crate) const MAX_LANES: usize = 4;
 pub(crate) const PIPE_BYTES: usize = 1 << 20;
 /// The most bytes one `writev` or read moves (a cancelled copy stops within this).
 const STEP: usize = 1 << 20;
-/// The most iovecs one call takes.
-const IOV_MAX: usize = 1024;
 
 /// Pipe ends this process holds, closed on the pipes' closer pool whenever the last owner drops
 /// them (an engine turn, a copy thread: never a close that a peer can stall there).
+#[derive(Default)]
 pub(crate) struct Ends(Vec<OwnedFd>);
 
 impl Ends {
@@ -43,11 +42,6 @@ impl Ends {
     /// How many.
     pub(crate) fn len(&self) -> usize {
         self.0.len()
-    }
-
-    /// End `k`.
-    fn get(&self, k: usize) -> Option<&OwnedFd> {
-        self.0.get(k)
     }
 
     /// Their numbers (to pass them).
@@ -83,7 +77,7 @@ impl Lanes {
     /// `n` new pipes (at most [`MAX_LANES`]), each asked for [`PIPE_BYTES`] (a kernel that allows
     /// less keeps its default: only the depth of the lane changes), write ends non-blocking.
     pub(crate) fn new(n: usize) -> io::Result<Self> {
-        let (mut w, mut r, mut keep) = (Ends(Vec::new()), Ends(Vec::new()), Ends(Vec::new()));
+        let (mut w, mut r, mut keep) = (Ends::default(), Ends::default(), Ends::default());
         for _ in 0..n.clamp(1, MAX_LANES) {
             let (rd, wr) = std::io::pipe()?; // pipe2(O_CLOEXEC)
             let (rd, wr) = (OwnedFd::from(rd), OwnedFd::from(wr));
@@ -107,7 +101,7 @@ impl Lanes {
 
     /// The read ends, to pass to the peer.
     pub(crate) fn take_read_ends(&mut self) -> Ends {
-        std::mem::replace(&mut self.r, Ends(Vec::new()))
+        std::mem::take(&mut self.r)
     }
 
     /// Write end `k` (tests: to feed by hand, or to pass where a read end is due).
@@ -153,18 +147,12 @@ impl Wake {
 
 /// Waits until `fd` is ready for `events` or `wake` was written.
 fn wait(fd: RawFd, events: libc::c_short, wake: &Wake) {
-    let mut p = [
-        libc::pollfd {
-            fd,
-            events,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: wake.0.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
+    let pollfd = |fd, events| libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    let mut p = [pollfd(fd, events), pollfd(wake.0.as_raw_fd(), libc::POLLIN)];
     // SAFETY: poll reads and writes the two pollfds of a live local array.
     unsafe { libc::poll(p.as_mut_ptr(), 2, -1) };
 }
@@ -194,46 +182,6 @@ pub(crate) fn cut(pieces: &[(usize, usize)], start: usize, end: usize) -> Vec<(u
     out
 }
 
-/// Moves past `n` bytes of `pieces` from `*i` (and `*off` into it).
-fn advance(pieces: &[(usize, usize)], i: &mut usize, off: &mut usize, mut n: usize) {
-    while n > 0 && *i < pieces.len() {
-        let left = pieces[*i].1 - *off;
-        if n >= left {
-            n -= left;
-            *i += 1;
-            *off = 0;
-        } else {
-            *off += n;
-            n = 0;
-        }
-    }
-    while *i < pieces.len() && pieces[*i].1 == *off {
-        *i += 1;
-        *off = 0;
-    }
-}
-
-/// The iovecs of at most [`STEP`] bytes from `*i`/`off` on.
-fn iovecs(pieces: &[(usize, usize)], i: usize, off: usize) -> Vec<libc::iovec> {
-    let mut v = Vec::new();
-    let mut total = 0;
-    for (k, &(addr, len)) in pieces.iter().enumerate().skip(i) {
-        let skip = if k == i { off } else { 0 };
-        let take = (len - skip).min(STEP - total);
-        if take > 0 {
-            v.push(libc::iovec {
-                iov_base: (addr + skip) as *mut libc::c_void,
-                iov_len: take,
-            });
-        }
-        total += take;
-        if total == STEP || v.len() == IOV_MAX {
-            break;
-        }
-    }
-    v
-}
-
 /// The source's side of one lane: copies `pieces` (this process's memory, in stream order, kept
 /// mapped and unchanged by the caller until it returns) into the write end `w` until every byte
 /// is in the pipe, or `ended` is set (then [`CopyError::Revoked`]); waits in `poll` while full.
@@ -243,28 +191,13 @@ pub(crate) fn feed(
     ended: &AtomicBool,
     wake: &Wake,
 ) -> Result<(), CopyError> {
-    let (mut i, mut off) = (0usize, 0usize);
-    advance(pieces, &mut i, &mut off, 0);
-    while i < pieces.len() {
-        if ended.load(Ordering::Acquire) {
-            return Err(CopyError::Revoked);
-        }
-        let v = iovecs(pieces, i, off);
-        // SAFETY: the iovecs lie in this process's memory, which the caller keeps mapped (see
-        // above); writev only reads them.
-        let n = unsafe { libc::writev(w.as_raw_fd(), v.as_ptr(), v.len() as libc::c_int) };
-        if n > 0 {
-            advance(pieces, &mut i, &mut off, n as usize);
-            continue;
-        }
-        let e = io::Error::last_os_error();
-        match e.kind() {
-            io::ErrorKind::WouldBlock => wait(w.as_raw_fd(), libc::POLLOUT, wake),
-            io::ErrorKind::Interrupted => {}
-            _ => return Err(CopyError::Os(Arc::new(e))),
-        }
+    // SAFETY: the iovecs lie in this process's memory, which the caller keeps mapped (see
+    // above); writev only reads them.
+    let write = |fd, v: &[libc::iovec]| unsafe { libc::writev(fd, v.as_ptr(), v.len() as libc::c_int) };
+    match pump(w, pieces, ended, wake, libc::POLLOUT, write) {
+        Err(CopyError::NotStarted) => Err(CopyError::Revoked),
+        r => r,
     }
-    Ok(())
 }
 
 /// The destination's side of one lane: reads the read end `r` a peer passed (checked by
@@ -279,39 +212,47 @@ pub(crate) fn fill(
     cancel: &AtomicBool,
     wake: &Wake,
 ) -> Result<(), CopyError> {
-    let (mut i, mut off) = (0usize, 0usize);
-    advance(pieces, &mut i, &mut off, 0);
-    let mut moved = false;
+    // SAFETY: the iovecs lie in this process's memory that the caller keeps mapped and owned
+    // by this copy (see above); preadv2 writes at most their lengths. Offset -1: the file's
+    // own position (a pipe has none).
+    let read = |fd, v: &[libc::iovec]| unsafe {
+        libc::preadv2(fd, v.as_ptr(), v.len() as libc::c_int, -1, libc::RWF_NOWAIT)
+    };
+    pump(r, pieces, cancel, wake, libc::POLLIN, read)
+}
+
+/// Moves `pieces` through `fd` with `call` (one call, at most [`STEP`] bytes: the bytes moved, 0 at
+/// the stream's end, or -1 with `errno` set), waiting in `poll` for `events` while it would
+/// block, until every byte moved; `stop` ends it ([`CopyError::NotStarted`] if no byte moved,
+/// else [`CopyError::Revoked`]), as does the stream's end ([`CopyError::Revoked`]).
+fn pump(
+    fd: &OwnedFd,
+    pieces: &[(usize, usize)],
+    stop: &AtomicBool,
+    wake: &Wake,
+    events: libc::c_short,
+    call: impl Fn(RawFd, &[libc::iovec]) -> isize,
+) -> Result<(), CopyError> {
+    let (mut i, mut off, mut moved) = (0usize, 0usize, false);
+    cma::advance(pieces, |p| p.1, &mut i, &mut off, 0);
     while i < pieces.len() {
-        if cancel.load(Ordering::Acquire) {
+        if stop.load(Ordering::Acquire) {
             return Err(if moved {
                 CopyError::Revoked
             } else {
                 CopyError::NotStarted
             });
         }
-        let v = iovecs(pieces, i, off);
-        // SAFETY: the iovecs lie in this process's memory that the caller keeps mapped and owned
-        // by this copy (see above); preadv2 writes at most their lengths. Offset -1: the file's
-        // own position (a pipe has none).
-        let n = unsafe {
-            libc::preadv2(
-                r.as_raw_fd(),
-                v.as_ptr(),
-                v.len() as libc::c_int,
-                -1,
-                libc::RWF_NOWAIT,
-            )
-        };
+        let n = call(fd.as_raw_fd(), &cma::iovecs(pieces, i, off, STEP, |&p| p));
         if n > 0 {
             moved = true;
-            advance(pieces, &mut i, &mut off, n as usize);
+            cma::advance(pieces, |p| p.1, &mut i, &mut off, n as usize);
         } else if n == 0 {
             return Err(CopyError::Revoked);
         } else {
             let e = io::Error::last_os_error();
             match e.kind() {
-                io::ErrorKind::WouldBlock => wait(r.as_raw_fd(), libc::POLLIN, wake),
+                io::ErrorKind::WouldBlock => wait(fd.as_raw_fd(), events, wake),
                 io::ErrorKind::Interrupted => {}
                 _ => return Err(CopyError::Os(Arc::new(e))),
             }
@@ -362,21 +303,31 @@ impl Fill {
     }
 }
 
+/// A copy pool task that, on its `k`-th run, runs `f` on end `k` and the part of `pieces` (in
+/// stream order) that lane `k` carries; runs past the last end do nothing.
+fn per_lane(
+    ends: Ends,
+    pieces: Vec<(usize, usize)>,
+    f: impl Fn(&OwnedFd, &[(usize, usize)]) -> Result<(), CopyError> + Send + Sync + 'static,
+) -> Arc<dyn Fn() -> Result<(), CopyError> + Send + Sync> {
+    let (n, total, next) = (ends.len(), pieces.iter().map(|p| p.1).sum(), AtomicUsize::new(0));
+    Arc::new(move || {
+        let k = next.fetch_add(1, Ordering::Relaxed);
+        let Some(end) = ends.0.get(k) else {
+            return Ok(());
+        };
+        let (a, b) = span(total, n, k);
+        f(end, &cut(&pieces, a, b))
+    })
+}
+
 /// Starts `c` on the copy pool, one part per lane; `done` runs once every lane has ended (a lane
 /// that fails wakes the others, which then stop). Returns the revocation error at once (without
 /// calling `done`) when the grant was revoked before the copy began.
 pub(crate) fn spawn_fill(c: Fill, done: Done) -> Result<(), CopyError> {
-    let n = c.lanes.len();
-    let total: usize = c.pieces.iter().map(|p| p.1).sum();
-    let next = AtomicUsize::new(0);
-    let (lanes, pieces, cancel, wake) = (c.lanes, c.pieces, c.cancel.clone(), c.wake);
-    let task = Arc::new(move || {
-        let k = next.fetch_add(1, Ordering::Relaxed);
-        let Some(r) = lanes.get(k) else {
-            return Ok(());
-        };
-        let (a, b) = span(total, n, k);
-        let res = fill(r, &cut(&pieces, a, b), &cancel, &wake);
+    let (n, cancel, wake) = (c.lanes.len(), c.cancel.clone(), c.wake);
+    let task = per_lane(c.lanes, c.pieces, move |r, part| {
+        let res = fill(r, part, &cancel, &wake);
         if res.is_err() {
             // The pool sets `cancel` for the other lanes; they may be waiting in poll.
             cancel.store(true, Ordering::Release);
@@ -432,19 +383,10 @@ impl Feeding {
 /// Starts `f` on the copy pool, one part per lane; `done` runs once every lane has stopped
 /// reading `pieces` (all fed, ended, or failed: a failed lane ends the others).
 pub(crate) fn spawn_feed(f: Feeding, done: Done) {
-    let n = f.lanes.len();
-    let total: usize = f.pieces.iter().map(|p| p.1).sum();
-    let next = AtomicUsize::new(0);
-    let (w, pieces, ended, wake) = (f.lanes.w, f.pieces, f.ended, f.wake);
+    let (n, ended, wake) = (f.lanes.len(), f.ended, f.wake);
     let cancel = Arc::new(AtomicBool::new(false));
-    let task = Arc::new(move || {
-        let k = next.fetch_add(1, Ordering::Relaxed);
-        let Some(end) = w.get(k) else {
-            return Ok(());
-        };
-        let (a, b) = span(total, n, k);
-        let r = feed(end, &cut(&pieces, a, b), &ended, &wake);
-        match r {
+    let task = per_lane(f.lanes.w, f.pieces, move |end, part| {
+        match feed(end, part, &ended, &wake) {
             // Ending is not failing: the reader's answer says how the copy went.
             Err(CopyError::Revoked) => Ok(()),
             Err(e) => {
