@@ -55,11 +55,8 @@ pub(super) const MAX_PREPARED: usize = 1024;
 const MAX_MD_CACHE: usize = 4096;
 /// Registration tokens that memory given up after NIXL exposed it keeps, per exposing agent: the
 /// quarantine's most recent entries keep theirs, up to this many in all, so memory exposed again
-/// soon (a buffer, or a pool of up to about this many, reused per operation) finds its
-/// registration; older entries drop their tokens (a registration ends with its last token) and
-/// their memory stays held until the agent is gone. NIXL keeps an agent's registrations in an
-/// address-sorted vector, so a registration costs time in proportion to those it must move
-/// (docs/FIGURES.md, "Fresh exposures over many operations").
+/// soon finds its registration; older entries drop their tokens and their memory stays held until
+/// the agent is gone (NIXL's registrations cost more the more there are).
 pub const REGISTERED_QUARANTINE: usize = 4096;
 
 /// The least time between two warnings of one kind of repeated failure ([`Throttle`]).
@@ -663,12 +660,10 @@ impl Transport for NixlTransport {
         let n = &mut self.nixl;
         let removed = n.forget(key);
         n.rotate(&self.key);
-        if let Some(tokens) = removed {
-            if n.deregister_on_completion {
-                // Deregister now, whoever else holds the tokens (the memory's cache included).
-                for t in &tokens {
-                    n.deregister(Side::Exposer, t.gen, t.range, t.id);
-                }
+        if let Some(tokens) = removed.filter(|_| n.deregister_on_completion) {
+            // Deregister now, whoever else holds the tokens (the memory's cache included).
+            for t in &tokens {
+                n.deregister(Side::Exposer, t.gen, t.range, t.id);
             }
         }
     }

@@ -151,8 +151,7 @@ pub(crate) struct Link {
     partial_since: Option<Instant>,
     open: HashMap<(u32, u64), Open>,
     death: Option<Violation>,
-    /// It died because the peer went away (end of stream, a socket error), not for a rule it
-    /// broke.
+    /// It died because the peer went away (end of stream, a socket error), not for a broken rule.
     gone: bool,
     /// The handshake finished (requests could flow) at some point.
     shaken: bool,
@@ -904,11 +903,9 @@ impl Link {
         }
     }
 
-    /// Server: answers open request (`slot`, `gen`) under its operation's key. A grant keeps it
-    /// open until the reader's `Done`; every other answer (an eager read's bytes included) ends
-    /// it. Nothing happens for a request that is not open (the connection died, or it was
-    /// answered already). True when the answer is queued on a live connection (the owner of an
-    /// eager operation completes it only then).
+    /// Server: answers open request (`slot`, `gen`) under its operation's key (nothing happens for
+    /// one not open). True when the answer is queued on a live connection (the owner of an eager
+    /// operation completes it only then).
     pub(crate) fn answer(&mut self, slot: u32, gen: u64, a: Answer) -> bool {
         if self.side != Side::Server || self.state != State::Ready {
             return false;
@@ -950,7 +947,7 @@ impl Link {
                 reason,
             },
         };
-        // A grant keeps the request open; any other answer ends it.
+        // A grant keeps the request open until the reader's `Done`; any other answer ends it.
         let key = if matches!(m.kind(), Kind::Grant | Kind::GrantIpc | Kind::GrantPipe) {
             o.granted = true;
             o.key.clone()

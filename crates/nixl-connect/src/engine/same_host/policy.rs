@@ -78,11 +78,7 @@ pub(super) fn decide(
     };
     let write = asked.write;
     if (s.kind() == OperationKind::Write) != write {
-        let (is, asks) = if write {
-            ("readable", "write")
-        } else {
-            ("writable", "read")
-        };
+        let (is, asks) = [("writable", "read"), ("readable", "write")][usize::from(write)];
         return refuse(
             RefuseCode::WrongDirection,
             &format!("the operation is a {is}; a {asks} cannot use it"),
