@@ -219,14 +219,10 @@ pub(crate) fn load() -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Has every later child of `fork()` make UCX's table of async event handlers, and the lock over
-/// it, anew (`ucs_async_global_init`, what UCX's own initialiser runs), in the fork's child
-/// handler: before anything runs in the child. Found through NIXL's UCX plugin (so the `libucs`
-/// it links, whichever other copies the process has), once its backend exists.
-///
-/// UCX's async thread takes that lock whenever one of its descriptors has an event; a fork at that
-/// moment left the child the lock held by a thread it does not have, and its first agent waited
-/// forever (`ucp_worker_create` -> `ucs_async_set_event_handler`). UCX offers no fork handler.
+/// Has every later child of `fork()` make UCX's table of async event handlers and its lock anew
+/// (`ucs_async_global_init`) in the fork's child handler, found through NIXL's UCX plugin (so the
+/// `libucs` it links) once its backend exists: a fork while UCX's async thread held that lock left
+/// the child's first agent waiting forever. UCX offers no fork handler.
 fn ucx_fresh_in_children() {
     static DONE: std::sync::Once = std::sync::Once::new();
     DONE.call_once(|| {

@@ -293,9 +293,7 @@ impl Initiator {
         self.evict_idle();
         Ok(name)
     }
-}
 
-impl Initiator {
     /// Starts `spec`'s transfer on the engine thread (registering, loading and preparing what is
     /// missing, then posting): the transfer in flight (none if it ended at once) and the tokens.
     pub(super) fn start(

@@ -9,10 +9,6 @@
 //!   recreated when an operation's memory must be released while a peer does not answer: NIXL
 //!   cannot cancel a posted transfer, and destroying the UCX worker is the only thing that ends it
 //!   for sure (see `../../../docs/SOUNDNESS.md`). The exposer's memory and metadata are unaffected.
-//!
-//! Peers' agent metadata is loaded into the initiator once per distinct string and merged by NIXL
-//! (a peer's later registrations add sections); prepared descriptor lists are cached per range
-//! list. A transfer that fails makes the initiator forget that peer.
 
 pub(crate) mod encoding;
 pub(crate) mod ffi;
@@ -59,11 +55,8 @@ pub(super) const MAX_PREPARED: usize = 1024;
 const MAX_MD_CACHE: usize = 4096;
 /// Registration tokens that memory given up after NIXL exposed it keeps, per exposing agent: the
 /// quarantine's most recent entries keep theirs, up to this many in all, so memory exposed again
-/// soon (a buffer, or a pool of up to about this many, reused per operation) finds its
-/// registration; older entries drop their tokens (a registration ends with its last token) and
-/// their memory stays held until the agent is gone. NIXL keeps an agent's registrations in an
-/// address-sorted vector, so a registration costs time in proportion to those it must move
-/// (docs/FIGURES.md, "Fresh exposures over many operations").
+/// soon finds its registration; older entries drop their tokens and their memory stays held until
+/// the agent is gone (NIXL's registrations cost more the more there are).
 pub const REGISTERED_QUARANTINE: usize = 4096;
 
 /// The least time between two warnings of one kind of repeated failure ([`Throttle`]).
@@ -272,13 +265,8 @@ impl NixlState {
     fn rotate(&mut self, key: &AgentKey) {
         if self.exposer.quarantined > self.quarantine_limit {
             let gen = self.exposer_gen + 1;
-            match Exposer::new(
-                key,
-                &format!("{}~{gen}", self.name),
-                &self.backends,
-                &self.params,
-                gen,
-            ) {
+            let name = format!("{}~{gen}", self.name);
+            match Exposer::new(key, &name, &self.backends, &self.params, gen) {
                 Ok(fresh) => {
                     let old = std::mem::replace(&mut self.exposer, fresh);
                     self.retired.insert(self.exposer_gen, old);
@@ -553,11 +541,9 @@ impl NixlState {
         {
             Polling::Busy
         } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for) {
-            // Small passive operations wait for their notification, and NIXL peers completed one
-            // within the engine's hot spell (peers that read or write through NIXL now are likely
-            // to go on, and each watch that comes late delays them): on every hot turn (and every
-            // caller's turn that watches), as a peer spinning on NIXL would, since over TCP this
-            // side's progress also serves a peer's read.
+            // Small passive operations wait, and NIXL peers completed one within the hot spell (they
+            // are likely to go on): every turn, as a peer spinning on NIXL would (over TCP this
+            // side's progress also serves a peer's read).
             Polling::Busy
         } else if !self.exposer.live.is_empty() || !self.retired.is_empty() {
             // Passive operations wait for their notification.
@@ -656,14 +642,14 @@ impl Transport for NixlTransport {
     fn expose(&mut self, spec: &PassiveSpec, out: &mut Exposure) -> Result<()> {
         let (key, n) = (&self.key, &mut self.nixl);
         let mut regs = Vec::with_capacity(spec.ranges.len());
+        let e = &mut n.exposer;
         for r in &spec.ranges {
             // A replaced dead registration needs no cache purge: metadata is cached by ids.
-            let mut replaced = None;
-            let (t, _) =
-                n.exposer
-                    .regs
-                    .get(key, &n.exposer.agent, *r, &n.mailbox, &mut n.stats, &mut replaced)?;
-            regs.push(t);
+            regs.push(
+                e.regs
+                    .get(key, &e.agent, *r, &n.mailbox, &mut n.stats, &mut None)?
+                    .0,
+            );
         }
         let md = n.metadata_for(key, &ranges_and_ids(&regs))?;
         n.record_exposure(spec, regs, md, out);
@@ -674,12 +660,10 @@ impl Transport for NixlTransport {
         let n = &mut self.nixl;
         let removed = n.forget(key);
         n.rotate(&self.key);
-        if let Some(tokens) = removed {
-            if n.deregister_on_completion {
-                // Deregister now, whoever else holds the tokens (the memory's cache included).
-                for t in &tokens {
-                    n.deregister(Side::Exposer, t.gen, t.range, t.id);
-                }
+        if let Some(tokens) = removed.filter(|_| n.deregister_on_completion) {
+            // Deregister now, whoever else holds the tokens (the memory's cache included).
+            for t in &tokens {
+                n.deregister(Side::Exposer, t.gen, t.range, t.id);
             }
         }
     }
@@ -833,10 +817,9 @@ impl CallerPart for NixlState {
         None
     }
 
-    /// Polls the initiator's transfers while every one is small (`getXferStatus`) and drains the
-    /// exposers' notifications while every exposure is small (`getNotifs`, which serves a peer's
-    /// reads over TCP): a large transfer would otherwise run on the caller's thread. UCX alone
-    /// (see `ffi::Prepared`'s `Send`). Ends that must forget a peer go to `settle_callers`.
+    /// Polls the initiator's transfers and drains the exposers' notifications, each only while all
+    /// are small (a large transfer would run on the caller's thread); UCX alone (see
+    /// `ffi::Prepared`'s `Send`). Ends that must forget a peer go to `settle_callers`.
     fn watch(&mut self, out: &mut Vec<Event>) -> bool {
         if !self.starts() {
             return false;

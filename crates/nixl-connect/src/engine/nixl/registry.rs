@@ -28,13 +28,9 @@ pub(super) struct RegEntry {
     _reg: AgentRegistration,
 }
 
+/// The registry's key of `r`.
 pub(super) fn key_of(r: &Range) -> (u8, u32, usize, usize) {
-    let (k, id) = match r.device {
-        crate::device::Device::Host => (0, 0),
-        crate::device::Device::Cuda(n) => (1, n),
-        crate::device::Device::Xpu(n) => (2, n),
-    };
-    (k, id, r.addr, r.len)
+    (r.device.kind() as u8, r.device.id(), r.addr, r.len)
 }
 
 impl Registry {

@@ -1,22 +1,13 @@
 //! Proof of the notification key on the same-host path.
 //!
-//! A socket name is not an identity: any process of the same user can bind a connector's name
-//! first. What only the two ends of an operation share is its notification key (a random UUID in
-//! the metadata). So the key itself never crosses the socket; each side proves it holds it:
-//!
-//! - the client's `Hello` names the operation by [`key_id`] (a hash: learning it reveals nothing
-//!   usable) and carries a fresh [`nonce`];
-//! - the server's `Welcome` carries [`welcome_proof`], an HMAC keyed by the notification key over
-//!   the nonce and both processes' ids (so a relaying impostor, whose id differs, cannot pass a
-//!   real server's proof on). A process's id is its pidfs inode number where the kernel has
-//!   pidfs (Linux 6.9: one number per process on the host, the same from every PID namespace, so
-//!   it binds pods too), else its pid ([`sys::self_id`](crate::sys::same_host::self_id)). The client reveals nothing else (no ranges, no
-//!   device export) and trusts no answer until the proof checks;
-//! - every frame about one operation, in either direction (`Req`, `Grant`, `GrantIpc`, `Refuse`,
-//!   `Fallback`, `Done`), ends with [`frame_mac`] under *that operation's* key, over the frame's
-//!   type and fields, the nonce, both ids and the direction. A process that proved one key on a
-//!   connection cannot answer for another operation on it, nor replay a frame onto another
-//!   connection (the nonce and ids differ), nor reflect a frame back (the direction differs).
+//! A socket name is not an identity; what only the two ends of an operation share is its
+//! notification key, which never crosses the socket. The client's `Hello` names the operation by
+//! [`key_id`] with a fresh [`nonce`]; the server's `Welcome` carries [`welcome_proof`], an HMAC
+//! under the key over the nonce and both processes' ids (pidfs inode, else pid:
+//! [`sys::self_id`](crate::sys::same_host::self_id)); every frame about one operation ends with
+//! [`frame_mac`] under *that operation's* key, over its type and fields, the nonce, both ids and
+//! the direction. The argument: docs/SOUNDNESS.md, "What each side proves" and "Every answer
+//! proven under its own operation's key".
 
 use hmac::{KeyInit, Mac};
 use sha2::{Digest, Sha256};
@@ -46,23 +37,15 @@ pub(crate) fn nonce() -> Nonce {
     *uuid::Uuid::new_v4().as_bytes()
 }
 
-fn tag(key: &str, label: &[u8], parts: &[&[u8]]) -> Tag {
-    let mut m = HmacSha256::new_from_slice(key.as_bytes()).expect("HMAC takes any key length");
-    m.update(label);
-    for p in parts {
+/// The server's proof that it holds `key`, for the client's `nonce`, bound to both processes' ids.
+pub(crate) fn welcome_proof(key: &str, nonce: &Nonce, client_id: u64, server_id: u64) -> Tag {
+    let mut m = Keyed::new(key).0;
+    m.update(b"nixl-connect/welcome");
+    for p in [&nonce[..], &client_id.to_le_bytes(), &server_id.to_le_bytes()] {
         m.update(&(p.len() as u32).to_le_bytes());
         m.update(p);
     }
     m.finalize().into_bytes().into()
-}
-
-/// The server's proof that it holds `key`, for the client's `nonce`, bound to both processes' ids.
-pub(crate) fn welcome_proof(key: &str, nonce: &Nonce, client_id: u64, server_id: u64) -> Tag {
-    tag(
-        key,
-        b"nixl-connect/welcome",
-        &[nonce, &client_id.to_le_bytes(), &server_id.to_le_bytes()],
-    )
 }
 
 /// An operation's key made ready to sign frames: the HMAC key schedule is computed once per

@@ -17,31 +17,19 @@ pub(super) fn uniform(ranges: &[Range]) -> Option<Device> {
 /// staging by the device memory's owner, which needs CUDA).
 pub(crate) fn device_path_refusal(src: Device, dst: Device) -> Option<PathRefusal> {
     match (src, dst) {
-        (Device::Cuda(_), Device::Cuda(_) | Device::Host) if cfg!(feature = "cuda") => {
+        (Device::Cuda(_), Device::Cuda(_) | Device::Host) | (Device::Host, Device::Cuda(_))
+            if cfg!(feature = "cuda") =>
+        {
+            // The first ask may initialise CUDA, so it is the engine thread's: a waiter's thread
+            // drives this transport only once the answer is known (`ipc::settled_for_callers`).
             #[cfg(feature = "cuda")]
-            if !ipc_available() {
+            if !ipc::available() {
                 return Some(PathRefusal::NoCudaDevice);
             }
             None
         }
         (Device::Cuda(_), Device::Cuda(_) | Device::Host) => Some(PathRefusal::NoCudaSupport),
-        (Device::Host, Device::Cuda(_)) if cfg!(feature = "cuda") => {
-            #[cfg(feature = "cuda")]
-            if !ipc_available() {
-                return Some(PathRefusal::NoCudaDevice);
-            }
-            None
-        }
         (Device::Host, Device::Cuda(_)) => Some(PathRefusal::HostIntoDevice),
         _ => Some(PathRefusal::UnsupportedMemory),
     }
-}
-
-/// Whether this process can take part in CUDA IPC ([`ipc::available`]). The first ask may
-/// initialise CUDA, so it is the engine thread's: a waiter's thread drives this transport only
-/// once the answer is known ([`any_thread`](crate::engine::transport::Transport::any_thread) is
-/// `ipc::settled_for_callers`).
-#[cfg(feature = "cuda")]
-fn ipc_available() -> bool {
-    ipc::available()
 }

@@ -1,26 +1,11 @@
 //! Who the owner of an agent name is: the same-host path's identity binding.
 //!
-//! Knowing an operation's notification key proves nothing about *who* answers: every holder of the
-//! metadata knows it (a reader, a relay, a NATS or etcd subscriber). So a connector that serves
-//! the same-host path makes an Ed25519 key pair at start and writes its public key's
-//! [`Fingerprint`] into its NIXL agent name ([`Identity::advertise`]): `<name>.nxc1-<32 hex digits>`. The
-//! agent name is opaque to Python readers and travels inside the byte-compatible metadata, so the
-//! advertisement costs nothing there. Then:
-//!
-//! - an active side connects only to agent names that carry an advertisement ([`advertised`]): a
-//!   Python Dynamo peer (whose agent name has none) goes to NIXL at once, no `Hello` names it, and
-//!   whoever binds its name learns nothing;
-//! - the server's `Welcome` carries its public key and a signature over the client's nonce, both
-//!   processes' ids (see `auth`) and the Welcome's own proof (or its absence: "no live operation"): the client
-//!   believes the connection only when the key matches the fingerprint its metadata named and the
-//!   signature checks ([`verify_welcome`]). A metadata holder knows the fingerprint, never the
-//!   private key, so it cannot answer as the owner; a relay's id differs, so a real owner's
-//!   signature cannot be passed on.
-//!
-//! Everything later on that connection comes from the process that proved the identity (a Unix
-//! stream socket cannot be written into by a third process), which is what lets an answer that
-//! ends an operation unproven by its key (a `Refuse` for a key the owner no longer holds) be
-//! believed.
+//! Every holder of the metadata knows an operation's key, so the key proves nothing about *who*
+//! answers. A serving connector makes an Ed25519 key pair at start and writes its public key's
+//! [`Fingerprint`] into its agent name ([`Identity::advertise`]: `<name>.nxc1-<32 hex digits>`);
+//! an active side connects only to names that carry one ([`advertised`]), and believes a
+//! `Welcome` only when signed by that key over its nonce, both processes' ids and the proof
+//! ([`verify_welcome`]). The argument: docs/SOUNDNESS.md, "Who is on the other end".
 
 use std::fmt;
 
@@ -111,11 +96,7 @@ pub(crate) fn fingerprint(public: &PublicKey) -> Fingerprint {
 pub(crate) fn advertised(agent: &str) -> Option<Fingerprint> {
     let base = agent.split_once('~').map_or(agent, |(base, _)| base);
     let (_, tail) = base.rsplit_once(MARK)?;
-    if tail.len() != 32
-        || !tail
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    {
+    if tail.len() != 32 || !tail.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
         return None;
     }
     let mut f = [0u8; 16];

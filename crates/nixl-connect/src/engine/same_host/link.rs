@@ -3,33 +3,24 @@
 //! A [`Link`] takes what the socket delivered ([`Link::recv`]: bytes, how many descriptors came
 //! with them, the time) and what its owner decides ([`Link::request`], [`Link::answer`],
 //! [`Link::read_done`]), and gives back bytes to send ([`Link::out`]) and what the peer said,
-//! checked ([`Heard`]). It owns everything that reads peer bytes: framing, the handshake and its
-//! deadline, partial frames and their deadline, which frame may come in which state, and the MAC
-//! of every frame about an operation under *that operation's* key. Its owner (the transport, at
-//! the edge) only ever sees frames that were well-formed, expected in their state and proven;
-//! it keeps sockets, descriptors, copies and CUDA.
+//! checked ([`Heard`]: well-formed, expected in its state, proven under its operation's key). Its
+//! owner (the transport, at the edge) keeps sockets, descriptors, copies and CUDA.
 //!
-//! Rules it enforces, whatever the peer sends:
-//! - once dead, nothing more is handled ([`Link::recv`] returns at once);
-//! - the client believes a `Welcome` only when it is signed by the identity its peer's agent name
-//!   advertises ([`identity`]): a process that merely holds the metadata (and so every key in it)
-//!   cannot answer as the owner, not even "no live operation";
-//! - nothing but `Hello` before `Hello` (server), nothing but `Welcome`/`Reject` before
-//!   `Welcome` (client), each at most once; handshake frames are small
-//!   ([`MAX_HANDSHAKE_FRAME`]), so a peer that has not shaken hands holds a few KiB at most;
-//! - descriptors arrive only with the `Hello`, one (the slot table), and, on a connection whose
-//!   client said it uses pipes (`Trusted`), with the frames that pass pipes' read ends or VMM
-//!   allocations' descriptors (a `GrantPipe`, a `GrantIpc` a reader asked descriptors for, a
-//!   write's `Req`), exactly as many as each frame says and never more than
-//!   [`MAX_PENDING_DESCRIPTORS`] waiting for their frame; any other dies;
+//! Rules it enforces, whatever the peer sends (the argument: docs/SOUNDNESS.md, "The protocol core"):
+//! - once dead, nothing more is handled;
+//! - the client believes a `Welcome` only when signed by the identity its peer's agent name
+//!   advertises ([`identity`]), not even "no live operation" from anyone else;
+//! - nothing but `Hello` before `Hello` (server), nothing but `Welcome`/`Reject` before `Welcome`
+//!   (client), each at most once and at most [`MAX_HANDSHAKE_FRAME`] bytes;
+//! - descriptors arrive only with the `Hello` (one: the slot table) and, once the client's
+//!   `Trusted` said it passes them, with the frames that pass pipes' read ends or VMM descriptors
+//!   (`GrantPipe`, a `GrantIpc` that asked for them, a write's `Req`), exactly as many as each
+//!   says, at most [`MAX_PENDING_DESCRIPTORS`] waiting; any other dies;
 //! - a handshake not done within [`HANDSHAKE_TIMEOUT`], or a frame not whole within
 //!   [`PARTIAL_FRAME_TIMEOUT`] of its first byte, kills the connection;
 //! - an answer must match an open request of this connection (slot, generation, direction, kind
-//!   of memory, number of ranges) and carry that request's operation's MAC; the only unproven
-//!   answers taken are the ones that can only make an operation fail or take NIXL: a refusal for
-//!   a key the server does not hold (`Refuse` with [`RefuseCode::NotLive`]) and `Fallback`, and
-//!   only on a connection whose server proved the owner's identity (every frame on it comes from
-//!   that process);
+//!   of memory, number of ranges) and carry its operation's MAC; unproven, only a `Refuse` with
+//!   [`RefuseCode::NotLive`] or a `Fallback`, and only once the server proved the owner's identity;
 //! - open requests per connection are bounded ([`MAX_OPEN`]); past it the server answers
 //!   `Fallback` itself.
 
@@ -42,7 +33,7 @@ use super::identity::{self, Fingerprint, Identity};
 use super::limits::SLOTS;
 use super::violation::Violation;
 use super::wire::{
-    passed_fds, Msg, RefuseCode, Req, EAGER_MAX, MAC_LEN, MAX_FORGOT, MAX_FRAME, MAX_LANES,
+    passed_fds, Kind, Msg, RefuseCode, Req, EAGER_MAX, MAC_LEN, MAX_FORGOT, MAX_FRAME, MAX_LANES,
     MAX_PENDING_DESCRIPTORS, MAX_REASON, NOT_LIVE, SOURCE_BYTES, VERSION,
 };
 use crate::device::Device;
@@ -153,16 +144,14 @@ pub(crate) struct Link {
     /// asked them for), and its device writes may pass them (its `Trusted` says it passes
     /// descriptors): the server is in another PID namespace, or this process uses CUDA.
     exports: bool,
-    /// Pipes' read ends received and not yet taken by their frame (the owner holds them, in
-    /// order).
+    /// Descriptors received and not yet taken by their frame (the owner holds them, in order).
     pending: usize,
     handshake_by: Option<Instant>,
     /// When the first byte of the frame still incomplete arrived.
     partial_since: Option<Instant>,
     open: HashMap<(u32, u64), Open>,
     death: Option<Violation>,
-    /// It died because the peer went away (end of stream, a socket error), not for a rule it
-    /// broke.
+    /// It died because the peer went away (end of stream, a socket error), not for a broken rule.
     gone: bool,
     /// The handshake finished (requests could flow) at some point.
     shaken: bool,
@@ -181,14 +170,8 @@ impl Link {
         pipes: bool,
         now: Instant,
     ) -> Self {
-        let mut l = Self::new(
-            Side::Client,
-            State::AwaitWelcome,
-            nonce,
-            client_id,
-            server_id,
-            now,
-        );
+        let mut l = Self::new(Side::Client, nonce, client_id, server_id, now);
+        l.state = State::AwaitWelcome;
         l.expect = Some(expect);
         l.pipes = pipes;
         l.push(&Msg::Hello {
@@ -202,22 +185,16 @@ impl Link {
 
     /// The serving side of an accepted connection, proving `identity` in its `Welcome`.
     pub(crate) fn server(identity: Arc<Identity>, client_id: u64, server_id: u64, now: Instant) -> Self {
-        let mut l = Self::new(
-            Side::Server,
-            State::AwaitHello,
-            [0; 16],
-            client_id,
-            server_id,
-            now,
-        );
+        let mut l = Self::new(Side::Server, [0; 16], client_id, server_id, now);
         l.identity = Some(identity);
         l
     }
 
-    fn new(side: Side, state: State, nonce: Nonce, client_id: u64, server_id: u64, now: Instant) -> Self {
+    /// A link of `side` awaiting `Hello` (a client moves on at once), its handshake begun `now`.
+    fn new(side: Side, nonce: Nonce, client_id: u64, server_id: u64, now: Instant) -> Self {
         Self {
             side,
-            state,
+            state: State::AwaitHello,
             opening: None,
             expect: None,
             identity: None,
@@ -926,11 +903,9 @@ impl Link {
         }
     }
 
-    /// Server: answers open request (`slot`, `gen`) under its operation's key. A grant keeps it
-    /// open until the reader's `Done`; every other answer (an eager read's bytes included) ends
-    /// it. Nothing happens for a request that is not open (the connection died, or it was
-    /// answered already). True when the answer is queued on a live connection (the owner of an
-    /// eager operation completes it only then).
+    /// Server: answers open request (`slot`, `gen`) under its operation's key (nothing happens for
+    /// one not open). True when the answer is queued on a live connection (the owner of an eager
+    /// operation completes it only then).
     pub(crate) fn answer(&mut self, slot: u32, gen: u64, a: Answer) -> bool {
         if self.side != Side::Server || self.state != State::Ready {
             return false;
@@ -945,18 +920,9 @@ impl Link {
             Answer::GrantPipe(n) if o.device || n == 0 || n > o.pipes || n as usize > MAX_LANES => {
                 return false
             }
-            Answer::GrantPipe(lanes) => {
-                o.granted = true;
-                Msg::GrantPipe { slot, gen, lanes }
-            }
-            Answer::Grant => {
-                o.granted = true;
-                Msg::Grant { slot, gen }
-            }
-            Answer::GrantIpc(sources) => {
-                o.granted = true;
-                Msg::GrantIpc { slot, gen, sources }
-            }
+            Answer::GrantPipe(lanes) => Msg::GrantPipe { slot, gen, lanes },
+            Answer::Grant => Msg::Grant { slot, gen },
+            Answer::GrantIpc(sources) => Msg::GrantIpc { slot, gen, sources },
             Answer::Data(data)
                 if !o.write && !o.granted && !o.device && o.eager && data.len() as u64 == o.total =>
             {
@@ -981,10 +947,9 @@ impl Link {
                 reason,
             },
         };
-        let key = if matches!(
-            m,
-            Msg::Grant { .. } | Msg::GrantIpc { .. } | Msg::GrantPipe { .. }
-        ) {
+        // A grant keeps the request open until the reader's `Done`; any other answer ends it.
+        let key = if matches!(m.kind(), Kind::Grant | Kind::GrantIpc | Kind::GrantPipe) {
+            o.granted = true;
             o.key.clone()
         } else {
             self.open.remove(&(slot, gen)).expect("present").key

@@ -1,27 +1,15 @@
-//! The same-host transport: Rust peers on one host copy host memory directly, negotiated out of
-//! band so the published metadata stays exactly NIXL's.
-//!
-//! Each connector listens on an abstract Unix socket named from its agent name
-//! ([`socket_name`](crate::sys::same_host::socket_name)), which scopes it to this host's network
-//! namespace. An active side that finds the socket named by a metadata's agent connects, hands
-//! over a sealed slot table ([`slots`](crate::sys::same_host::slots)), and asks for access to the operation by its notification key ([`wire`]). The passive side
-//! checks everything against its live operation: the peer's uid (`SO_PEERCRED`), the key, every
-//! range inside the operation's descriptors, the direction, one writer at a time; access ends when
-//! the operation completes, is cancelled or dropped (a replayed metadata string is refused).
-//!
-//! The side whose memory is written copies, pulling with `process_vm_readv`
-//! ([`cma`](crate::sys::same_host::cma)): the reader for a read, the passive side for a write. So
-//! each process writes only its own memory, and the owner of the source can revoke a grant at any
-//! instant without waiting (see [`slots`](crate::sys::same_host::slots)). A small host operation (up to [`wire::EAGER_MAX`]) carries its bytes in its frames instead, each side
-//! copying only its own memory on its engine thread: one round trip (`eager`). Device
-//! memory (feature `cuda`) goes the same way through CUDA IPC (`ipc`): the source's owner exports
-//! it, the destination's owner opens it and copies on its own stream. No socket, a peer on another
-//! host, another user, a kernel that forbids cross-memory attach, host memory into device memory,
-//! or no CUDA where device memory is involved: the operation goes to NIXL instead
+//! The same-host transport: Rust peers on one host copy memory directly, negotiated out of band
+//! over a Unix socket named from the agent name
+//! ([`socket_name`](crate::sys::same_host::socket_name)), so the published metadata stays exactly
+//! NIXL's. The passive side checks every request ([`wire`]) against its live operation; the side
+//! whose memory is written copies ([`cma`](crate::sys::same_host::cma)), under a slot the other
+//! side can revoke at any instant ([`slots`](crate::sys::same_host::slots)); small host operations
+//! ride in the frames (up to [`wire::EAGER_MAX`]). What this path cannot take goes to NIXL
 //! ([`Event::Declined`](crate::engine::transport::Event::Declined)).
 //!
-//! Layout, owners and layers: docs/ARCHITECTURE.md, "The same-host wing"; the syscalls and every
-//! `unsafe` block are the floor's (`sys/same_host/`), so the wing is `forbid(unsafe_code)`.
+//! How it works, its owners and layers: docs/ARCHITECTURE.md, "The same-host wing"; why it is
+//! sound: docs/SOUNDNESS.md, "The same-host path". The syscalls and every `unsafe` block are the
+//! floor's (`sys/same_host/`), so the wing is `forbid(unsafe_code)`.
 #![forbid(unsafe_code)]
 
 mod auth;

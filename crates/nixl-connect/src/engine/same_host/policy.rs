@@ -1,10 +1,7 @@
 //! The access policy: what a proven request may reach, decided from the request, the scope it
 //! names, the asking connection's load and the device paths this process has, and nothing else
-//! (sans-IO: no socket, no clock, no syscall; the caller acts on the [`Decision`]).
-//!
-//! Time does not enter it: the handshake's and frames' deadlines are the link core's
-//! (`link.rs`), and whether the operation has ended is its [`OpState`](crate::state::OpState)'s
-//! status, read here.
+//! (sans-IO: no socket, no clock, no syscall; deadlines are the link core's; the caller acts on
+//! the [`Decision`]).
 
 use super::limits::{
     MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MAX_GRANTS_PER_CONN, MAX_PIPES, MAX_PIPES_PER_CONN,
@@ -81,11 +78,7 @@ pub(super) fn decide(
     };
     let write = asked.write;
     if (s.kind() == OperationKind::Write) != write {
-        let (is, asks) = if write {
-            ("readable", "write")
-        } else {
-            ("writable", "read")
-        };
+        let (is, asks) = [("writable", "read"), ("readable", "write")][usize::from(write)];
         return refuse(
             RefuseCode::WrongDirection,
             &format!("the operation is a {is}; a {asks} cannot use it"),

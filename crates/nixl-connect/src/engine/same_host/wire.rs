@@ -40,9 +40,7 @@ pub(crate) const MAX_REASON: usize = 4096;
 /// The length of the trailing MAC of an operation's frames.
 pub(crate) const MAC_LEN: usize = 32;
 /// The most bytes a small host operation carries in its frame ([`Msg::Req`]'s `data` for a write,
-/// [`Msg::Data`] for a read): each side copies only its own memory, on its engine thread, with no
-/// copy thread, no slot word and no `Done` (one round trip). Larger operations copy with
-/// `process_vm_readv`. A decoder refuses a longer field.
+/// [`Msg::Data`] for a read; see `eager`). A decoder refuses a longer field.
 pub(crate) const EAGER_MAX: usize = 8 << 10;
 /// The most pipes one copy uses.
 pub(crate) use super::limits::MAX_LANES;
@@ -74,13 +72,9 @@ pub(crate) enum RefuseCode {
 
 impl RefuseCode {
     fn from_u8(v: u8) -> Option<Self> {
-        Some(match v {
-            1 => Self::NotLive,
-            2 => Self::OutOfRange,
-            3 => Self::WrongDirection,
-            4 => Self::Busy,
-            _ => return None,
-        })
+        [Self::NotLive, Self::OutOfRange, Self::WrongDirection, Self::Busy]
+            .into_iter()
+            .find(|c| *c as u8 == v)
     }
 }
 
@@ -486,12 +480,8 @@ impl Msg {
                 w.bytes(sig);
                 w.u8(u8::from(*pipes));
             }
-            Msg::Trusted { pipes } => {
-                w.u8(u8::from(*pipes));
-            }
-            Msg::Reject { reason } => {
-                w.str(reason);
-            }
+            Msg::Trusted { pipes } => w.u8(u8::from(*pipes)),
+            Msg::Reject { reason } => w.str(reason),
             Msg::Req(req) => req.encode(&mut w),
             Msg::Forgot { ids } => {
                 w.u32(ids.len() as u32);
