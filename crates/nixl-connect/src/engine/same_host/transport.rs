@@ -68,6 +68,15 @@ fn declined(spec: ActiveSpec, reason: impl Into<Decline>) -> Event {
     }
 }
 
+/// An active operation `a` failed for `reason` ([`Error::Transfer`]).
+fn transfer_failed(a: &Act, reason: impl Into<String>) -> Error {
+    Error::Transfer {
+        agent: a.spec().peer.name.to_string(),
+        reason: reason.into(),
+        source: None,
+    }
+}
+
 /// The passive operation keyed `key` completed on this path.
 fn passive_completed(key: Arc<str>) -> Event {
     Event::PassiveCompleted {
@@ -89,18 +98,15 @@ fn answer_of(d: Decision) -> Answer {
 pub(crate) struct SameHostTransport {
     /// Whether active operations try this path.
     enabled: bool,
-    /// The directory shared with peers in other network namespaces, where their sockets are
-    /// looked for when their abstract one cannot be reached.
+    /// The socket directory shared with peers in other network namespaces.
     socket_dir: Option<PathBuf>,
-    /// The identity this connector's agent name advertises, proven to every client (none when
-    /// it serves no socket).
+    /// The identity this connector's agent name advertises (none when it serves no socket).
     identity: Option<Arc<Identity>>,
     /// The listener, the connections and their timers.
     sockets: Sockets,
     /// What this connector serves (scopes, key ids, identities, exports queued).
     server: ServerBook,
-    /// What this connector asks of others (active operations, connections by peer, peers
-    /// avoided).
+    /// What this connector asks of others (active operations, connections by peer, peers avoided).
     client: ClientBook,
     /// Copies and exports in flight off the engine thread.
     in_flight: InFlight,
@@ -188,13 +194,9 @@ impl SameHostTransport {
     /// Acts on what connection `i`'s core heard.
     pub(super) fn handle(&mut self, i: ConnId, h: Heard, out: &mut Vec<Event>) {
         match h {
-            // The slot table was checked on receipt, the pull found at accept (`accept_from`).
-            Heard::Hello => {}
-            Heard::Trusted { pipes } => {
-                if !pipes {
-                    self.sockets.refuse_descriptors(i);
-                }
-            }
+            // `Hello`: the slot table was checked on receipt, the pull found at accept.
+            Heard::Hello | Heard::Trusted { pipes: true } => {}
+            Heard::Trusted { pipes: false } => self.sockets.refuse_descriptors(i),
             Heard::Unused { fds } => {
                 if let Some(c) = self.sockets.get_mut(i) {
                     c.drop_passed(fds);
@@ -255,37 +257,19 @@ impl SameHostTransport {
             } => {
                 // The passive side finished copying our write.
                 self.end_answered(i, slot, gen, out, |id, a| {
-                    let agent = a.spec().peer.name.to_string();
-                    Event::ended(
-                        id,
-                        if ok {
-                            Ok(())
-                        } else {
-                            Err(Error::Transfer {
-                                agent,
-                                reason,
-                                source: None,
-                            })
-                        },
-                    )
+                    Event::ended(id, ok.then_some(()).ok_or_else(|| transfer_failed(&a, reason)))
                 });
             }
         }
     }
 
-    /// Client: avoids connection `i`'s peer and declines what is queued on it, for `why`.
-    fn give_up_on(&mut self, i: ConnId, why: &Decline, out: &mut Vec<Event>) {
-        self.avoid(i, why);
-        self.decline_queued(i, why, out);
-    }
-
     /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
-    /// someone else holds its socket name), `why` kept for the operations it declines meanwhile.
-    fn avoid(&mut self, i: ConnId, why: &Decline) {
-        let Some(peer) = self.sockets.get(i).map(|c| c.peer().clone()) else {
-            return;
-        };
-        self.client.avoid(peer, Instant::now(), why);
+    /// someone else holds its socket name), and what is queued on it declines, for `why`.
+    fn give_up_on(&mut self, i: ConnId, why: &Decline, out: &mut Vec<Event>) {
+        if let Some(c) = self.sockets.get(i) {
+            self.client.avoid(c.peer().clone(), Instant::now(), why);
+        }
+        self.end_queued(i, out, |_, a| declined(a.into_spec(), why.clone()));
     }
 
     /// Client: the server has no live operation with the opening key. That operation is refused
@@ -297,10 +281,8 @@ impl SameHostTransport {
         };
         self.end_queued(i, out, |id, a| {
             if &*a.spec().key == key {
-                Event::ended(
-                    id,
-                    Err(refused(peer.clone(), RefuseCode::NotLive, NOT_LIVE.into())),
-                )
+                let replay = refused(peer.clone(), RefuseCode::NotLive, NOT_LIVE.into());
+                Event::ended(id, Err(replay))
             } else {
                 let why = "the same-host connection closed before its request";
                 declined(a.into_spec(), Decline::of(DeclineReason::Handshake, why))
@@ -367,8 +349,7 @@ impl SameHostTransport {
         }
     }
 
-    // ---- Connections: accepting and making them, their deadlines, closing them (what a
-    // connection's end means for the operations on it).
+    // ---- Connections: accepting and making them, their deadlines, closing them.
 
     /// The deadline timer fired: every core past its deadline dies (and is closed), and the
     /// timer is armed for the next one.
@@ -398,14 +379,9 @@ impl SameHostTransport {
     fn accept_from(&mut self, lfd: std::os::fd::RawFd) {
         loop {
             if closer::backlogged() {
-                // Closes wait past their bound (peers passed descriptors whose close blocks):
-                // whatever a new connection queued would join them.
-                self.sockets.pause_accepting(
-                    &std::io::Error::other(
-                        "too many descriptors wait to be closed (peers passed ones whose close blocks)",
-                    ),
-                    true,
-                );
+                // Whatever a new connection queued would join the closes waiting past their bound.
+                let why = "too many descriptors wait to be closed (peers passed ones whose close blocks)";
+                self.sockets.pause_accepting(&std::io::Error::other(why), true);
                 return;
             }
             let fd = match accept(lfd) {
@@ -499,8 +475,7 @@ impl SameHostTransport {
         let expect = self.endpoint(peer)?;
         let r = self.try_connect(peer, key, expect);
         if let Err(reason) = &r {
-            // A full backlog is a moment's (a flood of connections, or a burst of readers): the
-            // next operation asks again rather than taking NIXL for a while.
+            // A full backlog is a moment's: the next operation asks again, not avoiding the peer.
             if !reason.busy() {
                 self.client.avoid(peer.clone(), Instant::now(), reason);
             }
@@ -516,35 +491,27 @@ impl SameHostTransport {
         key: &Arc<str>,
         expect: identity::Fingerprint,
     ) -> std::result::Result<ConnId, Decline> {
-        let Reached {
-            fd,
-            pid,
-            server_id,
-            server,
-            can_pull,
-            other_pid_ns,
-        } = self.reach(peer, &expect)?;
+        let r = self.reach(peer, &expect)?;
         // VMM descriptors (a server in another PID namespace, memory without a legacy handle) are
         // refused (`dial`) until the server's `Welcome` is proven ([`Self::on_ready`]).
-        let exports = other_pid_ns || cuda_in_use();
+        let exports = r.other_pid_ns || cuda_in_use();
         let me = self_id().ok_or_else(no_self_id)?;
         let mut link = Link::client(
             key.clone(),
             expect,
             auth::nonce(),
             me,
-            server_id,
-            !can_pull,
+            r.server_id,
+            !r.can_pull,
             Instant::now(),
         );
         if exports {
             link.take_exports();
         }
-        let i = self
-            .sockets
-            .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
+        let conn = Conn::new(r.fd, link, r.pid, r.server_id, Some(r.server), peer.clone());
+        let i = self.sockets.insert(conn);
         let c = self.sockets.get_mut(i).expect("just inserted");
-        c.set_reach(can_pull, other_pid_ns);
+        c.set_reach(r.can_pull, r.other_pid_ns);
         if let Err(e) = c.send_hello() {
             self.close(i, &mut Vec::new());
             return Err(
@@ -609,9 +576,8 @@ impl SameHostTransport {
         Ok((i, slot, gen, device))
     }
 
-    /// Reaches `peer`'s same-host socket and learns who holds it, as an operation's connection
-    /// does before its handshake ([`Self::try_connect`], and [`Transport::probe`]): `Err` says why
-    /// the same-host path cannot take the peer.
+    /// Reaches `peer`'s same-host socket and learns who holds it ([`Self::try_connect`],
+    /// [`Transport::probe`]): `Err` says why the same-host path cannot take the peer.
     fn reach(
         &self,
         peer: &Arc<str>,
@@ -714,14 +680,9 @@ impl SameHostTransport {
             if !c.link().shook_hands() && c.link().peer_went_away() {
                 // Closed on us before the handshake: what answered will not serve us now. (A
                 // proven "not live" is no reason to avoid it; impostors and rejections were.)
-                self.client.avoid(
-                    c.peer().clone(),
-                    Instant::now(),
-                    &Decline::of(
-                        DeclineReason::Handshake,
-                        "the peer's same-host socket closed the connection before its handshake",
-                    ),
-                );
+                let why = "the peer's same-host socket closed the connection before its handshake";
+                let why = Decline::of(DeclineReason::Handshake, why);
+                self.client.avoid(c.peer().clone(), Instant::now(), &why);
             }
             for id in self.client.on_conn(i) {
                 let a = self.client.get(id).expect("listed");
@@ -784,15 +745,9 @@ impl SameHostTransport {
     pub(super) fn on_ready(&mut self, i: ConnId, out: &mut Vec<Event>) {
         let Some(c) = self.sockets.get_mut(i) else { return };
         c.accept_descriptors_if_taken();
-        let queued = c.take_queued();
-        for id in queued {
+        for id in c.take_queued() {
             self.request(id, out);
         }
-    }
-
-    /// Client: hands every operation queued on connection `i` to the next transport.
-    pub(super) fn decline_queued(&mut self, i: ConnId, reason: &Decline, out: &mut Vec<Event>) {
-        self.end_queued(i, out, |_, a| declined(a.into_spec(), reason.clone()));
     }
 
     /// Hands a queued operation to the next transport, freeing its slot.
@@ -808,10 +763,20 @@ impl SameHostTransport {
         a
     }
 
-    /// Sends the request of a queued operation (the handshake is done); a write from device
-    /// memory exports its source first.
+    /// Sends the request of a queued operation (the handshake is done), or hands the operation to
+    /// the next transport.
     pub(super) fn request(&mut self, id: OpId, out: &mut Vec<Event>) {
-        let Some(a) = self.client.get_mut(id) else { return };
+        if let Err(why) = self.try_request(id) {
+            self.decline_act(id, why, out);
+        }
+    }
+
+    /// [`Self::request`]'s request (`Err`: why none goes); a write from device memory exports
+    /// its source first.
+    fn try_request(&mut self, id: OpId) -> std::result::Result<(), Decline> {
+        let Some(a) = self.client.get_mut(id) else {
+            return Ok(());
+        };
         #[cfg(feature = "cuda")]
         if a.spec().write && a.device() && !a.has_sources() {
             a.enter(Phase::Exporting);
@@ -822,16 +787,11 @@ impl SameHostTransport {
                 },
                 _ => ipc::ExportAs::Handles,
             };
-            let conn = a.conn();
-            let ranges = wire_ranges(&a.spec().local);
             let done = self.in_flight.export_done();
-            let to = ipc::ExportTo::new(conn, how, self.in_flight.teller());
-            ipc::export(
-                to,
-                ranges,
-                Box::new(move |result| done(ExportDone::Write { id, result })),
-            );
-            return;
+            let report = Box::new(move |result| done(ExportDone::Write { id, result }));
+            let to = ipc::ExportTo::new(a.conn(), how, self.in_flight.teller());
+            ipc::export(to, wire_ranges(&a.spec().local), report);
+            return Ok(());
         }
         // A small host operation carries its bytes in a frame, while few requests are open on the
         // connection (many at once go faster as grants, batched on the pool), and always where
@@ -866,33 +826,19 @@ impl SameHostTransport {
                 !c.can_pull()
             };
         if !a.spec().write && !a.device() && !eager && !c.can_pull() && !piped {
-            self.decline_act(id, unreadable_device_read(), out);
-            return;
+            return Err(unreadable_device_read());
         }
         let lanes = if piped { pipe::lanes_for(total) } else { 0 };
         if piped
             && (self.feeds.lanes_of(a.conn()) + lanes > MAX_PIPES_PER_CONN
                 || self.feeds.lanes() + lanes > MAX_PIPES)
         {
-            self.decline_act(
-                id,
-                Decline::of(DeclineReason::Busy, "too many same-host pipes are open now"),
-                out,
-            );
-            return;
+            let busy = "too many same-host pipes are open now";
+            return Err(Decline::of(DeclineReason::Busy, busy));
         }
         let feeding = if piped && a.spec().write {
-            match pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?)))) {
-                Ok(f) => Some(f),
-                Err(e) => {
-                    self.decline_act(
-                        id,
-                        Decline::because("cannot make pipes for a same-host write", e),
-                        out,
-                    );
-                    return;
-                }
-            }
+            let made = pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?))));
+            Some(made.map_err(|e| Decline::because("cannot make pipes for a same-host write", e))?)
         } else {
             None
         };
@@ -929,8 +875,7 @@ impl SameHostTransport {
             0
         };
         if req.frame_len() > MAX_FRAME || reply > MAX_FRAME {
-            self.decline_act(id, "too many ranges for one same-host request".into(), out);
-            return;
+            return Err("too many ranges for one same-host request".into());
         }
         a.enter(Phase::Requested);
         // How the bytes move, as far as the request decides it (a read's grant says the rest).
@@ -953,8 +898,7 @@ impl SameHostTransport {
         // Queued in the core; sent (a write's pipes with it) at the end of this turn's progress.
         let at = c.link().queued_end();
         if !c.link_mut().request(&a.spec().key, req) {
-            self.decline_act(id, "the same-host connection cannot take the request".into(), out);
-            return;
+            return Err("the same-host connection cannot take the request".into());
         }
         let feed_key = c.feed_key();
         if !source_fds.is_empty() {
@@ -971,6 +915,7 @@ impl SameHostTransport {
                 pipe::Feeding::new(pid, lanes, pieces, wake),
             );
         }
+        Ok(())
     }
 
     /// Client: the read granted on (`i`, `slot`, `gen`) ends before its copy (abandoned, or `why`):
@@ -1032,16 +977,9 @@ impl SameHostTransport {
         if a.is_abandoned() {
             return;
         }
-        let result = if eager::write_act(&a, data) {
-            Ok(())
-        } else {
-            Err(Error::Transfer {
-                agent: a.spec().peer.name.to_string(),
-                reason: "the same-host answer does not fit the read's memory".into(),
-                source: None,
-            })
-        };
-        out.push(Event::ended(id, result));
+        let fits = eager::write_act(&a, data).then_some(());
+        let why = "the same-host answer does not fit the read's memory";
+        out.push(Event::ended(id, fits.ok_or_else(|| transfer_failed(&a, why))));
     }
 
     /// Client: a grant for (`i`, `slot`, `gen`), checked against its request and copied from.
@@ -1122,34 +1060,24 @@ impl SameHostTransport {
         self.in_flight.start(copy, CopyOwner::Read(id));
     }
 
-    // ---- The passive side (server): what is done with a proven request once the policy
-    // (`policy.rs`) decided it.
+    // ---- The passive side (server): acting on the policy's decisions.
 
     /// Server side: a proven request, decided by the policy (`policy.rs`) and acted on here:
     /// answered, granted, or handed to a copy.
     pub(super) fn on_req(&mut self, i: ConnId, r: Request, out: &mut Vec<Event>) {
-        let Request {
-            req,
-            key,
-            passed: descriptors,
-        } = r;
+        let (req, key, descriptors) = (r.req, r.key, r.passed);
         let (slot, gen, write, pipes) = (req.slot, req.gen, req.write, req.pipes);
         // A write's pipes are taken first, whatever is decided, so the next frame's are the next
         // ones; dropped anywhere below, they close on the pipes' closer, never here.
-        let mut passed = if write && pipes > 0 {
-            match self.sockets.get_mut(i).and_then(|c| c.take_pipes(pipes as usize)) {
-                Some(fds) => fds,
-                None => return,
-            }
-        } else {
-            pipe::Ends::new(Vec::new())
+        let lanes = if write { usize::from(pipes) } else { 0 };
+        let Some(passed) = self.sockets.get_mut(i).and_then(|c| c.take_pipes(lanes)) else {
+            return;
         };
         // A device write's VMM descriptors likewise (the link checked their count).
-        let vmm = descriptors - if write && pipes > 0 { usize::from(pipes) } else { 0 };
-        let Some(mut vmm_fds) = self
+        let Some(vmm_fds) = self
             .sockets
             .get_mut(i)
-            .and_then(|c| c.take_exports_named(vmm, &req.sources))
+            .and_then(|c| c.take_exports_named(descriptors - lanes, &req.sources))
         else {
             return;
         };
@@ -1169,13 +1097,7 @@ impl SameHostTransport {
         };
         let refusal = |s: Device, d: Device| device_path_refusal(s, d).map(|r| r.to_string());
         let decision = policy::decide(self.server.scope(&key), &req, &load, &refusal);
-        let Req {
-            remote,
-            local,
-            sources,
-            data,
-            ..
-        } = req;
+        let (remote, local, sources, data) = (req.remote, req.local, req.sources, req.data);
         let id = RequestId { conn: i, slot, gen };
         let mut completed = None;
         let answer = match decision {
@@ -1210,25 +1132,12 @@ impl SameHostTransport {
             }
             // `Err`: answered now; `Ok`: once the export, the feed or the copy says.
             Decision::DeviceRead => self.device_read(id, &key, remote, pipes > 0).err(),
-            Decision::DeviceWrite => {
-                let fds = std::mem::replace(&mut vmm_fds, pipe::Ends::new(Vec::new()));
-                self.device_write(id, &key, remote, sources, fds).err()
-            }
+            Decision::DeviceWrite => self.device_write(id, &key, remote, sources, vmm_fds).err(),
             Decision::PullWrite => self.pull_write(id, &key, &remote, &local).err(),
             Decision::PipeRead => self.pipe_read(id, &key, &remote, pipes as usize).err(),
-            Decision::PipeWrite => {
-                let fds = std::mem::replace(&mut passed, pipe::Ends::new(Vec::new()));
-                self.pipe_write(id, &key, &remote, fds).err()
-            }
+            Decision::PipeWrite => self.pipe_write(id, &key, &remote, passed).err(),
         };
-        drop((passed, vmm_fds));
-        let sent = match answer {
-            Some(a) => self
-                .sockets
-                .get_mut(i)
-                .is_some_and(|c| c.link_mut().answer(slot, gen, a)),
-            None => false,
-        };
+        let sent = answer.is_some_and(|a| self.answer(id, a));
         // An eager operation is complete once its answer is on its way; if the connection died
         // in queueing it, the operation stays live for a retry.
         if let Some(key) = completed {
@@ -1238,6 +1147,13 @@ impl SameHostTransport {
                 s.set_done(false);
             }
         }
+    }
+
+    /// Queues `a` to request `id`'s client; false when it cannot go (the connection is gone or dead).
+    fn answer(&mut self, id: RequestId, a: Answer) -> bool {
+        self.sockets
+            .get_mut(id.conn)
+            .is_some_and(|c| c.link_mut().answer(id.slot, id.gen, a))
     }
 
     /// A host write the policy let through: claims the writable ([`Self::claim_writable`]) and
@@ -1400,18 +1316,15 @@ impl SameHostTransport {
                 _ => ipc::ExportAs::Handles,
             };
             let to = ipc::ExportTo::new(id.conn, how, self.in_flight.teller());
-            ipc::export(
-                to,
-                remote,
-                Box::new(move |result| {
-                    done(ExportDone::Grant {
-                        key,
-                        id,
-                        ranges,
-                        result,
-                    })
-                }),
-            );
+            let report = move |result| {
+                done(ExportDone::Grant {
+                    key,
+                    id,
+                    ranges,
+                    result,
+                })
+            };
+            ipc::export(to, remote, Box::new(report));
             Ok(())
         }
     }
@@ -1521,21 +1434,12 @@ impl SameHostTransport {
                             self.request(id, out);
                         }
                         (Phase::Exporting, Err(reason)) => {
-                            let a = self.drop_act(id);
-                            out.push(declined(
-                                a.into_spec(),
-                                Decline::shared(
-                                    "the device memory cannot be shared through CUDA IPC",
-                                    reason,
-                                ),
-                            ));
+                            let why = "the device memory cannot be shared through CUDA IPC";
+                            self.decline_act(id, Decline::shared(why, reason), out);
                         }
                         // Abandoned while exporting: it was answered then; forget it now.
-                        (_, _) => {
-                            if a.is_abandoned() {
-                                self.drop_act(id);
-                            }
-                        }
+                        _ if a.is_abandoned() => drop(self.drop_act(id)),
+                        _ => {}
                     }
                 }
             }
@@ -1543,8 +1447,7 @@ impl SameHostTransport {
         any
     }
 
-    // ---- Copies on the pool: starting them, learning that they ended, waiting for them before
-    // the memory they write may go.
+    // ---- Copies and feeds: starting them, learning they ended, waiting before memory goes.
 
     /// Stops every copy and waits (up to `within`; `None`: unbounded) for those running on the
     /// pool. False when some still run: the memory they write must then never be freed (leaked).
@@ -1578,9 +1481,7 @@ impl SameHostTransport {
     /// once the feed stopped reading its memory ([`Self::fed`]). The first event held wins.
     pub(super) fn end_act_after_feed(&mut self, id: OpId, ev: Event, out: &mut Vec<Event>) {
         match self.feeds.end(FeedFor::Write(id)) {
-            Some(f) => {
-                f.hold(ev);
-            }
+            Some(f) => f.hold(ev),
             None => out.push(ev),
         }
     }
@@ -1609,9 +1510,7 @@ impl SameHostTransport {
             FeedFor::Write(_) => {
                 // Nothing held: the feed ended before the operation did (all fed, or it failed);
                 // the server's answer (or the connection's end) reports the write.
-                if let Some(ev) = held {
-                    out.push(ev);
-                }
+                out.extend(held);
             }
         }
     }
@@ -1694,15 +1593,8 @@ impl SameHostTransport {
                         if let Some(s) = self.server.scope_mut(&key) {
                             s.end_writer(id);
                         }
-                        if let Some(c) = self.sockets.get_mut(id.conn) {
-                            c.link_mut().answer(
-                                id.slot,
-                                id.gen,
-                                Answer::Fallback(format!(
-                                    "the passive side cannot copy from device memory: {reason}"
-                                )),
-                            );
-                        }
+                        let why = format!("the passive side cannot copy from device memory: {reason}");
+                        self.answer(id, Answer::Fallback(why));
                         continue;
                     }
                     if let Some(s) = self.server.scope_mut(&key) {
@@ -1729,51 +1621,15 @@ impl SameHostTransport {
                             }
                         }
                     }
-                    if let Some(c) = self.sockets.get_mut(id.conn) {
-                        let reason = match &r {
-                            Ok(()) => String::new(),
-                            Err(e) => format!("the passive side's copy failed: {e:?}"),
-                        };
-                        c.link_mut()
-                            .answer(id.slot, id.gen, Answer::WriteDone { ok, reason });
-                    }
+                    let reason = match &r {
+                        Ok(()) => String::new(),
+                        Err(e) => format!("the passive side's copy failed: {e:?}"),
+                    };
+                    self.answer(id, Answer::WriteDone { ok, reason });
                 }
             }
         }
         any
-    }
-}
-
-#[cfg(test)]
-impl SameHostTransport {
-    /// A transport serving one connection for tests: `p`'s (shaken) server core over one end of
-    /// a socket pair, non-blocking; returns the transport, the connection's id and the other end
-    /// (the peer's).
-    pub(super) fn serving(
-        poller: &crate::engine::poller::Poller,
-        p: &mut super::link::fuzz::Pair,
-    ) -> (Self, super::records::ConnId, std::os::unix::net::UnixStream) {
-        let id = crate::engine::transport::TransportId::nth(0).expect("the first id");
-        let mut t = Self::new(false, None, None, None, poller.registrar_for(id), poller.waker());
-        t.identity = Some(Arc::new(Identity::from_seed(super::link::fuzz::SERVER_SEED)));
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
-        ours.set_nonblocking(true).expect("non-blocking");
-        let spare = super::link::Link::server(
-            t.identity.clone().expect("set above"),
-            0,
-            0,
-            std::time::Instant::now(),
-        );
-        let link = std::mem::replace(&mut p.server, spare);
-        let i = t.sockets.insert(super::conn::Conn::new(
-            Tracked::new(std::os::fd::OwnedFd::from(ours)),
-            link,
-            4100,
-            4100,
-            None,
-            "".into(),
-        ));
-        (t, i, theirs)
     }
 }
 
