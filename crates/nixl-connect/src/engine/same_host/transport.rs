@@ -193,6 +193,7 @@ impl SameHostTransport {
 
     /// Acts on what connection `i`'s core heard.
     pub(super) fn handle(&mut self, i: ConnId, h: Heard, out: &mut Vec<Event>) {
+        let req = |slot, gen| RequestId { conn: i, slot, gen };
         match h {
             // `Hello`: the slot table was checked on receipt, the pull found at accept.
             Heard::Hello | Heard::Trusted { pipes: true } => {}
@@ -211,16 +212,11 @@ impl SameHostTransport {
                     // Metadata of an agent of the same name elsewhere: NIXL will sort it out. The
                     // descriptors passed with it are closed, so the next frame's are the next ones.
                     c.drop_passed(r.passed);
-                    c.link_mut().answer(
-                        r.req.slot,
-                        r.req.gen,
-                        Answer::Fallback("the metadata names another agent of the same name".into()),
-                    );
+                    let why = Answer::Fallback("the metadata names another agent of the same name".into());
+                    c.link_mut().answer(r.req.slot, r.req.gen, why);
                 }
             }
-            Heard::ReadDone { slot, gen, ok, key } => {
-                self.on_read_done(RequestId { conn: i, slot, gen }, ok, &key, out)
-            }
+            Heard::ReadDone { slot, gen, ok, key } => self.on_read_done(req(slot, gen), ok, &key, out),
             Heard::Ready => self.on_ready(i, out),
             Heard::NotLive { key } => self.on_not_live(i, &key, out),
             Heard::Impostor => {
@@ -243,10 +239,10 @@ impl SameHostTransport {
                 gen,
                 code,
                 reason,
-            } => self.end_answered(i, slot, gen, out, |id, a| {
+            } => self.end_answered(req(slot, gen), out, |id, a| {
                 Event::ended(id, Err(refused(a.spec().peer.name.to_string(), code, reason)))
             }),
-            Heard::Fallback { slot, gen, reason } => self.end_answered(i, slot, gen, out, |_, a| {
+            Heard::Fallback { slot, gen, reason } => self.end_answered(req(slot, gen), out, |_, a| {
                 declined(a.into_spec(), Decline::of(DeclineReason::Refused, reason))
             }),
             Heard::WriteDone {
@@ -256,7 +252,7 @@ impl SameHostTransport {
                 reason,
             } => {
                 // The passive side finished copying our write.
-                self.end_answered(i, slot, gen, out, |id, a| {
+                self.end_answered(req(slot, gen), out, |id, a| {
                     Event::ended(id, ok.then_some(()).ok_or_else(|| transfer_failed(&a, reason)))
                 });
             }
@@ -307,18 +303,11 @@ impl SameHostTransport {
         }
     }
 
-    /// Ends the active operation that (`i`, `slot`, `gen`) answered: frees its slot and, unless it
-    /// was abandoned, reports `ev` of it (after its feed: an answer may come before the last byte).
-    fn end_answered(
-        &mut self,
-        i: ConnId,
-        slot: u32,
-        gen: u64,
-        out: &mut Vec<Event>,
-        ev: impl FnOnce(OpId, Act) -> Event,
-    ) {
-        if let Some((id, a)) = self.client.take(RequestId { conn: i, slot, gen }) {
-            self.sockets.free_slot(i, slot, gen);
+    /// Ends the active operation that request `r` answered: frees its slot and, unless it was
+    /// abandoned, reports `ev` of it (after its feed: an answer may come before the last byte).
+    fn end_answered(&mut self, r: RequestId, out: &mut Vec<Event>, ev: impl FnOnce(OpId, Act) -> Event) {
+        if let Some((id, a)) = self.client.take(r) {
+            self.sockets.free_slot(r.conn, r.slot, r.gen);
             if !a.is_abandoned() {
                 self.end_act_after_feed(id, ev(id, a), out);
             }
@@ -368,8 +357,7 @@ impl SameHostTransport {
         }
     }
 
-    /// Accepts what waits on every listener (the abstract socket, the one in the shared
-    /// directory).
+    /// Accepts what waits on every listener (the abstract socket, the shared directory's).
     pub(super) fn accept(&mut self) {
         for lfd in self.sockets.listeners() {
             self.accept_from(lfd);
@@ -436,9 +424,8 @@ impl SameHostTransport {
                 link.ask_piped_writes();
             }
             let other_pid_ns = !same_pid_namespace(pid);
-            let i = self
-                .sockets
-                .insert(Conn::new(Tracked::new(fd), link, pid, peer_id, peer, "".into()));
+            let conn = Conn::new(Tracked::new(fd), link, pid, peer_id, peer, "".into());
+            let i = self.sockets.insert(conn);
             let c = self.sockets.get_mut(i).expect("just inserted");
             c.set_reach(can_pull, other_pid_ns);
             if let Some(reason) = refusal {
@@ -461,11 +448,7 @@ impl SameHostTransport {
     }
 
     /// Opens (or finds) the connection to `peer`; `Err` says why there is no same-host path.
-    pub(super) fn connect(
-        &mut self,
-        peer: &Arc<str>,
-        key: &Arc<str>,
-    ) -> std::result::Result<ConnId, Decline> {
+    pub(super) fn connect(&mut self, peer: &Arc<str>, key: &Arc<str>) -> Result<ConnId, Decline> {
         // A connection open to this exact name was made for its advertisement: nothing parsed again.
         if let Some(i) = self.client.conn_to(peer) {
             if self.sockets.get(i).is_some_and(|c| !c.link().is_dead()) {
@@ -490,7 +473,7 @@ impl SameHostTransport {
         peer: &Arc<str>,
         key: &Arc<str>,
         expect: identity::Fingerprint,
-    ) -> std::result::Result<ConnId, Decline> {
+    ) -> Result<ConnId, Decline> {
         let r = self.reach(peer, &expect)?;
         // VMM descriptors (a server in another PID namespace, memory without a legacy handle) are
         // refused (`dial`) until the server's `Welcome` is proven ([`Self::on_ready`]).
@@ -514,9 +497,8 @@ impl SameHostTransport {
         c.set_reach(r.can_pull, r.other_pid_ns);
         if let Err(e) = c.send_hello() {
             self.close(i, &mut Vec::new());
-            return Err(
-                Decline::because("the same-host handshake failed", e).for_reason(DeclineReason::Handshake)
-            );
+            let why = Decline::because("the same-host handshake failed", e);
+            return Err(why.for_reason(DeclineReason::Handshake));
         }
         self.client.connected(peer.clone(), i);
         Ok(i)
@@ -524,7 +506,7 @@ impl SameHostTransport {
 
     /// The identity `peer`'s agent name advertises, as an operation's connection and a probe
     /// check it: `Err` when it advertises none, or was found without a path a moment ago.
-    fn endpoint(&self, peer: &str) -> std::result::Result<identity::Fingerprint, Decline> {
+    fn endpoint(&self, peer: &str) -> Result<identity::Fingerprint, Decline> {
         // Only a peer whose agent name advertises a same-host identity is ever connected to: a
         // Python Dynamo peer binds no socket, and whoever binds its name must learn nothing.
         let expect = identity::advertised(peer).ok_or_else(|| {
@@ -545,7 +527,7 @@ impl SameHostTransport {
     /// [`begin`](Transport::begin)'s checks, in order: the path is on, the memory's kinds, the
     /// connection, then a slot (claimed last). `Ok`: the connection, the slot and its generation,
     /// and whether the source is device memory.
-    fn admit(&mut self, spec: &ActiveSpec) -> std::result::Result<(ConnId, u32, u64, bool), Decline> {
+    fn admit(&mut self, spec: &ActiveSpec) -> Result<(ConnId, u32, u64, bool), Decline> {
         if !self.enabled {
             return Err(off());
         }
@@ -578,11 +560,7 @@ impl SameHostTransport {
 
     /// Reaches `peer`'s same-host socket and learns who holds it ([`Self::try_connect`],
     /// [`Transport::probe`]): `Err` says why the same-host path cannot take the peer.
-    fn reach(
-        &self,
-        peer: &Arc<str>,
-        expect: &identity::Fingerprint,
-    ) -> std::result::Result<Reached, Decline> {
+    fn reach(&self, peer: &Arc<str>, expect: &identity::Fingerprint) -> Result<Reached, Decline> {
         let fd = self.dial(peer, expect)?;
         let (pid, peer_uid) = peer_cred(fd.as_raw_fd())
             .map_err(|e| Decline::because("cannot learn who holds the peer's same-host socket", e))?;
@@ -631,7 +609,7 @@ impl SameHostTransport {
 
     /// A socket connected to `peer`'s: its abstract socket (this network namespace), else its
     /// socket file in the shared directory (named from the identity it advertises, `expect`).
-    fn dial(&self, peer: &Arc<str>, expect: &identity::Fingerprint) -> std::result::Result<Tracked, Decline> {
+    fn dial(&self, peer: &Arc<str>, expect: &identity::Fingerprint) -> Result<Tracked, Decline> {
         let open = || {
             let fd = unix_socket().map_err(|e| Decline::because("cannot open a same-host socket", e))?;
             // Nothing passed is taken before the server's `Welcome` is proven (`on_ready`): until
@@ -773,7 +751,7 @@ impl SameHostTransport {
 
     /// [`Self::request`]'s request (`Err`: why none goes); a write from device memory exports
     /// its source first.
-    fn try_request(&mut self, id: OpId) -> std::result::Result<(), Decline> {
+    fn try_request(&mut self, id: OpId) -> Result<(), Decline> {
         let Some(a) = self.client.get_mut(id) else {
             return Ok(());
         };
@@ -908,12 +886,8 @@ impl SameHostTransport {
             let (conn, pid) = (a.conn(), feed_key);
             let pieces = a.spec().local.iter().map(|r| (r.addr, r.len)).collect();
             c.attach(at, lanes.take_read_ends());
-            self.start_feed(
-                FeedFor::Write(id),
-                conn,
-                None,
-                pipe::Feeding::new(pid, lanes, pieces, wake),
-            );
+            let feeding = pipe::Feeding::new(pid, lanes, pieces, wake);
+            self.start_feed(FeedFor::Write(id), conn, None, feeding);
         }
         Ok(())
     }
@@ -946,25 +920,16 @@ impl SameHostTransport {
             Ok(w) => Arc::new(w),
             Err(e) => {
                 self.end_grant(i, id, slot, gen, "no eventfd");
-                return out.push(Event::ended(
-                    id,
-                    Err(Error::os("an eventfd for a same-host read", e)),
-                ));
+                let error = Error::os("an eventfd for a same-host read", e);
+                return out.push(Event::ended(id, Err(error)));
             }
         };
         let c = self.sockets.get(i).expect("live");
         a.copying(Some(wake.clone()), c.pidfd());
         let slot = c.slot_ref(slot, gen);
         let pieces = a.spec().local.iter().map(|r| (r.addr, r.len)).collect();
-        let copy = AnyCopy::Filled(pipe::Fill::new(
-            c.pool_key(),
-            fds,
-            pieces,
-            slot,
-            a.cancel().clone(),
-            wake,
-        ));
-        self.in_flight.start(copy, CopyOwner::Read(id));
+        let fill = pipe::Fill::new(c.pool_key(), fds, pieces, slot, a.cancel().clone(), wake);
+        self.in_flight.start(AnyCopy::Filled(fill), CopyOwner::Read(id));
     }
 
     /// Client: an eager read's bytes came (proven, exactly as many as requested): copied into
@@ -1081,11 +1046,10 @@ impl SameHostTransport {
         else {
             return;
         };
-        let Some(c) = self.sockets.get(i) else { return };
-        if !c.link().is_ready() {
-            // Died after the request was heard: nothing is granted, copied or completed for it.
+        // Died after the request was heard: nothing is granted, copied or completed for it.
+        let Some(c) = self.sockets.get(i).filter(|c| c.link().is_ready()) else {
             return;
-        }
+        };
         let (granted, exporting) = c.load();
         let load = Load {
             granted,
@@ -1206,10 +1170,8 @@ impl SameHostTransport {
         c.charge(1, 0);
         let pid = c.feed_key();
         let at = c.link().queued_end();
-        if !c
-            .link_mut()
-            .answer(id.slot, id.gen, Answer::GrantPipe(lanes.len() as u8))
-        {
+        let grant = Answer::GrantPipe(lanes.len() as u8);
+        if !c.link_mut().answer(id.slot, id.gen, grant) {
             self.server.scope_mut(&key).expect("decided on it").ungrant(id);
             self.sockets.ungrant(id.conn);
             return Ok(());
@@ -1218,12 +1180,8 @@ impl SameHostTransport {
             c.attach(at, ends);
         }
         let pieces = remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect();
-        self.start_feed(
-            FeedFor::Grant(id),
-            id.conn,
-            Some((key, state)),
-            pipe::Feeding::new(pid, lanes, pieces, wake),
-        );
+        let feeding = pipe::Feeding::new(pid, lanes, pieces, wake);
+        self.start_feed(FeedFor::Grant(id), id.conn, Some((key, state)), feeding);
         Ok(())
     }
 
@@ -1274,13 +1232,11 @@ impl SameHostTransport {
             s.set_done(true);
         }
         self.sockets.ungrant(id.conn);
-        if let Some(f) = self.feeds.end(FeedFor::Grant(id)) {
+        match self.feeds.end(FeedFor::Grant(id)) {
             // Complete once its pipes are empty ([`Self::fed`]).
-            f.answered(ok);
-            return;
-        }
-        if ok {
-            out.push(passive_completed(key));
+            Some(f) => f.answered(ok),
+            None if ok => out.push(passive_completed(key)),
+            None => {}
         }
     }
 
@@ -1297,7 +1253,9 @@ impl SameHostTransport {
         vmm: bool,
     ) -> Result<(), Answer> {
         #[cfg(not(feature = "cuda"))]
-        return Err(no_cuda());
+        return Err(Answer::Fallback(
+            crate::error::PathRefusal::NoCudaSupport.to_string(),
+        ));
         #[cfg(feature = "cuda")]
         {
             let key = self.server.key(key).expect("decided on it");
@@ -1341,7 +1299,9 @@ impl SameHostTransport {
         fds: pipe::Ends,
     ) -> Result<(), Answer> {
         #[cfg(not(feature = "cuda"))]
-        return Err(no_cuda());
+        return Err(Answer::Fallback(
+            crate::error::PathRefusal::NoCudaSupport.to_string(),
+        ));
         #[cfg(feature = "cuda")]
         {
             let w = self.claim_writable(id, key)?;
@@ -1676,7 +1636,7 @@ impl Transport for SameHostTransport {
         local: Device,
         remote: Device,
         bytes: u64,
-    ) -> std::result::Result<Option<Mechanism>, Decline> {
+    ) -> Result<Option<Mechanism>, Decline> {
         if !self.enabled {
             return Err(off());
         }
@@ -1824,9 +1784,3 @@ impl Transport for SameHostTransport {
 
 #[cfg(test)]
 mod tests;
-
-/// What a device request gets from a build without CUDA.
-#[cfg(not(feature = "cuda"))]
-fn no_cuda() -> Answer {
-    Answer::Fallback("this build has no CUDA support (feature `cuda`)".into())
-}
