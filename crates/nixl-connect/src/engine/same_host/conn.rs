@@ -60,9 +60,8 @@ pub(super) struct Conn {
     queued: Vec<OpId>,
     free_slots: Vec<u32>,
     gens: Vec<u64>,
-    /// The export ids of the VMM descriptors the peer passed on this connection (the most
-    /// recent [`MAX_NAMED`] of them): its `Forgot` frames release this side's mappings of these
-    /// alone, each once, so they cost this side no more work than the exports did.
+    /// Export ids of the VMM descriptors the peer passed here (the latest [`MAX_NAMED`]): its
+    /// `Forgot` frames release this side's mappings of these alone, each once.
     named: VecDeque<u64>,
     /// Pipes' read ends the peer passed, in order, not yet taken by the frame they came with
     /// (the core counts them; closed off the engine thread if never taken).
