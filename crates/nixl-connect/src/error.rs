@@ -450,19 +450,16 @@ pub enum MetadataProblem {
 /// process ([`same_host_path`](crate::same_host_path)); such an operation takes NIXL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 #[non_exhaustive]
+#[error("{}", self.message())]
 pub enum PathRefusal {
     /// Host memory into device memory in a build without the `cuda` feature: NIXL moves it (with
     /// it, the device memory's owner pulls the bytes through pinned staging).
-    #[error("{}", self.message())]
     HostIntoDevice,
     /// Device memory, but this build has no CUDA support (feature `cuda`).
-    #[error("{}", self.message())]
     NoCudaSupport,
     /// Device memory, but this process has no usable CUDA driver or GPU.
-    #[error("{}", self.message())]
     NoCudaDevice,
     /// Memory the same-host path does not move (XPU memory).
-    #[error("{}", self.message())]
     UnsupportedMemory,
 }
 

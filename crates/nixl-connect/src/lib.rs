@@ -161,14 +161,9 @@ pub fn same_host_path(src: Device, dst: Device) -> std::result::Result<(), PathR
 /// processes from any namespace; host memory then moves through pipes. `Err` says why not: such
 /// peers take NIXL.
 pub fn same_host_across_pid_namespaces() -> std::result::Result<(), String> {
-    if engine::same_host::pidfs() {
-        return Ok(());
-    }
-    Err(
-        "this kernel has no pidfs (Linux 6.9 or later), so a peer in another PID namespace cannot be \
-         named"
-            .into(),
-    )
+    let why = "this kernel has no pidfs (Linux 6.9 or later), so a peer in another PID namespace cannot be \
+               named";
+    engine::same_host::pidfs().then_some(()).ok_or_else(|| why.into())
 }
 
 /// For users' own tests (feature `testing`): connectors over an in-process loopback transport

@@ -5,25 +5,16 @@
 //! docs/decisions/0010-spins-on-an-oversubscribed-core.md; the benchmark row that carries each
 //! number is named on its field, and docs/FIGURES.md, "Unproven on 16 cores", lists them all.
 //!
-//! - Every spin yields its core through [`yield_core`], which times the yield: beside a thread
-//!   that does not yield back, Linux returns it only after that thread's slice.
-//! - Each thread keeps a balance of overrun yields ([`Pace::overrun`]) less its quick ones; at
-//!   [`Pace::lost_to_stop`] its spins turn off ([`worthwhile`]) for [`Pace::off_for`], then a
-//!   probe spin may try again. Our own threads' short bursts do not turn spins off.
-//! - A driving wait's spin ends after [`Pace::shared_turns`] yields in a row each longer than
-//!   [`Pace::shared_turn`] ([`yield_driving`]): two spinners share its core, and parking moves
-//!   it to a free one. It yields at most once per [`Pace::turn_gap`].
-//!
-//! The state is per thread: a core is what a yield finds busy, and a thread mostly stays on its
-//! core. `Seen` is the rule with no clock or thread of its own, tested with made-up times.
+//! Every spin yields its core through [`yield_core`] or [`yield_driving`], timed: beside a thread
+//! that does not yield back, Linux returns it only after that thread's slice. The state is per
+//! thread (a thread mostly stays on its core); `Seen` is the rule with no clock of its own.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-/// The numbers that decide whether a thread spins, drives the engine or parks, each with the
-/// docs/FIGURES.md row that carries it. Private: a connector's one setting here is its wait spin
-/// ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)).
+/// The numbers of the module doc, each with its docs/FIGURES.md row. Private: a connector's one
+/// setting here is its wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)).
 #[derive(Debug)]
 pub(crate) struct Pace {
     /// How long the engine thread and a kept copy thread stay awake (yielding) after their last

@@ -31,8 +31,8 @@ const MAX_NAMED: usize = 1024;
 /// of pipes -2^31 ..= -2^30 - 1 (a collision between two peers only shares a share).
 const STAND_INS: u64 = 1 << 30;
 
-/// One socket, made (client) or accepted (server): its core ([`Link`]) checks what the peer says;
-/// this keeps the edge (the socket, the peer's process, the slot table) and the bookkeeping.
+/// One socket, made (client) or accepted (server), and its bookkeeping; its core ([`Link`]) checks
+/// what the peer says.
 pub(super) struct Conn {
     fd: Tracked,
     /// The peer's pid from here (0: another PID namespace; nothing can be pulled from it).
@@ -60,9 +60,8 @@ pub(super) struct Conn {
     queued: Vec<OpId>,
     free_slots: Vec<u32>,
     gens: Vec<u64>,
-    /// The export ids of the VMM descriptors the peer passed on this connection (the most
-    /// recent [`MAX_NAMED`] of them): its `Forgot` frames release this side's mappings of these
-    /// alone, each once, so they cost this side no more work than the exports did.
+    /// Export ids of the VMM descriptors the peer passed here (the latest [`MAX_NAMED`]): its
+    /// `Forgot` frames release this side's mappings of these alone, each once.
     named: VecDeque<u64>,
     /// Pipes' read ends the peer passed, in order, not yet taken by the frame they came with
     /// (the core counts them; closed off the engine thread if never taken).
@@ -75,9 +74,7 @@ pub(super) struct Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         // A peer's descriptors never close on the engine thread (a FUSE file's close can block).
-        self.passed
-            .drain(..)
-            .for_each(crate::sys::same_host::close_elsewhere);
+        self.passed.drain(..).for_each(close_elsewhere);
     }
 }
 
@@ -143,7 +140,7 @@ impl Conn {
         pidfd: Option<OwnedFd>,
         peer: Arc<str>,
     ) -> Self {
-        let client = link.is_client();
+        let slots = if link.is_client() { SLOTS } else { 0 };
         Self {
             fd,
             peer_pid,
@@ -159,12 +156,8 @@ impl Conn {
             named: VecDeque::new(),
             peer,
             queued: Vec::new(),
-            free_slots: if client {
-                (0..SLOTS as u32).rev().collect()
-            } else {
-                Vec::new()
-            },
-            gens: if client { vec![0; SLOTS] } else { Vec::new() },
+            free_slots: (0..slots as u32).rev().collect(),
+            gens: vec![0; slots],
             passed: VecDeque::new(),
             attach: VecDeque::new(),
         }
@@ -331,18 +324,6 @@ impl Conn {
             return Some(pipe::Ends::default());
         }
         let fds = self.take_checked(n, is_cuda_export, Violation::NotACudaExport)?;
-        self.name_exports(sources);
-        Some(fds)
-    }
-
-    /// Closes the next `n` descriptors the peer passed (off this thread).
-    pub(super) fn drop_passed(&mut self, n: usize) {
-        let k = n.min(self.passed.len());
-        self.passed.drain(..k).for_each(close_elsewhere);
-    }
-
-    /// Notes the export ids of VMM `sources` the peer passed (see `named`).
-    pub(super) fn name_exports(&mut self, sources: &[IpcSource]) {
         for s in sources.iter().filter(|s| s.fd > 0) {
             if !self.named.contains(&s.buffer_id) {
                 if self.named.len() == MAX_NAMED {
@@ -351,6 +332,13 @@ impl Conn {
                 self.named.push_back(s.buffer_id);
             }
         }
+        Some(fds)
+    }
+
+    /// Closes the next `n` descriptors the peer passed (off this thread).
+    pub(super) fn drop_passed(&mut self, n: usize) {
+        let k = n.min(self.passed.len());
+        self.passed.drain(..k).for_each(close_elsewhere);
     }
 
     /// Of `ids` the peer says it gave back, those it had passed here (each answered once).

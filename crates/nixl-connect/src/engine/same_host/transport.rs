@@ -68,6 +68,15 @@ fn declined(spec: ActiveSpec, reason: impl Into<Decline>) -> Event {
     }
 }
 
+/// An active operation `a` failed for `reason` ([`Error::Transfer`]).
+fn transfer_failed(a: &Act, reason: impl Into<String>) -> Error {
+    Error::Transfer {
+        agent: a.spec().peer.name.to_string(),
+        reason: reason.into(),
+        source: None,
+    }
+}
+
 /// The passive operation keyed `key` completed on this path.
 fn passive_completed(key: Arc<str>) -> Event {
     Event::PassiveCompleted {
@@ -89,18 +98,15 @@ fn answer_of(d: Decision) -> Answer {
 pub(crate) struct SameHostTransport {
     /// Whether active operations try this path.
     enabled: bool,
-    /// The directory shared with peers in other network namespaces, where their sockets are
-    /// looked for when their abstract one cannot be reached.
+    /// The socket directory shared with peers in other network namespaces.
     socket_dir: Option<PathBuf>,
-    /// The identity this connector's agent name advertises, proven to every client (none when
-    /// it serves no socket).
+    /// The identity this connector's agent name advertises (none when it serves no socket).
     identity: Option<Arc<Identity>>,
     /// The listener, the connections and their timers.
     sockets: Sockets,
     /// What this connector serves (scopes, key ids, identities, exports queued).
     server: ServerBook,
-    /// What this connector asks of others (active operations, connections by peer, peers
-    /// avoided).
+    /// What this connector asks of others (active operations, connections by peer, peers avoided).
     client: ClientBook,
     /// Copies and exports in flight off the engine thread.
     in_flight: InFlight,
@@ -187,14 +193,11 @@ impl SameHostTransport {
 
     /// Acts on what connection `i`'s core heard.
     pub(super) fn handle(&mut self, i: ConnId, h: Heard, out: &mut Vec<Event>) {
+        let req = |slot, gen| RequestId { conn: i, slot, gen };
         match h {
-            // The slot table was checked on receipt, the pull found at accept (`accept_from`).
-            Heard::Hello => {}
-            Heard::Trusted { pipes } => {
-                if !pipes {
-                    self.sockets.refuse_descriptors(i);
-                }
-            }
+            // `Hello`: the slot table was checked on receipt, the pull found at accept.
+            Heard::Hello | Heard::Trusted { pipes: true } => {}
+            Heard::Trusted { pipes: false } => self.sockets.refuse_descriptors(i),
             Heard::Unused { fds } => {
                 if let Some(c) = self.sockets.get_mut(i) {
                     c.drop_passed(fds);
@@ -209,16 +212,11 @@ impl SameHostTransport {
                     // Metadata of an agent of the same name elsewhere: NIXL will sort it out. The
                     // descriptors passed with it are closed, so the next frame's are the next ones.
                     c.drop_passed(r.passed);
-                    c.link_mut().answer(
-                        r.req.slot,
-                        r.req.gen,
-                        Answer::Fallback("the metadata names another agent of the same name".into()),
-                    );
+                    let why = Answer::Fallback("the metadata names another agent of the same name".into());
+                    c.link_mut().answer(r.req.slot, r.req.gen, why);
                 }
             }
-            Heard::ReadDone { slot, gen, ok, key } => {
-                self.on_read_done(RequestId { conn: i, slot, gen }, ok, &key, out)
-            }
+            Heard::ReadDone { slot, gen, ok, key } => self.on_read_done(req(slot, gen), ok, &key, out),
             Heard::Ready => self.on_ready(i, out),
             Heard::NotLive { key } => self.on_not_live(i, &key, out),
             Heard::Impostor => {
@@ -241,10 +239,10 @@ impl SameHostTransport {
                 gen,
                 code,
                 reason,
-            } => self.end_answered(i, slot, gen, out, |id, a| {
+            } => self.end_answered(req(slot, gen), out, |id, a| {
                 Event::ended(id, Err(refused(a.spec().peer.name.to_string(), code, reason)))
             }),
-            Heard::Fallback { slot, gen, reason } => self.end_answered(i, slot, gen, out, |_, a| {
+            Heard::Fallback { slot, gen, reason } => self.end_answered(req(slot, gen), out, |_, a| {
                 declined(a.into_spec(), Decline::of(DeclineReason::Refused, reason))
             }),
             Heard::WriteDone {
@@ -254,38 +252,20 @@ impl SameHostTransport {
                 reason,
             } => {
                 // The passive side finished copying our write.
-                self.end_answered(i, slot, gen, out, |id, a| {
-                    let agent = a.spec().peer.name.to_string();
-                    Event::ended(
-                        id,
-                        if ok {
-                            Ok(())
-                        } else {
-                            Err(Error::Transfer {
-                                agent,
-                                reason,
-                                source: None,
-                            })
-                        },
-                    )
+                self.end_answered(req(slot, gen), out, |id, a| {
+                    Event::ended(id, ok.then_some(()).ok_or_else(|| transfer_failed(&a, reason)))
                 });
             }
         }
     }
 
-    /// Client: avoids connection `i`'s peer and declines what is queued on it, for `why`.
-    fn give_up_on(&mut self, i: ConnId, why: &Decline, out: &mut Vec<Event>) {
-        self.avoid(i, why);
-        self.decline_queued(i, why, out);
-    }
-
     /// Client: the peer of connection `i` is not asked again for a while (it rejected us, or
-    /// someone else holds its socket name), `why` kept for the operations it declines meanwhile.
-    fn avoid(&mut self, i: ConnId, why: &Decline) {
-        let Some(peer) = self.sockets.get(i).map(|c| c.peer().clone()) else {
-            return;
-        };
-        self.client.avoid(peer, Instant::now(), why);
+    /// someone else holds its socket name), and what is queued on it declines, for `why`.
+    fn give_up_on(&mut self, i: ConnId, why: &Decline, out: &mut Vec<Event>) {
+        if let Some(c) = self.sockets.get(i) {
+            self.client.avoid(c.peer().clone(), Instant::now(), why);
+        }
+        self.end_queued(i, out, |_, a| declined(a.into_spec(), why.clone()));
     }
 
     /// Client: the server has no live operation with the opening key. That operation is refused
@@ -297,10 +277,8 @@ impl SameHostTransport {
         };
         self.end_queued(i, out, |id, a| {
             if &*a.spec().key == key {
-                Event::ended(
-                    id,
-                    Err(refused(peer.clone(), RefuseCode::NotLive, NOT_LIVE.into())),
-                )
+                let replay = refused(peer.clone(), RefuseCode::NotLive, NOT_LIVE.into());
+                Event::ended(id, Err(replay))
             } else {
                 let why = "the same-host connection closed before its request";
                 declined(a.into_spec(), Decline::of(DeclineReason::Handshake, why))
@@ -325,18 +303,11 @@ impl SameHostTransport {
         }
     }
 
-    /// Ends the active operation that (`i`, `slot`, `gen`) answered: frees its slot and, unless it
-    /// was abandoned, reports `ev` of it (after its feed: an answer may come before the last byte).
-    fn end_answered(
-        &mut self,
-        i: ConnId,
-        slot: u32,
-        gen: u64,
-        out: &mut Vec<Event>,
-        ev: impl FnOnce(OpId, Act) -> Event,
-    ) {
-        if let Some((id, a)) = self.client.take(RequestId { conn: i, slot, gen }) {
-            self.sockets.free_slot(i, slot, gen);
+    /// Ends the active operation that request `r` answered: frees its slot and, unless it was
+    /// abandoned, reports `ev` of it (after its feed: an answer may come before the last byte).
+    fn end_answered(&mut self, r: RequestId, out: &mut Vec<Event>, ev: impl FnOnce(OpId, Act) -> Event) {
+        if let Some((id, a)) = self.client.take(r) {
+            self.sockets.free_slot(r.conn, r.slot, r.gen);
             if !a.is_abandoned() {
                 self.end_act_after_feed(id, ev(id, a), out);
             }
@@ -367,8 +338,7 @@ impl SameHostTransport {
         }
     }
 
-    // ---- Connections: accepting and making them, their deadlines, closing them (what a
-    // connection's end means for the operations on it).
+    // ---- Connections: accepting and making them, their deadlines, closing them.
 
     /// The deadline timer fired: every core past its deadline dies (and is closed), and the
     /// timer is armed for the next one.
@@ -387,8 +357,7 @@ impl SameHostTransport {
         }
     }
 
-    /// Accepts what waits on every listener (the abstract socket, the one in the shared
-    /// directory).
+    /// Accepts what waits on every listener (the abstract socket, the shared directory's).
     pub(super) fn accept(&mut self) {
         for lfd in self.sockets.listeners() {
             self.accept_from(lfd);
@@ -398,14 +367,9 @@ impl SameHostTransport {
     fn accept_from(&mut self, lfd: std::os::fd::RawFd) {
         loop {
             if closer::backlogged() {
-                // Closes wait past their bound (peers passed descriptors whose close blocks):
-                // whatever a new connection queued would join them.
-                self.sockets.pause_accepting(
-                    &std::io::Error::other(
-                        "too many descriptors wait to be closed (peers passed ones whose close blocks)",
-                    ),
-                    true,
-                );
+                // Whatever a new connection queued would join the closes waiting past their bound.
+                let why = "too many descriptors wait to be closed (peers passed ones whose close blocks)";
+                self.sockets.pause_accepting(&std::io::Error::other(why), true);
                 return;
             }
             let fd = match accept(lfd) {
@@ -460,9 +424,8 @@ impl SameHostTransport {
                 link.ask_piped_writes();
             }
             let other_pid_ns = !same_pid_namespace(pid);
-            let i = self
-                .sockets
-                .insert(Conn::new(Tracked::new(fd), link, pid, peer_id, peer, "".into()));
+            let conn = Conn::new(Tracked::new(fd), link, pid, peer_id, peer, "".into());
+            let i = self.sockets.insert(conn);
             let c = self.sockets.get_mut(i).expect("just inserted");
             c.set_reach(can_pull, other_pid_ns);
             if let Some(reason) = refusal {
@@ -485,11 +448,7 @@ impl SameHostTransport {
     }
 
     /// Opens (or finds) the connection to `peer`; `Err` says why there is no same-host path.
-    pub(super) fn connect(
-        &mut self,
-        peer: &Arc<str>,
-        key: &Arc<str>,
-    ) -> std::result::Result<ConnId, Decline> {
+    pub(super) fn connect(&mut self, peer: &Arc<str>, key: &Arc<str>) -> Result<ConnId, Decline> {
         // A connection open to this exact name was made for its advertisement: nothing parsed again.
         if let Some(i) = self.client.conn_to(peer) {
             if self.sockets.get(i).is_some_and(|c| !c.link().is_dead()) {
@@ -499,8 +458,7 @@ impl SameHostTransport {
         let expect = self.endpoint(peer)?;
         let r = self.try_connect(peer, key, expect);
         if let Err(reason) = &r {
-            // A full backlog is a moment's (a flood of connections, or a burst of readers): the
-            // next operation asks again rather than taking NIXL for a while.
+            // A full backlog is a moment's: the next operation asks again, not avoiding the peer.
             if !reason.busy() {
                 self.client.avoid(peer.clone(), Instant::now(), reason);
             }
@@ -515,41 +473,32 @@ impl SameHostTransport {
         peer: &Arc<str>,
         key: &Arc<str>,
         expect: identity::Fingerprint,
-    ) -> std::result::Result<ConnId, Decline> {
-        let Reached {
-            fd,
-            pid,
-            server_id,
-            server,
-            can_pull,
-            other_pid_ns,
-        } = self.reach(peer, &expect)?;
+    ) -> Result<ConnId, Decline> {
+        let r = self.reach(peer, &expect)?;
         // VMM descriptors (a server in another PID namespace, memory without a legacy handle) are
         // refused (`dial`) until the server's `Welcome` is proven ([`Self::on_ready`]).
-        let exports = other_pid_ns || cuda_in_use();
+        let exports = r.other_pid_ns || cuda_in_use();
         let me = self_id().ok_or_else(no_self_id)?;
         let mut link = Link::client(
             key.clone(),
             expect,
             auth::nonce(),
             me,
-            server_id,
-            !can_pull,
+            r.server_id,
+            !r.can_pull,
             Instant::now(),
         );
         if exports {
             link.take_exports();
         }
-        let i = self
-            .sockets
-            .insert(Conn::new(fd, link, pid, server_id, Some(server), peer.clone()));
+        let conn = Conn::new(r.fd, link, r.pid, r.server_id, Some(r.server), peer.clone());
+        let i = self.sockets.insert(conn);
         let c = self.sockets.get_mut(i).expect("just inserted");
-        c.set_reach(can_pull, other_pid_ns);
+        c.set_reach(r.can_pull, r.other_pid_ns);
         if let Err(e) = c.send_hello() {
             self.close(i, &mut Vec::new());
-            return Err(
-                Decline::because("the same-host handshake failed", e).for_reason(DeclineReason::Handshake)
-            );
+            let why = Decline::because("the same-host handshake failed", e);
+            return Err(why.for_reason(DeclineReason::Handshake));
         }
         self.client.connected(peer.clone(), i);
         Ok(i)
@@ -557,7 +506,7 @@ impl SameHostTransport {
 
     /// The identity `peer`'s agent name advertises, as an operation's connection and a probe
     /// check it: `Err` when it advertises none, or was found without a path a moment ago.
-    fn endpoint(&self, peer: &str) -> std::result::Result<identity::Fingerprint, Decline> {
+    fn endpoint(&self, peer: &str) -> Result<identity::Fingerprint, Decline> {
         // Only a peer whose agent name advertises a same-host identity is ever connected to: a
         // Python Dynamo peer binds no socket, and whoever binds its name must learn nothing.
         let expect = identity::advertised(peer).ok_or_else(|| {
@@ -578,7 +527,7 @@ impl SameHostTransport {
     /// [`begin`](Transport::begin)'s checks, in order: the path is on, the memory's kinds, the
     /// connection, then a slot (claimed last). `Ok`: the connection, the slot and its generation,
     /// and whether the source is device memory.
-    fn admit(&mut self, spec: &ActiveSpec) -> std::result::Result<(ConnId, u32, u64, bool), Decline> {
+    fn admit(&mut self, spec: &ActiveSpec) -> Result<(ConnId, u32, u64, bool), Decline> {
         if !self.enabled {
             return Err(off());
         }
@@ -609,14 +558,9 @@ impl SameHostTransport {
         Ok((i, slot, gen, device))
     }
 
-    /// Reaches `peer`'s same-host socket and learns who holds it, as an operation's connection
-    /// does before its handshake ([`Self::try_connect`], and [`Transport::probe`]): `Err` says why
-    /// the same-host path cannot take the peer.
-    fn reach(
-        &self,
-        peer: &Arc<str>,
-        expect: &identity::Fingerprint,
-    ) -> std::result::Result<Reached, Decline> {
+    /// Reaches `peer`'s same-host socket and learns who holds it ([`Self::try_connect`],
+    /// [`Transport::probe`]): `Err` says why the same-host path cannot take the peer.
+    fn reach(&self, peer: &Arc<str>, expect: &identity::Fingerprint) -> Result<Reached, Decline> {
         let fd = self.dial(peer, expect)?;
         let (pid, peer_uid) = peer_cred(fd.as_raw_fd())
             .map_err(|e| Decline::because("cannot learn who holds the peer's same-host socket", e))?;
@@ -665,7 +609,7 @@ impl SameHostTransport {
 
     /// A socket connected to `peer`'s: its abstract socket (this network namespace), else its
     /// socket file in the shared directory (named from the identity it advertises, `expect`).
-    fn dial(&self, peer: &Arc<str>, expect: &identity::Fingerprint) -> std::result::Result<Tracked, Decline> {
+    fn dial(&self, peer: &Arc<str>, expect: &identity::Fingerprint) -> Result<Tracked, Decline> {
         let open = || {
             let fd = unix_socket().map_err(|e| Decline::because("cannot open a same-host socket", e))?;
             // Nothing passed is taken before the server's `Welcome` is proven (`on_ready`): until
@@ -714,14 +658,9 @@ impl SameHostTransport {
             if !c.link().shook_hands() && c.link().peer_went_away() {
                 // Closed on us before the handshake: what answered will not serve us now. (A
                 // proven "not live" is no reason to avoid it; impostors and rejections were.)
-                self.client.avoid(
-                    c.peer().clone(),
-                    Instant::now(),
-                    &Decline::of(
-                        DeclineReason::Handshake,
-                        "the peer's same-host socket closed the connection before its handshake",
-                    ),
-                );
+                let why = "the peer's same-host socket closed the connection before its handshake";
+                let why = Decline::of(DeclineReason::Handshake, why);
+                self.client.avoid(c.peer().clone(), Instant::now(), &why);
             }
             for id in self.client.on_conn(i) {
                 let a = self.client.get(id).expect("listed");
@@ -784,15 +723,9 @@ impl SameHostTransport {
     pub(super) fn on_ready(&mut self, i: ConnId, out: &mut Vec<Event>) {
         let Some(c) = self.sockets.get_mut(i) else { return };
         c.accept_descriptors_if_taken();
-        let queued = c.take_queued();
-        for id in queued {
+        for id in c.take_queued() {
             self.request(id, out);
         }
-    }
-
-    /// Client: hands every operation queued on connection `i` to the next transport.
-    pub(super) fn decline_queued(&mut self, i: ConnId, reason: &Decline, out: &mut Vec<Event>) {
-        self.end_queued(i, out, |_, a| declined(a.into_spec(), reason.clone()));
     }
 
     /// Hands a queued operation to the next transport, freeing its slot.
@@ -808,10 +741,20 @@ impl SameHostTransport {
         a
     }
 
-    /// Sends the request of a queued operation (the handshake is done); a write from device
-    /// memory exports its source first.
+    /// Sends the request of a queued operation (the handshake is done), or hands the operation to
+    /// the next transport.
     pub(super) fn request(&mut self, id: OpId, out: &mut Vec<Event>) {
-        let Some(a) = self.client.get_mut(id) else { return };
+        if let Err(why) = self.try_request(id) {
+            self.decline_act(id, why, out);
+        }
+    }
+
+    /// [`Self::request`]'s request (`Err`: why none goes); a write from device memory exports
+    /// its source first.
+    fn try_request(&mut self, id: OpId) -> Result<(), Decline> {
+        let Some(a) = self.client.get_mut(id) else {
+            return Ok(());
+        };
         #[cfg(feature = "cuda")]
         if a.spec().write && a.device() && !a.has_sources() {
             a.enter(Phase::Exporting);
@@ -822,16 +765,11 @@ impl SameHostTransport {
                 },
                 _ => ipc::ExportAs::Handles,
             };
-            let conn = a.conn();
-            let ranges = wire_ranges(&a.spec().local);
             let done = self.in_flight.export_done();
-            let to = ipc::ExportTo::new(conn, how, self.in_flight.teller());
-            ipc::export(
-                to,
-                ranges,
-                Box::new(move |result| done(ExportDone::Write { id, result })),
-            );
-            return;
+            let report = Box::new(move |result| done(ExportDone::Write { id, result }));
+            let to = ipc::ExportTo::new(a.conn(), how, self.in_flight.teller());
+            ipc::export(to, wire_ranges(&a.spec().local), report);
+            return Ok(());
         }
         // A small host operation carries its bytes in a frame, while few requests are open on the
         // connection (many at once go faster as grants, batched on the pool), and always where
@@ -866,33 +804,19 @@ impl SameHostTransport {
                 !c.can_pull()
             };
         if !a.spec().write && !a.device() && !eager && !c.can_pull() && !piped {
-            self.decline_act(id, unreadable_device_read(), out);
-            return;
+            return Err(unreadable_device_read());
         }
         let lanes = if piped { pipe::lanes_for(total) } else { 0 };
         if piped
             && (self.feeds.lanes_of(a.conn()) + lanes > MAX_PIPES_PER_CONN
                 || self.feeds.lanes() + lanes > MAX_PIPES)
         {
-            self.decline_act(
-                id,
-                Decline::of(DeclineReason::Busy, "too many same-host pipes are open now"),
-                out,
-            );
-            return;
+            let busy = "too many same-host pipes are open now";
+            return Err(Decline::of(DeclineReason::Busy, busy));
         }
         let feeding = if piped && a.spec().write {
-            match pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?)))) {
-                Ok(f) => Some(f),
-                Err(e) => {
-                    self.decline_act(
-                        id,
-                        Decline::because("cannot make pipes for a same-host write", e),
-                        out,
-                    );
-                    return;
-                }
-            }
+            let made = pipe::Lanes::new(lanes).and_then(|l| Ok((l, Arc::new(pipe::Wake::new()?))));
+            Some(made.map_err(|e| Decline::because("cannot make pipes for a same-host write", e))?)
         } else {
             None
         };
@@ -929,8 +853,7 @@ impl SameHostTransport {
             0
         };
         if req.frame_len() > MAX_FRAME || reply > MAX_FRAME {
-            self.decline_act(id, "too many ranges for one same-host request".into(), out);
-            return;
+            return Err("too many ranges for one same-host request".into());
         }
         a.enter(Phase::Requested);
         // How the bytes move, as far as the request decides it (a read's grant says the rest).
@@ -953,8 +876,7 @@ impl SameHostTransport {
         // Queued in the core; sent (a write's pipes with it) at the end of this turn's progress.
         let at = c.link().queued_end();
         if !c.link_mut().request(&a.spec().key, req) {
-            self.decline_act(id, "the same-host connection cannot take the request".into(), out);
-            return;
+            return Err("the same-host connection cannot take the request".into());
         }
         let feed_key = c.feed_key();
         if !source_fds.is_empty() {
@@ -964,13 +886,10 @@ impl SameHostTransport {
             let (conn, pid) = (a.conn(), feed_key);
             let pieces = a.spec().local.iter().map(|r| (r.addr, r.len)).collect();
             c.attach(at, lanes.take_read_ends());
-            self.start_feed(
-                FeedFor::Write(id),
-                conn,
-                None,
-                pipe::Feeding::new(pid, lanes, pieces, wake),
-            );
+            let feeding = pipe::Feeding::new(pid, lanes, pieces, wake);
+            self.start_feed(FeedFor::Write(id), conn, None, feeding);
         }
+        Ok(())
     }
 
     /// Client: the read granted on (`i`, `slot`, `gen`) ends before its copy (abandoned, or `why`):
@@ -1001,25 +920,16 @@ impl SameHostTransport {
             Ok(w) => Arc::new(w),
             Err(e) => {
                 self.end_grant(i, id, slot, gen, "no eventfd");
-                return out.push(Event::ended(
-                    id,
-                    Err(Error::os("an eventfd for a same-host read", e)),
-                ));
+                let error = Error::os("an eventfd for a same-host read", e);
+                return out.push(Event::ended(id, Err(error)));
             }
         };
         let c = self.sockets.get(i).expect("live");
         a.copying(Some(wake.clone()), c.pidfd());
         let slot = c.slot_ref(slot, gen);
         let pieces = a.spec().local.iter().map(|r| (r.addr, r.len)).collect();
-        let copy = AnyCopy::Filled(pipe::Fill::new(
-            c.pool_key(),
-            fds,
-            pieces,
-            slot,
-            a.cancel().clone(),
-            wake,
-        ));
-        self.in_flight.start(copy, CopyOwner::Read(id));
+        let fill = pipe::Fill::new(c.pool_key(), fds, pieces, slot, a.cancel().clone(), wake);
+        self.in_flight.start(AnyCopy::Filled(fill), CopyOwner::Read(id));
     }
 
     /// Client: an eager read's bytes came (proven, exactly as many as requested): copied into
@@ -1032,16 +942,9 @@ impl SameHostTransport {
         if a.is_abandoned() {
             return;
         }
-        let result = if eager::write_act(&a, data) {
-            Ok(())
-        } else {
-            Err(Error::Transfer {
-                agent: a.spec().peer.name.to_string(),
-                reason: "the same-host answer does not fit the read's memory".into(),
-                source: None,
-            })
-        };
-        out.push(Event::ended(id, result));
+        let fits = eager::write_act(&a, data).then_some(());
+        let why = "the same-host answer does not fit the read's memory";
+        out.push(Event::ended(id, fits.ok_or_else(|| transfer_failed(&a, why))));
     }
 
     /// Client: a grant for (`i`, `slot`, `gen`), checked against its request and copied from.
@@ -1122,42 +1025,31 @@ impl SameHostTransport {
         self.in_flight.start(copy, CopyOwner::Read(id));
     }
 
-    // ---- The passive side (server): what is done with a proven request once the policy
-    // (`policy.rs`) decided it.
+    // ---- The passive side (server): acting on the policy's decisions.
 
     /// Server side: a proven request, decided by the policy (`policy.rs`) and acted on here:
     /// answered, granted, or handed to a copy.
     pub(super) fn on_req(&mut self, i: ConnId, r: Request, out: &mut Vec<Event>) {
-        let Request {
-            req,
-            key,
-            passed: descriptors,
-        } = r;
+        let (req, key, descriptors) = (r.req, r.key, r.passed);
         let (slot, gen, write, pipes) = (req.slot, req.gen, req.write, req.pipes);
         // A write's pipes are taken first, whatever is decided, so the next frame's are the next
         // ones; dropped anywhere below, they close on the pipes' closer, never here.
-        let mut passed = if write && pipes > 0 {
-            match self.sockets.get_mut(i).and_then(|c| c.take_pipes(pipes as usize)) {
-                Some(fds) => fds,
-                None => return,
-            }
-        } else {
-            pipe::Ends::default()
+        let lanes = if write { usize::from(pipes) } else { 0 };
+        let Some(mut passed) = self.sockets.get_mut(i).and_then(|c| c.take_pipes(lanes)) else {
+            return;
         };
         // A device write's VMM descriptors likewise (the link checked their count).
-        let vmm = descriptors - if write && pipes > 0 { usize::from(pipes) } else { 0 };
         let Some(mut vmm_fds) = self
             .sockets
             .get_mut(i)
-            .and_then(|c| c.take_exports_named(vmm, &req.sources))
+            .and_then(|c| c.take_exports_named(descriptors - lanes, &req.sources))
         else {
             return;
         };
-        let Some(c) = self.sockets.get(i) else { return };
-        if !c.link().is_ready() {
-            // Died after the request was heard: nothing is granted, copied or completed for it.
+        // Died after the request was heard: nothing is granted, copied or completed for it.
+        let Some(c) = self.sockets.get(i).filter(|c| c.link().is_ready()) else {
             return;
-        }
+        };
         let (granted, exporting) = c.load();
         let load = Load {
             granted,
@@ -1169,13 +1061,7 @@ impl SameHostTransport {
         };
         let refusal = |s: Device, d: Device| device_path_refusal(s, d).map(|r| r.to_string());
         let decision = policy::decide(self.server.scope(&key), &req, &load, &refusal);
-        let Req {
-            remote,
-            local,
-            sources,
-            data,
-            ..
-        } = req;
+        let (remote, local, sources, data) = (req.remote, req.local, req.sources, req.data);
         let id = RequestId { conn: i, slot, gen };
         let mut completed = None;
         let answer = match decision {
@@ -1222,13 +1108,7 @@ impl SameHostTransport {
             }
         };
         drop((passed, vmm_fds));
-        let sent = match answer {
-            Some(a) => self
-                .sockets
-                .get_mut(i)
-                .is_some_and(|c| c.link_mut().answer(slot, gen, a)),
-            None => false,
-        };
+        let sent = answer.is_some_and(|a| self.answer(id, a));
         // An eager operation is complete once its answer is on its way; if the connection died
         // in queueing it, the operation stays live for a retry.
         if let Some(key) = completed {
@@ -1238,6 +1118,13 @@ impl SameHostTransport {
                 s.set_done(false);
             }
         }
+    }
+
+    /// Queues `a` to request `id`'s client; false when it cannot go (the connection is gone or dead).
+    fn answer(&mut self, id: RequestId, a: Answer) -> bool {
+        self.sockets
+            .get_mut(id.conn)
+            .is_some_and(|c| c.link_mut().answer(id.slot, id.gen, a))
     }
 
     /// A host write the policy let through: claims the writable ([`Self::claim_writable`]) and
@@ -1290,10 +1177,8 @@ impl SameHostTransport {
         c.charge(1, 0);
         let pid = c.feed_key();
         let at = c.link().queued_end();
-        if !c
-            .link_mut()
-            .answer(id.slot, id.gen, Answer::GrantPipe(lanes.len() as u8))
-        {
+        let grant = Answer::GrantPipe(lanes.len() as u8);
+        if !c.link_mut().answer(id.slot, id.gen, grant) {
             self.server.scope_mut(&key).expect("decided on it").ungrant(id);
             self.sockets.ungrant(id.conn);
             return Ok(());
@@ -1302,12 +1187,8 @@ impl SameHostTransport {
             c.attach(at, ends);
         }
         let pieces = remote.iter().map(|&(a, l)| (a as usize, l as usize)).collect();
-        self.start_feed(
-            FeedFor::Grant(id),
-            id.conn,
-            Some((key, state)),
-            pipe::Feeding::new(pid, lanes, pieces, wake),
-        );
+        let feeding = pipe::Feeding::new(pid, lanes, pieces, wake);
+        self.start_feed(FeedFor::Grant(id), id.conn, Some((key, state)), feeding);
         Ok(())
     }
 
@@ -1358,13 +1239,11 @@ impl SameHostTransport {
             s.set_done(true);
         }
         self.sockets.ungrant(id.conn);
-        if let Some(f) = self.feeds.end(FeedFor::Grant(id)) {
+        match self.feeds.end(FeedFor::Grant(id)) {
             // Complete once its pipes are empty ([`Self::fed`]).
-            f.answered(ok);
-            return;
-        }
-        if ok {
-            out.push(passive_completed(key));
+            Some(f) => f.answered(ok),
+            None if ok => out.push(passive_completed(key)),
+            None => {}
         }
     }
 
@@ -1381,7 +1260,9 @@ impl SameHostTransport {
         vmm: bool,
     ) -> Result<(), Answer> {
         #[cfg(not(feature = "cuda"))]
-        return Err(no_cuda());
+        return Err(Answer::Fallback(
+            crate::error::PathRefusal::NoCudaSupport.to_string(),
+        ));
         #[cfg(feature = "cuda")]
         {
             let key = self.server.key(key).expect("decided on it");
@@ -1400,18 +1281,15 @@ impl SameHostTransport {
                 _ => ipc::ExportAs::Handles,
             };
             let to = ipc::ExportTo::new(id.conn, how, self.in_flight.teller());
-            ipc::export(
-                to,
-                remote,
-                Box::new(move |result| {
-                    done(ExportDone::Grant {
-                        key,
-                        id,
-                        ranges,
-                        result,
-                    })
-                }),
-            );
+            let report = move |result| {
+                done(ExportDone::Grant {
+                    key,
+                    id,
+                    ranges,
+                    result,
+                })
+            };
+            ipc::export(to, remote, Box::new(report));
             Ok(())
         }
     }
@@ -1428,7 +1306,9 @@ impl SameHostTransport {
         fds: pipe::Ends,
     ) -> Result<(), Answer> {
         #[cfg(not(feature = "cuda"))]
-        return Err(no_cuda());
+        return Err(Answer::Fallback(
+            crate::error::PathRefusal::NoCudaSupport.to_string(),
+        ));
         #[cfg(feature = "cuda")]
         {
             let w = self.claim_writable(id, key)?;
@@ -1521,21 +1401,12 @@ impl SameHostTransport {
                             self.request(id, out);
                         }
                         (Phase::Exporting, Err(reason)) => {
-                            let a = self.drop_act(id);
-                            out.push(declined(
-                                a.into_spec(),
-                                Decline::shared(
-                                    "the device memory cannot be shared through CUDA IPC",
-                                    reason,
-                                ),
-                            ));
+                            let why = "the device memory cannot be shared through CUDA IPC";
+                            self.decline_act(id, Decline::shared(why, reason), out);
                         }
                         // Abandoned while exporting: it was answered then; forget it now.
-                        (_, _) => {
-                            if a.is_abandoned() {
-                                self.drop_act(id);
-                            }
-                        }
+                        _ if a.is_abandoned() => drop(self.drop_act(id)),
+                        _ => {}
                     }
                 }
             }
@@ -1543,8 +1414,7 @@ impl SameHostTransport {
         any
     }
 
-    // ---- Copies on the pool: starting them, learning that they ended, waiting for them before
-    // the memory they write may go.
+    // ---- Copies and feeds: starting them, learning they ended, waiting before memory goes.
 
     /// Stops every copy and waits (up to `within`; `None`: unbounded) for those running on the
     /// pool. False when some still run: the memory they write must then never be freed (leaked).
@@ -1578,9 +1448,7 @@ impl SameHostTransport {
     /// once the feed stopped reading its memory ([`Self::fed`]). The first event held wins.
     pub(super) fn end_act_after_feed(&mut self, id: OpId, ev: Event, out: &mut Vec<Event>) {
         match self.feeds.end(FeedFor::Write(id)) {
-            Some(f) => {
-                f.hold(ev);
-            }
+            Some(f) => f.hold(ev),
             None => out.push(ev),
         }
     }
@@ -1609,9 +1477,7 @@ impl SameHostTransport {
             FeedFor::Write(_) => {
                 // Nothing held: the feed ended before the operation did (all fed, or it failed);
                 // the server's answer (or the connection's end) reports the write.
-                if let Some(ev) = held {
-                    out.push(ev);
-                }
+                out.extend(held);
             }
         }
     }
@@ -1694,15 +1560,8 @@ impl SameHostTransport {
                         if let Some(s) = self.server.scope_mut(&key) {
                             s.end_writer(id);
                         }
-                        if let Some(c) = self.sockets.get_mut(id.conn) {
-                            c.link_mut().answer(
-                                id.slot,
-                                id.gen,
-                                Answer::Fallback(format!(
-                                    "the passive side cannot copy from device memory: {reason}"
-                                )),
-                            );
-                        }
+                        let why = format!("the passive side cannot copy from device memory: {reason}");
+                        self.answer(id, Answer::Fallback(why));
                         continue;
                     }
                     if let Some(s) = self.server.scope_mut(&key) {
@@ -1729,51 +1588,15 @@ impl SameHostTransport {
                             }
                         }
                     }
-                    if let Some(c) = self.sockets.get_mut(id.conn) {
-                        let reason = match &r {
-                            Ok(()) => String::new(),
-                            Err(e) => format!("the passive side's copy failed: {e:?}"),
-                        };
-                        c.link_mut()
-                            .answer(id.slot, id.gen, Answer::WriteDone { ok, reason });
-                    }
+                    let reason = match &r {
+                        Ok(()) => String::new(),
+                        Err(e) => format!("the passive side's copy failed: {e:?}"),
+                    };
+                    self.answer(id, Answer::WriteDone { ok, reason });
                 }
             }
         }
         any
-    }
-}
-
-#[cfg(test)]
-impl SameHostTransport {
-    /// A transport serving one connection for tests: `p`'s (shaken) server core over one end of
-    /// a socket pair, non-blocking; returns the transport, the connection's id and the other end
-    /// (the peer's).
-    pub(super) fn serving(
-        poller: &crate::engine::poller::Poller,
-        p: &mut super::link::fuzz::Pair,
-    ) -> (Self, super::records::ConnId, std::os::unix::net::UnixStream) {
-        let id = crate::engine::transport::TransportId::nth(0).expect("the first id");
-        let mut t = Self::new(false, None, None, None, poller.registrar_for(id), poller.waker());
-        t.identity = Some(Arc::new(Identity::from_seed(super::link::fuzz::SERVER_SEED)));
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
-        ours.set_nonblocking(true).expect("non-blocking");
-        let spare = super::link::Link::server(
-            t.identity.clone().expect("set above"),
-            0,
-            0,
-            std::time::Instant::now(),
-        );
-        let link = std::mem::replace(&mut p.server, spare);
-        let i = t.sockets.insert(super::conn::Conn::new(
-            Tracked::new(std::os::fd::OwnedFd::from(ours)),
-            link,
-            4100,
-            4100,
-            None,
-            "".into(),
-        ));
-        (t, i, theirs)
     }
 }
 
@@ -1820,7 +1643,7 @@ impl Transport for SameHostTransport {
         local: Device,
         remote: Device,
         bytes: u64,
-    ) -> std::result::Result<Option<Mechanism>, Decline> {
+    ) -> Result<Option<Mechanism>, Decline> {
         if !self.enabled {
             return Err(off());
         }
@@ -1968,9 +1791,3 @@ impl Transport for SameHostTransport {
 
 #[cfg(test)]
 mod tests;
-
-/// What a device request gets from a build without CUDA.
-#[cfg(not(feature = "cuda"))]
-fn no_cuda() -> Answer {
-    Answer::Fallback("this build has no CUDA support (feature `cuda`)".into())
-}

@@ -8,7 +8,7 @@ use super::*;
 use crate::device::Device;
 use crate::engine::poller::Poller;
 use crate::engine::same_host::limits::{MAX_EXPORTING, MAX_EXPORTING_PER_CONN, MAX_GRANTS_PER_CONN};
-use crate::engine::same_host::link::fuzz::{Pair, KEYS};
+use crate::engine::same_host::link::fuzz::{Pair, KEYS, SERVER_SEED};
 use crate::engine::same_host::link::Heard;
 use crate::engine::same_host::server_book::Scope;
 use crate::engine::same_host::violation::Violation;
@@ -19,6 +19,22 @@ use crate::reg::Range;
 use crate::state::{OpState, OperationStatus};
 use crate::sys::same_host::cma;
 use crate::sys::same_host::slots::SLOTS;
+
+/// A transport serving one connection for tests: `p`'s (shaken) server core over one end of a
+/// socket pair, non-blocking; returns the transport, the connection's id and the other end (the
+/// peer's).
+fn serving(poller: &Poller, p: &mut Pair) -> (SameHostTransport, ConnId, std::os::unix::net::UnixStream) {
+    let id = crate::engine::transport::TransportId::nth(0).expect("the first id");
+    let mut t = SameHostTransport::new(false, None, None, None, poller.registrar_for(id), poller.waker());
+    t.identity = Some(Arc::new(Identity::from_seed(SERVER_SEED)));
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
+    ours.set_nonblocking(true).expect("non-blocking");
+    let spare = Link::server(t.identity.clone().expect("set above"), 0, 0, Instant::now());
+    let link = std::mem::replace(&mut p.server, spare);
+    let fd = Tracked::new(std::os::fd::OwnedFd::from(ours));
+    let i = t.sockets.insert(Conn::new(fd, link, 4100, 4100, None, "".into()));
+    (t, i, theirs)
+}
 
 /// A transport serving `p`'s (shaken) connection `i`, with one live operation of `kind` over
 /// `range` under `KEYS[1]` (its metadata's identity 1). The poller and the peer's end of the
@@ -34,7 +50,7 @@ struct Served {
 
 fn served(p: &mut Pair, kind: OperationKind, range: Range) -> Served {
     let poller = Poller::new().unwrap();
-    let (mut t, i, theirs) = SameHostTransport::serving(&poller, p);
+    let (mut t, i, theirs) = serving(&poller, p);
     let key: Arc<str> = KEYS[1].into();
     let state = OpState::new(OperationStatus::Initialized);
     t.server
@@ -565,7 +581,7 @@ fn conn_reads_at_most_a_budget_per_turn() {
     let poller = Poller::new().unwrap();
     let mut p = Pair::new(0);
     p.shake();
-    let (mut t, i, mut theirs) = SameHostTransport::serving(&poller, &mut p);
+    let (mut t, i, mut theirs) = serving(&poller, &mut p);
     let replay = p.forge(&Pair::req(1, 1, 2, false, Device::Host, 1), Some(2), true);
     let frames = (4 << 20) / replay.len();
     let batch = replay.repeat(frames);
