@@ -491,12 +491,7 @@ impl Connector {
                 Err(why) => declined.push((path, why)),
             }
         }
-        Ok(PathProbe {
-            peer: name,
-            write,
-            taken,
-            declined,
-        })
+        Ok(PathProbe::new(name, write, taken, declined))
     }
 
     /// Writes `local` into a peer's writable (one local descriptor per remote one, same sizes).
@@ -533,17 +528,14 @@ impl Connector {
         let ranges: Vec<_> = local.iter().filter(|d| d.size() > 0).map(|d| d.range()).collect();
         let bytes = ranges.iter().map(|r| r.len).sum();
         if ranges.is_empty() {
-            return Ok(Registration {
-                tokens: Vec::new(),
-                bytes,
-            });
+            return Ok(Registration::new(Vec::new(), bytes));
         }
         let tokens = self
             .inner
             .engine
             .call(|reply| crate::engine::Cmd::Register { ranges, reply })
             .await??;
-        Ok(Registration { tokens, bytes })
+        Ok(Registration::new(tokens, bytes))
     }
 
     /// Drops this handle to the connector and bounds the end of its engine by `within`: when

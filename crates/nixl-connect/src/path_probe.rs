@@ -8,13 +8,27 @@ use crate::state::{Mechanism, TransferPath};
 /// path, then NIXL). What `nixl-connect doctor --peer` prints.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PathProbe {
-    pub(crate) peer: String,
-    pub(crate) write: bool,
-    pub(crate) taken: Option<(TransferPath, Option<Mechanism>)>,
-    pub(crate) declined: Vec<(TransferPath, String)>,
+    peer: String,
+    write: bool,
+    taken: Option<(TransferPath, Option<Mechanism>)>,
+    declined: Vec<(TransferPath, String)>,
 }
 
 impl PathProbe {
+    pub(crate) fn new(
+        peer: String,
+        write: bool,
+        taken: Option<(TransferPath, Option<Mechanism>)>,
+        declined: Vec<(TransferPath, String)>,
+    ) -> Self {
+        Self {
+            peer,
+            write,
+            taken,
+            declined,
+        }
+    }
+
     /// The peer's NIXL agent name.
     pub fn peer(&self) -> &str {
         &self.peer

@@ -19,11 +19,15 @@ use crate::reg::RegToken;
 /// registered until it ends. Dropping never blocks.
 #[must_use = "the memory is deregistered when the Registration is dropped"]
 pub struct Registration {
-    pub(crate) tokens: Vec<RegToken>,
-    pub(crate) bytes: usize,
+    tokens: Vec<RegToken>,
+    bytes: usize,
 }
 
 impl Registration {
+    pub(crate) fn new(tokens: Vec<RegToken>, bytes: usize) -> Self {
+        Self { tokens, bytes }
+    }
+
     /// How many ranges are registered.
     pub fn ranges(&self) -> usize {
         self.tokens.len()
