@@ -13,7 +13,7 @@ pub(crate) mod same_host;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// One `epoll` event: what is ready (`events`) and the token it was registered under (`u64`).
@@ -24,20 +24,12 @@ pub(crate) const NO_EVENT: EpollEvent = libc::epoll_event { events: 0, u64: 0 };
 
 /// A syscall's result, or the error in `errno` when it is negative.
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
+    (r >= 0).then_some(r).ok_or_else(io::Error::last_os_error)
 }
 
 /// As [`cvt`], for a call that returns a byte count.
 fn cvt_len(n: isize) -> io::Result<usize> {
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
 }
 
 /// A new descriptor from a syscall's result, owned from here on.
@@ -255,8 +247,7 @@ pub(crate) fn in_fork_children(f: extern "C" fn()) {
     IN_CHILDREN.store(f as *mut (), Ordering::Release);
 }
 
-static IN_CHILDREN: std::sync::atomic::AtomicPtr<()> =
-    std::sync::atomic::AtomicPtr::new(std::ptr::null_mut());
+static IN_CHILDREN: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
 
 /// After a fork, in the child: one more fork counted, a fresh gate (the old one names the
 /// parent's thread as its writer), held shared again if this thread forked inside a call; then

@@ -27,11 +27,7 @@ pub(crate) type Failed = (&'static str, CUresult);
 
 /// `Ok` for `CUDA_SUCCESS`, else the call's name and result.
 fn check(call: &'static str, r: CUresult) -> Result<(), Failed> {
-    if r == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err((call, r))
-    }
+    (r == CUresult::CUDA_SUCCESS).then_some(()).ok_or((call, r))
 }
 
 /// True when the CUDA driver library (`libcuda.so.1`) can be loaded (looked for once: a failed

@@ -1,5 +1,7 @@
 //! Whether a library is loaded in this process ([`LoadWatch`]), asked without touching the disk.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
 /// Whether a library is loaded in this process, asked for every raw descriptor.
 ///
 /// It walks the loaded objects in memory (`dl_iterate_phdr`): `dlopen(RTLD_NOLOAD)` searches the
@@ -9,10 +11,10 @@
 pub(crate) struct LoadWatch {
     /// The start of the library's file name.
     prefix: &'static [u8],
-    loaded: std::sync::atomic::AtomicBool,
+    loaded: AtomicBool,
     /// The loader's count of objects added when a whole walk last found no such library (MAX:
     /// never walked).
-    absent_at: std::sync::atomic::AtomicU64,
+    absent_at: AtomicU64,
 }
 
 /// What one walk of the loaded objects learns.
@@ -28,14 +30,13 @@ impl LoadWatch {
     pub(crate) const fn new(prefix: &'static [u8]) -> Self {
         Self {
             prefix,
-            loaded: std::sync::atomic::AtomicBool::new(false),
-            absent_at: std::sync::atomic::AtomicU64::new(u64::MAX),
+            loaded: AtomicBool::new(false),
+            absent_at: AtomicU64::new(u64::MAX),
         }
     }
 
     /// True when the library is loaded in this process.
     pub(crate) fn loaded(&self) -> bool {
-        use std::sync::atomic::Ordering;
         if self.loaded.load(Ordering::Relaxed) {
             return true;
         }
@@ -63,7 +64,6 @@ impl LoadWatch {
         size: libc::size_t,
         data: *mut libc::c_void,
     ) -> libc::c_int {
-        use std::sync::atomic::Ordering;
         // SAFETY: `data` is the `Walk` that `loaded` passes, alive and not otherwise borrowed
         // during the walk.
         let walk = unsafe { &mut *data.cast::<Walk<'_>>() };

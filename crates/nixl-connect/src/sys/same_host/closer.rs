@@ -109,12 +109,10 @@ impl ClosePool {
             return;
         }
         self.idle.fetch_add(1, Ordering::AcqRel);
-        let started = std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name(self.name.into())
-            .stack_size(STACK)
-            .spawn(move || self.run())
-            .is_ok();
-        if !started {
+            .stack_size(STACK);
+        if thread.spawn(move || self.run()).is_err() {
             // The close waits for a thread of this pool (none may ever come: then it is leaked,
             // never made here).
             self.threads.fetch_sub(1, Ordering::AcqRel);

@@ -36,17 +36,21 @@ fn own_dir(base: &Path) -> io::Result<PathBuf> {
     // The shared directory itself is usually a mounted volume; made (as `mkdir -p`) if missing.
     fs::create_dir_all(base)?;
     let d = user_dir(base);
-    match fs::DirBuilder::new().mode(0o700).create(&d) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e),
-    }
+    unless(
+        fs::DirBuilder::new().mode(0o700).create(&d),
+        io::ErrorKind::AlreadyExists,
+    )?;
     check_own(
         &d,
         &fs::symlink_metadata(&d)?,
         "remove it and let the connector make it",
     )?;
     Ok(d)
+}
+
+/// `r`, with an error of kind `kind` counted as success.
+fn unless(r: io::Result<()>, kind: io::ErrorKind) -> io::Result<()> {
+    r.or_else(|e| if e.kind() == kind { Ok(()) } else { Err(e) })
 }
 
 /// A listening socket bound in a shared directory, and the lock that says its process lives.
@@ -100,11 +104,7 @@ pub(crate) fn listen_in(base: &Path, stem: &str) -> io::Result<DirListener> {
         Err(TryLockError::Error(e)) => return Err(e),
     }
     // A socket file of this name is a dead process's (its lock was free): ours now.
-    match fs::remove_file(&sock_path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
+    unless(fs::remove_file(&sock_path), io::ErrorKind::NotFound)?;
     let fd = unix_socket()?;
     super::bind_to(fd.as_raw_fd(), &path_addr(&sock_path)?)?;
     let listener = DirListener {
@@ -178,14 +178,10 @@ fn check_own(d: &Path, m: &fs::Metadata, what_to_do: &str) -> io::Result<()> {
     Err(io::Error::new(
         io::ErrorKind::PermissionDenied,
         format!(
-            "{} must be a directory of uid {} with mode 0700 (it is {}, uid {}, mode {:o}): {what_to_do}",
+            "{} must be a directory of uid {} with mode 0700 (it is {}a directory, uid {}, mode {:o}): {what_to_do}",
             d.display(),
             uid(),
-            if m.file_type().is_dir() {
-                "a directory"
-            } else {
-                "not a directory"
-            },
+            if m.is_dir() { "" } else { "not " },
             m.uid(),
             m.mode() & 0o7777
         ),

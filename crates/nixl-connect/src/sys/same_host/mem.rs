@@ -20,21 +20,21 @@ pub(crate) fn inside(own: &[Range], addr: u64, len: u64) -> bool {
         .any(|r| (r.addr + r.len) as u64 >= end)
 }
 
+/// True when `own` is host memory, and some.
+fn host(own: &[Range]) -> bool {
+    !own.is_empty() && own.iter().all(|r| r.device == Device::Host)
+}
+
 /// True when `own` is host memory and every one of `picks` (not none) lies inside it.
 fn owned(own: &[Range], picks: &[(u64, u64)]) -> bool {
-    own.iter().all(|r| r.device == Device::Host)
-        && !picks.is_empty()
-        && picks.iter().all(|&(a, l)| inside(own, a, l))
+    host(own) && !picks.is_empty() && picks.iter().all(|&(a, l)| inside(own, a, l))
 }
 
 /// The bytes of `picks` (address, length), in order; `None`, with nothing read, unless `own`
 /// (sorted by address) is host memory and every pick (not none) lies inside it.
 pub(crate) fn gather(own: &[Range], picks: &[(u64, u64)]) -> Option<Vec<u8>> {
-    if !owned(own, picks) {
-        return None;
-    }
-    // SAFETY: every pick lies inside one of `own`'s host ranges (checked above).
-    Some(unsafe { copy_out(picks.iter().map(|&(a, l)| (a as usize, l as usize))) })
+    // SAFETY: every pick lies inside one of `own`'s host ranges (checked first).
+    owned(own, picks).then(|| unsafe { copy_out(picks.iter().map(|&(a, l)| (a as usize, l as usize))) })
 }
 
 /// Copies `data` into `picks` (address, length) in order; false, with nothing written, unless
@@ -56,18 +56,15 @@ pub(crate) fn scatter(own: &[Range], picks: &[(u64, u64)], data: &[u8]) -> bool 
 /// exactly what it owns, so nothing is checked or allocated but the answer); `None` unless it is
 /// host memory, and some.
 pub(crate) fn gather_all(own: &[Range]) -> Option<Vec<u8>> {
-    if own.is_empty() || own.iter().any(|r| r.device != Device::Host) {
-        return None;
-    }
-    // SAFETY: each range is one of `own`'s, host memory.
-    Some(unsafe { copy_out(own.iter().map(|r| (r.addr, r.len))) })
+    // SAFETY: each range is one of `own`'s, host memory (checked first).
+    host(own).then(|| unsafe { copy_out(own.iter().map(|r| (r.addr, r.len))) })
 }
 
 /// Copies `data` into all of `own`, in its order; false, with nothing written, unless it is host
 /// memory, and its lengths add up to `data.len()`.
 pub(crate) fn scatter_all(own: &[Range], data: &[u8]) -> bool {
     let total = own.iter().try_fold(0usize, |t, r| t.checked_add(r.len));
-    if total != Some(data.len()) || own.is_empty() || own.iter().any(|r| r.device != Device::Host) {
+    if total != Some(data.len()) || !host(own) {
         return false;
     }
     // SAFETY: each range is one of `own`'s, host memory; they add up to `data.len()`.

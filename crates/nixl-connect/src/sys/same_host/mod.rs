@@ -20,6 +20,7 @@ pub(crate) mod vmm;
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::{cvt, cvt_len, owned};
@@ -129,7 +130,6 @@ fn inode(pidfd: &OwnedFd) -> Option<u64> {
 /// `fork()` finds its own: the cache is keyed by pid); `None` only if the kernel has pidfs and
 /// this process's pidfd cannot be had (no descriptor left): the connection is then not made.
 pub(crate) fn self_id() -> Option<u64> {
-    use std::sync::atomic::{AtomicU64, Ordering};
     // The id, then the pid it is for (written in that order, read in the other).
     static CACHED: AtomicU64 = AtomicU64::new(0);
     static CACHED_PID: AtomicU64 = AtomicU64::new(0);
@@ -243,10 +243,9 @@ pub(crate) fn set_backlog(fd: RawFd, backlog: libc::c_int) {
     let _ = listen_on(fd, backlog);
 }
 
-/// A connection of our own, left in listener `fd`'s queue while accepting rests with a backlog
-/// of 0 ([`set_backlog`]): the queue is full with it, so a client's `connect` fails at once
-/// (busy: it takes NIXL) instead of waiting in the queue for a handshake that comes only once
-/// accepting resumes. `None` when the queue is full already (or the socket cannot be named).
+/// A connection of our own that fills listener `fd`'s queue while accepting rests with a backlog
+/// of 0 ([`set_backlog`]), so a client's `connect` finds it busy at once (it takes NIXL). `None`
+/// when the queue is full already (or the socket cannot be named).
 pub(crate) fn plug(fd: RawFd) -> Option<OwnedFd> {
     // SAFETY: a zeroed sockaddr_un is valid; getsockname writes at most `len` bytes into it.
     let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
@@ -319,7 +318,6 @@ pub(crate) fn passes_rights(fd: RawFd) -> bool {
 /// where the kernel knows `SO_PASSRIGHTS`; older kernels deliver them and the connection core
 /// refuses them instead (they are closed off the engine thread, [`close_elsewhere`]).
 pub(crate) fn refuse_passed_descriptors(fd: RawFd) {
-    // ENOPROTOOPT before Linux 6.16: the connection core closes what comes instead.
     let _ = set_option(fd, SO_PASSRIGHTS, 0);
 }
 
@@ -573,13 +571,11 @@ fn nofile() -> Option<libc::rlimit> {
 pub(crate) struct Tracked(Option<OwnedFd>);
 
 const TRACKED: usize = 8192;
-static TRACKED_FDS: [std::sync::atomic::AtomicI32; TRACKED] =
-    [const { std::sync::atomic::AtomicI32::new(-1) }; TRACKED];
-static PLACEHOLDER: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+static TRACKED_FDS: [AtomicI32; TRACKED] = [const { AtomicI32::new(-1) }; TRACKED];
+static PLACEHOLDER: AtomicI32 = AtomicI32::new(-1);
 
 /// Runs in a child of `fork()` before anything else there (async-signal-safe calls only).
 extern "C" fn in_child() {
-    use std::sync::atomic::Ordering;
     let null = PLACEHOLDER.load(Ordering::Relaxed);
     if null < 0 {
         return;
@@ -598,7 +594,6 @@ extern "C" fn in_child() {
 impl Tracked {
     /// Tracks `fd` (untracked when dropped, before it is closed).
     pub(crate) fn new(fd: OwnedFd) -> Self {
-        use std::sync::atomic::Ordering;
         static INIT: std::sync::Once = std::sync::Once::new();
         INIT.call_once(|| {
             // SAFETY: opens /dev/null (a static C string) and registers a handler that only
@@ -629,7 +624,6 @@ impl AsRawFd for Tracked {
 
 /// Stops telling children of `fork()` to replace `raw` (just before it is closed).
 fn untrack(raw: RawFd) {
-    use std::sync::atomic::Ordering;
     if let Some(s) = TRACKED_FDS.iter().find(|s| s.load(Ordering::Relaxed) == raw) {
         let _ = s.compare_exchange(raw, -1, Ordering::AcqRel, Ordering::Relaxed);
     }

@@ -32,6 +32,11 @@ const _: () = assert!(2 * MAX_LANES * CHUNK <= MAX_STAGING);
 
 type Done = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
+/// [`check`], a failure counted as the copy's ([`CopyError::Os`]).
+fn cu(r: CUresult, call: &'static str) -> Result<(), CopyError> {
+    check(r, call).map_err(|e| CopyError::Os(e.into()))
+}
+
 /// Page-locked host buffers of [`CHUNK`] bytes, usable from every context.
 static POOL: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 /// Buffers allocated and not freed (kept in [`POOL`] or in a lane).
@@ -289,22 +294,20 @@ impl Shared {
             if lane.used[b] {
                 // SAFETY: waits for the DMA that last read this buffer (an event of this lane).
                 let r = unsafe { sys::cuEventSynchronize(lane.events[b]) };
-                check(r, "cuEventSynchronize").map_err(|e| CopyError::Os(e.into()))?;
+                cu(r, "cuEventSynchronize")?;
             }
             let staging = Piece {
                 local: lane.bufs[b],
                 remote: p.remote,
                 len: p.len,
             };
-            if let Err(e) = cma::pull(self.pid, &[staging], &self.cancel) {
-                self.stop.store(true, Ordering::Relaxed);
-                return Err(e);
-            }
+            cma::pull(self.pid, &[staging], &self.cancel)
+                .inspect_err(|_| self.stop.store(true, Ordering::Relaxed))?;
             // SAFETY: `p.local` is device memory of this process that the copy's owner keeps valid
             // until the copy ends (checked to be device memory above); the buffer holds `p.len`
             // bytes (<= CHUNK) and is not refilled before the event recorded after this copy.
-            let r = unsafe {
-                check(
+            unsafe {
+                cu(
                     sys::cuMemcpyHtoDAsync_v2(
                         p.local as u64,
                         lane.bufs[b] as *const c_void,
@@ -312,18 +315,14 @@ impl Shared {
                         lane.stream,
                     ),
                     "cuMemcpyHtoDAsync",
-                )
-                .and_then(|()| check(sys::cuEventRecord(lane.events[b], lane.stream), "cuEventRecord"))
-            };
-            r.map_err(|e| CopyError::Os(e.into()))?;
+                )?;
+                cu(sys::cuEventRecord(lane.events[b], lane.stream), "cuEventRecord")?;
+            }
             lane.used[b] = true;
         }
         // SAFETY: waits for every DMA of this lane before the copy counts as done.
-        check(
-            unsafe { sys::cuStreamSynchronize(lane.stream) },
-            "cuStreamSynchronize",
-        )
-        .map_err(|e| CopyError::Os(e.into()))
+        let r = unsafe { sys::cuStreamSynchronize(lane.stream) };
+        cu(r, "cuStreamSynchronize")
     }
 }
 
@@ -351,9 +350,8 @@ pub(crate) fn pageable(memory_type: &Result<u32, IpcError>, ptr: u64) -> bool {
 /// Pieces of a device-to-host copy at least this long are staged (shorter ones take one
 /// `cuMemcpyAsync`: starting lanes costs more than the driver's own staging saves).
 pub(crate) const TO_HOST_MIN: usize = 4 << 20;
-/// The bytes a staged device-to-host lane moves at a time (half a staging buffer: small enough
-/// that a 64 MiB copy keeps eight lanes busy, large enough that one event wait per chunk is
-/// noise).
+/// The bytes a staged device-to-host lane moves at a time (half a staging buffer: chunks enough
+/// to keep the lanes busy, few enough that the event waits cost little).
 const TO_HOST_CHUNK: usize = 4 << 20;
 
 /// Copies `pieces` (`remote`: device memory readable in context `ctx`; `local`: pageable host
@@ -441,11 +439,8 @@ impl ToHost<'_> {
             return Ok(());
         };
         self.started.fetch_add(1, Ordering::AcqRel);
-        let r = self.run(&mut lane);
-        if r.is_err() {
-            self.stop.store(true, Ordering::Relaxed);
-        }
-        r
+        self.run(&mut lane)
+            .inspect_err(|_| self.stop.store(true, Ordering::Relaxed))
     }
 
     /// Queues the DMA of each chunk into one buffer while the other's (the chunk before) is
@@ -473,8 +468,8 @@ impl ToHost<'_> {
             // bytes (a mapping the CUDA thread keeps open, and checked against, until this copy
             // returns); the buffer holds CHUNK >= `p.len` bytes and is not read or refilled
             // before the event recorded after this copy has completed (land()).
-            let r = unsafe {
-                check(
+            unsafe {
+                cu(
                     sys::cuMemcpyDtoHAsync_v2(
                         lane.bufs[b] as *mut c_void,
                         p.remote as u64,
@@ -482,10 +477,9 @@ impl ToHost<'_> {
                         lane.stream,
                     ),
                     "cuMemcpyDtoHAsync",
-                )
-                .and_then(|()| check(sys::cuEventRecord(lane.events[b], lane.stream), "cuEventRecord"))
-            };
-            r.map_err(|e| CopyError::Os(e.into()))?;
+                )?;
+                cu(sys::cuEventRecord(lane.events[b], lane.stream), "cuEventRecord")?;
+            }
             pending[b] = Some(p);
         }
         // The older of the two first.
@@ -504,7 +498,7 @@ impl Lane {
     fn land(&mut self, b: usize, q: Piece) -> Result<(), CopyError> {
         // SAFETY: waits for this lane's event recorded after the DMA into buffer `b`.
         let r = unsafe { sys::cuEventSynchronize(self.events[b]) };
-        check(r, "cuEventSynchronize").map_err(|e| CopyError::Os(e.into()))?;
+        cu(r, "cuEventSynchronize")?;
         // SAFETY: the buffer holds `q.len` bytes the completed DMA wrote; `q.local` is host
         // memory of this process, `q.len` bytes long, that the copy's owner keeps valid until
         // the copy returns and nothing else writes meanwhile; the two never overlap (one is
