@@ -16,7 +16,7 @@ use crate::sys::same_host::cma::SlotRef;
 use crate::sys::same_host::slots::{SlotTable, SLOTS};
 use crate::sys::same_host::{
     accept_passed_descriptors, close_elsewhere, closer, is_cuda_export, passes_rights, pipe, recv_with_fds,
-    refuse_passed_descriptors, send, send_with_fds, Control, Tracked,
+    send, send_with_fds, Control, Tracked,
 };
 
 /// Bytes read from one connection in one engine turn: a few hundred small frames, or a 16 MiB
@@ -35,9 +35,7 @@ const STAND_INS: u64 = 1 << 30;
 /// what the peer says.
 pub(super) struct Conn {
     fd: Tracked,
-    /// The peer's pid from here (0: another PID namespace; nothing can be pulled from it).
     peer_pid: libc::pid_t,
-    /// The peer's process id as the connection's proofs name it (`sys::self_id`).
     peer_id: u64,
     pidfd: Option<Arc<OwnedFd>>,
     /// The protocol core: framing, handshake, deadlines, proofs.
@@ -50,7 +48,6 @@ pub(super) struct Conn {
     /// Server side: device ranges of this connection's reads queued for export (at most
     /// [`MAX_EXPORTING_PER_CONN`](super::limits::MAX_EXPORTING_PER_CONN)).
     exporting: usize,
-    /// This side may pull from the peer's memory.
     can_pull: bool,
     /// The peer lives in another PID namespace (a pod): legacy CUDA IPC handles do not open
     /// across, so device memory moves as VMM descriptors.
@@ -86,7 +83,7 @@ impl Conn {
         // Nothing about this process but the key's hash and a nonce: the server proves it holds
         // the key before anything else is sent.
         let buf = self.link.out();
-        let n = crate::sys::same_host::send_with_fds(self.fd.as_raw_fd(), buf, &[table.fd().as_raw_fd()])?;
+        let n = send_with_fds(self.fd.as_raw_fd(), buf, &[table.fd().as_raw_fd()])?;
         if n != buf.len() {
             // A fresh connection's buffer always takes a few dozen bytes; anything else is broken.
             return Err(io::Error::other("the hello did not fit the socket"));
@@ -276,9 +273,8 @@ impl Conn {
     /// slot is in use.
     pub(super) fn claim_slot(&mut self) -> Option<(u32, u64)> {
         let slot = self.free_slots.pop()?;
-        let gen = &mut self.gens[slot as usize];
-        *gen += 1;
-        let gen = *gen;
+        self.gens[slot as usize] += 1;
+        let gen = self.gens[slot as usize];
         if let Some(t) = &self.slots {
             t.arm(slot, gen);
         }
@@ -291,11 +287,6 @@ impl Conn {
         if !self.can_pull || self.link.takes_exports() {
             accept_passed_descriptors(self.fd.as_raw_fd());
         }
-    }
-
-    /// The peer passes no descriptor again (the kernel refuses them where it can).
-    pub(super) fn refuse_descriptors(&self) {
-        refuse_passed_descriptors(self.fd.as_raw_fd());
     }
 
     /// Takes the next `n` descriptors the peer passed (its core counted them for the frame just
@@ -326,9 +317,8 @@ impl Conn {
         let fds = self.take_checked(n, is_cuda_export, Violation::NotACudaExport)?;
         for s in sources.iter().filter(|s| s.fd > 0) {
             if !self.named.contains(&s.buffer_id) {
-                if self.named.len() == MAX_NAMED {
-                    self.named.pop_front();
-                }
+                // The oldest id goes to make room (see `MAX_NAMED`).
+                self.named.drain(..self.named.len().saturating_sub(MAX_NAMED - 1));
                 self.named.push_back(s.buffer_id);
             }
         }
@@ -343,14 +333,9 @@ impl Conn {
 
     /// Of `ids` the peer says it gave back, those it had passed here (each answered once).
     pub(super) fn unname_exports(&mut self, ids: &[u64]) -> Vec<u64> {
-        let mut out = Vec::new();
-        for id in ids {
-            if let Some(k) = self.named.iter().position(|n| n == id) {
-                self.named.remove(k);
-                out.push(*id);
-            }
-        }
-        out
+        let named = &mut self.named;
+        let mut unname = |id: &u64| named.iter().position(|n| n == id).and_then(|k| named.remove(k));
+        ids.iter().copied().filter(|id| unname(id).is_some()).collect()
     }
 
     /// Queues `fds` to go with the next frame the core queues (at stream offset `at`,

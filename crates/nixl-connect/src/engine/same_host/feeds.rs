@@ -17,7 +17,6 @@ pub(super) type Grant = (Arc<str>, Arc<OpState>);
 
 /// One feed: its pipes are being fed, or wait for the operation's end to be emptied.
 pub(super) struct Feed {
-    /// The connection its read ends went over.
     conn: ConnId,
     /// Its pipes.
     lanes: usize,
@@ -118,16 +117,9 @@ impl Feeds {
 
     /// Ends every feed for which `which` holds.
     pub(super) fn end_where(&mut self, which: impl Fn(&FeedFor, &Feed) -> bool) {
-        for (id, f) in &self.by {
-            if which(id, f) {
-                f.end();
-            }
+        for (_, f) in self.by.iter().filter(|(id, f)| which(id, f)) {
+            f.end();
         }
-    }
-
-    /// Ends every feed (the transport stops).
-    pub(super) fn end_all(&mut self) {
-        self.end_where(|_, _| true);
     }
 
     /// `id`'s job reported: its pipes are empty and closed. The feed, forgotten.

@@ -1,6 +1,7 @@
 //! The records: an active operation ([`Act`]) and its phase, a request's name ([`RequestId`]), a
 //! finished copy's owner, a finished export.
 
+use std::mem::take;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -150,10 +151,7 @@ impl Act {
 
     /// A device write's exported sources and their descriptors, taken to send.
     pub(super) fn take_sources(&mut self) -> (Vec<IpcSource>, Vec<OwnedFd>) {
-        (
-            std::mem::take(&mut self.sources),
-            std::mem::take(&mut self.source_fds),
-        )
+        (take(&mut self.sources), take(&mut self.source_fds))
     }
 
     /// Stops its copy (a copy from pipes waiting for its peer wakes at once).
@@ -227,7 +225,7 @@ impl<T> Inbox<T> {
         if !self.any.swap(false, Ordering::SeqCst) {
             return Vec::new();
         }
-        std::mem::take(&mut *self.items.lock().recover())
+        take(&mut *self.items.lock().recover())
     }
 
     /// True when something waits to be taken (read after the engine's `prepare_sleep` fence, so

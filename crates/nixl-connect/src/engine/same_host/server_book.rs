@@ -99,11 +99,7 @@ impl Scope {
 
     /// Its writer `id`, if that is its writer, copies no more.
     pub(super) fn end_writer(&mut self, id: RequestId) -> bool {
-        let ended = self.is_writer(id);
-        if ended {
-            self.writer = None;
-        }
-        ended
+        self.writer.take_if(|w| w.id == id).is_some()
     }
 
     /// Its writer's copy waits on pipes: `wake` wakes it once it is told to stop.
@@ -197,11 +193,6 @@ impl Scope {
         mem::inside(&self.ranges, addr, len)
     }
 
-    /// True when `id` is the writer copying into it now.
-    pub(super) fn is_writer(&self, id: RequestId) -> bool {
-        self.writer.as_ref().is_some_and(|w| w.id == id)
-    }
-
     /// Tells its writer, if any, to stop copying.
     pub(super) fn cancel_writer(&self) {
         if let Some(w) = &self.writer {
@@ -275,13 +266,6 @@ impl ServerBook {
     /// Every scope served.
     pub(super) fn scopes(&self) -> impl Iterator<Item = &Scope> {
         self.scopes.values()
-    }
-
-    /// Tells the writer copying into the writable keyed `key`, if any, to stop.
-    pub(super) fn release_writer(&self, key: &str) {
-        if let Some(s) = self.scopes.get(key) {
-            s.cancel_writer();
-        }
     }
 
     /// Device ranges queued for export now, over every connection.

@@ -295,13 +295,6 @@ impl Sockets {
         }
     }
 
-    /// Connection `i`'s peer passes no descriptor again (see [`Conn::refuse_descriptors`]).
-    pub(super) fn refuse_descriptors(&mut self, i: ConnId) {
-        if let Some(c) = self.conns.get(&i) {
-            c.refuse_descriptors();
-        }
-    }
-
     /// Sends what connection `i`'s core has queued ([`Conn::flush`]); watches for writability
     /// while the socket is full.
     pub(super) fn flush(&mut self, i: ConnId) {

@@ -197,7 +197,11 @@ impl SameHostTransport {
         match h {
             // `Hello`: the slot table was checked on receipt, the pull found at accept.
             Heard::Hello | Heard::Trusted { pipes: true } => {}
-            Heard::Trusted { pipes: false } => self.sockets.refuse_descriptors(i),
+            Heard::Trusted { pipes: false } => {
+                if let Some(c) = self.sockets.get(i) {
+                    refuse_passed_descriptors(c.fd());
+                }
+            }
             Heard::Unused { fds } => {
                 if let Some(c) = self.sockets.get_mut(i) {
                     c.drop_passed(fds);
@@ -250,12 +254,9 @@ impl SameHostTransport {
                 gen,
                 ok,
                 reason,
-            } => {
-                // The passive side finished copying our write.
-                self.end_answered(req(slot, gen), out, |id, a| {
-                    Event::ended(id, ok.then_some(()).ok_or_else(|| transfer_failed(&a, reason)))
-                });
-            }
+            } => self.end_answered(req(slot, gen), out, |id, a| {
+                Event::ended(id, ok.then_some(()).ok_or_else(|| transfer_failed(&a, reason)))
+            }),
         }
     }
 
@@ -289,12 +290,8 @@ impl SameHostTransport {
     /// Client: ends every operation queued on connection `i`, freeing its slot, with `ev` of it
     /// (none for an abandoned one).
     fn end_queued(&mut self, i: ConnId, out: &mut Vec<Event>, mut ev: impl FnMut(OpId, Act) -> Event) {
-        let queued = self
-            .sockets
-            .get_mut(i)
-            .map(|c| c.take_queued())
-            .unwrap_or_default();
-        for id in queued {
+        let Some(c) = self.sockets.get_mut(i) else { return };
+        for id in c.take_queued() {
             let Some(a) = self.client.remove(id) else { continue };
             self.sockets.free_slot(i, a.slot(), a.gen());
             if !a.is_abandoned() {
@@ -395,7 +392,7 @@ impl SameHostTransport {
                     continue;
                 }
             };
-            let Some(identity) = self.identity.clone() else {
+            let (Some(identity), Some(me)) = (self.identity.clone(), self_id()) else {
                 close_refused(fd);
                 continue;
             };
@@ -410,10 +407,6 @@ impl SameHostTransport {
                      kernel without pidfs), or is gone; use NIXL"
                         .into(),
                 ),
-            };
-            let Some(me) = self_id() else {
-                close_refused(fd);
-                continue;
             };
             let mut link = Link::server(identity, peer_id, me, Instant::now());
             let peer = peer.filter(|_| refusal.is_none()).map(|p| p.1);
@@ -477,7 +470,6 @@ impl SameHostTransport {
         let r = self.reach(peer, &expect)?;
         // VMM descriptors (a server in another PID namespace, memory without a legacy handle) are
         // refused (`dial`) until the server's `Welcome` is proven ([`Self::on_ready`]).
-        let exports = r.other_pid_ns || cuda_in_use();
         let me = self_id().ok_or_else(no_self_id)?;
         let mut link = Link::client(
             key.clone(),
@@ -488,7 +480,7 @@ impl SameHostTransport {
             !r.can_pull,
             Instant::now(),
         );
-        if exports {
+        if r.other_pid_ns || cuda_in_use() {
             link.take_exports();
         }
         let conn = Conn::new(r.fd, link, r.pid, r.server_id, Some(r.server), peer.clone());
@@ -618,9 +610,8 @@ impl SameHostTransport {
             Ok::<_, Decline>(Tracked::new(fd))
         };
         let fd = open()?;
-        let abstract_err = match connect(fd.as_raw_fd(), &socket_name(peer)) {
-            Ok(()) => return Ok(fd),
-            Err(e) => e,
+        let Err(abstract_err) = connect(fd.as_raw_fd(), &socket_name(peer)) else {
+            return Ok(fd);
         };
         let Some(dir) = &self.socket_dir else {
             return Err(Decline::because(
@@ -787,11 +778,9 @@ impl SameHostTransport {
         let small =
             few && (1..=EAGER_MAX).contains(&total) && host(&a.spec().local) && host(&a.spec().remote);
         let eager = small && !a.spec().write;
-        let data = if small && a.spec().write {
-            eager::read_act(a)
-        } else {
-            Vec::new()
-        };
+        let data = (small && a.spec().write)
+            .then(|| eager::read_act(a))
+            .unwrap_or_default();
         let c = self.sockets.get_mut(a.conn()).expect("live");
         // Host memory of a peer this side cannot read (another PID namespace, ptrace rules)
         // moves through pipes: a read's fed by the server, a write's by this side.
@@ -847,12 +836,9 @@ impl SameHostTransport {
         };
         // A request the server could not accept, or whose answer could not come back in one frame
         // (too many ranges), takes NIXL rather than breaking the connection others use.
-        let reply = if a.device() && !a.spec().write {
-            grant_ipc_len(a.spec().remote.len())
-        } else {
-            0
-        };
-        if req.frame_len() > MAX_FRAME || reply > MAX_FRAME {
+        let reply_too_long =
+            a.device() && !a.spec().write && grant_ipc_len(a.spec().remote.len()) > MAX_FRAME;
+        if req.frame_len() > MAX_FRAME || reply_too_long {
             return Err("too many ranges for one same-host request".into());
         }
         a.enter(Phase::Requested);
@@ -951,12 +937,8 @@ impl SameHostTransport {
     pub(super) fn on_grant(&mut self, i: ConnId, slot: u32, gen: u64, sources: Option<Vec<IpcSource>>) {
         // VMM descriptors passed with the grant are taken first, whatever follows.
         let n = sources.as_deref().and_then(passed_fds).unwrap_or(0);
-        let srcs = sources.as_deref().unwrap_or_default();
-        let Some(fds) = self
-            .sockets
-            .get_mut(i)
-            .and_then(|c| c.take_exports_named(n, srcs))
-        else {
+        let Some(c) = self.sockets.get_mut(i) else { return };
+        let Some(fds) = c.take_exports_named(n, sources.as_deref().unwrap_or_default()) else {
             return;
         };
         let Some(id) = self.client.by_request(RequestId { conn: i, slot, gen }) else {
@@ -1035,15 +1017,12 @@ impl SameHostTransport {
         // A write's pipes are taken first, whatever is decided, so the next frame's are the next
         // ones; dropped anywhere below, they close on the pipes' closer, never here.
         let lanes = if write { usize::from(pipes) } else { 0 };
-        let Some(mut passed) = self.sockets.get_mut(i).and_then(|c| c.take_pipes(lanes)) else {
+        let Some(c) = self.sockets.get_mut(i) else { return };
+        let Some(mut passed) = c.take_pipes(lanes) else {
             return;
         };
         // A device write's VMM descriptors likewise (the link checked their count).
-        let Some(mut vmm_fds) = self
-            .sockets
-            .get_mut(i)
-            .and_then(|c| c.take_exports_named(descriptors - lanes, &req.sources))
-        else {
+        let Some(mut vmm_fds) = c.take_exports_named(descriptors - lanes, &req.sources) else {
             return;
         };
         // Died after the request was heard: nothing is granted, copied or completed for it.
@@ -1327,11 +1306,8 @@ impl SameHostTransport {
     /// them go. Only ids it passed here count, each once: a flood of `Forgot` frames makes no
     /// work on the CUDA thread beyond what the exports themselves did.
     pub(super) fn on_forgot(&mut self, i: ConnId, ids: Vec<u64>) {
-        let ids = self
-            .sockets
-            .get_mut(i)
-            .map(|c| c.unname_exports(&ids))
-            .unwrap_or_default();
+        let Some(c) = self.sockets.get_mut(i) else { return };
+        let ids = c.unname_exports(&ids);
         #[cfg(feature = "cuda")]
         if !ids.is_empty() {
             ipc::forget_imports(i, ids);
@@ -1423,7 +1399,7 @@ impl SameHostTransport {
         for (_, a) in self.client.acts() {
             a.stop();
         }
-        self.feeds.end_all();
+        self.feeds.end_where(|_, _| true);
         for s in self.server.scopes() {
             s.cancel_writer();
         }
@@ -1555,37 +1531,36 @@ impl SameHostTransport {
                     let ok = r.is_ok() && same;
                     // The copy into this side's memory has ended either way.
                     state.mark_released();
+                    let scope = self
+                        .server
+                        .scope_mut(&key)
+                        .and_then(|s| s.end_writer(id).then_some(s));
                     if let Err(CopyError::Unsupported(reason)) = &r {
                         // Nothing moved: the writer may take NIXL.
-                        if let Some(s) = self.server.scope_mut(&key) {
-                            s.end_writer(id);
-                        }
                         let why = format!("the passive side cannot copy from device memory: {reason}");
                         self.answer(id, Answer::Fallback(why));
                         continue;
                     }
-                    if let Some(s) = self.server.scope_mut(&key) {
-                        if s.end_writer(id) {
-                            // Completed or torn, the writable has ended: a request heard later
-                            // this turn, before the engine applies the event, finds it done.
-                            if !matches!(r, Err(CopyError::NotStarted)) {
-                                s.set_done(true);
-                            }
-                            match &r {
-                                Ok(()) if same => out.push(passive_completed(key.clone())),
-                                // The writer cancelled before the copy began: nothing was touched.
-                                Err(CopyError::NotStarted) => {}
-                                _ => out.push(Event::PassiveFailed {
-                                    key: key.clone(),
-                                    error: Error::RemoteGone {
-                                        agent: "(same-host writer)".into(),
-                                        reason: "the writer went away in the middle of writing; the \
-                                                 writable's memory is torn"
-                                            .into(),
-                                        source: None,
-                                    },
-                                }),
-                            }
+                    if let Some(s) = scope {
+                        // Completed or torn, the writable has ended: a request heard later this
+                        // turn, before the engine applies the event, finds it done.
+                        if !matches!(r, Err(CopyError::NotStarted)) {
+                            s.set_done(true);
+                        }
+                        match &r {
+                            Ok(()) if same => out.push(passive_completed(key.clone())),
+                            // The writer cancelled before the copy began: nothing was touched.
+                            Err(CopyError::NotStarted) => {}
+                            _ => out.push(Event::PassiveFailed {
+                                key: key.clone(),
+                                error: Error::RemoteGone {
+                                    agent: "(same-host writer)".into(),
+                                    reason: "the writer went away in the middle of writing; the writable's \
+                                             memory is torn"
+                                        .into(),
+                                    source: None,
+                                },
+                            }),
                         }
                     }
                     let reason = match &r {
@@ -1613,7 +1588,9 @@ impl Transport for SameHostTransport {
     }
 
     fn unexpose(&mut self, key: &str) {
-        self.server.release_writer(key);
+        if let Some(s) = self.server.scope(key) {
+            s.cancel_writer();
+        }
         let Some(s) = self.server.unexpose(key) else {
             return;
         };
