@@ -103,39 +103,27 @@ pub(crate) struct Mailbox<M> {
 
 impl<M> Clone for Mailbox<M> {
     fn clone(&self) -> Self {
-        Self {
-            tx: self.tx.clone(),
-            waker: self.waker.clone(),
-            to: self.to,
-            msg: PhantomData,
-        }
+        Self::new(self.tx.clone(), self.waker.clone(), self.to)
     }
 }
 
-impl<M: Send + 'static> Mailbox<M> {
+impl<M> Mailbox<M> {
     /// A mailbox to transport `to` of the engine behind `tx`.
     pub(crate) fn new(tx: Sender<Cmd>, waker: Waker, to: TransportId) -> Self {
-        Self {
-            tx,
-            waker,
-            to,
-            msg: PhantomData,
-        }
+        let msg = PhantomData;
+        Self { tx, waker, to, msg }
     }
 
     /// Posts `msg`; false when the engine is gone.
-    pub(crate) fn post(&self, msg: M) -> bool {
-        let sent = self
-            .tx
-            .send(Cmd::Mail {
-                to: self.to,
-                msg: Box::new(msg),
-            })
-            .is_ok();
-        if sent {
-            self.waker.wake();
-        }
-        sent
+    pub(crate) fn post(&self, msg: M) -> bool
+    where
+        M: Send + 'static,
+    {
+        let msg = Box::new(msg);
+        self.tx
+            .send(Cmd::Mail { to: self.to, msg })
+            .inspect(|()| self.waker.wake())
+            .is_ok()
     }
 }
 

@@ -14,12 +14,8 @@
 //!   ([`CallerPart::begin`]);
 //! - a watch ([`CallerPart::watch`]), every turn or every [`Pace::turn_gap`](crate::pace::Pace::turn_gap).
 //!
-//! The engine stands down only while callers' watches would see everything end
-//! ([`CallerPart::sees_every_end`], [`engine_bound`](EngineCore::engine_bound)). The rest is left to
-//! the engine thread ([`run_deferred`](EngineCore::run_deferred)): at once for a hand-over
-//! ([`hand_over_deferred`](EngineCore::hand_over_deferred)), soon otherwise
-//! ([`has_deferred`](EngineCore::has_deferred)); it does not sleep while any is left
-//! ([`has_pending`](EngineCore::has_pending)).
+//! The rest is left to the engine thread ([`run_deferred`](EngineCore::run_deferred)), which stands
+//! down only while callers' watches would see everything end ([`engine_bound`](EngineCore::engine_bound)).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -39,7 +35,7 @@ use crate::metrics::engine::EngineCell;
 use crate::metrics::families::Metrics;
 use crate::pace::PACE;
 use crate::reg::{Hold, Range, RegToken};
-use crate::state::{OpState, OperationStatus};
+use crate::state::{OpState, OperationStatus, TransferPath};
 use crate::stats::EngineStats;
 
 /// How long a dropped connector waits for its transports' work on memory (same-host copies end
@@ -227,15 +223,11 @@ impl EngineCore {
     /// Publishes the counters to the metrics when `now` is [`PUBLISH_GAP`] past the last time,
     /// or always when `force` (before the engine sleeps, and at its end).
     pub(crate) fn publish(&mut self, now: Instant, force: bool) {
-        let due = match &self.recording {
-            None => return,
-            Some(r) => {
-                force
-                    || r.published
-                        .is_none_or(|t| now.saturating_duration_since(t) >= PUBLISH_GAP)
-            }
-        };
-        if due {
+        let Some(r) = &self.recording else { return };
+        let due = r
+            .published
+            .is_none_or(|t| now.saturating_duration_since(t) >= PUBLISH_GAP);
+        if force || due {
             let s = self.stats();
             if let Some(r) = &mut self.recording {
                 r.cell.publish(&s);
@@ -520,10 +512,9 @@ impl EngineCore {
     pub(crate) fn shutdown(mut self, within: Duration) {
         // The counters as they end (the transports are gone below); the gauges leave with the
         // engine.
-        let last = self.stats();
         let cell = self.recording.take().map(|r| r.cell);
         if let Some(c) = &cell {
-            c.publish(&last);
+            c.publish(&self.stats());
         }
         for (_, st) in self.passives.drain() {
             st.finish(OperationStatus::Errored, Some(Error::EngineStopped));
@@ -539,10 +530,9 @@ impl EngineCore {
             ..
         } = self;
         // Every transport is asked to stop (none skipped: each must stop touching memory).
-        let mut stopped = true;
-        for t in &mut transports {
-            stopped &= t.stop(Some(within));
-        }
+        let stopped = transports
+            .iter_mut()
+            .fold(true, |all, t| t.stop(Some(within)) & all);
         if stopped {
             drop(copying);
         } else {
@@ -560,9 +550,7 @@ impl EngineCore {
         }
         // In reverse order: the publisher of metadata (NIXL: destroying its agents ends every
         // transfer, then frees the memory it held back) goes last.
-        while let Some(t) = transports.pop() {
-            drop(t);
-        }
+        transports.into_iter().rev().for_each(drop);
         for a in actives {
             drop(a.keep);
             a.state.mark_released();
@@ -629,10 +617,7 @@ impl EngineCore {
             Cmd::Abandon { id, hard } => {
                 debug_assert!(!self.by_caller, "{ENGINE_ONLY}");
                 if let Some(a) = self.actives.get(&id) {
-                    let on = a.on;
-                    let mut out = std::mem::take(&mut self.events);
-                    self.transports[on.index()].abandon(id, hard, &mut out);
-                    self.events = out;
+                    self.transports[a.on.index()].abandon(id, hard, &mut self.events);
                 }
             }
             Cmd::Adopt { id, keep } => match self.actives.get_mut(&id) {
@@ -723,9 +708,8 @@ impl EngineCore {
 
     /// Hands memory given up after it was exposed (by the exposure of generation `gen`) to the
     /// first transport that must hold it until no peer can reach it; freed here if none must.
-    fn hold(&mut self, gen: u64, keep: Hold, bytes: usize) {
+    fn hold(&mut self, gen: u64, mut keep: Hold, bytes: usize) {
         debug_assert!(!self.by_caller, "{ENGINE_ONLY}");
-        let mut keep = keep;
         for t in &mut self.transports {
             match t.hold(gen, keep, bytes) {
                 Some(k) => keep = k,
@@ -774,8 +758,7 @@ impl EngineCore {
 
     /// Offers a declined operation to the next transport of the chain, or fails it.
     fn hand_over(&mut self, spec: ActiveSpec, reason: Decline) {
-        let id = spec.id;
-        let on = self.actives.get(&id).map_or(self.chain[0], |a| a.on);
+        let on = self.actives.get(&spec.id).map_or(self.chain[0], |a| a.on);
         let next = self
             .chain
             .iter()
@@ -795,20 +778,14 @@ impl EngineCore {
             Some(next) => self.offer(spec, next, Some(reason)),
             None => self
                 .events
-                .push(Event::ended(id, Err(reason.into_error(&spec.peer.name)))),
+                .push(Event::ended(spec.id, Err(reason.into_error(&spec.peer.name)))),
         }
     }
 
     /// Warns, the first time for `peer` (a NIXL agent's name), that its operations take the
     /// slower path `to` because `from` declined one, and why: what a user must see before asking
     /// why a transfer is slow. Each operation's own reason is its `path_reason()`.
-    fn warn_once(
-        &mut self,
-        peer: &Arc<str>,
-        from: crate::state::TransferPath,
-        to: crate::state::TransferPath,
-        why: &Decline,
-    ) {
+    fn warn_once(&mut self, peer: &Arc<str>, from: TransferPath, to: TransferPath, why: &Decline) {
         // A busy peer is a moment's: its decline uses up no warning a lasting reason would need.
         if why.expected
             || why.busy()
@@ -843,15 +820,13 @@ impl EngineCore {
             }
             let span = spec.state.span().cloned();
             let was = self.actives.get_mut(&id).map(|a| std::mem::replace(&mut a.on, i));
-            let mut out = std::mem::take(&mut self.events);
             let back = {
                 let _entered = span.as_ref().map(tracing::Span::enter);
                 match self.transports[i.index()].caller() {
-                    Some(c) => c.begin(spec, &mut out),
+                    Some(c) => c.begin(spec, &mut self.events),
                     None => Some(spec),
                 }
             };
-            self.events = out;
             match back {
                 Some(spec) => {
                     // Not taken: the operation stays where it was until the engine offers it.
@@ -886,12 +861,10 @@ impl EngineCore {
         if let Some(why) = &why {
             log_offer(spec.state.span(), id, why, self.transports[i.index()].path());
         }
-        let mut out = std::mem::take(&mut self.events);
         // The transport's own events about the operation go in its span.
         let span = spec.state.span().cloned();
         let _entered = span.as_ref().map(tracing::Span::enter);
-        self.transports[i.index()].begin(spec, &mut out);
-        self.events = out;
+        self.transports[i.index()].begin(spec, &mut self.events);
     }
 
     /// Applies the transports' events to the operations.
@@ -961,7 +934,7 @@ impl EngineCore {
 }
 
 /// Says that operation `id` went on to the path `to` after another declined it (`why`).
-fn log_offer(span: Option<&tracing::Span>, id: OpId, why: &Decline, to: crate::state::TransferPath) {
+fn log_offer(span: Option<&tracing::Span>, id: OpId, why: &Decline, to: TransferPath) {
     match span {
         Some(sp) => sp.in_scope(|| tracing::debug!(%why, %to, "declined; offered to the next path")),
         None => tracing::trace!(op = id, %why, %to, "offered to the next transport"),

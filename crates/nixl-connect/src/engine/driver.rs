@@ -1,24 +1,22 @@
 //! Who drives the engine: its own thread, or a caller waiting for a small operation.
 //!
-//! The engine's state ([`Driven`]: the core, the command channel, what is left to do) sits behind
-//! one lock, and whoever holds it drives; every decision is still the core's. The engine thread
-//! sleeps in `epoll` on the transports' descriptors, its wake-up `eventfd` and its alarm. After
-//! any event it keeps spinning for [`Pace::hot_for`](crate::pace::Pace::hot_for) so that
-//! back-to-back operations pay no wake-up (unless the host is oversubscribed: see
-//! [`crate::pace`], or callers drive: below); an idle connector costs no CPU.
+//! The engine's state ([`Driven`]) sits behind one lock, and whoever holds it drives; every decision
+//! is still the core's. The engine thread sleeps in `epoll` ([`Poller`]); after any event it spins
+//! for [`Pace::hot_for`](crate::pace::Pace::hot_for) so that back-to-back operations pay no wake-up
+//! (unless the host is oversubscribed, see [`crate::pace`], or callers drive); an idle connector
+//! costs no CPU.
 //!
-//! A caller drives in two places ([`Drive::drive`]), only while the engine sleeps and few
-//! operations are in flight ([`Pace::drive_max`](crate::pace::Pace::drive_max)): right after it
-//! sends a command (so a small operation starts with no wake-up), and on each turn of a small
-//! operation's wait spin (so its frames are read where the answer is awaited). While a wait
-//! spins, the engine stands down: it does not spin beside the caller, and its sleep no longer
-//! sees the sockets ([`Gate`]), so a frame the caller will read wakes nobody. On a 2-core host
-//! that takes each process from two spinning threads to one (docs/decisions/0005-who-drives.md).
+//! A caller drives ([`Drive::drive`]) only while the engine sleeps and few operations are in flight
+//! ([`Pace::drive_max`](crate::pace::Pace::drive_max)): right after it sends a command (so a small
+//! operation starts with no wake-up), and on each turn of a small operation's wait spin (so its
+//! frames are read where the answer is awaited). While a wait spins, the engine stands down: it
+//! does not spin beside the caller, and its sleep no longer sees the sockets ([`Gate`]), so a frame
+//! the caller will read wakes nobody. On a 2-core host that takes each process from two spinning
+//! threads to one (docs/decisions/0005-who-drives.md).
 //!
-//! What a caller's turn may touch, and what it leaves to the engine thread, is the core's
-//! ([`EngineCore::turn_as_caller`], [`EngineCore::for_a_caller`]); a transfer a caller posted is
-//! progressed by the wait that follows, or the engine is woken ([`Drive::attend`]). Callers never
-//! drive:
+//! What a caller's turn may touch is the core's ([`EngineCore::turn_as_caller`],
+//! [`EngineCore::for_a_caller`]); a transfer it posted is progressed by the wait that follows, or
+//! the engine is woken ([`Drive::attend`]). Callers never drive:
 //! - a connector that has seen device memory (CUDA's current context is a thread's);
 //! - one that starts on NIXL where its waits do not spin, or where NIXL has a non-UCX backend;
 //! - one that deregisters memory on completion (that must come before the status is final);
@@ -27,7 +25,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::cmd::Cmd;
@@ -50,13 +48,6 @@ pub(crate) fn on_a_callers_turn() -> bool {
 /// Marks this thread as taking a caller's turn until dropped (then as it was before: a turn
 /// that drives another connector's engine inside one keeps the outer mark).
 struct CallerTurn(bool);
-
-impl CallerTurn {
-    /// Starts a caller's turn on this thread.
-    fn start() -> Self {
-        CallerTurn(CALLER_TURN.replace(true))
-    }
-}
 
 impl Drop for CallerTurn {
     fn drop(&mut self) {
@@ -300,9 +291,8 @@ impl Drive {
         if !self.callers_may() || self.busy.load(Ordering::Acquire) > max || !self.waker.is_sleeping() {
             return false;
         }
-        let mut g = match self.state.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::WouldBlock | TryLockError::Poisoned(_)) => return false,
+        let Ok(mut g) = self.state.try_lock() else {
+            return false;
         };
         let Some(d) = g.as_mut() else { return false };
         // Again under the lock, which orders them: the engine may have handled device memory, or
@@ -313,7 +303,7 @@ impl Drive {
         {
             return false;
         }
-        let _turn = CallerTurn::start();
+        let _turn = CallerTurn(CALLER_TURN.replace(true));
         or_abort("a caller driving the engine", || self.driven_turn(d));
         true
     }
@@ -354,18 +344,16 @@ impl Drive {
             d.core.wake_all(now);
         }
         d.poll.poll(&mut d.ready);
-        let ready = std::mem::take(&mut d.ready);
         // A turn watches NIXL only where the engine stands down for the waits that drive it (not
         // on the Python module's turns, taken with the GIL held).
         let watch = self.callers_expose && self.gate.driven();
-        event |= d.core.turn_as_caller(now, &ready, watch);
+        event |= d.core.turn_as_caller(now, &d.ready, watch);
+        d.ready.clear();
         if d.core.take_callers_started() {
             // Posted here (on a send's turn, say): the wait that follows drives it, or wakes the
             // engine (`attend`).
             self.unattended.store(true, Ordering::Release);
         }
-        d.ready = ready;
-        d.ready.clear();
         self.busy.store(d.core.in_flight(), Ordering::Release);
         if event && d.core.records() {
             d.core.publish(now, false);

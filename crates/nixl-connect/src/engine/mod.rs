@@ -245,7 +245,6 @@ impl Engine {
                 .ok(),
             _ => None,
         };
-        let o = opts.clone();
         Self::launch(
             name,
             Tuning {
@@ -262,36 +261,29 @@ impl Engine {
                 // Every transport exposes passive operations, in the order they are made: NIXL
                 // publishes the metadata, the same-host path (which reads what NIXL published)
                 // comes after it. Active operations try them in the order of `chain`.
-                let seat = seats.take()?;
-                let nixl = seat.id;
-                let nixl_transport = NixlTransport::new(
+                let (n, l) = (seats.take()?, seats.take()?);
+                let nixl: Box<dyn Transport> = Box::new(NixlTransport::new(
                     name,
-                    o.backends.clone(),
-                    o.ucx_params.clone(),
-                    o.deregister_on_completion,
-                    o.quarantine_limit,
-                    seat.mailbox(),
-                )?;
-                let seat = seats.take()?;
-                let local = seat.id;
-                let local_transport = SameHostTransport::new(
-                    o.path != PathPolicy::Nixl,
+                    opts.backends,
+                    opts.ucx_params,
+                    opts.deregister_on_completion,
+                    opts.quarantine_limit,
+                    n.mailbox(),
+                )?);
+                let same_host = SameHostTransport::new(
+                    opts.path != PathPolicy::Nixl,
                     listener,
                     dir_listener,
-                    o.socket_dir.clone(),
-                    seat.registrar,
-                    seat.waker,
+                    opts.socket_dir,
+                    l.registrar,
+                    l.waker,
                 );
-                let chain = match o.path {
-                    PathPolicy::Auto => vec![local, nixl],
-                    PathPolicy::Nixl => vec![nixl],
-                    PathPolicy::SameHost => vec![local],
+                let chain = match opts.path {
+                    PathPolicy::Auto => vec![l.id, n.id],
+                    PathPolicy::Nixl => vec![n.id],
+                    PathPolicy::SameHost => vec![l.id],
                 };
-                let transports: Vec<(TransportId, Box<dyn Transport>)> = vec![
-                    (nixl, Box::new(nixl_transport)),
-                    (local, Box::new(local_transport)),
-                ];
-                Ok((transports, chain))
+                Ok((vec![(n.id, nixl), (l.id, Box::new(same_host))], chain))
             },
         )
     }
@@ -337,11 +329,9 @@ impl Engine {
         let (ready_tx, ready_rx) = mpsc::sync_channel::<Result<Arc<Drive>>>(1);
         let (agent_name, self_tx, w2) = (name.clone(), tx.clone(), waker.clone());
         let for_core = tuning.metrics.clone();
+        let n = NEXT_ENGINE.fetch_add(1, Ordering::Relaxed);
         let join = std::thread::Builder::new()
-            .name(format!(
-                "nixl-engine-{}",
-                NEXT_ENGINE.fetch_add(1, Ordering::Relaxed)
-            ))
+            .name(format!("nixl-engine-{n}"))
             .spawn(move || {
                 let mut seats = Seats {
                     taken: 0,
@@ -358,23 +348,20 @@ impl Engine {
                             "every seat taken must get exactly one transport".into(),
                         ));
                     }
-                    Ok((made.into_iter().map(|(_, t)| t).collect(), chain))
-                });
-                let (transports, chain) = match made {
-                    Ok(t) => t,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
+                    let transports = made.into_iter().map(|(_, t)| t).collect();
+                    let mut core = EngineCore::new(transports, chain, tuning.progress_delay, Instant::now());
+                    if let Some(m) = for_core {
+                        core.record_into(m);
                     }
-                };
-                let mut core = EngineCore::new(transports, chain, tuning.progress_delay, Instant::now());
-                if let Some(m) = for_core {
-                    core.record_into(m);
+                    let exposures = !tuning.wait_spin.is_zero();
+                    let drive = Drive::new(core, rx, &poller, tuning.callers_drive, exposures);
+                    Ok(Arc::new(drive))
+                });
+                let drive = made.as_ref().ok().cloned();
+                let _ = ready_tx.send(made);
+                if let Some(drive) = drive {
+                    driver::or_abort("the engine thread", || drive.run(poller));
                 }
-                let exposures = !tuning.wait_spin.is_zero();
-                let drive = Arc::new(Drive::new(core, rx, &poller, tuning.callers_drive, exposures));
-                let _ = ready_tx.send(Ok(drive.clone()));
-                driver::or_abort("the engine thread", || drive.run(poller));
             })
             .map_err(|e| Error::os("spawning the engine thread", e))?;
         let thread = join.thread().id();

@@ -116,21 +116,15 @@ impl Registrar {
 impl Poller {
     pub(crate) fn new() -> io::Result<Self> {
         sys::count_forks();
-        let (outer, alarm, ep, ev) = (
-            sys::epoll_create()?,
-            sys::timerfd()?,
-            sys::epoll_create()?,
-            sys::eventfd()?,
-        );
         let p = Self {
-            outer: Arc::new(outer),
-            alarm: Arc::new(alarm),
+            outer: Arc::new(sys::epoll_create()?),
+            alarm: Arc::new(sys::timerfd()?),
             epoll: Registrar {
-                epoll: Arc::new(ep),
+                epoll: Arc::new(sys::epoll_create()?),
                 owner: 0,
             },
             waker: Waker(Arc::new(WakerInner {
-                fd: ev,
+                fd: sys::eventfd()?,
                 sleeping: AtomicBool::new(false),
             })),
             events: vec![NO_EVENT; 64],
@@ -199,28 +193,24 @@ impl Poller {
     /// Waits up to `timeout` (`None`: until woken) and adds the ready descriptors to `out`, as
     /// their owner, its token and the epoll events.
     pub(crate) fn wait(&mut self, timeout: Option<Duration>, out: &mut Vec<Ready>) {
-        if timeout == Some(Duration::ZERO) {
-            // A hot engine's look: the descriptors themselves, whether or not a caller drives.
-            let n = poll_now(&self.epoll.epoll, &mut self.events);
+        // A zero `timeout` is a hot engine's look: at the descriptors alone, whether or not a
+        // caller drives.
+        if timeout != Some(Duration::ZERO) {
+            let n = sys::epoll_wait(&self.outer, &mut self.events, timeout);
             self.awake();
-            report(&self.events[..n], out);
-            return;
-        }
-        let n = sys::epoll_wait(&self.outer, &mut self.events, timeout);
-        self.awake();
-        for ev in &self.events[..n] {
-            if ev.u64 == INNER {
-                // The descriptors themselves are looked at below.
-            } else if ev.u64 == ALARM {
-                sys::read_counter(&self.alarm);
-            } else {
-                sys::read_counter(&self.waker.0.fd);
+            for ev in &self.events[..n] {
+                match ev.u64 {
+                    INNER => {} // its descriptors are looked at below
+                    ALARM => _ = sys::read_counter(&self.alarm),
+                    _ => _ = sys::read_counter(&self.waker.0.fd),
+                }
             }
         }
         // The descriptors are looked at after every sleep, whatever woke it: while callers drive,
         // the sleep does not see them, and a wake for a deadline or a command must not be blind
         // to a frame a caller has not read.
         let n = poll_now(&self.epoll.epoll, &mut self.events);
+        self.awake(); // a hot look's (a sleep's came above)
         report(&self.events[..n], out);
     }
 }
@@ -285,11 +275,7 @@ impl Gate {
     /// Arms (`on`) or disarms the inner instance's registration in the engine's sleep: disarmed,
     /// not removed, as that is cheaper on every driving wait's path (docs/FIGURES.md).
     fn arm(&self, on: bool) {
-        let what = if on {
-            "putting the sockets back in"
-        } else {
-            "taking the sockets out of"
-        };
+        let what = ["taking the sockets out of", "putting the sockets back in"][usize::from(on)];
         if let Err(e) = self.outer.modify(self.inner.as_raw_fd(), INNER, on, false) {
             tracing::error!("{what} the engine's sleep: {e}");
         }

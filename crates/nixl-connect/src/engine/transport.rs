@@ -21,7 +21,7 @@ use crate::stats::EngineStats;
 /// True for host memory of a small operation in all ([`Pace::small`](crate::pace::Pace::small)),
 /// whose waiter spins and may drive the engine.
 pub(crate) fn small_host(ranges: &[Range]) -> bool {
-    ranges.iter().all(|r| r.device == crate::device::Device::Host) && small(ranges)
+    ranges.iter().all(|r| r.device == Device::Host) && small(ranges)
 }
 
 /// True for a small operation's bytes in all ([`Pace::small`](crate::pace::Pace::small)),
@@ -160,12 +160,9 @@ impl Decline {
 
     /// As [`Decline::because`], for a source already shared.
     pub(crate) fn shared(reason: impl Into<String>, source: ErrorSource) -> Self {
-        Decline {
-            reason: reason.into(),
-            source: Some(source),
-            expected: false,
-            why: DeclineReason::Other,
-        }
+        let mut d = Decline::from(reason.into());
+        d.source = Some(source);
+        d
     }
 
     /// A decline where the next path is the only one the peer offers (see `expected`).
@@ -236,12 +233,8 @@ impl From<&str> for Decline {
 
 impl From<PathRefusal> for Decline {
     fn from(refusal: PathRefusal) -> Self {
-        Decline {
-            reason: "the same-host path does not move this memory".into(),
-            source: Some(Arc::new(refusal)),
-            expected: false,
-            why: DeclineReason::Memory,
-        }
+        Decline::because("the same-host path does not move this memory", refusal)
+            .for_reason(DeclineReason::Memory)
     }
 }
 

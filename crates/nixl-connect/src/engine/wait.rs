@@ -1,8 +1,7 @@
-//! Who waits how: an operation's wait ([`Engine::wait`]) decides whether its thread spins, drives
-//! the engine or parks. A small operation ([`Pace::small`](crate::pace::Pace::small)) with a wait
-//! spin takes a place among the waits that spin ([`Engine::spin_slot`], at most
-//! [`max_spinning`](super::max_spinning)) where spinning is worthwhile ([`pace::worthwhile`]); the
-//! slot is a guard that gives the place, and a driving wait's turns (`driver::Drive::leave`), back.
+//! Who waits how: an operation's wait ([`Engine::wait`]) spins, drives the engine or parks. A small
+//! operation ([`Pace::small`](crate::pace::Pace::small)) spins only from a place among the waits that
+//! spin ([`Engine::spin_slot`], at most [`max_spinning`](super::max_spinning)), and only where that
+//! is worthwhile ([`pace::worthwhile`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,23 +35,17 @@ impl Engine {
         peer: Option<&str>,
         bytes: usize,
     ) -> Result<()> {
-        // How it may spin: the engine (its waits spinning at once are bounded) and the wait spin,
-        // for a small operation only.
+        // Only a small operation's wait spins, and only with a wait spin.
         let spin = self.wait_spin();
-        let may_spin = (PACE.small(bytes) && !spin.is_zero()).then_some((self, spin));
+        let may_spin = PACE.small(bytes) && !spin.is_zero();
         let fut = async {
-            let mut spinning = match may_spin {
-                Some((engine, d)) if !state.status().is_terminal() && pace::worthwhile() => {
-                    engine.spin_slot().map(|slot| (slot, Instant::now() + d))
-                }
-                _ => None,
-            };
-            if let Some((engine, _)) = may_spin {
-                if !spinning.as_ref().is_some_and(|(slot, _)| slot.drives()) {
-                    // This wait will not drive: a NIXL transfer its caller posted must not wait for
-                    // the engine's alarm.
-                    engine.0.drive.attend();
-                }
+            let mut spinning = (may_spin && !state.status().is_terminal() && pace::worthwhile())
+                .then(|| self.spin_slot().map(|slot| (slot, Instant::now() + spin)))
+                .flatten();
+            if may_spin && !spinning.as_ref().is_some_and(|(slot, _)| slot.drives()) {
+                // This wait will not drive: a NIXL transfer its caller posted must not wait for the
+                // engine's alarm.
+                self.0.drive.attend();
             }
             // The first turn does not yield: the operation has just been begun or exposed.
             let mut last_yield = Instant::now();
@@ -61,11 +54,9 @@ impl Engine {
                 tokio::pin!(notified);
                 notified.as_mut().enable();
                 let status = state.status();
-                if status.is_terminal() {
-                    if let Some((slot, _)) = &mut spinning {
-                        // Nothing of the operation is left for the engine to take over.
-                        slot.finished();
-                    }
+                if let (true, Some((slot, _))) = (status.is_terminal(), &mut spinning) {
+                    // Nothing of the operation is left for the engine to take over.
+                    slot.finished();
                 }
                 match status {
                     OperationStatus::Complete => return Ok(()),
@@ -77,7 +68,7 @@ impl Engine {
                 match &spinning {
                     Some((_, until)) if now < *until => {
                         // The engine stands down while this wait spins: its turns are taken here.
-                        let drove = may_spin.is_some_and(|(engine, _)| engine.0.drive.drive());
+                        let drove = self.0.drive.drive();
                         // A wait that drives yields at most once per `Pace::turn_gap`, and ends its spin
                         // beside another thread spinning on this core; one that does not (the
                         // engine thread does the work) yields on every turn, so the engine runs.
@@ -113,10 +104,8 @@ impl Engine {
             None => fut.await,
             Some(t) => tokio::time::timeout(t, fut).await.map_err(|_| {
                 state.timed_out();
-                Error::TimedOut {
-                    after: t,
-                    peer: peer.map(str::to_owned),
-                }
+                let peer = peer.map(str::to_owned);
+                Error::TimedOut { after: t, peer }
             })?,
         }
     }
