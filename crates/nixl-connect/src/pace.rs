@@ -17,19 +17,10 @@ use std::time::{Duration, Instant};
 /// setting here is its wait spin ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)).
 #[derive(Debug)]
 pub(crate) struct Pace {
-    /// How long the engine thread and a kept copy thread stay awake (yielding) after their last
-    /// event, and how long after a NIXL peer's last completion exposures are watched every hot
-    /// turn. Row: "64 outstanding".
-    pub(crate) hot_for: Duration,
-    /// A driving wait yields, and a caller's turn watches NIXL's exposures, at most once per this.
-    /// Row: "4 KiB over TCP".
-    pub(crate) turn_gap: Duration,
-    /// How soon a polled transport that showed activity is polled again (the gap then doubles).
-    /// Row: "1 MiB and 64 MiB over TCP".
-    pub(crate) first_poll: Duration,
-    /// The most operations in flight for a caller to drive and the engine to stand down, and the
-    /// most commands one caller's turn handles. Row: "64 outstanding".
-    pub(crate) drive_max: usize,
+    hot_for: Duration,
+    turn_gap: Duration,
+    first_poll: Duration,
+    drive_max: usize,
     /// The most bytes of a small operation. Row: "64 MiB".
     small: usize,
     /// A yield longer than this overran; yields further apart are not in a row. Row: "Beside CPU hogs".
@@ -43,9 +34,7 @@ pub(crate) struct Pace {
     /// A driving wait's spin whose last this many yields each ran another thread's turn ends: two
     /// threads spin on one core. Row: as [`shared_turn`](Self::shared_turn).
     shared_turns: u32,
-    /// How often NIXL is progressed while memory is registered but no operation is live (a peer
-    /// may need this side to act). Row: "A connector's CPU while idle".
-    pub(crate) exposed_poll: Duration,
+    exposed_poll: Duration,
 }
 
 /// The crate's pace.
@@ -63,9 +52,40 @@ pub(crate) const PACE: Pace = Pace {
 };
 
 // A probe's balance (`lost_to_stop - hot_for`) must be a balance.
-const _: () = assert!(PACE.hot_for.as_nanos() < PACE.lost_to_stop.as_nanos());
+const _: () = assert!(PACE.hot_for().as_nanos() < PACE.lost_to_stop.as_nanos());
 
 impl Pace {
+    /// How long the engine thread and a kept copy thread stay awake (yielding) after their last
+    /// event, and how long after a NIXL peer's last completion exposures are watched every hot
+    /// turn. Row: "64 outstanding".
+    pub(crate) const fn hot_for(&self) -> Duration {
+        self.hot_for
+    }
+
+    /// A driving wait yields, and a caller's turn watches NIXL's exposures, at most once per this.
+    /// Row: "4 KiB over TCP".
+    pub(crate) const fn turn_gap(&self) -> Duration {
+        self.turn_gap
+    }
+
+    /// How soon a polled transport that showed activity is polled again (the gap then doubles).
+    /// Row: "1 MiB and 64 MiB over TCP".
+    pub(crate) const fn first_poll(&self) -> Duration {
+        self.first_poll
+    }
+
+    /// The most operations in flight for a caller to drive and the engine to stand down, and the
+    /// most commands one caller's turn handles. Row: "64 outstanding".
+    pub(crate) const fn drive_max(&self) -> usize {
+        self.drive_max
+    }
+
+    /// How often NIXL is progressed while memory is registered but no operation is live (a peer
+    /// may need this side to act). Row: "A connector's CPU while idle".
+    pub(crate) const fn exposed_poll(&self) -> Duration {
+        self.exposed_poll
+    }
+
     /// While callers drive, the engine sleeps at most this long (a caller's turn within it counts
     /// as driving), and what a caller's turn leaves the engine is due no sooner:
     /// [`hot_for`](Self::hot_for). Row: "4 KiB".
@@ -175,7 +195,7 @@ impl Seen {
             // The next spin probes: losing one engine spin's length turns spins off again (a
             // slice of a CPU-bound process, 4 ms at 250 Hz, does), while a burst of our own work
             // on the core (up to about 1.3 ms) does not.
-            self.lost = PACE.lost_to_stop - PACE.hot_for;
+            self.lost = PACE.lost_to_stop - PACE.hot_for();
         }
     }
 }
@@ -250,7 +270,7 @@ mod tests {
     const OFF_FOR: Duration = PACE.off_for;
     const SHARED_TURN: Duration = PACE.shared_turn();
     const SHARED_TURNS: u32 = PACE.shared_turns;
-    const TURN_GAP: Duration = PACE.turn_gap;
+    const TURN_GAP: Duration = PACE.turn_gap();
 
     /// Held by the tests that pin threads to this process's first core, one at a time.
     static ONE_CORE: std::sync::Mutex<()> = std::sync::Mutex::new(());

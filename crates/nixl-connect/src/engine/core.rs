@@ -107,10 +107,10 @@ pub(crate) struct EngineCore {
     watching: bool,
     /// Callers' watches that saw something (for tests that check they do).
     #[cfg(any(test, feature = "testing"))]
-    pub(super) watch_events: u64,
+    watch_events: u64,
     /// Operations callers' turns started on a transport they may not drive (for tests).
     #[cfg(any(test, feature = "testing"))]
-    pub(super) caller_starts: u64,
+    caller_starts: u64,
     /// What callers' turns left to the engine thread, in order.
     deferred: Vec<Deferred>,
     schedules: Vec<Schedule>,
@@ -147,6 +147,18 @@ struct Recording {
 }
 
 impl EngineCore {
+    /// Callers' watches that saw something.
+    #[cfg(any(test, feature = "testing"))]
+    pub(super) fn watch_events(&self) -> u64 {
+        self.watch_events
+    }
+
+    /// Operations callers' turns started on a transport a caller may not drive.
+    #[cfg(any(test, feature = "testing"))]
+    pub(super) fn caller_starts(&self) -> u64 {
+        self.caller_starts
+    }
+
     /// A core over `transports` (the publisher of metadata first) whose active operations try
     /// the positions in `chain` in turn, each transport due at `now`.
     pub(crate) fn new(
@@ -175,7 +187,7 @@ impl EngineCore {
             schedules: transports
                 .iter()
                 .map(|_| Schedule {
-                    gap: PACE.first_poll,
+                    gap: PACE.first_poll(),
                     next: now,
                 })
                 .collect(),
@@ -251,7 +263,7 @@ impl EngineCore {
                     // while `Busy`), so a driving waiter sees a NIXL peer's completion itself.
                     let watched = &mut self.watched[i];
                     let due =
-                        t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + PACE.turn_gap);
+                        t.polling() == Polling::Busy || watched.is_none_or(|w| now >= w + PACE.turn_gap());
                     if self.watching && !driven_pass && due {
                         *watched = Some(now);
                         let saw = t.caller().is_some_and(|c| c.watch(&mut self.events));
@@ -282,9 +294,9 @@ impl EngineCore {
                 let active = t.progress(&mine, &mut self.events);
                 event |= active;
                 s.gap = match polling {
-                    _ if active => PACE.first_poll,
-                    Polling::Watching if hot => PACE.turn_gap,
-                    _ if t.did_work() => PACE.first_poll,
+                    _ if active => PACE.first_poll(),
+                    Polling::Watching if hot => PACE.turn_gap(),
+                    _ if t.did_work() => PACE.first_poll(),
                     Polling::Every(t) => (s.gap * 2).min(t.max(self.max_park)),
                     _ => (s.gap * 2).min(self.max_park),
                 };
@@ -310,7 +322,7 @@ impl EngineCore {
     /// what it started is progressed at once).
     pub(crate) fn wake_all(&mut self, now: Instant) {
         for s in &mut self.schedules {
-            s.gap = PACE.first_poll;
+            s.gap = PACE.first_poll();
             s.next = now;
         }
     }

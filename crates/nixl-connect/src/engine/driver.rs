@@ -223,14 +223,14 @@ impl Drive {
     /// Callers' watches of transports they may not drive that saw something (a NIXL completion).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn watch_events(&self) -> u64 {
-        self.lock().as_ref().map_or(0, |d| d.core.watch_events)
+        self.lock().as_ref().map_or(0, |d| d.core.watch_events())
     }
 
     /// Operations callers' turns started on a transport a caller may not drive (NIXL transfers
     /// they posted).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) fn caller_starts(&self) -> u64 {
-        self.lock().as_ref().map_or(0, |d| d.core.caller_starts)
+        self.lock().as_ref().map_or(0, |d| d.core.caller_starts())
     }
 
     /// Commands callers have handled on their turns of this engine.
@@ -248,7 +248,7 @@ impl Drive {
     /// A wait that will drive begins: the engine's sleep stops seeing the sockets. False (and
     /// nothing changed) when callers may not drive this connector.
     pub(crate) fn enter(&self) -> bool {
-        if !self.callers_may() || self.busy.load(Ordering::Acquire) > PACE.drive_max {
+        if !self.callers_may() || self.busy.load(Ordering::Acquire) > PACE.drive_max() {
             return false;
         }
         self.gate.enter();
@@ -287,7 +287,7 @@ impl Drive {
     /// few operations are in flight, only host memory was seen and nobody else drives. True if it
     /// took the turn. Never blocks.
     pub(crate) fn drive(&self) -> bool {
-        let max = PACE.drive_max;
+        let max = PACE.drive_max();
         if !self.callers_may() || self.busy.load(Ordering::Acquire) > max || !self.waker.is_sleeping() {
             return false;
         }
@@ -320,7 +320,7 @@ impl Drive {
         let mut event = false;
         let mut handled = 0;
         while let Some(cmd) = d.pending.take().or_else(|| d.rx.try_recv().ok()) {
-            let back = if !self.takes(&cmd) || handled == PACE.drive_max {
+            let back = if !self.takes(&cmd) || handled == PACE.drive_max() {
                 Some(cmd)
             } else {
                 // An exposure NIXL must register or make metadata for comes back.
@@ -402,7 +402,7 @@ impl Drive {
             }
             // While the engine is hot: transfers in flight are progressed on every turn,
             // operations waiting for a completion every `Pace::turn_gap`; otherwise by the schedule.
-            let hot = now.saturating_duration_since(last_event) < PACE.hot_for && pace::worthwhile();
+            let hot = now.saturating_duration_since(last_event) < PACE.hot_for() && pace::worthwhile();
             event |= d.core.turn(now, hot, &ready);
             ready.clear();
             self.busy.store(d.core.in_flight(), Ordering::Release);
@@ -417,14 +417,14 @@ impl Drive {
             // A caller drives while it waits: the engine stands down instead of spinning beside
             // it, while callers actually drive (not a wait no longer polled) and where they may.
             let stand_down = self.gate.driven()
-                && d.core.in_flight() <= PACE.drive_max
+                && d.core.in_flight() <= PACE.drive_max()
                 && self.host_only.load(Ordering::Acquire)
                 && !d.core.engine_bound()
                 && self
                     .nanos(now)
                     .saturating_sub(self.last_driven.load(Ordering::Acquire))
                     < PACE.stand_down().as_nanos() as u64;
-            if !stand_down && last_event.elapsed() < PACE.hot_for && pace::worthwhile() {
+            if !stand_down && last_event.elapsed() < PACE.hot_for() && pace::worthwhile() {
                 // Recently active: stay hot (yielding the core) so the next event needs no
                 // wake-up; not while the host is oversubscribed (`pace::worthwhile`).
                 drop(g);
@@ -469,7 +469,7 @@ impl Drive {
             }
             if stand_down {
                 // Back from standing down, the engine does not spin: the callers drove.
-                last_event = now.checked_sub(PACE.hot_for).unwrap_or(now);
+                last_event = now.checked_sub(PACE.hot_for()).unwrap_or(now);
             }
             drop(g);
             poller.wait(timeout, &mut ready);

@@ -75,7 +75,7 @@ impl Engine {
                         let go_on = if !drove {
                             last_yield = now;
                             pace::yield_core()
-                        } else if now.saturating_duration_since(last_yield) >= PACE.turn_gap {
+                        } else if now.saturating_duration_since(last_yield) >= PACE.turn_gap() {
                             last_yield = now;
                             pace::yield_driving()
                         } else {

@@ -24,8 +24,8 @@ use crate::reg::{Hold, Range};
 use crate::state::{OpState, OperationStatus, TransferPath};
 use crate::stats::EngineStats;
 
-const MIN_PARK: Duration = PACE.first_poll;
-const WATCH_GAP: Duration = PACE.turn_gap;
+const MIN_PARK: Duration = PACE.first_poll();
+const WATCH_GAP: Duration = PACE.turn_gap();
 
 /// What a probe records and how it behaves, shared with the test that scripted it.
 #[derive(Default)]

@@ -540,7 +540,8 @@ impl NixlState {
             || self.initiator.as_ref().is_some_and(Initiator::busy)
         {
             Polling::Busy
-        } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for) {
+        } else if self.exposures_watched() && self.peer_notified.is_some_and(|t| t.elapsed() < PACE.hot_for())
+        {
             // Small passive operations wait, and NIXL peers completed one within the hot spell (they
             // are likely to go on): every turn, as a peer spinning on NIXL would (over TCP this
             // side's progress also serves a peer's read).
@@ -551,7 +552,7 @@ impl NixlState {
         } else if !self.exposer.regs.is_empty() || !self.exposer.quarantine.is_empty() {
             // Peers may need this side to act for memory they can still reach (to serve a read
             // over TCP, even of memory given up): keep progressing, slowly when idle.
-            Polling::Every(PACE.exposed_poll)
+            Polling::Every(PACE.exposed_poll())
         } else {
             Polling::Never
         }

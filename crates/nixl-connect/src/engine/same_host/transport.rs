@@ -778,9 +778,11 @@ impl SameHostTransport {
         let small =
             few && (1..=EAGER_MAX).contains(&total) && host(&a.spec().local) && host(&a.spec().remote);
         let eager = small && !a.spec().write;
-        let data = (small && a.spec().write)
-            .then(|| eager::read_act(a))
-            .unwrap_or_default();
+        let data = if small && a.spec().write {
+            eager::read_act(a)
+        } else {
+            Vec::new()
+        };
         let c = self.sockets.get_mut(a.conn()).expect("live");
         // Host memory of a peer this side cannot read (another PID namespace, ptrace rules)
         // moves through pipes: a read's fed by the server, a write's by this side.

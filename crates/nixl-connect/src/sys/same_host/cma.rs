@@ -532,7 +532,7 @@ impl Pool {
             let pid = job.pid;
             run(job);
             if kept {
-                hot_until = Some(Instant::now() + PACE.hot_for);
+                hot_until = Some(Instant::now() + PACE.hot_for());
             }
             st = lock(&self.state);
             st.ended(pid);
