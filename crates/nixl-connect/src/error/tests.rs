@@ -1,4 +1,3 @@
-
 /// Every cause under `e`, and that no level's text repeats the level under it.
 fn assert_each_cause_once(e: &Error) -> Vec<String> {
     let mut texts = vec![e.to_string()];

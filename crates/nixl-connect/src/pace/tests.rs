@@ -1,4 +1,3 @@
-
 use super::*;
 
 const SLICE: Duration = Duration::from_millis(4); // a CPU-bound process's slice at 250 Hz

@@ -1,4 +1,3 @@
-
 use super::*;
 
 /// The same-host path's old name still compiles, names the same path, and prints as

@@ -1,4 +1,3 @@
-
 use super::*;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;

@@ -1,4 +1,3 @@
-
 use std::error::Error as _;
 
 use super::*;

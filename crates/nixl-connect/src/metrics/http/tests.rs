@@ -1,4 +1,3 @@
-
 use super::accepts_openmetrics;
 
 #[test]

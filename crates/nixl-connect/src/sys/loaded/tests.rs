@@ -1,4 +1,3 @@
-
 use super::LoadWatch;
 
 /// Whether this process maps a file whose name starts with `prefix`.

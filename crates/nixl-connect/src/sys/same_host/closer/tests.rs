@@ -1,4 +1,3 @@
-
 use super::*;
 use std::sync::mpsc::sync_channel;
 use std::time::Duration;

@@ -1,4 +1,3 @@
-
 use super::*;
 
 fn range(mem: &[u8]) -> Range {
