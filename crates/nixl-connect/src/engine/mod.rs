@@ -408,6 +408,32 @@ impl Engine {
         self.0.cancel_grace
     }
 
+    /// Waits for `state`, an operation of this engine's moving `bytes` in all, to end, or for
+    /// `timeout` (then [`Error::TimedOut`] naming `peer`).
+    ///
+    /// A small operation's wait first spins for up to its wait spin
+    /// ([`ConnectorBuilder::wait_spin`](crate::ConnectorBuilder::wait_spin)): each turn looks at
+    /// the status, drives the engine if it may (`driver`), yields its core (every turn, or at most
+    /// once per [`Pace::turn_gap`](crate::pace::Pace::turn_gap) where it drove; see
+    /// [`crate::pace`]) and yields to the runtime; then it parks. The engine's wake-up is
+    /// registered on every turn, so a `block_on` inside a tokio task still sees the end.
+    ///
+    /// # Errors
+    /// The operation's own error, [`Error::Cancelled`], or [`Error::TimedOut`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future gives back its place among the waits that spin (and the
+    /// engine's turns, if it drove) and leaves the operation as it was.
+    pub(crate) async fn wait(
+        &self,
+        state: &Arc<crate::state::OpState>,
+        timeout: Option<Duration>,
+        peer: Option<&str>,
+        bytes: usize,
+    ) -> Result<()> {
+        wait::wait(self, state, timeout, peer, bytes).await
+    }
+
     /// How long an operation's wait stays awake before it parks.
     pub(crate) fn wait_spin(&self) -> Duration {
         self.0.wait_spin
