@@ -96,8 +96,6 @@ pub(crate) fn pointer_device(ptr: usize) -> Result<Option<u32>, CUresult> {
         )
     };
     if r != CUresult::CUDA_SUCCESS || mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        // Unknown to CUDA (plain host memory), host/pinned memory, or CUDA not initialised
-        // (CUDA_ERROR_NOT_INITIALIZED: then nothing is device memory).
         return Ok(None);
     }
     let mut ordinal: i32 = -1;

@@ -611,8 +611,7 @@ impl NixlAgent {
                 .map_err(|e| nixl_err("get notifications", e))?;
             let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(str::to_owned)).collect();
             for a in agents {
-                let n = map.get_notifications_size(&a).unwrap_or(0);
-                for i in 0..n {
+                for i in 0..map.get_notifications_size(&a).unwrap_or(0) {
                     if let Ok(b) = map.get_notification_bytes(&a, i) {
                         out.push((a.clone(), b));
                     }
