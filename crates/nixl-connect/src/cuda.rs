@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::sys::cuda::{self as floor, NoDevices};
+use crate::sys::cuda::{self as floor, Failed, NoDevices};
 
 pub use cudarc::driver::{CudaContext, CudaStream};
 
@@ -26,14 +26,11 @@ mod order;
 pub use buffer::DeviceBuffer;
 pub(crate) use order::{after, Producer};
 
+pub(crate) use floor::driver_loaded;
+
 /// True when the CUDA driver library (`libcuda.so.1`) can be loaded (looked for once).
 pub fn driver_available() -> bool {
     floor::driver_present()
-}
-
-/// True when this process has loaded the CUDA driver library already (somebody uses CUDA here).
-pub(crate) fn driver_loaded() -> bool {
-    floor::driver_loaded()
 }
 
 /// The number of CUDA devices.
@@ -48,6 +45,11 @@ pub fn device_count() -> Result<usize> {
         NoDevices::Init(e) => Error::cuda_unavailable("cuInit failed", Some(Arc::new(e))),
         NoDevices::Count(e) => Error::cuda_unavailable("cuDeviceGetCount failed", Some(Arc::new(e))),
     })
+}
+
+/// A failed driver call as this crate's error.
+fn failed((call, r): Failed) -> Error {
+    Error::cuda_unavailable(format!("{call} failed: {r:?}"), None)
 }
 
 /// Where the driver says `ptr` lives: `Some(ordinal)` for device memory, `None` for host memory.
@@ -67,19 +69,14 @@ pub(crate) fn locate(ptr: usize) -> Result<Option<u32>> {
 /// Checks that memory at `ptr` is where `claimed` says.
 pub(crate) fn verify(ptr: usize, claimed: Device) -> Result<()> {
     let actual = locate(ptr)?;
-    let ok = match (claimed, actual) {
-        (Device::Host, None) => true,
-        (Device::Cuda(n), Some(m)) => n == m,
+    match (claimed, actual) {
+        (Device::Host, None) => Ok(()),
+        (Device::Cuda(n), Some(m)) if n == m => Ok(()),
         // Without a driver nothing can be checked (and nothing could be transferred either).
-        (Device::Cuda(_), None) => !driver_available(),
-        _ => false,
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(Error::DeviceMismatch {
+        (Device::Cuda(_), None) if !driver_available() => Ok(()),
+        _ => Err(Error::DeviceMismatch {
             claimed,
             actual: actual.map_or(Device::Host, Device::Cuda),
-        })
+        }),
     }
 }

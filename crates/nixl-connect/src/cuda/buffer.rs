@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
+use super::failed;
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::sys::cuda::{Allocation, Failed};
+use crate::sys::cuda::Allocation;
 
 /// Device memory allocated by this crate as one VMM allocation (`cuMemCreate`) whose handle type
 /// is a POSIX descriptor: the same-host path moves it between processes that share no PID or
@@ -34,10 +35,6 @@ pub struct DeviceBuffer {
     ctx: Arc<CudaContext>,
     len: usize,
     device: Device,
-}
-
-fn failed((call, r): Failed) -> Error {
-    Error::cuda_unavailable(format!("{call} failed: {r:?}"), None)
 }
 
 fn bind(ctx: &CudaContext) -> Result<()> {

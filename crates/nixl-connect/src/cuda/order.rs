@@ -16,9 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::sys::CUresult;
-use tokio::sync::oneshot;
 
-use super::CudaStream;
+use super::{failed, CudaStream};
 use crate::error::{Error, Result};
 use crate::sys::cuda::{self as floor, Context, Failed, Stream};
 
@@ -61,7 +60,9 @@ impl Producer {
     fn context(&self) -> Result<Context> {
         match self {
             Producer::Stream(s) => Ok(s.context().cu_ctx()),
-            Producer::Raw { ordinal, .. } => primary(*ordinal),
+            Producer::Raw { ordinal, .. } => {
+                floor::primary(*ordinal).map_err(|r| failed(("retaining the device's primary context", r)))
+            }
         }
     }
 
@@ -73,32 +74,18 @@ impl Producer {
     }
 }
 
-fn driver(call: &'static str, r: CUresult) -> Error {
-    Error::cuda_unavailable(format!("{call} failed: {r:?}"), None)
-}
-
-/// Device `ordinal`'s primary context, retained once for the life of the process.
-fn primary(ordinal: u32) -> Result<Context> {
-    floor::primary(ordinal).map_err(|r| driver("retaining the device's primary context", r))
-}
-
 /// A failed call on the producer stream.
 fn on_producer((call, r): Failed) -> Error {
     Error::cuda_unavailable(format!("{call} on the producer stream failed: {r:?}"), None)
 }
 
-/// Where `p` stands: `None` when its queued work is done, else a receiver woken when it is.
-fn queue(p: &Producer) -> Result<Option<oneshot::Receiver<()>>> {
-    floor::when_reached(p.context()?, p.stream()).map_err(on_producer)
-}
-
-/// Whether `p` has failed (its context is broken): then its host function will never run.
-fn failed(p: &Producer) -> Option<Error> {
-    let ctx = p.context().ok()?;
+/// `Err` when `p` has failed (its context is broken): then its host function will never run.
+fn healthy(p: &Producer) -> Result<()> {
+    let Ok(ctx) = p.context() else { return Ok(()) };
     match floor::stream_state(ctx, p.stream()) {
-        Ok(CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_NOT_READY) => None,
-        Ok(r) => Some(driver("the producer stream", r)),
-        Err(e) => Some(on_producer(e)),
+        Ok(CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_NOT_READY) => Ok(()),
+        Ok(r) => Err(failed(("the producer stream", r))),
+        Err(e) => Err(on_producer(e)),
     }
 }
 
@@ -115,20 +102,13 @@ pub(crate) async fn after<'p>(producers: impl IntoIterator<Item = &'p Producer>)
             continue;
         }
         seen.push(p.key());
-        if let Some(rx) = queue(p)? {
+        if let Some(rx) = floor::when_reached(p.context()?, p.stream()).map_err(on_producer)? {
             waits.push((p, rx));
         }
     }
     for (p, mut rx) in waits {
-        loop {
-            match tokio::time::timeout(HEALTH_CHECK, &mut rx).await {
-                Ok(_) => break,
-                Err(_) => {
-                    if let Some(e) = failed(p) {
-                        return Err(e);
-                    }
-                }
-            }
+        while tokio::time::timeout(HEALTH_CHECK, &mut rx).await.is_err() {
+            healthy(p)?;
         }
     }
     Ok(())

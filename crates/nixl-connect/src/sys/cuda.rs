@@ -74,8 +74,7 @@ pub(crate) fn initialised() -> bool {
     let mut n: i32 = 0;
     // SAFETY: cuDeviceGetCount writes one int; before `cuInit` it only answers
     // CUDA_ERROR_NOT_INITIALIZED.
-    let r = unsafe { sys::cuDeviceGetCount(&mut n) };
-    r == CUresult::CUDA_SUCCESS
+    unsafe { sys::cuDeviceGetCount(&mut n) == CUresult::CUDA_SUCCESS }
 }
 
 /// Where the driver says `ptr` lives: `Ok(Some(ordinal))` for device memory, `Ok(None)` for host
@@ -97,8 +96,6 @@ pub(crate) fn pointer_device(ptr: usize) -> Result<Option<u32>, CUresult> {
         )
     };
     if r != CUresult::CUDA_SUCCESS || mem_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        // Unknown to CUDA (plain host memory), host/pinned memory, or CUDA not initialised
-        // (CUDA_ERROR_NOT_INITIALIZED: then nothing is device memory).
         return Ok(None);
     }
     let mut ordinal: i32 = -1;
@@ -124,18 +121,12 @@ pub(crate) fn primary(ordinal: u32) -> Result<Context, CUresult> {
         return Ok(c as Context);
     }
     let (mut dev, mut ctx): (sys::CUdevice, Context) = (0, std::ptr::null_mut());
+    let ok = |r: CUresult| (r == CUresult::CUDA_SUCCESS).then_some(()).ok_or(r);
     // SAFETY: driver calls writing into the locals; the context is retained and never released.
-    let r = unsafe {
-        match sys::cuInit(0) {
-            CUresult::CUDA_SUCCESS => match sys::cuDeviceGet(&mut dev, ordinal as i32) {
-                CUresult::CUDA_SUCCESS => sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-                e => e,
-            },
-            e => e,
-        }
-    };
-    if r != CUresult::CUDA_SUCCESS {
-        return Err(r);
+    unsafe {
+        ok(sys::cuInit(0))?;
+        ok(sys::cuDeviceGet(&mut dev, ordinal as i32))?;
+        ok(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
     }
     map.insert(ordinal, ctx as usize);
     Ok(ctx)

@@ -70,14 +70,11 @@ fn search(stop_at_first: bool) -> (Option<PathBuf>, Vec<PathBuf>) {
     let preferred = PREFERRED.lock().recover().clone();
     groups.push(Box::new(move || preferred.iter().map(|d| d.join(CAPI)).collect()));
     groups.push(Box::new(|| {
-        let mut out = Vec::new();
-        if let Ok(exe) = std::env::current_exe() {
-            for dir in exe.ancestors().skip(1).take(5) {
-                out.push(dir.join(".nixl/lib").join(CAPI));
-                out.push(dir.join("nixl/lib").join(CAPI));
-            }
-        }
-        out
+        // No executable's path: an empty one, which has no parent folders.
+        let exe = std::env::current_exe().unwrap_or_default();
+        let dirs = exe.ancestors().skip(1).take(5);
+        dirs.flat_map(|d| [".nixl/lib", "nixl/lib"].map(|l| d.join(l).join(CAPI)))
+            .collect()
     }));
     groups.push(Box::new(|| {
         std::env::var_os("VIRTUAL_ENV")
@@ -112,27 +109,18 @@ pub(crate) fn candidates() -> Vec<PathBuf> {
 }
 
 fn wheel_dirs(sites: &[PathBuf]) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for site in sites {
-        for pkg in ["nixl_cu13", "nixl_cu12"] {
-            out.push(site.join(format!(".{pkg}.mesonpy.libs")).join(CAPI));
-        }
-    }
-    out
+    let libs = |site: &PathBuf| ["nixl_cu13", "nixl_cu12"].map(|p| site.join(format!(".{p}.mesonpy.libs")));
+    sites.iter().flat_map(libs).map(|d| d.join(CAPI)).collect()
 }
 
 fn site_dirs_of_prefix(prefix: &Path) -> Vec<PathBuf> {
-    let mut dirs = Vec::new();
-    for lib in ["lib", "lib64"] {
-        if let Ok(rd) = std::fs::read_dir(prefix.join(lib)) {
-            for e in rd.flatten() {
-                if e.file_name().to_string_lossy().starts_with("python3") {
-                    dirs.push(e.path().join("site-packages"));
-                }
-            }
-        }
-    }
-    dirs
+    ["lib", "lib64"]
+        .iter()
+        .filter_map(|lib| std::fs::read_dir(prefix.join(lib)).ok())
+        .flat_map(|rd| rd.flatten())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+        .map(|e| e.path().join("site-packages"))
+        .collect()
 }
 
 /// Asks `python3` for its site-packages folders, giving up after [`PYTHON_LIMIT`].
@@ -300,18 +288,11 @@ pub(crate) fn version_beside(capi: &Path) -> Option<String> {
     }
     let name = dir.file_name()?.to_str()?;
     let pkg = name.strip_prefix('.')?.strip_suffix(".mesonpy.libs")?;
-    for e in std::fs::read_dir(parent).ok()?.flatten() {
+    std::fs::read_dir(parent).ok()?.flatten().find_map(|e| {
         let f = e.file_name();
-        let f = f.to_str().unwrap_or("");
-        if let Some(v) = f
-            .strip_prefix(pkg)
-            .and_then(|r| r.strip_prefix('-'))
-            .and_then(|r| r.strip_suffix(".dist-info"))
-        {
-            return Some(v.to_string());
-        }
-    }
-    None
+        let rest = f.to_str()?.strip_prefix(pkg)?.strip_prefix('-')?;
+        rest.strip_suffix(".dist-info").map(str::to_owned)
+    })
 }
 
 /// True when `version`'s major.minor is one of [`SUPPORTED_RELEASES`] (`1.4.1`, `1.5.0`).
@@ -501,15 +482,9 @@ impl NixlAgent {
     /// Registers one range.
     pub(crate) fn register(&self, _key: &AgentKey, r: Range) -> Result<AgentRegistration> {
         crate::sys::outside_fork(|| {
-            let desc = RawRegion {
-                addr: r.addr,
-                len: r.len,
-                mem: mem_type(r.device),
-                dev: device_id(r.device),
-            };
             let handle = self
                 .agent
-                .register_memory(&desc, None)
+                .register_memory(&RawRegion(r), None)
                 .map_err(|e| nixl_err("register memory", e))?;
             Ok(AgentRegistration {
                 handle: ManuallyDrop::new(handle),
@@ -636,8 +611,7 @@ impl NixlAgent {
                 .map_err(|e| nixl_err("get notifications", e))?;
             let agents: Vec<String> = map.agents().filter_map(|a| a.ok().map(str::to_owned)).collect();
             for a in agents {
-                let n = map.get_notifications_size(&a).unwrap_or(0);
-                for i in 0..n {
+                for i in 0..map.get_notifications_size(&a).unwrap_or(0) {
                     if let Ok(b) = map.get_notification_bytes(&a, i) {
                         out.push((a.clone(), b));
                     }
@@ -656,28 +630,23 @@ pub(crate) enum PostError {
 
 /// A raw range handed to nixl-sys for registration.
 #[derive(Debug)]
-struct RawRegion {
-    addr: usize,
-    len: usize,
-    mem: MemType,
-    dev: u64,
-}
+struct RawRegion(Range);
 
 impl nixl_sys::MemoryRegion for RawRegion {
     unsafe fn as_ptr(&self) -> *const u8 {
-        self.addr as *const u8
+        self.0.addr as *const u8
     }
     fn size(&self) -> usize {
-        self.len
+        self.0.len
     }
 }
 
 impl nixl_sys::NixlDescriptor for RawRegion {
     fn mem_type(&self) -> MemType {
-        self.mem
+        mem_type(self.0.device)
     }
     fn device_id(&self) -> u64 {
-        self.dev
+        device_id(self.0.device)
     }
 }
 

@@ -28,40 +28,35 @@ pub(crate) fn on_drop(hook: fn(u64)) {
 
 /// The live allocations: address -> size (what the same-host path may share with a peer in
 /// another PID namespace).
-static LIVE: Mutex<BTreeMap<u64, usize>> = Mutex::new(BTreeMap::new());
+static LIVE: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
 
 /// True when a live [`Allocation`] is the one mapped at `base`, `size` bytes.
 pub(crate) fn is_live(base: u64, size: u64) -> bool {
-    LIVE.lock()
-        .recover()
-        .get(&base)
-        .is_some_and(|&s| s as u64 == size)
+    LIVE.lock().recover().get(&base) == Some(&size)
 }
 
 impl Allocation {
     /// What such an allocation on device `ordinal` asks for, and where it lives.
-    fn props(ordinal: u32) -> (sys::CUmemAllocationProp, sys::CUmemLocation) {
-        let location = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal as i32,
-        };
+    fn props(ordinal: u32) -> sys::CUmemAllocationProp {
         // SAFETY: a plain-old-data struct of the driver's, all-zero then filled in below.
         let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
         prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
         prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-        prop.location = location;
-        (prop, location)
+        prop.location = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal as i32,
+        };
+        prop
     }
 
     /// The smallest allocation granularity of device `ordinal` (2 MiB on current GPUs).
     pub(crate) fn granularity(ordinal: u32) -> Result<usize, Failed> {
-        let (prop, _) = Self::props(ordinal);
         let mut gran = 0usize;
-        // SAFETY: writes the granularity for `prop` into the local.
+        // SAFETY: writes the granularity for the allocation's properties into the local.
         let r = unsafe {
             sys::cuMemGetAllocationGranularity(
                 &mut gran,
-                &prop,
+                &Self::props(ordinal),
                 sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
             )
         };
@@ -72,14 +67,14 @@ impl Allocation {
     /// Allocates `size` bytes (a multiple of [`granularity`](Self::granularity)) on device
     /// `ordinal`, zeroed, with that device's context current.
     pub(crate) fn new(ordinal: u32, size: usize) -> Result<Self, Failed> {
-        let (prop, location) = Self::props(ordinal);
+        let prop = Self::props(ordinal);
         let mut a = Allocation {
             ptr: 0,
             size,
             handle: 0,
         };
         let access = sys::CUmemAccessDesc {
-            location,
+            location: prop.location,
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: creates the allocation, reserves an address range of its size, maps it there,
@@ -106,7 +101,7 @@ impl Allocation {
                 sys::cuStreamSynchronize(std::ptr::null_mut()),
             )?;
         }
-        LIVE.lock().recover().insert(a.ptr, size);
+        LIVE.lock().recover().insert(a.ptr, size as u64);
         Ok(a)
     }
 
