@@ -223,13 +223,8 @@ impl<'a> Descriptor<'a> {
     /// be freed as soon as the descriptor and every operation holding it are gone.
     #[allow(unsafe_code)] // an unsafe constructor: memory is raw here
     pub unsafe fn from_raw_parts(ptr: *mut u8, len: usize, device: Device) -> Descriptor<'static> {
-        Descriptor::make(
-            Mem::Raw {
-                ptr: ptr as usize,
-                len,
-            },
-            device,
-        )
+        let ptr = ptr as usize;
+        Descriptor::make(Mem::Raw { ptr, len }, device)
     }
 
     /// A descriptor over raw memory that `owner` keeps valid: the descriptor (and any operation
@@ -437,15 +432,10 @@ impl<'a> Descriptor<'a> {
             Mem::BufferPart { buf, .. } => Some(&**buf),
             _ => None,
         };
-        let list = match hb {
-            Some(b) => {
-                b.keep_registration(tok);
-                return;
-            }
-            None => &mut self.regs,
-        };
-        if !list.iter().any(|t| t.same(&tok)) {
-            list.push(tok);
+        if let Some(b) = hb {
+            b.keep_registration(tok);
+        } else if !self.regs.iter().any(|t| t.same(&tok)) {
+            self.regs.push(tok);
         }
     }
 
@@ -650,24 +640,23 @@ pub(crate) fn check_local(descs: &[Descriptor<'_>], dest: bool) -> Result<()> {
             "the descriptor list mixes device kinds; one operation moves one kind of memory".into(),
         ));
     }
+    // Refuses the first descriptor that is `bad`, for `why`.
+    let refuse = |bad: fn(&Descriptor<'_>) -> bool, why: &str| match descs.iter().position(bad) {
+        Some(i) => Err(Error::InvalidArgument(format!("descriptor {i} {why}"))),
+        None => Ok(()),
+    };
     if dest {
-        if let Some(i) = descs.iter().position(|d| !d.is_writable()) {
-            return Err(Error::InvalidArgument(format!(
-                "descriptor {i} borrows read-only memory (&[u8] or &HostBuffer) but would be written \
-                 into; pass &mut or owned memory"
-            )));
-        }
+        refuse(
+            |d| !d.is_writable(),
+            "borrows read-only memory (&[u8] or &HostBuffer) but would be written into; pass &mut or \
+             owned memory",
+        )?;
     }
-    if let Some(i) = descs.iter().position(|d| d.ptr() == 0) {
-        return Err(Error::InvalidArgument(format!(
-            "descriptor {i} has a null pointer"
-        )));
-    }
-    if let Some(i) = descs.iter().position(|d| d.ptr().checked_add(d.size()).is_none()) {
-        return Err(Error::InvalidArgument(format!(
-            "descriptor {i} wraps past the end of the address space"
-        )));
-    }
+    refuse(|d| d.ptr() == 0, "has a null pointer")?;
+    refuse(
+        |d| d.ptr().checked_add(d.size()).is_none(),
+        "wraps past the end of the address space",
+    )?;
     // Raw pointers are only as good as the caller's word: the driver knows where CUDA memory is,
     // and device memory claimed as host memory (or the other way round) must never reach NIXL.
     #[cfg(feature = "cuda")]

@@ -36,10 +36,6 @@ impl OperationKind {
     pub fn as_u8(self) -> u8 {
         self as u8 + 1
     }
-
-    fn from_u8(v: u8) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.as_u8() == v)
-    }
 }
 
 /// One remote memory range, as Python's `SerializedDescriptor`.
@@ -156,12 +152,9 @@ impl RdmaMetadata {
     /// # Errors
     /// [`Error::Metadata`] when `operation_kind` is neither READ (1) nor WRITE (2).
     pub fn kind(&self) -> Result<OperationKind> {
-        OperationKind::from_u8(self.operation_kind).ok_or_else(|| {
-            Error::metadata(
-                "operation_kind",
-                MetadataProblem::UnknownKind(self.operation_kind),
-            )
-        })
+        let v = self.operation_kind;
+        let kind = OperationKind::ALL.into_iter().find(|k| k.as_u8() == v);
+        kind.ok_or_else(|| Error::metadata("operation_kind", MetadataProblem::UnknownKind(v)))
     }
 
     /// Checks what an active operation needs beyond the JSON shape.

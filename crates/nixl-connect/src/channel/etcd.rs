@@ -80,13 +80,9 @@ impl EtcdChannel {
     pub async fn connect(endpoints: &[impl AsRef<str>], timeout: Duration) -> Result<Self> {
         let endpoints: Vec<String> = endpoints
             .iter()
-            .map(|e| {
-                let e = e.as_ref();
-                if e.contains("://") {
-                    e.to_string()
-                } else {
-                    format!("http://{e}")
-                }
+            .map(|e| match e.as_ref() {
+                e if e.contains("://") => e.to_string(),
+                e => format!("http://{e}"),
             })
             .collect();
         if endpoints.is_empty() {
@@ -98,15 +94,8 @@ impl EtcdChannel {
         let what = format!("connect to {}", endpoints.join(","));
         let mut client = within(timeout, &what, Client::connect(&endpoints, Some(opts))).await?;
         // The client connects lazily: one read proves the cluster answers.
-        within(
-            timeout,
-            &what,
-            client.get(
-                DEFAULT_PREFIX,
-                Some(GetOptions::new().with_keys_only().with_limit(1)),
-            ),
-        )
-        .await?;
+        let probe = GetOptions::new().with_keys_only().with_limit(1);
+        within(timeout, &what, client.get(DEFAULT_PREFIX, Some(probe))).await?;
         Ok(Self {
             client,
             endpoints,
@@ -182,19 +171,11 @@ impl EtcdChannel {
             lease: AtomicI64::new(lease),
             outages: Mutex::new(Vec::new()),
         });
-        let task = tokio::spawn(keep(
-            c.clone(),
-            key.clone(),
-            md.to_json(),
-            stream,
-            keeping.clone(),
-        ));
-        let client = guard.0.take().map(|(c, _)| c);
         Ok(EtcdPublication {
+            task: tokio::spawn(keep(c, key.clone(), md.to_json(), stream, keeping.clone())),
             key,
             keeping,
-            task,
-            client,
+            client: guard.0.take().map(|(c, _)| c),
         })
     }
 
@@ -219,31 +200,29 @@ impl EtcdChannel {
         }
         // Not there yet: watch from the revision just read, so a put in between is not missed.
         let from = got.header().map_or(0, |h| h.revision()) + 1;
-        let not_published = || Error::NotPublished {
-            location: format!("etcd key {key} (waited {timeout:?})"),
-        };
-        let watch = c.watch(key, Some(WatchOptions::new().with_start_revision(from)));
-        let mut stream = match tokio::time::timeout_at(deadline, watch).await {
-            Err(_) => return Err(not_published()),
-            Ok(r) => r.map_err(|e| chan(&format!("watch {key}"), e))?,
-        };
-        loop {
-            let msg = match tokio::time::timeout_at(deadline, stream.message()).await {
-                Err(_) => return Err(not_published()),
-                Ok(r) => r.map_err(|e| chan(&format!("watch {key}"), e))?,
-            };
-            let Some(resp) = msg else {
-                return Err(Error::channel(format!("etcd ended the watch of {key}")));
-            };
-            if resp.canceled() {
-                return Err(Error::channel(format!("etcd cancelled the watch of {key}")));
-            }
-            for ev in resp.events() {
-                if let (EventType::Put, Some(kv)) = (ev.event_type(), ev.kv()) {
-                    return parse(key, kv.value());
+        let watched = async {
+            let failed = |e: etcd_client::Error| chan(&format!("watch {key}"), e);
+            let watch = c.watch(key, Some(WatchOptions::new().with_start_revision(from)));
+            let mut stream = watch.await.map_err(failed)?;
+            loop {
+                let Some(resp) = stream.message().await.map_err(failed)? else {
+                    return Err(Error::channel(format!("etcd ended the watch of {key}")));
+                };
+                if resp.canceled() {
+                    return Err(Error::channel(format!("etcd cancelled the watch of {key}")));
+                }
+                for ev in resp.events() {
+                    if let (EventType::Put, Some(kv)) = (ev.event_type(), ev.kv()) {
+                        return parse(key, kv.value());
+                    }
                 }
             }
-        }
+        };
+        tokio::time::timeout_at(deadline, watched)
+            .await
+            .map_err(|_| Error::NotPublished {
+                location: format!("etcd key {key} (waited {timeout:?})"),
+            })?
     }
 }
 
@@ -270,8 +249,7 @@ async fn keep(mut c: Client, key: String, doc: String, stream: Stream, keeping: 
     loop {
         tick.tick().await;
         let lease = keeping.lease.load(Ordering::Relaxed);
-        let (republished, result) = match renew(&mut c, lease, &mut stream).await {
-            Ok(true) => (false, Ok(())),
+        let result = match renew(&mut c, lease, &mut stream).await {
             Ok(false) => match republish(&mut c, &key, &doc).await {
                 Ok(Some((new, s))) => {
                     keeping.lease.store(new, Ordering::Relaxed);
@@ -283,18 +261,18 @@ async fn keep(mut c: Client, key: String, doc: String, stream: Stream, keeping: 
                             format!("etcd no longer knew lease {lease}"),
                         )
                     });
-                    (true, Ok(()))
+                    Ok(true)
                 }
                 Ok(None) => {
                     tracing::warn!(key, "the etcd key was taken by another publisher while this one's lease was lost: it is no longer published here");
                     return;
                 }
-                Err(e) => (false, Err(e)),
+                Err(e) => Err(e),
             },
-            Err(e) => (false, Err(e)),
+            r => r.map(|_| false),
         };
         match result {
-            Ok(()) => {
+            Ok(republished) => {
                 if let Some((t0, began, cause)) = down.take() {
                     let lasted = t0.elapsed();
                     tracing::warn!(
@@ -369,51 +347,50 @@ async fn republish(
     doc: &str,
 ) -> std::result::Result<Option<(i64, Stream)>, String> {
     let limit = LEASE_TTL / 3;
-    let e = |what: &str, r: std::result::Result<etcd_client::Error, tokio::time::error::Elapsed>| match r {
-        Ok(e) => format!("etcd {what}: {e}"),
-        Err(_) => format!("etcd did not answer a {what} within {limit:?}"),
-    };
-    let lease = match tokio::time::timeout(limit, c.lease_grant(LEASE_TTL.as_secs() as i64, None)).await {
-        Ok(Ok(g)) => g.id(),
-        Ok(Err(x)) => return Err(e("lease grant", Ok(x))),
-        Err(x) => return Err(e("lease grant", Err(x))),
-    };
+    let grant = tokio::time::timeout(limit, c.lease_grant(LEASE_TTL.as_secs() as i64, None)).await;
+    let lease = answered("lease grant", grant)?.id();
     let mut guard = Revoke(Some((c.clone(), lease)));
     let txn = Txn::new()
         .when([Compare::create_revision(key, CompareOp::Equal, 0)])
         .and_then([TxnOp::put(key, doc, Some(PutOptions::new().with_lease(lease)))])
         .or_else([TxnOp::get(key, None)]);
-    let held = match tokio::time::timeout(limit, c.txn(txn)).await {
-        Ok(Ok(r)) if r.succeeded() => lease,
-        Ok(Ok(r)) => {
-            let ours = r.op_responses().into_iter().find_map(|o| match o {
-                etcd_client::TxnOpResponse::Get(g) => g
-                    .kvs()
-                    .first()
-                    .filter(|kv| kv.value() == doc.as_bytes() && kv.lease() != 0)
-                    .map(|kv| kv.lease()),
-                _ => None,
-            });
-            match ours {
-                Some(l) => l, // the new lease is revoked by the guard
-                None => return Ok(None),
-            }
-        }
-        Ok(Err(x)) => return Err(e("put", Ok(x))),
-        Err(x) => {
-            guard.0 = None; // the put may have landed under it: left to expire, or adopted
-            return Err(e("put", Err(x)));
-        }
+    let put = tokio::time::timeout(limit, c.txn(txn)).await;
+    if put.is_err() {
+        guard.0 = None; // the put may have landed under it: left to expire, or adopted
+    }
+    let put = answered("put", put)?;
+    let ours = |o: etcd_client::TxnOpResponse| match o {
+        etcd_client::TxnOpResponse::Get(g) => g
+            .kvs()
+            .first()
+            .filter(|kv| kv.value() == doc.as_bytes() && kv.lease() != 0)
+            .map(|kv| kv.lease()),
+        _ => None,
     };
-    let s = match tokio::time::timeout(limit, c.lease_keep_alive(held)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(x)) => return Err(e("lease keep-alive", Ok(x))),
-        Err(x) => return Err(e("lease keep-alive", Err(x))),
+    let held = if put.succeeded() {
+        lease
+    } else if let Some(l) = put.op_responses().into_iter().find_map(ours) {
+        l // the new lease is revoked by the guard
+    } else {
+        return Ok(None);
     };
+    let alive = tokio::time::timeout(limit, c.lease_keep_alive(held)).await;
+    let s = answered("lease keep-alive", alive)?;
     if held == lease {
         guard.0 = None; // the publication's now
     }
     Ok(Some((held, s)))
+}
+
+/// The outcome of the etcd call `what`, bounded by a third of [`LEASE_TTL`], its failure in words.
+fn answered<T>(
+    what: &str,
+    r: std::result::Result<std::result::Result<T, etcd_client::Error>, tokio::time::error::Elapsed>,
+) -> std::result::Result<T, String> {
+    match r {
+        Ok(r) => r.map_err(|e| format!("etcd {what}: {e}")),
+        Err(_) => Err(format!("etcd did not answer a {what} within {:?}", LEASE_TTL / 3)),
+    }
 }
 
 fn parse(key: &str, value: &[u8]) -> Result<RdmaMetadata> {

@@ -154,9 +154,8 @@ impl HttpChannel {
             reply,
         };
         self.inner.items.lock().recover().insert(id.clone(), item);
-        let url = format!("http://{}:{}/nixl/{id}", self.inner.host, self.inner.addr.port());
         Publication {
-            url,
+            url: format!("http://{}:{}/nixl/{id}", self.inner.host, self.inner.addr.port()),
             id,
             channel: Arc::downgrade(&self.inner),
             replies,
@@ -207,12 +206,11 @@ impl Publication {
     /// # Cancel safety
     /// Cancel safe: a reply that arrives later is kept for the next call.
     pub async fn reply(&mut self, timeout: Duration) -> Result<serde_json::Value> {
-        let wait = self.replies.wait_for(Option::is_some);
         let got = super::within(timeout, async {
-            let got = wait
-                .await
-                .map_err(|_| Error::channel("the metadata listener stopped"))?;
-            Ok(got.clone().expect("waited for Some"))
+            match self.replies.wait_for(Option::is_some).await {
+                Ok(got) => Ok(got.clone().expect("waited for Some")),
+                Err(_) => Err(Error::channel("the metadata listener stopped")),
+            }
         })
         .await?;
         serde_json::from_slice(&got).map_err(|e| Error::channel_from("the reply is not JSON", e))

@@ -50,10 +50,8 @@ impl Outages {
                 self.down = Some((Instant::now(), SystemTime::now(), cause));
             }
             async_nats::Event::ClientError(e) => {
-                if let Some((_, _, cause)) = &mut self.down {
-                    if !cause.contains(": ") {
-                        *cause = format!("{cause}: {e}");
-                    }
+                if let Some((_, _, cause)) = self.down.as_mut().filter(|d| !d.2.contains(": ")) {
+                    *cause = format!("{cause}: {e}");
                 }
             }
             async_nats::Event::Connected => {
@@ -142,25 +140,19 @@ impl NatsChannel {
                 }
             }
         });
+        let proof = self.client.request(subject.clone(), bytes::Bytes::new());
         let publication = NatsPublication { subject, task };
         // The server handles one connection's operations in order: our own request answered
         // proves the subscription live for every connection to it (other servers of a cluster
         // learn of it a moment later).
         let timeout = self.client.timeout().unwrap_or(PROOF_TIMEOUT);
-        match tokio::time::timeout(
-            timeout,
-            self.client
-                .request(publication.subject.clone(), bytes::Bytes::new()),
-        )
-        .await
-        {
-            Ok(Ok(_)) => {}
+        match tokio::time::timeout(timeout, proof).await {
+            Ok(Ok(_)) => Ok(publication),
             Ok(Err(e)) if e.kind() != async_nats::RequestErrorKind::TimedOut => {
-                return Err(chan("request on the fresh subscription", e))
+                Err(chan("request on the fresh subscription", e))
             }
-            _ => return Err(Error::timed_out(timeout)),
+            _ => Err(Error::timed_out(timeout)),
         }
-        Ok(publication)
     }
 
     /// Fetches and validates the metadata published on `subject`.
@@ -174,19 +166,16 @@ impl NatsChannel {
     /// Cancel safe.
     pub async fn fetch(&self, subject: &str, timeout: Duration) -> Result<RdmaMetadata> {
         let req = self.client.request(subject.to_string(), bytes::Bytes::new());
-        let msg = match tokio::time::timeout(timeout, req).await {
-            Err(_) => return Err(Error::timed_out(timeout)),
-            Ok(Err(e)) => {
-                return Err(match e.kind() {
-                    async_nats::RequestErrorKind::NoResponders => Error::NotPublished {
-                        location: format!("NATS subject {subject}"),
-                    },
-                    async_nats::RequestErrorKind::TimedOut => Error::timed_out(timeout),
-                    _ => chan(&format!("request on {subject}"), e),
-                })
-            }
-            Ok(Ok(m)) => m,
-        };
+        let msg = tokio::time::timeout(timeout, req)
+            .await
+            .map_err(|_| Error::timed_out(timeout))?
+            .map_err(|e| match e.kind() {
+                async_nats::RequestErrorKind::NoResponders => Error::NotPublished {
+                    location: format!("NATS subject {subject}"),
+                },
+                async_nats::RequestErrorKind::TimedOut => Error::timed_out(timeout),
+                _ => chan(&format!("request on {subject}"), e),
+            })?;
         super::parse_document(format_args!("the reply on {subject}"), &msg.payload)
     }
 }

@@ -67,6 +67,7 @@ type Labels = Vec<(&'static str, &'static str)>;
 type Per<T, const N: usize> = [T; N];
 
 /// The families, with every bounded series taken once (the hot path looks nothing up).
+#[derive(Debug)]
 struct Families {
     /// `[op][side][path][status]`
     operations: Per<Per<Per<Per<Counter, 3>, 4>, 2>, 2>,
@@ -200,7 +201,7 @@ impl Metrics {
         let mechanisms = Mechanism::ALL.map(Mechanism::as_str);
         let kinds: [&str; ErrorKind::ALL.len()] = std::array::from_fn(|i| ErrorKind::ALL[i].as_str());
         let reasons = DeclineReason::ALL.map(DeclineReason::as_str);
-        let families = Families {
+        let families = Arc::new(Families {
             operations: grid!(operations; ("op", OPS), ("side", SIDES), ("path", PATHS), ("status", STATUSES)),
             bytes: grid!(bytes; ("op", OPS), ("side", SIDES), ("path", PATHS)),
             duration: grid!(duration; ("op", OPS), ("side", SIDES), ("path", PATHS)),
@@ -211,8 +212,7 @@ impl Metrics {
             refusals: grid!(refusals; ("op", OPS), ("reason", REFUSALS)),
             fallbacks: grid!(fallbacks; ("from", PATHS), ("to", PATHS)),
             declines: grid!(declines; ("path", PATHS), ("reason", reasons)),
-        };
-        let families = Arc::new(families);
+        });
         reg.register_collector(Box::new(InFlight(families.clone())));
         Metrics { families, engines }
     }
@@ -293,19 +293,12 @@ impl Collector for InFlight {
                 // Ended first: an operation ends after it begins, so this never goes below 0
                 // (and is clamped if the two loads disagree).
                 let ended: u64 = f.operations[o][s].iter().flatten().map(Counter::get).sum();
-                let begun = f.begun[o][s].get();
-                let labels = [("op", *op), ("side", *side)];
-                let v = i64::try_from(begun.saturating_sub(ended)).unwrap_or(i64::MAX);
-                m.encode_family(&labels)?.encode_gauge(&v)?;
+                let v = i64::try_from(f.begun[o][s].get().saturating_sub(ended)).unwrap_or(i64::MAX);
+                m.encode_family(&[("op", *op), ("side", *side)])?
+                    .encode_gauge(&v)?;
             }
         }
         Ok(())
-    }
-}
-
-impl std::fmt::Debug for Families {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Families").finish_non_exhaustive()
     }
 }
 
@@ -368,8 +361,7 @@ impl Observe for Tally {
 /// Only what the registry's own collectors return (none of this crate's fail).
 pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
     let mut s = String::new();
-    prometheus_client::encoding::text::encode(&mut s, registry)?;
-    Ok(s)
+    prometheus_client::encoding::text::encode(&mut s, registry).map(|()| s)
 }
 
 /// Encodes `registry` in the Prometheus text format 0.0.4 (for scrapers that do not ask for
@@ -379,8 +371,7 @@ pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
 /// As [`encode`].
 pub fn encode_prometheus(registry: &Registry) -> Result<String, std::fmt::Error> {
     let mut s = String::new();
-    prometheus_client::encoding::prometheus_text::encode(&mut s, registry)?;
-    Ok(s)
+    prometheus_client::encoding::prometheus_text::encode(&mut s, registry).map(|()| s)
 }
 
 /// The content type of [`encode`]'s text.

@@ -91,15 +91,6 @@ impl<'a> Active<'a> {
         check_pairing(remote, &descs, kind)?;
         super::producers_done(&descs).await?;
         let local: Vec<Range> = descs.iter().map(Descriptor::range).collect();
-        let remote_ranges: Vec<Range> = remote
-            .descriptors
-            .iter()
-            .map(|d| Range {
-                addr: d.ptr as usize,
-                len: d.size as usize,
-                device: d.device,
-            })
-            .collect();
         let peer = engine.decode(&remote.nixl_metadata)?;
         let state = OpState::new(OperationStatus::InProgress);
         let bytes: u64 = descs.iter().map(|d| d.size() as u64).sum();
@@ -125,7 +116,15 @@ impl<'a> Active<'a> {
             // A READ operation reads the readable; a WRITE operation writes the writable.
             write: kind == OperationKind::Write,
             local,
-            remote: remote_ranges,
+            remote: remote
+                .descriptors
+                .iter()
+                .map(|d| Range {
+                    addr: d.ptr as usize,
+                    len: d.size as usize,
+                    device: d.device,
+                })
+                .collect(),
             peer,
             key,
             state: state.clone(),

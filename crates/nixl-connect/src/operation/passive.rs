@@ -45,12 +45,11 @@ impl<'a> Passive<'a> {
         r
     }
 
-    async fn expose(engine: &Engine, descs: Vec<Descriptor<'a>>, kind: OperationKind) -> Result<Self> {
+    async fn expose(engine: &Engine, mut descs: Vec<Descriptor<'a>>, kind: OperationKind) -> Result<Self> {
         check_local(&descs, kind == OperationKind::Write)?;
         super::producers_done(&descs).await?;
         // Borrowed slices go through a HostBuffer of the library's: one copy in for a readable,
         // one copy back for a completed writable.
-        let mut descs = descs;
         let mut staged = Vec::new();
         for (i, d) in descs.iter_mut().enumerate() {
             if d.is_plain_borrow() {
