@@ -18,7 +18,7 @@ use super::transport::{ActiveSpec, Event, Exposure, OpId, PassiveSpec, PeerInfo,
 use crate::error::{Error, MetadataProblem, Result};
 use crate::metadata::OperationKind;
 use crate::reg::Range;
-use crate::state::TransferPath;
+use crate::state::{OperationStatus, TransferPath};
 use crate::stats::EngineStats;
 use crate::sync::lock;
 use crate::sys::same_host::cma::CopyError;
@@ -230,8 +230,14 @@ impl Transport for LoopbackTransport {
         }
         if !self.node.stalled.load(Ordering::SeqCst) {
             for spec in std::mem::take(&mut self.inflight) {
-                let result = self.run(&spec);
-                self.transfers += 1;
+                // Cancelled, its abandon still on the way here: nothing moves (as on the same-host
+                // path, which sees the cancel at once too).
+                let result = if spec.state.status() == OperationStatus::Cancelled {
+                    Err(Error::Cancelled)
+                } else {
+                    self.transfers += 1;
+                    self.run(&spec)
+                };
                 out.push(Event::ended(spec.id, result));
                 any = true;
             }
