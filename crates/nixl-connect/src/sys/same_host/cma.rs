@@ -111,6 +111,7 @@ impl Copy {
 /// Pulls `pieces` from `pid`, in calls of at most [`CHUNK`] bytes and [`IOV_MAX`] pieces.
 pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> Result<(), CopyError> {
     let (mut i, mut off) = (0, 0); // off: bytes of pieces[i] already copied
+    let (mut local_buf, mut remote_buf) = (Vec::new(), Vec::new());
     while i < pieces.len() {
         if cancel.load(Ordering::Relaxed) {
             return Err(CopyError::Revoked);
@@ -119,11 +120,11 @@ pub(crate) fn pull(pid: libc::pid_t, pieces: &[Piece], cancel: &AtomicBool) -> R
         if i == pieces.len() {
             break;
         }
-        let local = iovecs(pieces, i, off, CHUNK, |p| (p.local, p.len));
-        let remote = iovecs(pieces, i, off, CHUNK, |p| (p.remote, p.len));
+        let local = iovecs(&mut local_buf, pieces, i, off, CHUNK, |p| (p.local, p.len));
+        let remote = iovecs(&mut remote_buf, pieces, i, off, CHUNK, |p| (p.remote, p.len));
         // SAFETY: the local iovecs lie in memory this process owns and that the copy's owner keeps
         // valid (and not otherwise accessed) until the copy ends.
-        let n = unsafe { readv(pid, &local, &remote) };
+        let n = unsafe { readv(pid, local, remote) };
         if n <= 0 {
             let e = io::Error::last_os_error();
             return Err(match e.raw_os_error() {
@@ -167,16 +168,19 @@ pub(crate) fn advance<P>(
     }
 }
 
-/// The iovecs of at most `cap` bytes and [`IOV_MAX`] pieces of `pieces` (each at `at(piece)`:
-/// address, length) from `i` (`off` bytes into it) on.
-pub(crate) fn iovecs<P>(
+/// Fills `v` (cleared first: one buffer serves every call of a copy) with the iovecs of at most
+/// `cap` bytes and [`IOV_MAX`] pieces of `pieces` (each at `at(piece)`: address, length) from `i`
+/// (`off` bytes into it) on.
+pub(crate) fn iovecs<'v, P>(
+    v: &'v mut Vec<libc::iovec>,
     pieces: &[P],
     i: usize,
     off: usize,
     cap: usize,
     at: impl Fn(&P) -> (usize, usize),
-) -> Vec<libc::iovec> {
-    let (mut v, mut total) = (Vec::new(), 0);
+) -> &'v [libc::iovec] {
+    v.clear();
+    let mut total = 0;
     for (k, p) in pieces.iter().enumerate().skip(i) {
         let (addr, len) = at(p);
         let skip = if k == i { off } else { 0 };

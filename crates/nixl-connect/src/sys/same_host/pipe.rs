@@ -234,6 +234,7 @@ fn pump(
     call: impl Fn(RawFd, &[libc::iovec]) -> isize,
 ) -> Result<(), CopyError> {
     let (mut i, mut off, mut moved) = (0usize, 0usize, false);
+    let mut iov = Vec::new();
     cma::advance(pieces, |p| p.1, &mut i, &mut off, 0);
     while i < pieces.len() {
         if stop.load(Ordering::Acquire) {
@@ -243,7 +244,10 @@ fn pump(
                 CopyError::NotStarted
             });
         }
-        let n = call(fd.as_raw_fd(), &cma::iovecs(pieces, i, off, STEP, |&p| p));
+        let n = call(
+            fd.as_raw_fd(),
+            cma::iovecs(&mut iov, pieces, i, off, STEP, |&p| p),
+        );
         if n > 0 {
             moved = true;
             cma::advance(pieces, |p| p.1, &mut i, &mut off, n as usize);
