@@ -22,23 +22,30 @@ pub(super) const PEER_SILENCE_MAX: Duration = Duration::from_secs(60);
 pub(super) struct PeerLines {
     fd: OwnedFd,
     buf: Vec<u8>,
+    /// How much of `buf` holds no newline: each byte is looked at once, however many reads a
+    /// line takes (a 1,000-descriptor metadata line is 55 KB).
+    scanned: usize,
+    /// What one read takes (a whole metadata line, mostly).
+    chunk: Box<[u8]>,
 }
 
 impl PeerLines {
     pub(super) fn new(fd: OwnedFd) -> Self {
         Self {
             fd,
-            buf: Vec::with_capacity(4096),
+            buf: Vec::new(),
+            scanned: 0,
+            chunk: vec![0; 64 << 10].into_boxed_slice(),
         }
     }
 
     /// The next line (without its newline), waiting for it on this thread for at most `within`.
     pub(super) fn next_blocking(&mut self, within: Duration) -> Result<String> {
         let deadline = Instant::now() + within;
-        let mut chunk = [0u8; 4096];
         loop {
-            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
-                let rest = self.buf.split_off(i + 1);
+            if let Some(i) = self.buf[self.scanned..].iter().position(|&b| b == b'\n') {
+                let rest = self.buf.split_off(self.scanned + i + 1);
+                self.scanned = 0;
                 let mut line = std::mem::replace(&mut self.buf, rest);
                 line.pop();
                 if line.last() == Some(&b'\r') {
@@ -46,6 +53,7 @@ impl PeerLines {
                 }
                 return String::from_utf8(line).context("the benchmark peer wrote a line that is not UTF-8");
             }
+            self.scanned = self.buf.len();
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 bail!("the benchmark peer said nothing for {within:?}");
@@ -58,15 +66,16 @@ impl PeerLines {
                 Ok(_) => {}
                 Err(e) => return Err(e).context("waiting for the benchmark peer's output"),
             }
-            match nix::unistd::read(&self.fd, &mut chunk) {
+            match nix::unistd::read(&self.fd, &mut self.chunk) {
                 Ok(0) if !self.buf.is_empty() => {
                     // The last line, with no newline after it.
                     let line = std::mem::take(&mut self.buf);
+                    self.scanned = 0;
                     return String::from_utf8(line)
                         .context("the benchmark peer wrote a line that is not UTF-8");
                 }
                 Ok(0) => bail!("the benchmark peer exited early (see its error above)"),
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Ok(n) => self.buf.extend_from_slice(&self.chunk[..n]),
                 Err(Errno::EAGAIN | Errno::EINTR) => {}
                 Err(e) => return Err(e).context("reading the benchmark peer's output"),
             }
@@ -106,5 +115,21 @@ mod tests {
         assert_eq!(lines.next_blocking(Duration::from_secs(5)).unwrap(), "last");
         let e = lines.next_blocking(Duration::from_secs(5)).unwrap_err();
         assert!(e.to_string().contains("exited early"), "{e}");
+    }
+
+    #[test]
+    fn bench_peer_lines_take_a_line_over_many_reads_whole() {
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let mut lines = PeerLines::new(r);
+        // Longer than a read and than the pipe: the writer blocks until the reader drains it.
+        let long: String = (0..300_000).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+        let sent = long.clone();
+        let writer = std::thread::spawn(move || {
+            let mut w = std::fs::File::from(w);
+            w.write_all(format!("{sent}\nnext\n").as_bytes()).unwrap();
+        });
+        assert_eq!(lines.next_blocking(Duration::from_secs(5)).unwrap(), long);
+        assert_eq!(lines.next_blocking(Duration::from_secs(5)).unwrap(), "next");
+        writer.join().unwrap();
     }
 }
