@@ -182,6 +182,9 @@ pub(crate) fn paths_in(code: &str) -> Vec<Vec<String>> {
                 .chars()
                 .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
                 .collect();
+            if code[at + path.len()..].starts_with('{') {
+                continue; // a `use` tree's head: its paths came whole from the tree above
+            }
             out.push(
                 path.split("::")
                     .filter(|s| !s.is_empty())
@@ -358,6 +361,11 @@ fn layers_a_planted_circle_fails() {
 #[test]
 fn layers_paths_resolve_through_trees_and_reexports() {
     let paths = paths_in("use super::{a::B, c};\nlet x = crate::engine::transport::small(r);\n");
+    // A grouped import over lines names its paths, not the bare root its group hangs from.
+    let grouped = paths_in("use crate::{\n    error::{Error, Result},\n    metadata::RdmaMetadata,\n};\n");
+    assert!(grouped.contains(&vec!["crate".into(), "error".into(), "Result".into()]));
+    assert!(grouped.contains(&vec!["crate".into(), "metadata".into(), "RdmaMetadata".into()]));
+    assert!(grouped.iter().all(|p| p.len() > 1), "{grouped:?}");
     assert!(paths.contains(&vec!["super".into(), "a".into(), "B".into()]));
     assert!(paths.contains(&vec!["super".into(), "c".into()]));
     assert!(paths.contains(&vec![
