@@ -12,7 +12,7 @@ use crate::engine::transport::{ActiveSpec, OpId};
 use crate::error::{Error, ErrorSource};
 use crate::state::OpState;
 use crate::sync::Recover;
-use crate::sys::same_host::cma::{Copy, CopyError};
+use crate::sys::same_host::cma::{CopyError, Pull};
 #[cfg(feature = "cuda")]
 use crate::sys::same_host::ipc;
 use crate::sys::same_host::pipe;
@@ -249,20 +249,20 @@ pub(super) enum FeedFor {
 
 /// A copy for the host path or the device path.
 pub(super) enum AnyCopy {
-    Host(Copy),
+    Host(Pull),
     /// Host memory read from pipes the peer feeds (it cannot be pulled: another PID namespace).
     Filled(pipe::Fill),
     #[cfg(feature = "cuda")]
-    Device(ipc::Copy),
+    Device(ipc::DeviceCopy),
     /// Host memory of the peer into device memory here (pulled through pinned staging).
     #[cfg(feature = "cuda")]
-    Staged(Copy),
+    Staged(Pull),
 }
 
 impl AnyCopy {
     /// A copy pulled from the peer's host memory (cross-memory attach) into memory here on `dst`:
     /// straight in for host memory, through pinned staging buffers for device memory.
-    pub(super) fn pulled_into(c: Copy, dst: Option<Device>) -> AnyCopy {
+    pub(super) fn pulled_into(c: Pull, dst: Option<Device>) -> AnyCopy {
         match dst {
             #[cfg(feature = "cuda")]
             Some(Device::Cuda(_)) => AnyCopy::Staged(c),

@@ -12,7 +12,7 @@ use crate::device::Device;
 use crate::metadata::OperationKind;
 use crate::reg::Range;
 use crate::state::OpState;
-use crate::sys::same_host::cma::{Copy, Piece, SlotRef};
+use crate::sys::same_host::cma::{Piece, Pull, SlotRef};
 #[cfg(feature = "cuda")]
 use crate::sys::same_host::ipc;
 use crate::sys::same_host::mem;
@@ -309,7 +309,7 @@ impl Claim {
     /// The copy that pulls `pieces` of the writer's memory into the writable, and who learns of
     /// its end.
     pub(super) fn pull(self, pieces: Vec<Piece>) -> (AnyCopy, CopyOwner) {
-        let copy = Copy::new(self.pid, pieces, self.slot, self.cancel);
+        let copy = Pull::new(self.pid, pieces, self.slot, self.cancel);
         (AnyCopy::pulled_into(copy, Some(self.device)), self.owner)
     }
 
@@ -335,7 +335,7 @@ impl Claim {
         pieces: Vec<ipc::Piece>,
         fds: Vec<OwnedFd>,
     ) -> (AnyCopy, CopyOwner) {
-        let copy = ipc::Copy::new(conn, self.pid, pieces, fds, self.slot, self.cancel);
+        let copy = ipc::DeviceCopy::new(conn, self.pid, pieces, fds, self.slot, self.cancel);
         (AnyCopy::Device(copy), self.owner)
     }
 }

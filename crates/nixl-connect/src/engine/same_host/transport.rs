@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::reg::Range;
 use crate::state::{Mechanism, OpState, TransferPath};
 use crate::stats::EngineStats;
-use crate::sys::same_host::cma::{Copy, CopyError, Piece};
+use crate::sys::same_host::cma::{CopyError, Piece, Pull};
 use crate::sys::same_host::dir::{connect_in, DirListener};
 #[cfg(feature = "cuda")]
 use crate::sys::same_host::ipc;
@@ -986,7 +986,8 @@ impl SameHostTransport {
                 .zip(sources)
                 .map(|(l, src)| ipc::Piece::new(l.addr as u64, src))
                 .collect();
-            let copy = ipc::Copy::new(i, c.peer_pid(), pieces, fds.into_vec(), slot, a.cancel().clone());
+            let copy =
+                ipc::DeviceCopy::new(i, c.peer_pid(), pieces, fds.into_vec(), slot, a.cancel().clone());
             let copy = AnyCopy::Device(copy);
             self.in_flight.start(copy, CopyOwner::Read(id));
             return;
@@ -1004,7 +1005,7 @@ impl SameHostTransport {
             })
             .collect();
         let slot = c.slot_ref(slot, gen);
-        let copy = Copy::new(c.peer_pid(), pieces, slot, a.cancel().clone());
+        let copy = Pull::new(c.peer_pid(), pieces, slot, a.cancel().clone());
         let copy = AnyCopy::pulled_into(copy, a.spec().local.first().map(|r| r.device));
         self.in_flight.start(copy, CopyOwner::Read(id));
     }

@@ -78,14 +78,14 @@ pub(crate) struct SlotRef {
 }
 
 /// A copy to run: pieces pulled from `pid`, guarded by `slot`, stoppable through `cancel`.
-pub(crate) struct Copy {
+pub(crate) struct Pull {
     pid: libc::pid_t,
     pieces: Vec<Piece>,
     slot: SlotRef,
     cancel: Arc<AtomicBool>,
 }
 
-impl Copy {
+impl Pull {
     /// A pull of `pieces` from `pid`, guarded by `slot`, stoppable through `cancel`.
     pub(crate) fn new(pid: libc::pid_t, pieces: Vec<Piece>, slot: SlotRef, cancel: Arc<AtomicBool>) -> Self {
         Self {
@@ -689,7 +689,7 @@ pub(crate) fn coalesce(mut pieces: Vec<Piece>) -> Vec<Piece> {
 
 /// Starts `c` on the copy pool at once (see [`spawn_into`]).
 #[cfg(test)]
-pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
+pub(crate) fn spawn(c: Pull, done: Done) -> Result<(), CopyError> {
     let mut b = Batch::default();
     spawn_into(&mut b, c, done)?;
     b.submit();
@@ -699,7 +699,7 @@ pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
 /// Starts `c` into `batch` (it runs once the batch is submitted), split into pieces of at least
 /// [`MIN_PIECE`]; `done` runs on a copy thread once every piece has ended. Returns the revocation
 /// error at once (without calling `done`) when the grant was revoked before the copy began.
-pub(crate) fn spawn_into(batch: &mut Batch, c: Copy, done: Done) -> Result<(), CopyError> {
+pub(crate) fn spawn_into(batch: &mut Batch, c: Pull, done: Done) -> Result<(), CopyError> {
     if !c.slot.table.advance(c.slot.idx, c.slot.gen, ARMED, COPYING) {
         return Err(CopyError::NotStarted);
     }

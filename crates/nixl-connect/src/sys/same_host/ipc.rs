@@ -61,7 +61,7 @@ impl Piece {
 }
 
 /// A device copy to run on the CUDA thread.
-pub(crate) struct Copy {
+pub(crate) struct DeviceCopy {
     /// The connection the sources came over (mappings are cached per connection, whose ids are
     /// never reused, so a later process with the same pid never meets an earlier one's mapping).
     conn: u64,
@@ -75,7 +75,7 @@ pub(crate) struct Copy {
     cancel: Arc<AtomicBool>,
 }
 
-impl Copy {
+impl DeviceCopy {
     /// A copy of `pieces` from `pid`'s exports (their descriptors `fds`, passed on `conn`),
     /// guarded by `slot`, stoppable through `cancel`.
     pub(crate) fn new(
@@ -124,7 +124,7 @@ type Copied = Box<dyn FnOnce(Result<(), CopyError>) + Send>;
 
 enum Job {
     Export(ExportTo, Vec<(u64, u64)>, Exported),
-    Copy(Copy, Copied),
+    Copy(DeviceCopy, Copied),
     Forget(u64),
     ForgetAt(u64),
     Unmap(u64, Vec<u64>),
@@ -231,7 +231,7 @@ pub(crate) fn export(to: ExportTo, ranges: Vec<(u64, u64)>, done: Exported) {
 /// Starts `c` on the CUDA thread; `done` runs there once the bytes are in place (or not).
 /// Returns the revocation error at once (without calling `done`) when the grant was revoked
 /// before the copy began.
-pub(crate) fn spawn(c: Copy, done: Copied) -> Result<(), CopyError> {
+pub(crate) fn spawn(c: DeviceCopy, done: Copied) -> Result<(), CopyError> {
     if !c.slot.table.advance(c.slot.idx, c.slot.gen, ARMED, COPYING) {
         // A peer's descriptors are never closed on the engine thread.
         c.fds.into_iter().for_each(super::close_elsewhere);
@@ -801,7 +801,7 @@ impl Cuda {
         Ok(())
     }
 
-    fn copy(&mut self, c: &Copy) -> Result<(), CopyError> {
+    fn copy(&mut self, c: &DeviceCopy) -> Result<(), CopyError> {
         let own = c.pid == std::process::id() as libc::pid_t;
         let mut started = false;
         let mut used: Vec<Dev> = Vec::new();

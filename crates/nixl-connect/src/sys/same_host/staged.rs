@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cma::{self, Copy, CopyError, Piece, CHUNK};
+use super::cma::{self, CopyError, Piece, Pull, CHUNK};
 use super::ipc_error::{check, IpcError};
 use crate::sync::Recover;
 
@@ -78,7 +78,7 @@ fn give_back(b: usize) {
 /// pool; `done` runs on a copy thread once the bytes are on the device (or not). Returns the
 /// revocation error at once (without calling `done`) when the grant was revoked before the copy
 /// began.
-pub(crate) fn spawn(c: Copy, done: Done) -> Result<(), CopyError> {
+pub(crate) fn spawn(c: Pull, done: Done) -> Result<(), CopyError> {
     let (pid, pieces, slot, cancel) = c.into_parts();
     let chunks = Chunks::new(pieces, CHUNK);
     let lanes = lanes_for(chunks.total);

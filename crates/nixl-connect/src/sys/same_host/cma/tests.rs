@@ -78,7 +78,7 @@ fn cma_stalled_peers_cannot_starve_the_pool() {
         slot += 1;
         table.arm(slot, 1);
         let done_tx = done_tx.clone();
-        let c = Copy {
+        let c = Pull {
             pid,
             pieces: vec![Piece {
                 local,
@@ -252,8 +252,8 @@ fn cma_copy_of_many_scattered_ranges_moves_every_byte_and_no_gap() {
 
 /// A copy of `len` bytes from `remote` in this process to `local`, guarded by slot `idx` of
 /// `table` at generation `gen`.
-fn copy_of(table: &Arc<SlotTable>, idx: u32, gen: u64, local: usize, remote: usize, len: usize) -> Copy {
-    Copy {
+fn copy_of(table: &Arc<SlotTable>, idx: u32, gen: u64, local: usize, remote: usize, len: usize) -> Pull {
+    Pull {
         pid: std::process::id() as i32,
         pieces: vec![Piece { local, remote, len }],
         slot: SlotRef {
